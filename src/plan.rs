@@ -1,0 +1,1 @@
+//! Planner spec parsing (filled by the planner work).

@@ -1,0 +1,1 @@
+//! Data plane (filled by the transport work).
