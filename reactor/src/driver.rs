@@ -27,8 +27,9 @@ pub trait ActionSink<M: Machine> {
     /// Executes (or starts) one action of the machine of `transfer_id`.
     fn execute(&mut self, transfer_id: TransferId, action: M::Action);
 
-    /// Called after the phase of a request changed, once its actions were
-    /// drained. The default does nothing.
+    /// Called with the initial phase when a machine is inserted, then after
+    /// every phase change, once the actions of that input were drained. The
+    /// default does nothing.
     fn on_phase(&mut self, transfer_id: TransferId, phase: Phase, now: Instant) {
         let _ = (transfer_id, phase, now);
     }
@@ -253,6 +254,9 @@ impl<M: Machine> Driver<M> {
             pending: false,
         });
         self.index.insert(transfer_id, key);
+        // Report the initial phase too, so observers (the completion board)
+        // start from the machine's own phase rather than a guess.
+        sink.on_phase(transfer_id, phase, now);
         self.after_input(key, now, sink);
         Ok(())
     }

@@ -626,6 +626,17 @@ where
                 // A closed control channel means the reactor went away
                 // without a policy; abort promptly.
                 let policy = policy.unwrap_or(ShutdownPolicy::Abort { grace: Duration::ZERO });
+                // The latch closed before the policy was sent, so every
+                // `Create` a caller was told was accepted is already in the
+                // mailbox. Handle them now, while still running, so that the
+                // policy applies to them like to every other in-flight
+                // request. Bounded by the mailbox capacity.
+                for _ in 0..mailbox_capacity {
+                    match commands.try_recv() {
+                        Ok(command) => run.handle_command(now, command),
+                        Err(_) => break,
+                    }
+                }
                 stage = match policy {
                     ShutdownPolicy::Abort { grace } => {
                         report.aborted += run.driver.abort_all(now, AbortReason::Shutdown, run.sink);

@@ -209,7 +209,10 @@ fn terminal_machine_stays_until_its_fence_passes() {
     );
     assert_eq!(
         sink.phases,
-        vec![(TransferId(7), Phase::Failed(FailReason::Aborted(AbortReason::Engine)))]
+        vec![
+            (TransferId(7), Phase::WaitingForInput),
+            (TransferId(7), Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
+        ]
     );
 }
 

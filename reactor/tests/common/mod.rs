@@ -139,3 +139,10 @@ impl kvferry_reactor::ActionSink<TestMachine> for VecSink {
         self.phases.push((transfer_id, phase));
     }
 }
+
+impl TestMachine {
+    /// The phase, without going through the trait (for assertions).
+    pub fn phase_for_test(&self) -> Phase {
+        self.phase
+    }
+}
