@@ -72,7 +72,9 @@ impl CompletionBoard {
     pub fn new(executors: usize, max_per_executor: usize) -> Self {
         Self {
             inner: Mutex::new(Inner {
-                entries: HashMap::with_capacity(executors.saturating_mul(max_per_executor).min(1 << 16)),
+                entries: HashMap::with_capacity(
+                    executors.saturating_mul(max_per_executor).min(1 << 16),
+                ),
                 per_executor: vec![0; executors],
             }),
             max_per_executor,
@@ -84,7 +86,10 @@ impl CompletionBoard {
         let mut inner = lock(&self.inner);
         let executors = inner.per_executor.len();
         let Some(count) = inner.per_executor.get(executor).copied() else {
-            return Err(BoardError::NoSuchExecutor { executor, executors });
+            return Err(BoardError::NoSuchExecutor {
+                executor,
+                executors,
+            });
         };
         if inner.entries.contains_key(&transfer_id) {
             return Err(BoardError::Duplicate(transfer_id));
@@ -126,7 +131,10 @@ impl CompletionBoard {
 
     /// Executor that holds a transfer.
     pub fn executor_of(&self, transfer_id: TransferId) -> Option<usize> {
-        lock(&self.inner).entries.get(&transfer_id).map(|e| e.executor)
+        lock(&self.inner)
+            .entries
+            .get(&transfer_id)
+            .map(|e| e.executor)
     }
 
     /// Takes a transfer off the board (its completion was collected, or its

@@ -241,7 +241,11 @@ impl<M: Machine> Driver<M> {
                 max: self.config.max_machines,
             });
         }
-        let span = tracing::debug_span!("transfer", transfer_id = transfer_id.0, executor = self.executor);
+        let span = tracing::debug_span!(
+            "transfer",
+            transfer_id = transfer_id.0,
+            executor = self.executor
+        );
         let phase = machine.phase();
         span.in_scope(|| tracing::debug!(?phase, "created"));
         let key = self.slots.insert(Slot {
@@ -303,7 +307,12 @@ impl<M: Machine> Driver<M> {
     }
 
     /// Aborts every live machine (shutdown). Returns how many there were.
-    pub fn abort_all<S: ActionSink<M>>(&mut self, now: Instant, reason: AbortReason, sink: &mut S) -> usize {
+    pub fn abort_all<S: ActionSink<M>>(
+        &mut self,
+        now: Instant,
+        reason: AbortReason,
+        sink: &mut S,
+    ) -> usize {
         let keys: Vec<usize> = self.slots.iter().map(|(key, _)| key).collect();
         for &key in &keys {
             // A machine aborted earlier in this loop may already be gone
@@ -315,7 +324,13 @@ impl<M: Machine> Driver<M> {
         keys.len()
     }
 
-    fn abort_key<S: ActionSink<M>>(&mut self, key: usize, now: Instant, reason: AbortReason, sink: &mut S) {
+    fn abort_key<S: ActionSink<M>>(
+        &mut self,
+        key: usize,
+        now: Instant,
+        reason: AbortReason,
+        sink: &mut S,
+    ) {
         let slot = &mut self.slots[key];
         slot.span.in_scope(|| {
             tracing::debug!(?reason, "abort");

@@ -12,7 +12,10 @@ use kvferry_machines::{AbortReason, Machine, Phase, TransferId};
 
 use crate::board::{BoardError, CompletionBoard};
 use crate::config::{PollPolicy, ReactorConfig, ShutdownPolicy};
-use crate::driver::{round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome, RejectReason};
+use crate::driver::{
+    round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome,
+    RejectReason,
+};
 use crate::latch::ShutdownLatch;
 use crate::mailbox::{Command, EventPoster, ExecutorContext, Refused, SubmitError};
 use crate::stats::{Stats, StatsSnapshot};
@@ -110,7 +113,12 @@ where
     /// Hands a new machine to `executor`. On success the transfer is on the
     /// board (in `Bootstrapping`) and will produce exactly one
     /// [`Completion`].
-    pub fn create(&self, executor: usize, transfer_id: TransferId, machine: M) -> Result<(), Refused<M>> {
+    pub fn create(
+        &self,
+        executor: usize,
+        transfer_id: TransferId,
+        machine: M,
+    ) -> Result<(), Refused<M>> {
         let Some(_inside) = self.shared.latch.enter() else {
             return Err(Refused {
                 error: SubmitError::ShuttingDown,
@@ -124,13 +132,23 @@ where
                     executor,
                     max_machines: max,
                 },
-                BoardError::NoSuchExecutor { executor, executors } => {
-                    SubmitError::NoSuchExecutor { executor, executors }
-                }
+                BoardError::NoSuchExecutor {
+                    executor,
+                    executors,
+                } => SubmitError::NoSuchExecutor {
+                    executor,
+                    executors,
+                },
             };
-            return Err(Refused { error, value: machine });
+            return Err(Refused {
+                error,
+                value: machine,
+            });
         }
-        let command = Command::Create { transfer_id, machine };
+        let command = Command::Create {
+            transfer_id,
+            machine,
+        };
         match self.shared.mailboxes[executor].try_send(command) {
             Ok(()) => Ok(()),
             Err(error) => {
@@ -142,10 +160,15 @@ where
                         self.shared.stats.add_mailbox_full();
                         (SubmitError::MailboxFull { executor }, command)
                     }
-                    flume::TrySendError::Disconnected(command) => (SubmitError::ShuttingDown, command),
+                    flume::TrySendError::Disconnected(command) => {
+                        (SubmitError::ShuttingDown, command)
+                    }
                 };
                 match command {
-                    Command::Create { machine, .. } => Err(Refused { error, value: machine }),
+                    Command::Create { machine, .. } => Err(Refused {
+                        error,
+                        value: machine,
+                    }),
                     // We built this command two statements above.
                     Command::Event { .. } | Command::Abort { .. } | Command::Spawn(_) => {
                         unreachable!("try_send handed back a different command")
@@ -158,7 +181,11 @@ where
     /// Feeds an event to the machine of `transfer_id`. Events keep flowing
     /// while a `Drain` shutdown is in progress, so in-flight requests can
     /// finish.
-    pub fn send_event(&self, transfer_id: TransferId, event: M::Event) -> Result<(), Refused<M::Event>> {
+    pub fn send_event(
+        &self,
+        transfer_id: TransferId,
+        event: M::Event,
+    ) -> Result<(), Refused<M::Event>> {
         let Some(executor) = self.shared.board.executor_of(transfer_id) else {
             return Err(Refused {
                 error: SubmitError::UnknownTransfer(transfer_id),
@@ -173,10 +200,15 @@ where
                         self.shared.stats.add_mailbox_full();
                         (SubmitError::MailboxFull { executor }, command)
                     }
-                    flume::TrySendError::Disconnected(command) => (SubmitError::ShuttingDown, command),
+                    flume::TrySendError::Disconnected(command) => {
+                        (SubmitError::ShuttingDown, command)
+                    }
                 };
                 match command {
-                    Command::Event { event, .. } => Err(Refused { error, value: event }),
+                    Command::Event { event, .. } => Err(Refused {
+                        error,
+                        value: event,
+                    }),
                     Command::Create { .. } | Command::Abort { .. } | Command::Spawn(_) => {
                         unreachable!("try_send handed back a different command")
                     }
@@ -193,7 +225,10 @@ where
             .executor_of(transfer_id)
             .ok_or(SubmitError::UnknownTransfer(transfer_id))?;
         self.shared.mailboxes[executor]
-            .try_send(Command::Abort { transfer_id, reason })
+            .try_send(Command::Abort {
+                transfer_id,
+                reason,
+            })
             .map_err(|error| self.map_send_error(executor, &error))
     }
 
@@ -214,7 +249,10 @@ where
             .shared
             .mailboxes
             .get(executor)
-            .ok_or(SubmitError::NoSuchExecutor { executor, executors })?;
+            .ok_or(SubmitError::NoSuchExecutor {
+                executor,
+                executors,
+            })?;
         let boxed: crate::mailbox::SpawnFn = Box::new(move || Box::pin(make()));
         mailbox
             .try_send(Command::Spawn(boxed))
@@ -328,7 +366,9 @@ where
             completions_rx,
         });
         let mut reactor = Reactor {
-            handle: ReactorHandle { shared: shared.clone() },
+            handle: ReactorHandle {
+                shared: shared.clone(),
+            },
             controls: Vec::with_capacity(executors),
             joins: Vec::with_capacity(executors),
             drop_policy: config.drop_policy,
@@ -387,7 +427,9 @@ where
             if ready_rx.recv_deadline(deadline).is_err() {
                 // A thread died before reporting (bad core, io_uring refused)
                 // or took too long. Find out which, after stopping the rest.
-                let failed = reactor.shutdown_inner(ShutdownPolicy::Abort { grace: Duration::ZERO });
+                let failed = reactor.shutdown_inner(ShutdownPolicy::Abort {
+                    grace: Duration::ZERO,
+                });
                 let (executor, message) = match failed {
                     Err(ReactorError::Join { executor, message }) => (executor, message),
                     _ => (0, "executor did not start in time".to_owned()),
@@ -439,7 +481,10 @@ where
         }
         match failure {
             Some(error) => Err(error),
-            None => Ok(ShutdownReport { executors, completions }),
+            None => Ok(ShutdownReport {
+                executors,
+                completions,
+            }),
         }
     }
 }
@@ -502,9 +547,14 @@ impl<M: Machine, S: ActionSink<M>> ActionSink<M> for BoardSink<'_, S> {
 enum Stage {
     Running,
     /// Letting requests finish until `until`, then abort and wait `grace`.
-    Draining { until: Instant, grace: Duration },
+    Draining {
+        until: Instant,
+        grace: Duration,
+    },
     /// Aborted; dropping what is left at `until`.
-    Grace { until: Instant },
+    Grace {
+        until: Instant,
+    },
 }
 
 enum Wake<M: Machine> {
@@ -594,7 +644,9 @@ where
                     return Poll::Ready(Wake::Control(policy));
                 }
             }
-            if let Poll::Ready(Some((id, event))) = std::pin::Pin::new(&mut local_stream).poll_next(cx) {
+            if let Poll::Ready(Some((id, event))) =
+                std::pin::Pin::new(&mut local_stream).poll_next(cx)
+            {
                 return Poll::Ready(Wake::Local(id, event));
             }
             if armed_for.is_some() && std::pin::Pin::new(&mut timer).poll(cx).is_ready() {
@@ -602,7 +654,9 @@ where
             }
             // The handle keeps a sender alive for as long as the reactor
             // exists, so this stream does not end while we run.
-            if let Poll::Ready(Some(command)) = std::pin::Pin::new(&mut command_stream).poll_next(cx) {
+            if let Poll::Ready(Some(command)) =
+                std::pin::Pin::new(&mut command_stream).poll_next(cx)
+            {
                 return Poll::Ready(Wake::Command(command));
             }
             Poll::Pending
@@ -625,7 +679,9 @@ where
                 control_open = false;
                 // A closed control channel means the reactor went away
                 // without a policy; abort promptly.
-                let policy = policy.unwrap_or(ShutdownPolicy::Abort { grace: Duration::ZERO });
+                let policy = policy.unwrap_or(ShutdownPolicy::Abort {
+                    grace: Duration::ZERO,
+                });
                 // The latch closed before the policy was sent, so every
                 // `Create` a caller was told was accepted is already in the
                 // mailbox. Handle them now, while still running, so that the
@@ -639,7 +695,8 @@ where
                 }
                 stage = match policy {
                     ShutdownPolicy::Abort { grace } => {
-                        report.aborted += run.driver.abort_all(now, AbortReason::Shutdown, run.sink);
+                        report.aborted +=
+                            run.driver.abort_all(now, AbortReason::Shutdown, run.sink);
                         Stage::Grace { until: now + grace }
                     }
                     ShutdownPolicy::Drain { drain, grace } => Stage::Draining {
@@ -655,7 +712,9 @@ where
             Wake::Timer => {
                 if let Some(armed) = armed_for {
                     let lag = now.saturating_duration_since(armed);
-                    shared.stats.add_timer_wake(u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX));
+                    shared
+                        .stats
+                        .add_timer_wake(u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX));
                 }
                 armed_for = None;
             }
@@ -707,7 +766,13 @@ where
     for _ in 0..mailbox_capacity {
         match commands.try_recv() {
             Ok(Command::Create { transfer_id, .. }) => {
-                reject(&mut driver, &shared, index, transfer_id, RejectReason::ShuttingDown);
+                reject(
+                    &mut driver,
+                    &shared,
+                    index,
+                    transfer_id,
+                    RejectReason::ShuttingDown,
+                );
             }
             Ok(Command::Event { .. } | Command::Abort { .. }) => shared.stats.add_late_event(),
             Ok(Command::Spawn(_)) => {}
@@ -743,7 +808,10 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
 
     fn handle_command(&mut self, now: Instant, command: Command<M>) {
         match command {
-            Command::Create { transfer_id, machine } => match self.stage {
+            Command::Create {
+                transfer_id,
+                machine,
+            } => match self.stage {
                 Stage::Running => match self.driver.insert(now, transfer_id, machine, self.sink) {
                     Ok(()) => self.stats.add_created(),
                     Err(error) => {
@@ -756,8 +824,15 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
                 }
             },
             Command::Event { transfer_id, event } => self.handle_event(now, transfer_id, event),
-            Command::Abort { transfer_id, reason } => {
-                if self.driver.abort(now, transfer_id, reason, self.sink).is_err() {
+            Command::Abort {
+                transfer_id,
+                reason,
+            } => {
+                if self
+                    .driver
+                    .abort(now, transfer_id, reason, self.sink)
+                    .is_err()
+                {
                     self.stats.add_late_event();
                 }
             }
@@ -797,7 +872,10 @@ fn flush_completions<M: Machine>(driver: &mut Driver<M>, shared: &Shared<M>) {
             // The channel holds one slot per board entry and every
             // completion's transfer is still on the board, so it cannot be
             // full; the handle holds the receiver, so it cannot be closed.
-            panic!("completion channel refused {:?}: board admission invariant broken", error.into_inner());
+            panic!(
+                "completion channel refused {:?}: board admission invariant broken",
+                error.into_inner()
+            );
         }
     }
 }

@@ -93,9 +93,12 @@ pub mod sync;
 pub use board::{BoardError, CompletionBoard};
 pub use config::{ExecutorConfig, PollPolicy, ReactorConfig, ShutdownPolicy};
 pub use driver::{
-    round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome, RejectReason,
+    round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome,
+    RejectReason,
 };
 pub use executor::{ExecutorReport, Reactor, ReactorError, ReactorHandle, ShutdownReport};
 pub use latch::{LatchGuard, ShutdownLatch};
-pub use mailbox::{Command, EventPoster, ExecutorContext, PostError, Refused, SpawnFn, SubmitError};
+pub use mailbox::{
+    Command, EventPoster, ExecutorContext, PostError, Refused, SpawnFn, SubmitError,
+};
 pub use stats::{Stats, StatsSnapshot};

@@ -39,9 +39,18 @@ pub enum Command<M: Machine> {
 impl<M: Machine> std::fmt::Debug for Command<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Command::Create { transfer_id, .. } => f.debug_struct("Create").field("transfer_id", transfer_id).finish(),
-            Command::Event { transfer_id, .. } => f.debug_struct("Event").field("transfer_id", transfer_id).finish(),
-            Command::Abort { transfer_id, reason } => f
+            Command::Create { transfer_id, .. } => f
+                .debug_struct("Create")
+                .field("transfer_id", transfer_id)
+                .finish(),
+            Command::Event { transfer_id, .. } => f
+                .debug_struct("Event")
+                .field("transfer_id", transfer_id)
+                .finish(),
+            Command::Abort {
+                transfer_id,
+                reason,
+            } => f
                 .debug_struct("Abort")
                 .field("transfer_id", transfer_id)
                 .field("reason", reason)
@@ -140,19 +149,27 @@ pub struct EventPoster<M: Machine> {
 
 impl<M: Machine> Clone for EventPoster<M> {
     fn clone(&self) -> Self {
-        Self { tx: self.tx.clone() }
+        Self {
+            tx: self.tx.clone(),
+        }
     }
 }
 
 impl<M: Machine> std::fmt::Debug for EventPoster<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EventPoster").field("queued", &self.tx.len()).finish()
+        f.debug_struct("EventPoster")
+            .field("queued", &self.tx.len())
+            .finish()
     }
 }
 
 impl<M: Machine> EventPoster<M> {
     /// Posts an event, waiting for room in the queue.
-    pub async fn post(&self, transfer_id: TransferId, event: M::Event) -> Result<(), PostError<M::Event>> {
+    pub async fn post(
+        &self,
+        transfer_id: TransferId,
+        event: M::Event,
+    ) -> Result<(), PostError<M::Event>> {
         self.tx
             .send_async((transfer_id, event))
             .await
@@ -160,11 +177,17 @@ impl<M: Machine> EventPoster<M> {
     }
 
     /// Posts an event if there is room now.
-    pub fn try_post(&self, transfer_id: TransferId, event: M::Event) -> Result<(), PostError<M::Event>> {
-        self.tx.try_send((transfer_id, event)).map_err(|error| match error {
-            flume::TrySendError::Full((_, event)) => PostError::Full(event),
-            flume::TrySendError::Disconnected((_, event)) => PostError::Closed(event),
-        })
+    pub fn try_post(
+        &self,
+        transfer_id: TransferId,
+        event: M::Event,
+    ) -> Result<(), PostError<M::Event>> {
+        self.tx
+            .try_send((transfer_id, event))
+            .map_err(|error| match error {
+                flume::TrySendError::Full((_, event)) => PostError::Full(event),
+                flume::TrySendError::Disconnected((_, event)) => PostError::Closed(event),
+            })
     }
 }
 

@@ -32,5 +32,7 @@ pub use loom::thread;
 /// updated), so the data behind a poisoned lock is still consistent and
 /// refusing it would only turn one panic into many.
 pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -46,7 +46,12 @@ fn ten_thousand_spread_deadlines_expire_in_order_within_one_tick() {
         let deadline = epoch + Duration::from_micros(1_000 + rng.next() % 10_000_000);
         deadlines[i as usize] = deadline;
         driver
-            .insert(epoch, TransferId(i), TestMachine::new(Some(deadline)), &mut sink)
+            .insert(
+                epoch,
+                TransferId(i),
+                TestMachine::new(Some(deadline)),
+                &mut sink,
+            )
             .unwrap();
         assert!(driver.deadline_entries() <= 2 * driver.len() + 65);
     }
@@ -54,7 +59,12 @@ fn ten_thousand_spread_deadlines_expire_in_order_within_one_tick() {
         let moved = epoch + Duration::from_micros(1_000 + rng.next() % 10_000_000);
         deadlines[i as usize] = moved;
         driver
-            .handle_event(epoch, TransferId(i), TestEvent::SetDeadline(moved), &mut sink)
+            .handle_event(
+                epoch,
+                TransferId(i),
+                TestEvent::SetDeadline(moved),
+                &mut sink,
+            )
             .unwrap();
         assert!(driver.deadline_entries() <= 2 * driver.len() + 65);
     }
@@ -83,9 +93,17 @@ fn ten_thousand_spread_deadlines_expire_in_order_within_one_tick() {
         };
         assert_eq!(phase, Phase::Expired);
         assert!(terminal_at >= deadline, "{:?} expired early", c.transfer_id);
-        assert!(terminal_at - deadline < tick, "{:?} expired late", c.transfer_id);
+        assert!(
+            terminal_at - deadline < tick,
+            "{:?} expired late",
+            c.transfer_id
+        );
         if let Some(previous) = previous {
-            assert!(deadline >= previous, "{:?} expired out of deadline order", c.transfer_id);
+            assert!(
+                deadline >= previous,
+                "{:?} expired out of deadline order",
+                c.transfer_id
+            );
         }
         previous = Some(deadline);
     }
@@ -104,13 +122,19 @@ fn capacity_counts_uncollected_completions() {
     let now = Instant::now();
     let mut driver: Driver<TestMachine> = Driver::new(0, config(2));
     let mut sink = VecSink::default();
-    driver.insert(now, TransferId(1), TestMachine::new(None), &mut sink).unwrap();
-    driver.insert(now, TransferId(2), TestMachine::new(None), &mut sink).unwrap();
+    driver
+        .insert(now, TransferId(1), TestMachine::new(None), &mut sink)
+        .unwrap();
+    driver
+        .insert(now, TransferId(2), TestMachine::new(None), &mut sink)
+        .unwrap();
     assert_eq!(
         driver.insert(now, TransferId(3), TestMachine::new(None), &mut sink),
         Err(DriverError::Full { max: 2 })
     );
-    driver.handle_event(now, TransferId(1), TestEvent::Succeed, &mut sink).unwrap();
+    driver
+        .handle_event(now, TransferId(1), TestEvent::Succeed, &mut sink)
+        .unwrap();
     assert_eq!(driver.len(), 1);
     // Finished but not collected: still counts.
     assert_eq!(
@@ -119,8 +143,16 @@ fn capacity_counts_uncollected_completions() {
     );
     let done = driver.poll_completion().unwrap();
     assert_eq!(done.transfer_id, TransferId(1));
-    assert!(matches!(done.outcome, Outcome::Finished { phase: Phase::Success, .. }));
-    driver.insert(now, TransferId(3), TestMachine::new(None), &mut sink).unwrap();
+    assert!(matches!(
+        done.outcome,
+        Outcome::Finished {
+            phase: Phase::Success,
+            ..
+        }
+    ));
+    driver
+        .insert(now, TransferId(3), TestMachine::new(None), &mut sink)
+        .unwrap();
 }
 
 #[test]
@@ -128,7 +160,9 @@ fn misuse_and_bad_input_are_typed_errors() {
     let now = Instant::now();
     let mut driver: Driver<TestMachine> = Driver::new(0, config(8));
     let mut sink = VecSink::default();
-    driver.insert(now, TransferId(1), TestMachine::new(None), &mut sink).unwrap();
+    driver
+        .insert(now, TransferId(1), TestMachine::new(None), &mut sink)
+        .unwrap();
     assert_eq!(
         driver.insert(now, TransferId(1), TestMachine::new(None), &mut sink),
         Err(DriverError::Duplicate(TransferId(1)))
@@ -158,8 +192,12 @@ fn capped_drains_resume_in_order() {
     cfg.max_actions_per_input = 3;
     let mut driver: Driver<TestMachine> = Driver::new(0, cfg);
     let mut sink = VecSink::default();
-    driver.insert(now, TransferId(1), TestMachine::new(None), &mut sink).unwrap();
-    driver.handle_event(now, TransferId(1), TestEvent::Emit(10), &mut sink).unwrap();
+    driver
+        .insert(now, TransferId(1), TestMachine::new(None), &mut sink)
+        .unwrap();
+    driver
+        .handle_event(now, TransferId(1), TestEvent::Emit(10), &mut sink)
+        .unwrap();
     assert_eq!(sink.actions.len(), 3);
     let mut rounds = 0;
     while driver.has_pending() {
@@ -186,14 +224,24 @@ fn terminal_machine_stays_until_its_fence_passes() {
     let mut sink = VecSink::default();
     let fence = Duration::from_millis(50);
     driver
-        .insert(now, TransferId(7), TestMachine::with_fence(None, fence), &mut sink)
+        .insert(
+            now,
+            TransferId(7),
+            TestMachine::with_fence(None, fence),
+            &mut sink,
+        )
         .unwrap();
-    driver.abort(now, TransferId(7), AbortReason::Engine, &mut sink).unwrap();
+    driver
+        .abort(now, TransferId(7), AbortReason::Engine, &mut sink)
+        .unwrap();
     assert_eq!(
         driver.phase(TransferId(7)),
         Some(Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
     );
-    assert!(driver.poll_completion().is_none(), "removed before its fence");
+    assert!(
+        driver.poll_completion().is_none(),
+        "removed before its fence"
+    );
     assert_eq!(driver.poll_timeout(), Some(now + fence));
     // A spurious early wake-up changes nothing.
     assert_eq!(driver.handle_timers(now + fence / 2, &mut sink), 0);
@@ -211,7 +259,10 @@ fn terminal_machine_stays_until_its_fence_passes() {
         sink.phases,
         vec![
             (TransferId(7), Phase::WaitingForInput),
-            (TransferId(7), Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
+            (
+                TransferId(7),
+                Phase::Failed(FailReason::Aborted(AbortReason::Engine))
+            )
         ]
     );
 }
@@ -223,14 +274,24 @@ fn drop_all_reports_every_machine() {
     let mut sink = VecSink::default();
     for i in 0..5 {
         driver
-            .insert(now, TransferId(i), TestMachine::new(Some(now + Duration::from_secs(1))), &mut sink)
+            .insert(
+                now,
+                TransferId(i),
+                TestMachine::new(Some(now + Duration::from_secs(1))),
+                &mut sink,
+            )
             .unwrap();
     }
     assert_eq!(driver.drop_all(), 5);
     let mut ids: Vec<u64> = std::iter::from_fn(|| driver.poll_completion())
         .map(|c| {
             assert_eq!(c.executor, 3);
-            assert_eq!(c.outcome, Outcome::Dropped { last_phase: Phase::WaitingForInput });
+            assert_eq!(
+                c.outcome,
+                Outcome::Dropped {
+                    last_phase: Phase::WaitingForInput
+                }
+            );
             c.transfer_id.0
         })
         .collect();
@@ -243,11 +304,17 @@ fn drop_all_reports_every_machine() {
 fn round_up_to_tick_lands_on_the_grid() {
     let epoch = Instant::now();
     let tick = Duration::from_millis(1);
-    assert_eq!(round_up_to_tick(epoch + Duration::from_micros(1), epoch, tick), epoch + tick);
+    assert_eq!(
+        round_up_to_tick(epoch + Duration::from_micros(1), epoch, tick),
+        epoch + tick
+    );
     assert_eq!(round_up_to_tick(epoch + tick, epoch, tick), epoch + tick);
     assert_eq!(
         round_up_to_tick(epoch + Duration::from_micros(1_001), epoch, tick),
         epoch + 2 * tick
     );
-    assert_eq!(round_up_to_tick(epoch + Duration::from_micros(3), epoch, Duration::ZERO), epoch + Duration::from_micros(3));
+    assert_eq!(
+        round_up_to_tick(epoch + Duration::from_micros(3), epoch, Duration::ZERO),
+        epoch + Duration::from_micros(3)
+    );
 }

@@ -63,9 +63,10 @@ fn board_admits_exactly_one_for_the_last_slot() {
         let results: Vec<_> = racers.into_iter().map(|t| t.join().unwrap()).collect();
         let wins = results.iter().filter(|r| r.is_ok()).count();
         assert_eq!(wins, 1, "{results:?}");
-        assert!(results
-            .iter()
-            .any(|r| *r == Err(BoardError::Full { executor: 0, max: 1 })));
+        assert!(results.contains(&Err(BoardError::Full {
+            executor: 0,
+            max: 1
+        })));
         assert_eq!(board.len_for(0), 1);
         assert_eq!(board.len(), 1);
     });

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use common::{TestAction, TestEvent, TestMachine, VecSink};
 use kvferry_machines::{Phase, TransferId};
 use kvferry_reactor::{
-    ActionSink, Completion, EventPoster, ExecutorConfig, Outcome, Reactor, ReactorConfig, ReactorHandle,
-    ShutdownPolicy, SubmitError,
+    ActionSink, Completion, EventPoster, ExecutorConfig, Outcome, Reactor, ReactorConfig,
+    ReactorHandle, ShutdownPolicy, SubmitError,
 };
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -26,12 +26,16 @@ fn start(config: ReactorConfig) -> Reactor<TestMachine> {
 }
 
 fn recv(handle: &ReactorHandle<TestMachine>) -> Completion {
-    handle.recv_finished(WAIT).expect("a completion within the wait bound")
+    handle
+        .recv_finished(WAIT)
+        .expect("a completion within the wait bound")
 }
 
 fn shut(reactor: Reactor<TestMachine>) {
     let report = reactor
-        .shutdown(ShutdownPolicy::Abort { grace: Duration::ZERO })
+        .shutdown(ShutdownPolicy::Abort {
+            grace: Duration::ZERO,
+        })
         .expect("clean shutdown");
     assert!(report.executors.iter().all(|e| e.dropped == 0));
 }
@@ -79,7 +83,10 @@ fn ten_thousand_machines_expire_in_order_within_one_tick_on_glommio() {
             .expect("mailbox and board sized for all of them");
     }
     let created_by = Instant::now();
-    assert!(created_by < base, "creation took longer than the test's head start");
+    assert!(
+        created_by < base,
+        "creation took longer than the test's head start"
+    );
 
     let mut completions = Vec::with_capacity(N as usize);
     for _ in 0..N {
@@ -96,7 +103,11 @@ fn ten_thousand_machines_expire_in_order_within_one_tick_on_glommio() {
             panic!("unexpected {c:?}");
         };
         assert_eq!(phase, Phase::Expired);
-        assert!(terminal_at >= deadline, "{:?} expired before its deadline", c.transfer_id);
+        assert!(
+            terminal_at >= deadline,
+            "{:?} expired before its deadline",
+            c.transfer_id
+        );
         let late = terminal_at - deadline;
         assert!(
             late <= bound,
@@ -105,7 +116,11 @@ fn ten_thousand_machines_expire_in_order_within_one_tick_on_glommio() {
             bound - tick
         );
         if let Some(previous) = previous {
-            assert!(deadline >= previous, "{:?} expired out of order", c.transfer_id);
+            assert!(
+                deadline >= previous,
+                "{:?} expired out of order",
+                c.transfer_id
+            );
         }
         previous = Some(deadline);
         lateness.push(late);
@@ -121,7 +136,11 @@ fn ten_thousand_machines_expire_in_order_within_one_tick_on_glommio() {
     );
     // One timer for everyone: deadlines sharing a tick share a wake-up, so
     // there are far fewer wake-ups than machines.
-    assert!(stats.timer_wakes < N, "{} wake-ups for {N} deadlines", stats.timer_wakes);
+    assert!(
+        stats.timer_wakes < N,
+        "{} wake-ups for {N} deadlines",
+        stats.timer_wakes
+    );
     assert_eq!(stats.created, N);
     assert_eq!(stats.finished, N);
     assert!(handle.get_finished(10).is_empty());
@@ -146,9 +165,13 @@ fn full_mailbox_is_back_pressure_and_hands_the_machine_back() {
             release_rx.recv().unwrap();
         })
         .unwrap();
-    started_rx.recv_timeout(WAIT).expect("executor ran the task");
+    started_rx
+        .recv_timeout(WAIT)
+        .expect("executor ran the task");
     for i in 0..4 {
-        handle.create(0, TransferId(i), TestMachine::new(None)).unwrap();
+        handle
+            .create(0, TransferId(i), TestMachine::new(None))
+            .unwrap();
     }
     let refused = handle
         .create(0, TransferId(4), TestMachine::new(None))
@@ -162,7 +185,10 @@ fn full_mailbox_is_back_pressure_and_hands_the_machine_back() {
     let refused_event = handle
         .send_event(TransferId(0), TestEvent::Succeed)
         .expect_err("event must not fit either");
-    assert_eq!(refused_event.error, SubmitError::MailboxFull { executor: 0 });
+    assert_eq!(
+        refused_event.error,
+        SubmitError::MailboxFull { executor: 0 }
+    );
     assert!(matches!(refused_event.value, TestEvent::Succeed));
 
     release_tx.send(()).unwrap();
@@ -183,9 +209,11 @@ fn full_mailbox_is_back_pressure_and_hands_the_machine_back() {
         }
     }
     for i in 0..5 {
-        handle.send_event(TransferId(i), TestEvent::Succeed).unwrap_or_else(|_| {
-            panic!("mailbox has room for the events");
-        });
+        handle
+            .send_event(TransferId(i), TestEvent::Succeed)
+            .unwrap_or_else(|_| {
+                panic!("mailbox has room for the events");
+            });
     }
     let mut ids: Vec<u64> = (0..5).map(|_| recv(&handle).transfer_id.0).collect();
     ids.sort_unstable();
@@ -201,29 +229,57 @@ fn capacity_and_misuse_are_typed_errors() {
     };
     let reactor = start(config);
     let handle = reactor.handle();
-    handle.create(0, TransferId(1), TestMachine::new(None)).unwrap();
+    handle
+        .create(0, TransferId(1), TestMachine::new(None))
+        .unwrap();
     assert_eq!(
-        handle.create(0, TransferId(1), TestMachine::new(None)).unwrap_err().error,
+        handle
+            .create(0, TransferId(1), TestMachine::new(None))
+            .unwrap_err()
+            .error,
         SubmitError::DuplicateTransfer(TransferId(1))
     );
     assert_eq!(
-        handle.create(1, TransferId(5), TestMachine::new(None)).unwrap_err().error,
-        SubmitError::NoSuchExecutor { executor: 1, executors: 1 }
+        handle
+            .create(1, TransferId(5), TestMachine::new(None))
+            .unwrap_err()
+            .error,
+        SubmitError::NoSuchExecutor {
+            executor: 1,
+            executors: 1
+        }
     );
     assert_eq!(
-        handle.send_event(TransferId(9), TestEvent::Succeed).unwrap_err().error,
+        handle
+            .send_event(TransferId(9), TestEvent::Succeed)
+            .unwrap_err()
+            .error,
         SubmitError::UnknownTransfer(TransferId(9))
     );
-    handle.create(0, TransferId(2), TestMachine::new(None)).unwrap();
-    let full = handle.create(0, TransferId(3), TestMachine::new(None)).unwrap_err();
-    assert_eq!(full.error, SubmitError::AtCapacity { executor: 0, max_machines: 2 });
+    handle
+        .create(0, TransferId(2), TestMachine::new(None))
+        .unwrap();
+    let full = handle
+        .create(0, TransferId(3), TestMachine::new(None))
+        .unwrap_err();
+    assert_eq!(
+        full.error,
+        SubmitError::AtCapacity {
+            executor: 0,
+            max_machines: 2
+        }
+    );
     assert!(full.error.is_backpressure());
 
     // A finished transfer holds its place until its completion is collected.
-    handle.send_event(TransferId(1), TestEvent::Succeed).unwrap();
+    handle
+        .send_event(TransferId(1), TestEvent::Succeed)
+        .unwrap();
     let done = recv(&handle);
     assert_eq!(done.transfer_id, TransferId(1));
-    handle.create(0, TransferId(3), TestMachine::new(None)).unwrap();
+    handle
+        .create(0, TransferId(3), TestMachine::new(None))
+        .unwrap();
     assert_eq!(handle.load(0), 2);
     shut(reactor);
 }
@@ -232,18 +288,38 @@ fn capacity_and_misuse_are_typed_errors() {
 fn board_shows_phases_and_bad_input_is_counted() {
     let reactor = start(one_executor());
     let handle = reactor.handle();
-    handle.create(0, TransferId(1), TestMachine::new(None)).unwrap();
-    handle.create(0, TransferId(2), TestMachine::new(None)).unwrap();
-    handle.send_event(TransferId(1), TestEvent::Emit(2)).unwrap();
-    handle.send_event(TransferId(1), TestEvent::Garbage).unwrap();
-    handle.send_event(TransferId(2), TestEvent::Succeed).unwrap();
+    handle
+        .create(0, TransferId(1), TestMachine::new(None))
+        .unwrap();
+    handle
+        .create(0, TransferId(2), TestMachine::new(None))
+        .unwrap();
+    handle
+        .send_event(TransferId(1), TestEvent::Emit(2))
+        .unwrap();
+    handle
+        .send_event(TransferId(1), TestEvent::Garbage)
+        .unwrap();
+    handle
+        .send_event(TransferId(2), TestEvent::Succeed)
+        .unwrap();
     // One executor handles its mailbox in order, so once 2 finished, 1's
     // earlier inputs were handled and published.
     let done = recv(&handle);
     assert_eq!(done.transfer_id, TransferId(2));
-    assert!(matches!(done.outcome, Outcome::Finished { phase: Phase::Success, .. }));
+    assert!(matches!(
+        done.outcome,
+        Outcome::Finished {
+            phase: Phase::Success,
+            ..
+        }
+    ));
     assert_eq!(handle.poll(TransferId(1)), Some(Phase::Transferring));
-    assert_eq!(handle.poll(TransferId(2)), None, "collected completions leave the board");
+    assert_eq!(
+        handle.poll(TransferId(2)),
+        None,
+        "collected completions leave the board"
+    );
     let stats = handle.stats();
     assert_eq!(stats.input_errors, 1);
     assert_eq!((stats.created, stats.finished), (2, 1));
@@ -275,20 +351,32 @@ fn async_actions_report_back_through_the_poster() {
         Reactor::start(one_executor(), |ctx| AsyncSink { poster: ctx.poster }).unwrap();
     let handle = reactor.handle();
     for i in 0..100 {
-        handle.create(0, TransferId(i), TestMachine::new(None)).unwrap();
-        handle.send_event(TransferId(i), TestEvent::Emit(1)).unwrap();
+        handle
+            .create(0, TransferId(i), TestMachine::new(None))
+            .unwrap();
+        handle
+            .send_event(TransferId(i), TestEvent::Emit(1))
+            .unwrap();
     }
     let mut ids: Vec<u64> = (0..100)
         .map(|_| {
             let c = recv(&handle);
-            assert!(matches!(c.outcome, Outcome::Finished { phase: Phase::Success, .. }));
+            assert!(matches!(
+                c.outcome,
+                Outcome::Finished {
+                    phase: Phase::Success,
+                    ..
+                }
+            ));
             c.transfer_id.0
         })
         .collect();
     ids.sort_unstable();
     assert_eq!(ids, (0..100).collect::<Vec<_>>());
     let report = reactor
-        .shutdown(ShutdownPolicy::Abort { grace: Duration::ZERO })
+        .shutdown(ShutdownPolicy::Abort {
+            grace: Duration::ZERO,
+        })
         .unwrap();
     assert_eq!(report.executors[0].aborted, 0);
 }
@@ -308,8 +396,12 @@ fn more_devices_than_cores_mixes_pinned_and_unpinned_executors() {
     assert_eq!(n, cores + 1);
     for i in 0..(4 * n as u64) {
         let executor = (i % n as u64) as usize;
-        handle.create(executor, TransferId(i), TestMachine::new(None)).unwrap();
-        handle.send_event(TransferId(i), TestEvent::Succeed).unwrap();
+        handle
+            .create(executor, TransferId(i), TestMachine::new(None))
+            .unwrap();
+        handle
+            .send_event(TransferId(i), TestEvent::Succeed)
+            .unwrap();
     }
     let mut seen = vec![0; n];
     for _ in 0..(4 * n) {
@@ -328,7 +420,13 @@ fn a_core_that_does_not_exist_is_a_start_error() {
         ..ReactorConfig::default()
     };
     let error = Reactor::<TestMachine>::start(config, |_| VecSink::default()).unwrap_err();
-    assert!(matches!(error, kvferry_reactor::ReactorError::Start { executor: 0, .. }), "{error}");
+    assert!(
+        matches!(
+            error,
+            kvferry_reactor::ReactorError::Start { executor: 0, .. }
+        ),
+        "{error}"
+    );
 }
 
 #[test]
@@ -338,5 +436,8 @@ fn invalid_config_is_refused() {
         ..ReactorConfig::default()
     };
     let error = Reactor::<TestMachine>::start(config, |_| VecSink::default()).unwrap_err();
-    assert!(matches!(error, kvferry_reactor::ReactorError::Config(_)), "{error}");
+    assert!(
+        matches!(error, kvferry_reactor::ReactorError::Config(_)),
+        "{error}"
+    );
 }

@@ -16,7 +16,10 @@ fn thread_names() -> Vec<String> {
         .expect("Linux /proc")
         .map(|entry| {
             let path = entry.unwrap().path().join("comm");
-            std::fs::read_to_string(path).unwrap_or_default().trim().to_owned()
+            std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
         })
         .collect()
 }
@@ -39,7 +42,12 @@ fn assert_no_leaked_threads(baseline: usize, what: &str) {
     while threads() != baseline && Instant::now() < deadline {
         std::thread::yield_now();
     }
-    assert_eq!(threads(), baseline, "threads leaked by {what}: {:?}", thread_names());
+    assert_eq!(
+        threads(),
+        baseline,
+        "threads leaked by {what}: {:?}",
+        thread_names()
+    );
 }
 
 fn config() -> ReactorConfig {
@@ -74,19 +82,31 @@ fn shutdown_policies_settle_every_request_and_leak_no_threads() {
     assert!(threads() > baseline, "executors run on their own threads");
     for i in 0..20u64 {
         let machine = TestMachine::with_fence(None, Duration::from_millis(5));
-        handle.create((i % 2) as usize, TransferId(i), machine).unwrap();
+        handle
+            .create((i % 2) as usize, TransferId(i), machine)
+            .unwrap();
     }
     let report = reactor
-        .shutdown(ShutdownPolicy::Abort { grace: Duration::from_secs(10) })
+        .shutdown(ShutdownPolicy::Abort {
+            grace: Duration::from_secs(10),
+        })
         .unwrap();
-    assert_eq!(report.executors.iter().map(|e| e.aborted).sum::<usize>(), 20);
+    assert_eq!(
+        report.executors.iter().map(|e| e.aborted).sum::<usize>(),
+        20
+    );
     assert_eq!(report.executors.iter().map(|e| e.dropped).sum::<usize>(), 0);
     assert_eq!(sorted_ids(&report.completions), (0..20).collect::<Vec<_>>());
     for c in &report.completions {
-        assert!(matches!(c.outcome, Outcome::Finished { phase, .. } if phase == aborted), "{c:?}");
+        assert!(
+            matches!(c.outcome, Outcome::Finished { phase, .. } if phase == aborted),
+            "{c:?}"
+        );
     }
     // The handle outlives the reactor and says so.
-    let late = handle.create(0, TransferId(99), TestMachine::new(None)).unwrap_err();
+    let late = handle
+        .create(0, TransferId(99), TestMachine::new(None))
+        .unwrap_err();
     assert_eq!(late.error, SubmitError::ShuttingDown);
     assert_eq!(handle.stats().finished, 20);
     drop(handle);
@@ -98,17 +118,29 @@ fn shutdown_policies_settle_every_request_and_leak_no_threads() {
     let handle = reactor.handle();
     for i in 0..6u64 {
         let machine = TestMachine::with_fence(None, Duration::from_secs(600));
-        handle.create((i % 2) as usize, TransferId(i), machine).unwrap();
+        handle
+            .create((i % 2) as usize, TransferId(i), machine)
+            .unwrap();
     }
     let started = Instant::now();
     let report = reactor
-        .shutdown(ShutdownPolicy::Abort { grace: Duration::from_millis(20) })
+        .shutdown(ShutdownPolicy::Abort {
+            grace: Duration::from_millis(20),
+        })
         .unwrap();
-    assert!(started.elapsed() < Duration::from_secs(60), "grace not honoured");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "grace not honoured"
+    );
     assert_eq!(report.executors.iter().map(|e| e.dropped).sum::<usize>(), 6);
     assert_eq!(sorted_ids(&report.completions), (0..6).collect::<Vec<_>>());
     for c in &report.completions {
-        assert_eq!(c.outcome, Outcome::Dropped { last_phase: aborted });
+        assert_eq!(
+            c.outcome,
+            Outcome::Dropped {
+                last_phase: aborted
+            }
+        );
     }
     assert_eq!(handle.stats().dropped, 6);
     drop(handle);
@@ -121,9 +153,15 @@ fn shutdown_policies_settle_every_request_and_leak_no_threads() {
     let deadline = Instant::now() + Duration::from_millis(50);
     for i in 0..10u64 {
         handle
-            .create((i % 2) as usize, TransferId(i), TestMachine::new(Some(deadline + Duration::from_secs(3600))))
+            .create(
+                (i % 2) as usize,
+                TransferId(i),
+                TestMachine::new(Some(deadline + Duration::from_secs(3600))),
+            )
             .unwrap();
-        handle.send_event(TransferId(i), TestEvent::SetDeadline(deadline)).unwrap();
+        handle
+            .send_event(TransferId(i), TestEvent::SetDeadline(deadline))
+            .unwrap();
     }
     let report = reactor
         .shutdown(ShutdownPolicy::Drain {
@@ -134,7 +172,16 @@ fn shutdown_policies_settle_every_request_and_leak_no_threads() {
     assert_eq!(report.executors.iter().map(|e| e.aborted).sum::<usize>(), 0);
     assert_eq!(sorted_ids(&report.completions), (0..10).collect::<Vec<_>>());
     for c in &report.completions {
-        assert!(matches!(c.outcome, Outcome::Finished { phase: Phase::Expired, .. }), "{c:?}");
+        assert!(
+            matches!(
+                c.outcome,
+                Outcome::Finished {
+                    phase: Phase::Expired,
+                    ..
+                }
+            ),
+            "{c:?}"
+        );
     }
     drop(handle);
     assert_no_leaked_threads(baseline, "Drain shutdown");
@@ -154,10 +201,14 @@ fn shutdown_policies_settle_every_request_and_leak_no_threads() {
         .unwrap();
     started_rx.recv_timeout(Duration::from_secs(20)).unwrap();
     for i in 0..3u64 {
-        handle.create(0, TransferId(i), TestMachine::new(None)).unwrap();
+        handle
+            .create(0, TransferId(i), TestMachine::new(None))
+            .unwrap();
     }
     let stopper = std::thread::spawn(move || {
-        reactor.shutdown(ShutdownPolicy::Abort { grace: Duration::ZERO })
+        reactor.shutdown(ShutdownPolicy::Abort {
+            grace: Duration::ZERO,
+        })
     });
     // Shutdown closes the latch first; the executor is still blocked, so
     // this loop ends only through the latch. Bounded by the spin limit.
@@ -186,14 +237,20 @@ fn shutdown_policies_settle_every_request_and_leak_no_threads() {
         .collect();
     assert_eq!(queued.len(), 3);
     for c in queued {
-        assert!(matches!(c.outcome, Outcome::Finished { phase, .. } if phase == aborted), "{c:?}");
+        assert!(
+            matches!(c.outcome, Outcome::Finished { phase, .. } if phase == aborted),
+            "{c:?}"
+        );
     }
     drop(handle);
     assert_no_leaked_threads(baseline, "queued creates");
 
     // Dropping a reactor without calling shutdown joins its threads too.
     let reactor = start();
-    reactor.handle().create(1, TransferId(1), TestMachine::new(None)).unwrap();
+    reactor
+        .handle()
+        .create(1, TransferId(1), TestMachine::new(None))
+        .unwrap();
     drop(reactor);
     assert_no_leaked_threads(baseline, "Drop");
 }

@@ -92,7 +92,8 @@ impl Machine for TestMachine {
             Some(deadline) if now >= deadline && !self.phase.is_terminal() => {
                 self.phase = Phase::Expired;
                 self.deadline = None;
-                self.actions.push_back(TestAction::Expired { deadline, now });
+                self.actions
+                    .push_back(TestAction::Expired { deadline, now });
             }
             Some(_) | None => {}
         }
@@ -115,7 +116,11 @@ impl Machine for TestMachine {
     }
 
     fn poll_timeout(&self) -> Option<Instant> {
-        self.fence_until.or(if self.phase.is_terminal() { None } else { self.deadline })
+        self.fence_until.or(if self.phase.is_terminal() {
+            None
+        } else {
+            self.deadline
+        })
     }
 
     fn phase(&self) -> Phase {
