@@ -441,3 +441,24 @@ fn invalid_config_is_refused() {
         "{error}"
     );
 }
+
+#[test]
+fn handles_cross_threads() {
+    fn send_sync<T: Send + Sync + Clone>(value: &T) -> T {
+        value.clone()
+    }
+    let reactor = start(one_executor());
+    let handle = send_sync(&reactor.handle());
+    let from_engine = std::thread::spawn(move || {
+        handle
+            .create(0, TransferId(1), TestMachine::new(None))
+            .map_err(|r| r.error)?;
+        handle
+            .send_event(TransferId(1), TestEvent::Succeed)
+            .map_err(|r| r.error)?;
+        Ok::<_, SubmitError>(recv(&handle))
+    });
+    let done = from_engine.join().unwrap().unwrap();
+    assert_eq!(done.transfer_id, TransferId(1));
+    shut(reactor);
+}
