@@ -115,7 +115,7 @@ pub struct Config {
     pub claim_timeout: Duration,
     /// Length of one lease grant. Renewed every `heartbeat_interval`, so it must exceed it.
     pub lease: Duration,
-    /// P: hard cap on holding blocks for one transfer, counted from the first ready chunk.
+    /// P: hard cap on holding blocks for one transfer, counted from the machine's creation.
     pub hold_limit: Duration,
     /// The transport contract: a write or read posted at `t` touches no memory after
     /// `t + transfer_bound` (the driver reports it failed by then at the latest).

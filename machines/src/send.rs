@@ -121,8 +121,12 @@ struct Live {
     peers: Vec<Peer>,
     chunks: Vec<Chunk>,
     last_seen: bool,
-    /// Time of the first ready chunk: the hold limit counts from it.
+    /// Time of the first ready chunk: the claim counts from it.
     first_chunk_at: Option<Instant>,
+    /// Creation time plus the hold limit. The hold counts from creation, not
+    /// from the first chunk, so that a machine whose engine never produces
+    /// KV still ends: the blocks are allocated from the start.
+    hold_deadline: Instant,
     /// Latest message from any peer or the first chunk, for the claim of
     /// peers not known yet.
     heard_at: Instant,
@@ -175,6 +179,7 @@ impl SendMachine {
                 chunks: Vec::new(),
                 last_seen: false,
                 first_chunk_at: None,
+                hold_deadline: after(now, config.hold_limit),
                 heard_at: now,
                 ops: Vec::new(),
             }),
@@ -414,7 +419,13 @@ impl SendMachine {
             }
             Msg::Done { ok } => {
                 let Some(i) = known else {
-                    return Err(InputError::Peer("Done from an unknown peer"));
+                    if ok {
+                        return Err(InputError::Peer("Done from an unknown peer"));
+                    }
+                    // A D rank that failed before its `Pull` reached us (or
+                    // whose `Pull` was lost): the request is gone.
+                    self.end(now, End::PeerFailed(peer));
+                    return Ok(());
                 };
                 let chunks = live.chunks.len() as u32;
                 let last_seen = live.last_seen;
@@ -453,11 +464,7 @@ impl SendMachine {
         let State::Live(live) = &mut self.state else {
             return;
         };
-        let mut d = self.cfg.lease;
-        if let Some(first) = live.first_chunk_at {
-            let hold_end = after(first, self.cfg.hold_limit);
-            d = d.min(hold_end.saturating_duration_since(now));
-        }
+        let d = self.cfg.lease.min(live.hold_deadline.saturating_duration_since(now));
         if d.is_zero() {
             return;
         }
@@ -607,9 +614,12 @@ impl SendMachine {
         }
     }
 
+    /// The claim (D silent while we hold KV for it) capped by the hold limit.
     fn claim_deadline(&self, live: &Live) -> Option<Instant> {
-        let first = live.first_chunk_at?;
-        let hold = after(first, self.cfg.hold_limit);
+        let hold = live.hold_deadline;
+        if live.first_chunk_at.is_none() {
+            return Some(hold);
+        }
         let all_known = live.receivers_expected.is_some_and(|n| n as usize == live.peers.len());
         let mut claim = if all_known { None } else { Some(after(live.heard_at, self.cfg.claim_timeout)) };
         for p in &live.peers {
