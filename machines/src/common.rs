@@ -163,6 +163,31 @@ impl Default for Config {
 }
 
 impl Config {
+    /// Checks the settings once, when the node starts (machines trust a
+    /// config they are given). A lease no longer than the heartbeat interval
+    /// would lapse between renewals and stall every transfer; a zero bound
+    /// would refuse every request.
+    pub fn validate(&self) -> Result<(), InputError> {
+        if self.lease <= self.heartbeat_interval {
+            return Err(InputError::Misuse(
+                "lease must be longer than heartbeat_interval",
+            ));
+        }
+        if self.max_peers == 0
+            || self.max_chunks == 0
+            || self.max_in_flight == 0
+            || self.max_groups == 0
+            || self.max_blocks_per_group == 0
+            || self.max_lease_requests == 0
+        {
+            return Err(InputError::Misuse("every max_* bound must be at least 1"));
+        }
+        if self.max_chunks > u32::MAX as usize || self.max_blocks_per_group > u32::MAX as usize {
+            return Err(InputError::Misuse("chunk and block bounds must fit in u32"));
+        }
+        Ok(())
+    }
+
     /// How long a granter waits after a lease ran out before it reuses its
     /// blocks: every transfer started under the lease has ended by then.
     pub fn fence(&self) -> Duration {
@@ -403,7 +428,12 @@ pub(crate) struct Drain {
 impl Drain {
     /// Drops expired ops, sends the returns that are due and tells whether
     /// the blocks are free.
-    pub(crate) fn advance(&mut self, now: Instant, fence: Duration, out: &mut VecDeque<(PeerId, Msg)>) -> bool {
+    pub(crate) fn advance(
+        &mut self,
+        now: Instant,
+        fence: Duration,
+        out: &mut VecDeque<(PeerId, Msg)>,
+    ) -> bool {
         self.ops.retain(|op| now < op.deadline);
         let ops = &self.ops;
         let mut i = 0;
@@ -422,7 +452,11 @@ impl Drain {
 
     /// A completion for an op; unknown ones are late and absorbed.
     pub(crate) fn handle_completion(&mut self, peer: PeerId, chunk: u32) {
-        if let Some(i) = self.ops.iter().position(|op| op.peer == peer && op.chunk == chunk) {
+        if let Some(i) = self
+            .ops
+            .iter()
+            .position(|op| op.peer == peer && op.chunk == chunk)
+        {
             self.ops.swap_remove(i);
         }
     }

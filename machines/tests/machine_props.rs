@@ -94,7 +94,9 @@ fn step() -> impl Strategy<Value = Step> {
 /// failure, loss) by deliveries, so that many runs get to the end.
 fn calm(s: Step) -> Step {
     match s {
-        Step::Abort(..) | Step::PeerDead(..) | Step::PlanFailed(..) | Step::Drop(_) => Step::Deliver(0),
+        Step::Abort(..) | Step::PeerDead(..) | Step::PlanFailed(..) | Step::Drop(_) => {
+            Step::Deliver(0)
+        }
         Step::Complete(k, _) => Step::Complete(k, true),
         other => other,
     }
@@ -126,25 +128,40 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         any::<bool>(),
         any::<bool>(),
     )
-        .prop_map(|(mode, n_p, n_d, dst_len, prefix, raw, steps, finale_delivers, chaos)| {
-            let steps = if chaos { steps } else { steps.into_iter().map(calm).collect() };
-            // Cut prefix + dst_len blocks into chunks shaped by `raw`.
-            let total = prefix as usize + dst_len;
-            let mut chunk_sizes = Vec::new();
-            let mut left = total;
-            for r in raw {
-                if left == 0 {
-                    break;
+        .prop_map(
+            |(mode, n_p, n_d, dst_len, prefix, raw, steps, finale_delivers, chaos)| {
+                let steps = if chaos {
+                    steps
+                } else {
+                    steps.into_iter().map(calm).collect()
+                };
+                // Cut prefix + dst_len blocks into chunks shaped by `raw`.
+                let total = prefix as usize + dst_len;
+                let mut chunk_sizes = Vec::new();
+                let mut left = total;
+                for r in raw {
+                    if left == 0 {
+                        break;
+                    }
+                    let s = r.min(left);
+                    chunk_sizes.push(s);
+                    left -= s;
                 }
-                let s = r.min(left);
-                chunk_sizes.push(s);
-                left -= s;
-            }
-            if left > 0 {
-                chunk_sizes.push(left);
-            }
-            Scenario { mode, n_p, n_d, dst_len, prefix, chunk_sizes, steps, finale_delivers }
-        })
+                if left > 0 {
+                    chunk_sizes.push(left);
+                }
+                Scenario {
+                    mode,
+                    n_p,
+                    n_d,
+                    dst_len,
+                    prefix,
+                    chunk_sizes,
+                    steps,
+                    finale_delivers,
+                }
+            },
+        )
 }
 
 #[derive(Clone, Debug)]
@@ -190,9 +207,21 @@ impl World {
     fn new(sc: Scenario) -> Self {
         let cfg = cfg();
         let t0 = Instant::now();
-        let ps = (0..sc.n_p).map(|_| SendMachine::new(t0, &cfg, TransferId(1), sc.mode)).collect();
+        let ps = (0..sc.n_p)
+            .map(|_| SendMachine::new(t0, &cfg, TransferId(1), sc.mode))
+            .collect();
         let ds = (0..sc.n_d)
-            .map(|j| RecvMachine::new(t0, &cfg, TransferId(1), sc.mode, vec![dst_of(j, sc.dst_len)], vec![sc.prefix]).unwrap())
+            .map(|j| {
+                RecvMachine::new(
+                    t0,
+                    &cfg,
+                    TransferId(1),
+                    sc.mode,
+                    vec![dst_of(j, sc.dst_len)],
+                    vec![sc.prefix],
+                )
+                .unwrap()
+            })
             .collect();
         World {
             cfg,
@@ -224,13 +253,24 @@ impl World {
         let bound = self.cfg.transfer_bound;
         for t in &self.transfers {
             if t.toucher == n || t.granter == n {
-                let physically_done = t.completed_at.is_some_and(|c| c <= now) || t.posted_at + bound <= now;
-                assert!(physically_done, "{n:?} released at {:?} while {t:?} may still touch its blocks", now - self.t0);
+                let physically_done =
+                    t.completed_at.is_some_and(|c| c <= now) || t.posted_at + bound <= now;
+                assert!(
+                    physically_done,
+                    "{n:?} released at {:?} while {t:?} may still touch its blocks",
+                    now - self.t0
+                );
             }
         }
     }
 
-    fn start_transfer(&mut self, toucher: Node, granter: Node, chunk: u32, dst_blocks: Vec<BlockId>) {
+    fn start_transfer(
+        &mut self,
+        toucher: Node,
+        granter: Node,
+        chunk: u32,
+        dst_blocks: Vec<BlockId>,
+    ) {
         let until = self.granted_until.get(&(granter, toucher)).copied();
         assert!(
             until.is_some_and(|u| self.now < u),
@@ -238,9 +278,22 @@ impl World {
             self.now - self.t0,
             until.map(|u| u - self.t0)
         );
-        assert!(!self.is_released(granter), "{toucher:?} touches {granter:?} after it released");
-        assert!(!self.is_released(toucher), "{toucher:?} started a transfer after its own release");
-        self.transfers.push(Transfer { toucher, granter, chunk, dst_blocks, posted_at: self.now, completed_at: None });
+        assert!(
+            !self.is_released(granter),
+            "{toucher:?} touches {granter:?} after it released"
+        );
+        assert!(
+            !self.is_released(toucher),
+            "{toucher:?} started a transfer after its own release"
+        );
+        self.transfers.push(Transfer {
+            toucher,
+            granter,
+            chunk,
+            dst_blocks,
+            posted_at: self.now,
+            completed_at: None,
+        });
     }
 
     fn route_p(&mut self, i: usize) {
@@ -249,9 +302,18 @@ impl World {
                 send::Action::Send { peer, msg } => {
                     let j = (peer.0 - 200) as usize;
                     self.note_grant(Node::P(i), Node::D(j), &msg);
-                    self.net.push(Packet { from: Node::P(i), to: Node::D(j), msg });
+                    self.net.push(Packet {
+                        from: Node::P(i),
+                        to: Node::D(j),
+                        msg,
+                    });
                 }
-                send::Action::Write { peer, chunk, src_blocks, dst_blocks } => {
+                send::Action::Write {
+                    peer,
+                    chunk,
+                    src_blocks,
+                    dst_blocks,
+                } => {
                     assert_eq!(self.sc.mode, Mode::Push);
                     assert_eq!(src_blocks[0].len(), dst_blocks[0].len());
                     let j = (peer.0 - 200) as usize;
@@ -272,9 +334,18 @@ impl World {
                 recv::Action::Send { peer, msg } => {
                     let i = (peer.0 - 100) as usize;
                     self.note_grant(Node::D(j), Node::P(i), &msg);
-                    self.net.push(Packet { from: Node::D(j), to: Node::P(i), msg });
+                    self.net.push(Packet {
+                        from: Node::D(j),
+                        to: Node::P(i),
+                        msg,
+                    });
                 }
-                recv::Action::Read { peer, chunk, src_blocks, dst_blocks } => {
+                recv::Action::Read {
+                    peer,
+                    chunk,
+                    src_blocks,
+                    dst_blocks,
+                } => {
                     assert_eq!(self.sc.mode, Mode::Pull);
                     assert_eq!(src_blocks[0].len(), dst_blocks[0].len());
                     let i = (peer.0 - 100) as usize;
@@ -285,12 +356,18 @@ impl World {
                     let all: BTreeSet<BlockId> = dst_of(j, self.sc.dst_len).into_iter().collect();
                     for i in 0..self.sc.n_p {
                         let got = self.landed.get(&(i, j)).cloned().unwrap_or_default();
-                        assert!(got.is_superset(&all), "D{j} reports Received but P{i} delivered only {got:?}");
+                        assert!(
+                            got.is_superset(&all),
+                            "D{j} reports Received but P{i} delivered only {got:?}"
+                        );
                     }
                     self.mark_release(Node::D(j));
                 }
                 recv::Action::LoadFailed { block_ids } => {
-                    assert!(matches!(self.ds[j].phase(), Phase::Failed(_) | Phase::Expired));
+                    assert!(matches!(
+                        self.ds[j].phase(),
+                        Phase::Failed(_) | Phase::Expired
+                    ));
                     assert_eq!(block_ids, dst_of(j, self.sc.dst_len));
                     self.mark_release(Node::D(j));
                 }
@@ -315,14 +392,22 @@ impl World {
 
     fn check_all(&self) {
         for (i, p) in self.ps.iter().enumerate() {
-            assert_eq!(p.phase().is_terminal(), self.is_released(Node::P(i)), "P{i} phase vs release");
+            assert_eq!(
+                p.phase().is_terminal(),
+                self.is_released(Node::P(i)),
+                "P{i} phase vs release"
+            );
             assert_eq!(p.is_released(), self.is_released(Node::P(i)));
             if let Some(t) = p.poll_timeout() {
                 assert!(t > self.now, "P{i} has an overdue deadline");
             }
         }
         for (j, d) in self.ds.iter().enumerate() {
-            assert_eq!(d.phase().is_terminal(), self.is_released(Node::D(j)), "D{j} phase vs report");
+            assert_eq!(
+                d.phase().is_terminal(),
+                self.is_released(Node::D(j)),
+                "D{j} phase vs report"
+            );
             assert_eq!(d.is_reported(), self.is_released(Node::D(j)));
             if let Some(t) = d.poll_timeout() {
                 assert!(t > self.now, "D{j} has an overdue deadline");
@@ -334,12 +419,24 @@ impl World {
         let now = self.now;
         match (pkt.from, pkt.to) {
             (Node::D(j), Node::P(i)) => {
-                let r = self.ps[i].handle_event(now, send::Event::Msg { peer: d_id(j), msg: pkt.msg.clone() });
+                let r = self.ps[i].handle_event(
+                    now,
+                    send::Event::Msg {
+                        peer: d_id(j),
+                        msg: pkt.msg.clone(),
+                    },
+                );
                 assert_eq!(r, Ok(()), "honest {:?} from D{j} refused by P{i}", pkt.msg);
                 self.route_p(i);
             }
             (Node::P(i), Node::D(j)) => {
-                let r = self.ds[j].handle_event(now, recv::Event::Msg { peer: p_id(i), msg: pkt.msg.clone() });
+                let r = self.ds[j].handle_event(
+                    now,
+                    recv::Event::Msg {
+                        peer: p_id(i),
+                        msg: pkt.msg.clone(),
+                    },
+                );
                 assert_eq!(r, Ok(()), "honest {:?} from P{i} refused by D{j}", pkt.msg);
                 self.route_d(j);
             }
@@ -366,12 +463,26 @@ impl World {
         let now = self.now;
         match (toucher, granter) {
             (Node::P(i), Node::D(j)) => {
-                let r = self.ps[i].handle_event(now, send::Event::WriteDone { peer: d_id(j), chunk, ok });
+                let r = self.ps[i].handle_event(
+                    now,
+                    send::Event::WriteDone {
+                        peer: d_id(j),
+                        chunk,
+                        ok,
+                    },
+                );
                 assert_eq!(r, Ok(()), "completion refused by P{i}");
                 self.route_p(i);
             }
             (Node::D(j), Node::P(i)) => {
-                let r = self.ds[j].handle_event(now, recv::Event::ReadDone { peer: p_id(i), chunk, ok });
+                let r = self.ds[j].handle_event(
+                    now,
+                    recv::Event::ReadDone {
+                        peer: p_id(i),
+                        chunk,
+                        ok,
+                    },
+                );
                 assert_eq!(r, Ok(()), "completion refused by D{j}");
                 self.route_d(j);
             }
@@ -424,20 +535,40 @@ impl World {
     }
 
     fn in_flight(&self) -> Vec<usize> {
-        (0..self.transfers.len()).filter(|&k| self.transfers[k].completed_at.is_none()).collect()
+        (0..self.transfers.len())
+            .filter(|&k| self.transfers[k].completed_at.is_none())
+            .collect()
     }
 
     fn junk_msg(kind: u8, x: u64) -> Msg {
         match kind {
-            0 => Msg::Pull { receivers_expected: x as u16, dst_blocks: vec![vec![BlockId(x as u32)]], prefix_blocks: vec![0], lease_seq: Some(x) },
-            1 => Msg::Ready { chunk: x as u32, start_blocks: vec![0], src_blocks: vec![vec![BlockId(7)]], is_last: x % 2 == 0 },
+            0 => Msg::Pull {
+                receivers_expected: x as u16,
+                dst_blocks: vec![vec![BlockId(x as u32)]],
+                prefix_blocks: vec![0],
+                lease_seq: Some(x),
+            },
+            1 => Msg::Ready {
+                chunk: x as u32,
+                start_blocks: vec![0],
+                src_blocks: vec![vec![BlockId(7)]],
+                is_last: x % 2 == 0,
+            },
             2 => Msg::LeaseRequest { seq: x },
-            3 => Msg::LeaseGrant { seq: x + 1000, duration_ms: 5_000 },
+            3 => Msg::LeaseGrant {
+                seq: x + 1000,
+                duration_ms: 5_000,
+            },
             4 => Msg::Status { ok: x % 2 == 0 },
             5 => Msg::Done { ok: x % 2 == 0 },
             6 => Msg::Abort,
             7 => Msg::AbortAck,
-            _ => Msg::Ready { chunk: u32::MAX, start_blocks: vec![], src_blocks: vec![vec![]; 100], is_last: true },
+            _ => Msg::Ready {
+                chunk: u32::MAX,
+                start_blocks: vec![],
+                src_blocks: vec![vec![]; 100],
+                is_last: true,
+            },
         }
     }
 
@@ -471,21 +602,41 @@ impl World {
             Step::StaleCompletion(k) => {
                 // A completion delivered twice: a live machine refuses it as misuse
                 // without changing; a finished one absorbs it.
-                let done: Vec<usize> = (0..self.transfers.len()).filter(|&k| self.transfers[k].completed_at.is_some()).collect();
+                let done: Vec<usize> = (0..self.transfers.len())
+                    .filter(|&k| self.transfers[k].completed_at.is_some())
+                    .collect();
                 if let Some(&k) = done.get(k % done.len().max(1)) {
                     let t = self.transfers[k].clone();
                     match (t.toucher, t.granter) {
                         (Node::P(i), Node::D(j)) => {
                             let mut m = self.ps[i].clone();
                             let before = format!("{m:?}");
-                            if m.handle_event(now, send::Event::WriteDone { peer: d_id(j), chunk: t.chunk, ok: true }).is_err() {
+                            if m.handle_event(
+                                now,
+                                send::Event::WriteDone {
+                                    peer: d_id(j),
+                                    chunk: t.chunk,
+                                    ok: true,
+                                },
+                            )
+                            .is_err()
+                            {
                                 assert_eq!(before, format!("{m:?}"));
                             }
                         }
                         (Node::D(j), Node::P(i)) => {
                             let mut m = self.ds[j].clone();
                             let before = format!("{m:?}");
-                            if m.handle_event(now, recv::Event::ReadDone { peer: p_id(i), chunk: t.chunk, ok: true }).is_err() {
+                            if m.handle_event(
+                                now,
+                                recv::Event::ReadDone {
+                                    peer: p_id(i),
+                                    chunk: t.chunk,
+                                    ok: true,
+                                },
+                            )
+                            .is_err()
+                            {
                                 assert_eq!(before, format!("{m:?}"));
                             }
                         }
@@ -499,10 +650,18 @@ impl World {
                 if given < self.sc.chunk_sizes.len() {
                     let start: usize = self.sc.chunk_sizes[..given].iter().sum();
                     let size = self.sc.chunk_sizes[given];
-                    let src = (start..start + size).map(|b| BlockId((i * 100 + b) as u32)).collect();
+                    let src = (start..start + size)
+                        .map(|b| BlockId((i * 100 + b) as u32))
+                        .collect();
                     let is_last = given + 1 == self.sc.chunk_sizes.len();
                     self.chunks_given[i] += 1;
-                    let r = self.ps[i].handle_event(now, send::Event::ChunkReady { src_blocks: vec![src], is_last });
+                    let r = self.ps[i].handle_event(
+                        now,
+                        send::Event::ChunkReady {
+                            src_blocks: vec![src],
+                            is_last,
+                        },
+                    );
                     assert_eq!(r, Ok(()));
                     self.route_p(i);
                 }
@@ -511,14 +670,23 @@ impl World {
                 let j = j % self.sc.n_d;
                 if !self.resolved[j] {
                     self.resolved[j] = true;
-                    let peers = (0..self.sc.n_p).map(|i| ResolvedPeer { peer: p_id(i), receivers_expected: self.sc.n_d as u16 }).collect();
+                    let peers = (0..self.sc.n_p)
+                        .map(|i| ResolvedPeer {
+                            peer: p_id(i),
+                            receivers_expected: self.sc.n_d as u16,
+                        })
+                        .collect();
                     let r = self.ds[j].handle_event(now, recv::Event::PeersResolved { peers });
                     assert_eq!(r, Ok(()));
                     self.route_d(j);
                 }
             }
             Step::Abort(side, k, r) => {
-                let reason = [AbortReason::Engine, AbortReason::ClientDisconnect, AbortReason::Shutdown][r as usize];
+                let reason = [
+                    AbortReason::Engine,
+                    AbortReason::ClientDisconnect,
+                    AbortReason::Shutdown,
+                ][r as usize];
                 let n = self.pick(side, k);
                 match n {
                     Node::P(i) => self.ps[i].abort(now, reason),
@@ -532,12 +700,20 @@ impl World {
                 let r = match n {
                     Node::P(i) => {
                         let peer = d_id(p % (self.sc.n_d + 1));
-                        let e = if dead { send::Event::PeerDead { peer } } else { send::Event::PlanFailed { peer } };
+                        let e = if dead {
+                            send::Event::PeerDead { peer }
+                        } else {
+                            send::Event::PlanFailed { peer }
+                        };
                         self.ps[i].handle_event(now, e)
                     }
                     Node::D(j) => {
                         let peer = p_id(p % (self.sc.n_p + 1));
-                        let e = if dead { recv::Event::PeerDead { peer } } else { recv::Event::PlanFailed { peer } };
+                        let e = if dead {
+                            recv::Event::PeerDead { peer }
+                        } else {
+                            recv::Event::PlanFailed { peer }
+                        };
                         self.ds[j].handle_event(now, e)
                     }
                 };
@@ -561,7 +737,15 @@ impl World {
                     Node::P(i) => {
                         let mut m = self.ps[i].clone();
                         let before = format!("{m:?}");
-                        if m.handle_event(now, send::Event::Msg { peer: d_id(p % 5), msg }).is_err() {
+                        if m.handle_event(
+                            now,
+                            send::Event::Msg {
+                                peer: d_id(p % 5),
+                                msg,
+                            },
+                        )
+                        .is_err()
+                        {
                             assert_eq!(before, format!("{m:?}"), "refused junk changed P{i}");
                         }
                         while m.poll_action().is_some() {}
@@ -569,7 +753,15 @@ impl World {
                     Node::D(j) => {
                         let mut m = self.ds[j].clone();
                         let before = format!("{m:?}");
-                        if m.handle_event(now, recv::Event::Msg { peer: p_id(p % 5), msg }).is_err() {
+                        if m.handle_event(
+                            now,
+                            recv::Event::Msg {
+                                peer: p_id(p % 5),
+                                msg,
+                            },
+                        )
+                        .is_err()
+                        {
                             assert_eq!(before, format!("{m:?}"), "refused junk changed D{j}");
                         }
                         while m.poll_action().is_some() {}
@@ -610,19 +802,38 @@ impl World {
             }
         }
         let c = self.cfg;
-        let bound = c.bootstrap_timeout + c.waiting_timeout + c.hold_limit + c.lease + c.fence() + c.transfer_bound;
-        assert!(self.now <= start + bound, "took {:?} after the last input", self.now - start);
+        let bound = c.bootstrap_timeout
+            + c.waiting_timeout
+            + c.hold_limit
+            + c.lease
+            + c.fence()
+            + c.transfer_bound;
+        assert!(
+            self.now <= start + bound,
+            "took {:?} after the last input",
+            self.now - start
+        );
         for i in 0..self.sc.n_p {
-            assert!(self.is_released(Node::P(i)), "P{i} never released (phase {:?})", self.ps[i].phase());
+            assert!(
+                self.is_released(Node::P(i)),
+                "P{i} never released (phase {:?})",
+                self.ps[i].phase()
+            );
         }
         for j in 0..self.sc.n_d {
-            assert!(self.is_released(Node::D(j)), "D{j} never reported (phase {:?})", self.ds[j].phase());
+            assert!(
+                self.is_released(Node::D(j)),
+                "D{j} never reported (phase {:?})",
+                self.ds[j].phase()
+            );
         }
     }
 }
 
 fn dst_of(j: usize, len: usize) -> Vec<BlockId> {
-    (0..len).map(|k| BlockId((1000 + j * 100 + k) as u32)).collect()
+    (0..len)
+        .map(|k| BlockId((1000 + j * 100 + k) as u32))
+        .collect()
 }
 
 fn run(sc: Scenario) -> World {
@@ -661,17 +872,27 @@ fn random_runs_cover_every_outcome() {
         let w = run(sc);
         transfers += w.transfers.len();
         for p in &w.ps {
-            *seen.entry((mode.clone(), format!("P {:?}", p.phase()))).or_default() += 1;
+            *seen
+                .entry((mode.clone(), format!("P {:?}", p.phase())))
+                .or_default() += 1;
         }
         for d in &w.ds {
-            *seen.entry((mode.clone(), format!("D {:?}", d.phase()))).or_default() += 1;
+            *seen
+                .entry((mode.clone(), format!("D {:?}", d.phase())))
+                .or_default() += 1;
         }
     }
     eprintln!("{transfers} transfers; outcomes: {seen:?}");
     assert!(transfers > 500, "only {transfers} transfers started");
     for mode in ["Push", "Pull"] {
         for side in ["P", "D"] {
-            for phase in ["Success", "Expired", "Failed(Aborted", "Failed(PeerDead)", "Failed(PeerAborted)"] {
+            for phase in [
+                "Success",
+                "Expired",
+                "Failed(Aborted",
+                "Failed(PeerDead)",
+                "Failed(PeerAborted)",
+            ] {
                 let n: usize = seen
                     .iter()
                     .filter(|((m, p), _)| m == mode && p.starts_with(&format!("{side} {phase}")))
