@@ -201,6 +201,10 @@ struct World {
     released_at: BTreeMap<Node, (Instant, usize)>,
     /// Blocks landed in D's memory from each P: (p, d) -> blocks.
     landed: BTreeMap<(usize, usize), BTreeSet<BlockId>>,
+    /// Junk reaches the real machines: a lying peer can break safety (it may
+    /// claim data it never sent), so only exactly-once, the phase/release
+    /// agreement, deadlines and liveness are checked.
+    hostile: bool,
 }
 
 impl World {
@@ -236,6 +240,7 @@ impl World {
             granted_until: BTreeMap::new(),
             released_at: BTreeMap::new(),
             landed: BTreeMap::new(),
+            hostile: false,
             sc,
         }
     }
@@ -249,6 +254,9 @@ impl World {
         let e = self.released_at.entry(n).or_insert((now, 0));
         e.1 += 1;
         assert_eq!(e.1, 1, "{n:?} released twice");
+        if self.hostile {
+            return;
+        }
         // No transfer touching this node's blocks may still be able to land.
         let bound = self.cfg.transfer_bound;
         for t in &self.transfers {
@@ -272,6 +280,17 @@ impl World {
         dst_blocks: Vec<BlockId>,
     ) {
         let until = self.granted_until.get(&(granter, toucher)).copied();
+        self.transfers.push(Transfer {
+            toucher,
+            granter,
+            chunk,
+            dst_blocks,
+            posted_at: self.now,
+            completed_at: None,
+        });
+        if self.hostile {
+            return;
+        }
         assert!(
             until.is_some_and(|u| self.now < u),
             "{toucher:?} started a transfer on {granter:?} at {:?} outside any lease (granted until {:?})",
@@ -286,14 +305,6 @@ impl World {
             !self.is_released(toucher),
             "{toucher:?} started a transfer after its own release"
         );
-        self.transfers.push(Transfer {
-            toucher,
-            granter,
-            chunk,
-            dst_blocks,
-            posted_at: self.now,
-            completed_at: None,
-        });
     }
 
     fn route_p(&mut self, i: usize) {
@@ -301,6 +312,10 @@ impl World {
             match a {
                 send::Action::Send { peer, msg } => {
                     let j = (peer.0 - 200) as usize;
+                    if j >= self.sc.n_d {
+                        assert!(self.hostile, "P{i} addresses a D rank that does not exist");
+                        continue;
+                    }
                     self.note_grant(Node::P(i), Node::D(j), &msg);
                     self.net.push(Packet {
                         from: Node::P(i),
@@ -317,6 +332,10 @@ impl World {
                     assert_eq!(self.sc.mode, Mode::Push);
                     assert_eq!(src_blocks[0].len(), dst_blocks[0].len());
                     let j = (peer.0 - 200) as usize;
+                    if j >= self.sc.n_d {
+                        assert!(self.hostile, "P{i} addresses a D rank that does not exist");
+                        continue;
+                    }
                     self.start_transfer(Node::P(i), Node::D(j), chunk, dst_blocks[0].clone());
                 }
                 send::Action::ReleaseBlocks { outcome } => {
@@ -333,6 +352,10 @@ impl World {
             match a {
                 recv::Action::Send { peer, msg } => {
                     let i = (peer.0 - 100) as usize;
+                    if i >= self.sc.n_p {
+                        assert!(self.hostile, "D{j} addresses a P rank that does not exist");
+                        continue;
+                    }
                     self.note_grant(Node::D(j), Node::P(i), &msg);
                     self.net.push(Packet {
                         from: Node::D(j),
@@ -349,12 +372,16 @@ impl World {
                     assert_eq!(self.sc.mode, Mode::Pull);
                     assert_eq!(src_blocks[0].len(), dst_blocks[0].len());
                     let i = (peer.0 - 100) as usize;
+                    if i >= self.sc.n_p {
+                        assert!(self.hostile, "D{j} addresses a P rank that does not exist");
+                        continue;
+                    }
                     self.start_transfer(Node::D(j), Node::P(i), chunk, dst_blocks[0].clone());
                 }
                 recv::Action::Received => {
                     assert_eq!(self.ds[j].phase(), Phase::Success);
                     let all: BTreeSet<BlockId> = dst_of(j, self.sc.dst_len).into_iter().collect();
-                    for i in 0..self.sc.n_p {
+                    for i in (0..self.sc.n_p).filter(|_| !self.hostile) {
                         let got = self.landed.get(&(i, j)).cloned().unwrap_or_default();
                         assert!(
                             got.is_superset(&all),
@@ -426,7 +453,11 @@ impl World {
                         msg: pkt.msg.clone(),
                     },
                 );
-                assert_eq!(r, Ok(()), "honest {:?} from D{j} refused by P{i}", pkt.msg);
+                assert!(
+                    self.hostile || r.is_ok(),
+                    "honest {:?} from D{j} refused by P{i}: {r:?}",
+                    pkt.msg
+                );
                 self.route_p(i);
             }
             (Node::P(i), Node::D(j)) => {
@@ -437,7 +468,11 @@ impl World {
                         msg: pkt.msg.clone(),
                     },
                 );
-                assert_eq!(r, Ok(()), "honest {:?} from P{i} refused by D{j}", pkt.msg);
+                assert!(
+                    self.hostile || r.is_ok(),
+                    "honest {:?} from P{i} refused by D{j}: {r:?}",
+                    pkt.msg
+                );
                 self.route_d(j);
             }
             (from, to) => panic!("no link {from:?} -> {to:?}"),
@@ -733,6 +768,27 @@ impl World {
                 // an accepted one is a lie we cannot defend against, so the
                 // clone is thrown away either way. Nothing may panic.
                 let msg = Self::junk_msg(kind, x);
+                if self.hostile {
+                    let n = self.pick(side, k);
+                    let _ = match n {
+                        Node::P(i) => self.ps[i].handle_event(
+                            now,
+                            send::Event::Msg {
+                                peer: d_id(p % 5),
+                                msg,
+                            },
+                        ),
+                        Node::D(j) => self.ds[j].handle_event(
+                            now,
+                            recv::Event::Msg {
+                                peer: p_id(p % 5),
+                                msg,
+                            },
+                        ),
+                    };
+                    self.route(n);
+                    return;
+                }
                 match self.pick(side, k) {
                     Node::P(i) => {
                         let mut m = self.ps[i].clone();
@@ -837,8 +893,13 @@ fn dst_of(j: usize, len: usize) -> Vec<BlockId> {
 }
 
 fn run(sc: Scenario) -> World {
+    run_with(sc, false)
+}
+
+fn run_with(sc: Scenario, hostile: bool) -> World {
     let steps = sc.steps.clone();
     let mut w = World::new(sc);
+    w.hostile = hostile;
     w.check_all();
     for s in &steps {
         w.apply(s);
@@ -854,6 +915,13 @@ proptest! {
     #[test]
     fn invariants_hold_for_random_pairs(sc in scenario()) {
         run(sc);
+    }
+
+    /// Peers that send junk into the live machines: nothing panics, every
+    /// machine still releases exactly once and by its deadlines.
+    #[test]
+    fn hostile_peers_cannot_break_exactly_once_or_liveness(sc in scenario()) {
+        run_with(sc, true);
     }
 }
 
