@@ -10,13 +10,20 @@ use std::time::{Duration, Instant};
 pub struct TransferId(pub u64);
 
 /// What `poll()` reports for a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// A machine turns terminal in the same call that queues its release
+/// (`ReleaseBlocks` on P, `Received`/`LoadFailed` on D), never earlier: an
+/// engine that frees a request's blocks when it sees a terminal phase is
+/// safe. A request whose outcome is decided but whose blocks may still be
+/// touched (in-flight transfers, a lease not yet returned or fenced) keeps
+/// reporting `Transferring`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Phase {
     /// Peer not known yet.
     Bootstrapping,
     /// Peer known, waiting for the KV (P) or for the data (D).
     WaitingForInput,
-    /// Descriptors in flight.
+    /// Transfers in flight, or the end of a failed request being fenced.
     Transferring,
     /// All paired peers confirmed.
     Success,
@@ -42,15 +49,16 @@ impl Phase {
 pub enum FailReason {
     /// The data plane reported an error for one of our batches.
     Transport,
-    /// The peer reported a failure in its `Status`.
+    /// The peer reported a failure (`Status{ok: false}` or `Done{ok: false}`).
     PeerReported,
-    /// The peer missed its heartbeats or its connection dropped.
+    /// The driver declared the peer dead (missed heartbeats, connection dropped).
     PeerDead,
     /// The peer aborted the transfer.
     PeerAborted,
     /// The request was aborted locally.
     Aborted(AbortReason),
-    /// Layouts or block lists do not fit together (planner rejected them).
+    /// Layouts or block lists do not fit together (the planner rejected
+    /// them, or P has more blocks than D's destination list can take).
     BadMetadata,
 }
 
