@@ -988,3 +988,33 @@ fn hold_limit_bounds_a_machine_whose_kv_never_comes() {
     assert_eq!(now, t0 + secs(480));
     assert_eq!(m.phase(), Phase::Expired);
 }
+
+#[test]
+fn push_fewer_blocks_than_destination_is_bad_metadata() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5, 6, 7], 0, None)));
+    ev(&mut m, t0, msg(D0, grant(0)));
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[1], false)),
+        vec![write(D0, 0, &[1], &[5])]
+    );
+    // The request ends one block short of D's list: D would keep a block without KV.
+    assert_eq!(ev(&mut m, t0, chunk(&[2], true)), vec![]);
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![
+            send(D0, Msg::Status { ok: false }),
+            release(Phase::Failed(FailReason::BadMetadata))
+        ]
+    );
+}
