@@ -13,6 +13,8 @@
 //!   mode), and exactly once the outcome: [`Action::Received`] or
 //!   [`Action::LoadFailed`]. After either, the destination blocks are the
 //!   engine's again: no P write or D read can touch them anymore.
+//! * Messages come from the P ranks listed in `PeersResolved` only; the
+//!   driver maps each sender to the [`PeerId`] it used there.
 //! * [`RecvMachine::phase`] turns terminal in the same call that queues the
 //!   outcome. While a failed transfer waits for leases to run out plus the
 //!   fence (the D-side fence), the phase stays `Transferring`.

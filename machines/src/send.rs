@@ -2,9 +2,13 @@
 //!
 //! # Contract
 //!
-//! * Create it with [`SendMachine::new`] when the engine knows the request
-//!   (before or after D's `Pull` arrives: messages for unknown transfers are
-//!   the driver's to buffer or to create the machine for).
+//! * Create it with [`SendMachine::new`] when the engine knows the request,
+//!   or when D's first `Pull` for the transfer arrives, whichever comes
+//!   first: `new` needs nothing from the engine, and chunks may follow later.
+//! * After `ReleaseBlocks` the driver may drop the machine. It should then
+//!   answer a late `Pull` for that transfer with `Abort` (from a bounded
+//!   memory of finished transfer ids), so that a late D rank fails fast
+//!   instead of waiting for its deadline.
 //! * Feed [`Event`]s: D's messages ([`Event::Msg`]), KV chunks as the engine
 //!   finishes them ([`Event::ChunkReady`], the last one flagged; a whole
 //!   request is one chunk with `is_last`), completions of the writes it
