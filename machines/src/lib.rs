@@ -25,6 +25,8 @@ pub mod recv;
 pub mod send;
 
 pub use common::{AbortReason, FailReason, InputError, Phase, TransferId};
+pub use recv::RecvMachine;
+pub use send::SendMachine;
 
 use std::time::Instant;
 
