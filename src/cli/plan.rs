@@ -23,7 +23,7 @@ pub fn main(argv: &[String]) -> ExitCode {
     };
     let text = match read_spec(path) {
         Ok(text) => text,
-        Err(e) => return fail(&SpecError::Io(e).to_string()),
+        Err(e) => return fail(&format!("{path}: {}", SpecError::Io(e))),
     };
     let plan = match plan_from_json(&text) {
         Ok(plan) => plan,
