@@ -679,16 +679,25 @@ impl PairLayout {
         }
         out.reserve(estimate.min(limits.descriptors_max));
 
+        // Descriptors never need merging after the fact: two copies abut on
+        // both sides only when they are whole blocks consecutive on both
+        // sides, which is exactly a run, and a run is emitted as one copy.
+        // (Token slices of NHD abut only when they are whole rows on both
+        // sides, and `region_map` then copies the whole block instead.)
+        // Copies of different regions never merge either: each region is its
+        // own memory registration, and a descriptor must stay inside one.
+        let longest_run = scratch.runs.iter().map(|r| r.len).max().unwrap_or(0);
         let mut sink = Sink {
             out,
-            region_first: 0,
             bytes_max: limits.batch_bytes_max,
             descriptors_max: limits.descriptors_max,
         };
         for map in &self.regions {
-            // Copies never merge across regions: each region is its own
-            // memory registration, and one descriptor must stay inside one.
-            sink.region_first = sink.out.len();
+            if map.whole_blocks && map.len.saturating_mul(longest_run) <= limits.batch_bytes_max {
+                // The hot path: one copy per run, none over the byte limit.
+                sink.extend_runs(map, &scratch.runs)?;
+                continue;
+            }
             for run in &scratch.runs {
                 // Validation bounds every address below: a block id is below
                 // num_blocks and the region's last byte fits in u64.
@@ -790,7 +799,8 @@ fn check_disjoint(runs: &[Run], spans: &mut Vec<(u64, u64)>) -> Result<(), PlanE
 }
 
 /// Emits the copies of `count` consecutive blocks whose first copy starts at
-/// `src`/`dst`, slice by slice; [`Sink::emit`] merges adjacent ones.
+/// `src`/`dst`, slice by slice. None of them abut (see `fill`), so each is
+/// its own descriptor.
 #[inline]
 fn emit_blocks(
     sink: &mut Sink<'_>,
@@ -819,42 +829,26 @@ fn emit_blocks(
     Ok(())
 }
 
-/// Appends descriptors, merging each with the previous one when both its
-/// source and destination continue it, and cutting them at the batch byte
-/// limit so every descriptor fits in a batch.
+/// Appends descriptors, cutting them at the batch byte limit so every
+/// descriptor fits in a batch, and refusing to grow past `descriptors_max`.
 struct Sink<'a> {
     out: &'a mut Vec<Descriptor>,
-    region_first: usize,
     bytes_max: u64,
     descriptors_max: usize,
 }
 
 impl Sink<'_> {
+    fn too_many(&self) -> PlanError {
+        PlanError::TooManyDescriptors {
+            max: self.descriptors_max,
+        }
+    }
+
     #[inline]
     fn emit(&mut self, mut src: u64, mut dst: u64, mut len: u64) -> Result<(), PlanError> {
-        if self.out.len() > self.region_first {
-            if let Some(last) = self.out.last_mut() {
-                // A copy may end at the very top of the address space, so
-                // its end is computed checked.
-                if last.src.checked_add(last.len) == Some(src)
-                    && last.dst.checked_add(last.len) == Some(dst)
-                {
-                    let take = (self.bytes_max - last.len).min(len);
-                    last.len += take;
-                    if take == len {
-                        return Ok(());
-                    }
-                    src += take;
-                    dst += take;
-                    len -= take;
-                }
-            }
-        }
         while len > 0 {
             if self.out.len() >= self.descriptors_max {
-                return Err(PlanError::TooManyDescriptors {
-                    max: self.descriptors_max,
-                });
+                return Err(self.too_many());
             }
             let take = len.min(self.bytes_max);
             self.out.push(Descriptor {
@@ -868,6 +862,23 @@ impl Sink<'_> {
             src = src.wrapping_add(take);
             dst = dst.wrapping_add(take);
         }
+        Ok(())
+    }
+
+    /// One copy per run of whole blocks; the caller checked that none
+    /// exceeds the byte limit. A single `extend` over a slice iterator lets
+    /// the compiler drop the per-element capacity check.
+    fn extend_runs(&mut self, map: &RegionMap, runs: &[Run]) -> Result<(), PlanError> {
+        if self.descriptors_max - self.out.len().min(self.descriptors_max) < runs.len() {
+            return Err(self.too_many());
+        }
+        // Validation bounds every address: block ids are below num_blocks
+        // and the region's last byte fits in u64.
+        self.out.extend(runs.iter().map(|run| Descriptor {
+            src: map.src_base + run.src * map.src_block_len + map.src_off,
+            dst: map.dst_base + run.dst * map.dst_block_len + map.dst_off,
+            len: map.len * run.len,
+        }));
         Ok(())
     }
 }
