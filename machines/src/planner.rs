@@ -616,16 +616,21 @@ impl PairLayout {
         limits: &BatchLimits,
         out: &mut Plan,
     ) -> Result<(), PlanError> {
+        out.descriptors.clear();
         out.batches.clear();
-        self.descriptors_into(
+        let result = self.fill(
             prefill_blocks,
             decode_blocks,
             limits,
             &mut out.scratch,
             &mut out.descriptors,
-        )?;
-        split_batches(&out.descriptors, limits, &mut out.batches);
-        Ok(())
+            Some(&mut out.batches),
+        );
+        if result.is_err() {
+            out.descriptors.clear();
+            out.batches.clear();
+        }
+        result
     }
 
     /// Like [`PairLayout::plan_into`], but only the descriptors, into a
@@ -640,7 +645,7 @@ impl PairLayout {
         out: &mut Vec<Descriptor>,
     ) -> Result<(), PlanError> {
         out.clear();
-        let result = self.fill(prefill_blocks, decode_blocks, limits, scratch, out);
+        let result = self.fill(prefill_blocks, decode_blocks, limits, scratch, out, None);
         if result.is_err() {
             out.clear();
         }
@@ -654,6 +659,7 @@ impl PairLayout {
         limits: &BatchLimits,
         scratch: &mut Scratch,
         out: &mut Vec<Descriptor>,
+        batches: Option<&mut Vec<Batch>>,
     ) -> Result<(), PlanError> {
         if limits.batch_descriptors_max == 0 || limits.batch_bytes_max == 0 {
             return Err(PlanError::ZeroBatchLimit);
@@ -687,15 +693,21 @@ impl PairLayout {
         // Copies of different regions never merge either: each region is its
         // own memory registration, and a descriptor must stay inside one.
         let longest_run = scratch.runs.iter().map(|r| r.len).max().unwrap_or(0);
+        // Batches are cut while the descriptors just written are still in
+        // cache: a separate pass would read the whole plan back from memory.
         let mut sink = Sink {
             out,
             bytes_max: limits.batch_bytes_max,
             descriptors_max: limits.descriptors_max,
+            batches,
+            batcher: Batcher::default(),
+            limits,
         };
         for map in &self.regions {
             if map.whole_blocks && map.len.saturating_mul(longest_run) <= limits.batch_bytes_max {
                 // The hot path: one copy per run, none over the byte limit.
                 sink.extend_runs(map, &scratch.runs)?;
+                sink.cut_batches();
                 continue;
             }
             for run in &scratch.runs {
@@ -708,8 +720,10 @@ impl PairLayout {
                 } else {
                     emit_blocks(&mut sink, map, src, dst, run.len)?;
                 }
+                sink.cut_batches();
             }
         }
+        sink.finish_batches();
         Ok(())
     }
 
@@ -835,9 +849,28 @@ struct Sink<'a> {
     out: &'a mut Vec<Descriptor>,
     bytes_max: u64,
     descriptors_max: usize,
+    /// Where batches go, if the caller wants them.
+    batches: Option<&'a mut Vec<Batch>>,
+    batcher: Batcher,
+    limits: &'a BatchLimits,
 }
 
 impl Sink<'_> {
+    /// Cuts batches over the descriptors written since the last call.
+    #[inline]
+    fn cut_batches(&mut self) {
+        if let Some(batches) = self.batches.as_deref_mut() {
+            self.batcher.feed(self.out, self.limits, batches);
+        }
+    }
+
+    fn finish_batches(&mut self) {
+        self.cut_batches();
+        if let Some(batches) = self.batches.as_deref_mut() {
+            self.batcher.finish(batches);
+        }
+    }
+
     fn too_many(&self) -> PlanError {
         PlanError::TooManyDescriptors {
             max: self.descriptors_max,
@@ -889,22 +922,60 @@ impl Sink<'_> {
 /// the planner never emits) gets a batch of its own.
 pub fn split_batches(descriptors: &[Descriptor], limits: &BatchLimits, batches: &mut Vec<Batch>) {
     batches.clear();
-    let count_max = limits.batch_descriptors_max.max(1);
-    let mut first = 0usize;
-    let mut count = 0usize;
-    let mut bytes = 0u64;
-    for d in descriptors {
-        if count > 0 && (count == count_max || limits.batch_bytes_max - bytes < d.len) {
-            batches.push(Batch { first, count });
-            first += count;
-            count = 0;
-            bytes = 0;
+    let mut batcher = Batcher::default();
+    batcher.feed(descriptors, limits, batches);
+    batcher.finish(batches);
+}
+
+/// Incremental batch cutting over a growing descriptor vector.
+#[derive(Clone, Copy, Debug, Default)]
+struct Batcher {
+    /// Index of the first descriptor not yet seen.
+    next: usize,
+    /// The open batch.
+    first: usize,
+    count: usize,
+    bytes: u64,
+}
+
+impl Batcher {
+    /// Takes in `descriptors[self.next..]`, closing full batches.
+    #[inline]
+    fn feed(&mut self, descriptors: &[Descriptor], limits: &BatchLimits, batches: &mut Vec<Batch>) {
+        let count_max = limits.batch_descriptors_max.max(1);
+        let Some(new) = descriptors.get(self.next..) else {
+            return;
+        };
+        for d in new {
+            if self.count > 0
+                && (self.count == count_max
+                    || limits.batch_bytes_max.saturating_sub(self.bytes) < d.len)
+            {
+                batches.push(Batch {
+                    first: self.first,
+                    count: self.count,
+                });
+                self.first += self.count;
+                self.count = 0;
+                self.bytes = 0;
+            }
+            self.count += 1;
+            self.bytes = self.bytes.saturating_add(d.len);
         }
-        count += 1;
-        bytes = bytes.saturating_add(d.len);
+        self.next = descriptors.len();
     }
-    if count > 0 {
-        batches.push(Batch { first, count });
+
+    /// Closes the open batch, if any.
+    fn finish(&mut self, batches: &mut Vec<Batch>) {
+        if self.count > 0 {
+            batches.push(Batch {
+                first: self.first,
+                count: self.count,
+            });
+            self.first += self.count;
+            self.count = 0;
+            self.bytes = 0;
+        }
     }
 }
 

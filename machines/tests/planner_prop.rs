@@ -5,7 +5,7 @@
 //! structural invariants of every plan and hostile inputs that must not panic.
 
 use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
-use kvferry_machines::planner::{plan, Descriptor, Plan, TpPair};
+use kvferry_machines::planner::{plan, split_batches, Descriptor, Plan, TpPair};
 use proptest::prelude::*;
 
 /// Deterministic xorshift so block lists derive from one proptest value.
@@ -176,6 +176,10 @@ fn check_invariants(c: &Case, out: &Plan) -> Result<(), TestCaseError> {
         next += b.count;
     }
     prop_assert_eq!(next, out.descriptors.len());
+    // Batches cut while planning equal batches cut afterwards.
+    let mut separate = Vec::new();
+    split_batches(&out.descriptors, limits, &mut separate);
+    prop_assert_eq!(&separate, &out.batches);
     Ok(())
 }
 

@@ -397,6 +397,14 @@ fn batches_respect_count_and_byte_limits_and_split_large_copies() {
             Batch { first: 3, count: 1 },
         ]
     );
+    // A descriptor over the byte limit (never planned, but accepted) gets a
+    // batch of its own, and the next one starts a new batch.
+    let mut batches = Vec::new();
+    split_batches(&[d(0, 0, 100), d(100, 100, 1)], &limits, &mut batches);
+    assert_eq!(
+        batches,
+        vec![Batch { first: 0, count: 1 }, Batch { first: 1, count: 1 }]
+    );
     let small = vec![d(0, 0, 1); 5];
     let mut batches = Vec::new();
     split_batches(&small, &limits, &mut batches);
