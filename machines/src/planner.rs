@@ -707,7 +707,11 @@ impl PairLayout {
             if map.whole_blocks && map.len.saturating_mul(longest_run) <= limits.batch_bytes_max {
                 // The hot path: one copy per run, none over the byte limit.
                 sink.extend_runs(map, &scratch.runs)?;
-                sink.cut_batches();
+                if let Some(batches) = sink.batches.as_deref_mut() {
+                    let len_max = map.len * longest_run;
+                    sink.batcher
+                        .feed_bounded(sink.out, limits, batches, len_max);
+                }
                 continue;
             }
             for run in &scratch.runs {
@@ -753,7 +757,26 @@ impl PairLayout {
                 });
             }
             let p = &p[p.len() - d.len()..];
-            for (&pb, &db) in p.iter().zip(d) {
+            // Whether the last pair extended the current run: only then is
+            // the next chunk worth testing as a whole.
+            let mut streak = false;
+            let mut i = 0;
+            while i < p.len() {
+                if streak && p.len() - i >= CHUNK {
+                    if let Some(run) = runs.last_mut() {
+                        if continues_run(run, &p[i..i + CHUNK], &d[i..i + CHUNK])
+                            && p[i + CHUNK - 1] < self.prefill_num_blocks
+                            && d[i + CHUNK - 1] < self.decode_num_blocks
+                        {
+                            // The chunk ascends by one on both sides, so its
+                            // last ids are its largest: all are in range.
+                            run.len += CHUNK as u64;
+                            i += CHUNK;
+                            continue;
+                        }
+                    }
+                }
+                let (pb, db) = (p[i], d[i]);
                 if pb >= self.prefill_num_blocks {
                     return Err(PlanError::BlockOutOfRange {
                         side: Side::Prefill,
@@ -773,17 +796,47 @@ impl PairLayout {
                 match runs.last_mut() {
                     Some(run) if run.src + run.len == pb && run.dst + run.len == db => {
                         run.len += 1;
+                        streak = true;
                     }
-                    _ => runs.push(Run {
-                        src: pb,
-                        dst: db,
-                        len: 1,
-                    }),
+                    _ => {
+                        runs.push(Run {
+                            src: pb,
+                            dst: db,
+                            len: 1,
+                        });
+                        streak = false;
+                    }
                 }
+                i += 1;
             }
         }
         Ok(())
     }
+}
+
+/// Pairs tested at once when a run is growing: long runs of consecutive
+/// blocks are the common case, and a fixed-size chunk compiles to vector
+/// compares instead of one branch per pair.
+const CHUNK: usize = 16;
+
+/// True if `p` and `d` (each `CHUNK` long) continue `run` on both sides.
+#[inline]
+fn continues_run(run: &Run, p: &[u64], d: &[u64]) -> bool {
+    // `run` lies below num_blocks, so its end plus a chunk overflows only for
+    // hostile sizes; those take the pair-by-pair path.
+    let (Some(p0), Some(d0)) = (
+        (run.src + run.len).checked_add(CHUNK as u64),
+        (run.dst + run.len).checked_add(CHUNK as u64),
+    ) else {
+        return false;
+    };
+    let (p0, d0) = (p0 - CHUNK as u64, d0 - CHUNK as u64);
+    let mut all = true;
+    for k in 0..CHUNK {
+        // `&` rather than `&&`: no early exit, so the loop vectorises.
+        all &= (p[k] == p0 + k as u64) & (d[k] == d0 + k as u64);
+    }
+    all
 }
 
 /// Rejects a block id used twice on either side: the copies would overlap.
@@ -963,6 +1016,51 @@ impl Batcher {
             self.bytes = self.bytes.saturating_add(d.len);
         }
         self.next = descriptors.len();
+    }
+
+    /// Like [`Batcher::feed`] when every new descriptor is at most
+    /// `len_max` bytes. If a full batch of such descriptors cannot reach the
+    /// byte limit, batches are cut by count alone, in O(batches) instead of
+    /// O(descriptors).
+    #[inline]
+    fn feed_bounded(
+        &mut self,
+        descriptors: &[Descriptor],
+        limits: &BatchLimits,
+        batches: &mut Vec<Batch>,
+        len_max: u64,
+    ) {
+        let count_max = limits.batch_descriptors_max.max(1);
+        let room = count_max.saturating_sub(self.count) as u64;
+        let by_count_alone = len_max
+            .checked_mul(count_max as u64)
+            .is_some_and(|b| b <= limits.batch_bytes_max)
+            && self.bytes.saturating_add(len_max.saturating_mul(room)) <= limits.batch_bytes_max;
+        let end = descriptors.len();
+        if !by_count_alone || self.next > end {
+            self.feed(descriptors, limits, batches);
+            return;
+        }
+        let mut i = self.next;
+        while i < end {
+            if self.count == count_max {
+                batches.push(Batch {
+                    first: self.first,
+                    count: self.count,
+                });
+                self.first += self.count;
+                self.count = 0;
+            }
+            let take = (count_max - self.count).min(end - i);
+            self.count += take;
+            i += take;
+        }
+        // Only the open batch's bytes matter from here on; it holds at most
+        // `count_max` descriptors.
+        self.bytes = descriptors[self.first..end]
+            .iter()
+            .fold(0u64, |sum, d| sum.saturating_add(d.len));
+        self.next = end;
     }
 
     /// Closes the open batch, if any.

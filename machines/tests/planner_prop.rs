@@ -265,7 +265,7 @@ fn case() -> impl Strategy<Value = Case> {
         (0u32..4, 0u32..4),
         (1u32..=3, 1u64..=3),
         (1usize..=4, any::<bool>(), any::<bool>()),
-        (1u64..=10, 1u64..=10),
+        prop_oneof![(1u64..=10, 1u64..=10), (16u64..=64, 16u64..=64)],
         (1usize..=2, any::<u64>(), any::<bool>(), any::<bool>()),
         prop_oneof![Just((128usize, 1u64 << 30)), (1usize..=4, 1u64..=48)],
     )

@@ -542,6 +542,39 @@ fn invalid_block_lists_are_errors() {
 }
 
 #[test]
+fn long_runs_are_range_checked_to_their_last_block() {
+    let m = model(LayoutKind::Hnd, 1);
+    let kv = u64::from(T) * B;
+    let p = rank(1, 0, 31, kv, &[0]);
+    let dd = rank(1, 0, 64, kv, &[4096]);
+    // Consecutive ids are checked 16 at a time; the last one is out of range.
+    let e = err_of(&m, &p, &dd, &[(0..32).collect()], &[(0..32).collect()], &big());
+    assert_eq!(
+        e,
+        PlanError::BlockOutOfRange {
+            side: Side::Prefill,
+            group: 0,
+            block: 31,
+            num_blocks: 31
+        }
+    );
+    let ok = plan(&m, &p, &dd, &[(0..31).collect::<Vec<u64>>()], &[(1..32).collect::<Vec<u64>>()], &big()).unwrap();
+    assert_eq!(ok.descriptors, vec![d(0, 4096 + kv, 31 * kv)]);
+    // A break inside a chunk ends the run there.
+    let mut ids: Vec<u64> = (0..30).collect();
+    ids[20] = 30;
+    let out = plan(&m, &p, &dd, &[ids], &[(0..30).collect::<Vec<u64>>()], &big()).unwrap();
+    assert_eq!(
+        out.descriptors,
+        vec![
+            d(0, 4096, 20 * kv),
+            d(30 * kv, 4096 + 20 * kv, kv),
+            d(21 * kv, 4096 + 21 * kv, 9 * kv),
+        ]
+    );
+}
+
+#[test]
 fn invalid_layouts_are_errors() {
     let hnd = model(LayoutKind::Hnd, 4);
     let head = u64::from(T) * B;
