@@ -707,11 +707,7 @@ impl PairLayout {
             if map.whole_blocks && map.len.saturating_mul(longest_run) <= limits.batch_bytes_max {
                 // The hot path: one copy per run, none over the byte limit.
                 sink.extend_runs(map, &scratch.runs)?;
-                if let Some(batches) = sink.batches.as_deref_mut() {
-                    let len_max = map.len * longest_run;
-                    sink.batcher
-                        .feed_bounded(sink.out, limits, batches, len_max);
-                }
+                sink.cut_batches(map.len * longest_run);
                 continue;
             }
             for run in &scratch.runs {
@@ -724,7 +720,14 @@ impl PairLayout {
                 } else {
                     emit_blocks(&mut sink, map, src, dst, run.len)?;
                 }
-                sink.cut_batches();
+                // Every copy is at most the byte limit, and at most one
+                // block's slice otherwise.
+                let len_max = if map.whole_blocks {
+                    limits.batch_bytes_max
+                } else {
+                    map.len.min(limits.batch_bytes_max)
+                };
+                sink.cut_batches(len_max);
             }
         }
         sink.finish_batches();
@@ -877,18 +880,38 @@ fn emit_blocks(
     count: u64,
 ) -> Result<(), PlanError> {
     let (mut src, mut dst) = (src, dst);
-    for _ in 0..count {
-        if map.slices == 1 {
-            sink.emit(src, dst, map.len)?;
-        } else {
+    if map.len <= sink.bytes_max {
+        // Each slice is one descriptor: check the bound once for the run,
+        // then push without per-slice splitting.
+        let needed = count.saturating_mul(map.slices);
+        let room = sink.descriptors_max.saturating_sub(sink.out.len());
+        if needed > room as u64 {
+            return Err(sink.too_many());
+        }
+        for _ in 0..count {
             let (mut s, mut d) = (src, dst);
             for _ in 0..map.slices {
-                sink.emit(s, d, map.len)?;
+                sink.out.push(Descriptor {
+                    src: s,
+                    dst: d,
+                    len: map.len,
+                });
                 // The step past the last slice may leave the address space
                 // for a region at its very top; that value is never used.
                 s = s.wrapping_add(map.src_stride);
                 d = d.wrapping_add(map.dst_stride);
             }
+            src = src.wrapping_add(map.src_block_len);
+            dst = dst.wrapping_add(map.dst_block_len);
+        }
+        return Ok(());
+    }
+    for _ in 0..count {
+        let (mut s, mut d) = (src, dst);
+        for _ in 0..map.slices {
+            sink.emit(s, d, map.len)?;
+            s = s.wrapping_add(map.src_stride);
+            d = d.wrapping_add(map.dst_stride);
         }
         src = src.wrapping_add(map.src_block_len);
         dst = dst.wrapping_add(map.dst_block_len);
@@ -909,16 +932,18 @@ struct Sink<'a> {
 }
 
 impl Sink<'_> {
-    /// Cuts batches over the descriptors written since the last call.
+    /// Cuts batches over the descriptors written since the last call, each
+    /// at most `len_max` bytes.
     #[inline]
-    fn cut_batches(&mut self) {
+    fn cut_batches(&mut self, len_max: u64) {
         if let Some(batches) = self.batches.as_deref_mut() {
-            self.batcher.feed(self.out, self.limits, batches);
+            self.batcher
+                .feed_bounded(self.out, self.limits, batches, len_max);
         }
     }
 
     fn finish_batches(&mut self) {
-        self.cut_batches();
+        self.cut_batches(self.bytes_max);
         if let Some(batches) = self.batches.as_deref_mut() {
             self.batcher.finish(batches);
         }
@@ -1041,6 +1066,7 @@ impl Batcher {
             self.feed(descriptors, limits, batches);
             return;
         }
+        let open_before = self.first;
         let mut i = self.next;
         while i < end {
             if self.count == count_max {
@@ -1055,11 +1081,17 @@ impl Batcher {
             self.count += take;
             i += take;
         }
-        // Only the open batch's bytes matter from here on; it holds at most
-        // `count_max` descriptors.
-        self.bytes = descriptors[self.first..end]
+        // Only the open batch's bytes matter from here on: add the new
+        // descriptors to it, or sum it afresh if it was opened in this call
+        // (then it holds at most `count_max` descriptors, all new).
+        let (from, base) = if self.first == open_before {
+            (self.next, self.bytes)
+        } else {
+            (self.first, 0)
+        };
+        self.bytes = descriptors[from..end]
             .iter()
-            .fold(0u64, |sum, d| sum.saturating_add(d.len));
+            .fold(base, |sum, d| sum.saturating_add(d.len));
         self.next = end;
     }
 
