@@ -99,7 +99,9 @@ fn bench_128k(c: &mut Criterion) {
     let limits = BatchLimits::default();
     let pair = PairLayout::new(&m, &p, &d).expect("valid layout");
     let mut group = c.benchmark_group("plan_128k_hnd");
-    group.sample_size(20).measurement_time(Duration::from_secs(4));
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(4));
     for case in cases_128k() {
         // Per request, layouts validated once per peer, output reused: the
         // hot path of a running node.
@@ -133,7 +135,9 @@ fn bench_hetero_nhd(c: &mut Criterion) {
     let db = vec![(5000..5000 + blocks).collect::<Vec<u64>>()];
     let mut out = Plan::default();
     let mut group = c.benchmark_group("plan_8k_nhd_tp4to2");
-    group.sample_size(20).measurement_time(Duration::from_secs(4));
+    group
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(4));
     group.bench_function("plan_into", |b| {
         b.iter(|| {
             pair.plan_into(&pb, &db, &limits, &mut out).expect("plan");
@@ -168,7 +172,10 @@ fn vs_python(_c: &mut Criterion) {
         Ok(o) => {
             eprintln!(
                 "vs_python: skipped (python3 failed: {}); `pip install numpy` first",
-                String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("")
+                String::from_utf8_lossy(&o.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
             );
             return;
         }
@@ -189,10 +196,8 @@ fn vs_python(_c: &mut Criterion) {
     let limits = BatchLimits::default();
     let pair = PairLayout::new(&m, &p, &d).expect("valid layout");
     for case in cases_128k() {
-        let first: Vec<Vec<u64>> = vec![
-            case.prefill[0][..4].to_vec(),
-            case.decode[0][..4].to_vec(),
-        ];
+        let first: Vec<Vec<u64>> =
+            vec![case.prefill[0][..4].to_vec(), case.decode[0][..4].to_vec()];
         let py_first: Vec<Vec<u64>> =
             serde_json::from_value(py[case.name]["first_ids"].clone()).unwrap_or_default();
         assert_eq!(first, py_first, "Python and Rust inputs differ");

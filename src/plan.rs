@@ -100,7 +100,11 @@ pub fn plan_from_json(text: &str) -> Result<Plan, SpecError> {
 /// "batches": [[first, count], ...]}`, one descriptor per line so a person
 /// can read it and `jq` can still parse it.
 pub fn write_plan_json<W: Write>(plan: &Plan, w: &mut W) -> io::Result<()> {
-    write!(w, "{{\"transfer\": {},\n \"descriptors\": [", plan.is_transfer())?;
+    write!(
+        w,
+        "{{\"transfer\": {},\n \"descriptors\": [",
+        plan.is_transfer()
+    )?;
     for (i, d) in plan.descriptors.iter().enumerate() {
         let sep = if i == 0 { "\n  " } else { ",\n  " };
         write!(w, "{sep}[{}, {}, {}]", d.src, d.dst, d.len)?;

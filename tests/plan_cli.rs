@@ -81,7 +81,13 @@ fn hetero_tp_example_writes_head_slices_per_token() {
 
 #[test]
 fn every_example_plans_and_matches_the_library() {
-    for name in ["homogeneous_hnd", "hetero_tp", "tp_1_to_2", "mla", "partial_hit"] {
+    for name in [
+        "homogeneous_hnd",
+        "hetero_tp",
+        "tp_1_to_2",
+        "mla",
+        "partial_hit",
+    ] {
         let out = plan_file(name);
         let text = std::fs::read_to_string(format!(
             "{}/examples/specs/{name}.json",
@@ -89,7 +95,11 @@ fn every_example_plans_and_matches_the_library() {
         ))
         .unwrap();
         let lib = kvferry::plan::plan_from_json(&text).unwrap();
-        let want: Vec<[u64; 3]> = lib.descriptors.iter().map(|d| [d.src, d.dst, d.len]).collect();
+        let want: Vec<[u64; 3]> = lib
+            .descriptors
+            .iter()
+            .map(|d| [d.src, d.dst, d.len])
+            .collect();
         assert_eq!(descriptors(&out), want, "{name}");
         assert_eq!(out["transfer"], Value::Bool(!want.is_empty()), "{name}");
         let batches: Vec<[usize; 2]> = serde_json::from_value(out["batches"].clone()).unwrap();
@@ -149,7 +159,10 @@ fn malformed_json_is_rejected_on_one_line() {
     expect_rejected(b"\xff\xfe\x00garbage", "valid UTF-8");
     expect_rejected(b"[1, 2, 3]", "malformed spec");
     let text = String::from_utf8(mutated("mla", |_| {})).unwrap();
-    expect_rejected(text.replace("\"mla\"", "\"abc\"").as_bytes(), "unknown variant");
+    expect_rejected(
+        text.replace("\"mla\"", "\"abc\"").as_bytes(),
+        "unknown variant",
+    );
     expect_rejected(&mutated("mla", |s| s["extra"] = 1.into()), "unknown field");
     expect_rejected(
         &mutated("mla", |s| s["prefill"]["num_blocks"] = (-1).into()),
@@ -164,23 +177,33 @@ fn malformed_json_is_rejected_on_one_line() {
 #[test]
 fn invalid_specs_are_rejected_on_one_line() {
     expect_rejected(
-        &mutated("hetero_tp", |s| s["decode_blocks"] = serde_json::json!([[1], [2]])),
+        &mutated("hetero_tp", |s| {
+            s["decode_blocks"] = serde_json::json!([[1], [2]])
+        }),
         "KV group count differs",
     );
     expect_rejected(
-        &mutated("hetero_tp", |s| s["decode_blocks"] = serde_json::json!([[1, 2, 3, 4]])),
+        &mutated("hetero_tp", |s| {
+            s["decode_blocks"] = serde_json::json!([[1, 2, 3, 4]])
+        }),
         "fewer than decode",
     );
     expect_rejected(
-        &mutated("hetero_tp", |s| s["prefill_blocks"] = serde_json::json!([[1, 2, 1024]])),
+        &mutated("hetero_tp", |s| {
+            s["prefill_blocks"] = serde_json::json!([[1, 2, 1024]])
+        }),
         "not below num_blocks",
     );
     expect_rejected(
-        &mutated("hetero_tp", |s| s["decode_blocks"] = serde_json::json!([[5, 6, 5]])),
+        &mutated("hetero_tp", |s| {
+            s["decode_blocks"] = serde_json::json!([[5, 6, 5]])
+        }),
         "more than once",
     );
     expect_rejected(
-        &mutated("hetero_tp", |s| s["prefill"]["regions"][0]["kv_block_len"] = 16384.into()),
+        &mutated("hetero_tp", |s| {
+            s["prefill"]["regions"][0]["kv_block_len"] = 16384.into()
+        }),
         "kv_block_len 16384 is not",
     );
     expect_rejected(
@@ -188,7 +211,9 @@ fn invalid_specs_are_rejected_on_one_line() {
         "neither divides",
     );
     expect_rejected(
-        &mutated("hetero_tp", |s| s["decode"]["regions"][1]["base"] = u64::MAX.into()),
+        &mutated("hetero_tp", |s| {
+            s["decode"]["regions"][1]["base"] = u64::MAX.into()
+        }),
         "overflows",
     );
     expect_rejected(
@@ -199,7 +224,9 @@ fn invalid_specs_are_rejected_on_one_line() {
         "overlap",
     );
     expect_rejected(
-        &mutated("mla", |s| s["decode"]["regions"][2]["kv_block_len"] = 1.into()),
+        &mutated("mla", |s| {
+            s["decode"]["regions"][2]["kv_block_len"] = 1.into()
+        }),
         "mla region 2",
     );
     expect_rejected(

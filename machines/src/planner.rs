@@ -72,7 +72,9 @@ pub enum PlanError {
     #[error("model: {0}")]
     Model(&'static str),
     /// The TP size neither divides nor is a multiple of the KV head count.
-    #[error("{side}: tp_size {tp_size} neither divides nor is a multiple of total_kv_heads {heads}")]
+    #[error(
+        "{side}: tp_size {tp_size} neither divides nor is a multiple of total_kv_heads {heads}"
+    )]
     TpSize {
         /// Side of the bad TP size.
         side: Side,
@@ -342,8 +344,8 @@ impl TpPair {
                     (u64::from(lo), 1, u64::from(hi - lo) + 1)
                 } else {
                     let replicas = self.prefill_tp / self.heads;
-                    let start = u64::from(df) * u64::from(replicas)
-                        + u64::from(decode_rank % replicas);
+                    let start =
+                        u64::from(df) * u64::from(replicas) + u64::from(decode_rank % replicas);
                     (start, u64::from(replicas), u64::from(dn))
                 }
             }
@@ -680,8 +682,7 @@ impl PairLayout {
             } else {
                 blocks.saturating_mul(map.slices)
             };
-            estimate =
-                estimate.saturating_add(usize::try_from(per_region).unwrap_or(usize::MAX));
+            estimate = estimate.saturating_add(usize::try_from(per_region).unwrap_or(usize::MAX));
         }
         out.reserve(estimate.min(limits.descriptors_max));
 

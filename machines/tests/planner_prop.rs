@@ -97,8 +97,24 @@ fn naive(c: &Case) -> Vec<(u64, u64)> {
                     let tokens = u64::from(m.block_tokens);
                     for t in 0..tokens {
                         for k in 0..m.head_bytes {
-                            let so = offset(m.layout, t, u64::from(h - pf), k, tokens, u64::from(pn), m.head_bytes);
-                            let dof = offset(m.layout, t, u64::from(h - df), k, tokens, u64::from(dn), m.head_bytes);
+                            let so = offset(
+                                m.layout,
+                                t,
+                                u64::from(h - pf),
+                                k,
+                                tokens,
+                                u64::from(pn),
+                                m.head_bytes,
+                            );
+                            let dof = offset(
+                                m.layout,
+                                t,
+                                u64::from(h - df),
+                                k,
+                                tokens,
+                                u64::from(dn),
+                                m.head_bytes,
+                            );
                             bytes.push((src_block + so, dst_block + dof));
                         }
                     }
@@ -163,7 +179,13 @@ fn check_invariants(c: &Case, out: &Plan) -> Result<(), TestCaseError> {
             && a.src.checked_add(a.len) == Some(b.src)
             && a.dst.checked_add(a.len) == Some(b.dst)
         {
-            prop_assert_eq!(a.len, limits.batch_bytes_max, "mergeable pair {:?} {:?}", a, b);
+            prop_assert_eq!(
+                a.len,
+                limits.batch_bytes_max,
+                "mergeable pair {:?} {:?}",
+                a,
+                b
+            );
         }
     }
     // Batches cover the descriptors in order, within both limits.
@@ -245,7 +267,10 @@ fn block_lists(rng: &mut Rng, num_blocks: u64, counts: &[usize], runny: bool) ->
         let r = rng.below(num_blocks) as usize;
         ids.rotate_left(r);
         for _ in 0..2 {
-            let (i, j) = (rng.below(num_blocks) as usize, rng.below(num_blocks) as usize);
+            let (i, j) = (
+                rng.below(num_blocks) as usize,
+                rng.below(num_blocks) as usize,
+            );
             ids.swap(i, j);
         }
     }
@@ -260,7 +285,11 @@ fn block_lists(rng: &mut Rng, num_blocks: u64, counts: &[usize], runny: bool) ->
 
 fn case() -> impl Strategy<Value = Case> {
     (
-        prop_oneof![Just(LayoutKind::Hnd), Just(LayoutKind::Nhd), Just(LayoutKind::Mla)],
+        prop_oneof![
+            Just(LayoutKind::Hnd),
+            Just(LayoutKind::Nhd),
+            Just(LayoutKind::Mla)
+        ],
         prop_oneof![Just(1u32), Just(2), Just(4), Just(8)],
         (0u32..4, 0u32..4),
         (1u32..=3, 1u64..=3),
@@ -270,7 +299,16 @@ fn case() -> impl Strategy<Value = Case> {
         prop_oneof![Just((128usize, 1u64 << 30)), (1usize..=4, 1u64..=48)],
     )
         .prop_map(
-            |(layout, heads, (tp_p_log, tp_d_log), (tokens, head_bytes), (nregions, inter_p, inter_d), (nb_p, nb_d), (groups, seed, runny, top), (dmax, bmax))| {
+            |(
+                layout,
+                heads,
+                (tp_p_log, tp_d_log),
+                (tokens, head_bytes),
+                (nregions, inter_p, inter_d),
+                (nb_p, nb_d),
+                (groups, seed, runny, top),
+                (dmax, bmax),
+            )| {
                 let mut rng = Rng(seed | 1);
                 let tp_p = 1u32 << tp_p_log;
                 let tp_d = 1u32 << tp_d_log;
@@ -289,7 +327,7 @@ fn case() -> impl Strategy<Value = Case> {
                         u64::from(model.heads_per_rank(tp_p)) * u64::from(tokens) * head_bytes
                     }
                 };
-                let mla_lens2: Vec<u64> = (0..nregions).map(|i| kv_p(i)).collect();
+                let mla_lens2: Vec<u64> = (0..nregions).map(&kv_p).collect();
                 let kv_d = move |i: usize| match layout {
                     LayoutKind::Mla => mla_lens2[i],
                     LayoutKind::Hnd | LayoutKind::Nhd => {

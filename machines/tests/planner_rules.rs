@@ -176,7 +176,10 @@ fn replicated_heads_are_sent_by_one_replica_per_decode_rank() {
     // Both directions replicated: Tp = 4, Td = 8, H = 2. Decode rank 5 holds
     // head 5/4 = 1 and is fed by 1*2 + 5%2 = 3.
     let tp = TpPair::new(&m, 4, 8).unwrap();
-    assert_eq!(tp.sources_of(5).map(|(r, _)| r).collect::<Vec<_>>(), vec![3]);
+    assert_eq!(
+        tp.sources_of(5).map(|(r, _)| r).collect::<Vec<_>>(),
+        vec![3]
+    );
     assert_eq!(
         tp.targets_of(3).map(|(r, _)| r).collect::<Vec<_>>(),
         vec![5, 7]
@@ -422,12 +425,7 @@ fn batches_respect_count_and_byte_limits_and_split_large_copies() {
 fn plan_into_reuses_the_plan_and_clears_it_on_error() {
     let m = model(LayoutKind::Hnd, 1);
     let kv = u64::from(T) * B;
-    let pair = PairLayout::new(
-        &m,
-        &rank(1, 0, 8, kv, &[0]),
-        &rank(1, 0, 8, kv, &[4096]),
-    )
-    .unwrap();
+    let pair = PairLayout::new(&m, &rank(1, 0, 8, kv, &[0]), &rank(1, 0, 8, kv, &[4096])).unwrap();
     let mut out = Plan::default();
     pair.plan_into(&[vec![0, 2]], &[vec![0, 2]], &big(), &mut out)
         .unwrap();
@@ -512,7 +510,14 @@ fn invalid_block_lists_are_errors() {
             block: 1
         }
     );
-    let e = err_of(&m, &p, &dd, &[vec![3], vec![3]], &[vec![0], vec![1]], &big());
+    let e = err_of(
+        &m,
+        &p,
+        &dd,
+        &[vec![3], vec![3]],
+        &[vec![0], vec![1]],
+        &big(),
+    );
     assert_eq!(
         e,
         PlanError::DuplicateBlock {
@@ -548,7 +553,14 @@ fn long_runs_are_range_checked_to_their_last_block() {
     let p = rank(1, 0, 31, kv, &[0]);
     let dd = rank(1, 0, 64, kv, &[4096]);
     // Consecutive ids are checked 16 at a time; the last one is out of range.
-    let e = err_of(&m, &p, &dd, &[(0..32).collect()], &[(0..32).collect()], &big());
+    let e = err_of(
+        &m,
+        &p,
+        &dd,
+        &[(0..32).collect()],
+        &[(0..32).collect()],
+        &big(),
+    );
     assert_eq!(
         e,
         PlanError::BlockOutOfRange {
@@ -558,12 +570,28 @@ fn long_runs_are_range_checked_to_their_last_block() {
             num_blocks: 31
         }
     );
-    let ok = plan(&m, &p, &dd, &[(0..31).collect::<Vec<u64>>()], &[(1..32).collect::<Vec<u64>>()], &big()).unwrap();
+    let ok = plan(
+        &m,
+        &p,
+        &dd,
+        &[(0..31).collect::<Vec<u64>>()],
+        &[(1..32).collect::<Vec<u64>>()],
+        &big(),
+    )
+    .unwrap();
     assert_eq!(ok.descriptors, vec![d(0, 4096 + kv, 31 * kv)]);
     // A break inside a chunk ends the run there.
     let mut ids: Vec<u64> = (0..30).collect();
     ids[20] = 30;
-    let out = plan(&m, &p, &dd, &[ids], &[(0..30).collect::<Vec<u64>>()], &big()).unwrap();
+    let out = plan(
+        &m,
+        &p,
+        &dd,
+        &[ids],
+        &[(0..30).collect::<Vec<u64>>()],
+        &big(),
+    )
+    .unwrap();
     assert_eq!(
         out.descriptors,
         vec![
@@ -616,12 +644,8 @@ fn invalid_layouts_are_errors() {
         }
     );
     // kv_block_len must match the TP ratio: 2 heads per rank at TP 2.
-    let e = PairLayout::new(
-        &hnd,
-        &rank(2, 0, 8, 4 * head, &[0, 1 << 20]),
-        &good(1, 0),
-    )
-    .unwrap_err();
+    let e =
+        PairLayout::new(&hnd, &rank(2, 0, 8, 4 * head, &[0, 1 << 20]), &good(1, 0)).unwrap_err();
     assert_eq!(
         e,
         PlanError::RegionKvLen {

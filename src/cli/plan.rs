@@ -16,7 +16,10 @@ pub fn main(argv: &[String]) -> ExitCode {
         Err(e) => return fail(&format!("{e}; {USAGE}")),
     };
     if !args.positional().is_empty() {
-        return fail(&format!("unexpected argument {:?}; {USAGE}", args.positional()[0]));
+        return fail(&format!(
+            "unexpected argument {:?}; {USAGE}",
+            args.positional()[0]
+        ));
     }
     let Some(path) = args.get_str("spec") else {
         return fail(&format!("--spec is required; {USAGE}"));
