@@ -502,6 +502,8 @@ struct Run {
 pub struct Scratch {
     runs: Vec<Run>,
     spans: Vec<(u64, u64)>,
+    /// One bit per block id, all zero between calls.
+    seen: Vec<u64>,
 }
 
 /// A plan: descriptors in posting order and the batches covering them.
@@ -667,7 +669,13 @@ impl PairLayout {
             return Err(PlanError::ZeroBatchLimit);
         }
         self.build_runs(prefill_blocks, decode_blocks, &mut scratch.runs)?;
-        check_disjoint(&scratch.runs, &mut scratch.spans)?;
+        for side in [Side::Prefill, Side::Decode] {
+            let num_blocks = match side {
+                Side::Prefill => self.prefill_num_blocks,
+                Side::Decode => self.decode_num_blocks,
+            };
+            check_disjoint(side, num_blocks, scratch)?;
+        }
         if self.regions.is_empty() || scratch.runs.is_empty() {
             return Ok(());
         }
@@ -843,30 +851,99 @@ fn continues_run(run: &Run, p: &[u64], d: &[u64]) -> bool {
     all
 }
 
-/// Rejects a block id used twice on either side: the copies would overlap.
-fn check_disjoint(runs: &[Run], spans: &mut Vec<(u64, u64)>) -> Result<(), PlanError> {
+/// Largest block pool checked with a bitmap (2 MiB of bits); larger pools
+/// sort the runs instead.
+const BITMAP_BLOCKS_MAX: u64 = 1 << 24;
+
+/// Rejects a block id used twice on `side`: the copies would overlap.
+fn check_disjoint(side: Side, num_blocks: u64, scratch: &mut Scratch) -> Result<(), PlanError> {
+    let runs = &scratch.runs;
     if runs.len() < 2 {
         return Ok(());
     }
-    for side in [Side::Prefill, Side::Decode] {
-        spans.clear();
-        spans.extend(runs.iter().map(|r| match side {
-            Side::Prefill => (r.src, r.len),
-            Side::Decode => (r.dst, r.len),
-        }));
-        spans.sort_unstable();
-        for pair in spans.windows(2) {
-            let (start, len) = pair[0];
-            // Runs are below num_blocks, so `start + len` cannot overflow.
-            if start + len > pair[1].0 {
-                return Err(PlanError::DuplicateBlock {
-                    side,
-                    block: pair[1].0,
-                });
+    let start_of = |r: &Run| match side {
+        Side::Prefill => r.src,
+        Side::Decode => r.dst,
+    };
+    if num_blocks <= BITMAP_BLOCKS_MAX {
+        // A bitmap is linear in the blocks and needs no sort.
+        let words = num_blocks.div_ceil(64) as usize;
+        if scratch.seen.len() < words {
+            scratch.seen.resize(words, 0);
+        }
+        let seen = &mut scratch.seen[..words];
+        let mut result = Ok(());
+        let mut marked = runs.len();
+        for (k, run) in runs.iter().enumerate() {
+            if let Some(block) = mark_range(seen, start_of(run), run.len) {
+                result = Err(PlanError::DuplicateBlock { side, block });
+                marked = k + 1;
+                break;
             }
+        }
+        // Leave the bitmap zeroed for the next call.
+        for run in &runs[..marked] {
+            clear_range(seen, start_of(run), run.len);
+        }
+        return result;
+    }
+    let spans = &mut scratch.spans;
+    spans.clear();
+    spans.extend(runs.iter().map(|r| (start_of(r), r.len)));
+    spans.sort_unstable();
+    for pair in spans.windows(2) {
+        let (start, len) = pair[0];
+        // Runs are below num_blocks, so `start + len` cannot overflow.
+        if start + len > pair[1].0 {
+            return Err(PlanError::DuplicateBlock {
+                side,
+                block: pair[1].0,
+            });
         }
     }
     Ok(())
+}
+
+/// The bits `start .. start + len` of `words`, one word at a time: `(word
+/// index, mask)`. The caller keeps the range inside `words`.
+fn word_masks(start: u64, len: u64) -> impl Iterator<Item = (usize, u64)> {
+    let end = start + len;
+    let mut at = start;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let bit = at % 64;
+        let n = (64 - bit).min(end - at);
+        let mask = if n == 64 {
+            u64::MAX
+        } else {
+            ((1u64 << n) - 1) << bit
+        };
+        let word = (at / 64) as usize;
+        at += n;
+        Some((word, mask))
+    })
+}
+
+/// Sets the bits of `start .. start + len`; returns the first that was
+/// already set, if any (the remaining bits are still set).
+fn mark_range(words: &mut [u64], start: u64, len: u64) -> Option<u64> {
+    let mut first_dup = None;
+    for (word, mask) in word_masks(start, len) {
+        let dup = words[word] & mask;
+        if dup != 0 && first_dup.is_none() {
+            first_dup = Some(word as u64 * 64 + u64::from(dup.trailing_zeros()));
+        }
+        words[word] |= mask;
+    }
+    first_dup
+}
+
+fn clear_range(words: &mut [u64], start: u64, len: u64) {
+    for (word, mask) in word_masks(start, len) {
+        words[word] &= !mask;
+    }
 }
 
 /// Emits the copies of `count` consecutive blocks whose first copy starts at

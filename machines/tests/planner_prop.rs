@@ -4,8 +4,8 @@
 //! blocks; partial prefix hits; tiny and large batch limits), plus the
 //! structural invariants of every plan and hostile inputs that must not panic.
 
-use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
-use kvferry_machines::planner::{plan, split_batches, Descriptor, Plan, TpPair};
+use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
+use kvferry_machines::planner::{plan, split_batches, Descriptor, Plan, PlanError, TpPair};
 use proptest::prelude::*;
 
 /// Deterministic xorshift so block lists derive from one proptest value.
@@ -448,6 +448,50 @@ proptest! {
             prop_assert_eq!(desc.src, i as u64 * (1 << 32) + p0 * kv);
             prop_assert_eq!(desc.dst, (1 << 48) + i as u64 * (1 << 32) + d0 * kv);
             prop_assert_eq!(desc.len, n * kv);
+        }
+    }
+
+    /// A repeated block id among the blocks sent is rejected, naming a
+    /// repeated id, and a list without repeats is accepted.
+    #[test]
+    fn repeated_blocks_are_rejected(
+        groups in proptest::collection::vec(
+            (proptest::collection::vec(0u64..40, 0..24), proptest::collection::vec(0u64..40, 0..24)),
+            1..3,
+        ),
+        num_blocks in prop_oneof![Just(40u64), Just(1u64 << 40)],
+    ) {
+        let model = ModelSpec { layout: LayoutKind::Mla, total_kv_heads: 1, block_tokens: 1, head_bytes: 1 };
+        let side = |base: u64| RankLayout {
+            tp_size: 1, tp_rank: 0, num_blocks,
+            regions: vec![Region { base, block_len: 8, kv_block_len: 8 }],
+        };
+        // Prefill gets decode's length plus a prefix, so trimming happens.
+        let pb: Vec<Vec<u64>> = groups.iter().map(|(p, d)| {
+            let mut p = p.clone();
+            p.truncate(d.len());
+            while p.len() < d.len() { p.push(39 - p.len() as u64); }
+            let mut with_prefix = vec![0, 0];
+            with_prefix.extend(p);
+            with_prefix
+        }).collect();
+        let db: Vec<Vec<u64>> = groups.iter().map(|(_, d)| d.clone()).collect();
+        let repeated = |lists: &[Vec<u64>], trim: bool| -> Vec<u64> {
+            let mut all: Vec<u64> = lists.iter().flat_map(|l| if trim { l[2..].to_vec() } else { l.clone() }).collect();
+            all.sort_unstable();
+            all.windows(2).filter(|w| w[0] == w[1]).map(|w| w[0]).collect()
+        };
+        let dup_p = repeated(&pb, true);
+        let dup_d = repeated(&db, false);
+        let result = plan(&model, &side(0), &side(1 << 50), &pb, &db, &BatchLimits::default());
+        match result {
+            Ok(_) => prop_assert!(dup_p.is_empty() && dup_d.is_empty()),
+            Err(PlanError::DuplicateBlock { side: Side::Prefill, block }) => prop_assert!(dup_p.contains(&block)),
+            Err(PlanError::DuplicateBlock { side: Side::Decode, block }) => {
+                prop_assert!(dup_p.is_empty());
+                prop_assert!(dup_d.contains(&block));
+            }
+            Err(e) => prop_assert!(false, "unexpected {e}"),
         }
     }
 

@@ -525,6 +525,42 @@ fn invalid_block_lists_are_errors() {
             block: 3
         }
     );
+    // Pools too large for a bitmap are checked by sorting.
+    let huge_p = rank(1, 0, 1 << 40, kv, &[0]);
+    let huge_d = rank(1, 0, 1 << 40, kv, &[1 << 50]);
+    let e = err_of(
+        &m,
+        &huge_p,
+        &huge_d,
+        &[vec![1 << 39, 5, 6]],
+        &[vec![7, 1 << 30, 7]],
+        &big(),
+    );
+    assert_eq!(
+        e,
+        PlanError::DuplicateBlock {
+            side: Side::Decode,
+            block: 7
+        }
+    );
+    assert!(plan(
+        &m,
+        &huge_p,
+        &huge_d,
+        &[vec![1 << 39, 5]],
+        &[vec![7, 8]],
+        &big()
+    )
+    .is_ok());
+    // The duplicate check leaves no trace: the same pair plans again.
+    let pair = PairLayout::new(&m, &p, &dd).unwrap();
+    let mut out = Plan::default();
+    assert!(pair
+        .plan_into(&[vec![1, 2, 1]], &[vec![0, 1, 2]], &big(), &mut out)
+        .is_err());
+    pair.plan_into(&[vec![1, 2, 7]], &[vec![0, 1, 2]], &big(), &mut out)
+        .unwrap();
+    assert_eq!(out.descriptors.len(), 2);
     // A prefix block that is not sent may repeat a sent one: it is trimmed.
     assert!(plan(&m, &p, &dd, &[vec![3, 3]], &[vec![1]], &big()).is_ok());
     let zero = BatchLimits {
