@@ -680,8 +680,9 @@ impl PairLayout {
             return Ok(());
         }
 
-        // Reserve what the plan needs before byte splitting, so a large plan
-        // grows its vector once instead of copying it log(n) times.
+        // Count what the plan needs before byte splitting: a lower bound, so
+        // a plan over the limit fails before anything is allocated, and a
+        // large plan grows its vector once instead of copying it log(n) times.
         let blocks: u64 = scratch.runs.iter().map(|r| r.len).sum();
         let mut estimate = 0usize;
         for map in &self.regions {
@@ -692,7 +693,12 @@ impl PairLayout {
             };
             estimate = estimate.saturating_add(usize::try_from(per_region).unwrap_or(usize::MAX));
         }
-        out.reserve(estimate.min(limits.descriptors_max));
+        if estimate > limits.descriptors_max {
+            return Err(PlanError::TooManyDescriptors {
+                max: limits.descriptors_max,
+            });
+        }
+        out.reserve(estimate);
 
         // Descriptors never need merging after the fact: two copies abut on
         // both sides only when they are whole blocks consecutive on both
