@@ -27,6 +27,7 @@ usage: kvferry bench transport [options]
   --seconds S             measuring time (default 3)
   --poll spin|park        wait policy while a transfer is pending (default spin)
   --op write|read         push or pull (default write)
+  --no-pin                do not pin the executors to cores
   --json                  print one JSON object
 ";
 
@@ -59,6 +60,7 @@ struct Params {
     poll_name: String,
     op: Op,
     json: bool,
+    pin: bool,
 }
 
 /// What was measured.
@@ -74,9 +76,9 @@ struct Measured {
 const MAX_SAMPLES: usize = 5_000_000;
 
 fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
-    let args = Args::parse(argv, &["json"])?;
+    let args = Args::parse(argv, &["json", "no-pin"])?;
     args.reject_unknown(&[
-        "transport", "block-bytes", "batch", "streams", "seconds", "poll", "op", "json",
+        "transport", "block-bytes", "batch", "streams", "seconds", "poll", "op", "json", "no-pin",
     ])?;
     let transport = args.get_or("transport", "tcp".to_string())?;
     if transport != "tcp" && transport != "local" {
@@ -108,7 +110,8 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
         return Err(UsageError("--seconds must be in (0, 3600]".into()));
     }
     let json = args.flag("json");
-    let p = Params { transport, block_bytes, batch, streams, seconds, poll, poll_name, op, json };
+    let pin = !args.flag("no-pin");
+    let p = Params { transport, block_bytes, batch, streams, seconds, poll, poll_name, op, json, pin };
 
     // Both buffers live here and outlive the executor threads, which only
     // see their addresses; they are touched again only after the threads
@@ -141,9 +144,9 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
     Ok(if check_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-fn placement(core: usize) -> Placement {
+fn placement(pin: bool, core: usize) -> Placement {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cores >= 2 {
+    if pin && cores >= 2 {
         Placement::Fixed(core)
     } else {
         Placement::Unbound
@@ -191,7 +194,7 @@ fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String>
     let (addr_tx, addr_rx) = flume::bounded::<Result<SocketAddr, String>>(1);
     let (stop_tx, stop_rx) = flume::bounded::<()>(1);
     let target_config = config.clone();
-    let target = LocalExecutorBuilder::new(placement(1))
+    let target = LocalExecutorBuilder::new(placement(p.pin, 1))
         .name("bench-target")
         .spawn(move || async move {
             let setup = || -> Result<TcpTransport, String> {
@@ -216,7 +219,7 @@ fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String>
         .map_err(|e| format!("starting the target executor: {e}"))?;
     let peer = addr_rx.recv().map_err(|e| e.to_string()).and_then(|r| r)?;
     let p2 = p.clone();
-    let initiator = LocalExecutorBuilder::new(placement(0))
+    let initiator = LocalExecutorBuilder::new(placement(p.pin, 0))
         .name("bench-initiator")
         .spawn(move || async move {
             let t = TcpTransport::bind("127.0.0.1:0".parse().unwrap(), config).map_err(|e| e.to_string())?;
@@ -238,7 +241,7 @@ fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String>
 fn run_local(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String> {
     let total = (p.block_bytes * p.batch) as usize;
     let p2 = p.clone();
-    LocalExecutorBuilder::new(placement(0))
+    LocalExecutorBuilder::new(placement(p.pin, 0))
         .name("bench-local")
         .spawn(move || async move {
             let a = LocalTransport::default();
@@ -303,6 +306,7 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
             "block_bytes": p.block_bytes,
             "batch": p.batch,
             "streams": p.streams,
+            "pinned": p.pin,
             "seconds": secs,
             "batches": m.batches,
             "gbps": gbps,

@@ -197,11 +197,9 @@ pub(crate) async fn send_all(
     wr: &mut WriteHalf<TcpStream>,
     fd: RawFd,
     iovs: &mut [libc::iovec],
-    policy: PollPolicy,
 ) -> Result<(), IoFail> {
     let mut idx = 0;
     advance(iovs, &mut idx, 0);
-    let mut spin = Spinner::new(policy);
     while idx < iovs.len() {
         let rest = &mut iovs[idx..];
         // SAFETY: msghdr is plain data; every field we do not set is zero.
@@ -213,7 +211,6 @@ pub(crate) async fn send_all(
         let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
         if r >= 0 {
             advance(iovs, &mut idx, r as usize);
-            spin.progress();
             continue;
         }
         let e = io::Error::last_os_error();
@@ -222,19 +219,16 @@ pub(crate) async fn send_all(
             io::ErrorKind::WouldBlock => {}
             _ => return Err(IoFail::from_os(e)),
         }
-        if spin.keep_spinning() {
-            futures_lite::future::yield_now().await;
-            continue;
-        }
+        // A full send buffer drains at the receiver's pace (about a
+        // millisecond for a few MiB), far longer than spinning pays off
+        // for, so the sender parks whatever the policy; spinning here only
+        // steals CPU from the receiver when both share cores.
         let first = iovs[idx];
         // SAFETY: as above, the iovec names readable memory of that length.
         let buf = unsafe { std::slice::from_raw_parts(first.iov_base.cast::<u8>(), first.iov_len) };
         match wr.write(buf).await {
             Ok(0) => return Err(IoFail::Closed),
-            Ok(n) => {
-                advance(iovs, &mut idx, n);
-                spin.progress();
-            }
+            Ok(n) => advance(iovs, &mut idx, n),
             Err(e) => return Err(IoFail::from_os(e)),
         }
     }

@@ -247,10 +247,10 @@ async fn serve_conn(target: Rc<Target>, stream: TcpStream, key: usize) {
 }
 
 /// Sends a response header (and nothing else).
-async fn respond(conn: &mut Conn, h: Header, poll: PollPolicy) -> Result<(), TransportError> {
+async fn respond(conn: &mut Conn, h: Header, _poll: PollPolicy) -> Result<(), TransportError> {
     let hb = h.encode();
     let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
-    fdio::send_all(&mut conn.wr, conn.fd, &mut v, poll).await.map_err(conv("responding"))
+    fdio::send_all(&mut conn.wr, conn.fd, &mut v).await.map_err(conv("responding"))
 }
 
 fn reject(opcode: u8, req_id: u64, reason: RejectReason, detail: u32) -> Header {
@@ -358,7 +358,10 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
         match op {
             Op::Write => {
                 iovs.extend(ranges.iter().map(|&(a, l)| iov(a, l)));
-                fdio::recv_exact(&mut conn.rd, fd, &mut iovs, poll)
+                // The payload follows its header at once or streams in at
+                // bulk pace; either way spinning buys nothing, and on shared
+                // cores it slows the sender, so payloads always park.
+                fdio::recv_exact(&mut conn.rd, fd, &mut iovs, PollPolicy::Park)
                     .await
                     .map_err(conv("receiving a payload"))?;
                 drop(pins);
@@ -370,7 +373,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 let ob = ok.encode();
                 iovs.push(iov(ob.as_ptr() as u64, ob.len() as u64));
                 iovs.extend(ranges.iter().map(|&(a, l)| iov(a, l)));
-                fdio::send_all(&mut conn.wr, fd, &mut iovs, poll)
+                fdio::send_all(&mut conn.wr, fd, &mut iovs)
                     .await
                     .map_err(conv("sending a payload"))?;
                 drop(pins);
@@ -394,7 +397,7 @@ async fn send_regions(target: &Target, conn: &mut Conn, req_id: u64) -> Result<(
         wire::encode_entry(&mut body, r.addr, r.len_bytes);
     }
     let mut v = [iov(body.as_ptr() as u64, body.len() as u64)];
-    fdio::send_all(&mut conn.wr, conn.fd, &mut v, target.config.poll)
+    fdio::send_all(&mut conn.wr, conn.fd, &mut v)
         .await
         .map_err(conv("sending regions"))
 }
@@ -538,7 +541,7 @@ impl SessionInner {
         let poll = self.config.poll;
         let mut hb = Header { opcode: wire::OP_REGIONS, req_id, ..Header::default() }.encode();
         let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
-        fdio::send_all(&mut conn.wr, conn.fd, &mut v, poll)
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v)
             .await
             .map_err(conv("asking for regions"))?;
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
@@ -671,6 +674,7 @@ impl SessionInner {
             Op::Read => wire::OP_READ,
         };
         let credit = Semaphore::new(per_stream_bytes);
+        let all_sent = Cell::new(false);
         let frames = || plan.frames.iter().enumerate().skip(j).step_by(k);
         let descs = &plan.descs[..];
         let Conn { rd, wr, .. } = &mut conn;
@@ -702,8 +706,9 @@ impl SessionInner {
                 if op == Op::Write {
                     iovs.extend(descs[f.start..f.end].iter().map(|d| iov(d.local_addr, d.len_bytes)));
                 }
-                fdio::send_all(wr, fd, &mut iovs, poll).await.map_err(conv("sending a frame"))?;
+                fdio::send_all(wr, fd, &mut iovs).await.map_err(conv("sending a frame"))?;
             }
+            all_sent.set(true);
             Ok::<(), TransportError>(())
         };
         let recv = async {
@@ -711,7 +716,11 @@ impl SessionInner {
             let mut iovs: Vec<libc::iovec> = Vec::new();
             for (n, f) in frames() {
                 let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
-                fdio::recv_exact(rd, fd, &mut v, poll)
+                // Spin for the response only once every frame is out:
+                // before that the sender half waits on io_uring readiness,
+                // which a spinning sibling would only delay.
+                let wait = if all_sent.get() { poll } else { PollPolicy::Park };
+                fdio::recv_exact(rd, fd, &mut v, wait)
                     .await
                     .map_err(conv("awaiting a response"))?;
                 let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
@@ -739,7 +748,7 @@ impl SessionInner {
                         iovs.extend(
                             descs[f.start..f.end].iter().map(|d| iov(d.local_addr, d.len_bytes)),
                         );
-                        fdio::recv_exact(rd, fd, &mut iovs, poll)
+                        fdio::recv_exact(rd, fd, &mut iovs, PollPolicy::Park)
                             .await
                             .map_err(conv("receiving a payload"))?;
                     }
