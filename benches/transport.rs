@@ -14,12 +14,18 @@ const BLOCK: u64 = 4096;
 const MAX_DESCS: u64 = 64;
 
 fn executor() -> LocalExecutor {
-    LocalExecutorBuilder::new(Placement::Unbound).make().expect("executor")
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .make()
+        .expect("executor")
 }
 
 fn batch(src: u64, dst: u64, n: u64) -> Vec<Desc> {
     (0..n)
-        .map(|i| Desc { local_addr: src + i * BLOCK, remote_addr: dst + i * BLOCK, len_bytes: BLOCK })
+        .map(|i| Desc {
+            local_addr: src + i * BLOCK,
+            remote_addr: dst + i * BLOCK,
+            len_bytes: BLOCK,
+        })
         .collect()
 }
 
@@ -60,7 +66,10 @@ fn bench_transport(c: &mut Criterion) {
         group.bench_function(format!("tcp/{n}x4KiB"), |b| {
             b.iter_custom(|iters| {
                 ex.run(async {
-                    let config = TcpConfig { streams: 1, ..TcpConfig::default() };
+                    let config = TcpConfig {
+                        streams: 1,
+                        ..TcpConfig::default()
+                    };
                     let any = "127.0.0.1:0".parse().unwrap();
                     let target = TcpTransport::bind(any, config.clone()).unwrap();
                     let initiator = TcpTransport::bind(any, config).unwrap();

@@ -9,7 +9,10 @@ use kvferry::transport::{
 };
 
 fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
-    LocalExecutorBuilder::new(Placement::Unbound).make().expect("executor").run(f)
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .make()
+        .expect("executor")
+        .run(f)
 }
 
 fn random(len: usize, seed: u64) -> Vec<u8> {
@@ -40,25 +43,40 @@ fn random_batches_both_directions() {
         let mut off = 0u64;
         while descs.len() < 3000 {
             let len = rng.u64(1..2048);
-            descs.push(Desc { local_addr: src.as_ptr() as u64 + off, remote_addr: dst.as_ptr() as u64 + off, len_bytes: len });
+            descs.push(Desc {
+                local_addr: src.as_ptr() as u64 + off,
+                remote_addr: dst.as_ptr() as u64 + off,
+                len_bytes: len,
+            });
             off += len + rng.u64(0..3);
         }
-        descs.push(Desc { local_addr: src.as_ptr() as u64 + off, remote_addr: dst.as_ptr() as u64 + off, len_bytes: 2 << 20 });
+        descs.push(Desc {
+            local_addr: src.as_ptr() as u64 + off,
+            remote_addr: dst.as_ptr() as u64 + off,
+            len_bytes: 2 << 20,
+        });
         session.transfer(Op::Write, &descs).await.unwrap();
         let mut expected = vec![0xA5u8; dst.len()];
         for d in &descs {
             let o = (d.local_addr - src.as_ptr() as u64) as usize;
-            expected[o..o + d.len_bytes as usize].copy_from_slice(&src[o..o + d.len_bytes as usize]);
+            expected[o..o + d.len_bytes as usize]
+                .copy_from_slice(&src[o..o + d.len_bytes as usize]);
         }
         assert!(dst == expected);
         let reads: Vec<Desc> = descs
             .iter()
-            .map(|d| Desc { local_addr: d.local_addr - src.as_ptr() as u64 + back.as_ptr() as u64, ..*d })
+            .map(|d| Desc {
+                local_addr: d.local_addr - src.as_ptr() as u64 + back.as_ptr() as u64,
+                ..*d
+            })
             .collect();
         session.transfer(Op::Read, &reads).await.unwrap();
         for d in &descs {
             let o = (d.local_addr - src.as_ptr() as u64) as usize;
-            assert_eq!(&back[o..o + d.len_bytes as usize], &src[o..o + d.len_bytes as usize]);
+            assert_eq!(
+                &back[o..o + d.len_bytes as usize],
+                &src[o..o + d.len_bytes as usize]
+            );
         }
         session.close().await;
     });
@@ -73,15 +91,58 @@ fn bad_descriptors_fail_typed_and_move_nothing() {
         let mut dst = vec![0u8; 4096];
         // SAFETY: as above.
         let (_, dst_region) = unsafe {
-            (a.register(src.as_mut_ptr(), 4096).unwrap(), b.register(dst.as_mut_ptr(), 4096).unwrap())
+            (
+                a.register(src.as_mut_ptr(), 4096).unwrap(),
+                b.register(dst.as_mut_ptr(), 4096).unwrap(),
+            )
         };
         let session = a.open(&b.endpoint_addr()).await.unwrap();
-        let base = |i: u64| Desc { local_addr: src.as_ptr() as u64 + i * 16, remote_addr: dst.as_ptr() as u64 + i * 16, len_bytes: 16 };
+        let base = |i: u64| Desc {
+            local_addr: src.as_ptr() as u64 + i * 16,
+            remote_addr: dst.as_ptr() as u64 + i * 16,
+            len_bytes: 16,
+        };
         let cases = [
-            (Desc { remote_addr: dst.as_ptr() as u64 + 4090, ..base(0) }, TransportError::Misuse(MisuseError::RemoteDescriptor { index: 5, fault: RangeFault::OutOfRegion })),
-            (Desc { local_addr: src.as_ptr() as u64 - 1, ..base(0) }, TransportError::Misuse(MisuseError::LocalDescriptor { index: 5, fault: RangeFault::OutOfRegion })),
-            (Desc { len_bytes: 0, ..base(0) }, TransportError::Misuse(MisuseError::LocalDescriptor { index: 5, fault: RangeFault::Empty })),
-            (Desc { remote_addr: u64::MAX, ..base(0) }, TransportError::Misuse(MisuseError::RemoteDescriptor { index: 5, fault: RangeFault::Overflow })),
+            (
+                Desc {
+                    remote_addr: dst.as_ptr() as u64 + 4090,
+                    ..base(0)
+                },
+                TransportError::Misuse(MisuseError::RemoteDescriptor {
+                    index: 5,
+                    fault: RangeFault::OutOfRegion,
+                }),
+            ),
+            (
+                Desc {
+                    local_addr: src.as_ptr() as u64 - 1,
+                    ..base(0)
+                },
+                TransportError::Misuse(MisuseError::LocalDescriptor {
+                    index: 5,
+                    fault: RangeFault::OutOfRegion,
+                }),
+            ),
+            (
+                Desc {
+                    len_bytes: 0,
+                    ..base(0)
+                },
+                TransportError::Misuse(MisuseError::LocalDescriptor {
+                    index: 5,
+                    fault: RangeFault::Empty,
+                }),
+            ),
+            (
+                Desc {
+                    remote_addr: u64::MAX,
+                    ..base(0)
+                },
+                TransportError::Misuse(MisuseError::RemoteDescriptor {
+                    index: 5,
+                    fault: RangeFault::Overflow,
+                }),
+            ),
         ];
         for (bad, want) in cases {
             let mut descs: Vec<Desc> = (0..10).map(base).collect();
@@ -96,14 +157,43 @@ fn bad_descriptors_fail_typed_and_move_nothing() {
         // Unregistered memory is unreachable; a dropped peer is unreachable.
         b.unregister(dst_region).unwrap();
         let err = session.transfer(Op::Write, &[base(0)]).await.unwrap_err();
-        assert!(matches!(err, TransportError::Misuse(MisuseError::RemoteDescriptor { index: 0, .. })), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::RemoteDescriptor { index: 0, .. })
+            ),
+            "{err:?}"
+        );
         let gone = b.endpoint_addr();
         drop(b);
-        let err = a.open(&gone).await.err().expect("open to a dropped endpoint");
-        assert!(matches!(err, TransportError::Misuse(MisuseError::UnreachableEndpoint(_))), "{err:?}");
-        let err = a.open(&EndpointAddr::Tcp("127.0.0.1:1".parse().unwrap())).await.err().unwrap();
-        assert!(matches!(err, TransportError::Misuse(MisuseError::UnreachableEndpoint(_))), "{err:?}");
-        assert_eq!("local://7".parse::<EndpointAddr>().unwrap(), EndpointAddr::Local(7));
+        let err = a
+            .open(&gone)
+            .await
+            .err()
+            .expect("open to a dropped endpoint");
+        assert!(
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::UnreachableEndpoint(_))
+            ),
+            "{err:?}"
+        );
+        let err = a
+            .open(&EndpointAddr::Tcp("127.0.0.1:1".parse().unwrap()))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::UnreachableEndpoint(_))
+            ),
+            "{err:?}"
+        );
+        assert_eq!(
+            "local://7".parse::<EndpointAddr>().unwrap(),
+            EndpointAddr::Local(7)
+        );
         assert!("udp://x".parse::<EndpointAddr>().is_err());
     });
 }

@@ -19,7 +19,10 @@ use kvferry::transport::{
 };
 
 fn block_on<T>(f: impl Future<Output = T>) -> T {
-    LocalExecutorBuilder::new(Placement::Unbound).make().expect("executor").run(f)
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .make()
+        .expect("executor")
+        .run(f)
 }
 
 fn any_port() -> SocketAddr {
@@ -38,7 +41,9 @@ impl Buf {
         Buf { bytes }
     }
     fn filled(len: usize, byte: u8) -> Buf {
-        Buf { bytes: vec![byte; len] }
+        Buf {
+            bytes: vec![byte; len],
+        }
     }
     fn addr(&self) -> u64 {
         self.bytes.as_ptr() as u64
@@ -46,7 +51,10 @@ impl Buf {
     fn register(&mut self, t: &impl Transport) -> kvferry::transport::RegionId {
         // SAFETY: every buffer outlives the endpoints in these tests, and
         // nothing reads it while a transfer runs.
-        unsafe { t.register(self.bytes.as_mut_ptr(), self.bytes.len()).expect("register") }
+        unsafe {
+            t.register(self.bytes.as_mut_ptr(), self.bytes.len())
+                .expect("register")
+        }
     }
 }
 
@@ -104,7 +112,10 @@ async fn round_trip(config: TcpConfig, sizes: &[u64], seed: u64) {
             len_bytes: l,
         })
         .collect();
-    session.transfer(Op::Write, &descs).await.expect("write batch");
+    session
+        .transfer(Op::Write, &descs)
+        .await
+        .expect("write batch");
     let mut expected = vec![0xA5u8; dst.bytes.len()];
     for dsc in &descs {
         let so = (dsc.local_addr - src.addr()) as usize;
@@ -116,9 +127,15 @@ async fn round_trip(config: TcpConfig, sizes: &[u64], seed: u64) {
     // Pull everything back into `back` at the source offsets.
     let reads: Vec<Desc> = descs
         .iter()
-        .map(|d| Desc { local_addr: d.local_addr - src.addr() + back.addr(), ..*d })
+        .map(|d| Desc {
+            local_addr: d.local_addr - src.addr() + back.addr(),
+            ..*d
+        })
         .collect();
-    session.transfer(Op::Read, &reads).await.expect("read batch");
+    session
+        .transfer(Op::Read, &reads)
+        .await
+        .expect("read batch");
     let mut expected_back = vec![0x5Au8; back.bytes.len()];
     for dsc in &descs {
         let so = (dsc.local_addr - src.addr()) as usize;
@@ -132,9 +149,29 @@ async fn round_trip(config: TcpConfig, sizes: &[u64], seed: u64) {
 
 #[test]
 fn sizes_from_one_byte_to_64_mib_both_directions() {
-    let sizes = [1, 2, 3, 7, 64, 4095, 4096, 4097, 65_537, (1 << 20) + 3, 5 << 20, 64 << 20];
-    for (i, poll) in [PollPolicy::default(), PollPolicy::Park].into_iter().enumerate() {
-        let config = TcpConfig { streams: 3, poll, ..TcpConfig::default() };
+    let sizes = [
+        1,
+        2,
+        3,
+        7,
+        64,
+        4095,
+        4096,
+        4097,
+        65_537,
+        (1 << 20) + 3,
+        5 << 20,
+        64 << 20,
+    ];
+    for (i, poll) in [PollPolicy::default(), PollPolicy::Park]
+        .into_iter()
+        .enumerate()
+    {
+        let config = TcpConfig {
+            streams: 3,
+            poll,
+            ..TcpConfig::default()
+        };
         block_on(round_trip(config, &sizes, 11 + i as u64));
     }
 }
@@ -143,7 +180,11 @@ fn sizes_from_one_byte_to_64_mib_both_directions() {
 fn thousands_of_small_descriptors_over_several_frames() {
     let mut rng = fastrand::Rng::with_seed(7);
     let sizes: Vec<u64> = (0..5000).map(|_| rng.u64(1..=300)).collect();
-    let config = TcpConfig { streams: 2, frame_max_descs: 1024, ..TcpConfig::default() };
+    let config = TcpConfig {
+        streams: 2,
+        frame_max_descs: 1024,
+        ..TcpConfig::default()
+    };
     block_on(round_trip(config, &sizes, 3));
 }
 
@@ -174,7 +215,11 @@ fn concurrent_batches_on_one_session() {
                 // Batch i: one large descriptor or 256 small ones.
                 let base = i * chunk;
                 if i % 2 == 0 {
-                    vec![Desc { local_addr: src.addr() + base, remote_addr: dst.addr() + base, len_bytes: chunk }]
+                    vec![Desc {
+                        local_addr: src.addr() + base,
+                        remote_addr: dst.addr() + base,
+                        len_bytes: chunk,
+                    }]
                 } else {
                     (0..256)
                         .map(|k| Desc {
@@ -186,7 +231,8 @@ fn concurrent_batches_on_one_session() {
                 }
             })
             .collect();
-        let results = futures::future::join_all(batches.iter().map(|b| session.transfer(Op::Write, b))).await;
+        let results =
+            futures::future::join_all(batches.iter().map(|b| session.transfer(Op::Write, b))).await;
         for r in results {
             r.expect("concurrent batch");
         }
@@ -204,13 +250,23 @@ fn out_of_region_batches_fail_typed_and_move_nothing() {
         src.register(&initiator);
         let dst_region = dst.register(&target);
         let (src_addr, dst_addr) = (src.addr(), dst.addr());
-        let good = |k: u64| Desc { local_addr: src_addr + k * 64, remote_addr: dst_addr + k * 64, len_bytes: 64 };
+        let good = |k: u64| Desc {
+            local_addr: src_addr + k * 64,
+            remote_addr: dst_addr + k * 64,
+            len_bytes: 64,
+        };
         // Remote side out of region at index 1500 of 3000 (several frames).
         let mut descs: Vec<Desc> = (0..3000).map(good).collect();
         descs[1500].remote_addr = dst.addr() + (1 << 20) - 10;
         let err = session.transfer(Op::Write, &descs).await.unwrap_err();
         assert!(
-            matches!(err, TransportError::Misuse(MisuseError::RemoteDescriptor { index: 1500, fault: RangeFault::OutOfRegion })),
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::RemoteDescriptor {
+                    index: 1500,
+                    fault: RangeFault::OutOfRegion
+                })
+            ),
             "{err:?}"
         );
         // Local side out of region.
@@ -218,31 +274,70 @@ fn out_of_region_batches_fail_typed_and_move_nothing() {
         descs[2999].local_addr = src.addr() + (1 << 20);
         let err = session.transfer(Op::Write, &descs).await.unwrap_err();
         assert!(
-            matches!(err, TransportError::Misuse(MisuseError::LocalDescriptor { index: 2999, fault: RangeFault::OutOfRegion })),
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::LocalDescriptor {
+                    index: 2999,
+                    fault: RangeFault::OutOfRegion
+                })
+            ),
             "{err:?}"
         );
         // Zero length and overflow are rejected too, in both directions.
         let mut descs: Vec<Desc> = (0..10).map(good).collect();
         descs[3].len_bytes = 0;
         let err = session.transfer(Op::Read, &descs).await.unwrap_err();
-        assert!(matches!(err, TransportError::Misuse(MisuseError::LocalDescriptor { index: 3, fault: RangeFault::Empty })), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::LocalDescriptor {
+                    index: 3,
+                    fault: RangeFault::Empty
+                })
+            ),
+            "{err:?}"
+        );
         let mut descs: Vec<Desc> = (0..10).map(good).collect();
         descs[4].remote_addr = u64::MAX - 8;
         let err = session.transfer(Op::Read, &descs).await.unwrap_err();
-        assert!(matches!(err, TransportError::Misuse(MisuseError::RemoteDescriptor { index: 4, fault: RangeFault::Overflow })), "{err:?}");
-        assert!(dst.bytes.iter().all(|&b| b == 0x11), "a rejected batch moved bytes");
+        assert!(
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::RemoteDescriptor {
+                    index: 4,
+                    fault: RangeFault::Overflow
+                })
+            ),
+            "{err:?}"
+        );
+        assert!(
+            dst.bytes.iter().all(|&b| b == 0x11),
+            "a rejected batch moved bytes"
+        );
         // The target unregisters behind the initiator's back: the target's
         // own check rejects the frame and nothing lands.
         target.unregister(dst_region).unwrap();
         let err = session.transfer(Op::Write, &[good(0)]).await.unwrap_err();
         assert!(
-            matches!(err, TransportError::Peer(PeerError::Rejected { reason: RejectReason::OutOfRegion, index: 0 })),
+            matches!(
+                err,
+                TransportError::Peer(PeerError::Rejected {
+                    reason: RejectReason::OutOfRegion,
+                    index: 0
+                })
+            ),
             "{err:?}"
         );
-        assert!(dst.bytes.iter().all(|&b| b == 0x11), "a rejected frame moved bytes");
+        assert!(
+            dst.bytes.iter().all(|&b| b == 0x11),
+            "a rejected frame moved bytes"
+        );
         // After re-registering, the same session works again.
         dst.register(&target);
-        session.transfer(Op::Write, &[good(0), good(5)]).await.expect("after re-register");
+        session
+            .transfer(Op::Write, &[good(0), good(5)])
+            .await
+            .expect("after re-register");
         assert_eq!(&dst.bytes[..64], &src.bytes[..64]);
         assert_eq!(&dst.bytes[320..384], &src.bytes[320..384]);
         drop((target, initiator));
@@ -254,7 +349,13 @@ fn out_of_region_batches_fail_typed_and_move_nothing() {
 // ---------------------------------------------------------------------------
 
 fn request(opcode: u8, entries: &[(u64, u64)], payload_len: u64, req_id: u64) -> Vec<u8> {
-    let h = Header { opcode, count: entries.len() as u32, req_id, payload_len, ..Header::default() };
+    let h = Header {
+        opcode,
+        count: entries.len() as u32,
+        req_id,
+        payload_len,
+        ..Header::default()
+    };
     let mut b = h.encode().to_vec();
     for &(a, l) in entries {
         wire::encode_entry(&mut b, a, l);
@@ -285,7 +386,11 @@ fn crafted_frames_are_rejected_and_the_endpoint_keeps_serving() {
         let mut whole = Buf::filled(3 * 4096, 0xEE);
         let region_addr = whole.addr() + 4096;
         // SAFETY: `whole` outlives the endpoint.
-        unsafe { target.register(whole.bytes.as_mut_ptr().add(4096), 4096).unwrap() };
+        unsafe {
+            target
+                .register(whole.bytes.as_mut_ptr().add(4096), 4096)
+                .unwrap()
+        };
         let mut src = Buf::random(4096, 9);
         src.register(&initiator);
         let addr = target.local_addr();
@@ -294,22 +399,162 @@ fn crafted_frames_are_rejected_and_the_endpoint_keeps_serving() {
         // Each case: the frame, the expected reject, whether the connection
         // must stay usable afterwards.
         let cases: Vec<(&str, Vec<u8>, RejectReason, bool)> = vec![
-            ("write past the region end", [request(wire::OP_WRITE, &[(region_addr + 4000, 100)], 100, 1), payload.clone()].concat(), RejectReason::OutOfRegion, true),
-            ("write before the region", [request(wire::OP_WRITE, &[(region_addr - 50, 100)], 100, 2), payload.clone()].concat(), RejectReason::OutOfRegion, true),
-            ("second descriptor out of region", [request(wire::OP_WRITE, &[(region_addr, 50), (region_addr + 8192, 50)], 100, 3), payload.clone()].concat(), RejectReason::OutOfRegion, true),
-            ("overflowing addr + len", [request(wire::OP_WRITE, &[(u64::MAX - 10, 100)], 100, 4), payload.clone()].concat(), RejectReason::Overflow, true),
-            ("zero-length descriptor", [request(wire::OP_WRITE, &[(region_addr, 0), (region_addr, 100)], 100, 5), payload.clone()].concat(), RejectReason::EmptyDescriptor, true),
-            ("read out of region", request(wire::OP_READ, &[(region_addr + 4096, 1)], 0, 6), RejectReason::OutOfRegion, true),
-            ("payload length mismatch", [request(wire::OP_WRITE, &[(region_addr, 100)], 99, 7), payload[..99].to_vec()].concat(), RejectReason::LengthMismatch, false),
-            ("read with a payload", request(wire::OP_READ, &[(region_addr, 100)], 100, 8), RejectReason::LengthMismatch, false),
-            ("too many descriptors", Header { opcode: wire::OP_WRITE, count: wire::MAX_FRAME_DESCS + 1, req_id: 9, payload_len: 0, ..Header::default() }.encode().to_vec(), RejectReason::TooLarge, false),
-            ("zero descriptors", request(wire::OP_WRITE, &[], 0, 10), RejectReason::TooLarge, false),
-            ("frame larger than the limit", request(wire::OP_READ, &[(region_addr, wire::MAX_FRAME_BYTES), (region_addr, 1)], 0, 11), RejectReason::TooLarge, false),
-            ("lengths summing past u64", request(wire::OP_WRITE, &[(region_addr, u64::MAX), (region_addr, 2)], 1, 12), RejectReason::TooLarge, false),
-            ("unknown opcode", request(99, &[(region_addr, 1)], 0, 13), RejectReason::UnknownOpcode, false),
-            ("bad magic", { let mut b = request(wire::OP_WRITE, &[(region_addr, 1)], 1, 14); b[0] = b'X'; b }, RejectReason::BadHeader, false),
-            ("status byte in a request", { let mut b = request(wire::OP_READ, &[(region_addr, 1)], 0, 15); b[5] = 1; b }, RejectReason::BadHeader, false),
-            ("regions request with a body", request(wire::OP_REGIONS, &[(region_addr, 1)], 0, 16), RejectReason::BadHeader, false),
+            (
+                "write past the region end",
+                [
+                    request(wire::OP_WRITE, &[(region_addr + 4000, 100)], 100, 1),
+                    payload.clone(),
+                ]
+                .concat(),
+                RejectReason::OutOfRegion,
+                true,
+            ),
+            (
+                "write before the region",
+                [
+                    request(wire::OP_WRITE, &[(region_addr - 50, 100)], 100, 2),
+                    payload.clone(),
+                ]
+                .concat(),
+                RejectReason::OutOfRegion,
+                true,
+            ),
+            (
+                "second descriptor out of region",
+                [
+                    request(
+                        wire::OP_WRITE,
+                        &[(region_addr, 50), (region_addr + 8192, 50)],
+                        100,
+                        3,
+                    ),
+                    payload.clone(),
+                ]
+                .concat(),
+                RejectReason::OutOfRegion,
+                true,
+            ),
+            (
+                "overflowing addr + len",
+                [
+                    request(wire::OP_WRITE, &[(u64::MAX - 10, 100)], 100, 4),
+                    payload.clone(),
+                ]
+                .concat(),
+                RejectReason::Overflow,
+                true,
+            ),
+            (
+                "zero-length descriptor",
+                [
+                    request(
+                        wire::OP_WRITE,
+                        &[(region_addr, 0), (region_addr, 100)],
+                        100,
+                        5,
+                    ),
+                    payload.clone(),
+                ]
+                .concat(),
+                RejectReason::EmptyDescriptor,
+                true,
+            ),
+            (
+                "read out of region",
+                request(wire::OP_READ, &[(region_addr + 4096, 1)], 0, 6),
+                RejectReason::OutOfRegion,
+                true,
+            ),
+            (
+                "payload length mismatch",
+                [
+                    request(wire::OP_WRITE, &[(region_addr, 100)], 99, 7),
+                    payload[..99].to_vec(),
+                ]
+                .concat(),
+                RejectReason::LengthMismatch,
+                false,
+            ),
+            (
+                "read with a payload",
+                request(wire::OP_READ, &[(region_addr, 100)], 100, 8),
+                RejectReason::LengthMismatch,
+                false,
+            ),
+            (
+                "too many descriptors",
+                Header {
+                    opcode: wire::OP_WRITE,
+                    count: wire::MAX_FRAME_DESCS + 1,
+                    req_id: 9,
+                    payload_len: 0,
+                    ..Header::default()
+                }
+                .encode()
+                .to_vec(),
+                RejectReason::TooLarge,
+                false,
+            ),
+            (
+                "zero descriptors",
+                request(wire::OP_WRITE, &[], 0, 10),
+                RejectReason::TooLarge,
+                false,
+            ),
+            (
+                "frame larger than the limit",
+                request(
+                    wire::OP_READ,
+                    &[(region_addr, wire::MAX_FRAME_BYTES), (region_addr, 1)],
+                    0,
+                    11,
+                ),
+                RejectReason::TooLarge,
+                false,
+            ),
+            (
+                "lengths summing past u64",
+                request(
+                    wire::OP_WRITE,
+                    &[(region_addr, u64::MAX), (region_addr, 2)],
+                    1,
+                    12,
+                ),
+                RejectReason::TooLarge,
+                false,
+            ),
+            (
+                "unknown opcode",
+                request(99, &[(region_addr, 1)], 0, 13),
+                RejectReason::UnknownOpcode,
+                false,
+            ),
+            (
+                "bad magic",
+                {
+                    let mut b = request(wire::OP_WRITE, &[(region_addr, 1)], 1, 14);
+                    b[0] = b'X';
+                    b
+                },
+                RejectReason::BadHeader,
+                false,
+            ),
+            (
+                "status byte in a request",
+                {
+                    let mut b = request(wire::OP_READ, &[(region_addr, 1)], 0, 15);
+                    b[5] = 1;
+                    b
+                },
+                RejectReason::BadHeader,
+                false,
+            ),
+            (
+                "regions request with a body",
+                request(wire::OP_REGIONS, &[(region_addr, 1)], 0, 16),
+                RejectReason::BadHeader,
+                false,
+            ),
         ];
         for (name, frame, reason, keeps) in cases {
             let mut s = TcpStream::connect(addr).await.unwrap();
@@ -319,24 +564,54 @@ fn crafted_frames_are_rejected_and_the_endpoint_keeps_serving() {
             assert_eq!(h.payload_len, 0, "{name}: a reject carries no payload");
             if keeps {
                 // Same connection: a valid 16-byte write still lands.
-                let ok = [request(wire::OP_WRITE, &[(region_addr + 16, 16)], 16, 100), vec![0x42; 16]].concat();
+                let ok = [
+                    request(wire::OP_WRITE, &[(region_addr + 16, 16)], 16, 100),
+                    vec![0x42; 16],
+                ]
+                .concat();
                 s.write_all(&ok).await.unwrap();
                 let h = response(&mut s).await;
-                assert_eq!((h.status, h.req_id), (wire::STATUS_OK, 100), "{name}: connection unusable");
+                assert_eq!(
+                    (h.status, h.req_id),
+                    (wire::STATUS_OK, 100),
+                    "{name}: connection unusable"
+                );
             } else {
-                assert!(is_closed(&mut s).await, "{name}: connection should be closed");
+                assert!(
+                    is_closed(&mut s).await,
+                    "{name}: connection should be closed"
+                );
             }
-            assert!(whole.bytes[..4096].iter().all(|&b| b == 0xEE), "{name}: guard before changed");
-            assert!(whole.bytes[8192..].iter().all(|&b| b == 0xEE), "{name}: guard after changed");
-            let untouched = whole.bytes[4096..4096 + 16].iter().chain(&whole.bytes[4096 + 32..8192]);
-            assert!(untouched.into_iter().all(|&b| b == 0xEE), "{name}: region changed outside the valid write");
+            assert!(
+                whole.bytes[..4096].iter().all(|&b| b == 0xEE),
+                "{name}: guard before changed"
+            );
+            assert!(
+                whole.bytes[8192..].iter().all(|&b| b == 0xEE),
+                "{name}: guard after changed"
+            );
+            let untouched = whole.bytes[4096..4096 + 16]
+                .iter()
+                .chain(&whole.bytes[4096 + 32..8192]);
+            assert!(
+                untouched.into_iter().all(|&b| b == 0xEE),
+                "{name}: region changed outside the valid write"
+            );
         }
 
         // Truncated frames: a partial header, a partial table, a partial
         // payload, each followed by a close. No response, no panic.
-        for cut in [5usize, wire::HEADER_LEN + 3, wire::HEADER_LEN + wire::ENTRY_LEN + 10] {
+        for cut in [
+            5usize,
+            wire::HEADER_LEN + 3,
+            wire::HEADER_LEN + wire::ENTRY_LEN + 10,
+        ] {
             let mut s = TcpStream::connect(addr).await.unwrap();
-            let frame = [request(wire::OP_WRITE, &[(region_addr + 64, 100)], 100, 20), payload.clone()].concat();
+            let frame = [
+                request(wire::OP_WRITE, &[(region_addr + 64, 100)], 100, 20),
+                payload.clone(),
+            ]
+            .concat();
             s.write_all(&frame[..cut]).await.unwrap();
             s.shutdown(std::net::Shutdown::Write).await.unwrap();
             assert!(is_closed(&mut s).await, "cut at {cut}: target should close");
@@ -346,12 +621,23 @@ fn crafted_frames_are_rejected_and_the_endpoint_keeps_serving() {
 
         // The endpoint still serves a normal session after all of that.
         let session = initiator.open(&target.endpoint_addr()).await.unwrap();
-        let d = Desc { local_addr: src.addr(), remote_addr: region_addr, len_bytes: 4096 };
-        session.transfer(Op::Write, &[d]).await.expect("valid batch after hostile frames");
+        let d = Desc {
+            local_addr: src.addr(),
+            remote_addr: region_addr,
+            len_bytes: 4096,
+        };
+        session
+            .transfer(Op::Write, &[d])
+            .await
+            .expect("valid batch after hostile frames");
         assert_eq!(&whole.bytes[4096..8192], &src.bytes[..]);
         assert!(whole.bytes[..4096].iter().all(|&b| b == 0xEE));
         // Connections of the hostile clients are all gone or idle.
-        assert!(target.connections() <= 3 + 1, "connections leaked: {}", target.connections());
+        assert!(
+            target.connections() <= 3 + 1,
+            "connections leaked: {}",
+            target.connections()
+        );
         drop((target, initiator));
     });
 }
@@ -374,7 +660,13 @@ where
         let mut hb = [0u8; wire::HEADER_LEN];
         s.read_exact(&mut hb).await.unwrap();
         let q = Header::decode(&hb).unwrap();
-        let h = Header { opcode: wire::OP_REGIONS, count: 1, req_id: q.req_id, payload_len: 16, ..Header::default() };
+        let h = Header {
+            opcode: wire::OP_REGIONS,
+            count: 1,
+            req_id: q.req_id,
+            payload_len: 16,
+            ..Header::default()
+        };
         let mut b = h.encode().to_vec();
         wire::encode_entry(&mut b, region.0, region.1);
         s.write_all(&b).await.unwrap();
@@ -389,11 +681,22 @@ where
 #[test]
 fn peer_closing_mid_batch_fails_the_batch_without_hanging() {
     block_on(async {
-        let initiator = TcpTransport::bind(any_port(), TcpConfig { streams: 1, ..TcpConfig::default() }).unwrap();
+        let initiator = TcpTransport::bind(
+            any_port(),
+            TcpConfig {
+                streams: 1,
+                ..TcpConfig::default()
+            },
+        )
+        .unwrap();
         let mut src = Buf::random(8 << 20, 4);
         src.register(&initiator);
         let remote = (1u64 << 40, 16u64 << 20);
-        let d = [Desc { local_addr: src.addr(), remote_addr: remote.0, len_bytes: 8 << 20 }];
+        let d = [Desc {
+            local_addr: src.addr(),
+            remote_addr: remote.0,
+            len_bytes: 8 << 20,
+        }];
 
         // Write: the peer reads a little of the payload, then closes.
         let peer = fake_target(remote, |mut s| async move {
@@ -404,7 +707,13 @@ fn peer_closing_mid_batch_fails_the_batch_without_hanging() {
         .await;
         let session = initiator.open(&EndpointAddr::Tcp(peer)).await.unwrap();
         let err = session.transfer(Op::Write, &d).await.unwrap_err();
-        assert!(matches!(err, TransportError::Disconnected { .. } | TransportError::Io { .. }), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                TransportError::Disconnected { .. } | TransportError::Io { .. }
+            ),
+            "{err:?}"
+        );
 
         // Read: the peer answers OK and sends part of the payload, then closes.
         let peer = fake_target(remote, |mut s| async move {
@@ -413,7 +722,12 @@ fn peer_closing_mid_batch_fails_the_batch_without_hanging() {
             let mut hb = [0u8; wire::HEADER_LEN];
             hb.copy_from_slice(&req[..wire::HEADER_LEN]);
             let q = Header::decode(&hb).unwrap();
-            let h = Header { opcode: wire::OP_READ, req_id: q.req_id, payload_len: 4 << 20, ..Header::default() };
+            let h = Header {
+                opcode: wire::OP_READ,
+                req_id: q.req_id,
+                payload_len: 4 << 20,
+                ..Header::default()
+            };
             s.write_all(&h.encode()).await.unwrap();
             s.write_all(&[1u8; 1000]).await.unwrap();
             drop(s);
@@ -421,29 +735,47 @@ fn peer_closing_mid_batch_fails_the_batch_without_hanging() {
         .await;
         let session = initiator.open(&EndpointAddr::Tcp(peer)).await.unwrap();
         let err = session.transfer(Op::Read, &d).await.unwrap_err();
-        assert!(matches!(err, TransportError::Disconnected { .. }), "{err:?}");
+        assert!(
+            matches!(err, TransportError::Disconnected { .. }),
+            "{err:?}"
+        );
 
         // A response that does not belong to the request is a protocol error.
         let peer = fake_target(remote, |mut s| async move {
             let mut req = [0u8; wire::HEADER_LEN + wire::ENTRY_LEN];
             s.read_exact(&mut req).await.unwrap();
-            let h = Header { opcode: wire::OP_READ, req_id: 424242, payload_len: 1, ..Header::default() };
+            let h = Header {
+                opcode: wire::OP_READ,
+                req_id: 424242,
+                payload_len: 1,
+                ..Header::default()
+            };
             s.write_all(&h.encode()).await.unwrap();
             let mut rest = [0u8; 1];
             let _ = s.read(&mut rest).await;
         })
         .await;
         let session = initiator.open(&EndpointAddr::Tcp(peer)).await.unwrap();
-        let one = [Desc { len_bytes: 1, ..d[0] }];
+        let one = [Desc {
+            len_bytes: 1,
+            ..d[0]
+        }];
         let err = session.transfer(Op::Read, &one).await.unwrap_err();
-        assert!(matches!(err, TransportError::Peer(PeerError::Protocol(_))), "{err:?}");
+        assert!(
+            matches!(err, TransportError::Peer(PeerError::Protocol(_))),
+            "{err:?}"
+        );
     });
 }
 
 #[test]
 fn silent_peer_times_out() {
     block_on(async {
-        let config = TcpConfig { streams: 1, batch_timeout_ms: 200, ..TcpConfig::default() };
+        let config = TcpConfig {
+            streams: 1,
+            batch_timeout_ms: 200,
+            ..TcpConfig::default()
+        };
         let initiator = TcpTransport::bind(any_port(), config).unwrap();
         let mut src = Buf::random(4096, 4);
         src.register(&initiator);
@@ -460,16 +792,26 @@ fn silent_peer_times_out() {
         })
         .await;
         let session = initiator.open(&EndpointAddr::Tcp(peer)).await.unwrap();
-        let d = [Desc { local_addr: src.addr(), remote_addr: remote.0, len_bytes: 4096 }];
+        let d = [Desc {
+            local_addr: src.addr(),
+            remote_addr: remote.0,
+            len_bytes: 4096,
+        }];
         let err = session.transfer(Op::Write, &d).await.unwrap_err();
-        assert!(matches!(err, TransportError::Timeout { after_ms: 200 }), "{err:?}");
+        assert!(
+            matches!(err, TransportError::Timeout { after_ms: 200 }),
+            "{err:?}"
+        );
     });
 }
 
 #[test]
 fn session_reconnects_after_the_peer_restarts() {
     block_on(async {
-        let config = TcpConfig { streams: 2, ..TcpConfig::default() };
+        let config = TcpConfig {
+            streams: 2,
+            ..TcpConfig::default()
+        };
         let mut target = TcpTransport::bind(any_port(), config.clone()).unwrap();
         let addr = target.local_addr();
         let initiator = TcpTransport::bind(any_port(), config.clone()).unwrap();
@@ -480,7 +822,11 @@ fn session_reconnects_after_the_peer_restarts() {
         let session = initiator.open(&target.endpoint_addr()).await.unwrap();
         let whole = |dst: &Buf| {
             (0..4u64)
-                .map(|i| Desc { local_addr: src.addr() + (i << 20), remote_addr: dst.addr() + (i << 20), len_bytes: 1 << 20 })
+                .map(|i| Desc {
+                    local_addr: src.addr() + (i << 20),
+                    remote_addr: dst.addr() + (i << 20),
+                    len_bytes: 1 << 20,
+                })
                 .collect::<Vec<_>>()
         };
         session.transfer(Op::Write, &whole(&dst1)).await.unwrap();
@@ -489,19 +835,40 @@ fn session_reconnects_after_the_peer_restarts() {
         // The peer goes away: batches fail (connection refused), nothing hangs.
         target.shutdown();
         drop(target);
-        let err = session.transfer(Op::Write, &whole(&dst1)).await.unwrap_err();
-        assert!(matches!(err, TransportError::Io { .. } | TransportError::Disconnected { .. }), "{err:?}");
+        let err = session
+            .transfer(Op::Write, &whole(&dst1))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::Io { .. } | TransportError::Disconnected { .. }
+            ),
+            "{err:?}"
+        );
 
         // It restarts on the same port with new memory: the same session
         // reconnects, learns the new regions and delivers.
         let target2 = TcpTransport::bind(addr, config).unwrap();
         let mut dst2 = Buf::filled(4 << 20, 0);
         dst2.register(&target2);
-        session.transfer(Op::Write, &whole(&dst2)).await.expect("after restart");
+        session
+            .transfer(Op::Write, &whole(&dst2))
+            .await
+            .expect("after restart");
         assert!(dst2.bytes == src.bytes);
         // And the old memory is no longer reachable.
-        let err = session.transfer(Op::Write, &whole(&dst1)).await.unwrap_err();
-        assert!(matches!(err, TransportError::Misuse(MisuseError::RemoteDescriptor { index: 0, .. })), "{err:?}");
+        let err = session
+            .transfer(Op::Write, &whole(&dst1))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::RemoteDescriptor { index: 0, .. })
+            ),
+            "{err:?}"
+        );
         drop((target2, initiator));
     });
 }
@@ -513,7 +880,9 @@ fn shutdown_closes_served_connections_at_once() {
         let mut s = TcpStream::connect(target.local_addr()).await.unwrap();
         // Wait until the target has accepted the connection: a REGIONS
         // round trip proves the connection task is serving.
-        s.write_all(&request(wire::OP_REGIONS, &[], 0, 1)).await.unwrap();
+        s.write_all(&request(wire::OP_REGIONS, &[], 0, 1))
+            .await
+            .unwrap();
         let h = response(&mut s).await;
         assert_eq!(h.count, 0);
         assert_eq!(target.connections(), 1);

@@ -78,11 +78,21 @@ const MAX_SAMPLES: usize = 5_000_000;
 fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
     let args = Args::parse(argv, &["json", "no-pin"])?;
     args.reject_unknown(&[
-        "transport", "block-bytes", "batch", "streams", "seconds", "poll", "op", "json", "no-pin",
+        "transport",
+        "block-bytes",
+        "batch",
+        "streams",
+        "seconds",
+        "poll",
+        "op",
+        "json",
+        "no-pin",
     ])?;
     let transport = args.get_or("transport", "tcp".to_string())?;
     if transport != "tcp" && transport != "local" {
-        return Err(UsageError(format!("--transport must be tcp or local, not {transport:?}")));
+        return Err(UsageError(format!(
+            "--transport must be tcp or local, not {transport:?}"
+        )));
     }
     let block_bytes: u64 = args.get_or("block-bytes", 1 << 20)?;
     let batch: u64 = args.get_or("batch", 32)?;
@@ -92,15 +102,25 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
     let poll = match poll_name.as_str() {
         "spin" => PollPolicy::Spin { budget_us: 1_000 },
         "park" => PollPolicy::Park,
-        other => return Err(UsageError(format!("--poll must be spin or park, not {other:?}"))),
+        other => {
+            return Err(UsageError(format!(
+                "--poll must be spin or park, not {other:?}"
+            )))
+        }
     };
     let op = match args.get_or("op", "write".to_string())?.as_str() {
         "write" => Op::Write,
         "read" => Op::Read,
-        other => return Err(UsageError(format!("--op must be write or read, not {other:?}"))),
+        other => {
+            return Err(UsageError(format!(
+                "--op must be write or read, not {other:?}"
+            )))
+        }
     };
     if block_bytes == 0 || batch == 0 || !(1..=64).contains(&streams) {
-        return Err(UsageError("--block-bytes and --batch must be positive, --streams 1..=64".into()));
+        return Err(UsageError(
+            "--block-bytes and --batch must be positive, --streams 1..=64".into(),
+        ));
     }
     let total = block_bytes
         .checked_mul(batch)
@@ -111,7 +131,18 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
     }
     let json = args.flag("json");
     let pin = !args.flag("no-pin");
-    let p = Params { transport, block_bytes, batch, streams, seconds, poll, poll_name, op, json, pin };
+    let p = Params {
+        transport,
+        block_bytes,
+        batch,
+        streams,
+        seconds,
+        poll,
+        poll_name,
+        op,
+        json,
+        pin,
+    };
 
     // Both buffers live here and outlive the executor threads, which only
     // see their addresses; they are touched again only after the threads
@@ -141,7 +172,11 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
     };
     let memcpy_gbps = measure_memcpy(&src, &mut dst, block_bytes as usize, p.seconds.min(1.0));
     report(&p, &mut m, memcpy_gbps, check_ok);
-    Ok(if check_ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if check_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn placement(pin: bool, core: usize) -> Placement {
@@ -168,14 +203,20 @@ async fn drive(p: &Params, session: &impl Session, batch: &[Desc]) -> Result<Mea
     // Warm up: connections, page faults, caches.
     let warm_until = Instant::now() + Duration::from_millis(200);
     while Instant::now() < warm_until {
-        session.transfer(p.op, batch).await.map_err(|e| e.to_string())?;
+        session
+            .transfer(p.op, batch)
+            .await
+            .map_err(|e| e.to_string())?;
     }
     let mut m = Measured::default();
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(p.seconds);
     loop {
         let t0 = Instant::now();
-        session.transfer(p.op, batch).await.map_err(|e| e.to_string())?;
+        session
+            .transfer(p.op, batch)
+            .await
+            .map_err(|e| e.to_string())?;
         let t1 = Instant::now();
         m.batches += 1;
         if m.latencies_ns.len() < MAX_SAMPLES {
@@ -190,7 +231,11 @@ async fn drive(p: &Params, session: &impl Session, batch: &[Desc]) -> Result<Mea
 
 fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String> {
     let total = (p.block_bytes * p.batch) as usize;
-    let config = TcpConfig { streams: p.streams, poll: p.poll, ..TcpConfig::default() };
+    let config = TcpConfig {
+        streams: p.streams,
+        poll: p.poll,
+        ..TcpConfig::default()
+    };
     let (addr_tx, addr_rx) = flume::bounded::<Result<SocketAddr, String>>(1);
     let (stop_tx, stop_rx) = flume::bounded::<()>(1);
     let target_config = config.clone();
@@ -202,7 +247,8 @@ fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String>
                     .map_err(|e| e.to_string())?;
                 // SAFETY: `dst` outlives this thread (joined before it is
                 // touched again) and only the transport uses it meanwhile.
-                unsafe { t.register(dst_addr as usize as *mut u8, total) }.map_err(|e| e.to_string())?;
+                unsafe { t.register(dst_addr as usize as *mut u8, total) }
+                    .map_err(|e| e.to_string())?;
                 Ok(t)
             };
             match setup() {
@@ -222,17 +268,24 @@ fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String>
     let initiator = LocalExecutorBuilder::new(placement(p.pin, 0))
         .name("bench-initiator")
         .spawn(move || async move {
-            let t = TcpTransport::bind("127.0.0.1:0".parse().unwrap(), config).map_err(|e| e.to_string())?;
+            let t = TcpTransport::bind("127.0.0.1:0".parse().unwrap(), config)
+                .map_err(|e| e.to_string())?;
             // SAFETY: as for the target's buffer.
-            unsafe { t.register(src_addr as usize as *mut u8, total) }.map_err(|e| e.to_string())?;
-            let session = t.open(&EndpointAddr::Tcp(peer)).await.map_err(|e| e.to_string())?;
+            unsafe { t.register(src_addr as usize as *mut u8, total) }
+                .map_err(|e| e.to_string())?;
+            let session = t
+                .open(&EndpointAddr::Tcp(peer))
+                .await
+                .map_err(|e| e.to_string())?;
             let batch = descs(&p2, src_addr, dst_addr);
             let m = drive(&p2, &session, &batch).await;
             session.close().await;
             m
         })
         .map_err(|e| format!("starting the initiator executor: {e}"))?;
-    let result = initiator.join().map_err(|e| format!("initiator executor: {e}"));
+    let result = initiator
+        .join()
+        .map_err(|e| format!("initiator executor: {e}"));
     let _ = stop_tx.send(());
     target.join().map_err(|e| format!("target executor: {e}"))?;
     result?
@@ -249,10 +302,15 @@ fn run_local(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, Strin
             // SAFETY: both buffers outlive this thread and only the
             // transport touches them meanwhile.
             unsafe {
-                a.register(src_addr as usize as *mut u8, total).map_err(|e| e.to_string())?;
-                b.register(dst_addr as usize as *mut u8, total).map_err(|e| e.to_string())?;
+                a.register(src_addr as usize as *mut u8, total)
+                    .map_err(|e| e.to_string())?;
+                b.register(dst_addr as usize as *mut u8, total)
+                    .map_err(|e| e.to_string())?;
             }
-            let session = a.open(&b.endpoint_addr()).await.map_err(|e| e.to_string())?;
+            let session = a
+                .open(&b.endpoint_addr())
+                .await
+                .map_err(|e| e.to_string())?;
             let batch = descs(&p2, src_addr, dst_addr);
             drive(&p2, &session, &batch).await
         })
@@ -293,7 +351,11 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
     let descs_per_s = (m.batches * p.batch) as f64 / secs;
     let p50_us = percentile_us(&m.latencies_ns, 50);
     let p99_us = percentile_us(&m.latencies_ns, 99);
-    let ratio = if memcpy_gbps > 0.0 { gbps / memcpy_gbps } else { 0.0 };
+    let ratio = if memcpy_gbps > 0.0 {
+        gbps / memcpy_gbps
+    } else {
+        0.0
+    };
     let op = match p.op {
         Op::Write => "write",
         Op::Read => "read",

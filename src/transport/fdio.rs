@@ -50,7 +50,10 @@ impl Conn {
         };
         if r < 0 {
             let e = io::Error::last_os_error();
-            !matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted)
+            !matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            )
         } else {
             true
         }
@@ -87,7 +90,10 @@ struct Spinner {
 
 impl Spinner {
     fn new(policy: PollPolicy) -> Spinner {
-        Spinner { policy, since: None }
+        Spinner {
+            policy,
+            since: None,
+        }
     }
 
     fn progress(&mut self) {
@@ -130,7 +136,10 @@ fn advance(iovs: &mut [libc::iovec], idx: &mut usize, mut n: usize) {
 
 /// An `iovec` for `len` bytes at `addr`.
 pub(crate) fn iov(addr: u64, len: u64) -> libc::iovec {
-    libc::iovec { iov_base: addr as usize as *mut libc::c_void, iov_len: len as usize }
+    libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: len as usize,
+    }
 }
 
 /// Fills every buffer of `iovs` from the socket.
@@ -177,7 +186,8 @@ pub(crate) async fn recv_exact(
         // buffer (glommio reads straight into the slice it is given).
         let first = iovs[idx];
         // SAFETY: as above, the iovec names writable memory of that length.
-        let buf = unsafe { std::slice::from_raw_parts_mut(first.iov_base.cast::<u8>(), first.iov_len) };
+        let buf =
+            unsafe { std::slice::from_raw_parts_mut(first.iov_base.cast::<u8>(), first.iov_len) };
         match rd.read(buf).await {
             Ok(0) => return Err(IoFail::Closed),
             Ok(n) => {

@@ -52,14 +52,22 @@ impl LocalTransport {
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer_id)
             .and_then(Weak::upgrade)
-            .ok_or_else(|| MisuseError::UnreachableEndpoint(EndpointAddr::Local(peer_id).to_string()))?;
-        Ok(LocalSession { local: Arc::clone(&self.registry), peer: Some(peer) })
+            .ok_or_else(|| {
+                MisuseError::UnreachableEndpoint(EndpointAddr::Local(peer_id).to_string())
+            })?;
+        Ok(LocalSession {
+            local: Arc::clone(&self.registry),
+            peer: Some(peer),
+        })
     }
 }
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
-        DIRECTORY.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+        DIRECTORY
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.id);
     }
 }
 
@@ -94,7 +102,11 @@ impl Session for LocalSession {
             // reads and writes. `copy` tolerates overlap (a session from an
             // endpoint to itself).
             unsafe {
-                std::ptr::copy(src as usize as *const u8, dst as usize as *mut u8, d.len_bytes as usize);
+                std::ptr::copy(
+                    src as usize as *const u8,
+                    dst as usize as *mut u8,
+                    d.len_bytes as usize,
+                );
             }
             since_yield += d.len_bytes;
             if since_yield >= YIELD_EVERY_BYTES {

@@ -102,7 +102,9 @@ impl Registry {
         let end = end.unwrap_or(u64::MAX);
         let mut inner = self.lock();
         if inner.by_addr.len() >= self.max_regions {
-            return Err(MisuseError::TooManyRegions { max_regions: self.max_regions });
+            return Err(MisuseError::TooManyRegions {
+                max_regions: self.max_regions,
+            });
         }
         let overlaps_before = inner
             .by_addr
@@ -140,7 +142,10 @@ impl Registry {
         self.lock()
             .by_addr
             .iter()
-            .map(|(&addr, e)| RegionInfo { addr, len_bytes: e.len_bytes })
+            .map(|(&addr, e)| RegionInfo {
+                addr,
+                len_bytes: e.len_bytes,
+            })
             .collect()
     }
 
@@ -168,7 +173,10 @@ impl Registry {
             }
         }
         drop(inner);
-        Ok(Pins { registry: Arc::clone(self), starts })
+        Ok(Pins {
+            registry: Arc::clone(self),
+            starts,
+        })
     }
 
     fn unpin(&self, starts: &[u64]) {
@@ -255,39 +263,80 @@ mod tests {
     fn overlap_and_bounds() {
         let r = Registry::new(4);
         let a = r.insert(1000, 100).unwrap();
-        assert!(matches!(r.insert(1050, 10), Err(MisuseError::RegionOverlap { .. })));
-        assert!(matches!(r.insert(990, 11), Err(MisuseError::RegionOverlap { .. })));
-        assert!(matches!(r.insert(900, 0), Err(MisuseError::BadRegion { .. })));
-        assert!(matches!(r.insert(u64::MAX, 2), Err(MisuseError::BadRegion { .. })));
+        assert!(matches!(
+            r.insert(1050, 10),
+            Err(MisuseError::RegionOverlap { .. })
+        ));
+        assert!(matches!(
+            r.insert(990, 11),
+            Err(MisuseError::RegionOverlap { .. })
+        ));
+        assert!(matches!(
+            r.insert(900, 0),
+            Err(MisuseError::BadRegion { .. })
+        ));
+        assert!(matches!(
+            r.insert(u64::MAX, 2),
+            Err(MisuseError::BadRegion { .. })
+        ));
         r.insert(1100, 10).unwrap();
         r.insert(990, 10).unwrap();
         assert_eq!(r.pin([(1000, 100)].into_iter()).map(|_| ()), Ok(()));
-        assert_eq!(r.pin([(1000, 101)].into_iter()).err(), Some((0, RangeFault::OutOfRegion)));
+        assert_eq!(
+            r.pin([(1000, 101)].into_iter()).err(),
+            Some((0, RangeFault::OutOfRegion))
+        );
         assert_eq!(
             r.pin([(1000, 1), (u64::MAX, 1)].into_iter()).err(),
             Some((1, RangeFault::Overflow))
         );
-        assert_eq!(r.pin([(1000, 0)].into_iter()).err(), Some((0, RangeFault::Empty)));
-        let pins = r.pin([(1000, 5), (1005, 5), (1100, 1)].into_iter()).unwrap();
-        assert!(matches!(r.remove(a), Err(MisuseError::RegionBusy { pins: 1, .. })));
+        assert_eq!(
+            r.pin([(1000, 0)].into_iter()).err(),
+            Some((0, RangeFault::Empty))
+        );
+        let pins = r
+            .pin([(1000, 5), (1005, 5), (1100, 1)].into_iter())
+            .unwrap();
+        assert!(matches!(
+            r.remove(a),
+            Err(MisuseError::RegionBusy { pins: 1, .. })
+        ));
         drop(pins);
         r.remove(a).unwrap();
         assert!(matches!(r.remove(a), Err(MisuseError::UnknownRegion(_))));
-        assert_eq!(r.pin([(1000, 1)].into_iter()).err(), Some((0, RangeFault::OutOfRegion)));
+        assert_eq!(
+            r.pin([(1000, 1)].into_iter()).err(),
+            Some((0, RangeFault::OutOfRegion))
+        );
     }
 
     #[test]
     fn remote_check() {
         let regions = [
-            RegionInfo { addr: 100, len_bytes: 10 },
-            RegionInfo { addr: 200, len_bytes: 10 },
+            RegionInfo {
+                addr: 100,
+                len_bytes: 10,
+            },
+            RegionInfo {
+                addr: 200,
+                len_bytes: 10,
+            },
         ];
-        assert_eq!(check_remote(&regions, [(100, 10), (205, 5)].into_iter()), Ok(()));
+        assert_eq!(
+            check_remote(&regions, [(100, 10), (205, 5)].into_iter()),
+            Ok(())
+        );
         assert_eq!(
             check_remote(&regions, [(100, 10), (105, 6)].into_iter()),
             Err((1, RangeFault::OutOfRegion))
         );
-        assert_eq!(check_remote(&regions, [(50, 1)].into_iter()), Err((0, RangeFault::OutOfRegion)));
-        assert_eq!(check_remote(&regions, [(u64::MAX, 1)].into_iter()), Err((0, RangeFault::Overflow)));
+        assert_eq!(
+            check_remote(&regions, [(50, 1)].into_iter()),
+            Err((0, RangeFault::OutOfRegion))
+        );
+        assert_eq!(
+            check_remote(&regions, [(u64::MAX, 1)].into_iter()),
+            Err((0, RangeFault::Overflow))
+        );
     }
 }

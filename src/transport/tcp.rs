@@ -87,10 +87,16 @@ impl TcpConfig {
             return bad(format!("streams must be 1..=64, not {}", self.streams));
         }
         if !(1..=wire::MAX_FRAME_BYTES).contains(&self.frame_max_bytes) {
-            return bad(format!("frame_max_bytes must be 1..={}", wire::MAX_FRAME_BYTES));
+            return bad(format!(
+                "frame_max_bytes must be 1..={}",
+                wire::MAX_FRAME_BYTES
+            ));
         }
         if !(1..=wire::MAX_FRAME_DESCS).contains(&self.frame_max_descs) {
-            return bad(format!("frame_max_descs must be 1..={}", wire::MAX_FRAME_DESCS));
+            return bad(format!(
+                "frame_max_descs must be 1..={}",
+                wire::MAX_FRAME_DESCS
+            ));
         }
         if self.inflight_max_bytes < self.frame_max_bytes.saturating_mul(self.streams as u64) {
             return bad("inflight_max_bytes must be at least streams * frame_max_bytes".into());
@@ -151,7 +157,9 @@ impl TcpTransport {
         // port but two live endpoints can never share it.
         let std_listener =
             std::net::TcpListener::bind(addr).map_err(|e| TransportError::io("bind", e))?;
-        let local_addr = std_listener.local_addr().map_err(|e| TransportError::io("bind", e))?;
+        let local_addr = std_listener
+            .local_addr()
+            .map_err(|e| TransportError::io("bind", e))?;
         let listener_fd = std_listener.into_raw_fd();
         // SAFETY: `listener_fd` is a bound, listening socket we own; the
         // glommio listener takes ownership of it.
@@ -163,7 +171,12 @@ impl TcpTransport {
             shutting_down: Cell::new(false),
         });
         let acceptor = glommio::spawn_local(accept_loop(Rc::clone(&target), listener));
-        Ok(TcpTransport { target, local_addr, listener_fd, acceptor: Some(acceptor) })
+        Ok(TcpTransport {
+            target,
+            local_addr,
+            listener_fd,
+            acceptor: Some(acceptor),
+        })
     }
 
     /// The address peers connect to.
@@ -250,11 +263,20 @@ async fn serve_conn(target: Rc<Target>, stream: TcpStream, key: usize) {
 async fn respond(conn: &mut Conn, h: Header, _poll: PollPolicy) -> Result<(), TransportError> {
     let hb = h.encode();
     let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
-    fdio::send_all(&mut conn.wr, conn.fd, &mut v).await.map_err(conv("responding"))
+    fdio::send_all(&mut conn.wr, conn.fd, &mut v)
+        .await
+        .map_err(conv("responding"))
 }
 
 fn reject(opcode: u8, req_id: u64, reason: RejectReason, detail: u32) -> Header {
-    Header { opcode, status: reason.to_status(), count: 0, detail, req_id, payload_len: 0 }
+    Header {
+        opcode,
+        status: reason.to_status(),
+        count: 0,
+        detail,
+        req_id,
+        payload_len: 0,
+    }
 }
 
 /// Serves frames until the peer closes or breaks the framing. Every frame is
@@ -279,7 +301,12 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
         let h = match Header::decode(&hb) {
             Ok(h) if h.status == wire::STATUS_OK => h,
             Ok(h) => {
-                respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0), poll).await?;
+                respond(
+                    conn,
+                    reject(h.opcode, h.req_id, RejectReason::BadHeader, 0),
+                    poll,
+                )
+                .await?;
                 return Err(protocol("request with a status byte"));
             }
             Err(reason) => {
@@ -292,21 +319,34 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             wire::OP_READ => (Op::Read, h.opcode),
             wire::OP_REGIONS => {
                 if h.count != 0 || h.payload_len != 0 {
-                    respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0), poll)
-                        .await?;
+                    respond(
+                        conn,
+                        reject(h.opcode, h.req_id, RejectReason::BadHeader, 0),
+                        poll,
+                    )
+                    .await?;
                     return Err(protocol("REGIONS request with a body"));
                 }
                 send_regions(target, conn, h.req_id).await?;
                 continue;
             }
             other => {
-                respond(conn, reject(other, h.req_id, RejectReason::UnknownOpcode, 0), poll)
-                    .await?;
+                respond(
+                    conn,
+                    reject(other, h.req_id, RejectReason::UnknownOpcode, 0),
+                    poll,
+                )
+                .await?;
                 return Err(protocol(format!("unknown opcode {other}")));
             }
         };
         if h.count == 0 || h.count > wire::MAX_FRAME_DESCS {
-            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0), poll).await?;
+            respond(
+                conn,
+                reject(opcode, h.req_id, RejectReason::TooLarge, 0),
+                poll,
+            )
+            .await?;
             return Err(protocol("descriptor count out of range"));
         }
         // The table is bounded by MAX_FRAME_DESCS entries (64 KiB).
@@ -323,7 +363,12 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             ranges.push((addr, len));
         }
         if total > wire::MAX_FRAME_BYTES {
-            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0), poll).await?;
+            respond(
+                conn,
+                reject(opcode, h.req_id, RejectReason::TooLarge, 0),
+                poll,
+            )
+            .await?;
             return Err(protocol("frame payload too large"));
         }
         let expected_payload = match op {
@@ -331,7 +376,12 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             Op::Read => 0,
         };
         if h.payload_len != expected_payload {
-            respond(conn, reject(opcode, h.req_id, RejectReason::LengthMismatch, 0), poll).await?;
+            respond(
+                conn,
+                reject(opcode, h.req_id, RejectReason::LengthMismatch, 0),
+                poll,
+            )
+            .await?;
             return Err(protocol("payload length does not match the descriptors"));
         }
         let pins = match target.registry.pin(ranges.iter().copied()) {
@@ -365,11 +415,20 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     .await
                     .map_err(conv("receiving a payload"))?;
                 drop(pins);
-                let ok = Header { opcode, req_id: h.req_id, ..Header::default() };
+                let ok = Header {
+                    opcode,
+                    req_id: h.req_id,
+                    ..Header::default()
+                };
                 respond(conn, ok, poll).await?;
             }
             Op::Read => {
-                let ok = Header { opcode, req_id: h.req_id, payload_len: total, ..Header::default() };
+                let ok = Header {
+                    opcode,
+                    req_id: h.req_id,
+                    payload_len: total,
+                    ..Header::default()
+                };
                 let ob = ok.encode();
                 iovs.push(iov(ob.as_ptr() as u64, ob.len() as u64));
                 iovs.extend(ranges.iter().map(|&(a, l)| iov(a, l)));
@@ -490,13 +549,21 @@ fn plan<'a>(descs: &'a [Desc], config: &TcpConfig) -> Plan<'a> {
         (Cow::Borrowed(descs), None)
     };
     let mut frames = Vec::new();
-    let mut cur = FrameSpec { start: 0, end: 0, bytes: 0 };
+    let mut cur = FrameSpec {
+        start: 0,
+        end: 0,
+        bytes: 0,
+    };
     for (i, d) in descs.iter().enumerate() {
         let full = cur.end - cur.start >= config.frame_max_descs as usize
             || cur.bytes + d.len_bytes > max_bytes;
         if cur.end > cur.start && full {
             frames.push(cur);
-            cur = FrameSpec { start: i, end: i, bytes: 0 };
+            cur = FrameSpec {
+                start: i,
+                end: i,
+                bytes: 0,
+            };
         }
         cur.end = i + 1;
         cur.bytes += d.len_bytes;
@@ -504,7 +571,11 @@ fn plan<'a>(descs: &'a [Desc], config: &TcpConfig) -> Plan<'a> {
     if cur.end > cur.start {
         frames.push(cur);
     }
-    Plan { descs, origin, frames }
+    Plan {
+        descs,
+        origin,
+        frames,
+    }
 }
 
 impl SessionInner {
@@ -539,7 +610,12 @@ impl SessionInner {
         };
         let req_id = self.take_req_ids(1);
         let poll = self.config.poll;
-        let mut hb = Header { opcode: wire::OP_REGIONS, req_id, ..Header::default() }.encode();
+        let mut hb = Header {
+            opcode: wire::OP_REGIONS,
+            req_id,
+            ..Header::default()
+        }
+        .encode();
         let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
         fdio::send_all(&mut conn.wr, conn.fd, &mut v)
             .await
@@ -552,7 +628,8 @@ impl SessionInner {
         if h.opcode != wire::OP_REGIONS || h.req_id != req_id || h.status != wire::STATUS_OK {
             return Err(protocol("unexpected REGIONS response"));
         }
-        if h.count > wire::MAX_REGIONS || h.payload_len != u64::from(h.count) * wire::ENTRY_LEN as u64
+        if h.count > wire::MAX_REGIONS
+            || h.payload_len != u64::from(h.count) * wire::ENTRY_LEN as u64
         {
             return Err(protocol("REGIONS response of a bad size"));
         }
@@ -609,7 +686,12 @@ impl SessionInner {
         futures_lite::future::or(body, deadline).await
     }
 
-    async fn run_plan(&self, op: Op, descs: &[Desc], plan: &Plan<'_>) -> Result<(), TransportError> {
+    async fn run_plan(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        plan: &Plan<'_>,
+    ) -> Result<(), TransportError> {
         let k = plan.frames.len().min(self.slots.len());
         let mut guards = Vec::with_capacity(k);
         if k == 1 {
@@ -642,9 +724,10 @@ impl SessionInner {
         }
         let base_req_id = self.take_req_ids(plan.frames.len() as u64);
         let per_stream_bytes = self.config.inflight_max_bytes / k as u64;
-        let streams = guards.iter_mut().enumerate().map(|(j, g)| {
-            self.drive_stream(g, op, plan, j, k, base_req_id, per_stream_bytes)
-        });
+        let streams = guards
+            .iter_mut()
+            .enumerate()
+            .map(|(j, g)| self.drive_stream(g, op, plan, j, k, base_req_id, per_stream_bytes));
         futures::future::try_join_all(streams).await?;
         Ok(())
     }
@@ -704,9 +787,15 @@ impl SessionInner {
                 iovs.clear();
                 iovs.push(iov(head.as_ptr() as u64, head.len() as u64));
                 if op == Op::Write {
-                    iovs.extend(descs[f.start..f.end].iter().map(|d| iov(d.local_addr, d.len_bytes)));
+                    iovs.extend(
+                        descs[f.start..f.end]
+                            .iter()
+                            .map(|d| iov(d.local_addr, d.len_bytes)),
+                    );
                 }
-                fdio::send_all(wr, fd, &mut iovs).await.map_err(conv("sending a frame"))?;
+                fdio::send_all(wr, fd, &mut iovs)
+                    .await
+                    .map_err(conv("sending a frame"))?;
             }
             all_sent.set(true);
             Ok::<(), TransportError>(())
@@ -719,7 +808,11 @@ impl SessionInner {
                 // Spin for the response only once every frame is out:
                 // before that the sender half waits on io_uring readiness,
                 // which a spinning sibling would only delay.
-                let wait = if all_sent.get() { poll } else { PollPolicy::Park };
+                let wait = if all_sent.get() {
+                    poll
+                } else {
+                    PollPolicy::Park
+                };
                 fdio::recv_exact(rd, fd, &mut v, wait)
                     .await
                     .map_err(conv("awaiting a response"))?;
@@ -746,7 +839,9 @@ impl SessionInner {
                         }
                         iovs.clear();
                         iovs.extend(
-                            descs[f.start..f.end].iter().map(|d| iov(d.local_addr, d.len_bytes)),
+                            descs[f.start..f.end]
+                                .iter()
+                                .map(|d| iov(d.local_addr, d.len_bytes)),
                         );
                         fdio::recv_exact(rd, fd, &mut iovs, PollPolicy::Park)
                             .await
@@ -805,7 +900,9 @@ impl Transport for TcpTransport {
     async fn open(&self, peer: &EndpointAddr) -> Result<TcpSession, TransportError> {
         match peer {
             EndpointAddr::Tcp(addr) => self.open_tcp(*addr).await,
-            EndpointAddr::Local(_) => Err(MisuseError::UnreachableEndpoint(peer.to_string()).into()),
+            EndpointAddr::Local(_) => {
+                Err(MisuseError::UnreachableEndpoint(peer.to_string()).into())
+            }
         }
     }
 }
@@ -816,8 +913,16 @@ mod tests {
 
     #[test]
     fn plan_splits_and_groups() {
-        let config = TcpConfig { frame_max_bytes: 100, frame_max_descs: 3, ..TcpConfig::default() };
-        let d = |len| Desc { local_addr: 0, remote_addr: 1000, len_bytes: len };
+        let config = TcpConfig {
+            frame_max_bytes: 100,
+            frame_max_descs: 3,
+            ..TcpConfig::default()
+        };
+        let d = |len| Desc {
+            local_addr: 0,
+            remote_addr: 1000,
+            len_bytes: len,
+        };
         let descs = [d(250), d(10), d(10), d(10), d(10), d(90)];
         let p = plan(&descs, &config);
         let sizes: Vec<u64> = p.descs.iter().map(|d| d.len_bytes).collect();
@@ -826,6 +931,9 @@ mod tests {
         assert_eq!(p.descs[2].remote_addr, 1200);
         let frames: Vec<(usize, usize, u64)> =
             p.frames.iter().map(|f| (f.start, f.end, f.bytes)).collect();
-        assert_eq!(frames, vec![(0, 1, 100), (1, 2, 100), (2, 5, 70), (5, 7, 20), (7, 8, 90)]);
+        assert_eq!(
+            frames,
+            vec![(0, 1, 100), (1, 2, 100), (2, 5, 70), (5, 7, 20), (7, 8, 90)]
+        );
     }
 }

@@ -200,7 +200,14 @@ mod tests {
 
     #[test]
     fn header_round_trip_and_rejects() {
-        let h = Header { opcode: OP_READ, status: 0, count: 7, detail: 3, req_id: 99, payload_len: 1 << 40 };
+        let h = Header {
+            opcode: OP_READ,
+            status: 0,
+            count: 7,
+            detail: 3,
+            req_id: 99,
+            payload_len: 1 << 40,
+        };
         assert_eq!(Header::decode(&h.encode()), Ok(h));
         let mut b = h.encode();
         b[0] = b'X';
