@@ -104,6 +104,9 @@ impl TcpConfig {
         if self.batch_timeout_ms == 0 || self.connect_timeout_ms == 0 {
             return bad("timeouts must be positive".into());
         }
+        if self.max_regions as u64 > u64::from(wire::MAX_REGIONS) {
+            return bad(format!("max_regions must be at most {}", wire::MAX_REGIONS));
+        }
         if self.max_batch_descs == 0 || self.max_connections == 0 || self.max_regions == 0 {
             return bad("limits must be positive".into());
         }
@@ -872,6 +875,11 @@ impl Session for TcpSession {
 }
 
 impl TcpSession {
+    /// The peer's listening address.
+    pub fn peer(&self) -> SocketAddr {
+        self.inner.peer
+    }
+
     /// The peer's regions as last learned from it.
     pub fn remote_regions(&self) -> Vec<RegionInfo> {
         self.inner.remote_regions.borrow().clone()
