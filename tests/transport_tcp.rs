@@ -1031,3 +1031,71 @@ fn a_slow_peer_never_has_more_than_the_inflight_bound_outstanding() {
         );
     });
 }
+
+#[test]
+fn a_malformed_region_list_from_the_peer_is_a_protocol_error() {
+    block_on(async {
+        let initiator = TcpTransport::bind(any_port(), TcpConfig::default()).unwrap();
+        // A region whose end wraps around the address space.
+        // The fake keeps the connection until the initiator drops it.
+        let peer = fake_target((u64::MAX - 10, 100), |mut s| async move {
+            let mut rest = [0u8; 64];
+            let _ = s.read(&mut rest).await;
+        })
+        .await;
+        let err = initiator
+            .open(&EndpointAddr::Tcp(peer))
+            .await
+            .err()
+            .expect("open must fail");
+        assert!(
+            matches!(err, TransportError::Peer(PeerError::Protocol(_))),
+            "{err:?}"
+        );
+        // A remote address that wraps when the batch is split into frames
+        // is rejected by the remote check, not by an arithmetic panic.
+        let mut src = Buf::random(16 << 20, 1);
+        src.register(&initiator);
+        // This peer answers every REGIONS query (the initiator re-asks once
+        // before it blames the caller).
+        let peer = fake_target((1 << 40, 1 << 30), |mut s| async move {
+            let mut hb = [0u8; wire::HEADER_LEN];
+            while s.read_exact(&mut hb).await.is_ok() {
+                let q = Header::decode(&hb).unwrap();
+                assert_eq!(
+                    q.opcode,
+                    wire::OP_REGIONS,
+                    "only REGIONS may reach this peer"
+                );
+                let h = Header {
+                    opcode: wire::OP_REGIONS,
+                    count: 1,
+                    req_id: q.req_id,
+                    payload_len: 16,
+                    ..Header::default()
+                };
+                let mut b = h.encode().to_vec();
+                wire::encode_entry(&mut b, 1 << 40, 1 << 30);
+                s.write_all(&b).await.unwrap();
+            }
+        })
+        .await;
+        let session = initiator.open(&EndpointAddr::Tcp(peer)).await.unwrap();
+        let d = [Desc {
+            local_addr: src.addr(),
+            remote_addr: u64::MAX - 100,
+            len_bytes: 16 << 20,
+        }];
+        let err = session.transfer(Op::Write, &d).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TransportError::Misuse(MisuseError::RemoteDescriptor {
+                    index: 0,
+                    fault: RangeFault::Overflow
+                })
+            ),
+            "{err:?}"
+        );
+    });
+}

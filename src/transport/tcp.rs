@@ -538,9 +538,12 @@ fn plan<'a>(descs: &'a [Desc], config: &TcpConfig) -> Plan<'a> {
             let mut off = 0;
             while off < d.len_bytes {
                 let len = (d.len_bytes - off).min(max_bytes);
+                // The remote side is only checked after planning, so a
+                // hostile `remote_addr` must not overflow here; wrapped
+                // pieces fail that check like the original would.
                 split.push(Desc {
-                    local_addr: d.local_addr + off,
-                    remote_addr: d.remote_addr + off,
+                    local_addr: d.local_addr.wrapping_add(off),
+                    remote_addr: d.remote_addr.wrapping_add(off),
                     len_bytes: len,
                 });
                 origin.push(i);
@@ -648,6 +651,16 @@ impl SessionInner {
             })
             .collect();
         regions.sort_by_key(|r| r.addr);
+        // The list is peer input: reject empty, wrapping or overlapping
+        // regions rather than trusting them in later range checks.
+        let mut prev_end = 0u64;
+        for r in &regions {
+            let end = r.addr.checked_add(r.len_bytes).filter(|_| r.len_bytes > 0);
+            match end {
+                Some(end) if r.addr >= prev_end => prev_end = end,
+                _ => return Err(protocol("peer advertised a malformed region list")),
+            }
+        }
         *self.remote_regions.borrow_mut() = regions;
         *slot = Some(conn);
         Ok(())
