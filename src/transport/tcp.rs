@@ -263,7 +263,7 @@ async fn serve_conn(target: Rc<Target>, stream: TcpStream, key: usize) {
 }
 
 /// Sends a response header (and nothing else).
-async fn respond(conn: &mut Conn, h: Header, _poll: PollPolicy) -> Result<(), TransportError> {
+async fn respond(conn: &mut Conn, h: Header) -> Result<(), TransportError> {
     let hb = h.encode();
     let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
     fdio::send_all(&mut conn.wr, conn.fd, &mut v)
@@ -304,16 +304,11 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
         let h = match Header::decode(&hb) {
             Ok(h) if h.status == wire::STATUS_OK => h,
             Ok(h) => {
-                respond(
-                    conn,
-                    reject(h.opcode, h.req_id, RejectReason::BadHeader, 0),
-                    poll,
-                )
-                .await?;
+                respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0)).await?;
                 return Err(protocol("request with a status byte"));
             }
             Err(reason) => {
-                respond(conn, reject(hb[4], 0, reason, 0), poll).await?;
+                respond(conn, reject(hb[4], 0, reason, 0)).await?;
                 return Err(protocol("bad request header"));
             }
         };
@@ -322,12 +317,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             wire::OP_READ => (Op::Read, h.opcode),
             wire::OP_REGIONS => {
                 if h.count != 0 || h.payload_len != 0 {
-                    respond(
-                        conn,
-                        reject(h.opcode, h.req_id, RejectReason::BadHeader, 0),
-                        poll,
-                    )
-                    .await?;
+                    respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0)).await?;
                     return Err(protocol("REGIONS request with a body"));
                 }
                 send_regions(target, conn, h.req_id).await?;
@@ -337,19 +327,13 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 respond(
                     conn,
                     reject(other, h.req_id, RejectReason::UnknownOpcode, 0),
-                    poll,
                 )
                 .await?;
                 return Err(protocol(format!("unknown opcode {other}")));
             }
         };
         if h.count == 0 || h.count > wire::MAX_FRAME_DESCS {
-            respond(
-                conn,
-                reject(opcode, h.req_id, RejectReason::TooLarge, 0),
-                poll,
-            )
-            .await?;
+            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
             return Err(protocol("descriptor count out of range"));
         }
         // The table is bounded by MAX_FRAME_DESCS entries (64 KiB).
@@ -366,12 +350,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             ranges.push((addr, len));
         }
         if total > wire::MAX_FRAME_BYTES {
-            respond(
-                conn,
-                reject(opcode, h.req_id, RejectReason::TooLarge, 0),
-                poll,
-            )
-            .await?;
+            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
             return Err(protocol("frame payload too large"));
         }
         let expected_payload = match op {
@@ -382,7 +361,6 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             respond(
                 conn,
                 reject(opcode, h.req_id, RejectReason::LengthMismatch, 0),
-                poll,
             )
             .await?;
             return Err(protocol("payload length does not match the descriptors"));
@@ -403,7 +381,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     registry::RangeFault::Overflow => RejectReason::Overflow,
                     registry::RangeFault::OutOfRegion => RejectReason::OutOfRegion,
                 };
-                respond(conn, reject(opcode, h.req_id, reason, index as u32), poll).await?;
+                respond(conn, reject(opcode, h.req_id, reason, index as u32)).await?;
                 continue;
             }
         };
@@ -423,7 +401,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     req_id: h.req_id,
                     ..Header::default()
                 };
-                respond(conn, ok, poll).await?;
+                respond(conn, ok).await?;
             }
             Op::Read => {
                 let ok = Header {
