@@ -272,6 +272,11 @@ fn read_line<R: BufRead>(r: &mut R) -> Result<String, ReadError> {
     if line.len() > MAX_LINE_BYTES {
         return Err(ReadError::Bad("header line too long".into()));
     }
+    if line.is_empty() {
+        // The server closed the connection without a word (it was starting
+        // or stopping): a transport failure, worth retrying.
+        return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+    }
     if !line.ends_with(b"\n") {
         return Err(ReadError::Bad("connection closed inside the headers".into()));
     }
