@@ -186,17 +186,17 @@ pub enum SideChannelError {
 pub enum SendError {
     /// The command queue is full (`try_send` only).
     #[error("side-channel queue full")]
-    Full(Outgoing),
+    Full(Box<Outgoing>),
     /// The bridge is gone.
     #[error("side channel is closed")]
-    Closed(Outgoing),
+    Closed(Box<Outgoing>),
 }
 
 impl SendError {
     /// The message that was not queued.
     pub fn into_inner(self) -> Outgoing {
         match self {
-            SendError::Full(o) | SendError::Closed(o) => o,
+            SendError::Full(o) | SendError::Closed(o) => *o,
         }
     }
 }
@@ -299,7 +299,7 @@ impl Outbox {
                 self.waker.wake();
                 Ok(())
             }
-            Err(flume::SendError(cmd)) => Err(SendError::Closed(unwrap_send(cmd))),
+            Err(flume::SendError(cmd)) => Err(SendError::Closed(Box::new(unwrap_send(cmd)))),
         }
     }
 
@@ -310,9 +310,9 @@ impl Outbox {
                 self.waker.wake();
                 Ok(())
             }
-            Err(flume::TrySendError::Full(cmd)) => Err(SendError::Full(unwrap_send(cmd))),
+            Err(flume::TrySendError::Full(cmd)) => Err(SendError::Full(Box::new(unwrap_send(cmd)))),
             Err(flume::TrySendError::Disconnected(cmd)) => {
-                Err(SendError::Closed(unwrap_send(cmd)))
+                Err(SendError::Closed(Box::new(unwrap_send(cmd))))
             }
         }
     }
@@ -324,7 +324,7 @@ impl Outbox {
                 self.waker.wake();
                 Ok(())
             }
-            Err(flume::SendError(cmd)) => Err(SendError::Closed(unwrap_send(cmd))),
+            Err(flume::SendError(cmd)) => Err(SendError::Closed(Box::new(unwrap_send(cmd)))),
         }
     }
 
@@ -755,21 +755,23 @@ impl Bridge {
         let Some(sock) = self.sockets.get(&socket_id) else {
             // No sink to report to: the socket was closed or never existed.
             self.metrics.record_sidechannel_send_failure();
-            tracing::debug!(?socket_id, kind = out.msg.kind(), "side-channel send to unknown socket dropped");
+            tracing::debug!(
+                ?socket_id,
+                kind = out.msg.kind(),
+                "side-channel send to unknown socket dropped"
+            );
             return;
         };
         let limits = &self.config.limits;
         let frame = wire::encode(&out.msg);
-        let checked = out.msg.check_limits(limits).and_then(|()| {
-            if frame.len() > limits.max_frame_bytes {
-                Err(wire::WireError::FrameTooLarge {
-                    len_bytes: frame.len(),
-                    max_bytes: limits.max_frame_bytes,
-                })
-            } else {
-                Ok(())
-            }
-        });
+        let checked = match out.msg.check_limits(limits) {
+            Err(err) => Err(err),
+            Ok(()) if frame.len() > limits.max_frame_bytes => Err(wire::WireError::FrameTooLarge {
+                len_bytes: frame.len(),
+                max_bytes: limits.max_frame_bytes,
+            }),
+            Ok(()) => Ok(()),
+        };
         let result = match checked {
             Err(err) => Err(SendFailure::TooLarge(err)),
             Ok(()) => {
@@ -798,7 +800,10 @@ impl Bridge {
                     reason,
                 };
                 if sock.sink.try_send(event).is_err() {
-                    tracing::warn!(?socket_id, "side-channel sink full or gone; send failure not reported");
+                    tracing::warn!(
+                        ?socket_id,
+                        "side-channel sink full or gone; send failure not reported"
+                    );
                 }
             }
         }
@@ -866,7 +871,11 @@ impl Bridge {
             (SocketId::Dealer(dealer), 1) => (Route::Dealer(dealer), &parts[0]),
             (SocketId::Router(_) | SocketId::Dealer(_), n) => {
                 self.count_decode_error();
-                tracing::warn!(?id, parts = n, "side-channel message with the wrong number of parts dropped");
+                tracing::warn!(
+                    ?id,
+                    parts = n,
+                    "side-channel message with the wrong number of parts dropped"
+                );
                 return None;
             }
         };

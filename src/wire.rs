@@ -346,7 +346,11 @@ impl Message {
         match self {
             Message::Hello(m) => {
                 check("string", m.engine_id.len(), limits.max_string_bytes)?;
-                check("string", m.transport_endpoint.len(), limits.max_string_bytes)?;
+                check(
+                    "string",
+                    m.transport_endpoint.len(),
+                    limits.max_string_bytes,
+                )?;
                 check("regions", m.regions.len(), limits.max_regions)
             }
             Message::Pull(m) => check_groups(&m.dst_blocks),

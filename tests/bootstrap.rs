@@ -40,7 +40,13 @@ fn register_then_query_like_vllm() {
     for tp in 0..2 {
         let resp = client
             .register(
-                &worker("prefill-a", 0, tp, 0, &format!("tcp://127.0.0.1:{}", 5000 + tp)),
+                &worker(
+                    "prefill-a",
+                    0,
+                    tp,
+                    0,
+                    &format!("tcp://127.0.0.1:{}", 5000 + tp),
+                ),
                 quick(),
             )
             .expect("register");
@@ -48,7 +54,10 @@ fn register_then_query_like_vllm() {
         assert!(!resp.replaced);
     }
     client
-        .register(&worker("prefill-b", 1, 0, 0, "tcp://127.0.0.1:6000"), quick())
+        .register(
+            &worker("prefill-b", 1, 0, 0, "tcp://127.0.0.1:6000"),
+            quick(),
+        )
         .expect("register b");
     assert_eq!(server.registered(), 3);
 
@@ -156,7 +165,10 @@ fn malformed_bodies_get_400_with_a_reason() {
 fn unknown_paths_methods_and_parameters() {
     let (_server, client) = start();
     assert_eq!(client.request("GET", "/nope", None).expect("404").0, 404);
-    assert_eq!(client.request("GET", "/register", None).expect("405").0, 405);
+    assert_eq!(
+        client.request("GET", "/register", None).expect("405").0,
+        405
+    );
     assert_eq!(
         client
             .request("POST", "/query", Some(b"{}"))
@@ -309,7 +321,13 @@ fn metrics_are_prometheus_text() {
     let buckets: Vec<f64> = text
         .lines()
         .filter(|l| l.starts_with(&format!("{h}_bucket")))
-        .map(|l| l.rsplit_once(' ').expect("value").1.parse().expect("number"))
+        .map(|l| {
+            l.rsplit_once(' ')
+                .expect("value")
+                .1
+                .parse()
+                .expect("number")
+        })
         .collect();
     assert_eq!(buckets.len(), LATENCY_BUCKETS_S.len() + 1);
     assert!(buckets.windows(2).all(|w| w[0] <= w[1]));

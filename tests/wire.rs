@@ -2,9 +2,9 @@
 //! panics, and the limits are enforced before allocation.
 
 use kvferry::wire::{
-    self, Abort, AbortAck, AbortCode, Done, ErrorCode, Heartbeat, HeartbeatAck, Hello,
-    LayoutKind, Limits, Message, Pull, Ready, RegionInfo, Status, TransferMode, WireError,
-    HEADER_LEN, MAGIC, VERSION,
+    self, Abort, AbortAck, AbortCode, Done, ErrorCode, Heartbeat, HeartbeatAck, Hello, LayoutKind,
+    Limits, Message, Pull, Ready, RegionInfo, Status, TransferMode, WireError, HEADER_LEN, MAGIC,
+    VERSION,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -52,20 +52,22 @@ fn hello() -> impl Strategy<Value = Hello> {
         vec(region(), 0..8),
         small_string(),
     )
-        .prop_map(|(engine_id, r, layout, mode, regions, transport_endpoint)| Hello {
-            engine_id,
-            dp_rank: r[0],
-            tp_rank: r[1],
-            pp_rank: r[2],
-            tp_size: r[3],
-            total_kv_heads: r[4],
-            block_tokens: r[5],
-            num_blocks: r[6],
-            layout,
-            mode,
-            regions,
-            transport_endpoint,
-        })
+        .prop_map(
+            |(engine_id, r, layout, mode, regions, transport_endpoint)| Hello {
+                engine_id,
+                dp_rank: r[0],
+                tp_rank: r[1],
+                pp_rank: r[2],
+                tp_size: r[3],
+                total_kv_heads: r[4],
+                block_tokens: r[5],
+                num_blocks: r[6],
+                layout,
+                mode,
+                regions,
+                transport_endpoint,
+            },
+        )
 }
 
 fn error_code() -> impl Strategy<Value = ErrorCode> {
@@ -94,17 +96,24 @@ fn abort_code() -> impl Strategy<Value = AbortCode> {
 fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
         hello().prop_map(Message::Hello),
-        (any::<u64>(), groups(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(
-            |(transfer_id, dst_blocks, expected_senders, deadline_ms, lease_ms)| {
-                Message::Pull(Pull {
-                    transfer_id,
-                    dst_blocks,
-                    expected_senders,
-                    deadline_ms,
-                    lease_ms,
-                })
-            }
-        ),
+        (
+            any::<u64>(),
+            groups(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u64>()
+        )
+            .prop_map(
+                |(transfer_id, dst_blocks, expected_senders, deadline_ms, lease_ms)| {
+                    Message::Pull(Pull {
+                        transfer_id,
+                        dst_blocks,
+                        expected_senders,
+                        deadline_ms,
+                        lease_ms,
+                    })
+                }
+            ),
         (any::<u64>(), groups(), any::<u64>()).prop_map(|(transfer_id, src_blocks, lease_ms)| {
             Message::Ready(Ready {
                 transfer_id,
@@ -123,11 +132,10 @@ fn message() -> impl Strategy<Value = Message> {
                 },
             })
         }),
-        (any::<u64>(), abort_code())
-            .prop_map(|(transfer_id, reason)| Message::Abort(Abort {
-                transfer_id,
-                reason
-            })),
+        (any::<u64>(), abort_code()).prop_map(|(transfer_id, reason)| Message::Abort(Abort {
+            transfer_id,
+            reason
+        })),
         any::<u64>().prop_map(|transfer_id| Message::AbortAck(AbortAck { transfer_id })),
         (any::<u64>(), vec(any::<u64>(), 0..50), any::<u64>()).prop_map(
             |(seq, renew, lease_ms)| Message::Heartbeat(Heartbeat {
@@ -249,7 +257,10 @@ fn header_errors_are_precise() {
 
     assert_eq!(wire::decode(&[], &limits), Err(WireError::Truncated));
     assert_eq!(wire::decode(&ok[..3], &limits), Err(WireError::Truncated));
-    assert_eq!(wire::decode(b"XY", &limits), Err(WireError::BadMagic(*b"XY")));
+    assert_eq!(
+        wire::decode(b"XY", &limits),
+        Err(WireError::BadMagic(*b"XY"))
+    );
 
     let mut bad_magic = ok.clone();
     bad_magic[0] = b'k';
@@ -430,7 +441,11 @@ fn configured_limits_are_enforced_exactly() {
     // One group too many.
     assert!(matches!(
         check(&pull(vec![vec![], vec![], vec![]])),
-        Err(WireError::LimitExceeded { field: "groups", len: 3, max: 2 })
+        Err(WireError::LimitExceeded {
+            field: "groups",
+            len: 3,
+            max: 2
+        })
     ));
     // One block too many in a group.
     assert!(matches!(
@@ -482,7 +497,11 @@ fn configured_limits_are_enforced_exactly() {
     ));
     assert!(matches!(
         check(&hello("a", 2)),
-        Err(WireError::LimitExceeded { field: "regions", len: 2, max: 1 })
+        Err(WireError::LimitExceeded {
+            field: "regions",
+            len: 2,
+            max: 1
+        })
     ));
 
     let ack = |n: u64| {

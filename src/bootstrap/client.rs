@@ -212,7 +212,9 @@ impl BootstrapClient {
         };
         let mut stream = TcpStream::connect_timeout(&self.addr, self.io_timeout).map_err(io)?;
         stream.set_read_timeout(Some(self.io_timeout)).map_err(io)?;
-        stream.set_write_timeout(Some(self.io_timeout)).map_err(io)?;
+        stream
+            .set_write_timeout(Some(self.io_timeout))
+            .map_err(io)?;
         let _ = stream.set_nodelay(true);
 
         let body = body.unwrap_or(&[]);
@@ -278,7 +280,9 @@ fn read_line<R: BufRead>(r: &mut R) -> Result<String, ReadError> {
         return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
     }
     if !line.ends_with(b"\n") {
-        return Err(ReadError::Bad("connection closed inside the headers".into()));
+        return Err(ReadError::Bad(
+            "connection closed inside the headers".into(),
+        ));
     }
     let line = String::from_utf8(line).map_err(|_| ReadError::Bad("header is not UTF-8".into()))?;
     Ok(line.trim_end_matches(['\r', '\n']).to_string())
