@@ -145,6 +145,14 @@ pub enum Event {
         msg: Message,
         reason: SendFailure,
     },
+    /// A dealer's connection to its peer completed the ZeroMQ handshake
+    /// (first connect or reconnect).
+    PeerConnected { dealer: DealerId },
+    /// A dealer's connection to its peer dropped. ZeroMQ reconnects by
+    /// itself; a `PeerConnected` follows if the peer comes back. This
+    /// travels on a separate monitor socket, so messages the peer sent just
+    /// before the drop may be delivered after it.
+    PeerDisconnected { dealer: DealerId },
 }
 
 /// Why a side-channel call failed.
@@ -503,6 +511,9 @@ impl Drop for SideChannel {
 
 struct Sock {
     socket: zmq::Socket,
+    /// Dealers only: the PAIR end of libzmq's socket monitor, which reports
+    /// connects and disconnects.
+    monitor: Option<zmq::Socket>,
     sink: flume::Sender<Event>,
     /// The event the sink had no room for; while set, the socket is not read.
     stalled: Option<Event>,
@@ -543,7 +554,7 @@ impl Bridge {
             };
 
             let (wake_ready, readable) = {
-                let mut items = Vec::with_capacity(ids.len() + 1);
+                let mut items = Vec::with_capacity(2 * ids.len() + 1);
                 items.push(zmq::PollItem::from_fd(
                     self.waker.fd.as_raw_fd(),
                     zmq::POLLIN,
@@ -558,6 +569,12 @@ impl Bridge {
                         zmq::POLLIN
                     };
                     items.push(sock.socket.as_poll_item(events));
+                    // Every socket has two slots (data, monitor) so the
+                    // readiness vector below maps back by index.
+                    match &sock.monitor {
+                        Some(monitor) => items.push(monitor.as_poll_item(events)),
+                        None => items.push(sock.socket.as_poll_item(zmq::PollEvents::empty())),
+                    }
                 }
                 match zmq::poll(&mut items, timeout_ms) {
                     Ok(_) => {}
@@ -579,8 +596,8 @@ impl Bridge {
             }
             more_commands = self.drain_commands();
 
-            for (id, readable) in ids.iter().zip(readable) {
-                self.service_socket(*id, readable, &mut parts);
+            for (id, ready) in ids.iter().zip(readable.chunks_exact(2)) {
+                self.service_socket(*id, ready[0], ready[1], &mut parts);
             }
         }
         // Hand what was queued before the shutdown to ZeroMQ, best effort:
@@ -712,6 +729,7 @@ impl Bridge {
             SocketId::Router(id),
             Sock {
                 socket,
+                monitor: None,
                 sink,
                 stalled: None,
             },
@@ -726,19 +744,36 @@ impl Bridge {
         sink: flume::Sender<Event>,
     ) -> Result<DealerId, SideChannelError> {
         let socket = self.new_socket(zmq::DEALER, endpoint)?;
-        socket
-            .connect(endpoint)
-            .map_err(|source| SideChannelError::Zmq {
-                op: "connect",
-                endpoint: endpoint.to_string(),
-                source,
-            })?;
         let id = DealerId(self.next_id);
         self.next_id += 1;
+        let zmq_err = |op| {
+            move |source| SideChannelError::Zmq {
+                op,
+                endpoint: endpoint.to_string(),
+                source,
+            }
+        };
+        // The monitor is attached before connecting so the first handshake
+        // is reported too.
+        let monitor_endpoint = format!("inproc://kvferry-monitor-{}", id.0);
+        socket
+            .monitor(
+                &monitor_endpoint,
+                (zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32)
+                    | (zmq::SocketEvent::DISCONNECTED as i32),
+            )
+            .map_err(zmq_err("monitor"))?;
+        let monitor = self.ctx.socket(zmq::PAIR).map_err(zmq_err("socket"))?;
+        monitor.set_linger(0).map_err(zmq_err("setsockopt"))?;
+        monitor
+            .connect(&monitor_endpoint)
+            .map_err(zmq_err("connect"))?;
+        socket.connect(endpoint).map_err(zmq_err("connect"))?;
         self.sockets.insert(
             SocketId::Dealer(id),
             Sock {
                 socket,
+                monitor: Some(monitor),
                 sink,
                 stalled: None,
             },
@@ -810,25 +845,42 @@ impl Bridge {
     }
 
     /// Delivers a stalled event if the sink has room now, then reads up to
-    /// `read_budget` messages if the socket is readable.
-    fn service_socket(&mut self, id: SocketId, readable: bool, parts: &mut Vec<zmq::Message>) {
+    /// `read_budget` messages (and monitor events) if the socket is readable.
+    fn service_socket(
+        &mut self,
+        id: SocketId,
+        readable: bool,
+        monitor_readable: bool,
+        parts: &mut Vec<zmq::Message>,
+    ) {
         let Some(sock) = self.sockets.get_mut(&id) else {
             return;
         };
-        if let Some(event) = sock.stalled.take() {
-            match sock.sink.try_send(event) {
-                Ok(()) => {}
-                Err(flume::TrySendError::Full(event)) => {
-                    sock.stalled = Some(event);
+        let retried = match sock.stalled.take() {
+            Some(event) => {
+                if !self.deliver(id, event) {
                     return;
                 }
-                Err(flume::TrySendError::Disconnected(_)) => {}
+                true
             }
-        } else if !readable {
+            None => false,
+        };
+        // After a retried stall there may be queued messages and monitor
+        // events even if the poll did not report them: the socket was not
+        // polled while stalled.
+        if retried || monitor_readable {
+            for _ in 0..self.config.read_budget.max(1) {
+                let Some(event) = self.recv_monitor_event(id) else {
+                    break;
+                };
+                if !self.deliver(id, event) {
+                    return;
+                }
+            }
+        }
+        if !(retried || readable) {
             return;
         }
-        // Even when `readable` is false (we only retried a stalled event)
-        // there may be queued messages: the socket was not polled.
         for _ in 0..self.config.read_budget.max(1) {
             let sock = self.sockets.get_mut(&id).expect("looked up above");
             let total_parts = match recv_parts(&sock.socket, parts) {
@@ -842,18 +894,63 @@ impl Bridge {
             let Some(event) = self.decode(id, parts, total_parts) else {
                 continue;
             };
-            let sock = self.sockets.get_mut(&id).expect("looked up above");
-            match sock.sink.try_send(event) {
-                Ok(()) => self.metrics.record_sidechannel_received(),
-                Err(flume::TrySendError::Full(event)) => {
-                    self.metrics.record_sidechannel_received();
-                    sock.stalled = Some(event);
-                    return;
-                }
-                Err(flume::TrySendError::Disconnected(event)) => {
-                    tracing::debug!(?id, ?event, "side-channel sink gone; message dropped");
-                }
+            self.metrics.record_sidechannel_received();
+            if !self.deliver(id, event) {
+                return;
             }
+        }
+    }
+
+    /// Hands `event` to the socket's sink. False when the sink is full: the
+    /// event is kept and the socket stalls until the sink has room.
+    fn deliver(&mut self, id: SocketId, event: Event) -> bool {
+        let sock = self
+            .sockets
+            .get_mut(&id)
+            .expect("caller looked the socket up");
+        match sock.sink.try_send(event) {
+            Ok(()) => true,
+            Err(flume::TrySendError::Full(event)) => {
+                sock.stalled = Some(event);
+                false
+            }
+            Err(flume::TrySendError::Disconnected(event)) => {
+                tracing::debug!(?id, ?event, "side-channel sink gone; event dropped");
+                true
+            }
+        }
+    }
+
+    /// Reads one event from a dealer's monitor, if one is waiting. libzmq
+    /// sends each as two parts: 2 bytes of event id and 4 of value, then
+    /// the endpoint.
+    fn recv_monitor_event(&mut self, id: SocketId) -> Option<Event> {
+        let SocketId::Dealer(dealer) = id else {
+            return None;
+        };
+        let monitor = self.sockets.get(&id)?.monitor.as_ref()?;
+        loop {
+            let frames = match monitor.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => frames,
+                Err(zmq::Error::EAGAIN) => return None,
+                Err(err) => {
+                    tracing::warn!(?id, %err, "side-channel monitor recv failed");
+                    return None;
+                }
+            };
+            let Some(head) = frames.first().filter(|f| f.len() >= 2) else {
+                continue;
+            };
+            let event = u16::from_ne_bytes([head[0], head[1]]);
+            if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+                tracing::debug!(dealer = dealer.0, "side-channel peer connected");
+                return Some(Event::PeerConnected { dealer });
+            }
+            if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                tracing::info!(dealer = dealer.0, "side-channel peer disconnected");
+                return Some(Event::PeerDisconnected { dealer });
+            }
+            // Other events (monitor stopped) carry nothing for consumers.
         }
     }
 

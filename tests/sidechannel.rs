@@ -121,6 +121,8 @@ fn pair(p_config: SideChannelConfig, p_sink_capacity: usize) -> Pair {
     assert!(endpoint.starts_with("tcp://127.0.0.1:"), "{endpoint}");
     assert!(!endpoint.ends_with(":0"));
     let dealer = decode.connect_dealer(&endpoint, d_tx).expect("connect");
+    // The dealer's monitor reports the completed handshake first.
+    assert_eq!(recv(&d_rx), Event::PeerConnected { dealer });
     Pair {
         prefill,
         decode,
@@ -435,4 +437,45 @@ fn hostile_frames_at_a_live_router_are_counted_and_survived() {
         .expect("queued");
     assert_eq!(recv_msg(&p.d_rx).1, every_message()[4]);
     assert_eq!(p.prefill.decode_errors(), expected_errors);
+}
+
+#[test]
+fn dealer_reports_disconnect_and_reconnect() {
+    let p = pair(SideChannelConfig::default(), 64);
+    let Route::Dealer(dealer) = p.dealer else {
+        unreachable!("pair() connects a dealer")
+    };
+    handshake(&p);
+    let endpoint = p.endpoint.clone();
+    // The prefill side goes away (as a killed process would).
+    p.prefill.shutdown();
+    assert_eq!(recv(&p.d_rx), Event::PeerDisconnected { dealer });
+
+    // A new prefill node on the same endpoint: the dealer reconnects by
+    // itself and the exchange works again.
+    let prefill = SideChannel::start(SideChannelConfig::default(), Arc::new(Metrics::new()))
+        .expect("new prefill bridge");
+    let (p_tx, p_rx) = flume::bounded(64);
+    prefill.bind_router(&endpoint, p_tx).expect("rebind");
+    assert_eq!(recv(&p.d_rx), Event::PeerConnected { dealer });
+    p.decode
+        .outbox()
+        .send(Outgoing {
+            to: p.dealer.clone(),
+            msg: hello("again"),
+        })
+        .expect("queued");
+    let (from, msg) = recv_msg(&p_rx);
+    assert_eq!(msg, hello("again"));
+    prefill
+        .outbox()
+        .send(Outgoing {
+            to: from,
+            msg: Message::AbortAck(AbortAck { transfer_id: 5 }),
+        })
+        .expect("queued");
+    assert_eq!(
+        recv_msg(&p.d_rx).1,
+        Message::AbortAck(AbortAck { transfer_id: 5 })
+    );
 }
