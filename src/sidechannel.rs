@@ -381,7 +381,6 @@ impl SideChannel {
             metrics,
             decode_errors: Arc::clone(&decode_errors),
             sockets: HashMap::new(),
-            next_id: 1,
         };
         let thread = std::thread::Builder::new()
             .name("kvferry-zmq-bridge".into())
@@ -528,7 +527,6 @@ struct Bridge {
     metrics: Arc<Metrics>,
     decode_errors: Arc<AtomicU64>,
     sockets: HashMap<SocketId, Sock>,
-    next_id: u64,
 }
 
 /// Parts kept from one inbound multipart message; a router message has two
@@ -697,15 +695,18 @@ impl Bridge {
         sink: flume::Sender<Event>,
     ) -> Result<(RouterId, String), SideChannelError> {
         let socket = self.new_socket(zmq::ROUTER, endpoint)?;
+        let sockopt_err = |source| SideChannelError::Zmq {
+            op: "setsockopt",
+            endpoint: endpoint.to_string(),
+            source,
+        };
         // Unknown identities fail the send (EHOSTUNREACH) instead of being
         // silently dropped, so a reply to a vanished peer is reported.
-        socket
-            .set_router_mandatory(true)
-            .map_err(|source| SideChannelError::Zmq {
-                op: "setsockopt",
-                endpoint: endpoint.to_string(),
-                source,
-            })?;
+        socket.set_router_mandatory(true).map_err(sockopt_err)?;
+        // A dealer that reconnects with its (stable) routing id takes over
+        // the route at once, even if the old connection is not yet known to
+        // be dead; without this the reconnect would be refused.
+        socket.set_router_handover(true).map_err(sockopt_err)?;
         // libzmq spells "any port" `*`; accept the usual `:0` too.
         let bind_to = match endpoint.strip_suffix(":0") {
             Some(prefix) => format!("{prefix}:*"),
@@ -723,8 +724,7 @@ impl Bridge {
             Ok(Err(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
             Err(_) => bind_to,
         };
-        let id = RouterId(self.next_id);
-        self.next_id += 1;
+        let id = RouterId(next_socket_id());
         self.sockets.insert(
             SocketId::Router(id),
             Sock {
@@ -744,8 +744,7 @@ impl Bridge {
         sink: flume::Sender<Event>,
     ) -> Result<DealerId, SideChannelError> {
         let socket = self.new_socket(zmq::DEALER, endpoint)?;
-        let id = DealerId(self.next_id);
-        self.next_id += 1;
+        let id = DealerId(next_socket_id());
         let zmq_err = |op| {
             move |source| SideChannelError::Zmq {
                 op,
@@ -753,6 +752,13 @@ impl Bridge {
                 source,
             }
         };
+        // An explicit routing id that stays the same across reconnects, so
+        // a peer's ROUTER keeps addressing us by the same route after a
+        // network blip (libzmq would otherwise give every new connection a
+        // fresh random id, and replies to the old one would be unroutable).
+        socket
+            .set_identity(&dealer_identity(id))
+            .map_err(zmq_err("setsockopt"))?;
         // The monitor is attached before connecting so the first handshake
         // is reported too.
         let monitor_endpoint = format!("inproc://kvferry-monitor-{}", id.0);
@@ -990,6 +996,40 @@ impl Bridge {
         self.decode_errors.fetch_add(1, Ordering::Relaxed);
         self.metrics.record_sidechannel_decode_error();
     }
+}
+
+/// Socket ids are unique in the process, not just per bridge, so dealer
+/// routing ids derived from them never collide between two bridges of one
+/// process (a demo runs several nodes in one process).
+fn next_socket_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A routing id unique to this process, bridge and dealer: a marker byte
+/// (ids starting with 0 are reserved by libzmq), the pid, a per-process
+/// random value, and the dealer id.
+fn dealer_identity(id: DealerId) -> Vec<u8> {
+    use std::hash::{BuildHasher, Hasher};
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let nonce = *NONCE.get_or_init(|| {
+        // RandomState is seeded from the OS; hashing the time on top keeps
+        // two bridges of one process apart even if it were not.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0),
+        );
+        h.finish()
+    });
+    let mut out = Vec::with_capacity(21);
+    out.push(b'k');
+    out.extend_from_slice(&std::process::id().to_le_bytes());
+    out.extend_from_slice(&nonce.to_le_bytes());
+    out.extend_from_slice(&id.0.to_le_bytes());
+    out
 }
 
 /// Receives one multipart message without blocking. Keeps at most

@@ -445,7 +445,7 @@ fn dealer_reports_disconnect_and_reconnect() {
     let Route::Dealer(dealer) = p.dealer else {
         unreachable!("pair() connects a dealer")
     };
-    handshake(&p);
+    let first_route = handshake(&p);
     let endpoint = p.endpoint.clone();
     // The prefill side goes away (as a killed process would).
     p.prefill.shutdown();
@@ -467,6 +467,19 @@ fn dealer_reports_disconnect_and_reconnect() {
         .expect("queued");
     let (from, msg) = recv_msg(&p_rx);
     assert_eq!(msg, hello("again"));
+    // The dealer's routing id survived the reconnect.
+    let (
+        Route::Router {
+            identity: before, ..
+        },
+        Route::Router {
+            identity: after, ..
+        },
+    ) = (&first_route, &from)
+    else {
+        panic!("router routes expected: {first_route:?} {from:?}")
+    };
+    assert_eq!(before, after);
     prefill
         .outbox()
         .send(Outgoing {
@@ -477,5 +490,45 @@ fn dealer_reports_disconnect_and_reconnect() {
     assert_eq!(
         recv_msg(&p.d_rx).1,
         Message::AbortAck(AbortAck { transfer_id: 5 })
+    );
+}
+
+#[test]
+fn replies_reach_the_right_decode_rank() {
+    // Two decode nodes (two bridges in one process, as in the demo) on one
+    // prefill router: distinct routes, and each reply lands where it should.
+    let p = pair(SideChannelConfig::default(), 64);
+    let d1_route = handshake(&p);
+    let other = SideChannel::start(SideChannelConfig::default(), Arc::new(Metrics::new()))
+        .expect("second decode bridge");
+    let (tx2, rx2) = flume::bounded(64);
+    let dealer2 = other.connect_dealer(&p.endpoint, tx2).expect("connect");
+    assert_eq!(recv(&rx2), Event::PeerConnected { dealer: dealer2 });
+    other
+        .outbox()
+        .send(Outgoing {
+            to: Route::Dealer(dealer2),
+            msg: hello("decode-1"),
+        })
+        .expect("queued");
+    let (d2_route, msg) = recv_msg(&p.p_rx);
+    assert_eq!(msg, hello("decode-1"));
+    assert_ne!(d1_route, d2_route);
+
+    let out = p.prefill.outbox();
+    for (route, id) in [(&d2_route, 2), (&d1_route, 1)] {
+        out.send(Outgoing {
+            to: route.clone(),
+            msg: Message::AbortAck(AbortAck { transfer_id: id }),
+        })
+        .expect("queued");
+    }
+    assert_eq!(
+        recv_msg(&rx2).1,
+        Message::AbortAck(AbortAck { transfer_id: 2 })
+    );
+    assert_eq!(
+        recv_msg(&p.d_rx).1,
+        Message::AbortAck(AbortAck { transfer_id: 1 })
     );
 }
