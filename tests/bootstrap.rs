@@ -417,3 +417,34 @@ fn cli_serves_until_sigterm() {
     let status = child.wait().expect("wait");
     assert!(status.success(), "clean exit on SIGTERM, got {status:?}");
 }
+
+#[test]
+fn wait_for_engine_returns_once_every_tp_rank_registered() {
+    let (_server, client) = start();
+    let short = RetryPolicy {
+        deadline: Duration::from_millis(100),
+        initial_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(20),
+    };
+    client
+        .register(&worker("p", 0, 0, 0, "tcp://h:1"), quick())
+        .expect("rank 0");
+    // Only one of two ranks: the wait runs out and says why.
+    match client.wait_for_engine("p", 2, short) {
+        Err(ClientError::DeadlineExceeded { last, .. }) => {
+            assert!(last.contains("1 of 2"), "{last}")
+        }
+        other => panic!("expected the deadline to pass, got {other:?}"),
+    }
+    // The second rank registers while a waiter is waiting.
+    let waiter = {
+        let client = client.clone();
+        std::thread::spawn(move || client.wait_for_engine("p", 2, quick()))
+    };
+    client
+        .register(&worker("p", 0, 1, 0, "tcp://h:2"), quick())
+        .expect("rank 1");
+    let found = waiter.join().expect("thread").expect("complete engine");
+    assert_eq!(found[&0].tp_size(), 2);
+    assert_eq!(found[&0].addr(1, 0), Some("tcp://h:2"));
+}

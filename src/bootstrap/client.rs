@@ -181,6 +181,45 @@ impl BootstrapClient {
         }
     }
 
+    /// Queries until `engine_id` has at least one dp rank and every one of
+    /// its dp ranks has `tp_size` tp ranks registered (prefill ranks of one
+    /// engine start and register independently), retrying like `register`
+    /// while the service is unreachable or the engine incomplete.
+    pub fn wait_for_engine(
+        &self,
+        engine_id: &str,
+        tp_size: usize,
+        policy: RetryPolicy,
+    ) -> Result<QueryResponse, ClientError> {
+        let start = Instant::now();
+        let mut backoff = policy.initial_backoff;
+        loop {
+            let last = match self.query(Some(engine_id)) {
+                Ok(found)
+                    if !found.is_empty() && found.values().all(|e| e.tp_size() >= tp_size) =>
+                {
+                    return Ok(found);
+                }
+                Ok(found) => format!(
+                    "engine {engine_id:?} has {} of {tp_size} tp ranks registered",
+                    found.values().map(|e| e.tp_size()).min().unwrap_or(0)
+                ),
+                Err(err) if err.is_retryable() => err.to_string(),
+                Err(err) => return Err(err),
+            };
+            let waited = start.elapsed();
+            if waited >= policy.deadline {
+                return Err(ClientError::DeadlineExceeded {
+                    waited_ms: waited.as_millis() as u64,
+                    last,
+                });
+            }
+            // A retry pause, as in `register`.
+            std::thread::sleep(backoff.min(policy.deadline - waited));
+            backoff = (backoff * 2).min(policy.max_backoff);
+        }
+    }
+
     /// `Ok(())` when `GET /health` answers 200. One attempt.
     pub fn health(&self) -> Result<(), ClientError> {
         match self.request("GET", "/health", None)? {
