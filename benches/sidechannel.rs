@@ -17,7 +17,10 @@ fn pull() -> Message {
     Message::Pull(Pull {
         transfer_id: 0x1234_5678_9abc,
         dst_blocks: vec![(1000..1064).collect(), (5000..5064).collect()],
+        prefix_blocks: vec![0, 0],
         expected_senders: 2,
+        receivers_expected: 1,
+        lease_seq: None,
         deadline_ms: 30_000,
         lease_ms: 10_000,
     })
@@ -61,10 +64,7 @@ fn round_trips(c: &mut Criterion) {
     let router = ctx.socket(zmq::ROUTER).expect("router");
     router.set_linger(0).expect("linger");
     router.bind("tcp://127.0.0.1:*").expect("bind");
-    let endpoint = router
-        .get_last_endpoint()
-        .expect("endpoint")
-        .expect("utf8");
+    let endpoint = router.get_last_endpoint().expect("endpoint").expect("utf8");
     let echo = thread::spawn(move || {
         // An empty frame is the stop signal.
         while let Ok(parts) = router.recv_multipart(0) {
@@ -93,8 +93,8 @@ fn round_trips(c: &mut Criterion) {
     // (echoes) → P bridge → D bridge → D sink. Same wire size.
     let prefill = SideChannel::start(SideChannelConfig::default(), Arc::new(Metrics::new()))
         .expect("prefill");
-    let decode = SideChannel::start(SideChannelConfig::default(), Arc::new(Metrics::new()))
-        .expect("decode");
+    let decode =
+        SideChannel::start(SideChannelConfig::default(), Arc::new(Metrics::new())).expect("decode");
     let (p_tx, p_rx) = flume::bounded::<Event>(1024);
     let (d_tx, d_rx) = flume::bounded::<Event>(1024);
     let (_, endpoint) = prefill

@@ -171,30 +171,63 @@ pub struct Hello {
 }
 
 /// D asks P for a transfer into (push) or from (pull) the given blocks.
+/// One per D rank and P rank it pairs with (`Msg::Pull` of the machines).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pull {
     pub transfer_id: u64,
-    /// Destination block ids, one list per KV-cache group.
+    /// Destination block ids, one list per KV-cache group (push mode; P
+    /// ignores them in pull mode).
     #[serde(deserialize_with = "bounded_groups")]
     pub dst_blocks: Vec<Vec<u32>>,
+    /// Per group, how many of P's leading blocks D already holds (prefix
+    /// hit): P's block at position `i >= prefix` lands in `dst[i - prefix]`.
+    #[serde(deserialize_with = "bounded_per_group")]
+    pub prefix_blocks: Vec<u32>,
     /// How many P ranks will send to this D rank (heterogeneous TP).
     pub expected_senders: u32,
+    /// How many D ranks will send a `Pull` to this P rank for this transfer.
+    pub receivers_expected: u32,
+    /// Pull mode: the first lease request rides on the `Pull`.
+    pub lease_seq: Option<u64>,
     /// Time left until D gives up, relative to when D sent this (clocks of
     /// two hosts are not comparable, durations are).
     pub deadline_ms: u64,
-    /// Lease D grants P on its destination blocks (push mode).
+    /// Lease D grants P on its destination blocks with this request (push
+    /// mode; 0 when leases only come from `LeaseGrant`).
     pub lease_ms: u64,
 }
 
-/// Pull mode: P's KV is ready in these source blocks; D may read them.
+/// Pull mode: one chunk of P's KV is ready in these source blocks; D may
+/// read them under its lease.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ready {
     pub transfer_id: u64,
-    /// Source block ids, one list per KV-cache group.
+    /// Chunk index, 0-based and dense.
+    pub chunk: u32,
+    /// Position in P's full block list of this chunk's first block, per group.
+    #[serde(deserialize_with = "bounded_per_group")]
+    pub start_blocks: Vec<u32>,
+    /// Source block ids of this chunk, one list per KV-cache group.
     #[serde(deserialize_with = "bounded_groups")]
     pub src_blocks: Vec<Vec<u32>>,
-    /// Lease P grants D on its source blocks.
-    pub lease_ms: u64,
+    /// True on the last chunk of the request.
+    pub is_last: bool,
+}
+
+/// Toucher → granter: please (re)grant the lease on this transfer's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRequest {
+    pub transfer_id: u64,
+    pub seq: u64,
+}
+
+/// Granter → toucher: lease for request `seq`, valid for `duration_ms`
+/// counted by each side on its own clock (see DESIGN.md §2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseGrant {
+    pub transfer_id: u64,
+    pub seq: u64,
+    pub duration_ms: u64,
 }
 
 /// Pull mode: D finished reading (or gave up); P may release its blocks.
@@ -254,7 +287,10 @@ pub struct AbortAck {
     pub transfer_id: u64,
 }
 
-/// Liveness probe that also renews the leases of the listed transfers.
+/// Peer liveness probe, sent periodically on every connection. It may also
+/// renew the leases of the listed transfers in one message (a batched
+/// alternative to one `LeaseRequest` per transfer; a node that uses
+/// `LeaseRequest` sends it empty).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub seq: u64,
@@ -287,6 +323,8 @@ pub enum Message {
     AbortAck(AbortAck),
     Heartbeat(Heartbeat),
     HeartbeatAck(HeartbeatAck),
+    LeaseRequest(LeaseRequest),
+    LeaseGrant(LeaseGrant),
 }
 
 impl Message {
@@ -300,6 +338,8 @@ impl Message {
             Message::Status(m) => Some(m.transfer_id),
             Message::Abort(m) => Some(m.transfer_id),
             Message::AbortAck(m) => Some(m.transfer_id),
+            Message::LeaseRequest(m) => Some(m.transfer_id),
+            Message::LeaseGrant(m) => Some(m.transfer_id),
             Message::Hello(_) | Message::Heartbeat(_) | Message::HeartbeatAck(_) => None,
         }
     }
@@ -316,6 +356,8 @@ impl Message {
             Message::AbortAck(_) => "abort_ack",
             Message::Heartbeat(_) => "heartbeat",
             Message::HeartbeatAck(_) => "heartbeat_ack",
+            Message::LeaseRequest(_) => "lease_request",
+            Message::LeaseGrant(_) => "lease_grant",
         }
     }
 
@@ -353,13 +395,22 @@ impl Message {
                 )?;
                 check("regions", m.regions.len(), limits.max_regions)
             }
-            Message::Pull(m) => check_groups(&m.dst_blocks),
-            Message::Ready(m) => check_groups(&m.src_blocks),
+            Message::Pull(m) => {
+                check("per-group values", m.prefix_blocks.len(), limits.max_groups)?;
+                check_groups(&m.dst_blocks)
+            }
+            Message::Ready(m) => {
+                check("per-group values", m.start_blocks.len(), limits.max_groups)?;
+                check_groups(&m.src_blocks)
+            }
             Message::Heartbeat(m) => check("transfer ids", m.renew.len(), limits.max_ids),
             Message::HeartbeatAck(m) => check("transfer ids", m.unknown.len(), limits.max_ids),
-            Message::Done(_) | Message::Status(_) | Message::Abort(_) | Message::AbortAck(_) => {
-                Ok(())
-            }
+            Message::Done(_)
+            | Message::Status(_)
+            | Message::Abort(_)
+            | Message::AbortAck(_)
+            | Message::LeaseRequest(_)
+            | Message::LeaseGrant(_) => Ok(()),
         }
     }
 }
@@ -525,6 +576,21 @@ fn bounded_regions<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<RegionInfo>, D
         }
     }
     d.deserialize_seq(V(active_limits().max_regions))
+}
+
+/// One value per KV-cache group (prefix lengths, chunk start positions).
+fn bounded_per_group<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+    struct V(usize);
+    impl<'de> Visitor<'de> for V {
+        type Value = Vec<u32>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            write!(f, "at most {} per-group values", self.0)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+            bounded_vec(seq, "per-group values", self.0)
+        }
+    }
+    d.deserialize_seq(V(active_limits().max_groups))
 }
 
 fn bounded_ids<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {

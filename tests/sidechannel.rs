@@ -11,7 +11,8 @@ use kvferry::sidechannel::{
 };
 use kvferry::wire::{
     self, Abort, AbortAck, AbortCode, Done, ErrorCode, Heartbeat, HeartbeatAck, Hello, LayoutKind,
-    Limits, Message, Pull, Ready, RegionInfo, Status, TransferMode, MAGIC, VERSION,
+    LeaseGrant, LeaseRequest, Limits, Message, Pull, Ready, RegionInfo, Status, TransferMode,
+    MAGIC, VERSION,
 };
 
 /// Upper bound on waiting for one event; a failure bound, never a pacing.
@@ -60,14 +61,28 @@ fn every_message() -> Vec<Message> {
         Message::Pull(Pull {
             transfer_id: 42,
             dst_blocks: vec![vec![1, 2, 3], vec![7]],
+            prefix_blocks: vec![0, 1],
             expected_senders: 2,
+            receivers_expected: 1,
+            lease_seq: Some(0),
             deadline_ms: 30_000,
             lease_ms: 10_000,
         }),
         Message::Ready(Ready {
             transfer_id: 43,
+            chunk: 0,
+            start_blocks: vec![0],
             src_blocks: vec![vec![9, 8]],
-            lease_ms: 10_000,
+            is_last: true,
+        }),
+        Message::LeaseRequest(LeaseRequest {
+            transfer_id: 43,
+            seq: 1,
+        }),
+        Message::LeaseGrant(LeaseGrant {
+            transfer_id: 43,
+            seq: 1,
+            duration_ms: 10_000,
         }),
         Message::Done(Done {
             transfer_id: 43,
@@ -432,10 +447,10 @@ fn hostile_frames_at_a_live_router_are_counted_and_survived() {
         .outbox()
         .send(Outgoing {
             to: d_route,
-            msg: every_message()[4].clone(),
+            msg: every_message()[6].clone(),
         })
         .expect("queued");
-    assert_eq!(recv_msg(&p.d_rx).1, every_message()[4]);
+    assert_eq!(recv_msg(&p.d_rx).1, every_message()[6]);
     assert_eq!(p.prefill.decode_errors(), expected_errors);
 }
 

@@ -3,8 +3,8 @@
 
 use kvferry::wire::{
     self, Abort, AbortAck, AbortCode, Done, ErrorCode, Heartbeat, HeartbeatAck, Hello, LayoutKind,
-    Limits, Message, Pull, Ready, RegionInfo, Status, TransferMode, WireError, HEADER_LEN, MAGIC,
-    VERSION,
+    LeaseGrant, LeaseRequest, Limits, Message, Pull, Ready, RegionInfo, Status, TransferMode,
+    WireError, HEADER_LEN, MAGIC, VERSION,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -99,26 +99,49 @@ fn message() -> impl Strategy<Value = Message> {
         (
             any::<u64>(),
             groups(),
-            any::<u32>(),
-            any::<u64>(),
-            any::<u64>()
+            vec(any::<u32>(), 0..5),
+            any::<[u32; 2]>(),
+            proptest::option::of(any::<u64>()),
+            any::<[u64; 2]>()
         )
             .prop_map(
-                |(transfer_id, dst_blocks, expected_senders, deadline_ms, lease_ms)| {
+                |(transfer_id, dst_blocks, prefix_blocks, n, lease_seq, t)| {
                     Message::Pull(Pull {
                         transfer_id,
                         dst_blocks,
-                        expected_senders,
-                        deadline_ms,
-                        lease_ms,
+                        prefix_blocks,
+                        expected_senders: n[0],
+                        receivers_expected: n[1],
+                        lease_seq,
+                        deadline_ms: t[0],
+                        lease_ms: t[1],
                     })
                 }
             ),
-        (any::<u64>(), groups(), any::<u64>()).prop_map(|(transfer_id, src_blocks, lease_ms)| {
-            Message::Ready(Ready {
+        (
+            any::<u64>(),
+            any::<u32>(),
+            vec(any::<u32>(), 0..5),
+            groups(),
+            any::<bool>()
+        )
+            .prop_map(|(transfer_id, chunk, start_blocks, src_blocks, is_last)| {
+                Message::Ready(Ready {
+                    transfer_id,
+                    chunk,
+                    start_blocks,
+                    src_blocks,
+                    is_last,
+                })
+            }),
+        (any::<u64>(), any::<u64>()).prop_map(|(transfer_id, seq)| Message::LeaseRequest(
+            LeaseRequest { transfer_id, seq }
+        )),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(transfer_id, seq, duration_ms)| {
+            Message::LeaseGrant(LeaseGrant {
                 transfer_id,
-                src_blocks,
-                lease_ms,
+                seq,
+                duration_ms,
             })
         }),
         (any::<u64>(), any::<bool>())
@@ -244,7 +267,10 @@ fn pull(dst_blocks: Vec<Vec<u32>>) -> Message {
     Message::Pull(Pull {
         transfer_id: 1,
         dst_blocks,
+        prefix_blocks: vec![],
         expected_senders: 1,
+        receivers_expected: 1,
+        lease_seq: None,
         deadline_ms: 1000,
         lease_ms: 100,
     })
@@ -276,7 +302,7 @@ fn header_errors_are_precise() {
         Err(WireError::UnsupportedVersion(2))
     );
 
-    // Unknown message variant (beyond HeartbeatAck).
+    // Unknown message variant (beyond the last one).
     let mut unknown = header();
     unknown.push(200);
     unknown.push(0);
@@ -361,7 +387,6 @@ fn huge_claimed_lengths_are_rejected_without_allocating() {
         varint(4, &mut frame);
         frame.extend_from_slice(&[1, 2, 3, 4]);
     }
-    frame.extend_from_slice(&[1, 0, 0]);
     assert_eq!(
         wire::decode(&frame, &small),
         Err(WireError::LimitExceeded {
@@ -443,6 +468,19 @@ fn configured_limits_are_enforced_exactly() {
         check(&pull(vec![vec![], vec![], vec![]])),
         Err(WireError::LimitExceeded {
             field: "groups",
+            len: 3,
+            max: 2
+        })
+    ));
+    // More per-group values (prefix lengths) than groups allowed.
+    let mut with_prefix = pull(vec![vec![1]]);
+    if let Message::Pull(p) = &mut with_prefix {
+        p.prefix_blocks = vec![0, 0, 0];
+    }
+    assert!(matches!(
+        check(&with_prefix),
+        Err(WireError::LimitExceeded {
+            field: "per-group values",
             len: 3,
             max: 2
         })
