@@ -190,6 +190,19 @@ fn unknown_paths_methods_and_parameters() {
             .0,
         400
     );
+    assert_eq!(
+        client
+            .request("GET", "/query?engine_id=%+1", None)
+            .expect("400")
+            .0,
+        400
+    );
+    // Percent-encoded ids work (the client encodes them).
+    client
+        .register(&worker("engine/é 1", 0, 0, 0, "tcp://h:1"), quick())
+        .expect("register");
+    let found = client.query(Some("engine/é 1")).expect("query");
+    assert_eq!(found[&0].engine_id, "engine/é 1");
     client.health().expect("healthy");
 }
 

@@ -328,6 +328,10 @@ pub(crate) fn percent_decode(s: &str) -> Option<String> {
         match bytes[i] {
             b'%' => {
                 let hex = bytes.get(i + 1..i + 3)?;
+                // from_str_radix would also take a sign ("%+1").
+                if !hex.iter().all(u8::is_ascii_hexdigit) {
+                    return None;
+                }
                 let hex = std::str::from_utf8(hex).ok()?;
                 out.push(u8::from_str_radix(hex, 16).ok()?);
                 i += 3;
