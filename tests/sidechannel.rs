@@ -547,3 +547,52 @@ fn replies_reach_the_right_decode_rank() {
         Message::AbortAck(AbortAck { transfer_id: 1 })
     );
 }
+
+#[test]
+fn many_round_trips_never_stall() {
+    // Liveness of the ping-pong path, where every message is the last one
+    // in flight and a missed wake-up would stall for good. The bridge once
+    // had such a bug (a router polled twice in one zmq_poll call lost the
+    // edge-triggered wake-up of a message arriving between the two
+    // ZMQ_EVENTS reads); `cargo bench --bench sidechannel` found it after
+    // thousands of round trips. Its window is too narrow for this test to
+    // hit reliably, but any stall fails it: every wait is bounded.
+    let p = pair(SideChannelConfig::default(), 64);
+    let d_route = handshake(&p);
+    let p_out = p.prefill.outbox();
+    let d_out = p.decode.outbox();
+    for seq in 0..3000u64 {
+        d_out
+            .send(Outgoing {
+                to: p.dealer.clone(),
+                msg: Message::LeaseRequest(LeaseRequest {
+                    transfer_id: 1,
+                    seq,
+                }),
+            })
+            .expect("queued");
+        let (from, msg) = recv_msg(&p.p_rx);
+        assert_eq!(from, d_route);
+        assert_eq!(
+            msg,
+            Message::LeaseRequest(LeaseRequest {
+                transfer_id: 1,
+                seq
+            })
+        );
+        p_out
+            .send(Outgoing {
+                to: from,
+                msg: Message::LeaseGrant(LeaseGrant {
+                    transfer_id: 1,
+                    seq,
+                    duration_ms: 10,
+                }),
+            })
+            .expect("queued");
+        match recv_msg(&p.d_rx).1 {
+            Message::LeaseGrant(g) => assert_eq!(g.seq, seq),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
