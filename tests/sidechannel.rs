@@ -596,3 +596,66 @@ fn many_round_trips_never_stall() {
         }
     }
 }
+
+#[test]
+fn glommio_executor_consumes_and_replies() {
+    // The consumers are glommio executors: events arrive through
+    // `recv_async` and replies leave through `send_async`, without blocking
+    // the executor thread.
+    let p = pair(SideChannelConfig::default(), 64);
+    let p_rx = p.p_rx.clone();
+    let p_out = p.prefill.outbox();
+    let rounds = 100u64;
+    let executor = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .name("sidechannel-test")
+        .spawn(move || async move {
+            let mut answered = 0u64;
+            while answered < rounds {
+                match p_rx.recv_async().await.expect("event") {
+                    Event::Message {
+                        from,
+                        msg: Message::LeaseRequest(req),
+                    } => {
+                        p_out
+                            .send_async(Outgoing {
+                                to: from,
+                                msg: Message::LeaseGrant(LeaseGrant {
+                                    transfer_id: req.transfer_id,
+                                    seq: req.seq,
+                                    duration_ms: 5,
+                                }),
+                            })
+                            .await
+                            .expect("queued");
+                        answered += 1;
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            answered
+        })
+        .expect("executor starts");
+    let d_out = p.decode.outbox();
+    for seq in 0..rounds {
+        d_out
+            .send(Outgoing {
+                to: p.dealer.clone(),
+                msg: Message::LeaseRequest(LeaseRequest {
+                    transfer_id: 9,
+                    seq,
+                }),
+            })
+            .expect("queued");
+    }
+    for seq in 0..rounds {
+        assert_eq!(
+            recv_msg(&p.d_rx).1,
+            Message::LeaseGrant(LeaseGrant {
+                transfer_id: 9,
+                seq,
+                duration_ms: 5
+            })
+        );
+    }
+    assert_eq!(executor.join().expect("executor"), rounds);
+}
