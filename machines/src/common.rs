@@ -1,6 +1,8 @@
 //! Types shared by the send and receive machines.
 
 use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 /// Identifies one request's transfer across P and D (vLLM's `transfer_id`,
 /// SGLang's bootstrap room).
@@ -74,4 +76,403 @@ pub enum InputError {
     /// The local caller used the API wrongly (e.g. sent blocks twice).
     #[error("misuse: {0}")]
     Misuse(&'static str),
+}
+
+/// Which side touches the other side's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Mode {
+    /// P writes into D's destination blocks (vLLM, SGLang). D grants the lease.
+    Push,
+    /// D reads from P's source blocks, then sends `Done` (vLLM-Ascend). P grants the lease.
+    Pull,
+}
+
+/// A remote rank as the driver names it for this transfer (an index into
+/// the driver's session table). Machines only compare peer ids; they never
+/// interpret them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PeerId(pub u32);
+
+/// An engine KV block id (index into the registered regions of one side).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BlockId(pub u32);
+
+/// Block ids per KV-cache group: `lists[g]` are the blocks of group `g`.
+pub type BlockLists = Vec<Vec<BlockId>>;
+
+/// Timeouts (DESIGN.md §2 table) and bounds of one machine.
+///
+/// Both sides of a transfer should run with the same `lease`; a granter
+/// may grant less (P caps grants at its hold limit), never more than the
+/// toucher accepts (the toucher clips a grant to its own `lease`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Peer info not received (P: D's `Pull`; D: the P ranks from the bootstrap service).
+    pub bootstrap_timeout: Duration,
+    /// D: no progress (data or status) since the request was sent or since the last progress.
+    pub waiting_timeout: Duration,
+    /// P: KV ready but D silent this long: give the blocks back. Renewed by any message of D.
+    pub claim_timeout: Duration,
+    /// Length of one lease grant. Renewed every `heartbeat_interval`, so it must exceed it.
+    pub lease: Duration,
+    /// P: hard cap on holding blocks for one transfer, counted from the machine's creation.
+    pub hold_limit: Duration,
+    /// The transport contract: a write or read posted at `t` touches no memory after
+    /// `t + transfer_bound` (the driver reports it failed by then at the latest).
+    pub transfer_bound: Duration,
+    /// Extra margin of the fence for clock-rate drift between nodes.
+    pub fence_margin: Duration,
+    /// How often a toucher renews its lease (the per-transfer heartbeat).
+    pub heartbeat_interval: Duration,
+    /// Heartbeats a peer may miss before the driver declares it dead (used by the driver).
+    pub heartbeat_misses: u32,
+    /// Most peers one machine deals with (fan-out / fan-in).
+    pub max_peers: usize,
+    /// Most chunks in one transfer.
+    pub max_chunks: usize,
+    /// Most writes (P, push) or reads (D, pull) in flight per machine.
+    pub max_in_flight: usize,
+    /// Most KV-cache groups in a block list.
+    pub max_groups: usize,
+    /// Most blocks per group in one block list.
+    pub max_blocks_per_group: usize,
+    /// Most lease requests remembered per peer (older ones are forgotten).
+    pub max_lease_requests: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            bootstrap_timeout: Duration::from_secs(300),
+            waiting_timeout: Duration::from_secs(300),
+            claim_timeout: Duration::from_secs(30),
+            lease: Duration::from_secs(10),
+            hold_limit: Duration::from_secs(480),
+            transfer_bound: Duration::from_secs(10),
+            fence_margin: Duration::from_secs(2),
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_misses: 2,
+            max_peers: 64,
+            max_chunks: 4096,
+            max_in_flight: 256,
+            max_groups: 16,
+            max_blocks_per_group: 1 << 20,
+            max_lease_requests: 4,
+        }
+    }
+}
+
+impl Config {
+    /// Checks the settings once, when the node starts (machines trust a
+    /// config they are given). A lease no longer than the heartbeat interval
+    /// would lapse between renewals and stall every transfer; a zero bound
+    /// would refuse every request.
+    pub fn validate(&self) -> Result<(), InputError> {
+        if self.lease <= self.heartbeat_interval {
+            return Err(InputError::Misuse(
+                "lease must be longer than heartbeat_interval",
+            ));
+        }
+        if self.max_peers == 0
+            || self.max_chunks == 0
+            || self.max_in_flight == 0
+            || self.max_groups == 0
+            || self.max_blocks_per_group == 0
+            || self.max_lease_requests == 0
+        {
+            return Err(InputError::Misuse("every max_* bound must be at least 1"));
+        }
+        if self.max_chunks > u32::MAX as usize || self.max_blocks_per_group > u32::MAX as usize {
+            return Err(InputError::Misuse("chunk and block bounds must fit in u32"));
+        }
+        Ok(())
+    }
+
+    /// How long a granter waits after a lease ran out before it reuses its
+    /// blocks: every transfer started under the lease has ended by then.
+    pub fn fence(&self) -> Duration {
+        self.fence_margin + self.transfer_bound
+    }
+}
+
+/// Per-transfer control messages between the machines of P and D.
+///
+/// The driver wraps each in an envelope carrying the [`TransferId`] and the
+/// sender's identity (which becomes the [`PeerId`] on the receiving side);
+/// the wire encoding maps these variants one to one.
+///
+/// Lease protocol: the *toucher* (P in push mode, D in pull mode) sends
+/// `LeaseRequest{seq}` and remembers when it asked; the *granter* answers
+/// `LeaseGrant{seq, duration_ms}` and counts the lease from when it granted.
+/// The toucher's lease ends at `asked_at + duration`, the granter's at
+/// `granted_at + duration >= asked_at + duration`, whatever the message
+/// delays, so the toucher's lease always ends first. `Status`, `Done`,
+/// `Abort` (from the toucher) and `AbortAck` return the lease: the toucher
+/// sends them only once none of its transfers on that peer is in flight.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Msg {
+    /// D → P, once per D rank: "I take part in this transfer".
+    Pull {
+        /// How many D ranks will send `Pull` to this P rank for this transfer.
+        receivers_expected: u16,
+        /// D's destination blocks (push mode; P ignores them in pull mode).
+        dst_blocks: BlockLists,
+        /// Per group, how many of P's leading blocks D already holds (prefix
+        /// hit): P's block at position `i >= prefix` lands in `dst[i - prefix]`.
+        prefix_blocks: Vec<u32>,
+        /// Pull mode: the first lease request rides on the `Pull`.
+        lease_seq: Option<u64>,
+    },
+    /// P → D (pull mode): one chunk of KV is ready to be read.
+    Ready {
+        /// Chunk index, 0-based and dense.
+        chunk: u32,
+        /// Position in P's full block list of this chunk's first block, per group.
+        start_blocks: Vec<u32>,
+        /// The chunk's source blocks, per group.
+        src_blocks: BlockLists,
+        /// True on the last chunk of the request.
+        is_last: bool,
+    },
+    /// Toucher → granter: please (re)grant the lease.
+    LeaseRequest { seq: u64 },
+    /// Granter → toucher: lease for request `seq`, valid for `duration_ms`.
+    LeaseGrant { seq: u64, duration_ms: u64 },
+    /// P → D (push mode): this P rank's writes are over (`ok`: all landed). Returns the lease.
+    Status { ok: bool },
+    /// D → P (pull mode): this D rank's reads are over (`ok`: all succeeded). Returns the lease.
+    Done { ok: bool },
+    /// Either side: the transfer is aborted. From the toucher it also returns the lease.
+    Abort,
+    /// Answer to `Abort`. From the toucher it returns the lease.
+    AbortAck,
+}
+
+/// Earliest of two optional deadlines.
+pub(crate) fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+/// `now + d`, saturating far in the future instead of panicking.
+pub(crate) fn after(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(u32::MAX as u64))
+}
+
+/// Toucher side of one lease (one per peer whose blocks we touch).
+#[derive(Clone, Debug)]
+pub(crate) struct TouchLease {
+    next_seq: u64,
+    /// `(seq, asked_at)` of the latest requests, oldest first.
+    asked: VecDeque<(u64, Instant)>,
+    valid_until: Option<Instant>,
+    renew_at: Option<Instant>,
+}
+
+impl TouchLease {
+    pub(crate) fn new() -> Self {
+        TouchLease {
+            next_seq: 0,
+            asked: VecDeque::new(),
+            valid_until: None,
+            renew_at: None,
+        }
+    }
+
+    /// Records a request made at `now` (before it is sent) and returns its sequence number.
+    pub(crate) fn request(&mut self, now: Instant, cfg: &Config) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        // Forgetting the oldest request only loses a grant that would end
+        // earlier than the grants of the newer ones.
+        while self.asked.len() >= cfg.max_lease_requests.max(1) {
+            self.asked.pop_front();
+        }
+        self.asked.push_back((seq, now));
+        self.renew_at = Some(after(now, cfg.heartbeat_interval));
+        seq
+    }
+
+    /// Checks a grant without applying it.
+    pub(crate) fn check_grant(&self, seq: u64) -> Result<(), InputError> {
+        if seq >= self.next_seq {
+            return Err(InputError::Peer("lease grant for a request never made"));
+        }
+        Ok(())
+    }
+
+    /// Applies a grant that passed `check_grant`. A grant for a forgotten
+    /// request is ignored: we no longer know when we asked.
+    pub(crate) fn handle_grant(&mut self, seq: u64, duration_ms: u64, cfg: &Config) {
+        let Some(&(_, asked_at)) = self.asked.iter().find(|(s, _)| *s == seq) else {
+            return;
+        };
+        let granted = Duration::from_millis(duration_ms).min(cfg.lease);
+        let end = after(asked_at, granted);
+        self.valid_until = Some(self.valid_until.map_or(end, |u| u.max(end)));
+    }
+
+    pub(crate) fn is_live(&self, now: Instant) -> bool {
+        self.valid_until.is_some_and(|u| now < u)
+    }
+
+    pub(crate) fn renew_at(&self) -> Option<Instant> {
+        self.renew_at
+    }
+
+    /// End of the lease as the toucher counts it (for tests and debugging).
+    pub(crate) fn valid_until(&self) -> Option<Instant> {
+        self.valid_until
+    }
+}
+
+/// Granter side of one lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GrantLease {
+    /// End of the latest grant as the granter counts it; `None`: never granted.
+    pub(crate) until: Option<Instant>,
+}
+
+impl GrantLease {
+    pub(crate) fn new() -> Self {
+        GrantLease { until: None }
+    }
+
+    /// Grants `d` from `now` and returns the message to send.
+    pub(crate) fn grant(&mut self, now: Instant, seq: u64, d: Duration) -> Msg {
+        let end = after(now, d);
+        self.until = Some(self.until.map_or(end, |u| u.max(end)));
+        Msg::LeaseGrant {
+            seq,
+            duration_ms: d.as_millis().min(u64::MAX as u128) as u64,
+        }
+    }
+}
+
+/// A write (push) or read (pull) the toucher posted and has not seen complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Op {
+    pub(crate) peer: PeerId,
+    pub(crate) chunk: u32,
+    /// Posted time plus the transfer bound: after this the op can no longer touch memory.
+    pub(crate) deadline: Instant,
+}
+
+/// Maps the part of a chunk that the receiver needs onto its destination
+/// blocks. Returns `(src, dst)` with equal lengths per group, or `None` when
+/// the lists do not fit together (group count, or blocks past the end of
+/// the destination list).
+pub(crate) fn align_chunk(
+    start: &[u32],
+    src: &[Vec<BlockId>],
+    dst: &[Vec<BlockId>],
+    prefix: &[u32],
+) -> Option<(BlockLists, BlockLists)> {
+    if start.len() != src.len() || src.len() != dst.len() || dst.len() != prefix.len() {
+        return None;
+    }
+    let mut out_src = Vec::with_capacity(src.len());
+    let mut out_dst = Vec::with_capacity(src.len());
+    for g in 0..src.len() {
+        let first = start[g] as usize;
+        let skip = prefix[g] as usize;
+        let mut s = Vec::new();
+        let mut d = Vec::new();
+        for (i, b) in src[g].iter().enumerate() {
+            let pos = first + i;
+            if pos < skip {
+                continue;
+            }
+            let target = *dst[g].get(pos - skip)?;
+            s.push(*b);
+            d.push(target);
+        }
+        out_src.push(s);
+        out_dst.push(d);
+    }
+    Some((out_src, out_dst))
+}
+
+/// True when an aligned chunk moves no block at all.
+pub(crate) fn is_empty_lists(lists: &[Vec<BlockId>]) -> bool {
+    lists.iter().all(|g| g.is_empty())
+}
+
+/// Checks a block list against the configured bounds.
+pub(crate) fn check_lists(lists: &[Vec<BlockId>], cfg: &Config) -> bool {
+    lists.len() <= cfg.max_groups && lists.iter().all(|g| g.len() <= cfg.max_blocks_per_group)
+}
+
+/// The end of a request after its outcome was decided: wait until no
+/// transfer can touch the blocks anymore, then release.
+///
+/// Toucher: its own ops must complete or pass their bound; the
+/// lease-returning message to a peer is sent once no op on that peer is left.
+/// Granter: every peer must return its lease, or the lease must have run
+/// out plus the fence.
+#[derive(Clone, Debug)]
+pub(crate) struct Drain {
+    /// The terminal phase reported once the drain completes.
+    pub(crate) outcome: Phase,
+    pub(crate) ops: Vec<Op>,
+    /// Messages to send once the peer has no op in flight.
+    pub(crate) returns: Vec<(PeerId, Msg)>,
+    /// Leases we granted and that were not returned yet.
+    pub(crate) leases: Vec<(PeerId, GrantLease)>,
+}
+
+impl Drain {
+    /// Drops expired ops, sends the returns that are due and tells whether
+    /// the blocks are free.
+    pub(crate) fn advance(
+        &mut self,
+        now: Instant,
+        fence: Duration,
+        out: &mut VecDeque<(PeerId, Msg)>,
+    ) -> bool {
+        self.ops.retain(|op| now < op.deadline);
+        let ops = &self.ops;
+        let mut i = 0;
+        while i < self.returns.len() {
+            let peer = self.returns[i].0;
+            if ops.iter().any(|op| op.peer == peer) {
+                i += 1;
+            } else {
+                out.push_back(self.returns.remove(i));
+            }
+        }
+        self.leases
+            .retain(|(_, l)| l.until.is_some_and(|u| now < after(u, fence)));
+        self.ops.is_empty() && self.returns.is_empty() && self.leases.is_empty()
+    }
+
+    /// A completion for an op; unknown ones are late and absorbed.
+    pub(crate) fn handle_completion(&mut self, peer: PeerId, chunk: u32) {
+        if let Some(i) = self
+            .ops
+            .iter()
+            .position(|op| op.peer == peer && op.chunk == chunk)
+        {
+            self.ops.swap_remove(i);
+        }
+    }
+
+    /// A lease-returning message from `peer`.
+    pub(crate) fn handle_return(&mut self, peer: PeerId) {
+        self.leases.retain(|(p, _)| *p != peer);
+    }
+
+    pub(crate) fn poll_timeout(&self, fence: Duration) -> Option<Instant> {
+        let ops = self.ops.iter().map(|op| op.deadline).min();
+        let leases = self
+            .leases
+            .iter()
+            .filter_map(|(_, l)| l.until.map(|u| after(u, fence)))
+            .min();
+        earliest(ops, leases)
+    }
 }

@@ -1,0 +1,170 @@
+//! Configuration of a reactor and its executors.
+
+use std::time::Duration;
+
+/// One executor: one device's thread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExecutorConfig {
+    /// Thread name prefix (e.g. `"dev0"`).
+    pub label: String,
+    /// Core to pin the executor to (`Placement::Fixed`), or `None` to let
+    /// the OS place it (`Placement::Unbound`).
+    pub core: Option<usize>,
+}
+
+impl ExecutorConfig {
+    /// An executor pinned to `core`.
+    pub fn pinned(label: impl Into<String>, core: usize) -> Self {
+        Self {
+            label: label.into(),
+            core: Some(core),
+        }
+    }
+
+    /// An executor the OS places.
+    pub fn unpinned(label: impl Into<String>) -> Self {
+        Self {
+            label: label.into(),
+            core: None,
+        }
+    }
+}
+
+/// How an idle executor waits: the latency/CPU trade-off.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PollPolicy {
+    /// Sleep in the kernel as soon as there is nothing to do. Cheapest on
+    /// CPU; a wake-up from another thread costs a context switch.
+    Park,
+    /// Busy-poll for up to `spin` before sleeping (glommio's
+    /// `spin_before_park`). Costs a core while spinning; cuts wake-up
+    /// latency when work arrives within `spin`.
+    Spin {
+        /// How long to spin before parking.
+        spin: Duration,
+    },
+}
+
+/// What to do with requests still in flight at shutdown.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShutdownPolicy {
+    /// Abort every live request with `AbortReason::Shutdown` at once, then
+    /// give the machines up to `grace` to finish (send aborts, wait for
+    /// acknowledgements and fences). What is left after that is dropped.
+    Abort {
+        /// Time allowed after the aborts.
+        grace: Duration,
+    },
+    /// Let live requests run to completion for up to `drain`, then abort
+    /// what is left and give it up to `grace`. New requests are refused
+    /// from the start.
+    Drain {
+        /// Time allowed to finish normally.
+        drain: Duration,
+        /// Time allowed after the aborts.
+        grace: Duration,
+    },
+}
+
+/// Configuration of a [`crate::Reactor`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReactorConfig {
+    /// One entry per device, in device order.
+    pub executors: Vec<ExecutorConfig>,
+    /// Commands an executor's mailbox holds before submissions are refused
+    /// with `SubmitError::MailboxFull`.
+    pub mailbox_capacity: usize,
+    /// Transfers one executor holds (live plus finished and not yet
+    /// collected with `get_finished`) before creations are refused with
+    /// `SubmitError::AtCapacity`.
+    pub max_machines_per_executor: usize,
+    /// Actions drained from one machine per input before moving on.
+    pub max_actions_per_input: usize,
+    /// Mailbox and local events handled per loop turn before timers run
+    /// again; bounds how long timers can wait behind a burst of input.
+    pub max_inputs_per_turn: usize,
+    /// Capacity of the executor-local queue async actions report through.
+    pub local_event_capacity: usize,
+    /// Deadline granularity: deadlines in the same tick share one timer
+    /// wake-up, and every machine is woken at most one tick (plus the
+    /// executor's own wake-up delay) after its deadline.
+    pub timer_tick: Duration,
+    /// How idle executors wait.
+    pub poll_policy: PollPolicy,
+    /// glommio's registered IO memory per executor. Kept small by default
+    /// because these machines allow only 8 MiB of locked memory in total.
+    pub io_memory_bytes: usize,
+    /// How long `Reactor::start` waits for every executor to come up.
+    pub start_timeout: Duration,
+    /// Policy used when a `Reactor` is dropped without `shutdown`.
+    pub drop_policy: ShutdownPolicy,
+}
+
+impl Default for ReactorConfig {
+    fn default() -> Self {
+        Self {
+            executors: vec![ExecutorConfig::unpinned("kvferry-dev0")],
+            mailbox_capacity: 4_096,
+            max_machines_per_executor: 16_384,
+            max_actions_per_input: 1_024,
+            max_inputs_per_turn: 256,
+            local_event_capacity: 4_096,
+            timer_tick: Duration::from_millis(1),
+            poll_policy: PollPolicy::Park,
+            io_memory_bytes: 512 * 1024,
+            start_timeout: Duration::from_secs(10),
+            drop_policy: ShutdownPolicy::Abort {
+                grace: Duration::from_secs(2),
+            },
+        }
+    }
+}
+
+impl ReactorConfig {
+    /// One executor per device: device `i` pinned to core `i` while there
+    /// are cores, unpinned beyond that (a node may serve more devices than
+    /// the machine has cores).
+    pub fn for_devices(devices: usize) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let executors = (0..devices)
+            .map(|device| {
+                let label = format!("kvferry-dev{device}");
+                if device < cores {
+                    ExecutorConfig::pinned(label, device)
+                } else {
+                    ExecutorConfig::unpinned(label)
+                }
+            })
+            .collect();
+        Self {
+            executors,
+            ..Self::default()
+        }
+    }
+
+    /// Checks the limits; every one must be positive.
+    pub fn validate(&self) -> Result<(), crate::ReactorError> {
+        let bad = |what: &'static str| Err(crate::ReactorError::Config(what));
+        if self.executors.is_empty() {
+            return bad("at least one executor is required");
+        }
+        if self.mailbox_capacity == 0 {
+            return bad("mailbox_capacity must be positive");
+        }
+        if self.max_machines_per_executor == 0 {
+            return bad("max_machines_per_executor must be positive");
+        }
+        if self.max_actions_per_input == 0 {
+            return bad("max_actions_per_input must be positive");
+        }
+        if self.max_inputs_per_turn == 0 {
+            return bad("max_inputs_per_turn must be positive");
+        }
+        if self.local_event_capacity == 0 {
+            return bad("local_event_capacity must be positive");
+        }
+        Ok(())
+    }
+}

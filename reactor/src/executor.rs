@@ -1,0 +1,797 @@
+//! The reactor: one pinned glommio executor per device, each running the
+//! driver loop, plus the thread-safe handle engine threads call.
+
+use std::future::Future;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use futures_lite::{future, Stream};
+use glommio::timer::Timer;
+use glommio::{LocalExecutorBuilder, Placement};
+use kvferry_machines::{AbortReason, Machine, Phase, TransferId};
+
+use crate::board::{BoardError, CompletionBoard};
+use crate::config::{PollPolicy, ReactorConfig, ShutdownPolicy};
+use crate::driver::{round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome, RejectReason};
+use crate::latch::ShutdownLatch;
+use crate::mailbox::{Command, EventPoster, ExecutorContext, Refused, SubmitError};
+use crate::stats::{Stats, StatsSnapshot};
+use crate::sync::Arc;
+
+/// Why a reactor could not start or stop cleanly.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum ReactorError {
+    /// Misuse: the configuration is invalid.
+    #[error("invalid reactor config: {0}")]
+    Config(&'static str),
+    /// glommio could not create an executor (bad core, io_uring setup).
+    #[error("executor {executor} failed to start: {message}")]
+    Start {
+        /// Executor index.
+        executor: usize,
+        /// glommio's error.
+        message: String,
+    },
+    /// An executor thread panicked or returned an error when joined.
+    #[error("executor {executor} failed: {message}")]
+    Join {
+        /// Executor index.
+        executor: usize,
+        /// The panic or error.
+        message: String,
+    },
+}
+
+/// What one executor did during shutdown.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecutorReport {
+    /// Executor index.
+    pub executor: usize,
+    /// Machines aborted with `AbortReason::Shutdown`.
+    pub aborted: usize,
+    /// Machines dropped when the grace period ran out.
+    pub dropped: usize,
+}
+
+/// Result of [`Reactor::shutdown`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// One entry per executor that joined cleanly.
+    pub executors: Vec<ExecutorReport>,
+    /// Completions nobody collected before shutdown, so that none is lost.
+    pub completions: Vec<Completion>,
+}
+
+/// State shared by the handle(s) and the executors.
+struct Shared<M: Machine> {
+    board: CompletionBoard,
+    stats: Stats,
+    latch: ShutdownLatch,
+    mailboxes: Vec<flume::Sender<Command<M>>>,
+    completions_tx: flume::Sender<Completion>,
+    completions_rx: flume::Receiver<Completion>,
+}
+
+/// Thread-safe handle engine threads use to reach the executors. Cheap to
+/// clone; every call is non-blocking except [`ReactorHandle::recv_finished`].
+pub struct ReactorHandle<M: Machine> {
+    shared: Arc<Shared<M>>,
+}
+
+impl<M: Machine> Clone for ReactorHandle<M> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<M: Machine> std::fmt::Debug for ReactorHandle<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReactorHandle")
+            .field("executors", &self.shared.mailboxes.len())
+            .finish()
+    }
+}
+
+impl<M> ReactorHandle<M>
+where
+    M: Machine + Send + 'static,
+    M::Event: Send + 'static,
+{
+    /// Number of executors.
+    pub fn executors(&self) -> usize {
+        self.shared.mailboxes.len()
+    }
+
+    /// Hands a new machine to `executor`. On success the transfer is on the
+    /// board (in `Bootstrapping`) and will produce exactly one
+    /// [`Completion`].
+    pub fn create(&self, executor: usize, transfer_id: TransferId, machine: M) -> Result<(), Refused<M>> {
+        let Some(_inside) = self.shared.latch.enter() else {
+            return Err(Refused {
+                error: SubmitError::ShuttingDown,
+                value: machine,
+            });
+        };
+        if let Err(error) = self.shared.board.reserve(transfer_id, executor) {
+            let error = match error {
+                BoardError::Duplicate(id) => SubmitError::DuplicateTransfer(id),
+                BoardError::Full { executor, max } => SubmitError::AtCapacity {
+                    executor,
+                    max_machines: max,
+                },
+                BoardError::NoSuchExecutor { executor, executors } => {
+                    SubmitError::NoSuchExecutor { executor, executors }
+                }
+            };
+            return Err(Refused { error, value: machine });
+        }
+        let command = Command::Create { transfer_id, machine };
+        match self.shared.mailboxes[executor].try_send(command) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                // Not queued: take the reservation back so the caller can
+                // retry with the same transfer id.
+                self.shared.board.remove(transfer_id);
+                let (error, command) = match error {
+                    flume::TrySendError::Full(command) => {
+                        self.shared.stats.add_mailbox_full();
+                        (SubmitError::MailboxFull { executor }, command)
+                    }
+                    flume::TrySendError::Disconnected(command) => (SubmitError::ShuttingDown, command),
+                };
+                match command {
+                    Command::Create { machine, .. } => Err(Refused { error, value: machine }),
+                    // We built this command two statements above.
+                    Command::Event { .. } | Command::Abort { .. } | Command::Spawn(_) => {
+                        unreachable!("try_send handed back a different command")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Feeds an event to the machine of `transfer_id`. Events keep flowing
+    /// while a `Drain` shutdown is in progress, so in-flight requests can
+    /// finish.
+    pub fn send_event(&self, transfer_id: TransferId, event: M::Event) -> Result<(), Refused<M::Event>> {
+        let Some(executor) = self.shared.board.executor_of(transfer_id) else {
+            return Err(Refused {
+                error: SubmitError::UnknownTransfer(transfer_id),
+                value: event,
+            });
+        };
+        match self.shared.mailboxes[executor].try_send(Command::Event { transfer_id, event }) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                let (error, command) = match error {
+                    flume::TrySendError::Full(command) => {
+                        self.shared.stats.add_mailbox_full();
+                        (SubmitError::MailboxFull { executor }, command)
+                    }
+                    flume::TrySendError::Disconnected(command) => (SubmitError::ShuttingDown, command),
+                };
+                match command {
+                    Command::Event { event, .. } => Err(Refused { error, value: event }),
+                    Command::Create { .. } | Command::Abort { .. } | Command::Spawn(_) => {
+                        unreachable!("try_send handed back a different command")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Aborts the request of `transfer_id`.
+    pub fn abort(&self, transfer_id: TransferId, reason: AbortReason) -> Result<(), SubmitError> {
+        let executor = self
+            .shared
+            .board
+            .executor_of(transfer_id)
+            .ok_or(SubmitError::UnknownTransfer(transfer_id))?;
+        self.shared.mailboxes[executor]
+            .try_send(Command::Abort { transfer_id, reason })
+            .map_err(|error| self.map_send_error(executor, &error))
+    }
+
+    /// Runs a local task on `executor` (registering memory, opening a
+    /// transport session, anything that must live on that thread). The
+    /// closure runs on the executor and builds a future that need not be
+    /// `Send`.
+    pub fn spawn_on<F, Fut>(&self, executor: usize, make: F) -> Result<(), SubmitError>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + 'static,
+    {
+        let Some(_inside) = self.shared.latch.enter() else {
+            return Err(SubmitError::ShuttingDown);
+        };
+        let executors = self.executors();
+        let mailbox = self
+            .shared
+            .mailboxes
+            .get(executor)
+            .ok_or(SubmitError::NoSuchExecutor { executor, executors })?;
+        let boxed: crate::mailbox::SpawnFn = Box::new(move || Box::pin(make()));
+        mailbox
+            .try_send(Command::Spawn(boxed))
+            .map_err(|error| self.map_send_error(executor, &error))
+    }
+
+    fn map_send_error<T>(&self, executor: usize, error: &flume::TrySendError<T>) -> SubmitError {
+        match error {
+            flume::TrySendError::Full(_) => {
+                self.shared.stats.add_mailbox_full();
+                SubmitError::MailboxFull { executor }
+            }
+            flume::TrySendError::Disconnected(_) => SubmitError::ShuttingDown,
+        }
+    }
+
+    /// Latest phase of a transfer, without a round trip to its executor.
+    /// `None` once its completion was collected (or if it never existed).
+    pub fn poll(&self, transfer_id: TransferId) -> Option<Phase> {
+        self.shared.board.phase(transfer_id)
+    }
+
+    /// Collects up to `max` completions without waiting. Each transfer
+    /// leaves the board as its completion is collected.
+    pub fn get_finished(&self, max: usize) -> Vec<Completion> {
+        let mut out = Vec::new();
+        // Bounded by `max`.
+        while out.len() < max {
+            match self.shared.completions_rx.try_recv() {
+                Ok(completion) => {
+                    self.shared.board.remove(completion.transfer_id);
+                    out.push(completion);
+                }
+                Err(_) => break,
+            }
+        }
+        out
+    }
+
+    /// Waits up to `timeout` for one completion.
+    pub fn recv_finished(&self, timeout: Duration) -> Option<Completion> {
+        let completion = self.shared.completions_rx.recv_timeout(timeout).ok()?;
+        self.shared.board.remove(completion.transfer_id);
+        Some(completion)
+    }
+
+    /// Reactor-wide counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// Transfers currently on the board for `executor` (live plus
+    /// uncollected completions).
+    pub fn load(&self, executor: usize) -> usize {
+        self.shared.board.len_for(executor)
+    }
+}
+
+/// The running executors. Dropping it shuts down with
+/// [`ReactorConfig::drop_policy`] and joins the threads.
+pub struct Reactor<M: Machine> {
+    handle: ReactorHandle<M>,
+    controls: Vec<flume::Sender<ShutdownPolicy>>,
+    joins: Vec<glommio::ExecutorJoinHandle<ExecutorReport>>,
+    drop_policy: ShutdownPolicy,
+}
+
+impl<M: Machine> std::fmt::Debug for Reactor<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reactor")
+            .field("executors", &self.controls.len())
+            .field("running", &!self.joins.is_empty())
+            .finish()
+    }
+}
+
+impl<M> Reactor<M>
+where
+    M: Machine + Send + 'static,
+    M::Event: Send + 'static,
+    M::Action: 'static,
+{
+    /// Starts one executor per entry of `config.executors` and waits until
+    /// each runs. `make_sink` runs once on each executor thread to build
+    /// that executor's [`ActionSink`] (which may hold `Rc`s: it never
+    /// leaves its thread).
+    pub fn start<S, F>(config: ReactorConfig, make_sink: F) -> Result<Self, ReactorError>
+    where
+        S: ActionSink<M> + 'static,
+        F: Fn(ExecutorContext<M>) -> S + Send + Sync + 'static,
+    {
+        config.validate()?;
+        let executors = config.executors.len();
+        let total = executors.saturating_mul(config.max_machines_per_executor);
+        // Every completion belongs to a transfer still on the board, so this
+        // channel can never hold more than the board does.
+        let (completions_tx, completions_rx) = flume::bounded(total);
+        let mut mailboxes = Vec::with_capacity(executors);
+        let mut receivers = Vec::with_capacity(executors);
+        for _ in 0..executors {
+            let (tx, rx) = flume::bounded(config.mailbox_capacity);
+            mailboxes.push(tx);
+            receivers.push(rx);
+        }
+        let shared = Arc::new(Shared {
+            board: CompletionBoard::new(executors, config.max_machines_per_executor),
+            stats: Stats::new(),
+            latch: ShutdownLatch::new(),
+            mailboxes,
+            completions_tx,
+            completions_rx,
+        });
+        let mut reactor = Reactor {
+            handle: ReactorHandle { shared: shared.clone() },
+            controls: Vec::with_capacity(executors),
+            joins: Vec::with_capacity(executors),
+            drop_policy: config.drop_policy,
+        };
+        let make_sink = std::sync::Arc::new(make_sink);
+        let (ready_tx, ready_rx) = flume::bounded::<usize>(executors);
+        for (index, commands) in receivers.into_iter().enumerate() {
+            let exec_config = &config.executors[index];
+            let placement = match exec_config.core {
+                Some(core) => Placement::Fixed(core),
+                None => Placement::Unbound,
+            };
+            let mut builder = LocalExecutorBuilder::new(placement)
+                .name(&exec_config.label)
+                .io_memory(config.io_memory_bytes);
+            match config.poll_policy {
+                PollPolicy::Park => {}
+                PollPolicy::Spin { spin } => builder = builder.spin_before_park(spin),
+            }
+            // Only one shutdown policy is ever sent per executor.
+            let (control_tx, control_rx) = flume::bounded(1);
+            let state = LoopState {
+                index,
+                core: exec_config.core,
+                shared: shared.clone(),
+                commands,
+                control: control_rx,
+                make_sink: make_sink.clone(),
+                ready: ready_tx.clone(),
+                driver_config: DriverConfig {
+                    max_machines: config.max_machines_per_executor,
+                    max_actions_per_input: config.max_actions_per_input,
+                },
+                max_inputs_per_turn: config.max_inputs_per_turn,
+                local_event_capacity: config.local_event_capacity,
+                mailbox_capacity: config.mailbox_capacity,
+                timer_tick: config.timer_tick,
+            };
+            match builder.spawn(move || run_loop(state)) {
+                Ok(join) => {
+                    reactor.controls.push(control_tx);
+                    reactor.joins.push(join);
+                }
+                Err(error) => {
+                    // `reactor` drops here and stops the ones already running.
+                    return Err(ReactorError::Start {
+                        executor: index,
+                        message: error.to_string(),
+                    });
+                }
+            }
+        }
+        drop(ready_tx);
+        let deadline = Instant::now() + config.start_timeout;
+        for _ in 0..executors {
+            if ready_rx.recv_deadline(deadline).is_err() {
+                // A thread died before reporting (bad core, io_uring refused)
+                // or took too long. Find out which, after stopping the rest.
+                let failed = reactor.shutdown_inner(ShutdownPolicy::Abort { grace: Duration::ZERO });
+                let (executor, message) = match failed {
+                    Err(ReactorError::Join { executor, message }) => (executor, message),
+                    _ => (0, "executor did not start in time".to_owned()),
+                };
+                return Err(ReactorError::Start { executor, message });
+            }
+        }
+        Ok(reactor)
+    }
+
+    /// A handle for engine threads.
+    pub fn handle(&self) -> ReactorHandle<M> {
+        self.handle.clone()
+    }
+
+    /// Stops accepting new requests, settles the in-flight ones by `policy`,
+    /// joins every executor thread, and returns the completions nobody
+    /// collected.
+    pub fn shutdown(mut self, policy: ShutdownPolicy) -> Result<ShutdownReport, ReactorError> {
+        self.shutdown_inner(policy)
+    }
+
+    fn shutdown_inner(&mut self, policy: ShutdownPolicy) -> Result<ShutdownReport, ReactorError> {
+        let shared = &self.handle.shared;
+        // After this returns no `Create` can enter any mailbox.
+        shared.latch.close();
+        for control in &self.controls {
+            // Capacity 1 and sent once; a closed channel means that executor
+            // already ended, which the join below reports.
+            let _ = control.try_send(policy);
+        }
+        let mut executors = Vec::with_capacity(self.joins.len());
+        let mut failure = None;
+        for (index, join) in self.joins.drain(..).enumerate() {
+            match join.join() {
+                Ok(report) => executors.push(report),
+                Err(error) => {
+                    failure.get_or_insert(ReactorError::Join {
+                        executor: index,
+                        message: error.to_string(),
+                    });
+                }
+            }
+        }
+        self.controls.clear();
+        let completions: Vec<Completion> = shared.completions_rx.try_iter().collect();
+        for completion in &completions {
+            shared.board.remove(completion.transfer_id);
+        }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(ShutdownReport { executors, completions }),
+        }
+    }
+}
+
+impl<M: Machine> Drop for Reactor<M> {
+    fn drop(&mut self) {
+        if self.joins.is_empty() {
+            return;
+        }
+        // Same steps as `shutdown_inner`, which needs the `Send` bounds
+        // that `Drop` cannot add.
+        let shared = &self.handle.shared;
+        shared.latch.close();
+        for control in &self.controls {
+            let _ = control.try_send(self.drop_policy);
+        }
+        for join in self.joins.drain(..) {
+            if let Err(error) = join.join() {
+                tracing::error!(%error, "executor failed during drop");
+            }
+        }
+    }
+}
+
+/// Everything one executor's loop owns.
+struct LoopState<M: Machine, F> {
+    index: usize,
+    core: Option<usize>,
+    shared: Arc<Shared<M>>,
+    commands: flume::Receiver<Command<M>>,
+    control: flume::Receiver<ShutdownPolicy>,
+    make_sink: std::sync::Arc<F>,
+    ready: flume::Sender<usize>,
+    driver_config: DriverConfig,
+    max_inputs_per_turn: usize,
+    local_event_capacity: usize,
+    mailbox_capacity: usize,
+    timer_tick: Duration,
+}
+
+/// Forwards to the node's sink and mirrors phase changes onto the board.
+struct BoardSink<'a, S> {
+    inner: &'a mut S,
+    board: &'a CompletionBoard,
+}
+
+impl<M: Machine, S: ActionSink<M>> ActionSink<M> for BoardSink<'_, S> {
+    fn execute(&mut self, transfer_id: TransferId, action: M::Action) {
+        self.inner.execute(transfer_id, action);
+    }
+
+    fn on_phase(&mut self, transfer_id: TransferId, phase: Phase, now: Instant) {
+        self.board.publish(transfer_id, phase);
+        self.inner.on_phase(transfer_id, phase, now);
+    }
+}
+
+/// Where an executor is in its life.
+#[derive(Clone, Copy, Debug)]
+enum Stage {
+    Running,
+    /// Letting requests finish until `until`, then abort and wait `grace`.
+    Draining { until: Instant, grace: Duration },
+    /// Aborted; dropping what is left at `until`.
+    Grace { until: Instant },
+}
+
+enum Wake<M: Machine> {
+    Control(Option<ShutdownPolicy>),
+    Local(TransferId, M::Event),
+    Command(Command<M>),
+    Timer,
+}
+
+/// The driver loop of one executor (see the crate docs for its shape).
+async fn run_loop<M, S, F>(state: LoopState<M, F>) -> ExecutorReport
+where
+    M: Machine + Send + 'static,
+    M::Event: Send + 'static,
+    M::Action: 'static,
+    S: ActionSink<M> + 'static,
+    F: Fn(ExecutorContext<M>) -> S + Send + Sync + 'static,
+{
+    let LoopState {
+        index,
+        core,
+        shared,
+        commands,
+        control,
+        make_sink,
+        ready,
+        driver_config,
+        max_inputs_per_turn,
+        local_event_capacity,
+        mailbox_capacity,
+        timer_tick,
+    } = state;
+    let (local_tx, local_rx) = flume::bounded::<(TransferId, M::Event)>(local_event_capacity);
+    let mut user_sink = make_sink(ExecutorContext {
+        executor: index,
+        core,
+        poster: EventPoster { tx: local_tx },
+    });
+    let mut driver: Driver<M> = Driver::new(index, driver_config);
+    let mut report = ExecutorReport {
+        executor: index,
+        ..ExecutorReport::default()
+    };
+    let _ = ready.send(index);
+    drop(ready);
+
+    let epoch = Instant::now();
+    // The one timer of this executor; re-armed to the earliest deadline.
+    let mut timer = Timer::new(Duration::from_secs(3600));
+    let mut armed_for: Option<Instant> = None;
+    let mut stage = Stage::Running;
+    let mut control_open = true;
+    let mut control_stream = control.stream();
+    let mut local_stream = local_rx.stream();
+    let mut command_stream = commands.stream();
+
+    // Each turn waits for one wake-up, handles it plus at most
+    // `max_inputs_per_turn` more queued inputs, then runs due timers. The
+    // loop ends only in a shutdown stage, when the driver is empty or the
+    // grace period ran out; both are reached in bounded time.
+    loop {
+        let now = Instant::now();
+        let mut target = driver
+            .poll_timeout()
+            .map(|deadline| round_up_to_tick(deadline, epoch, timer_tick));
+        let stage_deadline = match stage {
+            Stage::Running => None,
+            Stage::Draining { until, .. } | Stage::Grace { until } => Some(until),
+        };
+        target = match (target, stage_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if driver.has_pending() {
+            target = Some(now);
+        }
+        if target != armed_for {
+            if let Some(when) = target {
+                timer.reset(when.saturating_duration_since(now));
+            }
+            armed_for = target;
+        }
+
+        let wake = future::poll_fn(|cx| {
+            if control_open {
+                if let Poll::Ready(policy) = std::pin::Pin::new(&mut control_stream).poll_next(cx) {
+                    return Poll::Ready(Wake::Control(policy));
+                }
+            }
+            if let Poll::Ready(Some((id, event))) = std::pin::Pin::new(&mut local_stream).poll_next(cx) {
+                return Poll::Ready(Wake::Local(id, event));
+            }
+            if armed_for.is_some() && std::pin::Pin::new(&mut timer).poll(cx).is_ready() {
+                return Poll::Ready(Wake::Timer);
+            }
+            // The handle keeps a sender alive for as long as the reactor
+            // exists, so this stream does not end while we run.
+            if let Poll::Ready(Some(command)) = std::pin::Pin::new(&mut command_stream).poll_next(cx) {
+                return Poll::Ready(Wake::Command(command));
+            }
+            Poll::Pending
+        })
+        .await;
+
+        let now = Instant::now();
+        let mut sink = BoardSink {
+            inner: &mut user_sink,
+            board: &shared.board,
+        };
+        let mut run = Turn {
+            driver: &mut driver,
+            sink: &mut sink,
+            stats: &shared.stats,
+            stage,
+        };
+        match wake {
+            Wake::Control(policy) => {
+                control_open = false;
+                // A closed control channel means the reactor went away
+                // without a policy; abort promptly.
+                let policy = policy.unwrap_or(ShutdownPolicy::Abort { grace: Duration::ZERO });
+                // The latch closed before the policy was sent, so every
+                // `Create` a caller was told was accepted is already in the
+                // mailbox. Handle them now, while still running, so that the
+                // policy applies to them like to every other in-flight
+                // request. Bounded by the mailbox capacity.
+                for _ in 0..mailbox_capacity {
+                    match commands.try_recv() {
+                        Ok(command) => run.handle_command(now, command),
+                        Err(_) => break,
+                    }
+                }
+                stage = match policy {
+                    ShutdownPolicy::Abort { grace } => {
+                        report.aborted += run.driver.abort_all(now, AbortReason::Shutdown, run.sink);
+                        Stage::Grace { until: now + grace }
+                    }
+                    ShutdownPolicy::Drain { drain, grace } => Stage::Draining {
+                        until: now + drain,
+                        grace,
+                    },
+                };
+                run.stage = stage;
+                tracing::debug!(executor = index, ?policy, "shutdown started");
+            }
+            Wake::Local(id, event) => run.handle_event(now, id, event),
+            Wake::Command(command) => run.handle_command(now, command),
+            Wake::Timer => {
+                if let Some(armed) = armed_for {
+                    let lag = now.saturating_duration_since(armed);
+                    shared.stats.add_timer_wake(u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX));
+                }
+                armed_for = None;
+            }
+        }
+        // More queued input, bounded so timers are not starved.
+        for _ in 0..max_inputs_per_turn {
+            if let Ok((id, event)) = local_rx.try_recv() {
+                run.handle_event(now, id, event);
+            } else if let Ok(command) = commands.try_recv() {
+                run.handle_command(now, command);
+            } else {
+                break;
+            }
+        }
+        run.driver.drive_pending(now, run.sink);
+        run.driver.handle_timers(now, run.sink);
+
+        match stage {
+            Stage::Running => {}
+            Stage::Draining { until, grace } => {
+                if now >= until {
+                    report.aborted += driver.abort_all(now, AbortReason::Shutdown, &mut sink);
+                    stage = Stage::Grace { until: now + grace };
+                }
+            }
+            Stage::Grace { until } => {
+                if now >= until {
+                    report.dropped += driver.drop_all();
+                }
+            }
+        }
+        flush_completions(&mut driver, &shared);
+        let stopping = !matches!(stage, Stage::Running);
+        if stopping && driver.is_empty() && !driver.has_pending() {
+            break;
+        }
+    }
+
+    // Latch closed before the shutdown policy was sent, so no `Create` can
+    // arrive any more; the ones still queued get a rejection so that every
+    // accepted creation yields exactly one completion. Bounded by the
+    // mailbox capacity (events may still trickle in from other threads).
+    for _ in 0..mailbox_capacity {
+        match commands.try_recv() {
+            Ok(Command::Create { transfer_id, .. }) => {
+                reject(&mut driver, &shared, index, transfer_id, RejectReason::ShuttingDown);
+            }
+            Ok(Command::Event { .. } | Command::Abort { .. }) => shared.stats.add_late_event(),
+            Ok(Command::Spawn(_)) => {}
+            Err(_) => break,
+        }
+    }
+    tracing::debug!(executor = index, ?report, "executor stopped");
+    report
+}
+
+/// One turn's borrowed view, so command handling reads as one method.
+struct Turn<'a, 'b, M: Machine, S> {
+    driver: &'a mut Driver<M>,
+    sink: &'a mut BoardSink<'b, S>,
+    stats: &'a Stats,
+    stage: Stage,
+}
+
+impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
+    fn handle_event(&mut self, now: Instant, transfer_id: TransferId, event: M::Event) {
+        match self.driver.handle_event(now, transfer_id, event, self.sink) {
+            Ok(()) => {}
+            Err(DriverError::Unknown(_)) => self.stats.add_late_event(),
+            Err(DriverError::Input { transfer_id, error }) => {
+                tracing::debug!(?transfer_id, %error, "event refused by machine");
+                self.stats.add_input_error();
+            }
+            Err(error @ (DriverError::Full { .. } | DriverError::Duplicate(_))) => {
+                unreachable!("handle_event cannot fail with {error}")
+            }
+        }
+    }
+
+    fn handle_command(&mut self, now: Instant, command: Command<M>) {
+        match command {
+            Command::Create { transfer_id, machine } => match self.stage {
+                Stage::Running => match self.driver.insert(now, transfer_id, machine, self.sink) {
+                    Ok(()) => self.stats.add_created(),
+                    Err(error) => {
+                        tracing::error!(?transfer_id, %error, "create refused by driver despite board admission");
+                        self.driver_reject(transfer_id, RejectReason::Refused);
+                    }
+                },
+                Stage::Draining { .. } | Stage::Grace { .. } => {
+                    self.driver_reject(transfer_id, RejectReason::ShuttingDown);
+                }
+            },
+            Command::Event { transfer_id, event } => self.handle_event(now, transfer_id, event),
+            Command::Abort { transfer_id, reason } => {
+                if self.driver.abort(now, transfer_id, reason, self.sink).is_err() {
+                    self.stats.add_late_event();
+                }
+            }
+            Command::Spawn(make) => {
+                glommio::spawn_local(make()).detach();
+            }
+        }
+    }
+
+    fn driver_reject(&mut self, transfer_id: TransferId, reason: RejectReason) {
+        self.driver.push_rejection(transfer_id, reason);
+    }
+}
+
+fn reject<M: Machine>(
+    driver: &mut Driver<M>,
+    shared: &Shared<M>,
+    _executor: usize,
+    transfer_id: TransferId,
+    reason: RejectReason,
+) {
+    driver.push_rejection(transfer_id, reason);
+    flush_completions(driver, shared);
+}
+
+/// Moves the driver's completions to the completion channel.
+fn flush_completions<M: Machine>(driver: &mut Driver<M>, shared: &Shared<M>) {
+    // Bounded by the driver's completion queue, itself bounded by
+    // `max_machines`.
+    while let Some(completion) = driver.poll_completion() {
+        match completion.outcome {
+            Outcome::Finished { .. } => shared.stats.add_finished(),
+            Outcome::Rejected(_) => shared.stats.add_rejected(),
+            Outcome::Dropped { .. } => shared.stats.add_dropped(),
+        }
+        if let Err(error) = shared.completions_tx.try_send(completion) {
+            // The channel holds one slot per board entry and every
+            // completion's transfer is still on the board, so it cannot be
+            // full; the handle holds the receiver, so it cannot be closed.
+            panic!("completion channel refused {:?}: board admission invariant broken", error.into_inner());
+        }
+    }
+}
