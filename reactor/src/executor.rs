@@ -333,7 +333,7 @@ where
             joins: Vec::with_capacity(executors),
             drop_policy: config.drop_policy,
         };
-        let make_sink = std::sync::Arc::new(make_sink);
+        let make_sink = Arc::new(make_sink);
         let (ready_tx, ready_rx) = flume::bounded::<usize>(executors);
         for (index, commands) in receivers.into_iter().enumerate() {
             let exec_config = &config.executors[index];
@@ -471,7 +471,7 @@ struct LoopState<M: Machine, F> {
     shared: Arc<Shared<M>>,
     commands: flume::Receiver<Command<M>>,
     control: flume::Receiver<ShutdownPolicy>,
-    make_sink: std::sync::Arc<F>,
+    make_sink: Arc<F>,
     ready: flume::Sender<usize>,
     driver_config: DriverConfig,
     max_inputs_per_turn: usize,
@@ -660,13 +660,19 @@ where
                 armed_for = None;
             }
         }
-        // More queued input, bounded so timers are not starved.
+        // More queued input, bounded so timers are not starved, and taken
+        // alternately from both queues so neither starves the other.
         for _ in 0..max_inputs_per_turn {
+            let mut idle = true;
             if let Ok((id, event)) = local_rx.try_recv() {
                 run.handle_event(now, id, event);
-            } else if let Ok(command) = commands.try_recv() {
+                idle = false;
+            }
+            if let Ok(command) = commands.try_recv() {
                 run.handle_command(now, command);
-            } else {
+                idle = false;
+            }
+            if idle {
                 break;
             }
         }

@@ -35,6 +35,42 @@
 //! }
 //! ```
 //!
+//! # Using it from engine threads
+//!
+//! ```no_run
+//! # use std::time::{Duration, Instant};
+//! # use kvferry_machines::{AbortReason, InputError, Machine, Phase, TransferId};
+//! # struct M;
+//! # impl Machine for M {
+//! #     type Event = ();
+//! #     type Action = ();
+//! #     fn handle_event(&mut self, _: Instant, _: ()) -> Result<(), InputError> { Ok(()) }
+//! #     fn handle_timeout(&mut self, _: Instant) {}
+//! #     fn abort(&mut self, _: Instant, _: AbortReason) {}
+//! #     fn poll_action(&mut self) -> Option<()> { None }
+//! #     fn poll_timeout(&self) -> Option<Instant> { None }
+//! #     fn phase(&self) -> Phase { Phase::WaitingForInput }
+//! # }
+//! use kvferry_reactor::{ActionSink, Reactor, ReactorConfig, ShutdownPolicy};
+//!
+//! struct Sink; // the node's: sends messages, posts transfers, releases blocks
+//! impl ActionSink<M> for Sink {
+//!     fn execute(&mut self, _transfer_id: TransferId, _action: ()) {}
+//! }
+//!
+//! let reactor = Reactor::start(ReactorConfig::for_devices(2), |_ctx| Sink)?;
+//! let handle = reactor.handle(); // Clone + Send + Sync
+//! handle.create(0, TransferId(1), M).map_err(|refused| refused.error)?;
+//! handle.send_event(TransferId(1), ()).map_err(|refused| refused.error)?;
+//! let _phase = handle.poll(TransferId(1)); // from the board, no round trip
+//! for done in handle.get_finished(64) {
+//!     println!("{:?}: {:?}", done.transfer_id, done.outcome);
+//! }
+//! let report = reactor.shutdown(ShutdownPolicy::Abort { grace: Duration::from_secs(2) })?;
+//! assert!(report.completions.len() <= 1);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Threads and shared state
 //!
 //! Everything shared between threads outside the channels (the
