@@ -5,9 +5,12 @@
 //! `kvferry-reactor` the glommio executors that drive them, and this crate the
 //! transports, the control plane, the public API and the CLI.
 
+pub mod bootstrap;
 pub mod cli;
 pub mod plan;
+pub mod sidechannel;
 pub mod transport;
+pub mod wire;
 
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;

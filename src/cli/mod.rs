@@ -3,6 +3,7 @@
 
 pub mod args;
 pub mod bench;
+pub mod bootstrap;
 pub mod plan;
 
 use std::process::ExitCode;
@@ -15,6 +16,7 @@ usage: kvferry <command> [options]
 commands:
   plan --spec FILE        print the transfer descriptors for a JSON spec
   bench transport ...     transport throughput and latency benchmark
+  bootstrap [--listen ADDR]  standalone bootstrap service (default 0.0.0.0:8998)
   help                    this text
 ";
 
@@ -37,6 +39,7 @@ pub fn run(argv: Vec<String>) -> ExitCode {
     match command.as_str() {
         "plan" => plan::main(rest),
         "bench" => bench::main(rest),
+        "bootstrap" => bootstrap::main(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             ExitCode::SUCCESS

@@ -1,0 +1,350 @@
+//! The embeddable HTTP server of the bootstrap service.
+//!
+//! `tiny_http` was chosen because it is small, maintained, synchronous and
+//! has no Tokio in its tree: the service answers a handful of requests per
+//! rank at startup plus an occasional scrape, so a couple of plain threads
+//! are all it needs, and it must not bring a second async runtime next to
+//! glommio.
+
+use std::io::Read;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use tiny_http::{Header, Method, Request, Response, StatusCode};
+
+use super::{Metrics, RegisterError, RegisterRequest, Registry, RegistryLimits};
+
+/// Server settings.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Largest request body accepted; larger ones get HTTP 413.
+    pub max_body_bytes: usize,
+    /// Bounds on the registry (workers, string lengths, ranks).
+    pub registry: RegistryLimits,
+    /// Threads answering requests. Registration bursts are small (one
+    /// request per rank), so two keep a slow client from blocking others.
+    pub workers: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            max_body_bytes: 64 * 1024,
+            registry: RegistryLimits::default(),
+            workers: 2,
+        }
+    }
+}
+
+/// Why the server could not start.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The listen address does not resolve.
+    #[error("cannot resolve listen address {0:?}")]
+    BadAddress(String),
+    /// Binding the listening socket failed (port in use, permissions...).
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+    /// The OS refused to start a thread.
+    #[error("cannot spawn server thread: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+struct Shared {
+    registry: Mutex<Registry>,
+    metrics: Arc<Metrics>,
+    config: ServerConfig,
+}
+
+/// A running bootstrap service. Dropping it shuts it down (and joins its
+/// threads) like [`BootstrapServer::shutdown`].
+pub struct BootstrapServer {
+    server: Arc<tiny_http::Server>,
+    local_addr: SocketAddr,
+    stopping: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    shared: Arc<Shared>,
+}
+
+impl BootstrapServer {
+    /// Starts the service on `addr` (e.g. `"0.0.0.0:8998"`, or port 0 for any
+    /// free port) with default settings and its own [`Metrics`].
+    pub fn start(addr: &str) -> Result<BootstrapServer, ServerError> {
+        Self::start_with(addr, ServerConfig::default(), Arc::new(Metrics::new()))
+    }
+
+    /// Starts the service, serving `metrics` on `GET /metrics`.
+    pub fn start_with(
+        addr: &str,
+        config: ServerConfig,
+        metrics: Arc<Metrics>,
+    ) -> Result<BootstrapServer, ServerError> {
+        let resolved = addr
+            .to_socket_addrs()
+            .map_err(|_| ServerError::BadAddress(addr.to_string()))?
+            .next()
+            .ok_or_else(|| ServerError::BadAddress(addr.to_string()))?;
+        let server = tiny_http::Server::http(resolved).map_err(|e| ServerError::Bind {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        })?;
+        let local_addr = server
+            .server_addr()
+            .to_ip()
+            .expect("a server bound to an IP address reports an IP address");
+        let server = Arc::new(server);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let shared = Arc::new(Shared {
+            registry: Mutex::new(Registry::new(config.registry)),
+            metrics,
+            config: config.clone(),
+        });
+        let mut this = BootstrapServer {
+            server,
+            local_addr,
+            stopping,
+            threads: Vec::new(),
+            shared,
+        };
+        for i in 0..config.workers.max(1) {
+            let server = Arc::clone(&this.server);
+            let stopping = Arc::clone(&this.stopping);
+            let shared = Arc::clone(&this.shared);
+            // On a spawn failure `this` is dropped, which stops and joins the
+            // threads already started.
+            let handle = std::thread::Builder::new()
+                .name(format!("kvferry-bootstrap-{i}"))
+                .spawn(move || serve(&server, &stopping, &shared))?;
+            this.threads.push(handle);
+        }
+        tracing::info!(addr = %local_addr, "bootstrap service listening");
+        Ok(this)
+    }
+
+    /// The address the service listens on (the real port when started with
+    /// port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The metrics served on `/metrics`.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
+
+    /// Workers registered so far.
+    pub fn registered(&self) -> usize {
+        self.shared
+            .registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// Stops accepting requests and joins the worker threads. Requests being
+    /// answered are finished first.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        // `unblock` wakes one blocked `recv` per call; every worker either
+        // sees the flag before blocking or consumes one of these.
+        for _ in 0..self.threads.len() {
+            self.server.unblock();
+        }
+        for handle in self.threads.drain(..) {
+            if handle.join().is_err() {
+                tracing::error!("a bootstrap server thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for BootstrapServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve(server: &tiny_http::Server, stopping: &AtomicBool, shared: &Shared) {
+    while !stopping.load(Ordering::SeqCst) {
+        let request = match server.recv() {
+            Ok(request) => request,
+            Err(err) => {
+                // tiny_http reports `unblock` as an interrupted error.
+                if !stopping.load(Ordering::SeqCst) {
+                    tracing::warn!(%err, "bootstrap server: accept failed");
+                }
+                continue;
+            }
+        };
+        handle(request, shared);
+    }
+}
+
+fn handle(mut request: Request, shared: &Shared) {
+    let url = request.url().to_string();
+    let (path, query) = url.split_once('?').unwrap_or((url.as_str(), ""));
+    let method = request.method().clone();
+    let reply = match (&method, path) {
+        (Method::Post, "/register") => register(&mut request, shared),
+        (Method::Get, "/query") => query_route(query, shared),
+        (Method::Get, "/health") => Reply::text(200, "ok\n".into()),
+        (Method::Get, "/metrics") => Reply {
+            status: 200,
+            content_type: "text/plain; version=0.0.4; charset=utf-8",
+            body: shared.metrics.render_prometheus(),
+        },
+        (_, "/register" | "/query" | "/health" | "/metrics") => {
+            Reply::error(405, format!("method {method} not allowed on {path}"))
+        }
+        _ => Reply::error(404, format!("no route {path}")),
+    };
+    if reply.status >= 400 {
+        tracing::debug!(%method, path, status = reply.status, body = %reply.body, "bootstrap request refused");
+    }
+    let header = Header::from_bytes(&b"Content-Type"[..], reply.content_type.as_bytes())
+        .expect("static header is valid");
+    let response = Response::from_string(reply.body)
+        .with_status_code(StatusCode(reply.status))
+        .with_header(header);
+    if let Err(err) = request.respond(response) {
+        tracing::debug!(%err, "bootstrap server: client went away before the response");
+    }
+}
+
+struct Reply {
+    status: u16,
+    content_type: &'static str,
+    body: String,
+}
+
+impl Reply {
+    fn text(status: u16, body: String) -> Reply {
+        Reply {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body,
+        }
+    }
+
+    fn json(status: u16, body: String) -> Reply {
+        Reply {
+            status,
+            content_type: "application/json",
+            body,
+        }
+    }
+
+    /// Errors are JSON too (`{"error": reason}`) so scripts can parse them.
+    fn error(status: u16, reason: String) -> Reply {
+        Reply::json(status, serde_json::json!({ "error": reason }).to_string())
+    }
+}
+
+fn register(request: &mut Request, shared: &Shared) -> Reply {
+    let max = shared.config.max_body_bytes;
+    if request.body_length().is_some_and(|len| len > max) {
+        return Reply::error(413, format!("body larger than {max} bytes"));
+    }
+    // The declared length may be absent (chunked) or a lie; read at most one
+    // byte more than allowed to tell "too large" from "exactly the limit".
+    let mut body = Vec::with_capacity(request.body_length().unwrap_or(0).min(max));
+    if let Err(err) = request
+        .as_reader()
+        .take(max as u64 + 1)
+        .read_to_end(&mut body)
+    {
+        return Reply::error(400, format!("cannot read body: {err}"));
+    }
+    if body.len() > max {
+        return Reply::error(413, format!("body larger than {max} bytes"));
+    }
+    let req: RegisterRequest = match serde_json::from_slice(&body) {
+        Ok(req) => req,
+        Err(err) => return Reply::error(400, format!("malformed registration: {err}")),
+    };
+    let summary = format!(
+        "engine {} dp {} tp {} pp {} at {}",
+        req.engine_id, req.dp_rank, req.tp_rank, req.pp_rank, req.addr
+    );
+    let result = shared
+        .registry
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .register(req);
+    match result {
+        Ok(resp) => {
+            tracing::info!(replaced = resp.replaced, "registered {summary}");
+            Reply::json(
+                200,
+                serde_json::to_string(&resp).expect("response serializes"),
+            )
+        }
+        Err(err) => {
+            let status = match &err {
+                RegisterError::Invalid(_) => 400,
+                RegisterError::EngineMismatch { .. } => 409,
+                RegisterError::Full { .. } => 503,
+            };
+            Reply::error(status, err.to_string())
+        }
+    }
+}
+
+fn query_route(query: &str, shared: &Shared) -> Reply {
+    let mut engine_id = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("engine_id", value)) => match percent_decode(value) {
+                Some(v) => engine_id = Some(v),
+                None => return Reply::error(400, "engine_id is not valid percent-encoding".into()),
+            },
+            _ => return Reply::error(400, format!("unknown query parameter {pair:?}")),
+        }
+    }
+    let result = shared
+        .registry
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .query(engine_id.as_deref());
+    Reply::json(
+        200,
+        serde_json::to_string(&result).expect("registry serializes"),
+    )
+}
+
+/// Decodes `%XX` escapes and `+`; None on a bad escape or invalid UTF-8.
+pub(crate) fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = bytes.get(i + 1..i + 3)?;
+                // from_str_radix would also take a sign ("%+1").
+                if !hex.iter().all(u8::is_ascii_hexdigit) {
+                    return None;
+                }
+                let hex = std::str::from_utf8(hex).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
