@@ -1,0 +1,8 @@
+//! `kvferry prefill` (see the module docs of the node).
+
+use std::process::ExitCode;
+
+pub fn main(_argv: &[String]) -> ExitCode {
+    eprintln!("kvferry prefill: not implemented yet");
+    ExitCode::from(2)
+}
