@@ -69,3 +69,86 @@ fn push_tp1_to_tp1_local_transport() {
 fn push_tp1_to_tp1_tcp_transport() {
     run(&spec(LayoutKind::Hnd, 1, 1, Mode::Push, TransportKind::Tcp), 8);
 }
+
+#[test]
+fn push_tp2_to_tp1_hnd() {
+    run(&spec(LayoutKind::Hnd, 2, 1, Mode::Push, TransportKind::Tcp), 5);
+}
+
+#[test]
+fn push_tp1_to_tp2_nhd() {
+    run(&spec(LayoutKind::Nhd, 1, 2, Mode::Push, TransportKind::Tcp), 5);
+}
+
+#[test]
+fn push_tp4_to_tp2_hnd() {
+    run(&spec(LayoutKind::Hnd, 4, 2, Mode::Push, TransportKind::Tcp), 5);
+}
+
+#[test]
+fn push_tp8_to_tp2_gqa_replicated_heads() {
+    // More P ranks than KV heads: heads are replicated, one replica sends.
+    run(&spec(LayoutKind::Hnd, 8, 2, Mode::Push, TransportKind::Local), 3);
+}
+
+#[test]
+fn push_mla_tp2_to_tp4() {
+    run(&spec(LayoutKind::Mla, 2, 4, Mode::Push, TransportKind::Tcp), 4);
+}
+
+#[test]
+fn pull_tp1_to_tp1_and_tp2_to_tp1() {
+    run(&spec(LayoutKind::Hnd, 1, 1, Mode::Pull, TransportKind::Tcp), 5);
+    run(&spec(LayoutKind::Hnd, 2, 1, Mode::Pull, TransportKind::Tcp), 5);
+}
+
+#[test]
+fn pull_mla_tp1_to_tp2() {
+    run(&spec(LayoutKind::Mla, 1, 2, Mode::Pull, TransportKind::Local), 4);
+}
+
+#[test]
+fn partial_prefix_hit_moves_only_the_tail() {
+    for mode in [Mode::Push, Mode::Pull] {
+        let c = Cluster::start(&spec(LayoutKind::Hnd, 2, 1, mode, TransportKind::Tcp)).unwrap();
+        let tid = 7;
+        let src: Vec<u32> = (10..16).collect();
+        // D already holds the first 2 of P's 6 blocks; the rest land in 4 blocks.
+        let dst: Vec<u32> = vec![30, 31, 33, 35];
+        c.fill(tid, &src);
+        // Mark the destination: if the prefix were sent, it would overflow
+        // or shift the tail and the position check below would fail.
+        c.decode[0].kv.clear(&dst);
+        c.start_request(tid, &src, &dst, 2).unwrap();
+        let phases = c.wait_decode(tid, Duration::from_secs(10));
+        assert_eq!(phases, vec![Phase::Success], "{mode:?}");
+        assert_eq!(c.verify(tid, &dst, 2), 0, "{mode:?}: tail must hold positions 2..6");
+        assert!(c.decode[0].kv.verify(tid, &dst, 0).is_err(), "positions are not shifted");
+    }
+}
+
+#[test]
+fn bootstrap_service_resolves_prefill_ranks() {
+    let mut s = spec(LayoutKind::Hnd, 2, 2, Mode::Push, TransportKind::Tcp);
+    s.bootstrap = Some("127.0.0.1:0".into());
+    run(&s, 4);
+}
+
+#[test]
+fn chunked_sends_arrive_in_order() {
+    let c = Cluster::start(&spec(LayoutKind::Nhd, 1, 1, Mode::Push, TransportKind::Tcp)).unwrap();
+    use kvferry::machines::common::BlockId;
+    let tid = 11;
+    let src: Vec<u32> = (0..6).collect();
+    let dst: Vec<u32> = (20..26).collect();
+    c.fill(tid, &src);
+    let rx = c.decode[0].node.receiver(tid, &c.target).unwrap();
+    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()]).unwrap();
+    let tx = c.prefill[0].node.sender(tid).unwrap();
+    for (i, part) in src.chunks(2).enumerate() {
+        tx.send(vec![part.iter().map(|&b| BlockId(b)).collect()], i == 2).unwrap();
+    }
+    assert_eq!(rx.wait(Duration::from_secs(10)), Phase::Success);
+    assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
+    assert_eq!(c.verify(tid, &dst, 0), 0);
+}
