@@ -440,6 +440,16 @@ impl Bridge {
                 Ok(()) => return,
                 Err(r) => match (r.error, r.value) {
                     (SubmitError::UnknownTransfer(_), send::Event::Msg { msg: msg @ Msg::Pull { .. }, .. }) => {
+                        if let (Some(hook), Msg::Pull { dst_blocks, prefix_blocks, .. }) =
+                            (&self.shared.config.on_remote_request, &msg)
+                        {
+                            let blocks_per_group = dst_blocks
+                                .iter()
+                                .zip(prefix_blocks)
+                                .map(|(d, p)| (d.len() as u32).saturating_add(*p))
+                                .collect();
+                            let _ = hook.try_send(super::RemoteRequest { transfer_id: tid.0, blocks_per_group });
+                        }
                         // D asked before the engine called `sender`: create
                         // the machine now (either may come first).
                         let cfg = &self.shared.config;

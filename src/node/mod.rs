@@ -135,6 +135,20 @@ pub struct NodeConfig {
     /// Optional notification of every terminal phase, sent from the
     /// executor when it happens (no need to poll). Full channels drop.
     pub notify: Option<flume::Sender<(TransferId, Phase)>>,
+    /// Prefill: told about every transfer a decode rank asked for before the
+    /// engine called [`Node::sender`] (a synthetic server answers these).
+    /// Full channels drop.
+    pub on_remote_request: Option<flume::Sender<RemoteRequest>>,
+}
+
+/// A decode rank asked this prefill rank for a transfer it did not know yet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteRequest {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// Per group, how many blocks the request has on the prefill side
+    /// (the decode rank's prefix hit plus its destination blocks).
+    pub blocks_per_group: Vec<u32>,
 }
 
 impl NodeConfig {
@@ -163,6 +177,7 @@ impl NodeConfig {
             batch_limits: BatchLimits::default(),
             max_peers: 4096,
             notify: None,
+            on_remote_request: None,
         }
     }
 }
