@@ -435,6 +435,13 @@ impl Bridge {
 
     fn deliver(&mut self, peer: u32, tid: TransferId, msg: Msg) {
         let pid = PeerId(peer);
+        if self.handle.poll(tid).is_some_and(|p| p.is_terminal()) {
+            // Finished here (released, nothing in flight) but not collected
+            // yet: answer like for an unknown transfer so the peer does not
+            // wait out its deadline.
+            self.answer_unknown(peer, tid, msg);
+            return;
+        }
         let refused = match &self.handle {
             EngineHandle::Prefill(h) => match h.send_event(tid, send::Event::Msg { peer: pid, msg }) {
                 Ok(()) => return,
@@ -481,22 +488,27 @@ impl Bridge {
             },
         };
         match refused {
-            (SubmitError::UnknownTransfer(_), Some(msg)) => {
-                // We do not know (or no longer know) this transfer: tell the
-                // peer at once so it does not wait out its deadline.
-                let answer = match msg {
-                    Msg::Abort => Some(Msg::AbortAck),
-                    Msg::AbortAck => None,
-                    _ => Some(Msg::Abort),
-                };
-                if let Some(a) = answer {
-                    self.send_frame(peer, &Frame::Transfer { transfer_id: tid.0, msg: a });
-                }
-            }
+            (SubmitError::UnknownTransfer(_), Some(msg)) => self.answer_unknown(peer, tid, msg),
             (e, _) => {
                 tracing::debug!(?tid, %e, "message not delivered");
                 self.shared.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// We do not know (or no longer know) this transfer: tell the peer at
+    /// once so it does not wait out its deadline.
+    fn answer_unknown(&mut self, peer: u32, tid: TransferId, msg: Msg) {
+        let answer = match msg {
+            Msg::Abort => Some(Msg::AbortAck),
+            // Lease returns and final words need no answer.
+            Msg::AbortAck | Msg::Status { .. } | Msg::Done { .. } => None,
+            Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } | Msg::LeaseGrant { .. } => {
+                Some(Msg::Abort)
+            }
+        };
+        if let Some(a) = answer {
+            self.send_frame(peer, &Frame::Transfer { transfer_id: tid.0, msg: a });
         }
     }
 
@@ -616,6 +628,13 @@ impl Bridge {
         }
         if waiting && dead.is_empty() {
             return false;
+        }
+        if !dead.is_empty() {
+            // The directory may be stale (a replacement registers at another
+            // address): the next request asks the bootstrap service again.
+            if let PrefillTarget::Bootstrap { .. } = &p.target {
+                self.directory.remove(&p.target);
+            }
         }
         for rp in &peers {
             self.slots[rp.peer.0 as usize].transfers.insert(p.tid);

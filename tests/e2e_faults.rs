@@ -1,0 +1,113 @@
+//! End-to-end faults in one process: aborts, and a prefill rank that stops
+//! answering (peer-dead detection, fail-fast, recovery).
+
+use std::time::{Duration, Instant};
+
+use kvferry::machines::common::{BlockId, Config, Mode};
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::{FailReason, Phase};
+use kvferry::node::TransportKind;
+use kvferry::synth::{Cluster, ClusterSpec};
+
+fn timeouts() -> Config {
+    Config {
+        bootstrap_timeout: Duration::from_secs(3),
+        waiting_timeout: Duration::from_secs(3),
+        claim_timeout: Duration::from_secs(3),
+        lease: Duration::from_millis(600),
+        hold_limit: Duration::from_secs(6),
+        transfer_bound: Duration::from_millis(500),
+        fence_margin: Duration::from_millis(100),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_misses: 3,
+        ..Config::default()
+    }
+}
+
+fn spec(mode: Mode) -> ClusterSpec {
+    ClusterSpec {
+        model: ModelSpec { layout: LayoutKind::Hnd, total_kv_heads: 2, block_tokens: 4, head_bytes: 64 },
+        layers: 2,
+        prefill_blocks: 32,
+        decode_blocks: 32,
+        prefill_tp: 1,
+        decode_tp: 1,
+        mode,
+        transport: TransportKind::Tcp,
+        timeouts: timeouts(),
+        bootstrap: None,
+    }
+}
+
+fn ids(v: &[u32]) -> Vec<Vec<BlockId>> {
+    vec![v.iter().map(|&b| BlockId(b)).collect()]
+}
+
+#[test]
+fn decode_abort_releases_prefill_once_and_no_write_lands_after() {
+    for mode in [Mode::Push, Mode::Pull] {
+        let c = Cluster::start(&spec(mode)).unwrap();
+        let (p, d) = (&c.prefill[0], &c.decode[0]);
+        let src = [1, 2, 3];
+        let dst = [7, 8, 9];
+        c.fill(5, &src);
+        d.kv.clear(&dst);
+        let rx = d.node.receiver(5, &c.target).unwrap();
+        rx.request(ids(&dst)).unwrap();
+        let tx = p.node.sender(5).unwrap();
+        // D gives up before P has its KV (client disconnect on D).
+        rx.abort().unwrap();
+        let phase = rx.wait(Duration::from_secs(5));
+        assert!(matches!(phase, Phase::Failed(_)), "{mode:?}: {phase:?}");
+        // P's KV shows up late: nothing may be written into D's blocks now.
+        let _ = tx.send(ids(&src), true);
+        let p_phase = tx.wait(Duration::from_secs(5));
+        assert!(p_phase.is_terminal() && p_phase != Phase::Success, "{mode:?}: {p_phase:?}");
+        let s = p.node.stats();
+        assert_eq!(s.ok + s.failed + s.expired, 1, "{mode:?}: P released exactly once");
+        assert_eq!(s.bytes, 0, "{mode:?}: P moved no byte");
+        assert!(d.kv.verify(5, &dst, 0).is_err(), "{mode:?}: D blocks must not hold P's KV");
+    }
+}
+
+#[test]
+fn prefill_abort_fails_decode_promptly() {
+    let c = Cluster::start(&spec(Mode::Push)).unwrap();
+    let rx = c.decode[0].node.receiver(9, &c.target).unwrap();
+    rx.request(ids(&[1])).unwrap();
+    let tx = c.prefill[0].node.sender(9).unwrap();
+    let t0 = Instant::now();
+    tx.abort().unwrap();
+    let phase = rx.wait(Duration::from_secs(5));
+    assert_eq!(phase, Phase::Failed(FailReason::PeerAborted));
+    assert!(t0.elapsed() < Duration::from_secs(2), "abort took {:?}", t0.elapsed());
+}
+
+#[test]
+fn dead_prefill_fails_requests_fast() {
+    let c = Cluster::start(&spec(Mode::Push)).unwrap();
+    let (p, d) = (&c.prefill[0], &c.decode[0]);
+    // One request proves the pair works.
+    c.fill(1, &[1]);
+    c.start_request(1, &[1], &[1], 0).unwrap();
+    assert_eq!(c.wait_decode(1, Duration::from_secs(5)), vec![Phase::Success]);
+    // P stops; from now on its side channel is silent.
+    p.node.shutdown(Duration::ZERO);
+    let t0 = Instant::now();
+    let rx = d.node.receiver(2, &c.target).unwrap();
+    rx.request(ids(&[2])).unwrap();
+    // Heartbeat detection (3 x 100 ms), far below the 3 s waiting timeout.
+    assert_eq!(rx.wait(Duration::from_secs(5)), Phase::Failed(FailReason::PeerDead));
+    assert!(t0.elapsed() < Duration::from_millis(1500), "took {:?}", t0.elapsed());
+    assert_eq!(d.node.dead_peers(), 1);
+    assert!(d.node.stats().peers_marked_dead >= 1);
+    // A new request to the dead peer fails at once instead of waiting.
+    let t0 = Instant::now();
+    let rx = d.node.receiver(3, &c.target).unwrap();
+    rx.request(ids(&[3])).unwrap();
+    assert_eq!(rx.wait(Duration::from_secs(5)), Phase::Failed(FailReason::PeerDead));
+    assert!(t0.elapsed() < Duration::from_millis(250), "fail-fast took {:?}", t0.elapsed());
+    // Its destination blocks are reported as load errors (vLLM API).
+    let errors = d.node.block_ids_with_load_errors();
+    assert!(errors.contains(&BlockId(2)) && errors.contains(&BlockId(3)), "{errors:?}");
+}
