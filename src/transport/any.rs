@@ -1,0 +1,80 @@
+//! A transport chosen at run time (`async fn` in traits is not object safe,
+//! so configuration-driven code uses this enum instead of `dyn Transport`).
+
+use super::local::{LocalSession, LocalTransport};
+use super::tcp::{TcpSession, TcpTransport};
+use super::{Desc, EndpointAddr, Op, RegionId, RegionInfo, Session, Transport, TransportError};
+
+/// Either transport.
+pub enum AnyTransport {
+    /// In-process memcpy.
+    Local(LocalTransport),
+    /// TCP sockets.
+    Tcp(TcpTransport),
+}
+
+/// A session of an [`AnyTransport`].
+pub enum AnySession {
+    /// In-process memcpy.
+    Local(LocalSession),
+    /// TCP sockets.
+    Tcp(TcpSession),
+}
+
+impl Transport for AnyTransport {
+    type Session = AnySession;
+
+    unsafe fn register(&self, addr: *mut u8, len_bytes: usize) -> Result<RegionId, TransportError> {
+        // SAFETY: the caller's promise is forwarded unchanged.
+        unsafe {
+            match self {
+                AnyTransport::Local(t) => t.register(addr, len_bytes),
+                AnyTransport::Tcp(t) => t.register(addr, len_bytes),
+            }
+        }
+    }
+
+    fn unregister(&self, id: RegionId) -> Result<(), TransportError> {
+        match self {
+            AnyTransport::Local(t) => t.unregister(id),
+            AnyTransport::Tcp(t) => t.unregister(id),
+        }
+    }
+
+    fn regions(&self) -> Vec<RegionInfo> {
+        match self {
+            AnyTransport::Local(t) => t.regions(),
+            AnyTransport::Tcp(t) => t.regions(),
+        }
+    }
+
+    fn endpoint_addr(&self) -> EndpointAddr {
+        match self {
+            AnyTransport::Local(t) => t.endpoint_addr(),
+            AnyTransport::Tcp(t) => t.endpoint_addr(),
+        }
+    }
+
+    async fn open(&self, peer: &EndpointAddr) -> Result<AnySession, TransportError> {
+        Ok(match self {
+            AnyTransport::Local(t) => AnySession::Local(t.open(peer).await?),
+            AnyTransport::Tcp(t) => AnySession::Tcp(t.open(peer).await?),
+        })
+    }
+}
+
+impl Session for AnySession {
+    async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError> {
+        match self {
+            AnySession::Local(s) => s.transfer(op, descs).await,
+            AnySession::Tcp(s) => s.transfer(op, descs).await,
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            AnySession::Local(s) => s.close().await,
+            AnySession::Tcp(s) => s.close().await,
+        }
+    }
+}

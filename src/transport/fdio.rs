@@ -1,0 +1,264 @@
+//! Socket I/O straight between a TCP connection and registered memory.
+//!
+//! The fast path calls `recvmsg`/`sendmsg` with `MSG_DONTWAIT` on the raw
+//! descriptor with one `iovec` per descriptor, so payload bytes land in (or
+//! leave from) registered memory without an intermediate buffer, and many
+//! small descriptors cost one system call. When the socket is not ready the
+//! [`PollPolicy`] decides: spin (yield to other tasks and try again) or park on
+//! glommio's io_uring readiness through the glommio stream itself.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::time::Instant;
+
+use futures::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
+use glommio::net::TcpStream;
+
+use super::PollPolicy;
+
+/// `IOV_MAX` on Linux: the most iovecs one `recvmsg`/`sendmsg` takes.
+const IOV_MAX: usize = 1024;
+
+/// One TCP connection, split so that a batch can send and receive at once.
+pub(crate) struct Conn {
+    pub rd: ReadHalf<TcpStream>,
+    pub wr: WriteHalf<TcpStream>,
+    pub fd: RawFd,
+}
+
+impl Conn {
+    pub fn new(stream: TcpStream) -> Conn {
+        use std::os::fd::AsRawFd;
+        let fd = stream.as_raw_fd();
+        let (rd, wr) = stream.split();
+        Conn { rd, wr, fd }
+    }
+
+    /// True if the peer has closed (or reset) the connection, or sent bytes
+    /// nobody asked for; such a connection must not carry a new batch.
+    pub fn is_stale(&self) -> bool {
+        let mut byte = 0u8;
+        // SAFETY: `fd` is this connection's open socket and `byte` is a valid
+        // one-byte buffer; MSG_PEEK leaves the data in the socket.
+        let r = unsafe {
+            libc::recv(
+                self.fd,
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            !matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            )
+        } else {
+            true
+        }
+    }
+}
+
+/// Why a socket operation stopped.
+#[derive(Debug)]
+pub(crate) enum IoFail {
+    /// The peer closed the connection (or reset it).
+    Closed,
+    /// Another OS error.
+    Os(io::Error),
+}
+
+impl IoFail {
+    fn from_os(e: io::Error) -> IoFail {
+        match e.kind() {
+            io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::NotConnected
+            | io::ErrorKind::UnexpectedEof => IoFail::Closed,
+            _ => IoFail::Os(e),
+        }
+    }
+}
+
+/// Decides between one more non-blocking try and parking.
+struct Spinner {
+    policy: PollPolicy,
+    since: Option<Instant>,
+}
+
+impl Spinner {
+    fn new(policy: PollPolicy) -> Spinner {
+        Spinner {
+            policy,
+            since: None,
+        }
+    }
+
+    fn progress(&mut self) {
+        self.since = None;
+    }
+
+    fn keep_spinning(&mut self) -> bool {
+        match self.policy {
+            PollPolicy::Park => false,
+            PollPolicy::Spin { budget_us } => {
+                if budget_us == u64::MAX {
+                    return true;
+                }
+                let now = Instant::now();
+                let since = *self.since.get_or_insert(now);
+                now.duration_since(since).as_micros() < u128::from(budget_us)
+            }
+        }
+    }
+}
+
+/// Skips `n` transferred bytes in `iovs[*idx..]`.
+fn advance(iovs: &mut [libc::iovec], idx: &mut usize, mut n: usize) {
+    while n > 0 && *idx < iovs.len() {
+        let iov = &mut iovs[*idx];
+        if n >= iov.iov_len {
+            n -= iov.iov_len;
+            *idx += 1;
+        } else {
+            // SAFETY: `n < iov_len`, so the new base stays inside the buffer.
+            iov.iov_base = unsafe { iov.iov_base.cast::<u8>().add(n).cast() };
+            iov.iov_len -= n;
+            n = 0;
+        }
+    }
+    while *idx < iovs.len() && iovs[*idx].iov_len == 0 {
+        *idx += 1;
+    }
+}
+
+/// An `iovec` for `len` bytes at `addr`.
+pub(crate) fn iov(addr: u64, len: u64) -> libc::iovec {
+    libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: len as usize,
+    }
+}
+
+/// Fills every buffer of `iovs` from the socket.
+///
+/// The caller guarantees each iovec names writable memory it owns (a
+/// validated, pinned registered range or a local buffer).
+pub(crate) async fn recv_exact(
+    rd: &mut ReadHalf<TcpStream>,
+    fd: RawFd,
+    iovs: &mut [libc::iovec],
+    policy: PollPolicy,
+) -> Result<(), IoFail> {
+    let mut idx = 0;
+    advance(iovs, &mut idx, 0);
+    let mut spin = Spinner::new(policy);
+    while idx < iovs.len() {
+        let rest = &mut iovs[idx..];
+        // SAFETY: msghdr is plain data; every field we do not set is zero.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = rest.as_mut_ptr();
+        msg.msg_iovlen = rest.len().min(IOV_MAX) as _;
+        // SAFETY: the iovecs name writable memory (caller's guarantee) and
+        // `fd` is an open socket.
+        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+        if r > 0 {
+            advance(iovs, &mut idx, r as usize);
+            spin.progress();
+            continue;
+        }
+        if r == 0 {
+            return Err(IoFail::Closed);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => {}
+            _ => return Err(IoFail::from_os(e)),
+        }
+        if spin.keep_spinning() {
+            futures_lite::future::yield_now().await;
+            continue;
+        }
+        // Park: let glommio wait for readiness and read into the first
+        // buffer (glommio reads straight into the slice it is given).
+        let first = iovs[idx];
+        // SAFETY: as above, the iovec names writable memory of that length.
+        let buf =
+            unsafe { std::slice::from_raw_parts_mut(first.iov_base.cast::<u8>(), first.iov_len) };
+        match rd.read(buf).await {
+            Ok(0) => return Err(IoFail::Closed),
+            Ok(n) => {
+                advance(iovs, &mut idx, n);
+                spin.progress();
+            }
+            Err(e) => return Err(IoFail::from_os(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Sends every buffer of `iovs` to the socket.
+///
+/// The caller guarantees each iovec names readable memory it owns.
+pub(crate) async fn send_all(
+    wr: &mut WriteHalf<TcpStream>,
+    fd: RawFd,
+    iovs: &mut [libc::iovec],
+) -> Result<(), IoFail> {
+    let mut idx = 0;
+    advance(iovs, &mut idx, 0);
+    while idx < iovs.len() {
+        let rest = &mut iovs[idx..];
+        // SAFETY: msghdr is plain data; every field we do not set is zero.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = rest.as_mut_ptr();
+        msg.msg_iovlen = rest.len().min(IOV_MAX) as _;
+        // SAFETY: the iovecs name readable memory (caller's guarantee).
+        // MSG_NOSIGNAL turns a closed peer into EPIPE instead of SIGPIPE.
+        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if r >= 0 {
+            advance(iovs, &mut idx, r as usize);
+            continue;
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => {}
+            _ => return Err(IoFail::from_os(e)),
+        }
+        // A full send buffer drains at the receiver's pace (about a
+        // millisecond for a few MiB), far longer than spinning pays off
+        // for, so the sender parks whatever the policy; spinning here only
+        // steals CPU from the receiver when both share cores.
+        let first = iovs[idx];
+        // SAFETY: as above, the iovec names readable memory of that length.
+        let buf = unsafe { std::slice::from_raw_parts(first.iov_base.cast::<u8>(), first.iov_len) };
+        match wr.write(buf).await {
+            Ok(0) => return Err(IoFail::Closed),
+            Ok(n) => advance(iovs, &mut idx, n),
+            Err(e) => return Err(IoFail::from_os(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and throws away `len` bytes (the payload of a rejected frame), so
+/// the connection stays in step without touching registered memory.
+pub(crate) async fn discard(
+    rd: &mut ReadHalf<TcpStream>,
+    fd: RawFd,
+    mut len: u64,
+    scratch: &mut [u8],
+    policy: PollPolicy,
+) -> Result<(), IoFail> {
+    while len > 0 {
+        let n = scratch.len().min(len as usize);
+        let mut v = [iov(scratch.as_mut_ptr() as u64, n as u64)];
+        recv_exact(rd, fd, &mut v, policy).await?;
+        len -= n as u64;
+    }
+    Ok(())
+}

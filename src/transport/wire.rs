@@ -1,0 +1,222 @@
+//! Frame format of the `tcp` transport.
+//!
+//! Every frame, in both directions, starts with a fixed 32-byte header
+//! (little endian):
+//!
+//! ```text
+//! 0..4   magic "KVF1"         (the version is part of the magic)
+//! 4      opcode               WRITE=1, READ=2, REGIONS=3
+//! 5      status               0 in requests; 0 = ok or a reject code in responses
+//! 6..8   reserved, zero
+//! 8..12  count                descriptors (requests) or regions (REGIONS response)
+//! 12..16 detail               responses: index of the descriptor a reject blames
+//! 16..24 req_id               echoed by the response
+//! 24..32 payload_len          bytes after the descriptor table
+//! ```
+//!
+//! A request is followed by `count` descriptors of 16 bytes
+//! (`remote_addr u64, len_bytes u64`), then, for WRITE, the payload: the
+//! bytes of every descriptor, concatenated. A WRITE response has no body; a
+//! READ response that succeeded is followed by the payload; a REGIONS response
+//! by `count` entries `(addr u64, len_bytes u64)`.
+//!
+//! Responses come back in request order on each connection, so the
+//! initiator matches them without a lookup table; `req_id` is a cross-check.
+
+use std::fmt;
+
+/// First four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"KVF1";
+/// Size of the fixed header.
+pub const HEADER_LEN: usize = 32;
+/// Size of one descriptor (or region) entry.
+pub const ENTRY_LEN: usize = 16;
+/// Most descriptors a target accepts in one frame.
+pub const MAX_FRAME_DESCS: u32 = 4096;
+/// Most payload bytes a target accepts in one frame (so a rejected WRITE can
+/// be drained with bounded work).
+pub const MAX_FRAME_BYTES: u64 = 64 << 20;
+/// Most regions a REGIONS response may list.
+pub const MAX_REGIONS: u32 = 1 << 16;
+
+/// Push bytes into the target.
+pub const OP_WRITE: u8 = 1;
+/// Pull bytes from the target.
+pub const OP_READ: u8 = 2;
+/// Ask for the target's registered regions.
+pub const OP_REGIONS: u8 = 3;
+
+/// Status byte of a response that succeeded.
+pub const STATUS_OK: u8 = 0;
+
+/// Why a target refused a frame (the status byte of its response).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// A descriptor is outside the target's registered regions.
+    OutOfRegion,
+    /// A descriptor has length zero.
+    EmptyDescriptor,
+    /// A descriptor's `addr + len` overflows.
+    Overflow,
+    /// Bad magic, non-zero reserved fields or a status in a request.
+    BadHeader,
+    /// An opcode the target does not know.
+    UnknownOpcode,
+    /// More descriptors or payload bytes than a frame may carry.
+    TooLarge,
+    /// The descriptor lengths do not add up to `payload_len`.
+    LengthMismatch,
+    /// A status byte this build does not know.
+    Other(u8),
+}
+
+impl RejectReason {
+    /// The status byte on the wire.
+    pub fn to_status(self) -> u8 {
+        match self {
+            RejectReason::OutOfRegion => 1,
+            RejectReason::EmptyDescriptor => 2,
+            RejectReason::Overflow => 3,
+            RejectReason::BadHeader => 4,
+            RejectReason::UnknownOpcode => 5,
+            RejectReason::TooLarge => 6,
+            RejectReason::LengthMismatch => 7,
+            RejectReason::Other(s) => s,
+        }
+    }
+
+    /// Decodes a non-zero status byte.
+    pub fn from_status(status: u8) -> RejectReason {
+        match status {
+            1 => RejectReason::OutOfRegion,
+            2 => RejectReason::EmptyDescriptor,
+            3 => RejectReason::Overflow,
+            4 => RejectReason::BadHeader,
+            5 => RejectReason::UnknownOpcode,
+            6 => RejectReason::TooLarge,
+            7 => RejectReason::LengthMismatch,
+            other => RejectReason::Other(other),
+        }
+    }
+
+    /// Whether the connection stays usable after this reject: only when the
+    /// frame's framing was sound, so the next header is where we expect it.
+    pub fn keeps_connection(self) -> bool {
+        matches!(
+            self,
+            RejectReason::OutOfRegion | RejectReason::EmptyDescriptor | RejectReason::Overflow
+        )
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RejectReason::OutOfRegion => f.write_str("range outside registered memory"),
+            RejectReason::EmptyDescriptor => f.write_str("empty descriptor"),
+            RejectReason::Overflow => f.write_str("address overflow"),
+            RejectReason::BadHeader => f.write_str("malformed header"),
+            RejectReason::UnknownOpcode => f.write_str("unknown opcode"),
+            RejectReason::TooLarge => f.write_str("frame too large"),
+            RejectReason::LengthMismatch => f.write_str("descriptor lengths do not match payload"),
+            RejectReason::Other(s) => write!(f, "unknown status {s}"),
+        }
+    }
+}
+
+/// The fixed header, decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Header {
+    /// WRITE, READ or REGIONS.
+    pub opcode: u8,
+    /// Zero in requests; [`STATUS_OK`] or a [`RejectReason`] in responses.
+    pub status: u8,
+    /// Entries in the table after the header.
+    pub count: u32,
+    /// Descriptor index a reject blames.
+    pub detail: u32,
+    /// Request id, echoed by the response.
+    pub req_id: u64,
+    /// Bytes after the table.
+    pub payload_len: u64,
+}
+
+impl Header {
+    /// Serialises the header.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = self.opcode;
+        b[5] = self.status;
+        b[8..12].copy_from_slice(&self.count.to_le_bytes());
+        b[12..16].copy_from_slice(&self.detail.to_le_bytes());
+        b[16..24].copy_from_slice(&self.req_id.to_le_bytes());
+        b[24..32].copy_from_slice(&self.payload_len.to_le_bytes());
+        b
+    }
+
+    /// Parses a header; fails on a bad magic or non-zero reserved bytes.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, RejectReason> {
+        if b[0..4] != MAGIC || b[6] != 0 || b[7] != 0 {
+            return Err(RejectReason::BadHeader);
+        }
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        Ok(Header {
+            opcode: b[4],
+            status: b[5],
+            count: u32_at(8),
+            detail: u32_at(12),
+            req_id: u64_at(16),
+            payload_len: u64_at(24),
+        })
+    }
+}
+
+/// Serialises one table entry.
+pub fn encode_entry(out: &mut Vec<u8>, addr: u64, len_bytes: u64) {
+    out.extend_from_slice(&addr.to_le_bytes());
+    out.extend_from_slice(&len_bytes.to_le_bytes());
+}
+
+/// Parses the table entry at `i`; the caller sized `table` from `count`.
+pub fn decode_entry(table: &[u8], i: usize) -> (u64, u64) {
+    let e = &table[i * ENTRY_LEN..(i + 1) * ENTRY_LEN];
+    let mut a = [0u8; 8];
+    let mut l = [0u8; 8];
+    a.copy_from_slice(&e[0..8]);
+    l.copy_from_slice(&e[8..16]);
+    (u64::from_le_bytes(a), u64::from_le_bytes(l))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_rejects() {
+        let h = Header {
+            opcode: OP_READ,
+            status: 0,
+            count: 7,
+            detail: 3,
+            req_id: 99,
+            payload_len: 1 << 40,
+        };
+        assert_eq!(Header::decode(&h.encode()), Ok(h));
+        let mut b = h.encode();
+        b[0] = b'X';
+        assert_eq!(Header::decode(&b), Err(RejectReason::BadHeader));
+        let mut b = h.encode();
+        b[7] = 1;
+        assert_eq!(Header::decode(&b), Err(RejectReason::BadHeader));
+        for s in 1..=9u8 {
+            assert_eq!(RejectReason::from_status(s).to_status(), s);
+        }
+    }
+}
