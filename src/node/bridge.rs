@@ -442,8 +442,12 @@ impl Bridge {
             self.answer_unknown(peer, tid, msg);
             return;
         }
+        let shared = self.shared.clone();
         let refused = match &self.handle {
-            EngineHandle::Prefill(h) => match h.send_event(tid, send::Event::Msg { peer: pid, msg }) {
+            EngineHandle::Prefill(h) => match {
+                let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+                h.send_event(tid, send::Event::Msg { peer: pid, msg })
+            } {
                 Ok(()) => return,
                 Err(r) => match (r.error, r.value) {
                     (SubmitError::UnknownTransfer(_), send::Event::Msg { msg: msg @ Msg::Pull { .. }, .. }) => {
@@ -461,7 +465,11 @@ impl Bridge {
                         // the machine now (either may come first).
                         let cfg = &self.shared.config;
                         let m = SendMachine::new(Instant::now(), &cfg.timeouts, tid, cfg.mode);
-                        match h.create(0, tid, m) {
+                        let created = {
+                            let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+                            h.create(0, tid, m)
+                        };
+                        match created {
                             Ok(()) => {}
                             Err(c) if c.error == SubmitError::DuplicateTransfer(tid) => {}
                             Err(c) => {
@@ -499,15 +507,26 @@ impl Bridge {
     /// We do not know (or no longer know) this transfer: tell the peer at
     /// once so it does not wait out its deadline.
     fn answer_unknown(&mut self, peer: u32, tid: TransferId, msg: Msg) {
+        // The machine's own last words (a `Status`, `Done` or `Abort`) are
+        // queued before its phase turned terminal; send them first so our
+        // answer never overtakes them.
+        for _ in 0..64 {
+            if self.rx.is_empty() {
+                break;
+            }
+            self.drain_commands();
+        }
         let answer = match msg {
             Msg::Abort => Some(Msg::AbortAck),
-            // Lease returns and final words need no answer.
-            Msg::AbortAck | Msg::Status { .. } | Msg::Done { .. } => None,
-            Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } | Msg::LeaseGrant { .. } => {
-                Some(Msg::Abort)
-            }
+            // Lease returns and final words need no answer, and a grant we
+            // no longer need lapses on its own.
+            Msg::AbortAck | Msg::Status { .. } | Msg::Done { .. } | Msg::LeaseGrant { .. } => None,
+            // Someone wants to start (or keep) touching blocks of a transfer
+            // we do not have: stop it now rather than at its deadline.
+            Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
         };
         if let Some(a) = answer {
+            tracing::debug!(?tid, peer, ?a, "answering a message for an unknown or finished transfer");
             self.send_frame(peer, &Frame::Transfer { transfer_id: tid.0, msg: a });
         }
     }

@@ -329,6 +329,12 @@ pub(crate) struct Shared {
     records: Mutex<Records>,
     pub bridge_tx: flume::Sender<BridgeCmd>,
     pub waker: Arc<waker::Waker>,
+    /// Held while a prefill machine is created and while the bridge hands
+    /// a message to a prefill machine. The reactor makes a transfer visible
+    /// (board) before its `Create` is in the mailbox; without this lock the
+    /// bridge could queue a `Pull` ahead of the engine's `Create`, and the
+    /// executor would drop it as a message for an unknown transfer.
+    pub create_lock: Mutex<()>,
     /// Bumped and signalled on every terminal phase (for `wait`).
     terminal_seq: Mutex<u64>,
     terminal_cv: Condvar,
@@ -360,6 +366,24 @@ impl Shared {
         r.load_errors.extend(blocks.iter().take(room));
     }
 
+    /// Remembers a final phase for handles and `get_finished`, bounded:
+    /// the oldest records go first.
+    fn record(&self, tid: TransferId, phase: Phase) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if r.order.len() >= RECORDS_MAX {
+            if let Some(old) = r.order.pop_front() {
+                r.done.remove(&old);
+            }
+        }
+        if r.finished.len() >= RECORDS_MAX {
+            r.finished.pop_front();
+        }
+        if r.done.insert(tid, phase).is_none() {
+            r.order.push_back(tid);
+        }
+        r.finished.push_back(tid);
+    }
+
     pub(crate) fn on_terminal(&self, tid: TransferId, phase: Phase) {
         let c = &self.counters;
         match phase {
@@ -368,6 +392,7 @@ impl Shared {
             Phase::Expired => c.expired.fetch_add(1, Ordering::Relaxed),
             Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring => return,
         };
+        self.record(tid, phase);
         if let Some(n) = &self.config.notify {
             let _ = n.try_send((tid, phase));
         }
@@ -503,6 +528,7 @@ impl Node {
             records: Mutex::new(Records::default()),
             bridge_tx,
             waker,
+            create_lock: Mutex::new(()),
             terminal_seq: Mutex::new(0),
             terminal_cv: Condvar::new(),
         });
@@ -656,7 +682,11 @@ impl Node {
         };
         let s = &self.inner.shared;
         let m = SendMachine::new(Instant::now(), &s.config.timeouts, tid, s.config.mode);
-        match h.create(0, tid, m) {
+        let created = {
+            let _order = s.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+            h.create(0, tid, m)
+        };
+        match created {
             Ok(()) => {}
             // The decode side's `Pull` got here first and created it.
             Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => {}
@@ -725,29 +755,20 @@ impl Node {
         self.inner.handle.abort(TransferId(transfer_id), AbortReason::Engine).map_err(NodeError::from)
     }
 
-    /// Moves finished transfers from the executor into the node's records.
+    /// Collects the executor's completions so its board stays small. Final
+    /// phases were recorded when they happened; only transfers that never
+    /// reported one (refused at creation, dropped at shutdown) are recorded here.
     fn collect(&self) {
-        let done = self.inner.handle.get_finished(4096);
-        if done.is_empty() {
-            return;
-        }
-        let mut r = self.inner.shared.records.lock().unwrap_or_else(|e| e.into_inner());
-        for c in done {
-            let phase = match c.outcome {
-                Outcome::Finished { phase, .. } => phase,
-                Outcome::Dropped { .. } => Phase::Failed(FailReason::Aborted(AbortReason::Shutdown)),
-                // `Rejected` and any later outcome: the request never ran.
-                _ => Phase::Failed(FailReason::Aborted(AbortReason::Shutdown)),
-            };
-            if r.order.len() >= RECORDS_MAX {
-                if let Some(old) = r.order.pop_front() {
-                    r.done.remove(&old);
-                }
-                r.finished.pop_front();
+        for c in self.inner.handle.get_finished(4096) {
+            match c.outcome {
+                Outcome::Finished { .. } => {}
+                // `Rejected`, `Dropped` and any later outcome: no terminal
+                // phase was reported for it.
+                _ => self
+                    .inner
+                    .shared
+                    .record(c.transfer_id, Phase::Failed(FailReason::Aborted(AbortReason::Shutdown))),
             }
-            r.done.insert(c.transfer_id, phase);
-            r.order.push_back(c.transfer_id);
-            r.finished.push_back(c.transfer_id);
         }
     }
 

@@ -47,7 +47,10 @@ pub(crate) fn register_regions(node_id: u64, ranges: &[(u64, u64)]) -> Result<()
     Ok(())
 }
 
-type Sessions = Rc<RefCell<HashMap<EndpointAddr, Rc<AnySession>>>>;
+/// One slot per peer endpoint; its async lock makes concurrent first
+/// transfers share one `open` instead of racing thousands of connections.
+type SessionSlot = Rc<futures::lock::Mutex<Option<Rc<AnySession>>>>;
+type Sessions = Rc<RefCell<HashMap<EndpointAddr, SessionSlot>>>;
 
 /// The node's action sink, for either machine type.
 pub(crate) struct Sink<M: Machine> {
@@ -240,13 +243,16 @@ async fn move_bytes(
     bound: Duration,
 ) -> Result<(), String> {
     let started = Instant::now();
-    let cached = sessions.borrow().get(&endpoint).cloned();
-    let session = match cached {
-        Some(s) => s,
-        None => {
-            let s = Rc::new(transport.open(&endpoint).await.map_err(|e| e.to_string())?);
-            sessions.borrow_mut().insert(endpoint, s.clone());
-            s
+    let slot = sessions.borrow_mut().entry(endpoint).or_default().clone();
+    let session = {
+        let mut guard = slot.lock().await;
+        match guard.as_ref() {
+            Some(s) => s.clone(),
+            None => {
+                let s = Rc::new(transport.open(&endpoint).await.map_err(|e| e.to_string())?);
+                *guard = Some(s.clone());
+                s
+            }
         }
     };
     let left = bound.saturating_sub(started.elapsed());
@@ -258,7 +264,10 @@ async fn move_bytes(
     let result = timed.await;
     if result.is_err() {
         // A broken session is re-opened by the next transfer.
-        sessions.borrow_mut().remove(&endpoint);
+        let mut guard = slot.lock().await;
+        if guard.as_ref().is_some_and(|s| Rc::ptr_eq(s, &session)) {
+            *guard = None;
+        }
     }
     result
 }
