@@ -20,6 +20,8 @@ usage: kvferry demo [--requests N] [--concurrency C] [--layers L]
                     [--head-bytes X] [--prefill-tp P] [--decode-tp D]
                     [--layout hnd|nhd|mla] [--mode push|pull]
                     [--transport tcp|local] [--timeout-ms MS] [--json]
+                    [--zmq-baseline]   (also time a bare 256-byte ZeroMQ
+                                        DEALER/ROUTER round trip, same run)
 ";
 
 const OPTIONS: &[&str] = &[
@@ -37,6 +39,7 @@ const OPTIONS: &[&str] = &[
     "transport",
     "timeout-ms",
     "json",
+    "zmq-baseline",
 ];
 
 /// The demo's settings.
@@ -93,6 +96,47 @@ pub struct DemoReport {
     pub p50_ms: f64,
     pub p99_ms: f64,
     pub elapsed_s: f64,
+    /// With `--zmq-baseline`: p50 / p99 of a bare 256-byte DEALER/ROUTER
+    /// round trip on loopback, measured in the same process just before.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq_rtt_p50_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq_rtt_p99_ms: Option<f64>,
+}
+
+/// Times `n` bare 256-byte ZeroMQ DEALER→ROUTER→DEALER round trips on
+/// loopback: the yardstick for the control plane's added latency.
+pub fn zmq_baseline(n: usize) -> Result<(f64, f64), String> {
+    let e = |e: zmq::Error| e.to_string();
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).map_err(e)?;
+    router.set_linger(0).map_err(e)?;
+    router.bind("tcp://127.0.0.1:*").map_err(e)?;
+    let ep = router.get_last_endpoint().map_err(e)?.map_err(|_| "endpoint".to_string())?;
+    let echo = std::thread::spawn(move || {
+        for _ in 0..n {
+            let Ok(parts) = router.recv_multipart(0) else { return };
+            if router.send_multipart(parts, 0).is_err() {
+                return;
+            }
+        }
+    });
+    let dealer = ctx.socket(zmq::DEALER).map_err(e)?;
+    dealer.set_linger(0).map_err(e)?;
+    dealer.connect(&ep).map_err(e)?;
+    let payload = vec![7u8; 256];
+    let mut rtt = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        dealer.send(&payload[..], 0).map_err(e)?;
+        dealer.recv_bytes(0).map_err(e)?;
+        rtt.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let _ = echo.join();
+    rtt.sort_by(|a, b| a.total_cmp(b));
+    // The first round trips include the connection set-up.
+    let warm = &rtt[..];
+    Ok((percentile(warm, 0.5), percentile(warm, 0.99)))
 }
 
 pub fn parse_layout(s: &str) -> Result<LayoutKind, UsageError> {
@@ -120,8 +164,8 @@ pub fn parse_transport(s: &str) -> Result<TransportKind, UsageError> {
     }
 }
 
-fn parse(argv: &[String]) -> Result<(DemoOptions, bool), UsageError> {
-    let a = Args::parse(argv, &["json"])?;
+fn parse(argv: &[String]) -> Result<(DemoOptions, bool, bool), UsageError> {
+    let a = Args::parse(argv, &["json", "zmq-baseline"])?;
     a.reject_unknown(OPTIONS)?;
     let d = DemoOptions::default();
     let o = DemoOptions {
@@ -145,7 +189,7 @@ fn parse(argv: &[String]) -> Result<(DemoOptions, bool), UsageError> {
     if o.heads == 0 || o.head_bytes == 0 || o.prefill_tp == 0 || o.decode_tp == 0 {
         return Err(UsageError("--heads, --head-bytes and the TP sizes must be positive".into()));
     }
-    Ok((o, a.flag("json")))
+    Ok((o, a.flag("json"), a.flag("zmq-baseline")))
 }
 
 /// Timeouts for demo-style runs: everything ends within `timeout_ms` plus
@@ -329,7 +373,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
 }
 
 pub fn main(argv: &[String]) -> ExitCode {
-    let (o, json) = match parse(argv) {
+    let (o, json, baseline) = match parse(argv) {
         Ok(x) => x,
         Err(e) => {
             eprintln!("kvferry demo: {e}\n\n{USAGE}");
@@ -337,8 +381,23 @@ pub fn main(argv: &[String]) -> ExitCode {
         }
     };
     let progress = !json && std::io::stderr().is_terminal();
+    let rtt = if baseline {
+        match zmq_baseline(2000) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                eprintln!("kvferry demo: zmq baseline: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        None
+    };
     let report = match run_demo(&o, progress) {
-        Ok(r) => r,
+        Ok(mut r) => {
+            r.zmq_rtt_p50_ms = rtt.map(|x| x.0);
+            r.zmq_rtt_p99_ms = rtt.map(|x| x.1);
+            r
+        }
         Err(e) => {
             eprintln!("kvferry demo: {e}");
             return ExitCode::from(1);
@@ -363,5 +422,8 @@ pub fn print_report(r: &DemoReport, json: bool) {
              latency p50 {:.3} ms p99 {:.3} ms",
             r.requests, r.ok, r.failed, r.expired, r.verify_errors, r.bytes, r.elapsed_s, r.gbps, r.requests_per_s, r.p50_ms, r.p99_ms
         );
+        if let (Some(p50), Some(p99)) = (r.zmq_rtt_p50_ms, r.zmq_rtt_p99_ms) {
+            println!("bare ZeroMQ 256 B round trip: p50 {p50:.3} ms p99 {p99:.3} ms");
+        }
     }
 }

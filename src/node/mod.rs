@@ -290,6 +290,8 @@ impl Counters {
 /// A remote rank as the node knows it after its hello.
 #[derive(Debug)]
 pub(crate) struct PeerData {
+    /// The peer's hello, kept for diagnostics (`Debug`).
+    #[allow(dead_code)]
     pub hello: proto::Hello,
     /// The validated pair (P layout, D layout), or why it does not fit.
     pub pair: Result<PairLayout, String>,
