@@ -125,7 +125,11 @@ fn rows(
             let per_token = r.kv_block_len / tokens.max(1);
             for t in 0..tokens {
                 let token = position * tokens + t;
-                if !visit(t * per_token, per_token, row_seed(transfer, region, token, 0)) {
+                if !visit(
+                    t * per_token,
+                    per_token,
+                    row_seed(transfer, region, token, 0),
+                ) {
                     return false;
                 }
             }
@@ -138,7 +142,9 @@ fn rows(
                 for t in 0..tokens {
                     let off = match model.layout {
                         LayoutKind::Hnd => (u64::from(h) * tokens + t) * hb,
-                        LayoutKind::Nhd | LayoutKind::Mla => (t * u64::from(heads) + u64::from(h)) * hb,
+                        LayoutKind::Nhd | LayoutKind::Mla => {
+                            (t * u64::from(heads) + u64::from(h)) * hb
+                        }
                     };
                     let token = position * tokens + t;
                     if !visit(off, hb, row_seed(transfer, region, token, first + h)) {
@@ -160,17 +166,30 @@ fn rows(
 /// Every region of `layout.rank` must point at memory valid for writes of
 /// `num_blocks × block_len` bytes that nobody else accesses meanwhile, and
 /// every block id must be below `num_blocks`.
-pub unsafe fn fill_blocks(layout: &SynthLayout, transfer: u64, blocks: &[u32], first_position: u64) {
+pub unsafe fn fill_blocks(
+    layout: &SynthLayout,
+    transfer: u64,
+    blocks: &[u32],
+    first_position: u64,
+) {
     for (region, r) in layout.rank.regions.iter().enumerate() {
         for (i, &b) in blocks.iter().enumerate() {
             let block = (r.base + u64::from(b) * r.block_len) as usize as *mut u8;
-            rows(layout, transfer, region, first_position + i as u64, |off, len, seed| {
-                // SAFETY: the caller guarantees the block is valid and ours;
-                // rows stay inside kv_block_len <= block_len.
-                let row = unsafe { std::slice::from_raw_parts_mut(block.add(off as usize), len as usize) };
-                fill_row(row, seed);
-                true
-            });
+            rows(
+                layout,
+                transfer,
+                region,
+                first_position + i as u64,
+                |off, len, seed| {
+                    // SAFETY: the caller guarantees the block is valid and ours;
+                    // rows stay inside kv_block_len <= block_len.
+                    let row = unsafe {
+                        std::slice::from_raw_parts_mut(block.add(off as usize), len as usize)
+                    };
+                    fill_row(row, seed);
+                    true
+                },
+            );
         }
     }
 }
@@ -195,7 +214,8 @@ pub unsafe fn verify_blocks(
             let block = (r.base + u64::from(b) * r.block_len) as usize as *const u8;
             rows(layout, transfer, region, position, |off, len, seed| {
                 // SAFETY: as in fill_blocks.
-                let row = unsafe { std::slice::from_raw_parts(block.add(off as usize), len as usize) };
+                let row =
+                    unsafe { std::slice::from_raw_parts(block.add(off as usize), len as usize) };
                 match check_row(row, seed) {
                     None => true,
                     Some((at, expected, found)) => {
@@ -239,7 +259,12 @@ mod tests {
     use kvferry_machines::layout::Region;
 
     fn layout(kind: LayoutKind, tp: u32, rank: u32, buf: &mut [u8], blocks: u64) -> SynthLayout {
-        let model = ModelSpec { layout: kind, total_kv_heads: 4, block_tokens: 4, head_bytes: 12 };
+        let model = ModelSpec {
+            layout: kind,
+            total_kv_heads: 4,
+            block_tokens: 4,
+            head_bytes: 12,
+        };
         let kv = match kind {
             LayoutKind::Mla => 4 * 12,
             LayoutKind::Hnd | LayoutKind::Nhd => u64::from(model.heads_per_rank(tp)) * 4 * 12,
@@ -251,7 +276,11 @@ mod tests {
                 tp_size: tp,
                 tp_rank: rank,
                 num_blocks: blocks,
-                regions: vec![Region { base: buf.as_mut_ptr() as u64, block_len: kv, kv_block_len: kv }],
+                regions: vec![Region {
+                    base: buf.as_mut_ptr() as u64,
+                    block_len: kv,
+                    kv_block_len: kv,
+                }],
             },
         }
     }
@@ -264,8 +293,14 @@ mod tests {
             unsafe {
                 fill_blocks(&l, 7, &[1, 3], 0);
                 verify_blocks(&l, 7, &[1, 3], 0).unwrap();
-                assert!(verify_blocks(&l, 8, &[1, 3], 0).is_err(), "other transfer must differ");
-                assert!(verify_blocks(&l, 7, &[1, 3], 1).is_err(), "other position must differ");
+                assert!(
+                    verify_blocks(&l, 8, &[1, 3], 0).is_err(),
+                    "other transfer must differ"
+                );
+                assert!(
+                    verify_blocks(&l, 7, &[1, 3], 1).is_err(),
+                    "other position must differ"
+                );
             }
             let kv = l.rank.regions[0].kv_block_len as usize;
             buf[3 * kv + 5] ^= 1;
@@ -325,11 +360,19 @@ unsafe impl Sync for SynthKv {}
 impl SynthKv {
     /// Allocates `num_blocks` blocks for `layers` layers of `model` on rank
     /// `tp_rank` of a TP group of `tp_size`.
-    pub fn new(model: ModelSpec, tp_size: u32, tp_rank: u32, layers: u32, num_blocks: u64) -> SynthKv {
+    pub fn new(
+        model: ModelSpec,
+        tp_size: u32,
+        tp_rank: u32,
+        layers: u32,
+        num_blocks: u64,
+    ) -> SynthKv {
         let kv_block_len = match model.layout {
             LayoutKind::Mla => u64::from(model.block_tokens) * model.head_bytes,
             LayoutKind::Hnd | LayoutKind::Nhd => {
-                u64::from(model.heads_per_rank(tp_size)) * u64::from(model.block_tokens) * model.head_bytes
+                u64::from(model.heads_per_rank(tp_size))
+                    * u64::from(model.block_tokens)
+                    * model.head_bytes
             }
         };
         let regions_n = match model.layout {
@@ -352,7 +395,15 @@ impl SynthKv {
         }
         SynthKv {
             bufs,
-            layout: SynthLayout { model, rank: RankLayout { tp_size, tp_rank, num_blocks, regions } },
+            layout: SynthLayout {
+                model,
+                rank: RankLayout {
+                    tp_size,
+                    tp_rank,
+                    num_blocks,
+                    regions,
+                },
+            },
         }
     }
 
@@ -372,7 +423,12 @@ impl SynthKv {
 
     /// Bytes of KV per block on this rank (all regions).
     pub fn block_bytes(&self) -> u64 {
-        self.layout.rank.regions.iter().map(|r| r.kv_block_len).sum()
+        self.layout
+            .rank
+            .regions
+            .iter()
+            .map(|r| r.kv_block_len)
+            .sum()
     }
 
     /// Fills `blocks` (request positions from `first_position`) with the
@@ -386,7 +442,12 @@ impl SynthKv {
     }
 
     /// Verifies `blocks` against the pattern of `transfer`.
-    pub fn verify(&self, transfer: u64, blocks: &[u32], first_position: u64) -> Result<(), VerifyError> {
+    pub fn verify(
+        &self,
+        transfer: u64,
+        blocks: &[u32],
+        first_position: u64,
+    ) -> Result<(), VerifyError> {
         self.check(blocks);
         // SAFETY: as in `fill`.
         unsafe { verify_blocks(&self.layout, transfer, blocks, first_position) }
@@ -401,7 +462,10 @@ impl SynthKv {
 
     fn check(&self, blocks: &[u32]) {
         let n = self.layout.rank.num_blocks;
-        assert!(blocks.iter().all(|&b| u64::from(b) < n), "block id out of range");
+        assert!(
+            blocks.iter().all(|&b| u64::from(b) < n),
+            "block id out of range"
+        );
     }
 }
 
@@ -439,6 +503,9 @@ pub struct ClusterSpec {
     /// address and let decode find the prefill ranks through it; `None`:
     /// decode gets the side-channel addresses directly.
     pub bootstrap: Option<String>,
+    /// Let idle executors spin this long before parking (lower wake-up
+    /// latency, costs CPU); `None` parks at once.
+    pub spin: Option<std::time::Duration>,
 }
 
 /// One rank: its node and its synthetic KV memory. The node is shut down
@@ -477,7 +544,8 @@ fn notify_for(
 ) -> flume::Sender<(kvferry_machines::TransferId, kvferry_machines::Phase)> {
     // A small forwarding thread tags each node's notifications with its
     // rank; it ends when the node drops its sender.
-    let (tx, rx) = flume::bounded::<(kvferry_machines::TransferId, kvferry_machines::Phase)>(1 << 16);
+    let (tx, rx) =
+        flume::bounded::<(kvferry_machines::TransferId, kvferry_machines::Phase)>(1 << 16);
     std::thread::spawn(move || {
         for (t, p) in rx.iter() {
             if out.send((rank, t, p)).is_err() {
@@ -504,6 +572,9 @@ impl Cluster {
             c.transport = spec.transport;
             c.timeouts = spec.timeouts;
             c.notify = Some(notify_for(r, ptx.clone()));
+            if let Some(spin) = spec.spin {
+                c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
+            }
             if let Some(b) = &spec.bootstrap {
                 if r == 0 {
                     c.serve_bootstrap = Some(b.clone());
@@ -515,7 +586,13 @@ impl Cluster {
             if r == 0 {
                 bootstrap_addr = node.bootstrap_addr();
             }
-            let kv = SynthKv::new(spec.model, spec.prefill_tp, r, spec.layers, spec.prefill_blocks);
+            let kv = SynthKv::new(
+                spec.model,
+                spec.prefill_tp,
+                r,
+                spec.layers,
+                spec.prefill_blocks,
+            );
             // SAFETY: `kv` lives in the same `Rank`, whose drop shuts the node
             // down before the memory is freed.
             unsafe { node.register_kv_caches(kv.kv_layout())? };
@@ -543,20 +620,38 @@ impl Cluster {
             c.transport = spec.transport;
             c.timeouts = spec.timeouts;
             c.notify = Some(notify_for(r, dtx.clone()));
+            if let Some(spin) = spec.spin {
+                c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
+            }
             let node = Node::start(c)?;
-            let kv = SynthKv::new(spec.model, spec.decode_tp, r, spec.layers, spec.decode_blocks);
+            let kv = SynthKv::new(
+                spec.model,
+                spec.decode_tp,
+                r,
+                spec.layers,
+                spec.decode_blocks,
+            );
             // SAFETY: as above.
             unsafe { node.register_kv_caches(kv.kv_layout())? };
             decode.push(Rank { node, kv });
         }
         let target = match bootstrap_addr {
-            Some(addr) => PrefillTarget::Bootstrap { addr, engine_id: "prefill".into() },
+            Some(addr) => PrefillTarget::Bootstrap {
+                addr,
+                engine_id: "prefill".into(),
+            },
             None => PrefillTarget::Direct {
                 tp_size: spec.prefill_tp,
                 side_channels: prefill.iter().map(|r| r.node.side_channel_addr()).collect(),
             },
         };
-        Ok(Cluster { prefill, decode, target, decode_done: drx, prefill_done: prx })
+        Ok(Cluster {
+            prefill,
+            decode,
+            target,
+            decode_done: drx,
+            prefill_done: prx,
+        })
     }
 
     /// Fills the prefill blocks of `transfer` on every prefill rank.
@@ -570,7 +665,10 @@ impl Cluster {
     /// `prefix` leading positions were not transferred. Returns the number
     /// of decode ranks whose bytes are wrong.
     pub fn verify(&self, transfer: u64, dst_blocks: &[u32], prefix: u64) -> usize {
-        self.decode.iter().filter(|r| r.kv.verify(transfer, dst_blocks, prefix).is_err()).count()
+        self.decode
+            .iter()
+            .filter(|r| r.kv.verify(transfer, dst_blocks, prefix).is_err())
+            .count()
     }
 
     /// Starts one single-group request on every rank: decode asks for
@@ -587,7 +685,9 @@ impl Cluster {
         let dst: Vec<BlockId> = dst_blocks.iter().map(|&b| BlockId(b)).collect();
         let src: Vec<BlockId> = src_blocks.iter().map(|&b| BlockId(b)).collect();
         for r in &self.decode {
-            r.node.receiver(transfer, &self.target)?.request_with_prefix(vec![dst.clone()], vec![prefix])?;
+            r.node
+                .receiver(transfer, &self.target)?
+                .request_with_prefix(vec![dst.clone()], vec![prefix])?;
         }
         for r in &self.prefill {
             r.node.sender(transfer)?.send(vec![src.clone()], true)?;
@@ -597,7 +697,11 @@ impl Cluster {
 
     /// Waits until every decode rank reported a terminal phase for
     /// `transfer` (or `timeout` passed); returns the phases by decode rank.
-    pub fn wait_decode(&self, transfer: u64, timeout: std::time::Duration) -> Vec<kvferry_machines::Phase> {
+    pub fn wait_decode(
+        &self,
+        transfer: u64,
+        timeout: std::time::Duration,
+    ) -> Vec<kvferry_machines::Phase> {
         use kvferry_machines::Phase;
         let mut phases: Vec<Option<Phase>> = self
             .decode
@@ -616,7 +720,10 @@ impl Cluster {
         phases
             .into_iter()
             .enumerate()
-            .map(|(i, p)| p.or_else(|| self.decode[i].node.phase(transfer)).unwrap_or(Phase::Bootstrapping))
+            .map(|(i, p)| {
+                p.or_else(|| self.decode[i].node.phase(transfer))
+                    .unwrap_or(Phase::Bootstrapping)
+            })
             .collect()
     }
 }

@@ -26,7 +26,12 @@ fn timeouts() -> Config {
 
 fn spec(mode: Mode) -> ClusterSpec {
     ClusterSpec {
-        model: ModelSpec { layout: LayoutKind::Hnd, total_kv_heads: 2, block_tokens: 4, head_bytes: 64 },
+        model: ModelSpec {
+            layout: LayoutKind::Hnd,
+            total_kv_heads: 2,
+            block_tokens: 4,
+            head_bytes: 64,
+        },
         layers: 2,
         prefill_blocks: 32,
         decode_blocks: 32,
@@ -36,6 +41,7 @@ fn spec(mode: Mode) -> ClusterSpec {
         transport: TransportKind::Tcp,
         timeouts: timeouts(),
         bootstrap: None,
+        spin: None,
     }
 }
 
@@ -62,11 +68,21 @@ fn decode_abort_releases_prefill_once_and_no_write_lands_after() {
         // P's KV shows up late: nothing may be written into D's blocks now.
         let _ = tx.send(ids(&src), true);
         let p_phase = tx.wait(Duration::from_secs(5));
-        assert!(p_phase.is_terminal() && p_phase != Phase::Success, "{mode:?}: {p_phase:?}");
+        assert!(
+            p_phase.is_terminal() && p_phase != Phase::Success,
+            "{mode:?}: {p_phase:?}"
+        );
         let s = p.node.stats();
-        assert_eq!(s.ok + s.failed + s.expired, 1, "{mode:?}: P released exactly once");
+        assert_eq!(
+            s.ok + s.failed + s.expired,
+            1,
+            "{mode:?}: P released exactly once"
+        );
         assert_eq!(s.bytes, 0, "{mode:?}: P moved no byte");
-        assert!(d.kv.verify(5, &dst, 0).is_err(), "{mode:?}: D blocks must not hold P's KV");
+        assert!(
+            d.kv.verify(5, &dst, 0).is_err(),
+            "{mode:?}: D blocks must not hold P's KV"
+        );
     }
 }
 
@@ -80,7 +96,11 @@ fn prefill_abort_fails_decode_promptly() {
     tx.abort().unwrap();
     let phase = rx.wait(Duration::from_secs(5));
     assert_eq!(phase, Phase::Failed(FailReason::PeerAborted));
-    assert!(t0.elapsed() < Duration::from_secs(2), "abort took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "abort took {:?}",
+        t0.elapsed()
+    );
 }
 
 #[test]
@@ -90,26 +110,46 @@ fn dead_prefill_fails_requests_fast() {
     // One request proves the pair works.
     c.fill(1, &[1]);
     c.start_request(1, &[1], &[1], 0).unwrap();
-    assert_eq!(c.wait_decode(1, Duration::from_secs(5)), vec![Phase::Success]);
+    assert_eq!(
+        c.wait_decode(1, Duration::from_secs(5)),
+        vec![Phase::Success]
+    );
     // P stops; from now on its side channel is silent.
     p.node.shutdown(Duration::ZERO);
     let t0 = Instant::now();
     let rx = d.node.receiver(2, &c.target).unwrap();
     rx.request(ids(&[2])).unwrap();
     // Heartbeat detection (3 x 100 ms), far below the 3 s waiting timeout.
-    assert_eq!(rx.wait(Duration::from_secs(5)), Phase::Failed(FailReason::PeerDead));
-    assert!(t0.elapsed() < Duration::from_millis(1500), "took {:?}", t0.elapsed());
+    assert_eq!(
+        rx.wait(Duration::from_secs(5)),
+        Phase::Failed(FailReason::PeerDead)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(1500),
+        "took {:?}",
+        t0.elapsed()
+    );
     assert_eq!(d.node.dead_peers(), 1);
     assert!(d.node.stats().peers_marked_dead >= 1);
     // A new request to the dead peer fails at once instead of waiting.
     let t0 = Instant::now();
     let rx = d.node.receiver(3, &c.target).unwrap();
     rx.request(ids(&[3])).unwrap();
-    assert_eq!(rx.wait(Duration::from_secs(5)), Phase::Failed(FailReason::PeerDead));
-    assert!(t0.elapsed() < Duration::from_millis(250), "fail-fast took {:?}", t0.elapsed());
+    assert_eq!(
+        rx.wait(Duration::from_secs(5)),
+        Phase::Failed(FailReason::PeerDead)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(250),
+        "fail-fast took {:?}",
+        t0.elapsed()
+    );
     // Its destination blocks are reported as load errors (vLLM API).
     let errors = d.node.block_ids_with_load_errors();
-    assert!(errors.contains(&BlockId(2)) && errors.contains(&BlockId(3)), "{errors:?}");
+    assert!(
+        errors.contains(&BlockId(2)) && errors.contains(&BlockId(3)),
+        "{errors:?}"
+    );
 }
 
 #[test]
@@ -156,16 +196,26 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
     // until the counter moved to be sure junk was seen).
     c.fill(1, &[1, 2]);
     c.start_request(1, &[1, 2], &[3, 4], 0).unwrap();
-    assert_eq!(c.wait_decode(1, Duration::from_secs(10)), vec![Phase::Success]);
+    assert_eq!(
+        c.wait_decode(1, Duration::from_secs(10)),
+        vec![Phase::Success]
+    );
     assert_eq!(c.verify(1, &[3, 4], 0), 0);
     let deadline = Instant::now() + Duration::from_secs(10);
     while p.node.stats().bad_frames < sent / 2 && Instant::now() < deadline {
         std::thread::yield_now();
     }
-    assert!(p.node.stats().bad_frames >= sent / 2, "{:?}", p.node.stats());
+    assert!(
+        p.node.stats().bad_frames >= sent / 2,
+        "{:?}",
+        p.node.stats()
+    );
     // And once more after all the junk was processed.
     c.fill(2, &[5]);
     c.start_request(2, &[5], &[6], 0).unwrap();
-    assert_eq!(c.wait_decode(2, Duration::from_secs(10)), vec![Phase::Success]);
+    assert_eq!(
+        c.wait_decode(2, Duration::from_secs(10)),
+        vec![Phase::Success]
+    );
     assert_eq!(c.verify(2, &[6], 0), 0);
 }

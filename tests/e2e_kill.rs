@@ -18,7 +18,12 @@ const TIMEOUT_MS: u64 = 1000;
 
 /// The model the CLI commands use by default.
 fn model() -> ModelSpec {
-    ModelSpec { layout: LayoutKind::Hnd, total_kv_heads: 8, block_tokens: 16, head_bytes: 128 }
+    ModelSpec {
+        layout: LayoutKind::Hnd,
+        total_kv_heads: 8,
+        block_tokens: 16,
+        head_bytes: 128,
+    }
 }
 
 struct Proc(Child);
@@ -32,7 +37,13 @@ impl Drop for Proc {
 
 fn prefill(bootstrap: &str, delay_ms: u64) -> Proc {
     let child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["prefill", "--bootstrap", bootstrap, "--timeout-ms", &TIMEOUT_MS.to_string()])
+        .args([
+            "prefill",
+            "--bootstrap",
+            bootstrap,
+            "--timeout-ms",
+            &TIMEOUT_MS.to_string(),
+        ])
         .args(["--delay-ms", &delay_ms.to_string(), "--blocks", "256"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -42,10 +53,19 @@ fn prefill(bootstrap: &str, delay_ms: u64) -> Proc {
 }
 
 fn registered_addr(client: &BootstrapClient) -> Option<String> {
-    client.query(Some("prefill")).ok()?.get(&0)?.addr(0, 0).map(str::to_string)
+    client
+        .query(Some("prefill"))
+        .ok()?
+        .get(&0)?
+        .addr(0, 0)
+        .map(str::to_string)
 }
 
-fn decode_node() -> (Node, SynthKv, flume::Receiver<(kvferry::machines::TransferId, Phase)>) {
+fn decode_node() -> (
+    Node,
+    SynthKv,
+    flume::Receiver<(kvferry::machines::TransferId, Phase)>,
+) {
     let (tx, rx) = flume::unbounded();
     let mut c = NodeConfig::new(Role::Decode, "decode");
     c.timeouts = demo_timeouts(TIMEOUT_MS);
@@ -62,19 +82,26 @@ fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
     let server = BootstrapServer::start("127.0.0.1:0").unwrap();
     let addr = server.local_addr().to_string();
     let client = BootstrapClient::new(&addr).unwrap();
-    let policy = RetryPolicy { deadline: Duration::from_secs(20), ..RetryPolicy::default() };
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
     // P answers each request only after 300 ms (its "prefill"), so requests
     // are in flight when it dies.
     let mut p = prefill(&addr, 300);
     client.wait_for_engine("prefill", 1, policy).unwrap();
     let first_addr = registered_addr(&client).unwrap();
     let (node, kv, done) = decode_node();
-    let target = PrefillTarget::Bootstrap { addr: addr.clone(), engine_id: "prefill".into() };
+    let target = PrefillTarget::Bootstrap {
+        addr: addr.clone(),
+        engine_id: "prefill".into(),
+    };
     let start = |tid: u64| {
         let blocks: Vec<u32> = vec![(tid % 16) as u32 * 4, (tid % 16) as u32 * 4 + 1];
         kv.clear(&blocks);
         let r = node.receiver(tid, &target).unwrap();
-        r.request(vec![blocks.iter().map(|&b| BlockId(b)).collect()]).unwrap();
+        r.request(vec![blocks.iter().map(|&b| BlockId(b)).collect()])
+            .unwrap();
         (r, blocks)
     };
     // A first request completes and is verified.
@@ -90,20 +117,34 @@ fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
     let bound = t.waiting_timeout + t.fence() + Duration::from_millis(500);
     for (r, blocks) in &live {
         let phase = r.wait(bound + Duration::from_secs(1));
-        assert!(phase.is_terminal(), "request {} still {phase:?}", r.transfer_id());
+        assert!(
+            phase.is_terminal(),
+            "request {} still {phase:?}",
+            r.transfer_id()
+        );
         match phase {
             Phase::Success => assert!(kv.verify(r.transfer_id(), blocks, 0).is_ok()),
             Phase::Failed(_) | Phase::Expired => {}
             other => panic!("{other:?}"),
         }
     }
-    assert!(killed_at.elapsed() <= bound, "ended after {:?} (bound {bound:?})", killed_at.elapsed());
-    assert!(node.stats().failed + node.stats().expired >= 1, "some requests were in flight");
+    assert!(
+        killed_at.elapsed() <= bound,
+        "ended after {:?} (bound {bound:?})",
+        killed_at.elapsed()
+    );
+    assert!(
+        node.stats().failed + node.stats().expired >= 1,
+        "some requests were in flight"
+    );
     // A replacement P registers; decode recovers without restarting.
     let _p2 = prefill(&addr, 0);
     let t0 = Instant::now();
     while registered_addr(&client).as_deref() == Some(first_addr.as_str()) {
-        assert!(t0.elapsed() < Duration::from_secs(20), "replacement never registered");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "replacement never registered"
+        );
         std::thread::yield_now();
     }
     let (r, blocks) = start(100);
@@ -128,18 +169,31 @@ fn decode_killed_prefill_releases_when_the_lease_runs_out() {
     unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
     let addr = node.bootstrap_addr().unwrap();
     let client = BootstrapClient::new(&addr).unwrap();
-    let policy = RetryPolicy { deadline: Duration::from_secs(20), ..RetryPolicy::default() };
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
     client.wait_for_engine("prefill", 1, policy).unwrap();
     let mut d = Proc(
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["decode", "--bootstrap", &addr, "--requests", "1", "--timeout-ms", "20000"])
+            .args([
+                "decode",
+                "--bootstrap",
+                &addr,
+                "--requests",
+                "1",
+                "--timeout-ms",
+                "20000",
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
     );
     // D's request arrives; P holds blocks for it, then D dies.
-    let req = req_rx.recv_timeout(Duration::from_secs(20)).expect("decode asked");
+    let req = req_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("decode asked");
     let tx = node.sender(req.transfer_id).unwrap();
     d.0.kill().unwrap();
     let _ = d.0.wait();
@@ -149,7 +203,11 @@ fn decode_killed_prefill_releases_when_the_lease_runs_out() {
     let t = demo_timeouts(TIMEOUT_MS);
     let phase = tx.wait(t.lease + t.fence() + Duration::from_secs(2));
     assert!(phase.is_terminal() && phase != Phase::Success, "{phase:?}");
-    assert!(killed_at.elapsed() < t.lease + t.fence() + Duration::from_secs(1), "{:?}", killed_at.elapsed());
+    assert!(
+        killed_at.elapsed() < t.lease + t.fence() + Duration::from_secs(1),
+        "{:?}",
+        killed_at.elapsed()
+    );
     let s = node.stats();
     assert_eq!(s.ok + s.failed + s.expired, 1, "released exactly once");
     node.shutdown(Duration::from_millis(50));

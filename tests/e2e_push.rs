@@ -24,9 +24,20 @@ fn timeouts() -> Config {
     }
 }
 
-fn spec(kind: LayoutKind, p_tp: u32, d_tp: u32, mode: Mode, transport: TransportKind) -> ClusterSpec {
+fn spec(
+    kind: LayoutKind,
+    p_tp: u32,
+    d_tp: u32,
+    mode: Mode,
+    transport: TransportKind,
+) -> ClusterSpec {
     ClusterSpec {
-        model: ModelSpec { layout: kind, total_kv_heads: 4, block_tokens: 4, head_bytes: 32 },
+        model: ModelSpec {
+            layout: kind,
+            total_kv_heads: 4,
+            block_tokens: 4,
+            head_bytes: 32,
+        },
         layers: 2,
         prefill_blocks: 64,
         decode_blocks: 64,
@@ -36,6 +47,7 @@ fn spec(kind: LayoutKind, p_tp: u32, d_tp: u32, mode: Mode, transport: Transport
         transport,
         timeouts: timeouts(),
         bootstrap: None,
+        spin: None,
     }
 }
 
@@ -53,8 +65,15 @@ fn run(spec: &ClusterSpec, requests: u64) {
         }
         c.start_request(tid, &src, &dst, 0).expect("request starts");
         let phases = c.wait_decode(tid, Duration::from_secs(10));
-        assert!(phases.iter().all(|p| *p == Phase::Success), "request {tid}: {phases:?}");
-        assert_eq!(c.verify(tid, &dst, 0), 0, "request {tid}: bytes differ on decode");
+        assert!(
+            phases.iter().all(|p| *p == Phase::Success),
+            "request {tid}: {phases:?}"
+        );
+        assert_eq!(
+            c.verify(tid, &dst, 0),
+            0,
+            "request {tid}: bytes differ on decode"
+        );
     }
     let stats: u64 = c.decode.iter().map(|r| r.node.stats().ok).sum();
     assert_eq!(stats, requests * spec.decode_tp as u64);
@@ -62,49 +81,79 @@ fn run(spec: &ClusterSpec, requests: u64) {
 
 #[test]
 fn push_tp1_to_tp1_local_transport() {
-    run(&spec(LayoutKind::Hnd, 1, 1, Mode::Push, TransportKind::Local), 8);
+    run(
+        &spec(LayoutKind::Hnd, 1, 1, Mode::Push, TransportKind::Local),
+        8,
+    );
 }
 
 #[test]
 fn push_tp1_to_tp1_tcp_transport() {
-    run(&spec(LayoutKind::Hnd, 1, 1, Mode::Push, TransportKind::Tcp), 8);
+    run(
+        &spec(LayoutKind::Hnd, 1, 1, Mode::Push, TransportKind::Tcp),
+        8,
+    );
 }
 
 #[test]
 fn push_tp2_to_tp1_hnd() {
-    run(&spec(LayoutKind::Hnd, 2, 1, Mode::Push, TransportKind::Tcp), 5);
+    run(
+        &spec(LayoutKind::Hnd, 2, 1, Mode::Push, TransportKind::Tcp),
+        5,
+    );
 }
 
 #[test]
 fn push_tp1_to_tp2_nhd() {
-    run(&spec(LayoutKind::Nhd, 1, 2, Mode::Push, TransportKind::Tcp), 5);
+    run(
+        &spec(LayoutKind::Nhd, 1, 2, Mode::Push, TransportKind::Tcp),
+        5,
+    );
 }
 
 #[test]
 fn push_tp4_to_tp2_hnd() {
-    run(&spec(LayoutKind::Hnd, 4, 2, Mode::Push, TransportKind::Tcp), 5);
+    run(
+        &spec(LayoutKind::Hnd, 4, 2, Mode::Push, TransportKind::Tcp),
+        5,
+    );
 }
 
 #[test]
 fn push_tp8_to_tp2_gqa_replicated_heads() {
     // More P ranks than KV heads: heads are replicated, one replica sends.
-    run(&spec(LayoutKind::Hnd, 8, 2, Mode::Push, TransportKind::Local), 3);
+    run(
+        &spec(LayoutKind::Hnd, 8, 2, Mode::Push, TransportKind::Local),
+        3,
+    );
 }
 
 #[test]
 fn push_mla_tp2_to_tp4() {
-    run(&spec(LayoutKind::Mla, 2, 4, Mode::Push, TransportKind::Tcp), 4);
+    run(
+        &spec(LayoutKind::Mla, 2, 4, Mode::Push, TransportKind::Tcp),
+        4,
+    );
 }
 
 #[test]
 fn pull_tp1_to_tp1_and_tp2_to_tp1() {
-    run(&spec(LayoutKind::Hnd, 1, 1, Mode::Pull, TransportKind::Tcp), 5);
-    run(&spec(LayoutKind::Hnd, 2, 1, Mode::Pull, TransportKind::Tcp), 5);
+    run(
+        &spec(LayoutKind::Hnd, 1, 1, Mode::Pull, TransportKind::Tcp),
+        5,
+    );
+    run(
+        &spec(LayoutKind::Hnd, 2, 1, Mode::Pull, TransportKind::Tcp),
+        5,
+    );
 }
 
 #[test]
 fn pull_mla_tp1_to_tp2() {
-    run(&spec(LayoutKind::Mla, 1, 2, Mode::Pull, TransportKind::Local), 4);
+    run(
+        &spec(LayoutKind::Mla, 1, 2, Mode::Pull, TransportKind::Local),
+        4,
+    );
 }
 
 #[test]
@@ -122,8 +171,15 @@ fn partial_prefix_hit_moves_only_the_tail() {
         c.start_request(tid, &src, &dst, 2).unwrap();
         let phases = c.wait_decode(tid, Duration::from_secs(10));
         assert_eq!(phases, vec![Phase::Success], "{mode:?}");
-        assert_eq!(c.verify(tid, &dst, 2), 0, "{mode:?}: tail must hold positions 2..6");
-        assert!(c.decode[0].kv.verify(tid, &dst, 0).is_err(), "positions are not shifted");
+        assert_eq!(
+            c.verify(tid, &dst, 2),
+            0,
+            "{mode:?}: tail must hold positions 2..6"
+        );
+        assert!(
+            c.decode[0].kv.verify(tid, &dst, 0).is_err(),
+            "positions are not shifted"
+        );
     }
 }
 
@@ -143,10 +199,12 @@ fn chunked_sends_arrive_in_order() {
     let dst: Vec<u32> = (20..26).collect();
     c.fill(tid, &src);
     let rx = c.decode[0].node.receiver(tid, &c.target).unwrap();
-    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()]).unwrap();
+    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
+        .unwrap();
     let tx = c.prefill[0].node.sender(tid).unwrap();
     for (i, part) in src.chunks(2).enumerate() {
-        tx.send(vec![part.iter().map(|&b| BlockId(b)).collect()], i == 2).unwrap();
+        tx.send(vec![part.iter().map(|&b| BlockId(b)).collect()], i == 2)
+            .unwrap();
     }
     assert_eq!(rx.wait(Duration::from_secs(10)), Phase::Success);
     assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);

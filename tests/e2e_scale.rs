@@ -34,34 +34,66 @@ fn round(c: &Cluster, base: u64) {
             prefix_blocks: vec![0],
         })
         .collect();
-    d.start_load_kv(&LoadMeta { loads, sends: Vec::new() }).unwrap();
+    d.start_load_kv(&LoadMeta {
+        loads,
+        sends: Vec::new(),
+    })
+    .unwrap();
     for i in 0..IN_FLIGHT {
         c.prefill[0].kv.fill(base + u64::from(i), &[i], 0);
         c.decode[0].kv.clear(&[i]);
     }
     let sends = (0..IN_FLIGHT)
-        .map(|i| SendRequest { transfer_id: base + u64::from(i), src_blocks: vec![vec![BlockId(i)]], is_last: true })
+        .map(|i| SendRequest {
+            transfer_id: base + u64::from(i),
+            src_blocks: vec![vec![BlockId(i)]],
+            is_last: true,
+        })
         .collect();
-    p.start_load_kv(&LoadMeta { loads: Vec::new(), sends }).unwrap();
+    p.start_load_kv(&LoadMeta {
+        loads: Vec::new(),
+        sends,
+    })
+    .unwrap();
     let mut received = HashSet::new();
     while received.len() < IN_FLIGHT as usize {
         let Ok((_, tid, phase)) = c.decode_done.recv_timeout(Duration::from_secs(20)) else {
-            panic!("requests did not end: {} of {IN_FLIGHT}; d {:?} p {:?}", received.len(), d.stats(), p.stats());
+            panic!(
+                "requests did not end: {} of {IN_FLIGHT}; d {:?} p {:?}",
+                received.len(),
+                d.stats(),
+                p.stats()
+            );
         };
-        assert_eq!(phase, Phase::Success, "transfer {tid:?}; d {:?} p {:?}", d.stats(), p.stats());
+        assert_eq!(
+            phase,
+            Phase::Success,
+            "transfer {tid:?}; d {:?} p {:?}",
+            d.stats(),
+            p.stats()
+        );
         received.insert(tid.0);
     }
     for i in 0..IN_FLIGHT {
-        assert!(c.decode[0].kv.verify(base + u64::from(i), &[i], 0).is_ok(), "request {i}");
+        assert!(
+            c.decode[0].kv.verify(base + u64::from(i), &[i], 0).is_ok(),
+            "request {i}"
+        );
     }
     // The batch API reports every transfer once.
     let (_, got) = d.get_finished();
     let got: HashSet<u64> = got.into_iter().collect();
     assert_eq!(got.len(), received.len());
-    assert!(got == received, "get_finished differs from the notifications");
+    assert!(
+        got == received,
+        "get_finished differs from the notifications"
+    );
     let mut sent = HashSet::new();
     while sent.len() < IN_FLIGHT as usize {
-        let (_, tid, _) = c.prefill_done.recv_timeout(Duration::from_secs(20)).expect("prefill ends");
+        let (_, tid, _) = c
+            .prefill_done
+            .recv_timeout(Duration::from_secs(20))
+            .expect("prefill ends");
         sent.insert(tid.0);
     }
     let (p_sent, _) = p.get_finished();
@@ -72,7 +104,12 @@ fn round(c: &Cluster, base: u64) {
 #[test]
 fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
     let spec = ClusterSpec {
-        model: ModelSpec { layout: LayoutKind::Hnd, total_kv_heads: 2, block_tokens: 4, head_bytes: 16 },
+        model: ModelSpec {
+            layout: LayoutKind::Hnd,
+            total_kv_heads: 2,
+            block_tokens: 4,
+            head_bytes: 16,
+        },
         layers: 1,
         prefill_blocks: u64::from(IN_FLIGHT),
         decode_blocks: u64::from(IN_FLIGHT),
@@ -86,6 +123,7 @@ fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
             ..Config::default()
         },
         bootstrap: None,
+        spin: None,
     };
     kvferry::cli::init_tracing();
     let c = Cluster::start(&spec).unwrap();

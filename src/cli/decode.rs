@@ -49,7 +49,10 @@ const OPTIONS: &[&str] = &[
 
 fn run(a: &Args) -> Result<DemoReport, String> {
     let e = |e: super::args::UsageError| e.to_string();
-    let bootstrap = a.get_str("bootstrap").ok_or("--bootstrap is required")?.to_string();
+    let bootstrap = a
+        .get_str("bootstrap")
+        .ok_or("--bootstrap is required")?
+        .to_string();
     let requests: u64 = a.get_or("requests", 0).map_err(e)?;
     let (model, layers) = model_from(a).map_err(e)?;
     let concurrency: u64 = a.get_or("concurrency", 16u64).map_err(e)?.max(1);
@@ -59,8 +62,14 @@ fn run(a: &Args) -> Result<DemoReport, String> {
     let mut c = NodeConfig::new(Role::Decode, format!("decode-{}", std::process::id()));
     c.tp_size = a.get_or("tp-size", 1).map_err(e)?;
     c.tp_rank = a.get_or("tp-rank", 0).map_err(e)?;
-    c.mode = a.get_str("mode").map_or(Ok(c.mode), parse_mode).map_err(e)?;
-    c.transport = a.get_str("transport").map_or(Ok(c.transport), parse_transport).map_err(e)?;
+    c.mode = a
+        .get_str("mode")
+        .map_or(Ok(c.mode), parse_mode)
+        .map_err(e)?;
+    c.transport = a
+        .get_str("transport")
+        .map_or(Ok(c.transport), parse_transport)
+        .map_err(e)?;
     c.timeouts = demo_timeouts(timeout_ms);
     if let Some(h) = a.get_str("host") {
         c.host = h.to_string();
@@ -77,7 +86,10 @@ fn run(a: &Args) -> Result<DemoReport, String> {
         addr: bootstrap,
         engine_id: a.get_str("engine-id").unwrap_or("prefill").to_string(),
     };
-    let mut report = DemoReport { requests, ..DemoReport::default() };
+    let mut report = DemoReport {
+        requests,
+        ..DemoReport::default()
+    };
     let mut free: Vec<u64> = (0..slots).rev().collect();
     let mut live: HashMap<u64, (u64, Instant)> = HashMap::new();
     let mut latencies = Vec::new();
@@ -86,7 +98,8 @@ fn run(a: &Args) -> Result<DemoReport, String> {
     // The machines end every request by its deadline plus the fence; this
     // outer bound only guards against a bug, so the command cannot hang.
     let t = demo_timeouts(timeout_ms);
-    let guard = t.bootstrap_timeout + t.waiting_timeout + t.fence() + t.lease * 2 + Duration::from_secs(5);
+    let guard =
+        t.bootstrap_timeout + t.waiting_timeout + t.fence() + t.lease * 2 + Duration::from_secs(5);
     let mut last_event = Instant::now();
     while finished < requests {
         while next < requests && !stop_requested() {
@@ -95,7 +108,9 @@ fn run(a: &Args) -> Result<DemoReport, String> {
             let blocks: Vec<u32> = (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect();
             kv.clear(&blocks);
             let dst = vec![blocks.iter().map(|&x| BlockId(x)).collect()];
-            node.receiver(tid, &target).and_then(|r| r.request(dst)).map_err(|e| format!("request {tid}: {e}"))?;
+            node.receiver(tid, &target)
+                .and_then(|r| r.request(dst))
+                .map_err(|e| format!("request {tid}: {e}"))?;
             live.insert(tid, (slot, Instant::now()));
             next += 1;
         }
@@ -106,13 +121,19 @@ fn run(a: &Args) -> Result<DemoReport, String> {
             Ok((tid, phase)) => (tid.0, phase),
             Err(_) => {
                 if last_event.elapsed() > guard {
-                    return Err(format!("{} requests did not end within {} s", live.len(), guard.as_secs()));
+                    return Err(format!(
+                        "{} requests did not end within {} s",
+                        live.len(),
+                        guard.as_secs()
+                    ));
                 }
                 continue;
             }
         };
         last_event = Instant::now();
-        let Some((slot, at)) = live.remove(&tid) else { continue };
+        let Some((slot, at)) = live.remove(&tid) else {
+            continue;
+        };
         finished += 1;
         match phase {
             Phase::Success => {
@@ -125,9 +146,10 @@ fn run(a: &Args) -> Result<DemoReport, String> {
                 latencies.push(at.elapsed().as_secs_f64() * 1e3);
             }
             Phase::Expired => report.expired += 1,
-            Phase::Failed(_) | Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring => {
-                report.failed += 1
-            }
+            Phase::Failed(_)
+            | Phase::Bootstrapping
+            | Phase::WaitingForInput
+            | Phase::Transferring => report.failed += 1,
         }
         free.push(slot);
         let _ = node.get_finished();

@@ -20,7 +20,7 @@ usage: kvferry demo [--requests N] [--concurrency C] [--layers L]
                     [--head-bytes X] [--prefill-tp P] [--decode-tp D]
                     [--layout hnd|nhd|mla] [--mode push|pull]
                     [--transport tcp|local] [--timeout-ms MS] [--json]
-                    [--zmq-baseline]   (also time a bare 256-byte ZeroMQ
+                    [--spin-us US] [--zmq-baseline]   (also time a bare 256-byte ZeroMQ
                                         DEALER/ROUTER round trip, same run)
 ";
 
@@ -40,6 +40,7 @@ const OPTIONS: &[&str] = &[
     "timeout-ms",
     "json",
     "zmq-baseline",
+    "spin-us",
 ];
 
 /// The demo's settings.
@@ -59,6 +60,8 @@ pub struct DemoOptions {
     pub transport: TransportKind,
     /// Per-request deadline (bootstrap, waiting, claim).
     pub timeout_ms: u64,
+    /// Executors spin this long before parking (0: park at once).
+    pub spin_us: u64,
 }
 
 impl Default for DemoOptions {
@@ -77,6 +80,7 @@ impl Default for DemoOptions {
             mode: Mode::Push,
             transport: TransportKind::Tcp,
             timeout_ms: 10_000,
+            spin_us: 0,
         }
     }
 }
@@ -112,10 +116,15 @@ pub fn zmq_baseline(n: usize) -> Result<(f64, f64), String> {
     let router = ctx.socket(zmq::ROUTER).map_err(e)?;
     router.set_linger(0).map_err(e)?;
     router.bind("tcp://127.0.0.1:*").map_err(e)?;
-    let ep = router.get_last_endpoint().map_err(e)?.map_err(|_| "endpoint".to_string())?;
+    let ep = router
+        .get_last_endpoint()
+        .map_err(e)?
+        .map_err(|_| "endpoint".to_string())?;
     let echo = std::thread::spawn(move || {
         for _ in 0..n {
-            let Ok(parts) = router.recv_multipart(0) else { return };
+            let Ok(parts) = router.recv_multipart(0) else {
+                return;
+            };
             if router.send_multipart(parts, 0).is_err() {
                 return;
             }
@@ -144,7 +153,9 @@ pub fn parse_layout(s: &str) -> Result<LayoutKind, UsageError> {
         "hnd" => Ok(LayoutKind::Hnd),
         "nhd" => Ok(LayoutKind::Nhd),
         "mla" => Ok(LayoutKind::Mla),
-        _ => Err(UsageError(format!("--layout: expected hnd, nhd or mla, not {s:?}"))),
+        _ => Err(UsageError(format!(
+            "--layout: expected hnd, nhd or mla, not {s:?}"
+        ))),
     }
 }
 
@@ -152,7 +163,9 @@ pub fn parse_mode(s: &str) -> Result<Mode, UsageError> {
     match s {
         "push" => Ok(Mode::Push),
         "pull" => Ok(Mode::Pull),
-        _ => Err(UsageError(format!("--mode: expected push or pull, not {s:?}"))),
+        _ => Err(UsageError(format!(
+            "--mode: expected push or pull, not {s:?}"
+        ))),
     }
 }
 
@@ -160,7 +173,9 @@ pub fn parse_transport(s: &str) -> Result<TransportKind, UsageError> {
     match s {
         "tcp" => Ok(TransportKind::Tcp),
         "local" => Ok(TransportKind::Local),
-        _ => Err(UsageError(format!("--transport: expected tcp or local, not {s:?}"))),
+        _ => Err(UsageError(format!(
+            "--transport: expected tcp or local, not {s:?}"
+        ))),
     }
 }
 
@@ -180,14 +195,22 @@ fn parse(argv: &[String]) -> Result<(DemoOptions, bool, bool), UsageError> {
         decode_tp: a.get_or("decode-tp", d.decode_tp)?,
         layout: a.get_str("layout").map_or(Ok(d.layout), parse_layout)?,
         mode: a.get_str("mode").map_or(Ok(d.mode), parse_mode)?,
-        transport: a.get_str("transport").map_or(Ok(d.transport), parse_transport)?,
+        transport: a
+            .get_str("transport")
+            .map_or(Ok(d.transport), parse_transport)?,
         timeout_ms: a.get_or("timeout-ms", d.timeout_ms)?,
+        spin_us: a.get_or("spin-us", d.spin_us)?,
     };
     if o.concurrency == 0 || o.layers == 0 || o.blocks_per_request == 0 || o.block_tokens == 0 {
-        return Err(UsageError("--concurrency, --layers, --blocks-per-request and --block-tokens must be positive".into()));
+        return Err(UsageError(
+            "--concurrency, --layers, --blocks-per-request and --block-tokens must be positive"
+                .into(),
+        ));
     }
     if o.heads == 0 || o.head_bytes == 0 || o.prefill_tp == 0 || o.decode_tp == 0 {
-        return Err(UsageError("--heads, --head-bytes and the TP sizes must be positive".into()));
+        return Err(UsageError(
+            "--heads, --head-bytes and the TP sizes must be positive".into(),
+        ));
     }
     Ok((o, a.flag("json"), a.flag("zmq-baseline")))
 }
@@ -204,7 +227,9 @@ pub fn demo_timeouts(timeout_ms: u64) -> Config {
         transfer_bound: t.min(Duration::from_secs(10)),
         fence_margin: Duration::from_millis(200).min(t),
         heartbeat_interval: (t / 4).min(Duration::from_secs(1)),
-        lease: (t / 2).min(Duration::from_secs(4)).max((t / 4).min(Duration::from_secs(1)) * 2),
+        lease: (t / 2)
+            .min(Duration::from_secs(4))
+            .max((t / 4).min(Duration::from_secs(1)) * 2),
         heartbeat_misses: 3,
         ..Config::default()
     }
@@ -245,6 +270,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         transport: o.transport,
         timeouts: demo_timeouts(o.timeout_ms),
         bootstrap: Some("127.0.0.1:0".into()),
+        spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
     };
     let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
     // Block slots: request slot s owns blocks s·B .. (s+1)·B on both sides,
@@ -260,9 +286,16 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         verified: bool,
     }
     let mut live: HashMap<u64, Live> = HashMap::new();
-    let mut report = DemoReport { requests: o.requests, ..DemoReport::default() };
+    let mut report = DemoReport {
+        requests: o.requests,
+        ..DemoReport::default()
+    };
     let mut latencies = Vec::with_capacity(o.requests as usize);
-    let bytes_per_request: u64 = c.decode.iter().map(|r| r.kv.block_bytes() * u64::from(b)).sum();
+    let bytes_per_request: u64 = c
+        .decode
+        .iter()
+        .map(|r| r.kv.block_bytes() * u64::from(b))
+        .sum();
     let started = Instant::now();
     let mut next = 0u64;
     let mut finished = 0u64;
@@ -300,13 +333,19 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             Ok(Err(_)) => return Err("node notification channel closed".into()),
             Err(_) => {
                 if last_progress.elapsed() > hard_deadline {
-                    return Err(format!("no progress for {} s; {} requests still live", hard_deadline.as_secs(), live.len()));
+                    return Err(format!(
+                        "no progress for {} s; {} requests still live",
+                        hard_deadline.as_secs(),
+                        live.len()
+                    ));
                 }
                 continue;
             }
         };
         last_progress = Instant::now();
-        let Some(l) = live.get_mut(&tid.0) else { continue };
+        let Some(l) = live.get_mut(&tid.0) else {
+            continue;
+        };
         if is_decode {
             l.decode_left = l.decode_left.saturating_sub(1);
             match phase {
@@ -420,7 +459,17 @@ pub fn print_report(r: &DemoReport, json: bool) {
             "requests {} ok {} failed {} expired {} verify_errors {}\n\
              bytes {} in {:.3} s: {:.3} GB/s, {:.0} requests/s\n\
              latency p50 {:.3} ms p99 {:.3} ms",
-            r.requests, r.ok, r.failed, r.expired, r.verify_errors, r.bytes, r.elapsed_s, r.gbps, r.requests_per_s, r.p50_ms, r.p99_ms
+            r.requests,
+            r.ok,
+            r.failed,
+            r.expired,
+            r.verify_errors,
+            r.bytes,
+            r.elapsed_s,
+            r.gbps,
+            r.requests_per_s,
+            r.p50_ms,
+            r.p99_ms
         );
         if let (Some(p50), Some(p99)) = (r.zmq_rtt_p50_ms, r.zmq_rtt_p99_ms) {
             println!("bare ZeroMQ 256 B round trip: p50 {p50:.3} ms p99 {p99:.3} ms");

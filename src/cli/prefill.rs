@@ -70,7 +70,9 @@ pub(crate) fn stop_requested() -> bool {
 
 /// The model options shared by `prefill` and `decode`.
 pub(crate) fn model_from(a: &Args) -> Result<(ModelSpec, u32), UsageError> {
-    let layout = a.get_str("layout").map_or(Ok(LayoutKind::Hnd), parse_layout)?;
+    let layout = a
+        .get_str("layout")
+        .map_or(Ok(LayoutKind::Hnd), parse_layout)?;
     let heads: u32 = a.get_or("heads", 8)?;
     let model = ModelSpec {
         layout,
@@ -80,21 +82,32 @@ pub(crate) fn model_from(a: &Args) -> Result<(ModelSpec, u32), UsageError> {
     };
     let layers: u32 = a.get_or("layers", 4)?;
     if model.block_tokens == 0 || model.head_bytes == 0 || heads == 0 || layers == 0 {
-        return Err(UsageError("--block-tokens, --head-bytes, --heads and --layers must be positive".into()));
+        return Err(UsageError(
+            "--block-tokens, --head-bytes, --heads and --layers must be positive".into(),
+        ));
     }
     Ok((model, layers))
 }
 
 fn run(a: &Args) -> Result<ExitCode, String> {
-    let bootstrap = a.get_str("bootstrap").ok_or("--bootstrap is required")?.to_string();
+    let bootstrap = a
+        .get_str("bootstrap")
+        .ok_or("--bootstrap is required")?
+        .to_string();
     let (model, layers) = model_from(a).map_err(|e| e.to_string())?;
     let num_blocks: u32 = a.get_or("blocks", 4096).map_err(|e| e.to_string())?;
     let delay = Duration::from_millis(a.get_or("delay-ms", 0u64).map_err(|e| e.to_string())?);
     let mut c = NodeConfig::new(Role::Prefill, a.get_str("engine-id").unwrap_or("prefill"));
     c.tp_size = a.get_or("tp-size", 1).map_err(|e| e.to_string())?;
     c.tp_rank = a.get_or("tp-rank", 0).map_err(|e| e.to_string())?;
-    c.mode = a.get_str("mode").map_or(Ok(c.mode), parse_mode).map_err(|e| e.to_string())?;
-    c.transport = a.get_str("transport").map_or(Ok(c.transport), parse_transport).map_err(|e| e.to_string())?;
+    c.mode = a
+        .get_str("mode")
+        .map_or(Ok(c.mode), parse_mode)
+        .map_err(|e| e.to_string())?;
+    c.transport = a
+        .get_str("transport")
+        .map_or(Ok(c.transport), parse_transport)
+        .map_err(|e| e.to_string())?;
     c.timeouts = demo_timeouts(a.get_or("timeout-ms", 10_000).map_err(|e| e.to_string())?);
     if let Some(h) = a.get_str("host") {
         c.host = h.to_string();
@@ -153,7 +166,9 @@ fn run(a: &Args) -> Result<ExitCode, String> {
         }
         let wait = waiting
             .front()
-            .map_or(Duration::from_millis(100), |(at, _)| at.saturating_duration_since(now))
+            .map_or(Duration::from_millis(100), |(at, _)| {
+                at.saturating_duration_since(now)
+            })
             .min(Duration::from_millis(100));
         let event = flume::Selector::new()
             .recv(&req_rx, |r| r.map(either_left))
@@ -164,7 +179,10 @@ fn run(a: &Args) -> Result<ExitCode, String> {
                 if r.blocks_per_group.len() == 1 && r.blocks_per_group[0] <= num_blocks {
                     waiting.push_back((Instant::now() + delay, r));
                 } else {
-                    tracing::warn!(tid = r.transfer_id, "request does not fit this server; aborting");
+                    tracing::warn!(
+                        tid = r.transfer_id,
+                        "request does not fit this server; aborting"
+                    );
                     let _ = node.abort(r.transfer_id);
                 }
             }
@@ -198,7 +216,9 @@ fn either_right((t, _): (crate::machines::TransferId, crate::machines::Phase)) -
 }
 
 pub fn main(argv: &[String]) -> ExitCode {
-    let a = match Args::parse(argv, &["serve-bootstrap"]).and_then(|a| a.reject_unknown(OPTIONS).map(|()| a)) {
+    let a = match Args::parse(argv, &["serve-bootstrap"])
+        .and_then(|a| a.reject_unknown(OPTIONS).map(|()| a))
+    {
         Ok(a) => a,
         Err(e) => {
             eprintln!("kvferry prefill: {e}\n\n{USAGE}");

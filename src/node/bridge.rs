@@ -24,8 +24,8 @@ use kvferry_machines::{recv, send, AbortReason, TransferId};
 use kvferry_reactor::SubmitError;
 
 use super::proto::{self, Frame, Hello};
-use crate::bootstrap::{BootstrapClient, BootstrapServer, RegisterRequest, RetryPolicy};
 use super::{EngineHandle, NodeConfig, NodeError, PeerData, PrefillTarget, Role, Shared};
+use crate::bootstrap::{BootstrapClient, BootstrapServer, RegisterRequest, RetryPolicy};
 
 /// Most frames read from one socket before looking at the others.
 const READ_BUDGET: usize = 512;
@@ -38,11 +38,21 @@ const HWM: i32 = 200_000;
 pub(crate) enum BridgeCmd {
     /// Send an encoded frame to a peer; `tid` ties the peer to a transfer
     /// for peer-death notification.
-    Send { peer: u32, tid: Option<TransferId>, bytes: Vec<u8> },
+    Send {
+        peer: u32,
+        tid: Option<TransferId>,
+        bytes: Vec<u8>,
+    },
     /// Find and contact the prefill ranks of a new decode request.
-    Resolve { tid: TransferId, target: PrefillTarget },
+    Resolve {
+        tid: TransferId,
+        target: PrefillTarget,
+    },
     /// Result of a bootstrap query started by the bridge.
-    Directory { target: PrefillTarget, result: Result<(u32, Vec<String>), String> },
+    Directory {
+        target: PrefillTarget,
+        result: Result<(u32, Vec<String>), String>,
+    },
     /// Stop the thread.
     Stop,
 }
@@ -70,7 +80,8 @@ impl BridgeThread {
                     p => p.to_string(),
                 };
                 let ep = format!("tcp://{}:{}", shared.config.host, port);
-                s.bind(&ep).map_err(|e| NodeError::SideChannel(format!("bind {ep}: {e}")))?;
+                s.bind(&ep)
+                    .map_err(|e| NodeError::SideChannel(format!("bind {ep}: {e}")))?;
                 let bound = s
                     .get_last_endpoint()
                     .map_err(zerr)?
@@ -79,7 +90,11 @@ impl BridgeThread {
             }
             Role::Decode => (None, String::new()),
         };
-        let tick = shared.config.timeouts.heartbeat_interval.max(Duration::from_millis(1));
+        let tick = shared
+            .config
+            .timeouts
+            .heartbeat_interval
+            .max(Duration::from_millis(1));
         let bridge = Bridge {
             shared,
             handle,
@@ -105,7 +120,9 @@ impl BridgeThread {
 
     pub(crate) fn stop(self, shared: &Shared) {
         // Blocking send is fine: the bridge drains its queue continuously.
-        let _ = shared.bridge_tx.send_timeout(BridgeCmd::Stop, Duration::from_secs(5));
+        let _ = shared
+            .bridge_tx
+            .send_timeout(BridgeCmd::Stop, Duration::from_secs(5));
         shared.waker.force();
         let _ = self.join.join();
     }
@@ -180,7 +197,10 @@ impl Bridge {
             let mut sources = Vec::with_capacity(1 + self.slots.len());
             let readable: Vec<Source> = {
                 let mut items = Vec::with_capacity(2 + self.slots.len());
-                items.push(zmq::PollItem::from_fd(self.shared.waker.raw_fd(), zmq::POLLIN));
+                items.push(zmq::PollItem::from_fd(
+                    self.shared.waker.raw_fd(),
+                    zmq::POLLIN,
+                ));
                 if let Some(r) = &self.router {
                     items.push(r.as_poll_item(zmq::POLLIN));
                     sources.push(Source::Router);
@@ -191,7 +211,10 @@ impl Bridge {
                         sources.push(Source::Dealer(i as u32));
                     }
                 }
-                let wait_ms = self.next_tick.saturating_duration_since(Instant::now()).as_millis() as i64;
+                let wait_ms = self
+                    .next_tick
+                    .saturating_duration_since(Instant::now())
+                    .as_millis() as i64;
                 if let Err(e) = zmq::poll(&mut items, wait_ms.max(0) + 1) {
                     tracing::error!(%e, "zmq poll failed");
                 }
@@ -256,7 +279,10 @@ impl Bridge {
 
     fn send_bytes(&mut self, peer: u32, bytes: Vec<u8>) {
         let Some(slot) = self.slots.get(peer as usize) else {
-            self.shared.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .dropped_frames
+                .fetch_add(1, Ordering::Relaxed);
             return;
         };
         let r = match &slot.route {
@@ -270,7 +296,10 @@ impl Bridge {
         };
         if let Err(e) = r {
             tracing::debug!(peer, %e, "frame not sent");
-            self.shared.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .dropped_frames
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -306,7 +335,10 @@ impl Bridge {
                     }
                     let payload = parts.pop().unwrap_or_default();
                     let identity = parts.pop().unwrap_or_default();
-                    (self.by_identity.get(&identity).copied().ok_or(identity), payload)
+                    (
+                        self.by_identity.get(&identity).copied().ok_or(identity),
+                        payload,
+                    )
                 }
                 Source::Dealer(i) => {
                     if parts.len() != 1 {
@@ -329,7 +361,10 @@ impl Bridge {
 
     fn bad_frame(&self, why: &str) {
         tracing::warn!(why, "side-channel frame rejected");
-        self.shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .counters
+            .bad_frames
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// `peer` is the slot, or the unknown ROUTER identity.
@@ -365,7 +400,10 @@ impl Bridge {
             s.last_heard = Some(now);
             if s.dead {
                 s.dead = false;
-                self.shared.counters.dead_now.fetch_sub(1, Ordering::Relaxed);
+                self.shared
+                    .counters
+                    .dead_now
+                    .fetch_sub(1, Ordering::Relaxed);
                 tracing::info!(peer, addr = %s.addr, "peer answered again; dead mark cleared");
             }
         }
@@ -401,7 +439,10 @@ impl Bridge {
             return;
         };
         let pair = if h.mode != self.shared.config.mode {
-            Err(format!("peer runs {:?} mode, we run {:?}", h.mode, self.shared.config.mode))
+            Err(format!(
+                "peer runs {:?} mode, we run {:?}",
+                h.mode, self.shared.config.mode
+            ))
         } else if h.model != local.model {
             Err("peer's model spec differs from ours".to_string())
         } else {
@@ -416,8 +457,16 @@ impl Bridge {
         }
         let endpoint = h.endpoint.parse().ok();
         let is_reply = h.is_reply;
-        let data = Arc::new(PeerData { hello: h, pair, endpoint });
-        self.shared.peers.lock().unwrap_or_else(|e| e.into_inner()).insert(peer, data);
+        let data = Arc::new(PeerData {
+            hello: h,
+            pair,
+            endpoint,
+        });
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer, data);
         if let Some(s) = self.slots.get_mut(peer as usize) {
             s.ready = true;
         }
@@ -444,29 +493,44 @@ impl Bridge {
         }
         let shared = self.shared.clone();
         let refused = match &self.handle {
-            EngineHandle::Prefill(h) => match {
-                let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+            EngineHandle::Prefill(h) => match with_lock(&shared, || {
                 h.send_event(tid, send::Event::Msg { peer: pid, msg })
-            } {
+            }) {
                 Ok(()) => return,
                 Err(r) => match (r.error, r.value) {
-                    (SubmitError::UnknownTransfer(_), send::Event::Msg { msg: msg @ Msg::Pull { .. }, .. }) => {
-                        if let (Some(hook), Msg::Pull { dst_blocks, prefix_blocks, .. }) =
-                            (&self.shared.config.on_remote_request, &msg)
+                    (
+                        SubmitError::UnknownTransfer(_),
+                        send::Event::Msg {
+                            msg: msg @ Msg::Pull { .. },
+                            ..
+                        },
+                    ) => {
+                        if let (
+                            Some(hook),
+                            Msg::Pull {
+                                dst_blocks,
+                                prefix_blocks,
+                                ..
+                            },
+                        ) = (&self.shared.config.on_remote_request, &msg)
                         {
                             let blocks_per_group = dst_blocks
                                 .iter()
                                 .zip(prefix_blocks)
                                 .map(|(d, p)| (d.len() as u32).saturating_add(*p))
                                 .collect();
-                            let _ = hook.try_send(super::RemoteRequest { transfer_id: tid.0, blocks_per_group });
+                            let _ = hook.try_send(super::RemoteRequest {
+                                transfer_id: tid.0,
+                                blocks_per_group,
+                            });
                         }
                         // D asked before the engine called `sender`: create
                         // the machine now (either may come first).
                         let cfg = &self.shared.config;
                         let m = SendMachine::new(Instant::now(), &cfg.timeouts, tid, cfg.mode);
                         let created = {
-                            let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+                            let _order =
+                                shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
                             h.create(0, tid, m)
                         };
                         match created {
@@ -474,7 +538,13 @@ impl Bridge {
                             Err(c) if c.error == SubmitError::DuplicateTransfer(tid) => {}
                             Err(c) => {
                                 tracing::warn!(?tid, error = %c.error, "cannot take a new transfer");
-                                self.send_frame(peer, &Frame::Transfer { transfer_id: tid.0, msg: Msg::Abort });
+                                self.send_frame(
+                                    peer,
+                                    &Frame::Transfer {
+                                        transfer_id: tid.0,
+                                        msg: Msg::Abort,
+                                    },
+                                );
                                 return;
                             }
                         }
@@ -487,7 +557,8 @@ impl Bridge {
                     (e, _) => (e, None),
                 },
             },
-            EngineHandle::Decode(h) => match h.send_event(tid, recv::Event::Msg { peer: pid, msg }) {
+            EngineHandle::Decode(h) => match h.send_event(tid, recv::Event::Msg { peer: pid, msg })
+            {
                 Ok(()) => return,
                 Err(r) => match r.value {
                     recv::Event::Msg { msg, .. } => (r.error, Some(msg)),
@@ -499,7 +570,10 @@ impl Bridge {
             (SubmitError::UnknownTransfer(_), Some(msg)) => self.answer_unknown(peer, tid, msg),
             (e, _) => {
                 tracing::debug!(?tid, %e, "message not delivered");
-                self.shared.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+                self.shared
+                    .counters
+                    .dropped_frames
+                    .fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -526,8 +600,19 @@ impl Bridge {
             Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
         };
         if let Some(a) = answer {
-            tracing::debug!(?tid, peer, ?a, "answering a message for an unknown or finished transfer");
-            self.send_frame(peer, &Frame::Transfer { transfer_id: tid.0, msg: a });
+            tracing::debug!(
+                ?tid,
+                peer,
+                ?a,
+                "answering a message for an unknown or finished transfer"
+            );
+            self.send_frame(
+                peer,
+                &Frame::Transfer {
+                    transfer_id: tid.0,
+                    msg: a,
+                },
+            );
         }
     }
 
@@ -572,7 +657,9 @@ impl Bridge {
     }
 
     fn start_query(&mut self, target: &PrefillTarget) {
-        let PrefillTarget::Bootstrap { addr, engine_id } = target else { return };
+        let PrefillTarget::Bootstrap { addr, engine_id } = target else {
+            return;
+        };
         self.directory.insert(target.clone(), Dir::Querying);
         let tx = self.shared.bridge_tx.clone();
         let waker = self.shared.waker.clone();
@@ -580,11 +667,19 @@ impl Bridge {
         let target = target.clone();
         // HTTP would block the sockets; one short-lived thread per query,
         // and at most one query per target at a time.
-        let spawned = std::thread::Builder::new().name("kvferry-bootstrap-query".into()).spawn(move || {
-            let result = query_bootstrap(&addr, &engine_id);
-            let _ = tx.send_timeout(BridgeCmd::Directory { target: key, result }, Duration::from_secs(5));
-            waker.wake();
-        });
+        let spawned = std::thread::Builder::new()
+            .name("kvferry-bootstrap-query".into())
+            .spawn(move || {
+                let result = query_bootstrap(&addr, &engine_id);
+                let _ = tx.send_timeout(
+                    BridgeCmd::Directory {
+                        target: key,
+                        result,
+                    },
+                    Duration::from_secs(5),
+                );
+                waker.wake();
+            });
         if spawned.is_err() {
             self.directory.insert(target, Dir::Failed(Instant::now()));
         }
@@ -601,7 +696,10 @@ impl Bridge {
             _ => return true,
         }
         let (tp, addrs) = match &p.target {
-            PrefillTarget::Direct { tp_size, side_channels } => (*tp_size, side_channels.clone()),
+            PrefillTarget::Direct {
+                tp_size,
+                side_channels,
+            } => (*tp_size, side_channels.clone()),
             PrefillTarget::Bootstrap { .. } => match self.directory.get(&p.target) {
                 Some(Dir::Known(tp, addrs)) => (*tp, addrs.clone()),
                 Some(Dir::Querying) => return false,
@@ -631,7 +729,9 @@ impl Bridge {
         let mut dead = Vec::new();
         let mut waiting = false;
         for (rank, _) in pair.sources_of(local.layout.tp_rank) {
-            let Some(addr) = addrs.get(rank as usize) else { continue };
+            let Some(addr) = addrs.get(rank as usize) else {
+                continue;
+            };
             let Some(peer) = self.dealer_for(addr) else {
                 let _ = self.handle.abort_engine(p.tid);
                 return true;
@@ -643,7 +743,10 @@ impl Bridge {
                 waiting = true;
             }
             let receivers = pair.targets_of(rank).count() as u16;
-            peers.push(ResolvedPeer { peer: PeerId(peer), receivers_expected: receivers });
+            peers.push(ResolvedPeer {
+                peer: PeerId(peer),
+                receivers_expected: receivers,
+            });
         }
         if waiting && dead.is_empty() {
             return false;
@@ -693,8 +796,14 @@ impl Bridge {
             let watched = matches!(s.route, Route::Dealer(_)) || !s.transfers.is_empty();
             if !s.dead && watched && quiet > silence_max {
                 s.dead = true;
-                self.shared.counters.peers_marked_dead.fetch_add(1, Ordering::Relaxed);
-                self.shared.counters.dead_now.fetch_add(1, Ordering::Relaxed);
+                self.shared
+                    .counters
+                    .peers_marked_dead
+                    .fetch_add(1, Ordering::Relaxed);
+                self.shared
+                    .counters
+                    .dead_now
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(peer = i, addr = %s.addr, quiet_ms = quiet.as_millis() as u64, "peer marked dead");
                 let tids: Vec<TransferId> = s.transfers.drain().collect();
                 let addr = s.addr.clone();
@@ -712,12 +821,20 @@ impl Bridge {
             // Forget transfers that ended, so the sets stay bounded by the
             // live requests.
             let handle = &self.handle;
-            self.slots[i].transfers.retain(|tid| handle.poll(*tid).is_some_and(|p| !p.is_terminal()));
+            self.slots[i]
+                .transfers
+                .retain(|tid| handle.poll(*tid).is_some_and(|p| !p.is_terminal()));
         }
         if !self.pending.is_empty() {
             self.retry_pending();
         }
     }
+}
+
+/// Runs `f` under the node's create lock (see `Shared::create_lock`).
+fn with_lock<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
+    let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+    f()
 }
 
 impl EngineHandle {
@@ -727,8 +844,12 @@ impl EngineHandle {
 
     fn peer_dead(&self, tid: TransferId, peer: PeerId) {
         let _ = match self {
-            EngineHandle::Prefill(h) => h.send_event(tid, send::Event::PeerDead { peer }).map_err(|r| r.error),
-            EngineHandle::Decode(h) => h.send_event(tid, recv::Event::PeerDead { peer }).map_err(|r| r.error),
+            EngineHandle::Prefill(h) => h
+                .send_event(tid, send::Event::PeerDead { peer })
+                .map_err(|r| r.error),
+            EngineHandle::Decode(h) => h
+                .send_event(tid, recv::Event::PeerDead { peer })
+                .map_err(|r| r.error),
         };
     }
 }
@@ -766,7 +887,8 @@ pub(crate) struct EmbeddedBootstrap {
 
 impl EmbeddedBootstrap {
     pub(crate) fn start(addr: &str) -> Result<EmbeddedBootstrap, NodeError> {
-        let server = BootstrapServer::start(addr).map_err(|e| NodeError::Bootstrap(e.to_string()))?;
+        let server =
+            BootstrapServer::start(addr).map_err(|e| NodeError::Bootstrap(e.to_string()))?;
         Ok(EmbeddedBootstrap { server })
     }
 

@@ -50,9 +50,11 @@ pub use kvferry_machines::common::{
 pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::RecvMachine;
-use kvferry_machines::send::SendMachine;
 use kvferry_machines::send;
-use kvferry_reactor::{Completion, Outcome, Reactor, ReactorConfig, ReactorHandle, ShutdownPolicy, SubmitError};
+use kvferry_machines::send::SendMachine;
+use kvferry_reactor::{
+    Completion, Outcome, Reactor, ReactorConfig, ReactorHandle, ShutdownPolicy, SubmitError,
+};
 
 use crate::transport::EndpointAddr;
 use bridge::BridgeCmd;
@@ -344,7 +346,11 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn peer(&self, id: u32) -> Option<Arc<PeerData>> {
-        self.peers.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned()
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
     }
 
     /// Queues a command for the bridge; a full queue drops it (the
@@ -476,7 +482,12 @@ impl Inner {
         if let Some(b) = self.bridge.lock().unwrap_or_else(|e| e.into_inner()).take() {
             b.stop(&self.shared);
         }
-        if let Some(s) = self.bootstrap_server.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(s) = self
+            .bootstrap_server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
             s.stop();
         }
     }
@@ -507,18 +518,27 @@ impl Node {
     /// and, on a prefill rank, the embedded bootstrap service and the
     /// registration at the bootstrap service.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
-        config.timeouts.validate().map_err(|e| NodeError::Misuse(e.to_string()))?;
+        config
+            .timeouts
+            .validate()
+            .map_err(|e| NodeError::Misuse(e.to_string()))?;
         if config.reactor.executors.len() != 1 {
-            return Err(NodeError::Misuse("a node runs exactly one executor (one rank is one device)".into()));
+            return Err(NodeError::Misuse(
+                "a node runs exactly one executor (one rank is one device)".into(),
+            ));
         }
         if config.tp_size == 0 || config.tp_rank >= config.tp_size {
-            return Err(NodeError::Misuse(format!("tp_rank {} outside tp_size {}", config.tp_rank, config.tp_size)));
+            return Err(NodeError::Misuse(format!(
+                "tp_rank {} outside tp_size {}",
+                config.tp_rank, config.tp_size
+            )));
         }
         if config.max_peers == 0 {
             return Err(NodeError::Misuse("max_peers must be positive".into()));
         }
         let (bridge_tx, bridge_rx) = flume::bounded(config.reactor.mailbox_capacity.max(1024));
-        let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::SideChannel(e.to_string()))?);
+        let waker =
+            Arc::new(waker::Waker::new().map_err(|e| NodeError::SideChannel(e.to_string()))?);
         let shared = Arc::new(Shared {
             role: config.role,
             node_id: NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed),
@@ -566,7 +586,8 @@ impl Node {
             (Role::Prefill, Some(addr)) => Some(bridge::EmbeddedBootstrap::start(addr)?),
             _ => None,
         };
-        let (bridge, side_channel) = bridge::BridgeThread::start(shared.clone(), handle.clone(), bridge_rx)?;
+        let (bridge, side_channel) =
+            bridge::BridgeThread::start(shared.clone(), handle.clone(), bridge_rx)?;
         let node = Node {
             inner: Arc::new(Inner {
                 shared,
@@ -612,7 +633,12 @@ impl Node {
 
     /// The data-plane endpoint (`tcp://..` or `local://..`).
     pub fn endpoint(&self) -> String {
-        self.inner.shared.endpoint.get().cloned().unwrap_or_default()
+        self.inner
+            .shared
+            .endpoint
+            .get()
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Registers the engine's KV cache with the data plane and makes it the
@@ -638,9 +664,17 @@ impl Node {
         };
         // Checked now so a bad layout is the caller's error, not every
         // peer's: a pair with itself exercises the same validation.
-        PairLayout::new(&layout.model, &rank, &RankLayout { tp_size: 1, tp_rank: 0, ..rank.clone() })
-            .or_else(|_| PairLayout::new(&layout.model, &rank, &rank))
-            .map_err(|e| NodeError::Misuse(format!("layout rejected: {e}")))?;
+        PairLayout::new(
+            &layout.model,
+            &rank,
+            &RankLayout {
+                tp_size: 1,
+                tp_rank: 0,
+                ..rank.clone()
+            },
+        )
+        .or_else(|_| PairLayout::new(&layout.model, &rank, &rank))
+        .map_err(|e| NodeError::Misuse(format!("layout rejected: {e}")))?;
         let mut ranges = Vec::with_capacity(rank.regions.len());
         for r in &rank.regions {
             let len = layout
@@ -660,13 +694,18 @@ impl Node {
         rx.recv_timeout(Duration::from_secs(10))
             .map_err(|_| NodeError::Timeout("memory registration"))?
             .map_err(NodeError::Transport)?;
-        let _ = s.local.set(LocalKv { model: layout.model, layout: rank });
+        let _ = s.local.set(LocalKv {
+            model: layout.model,
+            layout: rank,
+        });
         Ok(())
     }
 
     fn require(&self, role: Role) -> Result<(), NodeError> {
         if self.inner.shared.role != role {
-            return Err(NodeError::Misuse(format!("this call needs a {role:?} node")));
+            return Err(NodeError::Misuse(format!(
+                "this call needs a {role:?} node"
+            )));
         }
         if self.inner.shared.local.get().is_none() {
             return Err(NodeError::Misuse("register_kv_caches first".into()));
@@ -694,14 +733,25 @@ impl Node {
             Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => {}
             Err(r) => return Err(r.error.into()),
         }
-        Ok(Sender { node: self.clone(), tid })
+        Ok(Sender {
+            node: self.clone(),
+            tid,
+        })
     }
 
     /// Decode: the handle for `transfer_id`, fed by the prefill engine at
     /// `prefill`. Nothing is sent until [`Receiver::request`].
-    pub fn receiver(&self, transfer_id: u64, prefill: &PrefillTarget) -> Result<Receiver, NodeError> {
+    pub fn receiver(
+        &self,
+        transfer_id: u64,
+        prefill: &PrefillTarget,
+    ) -> Result<Receiver, NodeError> {
         self.require(Role::Decode)?;
-        Ok(Receiver { node: self.clone(), tid: TransferId(transfer_id), target: prefill.clone() })
+        Ok(Receiver {
+            node: self.clone(),
+            tid: TransferId(transfer_id),
+            target: prefill.clone(),
+        })
     }
 
     fn request(
@@ -716,10 +766,20 @@ impl Node {
             unreachable!("role checked above");
         };
         let s = &self.inner.shared;
-        let m = RecvMachine::new(Instant::now(), &s.config.timeouts, tid, s.config.mode, dst_blocks, prefix_blocks)
-            .map_err(|e| NodeError::Misuse(e.to_string()))?;
+        let m = RecvMachine::new(
+            Instant::now(),
+            &s.config.timeouts,
+            tid,
+            s.config.mode,
+            dst_blocks,
+            prefix_blocks,
+        )
+        .map_err(|e| NodeError::Misuse(e.to_string()))?;
         h.create(0, tid, m).map_err(|r| NodeError::from(r.error))?;
-        if !s.to_bridge(BridgeCmd::Resolve { tid, target: target.clone() }) {
+        if !s.to_bridge(BridgeCmd::Resolve {
+            tid,
+            target: target.clone(),
+        }) {
             // Without resolution the machine would wait out its bootstrap
             // timeout; fail it now instead.
             let _ = h.abort(tid, AbortReason::Engine);
@@ -728,12 +788,23 @@ impl Node {
         Ok(())
     }
 
-    fn send_chunk(&self, tid: TransferId, blocks: BlockLists, is_last: bool) -> Result<(), NodeError> {
+    fn send_chunk(
+        &self,
+        tid: TransferId,
+        blocks: BlockLists,
+        is_last: bool,
+    ) -> Result<(), NodeError> {
         let EngineHandle::Prefill(h) = &self.inner.handle else {
             return Err(NodeError::Misuse("send on a decode node".into()));
         };
-        h.send_event(tid, send::Event::ChunkReady { src_blocks: blocks, is_last })
-            .map_err(|r| NodeError::from(r.error))
+        h.send_event(
+            tid,
+            send::Event::ChunkReady {
+                src_blocks: blocks,
+                is_last,
+            },
+        )
+        .map_err(|r| NodeError::from(r.error))
     }
 
     /// Latest phase of a transfer: live from the executor, or the final
@@ -745,7 +816,12 @@ impl Node {
         }
         self.collect();
         let done = {
-            let r = self.inner.shared.records.lock().unwrap_or_else(|e| e.into_inner());
+            let r = self
+                .inner
+                .shared
+                .records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             r.done.get(&tid).copied()
         };
         // A transfer may leave the board between the two looks.
@@ -754,7 +830,10 @@ impl Node {
 
     /// Aborts a transfer (either role). Unknown transfers are a misuse.
     pub fn abort(&self, transfer_id: u64) -> Result<(), NodeError> {
-        self.inner.handle.abort(TransferId(transfer_id), AbortReason::Engine).map_err(NodeError::from)
+        self.inner
+            .handle
+            .abort(TransferId(transfer_id), AbortReason::Engine)
+            .map_err(NodeError::from)
     }
 
     /// Collects the executor's completions so its board stays small. Final
@@ -766,10 +845,10 @@ impl Node {
                 Outcome::Finished { .. } => {}
                 // `Rejected`, `Dropped` and any later outcome: no terminal
                 // phase was reported for it.
-                _ => self
-                    .inner
-                    .shared
-                    .record(c.transfer_id, Phase::Failed(FailReason::Aborted(AbortReason::Shutdown))),
+                _ => self.inner.shared.record(
+                    c.transfer_id,
+                    Phase::Failed(FailReason::Aborted(AbortReason::Shutdown)),
+                ),
             }
         }
     }
@@ -778,10 +857,16 @@ impl Node {
     /// of `meta`. Returns the first error; the requests before it started.
     pub fn start_load_kv(&self, meta: &LoadMeta) -> Result<(), NodeError> {
         for l in &meta.loads {
-            self.request(TransferId(l.transfer_id), &l.prefill, l.dst_blocks.clone(), l.prefix_blocks.clone())?;
+            self.request(
+                TransferId(l.transfer_id),
+                &l.prefill,
+                l.dst_blocks.clone(),
+                l.prefix_blocks.clone(),
+            )?;
         }
         for s in &meta.sends {
-            self.sender(s.transfer_id)?.send(s.src_blocks.clone(), s.is_last)?;
+            self.sender(s.transfer_id)?
+                .send(s.src_blocks.clone(), s.is_last)?;
         }
         Ok(())
     }
@@ -793,7 +878,12 @@ impl Node {
     pub fn get_finished(&self) -> (Vec<u64>, Vec<u64>) {
         self.collect();
         let ids: Vec<u64> = {
-            let mut r = self.inner.shared.records.lock().unwrap_or_else(|e| e.into_inner());
+            let mut r = self
+                .inner
+                .shared
+                .records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             r.finished.drain(..).map(|t| t.0).collect()
         };
         match self.inner.shared.role {
@@ -804,7 +894,12 @@ impl Node {
 
     /// vLLM-style: destination blocks whose load failed since the last call.
     pub fn block_ids_with_load_errors(&self) -> Vec<BlockId> {
-        let mut r = self.inner.shared.records.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = self
+            .inner
+            .shared
+            .records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         std::mem::take(&mut r.load_errors)
     }
 
@@ -899,7 +994,9 @@ impl Sender {
 
     /// Current phase. Terminal once the source blocks may be reused.
     pub fn poll(&self) -> Phase {
-        self.node.phase(self.tid.0).unwrap_or(Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
+        self.node
+            .phase(self.tid.0)
+            .unwrap_or(Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
     }
 
     /// Aborts the transfer; the phase turns terminal once no peer can read
@@ -910,7 +1007,12 @@ impl Sender {
 
     /// Waits (bounded) for a terminal phase.
     pub fn wait(&self, timeout: Duration) -> Phase {
-        wait_terminal(&self.node, self.tid.0, timeout, Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
+        wait_terminal(
+            &self.node,
+            self.tid.0,
+            timeout,
+            Phase::Failed(FailReason::Aborted(AbortReason::Engine)),
+        )
     }
 }
 
@@ -931,13 +1033,19 @@ impl Receiver {
     /// Asks the prefill ranks for the KV, into `dst_blocks` (per group).
     pub fn request(&self, dst_blocks: BlockLists) -> Result<(), NodeError> {
         let prefix = vec![0; dst_blocks.len()];
-        self.node.request(self.tid, &self.target, dst_blocks, prefix)
+        self.node
+            .request(self.tid, &self.target, dst_blocks, prefix)
     }
 
     /// Like [`Receiver::request`] with a partial prefix hit: per group, the
     /// number of the prefill side's leading blocks this rank already holds.
-    pub fn request_with_prefix(&self, dst_blocks: BlockLists, prefix_blocks: Vec<u32>) -> Result<(), NodeError> {
-        self.node.request(self.tid, &self.target, dst_blocks, prefix_blocks)
+    pub fn request_with_prefix(
+        &self,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+    ) -> Result<(), NodeError> {
+        self.node
+            .request(self.tid, &self.target, dst_blocks, prefix_blocks)
     }
 
     /// Current phase; `Bootstrapping` before `request`. Terminal once the

@@ -103,7 +103,11 @@ pub enum FrameError {
     UnsupportedVersion(u16),
     /// A field over its bound.
     #[error("{field}: {len} exceeds the limit {max}")]
-    LimitExceeded { field: &'static str, len: usize, max: usize },
+    LimitExceeded {
+        field: &'static str,
+        len: usize,
+        max: usize,
+    },
     /// Bytes after the message.
     #[error("{0} trailing bytes")]
     TrailingBytes(usize),
@@ -129,7 +133,11 @@ fn check(field: &'static str, len: usize, max: usize) -> Result<(), FrameError> 
     Ok(())
 }
 
-fn check_lists(field: &'static str, lists: &[Vec<kvferry_machines::common::BlockId>], l: &FrameLimits) -> Result<(), FrameError> {
+fn check_lists(
+    field: &'static str,
+    lists: &[Vec<kvferry_machines::common::BlockId>],
+    l: &FrameLimits,
+) -> Result<(), FrameError> {
     check(field, lists.len(), l.max_groups)?;
     for g in lists {
         check(field, g.len(), l.max_blocks_per_group)?;
@@ -146,11 +154,19 @@ pub fn check_limits(frame: &Frame, limits: &FrameLimits) -> Result<(), FrameErro
             check("regions", h.layout.regions.len(), REGIONS_MAX)
         }
         Frame::Transfer { msg, .. } => match msg {
-            Msg::Pull { dst_blocks, prefix_blocks, .. } => {
+            Msg::Pull {
+                dst_blocks,
+                prefix_blocks,
+                ..
+            } => {
                 check_lists("dst_blocks", dst_blocks, limits)?;
                 check("prefix_blocks", prefix_blocks.len(), limits.max_groups)
             }
-            Msg::Ready { start_blocks, src_blocks, .. } => {
+            Msg::Ready {
+                start_blocks,
+                src_blocks,
+                ..
+            } => {
                 check_lists("src_blocks", src_blocks, limits)?;
                 check("start_blocks", start_blocks.len(), limits.max_groups)
             }
@@ -168,7 +184,10 @@ pub fn check_limits(frame: &Frame, limits: &FrameLimits) -> Result<(), FrameErro
 /// Decodes one frame. Never panics, whatever the bytes.
 pub fn decode(bytes: &[u8], limits: &FrameLimits) -> Result<Frame, FrameError> {
     if bytes.len() > limits.max_frame_bytes {
-        return Err(FrameError::TooLarge { len_bytes: bytes.len(), max_bytes: limits.max_frame_bytes });
+        return Err(FrameError::TooLarge {
+            len_bytes: bytes.len(),
+            max_bytes: limits.max_frame_bytes,
+        });
     }
     if bytes.len() < HEADER_LEN {
         return Err(FrameError::Truncated);
@@ -213,16 +232,28 @@ mod tests {
         let bytes = encode(&f);
         let l = FrameLimits::default();
         assert_eq!(decode(&bytes, &l).unwrap(), f);
-        assert_eq!(decode(&bytes[..bytes.len() - 1], &l), Err(FrameError::Truncated));
+        assert_eq!(
+            decode(&bytes[..bytes.len() - 1], &l),
+            Err(FrameError::Truncated)
+        );
         let mut v = bytes.clone();
         v[2] = 9;
         assert_eq!(decode(&v, &l), Err(FrameError::UnsupportedVersion(9)));
         let mut v = bytes.clone();
         v.push(0);
         assert_eq!(decode(&v, &l), Err(FrameError::TrailingBytes(1)));
-        let small = FrameLimits { max_blocks_per_group: 1, ..l };
-        assert!(matches!(decode(&bytes, &small), Err(FrameError::LimitExceeded { .. })));
-        assert!(matches!(decode(b"XX\x01\x00", &l), Err(FrameError::BadMagic(_))));
+        let small = FrameLimits {
+            max_blocks_per_group: 1,
+            ..l
+        };
+        assert!(matches!(
+            decode(&bytes, &small),
+            Err(FrameError::LimitExceeded { .. })
+        ));
+        assert!(matches!(
+            decode(b"XX\x01\x00", &l),
+            Err(FrameError::BadMagic(_))
+        ));
     }
 
     #[test]
@@ -231,7 +262,11 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(5);
         let base = encode(&Frame::Heartbeat { seq: 3 });
         for _ in 0..20_000 {
-            let mut v: Vec<u8> = if rng.bool() { base.clone() } else { MAGIC.iter().copied().chain([1, 0]).collect() };
+            let mut v: Vec<u8> = if rng.bool() {
+                base.clone()
+            } else {
+                MAGIC.iter().copied().chain([1, 0]).collect()
+            };
             let n = rng.usize(0..64);
             v.extend((0..n).map(|_| rng.u8(..)));
             if !v.is_empty() && rng.bool() {

@@ -39,7 +39,8 @@ pub(crate) fn register_regions(node_id: u64, ranges: &[(u64, u64)]) -> Result<()
         .with(|m| m.borrow().get(&node_id).cloned())
         .ok_or_else(|| "the node has no transport endpoint".to_string())?;
     for &(base, len) in ranges {
-        let len = usize::try_from(len).map_err(|_| "region longer than the address space".to_string())?;
+        let len =
+            usize::try_from(len).map_err(|_| "region longer than the address space".to_string())?;
         // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
         // promised the memory stays valid and shareable with peers.
         unsafe { t.register(base as usize as *mut u8, len) }.map_err(|e| e.to_string())?;
@@ -50,6 +51,15 @@ pub(crate) fn register_regions(node_id: u64, ranges: &[(u64, u64)]) -> Result<()
 /// One slot per peer endpoint; its async lock makes concurrent first
 /// transfers share one `open` instead of racing thousands of connections.
 type SessionSlot = Rc<futures::lock::Mutex<Option<Rc<AnySession>>>>;
+/// One chunk to move: P's blocks `src` to D's blocks `dst` of `peer`, in
+/// direction `op` as seen from this side.
+struct Job<'a> {
+    peer: PeerId,
+    src: &'a BlockLists,
+    dst: &'a BlockLists,
+    op: Op,
+}
+
 type Sessions = Rc<RefCell<HashMap<EndpointAddr, SessionSlot>>>;
 
 /// The node's action sink, for either machine type.
@@ -85,8 +95,16 @@ where
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
             TransportKind::Tcp => {
-                let bound_ms = shared.config.timeouts.transfer_bound.as_millis().clamp(1, u64::MAX as u128) as u64;
-                let config = TcpConfig { batch_timeout_ms: bound_ms, ..TcpConfig::default() };
+                let bound_ms = shared
+                    .config
+                    .timeouts
+                    .transfer_bound
+                    .as_millis()
+                    .clamp(1, u64::MAX as u128) as u64;
+                let config = TcpConfig {
+                    batch_timeout_ms: bound_ms,
+                    ..TcpConfig::default()
+                };
                 format!("{}:0", shared.config.host)
                     .parse()
                     .map_err(|e| format!("bad host {:?}: {e}", shared.config.host))
@@ -118,8 +136,15 @@ where
     }
 
     fn send_frame(&self, tid: TransferId, peer: PeerId, msg: Msg) {
-        let bytes = proto::encode(&Frame::Transfer { transfer_id: tid.0, msg });
-        self.shared.to_bridge(BridgeCmd::Send { peer: peer.0, tid: Some(tid), bytes });
+        let bytes = proto::encode(&Frame::Transfer {
+            transfer_id: tid.0,
+            msg,
+        });
+        self.shared.to_bridge(BridgeCmd::Send {
+            peer: peer.0,
+            tid: Some(tid),
+            bytes,
+        });
     }
 
     /// Posts `events` to the machine from a local task (`execute` cannot wait).
@@ -139,13 +164,11 @@ where
     fn start_transfer(
         &mut self,
         tid: TransferId,
-        peer: PeerId,
-        src: &BlockLists,
-        dst: &BlockLists,
-        op: Op,
+        job: Job<'_>,
         done: impl FnOnce(bool) -> M::Event + 'static,
         plan_failed: M::Event,
     ) {
+        let Job { peer, src, dst, op } = job;
         let planned = self.plan_descs(peer, src, dst, op);
         let (endpoint, descs, batches) = match planned {
             Ok(p) => p,
@@ -174,12 +197,18 @@ where
             let ok = match result {
                 Ok(()) => {
                     shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
-                    shared.counters.descriptors.fetch_add(count, Ordering::Relaxed);
+                    shared
+                        .counters
+                        .descriptors
+                        .fetch_add(count, Ordering::Relaxed);
                     true
                 }
                 Err(e) => {
                     tracing::warn!(?tid, %e, "transfer failed");
-                    shared.counters.transport_errors.fetch_add(1, Ordering::Relaxed);
+                    shared
+                        .counters
+                        .transport_errors
+                        .fetch_add(1, Ordering::Relaxed);
                     false
                 }
             };
@@ -201,15 +230,28 @@ where
         let endpoint = data.endpoint.ok_or("peer endpoint unusable")?;
         fill_u64(&mut self.src, src);
         fill_u64(&mut self.dst, dst);
-        pair.plan_into(&self.src, &self.dst, &self.shared.config.batch_limits, &mut self.plan)
-            .map_err(|e| e.to_string())?;
+        pair.plan_into(
+            &self.src,
+            &self.dst,
+            &self.shared.config.batch_limits,
+            &mut self.plan,
+        )
+        .map_err(|e| e.to_string())?;
         let descs = self
             .plan
             .descriptors
             .iter()
             .map(|d| match op {
-                Op::Write => Desc { local_addr: d.src, remote_addr: d.dst, len_bytes: d.len },
-                Op::Read => Desc { local_addr: d.dst, remote_addr: d.src, len_bytes: d.len },
+                Op::Write => Desc {
+                    local_addr: d.src,
+                    remote_addr: d.dst,
+                    len_bytes: d.len,
+                },
+                Op::Read => Desc {
+                    local_addr: d.dst,
+                    remote_addr: d.src,
+                    len_bytes: d.len,
+                },
             })
             .collect();
         let batches = self.plan.batches.iter().map(|b| b.range()).collect();
@@ -256,11 +298,21 @@ async fn move_bytes(
         }
     };
     let left = bound.saturating_sub(started.elapsed());
-    let work = futures::future::try_join_all(batches.iter().map(|b| session.transfer(op, &descs[b.clone()])));
-    let timed = futures_lite::future::or(async { work.await.map(|_| ()).map_err(|e| e.to_string()) }, async {
-        glommio::timer::sleep(left).await;
-        Err(format!("transfer did not finish within {} ms", bound.as_millis()))
-    });
+    let work = futures::future::try_join_all(
+        batches
+            .iter()
+            .map(|b| session.transfer(op, &descs[b.clone()])),
+    );
+    let timed = futures_lite::future::or(
+        async { work.await.map(|_| ()).map_err(|e| e.to_string()) },
+        async {
+            glommio::timer::sleep(left).await;
+            Err(format!(
+                "transfer did not finish within {} ms",
+                bound.as_millis()
+            ))
+        },
+    );
     let result = timed.await;
     if result.is_err() {
         // A broken session is re-opened by the next transfer.
@@ -276,12 +328,19 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
     fn execute(&mut self, tid: TransferId, action: send::Action) {
         match action {
             send::Action::Send { peer, msg } => self.send_frame(tid, peer, msg),
-            send::Action::Write { peer, chunk, src_blocks, dst_blocks } => self.start_transfer(
-                tid,
+            send::Action::Write {
                 peer,
-                &src_blocks,
-                &dst_blocks,
-                Op::Write,
+                chunk,
+                src_blocks,
+                dst_blocks,
+            } => self.start_transfer(
+                tid,
+                Job {
+                    peer,
+                    src: &src_blocks,
+                    dst: &dst_blocks,
+                    op: Op::Write,
+                },
                 move |ok| send::Event::WriteDone { peer, chunk, ok },
                 send::Event::PlanFailed { peer },
             ),
@@ -299,12 +358,19 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
     fn execute(&mut self, tid: TransferId, action: recv::Action) {
         match action {
             recv::Action::Send { peer, msg } => self.send_frame(tid, peer, msg),
-            recv::Action::Read { peer, chunk, src_blocks, dst_blocks } => self.start_transfer(
-                tid,
+            recv::Action::Read {
                 peer,
-                &src_blocks,
-                &dst_blocks,
-                Op::Read,
+                chunk,
+                src_blocks,
+                dst_blocks,
+            } => self.start_transfer(
+                tid,
+                Job {
+                    peer,
+                    src: &src_blocks,
+                    dst: &dst_blocks,
+                    op: Op::Read,
+                },
                 move |ok| recv::Event::ReadDone { peer, chunk, ok },
                 recv::Event::PlanFailed { peer },
             ),
