@@ -36,6 +36,10 @@ impl Drop for Proc {
 }
 
 fn prefill(bootstrap: &str, delay_ms: u64) -> Proc {
+    prefill_on(bootstrap, delay_ms, 0)
+}
+
+fn prefill_on(bootstrap: &str, delay_ms: u64, port: u16) -> Proc {
     let child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
         .args([
             "prefill",
@@ -45,6 +49,7 @@ fn prefill(bootstrap: &str, delay_ms: u64) -> Proc {
             &TIMEOUT_MS.to_string(),
         ])
         .args(["--delay-ms", &delay_ms.to_string(), "--blocks", "256"])
+        .args(["--side-channel-port", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -213,4 +218,132 @@ fn decode_killed_prefill_releases_when_the_lease_runs_out() {
     node.shutdown(Duration::from_millis(50));
     drop(node);
     drop(kv);
+}
+
+/// Waits (bounded) for a child to exit.
+fn wait_exit(p: &mut Proc, within: Duration) -> Option<std::process::ExitStatus> {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(Some(st)) = p.0.try_wait() {
+            return Some(st);
+        }
+        if t0.elapsed() > within {
+            return None;
+        }
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn prefill_back_on_the_same_address_clears_the_dead_mark() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let client = BootstrapClient::new(&addr).unwrap();
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut p = prefill_on(&addr, 0, port);
+    client.wait_for_engine("prefill", 1, policy).unwrap();
+    let (node, kv, _done) = decode_node();
+    let target = PrefillTarget::Bootstrap {
+        addr: addr.clone(),
+        engine_id: "prefill".into(),
+    };
+    let run = |tid: u64| {
+        let blocks = [tid as u32 % 32];
+        kv.clear(&blocks);
+        let r = node.receiver(tid, &target).unwrap();
+        r.request(vec![vec![BlockId(blocks[0])]]).unwrap();
+        let phase = r.wait(Duration::from_secs(10));
+        (phase, kv.verify(tid, &blocks, 0).is_ok())
+    };
+    assert_eq!(run(1), (Phase::Success, true));
+    p.0.kill().unwrap();
+    let _ = p.0.wait();
+    // The next request finds P silent: it fails once P is declared dead.
+    assert!(matches!(run(2).0, Phase::Failed(_)));
+    assert_eq!(node.dead_peers(), 1);
+    // P comes back on the same side-channel address: the probe (a hello
+    // every heartbeat) is answered and the mark is cleared.
+    let _p2 = prefill_on(&addr, 0, port);
+    let t0 = Instant::now();
+    while node.dead_peers() != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "dead mark never cleared"
+        );
+        std::thread::yield_now();
+    }
+    assert_eq!(run(3), (Phase::Success, true));
+    node.shutdown(Duration::from_millis(50));
+    drop(node);
+    drop(kv);
+}
+
+#[test]
+fn prefill_process_stops_cleanly_on_sigterm_and_decode_never_hangs() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    // Decode with no prefill engine at all: every request expires by its
+    // deadline and the command exits with a summary.
+    let t0 = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "decode",
+            "--bootstrap",
+            &addr,
+            "--requests",
+            "3",
+            "--timeout-ms",
+            "400",
+            "--json",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["requests"], 3);
+    assert_eq!(summary["ok"], 0);
+    assert_eq!(
+        summary["failed"].as_u64().unwrap() + summary["expired"].as_u64().unwrap(),
+        3
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // A prefill process serves, then stops cleanly on SIGTERM.
+    let client = BootstrapClient::new(&addr).unwrap();
+    let mut p = prefill(&addr, 0);
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    client.wait_for_engine("prefill", 1, policy).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "decode",
+            "--bootstrap",
+            &addr,
+            "--requests",
+            "20",
+            "--timeout-ms",
+            "2000",
+            "--json",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["ok"], 20, "{summary}");
+    assert_eq!(summary["verify_errors"], 0);
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(p.0.id() as i32, libc::SIGTERM) };
+    let status = wait_exit(&mut p, Duration::from_secs(10)).expect("prefill exits after SIGTERM");
+    assert!(status.success(), "{status:?}");
 }

@@ -26,6 +26,7 @@ usage: kvferry prefill --bootstrap ADDR [--serve-bootstrap] [--engine-id ID]
                        [--block-tokens T] [--heads H] [--head-bytes X]
                        [--layout hnd|nhd|mla] [--mode push|pull]
                        [--transport tcp|local] [--timeout-ms MS] [--delay-ms MS]
+                       [--host HOST] [--side-channel-port PORT]
 ";
 
 const OPTIONS: &[&str] = &[
@@ -45,6 +46,7 @@ const OPTIONS: &[&str] = &[
     "timeout-ms",
     "delay-ms",
     "host",
+    "side-channel-port",
 ];
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -112,6 +114,9 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     if let Some(h) = a.get_str("host") {
         c.host = h.to_string();
     }
+    c.side_channel_port = a
+        .get_or("side-channel-port", 0)
+        .map_err(|e| e.to_string())?;
     if a.flag("serve-bootstrap") {
         c.serve_bootstrap = Some(bootstrap);
     } else {
