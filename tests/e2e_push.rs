@@ -210,3 +210,39 @@ fn chunked_sends_arrive_in_order() {
     assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
     assert_eq!(c.verify(tid, &dst, 0), 0);
 }
+
+#[test]
+fn embedded_bootstrap_serves_the_prefill_metrics() {
+    let mut s = spec(LayoutKind::Hnd, 1, 1, Mode::Push, TransportKind::Tcp);
+    s.bootstrap = Some("127.0.0.1:0".into());
+    let c = Cluster::start(&s).unwrap();
+    for tid in 1..=3u64 {
+        c.fill(tid, &[tid as u32]);
+        c.start_request(tid, &[tid as u32], &[10 + tid as u32], 0)
+            .unwrap();
+        assert_eq!(
+            c.wait_decode(tid, Duration::from_secs(10)),
+            vec![Phase::Success]
+        );
+    }
+    // P's release may trail D's success by a moment; wait on P's phases.
+    for tid in 1..=3u64 {
+        let tx = c.prefill[0].node.sender(tid).unwrap();
+        assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
+    }
+    let addr = c.prefill[0].node.bootstrap_addr().unwrap();
+    let text = kvferry::bootstrap::BootstrapClient::new(&addr)
+        .unwrap()
+        .metrics_text()
+        .unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("kvferry_transfers_total") && l.contains("\"ok\""))
+        .unwrap_or_else(|| panic!("no ok counter in:\n{text}"));
+    assert!(line.ends_with(" 3"), "{line}");
+    let bytes = text
+        .lines()
+        .find(|l| l.starts_with("kvferry_transfer_bytes_total"))
+        .unwrap();
+    assert!(!bytes.ends_with(" 0"), "{bytes}");
+}

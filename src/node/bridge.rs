@@ -25,7 +25,9 @@ use kvferry_reactor::SubmitError;
 
 use super::proto::{self, Frame, Hello};
 use super::{EngineHandle, NodeConfig, NodeError, PeerData, PrefillTarget, Role, Shared};
-use crate::bootstrap::{BootstrapClient, BootstrapServer, RegisterRequest, RetryPolicy};
+use crate::bootstrap::{
+    BootstrapClient, BootstrapServer, Metrics, RegisterRequest, RetryPolicy, ServerConfig,
+};
 
 /// Most frames read from one socket before looking at the others.
 const READ_BUDGET: usize = 512;
@@ -886,9 +888,9 @@ pub(crate) struct EmbeddedBootstrap {
 }
 
 impl EmbeddedBootstrap {
-    pub(crate) fn start(addr: &str) -> Result<EmbeddedBootstrap, NodeError> {
-        let server =
-            BootstrapServer::start(addr).map_err(|e| NodeError::Bootstrap(e.to_string()))?;
+    pub(crate) fn start(addr: &str, metrics: Arc<Metrics>) -> Result<EmbeddedBootstrap, NodeError> {
+        let server = BootstrapServer::start_with(addr, ServerConfig::default(), metrics)
+            .map_err(|e| NodeError::Bootstrap(e.to_string()))?;
         Ok(EmbeddedBootstrap { server })
     }
 

@@ -333,6 +333,8 @@ pub(crate) struct Shared {
     records: Mutex<Records>,
     pub bridge_tx: flume::Sender<BridgeCmd>,
     pub waker: Arc<waker::Waker>,
+    /// Prometheus counters; the embedded bootstrap service serves them.
+    pub metrics: Arc<crate::bootstrap::Metrics>,
     /// Held while a prefill machine is created and while the bridge hands
     /// a message to a prefill machine. The reactor makes a transfer visible
     /// (board) before its `Create` is in the mailbox; without this lock the
@@ -550,6 +552,7 @@ impl Node {
             records: Mutex::new(Records::default()),
             bridge_tx,
             waker,
+            metrics: Arc::new(crate::bootstrap::Metrics::new()),
             create_lock: Mutex::new(()),
             terminal_seq: Mutex::new(0),
             terminal_cv: Condvar::new(),
@@ -583,7 +586,10 @@ impl Node {
             .map_err(NodeError::Transport)?;
         let _ = shared.endpoint.set(endpoint);
         let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
-            (Role::Prefill, Some(addr)) => Some(bridge::EmbeddedBootstrap::start(addr)?),
+            (Role::Prefill, Some(addr)) => Some(bridge::EmbeddedBootstrap::start(
+                addr,
+                shared.metrics.clone(),
+            )?),
             _ => None,
         };
         let (bridge, side_channel) =
@@ -906,6 +912,13 @@ impl Node {
     /// Counters.
     pub fn stats(&self) -> NodeStats {
         self.inner.shared.counters.snapshot()
+    }
+
+    /// The node's Prometheus metrics (transfers by outcome, latency, bytes,
+    /// descriptors, peers marked dead); served on `/metrics` by the embedded
+    /// bootstrap service of a rank-0 prefill node.
+    pub fn metrics(&self) -> Arc<crate::bootstrap::Metrics> {
+        self.inner.shared.metrics.clone()
     }
 
     /// Side-channel peers currently marked dead.

@@ -13,11 +13,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::bootstrap::Outcome;
 use kvferry_machines::common::{BlockLists, Msg, PeerId};
 use kvferry_machines::planner::Plan;
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send::SendMachine;
-use kvferry_machines::{recv, send, Machine, Phase, TransferId};
+use kvferry_machines::{recv, send, FailReason, Machine, Phase, TransferId};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
@@ -72,6 +73,8 @@ pub(crate) struct Sink<M: Machine> {
     /// Scratch block lists for the planner (u64 ids), kept between calls.
     src: Vec<Vec<u64>>,
     dst: Vec<Vec<u64>>,
+    /// When each live transfer was created, for the latency histogram.
+    started: HashMap<TransferId, Instant>,
 }
 
 impl<M: Machine> Drop for Sink<M> {
@@ -132,6 +135,7 @@ where
             plan: Plan::default(),
             src: Vec::new(),
             dst: Vec::new(),
+            started: HashMap::new(),
         }
     }
 
@@ -201,6 +205,8 @@ where
                         .counters
                         .descriptors
                         .fetch_add(count, Ordering::Relaxed);
+                    shared.metrics.add_bytes(bytes);
+                    shared.metrics.add_descriptors(count);
                     true
                 }
                 Err(e) => {
@@ -258,10 +264,26 @@ where
         Ok((endpoint, descs, batches))
     }
 
-    fn report(&self, tid: TransferId, phase: Phase) {
-        if phase.is_terminal() {
-            self.shared.on_terminal(tid, phase);
+    fn report(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        if !phase.is_terminal() {
+            // The first report comes when the machine is inserted.
+            self.started.entry(tid).or_insert(now);
+            return;
         }
+        let since = self.started.remove(&tid).unwrap_or(now);
+        let outcome = match phase {
+            Phase::Success => Outcome::Ok,
+            Phase::Expired => Outcome::Expired,
+            Phase::Failed(FailReason::Aborted(_) | FailReason::PeerAborted) => Outcome::Aborted,
+            Phase::Failed(_)
+            | Phase::Bootstrapping
+            | Phase::WaitingForInput
+            | Phase::Transferring => Outcome::Failed,
+        };
+        self.shared
+            .metrics
+            .record_transfer(outcome, now.saturating_duration_since(since));
+        self.shared.on_terminal(tid, phase);
     }
 }
 
@@ -349,8 +371,8 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
         }
     }
 
-    fn on_phase(&mut self, tid: TransferId, phase: Phase, _now: Instant) {
-        self.report(tid, phase);
+    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        self.report(tid, phase, now);
     }
 }
 
@@ -379,7 +401,7 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
         }
     }
 
-    fn on_phase(&mut self, tid: TransferId, phase: Phase, _now: Instant) {
-        self.report(tid, phase);
+    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        self.report(tid, phase, now);
     }
 }
