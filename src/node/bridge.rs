@@ -367,6 +367,7 @@ impl Bridge {
             .counters
             .bad_frames
             .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.record_sidechannel_decode_error();
     }
 
     /// `peer` is the slot, or the unknown ROUTER identity.
@@ -806,6 +807,7 @@ impl Bridge {
                     .counters
                     .dead_now
                     .fetch_add(1, Ordering::Relaxed);
+                self.shared.metrics.record_peer_marked_dead();
                 tracing::warn!(peer = i, addr = %s.addr, quiet_ms = quiet.as_millis() as u64, "peer marked dead");
                 let tids: Vec<TransferId> = s.transfers.drain().collect();
                 let addr = s.addr.clone();
