@@ -424,7 +424,7 @@ impl Bridge {
         }
     }
 
-    fn own_hello(&self, is_reply: bool) -> Option<Hello> {
+    fn own_hello(&self) -> Option<Hello> {
         let local = self.shared.local.get()?;
         Some(Hello {
             engine_id: self.shared.config.engine_id.clone(),
@@ -432,7 +432,6 @@ impl Bridge {
             model: local.model,
             layout: local.layout.clone(),
             endpoint: self.shared.endpoint.get().cloned().unwrap_or_default(),
-            is_reply,
         })
     }
 
@@ -459,7 +458,6 @@ impl Bridge {
             tracing::warn!(peer, %e, "peer layout does not fit; its transfers will fail");
         }
         let endpoint = h.endpoint.parse().ok();
-        let is_reply = h.is_reply;
         let data = Arc::new(PeerData {
             hello: h,
             pair,
@@ -474,11 +472,11 @@ impl Bridge {
             s.ready = true;
         }
         match self.shared.role {
+            // Only decode ranks start a hello (prefill answers every one,
+            // decode answers none), so no hello is ever answered twice.
             Role::Prefill => {
-                if !is_reply {
-                    if let Some(mine) = self.own_hello(true) {
-                        self.send_frame(peer, &Frame::Hello(mine));
-                    }
+                if let Some(mine) = self.own_hello() {
+                    self.send_frame(peer, &Frame::Hello(mine));
                 }
             }
             Role::Decode => self.retry_pending(),
@@ -644,7 +642,7 @@ impl Bridge {
             transfers: HashSet::new(),
         });
         self.by_addr.insert(addr.to_string(), id);
-        if let Some(h) = self.own_hello(false) {
+        if let Some(h) = self.own_hello() {
             self.send_frame(id, &Frame::Hello(h));
         }
         Some(id)
@@ -777,7 +775,7 @@ impl Bridge {
         let now = Instant::now();
         let t = &self.shared.config.timeouts;
         let silence_max = t.heartbeat_interval * t.heartbeat_misses.max(1);
-        let hello = self.own_hello(false);
+        let hello = self.own_hello();
         self.hb_seq += 1;
         let seq = self.hb_seq;
         for i in 0..self.slots.len() {
