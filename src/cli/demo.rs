@@ -401,6 +401,9 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
     if progress {
         eprintln!();
     }
+    for r in c.prefill.iter().chain(&c.decode) {
+        tracing::debug!(stats = ?r.node.stats(), "node counters");
+    }
     let elapsed = started.elapsed().as_secs_f64();
     latencies.sort_by(|a, b| a.total_cmp(b));
     report.elapsed_s = elapsed;
