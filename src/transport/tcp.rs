@@ -104,6 +104,9 @@ impl TcpConfig {
         if self.batch_timeout_ms == 0 || self.connect_timeout_ms == 0 {
             return bad("timeouts must be positive".into());
         }
+        if self.max_regions as u64 > u64::from(wire::MAX_REGIONS) {
+            return bad(format!("max_regions must be at most {}", wire::MAX_REGIONS));
+        }
         if self.max_batch_descs == 0 || self.max_connections == 0 || self.max_regions == 0 {
             return bad("limits must be positive".into());
         }
@@ -260,7 +263,7 @@ async fn serve_conn(target: Rc<Target>, stream: TcpStream, key: usize) {
 }
 
 /// Sends a response header (and nothing else).
-async fn respond(conn: &mut Conn, h: Header, _poll: PollPolicy) -> Result<(), TransportError> {
+async fn respond(conn: &mut Conn, h: Header) -> Result<(), TransportError> {
     let hb = h.encode();
     let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
     fdio::send_all(&mut conn.wr, conn.fd, &mut v)
@@ -301,16 +304,11 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
         let h = match Header::decode(&hb) {
             Ok(h) if h.status == wire::STATUS_OK => h,
             Ok(h) => {
-                respond(
-                    conn,
-                    reject(h.opcode, h.req_id, RejectReason::BadHeader, 0),
-                    poll,
-                )
-                .await?;
+                respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0)).await?;
                 return Err(protocol("request with a status byte"));
             }
             Err(reason) => {
-                respond(conn, reject(hb[4], 0, reason, 0), poll).await?;
+                respond(conn, reject(hb[4], 0, reason, 0)).await?;
                 return Err(protocol("bad request header"));
             }
         };
@@ -319,12 +317,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             wire::OP_READ => (Op::Read, h.opcode),
             wire::OP_REGIONS => {
                 if h.count != 0 || h.payload_len != 0 {
-                    respond(
-                        conn,
-                        reject(h.opcode, h.req_id, RejectReason::BadHeader, 0),
-                        poll,
-                    )
-                    .await?;
+                    respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0)).await?;
                     return Err(protocol("REGIONS request with a body"));
                 }
                 send_regions(target, conn, h.req_id).await?;
@@ -334,19 +327,13 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 respond(
                     conn,
                     reject(other, h.req_id, RejectReason::UnknownOpcode, 0),
-                    poll,
                 )
                 .await?;
                 return Err(protocol(format!("unknown opcode {other}")));
             }
         };
         if h.count == 0 || h.count > wire::MAX_FRAME_DESCS {
-            respond(
-                conn,
-                reject(opcode, h.req_id, RejectReason::TooLarge, 0),
-                poll,
-            )
-            .await?;
+            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
             return Err(protocol("descriptor count out of range"));
         }
         // The table is bounded by MAX_FRAME_DESCS entries (64 KiB).
@@ -363,12 +350,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             ranges.push((addr, len));
         }
         if total > wire::MAX_FRAME_BYTES {
-            respond(
-                conn,
-                reject(opcode, h.req_id, RejectReason::TooLarge, 0),
-                poll,
-            )
-            .await?;
+            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
             return Err(protocol("frame payload too large"));
         }
         let expected_payload = match op {
@@ -379,7 +361,6 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             respond(
                 conn,
                 reject(opcode, h.req_id, RejectReason::LengthMismatch, 0),
-                poll,
             )
             .await?;
             return Err(protocol("payload length does not match the descriptors"));
@@ -400,7 +381,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     registry::RangeFault::Overflow => RejectReason::Overflow,
                     registry::RangeFault::OutOfRegion => RejectReason::OutOfRegion,
                 };
-                respond(conn, reject(opcode, h.req_id, reason, index as u32), poll).await?;
+                respond(conn, reject(opcode, h.req_id, reason, index as u32)).await?;
                 continue;
             }
         };
@@ -420,7 +401,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     req_id: h.req_id,
                     ..Header::default()
                 };
-                respond(conn, ok, poll).await?;
+                respond(conn, ok).await?;
             }
             Op::Read => {
                 let ok = Header {
@@ -535,9 +516,12 @@ fn plan<'a>(descs: &'a [Desc], config: &TcpConfig) -> Plan<'a> {
             let mut off = 0;
             while off < d.len_bytes {
                 let len = (d.len_bytes - off).min(max_bytes);
+                // The remote side is only checked after planning, so a
+                // hostile `remote_addr` must not overflow here; wrapped
+                // pieces fail that check like the original would.
                 split.push(Desc {
-                    local_addr: d.local_addr + off,
-                    remote_addr: d.remote_addr + off,
+                    local_addr: d.local_addr.wrapping_add(off),
+                    remote_addr: d.remote_addr.wrapping_add(off),
                     len_bytes: len,
                 });
                 origin.push(i);
@@ -645,6 +629,16 @@ impl SessionInner {
             })
             .collect();
         regions.sort_by_key(|r| r.addr);
+        // The list is peer input: reject empty, wrapping or overlapping
+        // regions rather than trusting them in later range checks.
+        let mut prev_end = 0u64;
+        for r in &regions {
+            let end = r.addr.checked_add(r.len_bytes).filter(|_| r.len_bytes > 0);
+            match end {
+                Some(end) if r.addr >= prev_end => prev_end = end,
+                _ => return Err(protocol("peer advertised a malformed region list")),
+            }
+        }
         *self.remote_regions.borrow_mut() = regions;
         *slot = Some(conn);
         Ok(())
@@ -872,6 +866,11 @@ impl Session for TcpSession {
 }
 
 impl TcpSession {
+    /// The peer's listening address.
+    pub fn peer(&self) -> SocketAddr {
+        self.inner.peer
+    }
+
     /// The peer's regions as last learned from it.
     pub fn remote_regions(&self) -> Vec<RegionInfo> {
         self.inner.remote_regions.borrow().clone()
