@@ -219,3 +219,56 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
     );
     assert_eq!(c.verify(2, &[6], 0), 0);
 }
+
+#[test]
+fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
+    use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
+    use kvferry::synth::SynthKv;
+    let model = spec(Mode::Push).model;
+    let mut pc = NodeConfig::new(Role::Prefill, "p");
+    pc.timeouts = timeouts();
+    pc.max_peers = 1;
+    let pkv = SynthKv::new(model, 1, 0, 2, 8);
+    let p = Node::start(pc).unwrap();
+    // SAFETY: `p` is shut down at the end, before `pkv` drops.
+    unsafe { p.register_kv_caches(pkv.kv_layout()).unwrap() };
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![p.side_channel_addr()],
+    };
+    for round in 0..3u64 {
+        // A fresh decode rank each round: a new ZeroMQ identity at P.
+        let mut dc = NodeConfig::new(Role::Decode, "d");
+        dc.timeouts = timeouts();
+        let dkv = SynthKv::new(model, 1, 0, 2, 8);
+        let d = Node::start(dc).unwrap();
+        // SAFETY: `d` is shut down below, before `dkv` drops.
+        unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
+        let tid = 100 + round;
+        pkv.fill(tid, &[1], 0);
+        let rx = d.receiver(tid, &target).unwrap();
+        rx.request(ids(&[2])).unwrap();
+        p.sender(tid).unwrap().send(ids(&[1]), true).unwrap();
+        // Round 0 takes the only slot; later rounds reuse it (the previous
+        // decode rank was declared dead at the end of its round).
+        assert_eq!(
+            rx.wait(Duration::from_secs(5)),
+            Phase::Success,
+            "round {round}"
+        );
+        assert!(dkv.verify(tid, &[2], 0).is_ok());
+        d.shutdown(Duration::ZERO);
+        drop(d);
+        drop(dkv);
+        // P notices the silence (3 missed heartbeats) and frees the slot.
+        let t0 = Instant::now();
+        while p.dead_peers() != 1 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "P never declared the decode rank dead"
+            );
+            std::thread::yield_now();
+        }
+    }
+    p.shutdown(Duration::ZERO);
+}

@@ -381,21 +381,45 @@ impl Bridge {
                     self.bad_frame("frame from a peer that never said hello");
                     return;
                 };
-                if self.slots.len() >= self.shared.config.max_peers {
-                    self.bad_frame("too many peers");
-                    return;
-                }
-                let id = self.slots.len() as u32;
-                self.by_identity.insert(identity.clone(), id);
-                self.slots.push(Slot {
-                    route: Route::Identity(identity),
+                let slot = Slot {
+                    route: Route::Identity(identity.clone()),
                     addr: String::new(),
                     ready: false,
                     dead: false,
                     since: now,
                     last_heard: None,
                     transfers: HashSet::new(),
-                });
+                };
+                let id = if self.slots.len() < self.shared.config.max_peers {
+                    self.slots.push(slot);
+                    self.slots.len() as u32 - 1
+                } else {
+                    // Decode ranks that restart come back with new
+                    // identities; reuse the slot of a dead one that no
+                    // transfer refers to any more, so the table stays bounded
+                    // without refusing newcomers forever.
+                    let Some(i) = self.slots.iter().position(|s| {
+                        s.dead && s.transfers.is_empty() && matches!(s.route, Route::Identity(_))
+                    }) else {
+                        self.bad_frame("too many peers");
+                        return;
+                    };
+                    if let Route::Identity(old) = &self.slots[i].route {
+                        self.by_identity.remove(old);
+                    }
+                    self.shared
+                        .counters
+                        .dead_now
+                        .fetch_sub(1, Ordering::Relaxed);
+                    self.shared
+                        .peers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&(i as u32));
+                    self.slots[i] = slot;
+                    i as u32
+                };
+                self.by_identity.insert(identity, id);
                 id
             }
         };
@@ -792,10 +816,10 @@ impl Bridge {
             }
             let s = &mut self.slots[i];
             let quiet = now.saturating_duration_since(s.last_heard.unwrap_or(s.since));
-            // A prefill rank cannot probe, so a decode peer with nothing in
-            // flight is left alone rather than declared dead for being idle.
-            let watched = matches!(s.route, Route::Dealer(_)) || !s.transfers.is_empty();
-            if !s.dead && watched && quiet > silence_max {
+            // Decode ranks probe their prefill peers every tick (hello or
+            // heartbeat), so on either side silence means the peer is gone,
+            // busy or idle.
+            if !s.dead && quiet > silence_max {
                 s.dead = true;
                 self.shared
                     .counters
