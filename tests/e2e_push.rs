@@ -192,23 +192,25 @@ fn bootstrap_service_resolves_prefill_ranks() {
 
 #[test]
 fn chunked_sends_arrive_in_order() {
-    let c = Cluster::start(&spec(LayoutKind::Nhd, 1, 1, Mode::Push, TransportKind::Tcp)).unwrap();
-    use kvferry::machines::common::BlockId;
-    let tid = 11;
-    let src: Vec<u32> = (0..6).collect();
-    let dst: Vec<u32> = (20..26).collect();
-    c.fill(tid, &src);
-    let rx = c.decode[0].node.receiver(tid, &c.target).unwrap();
-    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
-        .unwrap();
-    let tx = c.prefill[0].node.sender(tid).unwrap();
-    for (i, part) in src.chunks(2).enumerate() {
-        tx.send(vec![part.iter().map(|&b| BlockId(b)).collect()], i == 2)
+    for mode in [Mode::Push, Mode::Pull] {
+        let c = Cluster::start(&spec(LayoutKind::Nhd, 1, 1, mode, TransportKind::Tcp)).unwrap();
+        use kvferry::machines::common::BlockId;
+        let tid = 11;
+        let src: Vec<u32> = (0..6).collect();
+        let dst: Vec<u32> = (20..26).collect();
+        c.fill(tid, &src);
+        let rx = c.decode[0].node.receiver(tid, &c.target).unwrap();
+        rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
             .unwrap();
+        let tx = c.prefill[0].node.sender(tid).unwrap();
+        for (i, part) in src.chunks(2).enumerate() {
+            tx.send(vec![part.iter().map(|&b| BlockId(b)).collect()], i == 2)
+                .unwrap();
+        }
+        assert_eq!(rx.wait(Duration::from_secs(10)), Phase::Success);
+        assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
+        assert_eq!(c.verify(tid, &dst, 0), 0);
     }
-    assert_eq!(rx.wait(Duration::from_secs(10)), Phase::Success);
-    assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
-    assert_eq!(c.verify(tid, &dst, 0), 0);
 }
 
 #[test]
