@@ -142,14 +142,16 @@ fn msg() -> impl Strategy<Value = Msg> {
             per_group_u32(l.max_groups),
             proptest::option::of(edge_u64())
         )
-            .prop_map(|(receivers_expected, dst_blocks, prefix_blocks, lease_seq)| {
-                Msg::Pull {
-                    receivers_expected,
-                    dst_blocks,
-                    prefix_blocks,
-                    lease_seq,
+            .prop_map(
+                |(receivers_expected, dst_blocks, prefix_blocks, lease_seq)| {
+                    Msg::Pull {
+                        receivers_expected,
+                        dst_blocks,
+                        prefix_blocks,
+                        lease_seq,
+                    }
                 }
-            }),
+            ),
         (
             edge_u32(),
             per_group_u32(l.max_groups),
@@ -163,7 +165,8 @@ fn msg() -> impl Strategy<Value = Msg> {
                 is_last,
             }),
         edge_u64().prop_map(|seq| Msg::LeaseRequest { seq }),
-        (edge_u64(), edge_u64()).prop_map(|(seq, duration_ms)| Msg::LeaseGrant { seq, duration_ms }),
+        (edge_u64(), edge_u64())
+            .prop_map(|(seq, duration_ms)| Msg::LeaseGrant { seq, duration_ms }),
         any::<bool>().prop_map(|ok| Msg::Status { ok }),
         any::<bool>().prop_map(|ok| Msg::Done { ok }),
         Just(Msg::Abort),
@@ -187,12 +190,14 @@ fn hello() -> impl Strategy<Value = Hello> {
         edge_u32(),
         edge_u64(),
     )
-        .prop_map(|(layout, total_kv_heads, block_tokens, head_bytes)| ModelSpec {
-            layout,
-            total_kv_heads,
-            block_tokens,
-            head_bytes,
-        });
+        .prop_map(
+            |(layout, total_kv_heads, block_tokens, head_bytes)| ModelSpec {
+                layout,
+                total_kv_heads,
+                block_tokens,
+                head_bytes,
+            },
+        );
     let layout = (edge_u32(), edge_u32(), edge_u64(), vec(region(), 0..6)).prop_map(
         |(tp_size, tp_rank, num_blocks, regions)| RankLayout {
             tp_size,
@@ -209,14 +214,16 @@ fn hello() -> impl Strategy<Value = Hello> {
         string_within(max),
         any::<bool>(),
     )
-        .prop_map(|(engine_id, mode, model, layout, endpoint, is_reply)| Hello {
-            engine_id,
-            mode,
-            model,
-            layout,
-            endpoint,
-            is_reply,
-        })
+        .prop_map(
+            |(engine_id, mode, model, layout, endpoint, is_reply)| Hello {
+                engine_id,
+                mode,
+                model,
+                layout,
+                endpoint,
+                is_reply,
+            },
+        )
 }
 
 fn frame() -> impl Strategy<Value = Frame> {
@@ -567,10 +574,7 @@ fn short_inputs_are_truncated_before_the_magic_is_read() {
     for bytes in [&b""[..], b"K", b"KN", b"XX\x01"] {
         assert_eq!(decode(bytes, &l), Err(FrameError::Truncated), "{bytes:?}");
     }
-    assert_eq!(
-        decode(b"XY\x01\x00", &l),
-        Err(FrameError::BadMagic(*b"XY"))
-    );
+    assert_eq!(decode(b"XY\x01\x00", &l), Err(FrameError::BadMagic(*b"XY")));
     // A bare header carries no frame.
     assert_eq!(decode(b"KN\x01\x00", &l), Err(FrameError::Truncated));
 }
@@ -588,7 +592,10 @@ const SMALL: FrameLimits = FrameLimits {
 
 fn groups_within() -> impl Strategy<Value = Vec<Vec<BlockId>>> {
     vec(
-        vec(any::<u32>().prop_map(BlockId), 0..=SMALL.max_blocks_per_group),
+        vec(
+            any::<u32>().prop_map(BlockId),
+            0..=SMALL.max_blocks_per_group,
+        ),
         0..=SMALL.max_groups,
     )
 }
@@ -599,7 +606,10 @@ fn groups_over() -> impl Strategy<Value = (Vec<Vec<BlockId>>, usize, usize)> {
     prop_oneof![
         // Too many groups, each within its bound.
         vec(
-            vec(any::<u32>().prop_map(BlockId), 0..=SMALL.max_blocks_per_group),
+            vec(
+                any::<u32>().prop_map(BlockId),
+                0..=SMALL.max_blocks_per_group
+            ),
             SMALL.max_groups + 1..12
         )
         .prop_map(|g| {
@@ -610,7 +620,10 @@ fn groups_over() -> impl Strategy<Value = (Vec<Vec<BlockId>>, usize, usize)> {
         (
             groups_within().prop_filter("at least one group", |g| !g.is_empty()),
             any::<prop::sample::Index>(),
-            vec(any::<u32>().prop_map(BlockId), SMALL.max_blocks_per_group + 1..40),
+            vec(
+                any::<u32>().prop_map(BlockId),
+                SMALL.max_blocks_per_group + 1..40
+            ),
         )
             .prop_map(|(mut g, at, long)| {
                 let n = long.len();
@@ -804,19 +817,46 @@ fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
 fn huge_length_prefixes_fail_fast_without_big_allocations() {
     let l = FrameLimits::default();
     for (what, bytes) in huge_claims() {
-        assert!(bytes.len() <= 20, "{what}: {} bytes", bytes.len());
+        assert!(bytes.len() <= 24, "{what}: {} bytes", bytes.len());
         let started = Instant::now();
         let (got, peak_bytes) = peak_alloc_bytes(|| decode(&bytes, &l));
         let took = started.elapsed();
         assert_eq!(got, Err(FrameError::Truncated), "{what}");
-        // serde caps a sequence's pre-allocation at 1 MiB whatever length
-        // the peer claims; a decoder that trusted the claim would ask for
-        // 2^60 elements and abort (or page in gigabytes) here.
+        // postcard caps a sequence's pre-allocation at the bytes left in
+        // the frame (measured: at most 96 bytes here); a decoder that
+        // trusted the claim would ask for 2^60 elements and abort here.
         assert!(
-            peak_bytes <= 1 << 20,
+            peak_bytes <= 1024,
             "{what}: a {}-byte frame made decode allocate {peak_bytes} bytes",
             bytes.len()
         );
         assert!(took < Duration::from_secs(1), "{what}: took {took:?}");
     }
+}
+
+/// Limits are checked after postcard has built the frame, so an over-limit
+/// frame is fully materialised first. postcard caps each pre-allocation at
+/// the bytes left in the frame, so the cost stays proportional to the frame
+/// (about 17x for one-block groups, each a 24-byte `Vec` plus its heap
+/// block); this bounds that factor so a regression to trusting claimed
+/// lengths, or a costlier representation, shows up here.
+#[test]
+fn over_limit_frames_allocate_in_proportion_to_their_size() {
+    let groups: usize = 1 << 16;
+    let mut bytes = header();
+    // Transfer { 0, Pull { 1, dst_blocks: [[BlockId(0)]; groups], prefix_blocks: [], lease_seq: None } }
+    bytes.extend_from_slice(&[1, 0, 0, 1]);
+    bytes.extend(varint(groups as u64));
+    for _ in 0..groups {
+        bytes.extend_from_slice(&[1, 0]);
+    }
+    bytes.extend_from_slice(&[0, 0]);
+    let l = FrameLimits::default();
+    let (got, peak_bytes) = peak_alloc_bytes(|| decode(&bytes, &l));
+    assert_eq!(got, Err(limit_error("dst_blocks", groups, l.max_groups)));
+    assert!(
+        peak_bytes <= 32 * bytes.len(),
+        "a {}-byte frame made decode allocate {peak_bytes} bytes",
+        bytes.len()
+    );
 }
