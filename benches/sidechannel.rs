@@ -111,7 +111,11 @@ fn round_trips(c: &mut Criterion) {
             }
         }
     });
-    assert_eq!(wire::encode(&heartbeat(0)).len() / 64, 256 / 64);
+    let frame_len = wire::encode(&heartbeat(0)).len();
+    assert!(
+        (240..=272).contains(&frame_len),
+        "heartbeat frame is {frame_len} bytes, meant to be about 256"
+    );
     let d_out = decode.outbox();
     let mut seq = 0;
     g.bench_function("kvferry_bridges", |b| {

@@ -432,7 +432,9 @@ impl SideChannel {
 
     /// Binds a ROUTER on `endpoint` (`tcp://host:port`; port `0` or `*`
     /// picks a free one). Messages it receives go to `sink`. Returns the
-    /// router's id and the endpoint actually bound.
+    /// router's id and the endpoint actually bound, as libzmq reports it:
+    /// for a wildcard host (`0.0.0.0`) the caller must put a reachable host
+    /// in the address it registers with the bootstrap service.
     pub fn bind_router(
         &self,
         endpoint: &str,
@@ -603,11 +605,18 @@ impl Bridge {
                         zmq::POLLIN
                     };
                     items.push(sock.socket.as_poll_item(events));
-                    // Every socket has two slots (data, monitor) so the
-                    // readiness vector below maps back by index.
+                    // Routers have no monitor. Their second slot is a
+                    // negative fd, which poll(2) ignores, so every socket
+                    // has two slots and the readiness below maps back by
+                    // index. It must not be the router socket a second
+                    // time: zmq_poll reads ZMQ_EVENTS once per item, and the
+                    // second read would consume the edge-triggered wake-up
+                    // of a message that arrived between the two reads
+                    // without reporting it, and the bridge would sleep with
+                    // a message waiting.
                     match &sock.monitor {
                         Some(monitor) => items.push(monitor.as_poll_item(events)),
-                        None => items.push(sock.socket.as_poll_item(zmq::PollEvents::empty())),
+                        None => items.push(zmq::PollItem::from_fd(-1, zmq::PollEvents::empty())),
                     }
                 }
                 match zmq::poll(&mut items, timeout_ms) {

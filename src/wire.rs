@@ -428,8 +428,30 @@ pub fn encode_into(msg: &Message, out: &mut Vec<u8>) {
     out.extend_from_slice(&VERSION.to_le_bytes());
     // postcard only fails for unknown-length sequences, `collect_str` and
     // custom serializer errors, none of which these plain types use.
-    let buf = std::mem::take(out);
-    *out = postcard::to_extend(msg, buf).expect("postcard cannot fail on the wire message types");
+    postcard::serialize_with_flavor::<Message, _, ()>(msg, AppendFlavor(out))
+        .expect("postcard cannot fail on the wire message types");
+}
+
+/// Appends to a `Vec` with `extend_from_slice`, where postcard's generic
+/// `Extend` flavor goes through an iterator byte by byte.
+struct AppendFlavor<'a>(&'a mut Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for AppendFlavor<'_> {
+    type Output = ();
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0.push(data);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
+    }
 }
 
 /// Decodes one frame, enforcing `limits`. Never panics, whatever `frame` is.

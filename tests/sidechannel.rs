@@ -547,3 +547,115 @@ fn replies_reach_the_right_decode_rank() {
         Message::AbortAck(AbortAck { transfer_id: 1 })
     );
 }
+
+#[test]
+fn many_round_trips_never_stall() {
+    // Liveness of the ping-pong path, where every message is the last one
+    // in flight and a missed wake-up would stall for good. The bridge once
+    // had such a bug (a router polled twice in one zmq_poll call lost the
+    // edge-triggered wake-up of a message arriving between the two
+    // ZMQ_EVENTS reads); `cargo bench --bench sidechannel` found it after
+    // thousands of round trips. Its window is too narrow for this test to
+    // hit reliably, but any stall fails it: every wait is bounded.
+    let p = pair(SideChannelConfig::default(), 64);
+    let d_route = handshake(&p);
+    let p_out = p.prefill.outbox();
+    let d_out = p.decode.outbox();
+    for seq in 0..3000u64 {
+        d_out
+            .send(Outgoing {
+                to: p.dealer.clone(),
+                msg: Message::LeaseRequest(LeaseRequest {
+                    transfer_id: 1,
+                    seq,
+                }),
+            })
+            .expect("queued");
+        let (from, msg) = recv_msg(&p.p_rx);
+        assert_eq!(from, d_route);
+        assert_eq!(
+            msg,
+            Message::LeaseRequest(LeaseRequest {
+                transfer_id: 1,
+                seq
+            })
+        );
+        p_out
+            .send(Outgoing {
+                to: from,
+                msg: Message::LeaseGrant(LeaseGrant {
+                    transfer_id: 1,
+                    seq,
+                    duration_ms: 10,
+                }),
+            })
+            .expect("queued");
+        match recv_msg(&p.d_rx).1 {
+            Message::LeaseGrant(g) => assert_eq!(g.seq, seq),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn glommio_executor_consumes_and_replies() {
+    // The consumers are glommio executors: events arrive through
+    // `recv_async` and replies leave through `send_async`, without blocking
+    // the executor thread.
+    let p = pair(SideChannelConfig::default(), 64);
+    let p_rx = p.p_rx.clone();
+    let p_out = p.prefill.outbox();
+    let rounds = 100u64;
+    let executor = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+        .name("sidechannel-test")
+        .spawn(move || async move {
+            let mut answered = 0u64;
+            while answered < rounds {
+                match p_rx.recv_async().await.expect("event") {
+                    Event::Message {
+                        from,
+                        msg: Message::LeaseRequest(req),
+                    } => {
+                        p_out
+                            .send_async(Outgoing {
+                                to: from,
+                                msg: Message::LeaseGrant(LeaseGrant {
+                                    transfer_id: req.transfer_id,
+                                    seq: req.seq,
+                                    duration_ms: 5,
+                                }),
+                            })
+                            .await
+                            .expect("queued");
+                        answered += 1;
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            answered
+        })
+        .expect("executor starts");
+    let d_out = p.decode.outbox();
+    for seq in 0..rounds {
+        d_out
+            .send(Outgoing {
+                to: p.dealer.clone(),
+                msg: Message::LeaseRequest(LeaseRequest {
+                    transfer_id: 9,
+                    seq,
+                }),
+            })
+            .expect("queued");
+    }
+    for seq in 0..rounds {
+        assert_eq!(
+            recv_msg(&p.d_rx).1,
+            Message::LeaseGrant(LeaseGrant {
+                transfer_id: 9,
+                seq,
+                duration_ms: 5
+            })
+        );
+    }
+    assert_eq!(executor.join().expect("executor"), rounds);
+}

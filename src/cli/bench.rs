@@ -70,6 +70,10 @@ struct Measured {
     elapsed: Duration,
     /// Per-batch latency in nanoseconds (bounded sample).
     latencies_ns: Vec<u64>,
+    /// Source and destination were equal after the run.
+    verified: bool,
+    /// Single-thread memcpy of the same buffers on the same (pinned) thread.
+    memcpy_gbps: f64,
 }
 
 /// At most this many latency samples are kept (40 MB).
@@ -146,12 +150,17 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
 
     // Both buffers live here and outlive the executor threads, which only
     // see their addresses; they are touched again only after the threads
-    // are joined.
+    // are joined. The side the data comes from holds a pattern, the other
+    // zeros, so the check after the run means something in both directions.
     let mut src = vec![0u8; total as usize];
-    for (i, b) in src.iter_mut().enumerate() {
+    let mut dst = vec![0u8; total as usize];
+    let from = match p.op {
+        Op::Write => &mut src,
+        Op::Read => &mut dst,
+    };
+    for (i, b) in from.iter_mut().enumerate() {
         *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
     }
-    let mut dst = vec![0u8; total as usize];
     let src_addr = src.as_mut_ptr() as u64;
     let dst_addr = dst.as_mut_ptr() as u64;
 
@@ -166,11 +175,9 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
             return Ok(ExitCode::FAILURE);
         }
     };
-    let check_ok = match p.op {
-        Op::Write => src == dst,
-        Op::Read => true,
-    };
-    let memcpy_gbps = measure_memcpy(&src, &mut dst, block_bytes as usize, p.seconds.min(1.0));
+    let check_ok = m.verified;
+    let memcpy_gbps = m.memcpy_gbps;
+    drop((src, dst));
     report(&p, &mut m, memcpy_gbps, check_ok);
     Ok(if check_ok {
         ExitCode::SUCCESS
@@ -280,7 +287,9 @@ fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String>
             let batch = descs(&p2, src_addr, dst_addr);
             let m = drive(&p2, &session, &batch).await;
             session.close().await;
-            m
+            // The target is idle now (it waits for the stop signal), so the
+            // buffers can be compared and copied on this thread.
+            m.map(|m| verify_and_memcpy(&p2, m, src_addr, dst_addr))
         })
         .map_err(|e| format!("starting the initiator executor: {e}"))?;
     let result = initiator
@@ -312,11 +321,30 @@ fn run_local(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, Strin
                 .await
                 .map_err(|e| e.to_string())?;
             let batch = descs(&p2, src_addr, dst_addr);
-            drive(&p2, &session, &batch).await
+            let m = drive(&p2, &session, &batch).await;
+            m.map(|m| verify_and_memcpy(&p2, m, src_addr, dst_addr))
         })
         .map_err(|e| format!("starting the executor: {e}"))?
         .join()
         .map_err(|e| format!("local executor: {e}"))?
+}
+
+/// Checks that the transfers left both buffers equal, then measures memcpy
+/// of the same buffers on the calling (executor) thread, so both figures
+/// come from the same core in the same run.
+fn verify_and_memcpy(p: &Params, mut m: Measured, src_addr: u64, dst_addr: u64) -> Measured {
+    let total = (p.block_bytes * p.batch) as usize;
+    // SAFETY: the buffers are owned by `transport_main`, which does not touch
+    // them until this thread is joined, and no transfer is running now.
+    let (src, dst) = unsafe {
+        (
+            std::slice::from_raw_parts(src_addr as usize as *const u8, total),
+            std::slice::from_raw_parts_mut(dst_addr as usize as *mut u8, total),
+        )
+    };
+    m.verified = src == &*dst;
+    m.memcpy_gbps = measure_memcpy(src, dst, p.block_bytes as usize, p.seconds.min(1.0));
+    m
 }
 
 /// Single-thread memcpy of the same buffers, block by block, in GB/s.

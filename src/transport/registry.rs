@@ -229,7 +229,7 @@ pub fn check_remote(
             return Err((index, RangeFault::Empty));
         }
         let end = addr.checked_add(len).ok_or((index, RangeFault::Overflow))?;
-        let inside = |r: &RegionInfo| addr >= r.addr && end <= r.addr + r.len_bytes;
+        let inside = |r: &RegionInfo| addr >= r.addr && end <= r.addr.saturating_add(r.len_bytes);
         if hint.as_ref().is_some_and(inside) {
             continue;
         }

@@ -104,6 +104,9 @@ impl TcpConfig {
         if self.batch_timeout_ms == 0 || self.connect_timeout_ms == 0 {
             return bad("timeouts must be positive".into());
         }
+        if self.max_regions as u64 > u64::from(wire::MAX_REGIONS) {
+            return bad(format!("max_regions must be at most {}", wire::MAX_REGIONS));
+        }
         if self.max_batch_descs == 0 || self.max_connections == 0 || self.max_regions == 0 {
             return bad("limits must be positive".into());
         }
@@ -535,9 +538,12 @@ fn plan<'a>(descs: &'a [Desc], config: &TcpConfig) -> Plan<'a> {
             let mut off = 0;
             while off < d.len_bytes {
                 let len = (d.len_bytes - off).min(max_bytes);
+                // The remote side is only checked after planning, so a
+                // hostile `remote_addr` must not overflow here; wrapped
+                // pieces fail that check like the original would.
                 split.push(Desc {
-                    local_addr: d.local_addr + off,
-                    remote_addr: d.remote_addr + off,
+                    local_addr: d.local_addr.wrapping_add(off),
+                    remote_addr: d.remote_addr.wrapping_add(off),
                     len_bytes: len,
                 });
                 origin.push(i);
@@ -645,6 +651,16 @@ impl SessionInner {
             })
             .collect();
         regions.sort_by_key(|r| r.addr);
+        // The list is peer input: reject empty, wrapping or overlapping
+        // regions rather than trusting them in later range checks.
+        let mut prev_end = 0u64;
+        for r in &regions {
+            let end = r.addr.checked_add(r.len_bytes).filter(|_| r.len_bytes > 0);
+            match end {
+                Some(end) if r.addr >= prev_end => prev_end = end,
+                _ => return Err(protocol("peer advertised a malformed region list")),
+            }
+        }
         *self.remote_regions.borrow_mut() = regions;
         *slot = Some(conn);
         Ok(())
@@ -872,6 +888,11 @@ impl Session for TcpSession {
 }
 
 impl TcpSession {
+    /// The peer's listening address.
+    pub fn peer(&self) -> SocketAddr {
+        self.inner.peer
+    }
+
     /// The peer's regions as last learned from it.
     pub fn remote_regions(&self) -> Vec<RegionInfo> {
         self.inner.remote_regions.borrow().clone()
