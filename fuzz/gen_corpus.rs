@@ -68,10 +68,10 @@ fn wire_seeds() {
         Message::LeaseRequest(LeaseRequest { transfer_id: 42, seq: 2 }),
         Message::LeaseGrant(LeaseGrant { transfer_id: 42, seq: 2, duration_ms: 5_000 }),
     ];
-    for m in &msgs {
+    for (i, m) in msgs.iter().enumerate() {
         let frame = wire::encode(m);
         assert_eq!(wire::decode(&frame, &Limits::default()).as_ref(), Ok(m));
-        write("wire_decode", m.kind(), &frame);
+        write("wire_decode", &format!("{i:02}_{}", m.kind()), &frame);
     }
 }
 

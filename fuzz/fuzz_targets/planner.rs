@@ -67,6 +67,7 @@ fn blocks(u: &mut Unstructured<'_>, groups: usize, num_blocks: u64) -> arbitrary
     Ok(out)
 }
 
+#[derive(Debug)]
 struct Input {
     model: ModelSpec,
     prefill: RankLayout,
