@@ -58,15 +58,41 @@ fn wire_seeds() {
             src_blocks: vec![vec![9, 10]],
             is_last: true,
         }),
-        Message::Done(Done { transfer_id: 42, ok: true }),
-        Message::Status(Status { transfer_id: 42, result: Err(ErrorCode::Expired) }),
-        Message::Status(Status { transfer_id: 43, result: Ok(()) }),
-        Message::Abort(Abort { transfer_id: 42, reason: AbortCode::PeerDead }),
+        Message::Done(Done {
+            transfer_id: 42,
+            ok: true,
+        }),
+        Message::Status(Status {
+            transfer_id: 42,
+            result: Err(ErrorCode::Expired),
+        }),
+        Message::Status(Status {
+            transfer_id: 43,
+            result: Ok(()),
+        }),
+        Message::Abort(Abort {
+            transfer_id: 42,
+            reason: AbortCode::PeerDead,
+        }),
         Message::AbortAck(AbortAck { transfer_id: 42 }),
-        Message::Heartbeat(Heartbeat { seq: 7, renew: vec![1, 2, 3], lease_ms: 5_000 }),
-        Message::HeartbeatAck(HeartbeatAck { seq: 7, unknown: vec![2] }),
-        Message::LeaseRequest(LeaseRequest { transfer_id: 42, seq: 2 }),
-        Message::LeaseGrant(LeaseGrant { transfer_id: 42, seq: 2, duration_ms: 5_000 }),
+        Message::Heartbeat(Heartbeat {
+            seq: 7,
+            renew: vec![1, 2, 3],
+            lease_ms: 5_000,
+        }),
+        Message::HeartbeatAck(HeartbeatAck {
+            seq: 7,
+            unknown: vec![2],
+        }),
+        Message::LeaseRequest(LeaseRequest {
+            transfer_id: 42,
+            seq: 2,
+        }),
+        Message::LeaseGrant(LeaseGrant {
+            transfer_id: 42,
+            seq: 2,
+            duration_ms: 5_000,
+        }),
     ];
     for (i, m) in msgs.iter().enumerate() {
         let frame = wire::encode(m);
@@ -76,7 +102,12 @@ fn wire_seeds() {
 }
 
 fn model() -> ModelSpec {
-    ModelSpec { layout: PlanLayout::Hnd, total_kv_heads: 4, block_tokens: 2, head_bytes: 8 }
+    ModelSpec {
+        layout: PlanLayout::Hnd,
+        total_kv_heads: 4,
+        block_tokens: 2,
+        head_bytes: 8,
+    }
 }
 
 fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
@@ -86,8 +117,16 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
         tp_rank,
         num_blocks: 8,
         regions: vec![
-            Region { base, block_len: kv, kv_block_len: kv },
-            Region { base: base + 8 * kv, block_len: kv, kv_block_len: kv },
+            Region {
+                base,
+                block_len: kv,
+                kv_block_len: kv,
+            },
+            Region {
+                base: base + 8 * kv,
+                block_len: kv,
+                kv_block_len: kv,
+            },
         ],
     }
 }
@@ -129,21 +168,60 @@ fn proto_seeds() {
                 },
             },
         ),
-        ("lease_request", proto::Frame::Transfer { transfer_id: 5, msg: Msg::LeaseRequest { seq: 3 } }),
+        (
+            "lease_request",
+            proto::Frame::Transfer {
+                transfer_id: 5,
+                msg: Msg::LeaseRequest { seq: 3 },
+            },
+        ),
         (
             "lease_grant",
-            proto::Frame::Transfer { transfer_id: 5, msg: Msg::LeaseGrant { seq: 3, duration_ms: 100 } },
+            proto::Frame::Transfer {
+                transfer_id: 5,
+                msg: Msg::LeaseGrant {
+                    seq: 3,
+                    duration_ms: 100,
+                },
+            },
         ),
-        ("status", proto::Frame::Transfer { transfer_id: 5, msg: Msg::Status { ok: true } }),
-        ("done", proto::Frame::Transfer { transfer_id: 5, msg: Msg::Done { ok: false } }),
-        ("abort", proto::Frame::Transfer { transfer_id: 5, msg: Msg::Abort }),
-        ("abort_ack", proto::Frame::Transfer { transfer_id: 5, msg: Msg::AbortAck }),
+        (
+            "status",
+            proto::Frame::Transfer {
+                transfer_id: 5,
+                msg: Msg::Status { ok: true },
+            },
+        ),
+        (
+            "done",
+            proto::Frame::Transfer {
+                transfer_id: 5,
+                msg: Msg::Done { ok: false },
+            },
+        ),
+        (
+            "abort",
+            proto::Frame::Transfer {
+                transfer_id: 5,
+                msg: Msg::Abort,
+            },
+        ),
+        (
+            "abort_ack",
+            proto::Frame::Transfer {
+                transfer_id: 5,
+                msg: Msg::AbortAck,
+            },
+        ),
         ("heartbeat", proto::Frame::Heartbeat { seq: 9 }),
         ("heartbeat_ack", proto::Frame::HeartbeatAck { seq: 9 }),
     ];
     for (name, f) in &frames {
         let bytes = proto::encode(f);
-        assert_eq!(proto::decode(&bytes, &proto::FrameLimits::default()).as_ref(), Ok(f));
+        assert_eq!(
+            proto::decode(&bytes, &proto::FrameLimits::default()).as_ref(),
+            Ok(f)
+        );
         write("node_proto_decode", name, &bytes);
     }
 }
@@ -162,11 +240,21 @@ fn tcp_seeds() {
     tw::encode_entry(&mut write_req, 0x1000, 64);
     tw::encode_entry(&mut write_req, 0x2000, 32);
     write("tcp_header_decode", "write_request", &write_req);
-    let mut read_req =
-        tw::Header { opcode: tw::OP_READ, count: 1, req_id: 2, ..Default::default() }.encode().to_vec();
+    let mut read_req = tw::Header {
+        opcode: tw::OP_READ,
+        count: 1,
+        req_id: 2,
+        ..Default::default()
+    }
+    .encode()
+    .to_vec();
     tw::encode_entry(&mut read_req, 0x1000, 4096);
     write("tcp_header_decode", "read_request", &read_req);
-    let regions = tw::Header { opcode: tw::OP_REGIONS, req_id: 3, ..Default::default() };
+    let regions = tw::Header {
+        opcode: tw::OP_REGIONS,
+        req_id: 3,
+        ..Default::default()
+    };
     write("tcp_header_decode", "regions_request", &regions.encode());
     let reject = tw::Header {
         opcode: tw::OP_WRITE,
@@ -204,7 +292,11 @@ fn spec_seeds() {
   "decode_blocks": [[2, 3], [0]],
   "descriptors_max": 100
 }"#;
-    for (name, text) in [("hetero_hnd.json", hetero), ("hetero_nhd.json", &nhd), ("mla.json", mla)] {
+    for (name, text) in [
+        ("hetero_hnd.json", hetero),
+        ("hetero_nhd.json", &nhd),
+        ("mla.json", mla),
+    ] {
         let plan = kvferry::plan::plan_from_json(text).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(plan.is_transfer(), "{name} plans nothing");
         write("plan_spec", name, text.as_bytes());

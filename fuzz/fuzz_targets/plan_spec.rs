@@ -19,7 +19,10 @@ fuzz_target!(|data: &[u8]| {
     let spec = match parsed {
         Ok(spec) => spec,
         Err(_) => {
-            assert!(planned.is_err(), "plan_from_json accepts what parse_spec rejects");
+            assert!(
+                planned.is_err(),
+                "plan_from_json accepts what parse_spec rejects"
+            );
             return;
         }
     };

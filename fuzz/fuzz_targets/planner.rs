@@ -23,34 +23,59 @@ fn num(u: &mut Unstructured<'_>, small_max: u64) -> arbitrary::Result<u64> {
     }
 }
 
-fn rank(u: &mut Unstructured<'_>, regions: usize, model: &ModelSpec) -> arbitrary::Result<RankLayout> {
+fn rank(
+    u: &mut Unstructured<'_>,
+    regions: usize,
+    model: &ModelSpec,
+) -> arbitrary::Result<RankLayout> {
     let tp_size = num(u, 8)? as u32;
     let tp_rank = num(u, 8)? as u32;
     let num_blocks = num(u, 64)?;
     // Often the exact KV length validation wants, so planning proceeds.
     let heads = model.heads_per_rank(tp_size.max(1)) as u64;
-    let exact_kv = heads * model.block_tokens as u64 * model.head_bytes;
+    // Saturating: huge raw fields are for the planner to reject, not us.
+    let exact_kv = heads
+        .saturating_mul(model.block_tokens as u64)
+        .saturating_mul(model.head_bytes);
     let mut base = num(u, 1 << 20)?;
     let mut out = Vec::with_capacity(regions);
     for _ in 0..regions {
-        let kv_block_len = if u.ratio(3, 4)? { exact_kv } else { num(u, 4096)? };
+        let kv_block_len = if u.ratio(3, 4)? {
+            exact_kv
+        } else {
+            num(u, 4096)?
+        };
         let block_len = if u.ratio(3, 4)? {
             kv_block_len.saturating_mul(u.int_in_range(1..=2)?)
         } else {
             num(u, 8192)?
         };
-        out.push(Region { base, block_len, kv_block_len });
+        out.push(Region {
+            base,
+            block_len,
+            kv_block_len,
+        });
         // Usually disjoint regions laid end to end, sometimes anywhere.
         base = if u.ratio(7, 8)? {
-            base.saturating_add(block_len.saturating_mul(num_blocks)).saturating_add(num(u, 64)?)
+            base.saturating_add(block_len.saturating_mul(num_blocks))
+                .saturating_add(num(u, 64)?)
         } else {
             num(u, 1 << 24)?
         };
     }
-    Ok(RankLayout { tp_size, tp_rank, num_blocks, regions: out })
+    Ok(RankLayout {
+        tp_size,
+        tp_rank,
+        num_blocks,
+        regions: out,
+    })
 }
 
-fn blocks(u: &mut Unstructured<'_>, groups: usize, num_blocks: u64) -> arbitrary::Result<Vec<Vec<u64>>> {
+fn blocks(
+    u: &mut Unstructured<'_>,
+    groups: usize,
+    num_blocks: u64,
+) -> arbitrary::Result<Vec<Vec<u64>>> {
     let mut out = Vec::with_capacity(groups);
     for _ in 0..groups {
         let n = u.int_in_range(0..=16)?;
@@ -88,11 +113,19 @@ impl<'a> Arbitrary<'a> for Input {
         };
         let regions = u.int_in_range(0..=6)?;
         let prefill = rank(u, regions, &model)?;
-        let decode_regions = if u.ratio(15, 16)? { regions } else { u.int_in_range(0..=6)? };
+        let decode_regions = if u.ratio(15, 16)? {
+            regions
+        } else {
+            u.int_in_range(0..=6)?
+        };
         let decode = rank(u, decode_regions, &model)?;
         let groups = u.int_in_range(0..=3)?;
         let prefill_blocks = blocks(u, groups, prefill.num_blocks)?;
-        let decode_groups = if u.ratio(15, 16)? { groups } else { u.int_in_range(0..=3)? };
+        let decode_groups = if u.ratio(15, 16)? {
+            groups
+        } else {
+            u.int_in_range(0..=3)?
+        };
         let decode_blocks = blocks(u, decode_groups, decode.num_blocks)?;
         let limits = BatchLimits {
             batch_descriptors_max: num(u, 256)? as usize,
@@ -101,12 +134,26 @@ impl<'a> Arbitrary<'a> for Input {
             // an error, which the `check` below verifies.
             descriptors_max: num(u, 1 << 16)?.min(1 << 16) as usize,
         };
-        Ok(Input { model, prefill, decode, prefill_blocks, decode_blocks, limits })
+        Ok(Input {
+            model,
+            prefill,
+            decode,
+            prefill_blocks,
+            decode_blocks,
+            limits,
+        })
     }
 }
 
 fuzz_target!(|input: Input| {
-    let Input { model, prefill, decode, prefill_blocks, decode_blocks, limits } = input;
+    let Input {
+        model,
+        prefill,
+        decode,
+        prefill_blocks,
+        decode_blocks,
+        limits,
+    } = input;
     let Ok(plan) = kvferry_machines::planner::plan(
         &model,
         &prefill,
@@ -117,5 +164,12 @@ fuzz_target!(|input: Input| {
     ) else {
         return;
     };
-    check::check_plan(&plan, &prefill, &decode, &prefill_blocks, &decode_blocks, &limits);
+    check::check_plan(
+        &plan,
+        &prefill,
+        &decode,
+        &prefill_blocks,
+        &decode_blocks,
+        &limits,
+    );
 });

@@ -31,7 +31,10 @@ fuzz_target!(|frame: &[u8]| {
         Ok(msg) => msg,
         Err(_) => {
             // Tighter limits never turn a rejected frame into an accepted one.
-            assert!(tight.is_err(), "accepted under tight limits only: {tight:?}");
+            assert!(
+                tight.is_err(),
+                "accepted under tight limits only: {tight:?}"
+            );
             return;
         }
     };
@@ -49,11 +52,19 @@ fuzz_target!(|frame: &[u8]| {
     match &tight {
         Ok(m) => {
             assert_eq!(m, &msg, "tight and default decodes differ");
-            assert!(sendable_tight, "decoded under tight limits but check_limits refuses: {msg:?}");
+            assert!(
+                sendable_tight,
+                "decoded under tight limits but check_limits refuses: {msg:?}"
+            );
         }
         Err(WireError::LimitExceeded { .. }) | Err(WireError::FrameTooLarge { .. }) => {
-            assert!(!sendable_tight, "decode rejected a frame check_limits accepts: {tight:?}");
+            assert!(
+                !sendable_tight,
+                "decode rejected a frame check_limits accepts: {tight:?}"
+            );
         }
-        Err(other) => panic!("a frame valid under default limits fails under tight ones with {other:?}"),
+        Err(other) => {
+            panic!("a frame valid under default limits fails under tight ones with {other:?}")
+        }
     }
 });
