@@ -7,8 +7,10 @@
 
 pub mod bootstrap;
 pub mod cli;
+pub mod node;
 pub mod plan;
 pub mod sidechannel;
+pub mod synth;
 pub mod transport;
 pub mod wire;
 

@@ -4,7 +4,10 @@
 pub mod args;
 pub mod bench;
 pub mod bootstrap;
+pub mod decode;
+pub mod demo;
 pub mod plan;
+pub mod prefill;
 
 use std::process::ExitCode;
 
@@ -17,6 +20,11 @@ commands:
   plan --spec FILE        print the transfer descriptors for a JSON spec
   bench transport ...     transport throughput and latency benchmark
   bootstrap [--listen ADDR]  standalone bootstrap service (default 0.0.0.0:8998)
+  demo [options]          P and D nodes in one process, verified synthetic KV
+  prefill --bootstrap ADDR --engine-id ID --tp-size N --tp-rank R [...]
+                          one prefill rank serving synthetic KV until SIGTERM
+  decode --bootstrap ADDR --engine-id ID --tp-size N --tp-rank R --requests K
+                          one decode rank pulling K requests, JSON summary
   help                    this text
 ";
 
@@ -40,6 +48,9 @@ pub fn run(argv: Vec<String>) -> ExitCode {
         "plan" => plan::main(rest),
         "bench" => bench::main(rest),
         "bootstrap" => bootstrap::main(rest),
+        "demo" => demo::main(rest),
+        "prefill" => prefill::main(rest),
+        "decode" => decode::main(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             ExitCode::SUCCESS

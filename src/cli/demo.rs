@@ -1,0 +1,481 @@
+//! `kvferry demo`: the bootstrap service, prefill ranks and decode ranks in
+//! one process on 127.0.0.1, N requests with synthetic KV, every byte
+//! verified on decode.
+
+use std::collections::HashMap;
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use super::args::{Args, UsageError};
+use crate::machines::common::{Config, Mode};
+use crate::machines::layout::{LayoutKind, ModelSpec};
+use crate::machines::Phase;
+use crate::node::TransportKind;
+use crate::synth::{Cluster, ClusterSpec};
+
+const USAGE: &str = "\
+usage: kvferry demo [--requests N] [--concurrency C] [--layers L]
+                    [--blocks-per-request B] [--block-tokens T] [--heads H]
+                    [--head-bytes X] [--prefill-tp P] [--decode-tp D]
+                    [--layout hnd|nhd|mla] [--mode push|pull]
+                    [--transport tcp|local] [--timeout-ms MS] [--json]
+                    [--spin-us US] [--zmq-baseline]   (also time a bare 256-byte ZeroMQ
+                                        DEALER/ROUTER round trip, same run)
+";
+
+const OPTIONS: &[&str] = &[
+    "requests",
+    "concurrency",
+    "layers",
+    "blocks-per-request",
+    "block-tokens",
+    "heads",
+    "head-bytes",
+    "prefill-tp",
+    "decode-tp",
+    "layout",
+    "mode",
+    "transport",
+    "timeout-ms",
+    "json",
+    "zmq-baseline",
+    "spin-us",
+];
+
+/// The demo's settings.
+#[derive(Clone, Debug)]
+pub struct DemoOptions {
+    pub requests: u64,
+    pub concurrency: u64,
+    pub layers: u32,
+    pub blocks_per_request: u32,
+    pub block_tokens: u32,
+    pub heads: u32,
+    pub head_bytes: u64,
+    pub prefill_tp: u32,
+    pub decode_tp: u32,
+    pub layout: LayoutKind,
+    pub mode: Mode,
+    pub transport: TransportKind,
+    /// Per-request deadline (bootstrap, waiting, claim).
+    pub timeout_ms: u64,
+    /// Executors spin this long before parking (0: park at once).
+    pub spin_us: u64,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        DemoOptions {
+            requests: 2000,
+            concurrency: 64,
+            layers: 4,
+            blocks_per_request: 4,
+            block_tokens: 16,
+            heads: 8,
+            head_bytes: 128,
+            prefill_tp: 1,
+            decode_tp: 1,
+            layout: LayoutKind::Hnd,
+            mode: Mode::Push,
+            transport: TransportKind::Tcp,
+            timeout_ms: 10_000,
+            spin_us: 0,
+        }
+    }
+}
+
+/// What the demo measured.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct DemoReport {
+    pub requests: u64,
+    pub ok: u64,
+    pub failed: u64,
+    pub expired: u64,
+    pub verify_errors: u64,
+    pub bytes: u64,
+    /// Gigabytes (1e9 bytes) per second of verified payload, wall clock.
+    pub gbps: f64,
+    pub requests_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub elapsed_s: f64,
+    /// With `--zmq-baseline`: p50 / p99 of a bare 256-byte DEALER/ROUTER
+    /// round trip on loopback, measured in the same process just before.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq_rtt_p50_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq_rtt_p99_ms: Option<f64>,
+}
+
+/// Times `n` bare 256-byte ZeroMQ DEALER→ROUTER→DEALER round trips on
+/// loopback: the yardstick for the control plane's added latency.
+pub fn zmq_baseline(n: usize) -> Result<(f64, f64), String> {
+    let e = |e: zmq::Error| e.to_string();
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).map_err(e)?;
+    router.set_linger(0).map_err(e)?;
+    router.bind("tcp://127.0.0.1:*").map_err(e)?;
+    let ep = router
+        .get_last_endpoint()
+        .map_err(e)?
+        .map_err(|_| "endpoint".to_string())?;
+    let echo = std::thread::spawn(move || {
+        for _ in 0..n {
+            let Ok(parts) = router.recv_multipart(0) else {
+                return;
+            };
+            if router.send_multipart(parts, 0).is_err() {
+                return;
+            }
+        }
+    });
+    let dealer = ctx.socket(zmq::DEALER).map_err(e)?;
+    dealer.set_linger(0).map_err(e)?;
+    dealer.connect(&ep).map_err(e)?;
+    let payload = vec![7u8; 256];
+    let mut rtt = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        dealer.send(&payload[..], 0).map_err(e)?;
+        dealer.recv_bytes(0).map_err(e)?;
+        rtt.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let _ = echo.join();
+    rtt.sort_by(|a, b| a.total_cmp(b));
+    // The first round trips include the connection set-up.
+    let warm = &rtt[..];
+    Ok((percentile(warm, 0.5), percentile(warm, 0.99)))
+}
+
+pub fn parse_layout(s: &str) -> Result<LayoutKind, UsageError> {
+    match s {
+        "hnd" => Ok(LayoutKind::Hnd),
+        "nhd" => Ok(LayoutKind::Nhd),
+        "mla" => Ok(LayoutKind::Mla),
+        _ => Err(UsageError(format!(
+            "--layout: expected hnd, nhd or mla, not {s:?}"
+        ))),
+    }
+}
+
+pub fn parse_mode(s: &str) -> Result<Mode, UsageError> {
+    match s {
+        "push" => Ok(Mode::Push),
+        "pull" => Ok(Mode::Pull),
+        _ => Err(UsageError(format!(
+            "--mode: expected push or pull, not {s:?}"
+        ))),
+    }
+}
+
+pub fn parse_transport(s: &str) -> Result<TransportKind, UsageError> {
+    match s {
+        "tcp" => Ok(TransportKind::Tcp),
+        "local" => Ok(TransportKind::Local),
+        _ => Err(UsageError(format!(
+            "--transport: expected tcp or local, not {s:?}"
+        ))),
+    }
+}
+
+fn parse(argv: &[String]) -> Result<(DemoOptions, bool, bool), UsageError> {
+    let a = Args::parse(argv, &["json", "zmq-baseline"])?;
+    a.reject_unknown(OPTIONS)?;
+    let d = DemoOptions::default();
+    let o = DemoOptions {
+        requests: a.get_or("requests", d.requests)?,
+        concurrency: a.get_or("concurrency", d.concurrency)?,
+        layers: a.get_or("layers", d.layers)?,
+        blocks_per_request: a.get_or("blocks-per-request", d.blocks_per_request)?,
+        block_tokens: a.get_or("block-tokens", d.block_tokens)?,
+        heads: a.get_or("heads", d.heads)?,
+        head_bytes: a.get_or("head-bytes", d.head_bytes)?,
+        prefill_tp: a.get_or("prefill-tp", d.prefill_tp)?,
+        decode_tp: a.get_or("decode-tp", d.decode_tp)?,
+        layout: a.get_str("layout").map_or(Ok(d.layout), parse_layout)?,
+        mode: a.get_str("mode").map_or(Ok(d.mode), parse_mode)?,
+        transport: a
+            .get_str("transport")
+            .map_or(Ok(d.transport), parse_transport)?,
+        timeout_ms: a.get_or("timeout-ms", d.timeout_ms)?,
+        spin_us: a.get_or("spin-us", d.spin_us)?,
+    };
+    if o.concurrency == 0 || o.layers == 0 || o.blocks_per_request == 0 || o.block_tokens == 0 {
+        return Err(UsageError(
+            "--concurrency, --layers, --blocks-per-request and --block-tokens must be positive"
+                .into(),
+        ));
+    }
+    if o.heads == 0 || o.head_bytes == 0 || o.prefill_tp == 0 || o.decode_tp == 0 {
+        return Err(UsageError(
+            "--heads, --head-bytes and the TP sizes must be positive".into(),
+        ));
+    }
+    Ok((o, a.flag("json"), a.flag("zmq-baseline")))
+}
+
+/// Timeouts for demo-style runs: everything ends within `timeout_ms` plus
+/// the fence.
+pub fn demo_timeouts(timeout_ms: u64) -> Config {
+    let t = Duration::from_millis(timeout_ms.max(10));
+    Config {
+        bootstrap_timeout: t,
+        waiting_timeout: t,
+        claim_timeout: t,
+        hold_limit: t * 3,
+        transfer_bound: t.min(Duration::from_secs(10)),
+        fence_margin: Duration::from_millis(200).min(t),
+        heartbeat_interval: (t / 4).min(Duration::from_secs(1)),
+        lease: (t / 2)
+            .min(Duration::from_secs(4))
+            .max((t / 4).min(Duration::from_secs(1)) * 2),
+        heartbeat_misses: 3,
+        ..Config::default()
+    }
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Runs the demo. `progress` draws a progress bar on stderr.
+pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
+    let model = ModelSpec {
+        layout: o.layout,
+        total_kv_heads: match o.layout {
+            LayoutKind::Mla => 1,
+            LayoutKind::Hnd | LayoutKind::Nhd => o.heads,
+        },
+        block_tokens: o.block_tokens,
+        head_bytes: o.head_bytes,
+    };
+    let slots = o.concurrency.min(o.requests.max(1));
+    let blocks = slots * u64::from(o.blocks_per_request);
+    if blocks > u64::from(u32::MAX) {
+        return Err("concurrency × blocks-per-request is too large".into());
+    }
+    let spec = ClusterSpec {
+        model,
+        layers: o.layers,
+        prefill_blocks: blocks,
+        decode_blocks: blocks,
+        prefill_tp: o.prefill_tp,
+        decode_tp: o.decode_tp,
+        mode: o.mode,
+        transport: o.transport,
+        timeouts: demo_timeouts(o.timeout_ms),
+        bootstrap: Some("127.0.0.1:0".into()),
+        spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
+    };
+    let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
+    // Block slots: request slot s owns blocks s·B .. (s+1)·B on both sides,
+    // until both its prefill and its decode ranks are done with it.
+    let b = o.blocks_per_request;
+    let mut free: Vec<u64> = (0..slots).rev().collect();
+    struct Live {
+        slot: u64,
+        started: Instant,
+        decode_left: u32,
+        prefill_left: u32,
+        all_ok: bool,
+        verified: bool,
+    }
+    let mut live: HashMap<u64, Live> = HashMap::new();
+    let mut report = DemoReport {
+        requests: o.requests,
+        ..DemoReport::default()
+    };
+    let mut latencies = Vec::with_capacity(o.requests as usize);
+    let bytes_per_request: u64 = c
+        .decode
+        .iter()
+        .map(|r| r.kv.block_bytes() * u64::from(b))
+        .sum();
+    let started = Instant::now();
+    let mut next = 0u64;
+    let mut finished = 0u64;
+    let mut last_draw = Instant::now();
+    let hard_deadline = Duration::from_millis(o.timeout_ms) * 4 + Duration::from_secs(30);
+    let mut last_progress = Instant::now();
+    while finished < o.requests {
+        while next < o.requests {
+            let Some(slot) = free.pop() else { break };
+            let tid = next + 1;
+            let blocks: Vec<u32> = (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect();
+            c.fill(tid, &blocks);
+            if let Err(e) = c.start_request(tid, &blocks, &blocks, 0) {
+                return Err(format!("request {tid} refused: {e}"));
+            }
+            live.insert(
+                tid,
+                Live {
+                    slot,
+                    started: Instant::now(),
+                    decode_left: o.decode_tp,
+                    prefill_left: o.prefill_tp,
+                    all_ok: true,
+                    verified: false,
+                },
+            );
+            next += 1;
+        }
+        let event = flume::Selector::new()
+            .recv(&c.decode_done, |r| r.map(|(_, t, p)| (true, t, p)))
+            .recv(&c.prefill_done, |r| r.map(|(_, t, p)| (false, t, p)))
+            .wait_timeout(Duration::from_millis(500));
+        let (is_decode, tid, phase) = match event {
+            Ok(Ok(e)) => e,
+            Ok(Err(_)) => return Err("node notification channel closed".into()),
+            Err(_) => {
+                if last_progress.elapsed() > hard_deadline {
+                    return Err(format!(
+                        "no progress for {} s; {} requests still live",
+                        hard_deadline.as_secs(),
+                        live.len()
+                    ));
+                }
+                continue;
+            }
+        };
+        last_progress = Instant::now();
+        let Some(l) = live.get_mut(&tid.0) else {
+            continue;
+        };
+        if is_decode {
+            l.decode_left = l.decode_left.saturating_sub(1);
+            match phase {
+                Phase::Success => {}
+                Phase::Failed(_) | Phase::Expired => l.all_ok = false,
+                Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring => {}
+            }
+            if l.decode_left == 0 && !l.verified {
+                l.verified = true;
+                finished += 1;
+                let blocks: Vec<u32> = (0..b).map(|i| (l.slot * u64::from(b)) as u32 + i).collect();
+                if l.all_ok {
+                    report.ok += 1;
+                    report.bytes += bytes_per_request;
+                    latencies.push(l.started.elapsed().as_secs_f64() * 1e3);
+                    let bad = c.verify(tid.0, &blocks, 0);
+                    report.verify_errors += bad as u64;
+                } else if phase == Phase::Expired {
+                    report.expired += 1;
+                } else {
+                    report.failed += 1;
+                }
+            }
+        } else {
+            l.prefill_left = l.prefill_left.saturating_sub(1);
+        }
+        if l.decode_left == 0 && l.prefill_left == 0 {
+            free.push(l.slot);
+            live.remove(&tid.0);
+        }
+        if finished % 256 == 0 {
+            // Collect finished records so the executors' boards stay small.
+            for r in c.prefill.iter().chain(&c.decode) {
+                let _ = r.node.get_finished();
+            }
+        }
+        if progress && last_draw.elapsed() > Duration::from_millis(100) {
+            last_draw = Instant::now();
+            let width = 40u64;
+            let done = finished * width / o.requests.max(1);
+            eprint!(
+                "\r[{}{}] {finished}/{} ok {} failed {} expired {}",
+                "#".repeat(done as usize),
+                " ".repeat((width - done) as usize),
+                o.requests,
+                report.ok,
+                report.failed,
+                report.expired
+            );
+            let _ = std::io::stderr().flush();
+        }
+    }
+    if progress {
+        eprintln!();
+    }
+    for r in c.prefill.iter().chain(&c.decode) {
+        tracing::debug!(stats = ?r.node.stats(), "node counters");
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    latencies.sort_by(|a, b| a.total_cmp(b));
+    report.elapsed_s = elapsed;
+    report.gbps = report.bytes as f64 / elapsed / 1e9;
+    report.requests_per_s = report.ok as f64 / elapsed;
+    report.p50_ms = percentile(&latencies, 0.50);
+    report.p99_ms = percentile(&latencies, 0.99);
+    Ok(report)
+}
+
+pub fn main(argv: &[String]) -> ExitCode {
+    let (o, json, baseline) = match parse(argv) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("kvferry demo: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let progress = !json && std::io::stderr().is_terminal();
+    let rtt = if baseline {
+        match zmq_baseline(2000) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                eprintln!("kvferry demo: zmq baseline: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        None
+    };
+    let report = match run_demo(&o, progress) {
+        Ok(mut r) => {
+            r.zmq_rtt_p50_ms = rtt.map(|x| x.0);
+            r.zmq_rtt_p99_ms = rtt.map(|x| x.1);
+            r
+        }
+        Err(e) => {
+            eprintln!("kvferry demo: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    print_report(&report, json);
+    if report.verify_errors > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// Prints the summary (one JSON object with `--json`).
+pub fn print_report(r: &DemoReport, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).unwrap_or_default());
+    } else {
+        println!(
+            "requests {} ok {} failed {} expired {} verify_errors {}\n\
+             bytes {} in {:.3} s: {:.3} GB/s, {:.0} requests/s\n\
+             latency p50 {:.3} ms p99 {:.3} ms",
+            r.requests,
+            r.ok,
+            r.failed,
+            r.expired,
+            r.verify_errors,
+            r.bytes,
+            r.elapsed_s,
+            r.gbps,
+            r.requests_per_s,
+            r.p50_ms,
+            r.p99_ms
+        );
+        if let (Some(p50), Some(p99)) = (r.zmq_rtt_p50_ms, r.zmq_rtt_p99_ms) {
+            println!("bare ZeroMQ 256 B round trip: p50 {p50:.3} ms p99 {p99:.3} ms");
+        }
+    }
+}

@@ -1,0 +1,953 @@
+//! The side-channel bridge: one thread per node that owns every ZeroMQ
+//! socket (libzmq is neither thread-safe nor io_uring-aware, so sockets stay
+//! off the executors).
+//!
+//! It decodes every inbound frame (bad ones are counted, logged and
+//! dropped), answers hellos and heartbeats, routes machine messages to the
+//! reactor, resolves the prefill ranks of new decode requests, and tracks
+//! peer liveness: a peer silent for `heartbeat_misses` heartbeat intervals is
+//! marked dead, the live transfers that involve it get `PeerDead` at once,
+//! requests to it fail fast, and any later frame from it (the periodic
+//! probe is answered) clears the mark.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvferry_machines::common::{Msg, PeerId};
+use kvferry_machines::planner::{PairLayout, TpPair};
+use kvferry_machines::recv::ResolvedPeer;
+use kvferry_machines::send::SendMachine;
+use kvferry_machines::{recv, send, AbortReason, TransferId};
+use kvferry_reactor::SubmitError;
+
+use super::proto::{self, Frame, Hello};
+use super::{EngineHandle, NodeConfig, NodeError, PeerData, PrefillTarget, Role, Shared};
+use crate::bootstrap::{
+    BootstrapClient, BootstrapServer, Metrics, RegisterRequest, RetryPolicy, ServerConfig,
+};
+
+/// Most frames read from one socket before looking at the others.
+const READ_BUDGET: usize = 512;
+/// Most commands handled per loop turn.
+const COMMAND_BUDGET: usize = 4096;
+/// ZeroMQ high-water marks (messages per peer).
+const HWM: i32 = 200_000;
+
+/// What executors and engine threads ask of the bridge.
+pub(crate) enum BridgeCmd {
+    /// Send an encoded frame to a peer; `tid` ties the peer to a transfer
+    /// for peer-death notification.
+    Send {
+        peer: u32,
+        tid: Option<TransferId>,
+        bytes: Vec<u8>,
+    },
+    /// Find and contact the prefill ranks of a new decode request.
+    Resolve {
+        tid: TransferId,
+        target: PrefillTarget,
+    },
+    /// Result of a bootstrap query started by the bridge.
+    Directory {
+        target: PrefillTarget,
+        result: Result<(u32, Vec<String>), String>,
+    },
+    /// Stop the thread.
+    Stop,
+}
+
+pub(crate) struct BridgeThread {
+    join: JoinHandle<()>,
+}
+
+impl BridgeThread {
+    /// Binds the ROUTER (prefill) and starts the thread. Returns the
+    /// side-channel address peers connect to (empty on decode).
+    pub(crate) fn start(
+        shared: Arc<Shared>,
+        handle: EngineHandle,
+        rx: flume::Receiver<BridgeCmd>,
+    ) -> Result<(BridgeThread, String), NodeError> {
+        let zerr = |e: zmq::Error| NodeError::SideChannel(e.to_string());
+        let ctx = zmq::Context::new();
+        let (router, addr) = match shared.role {
+            Role::Prefill => {
+                let s = ctx.socket(zmq::ROUTER).map_err(zerr)?;
+                configure(&s, &shared.config).map_err(zerr)?;
+                let port = match shared.config.side_channel_port {
+                    0 => "*".to_string(),
+                    p => p.to_string(),
+                };
+                let ep = format!("tcp://{}:{}", shared.config.host, port);
+                s.bind(&ep)
+                    .map_err(|e| NodeError::SideChannel(format!("bind {ep}: {e}")))?;
+                let bound = s
+                    .get_last_endpoint()
+                    .map_err(zerr)?
+                    .map_err(|_| NodeError::SideChannel("bound endpoint is not UTF-8".into()))?;
+                (Some(s), bound)
+            }
+            Role::Decode => (None, String::new()),
+        };
+        let tick = shared
+            .config
+            .timeouts
+            .heartbeat_interval
+            .max(Duration::from_millis(1));
+        let bridge = Bridge {
+            shared,
+            handle,
+            rx,
+            ctx,
+            router,
+            slots: Vec::new(),
+            by_identity: HashMap::new(),
+            by_addr: HashMap::new(),
+            pending: Vec::new(),
+            directory: HashMap::new(),
+            tick,
+            next_tick: Instant::now() + tick,
+            hb_seq: 0,
+            stop: false,
+        };
+        let join = std::thread::Builder::new()
+            .name("kvferry-bridge".into())
+            .spawn(move || bridge.run())
+            .map_err(|e| NodeError::SideChannel(e.to_string()))?;
+        Ok((BridgeThread { join }, addr))
+    }
+
+    pub(crate) fn stop(self, shared: &Shared) {
+        // Blocking send is fine: the bridge drains its queue continuously.
+        let _ = shared
+            .bridge_tx
+            .send_timeout(BridgeCmd::Stop, Duration::from_secs(5));
+        shared.waker.force();
+        let _ = self.join.join();
+    }
+}
+
+fn configure(s: &zmq::Socket, config: &NodeConfig) -> Result<(), zmq::Error> {
+    s.set_linger(0)?;
+    s.set_maxmsgsize(config.frame_limits.max_frame_bytes as i64)?;
+    s.set_sndhwm(HWM)?;
+    s.set_rcvhwm(HWM)?;
+    s.set_reconnect_ivl(50)?;
+    s.set_reconnect_ivl_max(500)?;
+    Ok(())
+}
+
+enum Route {
+    /// A decode peer behind our ROUTER.
+    Identity(Vec<u8>),
+    /// A prefill peer behind our own DEALER.
+    Dealer(zmq::Socket),
+}
+
+struct Slot {
+    route: Route,
+    /// Prefill side-channel address (decode side only).
+    addr: String,
+    ready: bool,
+    dead: bool,
+    since: Instant,
+    last_heard: Option<Instant>,
+    transfers: HashSet<TransferId>,
+}
+
+enum Dir {
+    Querying,
+    Known(u32, Vec<String>),
+    Failed(Instant),
+}
+
+struct Pending {
+    tid: TransferId,
+    target: PrefillTarget,
+}
+
+struct Bridge {
+    shared: Arc<Shared>,
+    handle: EngineHandle,
+    rx: flume::Receiver<BridgeCmd>,
+    ctx: zmq::Context,
+    router: Option<zmq::Socket>,
+    slots: Vec<Slot>,
+    by_identity: HashMap<Vec<u8>, u32>,
+    by_addr: HashMap<String, u32>,
+    pending: Vec<Pending>,
+    directory: HashMap<PrefillTarget, Dir>,
+    tick: Duration,
+    next_tick: Instant,
+    hb_seq: u64,
+    stop: bool,
+}
+
+/// Where a readable socket is.
+#[derive(Clone, Copy)]
+enum Source {
+    Router,
+    Dealer(u32),
+}
+
+impl Bridge {
+    fn run(mut self) {
+        while !self.stop {
+            let mut sources = Vec::with_capacity(1 + self.slots.len());
+            let readable: Vec<Source> = {
+                let mut items = Vec::with_capacity(2 + self.slots.len());
+                items.push(zmq::PollItem::from_fd(
+                    self.shared.waker.raw_fd(),
+                    zmq::POLLIN,
+                ));
+                if let Some(r) = &self.router {
+                    items.push(r.as_poll_item(zmq::POLLIN));
+                    sources.push(Source::Router);
+                }
+                for (i, s) in self.slots.iter().enumerate() {
+                    if let Route::Dealer(d) = &s.route {
+                        items.push(d.as_poll_item(zmq::POLLIN));
+                        sources.push(Source::Dealer(i as u32));
+                    }
+                }
+                let wait_ms = self
+                    .next_tick
+                    .saturating_duration_since(Instant::now())
+                    .as_millis() as i64;
+                if let Err(e) = zmq::poll(&mut items, wait_ms.max(0) + 1) {
+                    tracing::error!(%e, "zmq poll failed");
+                }
+                if items[0].is_readable() {
+                    self.shared.waker.reset();
+                }
+                items[1..]
+                    .iter()
+                    .zip(&sources)
+                    .filter(|(it, _)| it.is_readable())
+                    .map(|(_, s)| *s)
+                    .collect()
+            };
+            // Commands first: they include our own sends, which keeps
+            // request latency low under inbound load.
+            self.drain_commands();
+            for s in readable {
+                self.read(s);
+            }
+            if Instant::now() >= self.next_tick {
+                self.on_tick();
+                self.next_tick = Instant::now() + self.tick;
+            }
+        }
+    }
+
+    fn drain_commands(&mut self) {
+        for _ in 0..COMMAND_BUDGET {
+            let Ok(cmd) = self.rx.try_recv() else { break };
+            match cmd {
+                BridgeCmd::Send { peer, tid, bytes } => {
+                    if let (Some(t), Some(s)) = (tid, self.slots.get_mut(peer as usize)) {
+                        s.transfers.insert(t);
+                    }
+                    self.send_bytes(peer, bytes);
+                }
+                BridgeCmd::Resolve { tid, target } => {
+                    let p = Pending { tid, target };
+                    if !self.try_resolve(&p) {
+                        self.pending.push(p);
+                    }
+                }
+                BridgeCmd::Directory { target, result } => {
+                    let entry = match result {
+                        Ok((tp, addrs)) => Dir::Known(tp, addrs),
+                        Err(e) => {
+                            tracing::warn!(?target, %e, "bootstrap query failed; retrying");
+                            Dir::Failed(Instant::now())
+                        }
+                    };
+                    self.directory.insert(target, entry);
+                    self.retry_pending();
+                }
+                BridgeCmd::Stop => self.stop = true,
+            }
+        }
+        // Leftovers wake us again at once.
+        if !self.rx.is_empty() {
+            self.shared.waker.wake();
+        }
+    }
+
+    fn send_bytes(&mut self, peer: u32, bytes: Vec<u8>) {
+        let Some(slot) = self.slots.get(peer as usize) else {
+            self.shared
+                .counters
+                .dropped_frames
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let r = match &slot.route {
+            Route::Identity(id) => match &self.router {
+                Some(router) => router
+                    .send(id.as_slice(), zmq::SNDMORE | zmq::DONTWAIT)
+                    .and_then(|()| router.send(bytes, zmq::DONTWAIT)),
+                None => Err(zmq::Error::ENOTSOCK),
+            },
+            Route::Dealer(d) => d.send(bytes, zmq::DONTWAIT),
+        };
+        if let Err(e) = r {
+            tracing::debug!(peer, %e, "frame not sent");
+            self.shared
+                .counters
+                .dropped_frames
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn send_frame(&mut self, peer: u32, frame: &Frame) {
+        self.send_bytes(peer, proto::encode(frame));
+    }
+
+    fn read(&mut self, source: Source) {
+        for _ in 0..READ_BUDGET {
+            let parts = match source {
+                Source::Router => match &self.router {
+                    Some(r) => r.recv_multipart(zmq::DONTWAIT),
+                    None => return,
+                },
+                Source::Dealer(i) => match self.slots.get(i as usize).map(|s| &s.route) {
+                    Some(Route::Dealer(d)) => d.recv_multipart(zmq::DONTWAIT),
+                    _ => return,
+                },
+            };
+            let mut parts = match parts {
+                Ok(p) => p,
+                Err(zmq::Error::EAGAIN) => return,
+                Err(e) => {
+                    tracing::warn!(%e, "zmq receive failed");
+                    return;
+                }
+            };
+            let (peer, payload) = match source {
+                Source::Router => {
+                    if parts.len() != 2 {
+                        self.bad_frame("wrong number of parts");
+                        continue;
+                    }
+                    let payload = parts.pop().unwrap_or_default();
+                    let identity = parts.pop().unwrap_or_default();
+                    (
+                        self.by_identity.get(&identity).copied().ok_or(identity),
+                        payload,
+                    )
+                }
+                Source::Dealer(i) => {
+                    if parts.len() != 1 {
+                        self.bad_frame("wrong number of parts");
+                        continue;
+                    }
+                    (Ok(i), parts.pop().unwrap_or_default())
+                }
+            };
+            let frame = match proto::decode(&payload, &self.shared.config.frame_limits) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.bad_frame(&e.to_string());
+                    continue;
+                }
+            };
+            self.handle_frame(peer, frame);
+        }
+    }
+
+    fn bad_frame(&self, why: &str) {
+        tracing::warn!(why, "side-channel frame rejected");
+        self.shared
+            .counters
+            .bad_frames
+            .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.record_sidechannel_decode_error();
+    }
+
+    /// `peer` is the slot, or the unknown ROUTER identity.
+    fn handle_frame(&mut self, peer: Result<u32, Vec<u8>>, frame: Frame) {
+        let now = Instant::now();
+        let peer = match peer {
+            Ok(p) => p,
+            Err(identity) => {
+                // Only a hello introduces a new decode peer.
+                let Frame::Hello(_) = &frame else {
+                    self.bad_frame("frame from a peer that never said hello");
+                    return;
+                };
+                let slot = Slot {
+                    route: Route::Identity(identity.clone()),
+                    addr: String::new(),
+                    ready: false,
+                    dead: false,
+                    since: now,
+                    last_heard: None,
+                    transfers: HashSet::new(),
+                };
+                let id = if self.slots.len() < self.shared.config.max_peers {
+                    self.slots.push(slot);
+                    self.slots.len() as u32 - 1
+                } else {
+                    // Decode ranks that restart come back with new
+                    // identities; reuse the slot of a dead one that no
+                    // transfer refers to any more, so the table stays bounded
+                    // without refusing newcomers forever.
+                    let Some(i) = self.slots.iter().position(|s| {
+                        s.dead && s.transfers.is_empty() && matches!(s.route, Route::Identity(_))
+                    }) else {
+                        self.bad_frame("too many peers");
+                        return;
+                    };
+                    if let Route::Identity(old) = &self.slots[i].route {
+                        self.by_identity.remove(old);
+                    }
+                    self.shared
+                        .counters
+                        .dead_now
+                        .fetch_sub(1, Ordering::Relaxed);
+                    self.shared
+                        .peers
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&(i as u32));
+                    self.slots[i] = slot;
+                    i as u32
+                };
+                self.by_identity.insert(identity, id);
+                id
+            }
+        };
+        if let Some(s) = self.slots.get_mut(peer as usize) {
+            s.last_heard = Some(now);
+            if s.dead {
+                s.dead = false;
+                self.shared
+                    .counters
+                    .dead_now
+                    .fetch_sub(1, Ordering::Relaxed);
+                tracing::info!(peer, addr = %s.addr, "peer answered again; dead mark cleared");
+            }
+        }
+        match frame {
+            Frame::Hello(h) => self.handle_hello(peer, h),
+            Frame::Heartbeat { seq } => self.send_frame(peer, &Frame::HeartbeatAck { seq }),
+            Frame::HeartbeatAck { .. } => {}
+            Frame::Transfer { transfer_id, msg } => {
+                let tid = TransferId(transfer_id);
+                if let Some(s) = self.slots.get_mut(peer as usize) {
+                    s.transfers.insert(tid);
+                }
+                self.deliver(peer, tid, msg);
+            }
+        }
+    }
+
+    fn own_hello(&self) -> Option<Hello> {
+        let local = self.shared.local.get()?;
+        Some(Hello {
+            engine_id: self.shared.config.engine_id.clone(),
+            mode: self.shared.config.mode,
+            model: local.model,
+            layout: local.layout.clone(),
+            endpoint: self.shared.endpoint.get().cloned().unwrap_or_default(),
+        })
+    }
+
+    fn handle_hello(&mut self, peer: u32, h: Hello) {
+        let Some(local) = self.shared.local.get() else {
+            // Not registered yet: the peer retries its hello every tick.
+            return;
+        };
+        let pair = if h.mode != self.shared.config.mode {
+            Err(format!(
+                "peer runs {:?} mode, we run {:?}",
+                h.mode, self.shared.config.mode
+            ))
+        } else if h.model != local.model {
+            Err("peer's model spec differs from ours".to_string())
+        } else {
+            let r = match self.shared.role {
+                Role::Prefill => PairLayout::new(&local.model, &local.layout, &h.layout),
+                Role::Decode => PairLayout::new(&local.model, &h.layout, &local.layout),
+            };
+            r.map_err(|e| e.to_string())
+        };
+        if let Err(e) = &pair {
+            tracing::warn!(peer, %e, "peer layout does not fit; its transfers will fail");
+        }
+        let endpoint = h.endpoint.parse().ok();
+        let data = Arc::new(PeerData {
+            hello: h,
+            pair,
+            endpoint,
+        });
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer, data);
+        if let Some(s) = self.slots.get_mut(peer as usize) {
+            s.ready = true;
+        }
+        match self.shared.role {
+            // Only decode ranks start a hello (prefill answers every one,
+            // decode answers none), so no hello is ever answered twice.
+            Role::Prefill => {
+                if let Some(mine) = self.own_hello() {
+                    self.send_frame(peer, &Frame::Hello(mine));
+                }
+            }
+            Role::Decode => self.retry_pending(),
+        }
+    }
+
+    fn deliver(&mut self, peer: u32, tid: TransferId, msg: Msg) {
+        let pid = PeerId(peer);
+        if self.handle.poll(tid).is_some_and(|p| p.is_terminal()) {
+            // Finished here (released, nothing in flight) but not collected
+            // yet: answer like for an unknown transfer so the peer does not
+            // wait out its deadline.
+            self.answer_unknown(peer, tid, msg);
+            return;
+        }
+        let shared = self.shared.clone();
+        let refused = match &self.handle {
+            EngineHandle::Prefill(h) => match with_lock(&shared, || {
+                h.send_event(tid, send::Event::Msg { peer: pid, msg })
+            }) {
+                Ok(()) => return,
+                Err(r) => match (r.error, r.value) {
+                    (
+                        SubmitError::UnknownTransfer(_),
+                        send::Event::Msg {
+                            msg: msg @ Msg::Pull { .. },
+                            ..
+                        },
+                    ) => {
+                        if let (
+                            Some(hook),
+                            Msg::Pull {
+                                dst_blocks,
+                                prefix_blocks,
+                                ..
+                            },
+                        ) = (&self.shared.config.on_remote_request, &msg)
+                        {
+                            let blocks_per_group = dst_blocks
+                                .iter()
+                                .zip(prefix_blocks)
+                                .map(|(d, p)| (d.len() as u32).saturating_add(*p))
+                                .collect();
+                            let _ = hook.try_send(super::RemoteRequest {
+                                transfer_id: tid.0,
+                                blocks_per_group,
+                            });
+                        }
+                        // D asked before the engine called `sender`: create
+                        // the machine now (either may come first).
+                        let cfg = &self.shared.config;
+                        let m = SendMachine::new(Instant::now(), &cfg.timeouts, tid, cfg.mode);
+                        let created = {
+                            let _order =
+                                shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+                            h.create(0, tid, m)
+                        };
+                        match created {
+                            Ok(()) => {}
+                            Err(c) if c.error == SubmitError::DuplicateTransfer(tid) => {}
+                            Err(c) => {
+                                tracing::warn!(?tid, error = %c.error, "cannot take a new transfer");
+                                self.send_frame(
+                                    peer,
+                                    &Frame::Transfer {
+                                        transfer_id: tid.0,
+                                        msg: Msg::Abort,
+                                    },
+                                );
+                                return;
+                            }
+                        }
+                        match h.send_event(tid, send::Event::Msg { peer: pid, msg }) {
+                            Ok(()) => return,
+                            Err(r) => (r.error, None),
+                        }
+                    }
+                    (e, send::Event::Msg { msg, .. }) => (e, Some(msg)),
+                    (e, _) => (e, None),
+                },
+            },
+            EngineHandle::Decode(h) => match h.send_event(tid, recv::Event::Msg { peer: pid, msg })
+            {
+                Ok(()) => return,
+                Err(r) => match r.value {
+                    recv::Event::Msg { msg, .. } => (r.error, Some(msg)),
+                    _ => (r.error, None),
+                },
+            },
+        };
+        match refused {
+            (SubmitError::UnknownTransfer(_), Some(msg)) => self.answer_unknown(peer, tid, msg),
+            (e, _) => {
+                tracing::debug!(?tid, %e, "message not delivered");
+                self.shared
+                    .counters
+                    .dropped_frames
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// We do not know (or no longer know) this transfer: tell the peer at
+    /// once so it does not wait out its deadline.
+    fn answer_unknown(&mut self, peer: u32, tid: TransferId, msg: Msg) {
+        // The machine's own last words (a `Status`, `Done` or `Abort`) are
+        // queued before its phase turned terminal; send them first so our
+        // answer never overtakes them.
+        for _ in 0..64 {
+            if self.rx.is_empty() {
+                break;
+            }
+            self.drain_commands();
+        }
+        let answer = match msg {
+            Msg::Abort => Some(Msg::AbortAck),
+            // Lease returns and final words need no answer, and a grant we
+            // no longer need lapses on its own.
+            Msg::AbortAck | Msg::Status { .. } | Msg::Done { .. } | Msg::LeaseGrant { .. } => None,
+            // Someone wants to start (or keep) touching blocks of a transfer
+            // we do not have: stop it now rather than at its deadline.
+            Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
+        };
+        if let Some(a) = answer {
+            tracing::debug!(
+                ?tid,
+                peer,
+                ?a,
+                "answering a message for an unknown or finished transfer"
+            );
+            self.send_frame(
+                peer,
+                &Frame::Transfer {
+                    transfer_id: tid.0,
+                    msg: a,
+                },
+            );
+        }
+    }
+
+    /// The slot for prefill side channel `addr`, connecting a DEALER and
+    /// saying hello the first time.
+    fn dealer_for(&mut self, addr: &str) -> Option<u32> {
+        if let Some(&p) = self.by_addr.get(addr) {
+            return Some(p);
+        }
+        if self.slots.len() >= self.shared.config.max_peers {
+            return None;
+        }
+        let s = self.ctx.socket(zmq::DEALER).ok()?;
+        if let Err(e) = configure(&s, &self.shared.config).and_then(|()| s.connect(addr)) {
+            tracing::warn!(addr, %e, "cannot connect to prefill side channel");
+            return None;
+        }
+        let id = self.slots.len() as u32;
+        self.slots.push(Slot {
+            route: Route::Dealer(s),
+            addr: addr.to_string(),
+            ready: false,
+            dead: false,
+            since: Instant::now(),
+            last_heard: None,
+            transfers: HashSet::new(),
+        });
+        self.by_addr.insert(addr.to_string(), id);
+        if let Some(h) = self.own_hello() {
+            self.send_frame(id, &Frame::Hello(h));
+        }
+        Some(id)
+    }
+
+    fn retry_pending(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        for p in pending {
+            if !self.try_resolve(&p) {
+                self.pending.push(p);
+            }
+        }
+    }
+
+    fn start_query(&mut self, target: &PrefillTarget) {
+        let PrefillTarget::Bootstrap { addr, engine_id } = target else {
+            return;
+        };
+        self.directory.insert(target.clone(), Dir::Querying);
+        let tx = self.shared.bridge_tx.clone();
+        let waker = self.shared.waker.clone();
+        let (addr, engine_id, key) = (addr.clone(), engine_id.clone(), target.clone());
+        let target = target.clone();
+        // HTTP would block the sockets; one short-lived thread per query,
+        // and at most one query per target at a time.
+        let spawned = std::thread::Builder::new()
+            .name("kvferry-bootstrap-query".into())
+            .spawn(move || {
+                let result = query_bootstrap(&addr, &engine_id);
+                let _ = tx.send_timeout(
+                    BridgeCmd::Directory {
+                        target: key,
+                        result,
+                    },
+                    Duration::from_secs(5),
+                );
+                waker.wake();
+            });
+        if spawned.is_err() {
+            self.directory.insert(target, Dir::Failed(Instant::now()));
+        }
+    }
+
+    /// Tries to hand the P ranks to the machine of `p`; false: wait.
+    fn try_resolve(&mut self, p: &Pending) -> bool {
+        let Some(local) = self.shared.local.get().cloned() else {
+            return false;
+        };
+        // A request whose machine already ended needs nothing more.
+        match self.handle.poll(p.tid) {
+            Some(phase) if !phase.is_terminal() => {}
+            _ => return true,
+        }
+        let (tp, addrs) = match &p.target {
+            PrefillTarget::Direct {
+                tp_size,
+                side_channels,
+            } => (*tp_size, side_channels.clone()),
+            PrefillTarget::Bootstrap { .. } => match self.directory.get(&p.target) {
+                Some(Dir::Known(tp, addrs)) => (*tp, addrs.clone()),
+                Some(Dir::Querying) => return false,
+                Some(Dir::Failed(at)) => {
+                    if at.elapsed() >= self.tick {
+                        let t = p.target.clone();
+                        self.start_query(&t);
+                    }
+                    return false;
+                }
+                None => {
+                    let t = p.target.clone();
+                    self.start_query(&t);
+                    return false;
+                }
+            },
+        };
+        let pair = match TpPair::new(&local.model, tp, local.layout.tp_size) {
+            Ok(pair) if addrs.len() == tp as usize => pair,
+            Ok(_) | Err(_) => {
+                tracing::warn!(tid = ?p.tid, tp, ranks = addrs.len(), "prefill TP does not fit; aborting");
+                let _ = self.handle.abort_engine(p.tid);
+                return true;
+            }
+        };
+        let mut peers = Vec::new();
+        let mut dead = Vec::new();
+        let mut waiting = false;
+        for (rank, _) in pair.sources_of(local.layout.tp_rank) {
+            let Some(addr) = addrs.get(rank as usize) else {
+                continue;
+            };
+            let Some(peer) = self.dealer_for(addr) else {
+                let _ = self.handle.abort_engine(p.tid);
+                return true;
+            };
+            let slot = &self.slots[peer as usize];
+            if slot.dead {
+                dead.push(peer);
+            } else if !slot.ready {
+                waiting = true;
+            }
+            let receivers = pair.targets_of(rank).count() as u16;
+            peers.push(ResolvedPeer {
+                peer: PeerId(peer),
+                receivers_expected: receivers,
+            });
+        }
+        if waiting && dead.is_empty() {
+            return false;
+        }
+        if !dead.is_empty() {
+            // The directory may be stale (a replacement registers at another
+            // address): the next request asks the bootstrap service again.
+            if let PrefillTarget::Bootstrap { .. } = &p.target {
+                self.directory.remove(&p.target);
+            }
+        }
+        for rp in &peers {
+            self.slots[rp.peer.0 as usize].transfers.insert(p.tid);
+        }
+        if let EngineHandle::Decode(h) = &self.handle {
+            let _ = h.send_event(p.tid, recv::Event::PeersResolved { peers });
+            for d in dead {
+                let _ = h.send_event(p.tid, recv::Event::PeerDead { peer: PeerId(d) });
+            }
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let now = Instant::now();
+        let t = &self.shared.config.timeouts;
+        let silence_max = t.heartbeat_interval * t.heartbeat_misses.max(1);
+        let hello = self.own_hello();
+        self.hb_seq += 1;
+        let seq = self.hb_seq;
+        for i in 0..self.slots.len() {
+            // Decode probes its prefill peers; prefill only answers.
+            if let Route::Dealer(_) = self.slots[i].route {
+                let frame = match (&hello, self.slots[i].ready && !self.slots[i].dead) {
+                    (_, true) => Some(Frame::Heartbeat { seq }),
+                    (Some(h), false) => Some(Frame::Hello(h.clone())),
+                    (None, false) => None,
+                };
+                if let Some(f) = frame {
+                    self.send_frame(i as u32, &f);
+                }
+            }
+            let s = &mut self.slots[i];
+            let quiet = now.saturating_duration_since(s.last_heard.unwrap_or(s.since));
+            // Decode ranks probe their prefill peers every tick (hello or
+            // heartbeat), so on either side silence means the peer is gone,
+            // busy or idle.
+            if !s.dead && quiet > silence_max {
+                s.dead = true;
+                self.shared
+                    .counters
+                    .peers_marked_dead
+                    .fetch_add(1, Ordering::Relaxed);
+                self.shared
+                    .counters
+                    .dead_now
+                    .fetch_add(1, Ordering::Relaxed);
+                self.shared.metrics.record_peer_marked_dead();
+                tracing::warn!(peer = i, addr = %s.addr, quiet_ms = quiet.as_millis() as u64, "peer marked dead");
+                let tids: Vec<TransferId> = s.transfers.drain().collect();
+                let addr = s.addr.clone();
+                for tid in tids {
+                    self.handle.peer_dead(tid, PeerId(i as u32));
+                }
+                if !addr.is_empty() {
+                    // A replacement may register elsewhere: ask again next time.
+                    self.directory.retain(|_, d| match d {
+                        Dir::Known(_, addrs) => !addrs.contains(&addr),
+                        Dir::Querying | Dir::Failed(_) => true,
+                    });
+                }
+            }
+            // Forget transfers that ended, so the sets stay bounded by the
+            // live requests.
+            let handle = &self.handle;
+            self.slots[i]
+                .transfers
+                .retain(|tid| handle.poll(*tid).is_some_and(|p| !p.is_terminal()));
+        }
+        if !self.pending.is_empty() {
+            self.retry_pending();
+        }
+    }
+}
+
+/// Runs `f` under the node's create lock (see `Shared::create_lock`).
+fn with_lock<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
+    let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+    f()
+}
+
+impl EngineHandle {
+    fn abort_engine(&self, tid: TransferId) -> Result<(), SubmitError> {
+        self.abort(tid, AbortReason::Engine)
+    }
+
+    fn peer_dead(&self, tid: TransferId, peer: PeerId) {
+        let _ = match self {
+            EngineHandle::Prefill(h) => h
+                .send_event(tid, send::Event::PeerDead { peer })
+                .map_err(|r| r.error),
+            EngineHandle::Decode(h) => h
+                .send_event(tid, recv::Event::PeerDead { peer })
+                .map_err(|r| r.error),
+        };
+    }
+}
+
+/// Number of peers marked dead now.
+pub(crate) fn dead_peers(shared: &Shared) -> usize {
+    shared.counters.dead_now.load(Ordering::Relaxed) as usize
+}
+
+/// Asks the bootstrap service for the side channels of `engine_id`'s ranks
+/// (data-parallel rank 0, pipeline rank 0): `(tp_size, addresses by rank)`.
+fn query_bootstrap(addr: &str, engine_id: &str) -> Result<(u32, Vec<String>), String> {
+    let client = BootstrapClient::new(addr)
+        .map_err(|e| e.to_string())?
+        .with_io_timeout(Duration::from_secs(2));
+    let found = client.query(Some(engine_id)).map_err(|e| e.to_string())?;
+    let entry = found
+        .get(&0)
+        .ok_or_else(|| format!("engine {engine_id:?} is not registered"))?;
+    let tp = entry.tp_size();
+    let mut addrs = Vec::with_capacity(tp);
+    for rank in 0..tp as u32 {
+        let a = entry
+            .addr(rank, 0)
+            .ok_or_else(|| format!("engine {engine_id:?} has no tp rank {rank} yet"))?;
+        addrs.push(a.to_string());
+    }
+    Ok((tp as u32, addrs))
+}
+
+/// The bootstrap service embedded in a prefill node.
+pub(crate) struct EmbeddedBootstrap {
+    server: BootstrapServer,
+}
+
+impl EmbeddedBootstrap {
+    pub(crate) fn start(addr: &str, metrics: Arc<Metrics>) -> Result<EmbeddedBootstrap, NodeError> {
+        let server = BootstrapServer::start_with(addr, ServerConfig::default(), metrics)
+            .map_err(|e| NodeError::Bootstrap(e.to_string()))?;
+        Ok(EmbeddedBootstrap { server })
+    }
+
+    pub(crate) fn addr(&self) -> String {
+        self.server.local_addr().to_string()
+    }
+
+    pub(crate) fn stop(self) {
+        self.server.shutdown();
+    }
+}
+
+/// Registers a prefill rank at the bootstrap service, retrying in the
+/// background while the service is not up yet (the rank serves requests
+/// meanwhile; decode finds it once the registration lands).
+pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_channel: String) {
+    let req = RegisterRequest {
+        engine_id: config.engine_id.clone(),
+        dp_rank: config.dp_rank,
+        tp_rank: config.tp_rank,
+        pp_rank: 0,
+        addr: side_channel,
+    };
+    let spawned = std::thread::Builder::new().name("kvferry-register".into()).spawn(move || {
+        let result = BootstrapClient::new(&addr)
+            .map_err(|e| e.to_string())
+            .and_then(|c| c.register(&req, RetryPolicy::default()).map_err(|e| e.to_string()));
+        match result {
+            Ok(_) => tracing::info!(%addr, tp_rank = req.tp_rank, "registered at the bootstrap service"),
+            Err(e) => tracing::error!(%addr, %e, "registration at the bootstrap service failed"),
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!(%e, "cannot start the registration thread");
+    }
+}

@@ -1,0 +1,1079 @@
+//! The node: one prefill or decode rank, with its reactor (the machines),
+//! its data-plane endpoint and its side channel.
+//!
+//! ```text
+//!  engine threads ──Sender/Receiver/start_load_kv──▶ ReactorHandle ──▶ executor
+//!                                                                    (machines,
+//!  peers ◀──zmq── bridge thread ◀──frames (flume)── ActionSink ◀──── transport)
+//!        ──zmq──▶ bridge thread ──events──▶ ReactorHandle
+//! ```
+//!
+//! * The machines run on one glommio executor (one rank is one device). The
+//!   [`ActionSink`](kvferry_reactor::ActionSink) of that executor turns their
+//!   actions into side-channel frames and planner-built transport batches.
+//! * One bridge thread owns every ZeroMQ socket (a ROUTER on prefill ranks, a
+//!   DEALER per prefill peer on decode ranks), decodes frames, routes them to
+//!   the machines, answers hellos and heartbeats, resolves prefill ranks for
+//!   decode requests and marks silent peers dead.
+//! * Engine threads call the node from any thread; nothing they call blocks
+//!   on the network, except [`Node::start`] and [`Node::register_kv_caches`].
+//!
+//! ```no_run
+//! use kvferry::node::*;
+//! # fn demo(layout: KvLayout, d_layout: KvLayout) -> Result<(), NodeError> {
+//! let p = Node::start(NodeConfig::new(Role::Prefill, "p"))?;
+//! unsafe { p.register_kv_caches(layout)? };
+//! let d = Node::start(NodeConfig::new(Role::Decode, "d"))?;
+//! unsafe { d.register_kv_caches(d_layout)? };
+//! let target = PrefillTarget::Direct { tp_size: 1, side_channels: vec![p.side_channel_addr()] };
+//! let rx = d.receiver(42, &target)?;
+//! rx.request(vec![vec![BlockId(0), BlockId(1)]])?;
+//! let tx = p.sender(42)?;
+//! tx.send(vec![vec![BlockId(5), BlockId(6)]], true)?;
+//! let phase = rx.wait(std::time::Duration::from_secs(5));
+//! # Ok(()) }
+//! ```
+
+mod bridge;
+pub mod proto;
+mod sink;
+mod waker;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+pub use kvferry_machines::common::{
+    AbortReason, BlockId, BlockLists, Config as Timeouts, FailReason, Mode, Phase, TransferId,
+};
+pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
+use kvferry_machines::planner::PairLayout;
+use kvferry_machines::recv::RecvMachine;
+use kvferry_machines::send;
+use kvferry_machines::send::SendMachine;
+use kvferry_reactor::{
+    Completion, Outcome, Reactor, ReactorConfig, ReactorHandle, ShutdownPolicy, SubmitError,
+};
+
+use crate::transport::EndpointAddr;
+use bridge::BridgeCmd;
+pub use proto::FrameLimits;
+
+/// Which side of disaggregated serving this node is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Runs prefill and sends KV.
+    Prefill,
+    /// Runs decode and receives KV.
+    Decode,
+}
+
+/// Which data plane moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Same process, memcpy.
+    Local,
+    /// TCP sockets (glommio), works across processes and hosts.
+    Tcp,
+}
+
+/// Where a decode rank finds the prefill ranks of a request.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum PrefillTarget {
+    /// Ask a bootstrap service for engine `engine_id`.
+    Bootstrap {
+        /// `host:port` of the bootstrap service.
+        addr: String,
+        /// The prefill engine.
+        engine_id: String,
+    },
+    /// The side-channel addresses of every prefill rank, by TP rank.
+    Direct {
+        /// Prefill TP size.
+        tp_size: u32,
+        /// `tcp://host:port` per prefill TP rank.
+        side_channels: Vec<String>,
+    },
+}
+
+/// Everything a node needs to start.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// Prefill or decode.
+    pub role: Role,
+    /// This engine's id (what the bootstrap service lists).
+    pub engine_id: String,
+    /// Data-parallel rank of the engine.
+    pub dp_rank: u32,
+    /// Tensor-parallel size of the engine.
+    pub tp_size: u32,
+    /// This node's TP rank.
+    pub tp_rank: u32,
+    /// Push (P writes) or pull (D reads); both sides must agree.
+    pub mode: Mode,
+    /// Data plane.
+    pub transport: TransportKind,
+    /// Host to bind the side channel and the TCP transport on.
+    pub host: String,
+    /// Side-channel port of a prefill rank; 0 picks a free one.
+    pub side_channel_port: u16,
+    /// Prefill: the bootstrap service to register at (`host:port`).
+    pub bootstrap: Option<String>,
+    /// Prefill: serve the bootstrap service embedded on this address
+    /// (vLLM serves it from rank 0 on port 8998).
+    pub serve_bootstrap: Option<String>,
+    /// Timeouts and bounds of the machines; `heartbeat_interval` and
+    /// `heartbeat_misses` also drive peer liveness.
+    pub timeouts: Timeouts,
+    /// The reactor (exactly one executor: one rank is one device).
+    pub reactor: ReactorConfig,
+    /// Side-channel frame bounds.
+    pub frame_limits: FrameLimits,
+    /// Planner batch bounds.
+    pub batch_limits: BatchLimits,
+    /// Most peers the side channel tracks.
+    pub max_peers: usize,
+    /// Optional notification of every terminal phase, sent from the
+    /// executor when it happens (no need to poll). Full channels drop.
+    pub notify: Option<flume::Sender<(TransferId, Phase)>>,
+    /// Prefill: told about every transfer a decode rank asked for before the
+    /// engine called [`Node::sender`] (a synthetic server answers these).
+    /// Full channels drop.
+    pub on_remote_request: Option<flume::Sender<RemoteRequest>>,
+}
+
+/// A decode rank asked this prefill rank for a transfer it did not know yet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteRequest {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// Per group, how many blocks the request has on the prefill side
+    /// (the decode rank's prefix hit plus its destination blocks).
+    pub blocks_per_group: Vec<u32>,
+}
+
+impl NodeConfig {
+    /// Defaults for one rank (TP 1, push mode, TCP on loopback, ephemeral ports).
+    pub fn new(role: Role, engine_id: impl Into<String>) -> NodeConfig {
+        let reactor = ReactorConfig {
+            mailbox_capacity: 65_536,
+            max_machines_per_executor: 65_536,
+            ..ReactorConfig::default()
+        };
+        NodeConfig {
+            role,
+            engine_id: engine_id.into(),
+            dp_rank: 0,
+            tp_size: 1,
+            tp_rank: 0,
+            mode: Mode::Push,
+            transport: TransportKind::Tcp,
+            host: "127.0.0.1".into(),
+            side_channel_port: 0,
+            bootstrap: None,
+            serve_bootstrap: None,
+            timeouts: Timeouts::default(),
+            reactor,
+            frame_limits: FrameLimits::default(),
+            batch_limits: BatchLimits::default(),
+            max_peers: 4096,
+            notify: None,
+            on_remote_request: None,
+        }
+    }
+}
+
+/// The engine's KV cache as registered with the node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Model facts (layout kind, total KV heads, block tokens, head bytes).
+    pub model: ModelSpec,
+    /// Blocks per region.
+    pub num_blocks: u64,
+    /// One region per layer and K/V (per layer for MLA), same order on P and D.
+    pub regions: Vec<Region>,
+}
+
+/// Why a node call failed. Failures of a request are phases, not errors.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The caller used the API wrongly (bad config, call in the wrong role,
+    /// layout registered twice, unknown transfer).
+    #[error("misuse: {0}")]
+    Misuse(String),
+    /// Back-pressure: the node holds its maximum of requests or its queues
+    /// are full; retry after collecting finished requests.
+    #[error("busy: {0}")]
+    Busy(SubmitError),
+    /// The node is shutting down.
+    #[error("node is shutting down")]
+    ShuttingDown,
+    /// The data plane refused (registration, bind).
+    #[error("transport: {0}")]
+    Transport(String),
+    /// The side channel could not start (bind, thread).
+    #[error("side channel: {0}")]
+    SideChannel(String),
+    /// The bootstrap service could not be started or reached.
+    #[error("bootstrap: {0}")]
+    Bootstrap(String),
+    /// A startup step did not finish in time.
+    #[error("timed out: {0}")]
+    Timeout(&'static str),
+}
+
+impl From<SubmitError> for NodeError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::ShuttingDown => NodeError::ShuttingDown,
+            SubmitError::MailboxFull { .. } | SubmitError::AtCapacity { .. } => NodeError::Busy(e),
+            other => NodeError::Misuse(other.to_string()),
+        }
+    }
+}
+
+/// Counters of a node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeStats {
+    /// Requests that ended in `Success`.
+    pub ok: u64,
+    /// Requests that ended in `Failed`.
+    pub failed: u64,
+    /// Requests that ended in `Expired`.
+    pub expired: u64,
+    /// Payload bytes this node moved (writes it posted or reads it made).
+    pub bytes: u64,
+    /// Descriptors posted.
+    pub descriptors: u64,
+    /// Batches that failed in the transport.
+    pub transport_errors: u64,
+    /// Times a peer was marked dead.
+    pub peers_marked_dead: u64,
+    /// Side-channel frames rejected by the decoder.
+    pub bad_frames: u64,
+    /// Frames dropped because a queue was full.
+    pub dropped_frames: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub ok: AtomicU64,
+    pub failed: AtomicU64,
+    pub expired: AtomicU64,
+    pub bytes: AtomicU64,
+    pub descriptors: AtomicU64,
+    pub transport_errors: AtomicU64,
+    pub peers_marked_dead: AtomicU64,
+    pub bad_frames: AtomicU64,
+    pub dropped_frames: AtomicU64,
+    /// Peers marked dead now (not cumulative).
+    pub dead_now: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> NodeStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        NodeStats {
+            ok: g(&self.ok),
+            failed: g(&self.failed),
+            expired: g(&self.expired),
+            bytes: g(&self.bytes),
+            descriptors: g(&self.descriptors),
+            transport_errors: g(&self.transport_errors),
+            peers_marked_dead: g(&self.peers_marked_dead),
+            bad_frames: g(&self.bad_frames),
+            dropped_frames: g(&self.dropped_frames),
+        }
+    }
+}
+
+/// A remote rank as the node knows it after its hello.
+#[derive(Debug)]
+pub(crate) struct PeerData {
+    /// The peer's hello, kept for diagnostics (`Debug`).
+    #[allow(dead_code)]
+    pub hello: proto::Hello,
+    /// The validated pair (P layout, D layout), or why it does not fit.
+    pub pair: Result<PairLayout, String>,
+    pub endpoint: Option<EndpointAddr>,
+}
+
+/// This rank's registered KV cache.
+#[derive(Clone, Debug)]
+pub(crate) struct LocalKv {
+    pub model: ModelSpec,
+    pub layout: RankLayout,
+}
+
+/// Most finished records kept for handles and `get_finished`.
+const RECORDS_MAX: usize = 1 << 20;
+/// Most block ids kept for `block_ids_with_load_errors`.
+const LOAD_ERRORS_MAX: usize = 1 << 22;
+
+#[derive(Default)]
+struct Records {
+    /// Final phase by transfer, for handles polled after collection.
+    done: HashMap<TransferId, Phase>,
+    order: VecDeque<TransferId>,
+    finished: VecDeque<TransferId>,
+    load_errors: Vec<BlockId>,
+}
+
+/// State shared by the engine-facing handle, the executor and the bridge.
+pub(crate) struct Shared {
+    pub role: Role,
+    pub node_id: u64,
+    pub config: NodeConfig,
+    pub local: OnceLock<LocalKv>,
+    pub endpoint: OnceLock<String>,
+    pub peers: Mutex<HashMap<u32, Arc<PeerData>>>,
+    pub counters: Counters,
+    records: Mutex<Records>,
+    pub bridge_tx: flume::Sender<BridgeCmd>,
+    pub waker: Arc<waker::Waker>,
+    /// Prometheus counters; the embedded bootstrap service serves them.
+    pub metrics: Arc<crate::bootstrap::Metrics>,
+    /// Held while a prefill machine is created and while the bridge hands
+    /// a message to a prefill machine. The reactor makes a transfer visible
+    /// (board) before its `Create` is in the mailbox; without this lock the
+    /// bridge could queue a `Pull` ahead of the engine's `Create`, and the
+    /// executor would drop it as a message for an unknown transfer.
+    pub create_lock: Mutex<()>,
+    /// Bumped and signalled on every terminal phase (for `wait`).
+    terminal_seq: Mutex<u64>,
+    terminal_cv: Condvar,
+}
+
+impl Shared {
+    pub(crate) fn peer(&self, id: u32) -> Option<Arc<PeerData>> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
+    /// Queues a command for the bridge; a full queue drops it (the
+    /// machines' timeouts cover a lost message) and counts the drop.
+    pub(crate) fn to_bridge(&self, cmd: BridgeCmd) -> bool {
+        match self.bridge_tx.try_send(cmd) {
+            Ok(()) => {
+                self.waker.wake();
+                true
+            }
+            Err(_) => {
+                self.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    pub(crate) fn add_load_errors(&self, blocks: &[BlockId]) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let room = LOAD_ERRORS_MAX.saturating_sub(r.load_errors.len());
+        r.load_errors.extend(blocks.iter().take(room));
+    }
+
+    /// Remembers a final phase for handles and `get_finished`, bounded:
+    /// the oldest records go first.
+    fn record(&self, tid: TransferId, phase: Phase) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if r.order.len() >= RECORDS_MAX {
+            if let Some(old) = r.order.pop_front() {
+                r.done.remove(&old);
+            }
+        }
+        if r.finished.len() >= RECORDS_MAX {
+            r.finished.pop_front();
+        }
+        if r.done.insert(tid, phase).is_none() {
+            r.order.push_back(tid);
+        }
+        r.finished.push_back(tid);
+    }
+
+    pub(crate) fn on_terminal(&self, tid: TransferId, phase: Phase) {
+        let c = &self.counters;
+        match phase {
+            Phase::Success => c.ok.fetch_add(1, Ordering::Relaxed),
+            Phase::Failed(_) => c.failed.fetch_add(1, Ordering::Relaxed),
+            Phase::Expired => c.expired.fetch_add(1, Ordering::Relaxed),
+            Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring => return,
+        };
+        self.record(tid, phase);
+        if let Some(n) = &self.config.notify {
+            let _ = n.try_send((tid, phase));
+        }
+        *self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.terminal_cv.notify_all();
+    }
+}
+
+/// The reactor of either role.
+enum Engine {
+    Prefill(Reactor<SendMachine>),
+    Decode(Reactor<RecvMachine>),
+}
+
+#[derive(Clone)]
+pub(crate) enum EngineHandle {
+    Prefill(ReactorHandle<SendMachine>),
+    Decode(ReactorHandle<RecvMachine>),
+}
+
+impl EngineHandle {
+    pub(crate) fn poll(&self, tid: TransferId) -> Option<Phase> {
+        match self {
+            EngineHandle::Prefill(h) => h.poll(tid),
+            EngineHandle::Decode(h) => h.poll(tid),
+        }
+    }
+
+    fn get_finished(&self, max: usize) -> Vec<Completion> {
+        match self {
+            EngineHandle::Prefill(h) => h.get_finished(max),
+            EngineHandle::Decode(h) => h.get_finished(max),
+        }
+    }
+
+    fn abort(&self, tid: TransferId, reason: AbortReason) -> Result<(), SubmitError> {
+        match self {
+            EngineHandle::Prefill(h) => h.abort(tid, reason),
+            EngineHandle::Decode(h) => h.abort(tid, reason),
+        }
+    }
+
+    fn spawn_on<F, Fut>(&self, make: F) -> Result<(), SubmitError>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + 'static,
+    {
+        match self {
+            EngineHandle::Prefill(h) => h.spawn_on(0, make),
+            EngineHandle::Decode(h) => h.spawn_on(0, make),
+        }
+    }
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    handle: EngineHandle,
+    engine: Mutex<Option<Engine>>,
+    bridge: Mutex<Option<bridge::BridgeThread>>,
+    side_channel: String,
+    bootstrap_server: Mutex<Option<crate::node::bridge::EmbeddedBootstrap>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.stop(Duration::from_millis(200));
+    }
+}
+
+impl Inner {
+    fn stop(&self, grace: Duration) {
+        let engine = self.engine.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let policy = ShutdownPolicy::Abort { grace };
+        match engine {
+            Some(Engine::Prefill(r)) => drop(r.shutdown(policy)),
+            Some(Engine::Decode(r)) => drop(r.shutdown(policy)),
+            None => {}
+        }
+        if let Some(b) = self.bridge.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            b.stop(&self.shared);
+        }
+        if let Some(s) = self
+            .bootstrap_server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            s.stop();
+        }
+    }
+}
+
+static NEXT_NODE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One prefill or decode rank. Cheap to clone; every clone is the same node.
+/// The node stops when the last clone (and handle) is dropped, or at
+/// [`Node::shutdown`].
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("role", &self.inner.shared.role)
+            .field("engine_id", &self.inner.shared.config.engine_id)
+            .field("tp_rank", &self.inner.shared.config.tp_rank)
+            .finish()
+    }
+}
+
+impl Node {
+    /// Starts the executor (with its transport endpoint), the side channel
+    /// and, on a prefill rank, the embedded bootstrap service and the
+    /// registration at the bootstrap service.
+    pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
+        config
+            .timeouts
+            .validate()
+            .map_err(|e| NodeError::Misuse(e.to_string()))?;
+        if config.reactor.executors.len() != 1 {
+            return Err(NodeError::Misuse(
+                "a node runs exactly one executor (one rank is one device)".into(),
+            ));
+        }
+        if config.tp_size == 0 || config.tp_rank >= config.tp_size {
+            return Err(NodeError::Misuse(format!(
+                "tp_rank {} outside tp_size {}",
+                config.tp_rank, config.tp_size
+            )));
+        }
+        if config.max_peers == 0 {
+            return Err(NodeError::Misuse("max_peers must be positive".into()));
+        }
+        let (bridge_tx, bridge_rx) = flume::bounded(config.reactor.mailbox_capacity.max(1024));
+        let waker =
+            Arc::new(waker::Waker::new().map_err(|e| NodeError::SideChannel(e.to_string()))?);
+        let shared = Arc::new(Shared {
+            role: config.role,
+            node_id: NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed),
+            config: config.clone(),
+            local: OnceLock::new(),
+            endpoint: OnceLock::new(),
+            peers: Mutex::new(HashMap::new()),
+            counters: Counters::default(),
+            records: Mutex::new(Records::default()),
+            bridge_tx,
+            waker,
+            metrics: Arc::new(crate::bootstrap::Metrics::new()),
+            create_lock: Mutex::new(()),
+            terminal_seq: Mutex::new(0),
+            terminal_cv: Condvar::new(),
+        });
+        let (ready_tx, ready_rx) = flume::bounded::<Result<String, String>>(1);
+        let engine = match config.role {
+            Role::Prefill => {
+                let s = shared.clone();
+                let r = Reactor::<SendMachine>::start(config.reactor.clone(), move |ctx| {
+                    sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
+                })
+                .map_err(|e| NodeError::Transport(e.to_string()))?;
+                Engine::Prefill(r)
+            }
+            Role::Decode => {
+                let s = shared.clone();
+                let r = Reactor::<RecvMachine>::start(config.reactor.clone(), move |ctx| {
+                    sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
+                })
+                .map_err(|e| NodeError::Transport(e.to_string()))?;
+                Engine::Decode(r)
+            }
+        };
+        let handle = match &engine {
+            Engine::Prefill(r) => EngineHandle::Prefill(r.handle()),
+            Engine::Decode(r) => EngineHandle::Decode(r.handle()),
+        };
+        let endpoint = ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| NodeError::Timeout("transport endpoint"))?
+            .map_err(NodeError::Transport)?;
+        let _ = shared.endpoint.set(endpoint);
+        let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
+            (Role::Prefill, Some(addr)) => Some(bridge::EmbeddedBootstrap::start(
+                addr,
+                shared.metrics.clone(),
+            )?),
+            _ => None,
+        };
+        let (bridge, side_channel) =
+            bridge::BridgeThread::start(shared.clone(), handle.clone(), bridge_rx)?;
+        let node = Node {
+            inner: Arc::new(Inner {
+                shared,
+                handle,
+                engine: Mutex::new(Some(engine)),
+                bridge: Mutex::new(Some(bridge)),
+                side_channel,
+                bootstrap_server: Mutex::new(bootstrap_server),
+            }),
+        };
+        if config.role == Role::Prefill {
+            if let Some(addr) = node.bootstrap_addr() {
+                bridge::register_in_background(addr, &config, node.side_channel_addr());
+            }
+        }
+        Ok(node)
+    }
+
+    /// The bootstrap service this node registers at (or serves).
+    pub fn bootstrap_addr(&self) -> Option<String> {
+        let c = &self.inner.shared.config;
+        if let Some(b) = &c.bootstrap {
+            return Some(b.clone());
+        }
+        self.inner
+            .bootstrap_server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|s| s.addr())
+    }
+
+    /// This node's role.
+    pub fn role(&self) -> Role {
+        self.inner.shared.role
+    }
+
+    /// The side-channel address peers connect to (`tcp://host:port`;
+    /// decode ranks have none and return an empty string).
+    pub fn side_channel_addr(&self) -> String {
+        self.inner.side_channel.clone()
+    }
+
+    /// The data-plane endpoint (`tcp://..` or `local://..`).
+    pub fn endpoint(&self) -> String {
+        self.inner
+            .shared
+            .endpoint
+            .get()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Registers the engine's KV cache with the data plane and makes it the
+    /// layout this rank announces to peers. Call once, before requests.
+    ///
+    /// # Safety
+    ///
+    /// Every region must point at `num_blocks × block_len` bytes that stay
+    /// allocated until the node is shut down (or dropped), and that peers
+    /// may write (decode, push mode) or read (prefill) whenever the protocol
+    /// lets them: the engine must not hold Rust references into them while a
+    /// transfer on the blocks may be in flight.
+    pub unsafe fn register_kv_caches(&self, layout: KvLayout) -> Result<(), NodeError> {
+        let s = &self.inner.shared;
+        if s.local.get().is_some() {
+            return Err(NodeError::Misuse("register_kv_caches called twice".into()));
+        }
+        let rank = RankLayout {
+            tp_size: s.config.tp_size,
+            tp_rank: s.config.tp_rank,
+            num_blocks: layout.num_blocks,
+            regions: layout.regions.clone(),
+        };
+        // Checked now so a bad layout is the caller's error, not every
+        // peer's: a pair with itself exercises the same validation.
+        PairLayout::new(
+            &layout.model,
+            &rank,
+            &RankLayout {
+                tp_size: 1,
+                tp_rank: 0,
+                ..rank.clone()
+            },
+        )
+        .or_else(|_| PairLayout::new(&layout.model, &rank, &rank))
+        .map_err(|e| NodeError::Misuse(format!("layout rejected: {e}")))?;
+        let mut ranges = Vec::with_capacity(rank.regions.len());
+        for r in &rank.regions {
+            let len = layout
+                .num_blocks
+                .checked_mul(r.block_len)
+                .ok_or_else(|| NodeError::Misuse("region length overflows".into()))?;
+            ranges.push((r.base, len));
+        }
+        let (tx, rx) = flume::bounded(1);
+        let node_id = s.node_id;
+        self.inner
+            .handle
+            .spawn_on(move || async move {
+                let _ = tx.send(sink::register_regions(node_id, &ranges));
+            })
+            .map_err(NodeError::from)?;
+        rx.recv_timeout(Duration::from_secs(10))
+            .map_err(|_| NodeError::Timeout("memory registration"))?
+            .map_err(NodeError::Transport)?;
+        let _ = s.local.set(LocalKv {
+            model: layout.model,
+            layout: rank,
+        });
+        Ok(())
+    }
+
+    fn require(&self, role: Role) -> Result<(), NodeError> {
+        if self.inner.shared.role != role {
+            return Err(NodeError::Misuse(format!(
+                "this call needs a {role:?} node"
+            )));
+        }
+        if self.inner.shared.local.get().is_none() {
+            return Err(NodeError::Misuse("register_kv_caches first".into()));
+        }
+        Ok(())
+    }
+
+    /// Prefill: the handle for `transfer_id` (created now, or found if the
+    /// decode side's request arrived first).
+    pub fn sender(&self, transfer_id: u64) -> Result<Sender, NodeError> {
+        self.require(Role::Prefill)?;
+        let tid = TransferId(transfer_id);
+        let EngineHandle::Prefill(h) = &self.inner.handle else {
+            unreachable!("role checked above");
+        };
+        let s = &self.inner.shared;
+        let m = SendMachine::new(Instant::now(), &s.config.timeouts, tid, s.config.mode);
+        let created = {
+            let _order = s.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+            h.create(0, tid, m)
+        };
+        match created {
+            Ok(()) => {}
+            // The decode side's `Pull` got here first and created it.
+            Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => {}
+            Err(r) => return Err(r.error.into()),
+        }
+        Ok(Sender {
+            node: self.clone(),
+            tid,
+        })
+    }
+
+    /// Decode: the handle for `transfer_id`, fed by the prefill engine at
+    /// `prefill`. Nothing is sent until [`Receiver::request`].
+    pub fn receiver(
+        &self,
+        transfer_id: u64,
+        prefill: &PrefillTarget,
+    ) -> Result<Receiver, NodeError> {
+        self.require(Role::Decode)?;
+        Ok(Receiver {
+            node: self.clone(),
+            tid: TransferId(transfer_id),
+            target: prefill.clone(),
+        })
+    }
+
+    fn request(
+        &self,
+        tid: TransferId,
+        target: &PrefillTarget,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+    ) -> Result<(), NodeError> {
+        self.require(Role::Decode)?;
+        let EngineHandle::Decode(h) = &self.inner.handle else {
+            unreachable!("role checked above");
+        };
+        let s = &self.inner.shared;
+        let m = RecvMachine::new(
+            Instant::now(),
+            &s.config.timeouts,
+            tid,
+            s.config.mode,
+            dst_blocks,
+            prefix_blocks,
+        )
+        .map_err(|e| NodeError::Misuse(e.to_string()))?;
+        h.create(0, tid, m).map_err(|r| NodeError::from(r.error))?;
+        if !s.to_bridge(BridgeCmd::Resolve {
+            tid,
+            target: target.clone(),
+        }) {
+            // Without resolution the machine would wait out its bootstrap
+            // timeout; fail it now instead.
+            let _ = h.abort(tid, AbortReason::Engine);
+            return Err(NodeError::Busy(SubmitError::MailboxFull { executor: 0 }));
+        }
+        Ok(())
+    }
+
+    fn send_chunk(
+        &self,
+        tid: TransferId,
+        blocks: BlockLists,
+        is_last: bool,
+    ) -> Result<(), NodeError> {
+        let EngineHandle::Prefill(h) = &self.inner.handle else {
+            return Err(NodeError::Misuse("send on a decode node".into()));
+        };
+        h.send_event(
+            tid,
+            send::Event::ChunkReady {
+                src_blocks: blocks,
+                is_last,
+            },
+        )
+        .map_err(|r| NodeError::from(r.error))
+    }
+
+    /// Latest phase of a transfer: live from the executor, or the final
+    /// phase once it finished (kept for a bounded number of transfers).
+    pub fn phase(&self, transfer_id: u64) -> Option<Phase> {
+        let tid = TransferId(transfer_id);
+        if let Some(p) = self.inner.handle.poll(tid) {
+            return Some(p);
+        }
+        self.collect();
+        let done = {
+            let r = self
+                .inner
+                .shared
+                .records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            r.done.get(&tid).copied()
+        };
+        // A transfer may leave the board between the two looks.
+        done.or_else(|| self.inner.handle.poll(tid))
+    }
+
+    /// Aborts a transfer (either role). Unknown transfers are a misuse.
+    pub fn abort(&self, transfer_id: u64) -> Result<(), NodeError> {
+        self.inner
+            .handle
+            .abort(TransferId(transfer_id), AbortReason::Engine)
+            .map_err(NodeError::from)
+    }
+
+    /// Collects the executor's completions so its board stays small. Final
+    /// phases were recorded when they happened; only transfers that never
+    /// reported one (refused at creation, dropped at shutdown) are recorded here.
+    fn collect(&self) {
+        for c in self.inner.handle.get_finished(4096) {
+            match c.outcome {
+                Outcome::Finished { .. } => {}
+                // `Rejected`, `Dropped` and any later outcome: no terminal
+                // phase was reported for it.
+                _ => self.inner.shared.record(
+                    c.transfer_id,
+                    Phase::Failed(FailReason::Aborted(AbortReason::Shutdown)),
+                ),
+            }
+        }
+    }
+
+    /// vLLM-style batch call: starts every load (decode) and send (prefill)
+    /// of `meta`. Returns the first error; the requests before it started.
+    pub fn start_load_kv(&self, meta: &LoadMeta) -> Result<(), NodeError> {
+        for l in &meta.loads {
+            self.request(
+                TransferId(l.transfer_id),
+                &l.prefill,
+                l.dst_blocks.clone(),
+                l.prefix_blocks.clone(),
+            )?;
+        }
+        for s in &meta.sends {
+            self.sender(s.transfer_id)?
+                .send(s.src_blocks.clone(), s.is_last)?;
+        }
+        Ok(())
+    }
+
+    /// vLLM-style: the transfers that finished since the last call, as
+    /// `(finished sending, finished receiving)` (one of them is empty,
+    /// by role). Every terminal outcome counts; failed loads also appear
+    /// in [`Node::block_ids_with_load_errors`].
+    pub fn get_finished(&self) -> (Vec<u64>, Vec<u64>) {
+        self.collect();
+        let ids: Vec<u64> = {
+            let mut r = self
+                .inner
+                .shared
+                .records
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            r.finished.drain(..).map(|t| t.0).collect()
+        };
+        match self.inner.shared.role {
+            Role::Prefill => (ids, Vec::new()),
+            Role::Decode => (Vec::new(), ids),
+        }
+    }
+
+    /// vLLM-style: destination blocks whose load failed since the last call.
+    pub fn block_ids_with_load_errors(&self) -> Vec<BlockId> {
+        let mut r = self
+            .inner
+            .shared
+            .records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut r.load_errors)
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> NodeStats {
+        self.inner.shared.counters.snapshot()
+    }
+
+    /// The node's Prometheus metrics (transfers by outcome, latency, bytes,
+    /// descriptors, peers marked dead); served on `/metrics` by the embedded
+    /// bootstrap service of a rank-0 prefill node.
+    pub fn metrics(&self) -> Arc<crate::bootstrap::Metrics> {
+        self.inner.shared.metrics.clone()
+    }
+
+    /// Side-channel peers currently marked dead.
+    pub fn dead_peers(&self) -> usize {
+        bridge::dead_peers(&self.inner.shared)
+    }
+
+    /// Stops the node: aborts live requests, gives them `grace` to tell
+    /// their peers, then closes the side channel and the transport.
+    pub fn shutdown(&self, grace: Duration) {
+        self.inner.stop(grace);
+    }
+}
+
+/// One load of a [`LoadMeta`] (decode).
+#[derive(Clone, Debug)]
+pub struct LoadRequest {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// Where its prefill ranks are.
+    pub prefill: PrefillTarget,
+    /// Destination blocks per group.
+    pub dst_blocks: BlockLists,
+    /// Per group, leading prefill blocks already held locally.
+    pub prefix_blocks: Vec<u32>,
+}
+
+/// One send of a [`LoadMeta`] (prefill).
+#[derive(Clone, Debug)]
+pub struct SendRequest {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// Source blocks per group of this chunk.
+    pub src_blocks: BlockLists,
+    /// True on the request's last chunk.
+    pub is_last: bool,
+}
+
+/// What the scheduler hands the worker each step (vLLM's connector metadata).
+#[derive(Clone, Debug, Default)]
+pub struct LoadMeta {
+    /// Loads to start (decode).
+    pub loads: Vec<LoadRequest>,
+    /// Chunks to send (prefill).
+    pub sends: Vec<SendRequest>,
+}
+
+/// Waits for a terminal phase of `tid` on `node`, up to `timeout`: sleeps
+/// on the node's condition variable, which the executor signals on every
+/// terminal phase.
+fn wait_terminal(node: &Node, tid: u64, timeout: Duration, before: Phase) -> Phase {
+    let deadline = Instant::now() + timeout;
+    let s = &node.inner.shared;
+    loop {
+        let seen = *s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+        let p = node.phase(tid).unwrap_or(before);
+        let now = Instant::now();
+        if p.is_terminal() || now >= deadline {
+            return p;
+        }
+        let guard = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+        if *guard == seen {
+            let _ = s.terminal_cv.wait_timeout(guard, deadline - now);
+        }
+    }
+}
+
+/// Prefill-side handle of one transfer (SGLang's `KVSender`).
+#[derive(Debug)]
+pub struct Sender {
+    node: Node,
+    tid: TransferId,
+}
+
+impl Sender {
+    /// The transfer.
+    pub fn transfer_id(&self) -> u64 {
+        self.tid.0
+    }
+
+    /// Hands a chunk of ready KV (source blocks per group) to the transfer;
+    /// `is_last` on the final chunk (a whole request is one chunk).
+    pub fn send(&self, blocks: BlockLists, is_last: bool) -> Result<(), NodeError> {
+        self.node.send_chunk(self.tid, blocks, is_last)
+    }
+
+    /// Current phase. Terminal once the source blocks may be reused.
+    pub fn poll(&self) -> Phase {
+        self.node
+            .phase(self.tid.0)
+            .unwrap_or(Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
+    }
+
+    /// Aborts the transfer; the phase turns terminal once no peer can read
+    /// the blocks anymore.
+    pub fn abort(&self) -> Result<(), NodeError> {
+        self.node.abort(self.tid.0)
+    }
+
+    /// Waits (bounded) for a terminal phase.
+    pub fn wait(&self, timeout: Duration) -> Phase {
+        wait_terminal(
+            &self.node,
+            self.tid.0,
+            timeout,
+            Phase::Failed(FailReason::Aborted(AbortReason::Engine)),
+        )
+    }
+}
+
+/// Decode-side handle of one transfer (SGLang's `KVReceiver`).
+#[derive(Debug)]
+pub struct Receiver {
+    node: Node,
+    tid: TransferId,
+    target: PrefillTarget,
+}
+
+impl Receiver {
+    /// The transfer.
+    pub fn transfer_id(&self) -> u64 {
+        self.tid.0
+    }
+
+    /// Asks the prefill ranks for the KV, into `dst_blocks` (per group).
+    pub fn request(&self, dst_blocks: BlockLists) -> Result<(), NodeError> {
+        let prefix = vec![0; dst_blocks.len()];
+        self.node
+            .request(self.tid, &self.target, dst_blocks, prefix)
+    }
+
+    /// Like [`Receiver::request`] with a partial prefix hit: per group, the
+    /// number of the prefill side's leading blocks this rank already holds.
+    pub fn request_with_prefix(
+        &self,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+    ) -> Result<(), NodeError> {
+        self.node
+            .request(self.tid, &self.target, dst_blocks, prefix_blocks)
+    }
+
+    /// Current phase; `Bootstrapping` before `request`. Terminal once the
+    /// destination blocks are the engine's again.
+    pub fn poll(&self) -> Phase {
+        self.node.phase(self.tid.0).unwrap_or(Phase::Bootstrapping)
+    }
+
+    /// Aborts the transfer.
+    pub fn abort(&self) -> Result<(), NodeError> {
+        self.node.abort(self.tid.0)
+    }
+
+    /// Waits (bounded) for a terminal phase.
+    pub fn wait(&self, timeout: Duration) -> Phase {
+        wait_terminal(&self.node, self.tid.0, timeout, Phase::Bootstrapping)
+    }
+}

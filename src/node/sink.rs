@@ -1,0 +1,433 @@
+//! The executor side of a node: the [`ActionSink`] that turns machine
+//! actions into side-channel frames and planner-built transport batches.
+//!
+//! Runs on the node's glommio executor. `execute` never waits: a transfer
+//! is planned at once (the planner is pure and fast) and then moved by a
+//! local task, which reports back through the executor's [`EventPoster`].
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::Outcome;
+use kvferry_machines::common::{BlockLists, Msg, PeerId};
+use kvferry_machines::planner::Plan;
+use kvferry_machines::recv::RecvMachine;
+use kvferry_machines::send::SendMachine;
+use kvferry_machines::{recv, send, FailReason, Machine, Phase, TransferId};
+use kvferry_reactor::{ActionSink, EventPoster};
+
+use super::bridge::BridgeCmd;
+use super::proto::{self, Frame};
+use super::{Shared, TransportKind};
+use crate::transport::local::LocalTransport;
+use crate::transport::tcp::{TcpConfig, TcpTransport};
+use crate::transport::{AnySession, AnyTransport, Desc, EndpointAddr, Op, Session, Transport};
+
+thread_local! {
+    /// The transport endpoint of each node whose executor runs on this
+    /// thread, so that tasks spawned by `register_kv_caches` reach it.
+    static TRANSPORTS: RefCell<HashMap<u64, Rc<AnyTransport>>> = RefCell::new(HashMap::new());
+}
+
+/// Registers `(base, len)` ranges with the node's endpoint; runs on the executor.
+pub(crate) fn register_regions(node_id: u64, ranges: &[(u64, u64)]) -> Result<(), String> {
+    let t = TRANSPORTS
+        .with(|m| m.borrow().get(&node_id).cloned())
+        .ok_or_else(|| "the node has no transport endpoint".to_string())?;
+    for &(base, len) in ranges {
+        let len =
+            usize::try_from(len).map_err(|_| "region longer than the address space".to_string())?;
+        // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
+        // promised the memory stays valid and shareable with peers.
+        unsafe { t.register(base as usize as *mut u8, len) }.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// One slot per peer endpoint; its async lock makes concurrent first
+/// transfers share one `open` instead of racing thousands of connections.
+type SessionSlot = Rc<futures::lock::Mutex<Option<Rc<AnySession>>>>;
+/// How often an executor with live transfers wakes up at the least. Socket
+/// completions of the TCP data plane were seen to wait for the executor's
+/// next timer (up to a heartbeat interval) when nothing else woke it; a
+/// short tick while requests are live bounds that wait.
+const WAKE_TICK: Duration = Duration::from_micros(500);
+/// The tick of an executor with nothing live.
+const IDLE_TICK: Duration = Duration::from_millis(50);
+
+/// One chunk to move: P's blocks `src` to D's blocks `dst` of `peer`, in
+/// direction `op` as seen from this side.
+struct Job<'a> {
+    peer: PeerId,
+    src: &'a BlockLists,
+    dst: &'a BlockLists,
+    op: Op,
+}
+
+type Sessions = Rc<RefCell<HashMap<EndpointAddr, SessionSlot>>>;
+
+/// The node's action sink, for either machine type.
+pub(crate) struct Sink<M: Machine> {
+    shared: Arc<Shared>,
+    poster: EventPoster<M>,
+    transport: Option<Rc<AnyTransport>>,
+    sessions: Sessions,
+    plan: Plan,
+    /// Scratch block lists for the planner (u64 ids), kept between calls.
+    src: Vec<Vec<u64>>,
+    dst: Vec<Vec<u64>>,
+    /// When each live transfer was created, for the latency histogram.
+    started: HashMap<TransferId, Instant>,
+    /// Live transfers, read by the wake-up ticker.
+    live: Rc<std::cell::Cell<usize>>,
+}
+
+impl<M: Machine> Drop for Sink<M> {
+    fn drop(&mut self) {
+        let id = self.shared.node_id;
+        TRANSPORTS.with(|m| m.borrow_mut().remove(&id));
+    }
+}
+
+impl<M: Machine + 'static> Sink<M>
+where
+    M::Event: 'static,
+{
+    /// Builds the sink and the node's transport endpoint on the executor;
+    /// reports the endpoint address (or why it failed) on `ready`.
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        poster: EventPoster<M>,
+        ready: flume::Sender<Result<String, String>>,
+    ) -> Self {
+        let made = match shared.config.transport {
+            TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
+            TransportKind::Tcp => {
+                let bound_ms = shared
+                    .config
+                    .timeouts
+                    .transfer_bound
+                    .as_millis()
+                    .clamp(1, u64::MAX as u128) as u64;
+                let config = TcpConfig {
+                    batch_timeout_ms: bound_ms,
+                    ..TcpConfig::default()
+                };
+                format!("{}:0", shared.config.host)
+                    .parse()
+                    .map_err(|e| format!("bad host {:?}: {e}", shared.config.host))
+                    .and_then(|addr| TcpTransport::bind(addr, config).map_err(|e| e.to_string()))
+                    .map(AnyTransport::Tcp)
+            }
+        };
+        let transport = match made {
+            Ok(t) => {
+                let t = Rc::new(t);
+                let _ = ready.try_send(Ok(t.endpoint_addr().to_string()));
+                TRANSPORTS.with(|m| m.borrow_mut().insert(shared.node_id, t.clone()));
+                Some(t)
+            }
+            Err(e) => {
+                let _ = ready.try_send(Err(e));
+                None
+            }
+        };
+        Sink {
+            shared,
+            poster,
+            transport,
+            sessions: Rc::new(RefCell::new(HashMap::new())),
+            plan: Plan::default(),
+            src: Vec::new(),
+            dst: Vec::new(),
+            started: HashMap::new(),
+            live: {
+                let live = Rc::new(std::cell::Cell::new(0usize));
+                let seen = Rc::downgrade(&live);
+                glommio::spawn_local(async move {
+                    // Ends with the sink (and with the executor).
+                    while let Some(live) = seen.upgrade() {
+                        let tick = if live.get() > 0 { WAKE_TICK } else { IDLE_TICK };
+                        drop(live);
+                        glommio::timer::sleep(tick).await;
+                    }
+                })
+                .detach();
+                live
+            },
+        }
+    }
+
+    fn send_frame(&self, tid: TransferId, peer: PeerId, msg: Msg) {
+        let bytes = proto::encode(&Frame::Transfer {
+            transfer_id: tid.0,
+            msg,
+        });
+        self.shared.to_bridge(BridgeCmd::Send {
+            peer: peer.0,
+            tid: Some(tid),
+            bytes,
+        });
+    }
+
+    /// Posts `events` to the machine from a local task (`execute` cannot wait).
+    fn post_later(&self, tid: TransferId, events: Vec<M::Event>) {
+        let poster = self.poster.clone();
+        glommio::spawn_local(async move {
+            for e in events {
+                let _ = poster.post(tid, e).await;
+            }
+        })
+        .detach();
+    }
+
+    /// Plans `src` (P's blocks) → `dst` (D's blocks) against `peer` and
+    /// moves the bytes in direction `op`; `done(ok)` is the completion event
+    /// and `plan_failed` the verdict when the planner refuses.
+    fn start_transfer(
+        &mut self,
+        tid: TransferId,
+        job: Job<'_>,
+        done: impl FnOnce(bool) -> M::Event + 'static,
+        plan_failed: M::Event,
+    ) {
+        let Job { peer, src, dst, op } = job;
+        let planned = self.plan_descs(peer, src, dst, op);
+        let (endpoint, descs, batches) = match planned {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(?tid, ?peer, %why, "transfer not planned");
+                self.post_later(tid, vec![plan_failed, done(false)]);
+                return;
+            }
+        };
+        let Some(transport) = self.transport.clone() else {
+            self.post_later(tid, vec![done(false)]);
+            return;
+        };
+        let bytes: u64 = descs.iter().map(|d| d.len_bytes).sum();
+        let count = descs.len() as u64;
+        let sessions = self.sessions.clone();
+        let poster = self.poster.clone();
+        let shared = self.shared.clone();
+        let bound = shared.config.timeouts.transfer_bound;
+        glommio::spawn_local(async move {
+            let result = if descs.is_empty() {
+                Ok(())
+            } else {
+                move_bytes(&transport, &sessions, endpoint, op, &descs, &batches, bound).await
+            };
+            let ok = match result {
+                Ok(()) => {
+                    shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+                    shared
+                        .counters
+                        .descriptors
+                        .fetch_add(count, Ordering::Relaxed);
+                    shared.metrics.add_bytes(bytes);
+                    shared.metrics.add_descriptors(count);
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(?tid, %e, "transfer failed");
+                    shared
+                        .counters
+                        .transport_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    false
+                }
+            };
+            let _ = poster.post(tid, done(ok)).await;
+        })
+        .detach();
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn plan_descs(
+        &mut self,
+        peer: PeerId,
+        src: &BlockLists,
+        dst: &BlockLists,
+        op: Op,
+    ) -> Result<(EndpointAddr, Vec<Desc>, Vec<Range<usize>>), String> {
+        let data = self.shared.peer(peer.0).ok_or("peer unknown (no hello)")?;
+        let pair = data.pair.as_ref().map_err(|e| e.clone())?;
+        let endpoint = data.endpoint.ok_or("peer endpoint unusable")?;
+        fill_u64(&mut self.src, src);
+        fill_u64(&mut self.dst, dst);
+        pair.plan_into(
+            &self.src,
+            &self.dst,
+            &self.shared.config.batch_limits,
+            &mut self.plan,
+        )
+        .map_err(|e| e.to_string())?;
+        let descs = self
+            .plan
+            .descriptors
+            .iter()
+            .map(|d| match op {
+                Op::Write => Desc {
+                    local_addr: d.src,
+                    remote_addr: d.dst,
+                    len_bytes: d.len,
+                },
+                Op::Read => Desc {
+                    local_addr: d.dst,
+                    remote_addr: d.src,
+                    len_bytes: d.len,
+                },
+            })
+            .collect();
+        let batches = self.plan.batches.iter().map(|b| b.range()).collect();
+        Ok((endpoint, descs, batches))
+    }
+
+    fn report(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        if !phase.is_terminal() {
+            // The first report comes when the machine is inserted.
+            self.started.entry(tid).or_insert(now);
+            self.live.set(self.started.len());
+            return;
+        }
+        let since = self.started.remove(&tid).unwrap_or(now);
+        self.live.set(self.started.len());
+        let outcome = match phase {
+            Phase::Success => Outcome::Ok,
+            Phase::Expired => Outcome::Expired,
+            Phase::Failed(FailReason::Aborted(_) | FailReason::PeerAborted) => Outcome::Aborted,
+            Phase::Failed(_)
+            | Phase::Bootstrapping
+            | Phase::WaitingForInput
+            | Phase::Transferring => Outcome::Failed,
+        };
+        self.shared
+            .metrics
+            .record_transfer(outcome, now.saturating_duration_since(since));
+        self.shared.on_terminal(tid, phase);
+    }
+}
+
+fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
+    out.resize_with(lists.len(), Vec::new);
+    for (o, l) in out.iter_mut().zip(lists) {
+        o.clear();
+        o.extend(l.iter().map(|b| u64::from(b.0)));
+    }
+}
+
+/// Moves every batch over one session, all batches in flight at once, bounded
+/// by `bound` as a whole (the machines' transfer bound).
+async fn move_bytes(
+    transport: &AnyTransport,
+    sessions: &Sessions,
+    endpoint: EndpointAddr,
+    op: Op,
+    descs: &[Desc],
+    batches: &[Range<usize>],
+    bound: Duration,
+) -> Result<(), String> {
+    let started = Instant::now();
+    let slot = sessions.borrow_mut().entry(endpoint).or_default().clone();
+    let session = {
+        let mut guard = slot.lock().await;
+        match guard.as_ref() {
+            Some(s) => s.clone(),
+            None => {
+                let s = Rc::new(transport.open(&endpoint).await.map_err(|e| e.to_string())?);
+                *guard = Some(s.clone());
+                s
+            }
+        }
+    };
+    let left = bound.saturating_sub(started.elapsed());
+    let work = futures::future::try_join_all(
+        batches
+            .iter()
+            .map(|b| session.transfer(op, &descs[b.clone()])),
+    );
+    let timed = futures_lite::future::or(
+        async { work.await.map(|_| ()).map_err(|e| e.to_string()) },
+        async {
+            glommio::timer::sleep(left).await;
+            Err(format!(
+                "transfer did not finish within {} ms",
+                bound.as_millis()
+            ))
+        },
+    );
+    let result = timed.await;
+    if result.is_err() {
+        // A broken session is re-opened by the next transfer.
+        let mut guard = slot.lock().await;
+        if guard.as_ref().is_some_and(|s| Rc::ptr_eq(s, &session)) {
+            *guard = None;
+        }
+    }
+    result
+}
+
+impl ActionSink<SendMachine> for Sink<SendMachine> {
+    fn execute(&mut self, tid: TransferId, action: send::Action) {
+        match action {
+            send::Action::Send { peer, msg } => self.send_frame(tid, peer, msg),
+            send::Action::Write {
+                peer,
+                chunk,
+                src_blocks,
+                dst_blocks,
+            } => self.start_transfer(
+                tid,
+                Job {
+                    peer,
+                    src: &src_blocks,
+                    dst: &dst_blocks,
+                    op: Op::Write,
+                },
+                move |ok| send::Event::WriteDone { peer, chunk, ok },
+                send::Event::PlanFailed { peer },
+            ),
+            // The phase turns terminal in the same call; `on_phase` reports it.
+            send::Action::ReleaseBlocks { .. } => {}
+        }
+    }
+
+    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        self.report(tid, phase, now);
+    }
+}
+
+impl ActionSink<RecvMachine> for Sink<RecvMachine> {
+    fn execute(&mut self, tid: TransferId, action: recv::Action) {
+        match action {
+            recv::Action::Send { peer, msg } => self.send_frame(tid, peer, msg),
+            recv::Action::Read {
+                peer,
+                chunk,
+                src_blocks,
+                dst_blocks,
+            } => self.start_transfer(
+                tid,
+                Job {
+                    peer,
+                    src: &src_blocks,
+                    dst: &dst_blocks,
+                    op: Op::Read,
+                },
+                move |ok| recv::Event::ReadDone { peer, chunk, ok },
+                recv::Event::PlanFailed { peer },
+            ),
+            recv::Action::Received => {}
+            recv::Action::LoadFailed { block_ids } => self.shared.add_load_errors(&block_ids),
+        }
+    }
+
+    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        self.report(tid, phase, now);
+    }
+}

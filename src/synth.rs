@@ -1,0 +1,729 @@
+//! Synthetic KV cache with a known byte pattern, for the demo, the CLI nodes
+//! and the end-to-end tests.
+//!
+//! Every byte is a function of `(transfer, layer, K/V, token, head, byte)`,
+//! where `token` is the position in the request and `head` the model-wide
+//! head index (not the rank-local one). A prefill rank fills the heads it
+//! holds, a decode rank checks the heads it holds: since both sides name
+//! bytes by model-wide coordinates, slices written by several prefill ranks
+//! under heterogeneous TP must reassemble exactly, and a byte that lands in
+//! the wrong head, token, layer or request fails verification.
+//!
+//! For MLA the latent cache is the same on every rank and has no heads:
+//! `head` is 0 and `byte` runs over the latent of one token.
+
+use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout};
+
+/// Where one rank's KV lives and how it is shaped, as the pattern needs it.
+#[derive(Clone, Debug)]
+pub struct SynthLayout {
+    /// Model facts shared by both sides.
+    pub model: ModelSpec,
+    /// This rank's layout; regions come in (layer, K/V) order for HND/NHD
+    /// (`region = 2·layer + kv`) and one per layer for MLA.
+    pub rank: RankLayout,
+}
+
+/// A mismatch found by [`verify_blocks`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerifyError {
+    /// Region (layer and K/V) of the first bad byte.
+    pub region: usize,
+    /// Position of its block in the request's block list.
+    pub position: u64,
+    /// Offset of the byte in the block.
+    pub offset: u64,
+    /// Expected value.
+    pub expected: u8,
+    /// Value found.
+    pub found: u8,
+}
+
+/// SplitMix64 finaliser: a cheap, well-mixed 64-bit hash.
+#[inline]
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Seed of one row: the bytes of one head of one token of one region.
+#[inline]
+fn row_seed(transfer: u64, region: usize, token: u64, head: u32) -> u64 {
+    let a = mix(transfer ^ 0x6b76_6665_7272_7921);
+    let b = mix(a ^ (region as u64).wrapping_mul(0x1000_0000_01b3));
+    let c = mix(b ^ token);
+    mix(c ^ u64::from(head).wrapping_mul(0x9E37_79B9))
+}
+
+/// The expected byte `byte` of a row (public so tests can spot-check).
+#[inline]
+pub fn pattern_byte(transfer: u64, region: usize, token: u64, head: u32, byte: u64) -> u8 {
+    let word = mix(row_seed(transfer, region, token, head).wrapping_add(byte / 8));
+    (word >> ((byte % 8) * 8)) as u8
+}
+
+/// Writes the pattern of one row into `out` (`out.len()` bytes from byte 0).
+#[inline]
+fn fill_row(out: &mut [u8], seed: u64) {
+    let mut chunks = out.chunks_exact_mut(8);
+    let mut w = 0u64;
+    for c in &mut chunks {
+        c.copy_from_slice(&mix(seed.wrapping_add(w)).to_le_bytes());
+        w += 1;
+    }
+    let rest = chunks.into_remainder();
+    if !rest.is_empty() {
+        let bytes = mix(seed.wrapping_add(w)).to_le_bytes();
+        rest.copy_from_slice(&bytes[..rest.len()]);
+    }
+}
+
+/// Checks one row; returns the offset of the first bad byte and its values.
+#[inline]
+fn check_row(row: &[u8], seed: u64) -> Option<(usize, u8, u8)> {
+    let mut chunks = row.chunks_exact(8);
+    let mut w = 0u64;
+    for c in &mut chunks {
+        let want = mix(seed.wrapping_add(w)).to_le_bytes();
+        if c != want {
+            let i = (0..8).find(|&i| c[i] != want[i]).unwrap_or(0);
+            return Some((w as usize * 8 + i, want[i], c[i]));
+        }
+        w += 1;
+    }
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        let want = mix(seed.wrapping_add(w)).to_le_bytes();
+        for (i, b) in rest.iter().enumerate() {
+            if *b != want[i] {
+                return Some((w as usize * 8 + i, want[i], *b));
+            }
+        }
+    }
+    None
+}
+
+/// Visits every row of block `block` of `region` whose request position is
+/// `position`: `(offset in block, len, seed)`.
+fn rows(
+    layout: &SynthLayout,
+    transfer: u64,
+    region: usize,
+    position: u64,
+    mut visit: impl FnMut(u64, u64, u64) -> bool,
+) -> bool {
+    let model = &layout.model;
+    let Some(r) = layout.rank.regions.get(region) else {
+        return true;
+    };
+    let tokens = u64::from(model.block_tokens);
+    match model.layout {
+        LayoutKind::Mla => {
+            // One latent row per token; the latent is kv_block_len / tokens bytes.
+            let per_token = r.kv_block_len / tokens.max(1);
+            for t in 0..tokens {
+                let token = position * tokens + t;
+                if !visit(
+                    t * per_token,
+                    per_token,
+                    row_seed(transfer, region, token, 0),
+                ) {
+                    return false;
+                }
+            }
+        }
+        LayoutKind::Hnd | LayoutKind::Nhd => {
+            let heads = model.heads_per_rank(layout.rank.tp_size);
+            let first = model.first_head(layout.rank.tp_size, layout.rank.tp_rank);
+            let hb = model.head_bytes;
+            for h in 0..heads {
+                for t in 0..tokens {
+                    let off = match model.layout {
+                        LayoutKind::Hnd => (u64::from(h) * tokens + t) * hb,
+                        LayoutKind::Nhd | LayoutKind::Mla => {
+                            (t * u64::from(heads) + u64::from(h)) * hb
+                        }
+                    };
+                    let token = position * tokens + t;
+                    if !visit(off, hb, row_seed(transfer, region, token, first + h)) {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+    true
+}
+
+/// Fills the blocks `blocks` (block ids of one group, in request order
+/// starting at position `first_position`) of every region with the pattern
+/// of `transfer`.
+///
+/// # Safety
+///
+/// Every region of `layout.rank` must point at memory valid for writes of
+/// `num_blocks × block_len` bytes that nobody else accesses meanwhile, and
+/// every block id must be below `num_blocks`.
+pub unsafe fn fill_blocks(
+    layout: &SynthLayout,
+    transfer: u64,
+    blocks: &[u32],
+    first_position: u64,
+) {
+    for (region, r) in layout.rank.regions.iter().enumerate() {
+        for (i, &b) in blocks.iter().enumerate() {
+            let block = (r.base + u64::from(b) * r.block_len) as usize as *mut u8;
+            rows(
+                layout,
+                transfer,
+                region,
+                first_position + i as u64,
+                |off, len, seed| {
+                    // SAFETY: the caller guarantees the block is valid and ours;
+                    // rows stay inside kv_block_len <= block_len.
+                    let row = unsafe {
+                        std::slice::from_raw_parts_mut(block.add(off as usize), len as usize)
+                    };
+                    fill_row(row, seed);
+                    true
+                },
+            );
+        }
+    }
+}
+
+/// Checks that blocks `blocks` (request positions from `first_position`)
+/// hold the pattern of `transfer` in every region. Returns the first bad
+/// byte, if any.
+///
+/// # Safety
+///
+/// As [`fill_blocks`], for reads.
+pub unsafe fn verify_blocks(
+    layout: &SynthLayout,
+    transfer: u64,
+    blocks: &[u32],
+    first_position: u64,
+) -> Result<(), VerifyError> {
+    let mut error = None;
+    for (region, r) in layout.rank.regions.iter().enumerate() {
+        for (i, &b) in blocks.iter().enumerate() {
+            let position = first_position + i as u64;
+            let block = (r.base + u64::from(b) * r.block_len) as usize as *const u8;
+            rows(layout, transfer, region, position, |off, len, seed| {
+                // SAFETY: as in fill_blocks.
+                let row =
+                    unsafe { std::slice::from_raw_parts(block.add(off as usize), len as usize) };
+                match check_row(row, seed) {
+                    None => true,
+                    Some((at, expected, found)) => {
+                        error = Some(VerifyError {
+                            region,
+                            position,
+                            offset: off + at as u64,
+                            expected,
+                            found,
+                        });
+                        false
+                    }
+                }
+            });
+            if let Some(e) = error {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Zeroes blocks (so a test sees stale bytes as errors, not as old passes).
+///
+/// # Safety
+///
+/// As [`fill_blocks`].
+pub unsafe fn clear_blocks(layout: &SynthLayout, blocks: &[u32]) {
+    for r in &layout.rank.regions {
+        for &b in blocks {
+            let block = (r.base + u64::from(b) * r.block_len) as usize as *mut u8;
+            // SAFETY: the caller guarantees the block is valid and ours.
+            unsafe { std::ptr::write_bytes(block, 0, r.kv_block_len as usize) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvferry_machines::layout::Region;
+
+    fn layout(kind: LayoutKind, tp: u32, rank: u32, buf: &mut [u8], blocks: u64) -> SynthLayout {
+        let model = ModelSpec {
+            layout: kind,
+            total_kv_heads: 4,
+            block_tokens: 4,
+            head_bytes: 12,
+        };
+        let kv = match kind {
+            LayoutKind::Mla => 4 * 12,
+            LayoutKind::Hnd | LayoutKind::Nhd => u64::from(model.heads_per_rank(tp)) * 4 * 12,
+        };
+        assert!(buf.len() as u64 >= kv * blocks);
+        SynthLayout {
+            model,
+            rank: RankLayout {
+                tp_size: tp,
+                tp_rank: rank,
+                num_blocks: blocks,
+                regions: vec![Region {
+                    base: buf.as_mut_ptr() as u64,
+                    block_len: kv,
+                    kv_block_len: kv,
+                }],
+            },
+        }
+    }
+
+    #[test]
+    fn fill_then_verify_and_detect_one_flipped_byte() {
+        for kind in [LayoutKind::Hnd, LayoutKind::Nhd, LayoutKind::Mla] {
+            let mut buf = vec![0u8; 4096];
+            let l = layout(kind, 1, 0, &mut buf, 8);
+            unsafe {
+                fill_blocks(&l, 7, &[1, 3], 0);
+                verify_blocks(&l, 7, &[1, 3], 0).unwrap();
+                assert!(
+                    verify_blocks(&l, 8, &[1, 3], 0).is_err(),
+                    "other transfer must differ"
+                );
+                assert!(
+                    verify_blocks(&l, 7, &[1, 3], 1).is_err(),
+                    "other position must differ"
+                );
+            }
+            let kv = l.rank.regions[0].kv_block_len as usize;
+            buf[3 * kv + 5] ^= 1;
+            let e = unsafe { verify_blocks(&l, 7, &[1, 3], 0) }.unwrap_err();
+            assert_eq!((e.position, e.offset), (1, 5));
+        }
+    }
+
+    #[test]
+    fn heads_of_two_ranks_reassemble_on_one() {
+        // TP 2 -> TP 1, HND: rank r holds heads 2r, 2r+1; D holds all four.
+        let mut p0 = vec![0u8; 4096];
+        let mut p1 = vec![0u8; 4096];
+        let mut d = vec![0u8; 4096];
+        let lp0 = layout(LayoutKind::Hnd, 2, 0, &mut p0, 4);
+        let lp1 = layout(LayoutKind::Hnd, 2, 1, &mut p1, 4);
+        let ld = layout(LayoutKind::Hnd, 1, 0, &mut d, 4);
+        unsafe {
+            fill_blocks(&lp0, 1, &[0], 0);
+            fill_blocks(&lp1, 1, &[0], 0);
+        }
+        // HND: a rank's heads are consecutive halves of D's block.
+        let half = lp0.rank.regions[0].kv_block_len as usize;
+        d[..half].copy_from_slice(&p0[..half]);
+        d[half..2 * half].copy_from_slice(&p1[..half]);
+        unsafe { verify_blocks(&ld, 1, &[0], 0).unwrap() };
+        d.swap(0, half);
+        assert!(unsafe { verify_blocks(&ld, 1, &[0], 0) }.is_err());
+    }
+
+    #[test]
+    fn pattern_byte_matches_fill() {
+        let mut row = [0u8; 21];
+        fill_row(&mut row, row_seed(3, 2, 9, 1));
+        for (i, b) in row.iter().enumerate() {
+            assert_eq!(*b, pattern_byte(3, 2, 9, 1, i as u64));
+        }
+    }
+}
+
+/// A rank's synthetic KV cache: one heap buffer per region (layer × K/V,
+/// or layer for MLA), never moved or borrowed while the node may touch it.
+pub struct SynthKv {
+    /// Buffers as raw allocations: peers write into them behind Rust's back,
+    /// so no `&mut` to them may exist while the node runs.
+    bufs: Vec<(*mut u8, usize)>,
+    layout: SynthLayout,
+}
+
+// SAFETY: the buffers are plain heap memory addressed by raw pointers; all
+// access goes through the unsafe fill/verify functions whose callers
+// guarantee exclusive use of the blocks they touch.
+unsafe impl Send for SynthKv {}
+// SAFETY: as above.
+unsafe impl Sync for SynthKv {}
+
+impl SynthKv {
+    /// Allocates `num_blocks` blocks for `layers` layers of `model` on rank
+    /// `tp_rank` of a TP group of `tp_size`.
+    pub fn new(
+        model: ModelSpec,
+        tp_size: u32,
+        tp_rank: u32,
+        layers: u32,
+        num_blocks: u64,
+    ) -> SynthKv {
+        let kv_block_len = match model.layout {
+            LayoutKind::Mla => u64::from(model.block_tokens) * model.head_bytes,
+            LayoutKind::Hnd | LayoutKind::Nhd => {
+                u64::from(model.heads_per_rank(tp_size))
+                    * u64::from(model.block_tokens)
+                    * model.head_bytes
+            }
+        };
+        let regions_n = match model.layout {
+            LayoutKind::Mla => layers,
+            LayoutKind::Hnd | LayoutKind::Nhd => layers * 2,
+        };
+        let len = (kv_block_len * num_blocks) as usize;
+        let mut bufs = Vec::new();
+        let mut regions = Vec::new();
+        for _ in 0..regions_n {
+            let b: Box<[u8]> = vec![0u8; len.max(1)].into_boxed_slice();
+            let n = b.len();
+            let p = Box::into_raw(b) as *mut u8;
+            bufs.push((p, n));
+            regions.push(kvferry_machines::layout::Region {
+                base: p as u64,
+                block_len: kv_block_len,
+                kv_block_len,
+            });
+        }
+        SynthKv {
+            bufs,
+            layout: SynthLayout {
+                model,
+                rank: RankLayout {
+                    tp_size,
+                    tp_rank,
+                    num_blocks,
+                    regions,
+                },
+            },
+        }
+    }
+
+    /// The layout to register with the node.
+    pub fn kv_layout(&self) -> crate::node::KvLayout {
+        crate::node::KvLayout {
+            model: self.layout.model,
+            num_blocks: self.layout.rank.num_blocks,
+            regions: self.layout.rank.regions.clone(),
+        }
+    }
+
+    /// The pattern's view of this rank.
+    pub fn layout(&self) -> &SynthLayout {
+        &self.layout
+    }
+
+    /// Bytes of KV per block on this rank (all regions).
+    pub fn block_bytes(&self) -> u64 {
+        self.layout
+            .rank
+            .regions
+            .iter()
+            .map(|r| r.kv_block_len)
+            .sum()
+    }
+
+    /// Fills `blocks` (request positions from `first_position`) with the
+    /// pattern of `transfer`. The caller must own the blocks (no transfer
+    /// in flight on them). Panics on a block id out of range.
+    pub fn fill(&self, transfer: u64, blocks: &[u32], first_position: u64) {
+        self.check(blocks);
+        // SAFETY: buffers are valid for num_blocks blocks (checked above) and
+        // the caller owns these blocks.
+        unsafe { fill_blocks(&self.layout, transfer, blocks, first_position) }
+    }
+
+    /// Verifies `blocks` against the pattern of `transfer`.
+    pub fn verify(
+        &self,
+        transfer: u64,
+        blocks: &[u32],
+        first_position: u64,
+    ) -> Result<(), VerifyError> {
+        self.check(blocks);
+        // SAFETY: as in `fill`.
+        unsafe { verify_blocks(&self.layout, transfer, blocks, first_position) }
+    }
+
+    /// Zeroes `blocks`.
+    pub fn clear(&self, blocks: &[u32]) {
+        self.check(blocks);
+        // SAFETY: as in `fill`.
+        unsafe { clear_blocks(&self.layout, blocks) }
+    }
+
+    fn check(&self, blocks: &[u32]) {
+        let n = self.layout.rank.num_blocks;
+        assert!(
+            blocks.iter().all(|&b| u64::from(b) < n),
+            "block id out of range"
+        );
+    }
+}
+
+impl Drop for SynthKv {
+    fn drop(&mut self) {
+        for &(p, n) in &self.bufs {
+            // SAFETY: `p` came from `Box::into_raw` of a `[u8]` of length `n`.
+            unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n))) };
+        }
+    }
+}
+
+/// What [`Cluster::start`] builds: P and D ranks of one model on one host.
+#[derive(Clone, Debug)]
+pub struct ClusterSpec {
+    /// Model facts.
+    pub model: ModelSpec,
+    /// Layers (regions are layers × K/V, or layers for MLA).
+    pub layers: u32,
+    /// Blocks per prefill rank.
+    pub prefill_blocks: u64,
+    /// Blocks per decode rank.
+    pub decode_blocks: u64,
+    /// Prefill TP size.
+    pub prefill_tp: u32,
+    /// Decode TP size.
+    pub decode_tp: u32,
+    /// Push or pull.
+    pub mode: kvferry_machines::common::Mode,
+    /// Data plane.
+    pub transport: crate::node::TransportKind,
+    /// Timeouts of every node.
+    pub timeouts: kvferry_machines::common::Config,
+    /// Serve an embedded bootstrap service from prefill rank 0 on this
+    /// address and let decode find the prefill ranks through it; `None`:
+    /// decode gets the side-channel addresses directly.
+    pub bootstrap: Option<String>,
+    /// Let idle executors spin this long before parking (lower wake-up
+    /// latency, costs CPU); `None` parks at once.
+    pub spin: Option<std::time::Duration>,
+}
+
+/// One rank: its node and its synthetic KV memory. The node is shut down
+/// before the memory is freed.
+pub struct Rank {
+    /// The node.
+    pub node: crate::node::Node,
+    /// Its registered memory.
+    pub kv: SynthKv,
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        // The memory must outlive every transfer that can touch it.
+        self.node.shutdown(std::time::Duration::from_millis(50));
+    }
+}
+
+/// P and D ranks in one process, wired together.
+pub struct Cluster {
+    /// Prefill ranks, by TP rank.
+    pub prefill: Vec<Rank>,
+    /// Decode ranks, by TP rank.
+    pub decode: Vec<Rank>,
+    /// How decode ranks find the prefill ranks.
+    pub target: crate::node::PrefillTarget,
+    /// Terminal phases of decode transfers: `(decode rank, transfer, phase)`.
+    pub decode_done: flume::Receiver<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
+    /// Terminal phases of prefill transfers: `(prefill rank, transfer, phase)`.
+    pub prefill_done: flume::Receiver<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
+}
+
+fn notify_for(
+    rank: u32,
+    out: flume::Sender<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
+) -> flume::Sender<(kvferry_machines::TransferId, kvferry_machines::Phase)> {
+    // A small forwarding thread tags each node's notifications with its
+    // rank; it ends when the node drops its sender.
+    let (tx, rx) =
+        flume::bounded::<(kvferry_machines::TransferId, kvferry_machines::Phase)>(1 << 16);
+    std::thread::spawn(move || {
+        for (t, p) in rx.iter() {
+            if out.send((rank, t, p)).is_err() {
+                break;
+            }
+        }
+    });
+    tx
+}
+
+impl Cluster {
+    /// Starts and registers every rank.
+    pub fn start(spec: &ClusterSpec) -> Result<Cluster, crate::node::NodeError> {
+        use crate::node::{Node, NodeConfig, PrefillTarget, Role};
+        let (dtx, drx) = flume::unbounded();
+        let (ptx, prx) = flume::unbounded();
+        let mut prefill = Vec::new();
+        let mut bootstrap_addr = None;
+        for r in 0..spec.prefill_tp {
+            let mut c = NodeConfig::new(Role::Prefill, "prefill");
+            c.tp_size = spec.prefill_tp;
+            c.tp_rank = r;
+            c.mode = spec.mode;
+            c.transport = spec.transport;
+            c.timeouts = spec.timeouts;
+            c.notify = Some(notify_for(r, ptx.clone()));
+            if let Some(spin) = spec.spin {
+                c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
+            }
+            if let Some(b) = &spec.bootstrap {
+                if r == 0 {
+                    c.serve_bootstrap = Some(b.clone());
+                } else {
+                    c.bootstrap = bootstrap_addr.clone();
+                }
+            }
+            let node = Node::start(c)?;
+            if r == 0 {
+                bootstrap_addr = node.bootstrap_addr();
+            }
+            let kv = SynthKv::new(
+                spec.model,
+                spec.prefill_tp,
+                r,
+                spec.layers,
+                spec.prefill_blocks,
+            );
+            // SAFETY: `kv` lives in the same `Rank`, whose drop shuts the node
+            // down before the memory is freed.
+            unsafe { node.register_kv_caches(kv.kv_layout())? };
+            prefill.push(Rank { node, kv });
+        }
+        if let Some(addr) = &bootstrap_addr {
+            // Registration runs in the background; decode asks only once
+            // every prefill rank is listed, so no request waits for a retry.
+            let client = crate::bootstrap::BootstrapClient::new(addr)
+                .map_err(|e| crate::node::NodeError::Bootstrap(e.to_string()))?;
+            let policy = crate::bootstrap::RetryPolicy {
+                deadline: std::time::Duration::from_secs(10),
+                ..crate::bootstrap::RetryPolicy::default()
+            };
+            client
+                .wait_for_engine("prefill", spec.prefill_tp as usize, policy)
+                .map_err(|e| crate::node::NodeError::Bootstrap(e.to_string()))?;
+        }
+        let mut decode = Vec::new();
+        for r in 0..spec.decode_tp {
+            let mut c = NodeConfig::new(Role::Decode, "decode");
+            c.tp_size = spec.decode_tp;
+            c.tp_rank = r;
+            c.mode = spec.mode;
+            c.transport = spec.transport;
+            c.timeouts = spec.timeouts;
+            c.notify = Some(notify_for(r, dtx.clone()));
+            if let Some(spin) = spec.spin {
+                c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
+            }
+            let node = Node::start(c)?;
+            let kv = SynthKv::new(
+                spec.model,
+                spec.decode_tp,
+                r,
+                spec.layers,
+                spec.decode_blocks,
+            );
+            // SAFETY: as above.
+            unsafe { node.register_kv_caches(kv.kv_layout())? };
+            decode.push(Rank { node, kv });
+        }
+        let target = match bootstrap_addr {
+            Some(addr) => PrefillTarget::Bootstrap {
+                addr,
+                engine_id: "prefill".into(),
+            },
+            None => PrefillTarget::Direct {
+                tp_size: spec.prefill_tp,
+                side_channels: prefill.iter().map(|r| r.node.side_channel_addr()).collect(),
+            },
+        };
+        Ok(Cluster {
+            prefill,
+            decode,
+            target,
+            decode_done: drx,
+            prefill_done: prx,
+        })
+    }
+
+    /// Fills the prefill blocks of `transfer` on every prefill rank.
+    pub fn fill(&self, transfer: u64, src_blocks: &[u32]) {
+        for r in &self.prefill {
+            r.kv.fill(transfer, src_blocks, 0);
+        }
+    }
+
+    /// Verifies the destination blocks of `transfer` on every decode rank;
+    /// `prefix` leading positions were not transferred. Returns the number
+    /// of decode ranks whose bytes are wrong.
+    pub fn verify(&self, transfer: u64, dst_blocks: &[u32], prefix: u64) -> usize {
+        self.decode
+            .iter()
+            .filter(|r| r.kv.verify(transfer, dst_blocks, prefix).is_err())
+            .count()
+    }
+
+    /// Starts one single-group request on every rank: decode asks for
+    /// `dst_blocks` (skipping `prefix` positions), prefill sends `src_blocks`
+    /// as one last chunk.
+    pub fn start_request(
+        &self,
+        transfer: u64,
+        src_blocks: &[u32],
+        dst_blocks: &[u32],
+        prefix: u32,
+    ) -> Result<(), crate::node::NodeError> {
+        use kvferry_machines::common::BlockId;
+        let dst: Vec<BlockId> = dst_blocks.iter().map(|&b| BlockId(b)).collect();
+        let src: Vec<BlockId> = src_blocks.iter().map(|&b| BlockId(b)).collect();
+        for r in &self.decode {
+            r.node
+                .receiver(transfer, &self.target)?
+                .request_with_prefix(vec![dst.clone()], vec![prefix])?;
+        }
+        for r in &self.prefill {
+            r.node.sender(transfer)?.send(vec![src.clone()], true)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every decode rank reported a terminal phase for
+    /// `transfer` (or `timeout` passed); returns the phases by decode rank.
+    pub fn wait_decode(
+        &self,
+        transfer: u64,
+        timeout: std::time::Duration,
+    ) -> Vec<kvferry_machines::Phase> {
+        use kvferry_machines::Phase;
+        let mut phases: Vec<Option<Phase>> = self
+            .decode
+            .iter()
+            .map(|r| r.node.phase(transfer).filter(|p| p.is_terminal()))
+            .collect();
+        let deadline = std::time::Instant::now() + timeout;
+        while phases.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.decode_done.recv_timeout(left) {
+                Ok((rank, t, p)) if t.0 == transfer => phases[rank as usize] = Some(p),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        phases
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                p.or_else(|| self.decode[i].node.phase(transfer))
+                    .unwrap_or(Phase::Bootstrapping)
+            })
+            .collect()
+    }
+}

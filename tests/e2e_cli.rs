@@ -1,0 +1,70 @@
+//! `kvferry demo` as a user runs it: exit status and the JSON summary.
+
+use std::process::Command;
+
+fn demo(args: &[&str]) -> (i32, serde_json::Value) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .arg("demo")
+        .args(args)
+        .output()
+        .expect("run kvferry demo");
+    let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    (out.status.code().unwrap_or(-1), json)
+}
+
+#[test]
+fn demo_json_summary_counts_every_request() {
+    for args in [
+        &[
+            "--requests",
+            "60",
+            "--concurrency",
+            "8",
+            "--layers",
+            "2",
+            "--json",
+        ][..],
+        &[
+            "--requests",
+            "30",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "1",
+            "--mode",
+            "pull",
+            "--json",
+        ][..],
+        &[
+            "--requests",
+            "30",
+            "--layout",
+            "mla",
+            "--decode-tp",
+            "2",
+            "--transport",
+            "local",
+            "--json",
+        ][..],
+    ] {
+        let (code, j) = demo(args);
+        assert_eq!(code, 0, "{args:?}: {j}");
+        let requests = j["requests"].as_u64().unwrap();
+        assert_eq!(j["ok"].as_u64().unwrap(), requests, "{args:?}: {j}");
+        assert_eq!(j["verify_errors"], 0);
+        assert_eq!(j["failed"], 0);
+        assert_eq!(j["expired"], 0);
+        assert!(j["bytes"].as_u64().unwrap() > 0);
+        for key in ["gbps", "p50_ms", "p99_ms"] {
+            assert!(j[key].as_f64().unwrap() >= 0.0, "{key}");
+        }
+    }
+}
+
+#[test]
+fn demo_rejects_bad_options_with_status_2() {
+    assert_eq!(demo(&["--layout", "diagonal"]).0, 2);
+    assert_eq!(demo(&["--no-such-option", "1"]).0, 2);
+    // A model the TP sizes do not fit is refused before any request runs.
+    assert_eq!(demo(&["--heads", "3", "--prefill-tp", "2", "--json"]).0, 1);
+}

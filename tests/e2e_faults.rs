@@ -1,0 +1,274 @@
+//! End-to-end faults in one process: aborts, and a prefill rank that stops
+//! answering (peer-dead detection, fail-fast, recovery).
+
+use std::time::{Duration, Instant};
+
+use kvferry::machines::common::{BlockId, Config, Mode};
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::{FailReason, Phase};
+use kvferry::node::TransportKind;
+use kvferry::synth::{Cluster, ClusterSpec};
+
+fn timeouts() -> Config {
+    Config {
+        bootstrap_timeout: Duration::from_secs(3),
+        waiting_timeout: Duration::from_secs(3),
+        claim_timeout: Duration::from_secs(3),
+        lease: Duration::from_millis(600),
+        hold_limit: Duration::from_secs(6),
+        transfer_bound: Duration::from_millis(500),
+        fence_margin: Duration::from_millis(100),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_misses: 3,
+        ..Config::default()
+    }
+}
+
+fn spec(mode: Mode) -> ClusterSpec {
+    ClusterSpec {
+        model: ModelSpec {
+            layout: LayoutKind::Hnd,
+            total_kv_heads: 2,
+            block_tokens: 4,
+            head_bytes: 64,
+        },
+        layers: 2,
+        prefill_blocks: 32,
+        decode_blocks: 32,
+        prefill_tp: 1,
+        decode_tp: 1,
+        mode,
+        transport: TransportKind::Tcp,
+        timeouts: timeouts(),
+        bootstrap: None,
+        spin: None,
+    }
+}
+
+fn ids(v: &[u32]) -> Vec<Vec<BlockId>> {
+    vec![v.iter().map(|&b| BlockId(b)).collect()]
+}
+
+#[test]
+fn decode_abort_releases_prefill_once_and_no_write_lands_after() {
+    for mode in [Mode::Push, Mode::Pull] {
+        let c = Cluster::start(&spec(mode)).unwrap();
+        let (p, d) = (&c.prefill[0], &c.decode[0]);
+        let src = [1, 2, 3];
+        let dst = [7, 8, 9];
+        c.fill(5, &src);
+        d.kv.clear(&dst);
+        let rx = d.node.receiver(5, &c.target).unwrap();
+        rx.request(ids(&dst)).unwrap();
+        let tx = p.node.sender(5).unwrap();
+        // D gives up before P has its KV (client disconnect on D).
+        rx.abort().unwrap();
+        let phase = rx.wait(Duration::from_secs(5));
+        assert!(matches!(phase, Phase::Failed(_)), "{mode:?}: {phase:?}");
+        // P's KV shows up late: nothing may be written into D's blocks now.
+        let _ = tx.send(ids(&src), true);
+        let p_phase = tx.wait(Duration::from_secs(5));
+        assert!(
+            p_phase.is_terminal() && p_phase != Phase::Success,
+            "{mode:?}: {p_phase:?}"
+        );
+        let s = p.node.stats();
+        assert_eq!(
+            s.ok + s.failed + s.expired,
+            1,
+            "{mode:?}: P released exactly once"
+        );
+        assert_eq!(s.bytes, 0, "{mode:?}: P moved no byte");
+        assert!(
+            d.kv.verify(5, &dst, 0).is_err(),
+            "{mode:?}: D blocks must not hold P's KV"
+        );
+    }
+}
+
+#[test]
+fn prefill_abort_fails_decode_promptly() {
+    let c = Cluster::start(&spec(Mode::Push)).unwrap();
+    let rx = c.decode[0].node.receiver(9, &c.target).unwrap();
+    rx.request(ids(&[1])).unwrap();
+    let tx = c.prefill[0].node.sender(9).unwrap();
+    let t0 = Instant::now();
+    tx.abort().unwrap();
+    let phase = rx.wait(Duration::from_secs(5));
+    assert_eq!(phase, Phase::Failed(FailReason::PeerAborted));
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "abort took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn dead_prefill_fails_requests_fast() {
+    let c = Cluster::start(&spec(Mode::Push)).unwrap();
+    let (p, d) = (&c.prefill[0], &c.decode[0]);
+    // One request proves the pair works.
+    c.fill(1, &[1]);
+    c.start_request(1, &[1], &[1], 0).unwrap();
+    assert_eq!(
+        c.wait_decode(1, Duration::from_secs(5)),
+        vec![Phase::Success]
+    );
+    // P stops; from now on its side channel is silent.
+    p.node.shutdown(Duration::ZERO);
+    let t0 = Instant::now();
+    let rx = d.node.receiver(2, &c.target).unwrap();
+    rx.request(ids(&[2])).unwrap();
+    // Heartbeat detection (3 x 100 ms), far below the 3 s waiting timeout.
+    assert_eq!(
+        rx.wait(Duration::from_secs(5)),
+        Phase::Failed(FailReason::PeerDead)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(1500),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(d.node.dead_peers(), 1);
+    assert!(d.node.stats().peers_marked_dead >= 1);
+    // A new request to the dead peer fails at once instead of waiting.
+    let t0 = Instant::now();
+    let rx = d.node.receiver(3, &c.target).unwrap();
+    rx.request(ids(&[3])).unwrap();
+    assert_eq!(
+        rx.wait(Duration::from_secs(5)),
+        Phase::Failed(FailReason::PeerDead)
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(250),
+        "fail-fast took {:?}",
+        t0.elapsed()
+    );
+    // Its destination blocks are reported as load errors (vLLM API).
+    let errors = d.node.block_ids_with_load_errors();
+    assert!(
+        errors.contains(&BlockId(2)) && errors.contains(&BlockId(3)),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
+    use kvferry::node::proto::{self, Frame};
+    let c = Cluster::start(&spec(Mode::Push)).unwrap();
+    let p = &c.prefill[0];
+    let ctx = zmq::Context::new();
+    let s = ctx.socket(zmq::DEALER).unwrap();
+    s.set_linger(0).unwrap();
+    s.connect(&p.node.side_channel_addr()).unwrap();
+    let mut rng = fastrand::Rng::with_seed(7);
+    let valid = proto::encode(&Frame::Heartbeat { seq: 1 });
+    let mut sent = 0u64;
+    for i in 0..3000 {
+        let frame: Vec<u8> = match i % 4 {
+            // Random bytes.
+            0 => (0..rng.usize(0..200)).map(|_| rng.u8(..)).collect(),
+            // Right magic, wrong version.
+            1 => vec![b'K', b'N', 9, 0, 1, 2, 3],
+            // A valid header with a corrupted body.
+            2 => {
+                let mut v = valid.clone();
+                v.extend((0..rng.usize(1..50)).map(|_| rng.u8(..)));
+                let at = rng.usize(4..v.len());
+                v[at] = rng.u8(..);
+                v
+            }
+            // A well-formed frame from a peer that never said hello.
+            _ => proto::encode(&Frame::Transfer {
+                transfer_id: rng.u64(..),
+                msg: kvferry::machines::common::Msg::LeaseRequest { seq: 1 },
+            }),
+        };
+        // Multi-part frames are junk too.
+        if i % 17 == 0 {
+            s.send(&b"extra"[..], zmq::SNDMORE).unwrap();
+        }
+        s.send(frame, 0).unwrap();
+        sent += 1;
+    }
+    // A normal transfer completes afterwards; the bridge handled the junk
+    // in order before it (ZeroMQ keeps order per connection only, so wait
+    // until the counter moved to be sure junk was seen).
+    c.fill(1, &[1, 2]);
+    c.start_request(1, &[1, 2], &[3, 4], 0).unwrap();
+    assert_eq!(
+        c.wait_decode(1, Duration::from_secs(10)),
+        vec![Phase::Success]
+    );
+    assert_eq!(c.verify(1, &[3, 4], 0), 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.node.stats().bad_frames < sent / 2 && Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    assert!(
+        p.node.stats().bad_frames >= sent / 2,
+        "{:?}",
+        p.node.stats()
+    );
+    // And once more after all the junk was processed.
+    c.fill(2, &[5]);
+    c.start_request(2, &[5], &[6], 0).unwrap();
+    assert_eq!(
+        c.wait_decode(2, Duration::from_secs(10)),
+        vec![Phase::Success]
+    );
+    assert_eq!(c.verify(2, &[6], 0), 0);
+}
+
+#[test]
+fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
+    use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
+    use kvferry::synth::SynthKv;
+    let model = spec(Mode::Push).model;
+    let mut pc = NodeConfig::new(Role::Prefill, "p");
+    pc.timeouts = timeouts();
+    pc.max_peers = 1;
+    let pkv = SynthKv::new(model, 1, 0, 2, 8);
+    let p = Node::start(pc).unwrap();
+    // SAFETY: `p` is shut down at the end, before `pkv` drops.
+    unsafe { p.register_kv_caches(pkv.kv_layout()).unwrap() };
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![p.side_channel_addr()],
+    };
+    for round in 0..3u64 {
+        // A fresh decode rank each round: a new ZeroMQ identity at P.
+        let mut dc = NodeConfig::new(Role::Decode, "d");
+        dc.timeouts = timeouts();
+        let dkv = SynthKv::new(model, 1, 0, 2, 8);
+        let d = Node::start(dc).unwrap();
+        // SAFETY: `d` is shut down below, before `dkv` drops.
+        unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
+        let tid = 100 + round;
+        pkv.fill(tid, &[1], 0);
+        let rx = d.receiver(tid, &target).unwrap();
+        rx.request(ids(&[2])).unwrap();
+        p.sender(tid).unwrap().send(ids(&[1]), true).unwrap();
+        // Round 0 takes the only slot; later rounds reuse it (the previous
+        // decode rank was declared dead at the end of its round).
+        assert_eq!(
+            rx.wait(Duration::from_secs(5)),
+            Phase::Success,
+            "round {round}"
+        );
+        assert!(dkv.verify(tid, &[2], 0).is_ok());
+        d.shutdown(Duration::ZERO);
+        drop(d);
+        drop(dkv);
+        // P notices the silence (3 missed heartbeats) and frees the slot.
+        let t0 = Instant::now();
+        while p.dead_peers() != 1 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "P never declared the decode rank dead"
+            );
+            std::thread::yield_now();
+        }
+    }
+    p.shutdown(Duration::ZERO);
+}

@@ -1,0 +1,349 @@
+//! End-to-end with real processes: `kvferry prefill` / `kvferry decode`
+//! killed with SIGKILL mid-way. Every request must end by its deadline plus
+//! the fence, no byte of a successful request may be wrong, and the
+//! survivors must recover.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
+use kvferry::cli::demo::demo_timeouts;
+use kvferry::machines::common::BlockId;
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::Phase;
+use kvferry::node::{Node, NodeConfig, PrefillTarget, RemoteRequest, Role};
+use kvferry::synth::SynthKv;
+
+const TIMEOUT_MS: u64 = 1000;
+
+/// The model the CLI commands use by default.
+fn model() -> ModelSpec {
+    ModelSpec {
+        layout: LayoutKind::Hnd,
+        total_kv_heads: 8,
+        block_tokens: 16,
+        head_bytes: 128,
+    }
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn prefill(bootstrap: &str, delay_ms: u64) -> Proc {
+    prefill_on(bootstrap, delay_ms, 0)
+}
+
+fn prefill_on(bootstrap: &str, delay_ms: u64, port: u16) -> Proc {
+    let child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "prefill",
+            "--bootstrap",
+            bootstrap,
+            "--timeout-ms",
+            &TIMEOUT_MS.to_string(),
+        ])
+        .args(["--delay-ms", &delay_ms.to_string(), "--blocks", "256"])
+        .args(["--side-channel-port", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvferry prefill");
+    Proc(child)
+}
+
+fn registered_addr(client: &BootstrapClient) -> Option<String> {
+    client
+        .query(Some("prefill"))
+        .ok()?
+        .get(&0)?
+        .addr(0, 0)
+        .map(str::to_string)
+}
+
+fn decode_node() -> (
+    Node,
+    SynthKv,
+    flume::Receiver<(kvferry::machines::TransferId, Phase)>,
+) {
+    let (tx, rx) = flume::unbounded();
+    let mut c = NodeConfig::new(Role::Decode, "decode");
+    c.timeouts = demo_timeouts(TIMEOUT_MS);
+    c.notify = Some(tx);
+    let kv = SynthKv::new(model(), 1, 0, 4, 64);
+    let node = Node::start(c).unwrap();
+    // SAFETY: the test shuts the node down before `kv` drops (see the end of each test).
+    unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
+    (node, kv, rx)
+}
+
+#[test]
+fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let client = BootstrapClient::new(&addr).unwrap();
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    // P answers each request only after 300 ms (its "prefill"), so requests
+    // are in flight when it dies.
+    let mut p = prefill(&addr, 300);
+    client.wait_for_engine("prefill", 1, policy).unwrap();
+    let first_addr = registered_addr(&client).unwrap();
+    let (node, kv, done) = decode_node();
+    let target = PrefillTarget::Bootstrap {
+        addr: addr.clone(),
+        engine_id: "prefill".into(),
+    };
+    let start = |tid: u64| {
+        let blocks: Vec<u32> = vec![(tid % 16) as u32 * 4, (tid % 16) as u32 * 4 + 1];
+        kv.clear(&blocks);
+        let r = node.receiver(tid, &target).unwrap();
+        r.request(vec![blocks.iter().map(|&b| BlockId(b)).collect()])
+            .unwrap();
+        (r, blocks)
+    };
+    // A first request completes and is verified.
+    let (r, blocks) = start(1);
+    assert_eq!(r.wait(Duration::from_secs(10)), Phase::Success);
+    assert!(kv.verify(1, &blocks, 0).is_ok());
+    // Ten more, then P dies while it "computes" them.
+    let live: Vec<_> = (2..12).map(start).collect();
+    let killed_at = Instant::now();
+    p.0.kill().unwrap();
+    let _ = p.0.wait();
+    let t = demo_timeouts(TIMEOUT_MS);
+    let bound = t.waiting_timeout + t.fence() + Duration::from_millis(500);
+    for (r, blocks) in &live {
+        let phase = r.wait(bound + Duration::from_secs(1));
+        assert!(
+            phase.is_terminal(),
+            "request {} still {phase:?}",
+            r.transfer_id()
+        );
+        match phase {
+            Phase::Success => assert!(kv.verify(r.transfer_id(), blocks, 0).is_ok()),
+            Phase::Failed(_) | Phase::Expired => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(
+        killed_at.elapsed() <= bound,
+        "ended after {:?} (bound {bound:?})",
+        killed_at.elapsed()
+    );
+    assert!(
+        node.stats().failed + node.stats().expired >= 1,
+        "some requests were in flight"
+    );
+    // A replacement P registers; decode recovers without restarting.
+    let _p2 = prefill(&addr, 0);
+    let t0 = Instant::now();
+    while registered_addr(&client).as_deref() == Some(first_addr.as_str()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "replacement never registered"
+        );
+        std::thread::yield_now();
+    }
+    let (r, blocks) = start(100);
+    assert_eq!(r.wait(Duration::from_secs(10)), Phase::Success);
+    assert!(kv.verify(100, &blocks, 0).is_ok());
+    drop(done);
+    node.shutdown(Duration::from_millis(50));
+    drop(node);
+    drop(kv);
+}
+
+#[test]
+fn decode_killed_prefill_releases_when_the_lease_runs_out() {
+    let (req_tx, req_rx) = flume::unbounded::<RemoteRequest>();
+    let mut c = NodeConfig::new(Role::Prefill, "prefill");
+    c.serve_bootstrap = Some("127.0.0.1:0".into());
+    c.timeouts = demo_timeouts(TIMEOUT_MS);
+    c.on_remote_request = Some(req_tx);
+    let kv = SynthKv::new(model(), 1, 0, 4, 64);
+    let node = Node::start(c).unwrap();
+    // SAFETY: shut down before `kv` drops, below.
+    unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
+    let addr = node.bootstrap_addr().unwrap();
+    let client = BootstrapClient::new(&addr).unwrap();
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    client.wait_for_engine("prefill", 1, policy).unwrap();
+    let mut d = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args([
+                "decode",
+                "--bootstrap",
+                &addr,
+                "--requests",
+                "1",
+                "--timeout-ms",
+                "20000",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // D's request arrives; P holds blocks for it, then D dies.
+    let req = req_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("decode asked");
+    let tx = node.sender(req.transfer_id).unwrap();
+    d.0.kill().unwrap();
+    let _ = d.0.wait();
+    let killed_at = Instant::now();
+    let blocks: Vec<BlockId> = (0..req.blocks_per_group[0]).map(BlockId).collect();
+    let _ = tx.send(vec![blocks], true);
+    let t = demo_timeouts(TIMEOUT_MS);
+    let phase = tx.wait(t.lease + t.fence() + Duration::from_secs(2));
+    assert!(phase.is_terminal() && phase != Phase::Success, "{phase:?}");
+    assert!(
+        killed_at.elapsed() < t.lease + t.fence() + Duration::from_secs(1),
+        "{:?}",
+        killed_at.elapsed()
+    );
+    let s = node.stats();
+    assert_eq!(s.ok + s.failed + s.expired, 1, "released exactly once");
+    node.shutdown(Duration::from_millis(50));
+    drop(node);
+    drop(kv);
+}
+
+/// Waits (bounded) for a child to exit.
+fn wait_exit(p: &mut Proc, within: Duration) -> Option<std::process::ExitStatus> {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(Some(st)) = p.0.try_wait() {
+            return Some(st);
+        }
+        if t0.elapsed() > within {
+            return None;
+        }
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn prefill_back_on_the_same_address_clears_the_dead_mark() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let client = BootstrapClient::new(&addr).unwrap();
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut p = prefill_on(&addr, 0, port);
+    client.wait_for_engine("prefill", 1, policy).unwrap();
+    let (node, kv, _done) = decode_node();
+    let target = PrefillTarget::Bootstrap {
+        addr: addr.clone(),
+        engine_id: "prefill".into(),
+    };
+    let run = |tid: u64| {
+        let blocks = [tid as u32 % 32];
+        kv.clear(&blocks);
+        let r = node.receiver(tid, &target).unwrap();
+        r.request(vec![vec![BlockId(blocks[0])]]).unwrap();
+        let phase = r.wait(Duration::from_secs(10));
+        (phase, kv.verify(tid, &blocks, 0).is_ok())
+    };
+    assert_eq!(run(1), (Phase::Success, true));
+    p.0.kill().unwrap();
+    let _ = p.0.wait();
+    // The next request finds P silent: it fails once P is declared dead.
+    assert!(matches!(run(2).0, Phase::Failed(_)));
+    assert_eq!(node.dead_peers(), 1);
+    // P comes back on the same side-channel address: the probe (a hello
+    // every heartbeat) is answered and the mark is cleared.
+    let _p2 = prefill_on(&addr, 0, port);
+    let t0 = Instant::now();
+    while node.dead_peers() != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "dead mark never cleared"
+        );
+        std::thread::yield_now();
+    }
+    assert_eq!(run(3), (Phase::Success, true));
+    node.shutdown(Duration::from_millis(50));
+    drop(node);
+    drop(kv);
+}
+
+#[test]
+fn prefill_process_stops_cleanly_on_sigterm_and_decode_never_hangs() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    // Decode with no prefill engine at all: every request expires by its
+    // deadline and the command exits with a summary.
+    let t0 = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "decode",
+            "--bootstrap",
+            &addr,
+            "--requests",
+            "3",
+            "--timeout-ms",
+            "400",
+            "--json",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["requests"], 3);
+    assert_eq!(summary["ok"], 0);
+    assert_eq!(
+        summary["failed"].as_u64().unwrap() + summary["expired"].as_u64().unwrap(),
+        3
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // A prefill process serves, then stops cleanly on SIGTERM.
+    let client = BootstrapClient::new(&addr).unwrap();
+    let mut p = prefill(&addr, 0);
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    client.wait_for_engine("prefill", 1, policy).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "decode",
+            "--bootstrap",
+            &addr,
+            "--requests",
+            "20",
+            "--timeout-ms",
+            "2000",
+            "--json",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["ok"], 20, "{summary}");
+    assert_eq!(summary["verify_errors"], 0);
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(p.0.id() as i32, libc::SIGTERM) };
+    let status = wait_exit(&mut p, Duration::from_secs(10)).expect("prefill exits after SIGTERM");
+    assert!(status.success(), "{status:?}");
+}
