@@ -1,0 +1,107 @@
+//! Simulated control network: per-message delay (hence reordering), drop,
+//! duplication and a long tail, plus partitions that cut node sets apart.
+//! Messages travel as bytes in the real encoding (`postcard`).
+
+use serde::{Deserialize, Serialize};
+
+use kvferry_machines::common::{Msg, PeerId};
+use kvferry_machines::TransferId;
+
+use super::rng::Rng;
+use super::scenario::{NetParams, T};
+
+/// What the node's wire envelope carries around a machine message: the
+/// transfer and the sender's rank (which becomes the receiver's `PeerId`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope {
+    pub transfer: TransferId,
+    pub from: PeerId,
+    pub msg: Msg,
+}
+
+pub fn encode(env: &Envelope) -> Vec<u8> {
+    postcard::to_allocvec(env).expect("postcard encodes every envelope")
+}
+
+pub fn decode(bytes: &[u8]) -> Result<Envelope, postcard::Error> {
+    postcard::from_bytes(bytes)
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct NetStats {
+    pub sent: u64,
+    pub dropped: u64,
+    pub duplicated: u64,
+    pub cut: u64,
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Network {
+    params: NetParams,
+    /// Side masks of the partitions in force.
+    active: Vec<(usize, u64)>,
+    pub stats: NetStats,
+}
+
+impl Network {
+    pub fn new(params: NetParams) -> Self {
+        Network {
+            params,
+            active: Vec::new(),
+            stats: NetStats::default(),
+        }
+    }
+
+    pub fn partition(&mut self, id: usize, side_mask: u64) {
+        self.active.push((id, side_mask));
+    }
+
+    pub fn heal(&mut self, id: usize) {
+        self.active.retain(|(i, _)| *i != id);
+    }
+
+    pub fn is_active(&self, id: usize) -> bool {
+        self.active.iter().any(|(i, _)| *i == id)
+    }
+
+    /// True when a partition in force separates `a` and `b`.
+    pub fn blocked(&self, a: usize, b: usize) -> bool {
+        self.active
+            .iter()
+            .any(|(_, m)| (m >> a) & 1 != (m >> b) & 1)
+    }
+
+    /// Delivery delays of one message sent now from `from` to `to`: none
+    /// (lost), one, or two (duplicated). Every copy has its own delay, so
+    /// copies and later messages overtake each other.
+    pub fn plan(&mut self, rng: &mut Rng, from: usize, to: usize, len: usize) -> Vec<T> {
+        self.stats.sent += 1;
+        self.stats.bytes += len as u64;
+        if self.blocked(from, to) {
+            self.stats.cut += 1;
+            return Vec::new();
+        }
+        if rng.chance(self.params.drop_ppm) {
+            self.stats.dropped += 1;
+            return Vec::new();
+        }
+        let mut out = vec![self.delay(rng)];
+        if rng.chance(self.params.dup_ppm) {
+            self.stats.duplicated += 1;
+            out.push(self.delay(rng));
+        }
+        out
+    }
+
+    fn delay(&self, rng: &mut Rng) -> T {
+        if rng.chance(self.params.tail_ppm) {
+            rng.range(
+                self.params.delay_max,
+                self.params.delay_max + self.params.tail_max,
+            )
+        } else {
+            rng.range(self.params.delay_min, self.params.delay_max)
+        }
+    }
+}
