@@ -136,3 +136,24 @@ fn sim_teeth_transport_bound() {
     );
     println!("late touches caught at seed {seed}: {v}");
 }
+
+#[test]
+fn sim_teeth_clock_drift() {
+    // Clocks that drift ten times more than `fence_margin` covers let a
+    // toucher's lease (on its slow clock) outlast the granter's fence (on
+    // its fast clock): the margin is what keeps leases safe under drift.
+    let switches = Switches {
+        excess_drift: true,
+        ..Switches::default()
+    };
+    let (seed, v) = find_violation(
+        switches,
+        &[
+            Kind::ReadAfterRelease,
+            Kind::WriteAfterRelease,
+            Kind::ReleasedInFlight,
+        ],
+        2000,
+    );
+    println!("excess clock drift caught at seed {seed}: {v}");
+}

@@ -10,6 +10,7 @@ use std::time::Duration;
 use kvferry_machines::common::{Config, Mode};
 use kvferry_machines::{AbortReason, TransferId};
 
+use super::checker::us;
 use super::rng::Rng;
 
 /// Simulated time: microseconds since the start of the run.
@@ -33,6 +34,8 @@ pub struct Switches {
     pub disable_fence: bool,
     /// Sets `Config::unsafe_ignore_in_flight` in every machine.
     pub ignore_in_flight: bool,
+    /// Clocks drift ten times more than `fence_margin` covers.
+    pub excess_drift: bool,
 }
 
 /// Faults of the control network, per message.
@@ -160,6 +163,8 @@ pub struct Scenario {
     pub switches: Switches,
     /// No faults at all: every request should succeed.
     pub calm: bool,
+    /// Per node: how fast its clock runs, in parts per million (negative: slow).
+    pub drift_ppm: Vec<i64>,
 }
 
 impl Scenario {
@@ -268,6 +273,26 @@ impl Scenario {
                 });
             }
         }
+        // Clock-rate drift. With the toucher's clock slow by `r` and the
+        // granter's fast by `r`, the toucher's last touch (lease plus bound
+        // on its clock) must come before the granter's fence ends (lease,
+        // margin and bound on its clock): `(l + b)(1 + r) <= (l + b + m)(1 - r)`,
+        // so `r <= m / (2(l + b) + m)`. Keep within that, or go ten times
+        // past it for the self-test.
+        let exposure = us(cfg.lease + cfg.transfer_bound) as i64;
+        let margin = us(cfg.fence_margin) as i64;
+        let covered = margin * 1_000_000 / (2 * exposure + margin);
+        let max_drift = if switches.excess_drift {
+            // Capped so that every clock still runs forward.
+            (10 * covered.max(5_000)).min(500_000)
+        } else if calm {
+            0
+        } else {
+            covered
+        };
+        let drift_ppm = (0..nodes)
+            .map(|_| rng.range(0, 2 * max_drift as u64) as i64 - max_drift)
+            .collect();
         Scenario {
             seed,
             cfg,
@@ -283,6 +308,7 @@ impl Scenario {
             partitions,
             switches,
             calm,
+            drift_ppm,
         }
     }
 }

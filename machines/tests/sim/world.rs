@@ -341,11 +341,32 @@ impl<'a> World<'a> {
         }
     }
 
-    fn instant(&self, t: T) -> Instant {
-        self.base + Duration::from_micros(t)
+    /// `node`'s clock at real time `t`: it runs `drift_ppm` fast or slow.
+    fn local(&self, node: usize, t: T) -> T {
+        let d = self.sc.drift_ppm[node] as i128;
+        (t as i128 + t as i128 * d / 1_000_000) as T
     }
 
-    fn to_t(&self, i: Instant) -> T {
+    /// The earliest real time at which `node`'s clock reads `local` or later.
+    fn real(&self, node: usize, local: T) -> T {
+        let d = self.sc.drift_ppm[node] as i128;
+        let mut t = (local as i128 * 1_000_000 / (1_000_000 + d)) as T;
+        while self.local(node, t) < local {
+            t += 1;
+        }
+        while t > 0 && self.local(node, t - 1) >= local {
+            t -= 1;
+        }
+        t
+    }
+
+    /// What `node`'s machines are told the time is at real time `t`.
+    fn instant(&self, node: usize, t: T) -> Instant {
+        self.base + Duration::from_micros(self.local(node, t))
+    }
+
+    /// A machine's deadline on `node`'s clock, in `node`'s local microseconds.
+    fn local_of(&self, i: Instant) -> T {
         i.saturating_duration_since(self.base)
             .as_nanos()
             .div_ceil(1_000) as T
@@ -590,12 +611,13 @@ impl<'a> World<'a> {
         )
     }
 
-    fn new_slot(&self, req: usize, rank: usize, m: Kind2, blocks: BlockLists) -> Slot {
+    fn new_slot(&self, node: usize, req: usize, rank: usize, m: Kind2, blocks: BlockLists) -> Slot {
+        let now = self.local(node, self.now);
         Slot {
             req,
             rank,
             m,
-            created: self.now,
+            created: now,
             released: None,
             armed: None,
             in_flight: BTreeSet::new(),
@@ -603,7 +625,7 @@ impl<'a> World<'a> {
             grants: BTreeMap::new(),
             delivered: BTreeSet::new(),
             resolved: None,
-            last_progress: self.now,
+            last_progress: now,
         }
     }
 
@@ -623,8 +645,8 @@ impl<'a> World<'a> {
             return;
         };
         self.stats.machines += 1;
-        let m = SendMachine::new(self.instant(self.now), &self.cfg, tid, spec.mode);
-        let slot = self.new_slot(req, rank, Kind2::P(m), blocks);
+        let m = SendMachine::new(self.instant(node, self.now), &self.cfg, tid, spec.mode);
+        let slot = self.new_slot(node, req, rank, Kind2::P(m), blocks);
         self.nodes[node].machines.insert(tid, slot);
         self.ranks_p[req][rank] = RankRt::Live(self.nodes[node].epoch);
         self.log(|| format!("P node {node} creates {tid:?} ({:?})", spec.mode));
@@ -659,7 +681,7 @@ impl<'a> World<'a> {
             return;
         };
         let m = match RecvMachine::new(
-            self.instant(self.now),
+            self.instant(node, self.now),
             &self.cfg,
             tid,
             spec.mode,
@@ -676,7 +698,7 @@ impl<'a> World<'a> {
             }
         };
         self.stats.machines += 1;
-        let slot = self.new_slot(req, rank, Kind2::D(m), blocks);
+        let slot = self.new_slot(node, req, rank, Kind2::D(m), blocks);
         self.nodes[node].machines.insert(tid, slot);
         self.ranks_d[req][rank] = RankRt::Live(self.nodes[node].epoch);
         self.log(|| format!("D node {node} creates {tid:?} ({:?})", spec.mode));
@@ -697,8 +719,9 @@ impl<'a> World<'a> {
                 receivers_expected: spec.receivers_expected(i),
             })
             .collect();
+        let local = self.local(node, self.now);
         if let Some(s) = self.nodes[node].machines.get_mut(&spec.id) {
-            s.resolved = Some(self.now);
+            s.resolved = Some(local);
         }
         self.drive(
             node,
@@ -767,9 +790,9 @@ impl<'a> World<'a> {
         if self.nodes[to].machines.contains_key(&tid) {
             if !self.is_p(to) {
                 if let Msg::Status { .. } | Msg::Ready { .. } = env.msg {
-                    let now = self.now;
+                    let local = self.local(to, self.now);
                     if let Some(s) = self.nodes[to].machines.get_mut(&tid) {
-                        s.last_progress = now;
+                        s.last_progress = local;
                     }
                 }
             }
@@ -808,7 +831,7 @@ impl<'a> World<'a> {
     /// Feeds one input to a machine, drains and executes its actions, checks
     /// the per-step invariants and re-arms its timer.
     fn drive(&mut self, node: usize, tid: TransferId, input: Input) {
-        let at = self.instant(self.now);
+        let at = self.instant(node, self.now);
         let is_timeout = matches!(input, Input::Timeout);
         if self.trace.is_some() {
             let what = match &input {
@@ -889,7 +912,7 @@ impl<'a> World<'a> {
         }
         if after_timeout {
             if let Some(t) = next {
-                if self.to_t(t) <= now {
+                if self.local_of(t) <= self.local(node, now) {
                     self.fail(
                         Kind::TimerStuck,
                         format!("node {node} {tid:?}: poll_timeout not after now"),
@@ -914,7 +937,7 @@ impl<'a> World<'a> {
         let Some(next) = next else {
             return;
         };
-        let t = self.to_t(next);
+        let t = self.real(node, self.local_of(next));
         let armed = slot.armed;
         if armed.is_none_or(|a| t < a || a < now) {
             if let Some(s) = self.nodes[node].machines.get_mut(&tid) {
@@ -965,7 +988,8 @@ impl<'a> World<'a> {
         match act {
             Act::P(send::Action::Send { peer, msg }) | Act::D(recv::Action::Send { peer, msg }) => {
                 if let Msg::LeaseGrant { duration_ms, .. } = msg {
-                    let until = now + duration_ms * 1_000;
+                    // The granter counts the lease on its own clock.
+                    let until = self.real(node, self.local(node, now) + duration_ms * 1_000);
                     if let Some(s) = self.nodes[node].machines.get_mut(&tid) {
                         let g = s.grants.entry(peer.0 as usize).or_insert(0);
                         *g = (*g).max(until);
@@ -1104,7 +1128,17 @@ impl<'a> World<'a> {
         let granter = self.nodes[remote].machines.get(&tid);
         if let Some(g) = granter {
             let until = g.grants.get(&initiator).copied();
-            if until.is_none_or(|u| now >= u) {
+            // Drifting clocks may stretch the toucher's lease past the
+            // granter's by up to the fence margin, which the fence absorbs.
+            let slack = if self.sc.drift_ppm.iter().all(|&d| d == 0) {
+                0
+            } else {
+                us(self.cfg.fence_margin)
+            };
+            // The drift self-test turns this check off, to show that the
+            // memory itself catches what the drift breaks.
+            let late = until.is_none_or(|u| now >= u + slack);
+            if late && !self.sc.switches.excess_drift {
                 self.fail(
                     Kind::NoLease,
                     format!("node {initiator} posts {kind:?} of {tid:?} chunk {chunk} at {now} but node {remote} granted until {until:?}"),
@@ -1162,8 +1196,15 @@ impl<'a> World<'a> {
                 }
             }
         }
-        let p_epoch = self.nodes[p_node].epoch;
-        let d_epoch = self.nodes[d_node].epoch;
+        // A transfer addresses the memory a rank registered for this
+        // request. After a crash that registration is gone: nothing lands
+        // in the restarted node's memory (an epoch no node ever reaches).
+        let epoch_of = |rt: RankRt| match rt {
+            RankRt::Live(e) => e,
+            RankRt::NotYet | RankRt::Lost => u32::MAX,
+        };
+        let p_epoch = epoch_of(self.ranks_p[req][p_rank]);
+        let d_epoch = epoch_of(self.ranks_d[req][d_rank]);
         // Starting a transfer on released blocks is caught here; the touch
         // events catch the ones that land late.
         for &(g, s, d, _) in &pairs {
@@ -1185,8 +1226,20 @@ impl<'a> World<'a> {
         let id = self.next_op;
         self.next_op += 1;
         self.stats.ops += 1;
-        let bound = us(self.cfg.transfer_bound);
-        let reachable = self.nodes[remote].up && !self.net.blocked(p_node, d_node);
+        // The transport contract holds on the initiator's clock: its own
+        // timeout is what stops a transfer.
+        let bound_end = self.real(
+            initiator,
+            self.local(initiator, now) + us(self.cfg.transfer_bound),
+        );
+        let bound = bound_end - now;
+        let remote_epoch = match kind {
+            OpKind::Write => d_epoch,
+            OpKind::Read => p_epoch,
+        };
+        let reachable = self.nodes[remote].up
+            && self.nodes[remote].epoch == remote_epoch
+            && !self.net.blocked(p_node, d_node);
         let hang =
             (!reachable && self.rng.below(2) == 0) || self.rng.chance(self.sc.transport.hang_ppm);
         let (complete_at, ok) = if hang {
@@ -1368,6 +1421,7 @@ impl<'a> World<'a> {
             return;
         }
         let now = self.now;
+        let local = self.local(init, now);
         let Some(s) = self.nodes[init].machines.get_mut(&rec.tid) else {
             return;
         };
@@ -1380,7 +1434,7 @@ impl<'a> World<'a> {
                 ok,
             }),
             OpKind::Read => {
-                s.last_progress = now;
+                s.last_progress = local;
                 Input::D(recv::Event::ReadDone {
                     peer,
                     chunk: rec.chunk,
@@ -1418,16 +1472,20 @@ impl<'a> World<'a> {
         let spec = self.spec(req);
         let side = if is_p { "P" } else { "D" };
 
-        // Liveness: by the deadline the documented timers imply.
+        // Liveness: by the deadline the documented timers imply, on the
+        // node's own clock.
+        let local = self.local(node, now);
         let bound = if is_p {
             checker::p_bound(&cfg, created)
         } else {
             checker::d_bound(&cfg, created, resolved, last_progress)
         };
-        if now > bound {
+        if local > bound {
             self.fail(
                 Kind::Liveness,
-                format!("{side} node {node} {tid:?} released at {now}, after its bound {bound}"),
+                format!(
+                    "{side} node {node} {tid:?} released at local {local}, after its bound {bound}"
+                ),
             );
             return;
         }
