@@ -1,6 +1,6 @@
 //! Deterministic simulation of the transfer protocol (see `sim/mod.rs`).
 //!
-//! * `sim_campaign` runs `KVFERRY_SIM_SEEDS` seeds (default 2000) starting at
+//! * `sim_campaign` runs `KVFERRY_SIM_SEEDS` seeds (default 3000) starting at
 //!   `KVFERRY_SIM_SEED_START` (default 0) and fails with the seed, the
 //!   violated invariant, the replay command and the event trace.
 //! * `sim_replay` replays `KVFERRY_SIM_SEED` with its trace, or, without it,
@@ -19,7 +19,7 @@ use sim::scenario::Switches;
 
 #[test]
 fn sim_campaign() {
-    let seeds = sim::env_u64("KVFERRY_SIM_SEEDS", 2000);
+    let seeds = sim::env_u64("KVFERRY_SIM_SEEDS", 3000);
     let start = sim::env_u64("KVFERRY_SIM_SEED_START", 0);
     let began = Instant::now();
     let mut total = Stats::default();
@@ -60,6 +60,7 @@ fn sim_campaign() {
             ("messages buffered before creation", total.buffered),
             ("pull requests", total.pull),
             ("push requests", total.push),
+            ("releases through the fence", total.fenced),
         ];
         for (what, n) in checks {
             assert!(n > 0, "the campaign never produced {what}:\n{total}");

@@ -71,7 +71,7 @@ impl fmt::Display for Violation {
 }
 
 /// Counters of one run, summed over a campaign.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Stats {
     pub runs: u64,
     pub calm_runs: u64,
@@ -102,6 +102,48 @@ pub struct Stats {
     pub plan_failures: u64,
     pub buffered: u64,
     pub sim_us: u64,
+    /// Failed granters that released only after a lease ran out (the fence path).
+    pub fenced: u64,
+    /// Closest a release came to its liveness bound, in µs.
+    pub min_slack_us: u64,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            runs: 0,
+            calm_runs: 0,
+            steps: 0,
+            requests: 0,
+            push: 0,
+            pull: 0,
+            machines: 0,
+            rejected_ranks: 0,
+            p_success: 0,
+            p_failed: 0,
+            d_received: 0,
+            d_failed: 0,
+            expired: 0,
+            messages: 0,
+            dropped: 0,
+            duplicated: 0,
+            cut: 0,
+            ops: 0,
+            ops_failed: 0,
+            ops_hung: 0,
+            touches: 0,
+            late_drops: 0,
+            crashes: 0,
+            partitions: 0,
+            peer_dead: 0,
+            aborts: 0,
+            plan_failures: 0,
+            buffered: 0,
+            sim_us: 0,
+            fenced: 0,
+            min_slack_us: u64::MAX,
+        }
+    }
 }
 
 impl Stats {
@@ -135,6 +177,8 @@ impl Stats {
         self.plan_failures += o.plan_failures;
         self.buffered += o.buffered;
         self.sim_us += o.sim_us;
+        self.fenced += o.fenced;
+        self.min_slack_us = self.min_slack_us.min(o.min_slack_us);
     }
 }
 
@@ -157,6 +201,11 @@ impl fmt::Display for Stats {
             f,
             "P released: {} success, {} failed/expired; D reported: {} received, {} load-failed; expired {}",
             self.p_success, self.p_failed, self.d_received, self.d_failed, self.expired
+        )?;
+        writeln!(
+            f,
+            "granters that waited out a lease (fence) {}, closest release to its liveness bound {} µs",
+            self.fenced, self.min_slack_us
         )?;
         writeln!(
             f,

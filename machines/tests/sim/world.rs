@@ -186,6 +186,8 @@ struct Slot {
     /// Granter: end of the latest grant to each toucher node, counted
     /// from when this machine sent it.
     grants: BTreeMap<usize, T>,
+    /// Granter: touchers whose lease-returning message arrived.
+    returned: BTreeSet<usize>,
     /// `(peer rank, group, D position)` delivered by a transfer that completed ok.
     delivered: BTreeSet<(usize, usize, u32)>,
     resolved: Option<T>,
@@ -623,6 +625,7 @@ impl<'a> World<'a> {
             in_flight: BTreeSet::new(),
             blocks,
             grants: BTreeMap::new(),
+            returned: BTreeSet::new(),
             delivered: BTreeSet::new(),
             resolved: None,
             last_progress: now,
@@ -796,6 +799,11 @@ impl<'a> World<'a> {
                     }
                 }
             }
+            if let Msg::Status { .. } | Msg::Done { .. } | Msg::Abort | Msg::AbortAck = env.msg {
+                if let Some(s) = self.nodes[to].machines.get_mut(&tid) {
+                    s.returned.insert(env.from.0 as usize);
+                }
+            }
             let input = if self.is_p(to) {
                 Input::P(send::Event::Msg {
                     peer: env.from,
@@ -877,6 +885,30 @@ impl<'a> World<'a> {
             self.fail(
                 Kind::Refused,
                 format!("node {node} {tid:?} refused honest input: {e}"),
+            );
+            return;
+        }
+        // Bounded output: one input never produces more than a few actions
+        // per peer and chunk (announce or post every chunk, plus the
+        // lease, status and abort messages).
+        let (req, rank) = match self.nodes[node].machines.get(&tid) {
+            Some(s) => (s.req, s.rank),
+            None => return,
+        };
+        let spec = self.spec(req);
+        let peers = if self.is_p(node) {
+            spec.d_ranks_of(rank).len()
+        } else {
+            spec.pairs[rank].len()
+        };
+        let limit = 4 + 2 * peers * (spec.chunks.len() + 2);
+        if acts.len() > limit {
+            self.fail(
+                Kind::Unbounded,
+                format!(
+                    "node {node} {tid:?}: one input produced {} actions (limit {limit})",
+                    acts.len()
+                ),
             );
             return;
         }
@@ -1469,6 +1501,10 @@ impl<'a> World<'a> {
         );
         let blocks = slot.blocks.clone();
         let delivered = std::mem::take(&mut slot.delivered);
+        // A granter that gave up while a toucher still held its lease and
+        // never returned it: the release had to wait for the fence.
+        let fenced =
+            outcome != Phase::Success && slot.grants.keys().any(|p| !slot.returned.contains(p));
         let spec = self.spec(req);
         let side = if is_p { "P" } else { "D" };
 
@@ -1547,6 +1583,8 @@ impl<'a> World<'a> {
                 }
             }
         }
+        self.stats.fenced += fenced as u64;
+        self.stats.min_slack_us = self.stats.min_slack_us.min(bound - local);
         match outcome {
             Phase::Success if is_p => self.stats.p_success += 1,
             Phase::Success => self.stats.d_received += 1,
