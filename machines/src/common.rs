@@ -10,13 +10,20 @@ use std::time::{Duration, Instant};
 pub struct TransferId(pub u64);
 
 /// What `poll()` reports for a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// A machine turns terminal in the same call that queues its release
+/// (`ReleaseBlocks` on P, `Received`/`LoadFailed` on D), never earlier: an
+/// engine that frees a request's blocks when it sees a terminal phase is
+/// safe. A request whose outcome is decided but whose blocks may still be
+/// touched (in-flight transfers, a lease not yet returned or fenced) keeps
+/// reporting `Transferring`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Phase {
     /// Peer not known yet.
     Bootstrapping,
     /// Peer known, waiting for the KV (P) or for the data (D).
     WaitingForInput,
-    /// Descriptors in flight.
+    /// Transfers in flight, or the end of a failed request being fenced.
     Transferring,
     /// All paired peers confirmed.
     Success,
@@ -42,15 +49,16 @@ impl Phase {
 pub enum FailReason {
     /// The data plane reported an error for one of our batches.
     Transport,
-    /// The peer reported a failure in its `Status`.
+    /// The peer reported a failure (`Status{ok: false}` or `Done{ok: false}`).
     PeerReported,
-    /// The peer missed its heartbeats or its connection dropped.
+    /// The driver declared the peer dead (missed heartbeats, connection dropped).
     PeerDead,
     /// The peer aborted the transfer.
     PeerAborted,
     /// The request was aborted locally.
     Aborted(AbortReason),
-    /// Layouts or block lists do not fit together (planner rejected them).
+    /// Layouts or block lists do not fit together (the planner rejected
+    /// them, or P has more blocks than D's destination list can take).
     BadMetadata,
 }
 
@@ -163,6 +171,31 @@ impl Default for Config {
 }
 
 impl Config {
+    /// Checks the settings once, when the node starts (machines trust a
+    /// config they are given). A lease no longer than the heartbeat interval
+    /// would lapse between renewals and stall every transfer; a zero bound
+    /// would refuse every request.
+    pub fn validate(&self) -> Result<(), InputError> {
+        if self.lease <= self.heartbeat_interval {
+            return Err(InputError::Misuse(
+                "lease must be longer than heartbeat_interval",
+            ));
+        }
+        if self.max_peers == 0
+            || self.max_chunks == 0
+            || self.max_in_flight == 0
+            || self.max_groups == 0
+            || self.max_blocks_per_group == 0
+            || self.max_lease_requests == 0
+        {
+            return Err(InputError::Misuse("every max_* bound must be at least 1"));
+        }
+        if self.max_chunks > u32::MAX as usize || self.max_blocks_per_group > u32::MAX as usize {
+            return Err(InputError::Misuse("chunk and block bounds must fit in u32"));
+        }
+        Ok(())
+    }
+
     /// How long a granter waits after a lease ran out before it reuses its
     /// blocks: every transfer started under the lease has ended by then.
     pub fn fence(&self) -> Duration {
@@ -403,7 +436,12 @@ pub(crate) struct Drain {
 impl Drain {
     /// Drops expired ops, sends the returns that are due and tells whether
     /// the blocks are free.
-    pub(crate) fn advance(&mut self, now: Instant, fence: Duration, out: &mut VecDeque<(PeerId, Msg)>) -> bool {
+    pub(crate) fn advance(
+        &mut self,
+        now: Instant,
+        fence: Duration,
+        out: &mut VecDeque<(PeerId, Msg)>,
+    ) -> bool {
         self.ops.retain(|op| now < op.deadline);
         let ops = &self.ops;
         let mut i = 0;
@@ -422,7 +460,11 @@ impl Drain {
 
     /// A completion for an op; unknown ones are late and absorbed.
     pub(crate) fn handle_completion(&mut self, peer: PeerId, chunk: u32) {
-        if let Some(i) = self.ops.iter().position(|op| op.peer == peer && op.chunk == chunk) {
+        if let Some(i) = self
+            .ops
+            .iter()
+            .position(|op| op.peer == peer && op.chunk == chunk)
+        {
             self.ops.swap_remove(i);
         }
     }

@@ -27,8 +27,9 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::common::{
-    after, align_chunk, check_lists, earliest, is_empty_lists, AbortReason, BlockId, BlockLists, Config, Drain,
-    FailReason, GrantLease, InputError, Mode, Msg, Op, PeerId, Phase, TouchLease, TransferId,
+    after, align_chunk, check_lists, earliest, is_empty_lists, AbortReason, BlockId, BlockLists,
+    Config, Drain, FailReason, GrantLease, InputError, Mode, Msg, Op, PeerId, Phase, TouchLease,
+    TransferId,
 };
 use crate::Machine;
 
@@ -176,10 +177,14 @@ impl RecvMachine {
         prefix_blocks: Vec<u32>,
     ) -> Result<Self, InputError> {
         if !check_lists(&dst_blocks, config) {
-            return Err(InputError::Misuse("destination block list over the configured bounds"));
+            return Err(InputError::Misuse(
+                "destination block list over the configured bounds",
+            ));
         }
         if prefix_blocks.len() != dst_blocks.len() {
-            return Err(InputError::Misuse("prefix_blocks and dst_blocks differ in group count"));
+            return Err(InputError::Misuse(
+                "prefix_blocks and dst_blocks differ in group count",
+            ));
         }
         Ok(RecvMachine {
             cfg: *config,
@@ -187,7 +192,9 @@ impl RecvMachine {
             mode,
             dst_blocks,
             prefix_blocks,
-            state: State::Bootstrapping { deadline: after(now, config.bootstrap_timeout) },
+            state: State::Bootstrapping {
+                deadline: after(now, config.bootstrap_timeout),
+            },
             actions: VecDeque::new(),
         })
     }
@@ -212,7 +219,11 @@ impl RecvMachine {
         self.actions.push_back(Action::Send { peer, msg });
     }
 
-    fn handle_resolved(&mut self, now: Instant, peers: Vec<ResolvedPeer>) -> Result<(), InputError> {
+    fn handle_resolved(
+        &mut self,
+        now: Instant,
+        peers: Vec<ResolvedPeer>,
+    ) -> Result<(), InputError> {
         match self.state {
             State::Bootstrapping { .. } => {}
             State::Active(_) => return Err(InputError::Misuse("peers resolved twice")),
@@ -236,11 +247,25 @@ impl RecvMachine {
         };
         for rp in peers {
             let (role, lease_seq) = match self.mode {
-                Mode::Push => (Role::Granter { lease: GrantLease::new(), finished: false }, None),
+                Mode::Push => (
+                    Role::Granter {
+                        lease: GrantLease::new(),
+                        finished: false,
+                    },
+                    None,
+                ),
                 Mode::Pull => {
                     let mut lease = TouchLease::new();
                     let seq = lease.request(now, &self.cfg);
-                    (Role::Toucher { lease, chunks: Vec::new(), last: None, finished: false }, Some(seq))
+                    (
+                        Role::Toucher {
+                            lease,
+                            chunks: Vec::new(),
+                            last: None,
+                            finished: false,
+                        },
+                        Some(seq),
+                    )
                 }
             };
             self.actions.push_back(Action::Send {
@@ -266,8 +291,14 @@ impl RecvMachine {
         match event {
             Event::PeersResolved { .. } => Err(InputError::Misuse("peers resolved twice")),
             Event::ReadDone { peer, chunk, ok } => {
-                let Some(i) = active.ops.iter().position(|op| op.peer == peer && op.chunk == chunk) else {
-                    return Err(InputError::Misuse("completion of a read that is not in flight"));
+                let Some(i) = active
+                    .ops
+                    .iter()
+                    .position(|op| op.peer == peer && op.chunk == chunk)
+                else {
+                    return Err(InputError::Misuse(
+                        "completion of a read that is not in flight",
+                    ));
                 };
                 active.ops.swap_remove(i);
                 if !ok {
@@ -286,7 +317,11 @@ impl RecvMachine {
                 Ok(())
             }
             Event::PeerDead { peer } => {
-                if active.peers.iter().any(|p| p.id == peer && !p.is_finished()) {
+                if active
+                    .peers
+                    .iter()
+                    .any(|p| p.id == peer && !p.is_finished())
+                {
                     self.end(now, End::Fail(FailReason::PeerDead));
                 }
                 Ok(())
@@ -299,7 +334,9 @@ impl RecvMachine {
             }
             Event::Msg { peer, msg } => {
                 let Some(i) = active.peers.iter().position(|p| p.id == peer) else {
-                    return Err(InputError::Peer("message from a P rank not paired with this transfer"));
+                    return Err(InputError::Peer(
+                        "message from a P rank not paired with this transfer",
+                    ));
                 };
                 let p = &mut active.peers[i];
                 match msg {
@@ -336,20 +373,39 @@ impl RecvMachine {
                         }
                         Role::Granter { .. } => Err(InputError::Peer("lease grant in push mode")),
                     },
-                    Msg::Ready { chunk, start_blocks, src_blocks, is_last } => {
-                        let Role::Toucher { chunks, last, finished, .. } = &mut p.role else {
+                    Msg::Ready {
+                        chunk,
+                        start_blocks,
+                        src_blocks,
+                        is_last,
+                    } => {
+                        let Role::Toucher {
+                            chunks,
+                            last,
+                            finished,
+                            ..
+                        } = &mut p.role
+                        else {
                             return Err(InputError::Peer("Ready in push mode"));
                         };
                         let idx = chunk as usize;
                         if idx >= cfg.max_chunks {
                             return Err(InputError::Peer("chunk index over max_chunks"));
                         }
-                        if !check_lists(&src_blocks, &cfg) || start_blocks.len() != src_blocks.len() {
-                            return Err(InputError::Peer("source block list malformed or over bounds"));
+                        if !check_lists(&src_blocks, &cfg) || start_blocks.len() != src_blocks.len()
+                        {
+                            return Err(InputError::Peer(
+                                "source block list malformed or over bounds",
+                            ));
                         }
                         if let Some(Some(c)) = chunks.get(idx) {
-                            if c.start_blocks != start_blocks || c.src_blocks != src_blocks || (*last == Some(chunk)) != is_last {
-                                return Err(InputError::Peer("chunk announced twice with other content"));
+                            if c.start_blocks != start_blocks
+                                || c.src_blocks != src_blocks
+                                || (*last == Some(chunk)) != is_last
+                            {
+                                return Err(InputError::Peer(
+                                    "chunk announced twice with other content",
+                                ));
                             }
                             return Ok(());
                         }
@@ -365,7 +421,11 @@ impl RecvMachine {
                         if chunks.len() <= idx {
                             chunks.resize(idx + 1, None);
                         }
-                        chunks[idx] = Some(RemoteChunk { start_blocks, src_blocks, state: ReadState::Pending });
+                        chunks[idx] = Some(RemoteChunk {
+                            start_blocks,
+                            src_blocks,
+                            state: ReadState::Pending,
+                        });
                         if is_last {
                             *last = Some(chunk);
                         }
@@ -378,7 +438,9 @@ impl RecvMachine {
                         Ok(())
                     }
                     Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
-                    Msg::Pull { .. } | Msg::Done { .. } => Err(InputError::Peer("message D never receives")),
+                    Msg::Pull { .. } | Msg::Done { .. } => {
+                        Err(InputError::Peer("message D never receives"))
+                    }
                 }
             }
         }
@@ -393,7 +455,13 @@ impl RecvMachine {
         };
         let mut bad_metadata = false;
         for p in &mut active.peers {
-            let Role::Toucher { lease, chunks, last, finished } = &mut p.role else {
+            let Role::Toucher {
+                lease,
+                chunks,
+                last,
+                finished,
+            } = &mut p.role
+            else {
                 continue;
             };
             if *finished {
@@ -408,7 +476,12 @@ impl RecvMachine {
                 if !lease.is_live(now) {
                     break;
                 }
-                let Some((src, dst)) = align_chunk(&c.start_blocks, &c.src_blocks, &self.dst_blocks, &self.prefix_blocks) else {
+                let Some((src, dst)) = align_chunk(
+                    &c.start_blocks,
+                    &c.src_blocks,
+                    &self.dst_blocks,
+                    &self.prefix_blocks,
+                ) else {
                     bad_metadata = true;
                     break;
                 };
@@ -420,17 +493,31 @@ impl RecvMachine {
                     break;
                 }
                 c.state = ReadState::Posted;
-                active.ops.push(Op { peer: p.id, chunk: idx as u32, deadline: after(now, cfg.transfer_bound) });
-                self.actions.push_back(Action::Read { peer: p.id, chunk: idx as u32, src_blocks: src, dst_blocks: dst });
+                active.ops.push(Op {
+                    peer: p.id,
+                    chunk: idx as u32,
+                    deadline: after(now, cfg.transfer_bound),
+                });
+                self.actions.push_back(Action::Read {
+                    peer: p.id,
+                    chunk: idx as u32,
+                    src_blocks: src,
+                    dst_blocks: dst,
+                });
             }
             if bad_metadata {
                 break;
             }
             let complete = last.is_some_and(|l| chunks.len() == l as usize + 1)
-                && chunks.iter().all(|c| c.as_ref().is_some_and(|c| c.state == ReadState::Done));
+                && chunks
+                    .iter()
+                    .all(|c| c.as_ref().is_some_and(|c| c.state == ReadState::Done));
             if complete {
                 *finished = true;
-                self.actions.push_back(Action::Send { peer: p.id, msg: Msg::Done { ok: true } });
+                self.actions.push_back(Action::Send {
+                    peer: p.id,
+                    msg: Msg::Done { ok: true },
+                });
             }
         }
         if bad_metadata {
@@ -446,9 +533,13 @@ impl RecvMachine {
         self.state = State::Finished(outcome);
         let action = match outcome {
             Phase::Success => Action::Received,
-            Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring | Phase::Failed(_) | Phase::Expired => {
-                Action::LoadFailed { block_ids: self.dst_blocks.iter().flatten().copied().collect() }
-            }
+            Phase::Bootstrapping
+            | Phase::WaitingForInput
+            | Phase::Transferring
+            | Phase::Failed(_)
+            | Phase::Expired => Action::LoadFailed {
+                block_ids: self.dst_blocks.iter().flatten().copied().collect(),
+            },
         };
         self.actions.push_back(action);
     }
@@ -470,7 +561,12 @@ impl RecvMachine {
             State::Active(active) => active,
             State::Draining(_) | State::Finished(_) => return,
         };
-        let mut drain = Drain { outcome, ops: std::mem::take(&mut active.ops), returns: Vec::new(), leases: Vec::new() };
+        let mut drain = Drain {
+            outcome,
+            ops: std::mem::take(&mut active.ops),
+            returns: Vec::new(),
+            leases: Vec::new(),
+        };
         for p in &active.peers {
             if p.is_finished() {
                 continue;
@@ -484,7 +580,9 @@ impl RecvMachine {
                     } else {
                         match end {
                             End::Fail(FailReason::Aborted(_)) => Msg::Abort,
-                            End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => Msg::Done { ok: false },
+                            End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => {
+                                Msg::Done { ok: false }
+                            }
                         }
                     };
                     drain.returns.push((p.id, msg));
@@ -492,9 +590,15 @@ impl RecvMachine {
                 Role::Granter { lease, .. } => {
                     if aborter {
                         // The toucher's abort returned its lease.
-                        self.actions.push_back(Action::Send { peer: p.id, msg: Msg::AbortAck });
+                        self.actions.push_back(Action::Send {
+                            peer: p.id,
+                            msg: Msg::AbortAck,
+                        });
                     } else if !failer {
-                        self.actions.push_back(Action::Send { peer: p.id, msg: Msg::Abort });
+                        self.actions.push_back(Action::Send {
+                            peer: p.id,
+                            msg: Msg::Abort,
+                        });
                         drain.leases.push((p.id, *lease));
                     }
                 }
@@ -528,8 +632,12 @@ impl Machine for RecvMachine {
         match &mut self.state {
             State::Bootstrapping { .. } => match event {
                 Event::PeersResolved { peers } => self.handle_resolved(now, peers),
-                Event::Msg { .. } => Err(InputError::Peer("message before any P rank was contacted")),
-                Event::ReadDone { .. } => Err(InputError::Misuse("completion of a read that is not in flight")),
+                Event::Msg { .. } => {
+                    Err(InputError::Peer("message before any P rank was contacted"))
+                }
+                Event::ReadDone { .. } => Err(InputError::Misuse(
+                    "completion of a read that is not in flight",
+                )),
                 Event::PeerDead { .. } | Event::PlanFailed { .. } => Ok(()),
             },
             State::Active(_) => self.handle_active(now, event),
@@ -537,11 +645,18 @@ impl Machine for RecvMachine {
                 match event {
                     Event::ReadDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
                     Event::Msg { peer, msg } => match msg {
-                        Msg::Status { .. } | Msg::Abort | Msg::AbortAck | Msg::Done { .. } => drain.handle_return(peer),
-                        Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } | Msg::LeaseGrant { .. } => {}
+                        Msg::Status { .. } | Msg::Abort | Msg::AbortAck | Msg::Done { .. } => {
+                            drain.handle_return(peer)
+                        }
+                        Msg::Pull { .. }
+                        | Msg::Ready { .. }
+                        | Msg::LeaseRequest { .. }
+                        | Msg::LeaseGrant { .. } => {}
                     },
                     // The outcome is decided; none of these frees the blocks sooner.
-                    Event::PeersResolved { .. } | Event::PeerDead { .. } | Event::PlanFailed { .. } => {}
+                    Event::PeersResolved { .. }
+                    | Event::PeerDead { .. }
+                    | Event::PlanFailed { .. } => {}
                 }
                 self.advance_drain(now);
                 Ok(())
@@ -571,10 +686,18 @@ impl Machine for RecvMachine {
                     return;
                 }
                 for p in &mut active.peers {
-                    if let Role::Toucher { lease, finished: false, .. } = &mut p.role {
+                    if let Role::Toucher {
+                        lease,
+                        finished: false,
+                        ..
+                    } = &mut p.role
+                    {
                         if lease.renew_at().is_some_and(|r| now >= r) {
                             let seq = lease.request(now, &cfg);
-                            self.actions.push_back(Action::Send { peer: p.id, msg: Msg::LeaseRequest { seq } });
+                            self.actions.push_back(Action::Send {
+                                peer: p.id,
+                                msg: Msg::LeaseRequest { seq },
+                            });
                         }
                     }
                 }
@@ -586,7 +709,9 @@ impl Machine for RecvMachine {
 
     fn abort(&mut self, now: Instant, reason: AbortReason) {
         match self.state {
-            State::Bootstrapping { .. } | State::Active(_) => self.end(now, End::Fail(FailReason::Aborted(reason))),
+            State::Bootstrapping { .. } | State::Active(_) => {
+                self.end(now, End::Fail(FailReason::Aborted(reason)))
+            }
             State::Draining(_) | State::Finished(_) => {}
         }
     }
@@ -602,7 +727,12 @@ impl Machine for RecvMachine {
                 let mut t = active.ops.iter().map(|op| op.deadline).min();
                 t = earliest(t, Some(active.waiting_deadline));
                 for p in &active.peers {
-                    if let Role::Toucher { lease, finished: false, .. } = &p.role {
+                    if let Role::Toucher {
+                        lease,
+                        finished: false,
+                        ..
+                    } = &p.role
+                    {
                         t = earliest(t, lease.renew_at());
                     }
                 }

@@ -27,8 +27,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::common::{
-    after, align_chunk, check_lists, earliest, is_empty_lists, AbortReason, BlockLists,
-    Config, Drain, FailReason, GrantLease, InputError, Mode, Msg, Op, PeerId, Phase, TouchLease,
+    after, align_chunk, check_lists, earliest, is_empty_lists, AbortReason, BlockLists, Config,
+    Drain, FailReason, GrantLease, InputError, Mode, Msg, Op, PeerId, Phase, TouchLease,
     TransferId,
 };
 use crate::Machine;
@@ -40,7 +40,10 @@ pub enum Event {
     Msg { peer: PeerId, msg: Msg },
     /// The engine finished a chunk of KV: its source blocks per group, in
     /// order after the previous chunks. Chunk ids are assigned 0, 1, 2, ...
-    ChunkReady { src_blocks: BlockLists, is_last: bool },
+    ChunkReady {
+        src_blocks: BlockLists,
+        is_last: bool,
+    },
     /// Push mode: the transport finished the write of `chunk` to `peer`.
     WriteDone { peer: PeerId, chunk: u32, ok: bool },
     /// The driver declared `peer` dead (missed heartbeats, connection lost).
@@ -127,9 +130,6 @@ struct Live {
     /// from the first chunk, so that a machine whose engine never produces
     /// KV still ends: the blocks are allocated from the start.
     hold_deadline: Instant,
-    /// Latest message from any peer or the first chunk, for the claim of
-    /// peers not known yet.
-    heard_at: Instant,
     /// Push mode: writes posted and not completed.
     ops: Vec<Op>,
 }
@@ -180,7 +180,6 @@ impl SendMachine {
                 last_seen: false,
                 first_chunk_at: None,
                 hold_deadline: after(now, config.hold_limit),
-                heard_at: now,
                 ops: Vec::new(),
             }),
             actions: VecDeque::new(),
@@ -206,10 +205,15 @@ impl SendMachine {
     /// Push mode: the end of the lease of `peer` as this toucher counts it.
     pub fn lease_valid_until(&self, peer: PeerId) -> Option<Instant> {
         match &self.state {
-            State::Live(live) => live.peers.iter().find(|p| p.id == peer).and_then(|p| match &p.role {
-                Role::Toucher { lease, .. } => lease.valid_until(),
-                Role::Granter { .. } => None,
-            }),
+            State::Live(live) => {
+                live.peers
+                    .iter()
+                    .find(|p| p.id == peer)
+                    .and_then(|p| match &p.role {
+                        Role::Toucher { lease, .. } => lease.valid_until(),
+                        Role::Granter { .. } => None,
+                    })
+            }
             State::Draining(_) | State::Finished(_) => None,
         }
     }
@@ -218,80 +222,96 @@ impl SendMachine {
         self.actions.push_back(Action::Send { peer, msg });
     }
 
-    fn handle_live(&mut self, now: Instant, event: Event) -> Result<(), InputError> {
-        if let Event::Msg { peer, msg } = event {
-            return self.handle_msg(now, peer, msg);
-        }
+    fn handle_chunk_ready(
+        &mut self,
+        now: Instant,
+        src_blocks: BlockLists,
+        is_last: bool,
+    ) -> Result<(), InputError> {
         let State::Live(live) = &mut self.state else {
-            unreachable!("handle_live on a machine that is not live");
+            unreachable!("handle_chunk_ready on a machine that is not live");
         };
         let cfg = self.cfg;
-        match event {
-            Event::Msg { .. } => unreachable!("handled above"),
-            Event::ChunkReady { src_blocks, is_last } => {
-                if live.last_seen {
-                    return Err(InputError::Misuse("chunk after the last chunk"));
+        if live.last_seen {
+            return Err(InputError::Misuse("chunk after the last chunk"));
+        }
+        if live.chunks.len() >= cfg.max_chunks {
+            return Err(InputError::Misuse("more chunks than max_chunks"));
+        }
+        if !check_lists(&src_blocks, &cfg) {
+            return Err(InputError::Misuse("block list over the configured bounds"));
+        }
+        let start_blocks: Vec<u32> = match live.chunks.last() {
+            None => vec![0; src_blocks.len()],
+            Some(prev) => {
+                if prev.src_blocks.len() != src_blocks.len() {
+                    return Err(InputError::Misuse("chunk with another group count"));
                 }
-                if live.chunks.len() >= cfg.max_chunks {
-                    return Err(InputError::Misuse("more chunks than max_chunks"));
-                }
-                if !check_lists(&src_blocks, &cfg) {
-                    return Err(InputError::Misuse("block list over the configured bounds"));
-                }
-                let start_blocks: Vec<u32> = match live.chunks.last() {
-                    None => vec![0; src_blocks.len()],
-                    Some(prev) => {
-                        if prev.src_blocks.len() != src_blocks.len() {
-                            return Err(InputError::Misuse("chunk with another group count"));
-                        }
-                        prev.start_blocks
-                            .iter()
-                            .zip(&prev.src_blocks)
-                            .map(|(s, g)| s.saturating_add(g.len() as u32))
-                            .collect()
-                    }
-                };
-                let index = live.chunks.len() as u32;
-                live.chunks.push(Chunk { start_blocks, src_blocks });
-                live.last_seen = is_last;
-                if live.first_chunk_at.is_none() {
-                    live.first_chunk_at = Some(now);
-                    live.heard_at = now;
-                    for p in &mut live.peers {
-                        p.last_heard = p.last_heard.max(now);
-                    }
-                }
-                match self.mode {
-                    Mode::Push => {}
-                    Mode::Pull => self.announce(index),
-                }
-                self.progress(now);
-                Ok(())
+                prev.start_blocks
+                    .iter()
+                    .zip(&prev.src_blocks)
+                    .map(|(s, g)| s.saturating_add(g.len() as u32))
+                    .collect()
             }
-            Event::WriteDone { peer, chunk, ok } => {
-                let Some(i) = live.ops.iter().position(|op| op.peer == peer && op.chunk == chunk) else {
-                    return Err(InputError::Misuse("completion of a write that is not in flight"));
-                };
-                live.ops.swap_remove(i);
-                if ok {
-                    self.progress(now);
-                } else {
-                    self.end(now, End::Fail(FailReason::Transport));
-                }
-                Ok(())
+        };
+        let index = live.chunks.len() as u32;
+        live.chunks.push(Chunk {
+            start_blocks,
+            src_blocks,
+        });
+        live.last_seen = is_last;
+        if live.first_chunk_at.is_none() {
+            // The claim counts from when we started holding KV for D: a D rank
+            // that was quiet while there was nothing to fetch is not late.
+            live.first_chunk_at = Some(now);
+            for p in &mut live.peers {
+                p.last_heard = p.last_heard.max(now);
             }
-            Event::PeerDead { peer } => {
-                if live.peers.iter().any(|p| p.id == peer && !p.is_finished()) {
-                    self.end(now, End::Fail(FailReason::PeerDead));
-                }
-                Ok(())
-            }
-            Event::PlanFailed { peer } => {
-                if live.peers.iter().any(|p| p.id == peer) {
-                    self.end(now, End::Fail(FailReason::BadMetadata));
-                }
-                Ok(())
-            }
+        }
+        match self.mode {
+            Mode::Push => {}
+            Mode::Pull => self.announce(index),
+        }
+        self.progress(now);
+        Ok(())
+    }
+
+    fn handle_write_done(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        chunk: u32,
+        ok: bool,
+    ) -> Result<(), InputError> {
+        let State::Live(live) = &mut self.state else {
+            unreachable!("handle_write_done on a machine that is not live");
+        };
+        let Some(i) = live
+            .ops
+            .iter()
+            .position(|op| op.peer == peer && op.chunk == chunk)
+        else {
+            return Err(InputError::Misuse(
+                "completion of a write that is not in flight",
+            ));
+        };
+        live.ops.swap_remove(i);
+        if ok {
+            self.progress(now);
+        } else {
+            self.end(now, End::Fail(FailReason::Transport));
+        }
+        Ok(())
+    }
+
+    /// The driver's verdict on `peer` (dead, or its plan rejected).
+    fn handle_verdict(&mut self, now: Instant, peer: PeerId, reason: FailReason) {
+        let State::Live(live) = &self.state else {
+            return;
+        };
+        // A finished peer returned its lease and needs nothing more from us.
+        if live.peers.iter().any(|p| p.id == peer && !p.is_finished()) {
+            self.end(now, End::Fail(reason));
         }
     }
 
@@ -303,7 +323,12 @@ impl SendMachine {
         let chunk = &live.chunks[index as usize];
         let is_last = live.last_seen && index as usize + 1 == live.chunks.len();
         for p in &mut live.peers {
-            if let Role::Granter { announced, finished: false, .. } = &mut p.role {
+            if let Role::Granter {
+                announced,
+                finished: false,
+                ..
+            } = &mut p.role
+            {
                 if *announced == index {
                     *announced += 1;
                     self.actions.push_back(Action::Send {
@@ -328,15 +353,27 @@ impl SendMachine {
         let mode = self.mode;
         let known = live.peers.iter().position(|p| p.id == peer);
         match msg {
-            Msg::Pull { receivers_expected, dst_blocks, prefix_blocks, lease_seq } => {
+            Msg::Pull {
+                receivers_expected,
+                dst_blocks,
+                prefix_blocks,
+                lease_seq,
+            } => {
                 if receivers_expected == 0 || receivers_expected as usize > cfg.max_peers {
                     return Err(InputError::Peer("receivers_expected out of range"));
                 }
-                if live.receivers_expected.is_some_and(|n| n != receivers_expected) {
-                    return Err(InputError::Peer("receivers_expected differs between D ranks"));
+                if live
+                    .receivers_expected
+                    .is_some_and(|n| n != receivers_expected)
+                {
+                    return Err(InputError::Peer(
+                        "receivers_expected differs between D ranks",
+                    ));
                 }
                 if !check_lists(&dst_blocks, &cfg) || prefix_blocks.len() != dst_blocks.len() {
-                    return Err(InputError::Peer("destination block list malformed or over bounds"));
+                    return Err(InputError::Peer(
+                        "destination block list malformed or over bounds",
+                    ));
                 }
                 if let Some(i) = known {
                     let p = &live.peers[i];
@@ -346,7 +383,6 @@ impl SendMachine {
                     // A duplicate: it only shows the peer is alive. Its lease
                     // request (pull mode) is answered like any other.
                     live.peers[i].last_heard = now;
-                    live.heard_at = now;
                     if let (Some(seq), Mode::Pull) = (lease_seq, mode) {
                         self.grant(now, peer, seq);
                     }
@@ -356,10 +392,17 @@ impl SendMachine {
                     return Err(InputError::Peer("more D ranks than announced"));
                 }
                 live.receivers_expected = Some(receivers_expected);
-                live.heard_at = now;
                 let role = match mode {
-                    Mode::Push => Role::Toucher { lease: TouchLease::new(), next_chunk: 0, finished: false },
-                    Mode::Pull => Role::Granter { lease: GrantLease::new(), announced: 0, finished: false },
+                    Mode::Push => Role::Toucher {
+                        lease: TouchLease::new(),
+                        next_chunk: 0,
+                        finished: false,
+                    },
+                    Mode::Pull => Role::Granter {
+                        lease: GrantLease::new(),
+                        announced: 0,
+                        finished: false,
+                    },
                 };
                 live.peers.push(Peer {
                     id: peer,
@@ -396,10 +439,11 @@ impl SendMachine {
                         lease.check_grant(seq)?;
                         lease.handle_grant(seq, duration_ms, &cfg);
                     }
-                    Role::Granter { .. } => return Err(InputError::Peer("lease grant in pull mode")),
+                    Role::Granter { .. } => {
+                        return Err(InputError::Peer("lease grant in pull mode"))
+                    }
                 }
                 p.last_heard = now;
-                live.heard_at = now;
                 self.progress(now);
                 Ok(())
             }
@@ -412,7 +456,6 @@ impl SendMachine {
                 // renews within a heartbeat interval.
                 if let Some(i) = known {
                     live.peers[i].last_heard = now;
-                    live.heard_at = now;
                     self.grant(now, peer, seq);
                 }
                 Ok(())
@@ -433,9 +476,15 @@ impl SendMachine {
                 match &mut p.role {
                     Role::Toucher { .. } => return Err(InputError::Peer("Done in push mode")),
                     Role::Granter { finished: true, .. } => return Ok(()),
-                    Role::Granter { announced, finished, .. } => {
+                    Role::Granter {
+                        announced,
+                        finished,
+                        ..
+                    } => {
                         if ok && !(last_seen && *announced == chunks) {
-                            return Err(InputError::Peer("Done before the last chunk was announced"));
+                            return Err(InputError::Peer(
+                                "Done before the last chunk was announced",
+                            ));
                         }
                         p.last_heard = now;
                         if ok {
@@ -455,7 +504,9 @@ impl SendMachine {
                 Ok(())
             }
             Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
-            Msg::Ready { .. } | Msg::Status { .. } => Err(InputError::Peer("message P never receives")),
+            Msg::Ready { .. } | Msg::Status { .. } => {
+                Err(InputError::Peer("message P never receives"))
+            }
         }
     }
 
@@ -464,14 +515,22 @@ impl SendMachine {
         let State::Live(live) = &mut self.state else {
             return;
         };
-        let d = self.cfg.lease.min(live.hold_deadline.saturating_duration_since(now));
+        let d = self
+            .cfg
+            .lease
+            .min(live.hold_deadline.saturating_duration_since(now));
         if d.is_zero() {
             return;
         }
         let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) else {
             return;
         };
-        if let Role::Granter { lease, finished: false, .. } = &mut p.role {
+        if let Role::Granter {
+            lease,
+            finished: false,
+            ..
+        } = &mut p.role
+        {
             let msg = lease.grant(now, seq, d);
             self.actions.push_back(Action::Send { peer, msg });
         }
@@ -484,9 +543,17 @@ impl SendMachine {
         };
         let cfg = self.cfg;
         if let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) {
-            if let Role::Toucher { lease, finished: false, .. } = &mut p.role {
+            if let Role::Toucher {
+                lease,
+                finished: false,
+                ..
+            } = &mut p.role
+            {
                 let seq = lease.request(now, &cfg);
-                self.actions.push_back(Action::Send { peer, msg: Msg::LeaseRequest { seq } });
+                self.actions.push_back(Action::Send {
+                    peer,
+                    msg: Msg::LeaseRequest { seq },
+                });
             }
         }
     }
@@ -500,7 +567,12 @@ impl SendMachine {
         let cfg = self.cfg;
         let mut bad_metadata = false;
         for p in &mut live.peers {
-            let Role::Toucher { lease, next_chunk, finished } = &mut p.role else {
+            let Role::Toucher {
+                lease,
+                next_chunk,
+                finished,
+            } = &mut p.role
+            else {
                 continue;
             };
             if *finished {
@@ -508,8 +580,12 @@ impl SendMachine {
             }
             while (*next_chunk as usize) < live.chunks.len() && lease.is_live(now) {
                 let chunk = &live.chunks[*next_chunk as usize];
-                let Some((src, dst)) = align_chunk(&chunk.start_blocks, &chunk.src_blocks, &p.dst_blocks, &p.prefix_blocks)
-                else {
+                let Some((src, dst)) = align_chunk(
+                    &chunk.start_blocks,
+                    &chunk.src_blocks,
+                    &p.dst_blocks,
+                    &p.prefix_blocks,
+                ) else {
                     bad_metadata = true;
                     break;
                 };
@@ -517,8 +593,17 @@ impl SendMachine {
                     if live.ops.len() >= cfg.max_in_flight {
                         break;
                     }
-                    live.ops.push(Op { peer: p.id, chunk: *next_chunk, deadline: after(now, cfg.transfer_bound) });
-                    self.actions.push_back(Action::Write { peer: p.id, chunk: *next_chunk, src_blocks: src, dst_blocks: dst });
+                    live.ops.push(Op {
+                        peer: p.id,
+                        chunk: *next_chunk,
+                        deadline: after(now, cfg.transfer_bound),
+                    });
+                    self.actions.push_back(Action::Write {
+                        peer: p.id,
+                        chunk: *next_chunk,
+                        src_blocks: src,
+                        dst_blocks: dst,
+                    });
                 }
                 *next_chunk += 1;
             }
@@ -528,7 +613,10 @@ impl SendMachine {
             let all_posted = live.last_seen && *next_chunk as usize == live.chunks.len();
             if all_posted && !live.ops.iter().any(|op| op.peer == p.id) {
                 *finished = true;
-                self.actions.push_back(Action::Send { peer: p.id, msg: Msg::Status { ok: true } });
+                self.actions.push_back(Action::Send {
+                    peer: p.id,
+                    msg: Msg::Status { ok: true },
+                });
             }
         }
         if bad_metadata {
@@ -538,7 +626,9 @@ impl SendMachine {
         let State::Live(live) = &mut self.state else {
             return;
         };
-        let complete = live.receivers_expected.is_some_and(|n| n as usize == live.peers.len())
+        let complete = live
+            .receivers_expected
+            .is_some_and(|n| n as usize == live.peers.len())
             && live.last_seen
             && live.peers.iter().all(Peer::is_finished);
         if complete {
@@ -562,11 +652,19 @@ impl SendMachine {
             End::PeerAbort(_) => Phase::Failed(FailReason::PeerAborted),
             End::PeerFailed(_) => Phase::Failed(FailReason::PeerReported),
         };
-        let mut drain = Drain { outcome, ops: std::mem::take(&mut live.ops), returns: Vec::new(), leases: Vec::new() };
+        let mut drain = Drain {
+            outcome,
+            ops: std::mem::take(&mut live.ops),
+            returns: Vec::new(),
+            leases: Vec::new(),
+        };
         if let End::PeerAbort(peer) = end {
             if !live.peers.iter().any(|p| p.id == peer) {
                 // Not a peer we deal with: answer at once, nothing of ours is on it.
-                self.actions.push_back(Action::Send { peer, msg: Msg::AbortAck });
+                self.actions.push_back(Action::Send {
+                    peer,
+                    msg: Msg::AbortAck,
+                });
             }
         }
         for p in &live.peers {
@@ -580,16 +678,24 @@ impl SendMachine {
                     let msg = match end {
                         _ if aborter => Msg::AbortAck,
                         End::Fail(FailReason::Aborted(_)) => Msg::Abort,
-                        End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => Msg::Status { ok: false },
+                        End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => {
+                            Msg::Status { ok: false }
+                        }
                     };
                     drain.returns.push((p.id, msg));
                 }
                 Role::Granter { lease, .. } => {
                     if aborter {
                         // The toucher's abort returned its lease.
-                        self.actions.push_back(Action::Send { peer: p.id, msg: Msg::AbortAck });
+                        self.actions.push_back(Action::Send {
+                            peer: p.id,
+                            msg: Msg::AbortAck,
+                        });
                     } else if !failer {
-                        self.actions.push_back(Action::Send { peer: p.id, msg: Msg::Abort });
+                        self.actions.push_back(Action::Send {
+                            peer: p.id,
+                            msg: Msg::Abort,
+                        });
                         drain.leases.push((p.id, *lease));
                     }
                 }
@@ -620,8 +726,9 @@ impl SendMachine {
         if live.first_chunk_at.is_none() {
             return Some(hold);
         }
-        let all_known = live.receivers_expected.is_some_and(|n| n as usize == live.peers.len());
-        let mut claim = if all_known { None } else { Some(after(live.heard_at, self.cfg.claim_timeout)) };
+        // D ranks that never showed up are bounded by the bootstrap deadline;
+        // the claim is about known D ranks going silent while we hold KV for them.
+        let mut claim = None;
         for p in &live.peers {
             if !p.is_finished() {
                 claim = earliest(claim, Some(after(p.last_heard, self.cfg.claim_timeout)));
@@ -637,16 +744,40 @@ impl Machine for SendMachine {
 
     fn handle_event(&mut self, now: Instant, event: Event) -> Result<(), InputError> {
         match &mut self.state {
-            State::Live(_) => self.handle_live(now, event),
+            State::Live(_) => match event {
+                Event::Msg { peer, msg } => self.handle_msg(now, peer, msg),
+                Event::ChunkReady {
+                    src_blocks,
+                    is_last,
+                } => self.handle_chunk_ready(now, src_blocks, is_last),
+                Event::WriteDone { peer, chunk, ok } => {
+                    self.handle_write_done(now, peer, chunk, ok)
+                }
+                Event::PeerDead { peer } => {
+                    self.handle_verdict(now, peer, FailReason::PeerDead);
+                    Ok(())
+                }
+                Event::PlanFailed { peer } => {
+                    self.handle_verdict(now, peer, FailReason::BadMetadata);
+                    Ok(())
+                }
+            },
             State::Draining(drain) => {
                 match event {
                     Event::WriteDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
                     Event::Msg { peer, msg } => match msg {
-                        Msg::Done { .. } | Msg::Abort | Msg::AbortAck | Msg::Status { .. } => drain.handle_return(peer),
-                        Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } | Msg::LeaseGrant { .. } => {}
+                        Msg::Done { .. } | Msg::Abort | Msg::AbortAck | Msg::Status { .. } => {
+                            drain.handle_return(peer)
+                        }
+                        Msg::Pull { .. }
+                        | Msg::Ready { .. }
+                        | Msg::LeaseRequest { .. }
+                        | Msg::LeaseGrant { .. } => {}
                     },
                     // The outcome is decided; neither changes when the blocks are free.
-                    Event::ChunkReady { .. } | Event::PeerDead { .. } | Event::PlanFailed { .. } => {}
+                    Event::ChunkReady { .. }
+                    | Event::PeerDead { .. }
+                    | Event::PlanFailed { .. } => {}
                 }
                 self.advance_drain(now);
                 Ok(())
@@ -665,7 +796,9 @@ impl Machine for SendMachine {
                     self.end(now, End::Fail(FailReason::Transport));
                     return;
                 }
-                let all_known = live.receivers_expected.is_some_and(|n| n as usize == live.peers.len());
+                let all_known = live
+                    .receivers_expected
+                    .is_some_and(|n| n as usize == live.peers.len());
                 if !all_known && now >= live.bootstrap_deadline {
                     self.end(now, End::Expire);
                     return;
@@ -682,7 +815,9 @@ impl Machine for SendMachine {
                     .peers
                     .iter()
                     .filter(|p| match &p.role {
-                        Role::Toucher { lease, finished, .. } => !finished && lease.renew_at().is_some_and(|r| now >= r),
+                        Role::Toucher {
+                            lease, finished, ..
+                        } => !finished && lease.renew_at().is_some_and(|r| now >= r),
                         Role::Granter { .. } => false,
                     })
                     .map(|p| p.id)
@@ -711,14 +846,21 @@ impl Machine for SendMachine {
     fn poll_timeout(&self) -> Option<Instant> {
         match &self.state {
             State::Live(live) => {
-                let all_known = live.receivers_expected.is_some_and(|n| n as usize == live.peers.len());
+                let all_known = live
+                    .receivers_expected
+                    .is_some_and(|n| n as usize == live.peers.len());
                 let mut t = live.ops.iter().map(|op| op.deadline).min();
                 if !all_known {
                     t = earliest(t, Some(live.bootstrap_deadline));
                 }
                 t = earliest(t, self.claim_deadline(live));
                 for p in &live.peers {
-                    if let Role::Toucher { lease, finished: false, .. } = &p.role {
+                    if let Role::Toucher {
+                        lease,
+                        finished: false,
+                        ..
+                    } = &p.role
+                    {
                         t = earliest(t, lease.renew_at());
                     }
                 }
@@ -732,7 +874,9 @@ impl Machine for SendMachine {
     fn phase(&self) -> Phase {
         match &self.state {
             State::Live(live) => {
-                let all_known = live.receivers_expected.is_some_and(|n| n as usize == live.peers.len());
+                let all_known = live
+                    .receivers_expected
+                    .is_some_and(|n| n as usize == live.peers.len());
                 if !all_known {
                     Phase::Bootstrapping
                 } else if live.chunks.is_empty() {
@@ -746,4 +890,3 @@ impl Machine for SendMachine {
         }
     }
 }
-

@@ -94,7 +94,9 @@ fn step() -> impl Strategy<Value = Step> {
 /// failure, loss) by deliveries, so that many runs get to the end.
 fn calm(s: Step) -> Step {
     match s {
-        Step::Abort(..) | Step::PeerDead(..) | Step::PlanFailed(..) | Step::Drop(_) => Step::Deliver(0),
+        Step::Abort(..) | Step::PeerDead(..) | Step::PlanFailed(..) | Step::Drop(_) => {
+            Step::Deliver(0)
+        }
         Step::Complete(k, _) => Step::Complete(k, true),
         other => other,
     }
@@ -126,25 +128,40 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         any::<bool>(),
         any::<bool>(),
     )
-        .prop_map(|(mode, n_p, n_d, dst_len, prefix, raw, steps, finale_delivers, chaos)| {
-            let steps = if chaos { steps } else { steps.into_iter().map(calm).collect() };
-            // Cut prefix + dst_len blocks into chunks shaped by `raw`.
-            let total = prefix as usize + dst_len;
-            let mut chunk_sizes = Vec::new();
-            let mut left = total;
-            for r in raw {
-                if left == 0 {
-                    break;
+        .prop_map(
+            |(mode, n_p, n_d, dst_len, prefix, raw, steps, finale_delivers, chaos)| {
+                let steps = if chaos {
+                    steps
+                } else {
+                    steps.into_iter().map(calm).collect()
+                };
+                // Cut prefix + dst_len blocks into chunks shaped by `raw`.
+                let total = prefix as usize + dst_len;
+                let mut chunk_sizes = Vec::new();
+                let mut left = total;
+                for r in raw {
+                    if left == 0 {
+                        break;
+                    }
+                    let s = r.min(left);
+                    chunk_sizes.push(s);
+                    left -= s;
                 }
-                let s = r.min(left);
-                chunk_sizes.push(s);
-                left -= s;
-            }
-            if left > 0 {
-                chunk_sizes.push(left);
-            }
-            Scenario { mode, n_p, n_d, dst_len, prefix, chunk_sizes, steps, finale_delivers }
-        })
+                if left > 0 {
+                    chunk_sizes.push(left);
+                }
+                Scenario {
+                    mode,
+                    n_p,
+                    n_d,
+                    dst_len,
+                    prefix,
+                    chunk_sizes,
+                    steps,
+                    finale_delivers,
+                }
+            },
+        )
 }
 
 #[derive(Clone, Debug)]
@@ -184,15 +201,31 @@ struct World {
     released_at: BTreeMap<Node, (Instant, usize)>,
     /// Blocks landed in D's memory from each P: (p, d) -> blocks.
     landed: BTreeMap<(usize, usize), BTreeSet<BlockId>>,
+    /// Junk reaches the real machines: a lying peer can break safety (it may
+    /// claim data it never sent), so only exactly-once, the phase/release
+    /// agreement, deadlines and liveness are checked.
+    hostile: bool,
 }
 
 impl World {
     fn new(sc: Scenario) -> Self {
         let cfg = cfg();
         let t0 = Instant::now();
-        let ps = (0..sc.n_p).map(|_| SendMachine::new(t0, &cfg, TransferId(1), sc.mode)).collect();
+        let ps = (0..sc.n_p)
+            .map(|_| SendMachine::new(t0, &cfg, TransferId(1), sc.mode))
+            .collect();
         let ds = (0..sc.n_d)
-            .map(|j| RecvMachine::new(t0, &cfg, TransferId(1), sc.mode, vec![dst_of(j, sc.dst_len)], vec![sc.prefix]).unwrap())
+            .map(|j| {
+                RecvMachine::new(
+                    t0,
+                    &cfg,
+                    TransferId(1),
+                    sc.mode,
+                    vec![dst_of(j, sc.dst_len)],
+                    vec![sc.prefix],
+                )
+                .unwrap()
+            })
             .collect();
         World {
             cfg,
@@ -207,6 +240,7 @@ impl World {
             granted_until: BTreeMap::new(),
             released_at: BTreeMap::new(),
             landed: BTreeMap::new(),
+            hostile: false,
             sc,
         }
     }
@@ -220,27 +254,57 @@ impl World {
         let e = self.released_at.entry(n).or_insert((now, 0));
         e.1 += 1;
         assert_eq!(e.1, 1, "{n:?} released twice");
+        if self.hostile {
+            return;
+        }
         // No transfer touching this node's blocks may still be able to land.
         let bound = self.cfg.transfer_bound;
         for t in &self.transfers {
             if t.toucher == n || t.granter == n {
-                let physically_done = t.completed_at.is_some_and(|c| c <= now) || t.posted_at + bound <= now;
-                assert!(physically_done, "{n:?} released at {:?} while {t:?} may still touch its blocks", now - self.t0);
+                let physically_done =
+                    t.completed_at.is_some_and(|c| c <= now) || t.posted_at + bound <= now;
+                assert!(
+                    physically_done,
+                    "{n:?} released at {:?} while {t:?} may still touch its blocks",
+                    now - self.t0
+                );
             }
         }
     }
 
-    fn start_transfer(&mut self, toucher: Node, granter: Node, chunk: u32, dst_blocks: Vec<BlockId>) {
+    fn start_transfer(
+        &mut self,
+        toucher: Node,
+        granter: Node,
+        chunk: u32,
+        dst_blocks: Vec<BlockId>,
+    ) {
         let until = self.granted_until.get(&(granter, toucher)).copied();
+        self.transfers.push(Transfer {
+            toucher,
+            granter,
+            chunk,
+            dst_blocks,
+            posted_at: self.now,
+            completed_at: None,
+        });
+        if self.hostile {
+            return;
+        }
         assert!(
             until.is_some_and(|u| self.now < u),
             "{toucher:?} started a transfer on {granter:?} at {:?} outside any lease (granted until {:?})",
             self.now - self.t0,
             until.map(|u| u - self.t0)
         );
-        assert!(!self.is_released(granter), "{toucher:?} touches {granter:?} after it released");
-        assert!(!self.is_released(toucher), "{toucher:?} started a transfer after its own release");
-        self.transfers.push(Transfer { toucher, granter, chunk, dst_blocks, posted_at: self.now, completed_at: None });
+        assert!(
+            !self.is_released(granter),
+            "{toucher:?} touches {granter:?} after it released"
+        );
+        assert!(
+            !self.is_released(toucher),
+            "{toucher:?} started a transfer after its own release"
+        );
     }
 
     fn route_p(&mut self, i: usize) {
@@ -248,13 +312,30 @@ impl World {
             match a {
                 send::Action::Send { peer, msg } => {
                     let j = (peer.0 - 200) as usize;
+                    if j >= self.sc.n_d {
+                        assert!(self.hostile, "P{i} addresses a D rank that does not exist");
+                        continue;
+                    }
                     self.note_grant(Node::P(i), Node::D(j), &msg);
-                    self.net.push(Packet { from: Node::P(i), to: Node::D(j), msg });
+                    self.net.push(Packet {
+                        from: Node::P(i),
+                        to: Node::D(j),
+                        msg,
+                    });
                 }
-                send::Action::Write { peer, chunk, src_blocks, dst_blocks } => {
+                send::Action::Write {
+                    peer,
+                    chunk,
+                    src_blocks,
+                    dst_blocks,
+                } => {
                     assert_eq!(self.sc.mode, Mode::Push);
                     assert_eq!(src_blocks[0].len(), dst_blocks[0].len());
                     let j = (peer.0 - 200) as usize;
+                    if j >= self.sc.n_d {
+                        assert!(self.hostile, "P{i} addresses a D rank that does not exist");
+                        continue;
+                    }
                     self.start_transfer(Node::P(i), Node::D(j), chunk, dst_blocks[0].clone());
                 }
                 send::Action::ReleaseBlocks { outcome } => {
@@ -271,26 +352,49 @@ impl World {
             match a {
                 recv::Action::Send { peer, msg } => {
                     let i = (peer.0 - 100) as usize;
+                    if i >= self.sc.n_p {
+                        assert!(self.hostile, "D{j} addresses a P rank that does not exist");
+                        continue;
+                    }
                     self.note_grant(Node::D(j), Node::P(i), &msg);
-                    self.net.push(Packet { from: Node::D(j), to: Node::P(i), msg });
+                    self.net.push(Packet {
+                        from: Node::D(j),
+                        to: Node::P(i),
+                        msg,
+                    });
                 }
-                recv::Action::Read { peer, chunk, src_blocks, dst_blocks } => {
+                recv::Action::Read {
+                    peer,
+                    chunk,
+                    src_blocks,
+                    dst_blocks,
+                } => {
                     assert_eq!(self.sc.mode, Mode::Pull);
                     assert_eq!(src_blocks[0].len(), dst_blocks[0].len());
                     let i = (peer.0 - 100) as usize;
+                    if i >= self.sc.n_p {
+                        assert!(self.hostile, "D{j} addresses a P rank that does not exist");
+                        continue;
+                    }
                     self.start_transfer(Node::D(j), Node::P(i), chunk, dst_blocks[0].clone());
                 }
                 recv::Action::Received => {
                     assert_eq!(self.ds[j].phase(), Phase::Success);
                     let all: BTreeSet<BlockId> = dst_of(j, self.sc.dst_len).into_iter().collect();
-                    for i in 0..self.sc.n_p {
+                    for i in (0..self.sc.n_p).filter(|_| !self.hostile) {
                         let got = self.landed.get(&(i, j)).cloned().unwrap_or_default();
-                        assert!(got.is_superset(&all), "D{j} reports Received but P{i} delivered only {got:?}");
+                        assert!(
+                            got.is_superset(&all),
+                            "D{j} reports Received but P{i} delivered only {got:?}"
+                        );
                     }
                     self.mark_release(Node::D(j));
                 }
                 recv::Action::LoadFailed { block_ids } => {
-                    assert!(matches!(self.ds[j].phase(), Phase::Failed(_) | Phase::Expired));
+                    assert!(matches!(
+                        self.ds[j].phase(),
+                        Phase::Failed(_) | Phase::Expired
+                    ));
                     assert_eq!(block_ids, dst_of(j, self.sc.dst_len));
                     self.mark_release(Node::D(j));
                 }
@@ -315,14 +419,22 @@ impl World {
 
     fn check_all(&self) {
         for (i, p) in self.ps.iter().enumerate() {
-            assert_eq!(p.phase().is_terminal(), self.is_released(Node::P(i)), "P{i} phase vs release");
+            assert_eq!(
+                p.phase().is_terminal(),
+                self.is_released(Node::P(i)),
+                "P{i} phase vs release"
+            );
             assert_eq!(p.is_released(), self.is_released(Node::P(i)));
             if let Some(t) = p.poll_timeout() {
                 assert!(t > self.now, "P{i} has an overdue deadline");
             }
         }
         for (j, d) in self.ds.iter().enumerate() {
-            assert_eq!(d.phase().is_terminal(), self.is_released(Node::D(j)), "D{j} phase vs report");
+            assert_eq!(
+                d.phase().is_terminal(),
+                self.is_released(Node::D(j)),
+                "D{j} phase vs report"
+            );
             assert_eq!(d.is_reported(), self.is_released(Node::D(j)));
             if let Some(t) = d.poll_timeout() {
                 assert!(t > self.now, "D{j} has an overdue deadline");
@@ -334,13 +446,33 @@ impl World {
         let now = self.now;
         match (pkt.from, pkt.to) {
             (Node::D(j), Node::P(i)) => {
-                let r = self.ps[i].handle_event(now, send::Event::Msg { peer: d_id(j), msg: pkt.msg.clone() });
-                assert_eq!(r, Ok(()), "honest {:?} from D{j} refused by P{i}", pkt.msg);
+                let r = self.ps[i].handle_event(
+                    now,
+                    send::Event::Msg {
+                        peer: d_id(j),
+                        msg: pkt.msg.clone(),
+                    },
+                );
+                assert!(
+                    self.hostile || r.is_ok(),
+                    "honest {:?} from D{j} refused by P{i}: {r:?}",
+                    pkt.msg
+                );
                 self.route_p(i);
             }
             (Node::P(i), Node::D(j)) => {
-                let r = self.ds[j].handle_event(now, recv::Event::Msg { peer: p_id(i), msg: pkt.msg.clone() });
-                assert_eq!(r, Ok(()), "honest {:?} from P{i} refused by D{j}", pkt.msg);
+                let r = self.ds[j].handle_event(
+                    now,
+                    recv::Event::Msg {
+                        peer: p_id(i),
+                        msg: pkt.msg.clone(),
+                    },
+                );
+                assert!(
+                    self.hostile || r.is_ok(),
+                    "honest {:?} from P{i} refused by D{j}: {r:?}",
+                    pkt.msg
+                );
                 self.route_d(j);
             }
             (from, to) => panic!("no link {from:?} -> {to:?}"),
@@ -366,12 +498,26 @@ impl World {
         let now = self.now;
         match (toucher, granter) {
             (Node::P(i), Node::D(j)) => {
-                let r = self.ps[i].handle_event(now, send::Event::WriteDone { peer: d_id(j), chunk, ok });
+                let r = self.ps[i].handle_event(
+                    now,
+                    send::Event::WriteDone {
+                        peer: d_id(j),
+                        chunk,
+                        ok,
+                    },
+                );
                 assert_eq!(r, Ok(()), "completion refused by P{i}");
                 self.route_p(i);
             }
             (Node::D(j), Node::P(i)) => {
-                let r = self.ds[j].handle_event(now, recv::Event::ReadDone { peer: p_id(i), chunk, ok });
+                let r = self.ds[j].handle_event(
+                    now,
+                    recv::Event::ReadDone {
+                        peer: p_id(i),
+                        chunk,
+                        ok,
+                    },
+                );
                 assert_eq!(r, Ok(()), "completion refused by D{j}");
                 self.route_d(j);
             }
@@ -424,20 +570,40 @@ impl World {
     }
 
     fn in_flight(&self) -> Vec<usize> {
-        (0..self.transfers.len()).filter(|&k| self.transfers[k].completed_at.is_none()).collect()
+        (0..self.transfers.len())
+            .filter(|&k| self.transfers[k].completed_at.is_none())
+            .collect()
     }
 
     fn junk_msg(kind: u8, x: u64) -> Msg {
         match kind {
-            0 => Msg::Pull { receivers_expected: x as u16, dst_blocks: vec![vec![BlockId(x as u32)]], prefix_blocks: vec![0], lease_seq: Some(x) },
-            1 => Msg::Ready { chunk: x as u32, start_blocks: vec![0], src_blocks: vec![vec![BlockId(7)]], is_last: x % 2 == 0 },
+            0 => Msg::Pull {
+                receivers_expected: x as u16,
+                dst_blocks: vec![vec![BlockId(x as u32)]],
+                prefix_blocks: vec![0],
+                lease_seq: Some(x),
+            },
+            1 => Msg::Ready {
+                chunk: x as u32,
+                start_blocks: vec![0],
+                src_blocks: vec![vec![BlockId(7)]],
+                is_last: x % 2 == 0,
+            },
             2 => Msg::LeaseRequest { seq: x },
-            3 => Msg::LeaseGrant { seq: x + 1000, duration_ms: 5_000 },
+            3 => Msg::LeaseGrant {
+                seq: x + 1000,
+                duration_ms: 5_000,
+            },
             4 => Msg::Status { ok: x % 2 == 0 },
             5 => Msg::Done { ok: x % 2 == 0 },
             6 => Msg::Abort,
             7 => Msg::AbortAck,
-            _ => Msg::Ready { chunk: u32::MAX, start_blocks: vec![], src_blocks: vec![vec![]; 100], is_last: true },
+            _ => Msg::Ready {
+                chunk: u32::MAX,
+                start_blocks: vec![],
+                src_blocks: vec![vec![]; 100],
+                is_last: true,
+            },
         }
     }
 
@@ -471,21 +637,41 @@ impl World {
             Step::StaleCompletion(k) => {
                 // A completion delivered twice: a live machine refuses it as misuse
                 // without changing; a finished one absorbs it.
-                let done: Vec<usize> = (0..self.transfers.len()).filter(|&k| self.transfers[k].completed_at.is_some()).collect();
+                let done: Vec<usize> = (0..self.transfers.len())
+                    .filter(|&k| self.transfers[k].completed_at.is_some())
+                    .collect();
                 if let Some(&k) = done.get(k % done.len().max(1)) {
                     let t = self.transfers[k].clone();
                     match (t.toucher, t.granter) {
                         (Node::P(i), Node::D(j)) => {
                             let mut m = self.ps[i].clone();
                             let before = format!("{m:?}");
-                            if m.handle_event(now, send::Event::WriteDone { peer: d_id(j), chunk: t.chunk, ok: true }).is_err() {
+                            if m.handle_event(
+                                now,
+                                send::Event::WriteDone {
+                                    peer: d_id(j),
+                                    chunk: t.chunk,
+                                    ok: true,
+                                },
+                            )
+                            .is_err()
+                            {
                                 assert_eq!(before, format!("{m:?}"));
                             }
                         }
                         (Node::D(j), Node::P(i)) => {
                             let mut m = self.ds[j].clone();
                             let before = format!("{m:?}");
-                            if m.handle_event(now, recv::Event::ReadDone { peer: p_id(i), chunk: t.chunk, ok: true }).is_err() {
+                            if m.handle_event(
+                                now,
+                                recv::Event::ReadDone {
+                                    peer: p_id(i),
+                                    chunk: t.chunk,
+                                    ok: true,
+                                },
+                            )
+                            .is_err()
+                            {
                                 assert_eq!(before, format!("{m:?}"));
                             }
                         }
@@ -499,10 +685,18 @@ impl World {
                 if given < self.sc.chunk_sizes.len() {
                     let start: usize = self.sc.chunk_sizes[..given].iter().sum();
                     let size = self.sc.chunk_sizes[given];
-                    let src = (start..start + size).map(|b| BlockId((i * 100 + b) as u32)).collect();
+                    let src = (start..start + size)
+                        .map(|b| BlockId((i * 100 + b) as u32))
+                        .collect();
                     let is_last = given + 1 == self.sc.chunk_sizes.len();
                     self.chunks_given[i] += 1;
-                    let r = self.ps[i].handle_event(now, send::Event::ChunkReady { src_blocks: vec![src], is_last });
+                    let r = self.ps[i].handle_event(
+                        now,
+                        send::Event::ChunkReady {
+                            src_blocks: vec![src],
+                            is_last,
+                        },
+                    );
                     assert_eq!(r, Ok(()));
                     self.route_p(i);
                 }
@@ -511,14 +705,23 @@ impl World {
                 let j = j % self.sc.n_d;
                 if !self.resolved[j] {
                     self.resolved[j] = true;
-                    let peers = (0..self.sc.n_p).map(|i| ResolvedPeer { peer: p_id(i), receivers_expected: self.sc.n_d as u16 }).collect();
+                    let peers = (0..self.sc.n_p)
+                        .map(|i| ResolvedPeer {
+                            peer: p_id(i),
+                            receivers_expected: self.sc.n_d as u16,
+                        })
+                        .collect();
                     let r = self.ds[j].handle_event(now, recv::Event::PeersResolved { peers });
                     assert_eq!(r, Ok(()));
                     self.route_d(j);
                 }
             }
             Step::Abort(side, k, r) => {
-                let reason = [AbortReason::Engine, AbortReason::ClientDisconnect, AbortReason::Shutdown][r as usize];
+                let reason = [
+                    AbortReason::Engine,
+                    AbortReason::ClientDisconnect,
+                    AbortReason::Shutdown,
+                ][r as usize];
                 let n = self.pick(side, k);
                 match n {
                     Node::P(i) => self.ps[i].abort(now, reason),
@@ -532,12 +735,20 @@ impl World {
                 let r = match n {
                     Node::P(i) => {
                         let peer = d_id(p % (self.sc.n_d + 1));
-                        let e = if dead { send::Event::PeerDead { peer } } else { send::Event::PlanFailed { peer } };
+                        let e = if dead {
+                            send::Event::PeerDead { peer }
+                        } else {
+                            send::Event::PlanFailed { peer }
+                        };
                         self.ps[i].handle_event(now, e)
                     }
                     Node::D(j) => {
                         let peer = p_id(p % (self.sc.n_p + 1));
-                        let e = if dead { recv::Event::PeerDead { peer } } else { recv::Event::PlanFailed { peer } };
+                        let e = if dead {
+                            recv::Event::PeerDead { peer }
+                        } else {
+                            recv::Event::PlanFailed { peer }
+                        };
                         self.ds[j].handle_event(now, e)
                     }
                 };
@@ -557,11 +768,40 @@ impl World {
                 // an accepted one is a lie we cannot defend against, so the
                 // clone is thrown away either way. Nothing may panic.
                 let msg = Self::junk_msg(kind, x);
+                if self.hostile {
+                    let n = self.pick(side, k);
+                    let _ = match n {
+                        Node::P(i) => self.ps[i].handle_event(
+                            now,
+                            send::Event::Msg {
+                                peer: d_id(p % 5),
+                                msg,
+                            },
+                        ),
+                        Node::D(j) => self.ds[j].handle_event(
+                            now,
+                            recv::Event::Msg {
+                                peer: p_id(p % 5),
+                                msg,
+                            },
+                        ),
+                    };
+                    self.route(n);
+                    return;
+                }
                 match self.pick(side, k) {
                     Node::P(i) => {
                         let mut m = self.ps[i].clone();
                         let before = format!("{m:?}");
-                        if m.handle_event(now, send::Event::Msg { peer: d_id(p % 5), msg }).is_err() {
+                        if m.handle_event(
+                            now,
+                            send::Event::Msg {
+                                peer: d_id(p % 5),
+                                msg,
+                            },
+                        )
+                        .is_err()
+                        {
                             assert_eq!(before, format!("{m:?}"), "refused junk changed P{i}");
                         }
                         while m.poll_action().is_some() {}
@@ -569,7 +809,15 @@ impl World {
                     Node::D(j) => {
                         let mut m = self.ds[j].clone();
                         let before = format!("{m:?}");
-                        if m.handle_event(now, recv::Event::Msg { peer: p_id(p % 5), msg }).is_err() {
+                        if m.handle_event(
+                            now,
+                            recv::Event::Msg {
+                                peer: p_id(p % 5),
+                                msg,
+                            },
+                        )
+                        .is_err()
+                        {
                             assert_eq!(before, format!("{m:?}"), "refused junk changed D{j}");
                         }
                         while m.poll_action().is_some() {}
@@ -610,24 +858,48 @@ impl World {
             }
         }
         let c = self.cfg;
-        let bound = c.bootstrap_timeout + c.waiting_timeout + c.hold_limit + c.lease + c.fence() + c.transfer_bound;
-        assert!(self.now <= start + bound, "took {:?} after the last input", self.now - start);
+        let bound = c.bootstrap_timeout
+            + c.waiting_timeout
+            + c.hold_limit
+            + c.lease
+            + c.fence()
+            + c.transfer_bound;
+        assert!(
+            self.now <= start + bound,
+            "took {:?} after the last input",
+            self.now - start
+        );
         for i in 0..self.sc.n_p {
-            assert!(self.is_released(Node::P(i)), "P{i} never released (phase {:?})", self.ps[i].phase());
+            assert!(
+                self.is_released(Node::P(i)),
+                "P{i} never released (phase {:?})",
+                self.ps[i].phase()
+            );
         }
         for j in 0..self.sc.n_d {
-            assert!(self.is_released(Node::D(j)), "D{j} never reported (phase {:?})", self.ds[j].phase());
+            assert!(
+                self.is_released(Node::D(j)),
+                "D{j} never reported (phase {:?})",
+                self.ds[j].phase()
+            );
         }
     }
 }
 
 fn dst_of(j: usize, len: usize) -> Vec<BlockId> {
-    (0..len).map(|k| BlockId((1000 + j * 100 + k) as u32)).collect()
+    (0..len)
+        .map(|k| BlockId((1000 + j * 100 + k) as u32))
+        .collect()
 }
 
 fn run(sc: Scenario) -> World {
+    run_with(sc, false)
+}
+
+fn run_with(sc: Scenario, hostile: bool) -> World {
     let steps = sc.steps.clone();
     let mut w = World::new(sc);
+    w.hostile = hostile;
     w.check_all();
     for s in &steps {
         w.apply(s);
@@ -643,6 +915,13 @@ proptest! {
     #[test]
     fn invariants_hold_for_random_pairs(sc in scenario()) {
         run(sc);
+    }
+
+    /// Peers that send junk into the live machines: nothing panics, every
+    /// machine still releases exactly once and by its deadlines.
+    #[test]
+    fn hostile_peers_cannot_break_exactly_once_or_liveness(sc in scenario()) {
+        run_with(sc, true);
     }
 }
 
@@ -661,17 +940,27 @@ fn random_runs_cover_every_outcome() {
         let w = run(sc);
         transfers += w.transfers.len();
         for p in &w.ps {
-            *seen.entry((mode.clone(), format!("P {:?}", p.phase()))).or_default() += 1;
+            *seen
+                .entry((mode.clone(), format!("P {:?}", p.phase())))
+                .or_default() += 1;
         }
         for d in &w.ds {
-            *seen.entry((mode.clone(), format!("D {:?}", d.phase()))).or_default() += 1;
+            *seen
+                .entry((mode.clone(), format!("D {:?}", d.phase())))
+                .or_default() += 1;
         }
     }
     eprintln!("{transfers} transfers; outcomes: {seen:?}");
     assert!(transfers > 500, "only {transfers} transfers started");
     for mode in ["Push", "Pull"] {
         for side in ["P", "D"] {
-            for phase in ["Success", "Expired", "Failed(Aborted", "Failed(PeerDead)", "Failed(PeerAborted)"] {
+            for phase in [
+                "Success",
+                "Expired",
+                "Failed(Aborted",
+                "Failed(PeerDead)",
+                "Failed(PeerAborted)",
+            ] {
                 let n: usize = seen
                     .iter()
                     .filter(|((m, p), _)| m == mode && p.starts_with(&format!("{side} {phase}")))

@@ -36,33 +36,66 @@ fn send(peer: PeerId, msg: Msg) -> Action {
 
 fn resolved(peers: &[PeerId]) -> Event {
     Event::PeersResolved {
-        peers: peers.iter().map(|&peer| ResolvedPeer { peer, receivers_expected: 1 }).collect(),
+        peers: peers
+            .iter()
+            .map(|&peer| ResolvedPeer {
+                peer,
+                receivers_expected: 1,
+            })
+            .collect(),
     }
 }
 
 fn machine(t0: Instant, mode: Mode, dst: &[u32], prefix: u32) -> RecvMachine {
-    RecvMachine::new(t0, &Config::default(), TransferId(3), mode, blocks(dst), vec![prefix]).unwrap()
+    RecvMachine::new(
+        t0,
+        &Config::default(),
+        TransferId(3),
+        mode,
+        blocks(dst),
+        vec![prefix],
+    )
+    .unwrap()
 }
 
 fn pull_msg(dst: &[u32], prefix: u32, lease_seq: Option<u64>) -> Msg {
-    Msg::Pull { receivers_expected: 1, dst_blocks: blocks(dst), prefix_blocks: vec![prefix], lease_seq }
+    Msg::Pull {
+        receivers_expected: 1,
+        dst_blocks: blocks(dst),
+        prefix_blocks: vec![prefix],
+        lease_seq,
+    }
 }
 
 fn ready(chunk: u32, start: u32, src: &[u32], is_last: bool) -> Msg {
-    Msg::Ready { chunk, start_blocks: vec![start], src_blocks: blocks(src), is_last }
+    Msg::Ready {
+        chunk,
+        start_blocks: vec![start],
+        src_blocks: blocks(src),
+        is_last,
+    }
 }
 
 fn read(peer: PeerId, chunk: u32, src: &[u32], dst: &[u32]) -> Action {
-    Action::Read { peer, chunk, src_blocks: blocks(src), dst_blocks: blocks(dst) }
+    Action::Read {
+        peer,
+        chunk,
+        src_blocks: blocks(src),
+        dst_blocks: blocks(dst),
+    }
 }
 
 fn load_failed(dst: &[u32]) -> Action {
-    Action::LoadFailed { block_ids: dst.iter().map(|&b| BlockId(b)).collect() }
+    Action::LoadFailed {
+        block_ids: dst.iter().map(|&b| BlockId(b)).collect(),
+    }
 }
 
 fn assert_peer_error(m: &mut RecvMachine, now: Instant, e: Event) {
     let before = format!("{m:?}");
-    let err = m.handle_event(now, e).expect_err("bad input must be refused");
+    let err = m
+        .handle_event(now, e)
+        .expect_err("bad input must be refused");
     assert!(matches!(err, InputError::Peer(_)), "{err:?}");
     assert_eq!(before, format!("{m:?}"), "machine changed by refused input");
 }
@@ -74,12 +107,27 @@ fn push_flow_grants_and_reports_received() {
     let t0 = Instant::now();
     let mut m = machine(t0, Mode::Push, &[5, 6], 0);
     assert_eq!(m.phase(), Phase::Bootstrapping);
-    assert_eq!(ev(&mut m, t0, resolved(&[P0])), vec![send(P0, pull_msg(&[5, 6], 0, None))]);
+    assert_eq!(
+        ev(&mut m, t0, resolved(&[P0])),
+        vec![send(P0, pull_msg(&[5, 6], 0, None))]
+    );
     assert_eq!(m.phase(), Phase::WaitingForInput);
     let out = ev(&mut m, t0, msg(P0, Msg::LeaseRequest { seq: 0 }));
-    assert_eq!(out, vec![send(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 })]);
+    assert_eq!(
+        out,
+        vec![send(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000
+            }
+        )]
+    );
     assert_eq!(m.phase(), Phase::Transferring);
-    assert_eq!(ev(&mut m, t0, msg(P0, Msg::Status { ok: true })), vec![Action::Received]);
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, Msg::Status { ok: true })),
+        vec![Action::Received]
+    );
     assert_eq!(m.phase(), Phase::Success);
     assert!(m.is_reported());
 }
@@ -94,7 +142,10 @@ fn push_fan_in_needs_every_sender() {
     // A duplicate Status does not count twice.
     assert_eq!(ev(&mut m, t0, msg(P1, Msg::Status { ok: true })), vec![]);
     assert!(!m.is_reported());
-    assert_eq!(ev(&mut m, t0, msg(P0, Msg::Status { ok: true })), vec![Action::Received]);
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, Msg::Status { ok: true })),
+        vec![Action::Received]
+    );
 }
 
 #[test]
@@ -105,14 +156,27 @@ fn push_local_abort_waits_for_every_ack() {
     ev(&mut m, t0, msg(P0, Msg::LeaseRequest { seq: 0 }));
     ev(&mut m, t0, msg(P1, Msg::LeaseRequest { seq: 0 }));
     m.abort(t0 + secs(1), AbortReason::ClientDisconnect);
-    assert_eq!(drain(&mut m), vec![send(P0, Msg::Abort), send(P1, Msg::Abort)]);
-    assert_eq!(m.phase(), Phase::Transferring, "P may still write: blocks not reusable");
+    assert_eq!(
+        drain(&mut m),
+        vec![send(P0, Msg::Abort), send(P1, Msg::Abort)]
+    );
+    assert_eq!(
+        m.phase(),
+        Phase::Transferring,
+        "P may still write: blocks not reusable"
+    );
     // A lease request that crossed the abort is not granted.
-    assert_eq!(ev(&mut m, t0 + secs(1), msg(P0, Msg::LeaseRequest { seq: 1 })), vec![]);
+    assert_eq!(
+        ev(&mut m, t0 + secs(1), msg(P0, Msg::LeaseRequest { seq: 1 })),
+        vec![]
+    );
     assert_eq!(ev(&mut m, t0 + secs(2), msg(P0, Msg::AbortAck)), vec![]);
     let out = ev(&mut m, t0 + secs(2), msg(P1, Msg::AbortAck));
     assert_eq!(out, vec![load_failed(&[5, 6])]);
-    assert_eq!(m.phase(), Phase::Failed(FailReason::Aborted(AbortReason::ClientDisconnect)));
+    assert_eq!(
+        m.phase(),
+        Phase::Failed(FailReason::Aborted(AbortReason::ClientDisconnect))
+    );
 }
 
 #[test]
@@ -147,7 +211,11 @@ fn push_waiting_deadline_expires_then_fences() {
     let mut m = machine(t0, Mode::Push, &[5], 0);
     ev(&mut m, t0, resolved(&[P0]));
     assert_eq!(m.poll_timeout(), Some(t0 + secs(300)));
-    ev(&mut m, t0 + secs(295), msg(P0, Msg::LeaseRequest { seq: 0 }));
+    ev(
+        &mut m,
+        t0 + secs(295),
+        msg(P0, Msg::LeaseRequest { seq: 0 }),
+    );
     m.handle_timeout(t0 + secs(300));
     assert_eq!(drain(&mut m), vec![send(P0, Msg::Abort)]);
     assert!(!m.phase().is_terminal());
@@ -162,8 +230,14 @@ fn push_sender_failure_waits_for_other_senders() {
     let mut m = machine(t0, Mode::Push, &[5], 0);
     ev(&mut m, t0, resolved(&[P0, P1]));
     ev(&mut m, t0, msg(P1, Msg::LeaseRequest { seq: 0 }));
-    assert_eq!(ev(&mut m, t0, msg(P0, Msg::Status { ok: false })), vec![send(P1, Msg::Abort)]);
-    assert_eq!(ev(&mut m, t0, msg(P1, Msg::Status { ok: true })), vec![load_failed(&[5])]);
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, Msg::Status { ok: false })),
+        vec![send(P1, Msg::Abort)]
+    );
+    assert_eq!(
+        ev(&mut m, t0, msg(P1, Msg::Status { ok: true })),
+        vec![load_failed(&[5])]
+    );
     assert_eq!(m.phase(), Phase::Failed(FailReason::PeerReported));
 }
 
@@ -184,7 +258,10 @@ fn push_peer_dead_still_fences_its_lease() {
     let mut m = machine(t0, Mode::Push, &[5], 0);
     ev(&mut m, t0, resolved(&[P0]));
     ev(&mut m, t0, msg(P0, Msg::LeaseRequest { seq: 0 }));
-    assert_eq!(ev(&mut m, t0, Event::PeerDead { peer: P0 }), vec![send(P0, Msg::Abort)]);
+    assert_eq!(
+        ev(&mut m, t0, Event::PeerDead { peer: P0 }),
+        vec![send(P0, Msg::Abort)]
+    );
     // Declared dead is not proof that its writes stopped: wait lease + fence.
     m.handle_timeout(t0 + secs(21));
     assert_eq!(drain(&mut m), vec![]);
@@ -216,7 +293,11 @@ fn terminal_absorbs_every_later_input() {
         msg(P0, Msg::LeaseRequest { seq: 4 }),
         msg(P0, Msg::Abort),
         msg(P0, Msg::AbortAck),
-        Event::ReadDone { peer: P0, chunk: 0, ok: true },
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
         Event::PeerDead { peer: P0 },
         resolved(&[P0]),
     ];
@@ -237,28 +318,72 @@ fn bad_input_is_refused_and_changes_nothing() {
     ev(&mut m, t0, resolved(&[P0]));
     assert_peer_error(&mut m, t0, msg(P1, Msg::Status { ok: true }));
     assert_peer_error(&mut m, t0, msg(P0, ready(0, 0, &[1], true)));
-    assert_peer_error(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 1 }));
+    assert_peer_error(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 1,
+            },
+        ),
+    );
     assert_peer_error(&mut m, t0, msg(P0, Msg::AbortAck));
     assert_peer_error(&mut m, t0, msg(P0, Msg::Done { ok: true }));
     assert_peer_error(&mut m, t0, msg(P0, pull_msg(&[1], 0, None)));
     let before = format!("{m:?}");
-    assert!(matches!(m.handle_event(t0, resolved(&[P1])), Err(InputError::Misuse(_))));
-    assert!(matches!(m.handle_event(t0, Event::ReadDone { peer: P0, chunk: 0, ok: true }), Err(InputError::Misuse(_))));
+    assert!(matches!(
+        m.handle_event(t0, resolved(&[P1])),
+        Err(InputError::Misuse(_))
+    ));
+    assert!(matches!(
+        m.handle_event(
+            t0,
+            Event::ReadDone {
+                peer: P0,
+                chunk: 0,
+                ok: true
+            }
+        ),
+        Err(InputError::Misuse(_))
+    ));
     assert_eq!(before, format!("{m:?}"));
 }
 
 #[test]
 fn misuse_at_creation_and_resolution() {
     let t0 = Instant::now();
-    let cfg = Config { max_blocks_per_group: 2, max_peers: 2, ..Config::default() };
-    let r = RecvMachine::new(t0, &cfg, TransferId(1), Mode::Push, blocks(&[1, 2, 3]), vec![0]);
+    let cfg = Config {
+        max_blocks_per_group: 2,
+        max_peers: 2,
+        ..Config::default()
+    };
+    let r = RecvMachine::new(
+        t0,
+        &cfg,
+        TransferId(1),
+        Mode::Push,
+        blocks(&[1, 2, 3]),
+        vec![0],
+    );
     assert!(matches!(r, Err(InputError::Misuse(_))));
     let r = RecvMachine::new(t0, &cfg, TransferId(1), Mode::Push, blocks(&[1]), vec![]);
     assert!(matches!(r, Err(InputError::Misuse(_))));
-    let mut m = RecvMachine::new(t0, &cfg, TransferId(1), Mode::Push, blocks(&[1]), vec![0]).unwrap();
-    assert!(matches!(m.handle_event(t0, resolved(&[P0, P0])), Err(InputError::Misuse(_))));
-    assert!(matches!(m.handle_event(t0, resolved(&[P0, P1, PeerId(3)])), Err(InputError::Misuse(_))));
-    assert!(matches!(m.handle_event(t0, resolved(&[])), Err(InputError::Misuse(_))));
+    let mut m =
+        RecvMachine::new(t0, &cfg, TransferId(1), Mode::Push, blocks(&[1]), vec![0]).unwrap();
+    assert!(matches!(
+        m.handle_event(t0, resolved(&[P0, P0])),
+        Err(InputError::Misuse(_))
+    ));
+    assert!(matches!(
+        m.handle_event(t0, resolved(&[P0, P1, PeerId(3)])),
+        Err(InputError::Misuse(_))
+    ));
+    assert!(matches!(
+        m.handle_event(t0, resolved(&[])),
+        Err(InputError::Misuse(_))
+    ));
     assert_eq!(m.phase(), Phase::Bootstrapping);
 }
 
@@ -269,7 +394,11 @@ fn pull_started(t0: Instant, dst: &[u32], prefix: u32, peers: &[PeerId]) -> Recv
     let out = ev(&mut m, t0, resolved(peers));
     assert_eq!(out.len(), peers.len());
     for (a, &p) in out.iter().zip(peers) {
-        assert_eq!(a, &send(p, pull_msg(dst, prefix, Some(0))), "first lease request rides on Pull");
+        assert_eq!(
+            a,
+            &send(p, pull_msg(dst, prefix, Some(0))),
+            "first lease request rides on Pull"
+        );
     }
     m
 }
@@ -281,12 +410,47 @@ fn pull_flow_reads_then_done() {
     // Data before the lease: no read may start.
     assert_eq!(ev(&mut m, t0, msg(P0, ready(0, 0, &[1, 2], false))), vec![]);
     assert_eq!(m.phase(), Phase::Transferring);
-    let out = ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
+    let out = ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
     assert_eq!(out, vec![read(P0, 0, &[1, 2], &[5, 6])]);
-    assert_eq!(ev(&mut m, t0, msg(P0, ready(1, 2, &[3], true))), vec![read(P0, 1, &[3], &[7])]);
-    assert_eq!(ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 1, ok: true }), vec![]);
-    let out = ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 0, ok: true });
-    assert_eq!(out, vec![send(P0, Msg::Done { ok: true }), Action::Received]);
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, ready(1, 2, &[3], true))),
+        vec![read(P0, 1, &[3], &[7])]
+    );
+    assert_eq!(
+        ev(
+            &mut m,
+            t0,
+            Event::ReadDone {
+                peer: P0,
+                chunk: 1,
+                ok: true
+            }
+        ),
+        vec![]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(P0, Msg::Done { ok: true }), Action::Received]
+    );
     assert_eq!(m.phase(), Phase::Success);
 }
 
@@ -294,16 +458,55 @@ fn pull_flow_reads_then_done() {
 fn pull_chunks_out_of_order_and_duplicates() {
     let t0 = Instant::now();
     let mut m = pull_started(t0, &[5, 6], 0, &[P0]);
-    ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
-    assert_eq!(ev(&mut m, t0, msg(P0, ready(1, 1, &[2], true))), vec![read(P0, 1, &[2], &[6])]);
-    assert_eq!(ev(&mut m, t0, msg(P0, ready(1, 1, &[2], true))), vec![], "duplicate");
-    assert_eq!(ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 1, ok: true }), vec![]);
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, ready(1, 1, &[2], true))),
+        vec![read(P0, 1, &[2], &[6])]
+    );
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, ready(1, 1, &[2], true))),
+        vec![],
+        "duplicate"
+    );
+    assert_eq!(
+        ev(
+            &mut m,
+            t0,
+            Event::ReadDone {
+                peer: P0,
+                chunk: 1,
+                ok: true
+            }
+        ),
+        vec![]
+    );
     assert!(!m.is_reported(), "chunk 0 still missing");
     assert_peer_error(&mut m, t0, msg(P0, ready(1, 1, &[3], true)));
     assert_peer_error(&mut m, t0, msg(P0, ready(2, 2, &[3], false)));
     assert_peer_error(&mut m, t0, msg(P0, ready(0, 0, &[1], true)));
-    assert_eq!(ev(&mut m, t0, msg(P0, ready(0, 0, &[1], false))), vec![read(P0, 0, &[1], &[5])]);
-    let out = ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 0, ok: true });
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, ready(0, 0, &[1], false))),
+        vec![read(P0, 0, &[1], &[5])]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
+    );
     assert_eq!(out.last(), Some(&Action::Received));
 }
 
@@ -312,25 +515,86 @@ fn pull_fan_in_sends_done_per_peer() {
     let t0 = Instant::now();
     let mut m = pull_started(t0, &[5], 0, &[P0, P1]);
     for p in [P0, P1] {
-        ev(&mut m, t0, msg(p, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
+        ev(
+            &mut m,
+            t0,
+            msg(
+                p,
+                Msg::LeaseGrant {
+                    seq: 0,
+                    duration_ms: 10_000,
+                },
+            ),
+        );
         ev(&mut m, t0, msg(p, ready(0, 0, &[1], true)));
     }
-    let out = ev(&mut m, t0, Event::ReadDone { peer: P1, chunk: 0, ok: true });
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P1,
+            chunk: 0,
+            ok: true,
+        },
+    );
     assert_eq!(out, vec![send(P1, Msg::Done { ok: true })]);
-    let out = ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 0, ok: true });
-    assert_eq!(out, vec![send(P0, Msg::Done { ok: true }), Action::Received]);
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(P0, Msg::Done { ok: true }), Action::Received]
+    );
 }
 
 #[test]
 fn pull_read_failure_returns_lease_after_other_reads() {
     let t0 = Instant::now();
     let mut m = pull_started(t0, &[5, 6], 0, &[P0]);
-    ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
     ev(&mut m, t0, msg(P0, ready(0, 0, &[1], false)));
     ev(&mut m, t0, msg(P0, ready(1, 1, &[2], true)));
-    assert_eq!(ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 0, ok: false }), vec![]);
-    let out = ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 1, ok: true });
-    assert_eq!(out, vec![send(P0, Msg::Done { ok: false }), load_failed(&[5, 6])]);
+    assert_eq!(
+        ev(
+            &mut m,
+            t0,
+            Event::ReadDone {
+                peer: P0,
+                chunk: 0,
+                ok: false
+            }
+        ),
+        vec![]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P0,
+            chunk: 1,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(P0, Msg::Done { ok: false }), load_failed(&[5, 6])]
+    );
     assert_eq!(m.phase(), Phase::Failed(FailReason::Transport));
 }
 
@@ -339,12 +603,35 @@ fn pull_no_read_after_lease_ran_out() {
     let t0 = Instant::now();
     let mut m = pull_started(t0, &[5], 0, &[P0]);
     // The grant took 9 s to arrive: the lease ends at t0 + 10 s regardless.
-    ev(&mut m, t0 + secs(9), msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
+    ev(
+        &mut m,
+        t0 + secs(9),
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
     m.handle_timeout(t0 + secs(9));
     let renew = drain(&mut m);
     assert_eq!(renew, vec![send(P0, Msg::LeaseRequest { seq: 1 })]);
-    assert_eq!(ev(&mut m, t0 + secs(10), msg(P0, ready(0, 0, &[1], true))), vec![]);
-    let out = ev(&mut m, t0 + secs(11), msg(P0, Msg::LeaseGrant { seq: 1, duration_ms: 10_000 }));
+    assert_eq!(
+        ev(&mut m, t0 + secs(10), msg(P0, ready(0, 0, &[1], true))),
+        vec![]
+    );
+    let out = ev(
+        &mut m,
+        t0 + secs(11),
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 1,
+                duration_ms: 10_000,
+            },
+        ),
+    );
     assert_eq!(out, vec![read(P0, 0, &[1], &[5])]);
 }
 
@@ -352,11 +639,29 @@ fn pull_no_read_after_lease_ran_out() {
 fn pull_local_abort_waits_for_reads_then_aborts() {
     let t0 = Instant::now();
     let mut m = pull_started(t0, &[5], 0, &[P0]);
-    ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
     ev(&mut m, t0, msg(P0, ready(0, 0, &[1], true)));
     m.abort(t0, AbortReason::Engine);
     assert_eq!(drain(&mut m), vec![]);
-    let out = ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 0, ok: true });
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
+    );
     assert_eq!(out, vec![send(P0, Msg::Abort), load_failed(&[5])]);
     // Its acknowledgement arrives later: absorbed.
     assert_eq!(ev(&mut m, t0, msg(P0, Msg::AbortAck)), vec![]);
@@ -366,48 +671,156 @@ fn pull_local_abort_waits_for_reads_then_aborts() {
 fn pull_peer_abort_acked_after_reads_end_by_bound() {
     let t0 = Instant::now();
     let mut m = pull_started(t0, &[5], 0, &[P0]);
-    ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
     ev(&mut m, t0, msg(P0, ready(0, 0, &[1], true)));
     assert_eq!(ev(&mut m, t0 + secs(1), msg(P0, Msg::Abort)), vec![]);
     m.handle_timeout(t0 + secs(10));
-    assert_eq!(drain(&mut m), vec![send(P0, Msg::AbortAck), load_failed(&[5])]);
+    assert_eq!(
+        drain(&mut m),
+        vec![send(P0, Msg::AbortAck), load_failed(&[5])]
+    );
     assert_eq!(m.phase(), Phase::Failed(FailReason::PeerAborted));
-    assert_eq!(ev(&mut m, t0 + secs(11), Event::ReadDone { peer: P0, chunk: 0, ok: true }), vec![]);
+    assert_eq!(
+        ev(
+            &mut m,
+            t0 + secs(11),
+            Event::ReadDone {
+                peer: P0,
+                chunk: 0,
+                ok: true
+            }
+        ),
+        vec![]
+    );
 }
 
 #[test]
 fn pull_prefix_hit_and_bad_metadata() {
     let t0 = Instant::now();
     let mut m = pull_started(t0, &[5], 1, &[P0]);
-    ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
-    assert_eq!(ev(&mut m, t0, msg(P0, ready(0, 0, &[1, 2], false))), vec![read(P0, 0, &[2], &[5])]);
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, ready(0, 0, &[1, 2], false))),
+        vec![read(P0, 0, &[2], &[5])]
+    );
     let out = ev(&mut m, t0, msg(P0, ready(1, 2, &[3], true)));
-    assert_eq!(out, vec![], "P has more blocks than D can take: waits for the read in flight");
-    let out = ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 0, ok: true });
-    assert_eq!(out, vec![send(P0, Msg::Done { ok: false }), load_failed(&[5])]);
+    assert_eq!(
+        out,
+        vec![],
+        "P has more blocks than D can take: waits for the read in flight"
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(P0, Msg::Done { ok: false }), load_failed(&[5])]
+    );
     assert_eq!(m.phase(), Phase::Failed(FailReason::BadMetadata));
 }
 
 #[test]
 fn pull_waiting_deadline_is_renewed_by_progress_only() {
     let t0 = Instant::now();
-    let cfg = Config { waiting_timeout: secs(20), ..Config::default() };
-    let mut m = RecvMachine::new(t0, &cfg, TransferId(1), Mode::Pull, blocks(&[5, 6]), vec![0]).unwrap();
+    let cfg = Config {
+        waiting_timeout: secs(20),
+        ..Config::default()
+    };
+    let mut m = RecvMachine::new(
+        t0,
+        &cfg,
+        TransferId(1),
+        Mode::Pull,
+        blocks(&[5, 6]),
+        vec![0],
+    )
+    .unwrap();
     ev(&mut m, t0, resolved(&[P0]));
-    ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
     m.handle_timeout(t0 + secs(14));
     assert_eq!(drain(&mut m), vec![send(P0, Msg::LeaseRequest { seq: 1 })]);
-    ev(&mut m, t0 + secs(14), msg(P0, Msg::LeaseGrant { seq: 1, duration_ms: 10_000 }));
-    assert_eq!(ev(&mut m, t0 + secs(15), msg(P0, ready(0, 0, &[1], false))), vec![read(P0, 0, &[1], &[5])]);
-    ev(&mut m, t0 + secs(16), Event::ReadDone { peer: P0, chunk: 0, ok: true });
+    ev(
+        &mut m,
+        t0 + secs(14),
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 1,
+                duration_ms: 10_000,
+            },
+        ),
+    );
+    assert_eq!(
+        ev(&mut m, t0 + secs(15), msg(P0, ready(0, 0, &[1], false))),
+        vec![read(P0, 0, &[1], &[5])]
+    );
+    ev(
+        &mut m,
+        t0 + secs(16),
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
+    );
     // Lease traffic keeps flowing, but no more data.
     let mut now = t0 + secs(16);
     while !m.is_reported() {
         now = m.poll_timeout().unwrap();
         m.handle_timeout(now);
         for a in drain(&mut m) {
-            if let Action::Send { msg: Msg::LeaseRequest { seq }, peer } = a {
-                ev(&mut m, now, msg(peer, Msg::LeaseGrant { seq, duration_ms: 10_000 }));
+            if let Action::Send {
+                msg: Msg::LeaseRequest { seq },
+                peer,
+            } = a
+            {
+                ev(
+                    &mut m,
+                    now,
+                    msg(
+                        peer,
+                        Msg::LeaseGrant {
+                            seq,
+                            duration_ms: 10_000,
+                        },
+                    ),
+                );
             }
         }
     }
@@ -418,15 +831,61 @@ fn pull_waiting_deadline_is_renewed_by_progress_only() {
 #[test]
 fn in_flight_reads_are_bounded() {
     let t0 = Instant::now();
-    let cfg = Config { max_in_flight: 1, ..Config::default() };
-    let mut m = RecvMachine::new(t0, &cfg, TransferId(1), Mode::Pull, blocks(&[5, 6]), vec![0]).unwrap();
+    let cfg = Config {
+        max_in_flight: 1,
+        ..Config::default()
+    };
+    let mut m = RecvMachine::new(
+        t0,
+        &cfg,
+        TransferId(1),
+        Mode::Pull,
+        blocks(&[5, 6]),
+        vec![0],
+    )
+    .unwrap();
     ev(&mut m, t0, resolved(&[P0]));
-    ev(&mut m, t0, msg(P0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 }));
-    assert_eq!(ev(&mut m, t0, msg(P0, ready(0, 0, &[1], false))), vec![read(P0, 0, &[1], &[5])]);
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, ready(0, 0, &[1], false))),
+        vec![read(P0, 0, &[1], &[5])]
+    );
     assert_eq!(ev(&mut m, t0, msg(P0, ready(1, 1, &[2], true))), vec![]);
-    assert_eq!(ev(&mut m, t0, Event::ReadDone { peer: P0, chunk: 0, ok: true }), vec![read(P0, 1, &[2], &[6])]);
-    let cfg = Config { max_chunks: 2, ..Config::default() };
-    let mut m = RecvMachine::new(t0, &cfg, TransferId(1), Mode::Pull, blocks(&[5, 6]), vec![0]).unwrap();
+    assert_eq!(
+        ev(
+            &mut m,
+            t0,
+            Event::ReadDone {
+                peer: P0,
+                chunk: 0,
+                ok: true
+            }
+        ),
+        vec![read(P0, 1, &[2], &[6])]
+    );
+    let cfg = Config {
+        max_chunks: 2,
+        ..Config::default()
+    };
+    let mut m = RecvMachine::new(
+        t0,
+        &cfg,
+        TransferId(1),
+        Mode::Pull,
+        blocks(&[5, 6]),
+        vec![0],
+    )
+    .unwrap();
     ev(&mut m, t0, resolved(&[P0]));
     assert_peer_error(&mut m, t0, msg(P0, ready(2, 2, &[3], true)));
 }

@@ -44,11 +44,17 @@ fn pull(receivers: u16, dst: &[u32], prefix: u32, lease_seq: Option<u64>) -> Msg
 }
 
 fn chunk(src: &[u32], is_last: bool) -> Event {
-    Event::ChunkReady { src_blocks: blocks(src), is_last }
+    Event::ChunkReady {
+        src_blocks: blocks(src),
+        is_last,
+    }
 }
 
 fn grant(seq: u64) -> Msg {
-    Msg::LeaseGrant { seq, duration_ms: 10_000 }
+    Msg::LeaseGrant {
+        seq,
+        duration_ms: 10_000,
+    }
 }
 
 fn send(peer: PeerId, msg: Msg) -> Action {
@@ -56,7 +62,12 @@ fn send(peer: PeerId, msg: Msg) -> Action {
 }
 
 fn write(peer: PeerId, chunk: u32, src: &[u32], dst: &[u32]) -> Action {
-    Action::Write { peer, chunk, src_blocks: blocks(src), dst_blocks: blocks(dst) }
+    Action::Write {
+        peer,
+        chunk,
+        src_blocks: blocks(src),
+        dst_blocks: blocks(dst),
+    }
 }
 
 fn release(outcome: Phase) -> Action {
@@ -74,7 +85,9 @@ fn pull_machine(t0: Instant) -> SendMachine {
 /// Asserts that `e` is refused with a peer error and leaves the machine as it was.
 fn assert_peer_error(m: &mut SendMachine, now: Instant, e: Event) {
     let before = format!("{m:?}");
-    let err = m.handle_event(now, e).expect_err("bad input must be refused");
+    let err = m
+        .handle_event(now, e)
+        .expect_err("bad input must be refused");
     assert!(matches!(err, InputError::Peer(_)), "{err:?}");
     assert_eq!(before, format!("{m:?}"), "machine changed by refused input");
 }
@@ -84,14 +97,31 @@ fn push_whole_request_with_d_info_first() {
     let t0 = Instant::now();
     let mut m = push_machine(t0);
     assert_eq!(m.phase(), Phase::Bootstrapping);
-    assert_eq!(ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None))), vec![send(D0, Msg::LeaseRequest { seq: 0 })]);
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None))),
+        vec![send(D0, Msg::LeaseRequest { seq: 0 })]
+    );
     assert_eq!(m.phase(), Phase::WaitingForInput);
     // KV ready but no lease yet: nothing may be written.
     assert_eq!(ev(&mut m, t0, chunk(&[1, 2], true)), vec![]);
     assert_eq!(m.phase(), Phase::Transferring);
-    assert_eq!(ev(&mut m, t0, msg(D0, grant(0))), vec![write(D0, 0, &[1, 2], &[5, 6])]);
-    let out = ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: true });
-    assert_eq!(out, vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]);
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, grant(0))),
+        vec![write(D0, 0, &[1, 2], &[5, 6])]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]
+    );
     assert_eq!(m.phase(), Phase::Success);
     assert!(m.is_released());
     assert_eq!(m.poll_timeout(), None);
@@ -104,9 +134,23 @@ fn push_whole_request_with_kv_first() {
     assert_eq!(ev(&mut m, t0, chunk(&[1, 2], true)), vec![]);
     assert_eq!(m.phase(), Phase::Bootstrapping);
     let t1 = t0 + secs(1);
-    assert_eq!(ev(&mut m, t1, msg(D0, pull(1, &[5, 6], 0, None))), vec![send(D0, Msg::LeaseRequest { seq: 0 })]);
-    assert_eq!(ev(&mut m, t1, msg(D0, grant(0))), vec![write(D0, 0, &[1, 2], &[5, 6])]);
-    let out = ev(&mut m, t1, Event::WriteDone { peer: D0, chunk: 0, ok: true });
+    assert_eq!(
+        ev(&mut m, t1, msg(D0, pull(1, &[5, 6], 0, None))),
+        vec![send(D0, Msg::LeaseRequest { seq: 0 })]
+    );
+    assert_eq!(
+        ev(&mut m, t1, msg(D0, grant(0))),
+        vec![write(D0, 0, &[1, 2], &[5, 6])]
+    );
+    let out = ev(
+        &mut m,
+        t1,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
     assert_eq!(out.last(), Some(&release(Phase::Success)));
 }
 
@@ -117,12 +161,40 @@ fn push_chunked_with_prefix_hit_maps_positions() {
     // D already holds P's first block: P's position i lands in dst[i - 1].
     ev(&mut m, t0, msg(D0, pull(1, &[50, 51, 52], 1, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
-    assert_eq!(ev(&mut m, t0, chunk(&[1, 2], false)), vec![write(D0, 0, &[2], &[50])]);
-    assert_eq!(ev(&mut m, t0, chunk(&[3, 4], true)), vec![write(D0, 1, &[3, 4], &[51, 52])]);
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[1, 2], false)),
+        vec![write(D0, 0, &[2], &[50])]
+    );
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[3, 4], true)),
+        vec![write(D0, 1, &[3, 4], &[51, 52])]
+    );
     // Completions in any order; Status only after the last.
-    assert_eq!(ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 1, ok: true }), vec![]);
-    let out = ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: true });
-    assert_eq!(out, vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]);
+    assert_eq!(
+        ev(
+            &mut m,
+            t0,
+            Event::WriteDone {
+                peer: D0,
+                chunk: 1,
+                ok: true
+            }
+        ),
+        vec![]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]
+    );
 }
 
 #[test]
@@ -132,8 +204,19 @@ fn push_chunk_entirely_in_prefix_needs_no_write() {
     ev(&mut m, t0, msg(D0, pull(1, &[50], 2, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
     assert_eq!(ev(&mut m, t0, chunk(&[1, 2], false)), vec![]);
-    assert_eq!(ev(&mut m, t0, chunk(&[3], true)), vec![write(D0, 1, &[3], &[50])]);
-    let out = ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 1, ok: true });
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[3], true)),
+        vec![write(D0, 1, &[3], &[50])]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 1,
+            ok: true,
+        },
+    );
     assert_eq!(out.last(), Some(&release(Phase::Success)));
 }
 
@@ -147,12 +230,34 @@ fn push_fan_out_counts_completion_per_peer() {
     ev(&mut m, t0, msg(D0, grant(0)));
     ev(&mut m, t0, msg(D1, grant(0)));
     let out = ev(&mut m, t0, chunk(&[1], true));
-    assert_eq!(out, vec![write(D0, 0, &[1], &[5]), write(D1, 0, &[1], &[8])]);
-    let out = ev(&mut m, t0, Event::WriteDone { peer: D1, chunk: 0, ok: true });
+    assert_eq!(
+        out,
+        vec![write(D0, 0, &[1], &[5]), write(D1, 0, &[1], &[8])]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D1,
+            chunk: 0,
+            ok: true,
+        },
+    );
     assert_eq!(out, vec![send(D1, Msg::Status { ok: true })]);
     assert!(!m.is_released());
-    let out = ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: true });
-    assert_eq!(out, vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]);
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]
+    );
 }
 
 #[test]
@@ -163,13 +268,19 @@ fn push_lease_counts_from_the_request_not_the_grant() {
     // The grant arrives 8 s late: only 2 s of lease are left.
     ev(&mut m, t0 + secs(8), msg(D0, grant(0)));
     assert_eq!(m.lease_valid_until(D0), Some(t0 + secs(10)));
-    assert_eq!(ev(&mut m, t0 + secs(9), chunk(&[1], false)), vec![write(D0, 0, &[1], &[5])]);
+    assert_eq!(
+        ev(&mut m, t0 + secs(9), chunk(&[1], false)),
+        vec![write(D0, 0, &[1], &[5])]
+    );
     // Past the lease: the next chunk waits for a fresh grant.
     m.handle_timeout(t0 + ms(10_500));
     let renew = drain(&mut m);
     assert_eq!(renew, vec![send(D0, Msg::LeaseRequest { seq: 1 })]);
     assert_eq!(ev(&mut m, t0 + ms(10_600), chunk(&[2], true)), vec![]);
-    assert_eq!(ev(&mut m, t0 + secs(11), msg(D0, grant(1))), vec![write(D0, 1, &[2], &[6])]);
+    assert_eq!(
+        ev(&mut m, t0 + secs(11), msg(D0, grant(1))),
+        vec![write(D0, 1, &[2], &[6])]
+    );
 }
 
 #[test]
@@ -177,7 +288,17 @@ fn push_grant_longer_than_own_lease_is_clipped() {
     let t0 = Instant::now();
     let mut m = push_machine(t0);
     ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
-    ev(&mut m, t0, msg(D0, Msg::LeaseGrant { seq: 0, duration_ms: u64::MAX }));
+    ev(
+        &mut m,
+        t0,
+        msg(
+            D0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: u64::MAX,
+            },
+        ),
+    );
     assert_eq!(m.lease_valid_until(D0), Some(t0 + secs(10)));
 }
 
@@ -188,16 +309,23 @@ fn push_heartbeat_renews_lease_and_claim() {
     ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
     ev(&mut m, t0, chunk(&[1], false));
-    ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: true });
+    ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
     // Renew every 5 s for 100 s with prompt grants: the claim (30 s) never fires.
-    let mut seq = 1;
-    for step in 1..=20u64 {
-        let now = t0 + secs(5 * step);
+    // The lease request of step n is the machine's n-th (seq 0 rode on the Pull).
+    for seq in 1..=20u64 {
+        let now = t0 + secs(5 * seq);
         assert_eq!(m.poll_timeout(), Some(now));
         m.handle_timeout(now);
         assert_eq!(drain(&mut m), vec![send(D0, Msg::LeaseRequest { seq })]);
         ev(&mut m, now, msg(D0, grant(seq)));
-        seq += 1;
     }
     assert_eq!(m.phase(), Phase::Transferring);
 }
@@ -224,7 +352,10 @@ fn push_claim_expires_when_d_is_silent() {
 #[test]
 fn push_claim_is_capped_by_hold_limit() {
     let t0 = Instant::now();
-    let cfg = Config { hold_limit: secs(40), ..Config::default() };
+    let cfg = Config {
+        hold_limit: secs(40),
+        ..Config::default()
+    };
     let mut m = SendMachine::new(t0, &cfg, TransferId(1), Mode::Push);
     ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None)));
     ev(&mut m, t0, chunk(&[1], false));
@@ -241,10 +372,19 @@ fn push_claim_is_capped_by_hold_limit() {
         let mut pending = out;
         while let Some(a) = pending.pop() {
             match a {
-                Action::Send { msg: Msg::LeaseRequest { seq }, .. } => pending.extend(ev(&mut m, now, msg(D0, grant(seq)))),
-                Action::Write { peer, chunk, .. } => {
-                    pending.extend(ev(&mut m, now, Event::WriteDone { peer, chunk, ok: true }))
-                }
+                Action::Send {
+                    msg: Msg::LeaseRequest { seq },
+                    ..
+                } => pending.extend(ev(&mut m, now, msg(D0, grant(seq)))),
+                Action::Write { peer, chunk, .. } => pending.extend(ev(
+                    &mut m,
+                    now,
+                    Event::WriteDone {
+                        peer,
+                        chunk,
+                        ok: true,
+                    },
+                )),
                 other => panic!("unexpected {other:?}"),
             }
         }
@@ -271,9 +411,21 @@ fn push_local_abort_waits_for_in_flight_write() {
     ev(&mut m, t0, msg(D0, grant(0)));
     ev(&mut m, t0, chunk(&[1], true));
     m.abort(t0, AbortReason::Engine);
-    assert_eq!(drain(&mut m), vec![], "a write is in flight: no release, no abort yet");
+    assert_eq!(
+        drain(&mut m),
+        vec![],
+        "a write is in flight: no release, no abort yet"
+    );
     assert!(!m.phase().is_terminal());
-    let out = ev(&mut m, t0 + secs(1), Event::WriteDone { peer: D0, chunk: 0, ok: true });
+    let out = ev(
+        &mut m,
+        t0 + secs(1),
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
     let failed = Phase::Failed(FailReason::Aborted(AbortReason::Engine));
     assert_eq!(out, vec![send(D0, Msg::Abort), release(failed)]);
     assert_eq!(m.phase(), failed);
@@ -290,9 +442,25 @@ fn push_abort_with_lost_completion_releases_after_transfer_bound() {
     assert_eq!(m.poll_timeout(), Some(t0 + secs(10)));
     m.handle_timeout(t0 + secs(10));
     let out = drain(&mut m);
-    assert_eq!(out.last(), Some(&release(Phase::Failed(FailReason::Aborted(AbortReason::Shutdown)))));
+    assert_eq!(
+        out.last(),
+        Some(&release(Phase::Failed(FailReason::Aborted(
+            AbortReason::Shutdown
+        ))))
+    );
     // The completion shows up later: absorbed.
-    assert_eq!(ev(&mut m, t0 + secs(11), Event::WriteDone { peer: D0, chunk: 0, ok: true }), vec![]);
+    assert_eq!(
+        ev(
+            &mut m,
+            t0 + secs(11),
+            Event::WriteDone {
+                peer: D0,
+                chunk: 0,
+                ok: true
+            }
+        ),
+        vec![]
+    );
 }
 
 #[test]
@@ -304,7 +472,13 @@ fn push_write_past_its_bound_fails_as_transport() {
     ev(&mut m, t0, chunk(&[1], true));
     m.handle_timeout(t0 + secs(10));
     let out = drain(&mut m);
-    assert_eq!(out, vec![send(D0, Msg::Status { ok: false }), release(Phase::Failed(FailReason::Transport))]);
+    assert_eq!(
+        out,
+        vec![
+            send(D0, Msg::Status { ok: false }),
+            release(Phase::Failed(FailReason::Transport))
+        ]
+    );
 }
 
 #[test]
@@ -315,9 +489,26 @@ fn push_peer_abort_is_acknowledged_after_writes() {
     ev(&mut m, t0, msg(D1, pull(2, &[6], 0, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
     ev(&mut m, t0, chunk(&[1], true));
-    assert_eq!(ev(&mut m, t0, msg(D0, Msg::Abort)), vec![send(D1, Msg::Status { ok: false })]);
-    let out = ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: true });
-    assert_eq!(out, vec![send(D0, Msg::AbortAck), release(Phase::Failed(FailReason::PeerAborted))]);
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, Msg::Abort)),
+        vec![send(D1, Msg::Status { ok: false })]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![
+            send(D0, Msg::AbortAck),
+            release(Phase::Failed(FailReason::PeerAborted))
+        ]
+    );
 }
 
 #[test]
@@ -327,8 +518,22 @@ fn push_write_failure_fails_transfer() {
     ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
     ev(&mut m, t0, chunk(&[1], false));
-    let out = ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: false });
-    assert_eq!(out, vec![send(D0, Msg::Status { ok: false }), release(Phase::Failed(FailReason::Transport))]);
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: false,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![
+            send(D0, Msg::Status { ok: false }),
+            release(Phase::Failed(FailReason::Transport))
+        ]
+    );
 }
 
 #[test]
@@ -339,7 +544,13 @@ fn push_peer_dead_fails_fast() {
     // Another peer's death does not concern this transfer.
     assert_eq!(ev(&mut m, t0, Event::PeerDead { peer: D1 }), vec![]);
     let out = ev(&mut m, t0, Event::PeerDead { peer: D0 });
-    assert_eq!(out, vec![send(D0, Msg::Status { ok: false }), release(Phase::Failed(FailReason::PeerDead))]);
+    assert_eq!(
+        out,
+        vec![
+            send(D0, Msg::Status { ok: false }),
+            release(Phase::Failed(FailReason::PeerDead))
+        ]
+    );
 }
 
 #[test]
@@ -349,7 +560,10 @@ fn push_blocks_beyond_destination_are_bad_metadata() {
     ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
     let out = ev(&mut m, t0, chunk(&[1, 2], true));
-    assert_eq!(out.last(), Some(&release(Phase::Failed(FailReason::BadMetadata))));
+    assert_eq!(
+        out.last(),
+        Some(&release(Phase::Failed(FailReason::BadMetadata)))
+    );
 }
 
 #[test]
@@ -358,7 +572,10 @@ fn plan_failure_is_bad_metadata() {
     let mut m = push_machine(t0);
     ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
     let out = ev(&mut m, t0, Event::PlanFailed { peer: D0 });
-    assert_eq!(out.last(), Some(&release(Phase::Failed(FailReason::BadMetadata))));
+    assert_eq!(
+        out.last(),
+        Some(&release(Phase::Failed(FailReason::BadMetadata)))
+    );
 }
 
 #[test]
@@ -368,7 +585,11 @@ fn terminal_absorbs_every_later_input() {
     m.handle_timeout(t0 + secs(300));
     assert_eq!(drain(&mut m), vec![release(Phase::Expired)]);
     let late = [
-        Event::WriteDone { peer: D0, chunk: 0, ok: true },
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
         msg(D0, pull(1, &[5], 0, None)),
         msg(D0, Msg::Status { ok: true }),
         msg(D0, Msg::Status { ok: true }),
@@ -394,7 +615,15 @@ fn abort_after_success_is_absorbed() {
     ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
     ev(&mut m, t0, chunk(&[1], true));
-    ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: true });
+    ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
     m.abort(t0, AbortReason::Engine);
     assert_eq!(ev(&mut m, t0, msg(D0, Msg::Abort)), vec![]);
     assert_eq!(m.phase(), Phase::Success);
@@ -409,7 +638,15 @@ fn bad_peer_input_is_refused_and_changes_nothing() {
     assert_peer_error(
         &mut m,
         t0,
-        msg(D0, Msg::Pull { receivers_expected: 1, dst_blocks: blocks(&[5]), prefix_blocks: vec![], lease_seq: None }),
+        msg(
+            D0,
+            Msg::Pull {
+                receivers_expected: 1,
+                dst_blocks: blocks(&[5]),
+                prefix_blocks: vec![],
+                lease_seq: None,
+            },
+        ),
     );
     assert_peer_error(&mut m, t0, msg(D0, grant(0)));
     ev(&mut m, t0, msg(D0, pull(2, &[5], 0, None)));
@@ -429,29 +666,69 @@ fn bad_peer_input_is_refused_and_changes_nothing() {
 #[test]
 fn misuse_is_refused() {
     let t0 = Instant::now();
-    let cfg = Config { max_chunks: 2, ..Config::default() };
+    let cfg = Config {
+        max_chunks: 2,
+        ..Config::default()
+    };
     let mut m = SendMachine::new(t0, &cfg, TransferId(1), Mode::Push);
     ev(&mut m, t0, chunk(&[1], false));
     ev(&mut m, t0, chunk(&[2], false));
     let before = format!("{m:?}");
-    assert!(matches!(m.handle_event(t0, chunk(&[3], true)), Err(InputError::Misuse(_))));
-    assert!(matches!(m.handle_event(t0, Event::WriteDone { peer: D0, chunk: 0, ok: true }), Err(InputError::Misuse(_))));
+    assert!(matches!(
+        m.handle_event(t0, chunk(&[3], true)),
+        Err(InputError::Misuse(_))
+    ));
+    assert!(matches!(
+        m.handle_event(
+            t0,
+            Event::WriteDone {
+                peer: D0,
+                chunk: 0,
+                ok: true
+            }
+        ),
+        Err(InputError::Misuse(_))
+    ));
     assert_eq!(before, format!("{m:?}"));
     let mut m = push_machine(t0);
     ev(&mut m, t0, chunk(&[1], true));
-    assert!(matches!(m.handle_event(t0, chunk(&[2], true)), Err(InputError::Misuse(_))));
+    assert!(matches!(
+        m.handle_event(t0, chunk(&[2], true)),
+        Err(InputError::Misuse(_))
+    ));
 }
 
 #[test]
 fn in_flight_writes_are_bounded() {
     let t0 = Instant::now();
-    let cfg = Config { max_in_flight: 1, ..Config::default() };
+    let cfg = Config {
+        max_in_flight: 1,
+        ..Config::default()
+    };
     let mut m = SendMachine::new(t0, &cfg, TransferId(1), Mode::Push);
     ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
-    assert_eq!(ev(&mut m, t0, chunk(&[1], false)), vec![write(D0, 0, &[1], &[5])]);
-    assert_eq!(ev(&mut m, t0, chunk(&[2], true)), vec![], "limit of one write in flight");
-    assert_eq!(ev(&mut m, t0, Event::WriteDone { peer: D0, chunk: 0, ok: true }), vec![write(D0, 1, &[2], &[6])]);
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[1], false)),
+        vec![write(D0, 0, &[1], &[5])]
+    );
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[2], true)),
+        vec![],
+        "limit of one write in flight"
+    );
+    assert_eq!(
+        ev(
+            &mut m,
+            t0,
+            Event::WriteDone {
+                peer: D0,
+                chunk: 0,
+                ok: true
+            }
+        ),
+        vec![write(D0, 1, &[2], &[6])]
+    );
 }
 
 // ---- pull mode: P grants, D reads ----
@@ -461,18 +738,46 @@ fn pull_flow_grants_announces_and_releases_on_done() {
     let t0 = Instant::now();
     let mut m = pull_machine(t0);
     let out = ev(&mut m, t0, msg(D0, pull(1, &[], 0, Some(0))));
-    assert_eq!(out, vec![send(D0, Msg::LeaseGrant { seq: 0, duration_ms: 10_000 })]);
+    assert_eq!(
+        out,
+        vec![send(
+            D0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000
+            }
+        )]
+    );
     let out = ev(&mut m, t0, chunk(&[1, 2], false));
     assert_eq!(
         out,
-        vec![send(D0, Msg::Ready { chunk: 0, start_blocks: vec![0], src_blocks: blocks(&[1, 2]), is_last: false })]
+        vec![send(
+            D0,
+            Msg::Ready {
+                chunk: 0,
+                start_blocks: vec![0],
+                src_blocks: blocks(&[1, 2]),
+                is_last: false
+            }
+        )]
     );
     let out = ev(&mut m, t0, chunk(&[3], true));
     assert_eq!(
         out,
-        vec![send(D0, Msg::Ready { chunk: 1, start_blocks: vec![2], src_blocks: blocks(&[3]), is_last: true })]
+        vec![send(
+            D0,
+            Msg::Ready {
+                chunk: 1,
+                start_blocks: vec![2],
+                src_blocks: blocks(&[3]),
+                is_last: true
+            }
+        )]
     );
-    assert_eq!(ev(&mut m, t0, msg(D0, Msg::Done { ok: true })), vec![release(Phase::Success)]);
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, Msg::Done { ok: true })),
+        vec![release(Phase::Success)]
+    );
 }
 
 #[test]
@@ -483,7 +788,17 @@ fn pull_late_peer_catches_up_on_earlier_chunks() {
     ev(&mut m, t0, chunk(&[2], true));
     let out = ev(&mut m, t0, msg(D0, pull(1, &[], 0, None)));
     assert_eq!(out.len(), 2);
-    assert!(matches!(&out[1], Action::Send { msg: Msg::Ready { chunk: 1, is_last: true, .. }, .. }));
+    assert!(matches!(
+        &out[1],
+        Action::Send {
+            msg: Msg::Ready {
+                chunk: 1,
+                is_last: true,
+                ..
+            },
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -494,7 +809,19 @@ fn pull_done_before_last_chunk_is_a_peer_error() {
     ev(&mut m, t0, chunk(&[1], false));
     assert_peer_error(&mut m, t0, msg(D0, Msg::Done { ok: true }));
     assert_peer_error(&mut m, t0, msg(D0, grant(0)));
-    assert_peer_error(&mut m, t0, msg(D0, Msg::Ready { chunk: 0, start_blocks: vec![0], src_blocks: blocks(&[1]), is_last: true }));
+    assert_peer_error(
+        &mut m,
+        t0,
+        msg(
+            D0,
+            Msg::Ready {
+                chunk: 0,
+                start_blocks: vec![0],
+                src_blocks: blocks(&[1]),
+                is_last: true,
+            },
+        ),
+    );
 }
 
 #[test]
@@ -505,11 +832,23 @@ fn pull_local_abort_waits_for_ack() {
     ev(&mut m, t0, chunk(&[1], true));
     m.abort(t0, AbortReason::Engine);
     assert_eq!(drain(&mut m), vec![send(D0, Msg::Abort)]);
-    assert_eq!(m.phase(), Phase::Transferring, "D may be reading: not released");
+    assert_eq!(
+        m.phase(),
+        Phase::Transferring,
+        "D may be reading: not released"
+    );
     // Lease renewals are refused while draining.
-    assert_eq!(ev(&mut m, t0, msg(D0, Msg::LeaseRequest { seq: 1 })), vec![]);
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, Msg::LeaseRequest { seq: 1 })),
+        vec![]
+    );
     let out = ev(&mut m, t0 + secs(1), msg(D0, Msg::AbortAck));
-    assert_eq!(out, vec![release(Phase::Failed(FailReason::Aborted(AbortReason::Engine)))]);
+    assert_eq!(
+        out,
+        vec![release(Phase::Failed(FailReason::Aborted(
+            AbortReason::Engine
+        )))]
+    );
 }
 
 #[test]
@@ -526,19 +865,38 @@ fn pull_silent_reader_releases_after_lease_plus_fence() {
     m.handle_timeout(fence_end - ms(1));
     assert_eq!(drain(&mut m), vec![]);
     m.handle_timeout(fence_end);
-    assert_eq!(drain(&mut m), vec![release(Phase::Failed(FailReason::PeerDead))]);
+    assert_eq!(
+        drain(&mut m),
+        vec![release(Phase::Failed(FailReason::PeerDead))]
+    );
 }
 
 #[test]
 fn pull_grants_are_capped_by_hold_limit() {
     let t0 = Instant::now();
-    let cfg = Config { hold_limit: secs(12), ..Config::default() };
+    let cfg = Config {
+        hold_limit: secs(12),
+        ..Config::default()
+    };
     let mut m = SendMachine::new(t0, &cfg, TransferId(1), Mode::Pull);
     ev(&mut m, t0, msg(D0, pull(1, &[], 0, Some(0))));
     ev(&mut m, t0, chunk(&[1], false));
     let out = ev(&mut m, t0 + secs(5), msg(D0, Msg::LeaseRequest { seq: 1 }));
-    assert_eq!(out, vec![send(D0, Msg::LeaseGrant { seq: 1, duration_ms: 7_000 })]);
-    assert_eq!(ev(&mut m, t0 + secs(12), msg(D0, Msg::LeaseRequest { seq: 2 })), vec![], "hold limit reached");
+    assert_eq!(
+        out,
+        vec![send(
+            D0,
+            Msg::LeaseGrant {
+                seq: 1,
+                duration_ms: 7_000
+            }
+        )]
+    );
+    assert_eq!(
+        ev(&mut m, t0 + secs(12), msg(D0, Msg::LeaseRequest { seq: 2 })),
+        vec![],
+        "hold limit reached"
+    );
 }
 
 #[test]
@@ -559,5 +917,74 @@ fn abort_from_unknown_d_rank_ends_the_request() {
     let t0 = Instant::now();
     let mut m = pull_machine(t0);
     let out = ev(&mut m, t0, msg(D1, Msg::Abort));
-    assert_eq!(out, vec![send(D1, Msg::AbortAck), release(Phase::Failed(FailReason::PeerAborted))]);
+    assert_eq!(
+        out,
+        vec![
+            send(D1, Msg::AbortAck),
+            release(Phase::Failed(FailReason::PeerAborted))
+        ]
+    );
+}
+
+#[test]
+fn unknown_d_is_bounded_by_bootstrap_not_claim() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, chunk(&[1], true));
+    // D may wait long for decode memory before it can send its Pull.
+    assert_eq!(m.poll_timeout(), Some(t0 + secs(300)));
+    ev(&mut m, t0 + secs(100), msg(D0, pull(1, &[5], 0, None)));
+    // Known now: its silence is measured by the claim.
+    assert_eq!(
+        m.poll_timeout(),
+        Some(t0 + secs(105)),
+        "lease renewal first"
+    );
+    let mut now = t0 + secs(100);
+    while !m.is_released() {
+        now = m.poll_timeout().unwrap();
+        m.handle_timeout(now);
+        drain(&mut m);
+    }
+    assert_eq!(now, t0 + secs(130));
+    assert_eq!(m.phase(), Phase::Expired);
+}
+
+#[test]
+fn config_validation() {
+    assert_eq!(Config::default().validate(), Ok(()));
+    let bad = Config {
+        lease: secs(5),
+        ..Config::default()
+    };
+    assert!(matches!(bad.validate(), Err(InputError::Misuse(_))));
+    let bad = Config {
+        max_in_flight: 0,
+        ..Config::default()
+    };
+    assert!(matches!(bad.validate(), Err(InputError::Misuse(_))));
+    assert_eq!(Config::default().fence(), secs(12));
+}
+
+#[test]
+fn hold_limit_bounds_a_machine_whose_kv_never_comes() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
+    let mut now = t0;
+    while !m.is_released() {
+        now = m.poll_timeout().unwrap();
+        m.handle_timeout(now);
+        for a in drain(&mut m) {
+            if let Action::Send {
+                msg: Msg::LeaseRequest { seq },
+                ..
+            } = a
+            {
+                ev(&mut m, now, msg(D0, grant(seq)));
+            }
+        }
+    }
+    assert_eq!(now, t0 + secs(480));
+    assert_eq!(m.phase(), Phase::Expired);
 }
