@@ -1,38 +1,85 @@
 //! Deterministic simulation of the transfer protocol (see `sim/mod.rs`).
 //!
 //! * `sim_campaign` runs `KVFERRY_SIM_SEEDS` seeds (default 3000) starting at
-//!   `KVFERRY_SIM_SEED_START` (default 0) and fails with the seed, the
-//!   violated invariant, the replay command and the event trace.
+//!   `KVFERRY_SIM_SEED_START` (default 0) on `KVFERRY_SIM_JOBS` threads
+//!   (default 1; each seed is one single-threaded simulation) and fails with
+//!   the seed, the violated invariant, the replay command and the event trace.
 //! * `sim_replay` replays `KVFERRY_SIM_SEED` with its trace, or, without it,
 //!   checks that runs are deterministic.
 //! * `sim_teeth_*` switch one safeguard off and assert the simulator notices.
 //!
-//! Long campaign: `KVFERRY_SIM_SEEDS=100000 cargo test --release -p kvferry-machines --test sim sim_campaign -- --nocapture`.
+//! Long campaign:
+//! `KVFERRY_SIM_SEEDS=100000 KVFERRY_SIM_JOBS=8 cargo test --release -p kvferry-machines --test sim sim_campaign -- --nocapture`
+//! (or `KVFERRY_SIM_SEEDS=100000 cargo test --release sim` for every simulator test).
 
 #[path = "sim/mod.rs"]
 mod sim;
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use sim::checker::{Kind, Stats};
 use sim::scenario::Switches;
 
+/// Runs seeds `start..start + seeds` on `jobs` threads (each seed is one
+/// single-threaded simulation); returns the summed counters and the lowest
+/// failing seed found, if any. Workers stop taking seeds after a failure.
+fn campaign(start: u64, seeds: u64, jobs: u64) -> (Stats, Option<(u64, sim::checker::Violation)>) {
+    let next = AtomicU64::new(start);
+    let failed = AtomicBool::new(false);
+    let results: Vec<(Stats, Option<(u64, sim::checker::Violation)>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..jobs.max(1))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut stats = Stats::default();
+                    let mut first = None;
+                    while !failed.load(Ordering::Relaxed) {
+                        let seed = next.fetch_add(1, Ordering::Relaxed);
+                        if seed >= start + seeds {
+                            break;
+                        }
+                        let (_, r) = sim::run_seed(seed, Switches::default(), false);
+                        stats.add(&r.stats);
+                        if let Some(v) = r.violation {
+                            failed.store(true, Ordering::Relaxed);
+                            first = Some((seed, v));
+                        }
+                    }
+                    (stats, first)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("simulator worker panicked"))
+            .collect()
+    });
+    let mut total = Stats::default();
+    let mut first: Option<(u64, sim::checker::Violation)> = None;
+    for (stats, f) in results {
+        total.add(&stats);
+        if let Some((seed, v)) = f {
+            if first.as_ref().is_none_or(|(s, _)| seed < *s) {
+                first = Some((seed, v));
+            }
+        }
+    }
+    (total, first)
+}
+
 #[test]
 fn sim_campaign() {
     let seeds = sim::env_u64("KVFERRY_SIM_SEEDS", 3000);
     let start = sim::env_u64("KVFERRY_SIM_SEED_START", 0);
+    let jobs = sim::env_u64("KVFERRY_SIM_JOBS", 1);
     let began = Instant::now();
-    let mut total = Stats::default();
-    for seed in start..start + seeds {
-        let (_, r) = sim::run_seed(seed, Switches::default(), false);
-        if let Some(v) = &r.violation {
-            panic!("{}", sim::explain(seed, Switches::default(), v));
-        }
-        total.add(&r.stats);
+    let (total, failure) = campaign(start, seeds, jobs);
+    if let Some((seed, v)) = failure {
+        panic!("{}", sim::explain(seed, Switches::default(), &v));
     }
     let secs = began.elapsed().as_secs_f64();
     println!(
-        "sim_campaign: seeds {start}..{} in {secs:.2} s = {:.0} seeds/s",
+        "sim_campaign: seeds {start}..{} on {jobs} thread(s) in {secs:.2} s = {:.0} seeds/s",
         start + seeds,
         seeds as f64 / secs
     );

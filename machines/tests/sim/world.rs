@@ -188,6 +188,8 @@ struct Slot {
     grants: BTreeMap<usize, T>,
     /// Granter: touchers whose lease-returning message arrived.
     returned: BTreeSet<usize>,
+    /// Toucher: granters it sent a lease-returning message to.
+    returned_to: BTreeSet<usize>,
     /// `(peer rank, group, D position)` delivered by a transfer that completed ok.
     delivered: BTreeSet<(usize, usize, u32)>,
     resolved: Option<T>,
@@ -626,6 +628,7 @@ impl<'a> World<'a> {
             blocks,
             grants: BTreeMap::new(),
             returned: BTreeSet::new(),
+            returned_to: BTreeSet::new(),
             delivered: BTreeSet::new(),
             resolved: None,
             last_progress: now,
@@ -1027,6 +1030,38 @@ impl<'a> World<'a> {
                         *g = (*g).max(until);
                     }
                 }
+                let spec = self.spec(tid.0 as usize);
+                let toucher = match spec.mode {
+                    Mode::Push => self.is_p(node),
+                    Mode::Pull => !self.is_p(node),
+                };
+                let returns = matches!(
+                    msg,
+                    Msg::Status { .. } | Msg::Done { .. } | Msg::Abort | Msg::AbortAck
+                );
+                if toucher && returns {
+                    // Returning the lease promises that nothing of ours
+                    // touches the peer's blocks anymore.
+                    let remote = peer.0 as usize;
+                    let busy = self.ops.values().any(|o| {
+                        o.active
+                            && o.tid == tid
+                            && match o.kind {
+                                OpKind::Write => o.p_node == node && o.d_node == remote,
+                                OpKind::Read => o.d_node == node && o.p_node == remote,
+                            }
+                    });
+                    if busy {
+                        self.fail(
+                            Kind::ReleasedInFlight,
+                            format!("node {node} {tid:?} returns its lease to node {remote} ({msg:?}) with a transfer to it in flight"),
+                        );
+                        return;
+                    }
+                    if let Some(s) = self.nodes[node].machines.get_mut(&tid) {
+                        s.returned_to.insert(remote);
+                    }
+                }
                 self.send(node, peer, tid, msg);
             }
             Act::P(send::Action::Write {
@@ -1156,6 +1191,18 @@ impl<'a> World<'a> {
             OpKind::Write => (p_node, d_node),
             OpKind::Read => (d_node, p_node),
         };
+        // A toucher that returned its lease may not start anything on that peer again.
+        if self.nodes[initiator]
+            .machines
+            .get(&tid)
+            .is_some_and(|s| s.returned_to.contains(&remote))
+        {
+            self.fail(
+                Kind::NoLease,
+                format!("node {initiator} posts {kind:?} of {tid:?} chunk {chunk} after returning its lease to node {remote}"),
+            );
+            return;
+        }
         // The toucher must hold a live lease, as the granter counts it.
         let granter = self.nodes[remote].machines.get(&tid);
         if let Some(g) = granter {
