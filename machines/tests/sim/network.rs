@@ -19,6 +19,17 @@ pub struct Envelope {
     pub msg: Msg,
 }
 
+/// A partition with side `mask` loses what crosses it; a one-way one only
+/// what leaves the masked side.
+pub fn cut(mask: u64, one_way: bool, from: usize, to: usize) -> bool {
+    let (f, t) = ((mask >> from) & 1 == 1, (mask >> to) & 1 == 1);
+    if one_way {
+        f && !t
+    } else {
+        f != t
+    }
+}
+
 pub fn encode(env: &Envelope) -> Vec<u8> {
     postcard::to_allocvec(env).expect("postcard encodes every envelope")
 }
@@ -39,8 +50,8 @@ pub struct NetStats {
 #[derive(Clone, Debug)]
 pub struct Network {
     params: NetParams,
-    /// Side masks of the partitions in force.
-    active: Vec<(usize, u64)>,
+    /// Partitions in force: id, side mask, one-way.
+    active: Vec<(usize, u64, bool)>,
     pub stats: NetStats,
 }
 
@@ -53,23 +64,26 @@ impl Network {
         }
     }
 
-    pub fn partition(&mut self, id: usize, side_mask: u64) {
-        self.active.push((id, side_mask));
+    pub fn partition(&mut self, id: usize, side_mask: u64, one_way: bool) {
+        self.active.push((id, side_mask, one_way));
     }
 
     pub fn heal(&mut self, id: usize) {
-        self.active.retain(|(i, _)| *i != id);
+        self.active.retain(|(i, _, _)| *i != id);
     }
 
-    pub fn is_active(&self, id: usize) -> bool {
-        self.active.iter().any(|(i, _)| *i == id)
-    }
-
-    /// True when a partition in force separates `a` and `b`.
-    pub fn blocked(&self, a: usize, b: usize) -> bool {
+    /// True when partition `id` is in force and loses messages from `from` to `to`.
+    pub fn cuts(&self, id: usize, from: usize, to: usize) -> bool {
         self.active
             .iter()
-            .any(|(_, m)| (m >> a) & 1 != (m >> b) & 1)
+            .any(|&(i, m, one_way)| i == id && cut(m, one_way, from, to))
+    }
+
+    /// True when a partition in force loses messages from `from` to `to`.
+    pub fn blocked(&self, from: usize, to: usize) -> bool {
+        self.active
+            .iter()
+            .any(|&(_, m, one_way)| cut(m, one_way, from, to))
     }
 
     /// Delivery delays of one message sent now from `from` to `to`: none

@@ -135,10 +135,12 @@ pub struct CrashSpec {
     pub down_for: T,
 }
 
-/// Nodes whose bit is set are cut off from the others.
+/// Nodes whose bit is set are cut off from the others (one way: they
+/// still hear the others, but nobody hears them).
 #[derive(Clone, Debug)]
 pub struct PartitionSpec {
     pub side_mask: u64,
+    pub one_way: bool,
     pub at: T,
     pub heal_after: T,
 }
@@ -270,6 +272,7 @@ impl Scenario {
                 };
                 partitions.push(PartitionSpec {
                     side_mask,
+                    one_way: rng.below(3) == 0,
                     at: rng.below(horizon + 50 * MS),
                     heal_after: rng.range(1, 60) * MS,
                 });

@@ -514,14 +514,20 @@ impl<'a> World<'a> {
             Ev::Crash(node) => self.crash(node),
             Ev::Restart(node) => self.restart(node),
             Ev::Partition(i) => {
-                let mask = self.sc.partitions[i].side_mask;
+                let (mask, one_way) = (
+                    self.sc.partitions[i].side_mask,
+                    self.sc.partitions[i].one_way,
+                );
                 self.stats.partitions += 1;
-                self.log(|| format!("partition {i} starts: nodes {mask:#b} cut off"));
-                self.net.partition(i, mask);
-                for a in 0..self.nodes.len() {
-                    for b in 0..self.nodes.len() {
-                        if (mask >> a) & 1 != (mask >> b) & 1 {
-                            self.schedule_detect(a, b, Cause::Partition(i));
+                self.log(|| {
+                    format!("partition {i} starts: nodes {mask:#b} cut off (one way: {one_way})")
+                });
+                self.net.partition(i, mask, one_way);
+                for obs in 0..self.nodes.len() {
+                    for peer in 0..self.nodes.len() {
+                        // The observer misses the peer's heartbeats.
+                        if network::cut(mask, one_way, peer, obs) {
+                            self.schedule_detect(obs, peer, Cause::Partition(i));
                         }
                     }
                 }
@@ -538,7 +544,7 @@ impl<'a> World<'a> {
             } => {
                 let still = match cause {
                     Cause::Crash(e) => !self.nodes[peer].up && self.nodes[peer].epoch == e,
-                    Cause::Partition(i) => self.net.is_active(i),
+                    Cause::Partition(i) => self.net.cuts(i, peer, observer),
                 };
                 if still && self.nodes[observer].up && self.nodes[observer].dead.insert(peer) {
                     self.log(|| format!("node {observer} declares node {peer} dead"));
@@ -546,7 +552,7 @@ impl<'a> World<'a> {
                 }
             }
             Ev::Unmark { observer, peer } => {
-                if self.nodes[peer].up && !self.net.blocked(observer, peer) {
+                if self.nodes[peer].up && !self.net.blocked(peer, observer) {
                     self.nodes[observer].dead.remove(&peer);
                 }
             }
@@ -1318,7 +1324,8 @@ impl<'a> World<'a> {
         };
         let reachable = self.nodes[remote].up
             && self.nodes[remote].epoch == remote_epoch
-            && !self.net.blocked(p_node, d_node);
+            && !self.net.blocked(p_node, d_node)
+            && !self.net.blocked(d_node, p_node);
         let hang =
             (!reachable && self.rng.below(2) == 0) || self.rng.chance(self.sc.transport.hang_ppm);
         let (complete_at, ok) = if hang {
