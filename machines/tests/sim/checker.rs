@@ -100,6 +100,7 @@ pub struct Stats {
     pub peer_dead: u64,
     pub aborts: u64,
     pub plan_failures: u64,
+    pub false_dead: u64,
     pub buffered: u64,
     pub sim_us: u64,
     /// Failed granters that released only after a lease ran out (the fence path).
@@ -138,6 +139,7 @@ impl Default for Stats {
             peer_dead: 0,
             aborts: 0,
             plan_failures: 0,
+            false_dead: 0,
             buffered: 0,
             sim_us: 0,
             fenced: 0,
@@ -175,6 +177,7 @@ impl Stats {
         self.peer_dead += o.peer_dead;
         self.aborts += o.aborts;
         self.plan_failures += o.plan_failures;
+        self.false_dead += o.false_dead;
         self.buffered += o.buffered;
         self.sim_us += o.sim_us;
         self.fenced += o.fenced;
@@ -219,8 +222,8 @@ impl fmt::Display for Stats {
         )?;
         write!(
             f,
-            "faults: crashes {}, partitions {}, PeerDead delivered {}, aborts {}, plan failures {}",
-            self.crashes, self.partitions, self.peer_dead, self.aborts, self.plan_failures
+            "faults: crashes {}, partitions {}, PeerDead delivered {} (false positives {}), aborts {}, plan failures {}",
+            self.crashes, self.partitions, self.peer_dead, self.false_dead, self.aborts, self.plan_failures
         )
     }
 }

@@ -105,6 +105,9 @@ pub struct RequestSpec {
     pub aborts: Vec<AbortSpec>,
     /// The planner rejects one rank's peer (rare).
     pub plan_fail: Option<(Side, usize, T)>,
+    /// A flaky detector declares a live, reachable peer dead (rare): safety
+    /// must not depend on the detector being right.
+    pub false_dead: Option<(Side, usize, T)>,
     /// How long D's engine decodes before it frees blocks that received KV.
     pub decode: T,
 }
@@ -452,16 +455,19 @@ fn gen_request(
             _ => {}
         }
     }
-    let plan_fail = if !calm && rng.below(50) == 0 {
+    let verdict = |rng: &mut Rng, one_in: u64| {
+        if calm || rng.below(one_in) != 0 {
+            return None;
+        }
         let side = if rng.below(2) == 0 { Side::P } else { Side::D };
         let n = match side {
             Side::P => tp_p,
             Side::D => tp_d,
         };
         Some((side, rng.below(n as u64) as usize, rng.below(20 * MS)))
-    } else {
-        None
     };
+    let plan_fail = verdict(rng, 50);
+    let false_dead = verdict(rng, 30);
     RequestSpec {
         id: TransferId(r as u64),
         arrive: rng.below(horizon),
@@ -482,6 +488,7 @@ fn gen_request(
         chunk_at,
         aborts,
         plan_fail,
+        false_dead,
         decode: rng.below(20 * MS),
     }
 }

@@ -70,6 +70,11 @@ enum Ev {
         side: Side,
         rank: usize,
     },
+    FalseDead {
+        req: usize,
+        side: Side,
+        rank: usize,
+    },
     Crash(usize),
     Restart(usize),
     Partition(usize),
@@ -511,6 +516,23 @@ impl<'a> World<'a> {
                     self.drive(node, spec.id, input);
                 }
             }
+            Ev::FalseDead { req, side, rank } => {
+                let spec = self.spec(req);
+                let (node, peer) = match side {
+                    Side::P => (spec.p_nodes[rank], spec.d_nodes[spec.d_ranks_of(rank)[0]]),
+                    Side::D => (spec.d_nodes[rank], spec.p_nodes[spec.pairs[rank][0]]),
+                };
+                if self.live_slot(node, spec.id) {
+                    self.stats.peer_dead += 1;
+                    self.stats.false_dead += 1;
+                    let peer = PeerId(peer as u32);
+                    let input = match side {
+                        Side::P => Input::P(send::Event::PeerDead { peer }),
+                        Side::D => Input::D(recv::Event::PeerDead { peer }),
+                    };
+                    self.drive(node, spec.id, input);
+                }
+            }
             Ev::Crash(node) => self.crash(node),
             Ev::Restart(node) => self.restart(node),
             Ev::Partition(i) => {
@@ -605,6 +627,9 @@ impl<'a> World<'a> {
         }
         if let Some((side, rank, t)) = spec.plan_fail {
             self.at(now + t, Ev::PlanFail { req, side, rank });
+        }
+        if let Some((side, rank, t)) = spec.false_dead {
+            self.at(now + t, Ev::FalseDead { req, side, rank });
         }
     }
 
