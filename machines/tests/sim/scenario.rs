@@ -382,12 +382,14 @@ fn gen_request(
     let mut total = Vec::with_capacity(groups);
     let mut prefix = Vec::with_capacity(groups);
     for _ in 0..groups {
-        let dst = rng.range(1, 8) as u32;
         let pre = if rng.below(3) == 0 {
             rng.range(0, 3) as u32
         } else {
             0
         };
+        // With a prefix hit D may already hold the whole group (nothing to
+        // move for it); without one it needs at least a block.
+        let dst = rng.range(if pre > 0 { 0 } else { 1 }, 8) as u32;
         total.push(dst + pre);
         prefix.push(pre);
     }
