@@ -9,6 +9,45 @@
 //! * `world` runs it on one event queue and a simulated clock;
 //! * `network` and `memory` are the simulated wire and KV blocks;
 //! * `checker` names the invariants and keeps the counters.
+//!
+//! # What a seed simulates
+//!
+//! 1 to 6 P nodes and 1 to 6 D nodes, 4 to 40 requests in push or pull
+//! mode, each on 1, 2 or 4 P ranks and 1, 2 or 4 D ranks (heterogeneous TP:
+//! a D rank fed by several P ranks, a P rank feeding several D ranks, or an
+//! arbitrary pairing), 1 or 2 KV-cache groups, prefix hits, 1 to 4 chunks
+//! handed over at random times. Timers are milliseconds (drawn per seed,
+//! always passing `Config::validate`), so a run covers ~0.3 s of simulated
+//! time in a few milliseconds of real time. One seed in eight is calm (no
+//! fault): there every request must succeed.
+//!
+//! Faults: message delay (hence reordering), a long tail beyond the lease,
+//! drop, duplication; symmetric and one-way partitions that heal; node
+//! crashes (its machines and memory vanish) and restarts; a heartbeat
+//! detector that declares unreachable peers dead after
+//! `heartbeat_misses * heartbeat_interval` (off in one seed in four:
+//! silence only), resets on restart, and rare false verdicts; transfers that
+//! fail, land partly, or never report (landing up to the bound); engine
+//! aborts and client disconnects; planner rejections; slow engines and
+//! bootstraps; clocks drifting as far as `fence_margin` covers.
+//!
+//! # What is checked
+//!
+//! After every step: exactly one release per P machine and one report per D
+//! machine, phase terminal exactly when released, no action after it; every
+//! block touch (each block of each write or read lands at its own time in
+//! the transfer's span, half of them as late as allowed) hits a block still
+//! lent to that transfer on both sides; no release while a transfer of its
+//! blocks is in flight; a toucher returns its lease only with nothing in
+//! flight and never posts afterwards; every write/read starts inside a lease
+//! the granter really granted and maps P's block `prefix + i` onto D's block
+//! `i`; `Received` (and P's success) only with every block delivered;
+//! in-flight transfers within `max_in_flight`, actions per input bounded;
+//! honest input never refused; `poll_timeout` in the future after
+//! `handle_timeout`; every message round-trips through `postcard`. At the
+//! end: every machine released by the bound its documented timers imply
+//! (P: creation + hold limit + fence; D: last progress + waiting + lease +
+//! fence), every block back in its pool exactly once.
 
 pub mod checker;
 pub mod memory;
