@@ -113,6 +113,27 @@ fn sim_campaign() {
         for (what, n) in checks {
             assert!(n > 0, "the campaign never produced {what}:\n{total}");
         }
+        // Every way a request can end shows up on both sides.
+        for side in ["P", "D"] {
+            for outcome in [
+                "Success",
+                "Expired",
+                "Failed(Transport)",
+                "Failed(PeerReported)",
+                "Failed(PeerDead)",
+                "Failed(PeerAborted)",
+                "Failed(BadMetadata)",
+                "Failed(Aborted(Engine))",
+                "Failed(Aborted(ClientDisconnect))",
+                "Failed(Aborted(Shutdown))",
+            ] {
+                let key = format!("{side} {outcome}");
+                assert!(
+                    total.outcomes.get(&key).is_some_and(|&n| n > 0),
+                    "no {key} in the campaign:\n{total}"
+                );
+            }
+        }
         // Most requests in calm runs and many overall must succeed, or the
         // simulator only tests failure paths.
         assert!(

@@ -6,6 +6,7 @@
 //! after every step; the liveness bounds are derived from the documented
 //! timers, not from the machines' own deadlines.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use kvferry_machines::common::Config;
@@ -107,6 +108,8 @@ pub struct Stats {
     pub fenced: u64,
     /// Closest a release came to its liveness bound, in µs.
     pub min_slack_us: u64,
+    /// Terminal phases reached, per side (`"P Failed(Transport)"`, ...).
+    pub outcomes: BTreeMap<String, u64>,
 }
 
 impl Default for Stats {
@@ -144,6 +147,7 @@ impl Default for Stats {
             sim_us: 0,
             fenced: 0,
             min_slack_us: u64::MAX,
+            outcomes: BTreeMap::new(),
         }
     }
 }
@@ -182,6 +186,9 @@ impl Stats {
         self.sim_us += o.sim_us;
         self.fenced += o.fenced;
         self.min_slack_us = self.min_slack_us.min(o.min_slack_us);
+        for (k, n) in &o.outcomes {
+            *self.outcomes.entry(k.clone()).or_insert(0) += n;
+        }
     }
 }
 
@@ -210,6 +217,7 @@ impl fmt::Display for Stats {
             "granters that waited out a lease (fence) {}, closest release to its liveness bound {} µs",
             self.fenced, self.min_slack_us
         )?;
+        writeln!(f, "outcomes: {:?}", self.outcomes)?;
         writeln!(
             f,
             "messages {} (dropped {}, duplicated {}, cut by partitions {}, buffered before creation {})",

@@ -1667,6 +1667,11 @@ impl<'a> World<'a> {
         }
         self.stats.fenced += fenced as u64;
         self.stats.min_slack_us = self.stats.min_slack_us.min(bound.saturating_sub(local));
+        *self
+            .stats
+            .outcomes
+            .entry(format!("{side} {outcome:?}"))
+            .or_insert(0) += 1;
         match outcome {
             Phase::Success if is_p => self.stats.p_success += 1,
             Phase::Success => self.stats.d_received += 1,
