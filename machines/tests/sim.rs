@@ -304,3 +304,15 @@ fn sim_seeds_draw_different_scenarios() {
         "{fan_in} {fan_out} {chunked} {prefix}"
     );
 }
+
+#[test]
+fn sim_teeth_lost_timers() {
+    // A driver that does not arm `poll_timeout` leaves requests hanging
+    // (vllm#35943): the liveness check must say so.
+    let switches = Switches {
+        lose_timers: true,
+        ..Switches::default()
+    };
+    let (seed, v) = find_violation(switches, &[Kind::Liveness, Kind::SpuriousFailure], 50);
+    println!("lost timers caught at seed {seed}: {v}");
+}

@@ -36,6 +36,8 @@ pub struct Switches {
     pub ignore_in_flight: bool,
     /// Clocks drift ten times more than `fence_margin` covers.
     pub excess_drift: bool,
+    /// The driver forgets one timer in four (`poll_timeout` not armed).
+    pub lose_timers: bool,
 }
 
 /// Faults of the control network, per message.

@@ -1009,6 +1009,10 @@ impl<'a> World<'a> {
             if let Some(s) = self.nodes[node].machines.get_mut(&tid) {
                 s.armed = Some(t);
             }
+            if self.sc.switches.lose_timers && self.rng.below(4) == 0 {
+                // A driver that forgets to arm the timer.
+                return;
+            }
             self.at(
                 t,
                 Ev::Timer {
