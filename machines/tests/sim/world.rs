@@ -1321,8 +1321,7 @@ impl<'a> World<'a> {
         let d_epoch = epoch_of(self.ranks_d[req][d_rank]);
         // Starting a transfer on released blocks is caught here; the touch
         // events catch the ones that land late.
-        for &(g, s, d, _) in &pairs {
-            let _ = g;
+        for &(_, s, d, _) in &pairs {
             self.check_owner(p_node, p_epoch, s, tid, Kind::ReadAfterRelease, "posted on");
             self.check_owner(
                 d_node,
