@@ -185,6 +185,8 @@ fn find_violation(
                 kinds.contains(&v.kind),
                 "seed {seed}: expected one of {kinds:?}, found {v}"
             );
+            // What a failure report looks like (shown with --nocapture).
+            println!("{}", sim::explain(seed, switches, &v));
             return (seed, v);
         }
     }

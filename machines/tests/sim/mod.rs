@@ -76,17 +76,23 @@ pub fn replay_command(seed: u64) -> String {
 /// scenario and the end of the event trace (the run is replayed with tracing on).
 pub fn explain(seed: u64, switches: Switches, v: &Violation) -> String {
     let (sc, traced) = run_seed(seed, switches, true);
-    let tail: Vec<&String> = traced
-        .trace
-        .iter()
-        .rev()
-        .take(80)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
+    // The history of the transfer the violation names, with the faults
+    // around it: far easier to read than the whole cluster's trace.
+    let focus = transfer_named(&v.detail).map(|t| format!("TransferId({t})"));
+    let relevant = |line: &&String| match &focus {
+        Some(f) => {
+            line.contains(f.as_str())
+                || line.contains("crashes")
+                || line.contains("restarts")
+                || line.contains("partition")
+                || line.contains("declares")
+        }
+        None => true,
+    };
+    let lines: Vec<&String> = traced.trace.iter().filter(relevant).collect();
+    let tail = &lines[lines.len().saturating_sub(80)..];
     let mut out = format!(
-        "simulator seed {seed} violates an invariant:\n  {v}\nreplay: {}\nscenario: {} P nodes, {} D nodes, {} requests, calm {}, detector {}, crashes {:?}, partitions {:?}\nconfig: {:?}\nlast events:\n",
+        "simulator seed {seed} violates an invariant:\n  {v}\nreplay: {}\nscenario: {} P nodes, {} D nodes, {} requests, calm {}, detector {}, crashes {:?}, partitions {:?}, drift {:?} ppm\nconfig: {:?}\nlast events{}:\n",
         replay_command(seed),
         sc.n_p,
         sc.n_d,
@@ -95,14 +101,28 @@ pub fn explain(seed: u64, switches: Switches, v: &Violation) -> String {
         sc.detector,
         sc.crashes,
         sc.partitions,
+        sc.drift_ppm,
         sc.cfg,
+        match &focus {
+            Some(f) => format!(" of {f} and faults"),
+            None => String::new(),
+        },
     );
+    if let Some(r) = transfer_named(&v.detail).and_then(|t| sc.requests.get(t as usize)) {
+        out.push_str(&format!("request: {r:?}\n"));
+    }
     for line in tail {
         out.push_str("  ");
         out.push_str(line);
         out.push('\n');
     }
     out
+}
+
+/// The first `TransferId(n)` a violation's detail names.
+fn transfer_named(detail: &str) -> Option<u64> {
+    let rest = &detail[detail.find("TransferId(")? + "TransferId(".len()..];
+    rest[..rest.find(')')?].parse().ok()
 }
 
 /// `name` from the environment as a number, or `default`.
