@@ -75,7 +75,7 @@ fn sim_campaign() {
     let began = Instant::now();
     let (total, failure) = campaign(start, seeds, jobs);
     if let Some((seed, v)) = failure {
-        panic!("{}", sim::explain(seed, Switches::default(), &v));
+        panic!("{}", sim::report_failure(seed, Switches::default(), &v));
     }
     let secs = began.elapsed().as_secs_f64();
     println!(
@@ -154,7 +154,7 @@ fn sim_replay() {
         println!("{:#?}", sc.cfg);
         println!("{}", r.stats);
         if let Some(v) = &r.violation {
-            panic!("{}", sim::explain(seed, Switches::default(), v));
+            panic!("{}", sim::report_failure(seed, Switches::default(), v));
         }
         return;
     }
@@ -317,4 +317,29 @@ fn sim_teeth_lost_timers() {
     };
     let (seed, v) = find_violation(switches, &[Kind::Liveness, Kind::SpuriousFailure], 50);
     println!("lost timers caught at seed {seed}: {v}");
+}
+
+#[test]
+fn sim_shrink_keeps_the_violation() {
+    // Shrinking a failing scenario keeps a violation of the same kind in a
+    // scenario no larger than the original.
+    let switches = Switches {
+        lose_timers: true,
+        ..Switches::default()
+    };
+    let (seed, v) = find_violation(switches, &[Kind::Liveness, Kind::SpuriousFailure], 50);
+    let original = sim::scenario::Scenario::generate(seed, switches);
+    let (small, sv, runs) = sim::shrink(&original, v.kind);
+    assert_eq!(sv.kind, v.kind);
+    assert!(small.requests.len() <= original.requests.len());
+    assert!(small.crashes.len() <= original.crashes.len());
+    let again = sim::world::run(&small, false)
+        .violation
+        .expect("the shrunk scenario still fails");
+    assert_eq!(again.kind, v.kind);
+    println!(
+        "seed {seed}: {} requests -> {} in {runs} runs; {sv}",
+        original.requests.len(),
+        small.requests.len()
+    );
 }

@@ -125,6 +125,102 @@ fn transfer_named(detail: &str) -> Option<u64> {
     rest[..rest.find(')')?].parse().ok()
 }
 
+/// Shrinks a failing scenario: greedily drops requests, crashes,
+/// partitions, aborts and network or transport faults while the run still
+/// violates an invariant of the same kind. Returns the smallest scenario
+/// found, its violation and how many runs it took.
+///
+/// The result is a scenario, not a seed (dropping a request shifts every
+/// later random draw); print it with `{:#?}` and run it with `world::run`.
+pub fn shrink(sc: &Scenario, kind: checker::Kind) -> (Scenario, Violation, usize) {
+    let fails = |c: &Scenario| world::run(c, false).violation.filter(|v| v.kind == kind);
+    let mut best = sc.clone();
+    let mut violation = fails(&best).expect("shrink needs a failing scenario");
+    let mut runs = 1;
+    let try_keep =
+        |cand: Scenario, best: &mut Scenario, violation: &mut Violation, runs: &mut usize| {
+            *runs += 1;
+            match fails(&cand) {
+                Some(v) => {
+                    *best = cand;
+                    *violation = v;
+                    true
+                }
+                None => false,
+            }
+        };
+    loop {
+        let mut progress = false;
+        // Requests, one at a time (transfer ids are indices: renumber).
+        let mut i = 0;
+        while i < best.requests.len() && best.requests.len() > 1 {
+            let mut cand = best.clone();
+            cand.requests.remove(i);
+            for (k, r) in cand.requests.iter_mut().enumerate() {
+                r.id = kvferry_machines::TransferId(k as u64);
+            }
+            if try_keep(cand, &mut best, &mut violation, &mut runs) {
+                progress = true;
+            } else {
+                i += 1;
+            }
+        }
+        // Whole-run faults, one at a time.
+        for i in (0..best.crashes.len()).rev() {
+            let mut cand = best.clone();
+            cand.crashes.remove(i);
+            progress |= try_keep(cand, &mut best, &mut violation, &mut runs);
+        }
+        for i in (0..best.partitions.len()).rev() {
+            let mut cand = best.clone();
+            cand.partitions.remove(i);
+            progress |= try_keep(cand, &mut best, &mut violation, &mut runs);
+        }
+        // Per-request faults.
+        for i in 0..best.requests.len() {
+            let r = &best.requests[i];
+            if !r.aborts.is_empty() || r.plan_fail.is_some() || r.false_dead.is_some() {
+                let mut cand = best.clone();
+                cand.requests[i].aborts.clear();
+                cand.requests[i].plan_fail = None;
+                cand.requests[i].false_dead = None;
+                progress |= try_keep(cand, &mut best, &mut violation, &mut runs);
+            }
+        }
+        // Network and transport faults, all at once.
+        let quiet = best.net.drop_ppm == 0
+            && best.net.dup_ppm == 0
+            && best.net.tail_ppm == 0
+            && best.transport.fail_ppm == 0
+            && best.transport.hang_ppm == 0;
+        if !quiet {
+            let mut cand = best.clone();
+            cand.net.drop_ppm = 0;
+            cand.net.dup_ppm = 0;
+            cand.net.tail_ppm = 0;
+            cand.transport.fail_ppm = 0;
+            cand.transport.hang_ppm = 0;
+            progress |= try_keep(cand, &mut best, &mut violation, &mut runs);
+        }
+        if !progress {
+            return (best, violation, runs);
+        }
+    }
+}
+
+/// `explain` plus the shrunk scenario: what a failing campaign prints.
+pub fn report_failure(seed: u64, switches: Switches, v: &Violation) -> String {
+    let mut out = explain(seed, switches, v);
+    let (small, sv, runs) = shrink(&Scenario::generate(seed, switches), v.kind);
+    out.push_str(&format!(
+        "shrunk in {runs} runs to {} requests, {} crashes, {} partitions: {sv}\n{small:#?}\n",
+        small.requests.len(),
+        small.crashes.len(),
+        small.partitions.len(),
+    ));
+    out
+}
+
 /// `name` from the environment as a number, or `default`.
 pub fn env_u64(name: &str, default: u64) -> u64 {
     match std::env::var(name) {
