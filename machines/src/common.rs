@@ -405,6 +405,29 @@ pub(crate) fn align_chunk(
     Some((out_src, out_dst))
 }
 
+/// True when P's full block list, ending at `end[g]` per group, fills the
+/// destination exactly: D's list takes P's blocks from `prefix[g]` on, so
+/// P having fewer blocks would leave destination blocks without KV, and
+/// more would overflow it.
+pub(crate) fn covers_exactly(end: &[u32], dst: &[Vec<BlockId>], prefix: &[u32]) -> bool {
+    end.len() == dst.len()
+        && dst.len() == prefix.len()
+        && end
+            .iter()
+            .zip(dst)
+            .zip(prefix)
+            .all(|((e, d), p)| e.checked_sub(*p).is_some_and(|n| n as usize == d.len()))
+}
+
+/// Per group, the position just past a chunk's last block.
+pub(crate) fn chunk_end(start: &[u32], src: &[Vec<BlockId>]) -> Vec<u32> {
+    start
+        .iter()
+        .zip(src)
+        .map(|(s, g)| s.saturating_add(g.len() as u32))
+        .collect()
+}
+
 /// True when an aligned chunk moves no block at all.
 pub(crate) fn is_empty_lists(lists: &[Vec<BlockId>]) -> bool {
     lists.iter().all(|g| g.is_empty())

@@ -13,6 +13,8 @@
 //!   mode), and exactly once the outcome: [`Action::Received`] or
 //!   [`Action::LoadFailed`]. After either, the destination blocks are the
 //!   engine's again: no P write or D read can touch them anymore.
+//! * Messages come from the P ranks listed in `PeersResolved` only; the
+//!   driver maps each sender to the [`PeerId`] it used there.
 //! * [`RecvMachine::phase`] turns terminal in the same call that queues the
 //!   outcome. While a failed transfer waits for leases to run out plus the
 //!   fence (the D-side fence), the phase stays `Transferring`.
@@ -27,9 +29,9 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::common::{
-    after, align_chunk, check_lists, earliest, is_empty_lists, AbortReason, BlockId, BlockLists,
-    Config, Drain, FailReason, GrantLease, InputError, Mode, Msg, Op, PeerId, Phase, TouchLease,
-    TransferId,
+    after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
+    AbortReason, BlockId, BlockLists, Config, Drain, FailReason, GrantLease, InputError, Mode, Msg,
+    Op, PeerId, Phase, TouchLease, TransferId,
 };
 use crate::Machine;
 
@@ -466,6 +468,13 @@ impl RecvMachine {
             };
             if *finished {
                 continue;
+            }
+            if let Some(Some(c)) = last.and_then(|l| chunks.get(l as usize)) {
+                let end = chunk_end(&c.start_blocks, &c.src_blocks);
+                if !covers_exactly(&end, &self.dst_blocks, &self.prefix_blocks) {
+                    bad_metadata = true;
+                    break;
+                }
             }
             for (idx, slot) in chunks.iter_mut().enumerate() {
                 let Some(c) = slot else { continue };

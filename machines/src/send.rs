@@ -2,9 +2,13 @@
 //!
 //! # Contract
 //!
-//! * Create it with [`SendMachine::new`] when the engine knows the request
-//!   (before or after D's `Pull` arrives: messages for unknown transfers are
-//!   the driver's to buffer or to create the machine for).
+//! * Create it with [`SendMachine::new`] when the engine knows the request,
+//!   or when D's first `Pull` for the transfer arrives, whichever comes
+//!   first: `new` needs nothing from the engine, and chunks may follow later.
+//! * After `ReleaseBlocks` the driver may drop the machine. It should then
+//!   answer a late `Pull` for that transfer with `Abort` (from a bounded
+//!   memory of finished transfer ids), so that a late D rank fails fast
+//!   instead of waiting for its deadline.
 //! * Feed [`Event`]s: D's messages ([`Event::Msg`]), KV chunks as the engine
 //!   finishes them ([`Event::ChunkReady`], the last one flagged; a whole
 //!   request is one chunk with `is_last`), completions of the writes it
@@ -27,9 +31,9 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::common::{
-    after, align_chunk, check_lists, earliest, is_empty_lists, AbortReason, BlockLists, Config,
-    Drain, FailReason, GrantLease, InputError, Mode, Msg, Op, PeerId, Phase, TouchLease,
-    TransferId,
+    after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
+    AbortReason, BlockLists, Config, Drain, FailReason, GrantLease, InputError, Mode, Msg, Op,
+    PeerId, Phase, TouchLease, TransferId,
 };
 use crate::Machine;
 
@@ -247,11 +251,7 @@ impl SendMachine {
                 if prev.src_blocks.len() != src_blocks.len() {
                     return Err(InputError::Misuse("chunk with another group count"));
                 }
-                prev.start_blocks
-                    .iter()
-                    .zip(&prev.src_blocks)
-                    .map(|(s, g)| s.saturating_add(g.len() as u32))
-                    .collect()
+                chunk_end(&prev.start_blocks, &prev.src_blocks)
             }
         };
         let index = live.chunks.len() as u32;
@@ -577,6 +577,14 @@ impl SendMachine {
             };
             if *finished {
                 continue;
+            }
+            if live.last_seen {
+                let last = &live.chunks[live.chunks.len() - 1];
+                let end = chunk_end(&last.start_blocks, &last.src_blocks);
+                if !covers_exactly(&end, &p.dst_blocks, &p.prefix_blocks) {
+                    bad_metadata = true;
+                    break;
+                }
             }
             while (*next_chunk as usize) < live.chunks.len() && lease.is_live(now) {
                 let chunk = &live.chunks[*next_chunk as usize];

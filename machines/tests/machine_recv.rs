@@ -889,3 +889,26 @@ fn in_flight_reads_are_bounded() {
     ev(&mut m, t0, resolved(&[P0]));
     assert_peer_error(&mut m, t0, msg(P0, ready(2, 2, &[3], true)));
 }
+
+#[test]
+fn pull_fewer_blocks_than_destination_is_bad_metadata() {
+    let t0 = Instant::now();
+    let mut m = pull_started(t0, &[5, 6], 0, &[P0]);
+    ev(
+        &mut m,
+        t0,
+        msg(
+            P0,
+            Msg::LeaseGrant {
+                seq: 0,
+                duration_ms: 10_000,
+            },
+        ),
+    );
+    let out = ev(&mut m, t0, msg(P0, ready(0, 0, &[1], true)));
+    assert_eq!(
+        out,
+        vec![send(P0, Msg::Done { ok: false }), load_failed(&[5, 6])]
+    );
+    assert_eq!(m.phase(), Phase::Failed(FailReason::BadMetadata));
+}

@@ -988,3 +988,101 @@ fn hold_limit_bounds_a_machine_whose_kv_never_comes() {
     assert_eq!(now, t0 + secs(480));
     assert_eq!(m.phase(), Phase::Expired);
 }
+
+#[test]
+fn push_fewer_blocks_than_destination_is_bad_metadata() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5, 6, 7], 0, None)));
+    ev(&mut m, t0, msg(D0, grant(0)));
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[1], false)),
+        vec![write(D0, 0, &[1], &[5])]
+    );
+    // The request ends one block short of D's list: D would keep a block without KV.
+    assert_eq!(ev(&mut m, t0, chunk(&[2], true)), vec![]);
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![
+            send(D0, Msg::Status { ok: false }),
+            release(Phase::Failed(FailReason::BadMetadata))
+        ]
+    );
+}
+
+#[test]
+fn push_several_groups_align_per_group() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    let b = |ids: &[u32]| ids.iter().map(|&x| BlockId(x)).collect::<Vec<_>>();
+    // Group 0: D holds P's first block. Group 1 (say a sliding-window group): no prefix.
+    let pull = Msg::Pull {
+        receivers_expected: 1,
+        dst_blocks: vec![b(&[50, 51]), b(&[60])],
+        prefix_blocks: vec![1, 0],
+        lease_seq: None,
+    };
+    ev(&mut m, t0, msg(D0, pull));
+    ev(&mut m, t0, msg(D0, grant(0)));
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ChunkReady {
+            src_blocks: vec![b(&[1, 2]), b(&[7])],
+            is_last: false,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![Action::Write {
+            peer: D0,
+            chunk: 0,
+            src_blocks: vec![b(&[2]), b(&[7])],
+            dst_blocks: vec![b(&[50]), b(&[60])]
+        }]
+    );
+    let out = ev(
+        &mut m,
+        t0,
+        Event::ChunkReady {
+            src_blocks: vec![b(&[3]), b(&[])],
+            is_last: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![Action::Write {
+            peer: D0,
+            chunk: 1,
+            src_blocks: vec![b(&[3]), b(&[])],
+            dst_blocks: vec![b(&[51]), b(&[])]
+        }]
+    );
+    // A chunk with another group count is the engine's mistake.
+    let mut m2 = push_machine(t0);
+    ev(
+        &mut m2,
+        t0,
+        Event::ChunkReady {
+            src_blocks: vec![b(&[1])],
+            is_last: false,
+        },
+    );
+    let err = m2.handle_event(
+        t0,
+        Event::ChunkReady {
+            src_blocks: vec![b(&[2]), b(&[3])],
+            is_last: true,
+        },
+    );
+    assert!(matches!(err, Err(InputError::Misuse(_))));
+}
