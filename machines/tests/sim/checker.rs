@@ -101,6 +101,11 @@ pub struct Stats {
     pub peer_dead: u64,
     pub aborts: u64,
     pub plan_failures: u64,
+    pub created_on_pull: u64,
+    pub engine_late: u64,
+    pub late_pull_aborts: u64,
+    pub spurious_aborts: u64,
+    pub stale_aborts: u64,
     pub false_dead: u64,
     pub buffered: u64,
     pub sim_us: u64,
@@ -142,6 +147,11 @@ impl Default for Stats {
             peer_dead: 0,
             aborts: 0,
             plan_failures: 0,
+            created_on_pull: 0,
+            engine_late: 0,
+            late_pull_aborts: 0,
+            spurious_aborts: 0,
+            stale_aborts: 0,
             false_dead: 0,
             buffered: 0,
             sim_us: 0,
@@ -181,6 +191,11 @@ impl Stats {
         self.peer_dead += o.peer_dead;
         self.aborts += o.aborts;
         self.plan_failures += o.plan_failures;
+        self.created_on_pull += o.created_on_pull;
+        self.engine_late += o.engine_late;
+        self.late_pull_aborts += o.late_pull_aborts;
+        self.spurious_aborts += o.spurious_aborts;
+        self.stale_aborts += o.stale_aborts;
         self.false_dead += o.false_dead;
         self.buffered += o.buffered;
         self.sim_us += o.sim_us;
@@ -218,6 +233,11 @@ impl fmt::Display for Stats {
             self.fenced, self.min_slack_us
         )?;
         writeln!(f, "outcomes: {:?}", self.outcomes)?;
+        writeln!(
+            f,
+            "P machines created on a Pull {}, engine after the transfer gave up {}, late Pulls answered with Abort {}, D PeerAborted although every P succeeded {}, failed on an Abort from a peer that had reported success {}",
+            self.created_on_pull, self.engine_late, self.late_pull_aborts, self.spurious_aborts, self.stale_aborts
+        )?;
         writeln!(
             f,
             "messages {} (dropped {}, duplicated {}, cut by partitions {}, buffered before creation {})",

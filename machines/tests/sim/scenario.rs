@@ -172,6 +172,11 @@ pub struct Scenario {
     pub calm: bool,
     /// Per node: how fast its clock runs, in parts per million (negative: slow).
     pub drift_ppm: Vec<i64>,
+    /// P's driver creates the machine on D's first `Pull` (else it buffers
+    /// D's messages until the engine knows the request).
+    pub create_on_pull: bool,
+    /// P's driver answers a `Pull` for a finished transfer with `Abort`.
+    pub abort_late_pulls: bool,
 }
 
 impl Scenario {
@@ -319,6 +324,8 @@ impl Scenario {
             switches,
             calm,
             drift_ppm,
+            create_on_pull: rng.below(2) == 0,
+            abort_late_pulls: rng.below(4) != 0,
         }
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use kvferry_machines::common::{BlockId, BlockLists, Config, Mode, Msg, PeerId};
 use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
 use kvferry_machines::send::{self, SendMachine};
-use kvferry_machines::{AbortReason, Machine, Phase, TransferId};
+use kvferry_machines::{AbortReason, FailReason, Machine, Phase, TransferId};
 
 use super::checker::{self, us, Kind, Stats, Violation};
 use super::memory::{Memory, Owner};
@@ -195,6 +195,10 @@ struct Slot {
     returned: BTreeSet<usize>,
     /// Toucher: granters it sent a lease-returning message to.
     returned_to: BTreeSet<usize>,
+    /// Peers whose success (`Status{ok: true}` or `Done{ok: true}`) was delivered.
+    succeeded: BTreeSet<usize>,
+    /// Peers whose `Abort` was delivered before this machine released.
+    aborted_by: BTreeSet<usize>,
     /// `(peer rank, group, D position)` delivered by a transfer that completed ok.
     delivered: BTreeSet<(usize, usize, u32)>,
     resolved: Option<T>,
@@ -660,16 +664,50 @@ impl<'a> World<'a> {
             grants: BTreeMap::new(),
             returned: BTreeSet::new(),
             returned_to: BTreeSet::new(),
+            succeeded: BTreeSet::new(),
+            aborted_by: BTreeSet::new(),
             delivered: BTreeSet::new(),
             resolved: None,
             last_progress: now,
         }
     }
 
+    /// The P engine learns the request: it allocates the source blocks and
+    /// creates the machine, or hands the blocks to the machine the driver
+    /// already created on D's first `Pull`.
     fn create_p(&mut self, req: usize, rank: usize) {
         let spec = self.spec(req);
         let node = spec.p_nodes[rank];
         let tid = spec.id;
+        match self.ranks_p[req][rank] {
+            RankRt::NotYet => {}
+            RankRt::Lost => return,
+            RankRt::Live(e) => {
+                let released = self.nodes[node]
+                    .machines
+                    .get(&tid)
+                    .is_none_or(|s| s.released.is_some());
+                if e != self.nodes[node].epoch || !self.nodes[node].up || released {
+                    // The transfer already gave up: the engine drops the request.
+                    self.stats.engine_late += 1;
+                    return;
+                }
+                let Some(blocks) = self.alloc(node, tid, &spec.total) else {
+                    self.stats.rejected_ranks += 1;
+                    self.drive(node, tid, Input::Abort(AbortReason::Engine));
+                    return;
+                };
+                if let Some(s) = self.nodes[node].machines.get_mut(&tid) {
+                    s.blocks = blocks;
+                }
+                self.log(|| format!("P node {node} engine takes {tid:?}"));
+                let now = self.now;
+                for (k, d) in spec.chunk_at[rank].iter().enumerate() {
+                    self.at(now + d, Ev::Chunk(req, rank, k));
+                }
+                return;
+            }
+        }
         let blocks = if self.nodes[node].up {
             self.alloc(node, tid, &spec.total)
         } else {
@@ -700,6 +738,24 @@ impl<'a> World<'a> {
         for (_, peer, msg) in mine {
             self.drive(node, tid, Input::P(send::Event::Msg { peer, msg }));
         }
+    }
+
+    /// The driver creates P's machine on D's first `Pull`, before the engine
+    /// knows the request (the machines' documented choice); the blocks come
+    /// with the engine.
+    fn create_p_on_pull(&mut self, req: usize, rank: usize) {
+        let spec = self.spec(req);
+        let node = spec.p_nodes[rank];
+        let tid = spec.id;
+        self.stats.machines += 1;
+        self.stats.created_on_pull += 1;
+        let m = SendMachine::new(self.instant(node, self.now), &self.cfg, tid, spec.mode);
+        let empty = vec![Vec::new(); spec.total.len()];
+        let slot = self.new_slot(node, req, rank, Kind2::P(m), empty);
+        self.nodes[node].machines.insert(tid, slot);
+        self.ranks_p[req][rank] = RankRt::Live(self.nodes[node].epoch);
+        self.log(|| format!("P node {node} creates {tid:?} on a Pull ({:?})", spec.mode));
+        self.arm(node, tid);
     }
 
     fn create_d(&mut self, req: usize, rank: usize) {
@@ -824,6 +880,27 @@ impl<'a> World<'a> {
             }
         };
         let tid = env.transfer;
+        let req = tid.0 as usize;
+        let p_rank = if self.is_p(to) && req < self.sc.requests.len() {
+            self.sc.requests[req].p_nodes.iter().position(|&n| n == to)
+        } else {
+            None
+        };
+        if let (Some(rank), Msg::Pull { .. }) = (p_rank, &env.msg) {
+            if self.sc.create_on_pull && self.ranks_p[req][rank] == RankRt::NotYet {
+                self.create_p_on_pull(req, rank);
+            }
+        }
+        let released = self.nodes[to]
+            .machines
+            .get(&tid)
+            .is_some_and(|s| s.released.is_some());
+        if released && self.sc.abort_late_pulls && matches!(env.msg, Msg::Pull { .. }) {
+            // The driver answers a `Pull` for a transfer it finished with
+            // `Abort`, so that a late D rank fails fast.
+            self.stats.late_pull_aborts += 1;
+            self.send(to, env.from, tid, Msg::Abort);
+        }
         if self.nodes[to].machines.contains_key(&tid) {
             if !self.is_p(to) {
                 if let Msg::Status { .. } | Msg::Ready { .. } = env.msg {
@@ -833,9 +910,28 @@ impl<'a> World<'a> {
                     }
                 }
             }
-            if let Msg::Status { .. } | Msg::Done { .. } | Msg::Abort | Msg::AbortAck = env.msg {
-                if let Some(s) = self.nodes[to].machines.get_mut(&tid) {
-                    s.returned.insert(env.from.0 as usize);
+            if let Some(s) = self.nodes[to].machines.get_mut(&tid) {
+                let from = env.from.0 as usize;
+                match env.msg {
+                    Msg::Status { ok } | Msg::Done { ok } => {
+                        s.returned.insert(from);
+                        if ok {
+                            s.succeeded.insert(from);
+                        }
+                    }
+                    Msg::Abort => {
+                        s.returned.insert(from);
+                        if s.released.is_none() {
+                            s.aborted_by.insert(from);
+                        }
+                    }
+                    Msg::AbortAck => {
+                        s.returned.insert(from);
+                    }
+                    Msg::Pull { .. }
+                    | Msg::Ready { .. }
+                    | Msg::LeaseRequest { .. }
+                    | Msg::LeaseGrant { .. } => {}
                 }
             }
             let input = if self.is_p(to) {
@@ -852,12 +948,10 @@ impl<'a> World<'a> {
             self.drive(to, tid, input);
             return;
         }
-        // A P engine may learn of a request after D's `Pull` arrived: the
+        // A P engine may learn of a request after D's `Pull` arrived: this
         // driver keeps such messages (bounded) until it creates the machine.
-        let req = tid.0 as usize;
-        if self.is_p(to) && req < self.sc.requests.len() {
-            let rank = self.sc.requests[req].p_nodes.iter().position(|&n| n == to);
-            if let Some(rank) = rank {
+        {
+            if let Some(rank) = p_rank {
                 if self.ranks_p[req][rank] == RankRt::NotYet
                     && self.nodes[to].pending.len() < PENDING_LIMIT
                 {
@@ -1585,6 +1679,10 @@ impl<'a> World<'a> {
         let delivered = std::mem::take(&mut slot.delivered);
         // A granter that gave up while a toucher still held its lease and
         // never returned it: the release had to wait for the fence.
+        // Goodput, not safety: failed on an `Abort` from a peer that had
+        // already reported success to us.
+        let stale_abort = outcome == Phase::Failed(FailReason::PeerAborted)
+            && slot.aborted_by.iter().any(|p| slot.succeeded.contains(p));
         let fenced =
             outcome != Phase::Success && slot.grants.keys().any(|p| !slot.returned.contains(p));
         let spec = self.spec(req);
@@ -1669,6 +1767,10 @@ impl<'a> World<'a> {
             }
         }
         self.stats.fenced += fenced as u64;
+        if stale_abort {
+            self.stats.stale_aborts += 1;
+            self.log(|| format!("stale abort: {side} node {node} {tid:?} failed on an Abort from a peer that had succeeded"));
+        }
         self.stats.min_slack_us = self.stats.min_slack_us.min(bound.saturating_sub(local));
         *self
             .stats
@@ -1835,6 +1937,27 @@ impl<'a> World<'a> {
     // ----- end of run ---------------------------------------------------
 
     fn final_checks(&mut self) {
+        // Goodput, not safety: a D rank that failed with `PeerAborted`
+        // although every P rank of the request released with success.
+        let sc: &'a Scenario = self.sc;
+        for spec in &sc.requests {
+            let outcome = |w: &World, node: usize| {
+                w.nodes[node]
+                    .machines
+                    .get(&spec.id)
+                    .and_then(|s| s.released.map(|(_, o)| o))
+            };
+            let all_p_ok = spec
+                .p_nodes
+                .iter()
+                .all(|&n| outcome(self, n) == Some(Phase::Success));
+            for &d in &spec.d_nodes {
+                if all_p_ok && outcome(self, d) == Some(Phase::Failed(FailReason::PeerAborted)) {
+                    self.stats.spurious_aborts += 1;
+                    self.log(|| format!("spurious abort: D node {d} {:?}", spec.id));
+                }
+            }
+        }
         for node in 0..self.nodes.len() {
             if !self.nodes[node].up {
                 continue;
