@@ -76,6 +76,7 @@ impl fmt::Display for Violation {
 pub struct Stats {
     pub runs: u64,
     pub calm_runs: u64,
+    pub jittery_runs: u64,
     pub steps: u64,
     pub requests: u64,
     pub push: u64,
@@ -122,6 +123,7 @@ impl Default for Stats {
         Stats {
             runs: 0,
             calm_runs: 0,
+            jittery_runs: 0,
             steps: 0,
             requests: 0,
             push: 0,
@@ -166,6 +168,7 @@ impl Stats {
     pub fn add(&mut self, o: &Stats) {
         self.runs += o.runs;
         self.calm_runs += o.calm_runs;
+        self.jittery_runs += o.jittery_runs;
         self.steps += o.steps;
         self.requests += o.requests;
         self.push += o.push;
@@ -211,9 +214,10 @@ impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "runs {} ({} calm), steps {}, simulated {:.1} s",
+            "runs {} ({} where every request must succeed, {} of them with duplicates, reordering and drift), steps {}, simulated {:.1} s",
             self.runs,
             self.calm_runs,
+            self.jittery_runs,
             self.steps,
             self.sim_us as f64 / 1e6
         )?;

@@ -2,6 +2,8 @@
 //! duplication and a long tail, plus partitions that cut node sets apart.
 //! Messages travel as bytes in the real encoding (`postcard`).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use kvferry_machines::common::{Msg, PeerId};
@@ -52,6 +54,8 @@ pub struct Network {
     params: NetParams,
     /// Partitions in force: id, side mask, one-way.
     active: Vec<(usize, u64, bool)>,
+    /// FIFO links: the latest delivery time planned per `(from, to)`.
+    last: BTreeMap<(usize, usize), T>,
     pub stats: NetStats,
 }
 
@@ -60,6 +64,7 @@ impl Network {
         Network {
             params,
             active: Vec::new(),
+            last: BTreeMap::new(),
             stats: NetStats::default(),
         }
     }
@@ -86,10 +91,12 @@ impl Network {
             .any(|&(_, m, one_way)| cut(m, one_way, from, to))
     }
 
-    /// Delivery delays of one message sent now from `from` to `to`: none
-    /// (lost), one, or two (duplicated). Every copy has its own delay, so
-    /// copies and later messages overtake each other.
-    pub fn plan(&mut self, rng: &mut Rng, from: usize, to: usize, len: usize) -> Vec<T> {
+    /// Delivery times of one message sent at `now` from `from` to `to`:
+    /// none (lost), one, or two (duplicated). Every copy has its own delay,
+    /// so copies and later messages overtake each other, unless links are
+    /// FIFO (as a TCP connection is): then nothing overtakes what was sent
+    /// before it on the same link.
+    pub fn plan(&mut self, rng: &mut Rng, now: T, from: usize, to: usize, len: usize) -> Vec<T> {
         self.stats.sent += 1;
         self.stats.bytes += len as u64;
         if self.blocked(from, to) {
@@ -100,10 +107,17 @@ impl Network {
             self.stats.dropped += 1;
             return Vec::new();
         }
-        let mut out = vec![self.delay(rng)];
+        let mut out = vec![now + self.delay(rng)];
         if rng.chance(self.params.dup_ppm) {
             self.stats.duplicated += 1;
-            out.push(self.delay(rng));
+            out.push(now + self.delay(rng));
+        }
+        if self.params.fifo {
+            let last = self.last.entry((from, to)).or_insert(0);
+            for t in &mut out {
+                *t = (*t).max(*last + 1);
+                *last = *t;
+            }
         }
         out
     }
