@@ -197,8 +197,9 @@ struct Slot {
     returned_to: BTreeSet<usize>,
     /// Peers whose success (`Status{ok: true}` or `Done{ok: true}`) was delivered.
     succeeded: BTreeSet<usize>,
-    /// Peers whose `Abort` was delivered before this machine released.
-    aborted_by: BTreeSet<usize>,
+    /// Whether the first `Abort` delivered before the release came from a
+    /// peer that had already reported success (a stale one).
+    first_abort_stale: Option<bool>,
     /// `(peer rank, group, D position)` delivered by a transfer that completed ok.
     delivered: BTreeSet<(usize, usize, u32)>,
     resolved: Option<T>,
@@ -666,7 +667,7 @@ impl<'a> World<'a> {
             returned: BTreeSet::new(),
             returned_to: BTreeSet::new(),
             succeeded: BTreeSet::new(),
-            aborted_by: BTreeSet::new(),
+            first_abort_stale: None,
             delivered: BTreeSet::new(),
             resolved: None,
             last_progress: now,
@@ -926,8 +927,8 @@ impl<'a> World<'a> {
                     }
                     Msg::Abort => {
                         s.returned.insert(from);
-                        if s.released.is_none() {
-                            s.aborted_by.insert(from);
+                        if s.released.is_none() && s.first_abort_stale.is_none() {
+                            s.first_abort_stale = Some(s.succeeded.contains(&from));
                         }
                     }
                     Msg::AbortAck => {
@@ -1688,7 +1689,7 @@ impl<'a> World<'a> {
         // Goodput, not safety: failed on an `Abort` from a peer that had
         // already reported success to us.
         let stale_abort = outcome == Phase::Failed(FailReason::PeerAborted)
-            && slot.aborted_by.iter().any(|p| slot.succeeded.contains(p));
+            && slot.first_abort_stale == Some(true);
         let fenced =
             outcome != Phase::Success && slot.grants.keys().any(|p| !slot.returned.contains(p));
         let spec = self.spec(req);
