@@ -93,7 +93,11 @@ pub fn explain(seed: u64, switches: Switches, v: &Violation) -> String {
     let tail = &lines[lines.len().saturating_sub(80)..];
     let mut out = format!(
         "simulator seed {seed} violates an invariant:\n  {v}\nreplay: {}\nscenario: {} P nodes, {} D nodes, {} requests, calm {}, detector {}, crashes {:?}, partitions {:?}, drift {:?} ppm\nconfig: {:?}\nlast events{}:\n",
-        replay_command(seed),
+        if switches == Switches::default() {
+            replay_command(seed)
+        } else {
+            format!("rerun the self-test that switched off {switches:?}")
+        },
         sc.n_p,
         sc.n_d,
         sc.requests.len(),

@@ -38,6 +38,9 @@ pub struct Switches {
     pub excess_drift: bool,
     /// The driver forgets one timer in four (`poll_timeout` not armed).
     pub lose_timers: bool,
+    /// P's driver answers every late `Pull` with `Abort`, also after a
+    /// successful transfer (what the machines' docs asked at first).
+    pub abort_after_success: bool,
 }
 
 /// Faults of the control network, per message.
@@ -201,8 +204,10 @@ impl Scenario {
         // is jittery: duplicates, reordering and drift, which must not fail
         // a request either.
         let profile = rng.below(8);
-        let calm = profile <= 1;
-        let jittery = profile == 1;
+        // The late-`Pull` self-test needs duplicates that arrive late and
+        // overtake: every run is jittery there.
+        let calm = profile <= 1 || switches.abort_after_success;
+        let jittery = profile == 1 || switches.abort_after_success;
         let hb = rng.range(2, 5);
         let mut cfg = Config {
             bootstrap_timeout: ms(rng.range(40, 120)),
@@ -239,7 +244,11 @@ impl Scenario {
             let delay_min = rng.range(10, 200);
             NetParams {
                 drop_ppm: 0,
-                dup_ppm: rng.range(0, 50_000) as u32,
+                dup_ppm: if switches.abort_after_success {
+                    300_000
+                } else {
+                    rng.range(0, 50_000) as u32
+                },
                 delay_min,
                 // and before the toucher forgets its request: with
                 // `max_lease_requests` remembered and one asked every
@@ -252,7 +261,7 @@ impl Scenario {
                     .max(delay_min),
                 tail_ppm: 0,
                 tail_max: 0,
-                fifo: rng.below(2) == 0,
+                fifo: rng.below(2) == 0 && !switches.abort_after_success,
             }
         } else if calm {
             NetParams {
@@ -357,7 +366,7 @@ impl Scenario {
             jittery,
             drift_ppm,
             create_on_pull: rng.below(2) == 0,
-            abort_late_pulls: rng.below(4) != 0,
+            abort_late_pulls: rng.below(4) != 0 || switches.abort_after_success,
         }
     }
 }

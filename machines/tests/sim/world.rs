@@ -893,10 +893,10 @@ impl<'a> World<'a> {
                 self.create_p_on_pull(req, rank);
             }
         }
-        let failed = self.nodes[to]
-            .machines
-            .get(&tid)
-            .is_some_and(|s| s.released.is_some_and(|(_, o)| o != Phase::Success));
+        let failed = self.nodes[to].machines.get(&tid).is_some_and(|s| {
+            s.released
+                .is_some_and(|(_, o)| o != Phase::Success || self.sc.switches.abort_after_success)
+        });
         if failed && self.sc.abort_late_pulls && matches!(env.msg, Msg::Pull { .. }) {
             // The driver answers a `Pull` for a transfer that failed with
             // `Abort`, so that a late D rank fails fast. Not after a
