@@ -359,3 +359,218 @@ fn sim_teeth_late_pull_abort_after_success() {
     assert!(v.detail.contains("PeerAborted"), "{v}");
     println!("abort after success caught at seed {seed}: {v}");
 }
+
+#[test]
+fn sim_teeth_no_fence() {
+    // A granter that reuses its blocks as soon as it gives up, without
+    // waiting for the lease to come back or run out, is sglang PR#24580 (D
+    // reuses pages before ABORT_ACK, late writes land in them) and, in pull
+    // mode, vllm#21570 (P frees blocks D still reads).
+    let switches = Switches {
+        disable_fence: true,
+        ..Switches::default()
+    };
+    let (seed, v) = find_violation(
+        switches,
+        &[
+            Kind::ReadAfterRelease,
+            Kind::WriteAfterRelease,
+            Kind::ReleasedInFlight,
+        ],
+        300,
+    );
+    println!("disabled fence caught at seed {seed}: {v}");
+}
+
+#[test]
+fn sim_teeth_ignore_in_flight() {
+    // A toucher that releases (or returns its lease) with transfers still in
+    // flight lets them land after the other side reused the blocks.
+    let switches = Switches {
+        ignore_in_flight: true,
+        ..Switches::default()
+    };
+    let (seed, v) = find_violation(
+        switches,
+        &[
+            Kind::ReadAfterRelease,
+            Kind::WriteAfterRelease,
+            Kind::ReleasedInFlight,
+        ],
+        300,
+    );
+    println!("ignored in-flight transfers caught at seed {seed}: {v}");
+}
+
+/// Regression (found by the simulator, seed 4359 before the fix): a D rank
+/// fed by two P ranks got `Status{ok: true}` from one of them, then an
+/// `Abort` from the same P rank (its driver answering a duplicated `Pull`
+/// after the transfer finished, as the machines' docs ask). The D rank
+/// failed the whole request and aborted the other P rank, although every
+/// block from the first had landed. An `Abort` from a peer that already
+/// finished is stale: its data is complete and it holds no lease.
+#[test]
+fn sim_regression_abort_from_finished_peer_is_stale() {
+    use std::time::{Duration, Instant};
+
+    use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
+    use kvferry_machines::recv::{Action, Event, RecvMachine, ResolvedPeer};
+    use kvferry_machines::{Machine, Phase, TransferId};
+
+    let (p3, p4) = (PeerId(3), PeerId(4));
+    let cfg = Config::default();
+    let t0 = Instant::now();
+    let ms = |m: u64| t0 + Duration::from_millis(m);
+    let drain = |m: &mut RecvMachine| std::iter::from_fn(|| m.poll_action()).collect::<Vec<_>>();
+    for mode in [Mode::Push, Mode::Pull] {
+        let dst = vec![vec![BlockId(0), BlockId(1)]];
+        let mut m = RecvMachine::new(t0, &cfg, TransferId(16), mode, dst, vec![0]).expect("valid");
+        let peers = vec![
+            ResolvedPeer {
+                peer: p3,
+                receivers_expected: 1,
+            },
+            ResolvedPeer {
+                peer: p4,
+                receivers_expected: 1,
+            },
+        ];
+        m.handle_event(ms(1), Event::PeersResolved { peers })
+            .expect("resolved");
+        drain(&mut m);
+        // P3 delivers everything.
+        match mode {
+            Mode::Push => {
+                let status = Msg::Status { ok: true };
+                m.handle_event(
+                    ms(2),
+                    Event::Msg {
+                        peer: p3,
+                        msg: status,
+                    },
+                )
+                .expect("status");
+            }
+            Mode::Pull => {
+                let grant = Msg::LeaseGrant {
+                    seq: 0,
+                    duration_ms: 10_000,
+                };
+                m.handle_event(
+                    ms(2),
+                    Event::Msg {
+                        peer: p3,
+                        msg: grant,
+                    },
+                )
+                .expect("grant");
+                let ready = Msg::Ready {
+                    chunk: 0,
+                    start_blocks: vec![0],
+                    src_blocks: vec![vec![BlockId(7), BlockId(8)]],
+                    is_last: true,
+                };
+                m.handle_event(
+                    ms(3),
+                    Event::Msg {
+                        peer: p3,
+                        msg: ready,
+                    },
+                )
+                .expect("ready");
+                let read = drain(&mut m);
+                assert!(
+                    read.iter()
+                        .any(|a| matches!(a, Action::Read { peer, .. } if *peer == p3)),
+                    "{read:?}"
+                );
+                m.handle_event(
+                    ms(4),
+                    Event::ReadDone {
+                        peer: p3,
+                        chunk: 0,
+                        ok: true,
+                    },
+                )
+                .expect("read done");
+            }
+        }
+        drain(&mut m);
+        // The stale Abort from P3 must not end the request.
+        m.handle_event(
+            ms(5),
+            Event::Msg {
+                peer: p3,
+                msg: Msg::Abort,
+            },
+        )
+        .expect("abort absorbed");
+        let acts = drain(&mut m);
+        assert!(
+            !m.phase().is_terminal(),
+            "{mode:?}: failed on a stale Abort: {:?} {acts:?}",
+            m.phase()
+        );
+        assert!(
+            !acts
+                .iter()
+                .any(|a| matches!(a, Action::Send { peer, msg: Msg::Abort } if *peer == p4)),
+            "{mode:?}: aborted the other P rank: {acts:?}"
+        );
+        // P4 still completes the request.
+        match mode {
+            Mode::Push => {
+                let status = Msg::Status { ok: true };
+                m.handle_event(
+                    ms(6),
+                    Event::Msg {
+                        peer: p4,
+                        msg: status,
+                    },
+                )
+                .expect("status");
+            }
+            Mode::Pull => {
+                let grant = Msg::LeaseGrant {
+                    seq: 0,
+                    duration_ms: 10_000,
+                };
+                m.handle_event(
+                    ms(6),
+                    Event::Msg {
+                        peer: p4,
+                        msg: grant,
+                    },
+                )
+                .expect("grant");
+                let ready = Msg::Ready {
+                    chunk: 0,
+                    start_blocks: vec![0],
+                    src_blocks: vec![vec![BlockId(9), BlockId(10)]],
+                    is_last: true,
+                };
+                m.handle_event(
+                    ms(7),
+                    Event::Msg {
+                        peer: p4,
+                        msg: ready,
+                    },
+                )
+                .expect("ready");
+                drain(&mut m);
+                m.handle_event(
+                    ms(8),
+                    Event::ReadDone {
+                        peer: p4,
+                        chunk: 0,
+                        ok: true,
+                    },
+                )
+                .expect("read done");
+            }
+        }
+        let acts = drain(&mut m);
+        assert!(acts.contains(&Action::Received), "{mode:?}: {acts:?}");
+        assert_eq!(m.phase(), Phase::Success);
+    }
+}

@@ -373,9 +373,8 @@ impl Scenario {
 
 /// Turns the self-test switches into the machines' test-only settings.
 fn apply_switches(cfg: &mut Config, switches: Switches) {
-    // The machine-level switches arrive with the machines crate's test-only
-    // `Config` fields; until then only the driver-level one exists.
-    let _ = (cfg, switches.disable_fence, switches.ignore_in_flight);
+    cfg.unsafe_disable_fence = switches.disable_fence;
+    cfg.unsafe_ignore_in_flight = switches.ignore_in_flight;
 }
 
 /// Ranks `start, start + 1, ...` (wrapping) of a pool of `n` nodes, `k` of them.
