@@ -501,6 +501,14 @@ impl SendMachine {
                 Ok(())
             }
             Msg::Abort => {
+                if known.is_some_and(|i| live.peers[i].is_finished()) {
+                    // This D rank already has everything and returned its
+                    // lease: its `Abort` is stale (its driver answering a
+                    // duplicated message after it ended, say). If the
+                    // request is really gone, the D ranks still at work
+                    // abort as well.
+                    return Ok(());
+                }
                 // An abort from a D rank we do not know yet still ends the
                 // request: any D rank aborting means the request is gone.
                 self.end(now, End::PeerAbort(peer));
