@@ -574,3 +574,96 @@ fn sim_regression_abort_from_finished_peer_is_stale() {
         assert_eq!(m.phase(), Phase::Success);
     }
 }
+
+/// Regression (found by the simulator, seed 358 with drivers answering
+/// like the node): a P rank in pull mode got `Done{ok: true}` from one D
+/// rank, then an `Abort` from the same D rank (its driver answering a
+/// duplicated `Ready` after the transfer ended). The P rank failed the
+/// request and aborted the other D rank, although every read had ended.
+#[test]
+fn sim_regression_abort_from_finished_d_rank_is_stale() {
+    use std::time::{Duration, Instant};
+
+    use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
+    use kvferry_machines::send::{Action, Event, SendMachine};
+    use kvferry_machines::{Machine, Phase, TransferId};
+
+    let (d4, d5) = (PeerId(4), PeerId(5));
+    let t0 = Instant::now();
+    let ms = |m: u64| t0 + Duration::from_millis(m);
+    let drain = |m: &mut SendMachine| std::iter::from_fn(|| m.poll_action()).collect::<Vec<_>>();
+    let mut m = SendMachine::new(t0, &Config::default(), TransferId(6), Mode::Pull);
+    let pull = |seq| Msg::Pull {
+        receivers_expected: 2,
+        dst_blocks: vec![vec![BlockId(0)]],
+        prefix_blocks: vec![0],
+        lease_seq: Some(seq),
+    };
+    m.handle_event(
+        ms(1),
+        Event::Msg {
+            peer: d4,
+            msg: pull(0),
+        },
+    )
+    .expect("pull d4");
+    m.handle_event(
+        ms(1),
+        Event::Msg {
+            peer: d5,
+            msg: pull(0),
+        },
+    )
+    .expect("pull d5");
+    let chunk = Event::ChunkReady {
+        src_blocks: vec![vec![BlockId(9)]],
+        is_last: true,
+    };
+    m.handle_event(ms(2), chunk).expect("chunk");
+    drain(&mut m);
+    m.handle_event(
+        ms(3),
+        Event::Msg {
+            peer: d5,
+            msg: Msg::Done { ok: true },
+        },
+    )
+    .expect("done d5");
+    drain(&mut m);
+    // The stale Abort from D5 must not end the request.
+    m.handle_event(
+        ms(4),
+        Event::Msg {
+            peer: d5,
+            msg: Msg::Abort,
+        },
+    )
+    .expect("abort absorbed");
+    let acts = drain(&mut m);
+    assert!(
+        !m.phase().is_terminal(),
+        "failed on a stale Abort: {:?} {acts:?}",
+        m.phase()
+    );
+    assert!(
+        !acts
+            .iter()
+            .any(|a| matches!(a, Action::Send { peer, msg: Msg::Abort } if *peer == d4)),
+        "aborted the other D rank: {acts:?}"
+    );
+    m.handle_event(
+        ms(5),
+        Event::Msg {
+            peer: d4,
+            msg: Msg::Done { ok: true },
+        },
+    )
+    .expect("done d4");
+    let acts = drain(&mut m);
+    assert!(
+        acts.contains(&Action::ReleaseBlocks {
+            outcome: Phase::Success
+        }),
+        "{acts:?}"
+    );
+}

@@ -185,6 +185,10 @@ pub struct Scenario {
     pub create_on_pull: bool,
     /// P's driver answers a `Pull` for a finished transfer with `Abort`.
     pub abort_late_pulls: bool,
+    /// On FIFO links, both drivers answer what arrives for a finished
+    /// transfer as the node does: `Abort` to `Pull`, `Ready` and
+    /// `LeaseRequest`, `AbortAck` to `Abort`, whatever the outcome.
+    pub answer_like_node: bool,
 }
 
 impl Scenario {
@@ -348,6 +352,7 @@ impl Scenario {
         let drift_ppm = (0..nodes)
             .map(|_| rng.range(0, 2 * max_drift as u64) as i64 - max_drift)
             .collect();
+        let answer_like_node = net.fifo && rng.below(2) == 0;
         Scenario {
             seed,
             cfg,
@@ -367,6 +372,7 @@ impl Scenario {
             drift_ppm,
             create_on_pull: rng.below(2) == 0,
             abort_late_pulls: rng.below(4) != 0 || switches.abort_after_success,
+            answer_like_node,
         }
     }
 }

@@ -897,7 +897,26 @@ impl<'a> World<'a> {
             s.released
                 .is_some_and(|(_, o)| o != Phase::Success || self.sc.switches.abort_after_success)
         });
-        if failed && self.sc.abort_late_pulls && matches!(env.msg, Msg::Pull { .. }) {
+        let released = self.nodes[to]
+            .machines
+            .get(&tid)
+            .is_some_and(|s| s.released.is_some());
+        if released && self.sc.answer_like_node {
+            // The node's driver (`answer_unknown`) on FIFO links: whoever
+            // still wants to touch a finished transfer is told to stop, an
+            // `Abort` is acknowledged, whatever the outcome was.
+            let answer = match env.msg {
+                Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
+                Msg::Abort => Some(Msg::AbortAck),
+                Msg::AbortAck | Msg::Status { .. } | Msg::Done { .. } | Msg::LeaseGrant { .. } => {
+                    None
+                }
+            };
+            if let Some(a) = answer {
+                self.stats.late_pull_aborts += 1;
+                self.send(to, env.from, tid, a);
+            }
+        } else if failed && self.sc.abort_late_pulls && matches!(env.msg, Msg::Pull { .. }) {
             // The driver answers a `Pull` for a transfer that failed with
             // `Abort`, so that a late D rank fails fast. Not after a
             // success: every D rank was then sent `Status{ok: true}`, so a
