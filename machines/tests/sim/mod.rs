@@ -29,7 +29,12 @@
 //! silence only), resets on restart, and rare false verdicts; transfers that
 //! fail, land partly, or never report (landing up to the bound); engine
 //! aborts and client disconnects; planner rejections; slow engines and
-//! bootstraps; clocks drifting as far as `fence_margin` covers.
+//! bootstraps; clocks drifting as far as `fence_margin` covers; FIFO or
+//! reordering links. Drivers vary per seed: P's machine is created on D's
+//! first `Pull` or D's messages wait for the engine; messages for finished
+//! transfers are answered as the node does (`Abort` to `Pull`, `Ready`,
+//! `LeaseRequest`; `AbortAck` to `Abort`), or only late `Pull`s of failed
+//! transfers get an `Abort`, or nothing is answered.
 //!
 //! # What is checked
 //!
