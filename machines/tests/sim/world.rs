@@ -197,9 +197,9 @@ struct Slot {
     returned_to: BTreeSet<usize>,
     /// Peers whose success (`Status{ok: true}` or `Done{ok: true}`) was delivered.
     succeeded: BTreeSet<usize>,
-    /// Whether the first `Abort` delivered before the release came from a
-    /// peer that had already reported success (a stale one).
-    first_abort_stale: Option<bool>,
+    /// The input being fed is an `Abort` from a peer that had already
+    /// reported success (a stale one).
+    stale_abort_input: bool,
     /// `(peer rank, group, D position)` delivered by a transfer that completed ok.
     delivered: BTreeSet<(usize, usize, u32)>,
     resolved: Option<T>,
@@ -667,7 +667,7 @@ impl<'a> World<'a> {
             returned: BTreeSet::new(),
             returned_to: BTreeSet::new(),
             succeeded: BTreeSet::new(),
-            first_abort_stale: None,
+            stale_abort_input: false,
             delivered: BTreeSet::new(),
             resolved: None,
             last_progress: now,
@@ -946,9 +946,7 @@ impl<'a> World<'a> {
                     }
                     Msg::Abort => {
                         s.returned.insert(from);
-                        if s.released.is_none() && s.first_abort_stale.is_none() {
-                            s.first_abort_stale = Some(s.succeeded.contains(&from));
-                        }
+                        s.stale_abort_input = s.released.is_none() && s.succeeded.contains(&from);
                     }
                     Msg::AbortAck => {
                         s.returned.insert(from);
@@ -971,6 +969,9 @@ impl<'a> World<'a> {
                 })
             };
             self.drive(to, tid, input);
+            if let Some(s) = self.nodes[to].machines.get_mut(&tid) {
+                s.stale_abort_input = false;
+            }
             return;
         }
         // A P engine may learn of a request after D's `Pull` arrived: this
@@ -1705,10 +1706,10 @@ impl<'a> World<'a> {
         let delivered = std::mem::take(&mut slot.delivered);
         // A granter that gave up while a toucher still held its lease and
         // never returned it: the release had to wait for the fence.
-        // Goodput, not safety: failed on an `Abort` from a peer that had
-        // already reported success to us.
-        let stale_abort = outcome == Phase::Failed(FailReason::PeerAborted)
-            && slot.first_abort_stale == Some(true);
+        // Goodput, not safety: released, failed, right on an `Abort` from a
+        // peer that had already reported success to us.
+        let stale_abort =
+            outcome == Phase::Failed(FailReason::PeerAborted) && slot.stale_abort_input;
         let fenced =
             outcome != Phase::Success && slot.grants.keys().any(|p| !slot.returned.contains(p));
         let spec = self.spec(req);
@@ -1794,8 +1795,15 @@ impl<'a> World<'a> {
         }
         self.stats.fenced += fenced as u64;
         if stale_abort {
+            // Its data from that peer is complete and the peer holds no
+            // lease: a stale `Abort` must not fail the request (it did
+            // before the fix, seeds 4359 and 358).
             self.stats.stale_aborts += 1;
-            self.log(|| format!("stale abort: {side} node {node} {tid:?} failed on an Abort from a peer that had succeeded"));
+            self.fail(
+                Kind::SpuriousFailure,
+                format!("{side} node {node} {tid:?} failed on an Abort from a peer that had already reported success"),
+            );
+            return;
         }
         self.stats.min_slack_us = self.stats.min_slack_us.min(bound.saturating_sub(local));
         *self
