@@ -146,6 +146,17 @@ pub struct Config {
     pub max_blocks_per_group: usize,
     /// Most lease requests remembered per peer (older ones are forgotten).
     pub max_lease_requests: usize,
+    /// UNSAFE, for the simulator's self-test only (`tests/sim.rs`): a
+    /// granter that ends a transfer reuses its blocks at once, without
+    /// waiting for the toucher to return its lease or for the lease plus the
+    /// fence to run out. Always `false` outside that test.
+    #[doc(hidden)]
+    pub unsafe_disable_fence: bool,
+    /// UNSAFE, for the simulator's self-test only (`tests/sim.rs`): a
+    /// toucher that ends a transfer forgets the writes or reads it still has
+    /// in flight. Always `false` outside that test.
+    #[doc(hidden)]
+    pub unsafe_ignore_in_flight: bool,
 }
 
 impl Default for Config {
@@ -166,6 +177,8 @@ impl Default for Config {
             max_groups: 16,
             max_blocks_per_group: 1 << 20,
             max_lease_requests: 4,
+            unsafe_disable_fence: false,
+            unsafe_ignore_in_flight: false,
         }
     }
 }

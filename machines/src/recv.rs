@@ -436,6 +436,13 @@ impl RecvMachine {
                         Ok(())
                     }
                     Msg::Abort => {
+                        if p.is_finished() {
+                            // This peer already delivered everything and returned its
+                            // lease: its `Abort` is stale (its driver answering a
+                            // duplicated `Pull` after it ended, say). If the request
+                            // is really gone, the peers still at work abort as well.
+                            return Ok(());
+                        }
                         self.end(now, End::PeerAbort(peer));
                         Ok(())
                     }
@@ -570,9 +577,13 @@ impl RecvMachine {
             State::Active(active) => active,
             State::Draining(_) | State::Finished(_) => return,
         };
+        let mut ops = std::mem::take(&mut active.ops);
+        if self.cfg.unsafe_ignore_in_flight {
+            ops.clear();
+        }
         let mut drain = Drain {
             outcome,
-            ops: std::mem::take(&mut active.ops),
+            ops,
             returns: Vec::new(),
             leases: Vec::new(),
         };
@@ -608,7 +619,9 @@ impl RecvMachine {
                             peer: p.id,
                             msg: Msg::Abort,
                         });
-                        drain.leases.push((p.id, *lease));
+                        if !self.cfg.unsafe_disable_fence {
+                            drain.leases.push((p.id, *lease));
+                        }
                     }
                 }
             }

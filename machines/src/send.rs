@@ -5,10 +5,13 @@
 //! * Create it with [`SendMachine::new`] when the engine knows the request,
 //!   or when D's first `Pull` for the transfer arrives, whichever comes
 //!   first: `new` needs nothing from the engine, and chunks may follow later.
-//! * After `ReleaseBlocks` the driver may drop the machine. It should then
-//!   answer a late `Pull` for that transfer with `Abort` (from a bounded
-//!   memory of finished transfer ids), so that a late D rank fails fast
-//!   instead of waiting for its deadline.
+//! * After `ReleaseBlocks` the driver may drop the machine. If the transfer
+//!   failed, it should then answer a late `Pull` for it with `Abort` (from a
+//!   bounded memory of finished transfer ids), so that a late D rank fails
+//!   fast instead of waiting for its deadline. After a success it ignores
+//!   such a `Pull`: every D rank was sent `Status{ok: true}`, so the `Pull`
+//!   is a duplicate, and an `Abort` overtaking that `Status` would fail a D
+//!   rank whose KV all landed (found by the simulator, `tests/sim.rs`).
 //! * Feed [`Event`]s: D's messages ([`Event::Msg`]), KV chunks as the engine
 //!   finishes them ([`Event::ChunkReady`], the last one flagged; a whole
 //!   request is one chunk with `is_last`), completions of the writes it
@@ -498,6 +501,14 @@ impl SendMachine {
                 Ok(())
             }
             Msg::Abort => {
+                if known.is_some_and(|i| live.peers[i].is_finished()) {
+                    // This D rank already has everything and returned its
+                    // lease: its `Abort` is stale (its driver answering a
+                    // duplicated message after it ended, say). If the
+                    // request is really gone, the D ranks still at work
+                    // abort as well.
+                    return Ok(());
+                }
                 // An abort from a D rank we do not know yet still ends the
                 // request: any D rank aborting means the request is gone.
                 self.end(now, End::PeerAbort(peer));
@@ -660,9 +671,13 @@ impl SendMachine {
             End::PeerAbort(_) => Phase::Failed(FailReason::PeerAborted),
             End::PeerFailed(_) => Phase::Failed(FailReason::PeerReported),
         };
+        let mut ops = std::mem::take(&mut live.ops);
+        if self.cfg.unsafe_ignore_in_flight {
+            ops.clear();
+        }
         let mut drain = Drain {
             outcome,
-            ops: std::mem::take(&mut live.ops),
+            ops,
             returns: Vec::new(),
             leases: Vec::new(),
         };
@@ -704,7 +719,9 @@ impl SendMachine {
                             peer: p.id,
                             msg: Msg::Abort,
                         });
-                        drain.leases.push((p.id, *lease));
+                        if !self.cfg.unsafe_disable_fence {
+                            drain.leases.push((p.id, *lease));
+                        }
                     }
                 }
             }

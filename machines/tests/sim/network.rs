@@ -1,0 +1,135 @@
+//! Simulated control network: per-message delay (hence reordering), drop,
+//! duplication and a long tail, plus partitions that cut node sets apart.
+//! Messages travel as bytes in the real encoding (`postcard`).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use kvferry_machines::common::{Msg, PeerId};
+use kvferry_machines::TransferId;
+
+use super::rng::Rng;
+use super::scenario::{NetParams, T};
+
+/// What the node's wire envelope carries around a machine message: the
+/// transfer and the sender's rank (which becomes the receiver's `PeerId`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope {
+    pub transfer: TransferId,
+    pub from: PeerId,
+    pub msg: Msg,
+}
+
+/// A partition with side `mask` loses what crosses it; a one-way one only
+/// what leaves the masked side.
+pub fn cut(mask: u64, one_way: bool, from: usize, to: usize) -> bool {
+    let (f, t) = ((mask >> from) & 1 == 1, (mask >> to) & 1 == 1);
+    if one_way {
+        f && !t
+    } else {
+        f != t
+    }
+}
+
+pub fn encode(env: &Envelope) -> Vec<u8> {
+    postcard::to_allocvec(env).expect("postcard encodes every envelope")
+}
+
+pub fn decode(bytes: &[u8]) -> Result<Envelope, postcard::Error> {
+    postcard::from_bytes(bytes)
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct NetStats {
+    pub sent: u64,
+    pub dropped: u64,
+    pub duplicated: u64,
+    pub cut: u64,
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Network {
+    params: NetParams,
+    /// Partitions in force: id, side mask, one-way.
+    active: Vec<(usize, u64, bool)>,
+    /// FIFO links: the latest delivery time planned per `(from, to)`.
+    last: BTreeMap<(usize, usize), T>,
+    pub stats: NetStats,
+}
+
+impl Network {
+    pub fn new(params: NetParams) -> Self {
+        Network {
+            params,
+            active: Vec::new(),
+            last: BTreeMap::new(),
+            stats: NetStats::default(),
+        }
+    }
+
+    pub fn partition(&mut self, id: usize, side_mask: u64, one_way: bool) {
+        self.active.push((id, side_mask, one_way));
+    }
+
+    pub fn heal(&mut self, id: usize) {
+        self.active.retain(|(i, _, _)| *i != id);
+    }
+
+    /// True when partition `id` is in force and loses messages from `from` to `to`.
+    pub fn cuts(&self, id: usize, from: usize, to: usize) -> bool {
+        self.active
+            .iter()
+            .any(|&(i, m, one_way)| i == id && cut(m, one_way, from, to))
+    }
+
+    /// True when a partition in force loses messages from `from` to `to`.
+    pub fn blocked(&self, from: usize, to: usize) -> bool {
+        self.active
+            .iter()
+            .any(|&(_, m, one_way)| cut(m, one_way, from, to))
+    }
+
+    /// Delivery times of one message sent at `now` from `from` to `to`:
+    /// none (lost), one, or two (duplicated). Every copy has its own delay,
+    /// so copies and later messages overtake each other, unless links are
+    /// FIFO (as a TCP connection is): then nothing overtakes what was sent
+    /// before it on the same link.
+    pub fn plan(&mut self, rng: &mut Rng, now: T, from: usize, to: usize, len: usize) -> Vec<T> {
+        self.stats.sent += 1;
+        self.stats.bytes += len as u64;
+        if self.blocked(from, to) {
+            self.stats.cut += 1;
+            return Vec::new();
+        }
+        if rng.chance(self.params.drop_ppm) {
+            self.stats.dropped += 1;
+            return Vec::new();
+        }
+        let mut out = vec![now + self.delay(rng)];
+        if rng.chance(self.params.dup_ppm) {
+            self.stats.duplicated += 1;
+            out.push(now + self.delay(rng));
+        }
+        if self.params.fifo {
+            let last = self.last.entry((from, to)).or_insert(0);
+            for t in &mut out {
+                *t = (*t).max(*last + 1);
+                *last = *t;
+            }
+        }
+        out
+    }
+
+    fn delay(&self, rng: &mut Rng) -> T {
+        if rng.chance(self.params.tail_ppm) {
+            rng.range(
+                self.params.delay_max,
+                self.params.delay_max + self.params.tail_max,
+            )
+        } else {
+            rng.range(self.params.delay_min, self.params.delay_max)
+        }
+    }
+}
