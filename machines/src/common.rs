@@ -520,3 +520,82 @@ impl Drain {
         earliest(ops, leases)
     }
 }
+
+/// How a live request ends; decides the outcome and what each peer is owed.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum End {
+    Fail(FailReason),
+    Expire,
+    /// The peer aborted: it gets an `AbortAck`, the others an abort.
+    PeerAbort(PeerId),
+    /// The peer returned its lease while failing (`Status`/`Done` with `ok: false`).
+    PeerFailed(PeerId),
+}
+
+impl End {
+    /// The terminal phase reported once the drain completes.
+    pub(crate) fn outcome(self) -> Phase {
+        match self {
+            End::Fail(r) => Phase::Failed(r),
+            End::Expire => Phase::Expired,
+            End::PeerAbort(_) => Phase::Failed(FailReason::PeerAborted),
+            End::PeerFailed(_) => Phase::Failed(FailReason::PeerReported),
+        }
+    }
+
+    /// Starts the drain of a request that had `ops` in flight.
+    pub(crate) fn drain(self, mut ops: Vec<Op>, cfg: &Config) -> Drain {
+        if cfg.unsafe_ignore_in_flight {
+            ops.clear();
+        }
+        Drain {
+            outcome: self.outcome(),
+            ops,
+            returns: Vec::new(),
+            leases: Vec::new(),
+        }
+    }
+
+    /// Settles one unfinished peer when the request ends, for both sides.
+    ///
+    /// `granted` is `Some` when the peer touches our blocks under a lease we
+    /// granted, `None` when we touch its blocks. A toucher's lease-returning
+    /// message (`failure_return`: `Status` from P, `Done` from D) waits in
+    /// the drain until nothing of ours is in flight on that peer; a granter
+    /// keeps the lease in the drain until it is returned or has run out plus
+    /// the fence. Returns a message to send at once, if any.
+    pub(crate) fn settle_peer(
+        self,
+        drain: &mut Drain,
+        peer: PeerId,
+        granted: Option<GrantLease>,
+        failure_return: Msg,
+        cfg: &Config,
+    ) -> Option<Msg> {
+        let aborter = matches!(self, End::PeerAbort(a) if a == peer);
+        let failer = matches!(self, End::PeerFailed(a) if a == peer);
+        match granted {
+            None => {
+                let msg = match self {
+                    _ if aborter => Msg::AbortAck,
+                    End::Fail(FailReason::Aborted(_)) => Msg::Abort,
+                    End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => {
+                        failure_return
+                    }
+                };
+                drain.returns.push((peer, msg));
+                None
+            }
+            // The toucher's abort returned its lease.
+            Some(_) if aborter => Some(Msg::AbortAck),
+            // The toucher's failure report returned its lease.
+            Some(_) if failer => None,
+            Some(lease) => {
+                if !cfg.unsafe_disable_fence {
+                    drain.leases.push((peer, lease));
+                }
+                Some(Msg::Abort)
+            }
+        }
+    }
+}

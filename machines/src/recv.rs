@@ -30,8 +30,8 @@ use std::time::Instant;
 
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
-    AbortReason, BlockId, BlockLists, Config, Drain, FailReason, GrantLease, InputError, Mode, Msg,
-    Op, PeerId, Phase, TouchLease, TransferId,
+    AbortReason, BlockId, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode,
+    Msg, Op, PeerId, Phase, TouchLease, TransferId,
 };
 use crate::Machine;
 
@@ -155,15 +155,6 @@ pub struct RecvMachine {
     prefix_blocks: Vec<u32>,
     state: State,
     actions: VecDeque<Action>,
-}
-
-#[derive(Clone, Copy, Debug)]
-enum End {
-    Fail(FailReason),
-    Expire,
-    PeerAbort(PeerId),
-    /// The peer returned its lease while failing (`Status{ok: false}`).
-    PeerFailed(PeerId),
 }
 
 impl RecvMachine {
@@ -562,68 +553,28 @@ impl RecvMachine {
 
     /// Ends the request: tells the peers and starts the fence.
     fn end(&mut self, now: Instant, end: End) {
-        let outcome = match end {
-            End::Fail(r) => Phase::Failed(r),
-            End::Expire => Phase::Expired,
-            End::PeerAbort(_) => Phase::Failed(FailReason::PeerAborted),
-            End::PeerFailed(_) => Phase::Failed(FailReason::PeerReported),
-        };
         let active = match &mut self.state {
             State::Bootstrapping { .. } => {
                 // Nobody was told about this transfer: nothing can touch the blocks.
-                self.finish(outcome);
+                self.finish(end.outcome());
                 return;
             }
             State::Active(active) => active,
             State::Draining(_) | State::Finished(_) => return,
         };
-        let mut ops = std::mem::take(&mut active.ops);
-        if self.cfg.unsafe_ignore_in_flight {
-            ops.clear();
-        }
-        let mut drain = Drain {
-            outcome,
-            ops,
-            returns: Vec::new(),
-            leases: Vec::new(),
-        };
+        let mut drain = end.drain(std::mem::take(&mut active.ops), &self.cfg);
         for p in &active.peers {
             if p.is_finished() {
                 continue;
             }
-            let aborter = matches!(end, End::PeerAbort(a) if a == p.id);
-            let failer = matches!(end, End::PeerFailed(a) if a == p.id);
-            match &p.role {
-                Role::Toucher { .. } => {
-                    let msg = if aborter {
-                        Msg::AbortAck
-                    } else {
-                        match end {
-                            End::Fail(FailReason::Aborted(_)) => Msg::Abort,
-                            End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => {
-                                Msg::Done { ok: false }
-                            }
-                        }
-                    };
-                    drain.returns.push((p.id, msg));
-                }
-                Role::Granter { lease, .. } => {
-                    if aborter {
-                        // The toucher's abort returned its lease.
-                        self.actions.push_back(Action::Send {
-                            peer: p.id,
-                            msg: Msg::AbortAck,
-                        });
-                    } else if !failer {
-                        self.actions.push_back(Action::Send {
-                            peer: p.id,
-                            msg: Msg::Abort,
-                        });
-                        if !self.cfg.unsafe_disable_fence {
-                            drain.leases.push((p.id, *lease));
-                        }
-                    }
-                }
+            let granted = match &p.role {
+                Role::Granter { lease, .. } => Some(*lease),
+                Role::Toucher { .. } => None,
+            };
+            let failure_return = Msg::Done { ok: false };
+            if let Some(msg) = end.settle_peer(&mut drain, p.id, granted, failure_return, &self.cfg)
+            {
+                self.actions.push_back(Action::Send { peer: p.id, msg });
             }
         }
         self.state = State::Draining(drain);

@@ -35,7 +35,7 @@ use std::time::Instant;
 
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
-    AbortReason, BlockLists, Config, Drain, FailReason, GrantLease, InputError, Mode, Msg, Op,
+    AbortReason, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode, Msg, Op,
     PeerId, Phase, TouchLease, TransferId,
 };
 use crate::Machine;
@@ -162,16 +162,6 @@ pub struct SendMachine {
 }
 
 /// Why the live request ends, with the peer that caused it if any.
-#[derive(Clone, Copy, Debug)]
-enum End {
-    Fail(FailReason),
-    Expire,
-    /// The peer aborted: it gets an `AbortAck`, the others an abort.
-    PeerAbort(PeerId),
-    /// The peer returned its lease while failing (`Done{ok: false}`).
-    PeerFailed(PeerId),
-}
-
 impl SendMachine {
     /// A machine for `transfer_id` on this P rank, in `Bootstrapping`.
     pub fn new(now: Instant, config: &Config, transfer_id: TransferId, mode: Mode) -> Self {
@@ -665,22 +655,7 @@ impl SendMachine {
         let State::Live(live) = &mut self.state else {
             return;
         };
-        let outcome = match end {
-            End::Fail(r) => Phase::Failed(r),
-            End::Expire => Phase::Expired,
-            End::PeerAbort(_) => Phase::Failed(FailReason::PeerAborted),
-            End::PeerFailed(_) => Phase::Failed(FailReason::PeerReported),
-        };
-        let mut ops = std::mem::take(&mut live.ops);
-        if self.cfg.unsafe_ignore_in_flight {
-            ops.clear();
-        }
-        let mut drain = Drain {
-            outcome,
-            ops,
-            returns: Vec::new(),
-            leases: Vec::new(),
-        };
+        let mut drain = end.drain(std::mem::take(&mut live.ops), &self.cfg);
         if let End::PeerAbort(peer) = end {
             if !live.peers.iter().any(|p| p.id == peer) {
                 // Not a peer we deal with: answer at once, nothing of ours is on it.
@@ -694,36 +669,14 @@ impl SendMachine {
             if p.is_finished() {
                 continue;
             }
-            let aborter = matches!(end, End::PeerAbort(a) if a == p.id);
-            let failer = matches!(end, End::PeerFailed(a) if a == p.id);
-            match &p.role {
-                Role::Toucher { .. } => {
-                    let msg = match end {
-                        _ if aborter => Msg::AbortAck,
-                        End::Fail(FailReason::Aborted(_)) => Msg::Abort,
-                        End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => {
-                            Msg::Status { ok: false }
-                        }
-                    };
-                    drain.returns.push((p.id, msg));
-                }
-                Role::Granter { lease, .. } => {
-                    if aborter {
-                        // The toucher's abort returned its lease.
-                        self.actions.push_back(Action::Send {
-                            peer: p.id,
-                            msg: Msg::AbortAck,
-                        });
-                    } else if !failer {
-                        self.actions.push_back(Action::Send {
-                            peer: p.id,
-                            msg: Msg::Abort,
-                        });
-                        if !self.cfg.unsafe_disable_fence {
-                            drain.leases.push((p.id, *lease));
-                        }
-                    }
-                }
+            let granted = match &p.role {
+                Role::Toucher { .. } => None,
+                Role::Granter { lease, .. } => Some(*lease),
+            };
+            let failure_return = Msg::Status { ok: false };
+            if let Some(msg) = end.settle_peer(&mut drain, p.id, granted, failure_return, &self.cfg)
+            {
+                self.actions.push_back(Action::Send { peer: p.id, msg });
             }
         }
         self.state = State::Draining(drain);
