@@ -926,7 +926,7 @@ fn pull_bytes(groups: usize, blocks: usize) -> Vec<u8> {
     bytes.extend(varint(groups as u64));
     for _ in 0..groups {
         bytes.extend(varint(blocks as u64));
-        bytes.extend(std::iter::repeat(0).take(blocks));
+        bytes.extend(std::iter::repeat_n(0, blocks));
     }
     // prefix_blocks [], expected_senders, receivers_expected, lease_seq
     // None, deadline_ms, lease_ms.
