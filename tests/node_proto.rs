@@ -7,9 +7,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-use kvferry::node::proto::{
-    check_limits, decode, encode, Frame, FrameError, FrameLimits, Hello, MAGIC, VERSION,
-};
+use kvferry::node::proto::{decode, encode, Frame, FrameError, FrameLimits, Hello};
+use kvferry::wire::{self, WireError, HEADER_LEN, MAGIC, VERSION};
 use kvferry_machines::common::{BlockId, Mode, Msg};
 use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout, Region};
 use kvferry_machines::planner::REGIONS_MAX;
@@ -182,46 +181,84 @@ fn region() -> impl Strategy<Value = Region> {
     })
 }
 
+/// Rows (head x token) of one block on one rank, as the decoder derives
+/// `head_bytes` from the first region: `kv_block_len / rows`.
+fn rows_per_block(model: &ModelSpec, tp_size: u32) -> u64 {
+    let heads = match model.layout {
+        LayoutKind::Mla => 1,
+        LayoutKind::Hnd | LayoutKind::Nhd => u64::from(model.heads_per_rank(tp_size)),
+    };
+    heads * u64::from(model.block_tokens)
+}
+
+/// Hellos the node accepts: the wire carries no `head_bytes`, so the first
+/// region's `kv_block_len` must be exactly `head_bytes` rows' worth, a block
+/// holds at least one row (`block_tokens > 0`, and `tp_size > 0` for
+/// per-head layouts), at least one region is announced and `num_blocks`
+/// fits the wire's `u32`. Everything else is arbitrary.
 fn hello() -> impl Strategy<Value = Hello> {
     let max = FrameLimits::default().max_string_bytes;
-    let model = (
+    let shape = (
         prop::sample::select(vec![LayoutKind::Hnd, LayoutKind::Nhd, LayoutKind::Mla]),
         edge_u32(),
+        edge_u32().prop_map(|t| t.max(1)),
         edge_u32(),
-        edge_u64(),
     )
-        .prop_map(
-            |(layout, total_kv_heads, block_tokens, head_bytes)| ModelSpec {
+        .prop_filter(
+            "a per-head layout needs a TP size",
+            |(layout, _, _, tp_size)| *layout == LayoutKind::Mla || *tp_size > 0,
+        )
+        .prop_flat_map(|(layout, total_kv_heads, block_tokens, tp_size)| {
+            let model = ModelSpec {
                 layout,
                 total_kv_heads,
                 block_tokens,
-                head_bytes,
-            },
-        );
-    let layout = (edge_u32(), edge_u32(), edge_u64(), vec(region(), 0..6)).prop_map(
-        |(tp_size, tp_rank, num_blocks, regions)| RankLayout {
-            tp_size,
-            tp_rank,
-            num_blocks,
-            regions,
-        },
-    );
+                head_bytes: 0,
+            };
+            let max_head_bytes = u64::MAX / rows_per_block(&model, tp_size);
+            (
+                Just(model),
+                Just(tp_size),
+                prop_oneof![
+                    3 => 0..=max_head_bytes,
+                    1 => Just(0),
+                    1 => Just(max_head_bytes),
+                ],
+            )
+        });
     (
+        shape,
+        edge_u32(),
+        edge_u32(),
+        vec(region(), 1..6),
         string_within(max),
         prop::sample::select(vec![Mode::Push, Mode::Pull]),
-        model,
-        layout,
         string_within(max),
-        any::<bool>(),
     )
         .prop_map(
-            |(engine_id, mode, model, layout, endpoint, is_reply)| Hello {
+            |(
+                (mut model, tp_size, head_bytes),
+                tp_rank,
+                num_blocks,
+                mut regions,
                 engine_id,
                 mode,
-                model,
-                layout,
                 endpoint,
-                is_reply,
+            )| {
+                model.head_bytes = head_bytes;
+                regions[0].kv_block_len = head_bytes * rows_per_block(&model, tp_size);
+                Hello {
+                    engine_id,
+                    mode,
+                    model,
+                    layout: RankLayout {
+                        tp_size,
+                        tp_rank,
+                        num_blocks: u64::from(num_blocks),
+                        regions,
+                    },
+                    endpoint,
+                }
             },
         )
 }
@@ -235,47 +272,54 @@ fn frame() -> impl Strategy<Value = Frame> {
     ]
 }
 
-/// The header checks, stated from the format in the module docs: what
-/// `decode` must answer for `bytes` whatever follows the header, or `None`
-/// when the header is valid.
+/// The header checks, stated from the format in `kvferry::wire`'s docs:
+/// what `decode` must answer for `bytes` whatever follows the header, or
+/// `None` when the header is valid.
 fn header_error(bytes: &[u8], limits: &FrameLimits) -> Option<FrameError> {
     if bytes.len() > limits.max_frame_bytes {
-        return Some(FrameError::TooLarge {
+        return Some(FrameError::Wire(WireError::FrameTooLarge {
             len_bytes: bytes.len(),
             max_bytes: limits.max_frame_bytes,
-        });
+        }));
     }
-    if bytes.len() < 4 {
-        return Some(FrameError::Truncated);
+    // Two bytes are enough to tell garbage from a truncated frame.
+    if bytes.len() >= 2 && bytes[..2] != MAGIC {
+        return Some(FrameError::Wire(WireError::BadMagic([bytes[0], bytes[1]])));
     }
-    if bytes[..2] != MAGIC {
-        return Some(FrameError::BadMagic([bytes[0], bytes[1]]));
+    if bytes.len() < HEADER_LEN {
+        return Some(FrameError::Wire(WireError::Truncated));
     }
     let version = u16::from_le_bytes([bytes[2], bytes[3]]);
     if version != VERSION {
-        return Some(FrameError::UnsupportedVersion(version));
+        return Some(FrameError::Wire(WireError::UnsupportedVersion(version)));
     }
     None
 }
 
 /// What every decode result must satisfy, whatever the input: an accepted
-/// frame is within the limits and survives its own round trip; a rejected
-/// one carries a header error exactly when the header is bad.
+/// frame survives its own round trip under the same limits (so it is also
+/// within them: `decode` enforces them); a rejected one carries a header
+/// error exactly when the header is bad, and otherwise a body error or one
+/// of the node's range checks.
 fn check_outcome(bytes: &[u8], limits: &FrameLimits, got: &Result<Frame, FrameError>) {
     match (header_error(bytes, limits), got) {
         (Some(want), got) => assert_eq!(got.as_ref(), Err(&want), "input {bytes:02x?}"),
         (None, Ok(f)) => {
-            assert_eq!(check_limits(f, limits), Ok(()));
             assert_eq!(decode(&encode(f), limits).as_ref(), Ok(f));
         }
         (None, Err(e)) => {
             assert!(
                 matches!(
                     e,
-                    FrameError::Truncated
-                        | FrameError::TrailingBytes(_)
-                        | FrameError::Malformed(_)
-                        | FrameError::LimitExceeded { .. }
+                    FrameError::Wire(
+                        WireError::Truncated
+                            | WireError::TrailingBytes { .. }
+                            | WireError::Malformed(_)
+                            | WireError::LimitExceeded { .. }
+                    ) | FrameError::Invalid {
+                        field: "regions" | "receivers_expected",
+                        ..
+                    }
                 ),
                 "header is valid, yet {e:?} for {bytes:02x?}"
             );
@@ -352,48 +396,54 @@ fn round_trip_edge_cases() {
     let l = FrameLimits::default();
     let big_groups = vec![vec![BlockId(u32::MAX); 3]; l.max_groups];
     let frames = vec![
+        // The largest block the wire can describe: (2^32 - 1) rows of
+        // (2^32 + 1) bytes is exactly u64::MAX.
         Frame::Hello(Hello {
             engine_id: "é".repeat(l.max_string_bytes / 2),
             mode: Mode::Pull,
             model: ModelSpec {
                 layout: LayoutKind::Mla,
                 total_kv_heads: u32::MAX,
-                block_tokens: 0,
-                head_bytes: u64::MAX,
+                block_tokens: u32::MAX,
+                head_bytes: (1 << 32) + 1,
             },
             layout: RankLayout {
                 tp_size: u32::MAX,
                 tp_rank: u32::MAX,
-                num_blocks: u64::MAX,
+                num_blocks: u64::from(u32::MAX),
                 regions: vec![
                     Region {
                         base: u64::MAX,
                         block_len: u64::MAX,
-                        kv_block_len: 0,
+                        kv_block_len: u64::MAX,
                     };
                     REGIONS_MAX
                 ],
             },
             endpoint: "x".repeat(l.max_string_bytes),
-            is_reply: true,
         }),
+        // The smallest: one zero-byte row, no heads (a per-head layout with
+        // fewer heads than ranks still holds one head per rank).
         Frame::Hello(Hello {
             engine_id: String::new(),
             mode: Mode::Push,
             model: ModelSpec {
                 layout: LayoutKind::Hnd,
                 total_kv_heads: 0,
-                block_tokens: 0,
+                block_tokens: 1,
                 head_bytes: 0,
             },
             layout: RankLayout {
-                tp_size: 0,
+                tp_size: 1,
                 tp_rank: 0,
                 num_blocks: 0,
-                regions: Vec::new(),
+                regions: vec![Region {
+                    base: 0,
+                    block_len: 0,
+                    kv_block_len: 0,
+                }],
             },
             endpoint: String::new(),
-            is_reply: false,
         }),
         Frame::Transfer {
             transfer_id: u64::MAX,
@@ -484,8 +534,9 @@ proptest! {
     /// instead of stopping at the magic check.
     #[test]
     fn arbitrary_bodies_behind_a_valid_header(
-        // A valid frame-kind tag first, so most bodies reach the inner decoders.
-        tag in 0u8..5,
+        // A valid message tag first (`wire::Message` has 11 variants), so
+        // most bodies reach the inner decoders.
+        tag in 0u8..11,
         body in vec(any::<u8>(), 0..256),
     ) {
         let l = FrameLimits::default();
@@ -509,7 +560,7 @@ proptest! {
         let l = FrameLimits::default();
         let bytes = encode(&f);
         for cut in 0..bytes.len() {
-            prop_assert_eq!(decode(&bytes[..cut], &l), Err(FrameError::Truncated), "cut at {}", cut);
+            prop_assert_eq!(decode(&bytes[..cut], &l), Err(FrameError::Wire(WireError::Truncated)), "cut at {}", cut);
         }
     }
 
@@ -518,7 +569,7 @@ proptest! {
         let l = FrameLimits::default();
         let mut bytes = encode(&f);
         bytes.extend_from_slice(&tail);
-        prop_assert_eq!(decode(&bytes, &l), Err(FrameError::TrailingBytes(tail.len())));
+        prop_assert_eq!(decode(&bytes, &l), Err(FrameError::Wire(WireError::TrailingBytes { count: tail.len() })));
     }
 
     #[test]
@@ -528,18 +579,18 @@ proptest! {
 
         let mut bytes = good.clone();
         bytes[..2].copy_from_slice(&magic);
-        let want = if magic == MAGIC { Ok(f.clone()) } else { Err(FrameError::BadMagic(magic)) };
+        let want = if magic == MAGIC { Ok(f.clone()) } else { Err(FrameError::Wire(WireError::BadMagic(magic))) };
         prop_assert_eq!(decode(&bytes, &l), want);
 
         let mut bytes = good.clone();
         bytes[2..4].copy_from_slice(&version.to_le_bytes());
-        let want = if version == VERSION { Ok(f.clone()) } else { Err(FrameError::UnsupportedVersion(version)) };
+        let want = if version == VERSION { Ok(f.clone()) } else { Err(FrameError::Wire(WireError::UnsupportedVersion(version))) };
         prop_assert_eq!(decode(&bytes, &l), want);
 
         // Both wrong: the magic is checked first.
         if magic != MAGIC {
             bytes[..2].copy_from_slice(&magic);
-            prop_assert_eq!(decode(&bytes, &l), Err(FrameError::BadMagic(magic)));
+            prop_assert_eq!(decode(&bytes, &l), Err(FrameError::Wire(WireError::BadMagic(magic))));
         }
     }
 
@@ -563,20 +614,28 @@ proptest! {
         let under = FrameLimits { max_frame_bytes: bytes.len() - 1, ..exact };
         prop_assert_eq!(
             decode(&bytes, &under),
-            Err(FrameError::TooLarge { len_bytes: bytes.len(), max_bytes: bytes.len() - 1 })
+            Err(FrameError::Wire(WireError::FrameTooLarge { len_bytes: bytes.len(), max_bytes: bytes.len() - 1 }))
         );
     }
 }
 
 #[test]
-fn short_inputs_are_truncated_before_the_magic_is_read() {
+fn short_inputs_are_truncated_unless_the_magic_is_already_wrong() {
     let l = FrameLimits::default();
-    for bytes in [&b""[..], b"K", b"KN", b"XX\x01"] {
-        assert_eq!(decode(bytes, &l), Err(FrameError::Truncated), "{bytes:?}");
+    let truncated = Err(FrameError::Wire(WireError::Truncated));
+    for bytes in [&b""[..], b"K", b"KF", b"KF\x01"] {
+        assert_eq!(decode(bytes, &l), truncated, "{bytes:?}");
     }
-    assert_eq!(decode(b"XY\x01\x00", &l), Err(FrameError::BadMagic(*b"XY")));
-    // A bare header carries no frame.
-    assert_eq!(decode(b"KN\x01\x00", &l), Err(FrameError::Truncated));
+    // Two bytes are enough to see that the magic is wrong.
+    for bytes in [&b"KN"[..], b"XX\x01", b"XY\x01\x00"] {
+        assert_eq!(
+            decode(bytes, &l),
+            Err(FrameError::Wire(WireError::BadMagic([bytes[0], bytes[1]]))),
+            "{bytes:?}"
+        );
+    }
+    // A bare header carries no message.
+    assert_eq!(decode(&header(), &l), truncated);
 }
 
 // ---------------------------------------------------------------------------
@@ -600,9 +659,12 @@ fn groups_within() -> impl Strategy<Value = Vec<Vec<BlockId>>> {
     )
 }
 
-/// Block lists that break exactly one bound, with the error it must give
-/// (`field` filled in by the caller).
-fn groups_over() -> impl Strategy<Value = (Vec<Vec<BlockId>>, usize, usize)> {
+/// The node passes the wire a bound on the blocks of a whole message too:
+/// a full group in every group, and no more.
+const SMALL_TOTAL_BLOCKS: usize = SMALL.max_groups * SMALL.max_blocks_per_group;
+
+/// Block lists that break exactly one bound, with the error they must give.
+fn groups_over() -> impl Strategy<Value = (Vec<Vec<BlockId>>, FrameError)> {
     prop_oneof![
         // Too many groups, each within its bound.
         vec(
@@ -614,9 +676,13 @@ fn groups_over() -> impl Strategy<Value = (Vec<Vec<BlockId>>, usize, usize)> {
         )
         .prop_map(|g| {
             let n = g.len();
-            (g, n, SMALL.max_groups)
+            (g, limit_error("groups", n, SMALL.max_groups))
         }),
-        // Within the group count, one group too long.
+        // Within the group count, one group too long. The other groups are
+        // within their bound, so the total bound leaves room for at least
+        // one full group; a long group that also exceeds that room is
+        // reported as breaking the total (it is checked first, on the
+        // group's claimed length, before anything is read).
         (
             groups_within().prop_filter("at least one group", |g| !g.is_empty()),
             any::<prop::sample::Index>(),
@@ -629,7 +695,14 @@ fn groups_over() -> impl Strategy<Value = (Vec<Vec<BlockId>>, usize, usize)> {
                 let n = long.len();
                 let i = at.index(g.len());
                 g[i] = long;
-                (g, n, SMALL.max_blocks_per_group)
+                let before: usize = g[..i].iter().map(Vec::len).sum();
+                let room = SMALL_TOTAL_BLOCKS - before;
+                let want = if n > room {
+                    limit_error("total blocks", before + n, SMALL_TOTAL_BLOCKS)
+                } else {
+                    limit_error("blocks per group", n, SMALL.max_blocks_per_group)
+                };
+                (g, want)
             }),
     ]
 }
@@ -643,7 +716,11 @@ fn per_group_over() -> impl Strategy<Value = Vec<u32>> {
 }
 
 fn limit_error(field: &'static str, len: usize, max: usize) -> FrameError {
-    FrameError::LimitExceeded { field, len, max }
+    FrameError::Wire(WireError::LimitExceeded {
+        field,
+        len: len as u64,
+        max,
+    })
 }
 
 fn hello_with(engine_id: String, endpoint: String, regions: usize) -> Frame {
@@ -663,14 +740,14 @@ fn hello_with(engine_id: String, endpoint: String, regions: usize) -> Frame {
             regions: vec![
                 Region {
                     base: 0x7f00_0000_0000,
-                    block_len: 4096,
-                    kv_block_len: 2048,
+                    // 4 heads per rank x 16 tokens x 256 bytes, K and V.
+                    block_len: 2 * 16_384,
+                    kv_block_len: 16_384,
                 };
                 regions
             ],
         },
         endpoint,
-        is_reply: false,
     })
 }
 
@@ -679,7 +756,6 @@ fn hello_with(engine_id: String, endpoint: String, regions: usize) -> Frame {
 fn assert_only_limit(f: &Frame, want: FrameError) -> Result<(), TestCaseError> {
     let bytes = encode(f);
     prop_assert_eq!(decode(&bytes, &SMALL), Err(want.clone()));
-    prop_assert_eq!(check_limits(f, &SMALL), Err(want));
     prop_assert_eq!(decode(&bytes, &FrameLimits::default()), Ok(f.clone()));
     Ok(())
 }
@@ -688,28 +764,28 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     #[test]
-    fn pull_over_limits_is_rejected((dst, len, max) in groups_over(), prefix_ok in per_group_within(), prefix_over in per_group_over(), within in groups_within()) {
+    fn pull_over_limits_is_rejected((dst, want) in groups_over(), prefix_ok in per_group_within(), prefix_over in per_group_over(), within in groups_within()) {
         let pull = |dst_blocks, prefix_blocks| Frame::Transfer {
             transfer_id: 1,
             msg: Msg::Pull { receivers_expected: 1, dst_blocks, prefix_blocks, lease_seq: Some(2) },
         };
-        assert_only_limit(&pull(dst, prefix_ok.clone()), limit_error("dst_blocks", len, max))?;
+        assert_only_limit(&pull(dst, prefix_ok.clone()), want)?;
         let n = prefix_over.len();
-        assert_only_limit(&pull(within.clone(), prefix_over), limit_error("prefix_blocks", n, SMALL.max_groups))?;
+        assert_only_limit(&pull(within.clone(), prefix_over), limit_error("per-group values", n, SMALL.max_groups))?;
         // Within every bound: accepted.
         let ok = pull(within, prefix_ok);
         prop_assert_eq!(decode(&encode(&ok), &SMALL), Ok(ok));
     }
 
     #[test]
-    fn ready_over_limits_is_rejected((src, len, max) in groups_over(), start_ok in per_group_within(), start_over in per_group_over(), within in groups_within()) {
+    fn ready_over_limits_is_rejected((src, want) in groups_over(), start_ok in per_group_within(), start_over in per_group_over(), within in groups_within()) {
         let ready = |start_blocks, src_blocks| Frame::Transfer {
             transfer_id: 1,
             msg: Msg::Ready { chunk: 0, start_blocks, src_blocks, is_last: true },
         };
-        assert_only_limit(&ready(start_ok.clone(), src), limit_error("src_blocks", len, max))?;
+        assert_only_limit(&ready(start_ok.clone(), src), want)?;
         let n = start_over.len();
-        assert_only_limit(&ready(start_over, within.clone()), limit_error("start_blocks", n, SMALL.max_groups))?;
+        assert_only_limit(&ready(start_over, within.clone()), limit_error("per-group values", n, SMALL.max_groups))?;
         let ok = ready(start_ok, within);
         prop_assert_eq!(decode(&encode(&ok), &SMALL), Ok(ok));
     }
@@ -719,8 +795,8 @@ proptest! {
         // `\PC{0,2}` is at most 8 bytes (4 per char); pad `over` past 8 bytes.
         let over = format!("{over}123456789");
         let n = over.len();
-        assert_only_limit(&hello_with(over.clone(), ok.clone(), 1), limit_error("engine_id", n, SMALL.max_string_bytes))?;
-        assert_only_limit(&hello_with(ok.clone(), over, 1), limit_error("endpoint", n, SMALL.max_string_bytes))?;
+        assert_only_limit(&hello_with(over.clone(), ok.clone(), 1), limit_error("string", n, SMALL.max_string_bytes))?;
+        assert_only_limit(&hello_with(ok.clone(), over, 1), limit_error("string", n, SMALL.max_string_bytes))?;
         let fine = hello_with(ok.clone(), ok, 1);
         prop_assert_eq!(decode(&encode(&fine), &SMALL), Ok(fine));
     }
@@ -729,12 +805,12 @@ proptest! {
 #[test]
 fn limits_count_bytes_not_chars() {
     // Four two-byte characters are exactly the 8-byte limit; five are over.
-    let at = hello_with("éééé".into(), "x".into(), 0);
+    let at = hello_with("éééé".into(), "x".into(), 1);
     assert_eq!(decode(&encode(&at), &SMALL), Ok(at));
-    let over = hello_with("ééééé".into(), "x".into(), 0);
+    let over = hello_with("ééééé".into(), "x".into(), 1);
     assert_eq!(
         decode(&encode(&over), &SMALL),
-        Err(limit_error("engine_id", 10, 8))
+        Err(limit_error("string", 10, 8))
     );
 }
 
@@ -771,14 +847,15 @@ fn header() -> Vec<u8> {
 }
 
 /// Frames a few bytes long whose length prefixes claim 2^60 elements, one
-/// per length-prefixed field kind.
+/// per length-prefixed field kind. `wire::Message` tags: Hello 0, Pull 1,
+/// Ready 2, ..., Heartbeat 7.
 fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
     const HUGE: u64 = 1 << 60;
     let mut out = Vec::new();
 
-    // Transfer(1) { transfer_id: 0, Pull(0) { receivers_expected: 1, dst_blocks: len 2^60 } }
+    // Pull(1) { transfer_id: 0, dst_blocks: len 2^60 }
     let mut pull = header();
-    pull.extend_from_slice(&[1, 0, 0, 1]);
+    pull.extend_from_slice(&[1, 0]);
     pull.extend(varint(HUGE));
     out.push(("Pull.dst_blocks", pull.clone()));
 
@@ -787,15 +864,15 @@ fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
     pull_some.push(0);
     out.push(("Pull.dst_blocks, one group", pull_some));
 
-    // Pull { dst_blocks: [[2^60 blocks]] }
+    // Pull { transfer_id: 0, dst_blocks: [[2^60 blocks]] }
     let mut inner = header();
-    inner.extend_from_slice(&[1, 0, 0, 1, 1]);
+    inner.extend_from_slice(&[1, 0, 1]);
     inner.extend(varint(HUGE));
     out.push(("Pull.dst_blocks[0]", inner));
 
-    // Transfer { Ready(1) { chunk: 0, start_blocks: len 2^60 } }
+    // Ready(2) { transfer_id: 0, chunk: 0, start_blocks: len 2^60 }
     let mut ready = header();
-    ready.extend_from_slice(&[1, 0, 1, 0]);
+    ready.extend_from_slice(&[2, 0, 0]);
     ready.extend(varint(HUGE));
     out.push(("Ready.start_blocks", ready));
 
@@ -805,11 +882,18 @@ fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
     hello.extend(varint(HUGE));
     out.push(("Hello.engine_id", hello));
 
-    // Hello { engine_id: "", mode: Push, model: {Hnd, 1, 1, 1}, layout: {1, 0, 1, regions: len 2^60} }
+    // Hello { engine_id: "", dp 0, tp 0, pp 0, tp_size 1, heads 1,
+    // block_tokens 1, num_blocks 1, Hnd, Push, regions: len 2^60 }
     let mut regions = header();
-    regions.extend_from_slice(&[0, 0, 0, 0, 1, 1, 1, 1, 0, 1]);
+    regions.extend_from_slice(&[0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0]);
     regions.extend(varint(HUGE));
-    out.push(("Hello.layout.regions", regions));
+    out.push(("Hello.regions", regions));
+
+    // Heartbeat(7) { seq: 0, renew: len 2^60 }
+    let mut heartbeat = header();
+    heartbeat.extend_from_slice(&[7, 0]);
+    heartbeat.extend(varint(HUGE));
+    out.push(("Heartbeat.renew", heartbeat));
     out
 }
 
@@ -821,10 +905,10 @@ fn huge_length_prefixes_fail_fast_without_big_allocations() {
         let started = Instant::now();
         let (got, peak_bytes) = peak_alloc_bytes(|| decode(&bytes, &l));
         let took = started.elapsed();
-        assert_eq!(got, Err(FrameError::Truncated), "{what}");
-        // postcard caps a sequence's pre-allocation at the bytes left in
-        // the frame (measured: at most 96 bytes here); a decoder that
-        // trusted the claim would ask for 2^60 elements and abort here.
+        assert_eq!(got, Err(FrameError::Wire(WireError::Truncated)), "{what}");
+        // A claim beyond the bytes left reserves nothing (the elements are
+        // counted as they are read); a decoder that trusted the claim would
+        // ask for 2^60 elements and abort here.
         assert!(
             peak_bytes <= 1024,
             "{what}: a {}-byte frame made decode allocate {peak_bytes} bytes",
@@ -834,29 +918,141 @@ fn huge_length_prefixes_fail_fast_without_big_allocations() {
     }
 }
 
-/// Limits are checked after postcard has built the frame, so an over-limit
-/// frame is fully materialised first. postcard caps each pre-allocation at
-/// the bytes left in the frame, so the cost stays proportional to the frame
-/// (about 17x for one-block groups, each a 24-byte `Vec` plus its heap
-/// block); this bounds that factor so a regression to trusting claimed
-/// lengths, or a costlier representation, shows up here.
-#[test]
-fn over_limit_frames_allocate_in_proportion_to_their_size() {
-    let groups: usize = 1 << 16;
+/// `Pull { transfer_id: 0, dst_blocks: [[0; blocks]; groups], rest zero }`
+/// written by hand, so that it can break limits `encode` would not check.
+fn pull_bytes(groups: usize, blocks: usize) -> Vec<u8> {
     let mut bytes = header();
-    // Transfer { 0, Pull { 1, dst_blocks: [[BlockId(0)]; groups], prefix_blocks: [], lease_seq: None } }
-    bytes.extend_from_slice(&[1, 0, 0, 1]);
+    bytes.extend_from_slice(&[1, 0]);
     bytes.extend(varint(groups as u64));
     for _ in 0..groups {
-        bytes.extend_from_slice(&[1, 0]);
+        bytes.extend(varint(blocks as u64));
+        bytes.extend(std::iter::repeat_n(0, blocks));
     }
-    bytes.extend_from_slice(&[0, 0]);
+    // prefix_blocks [], expected_senders, receivers_expected, lease_seq
+    // None, deadline_ms, lease_ms.
+    bytes.extend_from_slice(&[0, 0, 0, 0, 0, 0]);
+    bytes
+}
+
+/// What `decode` allocates stays proportional to the frame: an over-limit
+/// frame is rejected on its claimed lengths before its elements are built,
+/// and an accepted one costs a few bytes per wire byte (a one-byte block id
+/// becomes a four-byte `BlockId`). The factor of 32 catches a regression to
+/// trusting claimed lengths, or a costlier representation.
+#[test]
+fn frames_allocate_in_proportion_to_their_size() {
     let l = FrameLimits::default();
-    let (got, peak_bytes) = peak_alloc_bytes(|| decode(&bytes, &l));
-    assert_eq!(got, Err(limit_error("dst_blocks", groups, l.max_groups)));
+
+    let over = pull_bytes(1 << 16, 1);
+    let (got, peak_bytes) = peak_alloc_bytes(|| decode(&over, &l));
+    assert_eq!(got, Err(limit_error("groups", 1 << 16, l.max_groups)));
     assert!(
-        peak_bytes <= 32 * bytes.len(),
-        "a {}-byte frame made decode allocate {peak_bytes} bytes",
-        bytes.len()
+        peak_bytes <= 32 * over.len(),
+        "a {}-byte over-limit frame made decode allocate {peak_bytes} bytes",
+        over.len()
     );
+
+    let within = pull_bytes(l.max_groups, 1024);
+    let (got, peak_bytes) = peak_alloc_bytes(|| decode(&within, &l));
+    let want = Frame::Transfer {
+        transfer_id: 0,
+        msg: Msg::Pull {
+            receivers_expected: 0,
+            dst_blocks: vec![vec![BlockId(0); 1024]; l.max_groups],
+            prefix_blocks: Vec::new(),
+            lease_seq: None,
+        },
+    };
+    assert_eq!(got, Ok(want));
+    assert!(
+        peak_bytes <= 32 * within.len(),
+        "a {}-byte frame made decode allocate {peak_bytes} bytes",
+        within.len()
+    );
+}
+
+/// The node's own range checks, behind a valid wire message: each gives
+/// `Invalid` naming the field.
+#[test]
+fn out_of_range_fields_are_invalid() {
+    let l = FrameLimits::default();
+    let pull = |receivers_expected| {
+        wire::encode(&wire::Message::Pull(wire::Pull {
+            transfer_id: 1,
+            dst_blocks: Vec::new(),
+            prefix_blocks: Vec::new(),
+            expected_senders: 0,
+            receivers_expected,
+            lease_seq: None,
+            deadline_ms: 0,
+            lease_ms: 0,
+        }))
+    };
+    assert!(decode(&pull(u32::from(u16::MAX)), &l).is_ok());
+    assert_eq!(
+        decode(&pull(u32::from(u16::MAX) + 1), &l),
+        Err(FrameError::Invalid {
+            field: "receivers_expected",
+            why: "above 65535"
+        })
+    );
+
+    let hello = |f: &dyn Fn(&mut Hello)| {
+        let Frame::Hello(mut h) = hello_with("p".into(), "tcp://p:1".into(), 2) else {
+            unreachable!()
+        };
+        f(&mut h);
+        encode(&Frame::Hello(h))
+    };
+    assert!(decode(&hello(&|_| {}), &l).is_ok());
+    assert_eq!(
+        decode(&hello(&|h| h.layout.regions.clear()), &l),
+        Err(FrameError::Invalid {
+            field: "regions",
+            why: "no region"
+        })
+    );
+    let not_rows = Err(FrameError::Invalid {
+        field: "regions",
+        why: "kv_block_len is not a whole number of rows",
+    });
+    assert_eq!(
+        decode(&hello(&|h| h.layout.regions[0].kv_block_len += 1), &l),
+        not_rows
+    );
+    assert_eq!(decode(&hello(&|h| h.model.block_tokens = 0), &l), not_rows);
+    assert_eq!(decode(&hello(&|h| h.layout.tp_size = 0), &l), not_rows);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// A valid hello stripped of its regions, or with a first region that
+    /// is not a whole number of rows, is refused rather than guessed at.
+    #[test]
+    fn hellos_without_a_row_shape_are_invalid(h in hello(), extra in 1u64..1 << 20) {
+        let l = FrameLimits::default();
+        let mut none = h.clone();
+        none.layout.regions.clear();
+        prop_assert_eq!(
+            decode(&encode(&Frame::Hello(none)), &l),
+            Err(FrameError::Invalid { field: "regions", why: "no region" })
+        );
+        let rows = rows_per_block(&h.model, h.layout.tp_size);
+        let mut ragged = h;
+        let kv = &mut ragged.layout.regions[0].kv_block_len;
+        *kv = kv.wrapping_add(extra);
+        let want = if *kv % rows == 0 {
+            // The shift is itself whole rows: a different, valid head size.
+            let mut model = ragged.model;
+            model.head_bytes = *kv / rows;
+            Ok(Frame::Hello(Hello { model, ..ragged.clone() }))
+        } else {
+            Err(FrameError::Invalid {
+                field: "regions",
+                why: "kv_block_len is not a whole number of rows",
+            })
+        };
+        prop_assert_eq!(decode(&encode(&Frame::Hello(ragged)), &l), want);
+    }
 }
