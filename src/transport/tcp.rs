@@ -452,6 +452,10 @@ struct SessionInner {
     local: Arc<Registry>,
     /// One slot per stream; `None` until connected or after a failure.
     slots: Vec<Mutex<Option<Conn>>>,
+    /// One unit per stream; a batch of `k` streams waits for `k` units.
+    /// glommio's semaphore serves waiters in arrival order and lets no
+    /// newcomer pass a waiter, unlike the stream locks.
+    turns: Semaphore,
     /// The peer's regions as last fetched, sorted by address.
     remote_regions: RefCell<Vec<RegionInfo>>,
     next_req_id: Cell<u64>,
@@ -470,12 +474,14 @@ impl TcpTransport {
     pub async fn open_tcp(&self, peer: SocketAddr) -> Result<TcpSession, TransportError> {
         let config = self.target.config.clone();
         let slots = (0..config.streams).map(|_| Mutex::new(None)).collect();
+        let turns = Semaphore::new(config.streams as u64);
         let session = TcpSession {
             inner: Rc::new(SessionInner {
                 peer,
                 config,
                 local: Arc::clone(&self.target.registry),
                 slots,
+                turns,
                 remote_regions: RefCell::new(Vec::new()),
                 next_req_id: Cell::new(1),
                 next_slot: Cell::new(0),
@@ -687,24 +693,30 @@ impl SessionInner {
         plan: &Plan<'_>,
     ) -> Result<(), TransportError> {
         let k = plan.frames.len().min(self.slots.len());
-        let mut guards = Vec::with_capacity(k);
-        if k == 1 {
-            // A one-frame batch takes any idle stream, so small batches do
-            // not queue behind a large one.
-            let n = self.slots.len();
-            let first = self.next_slot.get();
-            self.next_slot.set((first + 1) % n);
-            let idle = (0..n).find_map(|i| self.slots[(first + i) % n].try_lock());
-            match idle {
-                Some(g) => guards.push(g),
-                None => guards.push(self.slots[first].lock().await),
-            }
-        } else {
-            // Multi-stream batches lock streams in index order, so two of
-            // them can never wait on each other.
-            for slot in &self.slots[..k] {
-                guards.push(slot.lock().await);
-            }
+        // Batches take their turn for streams in arrival order. Waiting on
+        // the stream locks themselves was unfair: futures' `Mutex` wakes the
+        // waiter with the lowest slab key, which new waiters keep reusing,
+        // and newcomers grab any idle stream first, so under load some
+        // batches waited behind hundreds of later ones (p99 near a second
+        // for transfers that move in milliseconds).
+        let _turn = self
+            .turns
+            .acquire_permit(k as u64)
+            .await
+            .map_err(|_| TransportError::from(MisuseError::SessionClosed))?;
+        // Holding `k` turns means at least `k` streams are unlocked: only
+        // `close` holds a stream without a turn, and it marks the session
+        // closed first. Start at a rotating stream so that the connections
+        // share the work.
+        let n = self.slots.len();
+        let first = self.next_slot.get();
+        self.next_slot.set((first + 1) % n);
+        let mut guards: Vec<_> = (0..n)
+            .filter_map(|i| self.slots[(first + i) % n].try_lock())
+            .take(k)
+            .collect();
+        if guards.len() < k {
+            return Err(MisuseError::SessionClosed.into());
         }
         for g in guards.iter_mut() {
             self.ensure_conn(g).await?;
