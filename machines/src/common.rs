@@ -505,6 +505,20 @@ impl Drain {
         }
     }
 
+    /// A message from `peer` after the outcome was decided: only the
+    /// lease-returning ones (`Status`, `Done`, `Abort`, `AbortAck`) matter.
+    pub(crate) fn handle_msg(&mut self, peer: PeerId, msg: &Msg) {
+        match msg {
+            Msg::Status { .. } | Msg::Done { .. } | Msg::Abort | Msg::AbortAck => {
+                self.handle_return(peer)
+            }
+            Msg::Pull { .. }
+            | Msg::Ready { .. }
+            | Msg::LeaseRequest { .. }
+            | Msg::LeaseGrant { .. } => {}
+        }
+    }
+
     /// A lease-returning message from `peer`.
     pub(crate) fn handle_return(&mut self, peer: PeerId) {
         self.leases.retain(|(p, _)| *p != peer);

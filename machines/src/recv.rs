@@ -617,15 +617,7 @@ impl Machine for RecvMachine {
             State::Draining(drain) => {
                 match event {
                     Event::ReadDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
-                    Event::Msg { peer, msg } => match msg {
-                        Msg::Status { .. } | Msg::Abort | Msg::AbortAck | Msg::Done { .. } => {
-                            drain.handle_return(peer)
-                        }
-                        Msg::Pull { .. }
-                        | Msg::Ready { .. }
-                        | Msg::LeaseRequest { .. }
-                        | Msg::LeaseGrant { .. } => {}
-                    },
+                    Event::Msg { peer, msg } => drain.handle_msg(peer, &msg),
                     // The outcome is decided; none of these frees the blocks sooner.
                     Event::PeersResolved { .. }
                     | Event::PeerDead { .. }

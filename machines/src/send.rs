@@ -743,15 +743,7 @@ impl Machine for SendMachine {
             State::Draining(drain) => {
                 match event {
                     Event::WriteDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
-                    Event::Msg { peer, msg } => match msg {
-                        Msg::Done { .. } | Msg::Abort | Msg::AbortAck | Msg::Status { .. } => {
-                            drain.handle_return(peer)
-                        }
-                        Msg::Pull { .. }
-                        | Msg::Ready { .. }
-                        | Msg::LeaseRequest { .. }
-                        | Msg::LeaseGrant { .. } => {}
-                    },
+                    Event::Msg { peer, msg } => drain.handle_msg(peer, &msg),
                     // The outcome is decided; neither changes when the blocks are free.
                     Event::ChunkReady { .. }
                     | Event::PeerDead { .. }
