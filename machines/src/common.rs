@@ -308,10 +308,23 @@ impl TouchLease {
     pub(crate) fn request(&mut self, now: Instant, cfg: &Config) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        // Forgetting the oldest request only loses a grant that would end
-        // earlier than the grants of the newer ones.
-        while self.asked.len() >= cfg.max_lease_requests.max(1) {
+        // A grant for a request older than the longest lease would already
+        // be over when it arrives: nothing is lost by forgetting it.
+        while self
+            .asked
+            .front()
+            .is_some_and(|&(_, at)| after(at, cfg.lease) <= now)
+        {
             self.asked.pop_front();
+        }
+        // Full: replace the newest request, not the oldest. When the round
+        // trip is longer than several renewals, forgetting the oldest one
+        // each time would forget every request just before its grant comes
+        // back, and the lease would never go live. The oldest ones answer
+        // first; the newest slot keeps one fresh request out in case the
+        // old ones were lost.
+        if self.asked.len() >= cfg.max_lease_requests.max(1) {
+            self.asked.pop_back();
         }
         self.asked.push_back((seq, now));
         self.renew_at = Some(after(now, cfg.heartbeat_interval));
@@ -335,6 +348,8 @@ impl TouchLease {
         let granted = Duration::from_millis(duration_ms).min(cfg.lease);
         let end = after(asked_at, granted);
         self.valid_until = Some(self.valid_until.map_or(end, |u| u.max(end)));
+        // A grant for an older request would end earlier than this one.
+        self.asked.retain(|&(s, _)| s > seq);
     }
 
     pub(crate) fn is_live(&self, now: Instant) -> bool {
@@ -611,5 +626,75 @@ impl End {
                 Some(Msg::Abort)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use super::*;
+
+    /// Renewals every heartbeat interval, each grant arriving `rtt` after its
+    /// request; returns whether the lease ever went live.
+    fn goes_live(rtt_intervals: u32, max_lease_requests: usize) -> bool {
+        let cfg = Config {
+            heartbeat_interval: Duration::from_millis(100),
+            lease: Duration::from_secs(10),
+            max_lease_requests,
+            ..Config::default()
+        };
+        let t0 = Instant::now();
+        let rtt = cfg.heartbeat_interval * rtt_intervals;
+        let mut lease = TouchLease::new();
+        let mut in_flight: VecDeque<(Instant, u64)> = VecDeque::new();
+        for step in 0..(4 * rtt_intervals + 8) {
+            let now = t0 + cfg.heartbeat_interval * step;
+            while in_flight
+                .front()
+                .is_some_and(|&(arrives, _)| arrives <= now)
+            {
+                let (_, seq) = in_flight.pop_front().expect("checked");
+                lease.check_grant(seq).expect("a request we made");
+                lease.handle_grant(seq, cfg.lease.as_millis() as u64, &cfg);
+                if lease.is_live(now) {
+                    return true;
+                }
+            }
+            let seq = lease.request(now, &cfg);
+            in_flight.push_back((now + rtt, seq));
+        }
+        false
+    }
+
+    #[test]
+    fn lease_goes_live_when_the_round_trip_spans_many_renewals() {
+        // A round trip of 10 renewal intervals with 4 remembered requests:
+        // forgetting the oldest request each time starved this for good.
+        for rtt in [1, 3, 4, 5, 10, 40] {
+            assert!(goes_live(rtt, 4), "rtt of {rtt} intervals never went live");
+        }
+    }
+
+    #[test]
+    fn remembered_requests_stay_bounded_and_age_out() {
+        let cfg = Config {
+            max_lease_requests: 3,
+            ..Config::default()
+        };
+        let t0 = Instant::now();
+        let mut lease = TouchLease::new();
+        for i in 0..50 {
+            lease.request(t0 + Duration::from_millis(i), &cfg);
+            assert!(lease.asked.len() <= 3);
+        }
+        // The oldest requests are kept: their grants come back first.
+        assert_eq!(lease.asked.front().map(|a| a.0), Some(0));
+        // Past the longest lease every old request is forgotten.
+        lease.request(t0 + cfg.lease + Duration::from_secs(1), &cfg);
+        assert_eq!(lease.asked.len(), 1);
+        // A grant forgets the requests it supersedes.
+        let seq = lease.request(t0 + cfg.lease + Duration::from_secs(2), &cfg);
+        lease.handle_grant(seq, 1_000, &cfg);
+        assert!(lease.asked.is_empty());
+        assert!(lease.is_live(t0 + cfg.lease + Duration::from_secs(2)));
     }
 }

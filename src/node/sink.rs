@@ -52,14 +52,6 @@ pub(crate) fn register_regions(node_id: u64, ranges: &[(u64, u64)]) -> Result<()
 /// One slot per peer endpoint; its async lock makes concurrent first
 /// transfers share one `open` instead of racing thousands of connections.
 type SessionSlot = Rc<futures::lock::Mutex<Option<Rc<AnySession>>>>;
-/// How often an executor with live transfers wakes up at the least. Socket
-/// completions of the TCP data plane were seen to wait for the executor's
-/// next timer (up to a heartbeat interval) when nothing else woke it; a
-/// short tick while requests are live bounds that wait.
-const WAKE_TICK: Duration = Duration::from_micros(500);
-/// The tick of an executor with nothing live.
-const IDLE_TICK: Duration = Duration::from_millis(50);
-
 /// One chunk to move: P's blocks `src` to D's blocks `dst` of `peer`, in
 /// direction `op` as seen from this side.
 struct Job<'a> {
@@ -83,8 +75,6 @@ pub(crate) struct Sink<M: Machine> {
     dst: Vec<Vec<u64>>,
     /// When each live transfer was created, for the latency histogram.
     started: HashMap<TransferId, Instant>,
-    /// Live transfers, read by the wake-up ticker.
-    live: Rc<std::cell::Cell<usize>>,
 }
 
 impl<M: Machine> Drop for Sink<M> {
@@ -116,6 +106,7 @@ where
                     .clamp(1, u64::MAX as u128) as u64;
                 let config = TcpConfig {
                     batch_timeout_ms: bound_ms,
+                    poll: shared.config.tcp_poll,
                     ..TcpConfig::default()
                 };
                 format!("{}:0", shared.config.host)
@@ -146,20 +137,6 @@ where
             src: Vec::new(),
             dst: Vec::new(),
             started: HashMap::new(),
-            live: {
-                let live = Rc::new(std::cell::Cell::new(0usize));
-                let seen = Rc::downgrade(&live);
-                glommio::spawn_local(async move {
-                    // Ends with the sink (and with the executor).
-                    while let Some(live) = seen.upgrade() {
-                        let tick = if live.get() > 0 { WAKE_TICK } else { IDLE_TICK };
-                        drop(live);
-                        glommio::timer::sleep(tick).await;
-                    }
-                })
-                .detach();
-                live
-            },
         }
     }
 
@@ -292,11 +269,9 @@ where
         if !phase.is_terminal() {
             // The first report comes when the machine is inserted.
             self.started.entry(tid).or_insert(now);
-            self.live.set(self.started.len());
             return;
         }
         let since = self.started.remove(&tid).unwrap_or(now);
-        self.live.set(self.started.len());
         let outcome = match phase {
             Phase::Success => Outcome::Ok,
             Phase::Expired => Outcome::Expired,
