@@ -440,10 +440,13 @@ impl Bridge {
             Frame::HeartbeatAck { .. } => {}
             Frame::Transfer { transfer_id, msg } => {
                 let tid = TransferId(transfer_id);
-                if let Some(s) = self.slots.get_mut(peer as usize) {
-                    s.transfers.insert(tid);
+                // Only transfers a machine took are tracked, so a peer
+                // sending made-up ids cannot grow the set.
+                if self.deliver(peer, tid, msg) {
+                    if let Some(s) = self.slots.get_mut(peer as usize) {
+                        s.transfers.insert(tid);
+                    }
                 }
-                self.deliver(peer, tid, msg);
             }
         }
     }
@@ -507,21 +510,22 @@ impl Bridge {
         }
     }
 
-    fn deliver(&mut self, peer: u32, tid: TransferId, msg: Msg) {
+    /// Hands `msg` to the machine of `tid`; true if a live machine took it.
+    fn deliver(&mut self, peer: u32, tid: TransferId, msg: Msg) -> bool {
         let pid = PeerId(peer);
         if self.handle.poll(tid).is_some_and(|p| p.is_terminal()) {
             // Finished here (released, nothing in flight) but not collected
             // yet: answer like for an unknown transfer so the peer does not
             // wait out its deadline.
             self.answer_unknown(peer, tid, msg);
-            return;
+            return false;
         }
         let shared = self.shared.clone();
         let refused = match &self.handle {
             EngineHandle::Prefill(h) => match with_lock(&shared, || {
                 h.send_event(tid, send::Event::Msg { peer: pid, msg })
             }) {
-                Ok(()) => return,
+                Ok(()) => return true,
                 Err(r) => match (r.error, r.value) {
                     (
                         SubmitError::UnknownTransfer(_),
@@ -570,11 +574,11 @@ impl Bridge {
                                         msg: Msg::Abort,
                                     },
                                 );
-                                return;
+                                return false;
                             }
                         }
                         match h.send_event(tid, send::Event::Msg { peer: pid, msg }) {
-                            Ok(()) => return,
+                            Ok(()) => return true,
                             Err(r) => (r.error, None),
                         }
                     }
@@ -584,7 +588,7 @@ impl Bridge {
             },
             EngineHandle::Decode(h) => match h.send_event(tid, recv::Event::Msg { peer: pid, msg })
             {
-                Ok(()) => return,
+                Ok(()) => return true,
                 Err(r) => match r.value {
                     recv::Event::Msg { msg, .. } => (r.error, Some(msg)),
                     _ => (r.error, None),
@@ -601,6 +605,7 @@ impl Bridge {
                     .fetch_add(1, Ordering::Relaxed);
             }
         }
+        false
     }
 
     /// We do not know (or no longer know) this transfer: tell the peer at
@@ -647,16 +652,34 @@ impl Bridge {
         if let Some(&p) = self.by_addr.get(addr) {
             return Some(p);
         }
-        if self.slots.len() >= self.shared.config.max_peers {
-            return None;
-        }
+        // Prefill ranks that restart come back at new addresses: when the
+        // table is full, reuse the slot of a dead one that no transfer
+        // refers to any more.
+        let reuse = if self.slots.len() < self.shared.config.max_peers {
+            None
+        } else {
+            let Some(i) = self.slots.iter().position(|s| {
+                s.dead && s.transfers.is_empty() && matches!(s.route, Route::Dealer(_))
+            }) else {
+                tracing::warn!(
+                    addr,
+                    limit = self.shared.config.max_peers,
+                    "cannot connect to prefill side channel: max_peers reached"
+                );
+                self.shared
+                    .counters
+                    .limit_hits
+                    .fetch_add(1, Ordering::Relaxed);
+                return None;
+            };
+            Some(i)
+        };
         let s = self.ctx.socket(zmq::DEALER).ok()?;
         if let Err(e) = configure(&s, &self.shared.config).and_then(|()| s.connect(addr)) {
             tracing::warn!(addr, %e, "cannot connect to prefill side channel");
             return None;
         }
-        let id = self.slots.len() as u32;
-        self.slots.push(Slot {
+        let slot = Slot {
             route: Route::Dealer(s),
             addr: addr.to_string(),
             ready: false,
@@ -664,7 +687,27 @@ impl Bridge {
             since: Instant::now(),
             last_heard: None,
             transfers: HashSet::new(),
-        });
+        };
+        let id = match reuse {
+            None => {
+                self.slots.push(slot);
+                self.slots.len() as u32 - 1
+            }
+            Some(i) => {
+                let old = std::mem::replace(&mut self.slots[i], slot);
+                self.by_addr.remove(&old.addr);
+                self.shared
+                    .counters
+                    .dead_now
+                    .fetch_sub(1, Ordering::Relaxed);
+                self.shared
+                    .peers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&(i as u32));
+                i as u32
+            }
+        };
         self.by_addr.insert(addr.to_string(), id);
         if let Some(h) = self.own_hello() {
             self.send_frame(id, &Frame::Hello(h));
@@ -681,10 +724,40 @@ impl Bridge {
         }
     }
 
-    fn start_query(&mut self, target: &PrefillTarget) {
+    /// Starts a directory query for `target`; false if the directory is
+    /// full of targets being queried (the caller fails its request).
+    fn start_query(&mut self, target: &PrefillTarget) -> bool {
         let PrefillTarget::Bootstrap { addr, engine_id } = target else {
-            return;
+            return true;
         };
+        if !self.directory.contains_key(target)
+            && self.directory.len() >= self.shared.config.max_bootstrap_targets
+        {
+            // Full: forget a cached answer (it is only a cache) rather than
+            // refuse; a target being queried stays.
+            let idle = self
+                .directory
+                .iter()
+                .find(|(_, d)| !matches!(d, Dir::Querying))
+                .map(|(k, _)| k.clone());
+            match idle {
+                Some(k) => {
+                    self.directory.remove(&k);
+                }
+                None => {
+                    tracing::warn!(
+                        ?target,
+                        limit = self.shared.config.max_bootstrap_targets,
+                        "bootstrap target not queried: max_bootstrap_targets reached"
+                    );
+                    self.shared
+                        .counters
+                        .limit_hits
+                        .fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
         self.directory.insert(target.clone(), Dir::Querying);
         let tx = self.shared.bridge_tx.clone();
         let waker = self.shared.waker.clone();
@@ -708,6 +781,7 @@ impl Bridge {
         if spawned.is_err() {
             self.directory.insert(target, Dir::Failed(Instant::now()));
         }
+        true
     }
 
     /// Tries to hand the P ranks to the machine of `p`; false: wait.
@@ -737,7 +811,10 @@ impl Bridge {
                 }
                 None => {
                     let t = p.target.clone();
-                    self.start_query(&t);
+                    if !self.start_query(&t) {
+                        let _ = self.handle.abort_engine(p.tid);
+                        return true;
+                    }
                     return false;
                 }
             },

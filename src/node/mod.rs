@@ -132,8 +132,32 @@ pub struct NodeConfig {
     pub frame_limits: FrameLimits,
     /// Planner batch bounds.
     pub batch_limits: BatchLimits,
-    /// Most peers the side channel tracks.
+    /// Most peers the side channel tracks (ROUTER identities on prefill,
+    /// DEALER connections on decode). When full, the slot of a dead peer
+    /// that no transfer refers to is reused; otherwise a newcomer's hello is
+    /// rejected (`bad_frames`) and a decode request that needs a new prefill
+    /// connection fails at once.
     pub max_peers: usize,
+    /// Most finished transfers remembered for [`Node::phase`] and
+    /// [`Node::get_finished`]; past it the oldest records are forgotten
+    /// (they are history: every machine already ended).
+    pub max_finished_records: usize,
+    /// Most block ids kept for [`Node::block_ids_with_load_errors`]; past it
+    /// further ids are dropped and counted in `NodeStats::limit_hits`.
+    pub max_load_error_blocks: usize,
+    /// Commands queued from the executor and engine threads to the bridge
+    /// thread. When full a frame is dropped and counted in `dropped_frames`
+    /// (the machines' timeouts cover a lost message) and a decode request is
+    /// refused with [`NodeError::Busy`].
+    pub bridge_queue_capacity: usize,
+    /// Decode: most bootstrap targets (service, engine id) whose directory
+    /// is cached. When full, an entry that is not being queried is evicted;
+    /// if every entry is being queried the request fails at once.
+    pub max_bootstrap_targets: usize,
+    /// Most data-plane sessions (one per peer endpoint) kept open. When full,
+    /// an idle session is closed; if none is idle the transfer fails with
+    /// a transport error naming the limit.
+    pub max_data_sessions: usize,
     /// How the TCP data plane waits for its sockets. Parking (the default)
     /// leaves the cores to the side-channel threads and the engine: with
     /// spinning, a small request over loopback took 1.75 ms at p50 on
@@ -184,6 +208,11 @@ impl NodeConfig {
             frame_limits: FrameLimits::default(),
             batch_limits: BatchLimits::default(),
             max_peers: 4096,
+            max_finished_records: 1 << 20,
+            max_load_error_blocks: 1 << 22,
+            bridge_queue_capacity: 65_536,
+            max_bootstrap_targets: 256,
+            max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
             notify: None,
             on_remote_request: None,
@@ -262,6 +291,9 @@ pub struct NodeStats {
     pub bad_frames: u64,
     /// Frames dropped because a queue was full.
     pub dropped_frames: u64,
+    /// Times a configured limit of the node (see [`NodeConfig`]) refused
+    /// or dropped something; each is also logged with the limit's name.
+    pub limit_hits: u64,
 }
 
 #[derive(Default)]
@@ -275,6 +307,7 @@ pub(crate) struct Counters {
     pub peers_marked_dead: AtomicU64,
     pub bad_frames: AtomicU64,
     pub dropped_frames: AtomicU64,
+    pub limit_hits: AtomicU64,
     /// Peers marked dead now (not cumulative).
     pub dead_now: AtomicU64,
 }
@@ -292,6 +325,7 @@ impl Counters {
             peers_marked_dead: g(&self.peers_marked_dead),
             bad_frames: g(&self.bad_frames),
             dropped_frames: g(&self.dropped_frames),
+            limit_hits: g(&self.limit_hits),
         }
     }
 }
@@ -313,11 +347,6 @@ pub(crate) struct LocalKv {
     pub model: ModelSpec,
     pub layout: RankLayout,
 }
-
-/// Most finished records kept for handles and `get_finished`.
-const RECORDS_MAX: usize = 1 << 20;
-/// Most block ids kept for `block_ids_with_load_errors`.
-const LOAD_ERRORS_MAX: usize = 1 << 22;
 
 #[derive(Default)]
 struct Records {
@@ -372,6 +401,11 @@ impl Shared {
             }
             Err(_) => {
                 self.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+                self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    limit = self.config.bridge_queue_capacity,
+                    "bridge command dropped: bridge_queue_capacity reached"
+                );
                 false
             }
         }
@@ -379,7 +413,18 @@ impl Shared {
 
     pub(crate) fn add_load_errors(&self, blocks: &[BlockId]) {
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
-        let room = LOAD_ERRORS_MAX.saturating_sub(r.load_errors.len());
+        let room = self
+            .config
+            .max_load_error_blocks
+            .saturating_sub(r.load_errors.len());
+        if blocks.len() > room {
+            tracing::warn!(
+                dropped = blocks.len() - room,
+                limit = self.config.max_load_error_blocks,
+                "load-error block ids dropped: max_load_error_blocks reached"
+            );
+            self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+        }
         r.load_errors.extend(blocks.iter().take(room));
     }
 
@@ -387,12 +432,13 @@ impl Shared {
     /// the oldest records go first.
     fn record(&self, tid: TransferId, phase: Phase) {
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
-        if r.order.len() >= RECORDS_MAX {
+        let max = self.config.max_finished_records.max(1);
+        if r.order.len() >= max {
             if let Some(old) = r.order.pop_front() {
                 r.done.remove(&old);
             }
         }
-        if r.finished.len() >= RECORDS_MAX {
+        if r.finished.len() >= max {
             r.finished.pop_front();
         }
         if r.done.insert(tid, phase).is_none() {
@@ -542,10 +588,19 @@ impl Node {
                 config.tp_rank, config.tp_size
             )));
         }
-        if config.max_peers == 0 {
-            return Err(NodeError::Misuse("max_peers must be positive".into()));
+        if config.max_peers == 0
+            || config.max_finished_records == 0
+            || config.bridge_queue_capacity == 0
+            || config.max_bootstrap_targets == 0
+            || config.max_data_sessions == 0
+        {
+            return Err(NodeError::Misuse(
+                "max_peers, max_finished_records, bridge_queue_capacity, \
+                 max_bootstrap_targets and max_data_sessions must be positive"
+                    .into(),
+            ));
         }
-        let (bridge_tx, bridge_rx) = flume::bounded(config.reactor.mailbox_capacity.max(1024));
+        let (bridge_tx, bridge_rx) = flume::bounded(config.bridge_queue_capacity);
         let waker =
             Arc::new(waker::Waker::new().map_err(|e| NodeError::SideChannel(e.to_string()))?);
         let shared = Arc::new(Shared {

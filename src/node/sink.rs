@@ -193,6 +193,12 @@ where
         let poster = self.poster.clone();
         let shared = self.shared.clone();
         let bound = shared.config.timeouts.transfer_bound;
+        if let Err(why) = make_room(&sessions, &endpoint, shared.config.max_data_sessions) {
+            tracing::warn!(?tid, %why, "transfer not started");
+            shared.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+            self.post_later(tid, vec![done(false)]);
+            return;
+        }
         glommio::spawn_local(async move {
             let result = if descs.is_empty() {
                 Ok(())
@@ -293,6 +299,25 @@ fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
     for (o, l) in out.iter_mut().zip(lists) {
         o.clear();
         o.extend(l.iter().map(|b| u64::from(b.0)));
+    }
+}
+
+/// Makes room for a session to `endpoint` under `max` sessions: closes the
+/// idle ones (no transfer holds their slot) when full. Peers that restart
+/// come back at new endpoints, so without this the map would only grow.
+fn make_room(sessions: &Sessions, endpoint: &EndpointAddr, max: usize) -> Result<(), String> {
+    let mut map = sessions.borrow_mut();
+    if map.contains_key(endpoint) || map.len() < max {
+        return Ok(());
+    }
+    map.retain(|_, slot| Rc::strong_count(slot) > 1);
+    if map.len() < max {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} data-plane sessions are busy: max_data_sessions reached",
+            map.len()
+        ))
     }
 }
 

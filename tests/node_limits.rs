@@ -1,0 +1,203 @@
+//! Every configured limit of the node refuses with a clear, typed outcome
+//! when reached, instead of growing or hanging: machines per executor,
+//! side-channel peers, cached bootstrap targets, finished records.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use kvferry::machines::common::{AbortReason, BlockId, Config};
+use kvferry::machines::layout::{LayoutKind, ModelSpec, Region};
+use kvferry::machines::{FailReason, Phase};
+use kvferry::node::{KvLayout, Node, NodeConfig, NodeError, PrefillTarget, Role};
+
+const MODEL: ModelSpec = ModelSpec {
+    layout: LayoutKind::Hnd,
+    total_kv_heads: 1,
+    block_tokens: 1,
+    head_bytes: 16,
+};
+const BLOCKS: u64 = 8;
+
+fn timeouts() -> Config {
+    Config {
+        bootstrap_timeout: Duration::from_secs(20),
+        waiting_timeout: Duration::from_secs(20),
+        heartbeat_interval: Duration::from_millis(100),
+        ..Config::default()
+    }
+}
+
+/// A node with one registered region of `BLOCKS` blocks; the memory lives
+/// as long as the returned box (declared after the node, so dropped after).
+fn node(mut config: NodeConfig) -> (Node, Box<[u8]>) {
+    config.timeouts = timeouts();
+    let node = Node::start(config).expect("node starts");
+    let mut mem = vec![0u8; (BLOCKS * 16) as usize].into_boxed_slice();
+    let layout = KvLayout {
+        model: MODEL,
+        num_blocks: BLOCKS,
+        regions: vec![Region {
+            base: mem.as_mut_ptr() as u64,
+            block_len: 16,
+            kv_block_len: 16,
+        }],
+    };
+    // SAFETY: `mem` outlives the node in every test (dropped after it).
+    unsafe { node.register_kv_caches(layout).expect("register") };
+    (node, mem)
+}
+
+fn blocks(ids: &[u32]) -> Vec<Vec<BlockId>> {
+    vec![ids.iter().map(|&b| BlockId(b)).collect()]
+}
+
+/// Waits for a terminal phase, failing the test after `within`.
+fn terminal(node: &Node, tid: u64, within: Duration) -> (Phase, Duration) {
+    let started = Instant::now();
+    let phase = node
+        .receiver(
+            tid,
+            &PrefillTarget::Direct {
+                tp_size: 1,
+                side_channels: vec![],
+            },
+        )
+        .expect("decode node")
+        .wait(within);
+    (phase, started.elapsed())
+}
+
+#[test]
+fn machines_per_executor_limit_refuses_with_busy() {
+    let mut c = NodeConfig::new(Role::Decode, "d");
+    c.reactor.max_machines_per_executor = 2;
+    let (d, _mem) = node(c);
+    // A silent "prefill": requests stay live while we fill the node.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![format!("tcp://{}", silent.local_addr().unwrap())],
+    };
+    for tid in 1..=2 {
+        d.receiver(tid, &target)
+            .unwrap()
+            .request(blocks(&[tid as u32]))
+            .expect("under the limit");
+    }
+    let third = d.receiver(3, &target).unwrap().request(blocks(&[3]));
+    assert!(
+        matches!(third, Err(NodeError::Busy(_))),
+        "third request over a limit of two: {third:?}"
+    );
+}
+
+#[test]
+fn side_channel_peer_limit_fails_a_request_at_once() {
+    let mut c = NodeConfig::new(Role::Decode, "d");
+    c.max_peers = 1;
+    let (d, _mem) = node(c);
+    let a = TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = TcpListener::bind("127.0.0.1:0").unwrap();
+    let to = |l: &TcpListener| PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![format!("tcp://{}", l.local_addr().unwrap())],
+    };
+    d.receiver(1, &to(&a))
+        .unwrap()
+        .request(blocks(&[1]))
+        .unwrap();
+    // A second prefill address needs a second peer slot: over the limit
+    // (and the first peer is not dead), so the request fails now instead of
+    // waiting out its 20 s bootstrap timeout.
+    d.receiver(2, &to(&b))
+        .unwrap()
+        .request(blocks(&[2]))
+        .unwrap();
+    let (phase, took) = terminal(&d, 2, Duration::from_secs(10));
+    assert_eq!(
+        phase,
+        Phase::Failed(FailReason::Aborted(AbortReason::Engine))
+    );
+    assert!(took < Duration::from_secs(5), "failed fast, took {took:?}");
+    assert!(d.stats().limit_hits >= 1, "{:?}", d.stats());
+    // The first request is untouched by the refusal.
+    assert!(!d.phase(1).expect("known").is_terminal());
+}
+
+#[test]
+fn bootstrap_target_limit_fails_a_request_at_once() {
+    let mut c = NodeConfig::new(Role::Decode, "d");
+    c.max_bootstrap_targets = 1;
+    let (d, _mem) = node(c);
+    // A bootstrap "service" that accepts connections and never answers, so
+    // the first target stays in the middle of its query.
+    let hang = TcpListener::bind("127.0.0.1:0").unwrap();
+    let first = PrefillTarget::Bootstrap {
+        addr: hang.local_addr().unwrap().to_string(),
+        engine_id: "p1".into(),
+    };
+    let second = PrefillTarget::Bootstrap {
+        addr: hang.local_addr().unwrap().to_string(),
+        engine_id: "p2".into(),
+    };
+    d.receiver(1, &first)
+        .unwrap()
+        .request(blocks(&[1]))
+        .unwrap();
+    // The first query is under way once it connects; the connection is
+    // held open, unanswered, for the rest of the test.
+    let _held = hang.accept().expect("the bridge queries the first target");
+    d.receiver(2, &second)
+        .unwrap()
+        .request(blocks(&[2]))
+        .unwrap();
+    let (phase, took) = terminal(&d, 2, Duration::from_secs(10));
+    assert_eq!(
+        phase,
+        Phase::Failed(FailReason::Aborted(AbortReason::Engine))
+    );
+    assert!(took < Duration::from_secs(5), "failed fast, took {took:?}");
+    assert!(d.stats().limit_hits >= 1, "{:?}", d.stats());
+}
+
+#[test]
+fn finished_records_are_bounded() {
+    let mut c = NodeConfig::new(Role::Decode, "d");
+    c.max_finished_records = 2;
+    let (d, _mem) = node(c);
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![],
+    };
+    for tid in 1..=5u64 {
+        let rx = d.receiver(tid, &target).unwrap();
+        rx.request(blocks(&[tid as u32])).unwrap();
+        rx.abort().unwrap();
+        assert!(rx.wait(Duration::from_secs(10)).is_terminal());
+    }
+    let (_, received) = d.get_finished();
+    assert!(
+        received.len() <= 2,
+        "at most max_finished_records kept: {received:?}"
+    );
+    assert!(
+        received.contains(&5),
+        "the newest record is kept: {received:?}"
+    );
+    assert_eq!(d.phase(1), None, "the oldest record is forgotten");
+}
+
+#[test]
+fn zero_limits_are_refused_at_start() {
+    for set in [
+        (|c: &mut NodeConfig| c.max_peers = 0) as fn(&mut NodeConfig),
+        |c| c.max_finished_records = 0,
+        |c| c.bridge_queue_capacity = 0,
+        |c| c.max_bootstrap_targets = 0,
+        |c| c.max_data_sessions = 0,
+    ] {
+        let mut c = NodeConfig::new(Role::Decode, "d");
+        set(&mut c);
+        assert!(matches!(Node::start(c), Err(NodeError::Misuse(_))));
+    }
+}
