@@ -1073,3 +1073,176 @@ fn invalid(req: &SchedRequest<'_>, reason: &'static str) -> SchedError {
         reason,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(v: &[u32]) -> Vec<BlockId> {
+        v.iter().map(|&b| BlockId(b)).collect()
+    }
+
+    fn decode_params(tid: u64) -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: true,
+            transfer_id: Some(tid),
+            remote_engine_id: Some("p".into()),
+            remote_bootstrap_addr: Some("127.0.0.1:8998".into()),
+            ..KvTransferParams::default()
+        }
+    }
+
+    fn sched(role: KvRole, max: usize) -> Scheduler {
+        let mut c = SchedulerConfig::new(role, "p", "127.0.0.1:8998", 4);
+        c.max_tracked_requests = max;
+        Scheduler::new(c).unwrap()
+    }
+
+    #[test]
+    fn config_rejects_zero_bounds() {
+        for (bs, groups, max) in [(0, 1, 1), (4, 0, 1), (4, 1, 0)] {
+            let mut c = SchedulerConfig::new(KvRole::Both, "e", "a", bs);
+            c.num_groups = groups;
+            c.max_tracked_requests = max;
+            let e = Scheduler::new(c).unwrap_err();
+            assert!(matches!(e, SchedError::BadConfig(_)), "{e}");
+            assert_eq!(e.blame(), Blame::Misuse);
+        }
+    }
+
+    #[test]
+    fn full_table_refuses_and_changes_nothing() {
+        let mut s = sched(KvRole::Consumer, 2);
+        let blocks = [ids(&[1, 2])];
+        let params: Vec<KvTransferParams> = (0..3).map(decode_params).collect();
+        let names = ["a", "b", "c"];
+        for i in 0..2 {
+            let r = SchedRequest {
+                request_id: names[i],
+                prompt_len_tokens: 8,
+                computed_len_tokens: 0,
+                block_ids: &blocks,
+                params: Some(&params[i]),
+            };
+            s.update_state_after_alloc(&r, 8).unwrap();
+        }
+        let r = SchedRequest {
+            request_id: "c",
+            prompt_len_tokens: 8,
+            computed_len_tokens: 0,
+            block_ids: &blocks,
+            params: Some(&params[2]),
+        };
+        let e = s.update_state_after_alloc(&r, 8).unwrap_err();
+        assert_eq!(
+            e,
+            SchedError::Full {
+                max_tracked_requests: 2
+            }
+        );
+        assert_eq!(e.blame(), Blame::Capacity);
+        assert_eq!((s.tracked_len(), s.pending_len()), (2, 2));
+        assert_eq!(s.request_id_of(2), None);
+        // Once a request leaves, there is room again.
+        let meta = s.build_connector_meta();
+        assert_eq!(meta.loads.len(), 2);
+        let done = s.handle_finished(&[], &[0]);
+        assert_eq!(done.finished_recving, vec!["a".to_string()]);
+        let a = SchedRequest {
+            request_id: "a",
+            params: Some(&params[0]),
+            ..r
+        };
+        assert_eq!(
+            s.request_finished(&a, FinishStatus::Stopped).unwrap(),
+            FinishDecision::FREE_NOW
+        );
+        s.update_state_after_alloc(&r, 8).unwrap();
+        assert_eq!(s.transfer_id_of("c"), Some(2));
+    }
+
+    #[test]
+    fn pending_queue_is_bounded_for_release_only_loads() {
+        let mut s = sched(KvRole::Consumer, 1);
+        let p0 = decode_params(10);
+        let p1 = decode_params(11);
+        let r0 = SchedRequest {
+            request_id: "a",
+            prompt_len_tokens: 4,
+            computed_len_tokens: 0,
+            block_ids: &[],
+            params: Some(&p0),
+        };
+        let r1 = SchedRequest {
+            request_id: "b",
+            params: Some(&p1),
+            ..r0
+        };
+        // Both end before allocation: each needs a release-only load.
+        s.request_finished(&r0, FinishStatus::Aborted).unwrap();
+        let e = s.request_finished(&r1, FinishStatus::Aborted).unwrap_err();
+        assert!(matches!(e, SchedError::Full { .. }), "{e}");
+        assert_eq!(s.build_connector_meta().loads.len(), 1);
+        s.request_finished(&r1, FinishStatus::Aborted).unwrap();
+        assert_eq!(s.build_connector_meta().loads[0].transfer_id, 11);
+    }
+
+    #[test]
+    fn abort_queue_keeps_the_newest_when_full() {
+        let mut s = sched(KvRole::Consumer, 1);
+        let blocks = [ids(&[1])];
+        for tid in 0..3u64 {
+            let p = decode_params(tid);
+            let r = SchedRequest {
+                request_id: "a",
+                prompt_len_tokens: 4,
+                computed_len_tokens: 0,
+                block_ids: &blocks,
+                params: Some(&p),
+            };
+            s.update_state_after_alloc(&r, 4).unwrap();
+            assert_eq!(s.build_connector_meta().loads.len(), 1);
+            let d = s.request_finished(&r, FinishStatus::Aborted).unwrap();
+            assert!(d.delay_free);
+            assert_eq!(s.handle_finished(&[], &[tid]).freed, vec!["a".to_string()]);
+        }
+        // Never polled: only the newest abort is kept.
+        assert_eq!(s.poll_abort(), Some(2));
+        assert_eq!(s.poll_abort(), None);
+    }
+
+    #[test]
+    fn errors_name_their_blame() {
+        let p = KvTransferParams {
+            do_remote_prefill: true,
+            ..KvTransferParams::default()
+        };
+        let s = sched(KvRole::Consumer, 4);
+        let r = SchedRequest {
+            request_id: "x",
+            prompt_len_tokens: 4,
+            computed_len_tokens: 0,
+            block_ids: &[],
+            params: Some(&p),
+        };
+        let e = s.get_num_new_matched_tokens(&r).unwrap_err();
+        assert_eq!(e.blame(), Blame::Router);
+        let p = sched(KvRole::Producer, 4);
+        let e = p
+            .get_num_new_matched_tokens(&SchedRequest {
+                params: Some(&decode_params(1)),
+                ..r
+            })
+            .unwrap_err();
+        assert!(matches!(e, SchedError::WrongRole { .. }), "{e}");
+        assert_eq!(e.blame(), Blame::Misuse);
+    }
+
+    #[test]
+    fn blocks_for_rounds_up_and_refuses_overflow() {
+        assert_eq!(blocks_for(1, 4), Some(1));
+        assert_eq!(blocks_for(4, 4), Some(1));
+        assert_eq!(blocks_for(5, 4), Some(2));
+        assert_eq!(blocks_for(u64::MAX, 1), None);
+    }
+}
