@@ -437,11 +437,17 @@ struct Entry {
 #[derive(Clone, Debug)]
 enum Pending {
     /// The load of a tracked request (state `LoadQueued`).
-    Load { request_id: String, load: LoadRequest },
+    Load {
+        request_id: String,
+        load: LoadRequest,
+    },
     /// A release-only load of a request that is gone.
     Release(LoadRequest),
     /// The send of a tracked request (state `SendQueued`).
-    Send { request_id: String, send: SendRequest },
+    Send {
+        request_id: String,
+        send: SendRequest,
+    },
     /// An empty last chunk of a prefill request that ended without KV.
     Cancel(SendRequest),
 }
@@ -690,7 +696,8 @@ impl Scheduler {
                 // wait for this transfer.
                 self.check_pending_room()?;
                 let transfer_id = params.transfer_id.expect("checked above");
-                self.pending.push_back(Pending::Cancel(self.cancel(transfer_id)));
+                self.pending
+                    .push_back(Pending::Cancel(self.cancel(transfer_id)));
                 Ok(FinishDecision::FREE_NOW)
             }
             None => Ok(FinishDecision::FREE_NOW),
@@ -744,9 +751,7 @@ impl Scheduler {
                 }
                 // The transfer was not handed to the worker by this
                 // scheduler (or already reported): it is not ours to finish.
-                Some(
-                    State::LoadQueued | State::Loaded | State::Prefilling | State::SendQueued,
-                )
+                Some(State::LoadQueued | State::Loaded | State::Prefilling | State::SendQueued)
                 | None => out.untracked.push(tid),
             }
         }
@@ -857,7 +862,11 @@ impl Scheduler {
     /// stops tracking the request.
     fn release_queued_load(&mut self, request_id: &str) {
         for p in self.pending.iter_mut() {
-            let Pending::Load { request_id: r, load } = p else {
+            let Pending::Load {
+                request_id: r,
+                load,
+            } = p
+            else {
                 continue;
             };
             if r != request_id {
@@ -897,7 +906,8 @@ impl Scheduler {
             | FinishStatus::Error => {
                 self.check_pending_room()?;
                 self.remove(req.request_id);
-                self.pending.push_back(Pending::Cancel(self.cancel(transfer_id)));
+                self.pending
+                    .push_back(Pending::Cancel(self.cancel(transfer_id)));
                 return Ok(FinishDecision::FREE_NOW);
             }
         }
@@ -1031,10 +1041,8 @@ impl Scheduler {
     }
 
     fn insert(&mut self, request_id: &str, transfer_id: u64, state: State) {
-        self.entries.insert(
-            request_id.to_string(),
-            Entry { transfer_id, state },
-        );
+        self.entries
+            .insert(request_id.to_string(), Entry { transfer_id, state });
         self.by_transfer.insert(transfer_id, request_id.to_string());
     }
 
@@ -1051,7 +1059,10 @@ impl Scheduler {
             .entries
             .get_mut(request_id)
             .unwrap_or_else(|| panic!("request {request_id:?} left the table while queued"));
-        assert_eq!(e.state, from, "request {request_id:?} in an unexpected state");
+        assert_eq!(
+            e.state, from,
+            "request {request_id:?} in an unexpected state"
+        );
         e.state = to;
     }
 }

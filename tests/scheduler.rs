@@ -401,8 +401,11 @@ fn roles_are_enforced() {
     let other = [ids(&[3, 4])];
     both.update_state_after_alloc(&req("p", 8, 0, &other, &p_params(2)), 0)
         .unwrap();
-    both.request_finished(&req("p", 8, 0, &other, &p_params(2)), FinishStatus::LengthCapped)
-        .unwrap();
+    both.request_finished(
+        &req("p", 8, 0, &other, &p_params(2)),
+        FinishStatus::LengthCapped,
+    )
+    .unwrap();
     let meta = both.build_connector_meta();
     assert_eq!((meta.loads.len(), meta.sends.len()), (1, 1));
 }
@@ -805,10 +808,13 @@ struct Engines {
 impl Engines {
     fn start() -> Engines {
         let c = Cluster::start(&e2e_spec()).expect("cluster starts");
-        let addr = c.prefill[0].node.bootstrap_addr().expect("bootstrap served");
+        let addr = c.prefill[0]
+            .node
+            .bootstrap_addr()
+            .expect("bootstrap served");
         // The cluster registers its prefill engine as "prefill".
-        let p = Scheduler::new(SchedulerConfig::new(KvRole::Producer, "prefill", addr, BS))
-            .unwrap();
+        let p =
+            Scheduler::new(SchedulerConfig::new(KvRole::Producer, "prefill", addr, BS)).unwrap();
         let d = Scheduler::new(SchedulerConfig::new(KvRole::Consumer, "decode", "", BS)).unwrap();
         Engines { c, p, d }
     }
@@ -823,31 +829,45 @@ impl Engines {
         self.c.decode[0].node.start_load_kv(&meta).unwrap();
     }
 
-    /// Feeds both nodes' `get_finished` to the schedulers until `recv`
-    /// decode requests finished receiving and `sent` prefill requests
-    /// finished sending, waiting on the nodes' terminal notifications.
-    fn drive_until(&mut self, recv: usize, sent: usize) -> (Vec<String>, Vec<String>, Vec<u64>) {
+    /// Feeds both nodes' `get_finished` to the schedulers until `done`
+    /// holds for what they reported, waiting on the nodes' terminal
+    /// notifications in between.
+    fn drive_until(&mut self, done: impl Fn(&Reported) -> bool) -> Reported {
         let deadline = Instant::now() + Duration::from_secs(20);
-        let (mut r, mut s, mut untracked) = (Vec::new(), Vec::new(), Vec::new());
+        let mut out = Reported::default();
         loop {
             let (p_sent, _) = self.c.prefill[0].node.get_finished();
             let (_, d_recv) = self.c.decode[0].node.get_finished();
             let pd = self.p.handle_finished(&p_sent, &[]);
             let dd = self.d.handle_finished(&[], &d_recv);
-            s.extend(pd.finished_sending);
-            r.extend(dd.finished_recving);
-            untracked.extend(pd.untracked);
-            untracked.extend(dd.untracked);
-            if r.len() >= recv && s.len() >= sent {
-                return (r, s, untracked);
+            out.sent.extend(pd.finished_sending);
+            out.recv.extend(dd.finished_recving);
+            out.freed.extend(dd.freed);
+            out.p_untracked.extend(pd.untracked);
+            out.d_untracked.extend(dd.untracked);
+            if done(&out) {
+                return out;
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "timed out: recv {r:?}, sent {s:?}");
+            assert!(!left.is_zero(), "timed out: {out:?}");
             // Sleep until some node reports a terminal phase.
-            let _ = self.c.decode_done.recv_timeout(left.min(Duration::from_millis(200)));
-            let _ = self.c.prefill_done.try_recv();
+            let _ = self
+                .c
+                .decode_done
+                .recv_timeout(left.min(Duration::from_millis(200)));
+            while self.c.prefill_done.try_recv().is_ok() {}
         }
     }
+}
+
+/// What the schedulers reported while driving.
+#[derive(Debug, Default)]
+struct Reported {
+    recv: Vec<String>,
+    sent: Vec<String>,
+    freed: Vec<String>,
+    p_untracked: Vec<u64>,
+    d_untracked: Vec<u64>,
 }
 
 #[test]
@@ -905,7 +925,9 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
         e.step_prefill();
         let n = prompt.div_ceil(u64::from(BS)) as usize;
         e.c.prefill[0].kv.fill(*tid, &p_blocks[..n], 0);
-        let d = e.p.request_finished(&r, FinishStatus::LengthCapped).unwrap();
+        let d =
+            e.p.request_finished(&r, FinishStatus::LengthCapped)
+                .unwrap();
         assert!(d.delay_free);
         let params = d.params.unwrap();
         // The params travel to decode as JSON, through the router.
@@ -931,7 +953,9 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
     }
     e.step_decode();
 
-    let (mut recv, mut sent, untracked) = e.drive_until(reqs.len(), reqs.len());
+    let n = reqs.len();
+    let got = e.drive_until(|r| r.recv.len() >= n && r.sent.len() >= n);
+    let (mut recv, mut sent) = (got.recv, got.sent);
     recv.sort();
     sent.sort();
     let mut want_recv: Vec<String> = reqs.iter().map(|r| format!("d{}", r.0)).collect();
@@ -940,7 +964,7 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
     want_sent.sort();
     assert_eq!(recv, want_recv);
     assert_eq!(sent, want_sent);
-    assert!(untracked.is_empty(), "{untracked:?}");
+    assert!(got.freed.is_empty() && got.p_untracked.is_empty() && got.d_untracked.is_empty());
     assert!(e.c.decode[0].node.block_ids_with_load_errors().is_empty());
 
     // Every prompt block on decode holds its position's bytes: the cached
@@ -952,7 +976,10 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
             .verify(*tid, &d_blocks[..n], 0)
             .unwrap_or_else(|err| panic!("transfer {tid} (cached {cached}): {err:?}"));
         // The spare block got nothing.
-        assert!(e.c.decode[0].kv.verify(*tid, &d_blocks[n..], n as u64).is_err());
+        assert!(e.c.decode[0]
+            .kv
+            .verify(*tid, &d_blocks[n..], n as u64)
+            .is_err());
     }
 
     // Decode finishes normally: nothing left anywhere.
@@ -982,4 +1009,119 @@ fn d_params_for(tid: u64, bootstrap_addr: &str) -> KvTransferParams {
         remote_bootstrap_addr: Some(bootstrap_addr.into()),
         ..KvTransferParams::default()
     }
+}
+
+/// One prefill request, run and finished length-capped; returns the
+/// params for decode and the prefill blocks holding the prompt.
+fn prefill_one(e: &mut Engines, tid: u64, prompt: u64, first_block: u32) -> KvTransferParams {
+    let n = prompt.div_ceil(u64::from(BS)) as u32;
+    let p_blocks: Vec<u32> = (first_block..first_block + n).collect();
+    let p = p_params(tid);
+    let blocks = [ids(&p_blocks)];
+    let id = format!("p{tid}");
+    let r = SchedRequest {
+        request_id: &id,
+        ..req("", prompt, 0, &blocks, &p)
+    };
+    e.p.update_state_after_alloc(&r, 0).unwrap();
+    e.c.prefill[0].kv.fill(tid, &p_blocks, 0);
+    let d =
+        e.p.request_finished(&r, FinishStatus::LengthCapped)
+            .unwrap();
+    assert!(d.delay_free);
+    e.step_prefill();
+    d.params.unwrap()
+}
+
+#[test]
+fn e2e_decode_gone_before_allocation_releases_the_prefill_blocks() {
+    let mut e = Engines::start();
+    let params = prefill_one(&mut e, 600, 10, 20);
+    // The decode request is aborted before it ever got blocks.
+    let r = req("d600", 10, 0, &[], &params);
+    assert!(
+        !e.d.request_finished(&r, FinishStatus::Aborted)
+            .unwrap()
+            .delay_free
+    );
+    e.step_decode();
+    let got = e.drive_until(|r| !r.sent.is_empty() && !r.d_untracked.is_empty());
+    // Prefill's delayed free ends: its blocks go back to its engine.
+    assert_eq!(got.sent, vec!["p600".to_string()]);
+    assert_eq!(got.d_untracked, vec![600]);
+    assert!(got.recv.is_empty());
+    assert_eq!(
+        e.c.prefill[0].node.phase(600),
+        Some(kvferry::machines::Phase::Success)
+    );
+    assert!(e.c.decode[0].node.block_ids_with_load_errors().is_empty());
+    assert_eq!((e.p.tracked_len(), e.d.tracked_len()), (0, 0));
+}
+
+#[test]
+fn e2e_prefill_abort_fails_the_waiting_decode_load() {
+    let mut e = Engines::start();
+    let addr = e.p.config().bootstrap_addr.clone();
+    let tid = 700;
+    // Decode asks first (router sent both halves at once).
+    let p = d_params_for(tid, &addr);
+    let d_blocks = [ids(&[40, 41, 42])];
+    let r = req("d700", 12, 0, &d_blocks, &p);
+    let (t, _) = e.d.get_num_new_matched_tokens(&r).unwrap();
+    e.d.update_state_after_alloc(&r, t).unwrap();
+    e.step_decode();
+    // Prefill's request is aborted: free now, no KV for decode.
+    let pp = p_params(tid);
+    let p_blocks = [ids(&[1, 2, 3])];
+    let pr = req("p700", 12, 0, &p_blocks, &pp);
+    e.p.update_state_after_alloc(&pr, 0).unwrap();
+    let d = e.p.request_finished(&pr, FinishStatus::Aborted).unwrap();
+    assert!(!d.delay_free && d.params.is_none());
+    e.step_prefill();
+    let got = e.drive_until(|r| !r.recv.is_empty());
+    assert_eq!(got.recv, vec!["d700".to_string()]);
+    // The load failed because prefill said so, not by waiting out a deadline.
+    let phase = e.c.decode[0].node.phase(tid).unwrap();
+    assert!(
+        matches!(phase, kvferry::machines::Phase::Failed(_)),
+        "{phase:?}"
+    );
+    let mut errs = e.c.decode[0].node.block_ids_with_load_errors();
+    errs.sort();
+    assert_eq!(errs, ids(&[40, 41, 42]));
+}
+
+#[test]
+fn e2e_decode_abort_during_the_load_frees_after_it_ends() {
+    let mut e = Engines::start();
+    let addr = e.p.config().bootstrap_addr.clone();
+    let tid = 800;
+    let p = d_params_for(tid, &addr);
+    let d_blocks = [ids(&[50, 51])];
+    let r = req("d800", 8, 0, &d_blocks, &p);
+    let (t, _) = e.d.get_num_new_matched_tokens(&r).unwrap();
+    e.d.update_state_after_alloc(&r, t).unwrap();
+    e.step_decode();
+    // Prefill has not finished; decode's client goes away mid-load.
+    let d = e.d.request_finished(&r, FinishStatus::Aborted).unwrap();
+    assert!(d.delay_free);
+    let abort = e.d.poll_abort().expect("an abort to issue");
+    assert_eq!(abort, tid);
+    e.c.decode[0].node.abort(abort).unwrap();
+    let got = e.drive_until(|r| !r.freed.is_empty());
+    assert_eq!(got.freed, vec!["d800".to_string()]);
+    assert!(got.recv.is_empty());
+    assert_eq!(e.d.tracked_len(), 0);
+    // Prefill finishing afterwards still ends its own delayed free.
+    let _ = prefill_one(&mut e, tid, 8, 10);
+    let got = e.drive_until(|r| !r.sent.is_empty());
+    assert_eq!(got.sent, vec!["p800".to_string()]);
+    assert_eq!(e.p.tracked_len(), 0);
+    // The decode side's abort ended prefill's first machine before the
+    // engine's send arrived, so the send waited out its bootstrap deadline
+    // (5 s here): the delayed free still ends, just late.
+    assert!(e.c.prefill[0]
+        .node
+        .phase(tid)
+        .is_some_and(|p| p.is_terminal()));
 }
