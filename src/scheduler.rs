@@ -636,21 +636,19 @@ impl Scheduler {
         req: &SchedRequest<'_>,
         status: FinishStatus,
     ) -> Result<FinishDecision, SchedError> {
-        let state = self.entries.get(req.request_id).map(|e| e.state);
-        let params = match (state, req.params) {
-            // Untracked requests without a transfer are not the connector's.
-            (None, None) => return Ok(FinishDecision::FREE_NOW),
-            (None, Some(p)) if p.transfer_id.is_none() => return Ok(FinishDecision::FREE_NOW),
-            (_, p) => p.cloned().unwrap_or_default(),
+        let Some(state) = self.entries.get(req.request_id).map(|e| e.state) else {
+            return self.finish_untracked(req, status);
         };
         match state {
-            Some(State::LoadQueued) => {
+            State::LoadQueued => {
                 self.release_queued_load(req.request_id);
                 Ok(FinishDecision::FREE_NOW)
             }
-            Some(State::Loading) => {
-                let entry = self.entries.get_mut(req.request_id);
-                let entry = entry.expect("state read above");
+            State::Loading => {
+                let entry = self
+                    .entries
+                    .get_mut(req.request_id)
+                    .expect("state read above");
                 entry.state = State::FinishedDuringLoad;
                 let tid = entry.transfer_id;
                 // An abort only ends the load sooner (the delayed free is
@@ -664,44 +662,56 @@ impl Scheduler {
                     params: None,
                 })
             }
-            Some(State::Loaded) => {
+            State::Loaded => {
                 self.remove(req.request_id);
                 Ok(FinishDecision::FREE_NOW)
             }
-            Some(State::Prefilling) => self.finish_prefill(req, status),
-            Some(s @ (State::FinishedDuringLoad | State::SendQueued | State::Sending)) => {
+            State::Prefilling => self.finish_prefill(req, status),
+            State::FinishedDuringLoad | State::SendQueued | State::Sending => {
                 Err(SchedError::WrongState {
                     request_id: req.request_id.to_string(),
                     call: "request_finished",
-                    state: s.name(),
+                    state: state.name(),
                 })
             }
-            None if params.do_remote_prefill => {
-                // Ended before its blocks were allocated: the prefill side
-                // holds the KV and waits for us; tell it to free.
-                let plan = self.decode_plan(req, &params)?;
-                self.check_pending_room()?;
-                self.pending
-                    .push_back(Pending::Release(self.release_load(&plan)));
-                Ok(FinishDecision::FREE_NOW)
-            }
-            None if params.do_remote_decode => {
-                self.require_role(req.request_id, true)?;
-                if status == FinishStatus::LengthCapped {
-                    return Err(SchedError::UnknownRequest {
-                        request_id: req.request_id.to_string(),
-                    });
-                }
-                // Aborted before it was scheduled: a decode rank may already
-                // wait for this transfer.
-                self.check_pending_room()?;
-                let transfer_id = params.transfer_id.expect("checked above");
-                self.pending
-                    .push_back(Pending::Cancel(self.cancel(transfer_id)));
-                Ok(FinishDecision::FREE_NOW)
-            }
-            None => Ok(FinishDecision::FREE_NOW),
         }
+    }
+
+    /// `request_finished` for a request never allocated (or never the
+    /// connector's).
+    fn finish_untracked(
+        &mut self,
+        req: &SchedRequest<'_>,
+        status: FinishStatus,
+    ) -> Result<FinishDecision, SchedError> {
+        let Some(params) = req.params else {
+            return Ok(FinishDecision::FREE_NOW);
+        };
+        let Some(transfer_id) = params.transfer_id else {
+            return Ok(FinishDecision::FREE_NOW);
+        };
+        if params.do_remote_prefill {
+            // Ended before its blocks were allocated: the prefill side
+            // holds the KV and waits for us; tell it to free.
+            let plan = self.decode_plan(req, params)?;
+            self.check_pending_room()?;
+            self.pending
+                .push_back(Pending::Release(self.release_load(&plan)));
+        } else if params.do_remote_decode {
+            self.require_role(req.request_id, true)?;
+            if status == FinishStatus::LengthCapped {
+                // A prefill cannot have run without an allocation.
+                return Err(SchedError::UnknownRequest {
+                    request_id: req.request_id.to_string(),
+                });
+            }
+            // Aborted before it was scheduled: a decode rank may already
+            // wait for this transfer.
+            self.check_pending_room()?;
+            self.pending
+                .push_back(Pending::Cancel(self.cancel(transfer_id)));
+        }
+        Ok(FinishDecision::FREE_NOW)
     }
 
     /// Drains everything recorded since the last call into one meta for the
@@ -730,29 +740,38 @@ impl Scheduler {
     /// transfer ids) and returns the requests they finish.
     pub fn handle_finished(&mut self, sent: &[u64], received: &[u64]) -> FinishedRequests {
         let mut out = FinishedRequests::default();
-        for &tid in sent.iter().chain(received) {
+        let tagged = sent
+            .iter()
+            .map(|&t| (t, true))
+            .chain(received.iter().map(|&t| (t, false)));
+        for (tid, is_sent) in tagged {
             let Some(request_id) = self.by_transfer.get(&tid).cloned() else {
                 out.untracked.push(tid);
                 continue;
             };
             let state = self.entries.get(&request_id).map(|e| e.state);
-            match state {
-                Some(State::Sending) => {
+            match (state, is_sent) {
+                (Some(State::Sending), true) => {
                     self.remove(&request_id);
                     out.finished_sending.push(request_id);
                 }
-                Some(State::Loading) => {
+                (Some(State::Loading), false) => {
                     self.set_state(&request_id, State::Loading, State::Loaded);
                     out.finished_recving.push(request_id);
                 }
-                Some(State::FinishedDuringLoad) => {
+                (Some(State::FinishedDuringLoad), false) => {
                     self.remove(&request_id);
                     out.freed.push(request_id);
                 }
-                // The transfer was not handed to the worker by this
-                // scheduler (or already reported): it is not ours to finish.
-                Some(State::LoadQueued | State::Loaded | State::Prefilling | State::SendQueued)
-                | None => out.untracked.push(tid),
+                // Not a transfer this scheduler handed to that side's worker
+                // (or one already reported): it is not ours to finish.
+                (Some(State::Sending), false)
+                | (Some(State::Loading | State::FinishedDuringLoad), true)
+                | (
+                    Some(State::LoadQueued | State::Loaded | State::Prefilling | State::SendQueued),
+                    _,
+                )
+                | (None, _) => out.untracked.push(tid),
             }
         }
         out

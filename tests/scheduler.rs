@@ -471,9 +471,12 @@ fn length_capped_prefill_delays_the_free_and_sends_the_prompt_blocks() {
         .request_finished(&r, FinishStatus::LengthCapped)
         .unwrap_err();
     assert!(matches!(e, SchedError::WrongState { .. }), "{e}");
-    // A decode-side report for a prefill transfer is not a finished send.
-    let done = s.handle_finished(&[], &[99]);
-    assert_eq!(done.untracked, vec![99]);
+    // A decode-side report of the transfer is not a finished send, and an
+    // unknown transfer is nobody's.
+    let done = s.handle_finished(&[], &[30, 99]);
+    assert_eq!(done.untracked, vec![30, 99]);
+    assert!(done.finished_sending.is_empty());
+    assert_eq!(s.tracked_len(), 1);
     let done = s.handle_finished(&[30], &[]);
     assert_eq!(done.finished_sending, vec!["p-r".to_string()]);
     assert_eq!(s.tracked_len(), 0);
