@@ -15,6 +15,42 @@
 //!  next step ◀─────── handle_finished ◀──────────── get_finished ◀──┘
 //! ```
 //!
+//! ```
+//! use kvferry::node::BlockId;
+//! use kvferry::scheduler::*;
+//!
+//! # fn main() -> Result<(), SchedError> {
+//! let mut p = Scheduler::new(SchedulerConfig::new(KvRole::Producer, "p", "10.0.0.1:8998", 16))?;
+//! let mut d = Scheduler::new(SchedulerConfig::new(KvRole::Consumer, "d", "", 16))?;
+//! // Prefill: 40 prompt tokens in 3 blocks, the router's transfer id 7.
+//! let p_params = KvTransferParams { do_remote_decode: true, transfer_id: Some(7), ..Default::default() };
+//! let p_blocks = [vec![BlockId(3), BlockId(4), BlockId(5)]];
+//! let p_req = SchedRequest { request_id: "p-1", prompt_len_tokens: 40, computed_len_tokens: 0,
+//!                            block_ids: &p_blocks, params: Some(&p_params) };
+//! p.update_state_after_alloc(&p_req, 0)?;
+//! let done = p.request_finished(&p_req, FinishStatus::LengthCapped)?;
+//! assert!(done.delay_free);
+//! let p_meta = p.build_connector_meta();      // -> prefill Node::start_load_kv
+//! assert_eq!(p_meta.sends[0].src_blocks, p_blocks.to_vec());
+//!
+//! // Decode: the first block is a local prefix hit.
+//! let d_params = done.params.expect("params for decode");
+//! let d_blocks = [vec![BlockId(8), BlockId(9), BlockId(12)]];
+//! let d_req = SchedRequest { request_id: "d-1", prompt_len_tokens: 40, computed_len_tokens: 16,
+//!                            block_ids: &d_blocks, params: Some(&d_params) };
+//! let (tokens, is_async) = d.get_num_new_matched_tokens(&d_req)?;
+//! assert_eq!((tokens, is_async), (24, true));
+//! d.update_state_after_alloc(&d_req, tokens)?;
+//! let d_meta = d.build_connector_meta();      // -> decode Node::start_load_kv
+//! assert_eq!(d_meta.loads[0].dst_blocks, vec![vec![BlockId(9), BlockId(12)]]);
+//! assert_eq!(d_meta.loads[0].prefix_blocks, vec![1]);
+//!
+//! // Later steps: the nodes' get_finished, back to request ids.
+//! assert_eq!(d.handle_finished(&[], &[7]).finished_recving, ["d-1"]);
+//! assert_eq!(p.handle_finished(&[7], &[]).finished_sending, ["p-1"]);
+//! # Ok(()) }
+//! ```
+//!
 //! # Decode side (`do_remote_prefill`)
 //!
 //! * [`Scheduler::get_num_new_matched_tokens`] promises the prompt tokens the
