@@ -9,6 +9,7 @@ pub mod bootstrap;
 pub mod cli;
 pub mod node;
 pub mod plan;
+pub mod scheduler;
 pub mod sidechannel;
 pub mod synth;
 pub mod transport;
