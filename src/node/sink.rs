@@ -6,12 +6,12 @@
 //! local task, which reports back through the executor's [`EventPoster`].
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::bootstrap::Outcome;
 use kvferry_machines::common::{BlockLists, Msg, PeerId};
@@ -75,6 +75,8 @@ pub(crate) struct Sink<M: Machine> {
     dst: Vec<Vec<u64>>,
     /// When each live transfer was created, for the latency histogram.
     started: HashMap<TransferId, Instant>,
+    /// Small transfers waiting to share a batch, per peer endpoint.
+    lanes: Lanes,
 }
 
 impl<M: Machine> Drop for Sink<M> {
@@ -137,6 +139,7 @@ where
             src: Vec::new(),
             dst: Vec::new(),
             started: HashMap::new(),
+            lanes: Rc::new(RefCell::new(HashMap::new())),
         }
     }
 
@@ -199,11 +202,27 @@ where
             self.post_later(tid, vec![done(false)]);
             return;
         }
+        let lanes = self.lanes.clone();
+        let coalesce = shared.config.transport == TransportKind::Tcp
+            && batches.len() == 1
+            && descs.len() <= COALESCE_MAX_DESCS
+            && bytes <= COALESCE_MAX_BYTES;
         glommio::spawn_local(async move {
+            let deadline = Instant::now() + bound;
             let result = if descs.is_empty() {
                 Ok(())
+            } else if coalesce {
+                let io = Io {
+                    transport,
+                    sessions,
+                    lanes,
+                };
+                io.queue(endpoint, op, descs, deadline).await
             } else {
-                move_bytes(&transport, &sessions, endpoint, op, &descs, &batches, bound).await
+                move_bytes(
+                    &transport, &sessions, endpoint, op, &descs, &batches, deadline,
+                )
+                .await
             };
             let ok = match result {
                 Ok(()) => {
@@ -302,6 +321,160 @@ fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
     }
 }
 
+/// A transfer at most this many descriptors long (and one planner batch)
+/// may share a data-plane batch with others to the same peer.
+const COALESCE_MAX_DESCS: usize = 256;
+/// ... and at most this many bytes.
+const COALESCE_MAX_BYTES: u64 = 256 << 10;
+/// Most descriptors in one shared batch.
+const SHARED_BATCH_MAX_DESCS: usize = 4096;
+/// Most bytes in one shared batch.
+const SHARED_BATCH_MAX_BYTES: u64 = 4 << 20;
+/// Shared batches in flight per peer: one per TCP stream of the session.
+const PUMPS_PER_LANE: usize = 2;
+
+/// Small transfers to one peer, waiting for a shared batch. A TCP stream
+/// carries one batch per round trip, so with hundreds of small requests in
+/// flight one batch per request capped the rate at a few thousand per
+/// second; a pump instead takes everything queued (in arrival order, so no
+/// request starves) and moves it as one batch.
+#[derive(Default)]
+struct Lane {
+    queue: VecDeque<Queued>,
+    /// Pump tasks running for this lane (at most [`PUMPS_PER_LANE`]).
+    pumps: usize,
+}
+
+/// One small transfer in a lane.
+struct Queued {
+    op: Op,
+    descs: Vec<Desc>,
+    /// When the op was posted plus the transfer bound: no byte of it may
+    /// move after this.
+    deadline: Instant,
+    done: futures::channel::oneshot::Sender<Result<(), String>>,
+}
+
+type Lanes = Rc<RefCell<HashMap<EndpointAddr, Lane>>>;
+
+/// What a shared batch needs to run.
+struct Io {
+    transport: Rc<AnyTransport>,
+    sessions: Sessions,
+    lanes: Lanes,
+}
+
+impl Io {
+    /// Queues a small transfer on the lane of `endpoint` and waits for the
+    /// shared batch that carries it.
+    async fn queue(
+        self,
+        endpoint: EndpointAddr,
+        op: Op,
+        descs: Vec<Desc>,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        let (done, answer) = futures::channel::oneshot::channel();
+        let start_pump = {
+            let mut lanes = self.lanes.borrow_mut();
+            let lane = lanes.entry(endpoint).or_default();
+            lane.queue.push_back(Queued {
+                op,
+                descs,
+                deadline,
+                done,
+            });
+            let start = lane.pumps < PUMPS_PER_LANE;
+            if start {
+                lane.pumps += 1;
+            }
+            start
+        };
+        if start_pump {
+            let io = Io {
+                transport: self.transport.clone(),
+                sessions: self.sessions.clone(),
+                lanes: self.lanes.clone(),
+            };
+            glommio::spawn_local(io.pump(endpoint)).detach();
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err("the shared batch was dropped".to_string()))
+    }
+
+    /// Moves what the lane holds, batch after batch, until it is empty.
+    async fn pump(self, endpoint: EndpointAddr) {
+        loop {
+            let jobs = self.take(endpoint);
+            if jobs.is_empty() {
+                return;
+            }
+            let now = Instant::now();
+            let (live, late): (Vec<Queued>, Vec<Queued>) =
+                jobs.into_iter().partition(|j| now < j.deadline);
+            for j in late {
+                // Never started: no byte of it moved.
+                let _ = j
+                    .done
+                    .send(Err("waited past the transfer bound for a batch".to_string()));
+            }
+            let Some(first) = live.first() else { continue };
+            let op = first.op;
+            // The whole batch stops at the earliest deadline of its parts,
+            // so no part touches memory past its own bound.
+            let deadline = live.iter().map(|j| j.deadline).min().unwrap_or(now);
+            let descs: Vec<Desc> = live.iter().flat_map(|j| j.descs.iter().copied()).collect();
+            let whole = vec![0..descs.len()];
+            let result = move_bytes(
+                &self.transport,
+                &self.sessions,
+                endpoint,
+                op,
+                &descs,
+                &whole,
+                deadline,
+            )
+            .await;
+            for j in live {
+                let _ = j.done.send(result.clone());
+            }
+        }
+    }
+
+    /// Takes the next shared batch off the lane: queued transfers in order,
+    /// of one direction, within the batch bounds. An empty result retires
+    /// this pump (and the lane, when it was the last one).
+    fn take(&self, endpoint: EndpointAddr) -> Vec<Queued> {
+        let mut lanes = self.lanes.borrow_mut();
+        let Some(lane) = lanes.get_mut(&endpoint) else {
+            return Vec::new();
+        };
+        let mut jobs: Vec<Queued> = Vec::new();
+        let (mut n, mut bytes) = (0usize, 0u64);
+        while let Some(next) = lane.queue.front() {
+            let len: u64 = next.descs.iter().map(|d| d.len_bytes).sum();
+            let fits = jobs.is_empty()
+                || (jobs[0].op == next.op
+                    && n + next.descs.len() <= SHARED_BATCH_MAX_DESCS
+                    && bytes + len <= SHARED_BATCH_MAX_BYTES);
+            if !fits {
+                break;
+            }
+            n += next.descs.len();
+            bytes += len;
+            jobs.extend(lane.queue.pop_front());
+        }
+        if jobs.is_empty() {
+            lane.pumps = lane.pumps.saturating_sub(1);
+            if lane.pumps == 0 {
+                lanes.remove(&endpoint);
+            }
+        }
+        jobs
+    }
+}
+
 /// Makes room for a session to `endpoint` under `max` sessions: closes the
 /// idle ones (no transfer holds their slot) when full. Peers that restart
 /// come back at new endpoints, so without this the map would only grow.
@@ -321,8 +494,10 @@ fn make_room(sessions: &Sessions, endpoint: &EndpointAddr, max: usize) -> Result
     }
 }
 
-/// Moves every batch over one session, all batches in flight at once, bounded
-/// by `bound` as a whole (the machines' transfer bound).
+/// Moves every batch over one session, all batches in flight at once; at
+/// `deadline` (the machines' transfer bound counted from when the op was
+/// posted) the batches are dropped, which stops every socket operation on
+/// their memory at once.
 async fn move_bytes(
     transport: &AnyTransport,
     sessions: &Sessions,
@@ -330,9 +505,8 @@ async fn move_bytes(
     op: Op,
     descs: &[Desc],
     batches: &[Range<usize>],
-    bound: Duration,
+    deadline: Instant,
 ) -> Result<(), String> {
-    let started = Instant::now();
     let slot = sessions.borrow_mut().entry(endpoint).or_default().clone();
     let session = {
         let mut guard = slot.lock().await;
@@ -345,7 +519,7 @@ async fn move_bytes(
             }
         }
     };
-    let left = bound.saturating_sub(started.elapsed());
+    let left = deadline.saturating_duration_since(Instant::now());
     let work = futures::future::try_join_all(
         batches
             .iter()
@@ -355,10 +529,7 @@ async fn move_bytes(
         async { work.await.map(|_| ()).map_err(|e| e.to_string()) },
         async {
             glommio::timer::sleep(left).await;
-            Err(format!(
-                "transfer did not finish within {} ms",
-                bound.as_millis()
-            ))
+            Err("transfer did not finish within the transfer bound".to_string())
         },
     );
     let result = timed.await;
