@@ -425,7 +425,7 @@ impl Io {
             // so no part touches memory past its own bound.
             let deadline = live.iter().map(|j| j.deadline).min().unwrap_or(now);
             let descs: Vec<Desc> = live.iter().flat_map(|j| j.descs.iter().copied()).collect();
-            let whole = vec![0..descs.len()];
+            let whole = std::iter::once(0..descs.len()).collect::<Vec<_>>();
             let result = move_bytes(
                 &self.transport,
                 &self.sessions,
