@@ -256,6 +256,8 @@ struct RoundResult {
     abort_latency: Duration,
     /// The first byte written into D's blocks after the abort was done.
     late_write: Option<LateWrite>,
+    /// The phases D and P ended in.
+    phases: (Phase, Phase),
 }
 
 /// One aborted request plus one normal, verified transfer.
@@ -269,6 +271,8 @@ struct Rounds<'a> {
     cfg: Config,
     /// Self-test: report late writes instead of failing on them.
     expect_late_writes: bool,
+    /// Accept any failed phase (a transport failure may beat the abort).
+    lenient_phases: bool,
 }
 
 impl Rounds<'_> {
@@ -325,6 +329,9 @@ impl Rounds<'_> {
         // Wait for the watched bytes to land in D's memory.
         let deadline = Instant::now() + Duration::from_secs(10);
         while !spot_landed(&p.kv, &d.kv, region, block, offset) {
+            if self.lenient_phases && rx.poll().is_terminal() {
+                break;
+            }
             assert!(
                 Instant::now() < deadline,
                 "{ctx}: the watched bytes never landed (D {:?}, P {:?})",
@@ -339,9 +346,13 @@ impl Rounds<'_> {
         let cut_mid_way = (0..regions(&d.kv))
             .any(|r| !spot_landed(&p.kv, &d.kv, r, last_block, kv_len - SPOT_BYTES));
         let t0 = Instant::now();
-        match aborter {
-            Aborter::Decode => rx.abort().unwrap(),
-            Aborter::Prefill => tx.abort().unwrap(),
+        let aborted = match aborter {
+            Aborter::Decode => rx.abort(),
+            Aborter::Prefill => tx.abort(),
+        };
+        // A transport failure may have ended the transfer first.
+        if !self.lenient_phases {
+            aborted.unwrap();
         }
 
         // (1) D reports a failed phase naming the abort, within its bound.
@@ -360,6 +371,11 @@ impl Rounds<'_> {
                 Phase::Failed(FailReason::Aborted(AbortReason::Engine)),
             ),
         };
+        let (want_d, want_p) = if self.lenient_phases && matches!(d_phase, Phase::Failed(_)) {
+            (d_phase, want_p)
+        } else {
+            (want_d, want_p)
+        };
         assert_eq!(d_phase, want_d, "{ctx}: D's phase after the abort");
         assert!(
             abort_latency < bound,
@@ -374,6 +390,11 @@ impl Rounds<'_> {
         }
         // (2) P ends terminal with the matching failure, released once.
         let p_phase = tx.wait(bound);
+        let want_p = if self.lenient_phases && matches!(p_phase, Phase::Failed(_)) {
+            p_phase
+        } else {
+            want_p
+        };
         assert_eq!(p_phase, want_p, "{ctx}: P's phase after the abort");
         self.notes.wait_prefill(c, tid, Duration::from_secs(5));
         let after = p.node.stats();
@@ -394,23 +415,23 @@ impl Rounds<'_> {
         d.kv.clear(&[SPARE + 1]);
         c.start_request(normal, &[SPARE], &[SPARE + 1], 0).unwrap();
         let rx_normal = d.node.receiver(normal, &c.target).unwrap();
-        assert_eq!(
-            rx_normal.wait(Duration::from_secs(10)),
-            Phase::Success,
-            "{ctx}: the next transfer"
-        );
-        assert_eq!(
-            d.kv.verify(normal, &[SPARE + 1], 0),
-            Ok(()),
-            "{ctx}: bytes of the next transfer"
-        );
+        let normal_phase = rx_normal.wait(Duration::from_secs(10));
         // Not `sender(normal)`: once finished, that would start a new transfer.
         self.notes.wait_prefill(c, normal, Duration::from_secs(10));
-        assert_eq!(
-            self.notes.prefill[&normal],
-            vec![Phase::Success],
-            "{ctx}: P's side of the next transfer"
-        );
+        // With a bound shorter than the transfers, the next one may fail too.
+        if !(self.lenient_phases && matches!(normal_phase, Phase::Failed(_))) {
+            assert_eq!(normal_phase, Phase::Success, "{ctx}: the next transfer");
+            assert_eq!(
+                d.kv.verify(normal, &[SPARE + 1], 0),
+                Ok(()),
+                "{ctx}: bytes of the next transfer"
+            );
+            assert_eq!(
+                self.notes.prefill[&normal],
+                vec![Phase::Success],
+                "{ctx}: P's side of the next transfer"
+            );
+        }
 
         // (2) Every release so far was reported exactly once (a duplicate of
         // this round's would have been queued before the next transfer's).
@@ -428,13 +449,15 @@ impl Rounds<'_> {
         if !self.expect_late_writes {
             assert!(
                 late_write.is_none(),
-                "{ctx}: D's blocks were written after D reported the abort done: {late_write:?}"
+                "{ctx}: D's blocks were written after D reported the abort done \
+                 (D {d_phase:?} after {abort_latency:?}, P {p_phase:?}): {late_write:?}"
             );
         }
         RoundResult {
             cut_mid_way,
             abort_latency,
             late_write,
+            phases: (d_phase, p_phase),
         }
     }
 }
@@ -450,6 +473,7 @@ fn run(mode: Mode) {
         transfers: Vec::new(),
         cfg,
         expect_late_writes: false,
+        lenient_phases: false,
     };
     let mut cut = 0;
     let mut slowest = Duration::ZERO;
@@ -518,6 +542,7 @@ fn run_unprotected(mode: Mode) {
         transfers: Vec::new(),
         cfg,
         expect_late_writes: true,
+        lenient_phases: false,
     };
     let mut caught = None;
     for seed in 0..ROUNDS {
@@ -543,4 +568,50 @@ fn push_without_fence_is_caught_writing_after_abort() {
 #[test]
 fn pull_ignoring_reads_in_flight_is_caught_writing_after_abort() {
     run_unprotected(Mode::Pull);
+}
+
+/// Aborts while writes (push) or reads (pull) outlive the transfer bound.
+///
+/// The machines rely on the transport contract of `Config::transfer_bound`:
+/// a write or read posted at `t` touches no memory after `t + bound`. Both
+/// ends of the TCP data plane break it: the initiator's timer
+/// (`move_bytes` in src/node/sink.rs) starts when its task first runs, after
+/// the machine already counted the op's deadline from when it posted it, so
+/// the machine can drop the op (and D report done) while the transport is
+/// still moving bytes; and when a push write times out, P closes its
+/// streams, but D's TCP target (`serve_frames` in src/transport/tcp.rs) has
+/// no deadline and keeps copying the frames already queued in its socket
+/// into D's registered memory. Either way P's bytes land in D's blocks after
+/// D reported the transfer done; the bound is only 10 ms here so that
+/// writes outlive it, with the default 10 s the same happens to any
+/// transfer that stalls that long.
+#[test]
+#[ignore = "bug: bytes land in D's blocks after D reported the abort (or failure) done when a \
+            write/read outlives transfer_bound: the sink's timer starts after the machine's \
+            op deadline, and D's TCP target keeps serving frames queued before P gave up"]
+fn abort_while_transfers_outlive_their_bound() {
+    for mode in [Mode::Push, Mode::Pull] {
+        let mut cfg = timeouts();
+        cfg.transfer_bound = Duration::from_millis(10);
+        let c = Cluster::start(&spec(mode, cfg)).unwrap();
+        c.fill(FILL_TID, &(0..REQUEST_BLOCKS).collect::<Vec<_>>());
+        // Opening the data-plane session counts against the first bound.
+        let warm = 7;
+        c.fill(warm, &[SPARE]);
+        c.start_request(warm, &[SPARE], &[SPARE], 0).unwrap();
+        let rx = c.decode[0].node.receiver(warm, &c.target).unwrap();
+        assert!(rx.wait(Duration::from_secs(5)).is_terminal());
+        let mut rounds = Rounds {
+            c: &c,
+            mode,
+            notes: Notes::new(),
+            transfers: vec![warm],
+            cfg,
+            expect_late_writes: false,
+            lenient_phases: true,
+        };
+        for seed in 0..2 * ROUNDS {
+            rounds.round(seed);
+        }
+    }
 }
