@@ -66,7 +66,8 @@ fn timeouts() -> Config {
         transfer_bound: Duration::from_secs(3),
         fence_margin: Duration::from_millis(100),
         heartbeat_interval: Duration::from_millis(100),
-        heartbeat_misses: 5,
+        // Generous: four tests share two cores and poll D's memory.
+        heartbeat_misses: 20,
         ..Config::default()
     }
 }
@@ -129,10 +130,13 @@ fn spot_landed(p: &SynthKv, d: &SynthKv, region: usize, block: u32, offset: u64)
     })
 }
 
-/// Fills D's blocks `blocks` (every region) with the poison byte.
+/// Fills D's blocks `blocks` (every region) with the poison byte, last
+/// blocks first: bytes still on their way most likely belong to the last
+/// chunks, and poisoning them first leaves such bytes less time to land
+/// unseen, before the poison covers them.
 fn poison(d: &SynthKv, blocks: std::ops::Range<u32>) {
-    for region in 0..regions(d) {
-        for b in blocks.clone() {
+    for b in blocks.rev() {
+        for region in 0..regions(d) {
             let (ptr, len) = block_at(d, region, b);
             // SAFETY: the block is D's and, once D reported the abort done,
             // the engine's again: the protocol promises no peer writes it.
@@ -390,12 +394,20 @@ impl Rounds<'_> {
         }
         // (2) P ends terminal with the matching failure, released once.
         let p_phase = tx.wait(bound);
-        let want_p = if self.lenient_phases && matches!(p_phase, Phase::Failed(_)) {
+        // Without the fence (self-test), D does not wait for P's answer, so
+        // P may even finish the request before the abort reaches it.
+        let want_p = if self.lenient_phases && p_phase.is_terminal() {
             p_phase
         } else {
             want_p
         };
-        assert_eq!(p_phase, want_p, "{ctx}: P's phase after the abort");
+        assert_eq!(
+            p_phase,
+            want_p,
+            "{ctx}: P's phase after the abort (P {:?}, D {:?})",
+            p.node.stats(),
+            d.node.stats()
+        );
         self.notes.wait_prefill(c, tid, Duration::from_secs(5));
         let after = p.node.stats();
         assert_eq!(
@@ -404,7 +416,9 @@ impl Rounds<'_> {
             1,
             "{ctx}: P's outcome counters must move by exactly one"
         );
-        assert_eq!(after.failed - ok_before.failed, 1, "{ctx}: P failed once");
+        if !self.lenient_phases {
+            assert_eq!(after.failed - ok_before.failed, 1, "{ctx}: P failed once");
+        }
 
         // (4) A normal transfer on the same nodes (and the same data-plane
         // connections, so bytes of the aborted request still queued in them
@@ -542,22 +556,27 @@ fn run_unprotected(mode: Mode) {
         transfers: Vec::new(),
         cfg,
         expect_late_writes: true,
-        lenient_phases: false,
+        lenient_phases: true,
     };
     let mut caught = None;
-    for seed in 0..ROUNDS {
-        if let Some(w) = rounds.round(seed).late_write {
-            caught = Some((seed, w));
+    for seed in 0..2 * ROUNDS {
+        let r = rounds.round(seed);
+        if let Some(w) = r.late_write {
+            caught = Some((seed, w, r.phases));
             break;
         }
     }
-    let (seed, w) = caught
-        .unwrap_or_else(|| panic!("{mode:?}: no late write caught in {ROUNDS} unprotected rounds"));
+    let (seed, w, phases) = caught.unwrap_or_else(|| {
+        panic!(
+            "{mode:?}: no late write caught in {} unprotected rounds",
+            2 * ROUNDS
+        )
+    });
     assert!(
         w.equals_source,
         "{mode:?} seed {seed}: {w:?} is not P's data"
     );
-    eprintln!("{mode:?} unprotected: seed {seed} caught {w:?}");
+    eprintln!("{mode:?} unprotected: seed {seed} caught {w:?}; D and P ended {phases:?}");
 }
 
 #[test]
