@@ -23,6 +23,10 @@
 //! off (`unsafe_disable_fence` / `unsafe_ignore_in_flight`) and requires the
 //! poison check to catch the late writes that then happen, so check 3 is
 //! known to be able to fail.
+//!
+//! Two ignored tests (`*_outlive_their_bound`) show a real bug: when a write
+//! or read outlives `transfer_bound`, bytes still land in D's blocks after
+//! D reported the transfer done. See their documentation.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -269,7 +273,7 @@ struct Rounds<'a> {
     c: &'a Cluster,
     mode: Mode,
     notes: Notes,
-    /// Transfers started so far, by id, with the phase P and D ended in.
+    /// Transfers started so far, by id.
     transfers: Vec<u64>,
     /// Timeouts of every node.
     cfg: Config,
