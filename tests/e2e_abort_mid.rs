@@ -24,9 +24,16 @@
 //! poison check to catch the late writes that then happen, so check 3 is
 //! known to be able to fail.
 //!
-//! Two ignored tests (`*_outlive_their_bound`) show a real bug: when a write
-//! or read outlives `transfer_bound`, bytes still land in D's blocks after
-//! D reported the transfer done. See their documentation.
+//! Two tests (`*_outlive_their_bound`) use a 10 ms transfer bound so that
+//! writes and reads outlive their bound. They found a real bug: bytes still
+//! landed in D's blocks after D reported the transfer done (the transport's
+//! timers started after the machine's op deadline, and D's TCP target kept
+//! serving frames P had abandoned). The node's block fence
+//! (`src/transport/fence.rs`) fixed it: blocks are closed in the executor
+//! turn that reports the transfer terminal, and both transport ends check
+//! the fence before every system call that touches registered memory. The
+//! self-tests above switch the block fence off together with the machines'
+//! own protection.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -598,28 +605,14 @@ fn pull_ignoring_reads_in_flight_is_caught_writing_after_abort() {
 /// same happens to any transfer that stalls that long).
 ///
 /// The machines rely on the transport contract of `Config::transfer_bound`:
-/// a write or read posted at `t` touches no memory after `t + bound`, so a
-/// machine whose op passed that deadline forgets it, returns the lease and
-/// reports its outcome. The node does not keep that contract:
-///
-/// * The op deadline is counted from when the machine posted the op; the
-///   transport's own timers (`move_bytes` in src/node/sink.rs, the batch
-///   timer in `TcpSession::transfer`) start later, when their task first
-///   runs, and `futures_lite::future::or` polls the transfer before the
-///   timer. In pull mode the only writer of D's memory is D's own read
-///   future, and this test sees P's bytes land after D reported
-///   `Failed(Transport)`: that future was still running after the machine
-///   had dropped the op.
-/// * In push mode, when P's write is abandoned (its machine dropped the op
-///   on the deadline and sent `Status{ok: false}` or `AbortAck`), D's TCP
-///   target (`serve_frames` in src/transport/tcp.rs) has no deadline at
-///   all and keeps copying whatever P already put on the wire into D's
-///   registered memory.
-///
-/// Either way bytes land in D's blocks after D reported the transfer done
-/// (outcomes seen, D/P: push `Aborted(Engine)`/`PeerAborted`,
+/// a write or read posted at `t` touches no memory after `t + bound`. The
+/// node used not to keep it (the transport's own timers started after the
+/// machine's op deadline, and D's TCP target had no deadline at all), and
+/// these rounds saw bytes land in D's blocks after D reported the transfer
+/// done, in 7 of 8 runs (D/P outcomes: push `Aborted(Engine)`/`PeerAborted`,
 /// `Aborted(Engine)`/`Transport`, `PeerReported`/`Transport`; pull
-/// `Transport`/`PeerReported`). Each test fails in most runs (7 of 8 seen).
+/// `Transport`/`PeerReported`). The block fence makes the contract exact;
+/// these rounds must now never see a late write.
 fn abort_while_transfers_outlive_their_bound(mode: Mode) {
     let mut cfg = timeouts();
     cfg.transfer_bound = Duration::from_millis(10);
@@ -646,17 +639,11 @@ fn abort_while_transfers_outlive_their_bound(mode: Mode) {
 }
 
 #[test]
-#[ignore = "bug: bytes land in D's blocks after D reported the transfer (aborted or failed) \
-            done when a write/read outlives transfer_bound: the transport's timers start after \
-            the machine's op deadline, and D's TCP target keeps serving frames P abandoned"]
 fn push_abort_while_writes_outlive_their_bound() {
     abort_while_transfers_outlive_their_bound(Mode::Push);
 }
 
 #[test]
-#[ignore = "bug: bytes land in D's blocks after D reported the transfer (aborted or failed) \
-            done when a write/read outlives transfer_bound: the transport's timers start after \
-            the machine's op deadline, and D's TCP target keeps serving frames P abandoned"]
 fn pull_abort_while_reads_outlive_their_bound() {
     abort_while_transfers_outlive_their_bound(Mode::Pull);
 }

@@ -743,20 +743,24 @@ impl Node {
         )
         .or_else(|_| PairLayout::new(&layout.model, &rank, &rank))
         .map_err(|e| NodeError::Misuse(format!("layout rejected: {e}")))?;
-        let mut ranges = Vec::with_capacity(rank.regions.len());
         for r in &rank.regions {
-            let len = layout
+            layout
                 .num_blocks
                 .checked_mul(r.block_len)
                 .ok_or_else(|| NodeError::Misuse("region length overflows".into()))?;
-            ranges.push((r.base, len));
         }
+        let kv = sink::KvMemory {
+            regions: rank.regions.iter().map(|r| (r.base, r.block_len)).collect(),
+            num_blocks: layout.num_blocks,
+            fenced: !(s.config.timeouts.unsafe_disable_fence
+                || s.config.timeouts.unsafe_ignore_in_flight),
+        };
         let (tx, rx) = flume::bounded(1);
         let node_id = s.node_id;
         self.inner
             .handle
             .spawn_on(move || async move {
-                let _ = tx.send(sink::register_regions(node_id, &ranges));
+                let _ = tx.send(sink::register_regions(node_id, &kv));
             })
             .map_err(NodeError::from)?;
         rx.recv_timeout(Duration::from_secs(10))

@@ -24,6 +24,7 @@ use kvferry_reactor::{ActionSink, EventPoster};
 use super::bridge::BridgeCmd;
 use super::proto::{self, Frame};
 use super::{Shared, TransportKind};
+use crate::transport::fence::BlockFence;
 use crate::transport::local::LocalTransport;
 use crate::transport::tcp::{TcpConfig, TcpTransport};
 use crate::transport::{AnySession, AnyTransport, Desc, EndpointAddr, Op, Session, Transport};
@@ -32,14 +33,38 @@ thread_local! {
     /// The transport endpoint of each node whose executor runs on this
     /// thread, so that tasks spawned by `register_kv_caches` reach it.
     static TRANSPORTS: RefCell<HashMap<u64, Rc<AnyTransport>>> = RefCell::new(HashMap::new());
+    /// The block fence of each such node, made by `register_kv_caches`.
+    static FENCES: RefCell<HashMap<u64, Rc<BlockFence>>> = RefCell::new(HashMap::new());
 }
 
-/// Registers `(base, len)` ranges with the node's endpoint; runs on the executor.
-pub(crate) fn register_regions(node_id: u64, ranges: &[(u64, u64)]) -> Result<(), String> {
+/// The KV memory of a node as `register_kv_caches` hands it to the executor.
+pub(crate) struct KvMemory {
+    /// `(base, block_len)` per region.
+    pub regions: Vec<(u64, u64)>,
+    pub num_blocks: u64,
+    /// False only when a self-test switched the machines' own protection
+    /// off to show what it catches; the block fence would hide that.
+    pub fenced: bool,
+}
+
+/// Registers the regions of `kv` with the node's endpoint and puts them
+/// under a block fence; runs on the executor.
+pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), String> {
     let t = TRANSPORTS
         .with(|m| m.borrow().get(&node_id).cloned())
         .ok_or_else(|| "the node has no transport endpoint".to_string())?;
-    for &(base, len) in ranges {
+    if kv.fenced {
+        let fence = Rc::new(BlockFence::new(&kv.regions, kv.num_blocks));
+        if let AnyTransport::Tcp(tcp) = &*t {
+            tcp.set_fence(Some(fence.clone()));
+        }
+        FENCES.with(|m| m.borrow_mut().insert(node_id, fence));
+    }
+    for &(base, block_len) in &kv.regions {
+        let len = kv
+            .num_blocks
+            .checked_mul(block_len)
+            .ok_or_else(|| "region length overflows".to_string())?;
         let len =
             usize::try_from(len).map_err(|_| "region longer than the address space".to_string())?;
         // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
@@ -77,12 +102,16 @@ pub(crate) struct Sink<M: Machine> {
     started: HashMap<TransferId, Instant>,
     /// Small transfers waiting to share a batch, per peer endpoint.
     lanes: Lanes,
+    /// Local blocks each live transfer opened in the block fence; closed in
+    /// the turn that reports the transfer terminal.
+    opened: HashMap<TransferId, Vec<u32>>,
 }
 
 impl<M: Machine> Drop for Sink<M> {
     fn drop(&mut self) {
         let id = self.shared.node_id;
         TRANSPORTS.with(|m| m.borrow_mut().remove(&id));
+        FENCES.with(|m| m.borrow_mut().remove(&id));
     }
 }
 
@@ -140,7 +169,19 @@ where
             dst: Vec::new(),
             started: HashMap::new(),
             lanes: Rc::new(RefCell::new(HashMap::new())),
+            opened: HashMap::new(),
         }
+    }
+
+    /// Opens this node's `blocks` of `tid` in the block fence: the data
+    /// plane may touch them until the transfer is reported terminal.
+    fn open_blocks(&mut self, tid: TransferId, blocks: &BlockLists) {
+        let Some(fence) = FENCES.with(|m| m.borrow().get(&self.shared.node_id).cloned()) else {
+            return;
+        };
+        let ids = blocks.iter().flatten().map(|b| b.0);
+        fence.open(ids.clone());
+        self.opened.entry(tid).or_default().extend(ids);
     }
 
     fn send_frame(&self, tid: TransferId, peer: PeerId, msg: Msg) {
@@ -295,6 +336,14 @@ where
             // The first report comes when the machine is inserted.
             self.started.entry(tid).or_insert(now);
             return;
+        }
+        // The blocks go back to the engine now: close them before anything
+        // else runs on this executor, so no byte moves in or out of them
+        // from here on, whatever is still in flight.
+        if let Some(ids) = self.opened.remove(&tid) {
+            if let Some(f) = FENCES.with(|m| m.borrow().get(&self.shared.node_id).cloned()) {
+                f.close(ids);
+            }
         }
         let since = self.started.remove(&tid).unwrap_or(now);
         let outcome = match phase {
@@ -546,23 +595,32 @@ async fn move_bytes(
 impl ActionSink<SendMachine> for Sink<SendMachine> {
     fn execute(&mut self, tid: TransferId, action: send::Action) {
         match action {
-            send::Action::Send { peer, msg } => self.send_frame(tid, peer, msg),
+            send::Action::Send { peer, msg } => {
+                // Pull mode: D ranks read these blocks from our endpoint.
+                if let Msg::Ready { src_blocks, .. } = &msg {
+                    self.open_blocks(tid, src_blocks);
+                }
+                self.send_frame(tid, peer, msg)
+            }
             send::Action::Write {
                 peer,
                 chunk,
                 src_blocks,
                 dst_blocks,
-            } => self.start_transfer(
-                tid,
-                Job {
-                    peer,
-                    src: &src_blocks,
-                    dst: &dst_blocks,
-                    op: Op::Write,
-                },
-                move |ok| send::Event::WriteDone { peer, chunk, ok },
-                send::Event::PlanFailed { peer },
-            ),
+            } => {
+                self.open_blocks(tid, &src_blocks);
+                self.start_transfer(
+                    tid,
+                    Job {
+                        peer,
+                        src: &src_blocks,
+                        dst: &dst_blocks,
+                        op: Op::Write,
+                    },
+                    move |ok| send::Event::WriteDone { peer, chunk, ok },
+                    send::Event::PlanFailed { peer },
+                )
+            }
             // The phase turns terminal in the same call; `on_phase` reports it.
             send::Action::ReleaseBlocks { .. } => {}
         }
@@ -576,23 +634,34 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
 impl ActionSink<RecvMachine> for Sink<RecvMachine> {
     fn execute(&mut self, tid: TransferId, action: recv::Action) {
         match action {
-            recv::Action::Send { peer, msg } => self.send_frame(tid, peer, msg),
+            recv::Action::Send { peer, msg } => {
+                // Push mode: P ranks write these blocks through our endpoint.
+                if let Msg::Pull { dst_blocks, .. } = &msg {
+                    if !self.opened.contains_key(&tid) {
+                        self.open_blocks(tid, dst_blocks);
+                    }
+                }
+                self.send_frame(tid, peer, msg)
+            }
             recv::Action::Read {
                 peer,
                 chunk,
                 src_blocks,
                 dst_blocks,
-            } => self.start_transfer(
-                tid,
-                Job {
-                    peer,
-                    src: &src_blocks,
-                    dst: &dst_blocks,
-                    op: Op::Read,
-                },
-                move |ok| recv::Event::ReadDone { peer, chunk, ok },
-                recv::Event::PlanFailed { peer },
-            ),
+            } => {
+                self.open_blocks(tid, &dst_blocks);
+                self.start_transfer(
+                    tid,
+                    Job {
+                        peer,
+                        src: &src_blocks,
+                        dst: &dst_blocks,
+                        op: Op::Read,
+                    },
+                    move |ok| recv::Event::ReadDone { peer, chunk, ok },
+                    recv::Event::PlanFailed { peer },
+                )
+            }
             recv::Action::Received => {}
             recv::Action::LoadFailed { block_ids } => self.shared.add_load_errors(&block_ids),
         }

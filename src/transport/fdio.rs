@@ -70,6 +70,9 @@ impl Conn {
 pub(crate) enum IoFail {
     /// The peer closed the connection (or reset it).
     Closed,
+    /// The block fence closed the memory mid-operation: the request it
+    /// belongs to ended here. The connection is out of step and must close.
+    Fenced,
     /// Another OS error.
     Os(io::Error),
 }
@@ -151,16 +154,25 @@ pub(crate) fn iov(addr: u64, len: u64) -> libc::iovec {
 ///
 /// The caller guarantees each iovec names writable memory it owns (a
 /// validated, pinned registered range or a local buffer).
+///
+/// With a `guard`, it is asked right before every system call that writes
+/// into the buffers; when it says no, nothing more is written and the call
+/// fails with [`IoFail::Fenced`]. Parking then waits on a one-byte scratch
+/// read, so no kernel call writes into the buffers unchecked.
 pub(crate) async fn recv_exact(
     rd: &mut ReadHalf<TcpStream>,
     fd: RawFd,
     iovs: &mut [libc::iovec],
     policy: PollPolicy,
+    guard: Option<&dyn Fn() -> bool>,
 ) -> Result<(), IoFail> {
     let mut idx = 0;
     advance(iovs, &mut idx, 0);
     let mut spin = Spinner::new(policy);
     while idx < iovs.len() {
+        if guard.is_some_and(|g| !g()) {
+            return Err(IoFail::Fenced);
+        }
         let rest = &mut iovs[idx..];
         // SAFETY: msghdr is plain data; every field we do not set is zero.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -187,6 +199,26 @@ pub(crate) async fn recv_exact(
             futures_lite::future::yield_now().await;
             continue;
         }
+        if let Some(g) = guard {
+            // Park on a scratch byte: the memory may be fenced by the time
+            // the socket is readable.
+            let mut one = [0u8; 1];
+            match rd.read(&mut one).await {
+                Ok(0) => return Err(IoFail::Closed),
+                Ok(_) => {
+                    if !g() {
+                        return Err(IoFail::Fenced);
+                    }
+                    // SAFETY: the iovec names at least one writable byte
+                    // (caller's guarantee; `advance` skips empty ones).
+                    unsafe { *iovs[idx].iov_base.cast::<u8>() = one[0] };
+                    advance(iovs, &mut idx, 1);
+                    spin.progress();
+                }
+                Err(e) => return Err(IoFail::from_os(e)),
+            }
+            continue;
+        }
         // Park: let glommio wait for readiness and read into the first
         // buffer (glommio reads straight into the slice it is given).
         let first = iovs[idx];
@@ -208,14 +240,21 @@ pub(crate) async fn recv_exact(
 /// Sends every buffer of `iovs` to the socket.
 ///
 /// The caller guarantees each iovec names readable memory it owns.
+///
+/// With a `guard`, it is asked right before every system call that reads
+/// the buffers, as in [`recv_exact`].
 pub(crate) async fn send_all(
     wr: &mut WriteHalf<TcpStream>,
     fd: RawFd,
     iovs: &mut [libc::iovec],
+    guard: Option<&dyn Fn() -> bool>,
 ) -> Result<(), IoFail> {
     let mut idx = 0;
     advance(iovs, &mut idx, 0);
     while idx < iovs.len() {
+        if guard.is_some_and(|g| !g()) {
+            return Err(IoFail::Fenced);
+        }
         let rest = &mut iovs[idx..];
         // SAFETY: msghdr is plain data; every field we do not set is zero.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -239,6 +278,18 @@ pub(crate) async fn send_all(
         // for, so the sender parks whatever the policy; spinning here only
         // steals CPU from the receiver when both share cores.
         let first = iovs[idx];
+        if guard.is_some() {
+            // Park on a copy of one byte, taken now while the guard allows
+            // it: a retried send inside glommio would read the memory later.
+            // SAFETY: the iovec names at least one readable byte.
+            let one = [unsafe { *first.iov_base.cast::<u8>() }];
+            match wr.write(&one).await {
+                Ok(0) => return Err(IoFail::Closed),
+                Ok(n) => advance(iovs, &mut idx, n),
+                Err(e) => return Err(IoFail::from_os(e)),
+            }
+            continue;
+        }
         // SAFETY: as above, the iovec names readable memory of that length.
         let buf = unsafe { std::slice::from_raw_parts(first.iov_base.cast::<u8>(), first.iov_len) };
         match wr.write(buf).await {
@@ -262,7 +313,7 @@ pub(crate) async fn discard(
     while len > 0 {
         let n = scratch.len().min(len as usize);
         let mut v = [iov(scratch.as_mut_ptr() as u64, n as u64)];
-        recv_exact(rd, fd, &mut v, policy).await?;
+        recv_exact(rd, fd, &mut v, policy, None).await?;
         len -= n as u64;
     }
     Ok(())

@@ -33,6 +33,7 @@
 
 pub mod any;
 mod fdio;
+pub mod fence;
 pub mod local;
 pub mod registry;
 pub mod tcp;
@@ -165,6 +166,14 @@ pub enum TransportError {
         /// The OS error.
         #[source]
         source: std::io::Error,
+    },
+    /// The request the memory belongs to ended here (its blocks were handed
+    /// back to the engine) while the batch was moving; the rest of it was
+    /// not moved.
+    #[error("memory fenced during {during}: its request ended")]
+    Fenced {
+        /// What the endpoint was doing.
+        during: &'static str,
     },
     /// The batch did not complete within the configured bound.
     #[error("batch did not complete within {after_ms} ms")]

@@ -28,6 +28,7 @@ use glommio::Task;
 use slab::Slab;
 
 use super::fdio::{self, iov, Conn, IoFail};
+use super::fence::{BlockFence, Guard};
 use super::registry::{self, Registry};
 use super::wire::{self, Header, RejectReason};
 use super::{
@@ -117,6 +118,7 @@ impl TcpConfig {
 fn conv(during: &'static str) -> impl Fn(IoFail) -> TransportError {
     move |f| match f {
         IoFail::Closed => TransportError::Disconnected { during },
+        IoFail::Fenced => TransportError::Fenced { during },
         IoFail::Os(source) => TransportError::Io { during, source },
     }
 }
@@ -129,9 +131,13 @@ fn protocol(msg: impl Into<String>) -> TransportError {
 // Target side
 // ---------------------------------------------------------------------------
 
+type FenceCell = Rc<RefCell<Option<Rc<BlockFence>>>>;
+
 /// State shared by the acceptor and the connection tasks of one endpoint.
 struct Target {
     registry: Arc<Registry>,
+    /// The node's block fence, shared with the sessions this endpoint opens.
+    fence: FenceCell,
     config: TcpConfig,
     /// Sockets of the live connections, so shutdown can close them at once.
     conns: RefCell<Slab<RawFd>>,
@@ -169,6 +175,7 @@ impl TcpTransport {
         let listener = unsafe { <TcpListener as std::os::fd::FromRawFd>::from_raw_fd(listener_fd) };
         let target = Rc::new(Target {
             registry: Registry::new(config.max_regions),
+            fence: Rc::new(RefCell::new(None)),
             config,
             conns: RefCell::new(Slab::new()),
             shutting_down: Cell::new(false),
@@ -185,6 +192,13 @@ impl TcpTransport {
     /// The address peers connect to.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Puts registered memory under `fence`: from now on both ends of this
+    /// endpoint (the served connections and every session it opened or
+    /// opens) touch KV blocks only while the fence has them open.
+    pub fn set_fence(&self, fence: Option<Rc<BlockFence>>) {
+        *self.target.fence.borrow_mut() = fence;
     }
 
     /// The endpoint's configuration.
@@ -266,7 +280,7 @@ async fn serve_conn(target: Rc<Target>, stream: TcpStream, key: usize) {
 async fn respond(conn: &mut Conn, h: Header) -> Result<(), TransportError> {
     let hb = h.encode();
     let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
-    fdio::send_all(&mut conn.wr, conn.fd, &mut v)
+    fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
         .await
         .map_err(conv("responding"))
 }
@@ -295,7 +309,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
     let mut scratch: Vec<u8> = Vec::new();
     loop {
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
-        match fdio::recv_exact(&mut conn.rd, fd, &mut v, poll).await {
+        match fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None).await {
             Ok(()) => {}
             // A close between frames is the normal end of a connection.
             Err(IoFail::Closed) => return Ok(()),
@@ -339,7 +353,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
         // The table is bounded by MAX_FRAME_DESCS entries (64 KiB).
         table.resize(h.count as usize * wire::ENTRY_LEN, 0);
         let mut v = [iov(table.as_mut_ptr() as u64, table.len() as u64)];
-        fdio::recv_exact(&mut conn.rd, fd, &mut v, poll)
+        fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None)
             .await
             .map_err(conv("reading a descriptor table"))?;
         ranges.clear();
@@ -389,12 +403,23 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
         match op {
             Op::Write => {
                 iovs.extend(ranges.iter().map(|&(a, l)| iov(a, l)));
+                let fence = target.fence.borrow().clone();
+                let guard = Guard::new(fence.as_deref());
+                let allowed = || guard.check(ranges.iter().copied());
                 // The payload follows its header at once or streams in at
                 // bulk pace; either way spinning buys nothing, and on shared
-                // cores it slows the sender, so payloads always park.
-                fdio::recv_exact(&mut conn.rd, fd, &mut iovs, PollPolicy::Park)
-                    .await
-                    .map_err(conv("receiving a payload"))?;
+                // cores it slows the sender, so payloads always park. A
+                // fenced payload closes the connection: the peer's batch
+                // fails and the rest of its bytes are never read.
+                fdio::recv_exact(
+                    &mut conn.rd,
+                    fd,
+                    &mut iovs,
+                    PollPolicy::Park,
+                    Some(&allowed),
+                )
+                .await
+                .map_err(conv("receiving a payload"))?;
                 drop(pins);
                 let ok = Header {
                     opcode,
@@ -413,7 +438,10 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 let ob = ok.encode();
                 iovs.push(iov(ob.as_ptr() as u64, ob.len() as u64));
                 iovs.extend(ranges.iter().map(|&(a, l)| iov(a, l)));
-                fdio::send_all(&mut conn.wr, fd, &mut iovs)
+                let fence = target.fence.borrow().clone();
+                let guard = Guard::new(fence.as_deref());
+                let allowed = || guard.check(ranges.iter().copied());
+                fdio::send_all(&mut conn.wr, fd, &mut iovs, Some(&allowed))
                     .await
                     .map_err(conv("sending a payload"))?;
                 drop(pins);
@@ -437,7 +465,7 @@ async fn send_regions(target: &Target, conn: &mut Conn, req_id: u64) -> Result<(
         wire::encode_entry(&mut body, r.addr, r.len_bytes);
     }
     let mut v = [iov(body.as_ptr() as u64, body.len() as u64)];
-    fdio::send_all(&mut conn.wr, conn.fd, &mut v)
+    fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
         .await
         .map_err(conv("sending regions"))
 }
@@ -450,6 +478,8 @@ struct SessionInner {
     peer: SocketAddr,
     config: TcpConfig,
     local: Arc<Registry>,
+    /// The endpoint's block fence, read at each batch.
+    fence: FenceCell,
     /// One slot per stream; `None` until connected or after a failure.
     slots: Vec<Mutex<Option<Conn>>>,
     /// One unit per stream; a batch of `k` streams waits for `k` units.
@@ -480,6 +510,7 @@ impl TcpTransport {
                 peer,
                 config,
                 local: Arc::clone(&self.target.registry),
+                fence: Rc::clone(&self.target.fence),
                 slots,
                 turns,
                 remote_regions: RefCell::new(Vec::new()),
@@ -607,11 +638,11 @@ impl SessionInner {
         }
         .encode();
         let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
-        fdio::send_all(&mut conn.wr, conn.fd, &mut v)
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
             .await
             .map_err(conv("asking for regions"))?;
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
-        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll)
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
             .await
             .map_err(conv("reading regions"))?;
         let h = Header::decode(&hb).map_err(|_| protocol("bad REGIONS response header"))?;
@@ -625,7 +656,7 @@ impl SessionInner {
         }
         let mut table = vec![0u8; h.payload_len as usize];
         let mut v = [iov(table.as_mut_ptr() as u64, table.len() as u64)];
-        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll)
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
             .await
             .map_err(conv("reading regions"))?;
         let mut regions: Vec<RegionInfo> = (0..h.count as usize)
@@ -764,6 +795,7 @@ impl SessionInner {
         };
         let credit = Semaphore::new(per_stream_bytes);
         let all_sent = Cell::new(false);
+        let fence = self.fence.borrow().clone();
         let frames = || plan.frames.iter().enumerate().skip(j).step_by(k);
         let descs = &plan.descs[..];
         let Conn { rd, wr, .. } = &mut conn;
@@ -799,7 +831,19 @@ impl SessionInner {
                             .map(|d| iov(d.local_addr, d.len_bytes)),
                     );
                 }
-                fdio::send_all(wr, fd, &mut iovs)
+                let guard = Guard::new(fence.as_deref());
+                let local = || {
+                    guard.check(
+                        descs[f.start..f.end]
+                            .iter()
+                            .map(|d| (d.local_addr, d.len_bytes)),
+                    )
+                };
+                let check: Option<&dyn Fn() -> bool> = match op {
+                    Op::Write => Some(&local),
+                    Op::Read => None,
+                };
+                fdio::send_all(wr, fd, &mut iovs, check)
                     .await
                     .map_err(conv("sending a frame"))?;
             }
@@ -819,7 +863,7 @@ impl SessionInner {
                 } else {
                     PollPolicy::Park
                 };
-                fdio::recv_exact(rd, fd, &mut v, wait)
+                fdio::recv_exact(rd, fd, &mut v, wait, None)
                     .await
                     .map_err(conv("awaiting a response"))?;
                 let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
@@ -849,7 +893,15 @@ impl SessionInner {
                                 .iter()
                                 .map(|d| iov(d.local_addr, d.len_bytes)),
                         );
-                        fdio::recv_exact(rd, fd, &mut iovs, PollPolicy::Park)
+                        let guard = Guard::new(fence.as_deref());
+                        let local = || {
+                            guard.check(
+                                descs[f.start..f.end]
+                                    .iter()
+                                    .map(|d| (d.local_addr, d.len_bytes)),
+                            )
+                        };
+                        fdio::recv_exact(rd, fd, &mut iovs, PollPolicy::Park, Some(&local))
                             .await
                             .map_err(conv("receiving a payload"))?;
                     }
