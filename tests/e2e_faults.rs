@@ -272,3 +272,44 @@ fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
     }
     p.shutdown(Duration::ZERO);
 }
+
+#[test]
+fn prefill_sender_after_decode_abort_ends_at_once() {
+    // Decode asks and gives up before the prefill engine has its KV; the
+    // engine's later `sender`/`send` must learn the outcome at once instead
+    // of holding its blocks for the bootstrap timeout (3 s here).
+    for mode in [Mode::Push, Mode::Pull] {
+        let c = Cluster::start(&spec(mode)).unwrap();
+        let (p, d) = (&c.prefill[0], &c.decode[0]);
+        let rx = d.node.receiver(9, &c.target).unwrap();
+        rx.request(ids(&[4, 5])).unwrap();
+        // Wait until P learned of the transfer (its machine exists), then abort.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while p.node.phase(9).is_none() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert!(p.node.phase(9).is_some(), "{mode:?}: P never heard of it");
+        rx.abort().unwrap();
+        assert!(matches!(rx.wait(Duration::from_secs(5)), Phase::Failed(_)));
+        let p_done = Instant::now() + Duration::from_secs(5);
+        while !p.node.phase(9).is_some_and(|ph| ph.is_terminal()) && Instant::now() < p_done {
+            std::thread::yield_now();
+        }
+        // A connector collects finished transfers every step (vLLM's
+        // `get_finished`), so the ended machine is gone from the executor.
+        let (sent, _) = p.node.get_finished();
+        assert!(sent.contains(&9), "{mode:?}: {sent:?}");
+        let started = Instant::now();
+        let tx = p.node.sender(9).unwrap();
+        tx.send(ids(&[1, 2]), true).unwrap();
+        let phase = tx.wait(Duration::from_secs(10));
+        assert_eq!(phase, Phase::Failed(FailReason::PeerAborted), "{mode:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{mode:?}: took {:?}",
+            started.elapsed()
+        );
+        let s = p.node.stats();
+        assert_eq!(s.ok + s.failed + s.expired, 1, "{mode:?}: released once");
+    }
+}

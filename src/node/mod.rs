@@ -411,6 +411,16 @@ impl Shared {
         }
     }
 
+    /// The recorded final phase of a transfer that ended here.
+    fn finished_phase(&self, tid: TransferId) -> Option<Phase> {
+        self.records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .done
+            .get(&tid)
+            .copied()
+    }
+
     pub(crate) fn add_load_errors(&self, blocks: &[BlockId]) {
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
         let room = self
@@ -794,6 +804,17 @@ impl Node {
             unreachable!("role checked above");
         };
         let s = &self.inner.shared;
+        if s.finished_phase(tid).is_some() {
+            // The transfer already ended here: typically decode aborted (or
+            // failed) before the engine had its KV. A new machine would wait
+            // out its bootstrap timeout for a `Pull` that never comes; the
+            // handle reports the recorded outcome at once instead, and the
+            // engine frees its blocks. Transfer ids are never reused.
+            return Ok(Sender {
+                node: self.clone(),
+                tid,
+            });
+        }
         let m = SendMachine::new(Instant::now(), &s.config.timeouts, tid, s.config.mode);
         let created = {
             let _order = s.create_lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -869,14 +890,24 @@ impl Node {
         let EngineHandle::Prefill(h) = &self.inner.handle else {
             return Err(NodeError::Misuse("send on a decode node".into()));
         };
-        h.send_event(
+        match h.send_event(
             tid,
             send::Event::ChunkReady {
                 src_blocks: blocks,
                 is_last,
             },
-        )
-        .map_err(|r| NodeError::from(r.error))
+        ) {
+            Ok(()) => Ok(()),
+            // Ended already (see `sender`): nothing to send, the handle's
+            // phase tells the outcome.
+            Err(r)
+                if r.error == SubmitError::UnknownTransfer(tid)
+                    && self.inner.shared.finished_phase(tid).is_some() =>
+            {
+                Ok(())
+            }
+            Err(r) => Err(NodeError::from(r.error)),
+        }
     }
 
     /// Latest phase of a transfer: live from the executor, or the final
