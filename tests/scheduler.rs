@@ -1120,9 +1120,12 @@ fn e2e_decode_abort_during_the_load_frees_after_it_ends() {
     let got = e.drive_until(|r| !r.sent.is_empty());
     assert_eq!(got.sent, vec!["p800".to_string()]);
     assert_eq!(e.p.tracked_len(), 0);
-    // The decode side's abort ended prefill's first machine before the
-    // engine's send arrived, so the send waited out its bootstrap deadline
-    // (5 s here): the delayed free still ends, just late.
+    // Decode gave up before its `Pull` left (the abort came while it was
+    // still resolving the prefill ranks), so prefill never heard of the
+    // request and its send waits out the bootstrap deadline (5 s here), as
+    // vLLM's prefill waits out its abort timeout: the delayed free still
+    // ends, just late. (When prefill did hear of it, the recorded outcome is
+    // reported at once: `e2e_faults::prefill_sender_after_decode_abort_ends_at_once`.)
     assert!(e.c.prefill[0]
         .node
         .phase(tid)
