@@ -111,6 +111,7 @@ impl BridgeThread {
             tick,
             next_tick: Instant::now() + tick,
             hb_seq: 0,
+            monitors: 0,
             stop: false,
         };
         let join = std::thread::Builder::new()
@@ -149,6 +150,10 @@ enum Route {
 
 struct Slot {
     route: Route,
+    /// Decode side: the PAIR end of libzmq's monitor of our DEALER, which
+    /// reports a dropped connection at once (heartbeat silence would take
+    /// `heartbeat_interval * heartbeat_misses`).
+    monitor: Option<zmq::Socket>,
     /// Prefill side-channel address (decode side only).
     addr: String,
     ready: bool,
@@ -183,6 +188,8 @@ struct Bridge {
     tick: Duration,
     next_tick: Instant,
     hb_seq: u64,
+    /// Socket monitors made so far (names their inproc endpoints).
+    monitors: u64,
     stop: bool,
 }
 
@@ -191,6 +198,7 @@ struct Bridge {
 enum Source {
     Router,
     Dealer(u32),
+    Monitor(u32),
 }
 
 impl Bridge {
@@ -211,6 +219,10 @@ impl Bridge {
                     if let Route::Dealer(d) = &s.route {
                         items.push(d.as_poll_item(zmq::POLLIN));
                         sources.push(Source::Dealer(i as u32));
+                    }
+                    if let Some(m) = &s.monitor {
+                        items.push(m.as_poll_item(zmq::POLLIN));
+                        sources.push(Source::Monitor(i as u32));
                     }
                 }
                 let wait_ms = self
@@ -310,6 +322,10 @@ impl Bridge {
     }
 
     fn read(&mut self, source: Source) {
+        if let Source::Monitor(i) = source {
+            self.read_monitor(i);
+            return;
+        }
         for _ in 0..READ_BUDGET {
             let parts = match source {
                 Source::Router => match &self.router {
@@ -320,6 +336,7 @@ impl Bridge {
                     Some(Route::Dealer(d)) => d.recv_multipart(zmq::DONTWAIT),
                     _ => return,
                 },
+                Source::Monitor(_) => return,
             };
             let mut parts = match parts {
                 Ok(p) => p,
@@ -349,6 +366,7 @@ impl Bridge {
                     }
                     (Ok(i), parts.pop().unwrap_or_default())
                 }
+                Source::Monitor(_) => return,
             };
             let frame = match proto::decode(&payload, &self.shared.config.frame_limits) {
                 Ok(f) => f,
@@ -358,6 +376,29 @@ impl Bridge {
                 }
             };
             self.handle_frame(peer, frame);
+        }
+    }
+
+    /// Drains the monitor of slot `i`: a dropped connection marks the peer
+    /// dead at once, failing its transfers fast. ZeroMQ reconnects by
+    /// itself; the next hello answered clears the mark.
+    fn read_monitor(&mut self, i: u32) {
+        for _ in 0..READ_BUDGET {
+            let Some(m) = self.slots.get(i as usize).and_then(|s| s.monitor.as_ref()) else {
+                return;
+            };
+            let parts = match m.recv_multipart(zmq::DONTWAIT) {
+                Ok(p) => p,
+                Err(_) => return,
+            };
+            // Frame 1: event id (u16, little endian) and value (u32).
+            let event = parts
+                .first()
+                .and_then(|f| f.get(..2))
+                .map(|b| u16::from_le_bytes([b[0], b[1]]));
+            if event == Some(zmq::SocketEvent::DISCONNECTED as u16) {
+                self.mark_dead(i as usize, "connection dropped");
+            }
         }
     }
 
@@ -383,6 +424,7 @@ impl Bridge {
                 };
                 let slot = Slot {
                     route: Route::Identity(identity.clone()),
+                    monitor: None,
                     addr: String::new(),
                     ready: false,
                     dead: false,
@@ -675,12 +717,32 @@ impl Bridge {
             Some(i)
         };
         let s = self.ctx.socket(zmq::DEALER).ok()?;
+        // The monitor is attached before connecting, so no event is missed.
+        self.monitors += 1;
+        let endpoint = format!("inproc://kvferry-node-monitor-{}", self.monitors);
+        let monitor = s
+            .monitor(&endpoint, zmq::SocketEvent::DISCONNECTED as i32)
+            .and_then(|()| self.ctx.socket(zmq::PAIR))
+            .and_then(|m| {
+                m.set_linger(0)
+                    .and_then(|()| m.connect(&endpoint))
+                    .map(|()| m)
+            });
+        let monitor = match monitor {
+            Ok(m) => Some(m),
+            Err(e) => {
+                // Heartbeat silence still finds a dead peer, only later.
+                tracing::warn!(addr, %e, "no socket monitor; relying on heartbeats");
+                None
+            }
+        };
         if let Err(e) = configure(&s, &self.shared.config).and_then(|()| s.connect(addr)) {
             tracing::warn!(addr, %e, "cannot connect to prefill side channel");
             return None;
         }
         let slot = Slot {
             route: Route::Dealer(s),
+            monitor,
             addr: addr.to_string(),
             ready: false,
             dead: false,
@@ -872,6 +934,40 @@ impl Bridge {
         true
     }
 
+    /// Marks slot `i` dead and fails its transfers with `PeerDead`.
+    fn mark_dead(&mut self, i: usize, why: &'static str) {
+        let Some(s) = self.slots.get_mut(i) else {
+            return;
+        };
+        if s.dead {
+            return;
+        }
+        s.dead = true;
+        self.shared
+            .counters
+            .peers_marked_dead
+            .fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .counters
+            .dead_now
+            .fetch_add(1, Ordering::Relaxed);
+        self.shared.metrics.record_peer_marked_dead();
+        let quiet = s.last_heard.unwrap_or(s.since).elapsed();
+        tracing::warn!(peer = i, addr = %s.addr, why, quiet_ms = quiet.as_millis() as u64, "peer marked dead");
+        let tids: Vec<TransferId> = s.transfers.drain().collect();
+        let addr = s.addr.clone();
+        for tid in tids {
+            self.handle.peer_dead(tid, PeerId(i as u32));
+        }
+        if !addr.is_empty() {
+            // A replacement may register elsewhere: ask again next time.
+            self.directory.retain(|_, d| match d {
+                Dir::Known(_, addrs) => !addrs.contains(&addr),
+                Dir::Querying | Dir::Failed(_) => true,
+            });
+        }
+    }
+
     fn on_tick(&mut self) {
         let now = Instant::now();
         let t = &self.shared.config.timeouts;
@@ -891,35 +987,13 @@ impl Bridge {
                     self.send_frame(i as u32, &f);
                 }
             }
-            let s = &mut self.slots[i];
+            let s = &self.slots[i];
             let quiet = now.saturating_duration_since(s.last_heard.unwrap_or(s.since));
             // Decode ranks probe their prefill peers every tick (hello or
             // heartbeat), so on either side silence means the peer is gone,
             // busy or idle.
             if !s.dead && quiet > silence_max {
-                s.dead = true;
-                self.shared
-                    .counters
-                    .peers_marked_dead
-                    .fetch_add(1, Ordering::Relaxed);
-                self.shared
-                    .counters
-                    .dead_now
-                    .fetch_add(1, Ordering::Relaxed);
-                self.shared.metrics.record_peer_marked_dead();
-                tracing::warn!(peer = i, addr = %s.addr, quiet_ms = quiet.as_millis() as u64, "peer marked dead");
-                let tids: Vec<TransferId> = s.transfers.drain().collect();
-                let addr = s.addr.clone();
-                for tid in tids {
-                    self.handle.peer_dead(tid, PeerId(i as u32));
-                }
-                if !addr.is_empty() {
-                    // A replacement may register elsewhere: ask again next time.
-                    self.directory.retain(|_, d| match d {
-                        Dir::Known(_, addrs) => !addrs.contains(&addr),
-                        Dir::Querying | Dir::Failed(_) => true,
-                    });
-                }
+                self.mark_dead(i, "silent");
             }
             // Forget transfers that ended, so the sets stay bounded by the
             // live requests.
