@@ -10,7 +10,6 @@ pub mod cli;
 pub mod node;
 pub mod plan;
 pub mod scheduler;
-pub mod sidechannel;
 pub mod synth;
 pub mod transport;
 pub mod wire;
