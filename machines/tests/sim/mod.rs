@@ -49,7 +49,7 @@
 //! `i`; `Received` (and P's success) only with every block delivered;
 //! in-flight transfers within `max_in_flight`, actions per input bounded;
 //! honest input never refused; `poll_timeout` in the future after
-//! `handle_timeout`; every message round-trips through `postcard`. At the
+//! `handle_timeout`; every message round-trips through the node's wire encoding. At the
 //! end: every machine released by the bound its documented timers imply
 //! (P: creation + hold limit + fence; D: last progress + waiting + lease +
 //! fence), every block back in its pool exactly once.

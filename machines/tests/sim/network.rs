@@ -1,11 +1,14 @@
 //! Simulated control network: per-message delay (hence reordering), drop,
 //! duplication and a long tail, plus partitions that cut node sets apart.
-//! Messages travel as bytes in the real encoding (`postcard`).
+//! Messages travel as bytes in the node's real wire encoding: the side
+//! channel's `Frame::Transfer` (`kvferry::node::proto`, the versioned `KF`
+//! postcard envelope), decoded with the node's default frame limits.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use kvferry::node::proto::{self, Frame, FrameLimits};
 use kvferry_machines::common::{Msg, PeerId};
 use kvferry_machines::TransferId;
 
@@ -32,12 +35,33 @@ pub fn cut(mask: u64, one_way: bool, from: usize, to: usize) -> bool {
     }
 }
 
+/// The frame as the node's bridge sends it, behind the sender's rank (which
+/// the real side channel knows from the socket, not from the frame).
 pub fn encode(env: &Envelope) -> Vec<u8> {
-    postcard::to_allocvec(env).expect("postcard encodes every envelope")
+    let mut out = env.from.0.to_le_bytes().to_vec();
+    out.extend(proto::encode(&Frame::Transfer {
+        transfer_id: env.transfer.0,
+        msg: env.msg.clone(),
+    }));
+    out
 }
 
-pub fn decode(bytes: &[u8]) -> Result<Envelope, postcard::Error> {
-    postcard::from_bytes(bytes)
+/// Decodes what [`encode`] made, through the node's own frame decoder.
+pub fn decode(bytes: &[u8]) -> Result<Envelope, String> {
+    if bytes.len() < 4 {
+        return Err("no sender".into());
+    }
+    let (from, frame) = bytes.split_at(4);
+    let from = u32::from_le_bytes([from[0], from[1], from[2], from[3]]);
+    match proto::decode(frame, &FrameLimits::default()) {
+        Ok(Frame::Transfer { transfer_id, msg }) => Ok(Envelope {
+            transfer: TransferId(transfer_id),
+            from: PeerId(from),
+            msg,
+        }),
+        Ok(other) => Err(format!("not a transfer frame: {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Clone, Debug, Default)]

@@ -1291,7 +1291,9 @@ impl<'a> World<'a> {
             other => {
                 self.fail(
                     Kind::Protocol,
-                    format!("{env:?} does not round-trip through postcard: {other:?}"),
+                    format!(
+                        "{env:?} does not round-trip through the node's wire encoding: {other:?}"
+                    ),
                 );
                 return;
             }
