@@ -33,13 +33,14 @@ use crate::synth::Cluster;
 
 const USAGE: &str = "\
 usage: kvferry demo --soak SECONDS [--concurrency C] [--abort-ratio R]
-                    [--seed S] [--prefill-delay-us US] [--json]
+                    [--seed S] [--prefill-delay-us US] [--warmup-s W] [--json]
                     [--layers L] [--blocks-per-request B] [--block-tokens T]
                     [--heads H] [--head-bytes X] [--prefill-tp P] [--decode-tp D]
                     [--layout hnd|nhd|mla] [--mode push|pull]
                     [--transport tcp|local] [--timeout-ms MS] [--spin-us US]
 
 Soak defaults: --concurrency 2000 --abort-ratio 0.05 --prefill-delay-us 1000,
+--warmup-s 10 % of SECONDS (at least 1; the RSS baseline is taken then),
 and a small request (2 layers, 2 blocks of 16 tokens, 4 heads of 64 bytes:
 32 KiB) so that thousands fit in memory. Exits 1 on a verify error, a request
 or machine still live after draining, a block slot not returned, or RSS
@@ -52,6 +53,7 @@ const OPTIONS: &[&str] = &[
     "abort-ratio",
     "seed",
     "prefill-delay-us",
+    "warmup-s",
     "json",
     "layers",
     "blocks-per-request",
@@ -98,6 +100,9 @@ pub struct SoakOptions {
     /// The prefill side's KV is ready a random 0..=this many microseconds
     /// after the decode side asked for it.
     pub prefill_delay_us: u64,
+    /// Seconds of warm-up before the RSS baseline; `None`:
+    /// [`WARMUP_FRACTION`] of the duration, at least one second.
+    pub warmup_s: Option<f64>,
 }
 
 impl Default for SoakOptions {
@@ -108,6 +113,7 @@ impl Default for SoakOptions {
             abort_ratio: 0.05,
             seed: 1,
             prefill_delay_us: 1000,
+            warmup_s: None,
         }
     }
 }
@@ -174,9 +180,14 @@ pub struct AbortStats {
     pub before_kv: u64,
     /// After the send, while the decode side was not yet terminal.
     pub while_moving: u64,
-    /// After the decode side was already terminal (the abort came too late
-    /// and the request counts by its outcome).
+    /// Planned aborts that came too late: the decode side was already
+    /// terminal (the call is still made), or the whole request had finished
+    /// and its blocks were reused (no call is made, as an engine would not
+    /// abort a finished request). Such requests count by their outcome.
     pub too_late: u64,
+    /// Aborts issued whose request still ended in `Success` on every
+    /// decode rank (counted in `ok`, bytes verified).
+    pub ended_ok: u64,
     /// Abort calls the node refused (the transfer had already finished).
     pub refused_calls: u64,
     /// Aborted requests whose decode side ended `Expired` instead of
@@ -185,6 +196,8 @@ pub struct AbortStats {
     pub ended_expired: u64,
     /// `ended_expired` by the plan that aborted them.
     pub ended_expired_by_plan: AbortPlanCounts,
+    /// Aborted requests whose prefill side ended `Expired`, by plan.
+    pub prefill_expired_by_plan: AbortPlanCounts,
 }
 
 /// A count per abort plan: side, and whether the abort was planned before
@@ -211,6 +224,20 @@ impl AbortPlanCounts {
         };
         *cell += 1;
     }
+}
+
+/// Where stray terminal notifications came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StrayStats {
+    pub prefill: u64,
+    pub decode: u64,
+    /// Strays that ended `Expired` (a machine that waited out a deadline).
+    pub expired: u64,
+    /// Strays of requests that were not aborted (or aborted too long ago
+    /// to be remembered).
+    pub not_aborted: u64,
+    /// Strays of aborted requests, by plan.
+    pub by_plan: AbortPlanCounts,
 }
 
 /// One RSS sample.
@@ -330,6 +357,8 @@ fn least_squares_slope(points: impl Iterator<Item = (f64, f64)> + Clone) -> f64 
 pub struct SoakReport {
     /// Seconds new requests were started.
     pub seconds: f64,
+    /// Seconds of warm-up before the RSS baseline.
+    pub warmup_s: f64,
     pub concurrency: u64,
     pub abort_ratio: f64,
     pub seed: u64,
@@ -355,8 +384,12 @@ pub struct SoakReport {
     /// Prefill sends the node refused for a request that was not aborted.
     pub send_refused: u64,
     /// Terminal notifications for transfers no longer tracked (a rank
-    /// finishing the same transfer twice).
+    /// finishing the same transfer twice: a second machine was created for
+    /// a transfer that had already finished there).
     pub stray_notifications: u64,
+    /// `stray_notifications` by role, phase and (for recently aborted
+    /// requests) abort plan.
+    pub stray: StrayStats,
     /// Terminal phases found by polling because no notification came.
     pub missed_notifications: u64,
     pub aborts: AbortStats,
@@ -568,7 +601,17 @@ struct Soak<'a> {
     move_ewma: Duration,
     bytes_per_request: u64,
     next_tid: u64,
+    /// Slots of refused requests, free again after the next collection.
+    parked: Vec<u64>,
+    /// Terminal notifications since the last [`Soak::collect`].
+    terminals_since_collect: u64,
+    /// Abort plans of the last [`RECENT_ABORTS_MAX`] aborted requests.
+    recent_aborts: HashMap<u64, (Side, bool)>,
+    recent_order: std::collections::VecDeque<u64>,
 }
+
+/// Aborted requests remembered after they finished (for [`StrayStats`]).
+const RECENT_ABORTS_MAX: usize = 1 << 14;
 
 impl Soak<'_> {
     fn blocks(&self, slot: u64) -> Vec<BlockId> {
@@ -581,8 +624,10 @@ impl Soak<'_> {
     }
 
     /// Starts one request in `slot`: decode asks for the KV now, the
-    /// prefill side's KV is ready after a random delay.
-    fn launch(&mut self, slot: u64, now: Instant) {
+    /// prefill side's KV is ready after a random delay. False if a node
+    /// refused it (back-pressure): the caller collects finished transfers
+    /// and backs off before starting more.
+    fn launch(&mut self, slot: u64, now: Instant) -> bool {
         self.next_tid += 1;
         let tid = self.next_tid;
         self.report.requests += 1;
@@ -616,7 +661,7 @@ impl Soak<'_> {
                     self.report.decode.machines_created += 1;
                 }
                 Err(e) => {
-                    tracing::warn!(tid, error = %e, "decode refused a soak request");
+                    Self::log_refusal(self.report.refused, tid, &e);
                     l.refused = true;
                     break;
                 }
@@ -631,7 +676,7 @@ impl Soak<'_> {
                         self.report.prefill.machines_created += 1;
                     }
                     Err(e) => {
-                        tracing::warn!(tid, error = %e, "prefill refused a soak request");
+                        Self::log_refusal(self.report.refused, tid, &e);
                         l.refused = true;
                         break;
                     }
@@ -645,11 +690,13 @@ impl Soak<'_> {
             l.outcome_counted = true;
             Self::abort_handles(&mut self.report, &l, Side::Both);
             if l.decode_wait == 0 && l.prefill_wait == 0 {
-                self.free.push(slot);
+                // Not free at once: relaunching in the same pass would spin
+                // on a node that is still full.
+                self.parked.push(slot);
             } else {
                 self.live.insert(tid, l);
             }
-            return;
+            return false;
         }
         let delay = Duration::from_micros(self.rng.upto(self.o.prefill_delay_us));
         let send_at = now + delay;
@@ -675,6 +722,28 @@ impl Soak<'_> {
                 .push(std::cmp::Reverse((at, Action::Abort, tid)));
         }
         self.live.insert(tid, l);
+        true
+    }
+
+    /// The first refusal is a warning, the rest are counted in `refused`.
+    fn log_refusal(refused_before: u64, tid: u64, e: &crate::node::NodeError) {
+        if refused_before == 0 {
+            tracing::warn!(tid, error = %e, "a node refused a soak request; backing off");
+        } else {
+            tracing::debug!(tid, error = %e, "a node refused a soak request");
+        }
+    }
+
+    /// What an engine does every scheduler step: collect the finished
+    /// transfers (the node's executor keeps each finished transfer until it
+    /// is collected, and refuses new ones once it holds its maximum).
+    fn collect(&mut self) {
+        for r in self.c.prefill.iter().chain(&self.c.decode) {
+            let _ = r.node.get_finished();
+            let _ = r.node.block_ids_with_load_errors();
+        }
+        self.free.append(&mut self.parked);
+        self.terminals_since_collect = 0;
     }
 
     fn abort_handles(report: &mut SoakReport, l: &Live, side: Side) {
@@ -690,6 +759,9 @@ impl Soak<'_> {
 
     fn fire(&mut self, action: Action, tid: u64, now: Instant) {
         let Some(l) = self.live.get_mut(&tid) else {
+            if action == Action::Abort {
+                self.report.aborts.too_late += 1;
+            }
             return;
         };
         match action {
@@ -742,14 +814,15 @@ impl Soak<'_> {
 
     /// A terminal phase of `tid` on a rank.
     fn terminal(&mut self, decode: bool, rank: u32, tid: u64, phase: Phase, now: Instant) {
+        self.terminals_since_collect += 1;
         let Some(l) = self.live.get_mut(&tid) else {
-            self.report.stray_notifications += 1;
+            self.stray(decode, tid, phase);
             return;
         };
         let bit = 1u64 << rank.min(63);
         if decode {
             if l.decode_wait & bit == 0 {
-                self.report.stray_notifications += 1;
+                self.stray(decode, tid, phase);
                 return;
             }
             l.decode_wait &= !bit;
@@ -764,16 +837,22 @@ impl Soak<'_> {
             }
         } else {
             if l.prefill_wait & bit == 0 {
-                self.report.stray_notifications += 1;
+                self.stray(decode, tid, phase);
                 return;
             }
             l.prefill_wait &= !bit;
+            if let (Phase::Expired, Some((side, early)), true) = (phase, l.abort, l.aborted) {
+                self.report.aborts.prefill_expired_by_plan.bump(side, early);
+            }
         }
         if l.decode_wait == 0 && !l.outcome_counted {
             l.outcome_counted = true;
             let r = &mut self.report;
             if l.all_ok {
                 r.ok += 1;
+                if l.aborted {
+                    r.aborts.ended_ok += 1;
+                }
                 r.bytes += self.bytes_per_request;
                 self.latencies.record(now - l.started);
                 if let Some(sent) = l.sent_at {
@@ -801,7 +880,35 @@ impl Soak<'_> {
         }
         if l.decode_wait == 0 && l.prefill_wait == 0 {
             self.free.push(l.slot);
+            if let Some(plan) = l.abort.filter(|_| l.aborted) {
+                // Remembered (bounded) so a stray notification that comes
+                // later can be attributed to its abort plan.
+                if self.recent_aborts.len() >= RECENT_ABORTS_MAX {
+                    if let Some(old) = self.recent_order.pop_front() {
+                        self.recent_aborts.remove(&old);
+                    }
+                }
+                self.recent_aborts.insert(tid, plan);
+                self.recent_order.push_back(tid);
+            }
             self.live.remove(&tid);
+        }
+    }
+
+    fn stray(&mut self, decode: bool, tid: u64, phase: Phase) {
+        let r = &mut self.report;
+        r.stray_notifications += 1;
+        if decode {
+            r.stray.decode += 1;
+        } else {
+            r.stray.prefill += 1;
+        }
+        if phase == Phase::Expired {
+            r.stray.expired += 1;
+        }
+        match self.recent_aborts.get(&tid) {
+            Some(&(side, early)) => r.stray.by_plan.bump(side, early),
+            None => r.stray.not_aborted += 1,
         }
     }
 
@@ -863,9 +970,16 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
         move_ewma: Duration::from_millis(1),
         bytes_per_request,
         next_tid: 0,
+        parked: Vec::new(),
+        terminals_since_collect: 0,
+        recent_aborts: HashMap::with_capacity(RECENT_ABORTS_MAX),
+        recent_order: std::collections::VecDeque::with_capacity(RECENT_ABORTS_MAX),
     };
     let load_s = o.duration.as_secs_f64();
-    let warmup_s = (load_s * WARMUP_FRACTION).max(1.0).min(load_s);
+    let warmup_s = o
+        .warmup_s
+        .unwrap_or((load_s * WARMUP_FRACTION).max(1.0))
+        .min(load_s);
     let mut samples: Vec<RssSample> = Vec::with_capacity(o.duration.as_secs() as usize + 64);
     let started = Instant::now();
     let load_end = started + o.duration;
@@ -875,6 +989,11 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
     let mut drain_end: Option<Instant> = None;
     let mut next_sample = started;
     let mut last_event = started;
+    // Collected every 256 terminal phases or every 5 ms, like an engine's
+    // scheduler steps; a refusal also backs new requests off for 1 ms.
+    let collect_every = Duration::from_millis(5);
+    let mut next_collect = started;
+    let mut backoff_until = started;
     let completed = |r: &SoakReport| r.ok + r.failed + r.aborted + r.expired + r.refused;
     loop {
         let now = Instant::now();
@@ -882,9 +1001,17 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
             drain_end = Some(now + drain_limit);
             s.report.elapsed_s = now.duration_since(started).as_secs_f64();
         }
-        if drain_end.is_none() {
+        if s.terminals_since_collect >= 256 || now >= next_collect {
+            s.collect();
+            next_collect = now + collect_every;
+        }
+        if drain_end.is_none() && now >= backoff_until {
             while let Some(slot) = s.free.pop() {
-                s.launch(slot, now);
+                if !s.launch(slot, now) {
+                    backoff_until = now + Duration::from_millis(1);
+                    next_collect = now;
+                    break;
+                }
             }
         }
         while let Some(std::cmp::Reverse((at, action, tid))) = s.timers.peek().copied() {
@@ -902,12 +1029,6 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
                     rss_kib: rss,
                     completed: completed(&s.report),
                 });
-            }
-            // Collect the vLLM-style finished lists so they stay small, as
-            // an engine would every step.
-            for r in c.prefill.iter().chain(&c.decode) {
-                let _ = r.node.get_finished();
-                let _ = r.node.block_ids_with_load_errors();
             }
             if progress {
                 let r = &s.report;
@@ -948,7 +1069,10 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
                 continue;
             }
         }
-        let mut wake = next_sample;
+        let mut wake = next_sample.min(next_collect);
+        if drain_end.is_none() && !s.free.is_empty() {
+            wake = wake.min(backoff_until);
+        }
         if let Some(std::cmp::Reverse((at, _, _))) = s.timers.peek() {
             wake = wake.min(*at);
         }
@@ -970,6 +1094,7 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
             Err(_) => {}
         }
     }
+    s.collect();
     let end = Instant::now();
     if progress {
         eprintln!();
@@ -998,9 +1123,6 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
                 .count() as u64;
         }
     }
-    for r in c.prefill.iter().chain(&c.decode) {
-        let _ = r.node.get_finished();
-    }
     if let Some(rss) = rss_kib() {
         samples.push(RssSample {
             t_s: Instant::now().duration_since(started).as_secs_f64(),
@@ -1008,6 +1130,7 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
             completed: completed(&report),
         });
     }
+    report.warmup_s = warmup_s;
     report.rss = rss_verdict(&samples, warmup_s, load_s);
     report.rss_samples = samples;
     Ok(report)
@@ -1043,6 +1166,18 @@ fn parse(argv: &[String]) -> Result<(SoakOptions, bool), UsageError> {
             abort_ratio,
             seed,
             prefill_delay_us: a.get_or("prefill-delay-us", d.prefill_delay_us)?,
+            warmup_s: match a.get_str("warmup-s") {
+                None => None,
+                Some(_) => {
+                    let w: f64 = a.get_or("warmup-s", 0.0)?;
+                    if !(w.is_finite() && w >= 0.0 && w < seconds) {
+                        return Err(UsageError(
+                            "--warmup-s: expected seconds in [0, SECONDS)".into(),
+                        ));
+                    }
+                    Some(w)
+                }
+            },
         },
         a.flag("json"),
     ))
