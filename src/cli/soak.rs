@@ -1296,9 +1296,10 @@ mod tests {
         let slope = leak.rss_slope_kib_per_1000_requests;
         assert!((slope - 97.66).abs() < 0.5, "{slope}");
         // The threshold is 5 % of the warm RSS here (over the 8 MiB floor).
+        assert_eq!(leak.rss_warmup_kib, 204_800 + 2048 + 5859);
         assert_eq!(
             leak.rss_threshold_kib,
-            ((204_800 + 2048) as f64 * 0.05) as u64
+            (leak.rss_warmup_kib as f64 * 0.05) as u64
         );
     }
 
