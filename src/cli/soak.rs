@@ -44,7 +44,10 @@ Soak defaults: --concurrency 2000 --abort-ratio 0.05 --prefill-delay-us 1000,
 and a small request (2 layers, 2 blocks of 16 tokens, 4 heads of 64 bytes:
 32 KiB) so that thousands fit in memory. Exits 1 on a verify error, a request
 or machine still live after draining, a block slot not returned, or RSS
-growth past the threshold (rss_flat false).
+growth past the threshold (rss_flat false). Each node remembers the final
+phase of its last 2^20 transfers (~100 bytes a request for both nodes), so
+RSS climbs until about a million requests and is flat after: to judge the
+plateau, put --warmup-s past that point (e.g. --soak 480 --warmup-s 330).
 ";
 
 const OPTIONS: &[&str] = &[
@@ -78,6 +81,12 @@ const OPTIONS: &[&str] = &[
 /// states the smallest per-request leak the run would have caught
 /// (`rss_leak_floor_bytes_per_request`): the threshold divided by the
 /// requests completed after warm-up, so a longer soak catches a smaller leak.
+///
+/// Measured: each node keeps the final phase of its last 2^20 transfers
+/// (`RECORDS_MAX` in `node/mod.rs`), about 100 bytes a request for a P and
+/// a D node together, so RSS grows in hash-table steps until about a
+/// million requests and is flat after; a soak whose warm-up ends before
+/// that point reports that growth (`rss_flat: false`).
 pub const RSS_GROWTH_FLOOR_KIB: u64 = 8 * 1024;
 /// See [`RSS_GROWTH_FLOOR_KIB`].
 pub const RSS_GROWTH_FRACTION: f64 = 0.05;
