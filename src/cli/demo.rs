@@ -22,6 +22,10 @@ usage: kvferry demo [--requests N] [--concurrency C] [--layers L]
                     [--transport tcp|local] [--timeout-ms MS] [--json]
                     [--spin-us US] [--zmq-baseline]   (also time a bare 256-byte ZeroMQ
                                         DEALER/ROUTER round trip, same run)
+       kvferry demo --soak SECONDS [--abort-ratio R] [--seed S]
+                    [--prefill-delay-us US] [the options above but --requests]
+                    (requests in flight for SECONDS with random aborts; checks
+                    every byte, that nothing stays live and that RSS stays flat)
 ";
 
 const OPTIONS: &[&str] = &[
@@ -182,7 +186,13 @@ pub fn parse_transport(s: &str) -> Result<TransportKind, UsageError> {
 fn parse(argv: &[String]) -> Result<(DemoOptions, bool, bool), UsageError> {
     let a = Args::parse(argv, &["json", "zmq-baseline"])?;
     a.reject_unknown(OPTIONS)?;
-    let d = DemoOptions::default();
+    let o = shape_options(&a, DemoOptions::default())?;
+    Ok((o, a.flag("json"), a.flag("zmq-baseline")))
+}
+
+/// Reads the options shared by the demo and the soak (request shape,
+/// cluster, timeouts), each defaulting to the field of `d`, and checks them.
+pub fn shape_options(a: &Args, d: DemoOptions) -> Result<DemoOptions, UsageError> {
     let o = DemoOptions {
         requests: a.get_or("requests", d.requests)?,
         concurrency: a.get_or("concurrency", d.concurrency)?,
@@ -212,7 +222,38 @@ fn parse(argv: &[String]) -> Result<(DemoOptions, bool, bool), UsageError> {
             "--heads, --head-bytes and the TP sizes must be positive".into(),
         ));
     }
-    Ok((o, a.flag("json"), a.flag("zmq-baseline")))
+    Ok(o)
+}
+
+/// The cluster of a demo-style run with `slots` request slots of
+/// `blocks_per_request` blocks on every rank.
+pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> {
+    let model = ModelSpec {
+        layout: o.layout,
+        total_kv_heads: match o.layout {
+            LayoutKind::Mla => 1,
+            LayoutKind::Hnd | LayoutKind::Nhd => o.heads,
+        },
+        block_tokens: o.block_tokens,
+        head_bytes: o.head_bytes,
+    };
+    let blocks = slots
+        .checked_mul(u64::from(o.blocks_per_request))
+        .filter(|&b| b <= u64::from(u32::MAX))
+        .ok_or("concurrency × blocks-per-request is too large")?;
+    Ok(ClusterSpec {
+        model,
+        layers: o.layers,
+        prefill_blocks: blocks,
+        decode_blocks: blocks,
+        prefill_tp: o.prefill_tp,
+        decode_tp: o.decode_tp,
+        mode: o.mode,
+        transport: o.transport,
+        timeouts: demo_timeouts(o.timeout_ms),
+        bootstrap: Some("127.0.0.1:0".into()),
+        spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
+    })
 }
 
 /// Timeouts for demo-style runs: everything ends within `timeout_ms` plus
@@ -245,33 +286,8 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 
 /// Runs the demo. `progress` draws a progress bar on stderr.
 pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
-    let model = ModelSpec {
-        layout: o.layout,
-        total_kv_heads: match o.layout {
-            LayoutKind::Mla => 1,
-            LayoutKind::Hnd | LayoutKind::Nhd => o.heads,
-        },
-        block_tokens: o.block_tokens,
-        head_bytes: o.head_bytes,
-    };
     let slots = o.concurrency.min(o.requests.max(1));
-    let blocks = slots * u64::from(o.blocks_per_request);
-    if blocks > u64::from(u32::MAX) {
-        return Err("concurrency × blocks-per-request is too large".into());
-    }
-    let spec = ClusterSpec {
-        model,
-        layers: o.layers,
-        prefill_blocks: blocks,
-        decode_blocks: blocks,
-        prefill_tp: o.prefill_tp,
-        decode_tp: o.decode_tp,
-        mode: o.mode,
-        transport: o.transport,
-        timeouts: demo_timeouts(o.timeout_ms),
-        bootstrap: Some("127.0.0.1:0".into()),
-        spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
-    };
+    let spec = cluster_spec(o, slots)?;
     let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
     // Block slots: request slot s owns blocks s·B .. (s+1)·B on both sides,
     // until both its prefill and its decode ranks are done with it.
@@ -415,6 +431,12 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
 }
 
 pub fn main(argv: &[String]) -> ExitCode {
+    if argv
+        .iter()
+        .any(|a| a == "--soak" || a.starts_with("--soak="))
+    {
+        return super::soak::main(argv);
+    }
     let (o, json, baseline) = match parse(argv) {
         Ok(x) => x,
         Err(e) => {

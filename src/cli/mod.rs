@@ -8,6 +8,7 @@ pub mod decode;
 pub mod demo;
 pub mod plan;
 pub mod prefill;
+pub mod soak;
 
 use std::process::ExitCode;
 
@@ -21,6 +22,7 @@ commands:
   bench transport ...     transport throughput and latency benchmark
   bootstrap [--listen ADDR]  standalone bootstrap service (default 0.0.0.0:8998)
   demo [options]          P and D nodes in one process, verified synthetic KV
+  demo --soak SECONDS     thousands of requests in flight, random aborts, RSS check
   prefill --bootstrap ADDR --engine-id ID --tp-size N --tp-rank R [...]
                           one prefill rank serving synthetic KV until SIGTERM
   decode --bootstrap ADDR --engine-id ID --tp-size N --tp-rank R --requests K
