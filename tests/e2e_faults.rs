@@ -313,3 +313,36 @@ fn prefill_sender_after_decode_abort_ends_at_once() {
         assert_eq!(s.ok + s.failed + s.expired, 1, "{mode:?}: released once");
     }
 }
+
+#[test]
+fn pull_for_a_transfer_prefill_already_ended_fails_decode_at_once() {
+    // The prefill engine gives up on a request before decode asks (and the
+    // connector collected it). Decode's `Pull` must be answered with an
+    // abort at once, not start a second prefill machine and leave decode
+    // waiting out its deadline (3 s here).
+    for mode in [Mode::Push, Mode::Pull] {
+        let c = Cluster::start(&spec(mode)).unwrap();
+        let (p, d) = (&c.prefill[0], &c.decode[0]);
+        let tx = p.node.sender(11).unwrap();
+        tx.abort().unwrap();
+        assert!(tx.wait(Duration::from_secs(5)).is_terminal(), "{mode:?}");
+        let (sent, _) = p.node.get_finished();
+        assert!(sent.contains(&11), "{mode:?}: {sent:?}");
+        let started = Instant::now();
+        let rx = d.node.receiver(11, &c.target).unwrap();
+        rx.request(ids(&[4, 5])).unwrap();
+        let phase = rx.wait(Duration::from_secs(10));
+        assert_eq!(phase, Phase::Failed(FailReason::PeerAborted), "{mode:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{mode:?}: took {:?}",
+            started.elapsed()
+        );
+        let s = p.node.stats();
+        assert_eq!(
+            s.ok + s.failed + s.expired,
+            1,
+            "{mode:?}: no second prefill machine"
+        );
+    }
+}

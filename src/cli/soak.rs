@@ -82,11 +82,12 @@ const OPTIONS: &[&str] = &[
 /// (`rss_leak_floor_bytes_per_request`): the threshold divided by the
 /// requests completed after warm-up, so a longer soak catches a smaller leak.
 ///
-/// Measured: each node keeps the final phase of its last 2^20 transfers
-/// (`RECORDS_MAX` in `node/mod.rs`), about 100 bytes a request for a P and
-/// a D node together, so RSS grows in hash-table steps until about a
-/// million requests and is flat after; a soak whose warm-up ends before
-/// that point reports that growth (`rss_flat: false`).
+/// Measured: each node keeps the final phase of its last
+/// `NodeConfig::max_finished_records` transfers, about 100 bytes a request
+/// for a P and a D node together, so RSS grows in hash-table steps until
+/// that many requests ended and is flat after. With the old default of
+/// 2^20 records a soak whose warm-up ended before a million requests
+/// reported that growth (`rss_flat: false`); the default is now 65 536.
 pub const RSS_GROWTH_FLOOR_KIB: u64 = 8 * 1024;
 /// See [`RSS_GROWTH_FLOOR_KIB`].
 pub const RSS_GROWTH_FRACTION: f64 = 0.05;

@@ -569,6 +569,17 @@ impl Bridge {
             }) {
                 Ok(()) => return true,
                 Err(r) => match (r.error, r.value) {
+                    // A `Pull` for a transfer that already ended here (and
+                    // was collected): tell decode at once, as for any
+                    // unknown transfer, instead of starting a second
+                    // machine that would wait for an engine that is done.
+                    (
+                        SubmitError::UnknownTransfer(_),
+                        send::Event::Msg {
+                            msg: msg @ Msg::Pull { .. },
+                            ..
+                        },
+                    ) if shared.finished_phase(tid).is_some() => (r.error, Some(msg)),
                     (
                         SubmitError::UnknownTransfer(_),
                         send::Event::Msg {
