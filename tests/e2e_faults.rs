@@ -291,13 +291,16 @@ fn prefill_sender_after_decode_abort_ends_at_once() {
         assert!(p.node.phase(9).is_some(), "{mode:?}: P never heard of it");
         rx.abort().unwrap();
         assert!(matches!(rx.wait(Duration::from_secs(5)), Phase::Failed(_)));
-        let p_done = Instant::now() + Duration::from_secs(5);
-        while !p.node.phase(9).is_some_and(|ph| ph.is_terminal()) && Instant::now() < p_done {
-            std::thread::yield_now();
-        }
         // A connector collects finished transfers every step (vLLM's
         // `get_finished`), so the ended machine is gone from the executor.
-        let (sent, _) = p.node.get_finished();
+        // The completion is queued just after the phase turns terminal, so
+        // collect until it shows up.
+        let p_done = Instant::now() + Duration::from_secs(5);
+        let mut sent = Vec::new();
+        while !sent.contains(&9) && Instant::now() < p_done {
+            sent.extend(p.node.get_finished().0);
+            std::thread::yield_now();
+        }
         assert!(sent.contains(&9), "{mode:?}: {sent:?}");
         let started = Instant::now();
         let tx = p.node.sender(9).unwrap();
@@ -326,7 +329,12 @@ fn pull_for_a_transfer_prefill_already_ended_fails_decode_at_once() {
         let tx = p.node.sender(11).unwrap();
         tx.abort().unwrap();
         assert!(tx.wait(Duration::from_secs(5)).is_terminal(), "{mode:?}");
-        let (sent, _) = p.node.get_finished();
+        let p_done = Instant::now() + Duration::from_secs(5);
+        let mut sent = Vec::new();
+        while !sent.contains(&11) && Instant::now() < p_done {
+            sent.extend(p.node.get_finished().0);
+            std::thread::yield_now();
+        }
         assert!(sent.contains(&11), "{mode:?}: {sent:?}");
         let started = Instant::now();
         let rx = d.node.receiver(11, &c.target).unwrap();
