@@ -12,6 +12,7 @@
 //! call can slip between the close and the report.
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 
 /// One KV region: `num_blocks` blocks of `block_len` bytes from `base`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,7 +27,10 @@ pub struct BlockFence {
     /// Sorted by base address.
     regions: Vec<FenceRegion>,
     num_blocks: u64,
-    open: RefCell<Vec<u32>>,
+    /// Open count per open block; a block absent is closed. A map rather
+    /// than a table of `num_blocks` counts: its size follows the blocks of
+    /// the live transfers, whatever `num_blocks` the engine registered.
+    open: RefCell<HashMap<u32, u32>>,
     /// Bumped on every close, so a guard re-checks only after one.
     closes: Cell<u64>,
 }
@@ -40,13 +44,10 @@ impl BlockFence {
             .map(|&(base, block_len)| FenceRegion { base, block_len })
             .collect();
         regions.sort_by_key(|r| r.base);
-        let len = usize::try_from(num_blocks)
-            .unwrap_or(usize::MAX)
-            .min(1 << 32);
         BlockFence {
             regions,
             num_blocks,
-            open: RefCell::new(vec![0; len]),
+            open: RefCell::new(HashMap::new()),
             closes: Cell::new(0),
         }
     }
@@ -56,7 +57,8 @@ impl BlockFence {
     pub fn open(&self, blocks: impl IntoIterator<Item = u32>) {
         let mut open = self.open.borrow_mut();
         for b in blocks {
-            if let Some(n) = open.get_mut(b as usize) {
+            if u64::from(b) < self.num_blocks {
+                let n = open.entry(b).or_insert(0);
                 *n = n.saturating_add(1);
             }
         }
@@ -66,8 +68,11 @@ impl BlockFence {
     pub fn close(&self, blocks: impl IntoIterator<Item = u32>) {
         let mut open = self.open.borrow_mut();
         for b in blocks {
-            if let Some(n) = open.get_mut(b as usize) {
-                *n = n.saturating_sub(1);
+            if let Some(n) = open.get_mut(&b) {
+                *n -= 1;
+                if *n == 0 {
+                    open.remove(&b);
+                }
             }
         }
         self.closes.set(self.closes.get().wrapping_add(1));
@@ -96,7 +101,7 @@ impl BlockFence {
         let first = off / r.block_len;
         let last = (off.saturating_add(len - 1) / r.block_len).min(self.num_blocks - 1);
         let open = self.open.borrow();
-        (first..=last).all(|b| open.get(b as usize).is_some_and(|&n| n > 0))
+        (first..=last).all(|b| u32::try_from(b).is_ok_and(|b| open.contains_key(&b)))
     }
 
     /// True if every `(addr, len)` range is allowed.
@@ -159,6 +164,17 @@ mod tests {
         assert!(!f.allows(1_200, 1));
         f.open([99]);
         f.close([99]);
+    }
+
+    #[test]
+    fn a_huge_registration_costs_nothing_up_front() {
+        let f = BlockFence::new(&[(0, 16)], 1 << 40);
+        f.open([u32::MAX]);
+        assert!(f.allows(u64::from(u32::MAX) * 16, 16));
+        assert!(!f.allows(u64::from(u32::MAX) * 16 + 16, 1), "id past u32");
+        f.close([u32::MAX]);
+        assert!(!f.allows(u64::from(u32::MAX) * 16, 16));
+        assert!(f.open.borrow().is_empty());
     }
 
     #[test]
