@@ -34,6 +34,7 @@ fn lifecycle(mode: Mode, chunks: u32, blocks_per_chunk: u32, cfg: &Config, now: 
         peers: vec![ResolvedPeer {
             peer: P,
             receivers_expected: 1,
+            lease_ticket: None,
         }],
     });
     let mut next_chunk = 0;

@@ -284,6 +284,16 @@ pub(crate) fn after(now: Instant, d: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(u32::MAX as u64))
 }
 
+/// Set in the `seq` of a `LeaseGrant` that answers a lease *ticket* rather
+/// than a `LeaseRequest`. A ticket is a message the toucher's node sent to
+/// the granter's node earlier (the node uses its heartbeat replies): the
+/// granter names it when it grants, and the toucher counts the lease from
+/// when it sent that message, which precedes the grant. This is the
+/// `LeaseRequest` rule (count from when you asked) without the round trip,
+/// so a push-mode P can write as soon as D's `Pull` arrives. The node's
+/// driver turns such a grant into [`crate::send::Event::TicketGrant`].
+pub const TICKET_BIT: u64 = 1 << 63;
+
 /// Toucher side of one lease (one per peer whose blocks we touch).
 #[derive(Clone, Debug)]
 pub(crate) struct TouchLease {
@@ -350,6 +360,14 @@ impl TouchLease {
         self.valid_until = Some(self.valid_until.map_or(end, |u| u.max(end)));
         // A grant for an older request would end earlier than this one.
         self.asked.retain(|&(s, _)| s > seq);
+    }
+
+    /// Applies a grant that answers a ticket sent at `sent_at` (see
+    /// [`TICKET_BIT`]).
+    pub(crate) fn handle_ticket(&mut self, sent_at: Instant, duration_ms: u64, cfg: &Config) {
+        let granted = Duration::from_millis(duration_ms).min(cfg.lease);
+        let end = after(sent_at, granted);
+        self.valid_until = Some(self.valid_until.map_or(end, |u| u.max(end)));
     }
 
     pub(crate) fn is_live(&self, now: Instant) -> bool {

@@ -31,7 +31,7 @@ use std::time::Instant;
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
     AbortReason, BlockId, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode,
-    Msg, Op, PeerId, Phase, TouchLease, TransferId,
+    Msg, Op, PeerId, Phase, TouchLease, TransferId, TICKET_BIT,
 };
 use crate::Machine;
 
@@ -41,6 +41,10 @@ pub struct ResolvedPeer {
     pub peer: PeerId,
     /// How many D ranks (this one included) contact that P rank for this transfer.
     pub receivers_expected: u16,
+    /// Push mode: a lease ticket from that P rank (see
+    /// [`crate::common::TICKET_BIT`]); with one, the `Pull` is followed at
+    /// once by a grant answering it, so P need not ask.
+    pub lease_ticket: Option<u64>,
 }
 
 /// Inputs of a [`RecvMachine`].
@@ -239,14 +243,21 @@ impl RecvMachine {
             ops: Vec::new(),
         };
         for rp in peers {
+            let mut ticket_grant = None;
             let (role, lease_seq) = match self.mode {
-                Mode::Push => (
-                    Role::Granter {
-                        lease: GrantLease::new(),
-                        finished: false,
-                    },
-                    None,
-                ),
+                Mode::Push => {
+                    let mut lease = GrantLease::new();
+                    if let Some(t) = rp.lease_ticket {
+                        ticket_grant = Some(lease.grant(now, t | TICKET_BIT, self.cfg.lease));
+                    }
+                    (
+                        Role::Granter {
+                            lease,
+                            finished: false,
+                        },
+                        None,
+                    )
+                }
                 Mode::Pull => {
                     let mut lease = TouchLease::new();
                     let seq = lease.request(now, &self.cfg);
@@ -270,6 +281,9 @@ impl RecvMachine {
                     lease_seq,
                 },
             });
+            if let Some(msg) = ticket_grant {
+                self.actions.push_back(Action::Send { peer: rp.peer, msg });
+            }
             active.peers.push(Peer { id: rp.peer, role });
         }
         self.state = State::Active(active);

@@ -57,6 +57,14 @@ pub enum Event {
     PeerDead { peer: PeerId },
     /// The planner rejected the layouts or block lists of `peer`.
     PlanFailed { peer: PeerId },
+    /// Push mode: `peer` granted a lease answering a ticket this node sent
+    /// it at `sent_at` (see [`crate::common::TICKET_BIT`]); the driver
+    /// turns the `LeaseGrant` naming that ticket into this event.
+    TicketGrant {
+        peer: PeerId,
+        sent_at: Instant,
+        duration_ms: u64,
+    },
 }
 
 /// Outputs of a [`SendMachine`].
@@ -336,6 +344,33 @@ impl SendMachine {
                 }
             }
         }
+    }
+
+    fn handle_ticket_grant(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        sent_at: Instant,
+        duration_ms: u64,
+    ) -> Result<(), InputError> {
+        let State::Live(live) = &mut self.state else {
+            unreachable!("handle_ticket_grant on a machine that is not live");
+        };
+        let cfg = self.cfg;
+        let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) else {
+            // It overtook its `Pull` (or the `Pull` was lost): P asks for a
+            // lease the ordinary way once the `Pull` is in.
+            return Ok(());
+        };
+        match &mut p.role {
+            // A ticket from the future would stretch the lease: count it
+            // from now at the latest.
+            Role::Toucher { lease, .. } => lease.handle_ticket(sent_at.min(now), duration_ms, &cfg),
+            Role::Granter { .. } => return Err(InputError::Peer("ticket grant in pull mode")),
+        }
+        p.last_heard = now;
+        self.progress(now);
+        Ok(())
     }
 
     fn handle_msg(&mut self, now: Instant, peer: PeerId, msg: Msg) -> Result<(), InputError> {
@@ -739,6 +774,11 @@ impl Machine for SendMachine {
                     self.handle_verdict(now, peer, FailReason::BadMetadata);
                     Ok(())
                 }
+                Event::TicketGrant {
+                    peer,
+                    sent_at,
+                    duration_ms,
+                } => self.handle_ticket_grant(now, peer, sent_at, duration_ms),
             },
             State::Draining(drain) => {
                 match event {
@@ -747,7 +787,8 @@ impl Machine for SendMachine {
                     // The outcome is decided; neither changes when the blocks are free.
                     Event::ChunkReady { .. }
                     | Event::PeerDead { .. }
-                    | Event::PlanFailed { .. } => {}
+                    | Event::PlanFailed { .. }
+                    | Event::TicketGrant { .. } => {}
                 }
                 self.advance_drain(now);
                 Ok(())

@@ -709,6 +709,7 @@ impl World {
                         .map(|i| ResolvedPeer {
                             peer: p_id(i),
                             receivers_expected: self.sc.n_d as u16,
+                            lease_ticket: None,
                         })
                         .collect();
                     let r = self.ds[j].handle_event(now, recv::Event::PeersResolved { peers });

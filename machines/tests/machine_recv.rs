@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
+use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId, TICKET_BIT};
 use kvferry_machines::recv::{Action, Event, RecvMachine, ResolvedPeer};
 use kvferry_machines::{AbortReason, FailReason, InputError, Machine, Phase, TransferId};
 
@@ -41,6 +41,7 @@ fn resolved(peers: &[PeerId]) -> Event {
             .map(|&peer| ResolvedPeer {
                 peer,
                 receivers_expected: 1,
+                lease_ticket: None,
             })
             .collect(),
     }
@@ -911,4 +912,55 @@ fn pull_fewer_blocks_than_destination_is_bad_metadata() {
         vec![send(P0, Msg::Done { ok: false }), load_failed(&[5, 6])]
     );
     assert_eq!(m.phase(), Phase::Failed(FailReason::BadMetadata));
+}
+
+#[test]
+fn push_peer_with_a_ticket_gets_a_grant_with_the_pull() {
+    let t0 = Instant::now();
+    let cfg = Config::default();
+    let mut m = machine(t0, Mode::Push, &[5, 6], 0);
+    let out = ev(
+        &mut m,
+        t0,
+        Event::PeersResolved {
+            peers: vec![
+                ResolvedPeer {
+                    peer: P0,
+                    receivers_expected: 1,
+                    lease_ticket: Some(42),
+                },
+                ResolvedPeer {
+                    peer: P1,
+                    receivers_expected: 1,
+                    lease_ticket: None,
+                },
+            ],
+        },
+    );
+    assert_eq!(
+        out,
+        vec![
+            send(P0, pull_msg(&[5, 6], 0, None)),
+            send(
+                P0,
+                Msg::LeaseGrant {
+                    seq: 42 | TICKET_BIT,
+                    duration_ms: cfg.lease.as_millis() as u64,
+                },
+            ),
+            send(P1, pull_msg(&[5, 6], 0, None)),
+        ]
+    );
+    // The grant counts: an abort now waits for P0's lease to come back (or
+    // run out plus the fence), but not for P1, which was granted nothing.
+    m.abort(t0, AbortReason::Engine);
+    let out = drain(&mut m);
+    assert!(out.contains(&send(P0, Msg::Abort)), "{out:?}");
+    assert!(!m.phase().is_terminal(), "waits for P0's lease");
+    ev(
+        &mut m,
+        t0 + Duration::from_millis(1),
+        msg(P0, Msg::AbortAck),
+    );
+    assert!(m.phase().is_terminal(), "{:?}", m.phase());
 }

@@ -1086,3 +1086,70 @@ fn push_several_groups_align_per_group() {
     );
     assert!(matches!(err, Err(InputError::Misuse(_))));
 }
+
+#[test]
+fn push_ticket_grant_writes_without_waiting_for_a_lease_round_trip() {
+    let t0 = Instant::now() + secs(100);
+    let mut m = push_machine(t0);
+    // KV first, then D's `Pull` and its ticket grant (one burst from D).
+    assert_eq!(ev(&mut m, t0, chunk(&[1, 2], true)), vec![]);
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None))),
+        vec![send(D0, Msg::LeaseRequest { seq: 0 })]
+    );
+    // The ticket was sent 2 s ago; the lease counts from then.
+    let out = ev(
+        &mut m,
+        t0,
+        Event::TicketGrant {
+            peer: D0,
+            sent_at: t0 - secs(2),
+            duration_ms: 10_000,
+        },
+    );
+    assert_eq!(out, vec![write(D0, 0, &[1, 2], &[5, 6])]);
+    assert_eq!(m.lease_valid_until(D0), Some(t0 + secs(8)));
+}
+
+#[test]
+fn push_ticket_grant_counts_from_the_ticket_and_is_capped() {
+    let t0 = Instant::now() + secs(100);
+    let cfg = Config::default();
+    // A ticket older than the lease gives nothing: no write.
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
+    ev(&mut m, t0, chunk(&[1], true));
+    let old = Event::TicketGrant {
+        peer: D0,
+        sent_at: t0 - cfg.lease - ms(1),
+        duration_ms: 10_000,
+    };
+    assert_eq!(ev(&mut m, t0, old), vec![]);
+    // A ticket "from the future" counts from now, and a longer grant than
+    // our lease is capped by it.
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
+    ev(
+        &mut m,
+        t0,
+        Event::TicketGrant {
+            peer: D0,
+            sent_at: t0 + secs(30),
+            duration_ms: u64::MAX,
+        },
+    );
+    assert_eq!(m.lease_valid_until(D0), Some(t0 + cfg.lease));
+    // A ticket grant that overtook its `Pull` is dropped, not an error; in
+    // pull mode it is the peer's error.
+    let mut m = push_machine(t0);
+    let early = Event::TicketGrant {
+        peer: D1,
+        sent_at: t0,
+        duration_ms: 10_000,
+    };
+    assert_eq!(ev(&mut m, t0, early.clone()), vec![]);
+    assert_eq!(m.lease_valid_until(D1), None);
+    let mut m = pull_machine(t0);
+    ev(&mut m, t0, msg(D1, pull(1, &[5], 0, Some(0))));
+    assert_peer_error(&mut m, t0, early);
+}

@@ -231,6 +231,27 @@ fn sim_teeth_clock_drift() {
 }
 
 #[test]
+fn sim_teeth_ticket_counted_from_arrival() {
+    // A lease ticket counted from when the grant arrived instead of from
+    // when P sent the ticket outlasts the lease D granted: the checker must
+    // see a write without D's lease (or into released memory).
+    let switches = Switches {
+        ticket_from_grant_time: true,
+        ..Switches::default()
+    };
+    let (seed, v) = find_violation(
+        switches,
+        &[
+            Kind::NoLease,
+            Kind::WriteAfterRelease,
+            Kind::ReleasedInFlight,
+        ],
+        4000,
+    );
+    println!("ticket counted from arrival caught at seed {seed}: {v}");
+}
+
+#[test]
 fn sim_memory_model_catches_misuse() {
     use kvferry_machines::common::BlockId;
     use kvferry_machines::TransferId;
@@ -429,10 +450,12 @@ fn sim_regression_abort_from_finished_peer_is_stale() {
             ResolvedPeer {
                 peer: p3,
                 receivers_expected: 1,
+                lease_ticket: None,
             },
             ResolvedPeer {
                 peer: p4,
                 receivers_expected: 1,
+                lease_ticket: None,
             },
         ];
         m.handle_event(ms(1), Event::PeersResolved { peers })

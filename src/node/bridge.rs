@@ -10,13 +10,13 @@
 //! requests to it fail fast, and any later frame from it (the periodic
 //! probe is answered) clears the mark.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{Msg, PeerId};
+use kvferry_machines::common::{Mode, Msg, PeerId, TICKET_BIT};
 use kvferry_machines::planner::{PairLayout, TpPair};
 use kvferry_machines::recv::ResolvedPeer;
 use kvferry_machines::send::SendMachine;
@@ -31,6 +31,8 @@ use crate::bootstrap::{
 
 /// Most frames read from one socket before looking at the others.
 const READ_BUDGET: usize = 512;
+/// Heartbeat acks remembered per decode peer as lease tickets.
+const TICKETS_KEPT: usize = 8;
 /// Most commands handled per loop turn.
 const COMMAND_BUDGET: usize = 4096;
 /// ZeroMQ high-water marks (messages per peer).
@@ -154,6 +156,13 @@ struct Slot {
     /// reports a dropped connection at once (heartbeat silence would take
     /// `heartbeat_interval * heartbeat_misses`).
     monitor: Option<zmq::Socket>,
+    /// Decode side: the latest `HeartbeatAck` this prefill peer sent us
+    /// (its `seq`, when it arrived): a lease ticket for our `Pull`s.
+    ticket: Option<(u64, Instant)>,
+    /// Prefill side: the heartbeat acks we sent this decode peer (`seq`,
+    /// sent at), newest last, at most [`TICKETS_KEPT`]: a grant naming one
+    /// counts from when we sent it.
+    acks: VecDeque<(u64, Instant)>,
     /// Prefill side-channel address (decode side only).
     addr: String,
     ready: bool,
@@ -425,6 +434,8 @@ impl Bridge {
                 let slot = Slot {
                     route: Route::Identity(identity.clone()),
                     monitor: None,
+                    ticket: None,
+                    acks: VecDeque::new(),
                     addr: String::new(),
                     ready: false,
                     dead: false,
@@ -478,8 +489,21 @@ impl Bridge {
         }
         match frame {
             Frame::Hello(h) => self.handle_hello(peer, h),
-            Frame::Heartbeat { seq } => self.send_frame(peer, &Frame::HeartbeatAck { seq }),
-            Frame::HeartbeatAck { .. } => {}
+            Frame::Heartbeat { seq } => {
+                // Recorded before it leaves, so the time can only be early.
+                if let Some(s) = self.slots.get_mut(peer as usize) {
+                    if s.acks.len() >= TICKETS_KEPT {
+                        s.acks.pop_front();
+                    }
+                    s.acks.push_back((seq, Instant::now()));
+                }
+                self.send_frame(peer, &Frame::HeartbeatAck { seq });
+            }
+            Frame::HeartbeatAck { seq } => {
+                if let Some(s) = self.slots.get_mut(peer as usize) {
+                    s.ticket = Some((seq, now));
+                }
+            }
             Frame::Transfer { transfer_id, msg } => {
                 let tid = TransferId(transfer_id);
                 // Only transfers a machine took are tracked, so a peer
@@ -548,7 +572,14 @@ impl Bridge {
                     self.send_frame(peer, &Frame::Hello(mine));
                 }
             }
-            Role::Decode => self.retry_pending(),
+            Role::Decode => {
+                // A first heartbeat at once, so the first requests to this
+                // peer already carry a lease ticket.
+                self.hb_seq += 1;
+                let seq = self.hb_seq;
+                self.send_frame(peer, &Frame::Heartbeat { seq });
+                self.retry_pending();
+            }
         }
     }
 
@@ -563,6 +594,33 @@ impl Bridge {
             return false;
         }
         let shared = self.shared.clone();
+        if let (EngineHandle::Prefill(h), Msg::LeaseGrant { seq, duration_ms }) =
+            (&self.handle, &msg)
+        {
+            if seq & TICKET_BIT != 0 {
+                // A grant answering one of our heartbeat acks: count it
+                // from when we sent that ack (the oldest, if sent twice).
+                let ticket = seq & !TICKET_BIT;
+                let sent_at = self.slots.get(peer as usize).and_then(|s| {
+                    s.acks
+                        .iter()
+                        .filter(|(q, _)| *q == ticket)
+                        .map(|(_, at)| *at)
+                        .min()
+                });
+                let Some(sent_at) = sent_at else {
+                    // Unknown or forgotten: P asks for a lease as usual.
+                    tracing::debug!(?tid, peer, ticket, "lease ticket not ours; ignored");
+                    return false;
+                };
+                let event = send::Event::TicketGrant {
+                    peer: pid,
+                    sent_at,
+                    duration_ms: *duration_ms,
+                };
+                return with_lock(&shared, || h.send_event(tid, event)).is_ok();
+            }
+        }
         let refused = match &self.handle {
             EngineHandle::Prefill(h) => match with_lock(&shared, || {
                 h.send_event(tid, send::Event::Msg { peer: pid, msg })
@@ -754,6 +812,8 @@ impl Bridge {
         let slot = Slot {
             route: Route::Dealer(s),
             monitor,
+            ticket: None,
+            acks: VecDeque::new(),
             addr: addr.to_string(),
             ready: false,
             dead: false,
@@ -918,9 +978,18 @@ impl Bridge {
                 waiting = true;
             }
             let receivers = pair.targets_of(rank).count() as u16;
+            let ticket_fresh = self.shared.config.timeouts.lease / 2;
+            let lease_ticket = match self.shared.config.mode {
+                Mode::Push => slot
+                    .ticket
+                    .filter(|(_, at)| at.elapsed() < ticket_fresh)
+                    .map(|(seq, _)| seq),
+                Mode::Pull => None,
+            };
             peers.push(ResolvedPeer {
                 peer: PeerId(peer),
                 receivers_expected: receivers,
+                lease_ticket,
             });
         }
         if waiting && dead.is_empty() {

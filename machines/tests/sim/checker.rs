@@ -105,6 +105,8 @@ pub struct Stats {
     pub created_on_pull: u64,
     pub engine_late: u64,
     pub late_pull_aborts: u64,
+    /// Push-mode leases granted on a ticket with the `Pull` (no round trip).
+    pub ticket_grants: u64,
     pub spurious_aborts: u64,
     pub stale_aborts: u64,
     pub false_dead: u64,
@@ -152,6 +154,7 @@ impl Default for Stats {
             created_on_pull: 0,
             engine_late: 0,
             late_pull_aborts: 0,
+            ticket_grants: 0,
             spurious_aborts: 0,
             stale_aborts: 0,
             false_dead: 0,
@@ -197,6 +200,7 @@ impl Stats {
         self.created_on_pull += o.created_on_pull;
         self.engine_late += o.engine_late;
         self.late_pull_aborts += o.late_pull_aborts;
+        self.ticket_grants += o.ticket_grants;
         self.spurious_aborts += o.spurious_aborts;
         self.stale_aborts += o.stale_aborts;
         self.false_dead += o.false_dead;
@@ -244,8 +248,8 @@ impl fmt::Display for Stats {
         )?;
         writeln!(
             f,
-            "messages {} (dropped {}, duplicated {}, cut by partitions {}, buffered before creation {})",
-            self.messages, self.dropped, self.duplicated, self.cut, self.buffered
+            "messages {} (dropped {}, duplicated {}, cut by partitions {}, buffered before creation {}), lease ticket grants {}",
+            self.messages, self.dropped, self.duplicated, self.cut, self.buffered, self.ticket_grants
         )?;
         writeln!(
             f,

@@ -41,6 +41,10 @@ pub struct Switches {
     /// P's driver answers every late `Pull` with `Abort`, also after a
     /// successful transfer (what the machines' docs asked at first).
     pub abort_after_success: bool,
+    /// P's driver counts a lease ticket from when D *used* it plus a
+    /// lease, not from when P sent it: the mistake the ticket rule exists
+    /// to prevent (a lease counted from after the grant).
+    pub ticket_from_grant_time: bool,
 }
 
 /// Faults of the control network, per message.

@@ -12,7 +12,7 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, BlockLists, Config, Mode, Msg, PeerId};
+use kvferry_machines::common::{BlockId, BlockLists, Config, Mode, Msg, PeerId, TICKET_BIT};
 use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
 use kvferry_machines::send::{self, SendMachine};
 use kvferry_machines::{AbortReason, FailReason, Machine, Phase, TransferId};
@@ -255,6 +255,10 @@ pub struct World<'a> {
     ranks_d: Vec<Vec<RankRt>>,
     ops: BTreeMap<u64, OpRec>,
     next_op: u64,
+    /// Lease tickets handed to D ranks: id → (P node, its epoch, real time
+    /// the P node "sent" it). The node's tickets are heartbeat replies P
+    /// sent before D received them, so always before D's grant.
+    tickets: BTreeMap<u64, (usize, u32, T)>,
     net: Network,
     stats: Stats,
     violation: Option<Violation>,
@@ -335,6 +339,7 @@ impl<'a> World<'a> {
                 .collect(),
             ops: BTreeMap::new(),
             next_op: 0,
+            tickets: BTreeMap::new(),
             net: Network::new(sc.net.clone()),
             stats: Stats::default(),
             violation: None,
@@ -807,13 +812,27 @@ impl<'a> World<'a> {
         if !self.live_slot(node, spec.id) {
             return;
         }
-        let peers: Vec<ResolvedPeer> = spec.pairs[rank]
-            .iter()
-            .map(|&i| ResolvedPeer {
-                peer: PeerId(spec.p_nodes[i] as u32),
+        let mut peers: Vec<ResolvedPeer> = Vec::new();
+        for &i in &spec.pairs[rank] {
+            let p = spec.p_nodes[i];
+            // Most push-mode requests carry a ticket, sent some time before
+            // now (up to half a lease ago, as the node's freshness rule).
+            let lease_ticket = match spec.mode {
+                Mode::Push if self.rng.below(4) != 0 => {
+                    let id = self.tickets.len() as u64 + 1;
+                    let age = self.rng.below(us(self.cfg.lease) / 2 + 1);
+                    let sent = self.now.saturating_sub(age);
+                    self.tickets.insert(id, (p, self.nodes[p].epoch, sent));
+                    Some(id)
+                }
+                Mode::Push | Mode::Pull => None,
+            };
+            peers.push(ResolvedPeer {
+                peer: PeerId(p as u32),
                 receivers_expected: spec.receivers_expected(i),
-            })
-            .collect();
+                lease_ticket,
+            });
+        }
         let local = self.local(node, self.now);
         if let Some(s) = self.nodes[node].machines.get_mut(&spec.id) {
             s.resolved = Some(local);
@@ -958,10 +977,36 @@ impl<'a> World<'a> {
                 }
             }
             let input = if self.is_p(to) {
-                Input::P(send::Event::Msg {
-                    peer: env.from,
-                    msg: env.msg,
-                })
+                match env.msg {
+                    // The node's driver turns a grant naming a ticket into
+                    // a `TicketGrant` counted from when P sent the ticket,
+                    // on P's clock; a ticket of another P (or of an earlier
+                    // life of this one) is ignored.
+                    Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
+                        match self.tickets.get(&(seq & !TICKET_BIT)).copied() {
+                            Some((p, epoch, sent)) if p == to && epoch == self.nodes[to].epoch => {
+                                self.stats.ticket_grants += 1;
+                                // The self-test's broken driver counts from
+                                // arrival, after the grant.
+                                let sent = if self.sc.switches.ticket_from_grant_time {
+                                    self.now
+                                } else {
+                                    sent
+                                };
+                                Input::P(send::Event::TicketGrant {
+                                    peer: env.from,
+                                    sent_at: self.instant(to, sent),
+                                    duration_ms,
+                                })
+                            }
+                            _ => return,
+                        }
+                    }
+                    msg => Input::P(send::Event::Msg {
+                        peer: env.from,
+                        msg,
+                    }),
+                }
             } else {
                 Input::D(recv::Event::Msg {
                     peer: env.from,
@@ -980,6 +1025,7 @@ impl<'a> World<'a> {
             if let Some(rank) = p_rank {
                 if self.ranks_p[req][rank] == RankRt::NotYet
                     && self.nodes[to].pending.len() < PENDING_LIMIT
+                    && !matches!(env.msg, Msg::LeaseGrant { seq, .. } if seq & TICKET_BIT != 0)
                 {
                     self.stats.buffered += 1;
                     self.nodes[to].pending.push_back((tid, env.from, env.msg));
@@ -997,6 +1043,15 @@ impl<'a> World<'a> {
         let is_timeout = matches!(input, Input::Timeout);
         if self.trace.is_some() {
             let what = match &input {
+                // Instants print as absolute times: show the local clock.
+                Input::P(send::Event::TicketGrant {
+                    peer,
+                    sent_at,
+                    duration_ms,
+                }) => format!(
+                    "TicketGrant {{ peer: {peer:?}, sent_at: {}, duration_ms: {duration_ms} }}",
+                    self.local_of(*sent_at)
+                ),
                 Input::P(e) => format!("{e:?}"),
                 Input::D(e) => format!("{e:?}"),
                 Input::Timeout => "timeout".to_string(),
