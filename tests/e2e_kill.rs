@@ -350,76 +350,110 @@ fn prefill_process_stops_cleanly_on_sigterm_and_decode_never_hangs() {
 
 #[test]
 fn prefill_killed_fails_requests_at_once_by_connection_drop_not_silence() {
-    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
-    let addr = server.local_addr().to_string();
-    let client = BootstrapClient::new(&addr).unwrap();
-    let policy = RetryPolicy {
-        deadline: Duration::from_secs(20),
-        ..RetryPolicy::default()
-    };
-    // P holds every request for 5 s, so they are all in flight when it dies.
-    let mut p = prefill(&addr, 5_000);
-    client.wait_for_engine("prefill", 1, policy).unwrap();
-    let (tx, _rx) = flume::unbounded();
-    let mut c = NodeConfig::new(Role::Decode, "decode");
-    // Heartbeat silence alone would take 3 × 5 s to notice, and the
-    // requests' own deadlines are longer still.
-    c.timeouts = kvferry::machines::common::Config {
-        heartbeat_interval: Duration::from_secs(5),
-        heartbeat_misses: 3,
-        lease: Duration::from_secs(20),
-        hold_limit: Duration::from_secs(60),
-        bootstrap_timeout: Duration::from_secs(60),
-        waiting_timeout: Duration::from_secs(60),
-        ..demo_timeouts(TIMEOUT_MS)
-    };
-    c.notify = Some(tx);
-    let kv = SynthKv::new(model(), 1, 0, 4, 64);
-    let node = Node::start(c).unwrap();
-    // SAFETY: the node is shut down before `kv` drops (end of the test).
-    unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
-    let target = PrefillTarget::Bootstrap {
-        addr: addr.clone(),
-        engine_id: "prefill".into(),
-    };
-    let live: Vec<_> = (1..5u64)
-        .map(|tid| {
-            let r = node.receiver(tid, &target).unwrap();
-            r.request(vec![vec![
-                BlockId(tid as u32 * 2),
-                BlockId(tid as u32 * 2 + 1),
-            ]])
-            .unwrap();
-            r
-        })
-        .collect();
-    // Every request reached P (the peer is connected and answered hello).
-    let t0 = Instant::now();
-    while live
-        .iter()
-        .any(|r| node.phase(r.transfer_id()) == Some(Phase::Bootstrapping))
-    {
-        assert!(t0.elapsed() < Duration::from_secs(10), "never resolved");
-        std::thread::yield_now();
-    }
-    let killed_at = Instant::now();
-    p.0.kill().unwrap();
-    let _ = p.0.wait();
-    for r in &live {
-        let phase = r.wait(Duration::from_secs(10));
-        assert_eq!(
-            phase,
-            Phase::Failed(kvferry::machines::FailReason::PeerDead),
-            "request {}",
-            r.transfer_id()
+    // Heartbeat silence alone would take 15 × 1 s to notice the dead prefill
+    // rank, and the requests' own deadlines are longer still; the DEALER's
+    // socket monitor sees the connection drop at once. Pull mode: decode
+    // fails its requests then and there. Push mode: decode granted leases
+    // (with its `Pull`, on a ticket), so it also waits for them to run out
+    // plus the fence before it hands the blocks back: 2 s + 1.2 s here.
+    for mode in ["pull", "push"] {
+        let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+        let addr = server.local_addr().to_string();
+        let client = BootstrapClient::new(&addr).unwrap();
+        let policy = RetryPolicy {
+            deadline: Duration::from_secs(20),
+            ..RetryPolicy::default()
+        };
+        // P holds every request for 5 s, so they are all in flight when it dies.
+        let child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["prefill", "--bootstrap", &addr, "--mode", mode])
+            .args(["--timeout-ms", &TIMEOUT_MS.to_string()])
+            .args(["--delay-ms", "5000", "--blocks", "256"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvferry prefill");
+        let mut p = Proc(child);
+        client.wait_for_engine("prefill", 1, policy).unwrap();
+        let mut c = NodeConfig::new(Role::Decode, "decode");
+        c.mode = if mode == "push" {
+            kvferry::machines::common::Mode::Push
+        } else {
+            kvferry::machines::common::Mode::Pull
+        };
+        c.timeouts = kvferry::machines::common::Config {
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_misses: 15,
+            lease: Duration::from_secs(2),
+            hold_limit: Duration::from_secs(60),
+            bootstrap_timeout: Duration::from_secs(60),
+            waiting_timeout: Duration::from_secs(60),
+            claim_timeout: Duration::from_secs(60),
+            ..demo_timeouts(TIMEOUT_MS)
+        };
+        let fence = c.timeouts.lease + c.timeouts.fence();
+        let kv = SynthKv::new(model(), 1, 0, 4, 64);
+        let node = Node::start(c).unwrap();
+        // SAFETY: the node is shut down before `kv` drops (end of the loop).
+        unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
+        let target = PrefillTarget::Bootstrap {
+            addr: addr.clone(),
+            engine_id: "prefill".into(),
+        };
+        let live: Vec<_> = (1..5u64)
+            .map(|tid| {
+                let r = node.receiver(tid, &target).unwrap();
+                r.request(vec![vec![
+                    BlockId(tid as u32 * 2),
+                    BlockId(tid as u32 * 2 + 1),
+                ]])
+                .unwrap();
+                r
+            })
+            .collect();
+        // Every request reached P (the peer is connected and answered hello).
+        let t0 = Instant::now();
+        while live
+            .iter()
+            .any(|r| node.phase(r.transfer_id()) == Some(Phase::Bootstrapping))
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{mode}: never resolved"
+            );
+            std::thread::yield_now();
+        }
+        let killed_at = Instant::now();
+        p.0.kill().unwrap();
+        let _ = p.0.wait();
+        while node.stats().peers_marked_dead == 0 {
+            assert!(
+                killed_at.elapsed() < Duration::from_secs(3),
+                "{mode}: the dead peer was not noticed at once"
+            );
+            std::thread::yield_now();
+        }
+        for r in &live {
+            let phase = r.wait(Duration::from_secs(10));
+            assert_eq!(
+                phase,
+                Phase::Failed(kvferry::machines::FailReason::PeerDead),
+                "{mode}: request {}",
+                r.transfer_id()
+            );
+        }
+        let bound = if mode == "push" {
+            fence + Duration::from_secs(1)
+        } else {
+            Duration::from_secs(2)
+        };
+        assert!(
+            killed_at.elapsed() < bound,
+            "{mode}: failed after {:?} (bound {bound:?}); silence detection alone takes 15 s",
+            killed_at.elapsed()
         );
+        node.shutdown(Duration::from_millis(50));
+        drop(node);
+        drop(kv);
     }
-    assert!(
-        killed_at.elapsed() < Duration::from_secs(3),
-        "failed after {:?}; silence detection alone takes 15 s",
-        killed_at.elapsed()
-    );
-    node.shutdown(Duration::from_millis(50));
-    drop(node);
-    drop(kv);
 }
