@@ -140,7 +140,9 @@ pub struct NodeConfig {
     pub max_peers: usize,
     /// Most finished transfers remembered for [`Node::phase`] and
     /// [`Node::get_finished`]; past it the oldest records are forgotten
-    /// (they are history: every machine already ended).
+    /// (every machine already ended). An engine that does not call
+    /// `get_finished` for that long loses the oldest notifications; each
+    /// loss is logged and counted in `NodeStats::limit_hits`.
     pub max_finished_records: usize,
     /// Most block ids kept for [`Node::block_ids_with_load_errors`]; past it
     /// further ids are dropped and counted in `NodeStats::limit_hits`.
@@ -452,7 +454,17 @@ impl Shared {
             }
         }
         if r.finished.len() >= max {
-            r.finished.pop_front();
+            // The engine is not collecting (`get_finished`): the oldest
+            // uncollected notification goes. Its phase stays queryable
+            // until it ages out of `done` too.
+            if let Some(lost) = r.finished.pop_front() {
+                self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    ?lost,
+                    limit = max,
+                    "finished notification dropped uncollected: max_finished_records reached"
+                );
+            }
         }
         if r.done.insert(tid, phase).is_none() {
             r.order.push_back(tid);
