@@ -172,6 +172,23 @@ struct Slot {
     transfers: HashSet<TransferId>,
 }
 
+impl Slot {
+    fn new(route: Route, monitor: Option<zmq::Socket>, addr: String, since: Instant) -> Slot {
+        Slot {
+            route,
+            monitor,
+            ticket: None,
+            acks: VecDeque::new(),
+            addr,
+            ready: false,
+            dead: false,
+            since,
+            last_heard: None,
+            transfers: HashSet::new(),
+        }
+    }
+}
+
 enum Dir {
     Querying,
     Known(u32, Vec<String>),
@@ -431,47 +448,16 @@ impl Bridge {
                     self.bad_frame("frame from a peer that never said hello");
                     return;
                 };
-                let slot = Slot {
-                    route: Route::Identity(identity.clone()),
-                    monitor: None,
-                    ticket: None,
-                    acks: VecDeque::new(),
-                    addr: String::new(),
-                    ready: false,
-                    dead: false,
-                    since: now,
-                    last_heard: None,
-                    transfers: HashSet::new(),
+                // Decode ranks that restart come back with new identities;
+                // when the table is full the slot of a dead one that no
+                // transfer refers to any more is reused, so it stays bounded
+                // without refusing newcomers forever.
+                let Some(at) = self.room_for(false) else {
+                    self.bad_frame("too many peers");
+                    return;
                 };
-                let id = if self.slots.len() < self.shared.config.max_peers {
-                    self.slots.push(slot);
-                    self.slots.len() as u32 - 1
-                } else {
-                    // Decode ranks that restart come back with new
-                    // identities; reuse the slot of a dead one that no
-                    // transfer refers to any more, so the table stays bounded
-                    // without refusing newcomers forever.
-                    let Some(i) = self.slots.iter().position(|s| {
-                        s.dead && s.transfers.is_empty() && matches!(s.route, Route::Identity(_))
-                    }) else {
-                        self.bad_frame("too many peers");
-                        return;
-                    };
-                    if let Route::Identity(old) = &self.slots[i].route {
-                        self.by_identity.remove(old);
-                    }
-                    self.shared
-                        .counters
-                        .dead_now
-                        .fetch_sub(1, Ordering::Relaxed);
-                    self.shared
-                        .peers
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&(i as u32));
-                    self.slots[i] = slot;
-                    i as u32
-                };
+                let slot = Slot::new(Route::Identity(identity.clone()), None, String::new(), now);
+                let id = self.install(at, slot);
                 self.by_identity.insert(identity, id);
                 id
             }
@@ -757,6 +743,46 @@ impl Bridge {
         }
     }
 
+    /// Where a new peer goes under `max_peers`: `Some(None)` a new slot,
+    /// `Some(Some(i))` slot `i` of a dead peer of the same kind (a DEALER
+    /// we connected, or a ROUTER identity) that no transfer refers to any
+    /// more, `None` no room.
+    fn room_for(&self, dealer: bool) -> Option<Option<usize>> {
+        if self.slots.len() < self.shared.config.max_peers {
+            return Some(None);
+        }
+        self.slots
+            .iter()
+            .position(|s| {
+                s.dead && s.transfers.is_empty() && matches!(s.route, Route::Dealer(_)) == dealer
+            })
+            .map(Some)
+    }
+
+    /// Puts `slot` where [`Bridge::room_for`] said; a reused slot's peer is
+    /// forgotten (its index entry, its dead mark, its hello).
+    fn install(&mut self, at: Option<usize>, slot: Slot) -> u32 {
+        let Some(i) = at else {
+            self.slots.push(slot);
+            return self.slots.len() as u32 - 1;
+        };
+        let old = std::mem::replace(&mut self.slots[i], slot);
+        match &old.route {
+            Route::Identity(id) => self.by_identity.remove(id),
+            Route::Dealer(_) => self.by_addr.remove(&old.addr),
+        };
+        self.shared
+            .counters
+            .dead_now
+            .fetch_sub(1, Ordering::Relaxed);
+        self.shared
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(i as u32));
+        i as u32
+    }
+
     /// The slot for prefill side channel `addr`, connecting a DEALER and
     /// saying hello the first time.
     fn dealer_for(&mut self, addr: &str) -> Option<u32> {
@@ -766,24 +792,17 @@ impl Bridge {
         // Prefill ranks that restart come back at new addresses: when the
         // table is full, reuse the slot of a dead one that no transfer
         // refers to any more.
-        let reuse = if self.slots.len() < self.shared.config.max_peers {
-            None
-        } else {
-            let Some(i) = self.slots.iter().position(|s| {
-                s.dead && s.transfers.is_empty() && matches!(s.route, Route::Dealer(_))
-            }) else {
-                tracing::warn!(
-                    addr,
-                    limit = self.shared.config.max_peers,
-                    "cannot connect to prefill side channel: max_peers reached"
-                );
-                self.shared
-                    .counters
-                    .limit_hits
-                    .fetch_add(1, Ordering::Relaxed);
-                return None;
-            };
-            Some(i)
+        let Some(at) = self.room_for(true) else {
+            tracing::warn!(
+                addr,
+                limit = self.shared.config.max_peers,
+                "cannot connect to prefill side channel: max_peers reached"
+            );
+            self.shared
+                .counters
+                .limit_hits
+                .fetch_add(1, Ordering::Relaxed);
+            return None;
         };
         let s = self.ctx.socket(zmq::DEALER).ok()?;
         // The monitor is attached before connecting, so no event is missed.
@@ -809,38 +828,8 @@ impl Bridge {
             tracing::warn!(addr, %e, "cannot connect to prefill side channel");
             return None;
         }
-        let slot = Slot {
-            route: Route::Dealer(s),
-            monitor,
-            ticket: None,
-            acks: VecDeque::new(),
-            addr: addr.to_string(),
-            ready: false,
-            dead: false,
-            since: Instant::now(),
-            last_heard: None,
-            transfers: HashSet::new(),
-        };
-        let id = match reuse {
-            None => {
-                self.slots.push(slot);
-                self.slots.len() as u32 - 1
-            }
-            Some(i) => {
-                let old = std::mem::replace(&mut self.slots[i], slot);
-                self.by_addr.remove(&old.addr);
-                self.shared
-                    .counters
-                    .dead_now
-                    .fetch_sub(1, Ordering::Relaxed);
-                self.shared
-                    .peers
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&(i as u32));
-                i as u32
-            }
-        };
+        let slot = Slot::new(Route::Dealer(s), monitor, addr.to_string(), Instant::now());
+        let id = self.install(at, slot);
         self.by_addr.insert(addr.to_string(), id);
         if let Some(h) = self.own_hello() {
             self.send_frame(id, &Frame::Hello(h));
