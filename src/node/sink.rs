@@ -33,8 +33,6 @@ thread_local! {
     /// The transport endpoint of each node whose executor runs on this
     /// thread, so that tasks spawned by `register_kv_caches` reach it.
     static TRANSPORTS: RefCell<HashMap<u64, Rc<AnyTransport>>> = RefCell::new(HashMap::new());
-    /// The block fence of each such node, made by `register_kv_caches`.
-    static FENCES: RefCell<HashMap<u64, Rc<BlockFence>>> = RefCell::new(HashMap::new());
 }
 
 /// The KV memory of a node as `register_kv_caches` hands it to the executor.
@@ -53,12 +51,10 @@ pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), String
     let t = TRANSPORTS
         .with(|m| m.borrow().get(&node_id).cloned())
         .ok_or_else(|| "the node has no transport endpoint".to_string())?;
-    if kv.fenced {
-        let fence = Rc::new(BlockFence::new(&kv.regions, kv.num_blocks));
-        if let AnyTransport::Tcp(tcp) = &*t {
-            tcp.set_fence(Some(fence.clone()));
-        }
-        FENCES.with(|m| m.borrow_mut().insert(node_id, fence));
+    // The local transport copies on the initiator's thread, outside any
+    // fence of ours; only tcp endpoints get one.
+    if let (true, AnyTransport::Tcp(tcp)) = (kv.fenced, &*t) {
+        tcp.set_fence(Some(Rc::new(BlockFence::new(&kv.regions, kv.num_blocks))));
     }
     for &(base, block_len) in &kv.regions {
         let len = kv
@@ -111,7 +107,6 @@ impl<M: Machine> Drop for Sink<M> {
     fn drop(&mut self) {
         let id = self.shared.node_id;
         TRANSPORTS.with(|m| m.borrow_mut().remove(&id));
-        FENCES.with(|m| m.borrow_mut().remove(&id));
     }
 }
 
@@ -173,10 +168,18 @@ where
         }
     }
 
+    /// The endpoint's block fence, once `register_kv_caches` made one.
+    fn fence(&self) -> Option<Rc<BlockFence>> {
+        match self.transport.as_deref() {
+            Some(AnyTransport::Tcp(tcp)) => tcp.fence(),
+            Some(AnyTransport::Local(_)) | None => None,
+        }
+    }
+
     /// Opens this node's `blocks` of `tid` in the block fence: the data
     /// plane may touch them until the transfer is reported terminal.
     fn open_blocks(&mut self, tid: TransferId, blocks: &BlockLists) {
-        let Some(fence) = FENCES.with(|m| m.borrow().get(&self.shared.node_id).cloned()) else {
+        let Some(fence) = self.fence() else {
             return;
         };
         let ids = blocks.iter().flatten().map(|b| b.0);
@@ -248,8 +251,10 @@ where
             && batches.len() == 1
             && descs.len() <= COALESCE_MAX_DESCS
             && bytes <= COALESCE_MAX_BYTES;
+        // Counted from now, when the machine's op was posted, not from when
+        // the task first runs.
+        let deadline = Instant::now() + bound;
         glommio::spawn_local(async move {
-            let deadline = Instant::now() + bound;
             let result = if descs.is_empty() {
                 Ok(())
             } else if coalesce {
@@ -341,7 +346,7 @@ where
         // else runs on this executor, so no byte moves in or out of them
         // from here on, whatever is still in flight.
         if let Some(ids) = self.opened.remove(&tid) {
-            if let Some(f) = FENCES.with(|m| m.borrow().get(&self.shared.node_id).cloned()) {
+            if let Some(f) = self.fence() {
                 f.close(ids);
             }
         }

@@ -201,6 +201,11 @@ impl TcpTransport {
         *self.target.fence.borrow_mut() = fence;
     }
 
+    /// The block fence set by [`TcpTransport::set_fence`].
+    pub fn fence(&self) -> Option<Rc<BlockFence>> {
+        self.target.fence.borrow().clone()
+    }
+
     /// The endpoint's configuration.
     pub fn config(&self) -> &TcpConfig {
         &self.target.config
