@@ -45,6 +45,19 @@ fn spec(mode: Mode) -> ClusterSpec {
     }
 }
 
+/// Collects prefill's finished transfers (like an engine step) until `tid`
+/// is among them or 5 s passed: its completion is queued just after its
+/// phase turns terminal. Returns everything collected.
+fn collect_sent_until(node: &kvferry::node::Node, tid: u64) -> Vec<u64> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut sent = Vec::new();
+    while !sent.contains(&tid) && Instant::now() < deadline {
+        sent.extend(node.get_finished().0);
+        std::thread::yield_now();
+    }
+    sent
+}
+
 fn ids(v: &[u32]) -> Vec<Vec<BlockId>> {
     vec![v.iter().map(|&b| BlockId(b)).collect()]
 }
@@ -293,14 +306,7 @@ fn prefill_sender_after_decode_abort_ends_at_once() {
         assert!(matches!(rx.wait(Duration::from_secs(5)), Phase::Failed(_)));
         // A connector collects finished transfers every step (vLLM's
         // `get_finished`), so the ended machine is gone from the executor.
-        // The completion is queued just after the phase turns terminal, so
-        // collect until it shows up.
-        let p_done = Instant::now() + Duration::from_secs(5);
-        let mut sent = Vec::new();
-        while !sent.contains(&9) && Instant::now() < p_done {
-            sent.extend(p.node.get_finished().0);
-            std::thread::yield_now();
-        }
+        let sent = collect_sent_until(&p.node, 9);
         assert!(sent.contains(&9), "{mode:?}: {sent:?}");
         let started = Instant::now();
         let tx = p.node.sender(9).unwrap();
@@ -329,12 +335,7 @@ fn pull_for_a_transfer_prefill_already_ended_fails_decode_at_once() {
         let tx = p.node.sender(11).unwrap();
         tx.abort().unwrap();
         assert!(tx.wait(Duration::from_secs(5)).is_terminal(), "{mode:?}");
-        let p_done = Instant::now() + Duration::from_secs(5);
-        let mut sent = Vec::new();
-        while !sent.contains(&11) && Instant::now() < p_done {
-            sent.extend(p.node.get_finished().0);
-            std::thread::yield_now();
-        }
+        let sent = collect_sent_until(&p.node, 11);
         assert!(sent.contains(&11), "{mode:?}: {sent:?}");
         let started = Instant::now();
         let rx = d.node.receiver(11, &c.target).unwrap();
