@@ -10,7 +10,7 @@
 //! requests to it fail fast, and any later frame from it (the periodic
 //! probe is answered) clears the mark.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -46,6 +46,15 @@ pub(crate) enum BridgeCmd {
         peer: u32,
         tid: Option<TransferId>,
         bytes: Vec<u8>,
+    },
+    /// A machine message that came over the data plane (see the sink's
+    /// notification handler) and needs the bridge's handling: one for a
+    /// transfer the executor does not hold live, or of a kind only the
+    /// bridge routes.
+    Inbound {
+        peer: u32,
+        tid: TransferId,
+        msg: Msg,
     },
     /// Find and contact the prefill ranks of a new decode request.
     Resolve {
@@ -159,10 +168,6 @@ struct Slot {
     /// Decode side: the latest `HeartbeatAck` this prefill peer sent us
     /// (its `seq`, when it arrived): a lease ticket for our `Pull`s.
     ticket: Option<(u64, Instant)>,
-    /// Prefill side: the heartbeat acks we sent this decode peer (`seq`,
-    /// sent at), newest last, at most [`TICKETS_KEPT`]: a grant naming one
-    /// counts from when we sent it.
-    acks: VecDeque<(u64, Instant)>,
     /// Prefill side-channel address (decode side only).
     addr: String,
     ready: bool,
@@ -178,7 +183,6 @@ impl Slot {
             route,
             monitor,
             ticket: None,
-            acks: VecDeque::new(),
             addr,
             ready: false,
             dead: false,
@@ -268,6 +272,11 @@ impl Bridge {
                     .map(|(_, s)| *s)
                     .collect()
             };
+            for (peer, tid) in self.shared.take_tracked() {
+                if let Some(s) = self.slots.get_mut(peer as usize) {
+                    s.transfers.insert(tid);
+                }
+            }
             // Commands first: they include our own sends, which keeps
             // request latency low under inbound load.
             self.drain_commands();
@@ -291,6 +300,7 @@ impl Bridge {
                     }
                     self.send_bytes(peer, bytes);
                 }
+                BridgeCmd::Inbound { peer, tid, msg } => self.on_transfer_msg(peer, tid, msg),
                 BridgeCmd::Resolve { tid, target } => {
                     let p = Pending { tid, target };
                     if !self.try_resolve(&p) {
@@ -477,11 +487,9 @@ impl Bridge {
             Frame::Hello(h) => self.handle_hello(peer, h),
             Frame::Heartbeat { seq } => {
                 // Recorded before it leaves, so the time can only be early.
-                if let Some(s) = self.slots.get_mut(peer as usize) {
-                    if s.acks.len() >= TICKETS_KEPT {
-                        s.acks.pop_front();
-                    }
-                    s.acks.push_back((seq, Instant::now()));
+                if self.slots.get(peer as usize).is_some() {
+                    self.shared
+                        .ack_sent(peer, seq, Instant::now(), TICKETS_KEPT);
                 }
                 self.send_frame(peer, &Frame::HeartbeatAck { seq });
             }
@@ -491,14 +499,17 @@ impl Bridge {
                 }
             }
             Frame::Transfer { transfer_id, msg } => {
-                let tid = TransferId(transfer_id);
-                // Only transfers a machine took are tracked, so a peer
-                // sending made-up ids cannot grow the set.
-                if self.deliver(peer, tid, msg) {
-                    if let Some(s) = self.slots.get_mut(peer as usize) {
-                        s.transfers.insert(tid);
-                    }
-                }
+                self.on_transfer_msg(peer, TransferId(transfer_id), msg)
+            }
+        }
+    }
+
+    fn on_transfer_msg(&mut self, peer: u32, tid: TransferId, msg: Msg) {
+        // Only transfers a machine took are tracked, so a peer sending
+        // made-up ids cannot grow the set.
+        if self.deliver(peer, tid, msg) {
+            if let Some(s) = self.slots.get_mut(peer as usize) {
+                s.transfers.insert(tid);
             }
         }
     }
@@ -542,11 +553,7 @@ impl Bridge {
             pair,
             endpoint,
         });
-        self.shared
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer, data);
+        self.shared.set_peer(peer, data);
         if let Some(s) = self.slots.get_mut(peer as usize) {
             s.ready = true;
         }
@@ -587,13 +594,7 @@ impl Bridge {
                 // A grant answering one of our heartbeat acks: count it
                 // from when we sent that ack (the oldest, if sent twice).
                 let ticket = seq & !TICKET_BIT;
-                let sent_at = self.slots.get(peer as usize).and_then(|s| {
-                    s.acks
-                        .iter()
-                        .filter(|(q, _)| *q == ticket)
-                        .map(|(_, at)| *at)
-                        .min()
-                });
+                let sent_at = self.shared.ticket_sent_at(peer, ticket);
                 let Some(sent_at) = sent_at else {
                     // Unknown or forgotten: P asks for a lease as usual.
                     tracing::debug!(?tid, peer, ticket, "lease ticket not ours; ignored");
@@ -775,11 +776,7 @@ impl Bridge {
             .counters
             .dead_now
             .fetch_sub(1, Ordering::Relaxed);
-        self.shared
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(i as u32));
+        self.shared.remove_peer(i as u32);
         i as u32
     }
 

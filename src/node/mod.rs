@@ -369,7 +369,19 @@ pub(crate) struct Shared {
     pub config: NodeConfig,
     pub local: OnceLock<LocalKv>,
     pub endpoint: OnceLock<String>,
-    pub peers: Mutex<HashMap<u32, Arc<PeerData>>>,
+    /// Peers by side-channel slot, and the slot of each data-plane
+    /// endpoint (the latest hello that named it), for messages that arrive
+    /// over the data plane.
+    peers: Mutex<Peers>,
+    /// Prefill side: per decode peer, the heartbeat acks the bridge sent it
+    /// (`seq`, sent at), newest last: a grant naming one as a lease ticket
+    /// counts from when it was sent. Read by the bridge and by the executor
+    /// (for grants that come over the data plane).
+    tickets: Mutex<HashMap<u32, VecDeque<(u64, Instant)>>>,
+    /// Transfers whose messages went over the data plane, by peer slot, for
+    /// the bridge to tie to that peer (so the peer's death fails them fast)
+    /// on its next turn.
+    tracked: Mutex<Vec<(u32, TransferId)>>,
     pub counters: Counters,
     records: Mutex<Records>,
     pub bridge_tx: flume::Sender<BridgeCmd>,
@@ -387,13 +399,94 @@ pub(crate) struct Shared {
     terminal_cv: Condvar,
 }
 
+#[derive(Default)]
+struct Peers {
+    by_slot: HashMap<u32, Arc<PeerData>>,
+    by_endpoint: HashMap<EndpointAddr, u32>,
+}
+
 impl Shared {
     pub(crate) fn peer(&self, id: u32) -> Option<Arc<PeerData>> {
         self.peers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+            .by_slot
             .get(&id)
             .cloned()
+    }
+
+    /// The side-channel slot of the peer whose hello named data-plane
+    /// endpoint `endpoint`.
+    pub(crate) fn peer_at(&self, endpoint: &EndpointAddr) -> Option<u32> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_endpoint
+            .get(endpoint)
+            .copied()
+    }
+
+    /// Records the hello of the peer in slot `id`.
+    pub(crate) fn set_peer(&self, id: u32, data: Arc<PeerData>) {
+        let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = data.endpoint {
+            p.by_endpoint.insert(e, id);
+        }
+        if let Some(old) = p.by_slot.insert(id, data) {
+            forget_endpoint(&mut p, id, old.endpoint);
+        }
+    }
+
+    /// Forgets the peer in slot `id` (its slot goes to a newcomer).
+    pub(crate) fn remove_peer(&self, id: u32) {
+        let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = p.by_slot.remove(&id) {
+            forget_endpoint(&mut p, id, old.endpoint);
+        }
+        drop(p);
+        self.tickets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+    }
+
+    /// Remembers that heartbeat ack `seq` went to `peer` at `at`; the
+    /// oldest beyond `kept` are forgotten.
+    pub(crate) fn ack_sent(&self, peer: u32, seq: u64, at: Instant, kept: usize) {
+        let mut t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        let acks = t.entry(peer).or_default();
+        if acks.len() >= kept {
+            acks.pop_front();
+        }
+        acks.push_back((seq, at));
+    }
+
+    /// When the heartbeat ack `ticket` went to `peer` (the first time, if
+    /// twice), if it is still remembered.
+    pub(crate) fn ticket_sent_at(&self, peer: u32, ticket: u64) -> Option<Instant> {
+        let t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        t.get(&peer)?
+            .iter()
+            .filter(|(q, _)| *q == ticket)
+            .map(|(_, at)| *at)
+            .min()
+    }
+
+    /// Ties `tid` to `peer` for the bridge (see `tracked`); bounded like the
+    /// bridge's queue, past which the peer's death is left to the
+    /// machines' own timeouts.
+    pub(crate) fn track(&self, peer: u32, tid: TransferId) {
+        let mut t = self.tracked.lock().unwrap_or_else(|e| e.into_inner());
+        if t.len() < self.config.bridge_queue_capacity {
+            t.push((peer, tid));
+        } else {
+            self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes what [`Shared::track`] queued.
+    pub(crate) fn take_tracked(&self) -> Vec<(u32, TransferId)> {
+        std::mem::take(&mut *self.tracked.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Queues a command for the bridge; a full queue drops it (the
@@ -486,6 +579,17 @@ impl Shared {
         }
         *self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         self.terminal_cv.notify_all();
+    }
+}
+
+/// Drops the index entry of `endpoint` if it still names slot `id`.
+fn forget_endpoint(p: &mut Peers, id: u32, endpoint: Option<EndpointAddr>) {
+    if let Some(e) = endpoint {
+        if p.by_endpoint.get(&e) == Some(&id)
+            && p.by_slot.get(&id).and_then(|d| d.endpoint) != Some(e)
+        {
+            p.by_endpoint.remove(&e);
+        }
     }
 }
 
@@ -634,7 +738,9 @@ impl Node {
             config: config.clone(),
             local: OnceLock::new(),
             endpoint: OnceLock::new(),
-            peers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(Peers::default()),
+            tickets: Mutex::new(HashMap::new()),
+            tracked: Mutex::new(Vec::new()),
             counters: Counters::default(),
             records: Mutex::new(Records::default()),
             bridge_tx,

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::bootstrap::Outcome;
-use kvferry_machines::common::{BlockLists, Msg, PeerId};
+use kvferry_machines::common::{BlockLists, Msg, PeerId, TICKET_BIT};
 use kvferry_machines::planner::Plan;
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send::SendMachine;
@@ -84,6 +84,70 @@ struct Job<'a> {
 
 type Sessions = Rc<RefCell<HashMap<EndpointAddr, SessionSlot>>>;
 
+/// What the sink needs to know of each machine type.
+pub(crate) trait NodeMachine: Machine {
+    /// The event that hands `peer`'s message to a live machine of this
+    /// executor, as the bridge would (`None`: the bridge would drop it).
+    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Option<Self::Event>;
+}
+
+impl NodeMachine for SendMachine {
+    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Option<send::Event> {
+        match msg {
+            // A grant answering one of our heartbeat acks counts from when
+            // we sent that ack; an unknown or forgotten one is ignored (P
+            // asks for a lease as usual).
+            Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
+                let sent_at = shared.ticket_sent_at(peer.0, seq & !TICKET_BIT)?;
+                Some(send::Event::TicketGrant {
+                    peer,
+                    sent_at,
+                    duration_ms,
+                })
+            }
+            msg => Some(send::Event::Msg { peer, msg }),
+        }
+    }
+}
+
+impl NodeMachine for RecvMachine {
+    fn inbound(_: &Shared, peer: PeerId, msg: Msg) -> Option<recv::Event> {
+        Some(recv::Event::Msg { peer, msg })
+    }
+}
+
+/// Whether `msg` may travel over a data-plane session to its peer instead
+/// of the side channel. Those are the messages on the critical path of a
+/// push-mode request (D's `Pull` and its lease ticket; P's `Status` once its
+/// writes are acknowledged) and pull mode's closing `Done`. On loopback each
+/// saves about five thread hand-offs (executor, bridge, two ZeroMQ I/O
+/// threads, bridge, executor).
+///
+/// The others stay on the side channel because of ordering: the bridge
+/// answers a `Ready`, `LeaseRequest` or `Pull` for a transfer that already
+/// ended with an `Abort` after flushing the machine's own last words from
+/// its queue, and that flush cannot see a notification still on its way,
+/// so a machine's last words must not be able to trail a message that
+/// draws such an answer. A `Status` or `Done` is the sender's last word;
+/// after it, its peer sends nothing that draws an `Abort` (push-mode D
+/// sends no `LeaseRequest`, pull-mode P sends no `Ready` after D is done).
+fn over_data_plane(msg: &Msg) -> bool {
+    match msg {
+        Msg::Status { .. } | Msg::Done { .. } | Msg::Pull { .. } | Msg::LeaseGrant { .. } => true,
+        Msg::Ready { .. } | Msg::LeaseRequest { .. } | Msg::Abort | Msg::AbortAck => false,
+    }
+}
+
+/// Side-channel frames waiting for a data-plane notification, per peer
+/// endpoint: (peer slot, transfer, encoded frame).
+#[derive(Default)]
+struct NoteLane {
+    queue: Vec<(PeerId, TransferId, Vec<u8>)>,
+    pumping: bool,
+}
+
+type NoteLanes = Rc<RefCell<HashMap<EndpointAddr, NoteLane>>>;
+
 /// The node's action sink, for either machine type.
 pub(crate) struct Sink<M: Machine> {
     shared: Arc<Shared>,
@@ -94,14 +158,19 @@ pub(crate) struct Sink<M: Machine> {
     /// Scratch block lists for the planner (u64 ids), kept between calls.
     src: Vec<Vec<u64>>,
     dst: Vec<Vec<u64>>,
-    /// When each live transfer was created, for the latency histogram.
-    started: HashMap<TransferId, Instant>,
+    /// When each live transfer was created, for the latency histogram;
+    /// also which transfers the executor holds live.
+    started: Live,
+    /// Frames waiting to go over the data plane, per peer endpoint.
+    notes: NoteLanes,
     /// Small transfers waiting to share a batch, per peer endpoint.
     lanes: Lanes,
     /// Local blocks each live transfer opened in the block fence; closed in
     /// the turn that reports the transfer terminal.
     opened: HashMap<TransferId, Vec<u32>>,
 }
+
+type Live = Rc<RefCell<HashMap<TransferId, Instant>>>;
 
 impl<M: Machine> Drop for Sink<M> {
     fn drop(&mut self) {
@@ -110,7 +179,7 @@ impl<M: Machine> Drop for Sink<M> {
     }
 }
 
-impl<M: Machine + 'static> Sink<M>
+impl<M: NodeMachine + 'static> Sink<M>
 where
     M::Event: 'static,
 {
@@ -142,8 +211,16 @@ where
                     .map(AnyTransport::Tcp)
             }
         };
+        let started: Live = Rc::new(RefCell::new(HashMap::new()));
         let transport = match made {
             Ok(t) => {
+                if let AnyTransport::Tcp(tcp) = &t {
+                    tcp.set_notify_handler(Some(notify_handler::<M>(
+                        shared.clone(),
+                        poster.clone(),
+                        started.clone(),
+                    )));
+                }
                 let t = Rc::new(t);
                 let _ = ready.try_send(Ok(t.endpoint_addr().to_string()));
                 TRANSPORTS.with(|m| m.borrow_mut().insert(shared.node_id, t.clone()));
@@ -162,7 +239,8 @@ where
             plan: Plan::default(),
             src: Vec::new(),
             dst: Vec::new(),
-            started: HashMap::new(),
+            started,
+            notes: Rc::new(RefCell::new(HashMap::new())),
             lanes: Rc::new(RefCell::new(HashMap::new())),
             opened: HashMap::new(),
         }
@@ -197,6 +275,83 @@ where
             tid: Some(tid),
             bytes,
         });
+    }
+
+    /// Sends `msg` over the data-plane session of `peer` when it may
+    /// ([`over_data_plane`]) and one is open, else over the side channel
+    /// (and then opens a session in the background for the next ones).
+    fn send_msg(&self, tid: TransferId, peer: PeerId, msg: Msg) {
+        let endpoint = match (&self.transport.as_deref(), over_data_plane(&msg)) {
+            (Some(AnyTransport::Tcp(_)), true) => self.shared.peer(peer.0).and_then(|d| d.endpoint),
+            _ => None,
+        };
+        let Some(endpoint) = endpoint else {
+            return self.send_frame(tid, peer, msg);
+        };
+        let open = self
+            .sessions
+            .borrow()
+            .get(&endpoint)
+            .and_then(|slot| slot.try_lock().map(|g| g.is_some()));
+        match open {
+            Some(true) => {}
+            Some(false) => return self.send_frame(tid, peer, msg),
+            None => {
+                self.open_session(endpoint);
+                return self.send_frame(tid, peer, msg);
+            }
+        }
+        self.shared.track(peer.0, tid);
+        let bytes = proto::encode(&Frame::Transfer {
+            transfer_id: tid.0,
+            msg,
+        });
+        let start = {
+            let mut notes = self.notes.borrow_mut();
+            let lane = notes.entry(endpoint).or_default();
+            lane.queue.push((peer, tid, bytes));
+            !std::mem::replace(&mut lane.pumping, true)
+        };
+        if start {
+            glommio::spawn_local(pump_notes(
+                endpoint,
+                self.notes.clone(),
+                self.sessions.clone(),
+                self.shared.clone(),
+            ))
+            .detach();
+        }
+    }
+
+    /// Opens a session to `endpoint` in the background, unless one is open
+    /// or opening; a failure is only logged (the side channel still works).
+    fn open_session(&self, endpoint: EndpointAddr) {
+        let (Some(transport), Ok(())) = (
+            self.transport.clone(),
+            make_room(
+                &self.sessions,
+                &endpoint,
+                self.shared.config.max_data_sessions,
+            ),
+        ) else {
+            return;
+        };
+        let slot = self
+            .sessions
+            .borrow_mut()
+            .entry(endpoint)
+            .or_default()
+            .clone();
+        glommio::spawn_local(async move {
+            let mut guard = slot.lock().await;
+            if guard.is_none() {
+                match transport.open(&endpoint).await {
+                    Ok(s) => *guard = Some(Rc::new(s)),
+                    Err(e) => tracing::debug!(%endpoint, %e, "no data-plane session for messages"),
+                }
+            }
+        })
+        .detach();
     }
 
     /// Posts `events` to the machine from a local task (`execute` cannot wait).
@@ -339,7 +494,7 @@ where
     fn report(&mut self, tid: TransferId, phase: Phase, now: Instant) {
         if !phase.is_terminal() {
             // The first report comes when the machine is inserted.
-            self.started.entry(tid).or_insert(now);
+            self.started.borrow_mut().entry(tid).or_insert(now);
             return;
         }
         // The blocks go back to the engine now: close them before anything
@@ -350,7 +505,7 @@ where
                 f.close(ids);
             }
         }
-        let since = self.started.remove(&tid).unwrap_or(now);
+        let since = self.started.borrow_mut().remove(&tid).unwrap_or(now);
         let outcome = match phase {
             Phase::Success => Outcome::Ok,
             Phase::Expired => Outcome::Expired,
@@ -529,6 +684,132 @@ impl Io {
     }
 }
 
+/// Sends what the note lane of `endpoint` holds, one notification per
+/// turn (everything queued meanwhile shares the next), until it is empty.
+/// Whatever the peer did not take goes over the side channel instead.
+async fn pump_notes(
+    endpoint: EndpointAddr,
+    notes: NoteLanes,
+    sessions: Sessions,
+    shared: Arc<Shared>,
+) {
+    let sender = shared.endpoint.get().cloned().unwrap_or_default();
+    loop {
+        // Let the executor finish its turn first: a machine's messages of
+        // one step (a `Pull` and its lease ticket) then share a frame.
+        futures_lite::future::yield_now().await;
+        let batch = {
+            let mut map = notes.borrow_mut();
+            let Some(lane) = map.get_mut(&endpoint) else {
+                return;
+            };
+            if lane.queue.is_empty() {
+                map.remove(&endpoint);
+                return;
+            }
+            let mut bytes = 2 + sender.len() as u64;
+            let n = lane
+                .queue
+                .iter()
+                .take(proto::MAX_NOTIFY_FRAMES)
+                .take_while(|(_, _, f)| {
+                    bytes += 4 + f.len() as u64;
+                    bytes <= crate::transport::wire::MAX_NOTIFY_BYTES
+                })
+                .count()
+                .max(1);
+            lane.queue.drain(..n).collect::<Vec<_>>()
+        };
+        let slot = sessions.borrow().get(&endpoint).cloned();
+        let session = match slot {
+            Some(slot) => slot.lock().await.clone(),
+            None => None,
+        };
+        let sent = match session.as_deref() {
+            Some(AnySession::Tcp(s)) => {
+                let payload = proto::encode_notify(&sender, batch.iter().map(|(_, _, f)| &f[..]));
+                match s.notify(&payload).await {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::debug!(%endpoint, %e, "data-plane notification not taken; using the side channel");
+                        false
+                    }
+                }
+            }
+            Some(AnySession::Local(_)) | None => false,
+        };
+        if !sent {
+            for (peer, tid, bytes) in batch {
+                shared.to_bridge(BridgeCmd::Send {
+                    peer: peer.0,
+                    tid: Some(tid),
+                    bytes,
+                });
+            }
+        }
+    }
+}
+
+/// Takes the side-channel frames a peer sends over the data plane (see
+/// [`pump_notes`]) on this node's executor. Messages for transfers this
+/// executor holds live go straight to their machines; anything else takes
+/// the bridge's path, as if it had come over ZeroMQ. Refuses (so the peer
+/// resends over the side channel) when the sender is not a peer whose hello
+/// named that endpoint.
+fn notify_handler<M: NodeMachine + 'static>(
+    shared: Arc<Shared>,
+    poster: EventPoster<M>,
+    live: Live,
+) -> crate::transport::tcp::NotifyHandler {
+    Rc::new(move |bytes: &[u8]| {
+        let limits = shared.config.frame_limits;
+        let (sender, frames) = match proto::decode_notify(bytes, &limits) {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!(%e, "bad data-plane notification");
+                shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+        };
+        let Some(peer) = sender
+            .parse::<EndpointAddr>()
+            .ok()
+            .and_then(|e| shared.peer_at(&e))
+        else {
+            tracing::debug!(sender, "data-plane notification from an unknown endpoint");
+            return false;
+        };
+        for f in frames {
+            let (tid, msg) = match proto::decode(f, &limits) {
+                Ok(Frame::Transfer { transfer_id, msg }) => (TransferId(transfer_id), msg),
+                Ok(other) => {
+                    tracing::debug!(?other, "only transfer messages travel over the data plane");
+                    shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(%e, "bad frame in a data-plane notification");
+                    shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+            };
+            if over_data_plane(&msg) && live.borrow().contains_key(&tid) {
+                let Some(event) = M::inbound(&shared, PeerId(peer), msg.clone()) else {
+                    continue;
+                };
+                // A full queue (or a closing executor) leaves it to the
+                // bridge, whose hand-off waits for room.
+                if poster.try_post(tid, event).is_ok() {
+                    shared.track(peer, tid);
+                    continue;
+                }
+            }
+            shared.to_bridge(BridgeCmd::Inbound { peer, tid, msg });
+        }
+        true
+    })
+}
+
 /// Makes room for a session to `endpoint` under `max` sessions: closes the
 /// idle ones (no transfer holds their slot) when full. Peers that restart
 /// come back at new endpoints, so without this the map would only grow.
@@ -605,7 +886,7 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
                 if let Msg::Ready { src_blocks, .. } = &msg {
                     self.open_blocks(tid, src_blocks);
                 }
-                self.send_frame(tid, peer, msg)
+                self.send_msg(tid, peer, msg)
             }
             send::Action::Write {
                 peer,
@@ -646,7 +927,7 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
                         self.open_blocks(tid, dst_blocks);
                     }
                 }
-                self.send_frame(tid, peer, msg)
+                self.send_msg(tid, peer, msg)
             }
             recv::Action::Read {
                 peer,

@@ -133,12 +133,18 @@ fn protocol(msg: impl Into<String>) -> TransportError {
 
 type FenceCell = Rc<RefCell<Option<Rc<BlockFence>>>>;
 
+/// Takes the bytes of a NOTIFY frame on the target's executor; returns
+/// whether it took them (a refusal tells the sender to use another path).
+pub type NotifyHandler = Rc<dyn Fn(&[u8]) -> bool>;
+
 /// State shared by the acceptor and the connection tasks of one endpoint.
 struct Target {
     registry: Arc<Registry>,
     /// The node's block fence, shared with the sessions this endpoint opens.
     fence: FenceCell,
     config: TcpConfig,
+    /// Where NOTIFY frames go; without one they are refused.
+    notify: RefCell<Option<NotifyHandler>>,
     /// Sockets of the live connections, so shutdown can close them at once.
     conns: RefCell<Slab<RawFd>>,
     shutting_down: Cell<bool>,
@@ -177,6 +183,7 @@ impl TcpTransport {
             registry: Registry::new(config.max_regions),
             fence: Rc::new(RefCell::new(None)),
             config,
+            notify: RefCell::new(None),
             conns: RefCell::new(Slab::new()),
             shutting_down: Cell::new(false),
         });
@@ -199,6 +206,11 @@ impl TcpTransport {
     /// opens) touch KV blocks only while the fence has them open.
     pub fn set_fence(&self, fence: Option<Rc<BlockFence>>) {
         *self.target.fence.borrow_mut() = fence;
+    }
+
+    /// Sets where NOTIFY frames from peers go (see [`TcpSession::notify`]).
+    pub fn set_notify_handler(&self, handler: Option<NotifyHandler>) {
+        *self.target.notify.borrow_mut() = handler;
     }
 
     /// The block fence set by [`TcpTransport::set_fence`].
@@ -340,6 +352,31 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     return Err(protocol("REGIONS request with a body"));
                 }
                 send_regions(target, conn, h.req_id).await?;
+                continue;
+            }
+            wire::OP_NOTIFY => {
+                if h.count != 0 || h.payload_len > wire::MAX_NOTIFY_BYTES {
+                    respond(conn, reject(h.opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
+                    return Err(protocol("NOTIFY with descriptors or too long"));
+                }
+                // Bounded by MAX_NOTIFY_BYTES; never registered memory.
+                scratch.resize(h.payload_len as usize, 0);
+                let mut v = [iov(scratch.as_mut_ptr() as u64, scratch.len() as u64)];
+                fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None)
+                    .await
+                    .map_err(conv("reading a notification"))?;
+                let handler = target.notify.borrow().clone();
+                let taken = handler.is_some_and(|f| f(&scratch));
+                let answer = if taken {
+                    Header {
+                        opcode: h.opcode,
+                        req_id: h.req_id,
+                        ..Header::default()
+                    }
+                } else {
+                    reject(h.opcode, h.req_id, RejectReason::Undeliverable, 0)
+                };
+                respond(conn, answer).await?;
                 continue;
             }
             other => {
@@ -686,6 +723,70 @@ impl SessionInner {
         Ok(())
     }
 
+    /// Sends one NOTIFY on the next free stream and waits for its answer.
+    async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
+        if self.closed.get() {
+            return Err(MisuseError::SessionClosed.into());
+        }
+        if payload.len() as u64 > wire::MAX_NOTIFY_BYTES {
+            return Err(MisuseError::BadConfig(format!(
+                "a notification of {} bytes exceeds {}",
+                payload.len(),
+                wire::MAX_NOTIFY_BYTES
+            ))
+            .into());
+        }
+        let _turn = self
+            .turns
+            .acquire_permit(1)
+            .await
+            .map_err(|_| TransportError::from(MisuseError::SessionClosed))?;
+        let n = self.slots.len();
+        let first = self.next_slot.get();
+        self.next_slot.set((first + 1) % n);
+        let Some(mut guard) = (0..n).find_map(|i| self.slots[(first + i) % n].try_lock()) else {
+            return Err(MisuseError::SessionClosed.into());
+        };
+        self.ensure_conn(&mut guard).await?;
+        // Taken out so that a failure or cancellation drops (closes) it.
+        let Some(mut conn) = guard.take() else {
+            unreachable!("ensure_conn leaves a connection in the slot")
+        };
+        let req_id = self.take_req_ids(1);
+        let h = Header {
+            opcode: wire::OP_NOTIFY,
+            req_id,
+            payload_len: payload.len() as u64,
+            ..Header::default()
+        };
+        let hb = h.encode();
+        let mut v = [
+            iov(hb.as_ptr() as u64, hb.len() as u64),
+            iov(payload.as_ptr() as u64, payload.len() as u64),
+        ];
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
+            .await
+            .map_err(conv("sending a notification"))?;
+        let mut rb = [0u8; wire::HEADER_LEN];
+        let mut v = [iov(rb.as_mut_ptr() as u64, rb.len() as u64)];
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
+            .await
+            .map_err(conv("awaiting a notification answer"))?;
+        let r = Header::decode(&rb).map_err(|_| protocol("bad NOTIFY response header"))?;
+        if r.opcode != wire::OP_NOTIFY || r.req_id != req_id || r.payload_len != 0 {
+            return Err(protocol("unexpected NOTIFY response"));
+        }
+        let reason = RejectReason::from_status(r.status);
+        if r.status != wire::STATUS_OK && !reason.keeps_connection() {
+            return Err(PeerError::Rejected { reason, index: 0 }.into());
+        }
+        *guard = Some(conn);
+        if r.status != wire::STATUS_OK {
+            return Err(PeerError::Rejected { reason, index: 0 }.into());
+        }
+        Ok(())
+    }
+
     fn check_remote(&self, descs: &[Desc]) -> Result<(), (usize, registry::RangeFault)> {
         registry::check_remote(
             &self.remote_regions.borrow(),
@@ -943,6 +1044,19 @@ impl TcpSession {
     /// The peer's regions as last learned from it.
     pub fn remote_regions(&self) -> Vec<RegionInfo> {
         self.inner.remote_regions.borrow().clone()
+    }
+
+    /// Hands `payload` (at most [`wire::MAX_NOTIFY_BYTES`]) to the peer's
+    /// notification handler over one of this session's streams, in turn
+    /// with batches; `Ok` once the handler took it. A frame sent on a
+    /// stream after a batch's frames is read by the peer after them.
+    pub async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
+        let after_ms = self.inner.config.batch_timeout_ms;
+        let deadline = async {
+            glommio::timer::Timer::new(Duration::from_millis(after_ms)).await;
+            Err(TransportError::Timeout { after_ms })
+        };
+        futures_lite::future::or(self.inner.notify(payload), deadline).await
     }
 }
 

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! 0..4   magic "KVF1"         (the version is part of the magic)
-//! 4      opcode               WRITE=1, READ=2, REGIONS=3
+//! 4      opcode               WRITE=1, READ=2, REGIONS=3, NOTIFY=4
 //! 5      status               0 in requests; 0 = ok or a reject code in responses
 //! 6..8   reserved, zero
 //! 8..12  count                descriptors (requests) or regions (REGIONS response)
@@ -19,6 +19,12 @@
 //! bytes of every descriptor, concatenated. A WRITE response has no body; a
 //! READ response that succeeded is followed by the payload; a REGIONS response
 //! by `count` entries `(addr u64, len_bytes u64)`.
+//!
+//! A NOTIFY request has no descriptors (`count` 0) and carries
+//! `payload_len` (at most [`MAX_NOTIFY_BYTES`]) opaque bytes for the
+//! target's notification handler (the node uses it for side-channel
+//! messages that follow data on the same connection); its response has no
+//! body and says whether the handler took them.
 //!
 //! Responses come back in request order on each connection, so the
 //! initiator matches them without a lookup table; `req_id` is a cross-check.
@@ -45,6 +51,10 @@ pub const OP_WRITE: u8 = 1;
 pub const OP_READ: u8 = 2;
 /// Ask for the target's registered regions.
 pub const OP_REGIONS: u8 = 3;
+/// Hand opaque bytes to the target's notification handler.
+pub const OP_NOTIFY: u8 = 4;
+/// Most bytes one NOTIFY may carry.
+pub const MAX_NOTIFY_BYTES: u64 = 256 << 10;
 
 /// Status byte of a response that succeeded.
 pub const STATUS_OK: u8 = 0;
@@ -67,6 +77,9 @@ pub enum RejectReason {
     TooLarge,
     /// The descriptor lengths do not add up to `payload_len`.
     LengthMismatch,
+    /// The target has no notification handler, or it refused the bytes
+    /// (the sender should use its other path).
+    Undeliverable,
     /// A status byte this build does not know.
     Other(u8),
 }
@@ -82,6 +95,7 @@ impl RejectReason {
             RejectReason::UnknownOpcode => 5,
             RejectReason::TooLarge => 6,
             RejectReason::LengthMismatch => 7,
+            RejectReason::Undeliverable => 8,
             RejectReason::Other(s) => s,
         }
     }
@@ -96,6 +110,7 @@ impl RejectReason {
             5 => RejectReason::UnknownOpcode,
             6 => RejectReason::TooLarge,
             7 => RejectReason::LengthMismatch,
+            8 => RejectReason::Undeliverable,
             other => RejectReason::Other(other),
         }
     }
@@ -105,7 +120,10 @@ impl RejectReason {
     pub fn keeps_connection(self) -> bool {
         matches!(
             self,
-            RejectReason::OutOfRegion | RejectReason::EmptyDescriptor | RejectReason::Overflow
+            RejectReason::OutOfRegion
+                | RejectReason::EmptyDescriptor
+                | RejectReason::Overflow
+                | RejectReason::Undeliverable
         )
     }
 }
@@ -120,6 +138,7 @@ impl fmt::Display for RejectReason {
             RejectReason::UnknownOpcode => f.write_str("unknown opcode"),
             RejectReason::TooLarge => f.write_str("frame too large"),
             RejectReason::LengthMismatch => f.write_str("descriptor lengths do not match payload"),
+            RejectReason::Undeliverable => f.write_str("notification not deliverable"),
             RejectReason::Other(s) => write!(f, "unknown status {s}"),
         }
     }
