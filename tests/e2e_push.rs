@@ -248,3 +248,50 @@ fn embedded_bootstrap_serves_the_prefill_metrics() {
         .unwrap();
     assert!(!bytes.ends_with(" 0"), "{bytes}");
 }
+
+/// Once a data-plane session to a peer is open, the messages on a request's
+/// critical path (push: D's `Pull` and lease ticket, P's `Status`; pull:
+/// D's `Done`) travel over it instead of ZeroMQ, and every byte still
+/// verifies. Nothing falls back to ZeroMQ on a healthy pair.
+#[test]
+fn critical_path_messages_take_the_data_plane() {
+    for (mode, p_tp) in [(Mode::Push, 2), (Mode::Pull, 1)] {
+        let s = spec(LayoutKind::Hnd, p_tp, 1, mode, TransportKind::Tcp);
+        let requests = 12;
+        let c = Cluster::start(&s).expect("cluster starts");
+        for t in 0..requests {
+            let tid = 500 + t;
+            let blocks: Vec<u32> = vec![t as u32 % 8, 20 + t as u32 % 8];
+            c.fill(tid, &blocks);
+            c.decode[0].kv.clear(&blocks);
+            c.start_request(tid, &blocks, &blocks, 0)
+                .expect("request starts");
+            let phases = c.wait_decode(tid, Duration::from_secs(10));
+            assert_eq!(phases, vec![Phase::Success], "{mode:?} request {tid}");
+            assert_eq!(c.verify(tid, &blocks, 0), 0, "{mode:?} request {tid}");
+        }
+        // The first request of each pair opens the sessions (its messages go
+        // over ZeroMQ); a session opened in the background may miss one more.
+        let later = requests - 2;
+        let d = c.decode[0].node.stats();
+        for (rank, r) in c.prefill.iter().enumerate() {
+            let p = r.node.stats();
+            assert_eq!(p.data_plane_fallbacks, 0, "{mode:?} P{rank}: {p:?}");
+            if mode == Mode::Push {
+                assert!(
+                    p.data_plane_messages >= later,
+                    "{mode:?} P{rank} Status: {p:?}"
+                );
+            }
+        }
+        assert_eq!(d.data_plane_fallbacks, 0, "{mode:?} D: {d:?}");
+        let per_request = match mode {
+            Mode::Push => 2 * u64::from(p_tp), // a Pull and a ticket per P rank
+            Mode::Pull => 2,                   // a Pull and a Done
+        };
+        assert!(
+            d.data_plane_messages >= later * per_request,
+            "{mode:?} D: {d:?}"
+        );
+    }
+}

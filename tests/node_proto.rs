@@ -1056,3 +1056,48 @@ proptest! {
         prop_assert_eq!(decode(&encode(&Frame::Hello(ragged)), &l), want);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// A data-plane notification unpacks to exactly what was packed, and
+    /// every strict prefix of it that cuts a frame is refused, typed.
+    #[test]
+    fn notifications_round_trip_and_truncations_are_refused(
+        endpoint in string_within(64),
+        frames in vec(frame(), 0..8),
+    ) {
+        use kvferry::node::proto::{decode_notify, encode_notify};
+        let l = FrameLimits::default();
+        let encoded: Vec<Vec<u8>> = frames.iter().map(encode).collect();
+        let bytes = encode_notify(&endpoint, encoded.iter().map(|f| &f[..]));
+        let (e, got) = decode_notify(&bytes, &l).expect("own notification decodes");
+        prop_assert_eq!(e, endpoint.as_str());
+        let got: Vec<Frame> = got.iter().map(|f| decode(f, &l).expect("frame")).collect();
+        prop_assert_eq!(&got, &frames);
+        // Cutting inside the header or inside a frame is refused; cutting
+        // exactly between frames is a shorter, valid notification.
+        let mut boundaries = vec![2 + endpoint.len()];
+        for f in &encoded {
+            let last = *boundaries.last().unwrap();
+            boundaries.push(last + 4 + f.len());
+        }
+        for cut in 0..bytes.len() {
+            let r = decode_notify(&bytes[..cut], &l);
+            prop_assert_eq!(r.is_ok(), boundaries.contains(&cut), "cut at {}", cut);
+        }
+    }
+
+    /// Arbitrary bytes never panic the notification decoder, and what it
+    /// accepts stays within the limits.
+    #[test]
+    fn arbitrary_notifications_get_a_typed_error(bytes in vec(any::<u8>(), 0..512)) {
+        use kvferry::node::proto::{decode_notify, MAX_NOTIFY_FRAMES};
+        let l = FrameLimits { max_frame_bytes: 64, max_string_bytes: 16, ..FrameLimits::default() };
+        if let Ok((e, frames)) = decode_notify(&bytes, &l) {
+            prop_assert!(e.len() <= 16);
+            prop_assert!(frames.len() <= MAX_NOTIFY_FRAMES);
+            prop_assert!(frames.iter().all(|f| f.len() <= 64));
+        }
+    }
+}

@@ -1099,3 +1099,116 @@ fn a_malformed_region_list_from_the_peer_is_a_protocol_error() {
         );
     });
 }
+
+/// NOTIFY: the bytes reach the target's handler after the frames sent
+/// before them on the session; without a handler, or when it refuses, the
+/// sender gets a typed `Undeliverable` and the session keeps working; a
+/// crafted NOTIFY that breaks the framing rules closes the connection.
+#[test]
+fn notifications_reach_the_handler_or_come_back_undeliverable() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    block_on(async {
+        let config = TcpConfig::default();
+        let (target, initiator, session) = pair(config).await;
+        let mut dst = Buf::filled(4096, 0);
+        dst.register(&target);
+        let mut src = Buf::random(4096, 3);
+        src.register(&initiator);
+        let write = [Desc {
+            local_addr: src.addr(),
+            remote_addr: dst.addr(),
+            len_bytes: 4096,
+        }];
+
+        // No handler yet: refused, typed, and the session still moves bytes.
+        let e = session.notify(b"nobody listens").await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TransportError::Peer(PeerError::Rejected {
+                    reason: RejectReason::Undeliverable,
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
+        session.transfer(Op::Write, &write).await.unwrap();
+        assert_eq!(dst.bytes, src.bytes);
+
+        // A handler that records what it gets, and what the region held at
+        // that moment (the write sent before it on this session).
+        let seen: Rc<RefCell<Vec<(Vec<u8>, bool)>>> = Rc::default();
+        let dst_addr = dst.addr() as usize;
+        let want = src.bytes[4095];
+        let log = seen.clone();
+        target.set_notify_handler(Some(Rc::new(move |bytes: &[u8]| {
+            // SAFETY: the region outlives the endpoint; one byte is read
+            // on the target's own executor, between frames.
+            let landed = unsafe { *(dst_addr as *const u8).add(4095) } == want;
+            log.borrow_mut().push((bytes.to_vec(), landed));
+            bytes != b"refuse"
+        })));
+        dst.bytes.fill(0);
+        session.transfer(Op::Write, &write).await.unwrap();
+        session.notify(b"after the write").await.unwrap();
+        let big = vec![7u8; wire::MAX_NOTIFY_BYTES as usize];
+        session.notify(&big).await.unwrap();
+        let e = session.notify(b"refuse").await.unwrap_err();
+        assert!(matches!(
+            e,
+            TransportError::Peer(PeerError::Rejected {
+                reason: RejectReason::Undeliverable,
+                ..
+            })
+        ));
+        // Over the bound: refused on our side, nothing sent.
+        let e = session
+            .notify(&vec![0u8; wire::MAX_NOTIFY_BYTES as usize + 1])
+            .await
+            .unwrap_err();
+        assert!(matches!(e, TransportError::Misuse(_)), "{e:?}");
+        session.notify(b"still fine").await.unwrap();
+        {
+            let seen = seen.borrow();
+            let got: Vec<&[u8]> = seen.iter().map(|(b, _)| &b[..]).collect();
+            assert_eq!(
+                got,
+                vec![&b"after the write"[..], &big[..], b"refuse", b"still fine"]
+            );
+            assert!(seen[0].1, "the write before the notification had landed");
+        }
+
+        // Crafted: descriptors on a NOTIFY, or a payload over the bound,
+        // break the framing: rejected and closed. Nothing reaches the handler.
+        for (h, reason) in [
+            (
+                request(wire::OP_NOTIFY, &[(dst.addr(), 8)], 8, 1),
+                RejectReason::TooLarge,
+            ),
+            (
+                request(wire::OP_NOTIFY, &[], wire::MAX_NOTIFY_BYTES + 1, 2),
+                RejectReason::TooLarge,
+            ),
+        ] {
+            let mut s = TcpStream::connect(target.local_addr()).await.unwrap();
+            s.write_all(&h).await.unwrap();
+            let r = response(&mut s).await;
+            assert_eq!(RejectReason::from_status(r.status), reason);
+            assert!(is_closed(&mut s).await);
+        }
+        assert_eq!(seen.borrow().len(), 4);
+        // A sound one on a raw connection is taken.
+        let mut s = TcpStream::connect(target.local_addr()).await.unwrap();
+        let mut f = request(wire::OP_NOTIFY, &[], 3, 9);
+        f.extend_from_slice(b"raw");
+        s.write_all(&f).await.unwrap();
+        let r = response(&mut s).await;
+        assert_eq!((r.opcode, r.status, r.req_id), (wire::OP_NOTIFY, 0, 9));
+        assert_eq!(
+            seen.borrow().last().map(|(b, _)| b.clone()),
+            Some(b"raw".to_vec())
+        );
+        drop(initiator);
+    })
+}

@@ -299,6 +299,12 @@ pub struct NodeStats {
     /// Times a configured limit of the node (see [`NodeConfig`]) refused
     /// or dropped something; each is also logged with the limit's name.
     pub limit_hits: u64,
+    /// Side-channel messages this node sent over a data-plane session
+    /// instead of ZeroMQ (the peer took them).
+    pub data_plane_messages: u64,
+    /// Messages that were to go over the data plane but went over ZeroMQ
+    /// after all (the peer refused them, or the session failed).
+    pub data_plane_fallbacks: u64,
 }
 
 #[derive(Default)]
@@ -313,6 +319,8 @@ pub(crate) struct Counters {
     pub bad_frames: AtomicU64,
     pub dropped_frames: AtomicU64,
     pub limit_hits: AtomicU64,
+    pub data_plane_messages: AtomicU64,
+    pub data_plane_fallbacks: AtomicU64,
     /// Peers marked dead now (not cumulative).
     pub dead_now: AtomicU64,
 }
@@ -331,6 +339,8 @@ impl Counters {
             bad_frames: g(&self.bad_frames),
             dropped_frames: g(&self.dropped_frames),
             limit_hits: g(&self.limit_hits),
+            data_plane_messages: g(&self.data_plane_messages),
+            data_plane_fallbacks: g(&self.data_plane_fallbacks),
         }
     }
 }

@@ -738,6 +738,12 @@ async fn pump_notes(
             }
             Some(AnySession::Local(_)) | None => false,
         };
+        let counter = if sent {
+            &shared.counters.data_plane_messages
+        } else {
+            &shared.counters.data_plane_fallbacks
+        };
+        counter.fetch_add(batch.len() as u64, Ordering::Relaxed);
         if !sent {
             for (peer, tid, bytes) in batch {
                 shared.to_bridge(BridgeCmd::Send {
