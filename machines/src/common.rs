@@ -241,7 +241,10 @@ pub enum Msg {
         /// Per group, how many of P's leading blocks D already holds (prefix
         /// hit): P's block at position `i >= prefix` lands in `dst[i - prefix]`.
         prefix_blocks: Vec<u32>,
-        /// Pull mode: the first lease request rides on the `Pull`.
+        /// Pull mode: the first lease request rides on the `Pull`. Push
+        /// mode: `Some(ticket)` announces a grant on lease ticket `ticket`
+        /// sent right behind this `Pull` (see [`TICKET_BIT`]), so P need not
+        /// ask for a lease.
         lease_seq: Option<u64>,
     },
     /// P → D (pull mode): one chunk of KV is ready to be read.
@@ -339,6 +342,14 @@ impl TouchLease {
         self.asked.push_back((seq, now));
         self.renew_at = Some(after(now, cfg.heartbeat_interval));
         seq
+    }
+
+    /// Plans the first request for one heartbeat interval from now (a
+    /// ticket grant is expected first); an earlier plan stays.
+    pub(crate) fn defer_request(&mut self, now: Instant, cfg: &Config) {
+        if self.renew_at.is_none() && self.asked.is_empty() {
+            self.renew_at = Some(after(now, cfg.heartbeat_interval));
+        }
     }
 
     /// Checks a grant without applying it.

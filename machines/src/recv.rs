@@ -255,7 +255,7 @@ impl RecvMachine {
                             lease,
                             finished: false,
                         },
-                        None,
+                        rp.lease_ticket,
                     )
                 }
                 Mode::Pull => {

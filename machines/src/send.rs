@@ -65,6 +65,9 @@ pub enum Event {
         sent_at: Instant,
         duration_ms: u64,
     },
+    /// Push mode: `peer`'s grant named a ticket this node does not know
+    /// (any more): ask for a lease now instead of waiting for one.
+    TicketRefused { peer: PeerId },
 }
 
 /// Outputs of a [`SendMachine`].
@@ -440,6 +443,12 @@ impl SendMachine {
                     role,
                 });
                 match mode {
+                    // A `Pull` that announces a ticket grant right behind it
+                    // (on the same ordered path) saves the lease round trip;
+                    // should the grant get lost, P asks one heartbeat
+                    // interval from now, and a refused ticket makes it ask
+                    // at once.
+                    Mode::Push if lease_seq.is_some() => self.defer_lease_request(now, peer),
                     Mode::Push => self.request_lease(now, peer),
                     Mode::Pull => {
                         if let Some(seq) = lease_seq {
@@ -570,6 +579,41 @@ impl SendMachine {
             let msg = lease.grant(now, seq, d);
             self.actions.push_back(Action::Send { peer, msg });
         }
+    }
+
+    /// Push mode: plans to ask `peer` for a lease one heartbeat interval
+    /// from now, unless a grant makes that moot.
+    fn defer_lease_request(&mut self, now: Instant, peer: PeerId) {
+        let State::Live(live) = &mut self.state else {
+            return;
+        };
+        let cfg = self.cfg;
+        if let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) {
+            if let Role::Toucher { lease, .. } = &mut p.role {
+                lease.defer_request(now, &cfg);
+            }
+        }
+    }
+
+    /// Push mode: `peer` refused the ticket: ask now, unless a lease is
+    /// already live.
+    fn handle_ticket_refused(&mut self, now: Instant, peer: PeerId) -> Result<(), InputError> {
+        let State::Live(live) = &self.state else {
+            unreachable!("handle_ticket_refused on a machine that is not live");
+        };
+        match live.peers.iter().find(|p| p.id == peer).map(|p| &p.role) {
+            Some(Role::Toucher {
+                lease,
+                finished: false,
+                ..
+            }) if !lease.is_live(now) => self.request_lease(now, peer),
+            Some(Role::Granter { .. }) => {
+                return Err(InputError::Peer("ticket refused in pull mode"))
+            }
+            // Unknown peer (it overtook its `Pull`), finished, or leased.
+            Some(Role::Toucher { .. }) | None => {}
+        }
+        Ok(())
     }
 
     /// Push mode: asks `peer` for a lease, counting from now.
@@ -779,6 +823,7 @@ impl Machine for SendMachine {
                     sent_at,
                     duration_ms,
                 } => self.handle_ticket_grant(now, peer, sent_at, duration_ms),
+                Event::TicketRefused { peer } => self.handle_ticket_refused(now, peer),
             },
             State::Draining(drain) => {
                 match event {
@@ -788,7 +833,8 @@ impl Machine for SendMachine {
                     Event::ChunkReady { .. }
                     | Event::PeerDead { .. }
                     | Event::PlanFailed { .. }
-                    | Event::TicketGrant { .. } => {}
+                    | Event::TicketGrant { .. }
+                    | Event::TicketRefused { .. } => {}
                 }
                 self.advance_drain(now);
                 Ok(())

@@ -940,7 +940,8 @@ fn push_peer_with_a_ticket_gets_a_grant_with_the_pull() {
     assert_eq!(
         out,
         vec![
-            send(P0, pull_msg(&[5, 6], 0, None)),
+            // The `Pull` announces the ticket grant behind it.
+            send(P0, pull_msg(&[5, 6], 0, Some(42))),
             send(
                 P0,
                 Msg::LeaseGrant {

@@ -1092,10 +1092,11 @@ fn push_ticket_grant_writes_without_waiting_for_a_lease_round_trip() {
     let t0 = Instant::now() + secs(100);
     let mut m = push_machine(t0);
     // KV first, then D's `Pull` and its ticket grant (one burst from D).
+    // The `Pull` announces the grant, so P does not ask for a lease.
     assert_eq!(ev(&mut m, t0, chunk(&[1, 2], true)), vec![]);
     assert_eq!(
-        ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None))),
-        vec![send(D0, Msg::LeaseRequest { seq: 0 })]
+        ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, Some(7)))),
+        vec![]
     );
     // The ticket was sent 2 s ago; the lease counts from then.
     let out = ev(
@@ -1152,4 +1153,64 @@ fn push_ticket_grant_counts_from_the_ticket_and_is_capped() {
     let mut m = pull_machine(t0);
     ev(&mut m, t0, msg(D1, pull(1, &[5], 0, Some(0))));
     assert_peer_error(&mut m, t0, early);
+}
+
+#[test]
+fn push_pull_announcing_a_ticket_defers_the_lease_request() {
+    let t0 = Instant::now() + secs(100);
+    let cfg = Config::default();
+    // Without an announced ticket P asks at once.
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, chunk(&[1], true));
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None))),
+        vec![send(D0, Msg::LeaseRequest { seq: 0 })]
+    );
+    // With one it waits; if the grant never comes it asks one heartbeat
+    // interval later (the machine's timer says when).
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, chunk(&[1], true));
+    assert_eq!(ev(&mut m, t0, msg(D0, pull(1, &[5], 0, Some(3)))), vec![]);
+    let due = t0 + cfg.heartbeat_interval;
+    assert!(
+        m.poll_timeout().is_some_and(|t| t <= due),
+        "{:?}",
+        m.poll_timeout()
+    );
+    m.handle_timeout(due - ms(1));
+    assert_eq!(drain(&mut m), vec![]);
+    m.handle_timeout(due);
+    assert_eq!(drain(&mut m), vec![send(D0, Msg::LeaseRequest { seq: 0 })]);
+    // A refused ticket makes it ask at once, once.
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, chunk(&[1], true));
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, Some(3))));
+    assert_eq!(
+        ev(&mut m, t0, Event::TicketRefused { peer: D0 }),
+        vec![send(D0, Msg::LeaseRequest { seq: 0 })]
+    );
+    assert_eq!(
+        ev(&mut m, t0 + ms(1), Event::TicketRefused { peer: D0 }),
+        vec![send(D0, Msg::LeaseRequest { seq: 1 })],
+        "a second refusal asks again: the lease is still not live"
+    );
+    // After a live ticket grant a refusal changes nothing.
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, chunk(&[1], true));
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, Some(3))));
+    let granted = ev(
+        &mut m,
+        t0,
+        Event::TicketGrant {
+            peer: D0,
+            sent_at: t0,
+            duration_ms: 10_000,
+        },
+    );
+    assert_eq!(granted, vec![write(D0, 0, &[1], &[5])]);
+    assert_eq!(ev(&mut m, t0, Event::TicketRefused { peer: D0 }), vec![]);
+    // In pull mode a refusal is the peer's error.
+    let mut m = pull_machine(t0);
+    ev(&mut m, t0, msg(D1, pull(1, &[5], 0, Some(0))));
+    assert_peer_error(&mut m, t0, Event::TicketRefused { peer: D1 });
 }

@@ -596,9 +596,10 @@ impl Bridge {
                 let ticket = seq & !TICKET_BIT;
                 let sent_at = self.shared.ticket_sent_at(peer, ticket);
                 let Some(sent_at) = sent_at else {
-                    // Unknown or forgotten: P asks for a lease as usual.
-                    tracing::debug!(?tid, peer, ticket, "lease ticket not ours; ignored");
-                    return false;
+                    // Unknown or forgotten: P asks for a lease at once.
+                    tracing::debug!(?tid, peer, ticket, "lease ticket not ours; refused");
+                    let refused = send::Event::TicketRefused { peer: pid };
+                    return with_lock(&shared, || h.send_event(tid, refused)).is_ok();
                 };
                 let event = send::Event::TicketGrant {
                     peer: pid,

@@ -95,14 +95,16 @@ impl NodeMachine for SendMachine {
     fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Option<send::Event> {
         match msg {
             // A grant answering one of our heartbeat acks counts from when
-            // we sent that ack; an unknown or forgotten one is ignored (P
-            // asks for a lease as usual).
+            // we sent that ack; for an unknown or forgotten one P asks for a
+            // lease at once.
             Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
-                let sent_at = shared.ticket_sent_at(peer.0, seq & !TICKET_BIT)?;
-                Some(send::Event::TicketGrant {
-                    peer,
-                    sent_at,
-                    duration_ms,
+                Some(match shared.ticket_sent_at(peer.0, seq & !TICKET_BIT) {
+                    Some(sent_at) => send::Event::TicketGrant {
+                        peer,
+                        sent_at,
+                        duration_ms,
+                    },
+                    None => send::Event::TicketRefused { peer },
                 })
             }
             msg => Some(send::Event::Msg { peer, msg }),

@@ -981,7 +981,7 @@ impl<'a> World<'a> {
                     // The node's driver turns a grant naming a ticket into
                     // a `TicketGrant` counted from when P sent the ticket,
                     // on P's clock; a ticket of another P (or of an earlier
-                    // life of this one) is ignored.
+                    // life of this one) is refused.
                     Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
                         match self.tickets.get(&(seq & !TICKET_BIT)).copied() {
                             Some((p, epoch, sent)) if p == to && epoch == self.nodes[to].epoch => {
@@ -999,7 +999,7 @@ impl<'a> World<'a> {
                                     duration_ms,
                                 })
                             }
-                            _ => return,
+                            _ => Input::P(send::Event::TicketRefused { peer: env.from }),
                         }
                     }
                     msg => Input::P(send::Event::Msg {
