@@ -1138,7 +1138,9 @@ fn notifications_reach_the_handler_or_come_back_undeliverable() {
 
         // A handler that records what it gets, and what the region held at
         // that moment (the write sent before it on this session).
-        let seen: Rc<RefCell<Vec<(Vec<u8>, bool)>>> = Rc::default();
+        // What the handler got, and whether the earlier write had landed.
+        type Seen = Rc<RefCell<Vec<(Vec<u8>, bool)>>>;
+        let seen: Seen = Rc::default();
         let dst_addr = dst.addr() as usize;
         let want = src.bytes[4095];
         let log = seen.clone();

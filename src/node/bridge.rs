@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{Mode, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::common::{Msg, PeerId, TICKET_BIT};
 use kvferry_machines::planner::{PairLayout, TpPair};
 use kvferry_machines::recv::ResolvedPeer;
 use kvferry_machines::send::SendMachine;
@@ -165,9 +165,6 @@ struct Slot {
     /// reports a dropped connection at once (heartbeat silence would take
     /// `heartbeat_interval * heartbeat_misses`).
     monitor: Option<zmq::Socket>,
-    /// Decode side: the latest `HeartbeatAck` this prefill peer sent us
-    /// (its `seq`, when it arrived): a lease ticket for our `Pull`s.
-    ticket: Option<(u64, Instant)>,
     /// Prefill side-channel address (decode side only).
     addr: String,
     ready: bool,
@@ -182,7 +179,6 @@ impl Slot {
         Slot {
             route,
             monitor,
-            ticket: None,
             addr,
             ready: false,
             dead: false,
@@ -316,6 +312,7 @@ impl Bridge {
                         }
                     };
                     self.directory.insert(target, entry);
+                    self.routes_changed(None);
                     self.retry_pending();
                 }
                 BridgeCmd::Stop => self.stop = true,
@@ -494,8 +491,8 @@ impl Bridge {
                 self.send_frame(peer, &Frame::HeartbeatAck { seq });
             }
             Frame::HeartbeatAck { seq } => {
-                if let Some(s) = self.slots.get_mut(peer as usize) {
-                    s.ticket = Some((seq, now));
+                if self.slots.get(peer as usize).is_some() {
+                    self.shared.routes().set_ticket(peer, seq, now);
                 }
             }
             Frame::Transfer { transfer_id, msg } => {
@@ -768,6 +765,7 @@ impl Bridge {
             self.slots.push(slot);
             return self.slots.len() as u32 - 1;
         };
+        self.routes_changed(Some(i as u32));
         let old = std::mem::replace(&mut self.slots[i], slot);
         match &old.route {
             Route::Identity(id) => self.by_identity.remove(id),
@@ -863,6 +861,7 @@ impl Bridge {
             match idle {
                 Some(k) => {
                     self.directory.remove(&k);
+                    self.routes_changed(None);
                 }
                 None => {
                     tracing::warn!(
@@ -965,14 +964,7 @@ impl Bridge {
                 waiting = true;
             }
             let receivers = pair.targets_of(rank).count() as u16;
-            let ticket_fresh = self.shared.config.timeouts.lease / 2;
-            let lease_ticket = match self.shared.config.mode {
-                Mode::Push => slot
-                    .ticket
-                    .filter(|(_, at)| at.elapsed() < ticket_fresh)
-                    .map(|(seq, _)| seq),
-                Mode::Pull => None,
-            };
+            let lease_ticket = self.shared.routes().fresh_ticket(peer, &self.shared.config);
             peers.push(ResolvedPeer {
                 peer: PeerId(peer),
                 receivers_expected: receivers,
@@ -982,11 +974,21 @@ impl Bridge {
         if waiting && dead.is_empty() {
             return false;
         }
-        if !dead.is_empty() {
+        if dead.is_empty() {
+            // Every rank connected and alive: later requests for this
+            // target resolve on the engine's thread until something changes.
+            let route = peers
+                .iter()
+                .map(|rp| (rp.peer.0, rp.receivers_expected))
+                .collect();
+            let max = self.shared.config.max_bootstrap_targets;
+            self.shared.routes().insert(p.target.clone(), route, max);
+        } else {
             // The directory may be stale (a replacement registers at another
             // address): the next request asks the bootstrap service again.
             if let PrefillTarget::Bootstrap { .. } = &p.target {
                 self.directory.remove(&p.target);
+                self.routes_changed(None);
             }
         }
         for rp in &peers {
@@ -1001,6 +1003,22 @@ impl Bridge {
         true
     }
 
+    /// Something a cached route depends on changed (a peer died, a slot
+    /// was reused, the directory changed): forget the routes, and tie the
+    /// transfers resolved from them so far to their peers, under the lock
+    /// the engine threads resolve under. After this no engine thread uses
+    /// the old routes, and every transfer that did is in its peers' sets.
+    fn routes_changed(&mut self, reused: Option<u32>) {
+        let mut routes = self.shared.routes();
+        routes.clear(reused);
+        for (peer, tid) in self.shared.take_tracked() {
+            if let Some(s) = self.slots.get_mut(peer as usize) {
+                s.transfers.insert(tid);
+            }
+        }
+        drop(routes);
+    }
+
     /// Marks slot `i` dead and fails its transfers with `PeerDead`.
     fn mark_dead(&mut self, i: usize, why: &'static str) {
         let Some(s) = self.slots.get_mut(i) else {
@@ -1009,6 +1027,10 @@ impl Bridge {
         if s.dead {
             return;
         }
+        self.routes_changed(None);
+        let Some(s) = self.slots.get_mut(i) else {
+            return;
+        };
         s.dead = true;
         self.shared
             .counters

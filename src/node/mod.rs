@@ -49,7 +49,7 @@ pub use kvferry_machines::common::{
 };
 pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
 use kvferry_machines::planner::PairLayout;
-use kvferry_machines::recv::RecvMachine;
+use kvferry_machines::recv::{RecvMachine, ResolvedPeer};
 use kvferry_machines::send;
 use kvferry_machines::send::SendMachine;
 use kvferry_reactor::{
@@ -392,6 +392,10 @@ pub(crate) struct Shared {
     /// the bridge to tie to that peer (so the peer's death fails them fast)
     /// on its next turn.
     tracked: Mutex<Vec<(u32, TransferId)>>,
+    /// Decode side: the prefill ranks of each target the bridge resolved,
+    /// while all of them are connected and alive, so an engine thread can
+    /// hand a new request its peers without a trip through the bridge.
+    routes: Mutex<Routes>,
     pub counters: Counters,
     records: Mutex<Records>,
     pub bridge_tx: flume::Sender<BridgeCmd>,
@@ -407,6 +411,17 @@ pub(crate) struct Shared {
     /// Bumped and signalled on every terminal phase (for `wait`).
     terminal_seq: Mutex<u64>,
     terminal_cv: Condvar,
+}
+
+/// See `Shared::routes`.
+#[derive(Default)]
+pub(crate) struct Routes {
+    /// Per target: (peer slot, receivers expected) per prefill rank the
+    /// request contacts, as the bridge last resolved them.
+    by_target: HashMap<PrefillTarget, Vec<(u32, u16)>>,
+    /// Per prefill slot: the latest heartbeat ack it sent us (`seq`, when
+    /// it arrived), a lease ticket for push-mode `Pull`s.
+    tickets: HashMap<u32, (u64, Instant)>,
 }
 
 #[derive(Default)]
@@ -499,6 +514,35 @@ impl Shared {
         std::mem::take(&mut *self.tracked.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    pub(crate) fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
+        self.routes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The peers of a new decode request for `target`, from the routes the
+    /// bridge cached, each tied to `tid` for peer-death notification under
+    /// the same lock the bridge takes before it fails a dead peer's
+    /// transfers (so none is missed). `None`: ask the bridge.
+    pub(crate) fn cached_route(
+        &self,
+        tid: TransferId,
+        target: &PrefillTarget,
+    ) -> Option<Vec<ResolvedPeer>> {
+        let routes = self.routes();
+        let route = routes.by_target.get(target)?;
+        let peers = route
+            .iter()
+            .map(|&(slot, receivers_expected)| ResolvedPeer {
+                peer: kvferry_machines::common::PeerId(slot),
+                receivers_expected,
+                lease_ticket: routes.fresh_ticket(slot, &self.config),
+            })
+            .collect();
+        for &(slot, _) in route {
+            self.track(slot, tid);
+        }
+        Some(peers)
+    }
+
     /// Queues a command for the bridge; a full queue drops it (the
     /// machines' timeouts cover a lost message) and counts the drop.
     pub(crate) fn to_bridge(&self, cmd: BridgeCmd) -> bool {
@@ -589,6 +633,42 @@ impl Shared {
         }
         *self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         self.terminal_cv.notify_all();
+    }
+}
+
+impl Routes {
+    /// The ticket of prefill `slot` if recent enough to be worth a grant
+    /// (push mode only).
+    pub(crate) fn fresh_ticket(&self, slot: u32, config: &NodeConfig) -> Option<u64> {
+        let fresh = config.timeouts.lease / 2;
+        match config.mode {
+            Mode::Push => self
+                .tickets
+                .get(&slot)
+                .filter(|(_, at)| at.elapsed() < fresh)
+                .map(|&(seq, _)| seq),
+            Mode::Pull => None,
+        }
+    }
+
+    pub(crate) fn set_ticket(&mut self, slot: u32, seq: u64, at: Instant) {
+        self.tickets.insert(slot, (seq, at));
+    }
+
+    /// Caches the resolution of `target` (bounded: a full cache starts over).
+    pub(crate) fn insert(&mut self, target: PrefillTarget, route: Vec<(u32, u16)>, max: usize) {
+        if self.by_target.len() >= max.max(1) && !self.by_target.contains_key(&target) {
+            self.by_target.clear();
+        }
+        self.by_target.insert(target, route);
+    }
+
+    /// Forgets every cached resolution and the tickets of `slot` (reused).
+    pub(crate) fn clear(&mut self, reused: Option<u32>) {
+        self.by_target.clear();
+        if let Some(slot) = reused {
+            self.tickets.remove(&slot);
+        }
     }
 }
 
@@ -751,6 +831,7 @@ impl Node {
             peers: Mutex::new(Peers::default()),
             tickets: Mutex::new(HashMap::new()),
             tracked: Mutex::new(Vec::new()),
+            routes: Mutex::new(Routes::default()),
             counters: Counters::default(),
             records: Mutex::new(Records::default()),
             bridge_tx,
@@ -1000,6 +1081,17 @@ impl Node {
         )
         .map_err(|e| NodeError::Misuse(e.to_string()))?;
         h.create(0, tid, m).map_err(|r| NodeError::from(r.error))?;
+        // Prefill ranks this node talks to already: no trip through the
+        // bridge (about two thread hand-offs off every request).
+        if let Some(peers) = s.cached_route(tid, target) {
+            return match h.send_event(tid, kvferry_machines::recv::Event::PeersResolved { peers }) {
+                Ok(()) => Ok(()),
+                Err(r) => {
+                    let _ = h.abort(tid, AbortReason::Engine);
+                    Err(NodeError::from(r.error))
+                }
+            };
+        }
         if !s.to_bridge(BridgeCmd::Resolve {
             tid,
             target: target.clone(),
