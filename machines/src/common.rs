@@ -379,6 +379,14 @@ impl TouchLease {
         let granted = Duration::from_millis(duration_ms).min(cfg.lease);
         let end = after(sent_at, granted);
         self.valid_until = Some(self.valid_until.map_or(end, |u| u.max(end)));
+        // No request of ours was out, so nothing would renew this lease:
+        // ask one heartbeat interval before it ends (an earlier plan stays),
+        // which leaves the round trip time to come back in.
+        let renew = end
+            .checked_sub(cfg.heartbeat_interval)
+            .unwrap_or(sent_at)
+            .max(sent_at);
+        self.renew_at = Some(self.renew_at.map_or(renew, |r| r.min(renew)));
     }
 
     pub(crate) fn is_live(&self, now: Instant) -> bool {

@@ -150,6 +150,11 @@ struct Live {
     hold_deadline: Instant,
     /// Push mode: writes posted and not completed.
     ops: Vec<Op>,
+    /// Push mode: ticket grants that overtook their peer's `Pull` (peer,
+    /// ticket sent at, duration), applied when the `Pull` comes; at most
+    /// `max_peers`. The two travel together but a node may route them
+    /// differently (one to a live machine at once, one through its bridge).
+    early_tickets: Vec<(PeerId, Instant, u64)>,
 }
 
 #[derive(Clone, Debug)]
@@ -189,6 +194,7 @@ impl SendMachine {
                 first_chunk_at: None,
                 hold_deadline: after(now, config.hold_limit),
                 ops: Vec::new(),
+                early_tickets: Vec::new(),
             }),
             actions: VecDeque::new(),
         }
@@ -360,20 +366,40 @@ impl SendMachine {
             unreachable!("handle_ticket_grant on a machine that is not live");
         };
         let cfg = self.cfg;
-        let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) else {
-            // It overtook its `Pull` (or the `Pull` was lost): P asks for a
-            // lease the ordinary way once the `Pull` is in.
+        if self.mode == Mode::Pull {
+            return Err(InputError::Peer("ticket grant in pull mode"));
+        }
+        if !live.peers.iter().any(|p| p.id == peer) {
+            // It overtook its `Pull`: keep it for when the `Pull` comes
+            // (bounded; past the bound P asks the ordinary way).
+            if !live.early_tickets.iter().any(|(p, _, _)| *p == peer)
+                && live.early_tickets.len() < cfg.max_peers
+            {
+                live.early_tickets.push((peer, sent_at, duration_ms));
+            }
             return Ok(());
+        }
+        self.apply_ticket(now, peer, sent_at, duration_ms);
+        Ok(())
+    }
+
+    /// Push mode: counts `peer`'s lease from when its ticket was sent.
+    fn apply_ticket(&mut self, now: Instant, peer: PeerId, sent_at: Instant, duration_ms: u64) {
+        let State::Live(live) = &mut self.state else {
+            return;
+        };
+        let cfg = self.cfg;
+        let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) else {
+            return;
         };
         match &mut p.role {
             // A ticket from the future would stretch the lease: count it
             // from now at the latest.
             Role::Toucher { lease, .. } => lease.handle_ticket(sent_at.min(now), duration_ms, &cfg),
-            Role::Granter { .. } => return Err(InputError::Peer("ticket grant in pull mode")),
+            Role::Granter { .. } => return,
         }
         p.last_heard = now;
         self.progress(now);
-        Ok(())
     }
 
     fn handle_msg(&mut self, now: Instant, peer: PeerId, msg: Msg) -> Result<(), InputError> {
@@ -442,12 +468,22 @@ impl SendMachine {
                     last_heard: now,
                     role,
                 });
+                let early = live
+                    .early_tickets
+                    .iter()
+                    .position(|(p, _, _)| *p == peer)
+                    .map(|i| live.early_tickets.swap_remove(i));
                 match mode {
+                    // Its ticket grant came first: apply it now.
+                    Mode::Push if early.is_some() => {
+                        if let Some((_, sent_at, duration_ms)) = early {
+                            self.apply_ticket(now, peer, sent_at, duration_ms);
+                        }
+                    }
                     // A `Pull` that announces a ticket grant right behind it
-                    // (on the same ordered path) saves the lease round trip;
-                    // should the grant get lost, P asks one heartbeat
-                    // interval from now, and a refused ticket makes it ask
-                    // at once.
+                    // saves the lease round trip; should the grant get lost,
+                    // P asks one heartbeat interval from now, and a refused
+                    // ticket makes it ask at once.
                     Mode::Push if lease_seq.is_some() => self.defer_lease_request(now, peer),
                     Mode::Push => self.request_lease(now, peer),
                     Mode::Pull => {

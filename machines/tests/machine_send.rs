@@ -1214,3 +1214,40 @@ fn push_pull_announcing_a_ticket_defers_the_lease_request() {
     ev(&mut m, t0, msg(D1, pull(1, &[5], 0, Some(0))));
     assert_peer_error(&mut m, t0, Event::TicketRefused { peer: D1 });
 }
+
+#[test]
+fn push_ticket_grant_that_overtook_its_pull_applies_when_the_pull_comes() {
+    let t0 = Instant::now() + secs(100);
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, chunk(&[1, 2], true));
+    let early = Event::TicketGrant {
+        peer: D0,
+        sent_at: t0 - secs(1),
+        duration_ms: 10_000,
+    };
+    assert_eq!(ev(&mut m, t0, early), vec![]);
+    assert_eq!(m.lease_valid_until(D0), None, "no peer yet");
+    // The `Pull` brings the peer: the kept ticket makes the lease live at
+    // once, counted from when the ticket was sent, and nothing is asked.
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, Some(7)))),
+        vec![write(D0, 0, &[1, 2], &[5, 6])]
+    );
+    assert_eq!(m.lease_valid_until(D0), Some(t0 + secs(9)));
+    // Without an announcement too (the grant is what counts).
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, chunk(&[1], true));
+    ev(
+        &mut m,
+        t0,
+        Event::TicketGrant {
+            peer: D0,
+            sent_at: t0,
+            duration_ms: 10_000,
+        },
+    );
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None))),
+        vec![write(D0, 0, &[1], &[5])]
+    );
+}
