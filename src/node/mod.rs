@@ -408,9 +408,17 @@ pub(crate) struct Shared {
     /// bridge could queue a `Pull` ahead of the engine's `Create`, and the
     /// executor would drop it as a message for an unknown transfer.
     pub create_lock: Mutex<()>,
-    /// Bumped and signalled on every terminal phase (for `wait`).
-    terminal_seq: Mutex<u64>,
+    /// Bumped on every terminal phase, and signalled when a `wait` is
+    /// waiting (a wake-up with nobody to wake is a system call per request).
+    terminal_seq: Mutex<TerminalSeq>,
     terminal_cv: Condvar,
+}
+
+/// See `Shared::terminal_seq`.
+#[derive(Default)]
+struct TerminalSeq {
+    seq: u64,
+    waiters: usize,
 }
 
 /// See `Shared::routes`.
@@ -631,8 +639,14 @@ impl Shared {
         if let Some(n) = &self.config.notify {
             let _ = n.try_send((tid, phase));
         }
-        *self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.terminal_cv.notify_all();
+        let waiters = {
+            let mut t = self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+            t.seq += 1;
+            t.waiters
+        };
+        if waiters > 0 {
+            self.terminal_cv.notify_all();
+        }
     }
 }
 
@@ -838,7 +852,7 @@ impl Node {
             waker,
             metrics: Arc::new(crate::bootstrap::Metrics::new()),
             create_lock: Mutex::new(()),
-            terminal_seq: Mutex::new(0),
+            terminal_seq: Mutex::new(TerminalSeq::default()),
             terminal_cv: Condvar::new(),
         });
         let (ready_tx, ready_rx) = flume::bounded::<Result<String, String>>(1);
@@ -1293,15 +1307,22 @@ fn wait_terminal(node: &Node, tid: u64, timeout: Duration, before: Phase) -> Pha
     let deadline = Instant::now() + timeout;
     let s = &node.inner.shared;
     loop {
-        let seen = *s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+        let seen = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner()).seq;
         let p = node.phase(tid).unwrap_or(before);
         let now = Instant::now();
         if p.is_terminal() || now >= deadline {
             return p;
         }
-        let guard = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
-        if *guard == seen {
-            let _ = s.terminal_cv.wait_timeout(guard, deadline - now);
+        let mut guard = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.seq == seen {
+            // Counted under the lock the notifier bumps `seq` under: it
+            // either sees us waiting or we see its bump.
+            guard.waiters += 1;
+            let (mut guard, _) = s
+                .terminal_cv
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|e| e.into_inner());
+            guard.waiters -= 1;
         }
     }
 }
