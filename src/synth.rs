@@ -538,24 +538,6 @@ pub struct Cluster {
     pub prefill_done: flume::Receiver<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
 }
 
-fn notify_for(
-    rank: u32,
-    out: flume::Sender<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
-) -> flume::Sender<(kvferry_machines::TransferId, kvferry_machines::Phase)> {
-    // A small forwarding thread tags each node's notifications with its
-    // rank; it ends when the node drops its sender.
-    let (tx, rx) =
-        flume::bounded::<(kvferry_machines::TransferId, kvferry_machines::Phase)>(1 << 16);
-    std::thread::spawn(move || {
-        for (t, p) in rx.iter() {
-            if out.send((rank, t, p)).is_err() {
-                break;
-            }
-        }
-    });
-    tx
-}
-
 impl Cluster {
     /// Starts and registers every rank.
     pub fn start(spec: &ClusterSpec) -> Result<Cluster, crate::node::NodeError> {
@@ -571,7 +553,7 @@ impl Cluster {
             c.mode = spec.mode;
             c.transport = spec.transport;
             c.timeouts = spec.timeouts;
-            c.notify = Some(notify_for(r, ptx.clone()));
+            c.notify_tagged = Some((r, ptx.clone()));
             if let Some(spin) = spec.spin {
                 c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
             }
@@ -619,7 +601,7 @@ impl Cluster {
             c.mode = spec.mode;
             c.transport = spec.transport;
             c.timeouts = spec.timeouts;
-            c.notify = Some(notify_for(r, dtx.clone()));
+            c.notify_tagged = Some((r, dtx.clone()));
             if let Some(spin) = spec.spin {
                 c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
             }

@@ -169,6 +169,10 @@ pub struct NodeConfig {
     /// Optional notification of every terminal phase, sent from the
     /// executor when it happens (no need to poll). Full channels drop.
     pub notify: Option<flume::Sender<(TransferId, Phase)>>,
+    /// The same, with `tag` (a rank, say) in every notification, so that
+    /// several nodes can share one channel without a forwarding thread
+    /// (which would add a thread hand-off to every notification).
+    pub notify_tagged: Option<(u32, flume::Sender<(u32, TransferId, Phase)>)>,
     /// Prefill: told about every transfer a decode rank asked for before the
     /// engine called [`Node::sender`] (a synthetic server answers these).
     /// Full channels drop.
@@ -220,6 +224,7 @@ impl NodeConfig {
             max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
             notify: None,
+            notify_tagged: None,
             on_remote_request: None,
         }
     }
@@ -638,6 +643,9 @@ impl Shared {
         self.record(tid, phase);
         if let Some(n) = &self.config.notify {
             let _ = n.try_send((tid, phase));
+        }
+        if let Some((tag, n)) = &self.config.notify_tagged {
+            let _ = n.try_send((*tag, tid, phase));
         }
         let waiters = {
             let mut t = self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
