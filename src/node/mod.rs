@@ -172,12 +172,15 @@ pub struct NodeConfig {
     /// The same, with `tag` (a rank, say) in every notification, so that
     /// several nodes can share one channel without a forwarding thread
     /// (which would add a thread hand-off to every notification).
-    pub notify_tagged: Option<(u32, flume::Sender<(u32, TransferId, Phase)>)>,
+    pub notify_tagged: Option<(u32, TaggedNotify)>,
     /// Prefill: told about every transfer a decode rank asked for before the
     /// engine called [`Node::sender`] (a synthetic server answers these).
     /// Full channels drop.
     pub on_remote_request: Option<flume::Sender<RemoteRequest>>,
 }
+
+/// Where [`NodeConfig::notify_tagged`] sends `(tag, transfer, phase)`.
+pub type TaggedNotify = flume::Sender<(u32, TransferId, Phase)>;
 
 /// A decode rank asked this prefill rank for a transfer it did not know yet.
 #[derive(Clone, Debug, PartialEq, Eq)]
