@@ -27,7 +27,10 @@ use super::{Shared, TransportKind};
 use crate::transport::fence::BlockFence;
 use crate::transport::local::LocalTransport;
 use crate::transport::tcp::{TcpConfig, TcpTransport};
-use crate::transport::{AnySession, AnyTransport, Desc, EndpointAddr, Op, Session, Transport};
+use crate::transport::wire::RejectReason;
+use crate::transport::{
+    AnySession, AnyTransport, Desc, EndpointAddr, Op, PeerError, Session, Transport, TransportError,
+};
 
 thread_local! {
     /// The transport endpoint of each node whose executor runs on this
@@ -149,6 +152,10 @@ struct NoteLane {
 }
 
 type NoteLanes = Rc<RefCell<HashMap<EndpointAddr, NoteLane>>>;
+/// Peer endpoints that refused a data-plane notification (their node has
+/// `data_plane_messages` off, or does not know us by that endpoint): their
+/// messages take the side channel from then on.
+type Refusing = Rc<RefCell<std::collections::HashSet<EndpointAddr>>>;
 
 /// The node's action sink, for either machine type.
 pub(crate) struct Sink<M: Machine> {
@@ -165,6 +172,7 @@ pub(crate) struct Sink<M: Machine> {
     started: Live,
     /// Frames waiting to go over the data plane, per peer endpoint.
     notes: NoteLanes,
+    refusing: Refusing,
     /// Small transfers waiting to share a batch, per peer endpoint.
     lanes: Lanes,
     /// Local blocks each live transfer opened in the block fence; closed in
@@ -216,7 +224,7 @@ where
         let started: Live = Rc::new(RefCell::new(HashMap::new()));
         let transport = match made {
             Ok(t) => {
-                if let AnyTransport::Tcp(tcp) = &t {
+                if let (AnyTransport::Tcp(tcp), true) = (&t, shared.config.data_plane_messages) {
                     tcp.set_notify_handler(Some(notify_handler::<M>(
                         shared.clone(),
                         poster.clone(),
@@ -243,6 +251,7 @@ where
             dst: Vec::new(),
             started,
             notes: Rc::new(RefCell::new(HashMap::new())),
+            refusing: Rc::default(),
             lanes: Rc::new(RefCell::new(HashMap::new())),
             opened: HashMap::new(),
         }
@@ -283,8 +292,13 @@ where
     /// ([`over_data_plane`]) and one is open, else over the side channel
     /// (and then opens a session in the background for the next ones).
     fn send_msg(&self, tid: TransferId, peer: PeerId, msg: Msg) {
-        let endpoint = match (&self.transport.as_deref(), over_data_plane(&msg)) {
-            (Some(AnyTransport::Tcp(_)), true) => self.shared.peer(peer.0).and_then(|d| d.endpoint),
+        let enabled = self.shared.config.data_plane_messages && over_data_plane(&msg);
+        let endpoint = match (&self.transport.as_deref(), enabled) {
+            (Some(AnyTransport::Tcp(_)), true) => self
+                .shared
+                .peer(peer.0)
+                .and_then(|d| d.endpoint)
+                .filter(|e| !self.refusing.borrow().contains(e)),
             _ => None,
         };
         let Some(endpoint) = endpoint else {
@@ -319,6 +333,7 @@ where
                 endpoint,
                 self.notes.clone(),
                 self.sessions.clone(),
+                self.refusing.clone(),
                 self.shared.clone(),
             ))
             .detach();
@@ -693,6 +708,7 @@ async fn pump_notes(
     endpoint: EndpointAddr,
     notes: NoteLanes,
     sessions: Sessions,
+    refusing: Refusing,
     shared: Arc<Shared>,
 ) {
     let sender = shared.endpoint.get().cloned().unwrap_or_default();
@@ -733,7 +749,20 @@ async fn pump_notes(
                 match s.notify(&payload).await {
                     Ok(()) => true,
                     Err(e) => {
-                        tracing::debug!(%endpoint, %e, "data-plane notification not taken; using the side channel");
+                        if let TransportError::Peer(PeerError::Rejected {
+                            reason: RejectReason::Undeliverable,
+                            ..
+                        }) = e
+                        {
+                            tracing::info!(%endpoint, "peer takes no data-plane messages; using the side channel for it");
+                            let mut r = refusing.borrow_mut();
+                            if r.len() >= shared.config.max_data_sessions {
+                                r.clear();
+                            }
+                            r.insert(endpoint);
+                        } else {
+                            tracing::debug!(%endpoint, %e, "data-plane notification not taken; using the side channel");
+                        }
                         false
                     }
                 }
