@@ -506,6 +506,8 @@ pub struct ClusterSpec {
     /// Let idle executors spin this long before parking (lower wake-up
     /// latency, costs CPU); `None` parks at once.
     pub spin: Option<std::time::Duration>,
+    /// [`crate::node::NodeConfig::data_plane_messages`] of every node.
+    pub data_plane_messages: bool,
 }
 
 /// One rank: its node and its synthetic KV memory. The node is shut down
@@ -554,6 +556,7 @@ impl Cluster {
             c.transport = spec.transport;
             c.timeouts = spec.timeouts;
             c.notify_tagged = Some((r, ptx.clone()));
+            c.data_plane_messages = spec.data_plane_messages;
             if let Some(spin) = spec.spin {
                 c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
             }
@@ -602,6 +605,7 @@ impl Cluster {
             c.transport = spec.transport;
             c.timeouts = spec.timeouts;
             c.notify_tagged = Some((r, dtx.clone()));
+            c.data_plane_messages = spec.data_plane_messages;
             if let Some(spin) = spec.spin {
                 c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
             }

@@ -73,7 +73,11 @@ fn a_peer_that_refuses_gets_everything_over_zeromq() {
             .unwrap()
             .send(one(src), true)
             .unwrap();
-        assert_eq!(rx.wait(Duration::from_secs(10)), Phase::Success, "request {t}");
+        assert_eq!(
+            rx.wait(Duration::from_secs(10)),
+            Phase::Success,
+            "request {t}"
+        );
         let got = &d_mem[dst as usize * BLOCK_LEN..][..BLOCK_LEN];
         assert!(
             got.iter().enumerate().all(|(i, b)| *b == pattern(i)),
@@ -90,7 +94,11 @@ fn a_peer_that_refuses_gets_everything_over_zeromq() {
         "one refused notification, then no more tries: {ds:?}"
     );
     // Prefill does not send over the data plane at all.
-    assert_eq!((ps.data_plane_messages, ps.data_plane_fallbacks), (0, 0), "{ps:?}");
+    assert_eq!(
+        (ps.data_plane_messages, ps.data_plane_fallbacks),
+        (0, 0),
+        "{ps:?}"
+    );
     assert_eq!((ps.ok, ds.ok), (u64::from(requests), u64::from(requests)));
     drop((p, d));
 }

@@ -101,6 +101,7 @@ fn spec(mode: Mode, timeouts: Config) -> ClusterSpec {
         timeouts,
         bootstrap: None,
         spin: None,
+        data_plane_messages: true,
     }
 }
 

@@ -42,6 +42,7 @@ fn spec(mode: Mode) -> ClusterSpec {
         timeouts: timeouts(),
         bootstrap: None,
         spin: None,
+        data_plane_messages: true,
     }
 }
 

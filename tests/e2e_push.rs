@@ -48,6 +48,7 @@ fn spec(
         timeouts: timeouts(),
         bootstrap: None,
         spin: None,
+        data_plane_messages: true,
     }
 }
 

@@ -22,6 +22,8 @@ usage: kvferry demo [--requests N] [--concurrency C] [--layers L]
                     [--transport tcp|local] [--timeout-ms MS] [--json]
                     [--spin-us US] [--zmq-baseline]   (also time a bare 256-byte ZeroMQ
                                         DEALER/ROUTER round trip, same run)
+                    [--zmq-only]   (every side-channel message over ZeroMQ, none
+                                    over the tcp data plane)
        kvferry demo --soak SECONDS [--abort-ratio R] [--seed S]
                     [--prefill-delay-us US] [the options above but --requests]
                     (requests in flight for SECONDS with random aborts; checks
@@ -45,6 +47,7 @@ const OPTIONS: &[&str] = &[
     "json",
     "zmq-baseline",
     "spin-us",
+    "zmq-only",
 ];
 
 /// The demo's settings.
@@ -66,6 +69,8 @@ pub struct DemoOptions {
     pub timeout_ms: u64,
     /// Executors spin this long before parking (0: park at once).
     pub spin_us: u64,
+    /// Every side-channel message over ZeroMQ (`data_plane_messages` off).
+    pub zmq_only: bool,
 }
 
 impl Default for DemoOptions {
@@ -85,6 +90,7 @@ impl Default for DemoOptions {
             transport: TransportKind::Tcp,
             timeout_ms: 10_000,
             spin_us: 0,
+            zmq_only: false,
         }
     }
 }
@@ -184,7 +190,7 @@ pub fn parse_transport(s: &str) -> Result<TransportKind, UsageError> {
 }
 
 fn parse(argv: &[String]) -> Result<(DemoOptions, bool, bool), UsageError> {
-    let a = Args::parse(argv, &["json", "zmq-baseline"])?;
+    let a = Args::parse(argv, &["json", "zmq-baseline", "zmq-only"])?;
     a.reject_unknown(OPTIONS)?;
     let o = shape_options(&a, DemoOptions::default())?;
     Ok((o, a.flag("json"), a.flag("zmq-baseline")))
@@ -210,6 +216,7 @@ pub fn shape_options(a: &Args, d: DemoOptions) -> Result<DemoOptions, UsageError
             .map_or(Ok(d.transport), parse_transport)?,
         timeout_ms: a.get_or("timeout-ms", d.timeout_ms)?,
         spin_us: a.get_or("spin-us", d.spin_us)?,
+        zmq_only: a.flag("zmq-only") || d.zmq_only,
     };
     if o.concurrency == 0 || o.layers == 0 || o.blocks_per_request == 0 || o.block_tokens == 0 {
         return Err(UsageError(
@@ -253,6 +260,7 @@ pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> 
         timeouts: demo_timeouts(o.timeout_ms),
         bootstrap: Some("127.0.0.1:0".into()),
         spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
+        data_plane_messages: !o.zmq_only,
     })
 }
 

@@ -70,6 +70,7 @@ const OPTIONS: &[&str] = &[
     "transport",
     "timeout-ms",
     "spin-us",
+    "zmq-only",
 ];
 
 /// RSS growth after warm-up that still counts as flat, whichever is larger:
@@ -1147,7 +1148,7 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
 }
 
 fn parse(argv: &[String]) -> Result<(SoakOptions, bool), UsageError> {
-    let a = Args::parse(argv, &["json"])?;
+    let a = Args::parse(argv, &["json", "zmq-only"])?;
     a.reject_unknown(OPTIONS)?;
     let d = SoakOptions::default();
     let seconds: f64 = a.get_or("soak", 0.0)?;
