@@ -348,10 +348,20 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             );
             next += 1;
         }
-        let event = flume::Selector::new()
-            .recv(&c.decode_done, |r| r.map(|(_, t, p)| (true, t, p)))
-            .recv(&c.prefill_done, |r| r.map(|(_, t, p)| (false, t, p)))
-            .wait_timeout(Duration::from_millis(500));
+        // What is queued first: a `Selector` registers with both channels
+        // and seeds a random generator (a `getrandom` call) every time.
+        let ready = c
+            .decode_done
+            .try_recv()
+            .map(|(_, t, p)| (true, t, p))
+            .or_else(|_| c.prefill_done.try_recv().map(|(_, t, p)| (false, t, p)));
+        let event = match ready {
+            Ok(e) => Ok(Ok(e)),
+            Err(_) => flume::Selector::new()
+                .recv(&c.decode_done, |r| r.map(|(_, t, p)| (true, t, p)))
+                .recv(&c.prefill_done, |r| r.map(|(_, t, p)| (false, t, p)))
+                .wait_timeout(Duration::from_millis(500)),
+        };
         let (is_decode, tid, phase) = match event {
             Ok(Ok(e)) => e,
             Ok(Err(_)) => return Err("node notification channel closed".into()),
