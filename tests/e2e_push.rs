@@ -296,3 +296,67 @@ fn critical_path_messages_take_the_data_plane() {
         );
     }
 }
+
+/// Transfers whose messages take the data plane are tied to their peers by
+/// the bridge, which an otherwise idle bridge (long heartbeat interval) must
+/// still do under load: more such messages than `bridge_queue_capacity`
+/// between two bridge ticks were once dropped and counted as limit hits.
+#[test]
+fn data_plane_traffic_between_bridge_ticks_hits_no_limit() {
+    let mut s = spec(LayoutKind::Hnd, 1, 1, Mode::Push, TransportKind::Tcp);
+    s.timeouts.heartbeat_interval = Duration::from_secs(20);
+    s.timeouts.lease = Duration::from_secs(60);
+    s.timeouts.hold_limit = Duration::from_secs(120);
+    s.timeouts.bootstrap_timeout = Duration::from_secs(60);
+    s.timeouts.waiting_timeout = Duration::from_secs(60);
+    s.timeouts.claim_timeout = Duration::from_secs(60);
+    s.prefill_blocks = 256;
+    s.decode_blocks = 256;
+    let c = Cluster::start(&s).expect("cluster starts");
+    // Three tracked messages per request (Pull, ticket, Status): well over
+    // the default 65 536 long before the first tick at 20 s. A slot's
+    // blocks are reused once both sides are done with its request.
+    let (total, window) = (24_000u64, 256u32);
+    let mut free: Vec<u32> = (0..window).collect();
+    let mut live: std::collections::HashMap<u64, (u32, bool, bool)> = Default::default();
+    let (mut next, mut done, mut ok) = (0u64, 0u64, 0u64);
+    while done < total {
+        while next < total {
+            let Some(slot) = free.pop() else { break };
+            c.start_request(1 + next, &[slot], &[slot], 0)
+                .expect("request starts");
+            live.insert(1 + next, (slot, false, false));
+            next += 1;
+        }
+        let (decode, tid, phase) = match c.decode_done.try_recv() {
+            Ok((_, t, p)) => (true, t, p),
+            Err(_) => match c.prefill_done.try_recv() {
+                Ok((_, t, p)) => (false, t, p),
+                Err(_) => flume::Selector::new()
+                    .recv(&c.decode_done, |r| r.map(|(_, t, p)| (true, t, p)))
+                    .recv(&c.prefill_done, |r| r.map(|(_, t, p)| (false, t, p)))
+                    .wait_timeout(Duration::from_secs(30))
+                    .expect("progress")
+                    .expect("channels open"),
+            },
+        };
+        let e = live.get_mut(&tid.0).expect("a request we started");
+        if decode {
+            e.1 = true;
+            done += 1;
+            ok += u64::from(phase == Phase::Success);
+        } else {
+            e.2 = true;
+        }
+        if e.1 && e.2 {
+            free.push(e.0);
+            live.remove(&tid.0);
+        }
+    }
+    assert_eq!(ok, total);
+    for r in c.prefill.iter().chain(&c.decode) {
+        let st = r.node.stats();
+        assert_eq!(st.limit_hits, 0, "{st:?}");
+        assert_eq!(st.data_plane_fallbacks, 0, "{st:?}");
+    }
+}

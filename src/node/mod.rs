@@ -530,8 +530,19 @@ impl Shared {
         let mut t = self.tracked.lock().unwrap_or_else(|e| e.into_inner());
         if t.len() < self.config.bridge_queue_capacity {
             t.push((peer, tid));
+            // An otherwise idle bridge only turns once per heartbeat
+            // interval; under load, wake it to take the queue now and then
+            // (one eventfd write per `TRACK_WAKE_EVERY` entries).
+            if t.len() % TRACK_WAKE_EVERY == 0 {
+                drop(t);
+                self.waker.wake();
+            }
         } else {
             self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                limit = self.config.bridge_queue_capacity,
+                "transfer not tied to its peer: bridge_queue_capacity reached"
+            );
         }
     }
 
@@ -803,6 +814,9 @@ impl Inner {
 }
 
 static NEXT_NODE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// See [`Shared::track`].
+const TRACK_WAKE_EVERY: usize = 1024;
 
 /// One prefill or decode rank. Cheap to clone; every clone is the same node.
 /// The node stops when the last clone (and handle) is dropped, or at
