@@ -15,6 +15,12 @@
 //!   DEALER per prefill peer on decode ranks), decodes frames, routes them to
 //!   the machines, answers hellos and heartbeats, resolves prefill ranks for
 //!   decode requests and marks silent peers dead.
+//! * The messages on a request's critical path skip the bridges once a tcp
+//!   data-plane session to the peer is open: the sink packs them into a
+//!   NOTIFY frame of that session and the peer's executor hands them to its
+//!   machines directly (ZeroMQ stays the fallback; see
+//!   [`NodeConfig::data_plane_messages`]). Decode engine threads resolve a
+//!   request's prefill ranks from routes the bridge cached.
 //! * Engine threads call the node from any thread; nothing they call blocks
 //!   on the network, except [`Node::start`] and [`Node::register_kv_caches`].
 //!
