@@ -69,12 +69,17 @@ fn a_peer_that_refuses_gets_everything_over_zeromq() {
         }
         let rx = d.receiver(u64::from(t) + 1, &target).unwrap();
         rx.request(one(dst)).unwrap();
-        p.sender(u64::from(t) + 1)
-            .unwrap()
-            .send(one(src), true)
-            .unwrap();
+        let tx = p.sender(u64::from(t) + 1).unwrap();
+        tx.send(one(src), true).unwrap();
         assert_eq!(
             rx.wait(Duration::from_secs(10)),
+            Phase::Success,
+            "request {t}"
+        );
+        // Prefill reports its end after its last message left: wait for it
+        // too, so that its counters are complete below.
+        assert_eq!(
+            tx.wait(Duration::from_secs(10)),
             Phase::Success,
             "request {t}"
         );
