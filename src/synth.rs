@@ -528,10 +528,12 @@ impl Drop for Rank {
 
 /// P and D ranks in one process, wired together.
 pub struct Cluster {
+    /// Decode ranks, by TP rank. Declared (so dropped) before the prefill
+    /// ranks: a decode rank that outlives its prefill peers sees their
+    /// connections drop and logs them as dead peers at every shutdown.
+    pub decode: Vec<Rank>,
     /// Prefill ranks, by TP rank.
     pub prefill: Vec<Rank>,
-    /// Decode ranks, by TP rank.
-    pub decode: Vec<Rank>,
     /// How decode ranks find the prefill ranks.
     pub target: crate::node::PrefillTarget,
     /// Terminal phases of decode transfers: `(decode rank, transfer, phase)`.
