@@ -588,21 +588,7 @@ impl Bridge {
             (&self.handle, &msg)
         {
             if seq & TICKET_BIT != 0 {
-                // A grant answering one of our heartbeat acks: count it
-                // from when we sent that ack (the oldest, if sent twice).
-                let ticket = seq & !TICKET_BIT;
-                let sent_at = self.shared.ticket_sent_at(peer, ticket);
-                let Some(sent_at) = sent_at else {
-                    // Unknown or forgotten: P asks for a lease at once.
-                    tracing::debug!(?tid, peer, ticket, "lease ticket not ours; refused");
-                    let refused = send::Event::TicketRefused { peer: pid };
-                    return with_lock(&shared, || h.send_event(tid, refused)).is_ok();
-                };
-                let event = send::Event::TicketGrant {
-                    peer: pid,
-                    sent_at,
-                    duration_ms: *duration_ms,
-                };
+                let event = shared.ticket_event(peer, seq & !TICKET_BIT, *duration_ms);
                 return with_lock(&shared, || h.send_event(tid, event)).is_ok();
             }
         }

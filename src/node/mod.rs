@@ -529,6 +529,25 @@ impl Shared {
             .min()
     }
 
+    /// What a grant naming heartbeat ack `ticket` from decode `peer` means
+    /// to a prefill machine: a lease counted from when that ack went out
+    /// (the oldest, if sent twice), or, for an unknown or forgotten one,
+    /// that P must ask for a lease at once.
+    pub(crate) fn ticket_event(&self, peer: u32, ticket: u64, duration_ms: u64) -> send::Event {
+        let peer = kvferry_machines::common::PeerId(peer);
+        match self.ticket_sent_at(peer.0, ticket) {
+            Some(sent_at) => send::Event::TicketGrant {
+                peer,
+                sent_at,
+                duration_ms,
+            },
+            None => {
+                tracing::debug!(?peer, ticket, "lease ticket not ours; refused");
+                send::Event::TicketRefused { peer }
+            }
+        }
+    }
+
     /// Ties `tid` to `peer` for the bridge (see `tracked`); bounded like the
     /// bridge's queue, past which the peer's death is left to the
     /// machines' own timeouts.

@@ -90,34 +90,24 @@ type Sessions = Rc<RefCell<HashMap<EndpointAddr, SessionSlot>>>;
 /// What the sink needs to know of each machine type.
 pub(crate) trait NodeMachine: Machine {
     /// The event that hands `peer`'s message to a live machine of this
-    /// executor, as the bridge would (`None`: the bridge would drop it).
-    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Option<Self::Event>;
+    /// executor, as the bridge would.
+    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Self::Event;
 }
 
 impl NodeMachine for SendMachine {
-    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Option<send::Event> {
+    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> send::Event {
         match msg {
-            // A grant answering one of our heartbeat acks counts from when
-            // we sent that ack; for an unknown or forgotten one P asks for a
-            // lease at once.
             Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
-                Some(match shared.ticket_sent_at(peer.0, seq & !TICKET_BIT) {
-                    Some(sent_at) => send::Event::TicketGrant {
-                        peer,
-                        sent_at,
-                        duration_ms,
-                    },
-                    None => send::Event::TicketRefused { peer },
-                })
+                shared.ticket_event(peer.0, seq & !TICKET_BIT, duration_ms)
             }
-            msg => Some(send::Event::Msg { peer, msg }),
+            msg => send::Event::Msg { peer, msg },
         }
     }
 }
 
 impl NodeMachine for RecvMachine {
-    fn inbound(_: &Shared, peer: PeerId, msg: Msg) -> Option<recv::Event> {
-        Some(recv::Event::Msg { peer, msg })
+    fn inbound(_: &Shared, peer: PeerId, msg: Msg) -> recv::Event {
+        recv::Event::Msg { peer, msg }
     }
 }
 
@@ -831,9 +821,7 @@ fn notify_handler<M: NodeMachine + 'static>(
                 }
             };
             if over_data_plane(&msg) && live.borrow().contains_key(&tid) {
-                let Some(event) = M::inbound(&shared, PeerId(peer), msg.clone()) else {
-                    continue;
-                };
+                let event = M::inbound(&shared, PeerId(peer), msg.clone());
                 // A full queue (or a closing executor) leaves it to the
                 // bridge, whose hand-off waits for room.
                 if poster.try_post(tid, event).is_ok() {

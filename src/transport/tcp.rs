@@ -21,7 +21,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::lock::Mutex;
+use futures::lock::{Mutex, MutexGuard};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::sync::Semaphore;
 use glommio::Task;
@@ -723,6 +723,24 @@ impl SessionInner {
         Ok(())
     }
 
+    /// Locks `k` unlocked streams, starting at a rotating one so that the
+    /// connections share the work. The caller holds `k` turns, which means
+    /// at least `k` streams are unlocked: only `close` holds a stream
+    /// without a turn, and it marks the session closed first.
+    fn free_streams(&self, k: usize) -> Result<Vec<MutexGuard<'_, Option<Conn>>>, TransportError> {
+        let n = self.slots.len();
+        let first = self.next_slot.get();
+        self.next_slot.set((first + 1) % n);
+        let guards: Vec<_> = (0..n)
+            .filter_map(|i| self.slots[(first + i) % n].try_lock())
+            .take(k)
+            .collect();
+        if guards.len() < k {
+            return Err(MisuseError::SessionClosed.into());
+        }
+        Ok(guards)
+    }
+
     /// Sends one NOTIFY on the next free stream and waits for its answer.
     async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
         if self.closed.get() {
@@ -741,12 +759,10 @@ impl SessionInner {
             .acquire_permit(1)
             .await
             .map_err(|_| TransportError::from(MisuseError::SessionClosed))?;
-        let n = self.slots.len();
-        let first = self.next_slot.get();
-        self.next_slot.set((first + 1) % n);
-        let Some(mut guard) = (0..n).find_map(|i| self.slots[(first + i) % n].try_lock()) else {
-            return Err(MisuseError::SessionClosed.into());
-        };
+        let mut guard = self
+            .free_streams(1)?
+            .pop()
+            .ok_or(MisuseError::SessionClosed)?;
         self.ensure_conn(&mut guard).await?;
         // Taken out so that a failure or cancellation drops (closes) it.
         let Some(mut conn) = guard.take() else {
@@ -777,11 +793,11 @@ impl SessionInner {
             return Err(protocol("unexpected NOTIFY response"));
         }
         let reason = RejectReason::from_status(r.status);
-        if r.status != wire::STATUS_OK && !reason.keeps_connection() {
-            return Err(PeerError::Rejected { reason, index: 0 }.into());
+        let taken = r.status == wire::STATUS_OK;
+        if taken || reason.keeps_connection() {
+            *guard = Some(conn);
         }
-        *guard = Some(conn);
-        if r.status != wire::STATUS_OK {
+        if !taken {
             return Err(PeerError::Rejected { reason, index: 0 }.into());
         }
         Ok(())
@@ -841,20 +857,7 @@ impl SessionInner {
             .acquire_permit(k as u64)
             .await
             .map_err(|_| TransportError::from(MisuseError::SessionClosed))?;
-        // Holding `k` turns means at least `k` streams are unlocked: only
-        // `close` holds a stream without a turn, and it marks the session
-        // closed first. Start at a rotating stream so that the connections
-        // share the work.
-        let n = self.slots.len();
-        let first = self.next_slot.get();
-        self.next_slot.set((first + 1) % n);
-        let mut guards: Vec<_> = (0..n)
-            .filter_map(|i| self.slots[(first + i) % n].try_lock())
-            .take(k)
-            .collect();
-        if guards.len() < k {
-            return Err(MisuseError::SessionClosed.into());
-        }
+        let mut guards = self.free_streams(k)?;
         for g in guards.iter_mut() {
             self.ensure_conn(g).await?;
         }
