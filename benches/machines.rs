@@ -63,11 +63,24 @@ fn lifecycle(mode: Mode, chunks: u32, blocks_per_chunk: u32, cfg: &Config, now: 
                     send::Action::Send { msg, .. } => {
                         to_d.push_back(recv::Event::Msg { peer: P, msg })
                     }
-                    send::Action::Write { chunk, .. } => to_p.push_back(send::Event::WriteDone {
-                        peer: D,
+                    send::Action::Write {
                         chunk,
-                        ok: true,
-                    }),
+                        status_after,
+                        ..
+                    } => {
+                        // The driver's part: the `Status` riding the last write.
+                        if status_after {
+                            to_d.push_back(recv::Event::Msg {
+                                peer: P,
+                                msg: Msg::Status { ok: true },
+                            });
+                        }
+                        to_p.push_back(send::Event::WriteDone {
+                            peer: D,
+                            chunk,
+                            ok: true,
+                        })
+                    }
                     send::Action::ReleaseBlocks { .. } => {}
                 }
             }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvferry::machines::common::{BlockId, Config};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, Region};
 use kvferry::machines::Phase;
-use kvferry::node::{KvLayout, Node, NodeConfig, PrefillTarget, Role};
+use kvferry::node::{KvLayout, Node, NodeConfig, NodeStats, PrefillTarget, Role};
 
 const MODEL: ModelSpec = ModelSpec {
     layout: LayoutKind::Hnd,
@@ -48,16 +48,15 @@ fn one(id: u32) -> Vec<Vec<BlockId>> {
     vec![vec![BlockId(id)]]
 }
 
-#[test]
-fn a_peer_that_refuses_gets_everything_over_zeromq() {
-    // Prefill refuses data-plane messages; decode tries them.
-    let (p, mut p_mem) = node(Role::Prefill, false);
-    let (d, d_mem) = node(Role::Decode, true);
+/// Runs `requests` push-mode requests one after another from a P node to
+/// a D node, checking every byte; returns both nodes' stats.
+fn run(p_messages: bool, d_messages: bool, requests: u32) -> (NodeStats, NodeStats) {
+    let (p, mut p_mem) = node(Role::Prefill, p_messages);
+    let (d, d_mem) = node(Role::Decode, d_messages);
     let target = PrefillTarget::Direct {
         tp_size: 1,
         side_channels: vec![p.side_channel_addr()],
     };
-    let requests = 12u32;
     for t in 0..requests {
         let (src, dst) = (t % 8, 8 + t % 8);
         let pattern = |i: usize| (i as u8) ^ (t as u8).wrapping_mul(31);
@@ -76,8 +75,6 @@ fn a_peer_that_refuses_gets_everything_over_zeromq() {
             Phase::Success,
             "request {t}"
         );
-        // Prefill reports its end after its last message left: wait for it
-        // too, so that its counters are complete below.
         assert_eq!(
             tx.wait(Duration::from_secs(10)),
             Phase::Success,
@@ -89,21 +86,55 @@ fn a_peer_that_refuses_gets_everything_over_zeromq() {
             "request {t}: bytes differ"
         );
     }
-    let (ps, ds) = (p.stats(), d.stats());
-    // Decode's session to prefill opens after the first request; its first
-    // notification (a `Pull` and its ticket) is refused and resent over
-    // ZeroMQ, and nothing more is tried.
+    let stats = (p.stats(), d.stats());
+    assert_eq!(
+        (stats.0.ok, stats.1.ok),
+        (u64::from(requests), u64::from(requests))
+    );
+    drop((p, d));
+    stats
+}
+
+#[test]
+fn a_peer_that_refuses_gets_everything_over_zeromq() {
+    let requests = 12u32;
+    let (ps, ds) = run(false, true, requests);
     assert_eq!(ds.data_plane_messages, 0, "{ds:?}");
     assert!(
         (1..=2).contains(&ds.data_plane_fallbacks),
         "one refused notification, then no more tries: {ds:?}"
     );
-    // Prefill does not send over the data plane at all.
     assert_eq!(
-        (ps.data_plane_messages, ps.data_plane_fallbacks),
-        (0, 0),
+        (
+            ps.data_plane_messages,
+            ps.data_plane_fallbacks,
+            ps.statuses_behind_writes
+        ),
+        (0, 0, 0),
         "{ps:?}"
     );
-    assert_eq!((ps.ok, ds.ok), (u64::from(requests), u64::from(requests)));
-    drop((p, d));
+}
+
+/// P's closing `Status` rides its last write: once the data-plane session
+/// is open, each request's `Status` reaches D behind the KV bytes, none
+/// over ZeroMQ. When D takes no data-plane messages, the trailer comes back
+/// undeliverable after the bytes landed and P sends the `Status` over
+/// ZeroMQ instead: every request still succeeds with every byte.
+#[test]
+fn the_closing_status_rides_the_last_write_or_falls_back() {
+    let requests = 12u32;
+    let (ps, ds) = run(true, true, requests);
+    // The first request or two go over ZeroMQ while the session opens.
+    assert!(
+        ps.statuses_behind_writes >= u64::from(requests) - 2,
+        "P's Status rode its writes: {ps:?}"
+    );
+    assert!(ps.data_plane_messages >= ps.statuses_behind_writes);
+    assert!(ds.data_plane_messages >= u64::from(requests) - 2, "{ds:?}");
+    assert_eq!(ps.data_plane_fallbacks, 0, "{ps:?}");
+
+    let (ps, _) = run(true, false, requests);
+    assert_eq!(ps.statuses_behind_writes, 0, "D takes none: {ps:?}");
+    assert!(ps.data_plane_messages <= 1, "{ps:?}");
+    assert!(ps.data_plane_fallbacks >= 1, "{ps:?}");
 }

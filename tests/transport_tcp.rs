@@ -1214,3 +1214,149 @@ fn notifications_reach_the_handler_or_come_back_undeliverable() {
         drop(initiator);
     })
 }
+
+/// NOTIFY_AFTER_WRITE: a trailer reaches the target's handler only behind
+/// writes that landed in full (in the same send as the last frame, so the
+/// target learns of the bytes with them), never behind a write that was
+/// refused or fenced, and not at all when the batch needs several streams
+/// (frames on different streams land in no order the target can see).
+#[test]
+fn a_trailer_is_delivered_only_behind_writes_that_landed() {
+    use kvferry::transport::fence::BlockFence;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    block_on(async {
+        let config = TcpConfig {
+            frame_max_bytes: 1024,
+            ..TcpConfig::default()
+        };
+        let (target, initiator, session) = pair(config).await;
+        let mut dst = Buf::filled(4096, 0);
+        dst.register(&target);
+        let mut src = Buf::random(4096, 5);
+        src.register(&initiator);
+        let (src_addr, dst_addr) = (src.addr(), dst.addr());
+        let desc = |off: u64, len: u64| Desc {
+            local_addr: src_addr + off,
+            remote_addr: dst_addr + off,
+            len_bytes: len,
+        };
+        // What the handler got, and whether the bytes had landed by then.
+        type Seen = Rc<RefCell<Vec<(Vec<u8>, bool)>>>;
+        let seen: Seen = Rc::default();
+        let base = dst_addr as usize;
+        let want = src.bytes[1000];
+        let log = seen.clone();
+        target.set_notify_handler(Some(Rc::new(move |bytes: &[u8]| {
+            // SAFETY: the region outlives the endpoint; one byte is read
+            // on the target's own executor, between frames.
+            let landed = unsafe { *(base as *const u8).add(1000) } == want;
+            log.borrow_mut().push((bytes.to_vec(), landed));
+            bytes != b"refuse"
+        })));
+
+        // One frame: delivered, after the bytes landed.
+        let one = [desc(0, 1024)];
+        assert!(session.write_then_notify(&one, b"landed").await.unwrap());
+        assert_eq!(&dst.bytes[..1024], &src.bytes[..1024]);
+        assert_eq!(seen.borrow().clone(), vec![(b"landed".to_vec(), true)]);
+
+        // Four frames over two streams: the bytes move, the trailer does
+        // not (the caller delivers it its own way).
+        dst.bytes.fill(0);
+        let four = [desc(0, 4096)];
+        assert!(!session.write_then_notify(&four, b"several").await.unwrap());
+        assert_eq!(dst.bytes, src.bytes);
+        assert_eq!(seen.borrow().len(), 1);
+
+        // The handler refuses: the write still landed, the answer says so.
+        assert!(!session.write_then_notify(&one, b"refuse").await.unwrap());
+        assert_eq!(seen.borrow().len(), 2);
+
+        // A fenced write closes the connection: an error, no trailer.
+        let fence = Rc::new(BlockFence::new(&[(dst_addr, 1024)], 4));
+        target.set_fence(Some(fence.clone()));
+        dst.bytes.fill(0);
+        let e = session.write_then_notify(&one, b"fenced").await;
+        assert!(e.is_err(), "{e:?}");
+        assert_eq!(seen.borrow().len(), 2);
+        assert!(dst.bytes[..1024].iter().all(|&b| b == 0));
+        fence.open([0]);
+        assert!(session.write_then_notify(&one, b"open").await.unwrap());
+        assert_eq!(seen.borrow().last().unwrap(), &(b"open".to_vec(), true));
+        target.set_fence(None);
+
+        // Crafted: the trailer's condition, frame by frame.
+        let trailer = |detail: u32, req_id: u64, body: &[u8]| {
+            let h = Header {
+                opcode: wire::OP_NOTIFY_AFTER_WRITE,
+                detail,
+                req_id,
+                payload_len: body.len() as u64,
+                ..Header::default()
+            };
+            let mut b = h.encode().to_vec();
+            b.extend_from_slice(body);
+            b
+        };
+        let good_write = |req_id: u64| {
+            let mut f = request(wire::OP_WRITE, &[(dst_addr, 8)], 8, req_id);
+            f.extend_from_slice(&[9u8; 8]);
+            f
+        };
+        let mut s = TcpStream::connect(target.local_addr()).await.unwrap();
+        // Behind a write outside the region: not delivered, connection kept.
+        let mut f = request(wire::OP_WRITE, &[(8, 8)], 8, 1);
+        f.extend_from_slice(&[0u8; 8]);
+        f.extend(trailer(1, 2, b"bad write"));
+        s.write_all(&f).await.unwrap();
+        let r = response(&mut s).await;
+        assert_eq!(
+            RejectReason::from_status(r.status),
+            RejectReason::OutOfRegion
+        );
+        let r = response(&mut s).await;
+        assert_eq!(
+            (r.opcode, RejectReason::from_status(r.status), r.req_id),
+            (wire::OP_NOTIFY_AFTER_WRITE, RejectReason::Undeliverable, 2)
+        );
+        // Depending on more writes than landed before it, or on none.
+        let mut f = good_write(3);
+        f.extend(trailer(2, 4, b"two"));
+        f.extend(good_write(5));
+        f.extend(trailer(0, 6, b"none"));
+        // A plain NOTIFY in between breaks the run.
+        f.extend(good_write(7));
+        f.extend(request(wire::OP_NOTIFY, &[], 0, 8));
+        f.extend(trailer(1, 9, b"after notify"));
+        // Two writes that landed, then a trailer on both: delivered.
+        f.extend(good_write(10));
+        f.extend(good_write(11));
+        f.extend(trailer(2, 12, b"both"));
+        s.write_all(&f).await.unwrap();
+        let mut answers = Vec::new();
+        for _ in 0..10 {
+            let r = response(&mut s).await;
+            answers.push((r.req_id, r.status));
+        }
+        let undeliverable = RejectReason::Undeliverable.to_status();
+        assert_eq!(
+            answers,
+            vec![
+                (3, 0),
+                (4, undeliverable),
+                (5, 0),
+                (6, undeliverable),
+                (7, 0),
+                (8, 0),
+                (9, undeliverable),
+                (10, 0),
+                (11, 0),
+                (12, 0)
+            ]
+        );
+        let got: Vec<Vec<u8>> = seen.borrow().iter().map(|(b, _)| b.clone()).collect();
+        assert_eq!(got[got.len() - 2..], [b"".to_vec(), b"both".to_vec()]);
+        drop(initiator);
+    })
+}

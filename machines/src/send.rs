@@ -78,11 +78,24 @@ pub enum Action {
     /// Push mode: write `src_blocks` (ours) into `dst_blocks` (the peer's),
     /// same lengths per group, then report [`Event::WriteDone`]. The driver
     /// turns the lists into descriptors with the planner.
+    ///
+    /// With `status_after`, this is the peer's last write and nothing else
+    /// of the request is in flight to it: the driver itself delivers
+    /// `Status{ok: true}` to the peer once the write has landed in full,
+    /// and before it reports `WriteDone{ok: true}` (the machine sends no
+    /// `Status` then). A transport that can carries the `Status` right
+    /// behind the write on the same connection, delivered only if the
+    /// write landed, so D learns of it without waiting for P to hear the
+    /// write's acknowledgement. `WriteDone{ok: false}` then leaves open
+    /// whether the `Status` reached the peer (the write may have landed
+    /// and only its acknowledgement been lost); either way every byte the
+    /// peer was told of landed.
     Write {
         peer: PeerId,
         chunk: u32,
         src_blocks: BlockLists,
         dst_blocks: BlockLists,
+        status_after: bool,
     },
     /// The request's source blocks may go back to the engine. Emitted
     /// exactly once; `outcome` is the terminal phase.
@@ -106,6 +119,9 @@ enum Role {
         next_chunk: u32,
         /// True once `Status{ok: true}` went out (the lease is returned).
         finished: bool,
+        /// True once the last write went out with `status_after`: the
+        /// driver returns the lease when that write lands.
+        closing: bool,
     },
     /// Pull: the peer reads our blocks under our lease.
     Granter {
@@ -130,6 +146,15 @@ impl Peer {
     fn is_finished(&self) -> bool {
         match &self.role {
             Role::Toucher { finished, .. } | Role::Granter { finished, .. } => *finished,
+        }
+    }
+
+    /// Push mode: the peer's last write is in flight with the `Status`
+    /// riding behind it.
+    fn is_closing(&self) -> bool {
+        match &self.role {
+            Role::Toucher { closing, .. } => *closing,
+            Role::Granter { .. } => false,
         }
     }
 }
@@ -454,6 +479,7 @@ impl SendMachine {
                         lease: TouchLease::new(),
                         next_chunk: 0,
                         finished: false,
+                        closing: false,
                     },
                     Mode::Pull => Role::Granter {
                         lease: GrantLease::new(),
@@ -579,6 +605,15 @@ impl SendMachine {
                     // abort as well.
                     return Ok(());
                 }
+                if known.is_some_and(|i| live.peers[i].is_closing()) {
+                    // The last write is in flight with the `Status` behind
+                    // it; the D rank may have had both and ended, and this
+                    // answers a lease renewal that crossed them. If the
+                    // abort is real, D's fence fails the write and its
+                    // completion ends the request; if the write landed,
+                    // everything D was told of is there.
+                    return Ok(());
+                }
                 // An abort from a D rank we do not know yet still ends the
                 // request: any D rank aborting means the request is gone.
                 self.end(now, End::PeerAbort(peer));
@@ -687,6 +722,7 @@ impl SendMachine {
                 lease,
                 next_chunk,
                 finished,
+                closing,
             } = &mut p.role
             else {
                 continue;
@@ -717,6 +753,12 @@ impl SendMachine {
                     if live.ops.len() >= cfg.max_in_flight {
                         break;
                     }
+                    // The `Status` may ride this write when it is the
+                    // peer's last and nothing else is in flight to it: then
+                    // the write landing means all of the peer's KV landed.
+                    let last = live.last_seen && *next_chunk as usize + 1 == live.chunks.len();
+                    let status_after = last && !live.ops.iter().any(|op| op.peer == p.id);
+                    *closing |= status_after;
                     live.ops.push(Op {
                         peer: p.id,
                         chunk: *next_chunk,
@@ -727,6 +769,7 @@ impl SendMachine {
                         chunk: *next_chunk,
                         src_blocks: src,
                         dst_blocks: dst,
+                        status_after,
                     });
                 }
                 *next_chunk += 1;
@@ -737,10 +780,13 @@ impl SendMachine {
             let all_posted = live.last_seen && *next_chunk as usize == live.chunks.len();
             if all_posted && !live.ops.iter().any(|op| op.peer == p.id) {
                 *finished = true;
-                self.actions.push_back(Action::Send {
-                    peer: p.id,
-                    msg: Msg::Status { ok: true },
-                });
+                // A closing write's driver delivered the `Status` already.
+                if !*closing {
+                    self.actions.push_back(Action::Send {
+                        peer: p.id,
+                        msg: Msg::Status { ok: true },
+                    });
+                }
             }
         }
         if bad_metadata {

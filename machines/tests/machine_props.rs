@@ -62,6 +62,10 @@ enum Step {
     Drop(usize),
     Duplicate(usize),
     Complete(usize, bool),
+    /// A write carrying the `Status` behind it lands in full (so the
+    /// `Status` goes out) but its acknowledgement is lost: P hears a
+    /// failure. Other transfers just fail.
+    AckLost(usize),
     ChunkReady(usize),
     Resolve(usize),
     Abort(bool, usize, u8),
@@ -79,6 +83,7 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Drop),
         3 => any::<usize>().prop_map(Step::Duplicate),
         30 => (any::<usize>(), prop::bool::weighted(0.95)).prop_map(|(i, ok)| Step::Complete(i, ok)),
+        1 => any::<usize>().prop_map(Step::AckLost),
         10 => any::<usize>().prop_map(Step::ChunkReady),
         8 => any::<usize>().prop_map(Step::Resolve),
         1 => (any::<bool>(), any::<usize>(), 0u8..3).prop_map(|(s, i, r)| Step::Abort(s, i, r)),
@@ -97,7 +102,7 @@ fn calm(s: Step) -> Step {
         Step::Abort(..) | Step::PeerDead(..) | Step::PlanFailed(..) | Step::Drop(_) => {
             Step::Deliver(0)
         }
-        Step::Complete(k, _) => Step::Complete(k, true),
+        Step::Complete(k, _) | Step::AckLost(k) => Step::Complete(k, true),
         other => other,
     }
 }
@@ -183,6 +188,9 @@ struct Transfer {
     posted_at: Instant,
     /// When its completion was delivered.
     completed_at: Option<Instant>,
+    /// Push mode: the driver owes the granter `Status{ok: true}` once the
+    /// write lands.
+    status_after: bool,
 }
 
 struct World {
@@ -278,6 +286,7 @@ impl World {
         granter: Node,
         chunk: u32,
         dst_blocks: Vec<BlockId>,
+        status_after: bool,
     ) {
         let until = self.granted_until.get(&(granter, toucher)).copied();
         self.transfers.push(Transfer {
@@ -287,6 +296,7 @@ impl World {
             dst_blocks,
             posted_at: self.now,
             completed_at: None,
+            status_after,
         });
         if self.hostile {
             return;
@@ -328,6 +338,7 @@ impl World {
                     chunk,
                     src_blocks,
                     dst_blocks,
+                    status_after,
                 } => {
                     assert_eq!(self.sc.mode, Mode::Push);
                     assert_eq!(src_blocks[0].len(), dst_blocks[0].len());
@@ -336,7 +347,13 @@ impl World {
                         assert!(self.hostile, "P{i} addresses a D rank that does not exist");
                         continue;
                     }
-                    self.start_transfer(Node::P(i), Node::D(j), chunk, dst_blocks[0].clone());
+                    self.start_transfer(
+                        Node::P(i),
+                        Node::D(j),
+                        chunk,
+                        dst_blocks[0].clone(),
+                        status_after,
+                    );
                 }
                 send::Action::ReleaseBlocks { outcome } => {
                     assert!(outcome.is_terminal());
@@ -376,7 +393,13 @@ impl World {
                         assert!(self.hostile, "D{j} addresses a P rank that does not exist");
                         continue;
                     }
-                    self.start_transfer(Node::D(j), Node::P(i), chunk, dst_blocks[0].clone());
+                    self.start_transfer(
+                        Node::D(j),
+                        Node::P(i),
+                        chunk,
+                        dst_blocks[0].clone(),
+                        false,
+                    );
                 }
                 recv::Action::Received => {
                     assert_eq!(self.ds[j].phase(), Phase::Success);
@@ -479,22 +502,34 @@ impl World {
         }
     }
 
-    fn complete(&mut self, k: usize, ok: bool) {
+    /// Completes transfer `k`: it landed when `ok` (and not past its
+    /// bound); with `ack_lost` its initiator hears a failure all the same.
+    fn complete(&mut self, k: usize, ok: bool, ack_lost: bool) {
         let t = &mut self.transfers[k];
         // A transfer past its bound can no longer land: only a late, failed
         // notification can still arrive.
         let late = t.posted_at + self.cfg.transfer_bound <= self.now;
-        let ok = ok && !late;
+        let landed = ok && !late;
         t.completed_at = Some(self.now.min(t.posted_at + self.cfg.transfer_bound));
         let (toucher, granter, chunk) = (t.toucher, t.granter, t.chunk);
-        if ok {
+        let status_after = t.status_after;
+        if landed {
             let (pi, dj) = match (toucher, granter) {
                 (Node::P(i), Node::D(j)) | (Node::D(j), Node::P(i)) => (i, j),
                 _ => unreachable!(),
             };
             let blocks = t.dst_blocks.clone();
             self.landed.entry((pi, dj)).or_default().extend(blocks);
+            if status_after {
+                // The driver's `Status`, sent once the write landed.
+                self.net.push(Packet {
+                    from: toucher,
+                    to: granter,
+                    msg: Msg::Status { ok: true },
+                });
+            }
         }
+        let ok = landed && !ack_lost;
         let now = self.now;
         match (toucher, granter) {
             (Node::P(i), Node::D(j)) => {
@@ -631,7 +666,13 @@ impl World {
             Step::Complete(k, ok) => {
                 let open = self.in_flight();
                 if !open.is_empty() {
-                    self.complete(open[k % open.len()], ok);
+                    self.complete(open[k % open.len()], ok, false);
+                }
+            }
+            Step::AckLost(k) => {
+                let open = self.in_flight();
+                if !open.is_empty() {
+                    self.complete(open[k % open.len()], true, true);
                 }
             }
             Step::StaleCompletion(k) => {

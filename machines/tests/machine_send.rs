@@ -67,6 +67,19 @@ fn write(peer: PeerId, chunk: u32, src: &[u32], dst: &[u32]) -> Action {
         chunk,
         src_blocks: blocks(src),
         dst_blocks: blocks(dst),
+        status_after: false,
+    }
+}
+
+/// The peer's last write, with nothing else in flight to it: the driver
+/// delivers `Status{ok: true}` behind it.
+fn write_last(peer: PeerId, chunk: u32, src: &[u32], dst: &[u32]) -> Action {
+    Action::Write {
+        peer,
+        chunk,
+        src_blocks: blocks(src),
+        dst_blocks: blocks(dst),
+        status_after: true,
     }
 }
 
@@ -107,7 +120,7 @@ fn push_whole_request_with_d_info_first() {
     assert_eq!(m.phase(), Phase::Transferring);
     assert_eq!(
         ev(&mut m, t0, msg(D0, grant(0))),
-        vec![write(D0, 0, &[1, 2], &[5, 6])]
+        vec![write_last(D0, 0, &[1, 2], &[5, 6])]
     );
     let out = ev(
         &mut m,
@@ -118,10 +131,8 @@ fn push_whole_request_with_d_info_first() {
             ok: true,
         },
     );
-    assert_eq!(
-        out,
-        vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]
-    );
+    // The driver delivered the `Status` behind the write.
+    assert_eq!(out, vec![release(Phase::Success)]);
     assert_eq!(m.phase(), Phase::Success);
     assert!(m.is_released());
     assert_eq!(m.poll_timeout(), None);
@@ -140,7 +151,7 @@ fn push_whole_request_with_kv_first() {
     );
     assert_eq!(
         ev(&mut m, t1, msg(D0, grant(0))),
-        vec![write(D0, 0, &[1, 2], &[5, 6])]
+        vec![write_last(D0, 0, &[1, 2], &[5, 6])]
     );
     let out = ev(
         &mut m,
@@ -151,7 +162,7 @@ fn push_whole_request_with_kv_first() {
             ok: true,
         },
     );
-    assert_eq!(out.last(), Some(&release(Phase::Success)));
+    assert_eq!(out, vec![release(Phase::Success)]);
 }
 
 #[test]
@@ -206,7 +217,7 @@ fn push_chunk_entirely_in_prefix_needs_no_write() {
     assert_eq!(ev(&mut m, t0, chunk(&[1, 2], false)), vec![]);
     assert_eq!(
         ev(&mut m, t0, chunk(&[3], true)),
-        vec![write(D0, 1, &[3], &[50])]
+        vec![write_last(D0, 1, &[3], &[50])]
     );
     let out = ev(
         &mut m,
@@ -217,7 +228,7 @@ fn push_chunk_entirely_in_prefix_needs_no_write() {
             ok: true,
         },
     );
-    assert_eq!(out.last(), Some(&release(Phase::Success)));
+    assert_eq!(out, vec![release(Phase::Success)]);
 }
 
 #[test]
@@ -232,7 +243,7 @@ fn push_fan_out_counts_completion_per_peer() {
     let out = ev(&mut m, t0, chunk(&[1], true));
     assert_eq!(
         out,
-        vec![write(D0, 0, &[1], &[5]), write(D1, 0, &[1], &[8])]
+        vec![write_last(D0, 0, &[1], &[5]), write_last(D1, 0, &[1], &[8])]
     );
     let out = ev(
         &mut m,
@@ -243,7 +254,8 @@ fn push_fan_out_counts_completion_per_peer() {
             ok: true,
         },
     );
-    assert_eq!(out, vec![send(D1, Msg::Status { ok: true })]);
+    // Each write carried its peer's `Status`; one peer done is not enough.
+    assert_eq!(out, vec![]);
     assert!(!m.is_released());
     let out = ev(
         &mut m,
@@ -254,10 +266,7 @@ fn push_fan_out_counts_completion_per_peer() {
             ok: true,
         },
     );
-    assert_eq!(
-        out,
-        vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]
-    );
+    assert_eq!(out, vec![release(Phase::Success)]);
 }
 
 #[test]
@@ -488,7 +497,8 @@ fn push_peer_abort_is_acknowledged_after_writes() {
     ev(&mut m, t0, msg(D0, pull(2, &[5], 0, None)));
     ev(&mut m, t0, msg(D1, pull(2, &[6], 0, None)));
     ev(&mut m, t0, msg(D0, grant(0)));
-    ev(&mut m, t0, chunk(&[1], true));
+    // Not the last chunk, so the write carries no `Status` (see below).
+    ev(&mut m, t0, chunk(&[1], false));
     assert_eq!(
         ev(&mut m, t0, msg(D0, Msg::Abort)),
         vec![send(D1, Msg::Status { ok: false })]
@@ -508,6 +518,67 @@ fn push_peer_abort_is_acknowledged_after_writes() {
             send(D0, Msg::AbortAck),
             release(Phase::Failed(FailReason::PeerAborted))
         ]
+    );
+}
+
+#[test]
+fn push_abort_from_a_peer_whose_last_write_carries_the_status_waits_for_the_write() {
+    let t0 = Instant::now();
+    // The write lands: the `Status` behind it reached D, which may have
+    // ended before its answer to a lease renewal (the `Abort`) came.
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
+    ev(&mut m, t0, msg(D0, grant(0)));
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[1], true)),
+        vec![write_last(D0, 0, &[1], &[5])]
+    );
+    assert_eq!(ev(&mut m, t0, msg(D0, Msg::Abort)), vec![]);
+    assert!(!m.is_released());
+    let done = |ok| Event::WriteDone {
+        peer: D0,
+        chunk: 0,
+        ok,
+    };
+    assert_eq!(ev(&mut m, t0, done(true)), vec![release(Phase::Success)]);
+    // The write fails (D's fence stopped it, say): the request fails, and
+    // D, which may or may not have had the `Status`, hears so.
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None)));
+    ev(&mut m, t0, msg(D0, grant(0)));
+    ev(&mut m, t0, chunk(&[1], true));
+    assert_eq!(ev(&mut m, t0, msg(D0, Msg::Abort)), vec![]);
+    assert_eq!(
+        ev(&mut m, t0, done(false)),
+        vec![
+            send(D0, Msg::Status { ok: false }),
+            release(Phase::Failed(FailReason::Transport))
+        ]
+    );
+}
+
+#[test]
+fn push_last_write_carries_the_status_only_when_nothing_else_is_in_flight() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None)));
+    ev(&mut m, t0, msg(D0, grant(0)));
+    ev(&mut m, t0, chunk(&[1], false));
+    // Chunk 0 is still in flight: a `Status` behind chunk 1 could reach D
+    // before chunk 0 landed, so the machine sends it itself, later.
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[2], true)),
+        vec![write(D0, 1, &[2], &[6])]
+    );
+    let done = |chunk| Event::WriteDone {
+        peer: D0,
+        chunk,
+        ok: true,
+    };
+    assert_eq!(ev(&mut m, t0, done(0)), vec![]);
+    assert_eq!(
+        ev(&mut m, t0, done(1)),
+        vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]
     );
 }
 
@@ -727,7 +798,7 @@ fn in_flight_writes_are_bounded() {
                 ok: true
             }
         ),
-        vec![write(D0, 1, &[2], &[6])]
+        vec![write_last(D0, 1, &[2], &[6])]
     );
 }
 
@@ -1047,7 +1118,8 @@ fn push_several_groups_align_per_group() {
             peer: D0,
             chunk: 0,
             src_blocks: vec![b(&[2]), b(&[7])],
-            dst_blocks: vec![b(&[50]), b(&[60])]
+            dst_blocks: vec![b(&[50]), b(&[60])],
+            status_after: false,
         }]
     );
     let out = ev(
@@ -1064,7 +1136,8 @@ fn push_several_groups_align_per_group() {
             peer: D0,
             chunk: 1,
             src_blocks: vec![b(&[3]), b(&[])],
-            dst_blocks: vec![b(&[51]), b(&[])]
+            dst_blocks: vec![b(&[51]), b(&[])],
+            status_after: false,
         }]
     );
     // A chunk with another group count is the engine's mistake.
@@ -1108,7 +1181,7 @@ fn push_ticket_grant_writes_without_waiting_for_a_lease_round_trip() {
             duration_ms: 10_000,
         },
     );
-    assert_eq!(out, vec![write(D0, 0, &[1, 2], &[5, 6])]);
+    assert_eq!(out, vec![write_last(D0, 0, &[1, 2], &[5, 6])]);
     assert_eq!(m.lease_valid_until(D0), Some(t0 + secs(8)));
 }
 
@@ -1207,7 +1280,7 @@ fn push_pull_announcing_a_ticket_defers_the_lease_request() {
             duration_ms: 10_000,
         },
     );
-    assert_eq!(granted, vec![write(D0, 0, &[1], &[5])]);
+    assert_eq!(granted, vec![write_last(D0, 0, &[1], &[5])]);
     assert_eq!(ev(&mut m, t0, Event::TicketRefused { peer: D0 }), vec![]);
     // In pull mode a refusal is the peer's error.
     let mut m = pull_machine(t0);
@@ -1231,7 +1304,7 @@ fn push_ticket_grant_that_overtook_its_pull_applies_when_the_pull_comes() {
     // once, counted from when the ticket was sent, and nothing is asked.
     assert_eq!(
         ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, Some(7)))),
-        vec![write(D0, 0, &[1, 2], &[5, 6])]
+        vec![write_last(D0, 0, &[1, 2], &[5, 6])]
     );
     assert_eq!(m.lease_valid_until(D0), Some(t0 + secs(9)));
     // Without an announcement too (the grant is what counts).
@@ -1248,6 +1321,6 @@ fn push_ticket_grant_that_overtook_its_pull_applies_when_the_pull_comes() {
     );
     assert_eq!(
         ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None))),
-        vec![write(D0, 0, &[1], &[5])]
+        vec![write_last(D0, 0, &[1], &[5])]
     );
 }

@@ -329,6 +329,9 @@ pub struct NodeStats {
     /// Messages that were to go over the data plane but went over ZeroMQ
     /// after all (the peer refused them, or the session failed).
     pub data_plane_fallbacks: u64,
+    /// Push mode: closing `Status` messages that rode behind their
+    /// transfer's last write (also counted in `data_plane_messages`).
+    pub statuses_behind_writes: u64,
 }
 
 #[derive(Default)]
@@ -345,6 +348,7 @@ pub(crate) struct Counters {
     pub limit_hits: AtomicU64,
     pub data_plane_messages: AtomicU64,
     pub data_plane_fallbacks: AtomicU64,
+    pub statuses_behind_writes: AtomicU64,
     /// Peers marked dead now (not cumulative).
     pub dead_now: AtomicU64,
 }
@@ -365,6 +369,7 @@ impl Counters {
             limit_hits: g(&self.limit_hits),
             data_plane_messages: g(&self.data_plane_messages),
             data_plane_fallbacks: g(&self.data_plane_fallbacks),
+            statuses_behind_writes: g(&self.statuses_behind_writes),
         }
     }
 }

@@ -83,6 +83,9 @@ struct Job<'a> {
     src: &'a BlockLists,
     dst: &'a BlockLists,
     op: Op,
+    /// Push mode: deliver `Status{ok: true}` to the peer once the write
+    /// landed (see `send::Action::Write`).
+    status_after: bool,
 }
 
 type Sessions = Rc<RefCell<HashMap<EndpointAddr, SessionSlot>>>;
@@ -147,6 +150,126 @@ type NoteLanes = Rc<RefCell<HashMap<EndpointAddr, NoteLane>>>;
 /// messages take the side channel from then on.
 type Refusing = Rc<RefCell<std::collections::HashSet<EndpointAddr>>>;
 
+/// Sends the machines' side-channel messages, over the data plane where
+/// they may. Cheap to clone into the task that delivers a write's closing
+/// `Status` when the write could not carry it.
+#[derive(Clone)]
+struct Messenger {
+    shared: Arc<Shared>,
+    transport: Option<Rc<AnyTransport>>,
+    sessions: Sessions,
+    /// Frames waiting to go over the data plane, per peer endpoint.
+    notes: NoteLanes,
+    refusing: Refusing,
+}
+
+impl Messenger {
+    /// This node's data-plane endpoint, as notifications name their sender.
+    fn sender(&self) -> String {
+        self.shared.endpoint.get().cloned().unwrap_or_default()
+    }
+
+    fn send_frame(&self, tid: TransferId, peer: PeerId, msg: Msg) {
+        let bytes = proto::encode(&Frame::Transfer {
+            transfer_id: tid.0,
+            msg,
+        });
+        self.shared.to_bridge(BridgeCmd::Send {
+            peer: peer.0,
+            tid: Some(tid),
+            bytes,
+        });
+    }
+
+    /// Sends `msg` over the data-plane session of `peer` when it may
+    /// ([`over_data_plane`]) and one is open, else over the side channel
+    /// (and then opens a session in the background for the next ones).
+    fn send_msg(&self, tid: TransferId, peer: PeerId, msg: Msg) {
+        let Some(endpoint) = self.data_plane_endpoint(peer, &msg) else {
+            return self.send_frame(tid, peer, msg);
+        };
+        let open = self
+            .sessions
+            .borrow()
+            .get(&endpoint)
+            .and_then(|slot| slot.try_lock().map(|g| g.is_some()));
+        match open {
+            Some(true) => {}
+            Some(false) => return self.send_frame(tid, peer, msg),
+            None => {
+                self.open_session(endpoint);
+                return self.send_frame(tid, peer, msg);
+            }
+        }
+        self.shared.track(peer.0, tid);
+        let bytes = proto::encode(&Frame::Transfer {
+            transfer_id: tid.0,
+            msg,
+        });
+        let start = {
+            let mut notes = self.notes.borrow_mut();
+            let lane = notes.entry(endpoint).or_default();
+            lane.queue.push((peer, tid, bytes));
+            !std::mem::replace(&mut lane.pumping, true)
+        };
+        if start {
+            glommio::spawn_local(pump_notes(
+                endpoint,
+                self.notes.clone(),
+                self.sessions.clone(),
+                self.refusing.clone(),
+                self.shared.clone(),
+            ))
+            .detach();
+        }
+    }
+
+    /// The endpoint of `peer`'s node when `msg` may go to it over the data
+    /// plane: tcp, [`over_data_plane`], and the peer did not refuse.
+    fn data_plane_endpoint(&self, peer: PeerId, msg: &Msg) -> Option<EndpointAddr> {
+        let enabled = self.shared.config.data_plane_messages && over_data_plane(msg);
+        match (&self.transport.as_deref(), enabled) {
+            (Some(AnyTransport::Tcp(_)), true) => self
+                .shared
+                .peer(peer.0)
+                .and_then(|d| d.endpoint)
+                .filter(|e| !self.refusing.borrow().contains(e)),
+            _ => None,
+        }
+    }
+
+    /// Opens a session to `endpoint` in the background, unless one is open
+    /// or opening; a failure is only logged (the side channel still works).
+    fn open_session(&self, endpoint: EndpointAddr) {
+        let (Some(transport), Ok(())) = (
+            self.transport.clone(),
+            make_room(
+                &self.sessions,
+                &endpoint,
+                self.shared.config.max_data_sessions,
+            ),
+        ) else {
+            return;
+        };
+        let slot = self
+            .sessions
+            .borrow_mut()
+            .entry(endpoint)
+            .or_default()
+            .clone();
+        glommio::spawn_local(async move {
+            let mut guard = slot.lock().await;
+            if guard.is_none() {
+                match transport.open(&endpoint).await {
+                    Ok(s) => *guard = Some(Rc::new(s)),
+                    Err(e) => tracing::debug!(%endpoint, %e, "no data-plane session for messages"),
+                }
+            }
+        })
+        .detach();
+    }
+}
+
 /// The node's action sink, for either machine type.
 pub(crate) struct Sink<M: Machine> {
     shared: Arc<Shared>,
@@ -160,9 +283,8 @@ pub(crate) struct Sink<M: Machine> {
     /// When each live transfer was created, for the latency histogram;
     /// also which transfers the executor holds live.
     started: Live,
-    /// Frames waiting to go over the data plane, per peer endpoint.
-    notes: NoteLanes,
-    refusing: Refusing,
+    /// Sends the machines' messages.
+    msgr: Messenger,
     /// Small transfers waiting to share a batch, per peer endpoint.
     lanes: Lanes,
     /// Local blocks each live transfer opened in the block fence; closed in
@@ -231,17 +353,23 @@ where
                 None
             }
         };
+        let sessions: Sessions = Rc::new(RefCell::new(HashMap::new()));
         Sink {
-            shared,
+            shared: shared.clone(),
             poster,
-            transport,
-            sessions: Rc::new(RefCell::new(HashMap::new())),
+            transport: transport.clone(),
+            sessions: sessions.clone(),
             plan: Plan::default(),
             src: Vec::new(),
             dst: Vec::new(),
             started,
-            notes: Rc::new(RefCell::new(HashMap::new())),
-            refusing: Rc::default(),
+            msgr: Messenger {
+                shared: shared.clone(),
+                transport: transport.clone(),
+                sessions: sessions.clone(),
+                notes: Rc::new(RefCell::new(HashMap::new())),
+                refusing: Rc::default(),
+            },
             lanes: Rc::new(RefCell::new(HashMap::new())),
             opened: HashMap::new(),
         }
@@ -266,101 +394,6 @@ where
         self.opened.entry(tid).or_default().extend(ids);
     }
 
-    fn send_frame(&self, tid: TransferId, peer: PeerId, msg: Msg) {
-        let bytes = proto::encode(&Frame::Transfer {
-            transfer_id: tid.0,
-            msg,
-        });
-        self.shared.to_bridge(BridgeCmd::Send {
-            peer: peer.0,
-            tid: Some(tid),
-            bytes,
-        });
-    }
-
-    /// Sends `msg` over the data-plane session of `peer` when it may
-    /// ([`over_data_plane`]) and one is open, else over the side channel
-    /// (and then opens a session in the background for the next ones).
-    fn send_msg(&self, tid: TransferId, peer: PeerId, msg: Msg) {
-        let enabled = self.shared.config.data_plane_messages && over_data_plane(&msg);
-        let endpoint = match (&self.transport.as_deref(), enabled) {
-            (Some(AnyTransport::Tcp(_)), true) => self
-                .shared
-                .peer(peer.0)
-                .and_then(|d| d.endpoint)
-                .filter(|e| !self.refusing.borrow().contains(e)),
-            _ => None,
-        };
-        let Some(endpoint) = endpoint else {
-            return self.send_frame(tid, peer, msg);
-        };
-        let open = self
-            .sessions
-            .borrow()
-            .get(&endpoint)
-            .and_then(|slot| slot.try_lock().map(|g| g.is_some()));
-        match open {
-            Some(true) => {}
-            Some(false) => return self.send_frame(tid, peer, msg),
-            None => {
-                self.open_session(endpoint);
-                return self.send_frame(tid, peer, msg);
-            }
-        }
-        self.shared.track(peer.0, tid);
-        let bytes = proto::encode(&Frame::Transfer {
-            transfer_id: tid.0,
-            msg,
-        });
-        let start = {
-            let mut notes = self.notes.borrow_mut();
-            let lane = notes.entry(endpoint).or_default();
-            lane.queue.push((peer, tid, bytes));
-            !std::mem::replace(&mut lane.pumping, true)
-        };
-        if start {
-            glommio::spawn_local(pump_notes(
-                endpoint,
-                self.notes.clone(),
-                self.sessions.clone(),
-                self.refusing.clone(),
-                self.shared.clone(),
-            ))
-            .detach();
-        }
-    }
-
-    /// Opens a session to `endpoint` in the background, unless one is open
-    /// or opening; a failure is only logged (the side channel still works).
-    fn open_session(&self, endpoint: EndpointAddr) {
-        let (Some(transport), Ok(())) = (
-            self.transport.clone(),
-            make_room(
-                &self.sessions,
-                &endpoint,
-                self.shared.config.max_data_sessions,
-            ),
-        ) else {
-            return;
-        };
-        let slot = self
-            .sessions
-            .borrow_mut()
-            .entry(endpoint)
-            .or_default()
-            .clone();
-        glommio::spawn_local(async move {
-            let mut guard = slot.lock().await;
-            if guard.is_none() {
-                match transport.open(&endpoint).await {
-                    Ok(s) => *guard = Some(Rc::new(s)),
-                    Err(e) => tracing::debug!(%endpoint, %e, "no data-plane session for messages"),
-                }
-            }
-        })
-        .detach();
-    }
-
     /// Posts `events` to the machine from a local task (`execute` cannot wait).
     fn post_later(&self, tid: TransferId, events: Vec<M::Event>) {
         let poster = self.poster.clone();
@@ -382,7 +415,13 @@ where
         done: impl FnOnce(bool) -> M::Event + 'static,
         plan_failed: M::Event,
     ) {
-        let Job { peer, src, dst, op } = job;
+        let Job {
+            peer,
+            src,
+            dst,
+            op,
+            status_after,
+        } = job;
         let planned = self.plan_descs(peer, src, dst, op);
         let (endpoint, descs, batches) = match planned {
             Ok(p) => p,
@@ -409,6 +448,18 @@ where
             return;
         }
         let lanes = self.lanes.clone();
+        // The closing `Status` rides the write when the peer takes
+        // data-plane messages; the D node learns the KV landed without
+        // waiting for this node to hear the write's acknowledgement.
+        let status = Msg::Status { ok: true };
+        let note =
+            (status_after && self.msgr.data_plane_endpoint(peer, &status).is_some()).then(|| {
+                proto::encode(&Frame::Transfer {
+                    transfer_id: tid.0,
+                    msg: status,
+                })
+            });
+        let msgr = self.msgr.clone();
         let coalesce = shared.config.transport == TransportKind::Tcp
             && batches.len() == 1
             && descs.len() <= COALESCE_MAX_DESCS
@@ -418,22 +469,38 @@ where
         let deadline = Instant::now() + bound;
         glommio::spawn_local(async move {
             let result = if descs.is_empty() {
-                Ok(())
+                Ok(false)
             } else if coalesce {
                 let io = Io {
                     transport,
                     sessions,
                     lanes,
+                    sender: msgr.sender(),
                 };
-                io.queue(endpoint, op, descs, deadline).await
+                io.queue(endpoint, op, descs, note, deadline).await
             } else {
-                move_bytes(
-                    &transport, &sessions, endpoint, op, &descs, &batches, deadline,
-                )
-                .await
+                let trailer = note.map(|f| proto::encode_notify(&msgr.sender(), [&f[..]]));
+                let route = Route {
+                    transport: &transport,
+                    sessions: &sessions,
+                    endpoint,
+                };
+                route
+                    .move_bytes(op, &descs, &batches, trailer.as_deref(), deadline)
+                    .await
             };
             let ok = match result {
-                Ok(()) => {
+                Ok(delivered) => {
+                    if delivered {
+                        let c = &shared.counters;
+                        c.data_plane_messages.fetch_add(1, Ordering::Relaxed);
+                        c.statuses_behind_writes.fetch_add(1, Ordering::Relaxed);
+                    } else if status_after {
+                        // The write could not carry it (several streams,
+                        // no data-plane messages, refused): send it now
+                        // that the KV landed, as the machine would have.
+                        msgr.send_msg(tid, peer, Msg::Status { ok: true });
+                    }
                     shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
                     shared
                         .counters
@@ -568,7 +635,11 @@ struct Queued {
     /// When the op was posted plus the transfer bound: no byte of it may
     /// move after this.
     deadline: Instant,
-    done: futures::channel::oneshot::Sender<Result<(), String>>,
+    /// The encoded side-channel frame to deliver behind the batch once it
+    /// landed (a write's closing `Status`).
+    note: Option<Vec<u8>>,
+    /// `Ok(true)` when the note was delivered.
+    done: futures::channel::oneshot::Sender<Result<bool, String>>,
 }
 
 type Lanes = Rc<RefCell<HashMap<EndpointAddr, Lane>>>;
@@ -578,6 +649,8 @@ struct Io {
     transport: Rc<AnyTransport>,
     sessions: Sessions,
     lanes: Lanes,
+    /// This node's data-plane endpoint (see [`Messenger::sender`]).
+    sender: String,
 }
 
 impl Io {
@@ -588,8 +661,9 @@ impl Io {
         endpoint: EndpointAddr,
         op: Op,
         descs: Vec<Desc>,
+        note: Option<Vec<u8>>,
         deadline: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let (done, answer) = futures::channel::oneshot::channel();
         let start_pump = {
             let mut lanes = self.lanes.borrow_mut();
@@ -598,6 +672,7 @@ impl Io {
                 op,
                 descs,
                 deadline,
+                note,
                 done,
             });
             let start = lane.pumps < PUMPS_PER_LANE;
@@ -611,6 +686,7 @@ impl Io {
                 transport: self.transport.clone(),
                 sessions: self.sessions.clone(),
                 lanes: self.lanes.clone(),
+                sender: self.sender.clone(),
             };
             glommio::spawn_local(io.pump(endpoint)).detach();
         }
@@ -642,18 +718,19 @@ impl Io {
             let deadline = live.iter().map(|j| j.deadline).min().unwrap_or(now);
             let descs: Vec<Desc> = live.iter().flat_map(|j| j.descs.iter().copied()).collect();
             let whole = std::iter::once(0..descs.len()).collect::<Vec<_>>();
-            let result = move_bytes(
-                &self.transport,
-                &self.sessions,
+            let notes: Vec<&[u8]> = live.iter().filter_map(|j| j.note.as_deref()).collect();
+            let trailer = (!notes.is_empty()).then(|| proto::encode_notify(&self.sender, notes));
+            let route = Route {
+                transport: &self.transport,
+                sessions: &self.sessions,
                 endpoint,
-                op,
-                &descs,
-                &whole,
-                deadline,
-            )
-            .await;
+            };
+            let result = route
+                .move_bytes(op, &descs, &whole, trailer.as_deref(), deadline)
+                .await;
             for j in live {
-                let _ = j.done.send(result.clone());
+                let answer = result.clone().map(|d| d && j.note.is_some());
+                let _ = j.done.send(answer);
             }
         }
     }
@@ -668,17 +745,26 @@ impl Io {
         };
         let mut jobs: Vec<Queued> = Vec::new();
         let (mut n, mut bytes) = (0usize, 0u64);
+        // The notes share one notification, within its bounds.
+        let (mut notes, mut note_bytes) = (0usize, 2 + self.sender.len() as u64);
         while let Some(next) = lane.queue.front() {
             let len: u64 = next.descs.iter().map(|d| d.len_bytes).sum();
+            let note_len = next.note.as_ref().map_or(0, |f| 4 + f.len() as u64);
+            let notes_fit = next.note.is_none()
+                || (notes < proto::MAX_NOTIFY_FRAMES
+                    && note_bytes + note_len <= crate::transport::wire::MAX_NOTIFY_BYTES);
             let fits = jobs.is_empty()
                 || (jobs[0].op == next.op
                     && n + next.descs.len() <= SHARED_BATCH_MAX_DESCS
-                    && bytes + len <= SHARED_BATCH_MAX_BYTES);
+                    && bytes + len <= SHARED_BATCH_MAX_BYTES
+                    && notes_fit);
             if !fits {
                 break;
             }
             n += next.descs.len();
             bytes += len;
+            notes += usize::from(next.note.is_some());
+            note_bytes += note_len;
             jobs.extend(lane.queue.pop_front());
         }
         if jobs.is_empty() {
@@ -854,53 +940,77 @@ fn make_room(sessions: &Sessions, endpoint: &EndpointAddr, max: usize) -> Result
     }
 }
 
-/// Moves every batch over one session, all batches in flight at once; at
-/// `deadline` (the machines' transfer bound counted from when the op was
-/// posted) the batches are dropped, which stops every socket operation on
-/// their memory at once.
-async fn move_bytes(
-    transport: &AnyTransport,
-    sessions: &Sessions,
+/// Where a data-plane batch goes.
+struct Route<'a> {
+    transport: &'a AnyTransport,
+    sessions: &'a Sessions,
     endpoint: EndpointAddr,
-    op: Op,
-    descs: &[Desc],
-    batches: &[Range<usize>],
-    deadline: Instant,
-) -> Result<(), String> {
-    let slot = sessions.borrow_mut().entry(endpoint).or_default().clone();
-    let session = {
-        let mut guard = slot.lock().await;
-        match guard.as_ref() {
-            Some(s) => s.clone(),
-            None => {
-                let s = Rc::new(transport.open(&endpoint).await.map_err(|e| e.to_string())?);
-                *guard = Some(s.clone());
-                s
+}
+
+impl Route<'_> {
+    /// Moves every batch over one session, all batches in flight at once;
+    /// at `deadline` (the machines' transfer bound counted from when the op
+    /// was posted) the batches are dropped, which stops every socket
+    /// operation on their memory at once. A `trailer` (writes only) goes to
+    /// the peer's notification handler behind the bytes when the transport
+    /// can make its delivery depend on all of them landing; `Ok(true)` says
+    /// it was delivered, `Ok(false)` that the caller must deliver it.
+    async fn move_bytes(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        batches: &[Range<usize>],
+        trailer: Option<&[u8]>,
+        deadline: Instant,
+    ) -> Result<bool, String> {
+        let slot = self
+            .sessions
+            .borrow_mut()
+            .entry(self.endpoint)
+            .or_default()
+            .clone();
+        let session = {
+            let mut guard = slot.lock().await;
+            match guard.as_ref() {
+                Some(s) => s.clone(),
+                None => {
+                    let opened = self.transport.open(&self.endpoint).await;
+                    let s = Rc::new(opened.map_err(|e| e.to_string())?);
+                    *guard = Some(s.clone());
+                    s
+                }
+            }
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let work = async {
+            match (&*session, trailer, batches) {
+                (AnySession::Tcp(tcp), Some(t), [only]) if op == Op::Write => {
+                    tcp.write_then_notify(&descs[only.clone()], t).await
+                }
+                _ => futures::future::try_join_all(
+                    batches
+                        .iter()
+                        .map(|b| session.transfer(op, &descs[b.clone()])),
+                )
+                .await
+                .map(|_| false),
+            }
+        };
+        let timed =
+            futures_lite::future::or(async { work.await.map_err(|e| e.to_string()) }, async {
+                glommio::timer::sleep(left).await;
+                Err("transfer did not finish within the transfer bound".to_string())
+            });
+        let result = timed.await;
+        if result.is_err() {
+            // A broken session is re-opened by the next transfer.
+            let mut guard = slot.lock().await;
+            if guard.as_ref().is_some_and(|s| Rc::ptr_eq(s, &session)) {
+                *guard = None;
             }
         }
-    };
-    let left = deadline.saturating_duration_since(Instant::now());
-    let work = futures::future::try_join_all(
-        batches
-            .iter()
-            .map(|b| session.transfer(op, &descs[b.clone()])),
-    );
-    let timed = futures_lite::future::or(
-        async { work.await.map(|_| ()).map_err(|e| e.to_string()) },
-        async {
-            glommio::timer::sleep(left).await;
-            Err("transfer did not finish within the transfer bound".to_string())
-        },
-    );
-    let result = timed.await;
-    if result.is_err() {
-        // A broken session is re-opened by the next transfer.
-        let mut guard = slot.lock().await;
-        if guard.as_ref().is_some_and(|s| Rc::ptr_eq(s, &session)) {
-            *guard = None;
-        }
+        result
     }
-    result
 }
 
 impl ActionSink<SendMachine> for Sink<SendMachine> {
@@ -911,13 +1021,14 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
                 if let Msg::Ready { src_blocks, .. } = &msg {
                     self.open_blocks(tid, src_blocks);
                 }
-                self.send_msg(tid, peer, msg)
+                self.msgr.send_msg(tid, peer, msg)
             }
             send::Action::Write {
                 peer,
                 chunk,
                 src_blocks,
                 dst_blocks,
+                status_after,
             } => {
                 self.open_blocks(tid, &src_blocks);
                 self.start_transfer(
@@ -927,6 +1038,7 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
                         src: &src_blocks,
                         dst: &dst_blocks,
                         op: Op::Write,
+                        status_after,
                     },
                     move |ok| send::Event::WriteDone { peer, chunk, ok },
                     send::Event::PlanFailed { peer },
@@ -952,7 +1064,7 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
                         self.open_blocks(tid, dst_blocks);
                     }
                 }
-                self.send_msg(tid, peer, msg)
+                self.msgr.send_msg(tid, peer, msg)
             }
             recv::Action::Read {
                 peer,
@@ -968,6 +1080,7 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
                         src: &src_blocks,
                         dst: &dst_blocks,
                         op: Op::Read,
+                        status_after: false,
                     },
                     move |ok| recv::Event::ReadDone { peer, chunk, ok },
                     recv::Event::PlanFailed { peer },

@@ -324,7 +324,10 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     let mut iovs: Vec<libc::iovec> = Vec::new();
     let mut scratch: Vec<u8> = Vec::new();
+    // WRITE frames that landed in full right before the current frame.
+    let mut landed_run: u32 = 0;
     loop {
+        let run_before = std::mem::take(&mut landed_run);
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
         match fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None).await {
             Ok(()) => {}
@@ -354,7 +357,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 send_regions(target, conn, h.req_id).await?;
                 continue;
             }
-            wire::OP_NOTIFY => {
+            wire::OP_NOTIFY | wire::OP_NOTIFY_AFTER_WRITE => {
                 if h.count != 0 || h.payload_len > wire::MAX_NOTIFY_BYTES {
                     respond(conn, reject(h.opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
                     return Err(protocol("NOTIFY with descriptors or too long"));
@@ -365,8 +368,13 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None)
                     .await
                     .map_err(conv("reading a notification"))?;
+                // A conditional notification says what its sender learns
+                // only from the WRITEs before it: deliver it only if they
+                // all landed (a fenced one closed the connection already).
+                let deliverable =
+                    h.opcode == wire::OP_NOTIFY || (h.detail >= 1 && h.detail <= run_before);
                 let handler = target.notify.borrow().clone();
-                let taken = handler.is_some_and(|f| f(&scratch));
+                let taken = deliverable && handler.is_some_and(|f| f(&scratch));
                 let answer = if taken {
                     Header {
                         opcode: h.opcode,
@@ -469,6 +477,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     ..Header::default()
                 };
                 respond(conn, ok).await?;
+                landed_run = run_before.saturating_add(1);
             }
             Op::Read => {
                 let ok = Header {
@@ -810,13 +819,24 @@ impl SessionInner {
         )
     }
 
-    async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError> {
+    /// Moves `descs`; with a `trailer` (WRITE only) that fits a
+    /// notification, also hands it to the peer's handler behind the last
+    /// frame when the whole batch takes one stream, delivered only if every
+    /// frame landed. `Ok(true)` when the trailer was delivered.
+    async fn transfer(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        trailer: Option<&[u8]>,
+    ) -> Result<bool, TransportError> {
         if self.closed.get() {
             return Err(MisuseError::SessionClosed.into());
         }
         if descs.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
+        let trailer =
+            trailer.filter(|t| op == Op::Write && t.len() as u64 <= wire::MAX_NOTIFY_BYTES);
         if descs.len() > self.config.max_batch_descs {
             return Err(MisuseError::BatchTooLarge {
                 descs: descs.len(),
@@ -831,7 +851,7 @@ impl SessionInner {
             .map_err(|(index, fault)| MisuseError::LocalDescriptor { index, fault })?;
         let plan = plan(descs, &self.config);
         let after_ms = self.config.batch_timeout_ms;
-        let body = self.run_plan(op, descs, &plan);
+        let body = self.run_plan(op, descs, &plan, trailer);
         let deadline = async {
             glommio::timer::Timer::new(Duration::from_millis(after_ms)).await;
             Err(TransportError::Timeout { after_ms })
@@ -844,8 +864,12 @@ impl SessionInner {
         op: Op,
         descs: &[Desc],
         plan: &Plan<'_>,
-    ) -> Result<(), TransportError> {
+        trailer: Option<&[u8]>,
+    ) -> Result<bool, TransportError> {
         let k = plan.frames.len().min(self.slots.len());
+        // Frames on several streams land in no order the peer can see, so
+        // only a one-stream batch carries a trailer.
+        let trailer = trailer.filter(|_| k == 1);
         // Batches take their turn for streams in arrival order. Waiting on
         // the stream locks themselves was unfair: futures' `Mutex` wakes the
         // waiter with the lowest slab key, which new waiters keep reusing,
@@ -868,29 +892,41 @@ impl SessionInner {
             self.check_remote(descs)
                 .map_err(|(index, fault)| MisuseError::RemoteDescriptor { index, fault })?;
         }
-        let base_req_id = self.take_req_ids(plan.frames.len() as u64);
+        let ids = plan.frames.len() as u64 + u64::from(trailer.is_some());
+        let base_req_id = self.take_req_ids(ids);
         let per_stream_bytes = self.config.inflight_max_bytes / k as u64;
-        let streams = guards
-            .iter_mut()
-            .enumerate()
-            .map(|(j, g)| self.drive_stream(g, op, plan, j, k, base_req_id, per_stream_bytes));
-        futures::future::try_join_all(streams).await?;
-        Ok(())
+        let streams = guards.iter_mut().enumerate().map(|(j, g)| {
+            let stream = Stream {
+                op,
+                j,
+                k,
+                base_req_id,
+                per_stream_bytes,
+            };
+            self.drive_stream(g, plan, stream, trailer)
+        });
+        let delivered = futures::future::try_join_all(streams).await?;
+        Ok(delivered.into_iter().any(|d| d))
     }
 
     /// Sends frames `j, j+k, j+2k, ...` of the plan on one stream while
-    /// reading their responses.
-    #[allow(clippy::too_many_arguments)]
+    /// reading their responses; then the `trailer`, if any, as a
+    /// NOTIFY_AFTER_WRITE in the same send as the last frame. `Ok(true)`
+    /// when the peer's handler took the trailer.
     async fn drive_stream(
         &self,
         slot: &mut Option<Conn>,
-        op: Op,
         plan: &Plan<'_>,
-        j: usize,
-        k: usize,
-        base_req_id: u64,
-        per_stream_bytes: u64,
-    ) -> Result<(), TransportError> {
+        stream: Stream,
+        trailer: Option<&[u8]>,
+    ) -> Result<bool, TransportError> {
+        let Stream {
+            op,
+            j,
+            k,
+            base_req_id,
+            per_stream_bytes,
+        } = stream;
         // Taken out so that a failure or cancellation drops (closes) it: a
         // stream that stopped mid-frame is out of step for good.
         let Some(mut conn) = slot.take() else {
@@ -908,10 +944,24 @@ impl SessionInner {
         let frames = || plan.frames.iter().enumerate().skip(j).step_by(k);
         let descs = &plan.descs[..];
         let Conn { rd, wr, .. } = &mut conn;
+        let frames_here = frames().count();
+        let trailer_id = base_req_id.wrapping_add(plan.frames.len() as u64);
+        let trailer_head = trailer.map(|t| {
+            Header {
+                opcode: wire::OP_NOTIFY_AFTER_WRITE,
+                // Only one-stream batches carry a trailer: every frame of
+                // the plan is right before it.
+                detail: frames_here as u32,
+                req_id: trailer_id,
+                payload_len: t.len() as u64,
+                ..Header::default()
+            }
+            .encode()
+        });
         let send = async {
             let mut head: Vec<u8> = Vec::new();
             let mut iovs: Vec<libc::iovec> = Vec::new();
-            for (n, f) in frames() {
+            for (i, (n, f)) in frames().enumerate() {
                 credit
                     .acquire(f.bytes.min(per_stream_bytes))
                     .await
@@ -939,6 +989,12 @@ impl SessionInner {
                             .iter()
                             .map(|d| iov(d.local_addr, d.len_bytes)),
                     );
+                }
+                // The trailer shares the last frame's send: one segment,
+                // one wake-up at the peer.
+                if let (Some(th), Some(t), true) = (&trailer_head, trailer, i + 1 == frames_here) {
+                    iovs.push(iov(th.as_ptr() as u64, th.len() as u64));
+                    iovs.push(iov(t.as_ptr() as u64, t.len() as u64));
                 }
                 let guard = Guard::new(fence.as_deref());
                 let local = || {
@@ -1017,17 +1073,50 @@ impl SessionInner {
                 }
                 credit.signal(f.bytes.min(per_stream_bytes));
             }
-            Ok::<(), TransportError>(())
+            if trailer.is_none() {
+                return Ok::<bool, TransportError>(false);
+            }
+            let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
+            fdio::recv_exact(rd, fd, &mut v, poll, None)
+                .await
+                .map_err(conv("awaiting a notification answer"))?;
+            let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
+            if h.opcode != wire::OP_NOTIFY_AFTER_WRITE
+                || h.req_id != trailer_id
+                || h.payload_len != 0
+            {
+                return Err(protocol("unexpected NOTIFY_AFTER_WRITE response"));
+            }
+            if h.status == wire::STATUS_OK {
+                return Ok(true);
+            }
+            let reason = RejectReason::from_status(h.status);
+            if reason.keeps_connection() {
+                // Every frame landed; the peer only did not take the trailer.
+                Ok(false)
+            } else {
+                Err(PeerError::Rejected { reason, index: 0 }.into())
+            }
         };
-        futures::future::try_join(send, recv).await?;
+        let (_, delivered) = futures::future::try_join(send, recv).await?;
         *slot = Some(conn);
-        Ok(())
+        Ok(delivered)
     }
+}
+
+/// Where one stream's share of a plan lies: frames `j, j+k, ...`.
+#[derive(Clone, Copy)]
+struct Stream {
+    op: Op,
+    j: usize,
+    k: usize,
+    base_req_id: u64,
+    per_stream_bytes: u64,
 }
 
 impl Session for TcpSession {
     async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError> {
-        self.inner.transfer(op, descs).await
+        self.inner.transfer(op, descs, None).await.map(|_| ())
     }
 
     async fn close(self) {
@@ -1047,6 +1136,20 @@ impl TcpSession {
     /// The peer's regions as last learned from it.
     pub fn remote_regions(&self) -> Vec<RegionInfo> {
         self.inner.remote_regions.borrow().clone()
+    }
+
+    /// Writes `descs` like [`Session::transfer`], and hands `trailer` to
+    /// the peer's notification handler only once every byte landed: in the
+    /// same send as the last frame when the batch fits one stream (then
+    /// `Ok(true)` says the handler took it), else not at all (`Ok(false)`:
+    /// the caller delivers it its own way). The peer's node learns the
+    /// batch landed one trip earlier than from this side.
+    pub async fn write_then_notify(
+        &self,
+        descs: &[Desc],
+        trailer: &[u8],
+    ) -> Result<bool, TransportError> {
+        self.inner.transfer(Op::Write, descs, Some(trailer)).await
     }
 
     /// Hands `payload` (at most [`wire::MAX_NOTIFY_BYTES`]) to the peer's

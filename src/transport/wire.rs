@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! 0..4   magic "KVF1"         (the version is part of the magic)
-//! 4      opcode               WRITE=1, READ=2, REGIONS=3, NOTIFY=4
+//! 4      opcode               WRITE=1, READ=2, REGIONS=3, NOTIFY=4,
+//!                             NOTIFY_AFTER_WRITE=5
 //! 5      status               0 in requests; 0 = ok or a reject code in responses
 //! 6..8   reserved, zero
 //! 8..12  count                descriptors (requests) or regions (REGIONS response)
@@ -25,6 +26,15 @@
 //! target's notification handler (the node uses it for side-channel
 //! messages that follow data on the same connection); its response has no
 //! body and says whether the handler took them.
+//!
+//! A NOTIFY_AFTER_WRITE request is a NOTIFY whose `detail` is a count `n`
+//! (at least 1): the target hands its bytes to the handler only if the
+//! `n` frames right before it on the same connection were WRITEs that
+//! landed in full, and answers `Undeliverable` otherwise. An initiator
+//! sends it behind a batch's last WRITE so that the target's node learns
+//! the batch landed (say, a transfer's closing `Status`) without a round
+//! trip through the initiator. It has its own opcode so that a target
+//! that does not know the condition refuses it instead of ignoring it.
 //!
 //! Responses come back in request order on each connection, so the
 //! initiator matches them without a lookup table; `req_id` is a cross-check.
@@ -53,6 +63,8 @@ pub const OP_READ: u8 = 2;
 pub const OP_REGIONS: u8 = 3;
 /// Hand opaque bytes to the target's notification handler.
 pub const OP_NOTIFY: u8 = 4;
+/// NOTIFY delivered only if the WRITEs right before it landed.
+pub const OP_NOTIFY_AFTER_WRITE: u8 = 5;
 /// Most bytes one NOTIFY may carry.
 pub const MAX_NOTIFY_BYTES: u64 = 256 << 10;
 

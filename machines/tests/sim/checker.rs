@@ -107,6 +107,11 @@ pub struct Stats {
     pub late_pull_aborts: u64,
     /// Push-mode leases granted on a ticket with the `Pull` (no round trip).
     pub ticket_grants: u64,
+    /// Push-mode `Status` delivered behind its write, before the write's
+    /// acknowledgement.
+    pub status_riding: u64,
+    /// ... of which the acknowledgement was lost (P hears a failure).
+    pub acks_lost: u64,
     pub spurious_aborts: u64,
     pub stale_aborts: u64,
     pub false_dead: u64,
@@ -155,6 +160,8 @@ impl Default for Stats {
             engine_late: 0,
             late_pull_aborts: 0,
             ticket_grants: 0,
+            status_riding: 0,
+            acks_lost: 0,
             spurious_aborts: 0,
             stale_aborts: 0,
             false_dead: 0,
@@ -201,6 +208,8 @@ impl Stats {
         self.engine_late += o.engine_late;
         self.late_pull_aborts += o.late_pull_aborts;
         self.ticket_grants += o.ticket_grants;
+        self.status_riding += o.status_riding;
+        self.acks_lost += o.acks_lost;
         self.spurious_aborts += o.spurious_aborts;
         self.stale_aborts += o.stale_aborts;
         self.false_dead += o.false_dead;
@@ -248,8 +257,8 @@ impl fmt::Display for Stats {
         )?;
         writeln!(
             f,
-            "messages {} (dropped {}, duplicated {}, cut by partitions {}, buffered before creation {}), lease ticket grants {}",
-            self.messages, self.dropped, self.duplicated, self.cut, self.buffered, self.ticket_grants
+            "messages {} (dropped {}, duplicated {}, cut by partitions {}, buffered before creation {}), lease ticket grants {}, Status riding its write {} (acknowledgement lost {})",
+            self.messages, self.dropped, self.duplicated, self.cut, self.buffered, self.ticket_grants, self.status_riding, self.acks_lost
         )?;
         writeln!(
             f,

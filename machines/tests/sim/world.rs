@@ -170,6 +170,9 @@ struct OpRec {
     completion_pending: bool,
     /// The transport never reports this transfer.
     hangs: bool,
+    /// A push-mode write whose driver delivers `Status{ok: true}` to D
+    /// once it landed.
+    status_after: bool,
 }
 
 enum Kind2 {
@@ -1279,6 +1282,7 @@ impl<'a> World<'a> {
                 chunk,
                 src_blocks,
                 dst_blocks,
+                status_after,
             }) => {
                 self.post(
                     OpKind::Write,
@@ -1288,6 +1292,7 @@ impl<'a> World<'a> {
                     chunk,
                     src_blocks,
                     dst_blocks,
+                    status_after,
                 );
             }
             Act::D(recv::Action::Read {
@@ -1304,6 +1309,7 @@ impl<'a> World<'a> {
                     chunk,
                     src_blocks,
                     dst_blocks,
+                    false,
                 );
             }
             Act::P(send::Action::ReleaseBlocks { outcome }) => {
@@ -1382,6 +1388,7 @@ impl<'a> World<'a> {
         chunk: u32,
         src: BlockLists,
         dst: BlockLists,
+        status_after: bool,
     ) {
         let now = self.now;
         let req = tid.0 as usize;
@@ -1595,10 +1602,16 @@ impl<'a> World<'a> {
                 active: true,
                 completion_pending: complete_at.is_some(),
                 hangs: complete_at.is_none(),
+                status_after,
             },
         );
         if let Some(s) = self.nodes[initiator].machines.get_mut(&tid) {
             s.in_flight.insert(id);
+            if status_after {
+                // The `Status` riding this write returns the lease: the
+                // machine may post nothing more to that peer.
+                s.returned_to.insert(remote);
+            }
         }
         // The span the machines were promised; with `late_touches` the
         // touches outlive it and only the memory check can catch them.
@@ -1688,18 +1701,16 @@ impl<'a> World<'a> {
             self.ops.remove(&op);
         }
         // A transfer whose far side died meanwhile did not deliver.
-        let ok = ok
+        let landed = ok
             && self.nodes[rec.p_node].epoch == rec.p_epoch
             && self.nodes[rec.d_node].epoch == rec.d_epoch;
-        if !ok {
-            self.stats.ops_failed += 1;
-        }
+        let mut ok = landed;
         let (init, init_epoch, remote) = match rec.kind {
             OpKind::Write => (rec.p_node, rec.p_epoch, rec.d_node),
             OpKind::Read => (rec.d_node, rec.d_epoch, rec.p_node),
         };
-        if ok {
-            // `ok` implies both nodes still run the epoch the op started in.
+        if landed {
+            // `landed` implies both nodes still run the epoch the op started in.
             if let Some(s) = self.nodes[rec.d_node].machines.get_mut(&rec.tid) {
                 s.delivered
                     .extend(rec.pairs.iter().map(|&(g, _, _, pos)| (rec.p_rank, g, pos)));
@@ -1708,6 +1719,31 @@ impl<'a> World<'a> {
                 s.delivered
                     .extend(rec.pairs.iter().map(|&(g, _, _, pos)| (rec.d_rank, g, pos)));
             }
+        }
+        // A write that landed with the `Status` behind it: the driver
+        // delivers the `Status`, either on the data connection before the
+        // acknowledgement (which may then be lost) or, when the write could
+        // not carry it, over the side channel after it.
+        if landed && rec.status_after {
+            let env = Envelope {
+                transfer: rec.tid,
+                from: PeerId(rec.p_node as u32),
+                msg: Msg::Status { ok: true },
+            };
+            if self.rng.below(4) == 0 {
+                self.send(rec.p_node, PeerId(rec.d_node as u32), rec.tid, env.msg);
+            } else {
+                self.stats.status_riding += 1;
+                let bytes = network::encode(&env);
+                self.deliver(rec.p_node, rec.d_node, rec.d_epoch, &bytes);
+                if self.rng.chance(self.sc.transport.fail_ppm) {
+                    self.stats.acks_lost += 1;
+                    ok = false;
+                }
+            }
+        }
+        if !ok {
+            self.stats.ops_failed += 1;
         }
         if self.nodes[init].epoch != init_epoch || !self.nodes[init].up {
             return;
