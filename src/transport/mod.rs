@@ -37,6 +37,7 @@ pub mod fence;
 pub mod local;
 pub mod registry;
 pub mod tcp;
+mod turns;
 pub mod wire;
 
 use std::fmt;

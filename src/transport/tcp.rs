@@ -24,6 +24,8 @@ use std::time::Duration;
 use futures::lock::{Mutex, MutexGuard};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::sync::Semaphore;
+
+use super::turns::Turns;
 use glommio::Task;
 use slab::Slab;
 
@@ -533,10 +535,9 @@ struct SessionInner {
     fence: FenceCell,
     /// One slot per stream; `None` until connected or after a failure.
     slots: Vec<Mutex<Option<Conn>>>,
-    /// One unit per stream; a batch of `k` streams waits for `k` units.
-    /// glommio's semaphore serves waiters in arrival order and lets no
-    /// newcomer pass a waiter, unlike the stream locks.
-    turns: Semaphore,
+    /// One unit per stream; a batch of `k` streams waits for `k` units,
+    /// strictly in arrival order (see [`Turns`]).
+    turns: Turns,
     /// The peer's regions as last fetched, sorted by address.
     remote_regions: RefCell<Vec<RegionInfo>>,
     next_req_id: Cell<u64>,
@@ -555,7 +556,7 @@ impl TcpTransport {
     pub async fn open_tcp(&self, peer: SocketAddr) -> Result<TcpSession, TransportError> {
         let config = self.target.config.clone();
         let slots = (0..config.streams).map(|_| Mutex::new(None)).collect();
-        let turns = Semaphore::new(config.streams as u64);
+        let turns = Turns::new(config.streams);
         let session = TcpSession {
             inner: Rc::new(SessionInner {
                 peer,
@@ -763,11 +764,7 @@ impl SessionInner {
             ))
             .into());
         }
-        let _turn = self
-            .turns
-            .acquire_permit(1)
-            .await
-            .map_err(|_| TransportError::from(MisuseError::SessionClosed))?;
+        let _turn = self.turns.acquire(1).await;
         let mut guard = self
             .free_streams(1)?
             .pop()
@@ -875,12 +872,9 @@ impl SessionInner {
         // waiter with the lowest slab key, which new waiters keep reusing,
         // and newcomers grab any idle stream first, so under load some
         // batches waited behind hundreds of later ones (p99 near a second
-        // for transfers that move in milliseconds).
-        let _turn = self
-            .turns
-            .acquire_permit(k as u64)
-            .await
-            .map_err(|_| TransportError::from(MisuseError::SessionClosed))?;
+        // for transfers that move in milliseconds). glommio's semaphore
+        // lets newcomers pass too, so the turns are our own FIFO.
+        let _turn = self.turns.acquire(k).await;
         let mut guards = self.free_streams(k)?;
         for g in guards.iter_mut() {
             self.ensure_conn(g).await?;
