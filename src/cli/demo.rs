@@ -111,16 +111,25 @@ pub struct DemoReport {
     pub p99_ms: f64,
     pub elapsed_s: f64,
     /// With `--zmq-baseline`: p50 / p99 of a bare 256-byte DEALER/ROUTER
-    /// round trip on loopback, measured in the same process just before.
+    /// round trip on loopback, both sockets in one ZeroMQ context (one I/O
+    /// thread carries both ends), measured in the same process just before.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_p50_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_p99_ms: Option<f64>,
+    /// The same round trip with each socket in its own context, as between
+    /// a decode and a prefill process (two I/O threads).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq_rtt_two_ctx_p50_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq_rtt_two_ctx_p99_ms: Option<f64>,
 }
 
 /// Times `n` bare 256-byte ZeroMQ DEALER→ROUTER→DEALER round trips on
-/// loopback: the yardstick for the control plane's added latency.
-pub fn zmq_baseline(n: usize) -> Result<(f64, f64), String> {
+/// loopback: the yardstick for the control plane's added latency. With
+/// `two_contexts` the DEALER has its own context (its own I/O thread), as
+/// when the two ends live in different processes.
+pub fn zmq_baseline(n: usize, two_contexts: bool) -> Result<(f64, f64), String> {
     let e = |e: zmq::Error| e.to_string();
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER).map_err(e)?;
@@ -140,7 +149,12 @@ pub fn zmq_baseline(n: usize) -> Result<(f64, f64), String> {
             }
         }
     });
-    let dealer = ctx.socket(zmq::DEALER).map_err(e)?;
+    let dealer_ctx = if two_contexts {
+        zmq::Context::new()
+    } else {
+        ctx.clone()
+    };
+    let dealer = dealer_ctx.socket(zmq::DEALER).map_err(e)?;
     dealer.set_linger(0).map_err(e)?;
     dealer.connect(&ep).map_err(e)?;
     let payload = vec![7u8; 256];
@@ -464,7 +478,9 @@ pub fn main(argv: &[String]) -> ExitCode {
     };
     let progress = !json && std::io::stderr().is_terminal();
     let rtt = if baseline {
-        match zmq_baseline(2000) {
+        let both =
+            || -> Result<_, String> { Ok((zmq_baseline(2000, false)?, zmq_baseline(2000, true)?)) };
+        match both() {
             Ok(r) => Some(r),
             Err(e) => {
                 eprintln!("kvferry demo: zmq baseline: {e}");
@@ -476,8 +492,10 @@ pub fn main(argv: &[String]) -> ExitCode {
     };
     let report = match run_demo(&o, progress) {
         Ok(mut r) => {
-            r.zmq_rtt_p50_ms = rtt.map(|x| x.0);
-            r.zmq_rtt_p99_ms = rtt.map(|x| x.1);
+            r.zmq_rtt_p50_ms = rtt.map(|x| x.0 .0);
+            r.zmq_rtt_p99_ms = rtt.map(|x| x.0 .1);
+            r.zmq_rtt_two_ctx_p50_ms = rtt.map(|x| x.1 .0);
+            r.zmq_rtt_two_ctx_p99_ms = rtt.map(|x| x.1 .1);
             r
         }
         Err(e) => {
@@ -515,7 +533,10 @@ pub fn print_report(r: &DemoReport, json: bool) {
             r.p99_ms
         );
         if let (Some(p50), Some(p99)) = (r.zmq_rtt_p50_ms, r.zmq_rtt_p99_ms) {
-            println!("bare ZeroMQ 256 B round trip: p50 {p50:.3} ms p99 {p99:.3} ms");
+            println!("bare ZeroMQ 256 B round trip, one context: p50 {p50:.3} ms p99 {p99:.3} ms");
+        }
+        if let (Some(p50), Some(p99)) = (r.zmq_rtt_two_ctx_p50_ms, r.zmq_rtt_two_ctx_p99_ms) {
+            println!("bare ZeroMQ 256 B round trip, two contexts: p50 {p50:.3} ms p99 {p99:.3} ms");
         }
     }
 }
