@@ -1360,3 +1360,85 @@ fn a_trailer_is_delivered_only_behind_writes_that_landed() {
         drop(initiator);
     })
 }
+
+/// Notifications have a connection of their own: one sent while a batch
+/// holds every data stream (here a peer that reads the batch but never
+/// answers it) still reaches the peer and comes back at once, instead of
+/// waiting for a stream behind bulk data.
+#[test]
+fn a_notification_does_not_wait_behind_a_batch_in_flight() {
+    block_on(async {
+        let initiator = TcpTransport::bind(
+            any_port(),
+            TcpConfig {
+                streams: 1,
+                ..TcpConfig::default()
+            },
+        )
+        .unwrap();
+        let mut src = Buf::random(1 << 20, 9);
+        src.register(&initiator);
+        let remote = (1u64 << 40, 16u64 << 20);
+        let listener = TcpListener::bind(any_port()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (seen_tx, seen_rx) = futures::channel::oneshot::channel::<Vec<u8>>();
+        glommio::spawn_local(async move {
+            // The data stream: regions, then a batch that is never answered.
+            let mut data = listener.accept().await.unwrap();
+            let mut hb = [0u8; wire::HEADER_LEN];
+            data.read_exact(&mut hb).await.unwrap();
+            let q = Header::decode(&hb).unwrap();
+            let h = Header {
+                opcode: wire::OP_REGIONS,
+                count: 1,
+                req_id: q.req_id,
+                payload_len: 16,
+                ..Header::default()
+            };
+            let mut b = h.encode().to_vec();
+            wire::encode_entry(&mut b, remote.0, remote.1);
+            data.write_all(&b).await.unwrap();
+            // The notification stream.
+            let mut note = listener.accept().await.unwrap();
+            note.read_exact(&mut hb).await.unwrap();
+            let q = Header::decode(&hb).unwrap();
+            assert_eq!(q.opcode, wire::OP_NOTIFY);
+            let mut body = vec![0u8; q.payload_len as usize];
+            note.read_exact(&mut body).await.unwrap();
+            let ok = Header {
+                opcode: wire::OP_NOTIFY,
+                req_id: q.req_id,
+                ..Header::default()
+            };
+            note.write_all(&ok.encode()).await.unwrap();
+            let _ = seen_tx.send(body);
+            // Hold the data stream (and its unanswered batch) open.
+            glommio::timer::sleep(std::time::Duration::from_secs(30)).await;
+            drop(data);
+        })
+        .detach();
+        let session = initiator.open_tcp(addr).await.unwrap();
+        let batch_session = session.clone();
+        let d = [Desc {
+            local_addr: src.addr(),
+            remote_addr: remote.0,
+            len_bytes: 1 << 20,
+        }];
+        let stuck =
+            glommio::spawn_local(async move { batch_session.transfer(Op::Write, &d).await });
+        // Let the batch take the only data stream first.
+        for _ in 0..8 {
+            futures_lite::future::yield_now().await;
+        }
+        let started = std::time::Instant::now();
+        session.notify(b"overtakes").await.unwrap();
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "the notification waited {:?}",
+            started.elapsed()
+        );
+        assert_eq!(seen_rx.await.unwrap(), b"overtakes".to_vec());
+        drop(stuck);
+        drop(initiator);
+    })
+}

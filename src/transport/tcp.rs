@@ -538,6 +538,13 @@ struct SessionInner {
     /// One unit per stream; a batch of `k` streams waits for `k` units,
     /// strictly in arrival order (see [`Turns`]).
     turns: Turns,
+    /// A connection of its own for NOTIFY frames, taken in arrival order
+    /// (one unit): a notification never queues behind bulk batches. Those
+    /// that must follow data (a `Status` after the writes it reports) are
+    /// sent once the data's acknowledgement is back, so no ordering between
+    /// connections is needed.
+    note_slot: Mutex<Option<Conn>>,
+    note_turn: Turns,
     /// The peer's regions as last fetched, sorted by address.
     remote_regions: RefCell<Vec<RegionInfo>>,
     next_req_id: Cell<u64>,
@@ -565,6 +572,8 @@ impl TcpTransport {
                 fence: Rc::clone(&self.target.fence),
                 slots,
                 turns,
+                note_slot: Mutex::new(None),
+                note_turn: Turns::new(1),
                 remote_regions: RefCell::new(Vec::new()),
                 next_req_id: Cell::new(1),
                 next_slot: Cell::new(0),
@@ -751,7 +760,8 @@ impl SessionInner {
         Ok(guards)
     }
 
-    /// Sends one NOTIFY on the next free stream and waits for its answer.
+    /// Sends one NOTIFY on the session's notification connection and waits
+    /// for its answer.
     async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
         if self.closed.get() {
             return Err(MisuseError::SessionClosed.into());
@@ -764,11 +774,12 @@ impl SessionInner {
             ))
             .into());
         }
-        let _turn = self.turns.acquire(1).await;
-        let mut guard = self
-            .free_streams(1)?
-            .pop()
-            .ok_or(MisuseError::SessionClosed)?;
+        let _turn = self.note_turn.acquire(1).await;
+        // Uncontended: the turn is held, and only `close` takes it otherwise.
+        let mut guard = self.note_slot.lock().await;
+        if self.closed.get() {
+            return Err(MisuseError::SessionClosed.into());
+        }
         self.ensure_conn(&mut guard).await?;
         // Taken out so that a failure or cancellation drops (closes) it.
         let Some(mut conn) = guard.take() else {
@@ -1118,6 +1129,7 @@ impl Session for TcpSession {
         for slot in &self.inner.slots {
             slot.lock().await.take();
         }
+        self.inner.note_slot.lock().await.take();
     }
 }
 
@@ -1147,9 +1159,11 @@ impl TcpSession {
     }
 
     /// Hands `payload` (at most [`wire::MAX_NOTIFY_BYTES`]) to the peer's
-    /// notification handler over one of this session's streams, in turn
-    /// with batches; `Ok` once the handler took it. A frame sent on a
-    /// stream after a batch's frames is read by the peer after them.
+    /// notification handler; `Ok` once the handler took it. Notifications
+    /// have a connection of their own, taken in arrival order, so they never
+    /// wait behind bulk batches, and nothing orders them against batches
+    /// still in flight: to say something about data, send it once that
+    /// data's batch returned (or use [`TcpSession::write_then_notify`]).
     pub async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
         let after_ms = self.inner.config.batch_timeout_ms;
         let deadline = async {

@@ -24,8 +24,8 @@
 //! A NOTIFY request has no descriptors (`count` 0) and carries
 //! `payload_len` (at most [`MAX_NOTIFY_BYTES`]) opaque bytes for the
 //! target's notification handler (the node uses it for side-channel
-//! messages that follow data on the same connection); its response has no
-//! body and says whether the handler took them.
+//! messages on a request's critical path); its response has no body and
+//! says whether the handler took them.
 //!
 //! A NOTIFY_AFTER_WRITE request is a NOTIFY whose `detail` is a count `n`
 //! (at least 1): the target hands its bytes to the handler only if the
