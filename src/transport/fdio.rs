@@ -169,7 +169,25 @@ pub(crate) async fn recv_exact(
     let mut idx = 0;
     advance(iovs, &mut idx, 0);
     let mut spin = Spinner::new(policy);
+    // One unguarded buffer under `Park` (frame headers, answers): glommio's
+    // read tries a non-blocking `recv` itself before it waits, so a try of
+    // our own first would only add a failed system call whenever nothing
+    // has arrived yet, which is the common case for a header.
+    let glommio_first = guard.is_none() && matches!(policy, PollPolicy::Park);
     while idx < iovs.len() {
+        if glommio_first && iovs.len() - idx == 1 {
+            let only = iovs[idx];
+            // SAFETY: the iovec names writable memory of that length
+            // (caller's guarantee).
+            let buf =
+                unsafe { std::slice::from_raw_parts_mut(only.iov_base.cast::<u8>(), only.iov_len) };
+            match rd.read(buf).await {
+                Ok(0) => return Err(IoFail::Closed),
+                Ok(n) => advance(iovs, &mut idx, n),
+                Err(e) => return Err(IoFail::from_os(e)),
+            }
+            continue;
+        }
         if guard.is_some_and(|g| !g()) {
             return Err(IoFail::Fenced);
         }
