@@ -1864,8 +1864,8 @@ impl Reactor {
             // (`sys_membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`: an IPI to
             // every CPU running the process, on every park) so that remote
             // notifiers need only a compiler fence. On the 2-vCPU VMs kvferry
-            // is measured on, that IPI was 6-8 % of an executor's CPU and
-            // about a fifth of a small request's latency. A SeqCst fence here
+            // is measured on, that IPI was 6-8 % of an executor's CPU, and a
+            // small request costs about 15 % less CPU without it. A SeqCst fence here
             // and one in `SleepNotifier::notify` (between queueing and reading
             // `should_notify`) order the same store-buffer pattern: either the
             // sleeper sees the queued work or the notifier sees the flag.
