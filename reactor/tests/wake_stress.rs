@@ -1,0 +1,61 @@
+//! Cross-thread wake-ups of a sleeping glommio executor are never lost.
+//!
+//! kvferry carries glommio with a patch (`reactor/glommio/KVFERRY-PATCH.md`):
+//! a parking executor orders its "I am going to sleep" flag against remote
+//! wake-ups with two `SeqCst` fences instead of a process-wide
+//! `membarrier`. A mistake there loses a wake-up: the executor sleeps with
+//! work queued. This executor has no timer, so a lost wake-up would leave
+//! it asleep for good and the round trip would time out.
+
+#![cfg(not(kvferry_loom))]
+
+use std::time::Duration;
+
+/// Round trips between this thread and an executor that parks in between
+/// (every third one after a short pause, so it is asleep when woken).
+fn round_trips(n: u64, pause_every: u64) -> Duration {
+    let (to_ex, ex_rx) = flume::bounded::<u64>(1);
+    let (to_main, main_rx) = std::sync::mpsc::channel::<u64>();
+    let executor = std::thread::spawn(move || {
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .make()
+            .expect("executor")
+            .run(async move {
+                while let Ok(x) = ex_rx.recv_async().await {
+                    if to_main.send(x).is_err() {
+                        break;
+                    }
+                }
+            })
+    });
+    let mut worst = Duration::ZERO;
+    for i in 0..n {
+        let t = std::time::Instant::now();
+        to_ex.send(i).expect("executor alive");
+        let got = main_rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("round trip {i}: no answer in 10 s (lost wake-up)"));
+        assert_eq!(got, i);
+        worst = worst.max(t.elapsed());
+        if i % pause_every == 0 {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    drop(to_ex);
+    executor.join().expect("executor thread");
+    worst
+}
+
+#[test]
+fn no_wake_up_is_lost_by_a_parking_executor() {
+    // Two at once, so that both cores park and wake executors.
+    let other = std::thread::spawn(|| round_trips(20_000, 3));
+    let worst = round_trips(20_000, 2);
+    let other_worst = other.join().expect("second stress thread");
+    // Generous: the point is that none waits for a wake-up that never comes.
+    assert!(
+        worst.max(other_worst) < Duration::from_secs(5),
+        "worst round trip {:?}",
+        worst.max(other_worst)
+    );
+}
