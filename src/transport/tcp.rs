@@ -24,14 +24,13 @@ use std::time::Duration;
 use futures::lock::{Mutex, MutexGuard};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::sync::Semaphore;
-
-use super::turns::Turns;
 use glommio::Task;
 use slab::Slab;
 
 use super::fdio::{self, iov, Conn, IoFail};
 use super::fence::{BlockFence, Guard};
 use super::registry::{self, Registry};
+use super::turns::Turns;
 use super::wire::{self, Header, RejectReason};
 use super::{
     Desc, EndpointAddr, MisuseError, Op, PeerError, PollPolicy, RegionId, RegionInfo, Session,
