@@ -648,6 +648,25 @@ fn crafted_frames_are_rejected_and_the_endpoint_keeps_serving() {
 
 /// A fake target: answers the REGIONS query with one region, then runs
 /// `behave` on the connection that carries the batch.
+/// Reads the REGIONS request a session opens with and answers with one
+/// region.
+async fn answer_regions(s: &mut TcpStream, region: (u64, u64)) {
+    let mut hb = [0u8; wire::HEADER_LEN];
+    s.read_exact(&mut hb).await.unwrap();
+    let q = Header::decode(&hb).unwrap();
+    assert_eq!(q.opcode, wire::OP_REGIONS);
+    let h = Header {
+        opcode: wire::OP_REGIONS,
+        count: 1,
+        req_id: q.req_id,
+        payload_len: 16,
+        ..Header::default()
+    };
+    let mut b = h.encode().to_vec();
+    wire::encode_entry(&mut b, region.0, region.1);
+    s.write_all(&b).await.unwrap();
+}
+
 async fn fake_target<F, Fut>(region: (u64, u64), behave: F) -> SocketAddr
 where
     F: FnOnce(TcpStream) -> Fut + 'static,
@@ -657,19 +676,7 @@ where
     let addr = listener.local_addr().unwrap();
     glommio::spawn_local(async move {
         let mut s = listener.accept().await.unwrap();
-        let mut hb = [0u8; wire::HEADER_LEN];
-        s.read_exact(&mut hb).await.unwrap();
-        let q = Header::decode(&hb).unwrap();
-        let h = Header {
-            opcode: wire::OP_REGIONS,
-            count: 1,
-            req_id: q.req_id,
-            payload_len: 16,
-            ..Header::default()
-        };
-        let mut b = h.encode().to_vec();
-        wire::encode_entry(&mut b, region.0, region.1);
-        s.write_all(&b).await.unwrap();
+        answer_regions(&mut s, region).await;
         behave(s).await;
         // Keep the listener alive until the behaviour is done.
         drop(listener);
@@ -1385,21 +1392,10 @@ fn a_notification_does_not_wait_behind_a_batch_in_flight() {
         glommio::spawn_local(async move {
             // The data stream: regions, then a batch that is never answered.
             let mut data = listener.accept().await.unwrap();
-            let mut hb = [0u8; wire::HEADER_LEN];
-            data.read_exact(&mut hb).await.unwrap();
-            let q = Header::decode(&hb).unwrap();
-            let h = Header {
-                opcode: wire::OP_REGIONS,
-                count: 1,
-                req_id: q.req_id,
-                payload_len: 16,
-                ..Header::default()
-            };
-            let mut b = h.encode().to_vec();
-            wire::encode_entry(&mut b, remote.0, remote.1);
-            data.write_all(&b).await.unwrap();
+            answer_regions(&mut data, remote).await;
             // The notification stream.
             let mut note = listener.accept().await.unwrap();
+            let mut hb = [0u8; wire::HEADER_LEN];
             note.read_exact(&mut hb).await.unwrap();
             let q = Header::decode(&hb).unwrap();
             assert_eq!(q.opcode, wire::OP_NOTIFY);

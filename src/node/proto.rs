@@ -375,6 +375,16 @@ pub fn encode_notify<'a>(
     out
 }
 
+/// Bytes [`encode_notify`] spends on the sender's endpoint.
+pub fn notify_endpoint_len(sender_endpoint: &str) -> u64 {
+    2 + sender_endpoint.len().min(u16::MAX as usize) as u64
+}
+
+/// Bytes [`encode_notify`] spends on one frame.
+pub fn notify_frame_len(frame: &[u8]) -> u64 {
+    4 + frame.len() as u64
+}
+
 /// Unpacks [`encode_notify`]: the sender's endpoint and the frames, each
 /// still to be decoded with [`decode`]. Never panics, whatever the bytes.
 pub fn decode_notify<'a>(

@@ -213,29 +213,34 @@ impl Messenger {
             !std::mem::replace(&mut lane.pumping, true)
         };
         if start {
-            glommio::spawn_local(pump_notes(
-                endpoint,
-                self.notes.clone(),
-                self.sessions.clone(),
-                self.refusing.clone(),
-                self.shared.clone(),
-            ))
-            .detach();
+            glommio::spawn_local(pump_notes(endpoint, self.clone())).detach();
         }
     }
 
     /// The endpoint of `peer`'s node when `msg` may go to it over the data
-    /// plane: tcp, [`over_data_plane`], and the peer did not refuse.
+    /// plane (see [`Messenger::may_carry`]).
     fn data_plane_endpoint(&self, peer: PeerId, msg: &Msg) -> Option<EndpointAddr> {
-        let enabled = self.shared.config.data_plane_messages && over_data_plane(msg);
-        match (&self.transport.as_deref(), enabled) {
-            (Some(AnyTransport::Tcp(_)), true) => self
-                .shared
-                .peer(peer.0)
-                .and_then(|d| d.endpoint)
-                .filter(|e| !self.refusing.borrow().contains(e)),
-            _ => None,
+        if !self.carries(msg) {
+            return None;
         }
+        self.shared
+            .peer(peer.0)
+            .and_then(|d| d.endpoint)
+            .filter(|e| !self.refusing.borrow().contains(e))
+    }
+
+    /// Whether `msg` may go over the data plane to the node at `endpoint`:
+    /// [`Messenger::carries`] it, and that node did not refuse.
+    fn may_carry(&self, endpoint: &EndpointAddr, msg: &Msg) -> bool {
+        self.carries(msg) && !self.refusing.borrow().contains(endpoint)
+    }
+
+    /// Whether this node sends `msg` over the data plane at all: tcp,
+    /// data-plane messages on, and [`over_data_plane`].
+    fn carries(&self, msg: &Msg) -> bool {
+        self.shared.config.data_plane_messages
+            && over_data_plane(msg)
+            && matches!(self.transport.as_deref(), Some(AnyTransport::Tcp(_)))
     }
 
     /// Opens a session to `endpoint` in the background, unless one is open
@@ -274,8 +279,6 @@ impl Messenger {
 pub(crate) struct Sink<M: Machine> {
     shared: Arc<Shared>,
     poster: EventPoster<M>,
-    transport: Option<Rc<AnyTransport>>,
-    sessions: Sessions,
     plan: Plan,
     /// Scratch block lists for the planner (u64 ids), kept between calls.
     src: Vec<Vec<u64>>,
@@ -283,7 +286,8 @@ pub(crate) struct Sink<M: Machine> {
     /// When each live transfer was created, for the latency histogram;
     /// also which transfers the executor holds live.
     started: Live,
-    /// Sends the machines' messages.
+    /// Sends the machines' messages; also holds the node's transport
+    /// endpoint and its data-plane sessions, which transfers use too.
     msgr: Messenger,
     /// Small transfers waiting to share a batch, per peer endpoint.
     lanes: Lanes,
@@ -353,20 +357,17 @@ where
                 None
             }
         };
-        let sessions: Sessions = Rc::new(RefCell::new(HashMap::new()));
         Sink {
             shared: shared.clone(),
             poster,
-            transport: transport.clone(),
-            sessions: sessions.clone(),
             plan: Plan::default(),
             src: Vec::new(),
             dst: Vec::new(),
             started,
             msgr: Messenger {
-                shared: shared.clone(),
-                transport: transport.clone(),
-                sessions: sessions.clone(),
+                shared,
+                transport,
+                sessions: Rc::new(RefCell::new(HashMap::new())),
                 notes: Rc::new(RefCell::new(HashMap::new())),
                 refusing: Rc::default(),
             },
@@ -377,7 +378,7 @@ where
 
     /// The endpoint's block fence, once `register_kv_caches` made one.
     fn fence(&self) -> Option<Rc<BlockFence>> {
-        match self.transport.as_deref() {
+        match self.msgr.transport.as_deref() {
             Some(AnyTransport::Tcp(tcp)) => tcp.fence(),
             Some(AnyTransport::Local(_)) | None => None,
         }
@@ -431,13 +432,13 @@ where
                 return;
             }
         };
-        let Some(transport) = self.transport.clone() else {
+        let Some(transport) = self.msgr.transport.clone() else {
             self.post_later(tid, vec![done(false)]);
             return;
         };
         let bytes: u64 = descs.iter().map(|d| d.len_bytes).sum();
         let count = descs.len() as u64;
-        let sessions = self.sessions.clone();
+        let sessions = self.msgr.sessions.clone();
         let poster = self.poster.clone();
         let shared = self.shared.clone();
         let bound = shared.config.timeouts.transfer_bound;
@@ -452,13 +453,12 @@ where
         // data-plane messages; the D node learns the KV landed without
         // waiting for this node to hear the write's acknowledgement.
         let status = Msg::Status { ok: true };
-        let note =
-            (status_after && self.msgr.data_plane_endpoint(peer, &status).is_some()).then(|| {
-                proto::encode(&Frame::Transfer {
-                    transfer_id: tid.0,
-                    msg: status,
-                })
-            });
+        let note = (status_after && self.msgr.may_carry(&endpoint, &status)).then(|| {
+            proto::encode(&Frame::Transfer {
+                transfer_id: tid.0,
+                msg: status,
+            })
+        });
         let msgr = self.msgr.clone();
         let coalesce = shared.config.transport == TransportKind::Tcp
             && batches.len() == 1
@@ -746,10 +746,10 @@ impl Io {
         let mut jobs: Vec<Queued> = Vec::new();
         let (mut n, mut bytes) = (0usize, 0u64);
         // The notes share one notification, within its bounds.
-        let (mut notes, mut note_bytes) = (0usize, 2 + self.sender.len() as u64);
+        let (mut notes, mut note_bytes) = (0usize, proto::notify_endpoint_len(&self.sender));
         while let Some(next) = lane.queue.front() {
             let len: u64 = next.descs.iter().map(|d| d.len_bytes).sum();
-            let note_len = next.note.as_ref().map_or(0, |f| 4 + f.len() as u64);
+            let note_len = next.note.as_deref().map_or(0, proto::notify_frame_len);
             let notes_fit = next.note.is_none()
                 || (notes < proto::MAX_NOTIFY_FRAMES
                     && note_bytes + note_len <= crate::transport::wire::MAX_NOTIFY_BYTES);
@@ -780,14 +780,15 @@ impl Io {
 /// Sends what the note lane of `endpoint` holds, one notification per
 /// turn (everything queued meanwhile shares the next), until it is empty.
 /// Whatever the peer did not take goes over the side channel instead.
-async fn pump_notes(
-    endpoint: EndpointAddr,
-    notes: NoteLanes,
-    sessions: Sessions,
-    refusing: Refusing,
-    shared: Arc<Shared>,
-) {
-    let sender = shared.endpoint.get().cloned().unwrap_or_default();
+async fn pump_notes(endpoint: EndpointAddr, msgr: Messenger) {
+    let Messenger {
+        shared,
+        sessions,
+        notes,
+        refusing,
+        ..
+    } = &msgr;
+    let sender = msgr.sender();
     loop {
         // Let the executor finish its turn first: a machine's messages of
         // one step (a `Pull` and its lease ticket) then share a frame.
@@ -801,13 +802,13 @@ async fn pump_notes(
                 map.remove(&endpoint);
                 return;
             }
-            let mut bytes = 2 + sender.len() as u64;
+            let mut bytes = proto::notify_endpoint_len(&sender);
             let n = lane
                 .queue
                 .iter()
                 .take(proto::MAX_NOTIFY_FRAMES)
                 .take_while(|(_, _, f)| {
-                    bytes += 4 + f.len() as u64;
+                    bytes += proto::notify_frame_len(f);
                     bytes <= crate::transport::wire::MAX_NOTIFY_BYTES
                 })
                 .count()

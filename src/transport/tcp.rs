@@ -303,6 +303,21 @@ async fn respond(conn: &mut Conn, h: Header) -> Result<(), TransportError> {
         .map_err(conv("responding"))
 }
 
+/// Checks the answer to notification `req_id` (a NOTIFY or a
+/// NOTIFY_AFTER_WRITE, `opcode`): `None` when the peer's handler took it,
+/// else why the peer refused it.
+fn notification_answer(
+    answer: &[u8; wire::HEADER_LEN],
+    opcode: u8,
+    req_id: u64,
+) -> Result<Option<RejectReason>, TransportError> {
+    let h = Header::decode(answer).map_err(|_| protocol("bad notification answer header"))?;
+    if h.opcode != opcode || h.req_id != req_id || h.payload_len != 0 {
+        return Err(protocol("unexpected notification answer"));
+    }
+    Ok((h.status != wire::STATUS_OK).then(|| RejectReason::from_status(h.status)))
+}
+
 fn reject(opcode: u8, req_id: u64, reason: RejectReason, detail: u32) -> Header {
     Header {
         opcode,
@@ -804,19 +819,14 @@ impl SessionInner {
         fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
             .await
             .map_err(conv("awaiting a notification answer"))?;
-        let r = Header::decode(&rb).map_err(|_| protocol("bad NOTIFY response header"))?;
-        if r.opcode != wire::OP_NOTIFY || r.req_id != req_id || r.payload_len != 0 {
-            return Err(protocol("unexpected NOTIFY response"));
-        }
-        let reason = RejectReason::from_status(r.status);
-        let taken = r.status == wire::STATUS_OK;
-        if taken || reason.keeps_connection() {
+        let refused = notification_answer(&rb, wire::OP_NOTIFY, req_id)?;
+        if refused.is_none_or(|r| r.keeps_connection()) {
             *guard = Some(conn);
         }
-        if !taken {
-            return Err(PeerError::Rejected { reason, index: 0 }.into());
+        match refused {
+            None => Ok(()),
+            Some(reason) => Err(PeerError::Rejected { reason, index: 0 }.into()),
         }
-        Ok(())
     }
 
     fn check_remote(&self, descs: &[Desc]) -> Result<(), (usize, registry::RangeFault)> {
@@ -1084,22 +1094,11 @@ impl SessionInner {
             fdio::recv_exact(rd, fd, &mut v, poll, None)
                 .await
                 .map_err(conv("awaiting a notification answer"))?;
-            let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
-            if h.opcode != wire::OP_NOTIFY_AFTER_WRITE
-                || h.req_id != trailer_id
-                || h.payload_len != 0
-            {
-                return Err(protocol("unexpected NOTIFY_AFTER_WRITE response"));
-            }
-            if h.status == wire::STATUS_OK {
-                return Ok(true);
-            }
-            let reason = RejectReason::from_status(h.status);
-            if reason.keeps_connection() {
+            match notification_answer(&hb, wire::OP_NOTIFY_AFTER_WRITE, trailer_id)? {
+                None => Ok(true),
                 // Every frame landed; the peer only did not take the trailer.
-                Ok(false)
-            } else {
-                Err(PeerError::Rejected { reason, index: 0 }.into())
+                Some(reason) if reason.keeps_connection() => Ok(false),
+                Some(reason) => Err(PeerError::Rejected { reason, index: 0 }.into()),
             }
         };
         let (_, delivered) = futures::future::try_join(send, recv).await?;
