@@ -12,6 +12,7 @@ use kvferry_machines::{AbortReason, Machine, Phase, TransferId};
 
 use crate::board::{BoardError, CompletionBoard};
 use crate::config::{PollPolicy, ReactorConfig, ShutdownPolicy};
+use crate::doorbell::Doorbell;
 use crate::driver::{
     round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome,
     RejectReason,
@@ -74,8 +75,24 @@ struct Shared<M: Machine> {
     stats: Stats,
     latch: ShutdownLatch,
     mailboxes: Vec<flume::Sender<Command<M>>>,
+    /// One per mailbox: rung after every command queued into it.
+    doorbells: Vec<Doorbell>,
     completions_tx: flume::Sender<Completion>,
     completions_rx: flume::Receiver<Completion>,
+}
+
+impl<M: Machine> Shared<M> {
+    /// Queues `command` for `executor` and wakes it (outside the channel's
+    /// lock, see [`Doorbell`]).
+    fn post(
+        &self,
+        executor: usize,
+        command: Command<M>,
+    ) -> Result<(), flume::TrySendError<Command<M>>> {
+        self.mailboxes[executor].try_send(command)?;
+        self.doorbells[executor].ring();
+        Ok(())
+    }
 }
 
 /// Thread-safe handle engine threads use to reach the executors. Cheap to
@@ -149,7 +166,7 @@ where
             transfer_id,
             machine,
         };
-        match self.shared.mailboxes[executor].try_send(command) {
+        match self.shared.post(executor, command) {
             Ok(()) => Ok(()),
             Err(error) => {
                 // Not queued: take the reservation back so the caller can
@@ -192,7 +209,10 @@ where
                 value: event,
             });
         };
-        match self.shared.mailboxes[executor].try_send(Command::Event { transfer_id, event }) {
+        match self
+            .shared
+            .post(executor, Command::Event { transfer_id, event })
+        {
             Ok(()) => Ok(()),
             Err(error) => {
                 let (error, command) = match error {
@@ -224,11 +244,14 @@ where
             .board
             .executor_of(transfer_id)
             .ok_or(SubmitError::UnknownTransfer(transfer_id))?;
-        self.shared.mailboxes[executor]
-            .try_send(Command::Abort {
-                transfer_id,
-                reason,
-            })
+        self.shared
+            .post(
+                executor,
+                Command::Abort {
+                    transfer_id,
+                    reason,
+                },
+            )
             .map_err(|error| self.map_send_error(executor, &error))
     }
 
@@ -245,17 +268,15 @@ where
             return Err(SubmitError::ShuttingDown);
         };
         let executors = self.executors();
-        let mailbox = self
-            .shared
-            .mailboxes
-            .get(executor)
-            .ok_or(SubmitError::NoSuchExecutor {
+        if executor >= executors {
+            return Err(SubmitError::NoSuchExecutor {
                 executor,
                 executors,
-            })?;
+            });
+        }
         let boxed: crate::mailbox::SpawnFn = Box::new(move || Box::pin(make()));
-        mailbox
-            .try_send(Command::Spawn(boxed))
+        self.shared
+            .post(executor, Command::Spawn(boxed))
             .map_err(|error| self.map_send_error(executor, &error))
     }
 
@@ -361,6 +382,7 @@ where
             board: CompletionBoard::new(executors, config.max_machines_per_executor),
             stats: Stats::new(),
             latch: ShutdownLatch::new(),
+            doorbells: (0..executors).map(|_| Doorbell::new()).collect(),
             mailboxes,
             completions_tx,
             completions_rx,
@@ -609,7 +631,7 @@ where
     let mut control_open = true;
     let mut control_stream = control.stream();
     let mut local_stream = local_rx.stream();
-    let mut command_stream = commands.stream();
+    let doorbell = &shared.doorbells[index];
 
     // Each turn waits for one wake-up, handles it plus at most
     // `max_inputs_per_turn` more queued inputs, then runs due timers. The
@@ -653,10 +675,13 @@ where
                 return Poll::Ready(Wake::Timer);
             }
             // The handle keeps a sender alive for as long as the reactor
-            // exists, so this stream does not end while we run.
-            if let Poll::Ready(Some(command)) =
-                std::pin::Pin::new(&mut command_stream).poll_next(cx)
-            {
+            // exists, so the mailbox does not disconnect while we run.
+            // Armed before the second look, never after (see `Doorbell`).
+            if let Ok(command) = commands.try_recv() {
+                return Poll::Ready(Wake::Command(command));
+            }
+            doorbell.arm(cx.waker());
+            if let Ok(command) = commands.try_recv() {
                 return Poll::Ready(Wake::Command(command));
             }
             Poll::Pending

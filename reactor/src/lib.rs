@@ -83,6 +83,7 @@
 
 pub mod board;
 pub mod config;
+pub mod doorbell;
 pub mod driver;
 pub mod executor;
 pub mod latch;
@@ -92,6 +93,7 @@ pub mod sync;
 
 pub use board::{BoardError, CompletionBoard};
 pub use config::{ExecutorConfig, PollPolicy, ReactorConfig, ShutdownPolicy};
+pub use doorbell::Doorbell;
 pub use driver::{
     round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome,
     RejectReason,

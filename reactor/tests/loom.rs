@@ -1,13 +1,14 @@
 //! Loom models of everything the reactor shares between threads outside the
-//! channels: the shutdown latch, the completion board, the stats counters.
+//! channels: the shutdown latch, the completion board, the stats counters,
+//! the mailbox doorbell.
 //!
 //! Run with:
 //! `RUSTFLAGS="--cfg kvferry_loom" CARGO_TARGET_DIR=/work/tgt-reactor/loom LOOM_MAX_PREEMPTIONS=2 cargo test -p kvferry-reactor --release --test loom`
 #![cfg(kvferry_loom)]
 
 use kvferry_machines::{Phase, TransferId};
-use kvferry_reactor::sync::{thread, Arc, AtomicUsize, Ordering};
-use kvferry_reactor::{BoardError, CompletionBoard, ShutdownLatch, Stats};
+use kvferry_reactor::sync::{lock, thread, Arc, AtomicBool, AtomicUsize, Mutex, Ordering};
+use kvferry_reactor::{BoardError, CompletionBoard, Doorbell, ShutdownLatch, Stats};
 
 /// Two submitters race a closer. Once `close` returns, no submission is
 /// inside and none can get in: the number of submissions that got through
@@ -137,5 +138,50 @@ fn stats_snapshot_never_shows_more_finished_than_created() {
         }
         let last = stats.snapshot();
         assert_eq!((last.created, last.finished), (2, 2));
+    });
+}
+
+/// What the executor's waker does in the doorbell model: remembers it was
+/// woken, in a loom-visible flag.
+struct Flag(AtomicBool);
+
+impl std::task::Wake for Flag {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// An engine thread queues a command and rings while the executor polls its
+/// mailbox once (look, arm, look again). Either the executor's poll finds
+/// the command or its waker was woken: a command never sits in the mailbox
+/// of an executor that went to sleep.
+#[test]
+fn doorbell_never_loses_a_wake_up() {
+    loom::model(|| {
+        let queue = Arc::new(Mutex::new(Vec::<u32>::new()));
+        let bell = Arc::new(Doorbell::new());
+        let flag = std::sync::Arc::new(Flag(AtomicBool::new(false)));
+        let waker = std::task::Waker::from(flag.clone());
+        let sender = {
+            let queue = queue.clone();
+            let bell = bell.clone();
+            thread::spawn(move || {
+                lock(&queue).push(7);
+                bell.ring();
+            })
+        };
+        let take = || lock(&queue).pop();
+        let found = take().or_else(|| {
+            bell.arm(&waker);
+            take()
+        });
+        sender.join().unwrap();
+        if found.is_none() {
+            assert!(
+                flag.0.load(Ordering::SeqCst),
+                "the executor slept with a command queued and nobody woke it"
+            );
+            assert_eq!(take(), Some(7));
+        }
     });
 }

@@ -346,6 +346,9 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             let tid = next + 1;
             let blocks: Vec<u32> = (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect();
             c.fill(tid, &blocks);
+            // The clock starts before the ranks are asked (an executor may
+            // run on this core before `start_request` returns).
+            let asked_at = Instant::now();
             if let Err(e) = c.start_request(tid, &blocks, &blocks, 0) {
                 return Err(format!("request {tid} refused: {e}"));
             }
@@ -353,7 +356,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
                 tid,
                 Live {
                     slot,
-                    started: Instant::now(),
+                    started: asked_at,
                     decode_left: o.decode_tp,
                     prefill_left: o.prefill_tp,
                     all_ok: true,

@@ -255,6 +255,28 @@ pub(crate) async fn recv_exact(
     Ok(())
 }
 
+/// One non-blocking `recv` into `buf` (a local buffer): `Ok(Some(n))` with
+/// `n > 0` bytes read, `Ok(None)` when nothing is there yet.
+pub(crate) fn recv_now(fd: RawFd, buf: &mut [u8]) -> Result<Option<usize>, IoFail> {
+    loop {
+        // SAFETY: `buf` is a writable local buffer of that length and `fd`
+        // is an open socket.
+        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if r > 0 {
+            return Ok(Some(r as usize));
+        }
+        if r == 0 {
+            return Err(IoFail::Closed);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(None),
+            _ => return Err(IoFail::from_os(e)),
+        }
+    }
+}
+
 /// Sends every buffer of `iovs` to the socket.
 ///
 /// The caller guarantees each iovec names readable memory it owns.

@@ -294,13 +294,55 @@ async fn serve_conn(target: Rc<Target>, stream: TcpStream, key: usize) {
     drop(conn);
 }
 
-/// Sends a response header (and nothing else).
-async fn respond(conn: &mut Conn, h: Header) -> Result<(), TransportError> {
-    let hb = h.encode();
-    let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
-    fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
-        .await
-        .map_err(conv("responding"))
+/// Most answers a served connection holds back before it sends them anyway.
+const MAX_HELD_ANSWERS: usize = 64;
+
+/// Answers of a served connection not sent yet, in request order.
+///
+/// A connection answers what it has read only when the next request is not
+/// there yet, after one pass of the executor's other ready tasks. Answers
+/// to frames that arrive together (a WRITE and the notification riding
+/// behind it, a run of WRITEs) then leave in one `sendmsg` and wake the
+/// peer once, and a notification's handler gets to run first: on a decode
+/// rank the request completes and its engine hears of it before the
+/// prefill rank is woken to read the acknowledgements (on a shared core,
+/// that wake-up otherwise runs on the critical path).
+#[derive(Default)]
+struct Answers {
+    bytes: Vec<u8>,
+}
+
+impl Answers {
+    fn hold(&mut self, h: Header) {
+        self.bytes.extend_from_slice(&h.encode());
+    }
+
+    fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    fn is_full(&self) -> bool {
+        self.bytes.len() >= MAX_HELD_ANSWERS * wire::HEADER_LEN
+    }
+
+    async fn flush(&mut self, conn: &mut Conn) -> Result<(), TransportError> {
+        if self.bytes.is_empty() {
+            return Ok(());
+        }
+        let mut v = [iov(self.bytes.as_ptr() as u64, self.bytes.len() as u64)];
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
+            .await
+            .map_err(conv("answering"))?;
+        self.bytes.clear();
+        Ok(())
+    }
+
+    /// Sends the held answers and then `h` (a refusal before the
+    /// connection closes, so the peer learns why).
+    async fn respond(&mut self, conn: &mut Conn, h: Header) -> Result<(), TransportError> {
+        self.hold(h);
+        self.flush(conn).await
+    }
 }
 
 /// Checks the answer to notification `req_id` (a NOTIFY or a
@@ -342,23 +384,43 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
     let mut scratch: Vec<u8> = Vec::new();
     // WRITE frames that landed in full right before the current frame.
     let mut landed_run: u32 = 0;
+    let mut answers = Answers::default();
     loop {
         let run_before = std::mem::take(&mut landed_run);
-        let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
-        match fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None).await {
-            Ok(()) => {}
-            // A close between frames is the normal end of a connection.
-            Err(IoFail::Closed) => return Ok(()),
-            Err(e) => return Err(conv("reading a header")(e)),
+        let mut got = 0;
+        if !answers.is_empty() && !answers.is_full() {
+            // Another request already here is read first; otherwise the
+            // tasks the delivered requests woke run once, then the answers go.
+            got = match fdio::recv_now(fd, &mut hb) {
+                Ok(Some(n)) => n,
+                Ok(None) => {
+                    futures_lite::future::yield_now().await;
+                    0
+                }
+                // A close between frames is the normal end of a connection.
+                Err(IoFail::Closed) => return Ok(()),
+                Err(e) => return Err(conv("reading a header")(e)),
+            };
+        }
+        if got < hb.len() {
+            answers.flush(conn).await?;
+            let mut v = [iov(hb[got..].as_mut_ptr() as u64, (hb.len() - got) as u64)];
+            match fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None).await {
+                Ok(()) => {}
+                Err(IoFail::Closed) if got == 0 => return Ok(()),
+                Err(e) => return Err(conv("reading a header")(e)),
+            }
         }
         let h = match Header::decode(&hb) {
             Ok(h) if h.status == wire::STATUS_OK => h,
             Ok(h) => {
-                respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0)).await?;
+                answers
+                    .respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0))
+                    .await?;
                 return Err(protocol("request with a status byte"));
             }
             Err(reason) => {
-                respond(conn, reject(hb[4], 0, reason, 0)).await?;
+                answers.respond(conn, reject(hb[4], 0, reason, 0)).await?;
                 return Err(protocol("bad request header"));
             }
         };
@@ -367,15 +429,20 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             wire::OP_READ => (Op::Read, h.opcode),
             wire::OP_REGIONS => {
                 if h.count != 0 || h.payload_len != 0 {
-                    respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0)).await?;
+                    answers
+                        .respond(conn, reject(h.opcode, h.req_id, RejectReason::BadHeader, 0))
+                        .await?;
                     return Err(protocol("REGIONS request with a body"));
                 }
+                answers.flush(conn).await?;
                 send_regions(target, conn, h.req_id).await?;
                 continue;
             }
             wire::OP_NOTIFY | wire::OP_NOTIFY_AFTER_WRITE => {
                 if h.count != 0 || h.payload_len > wire::MAX_NOTIFY_BYTES {
-                    respond(conn, reject(h.opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
+                    answers
+                        .respond(conn, reject(h.opcode, h.req_id, RejectReason::TooLarge, 0))
+                        .await?;
                     return Err(protocol("NOTIFY with descriptors or too long"));
                 }
                 // Bounded by MAX_NOTIFY_BYTES; never registered memory.
@@ -400,20 +467,23 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 } else {
                     reject(h.opcode, h.req_id, RejectReason::Undeliverable, 0)
                 };
-                respond(conn, answer).await?;
+                answers.hold(answer);
                 continue;
             }
             other => {
-                respond(
-                    conn,
-                    reject(other, h.req_id, RejectReason::UnknownOpcode, 0),
-                )
-                .await?;
+                answers
+                    .respond(
+                        conn,
+                        reject(other, h.req_id, RejectReason::UnknownOpcode, 0),
+                    )
+                    .await?;
                 return Err(protocol(format!("unknown opcode {other}")));
             }
         };
         if h.count == 0 || h.count > wire::MAX_FRAME_DESCS {
-            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
+            answers
+                .respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0))
+                .await?;
             return Err(protocol("descriptor count out of range"));
         }
         // The table is bounded by MAX_FRAME_DESCS entries (64 KiB).
@@ -430,7 +500,9 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             ranges.push((addr, len));
         }
         if total > wire::MAX_FRAME_BYTES {
-            respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0)).await?;
+            answers
+                .respond(conn, reject(opcode, h.req_id, RejectReason::TooLarge, 0))
+                .await?;
             return Err(protocol("frame payload too large"));
         }
         let expected_payload = match op {
@@ -438,11 +510,12 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
             Op::Read => 0,
         };
         if h.payload_len != expected_payload {
-            respond(
-                conn,
-                reject(opcode, h.req_id, RejectReason::LengthMismatch, 0),
-            )
-            .await?;
+            answers
+                .respond(
+                    conn,
+                    reject(opcode, h.req_id, RejectReason::LengthMismatch, 0),
+                )
+                .await?;
             return Err(protocol("payload length does not match the descriptors"));
         }
         let pins = match target.registry.pin(ranges.iter().copied()) {
@@ -461,7 +534,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     registry::RangeFault::Overflow => RejectReason::Overflow,
                     registry::RangeFault::OutOfRegion => RejectReason::OutOfRegion,
                 };
-                respond(conn, reject(opcode, h.req_id, reason, index as u32)).await?;
+                answers.hold(reject(opcode, h.req_id, reason, index as u32));
                 continue;
             }
         };
@@ -492,10 +565,11 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                     req_id: h.req_id,
                     ..Header::default()
                 };
-                respond(conn, ok).await?;
+                answers.hold(ok);
                 landed_run = run_before.saturating_add(1);
             }
             Op::Read => {
+                answers.flush(conn).await?;
                 let ok = Header {
                     opcode,
                     req_id: h.req_id,

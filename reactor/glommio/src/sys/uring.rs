@@ -1222,6 +1222,8 @@ pub(crate) struct Reactor {
     poll_ring: RefCell<PollRing>,
 
     latency_preemption_timeout_src: Cell<Option<Source>>,
+    // kvferry patch: when the armed latency timer expires (see `wait`).
+    latency_preemption_deadline: Cell<Option<Instant>>,
     throughput_preemption_timeout_src: Cell<Option<Source>>,
 
     link_fd: RawFd,
@@ -1353,6 +1355,7 @@ impl Reactor {
             latency_ring: RefCell::new(latency_ring),
             poll_ring: RefCell::new(poll_ring),
             latency_preemption_timeout_src: Cell::new(None),
+            latency_preemption_deadline: Cell::new(None),
             throughput_preemption_timeout_src: Cell::new(None),
             blocking_thread,
             link_fd,
@@ -1820,7 +1823,32 @@ impl Reactor {
         //
         // But if we will sleep, there might be a timer registered that needs
         // to be removed otherwise we'll wake up when it expires.
-        drop(self.latency_preemption_timeout_src.take());
+        //
+        // kvferry patch: except in a poll that will not sleep (a preemption
+        // timer is asked for), when the armed timer has not fired and fires
+        // no later than the preemption timer would: upstream cancels and
+        // re-arms it on every poll, two timer SQEs and an `io_uring_enter`
+        // each time, and each arms or cancels an hrtimer (a timer MSR write,
+        // so a VM exit, on virtual machines). Firing early is harmless (the
+        // executor polls and carries on). A timer is never kept across a
+        // sleep: an executor that slept with a timer armed by an earlier
+        // call lost wake-ups in `reactor/tests/wake_stress.rs`.
+        let now = Instant::now();
+        let keep = match (self.latency_preemption_timeout_src.take(), preempt_timer()) {
+            (Some(src), Some(preempt))
+                if src.result().is_none()
+                    && self
+                        .latency_preemption_deadline
+                        .get()
+                        .is_some_and(|at| at <= now + preempt) =>
+            {
+                Some(src)
+            }
+            (old, _) => {
+                drop(old);
+                None
+            }
+        };
 
         // Schedule the throughput-based timeout immediately: it won't matter if we end
         // up sleeping.
@@ -1853,6 +1881,7 @@ impl Reactor {
             if let Some(dur) = user_timer {
                 self.latency_preemption_timeout_src
                     .set(Some(lat_ring.prepare_latency_preemption_timer(dur)));
+                self.latency_preemption_deadline.set(Some(Instant::now() + dur));
                 assert!(flush_rings!(lat_ring)? > 0);
             }
             // From this moment on the remote executors are aware that we are sleeping
@@ -1886,9 +1915,18 @@ impl Reactor {
         }
 
         if let Some(preempt) = preempt_timer() {
-            self.latency_preemption_timeout_src
-                .set(Some(lat_ring.prepare_latency_preemption_timer(preempt)));
-            flush_rings!(lat_ring, main_ring)?;
+            match keep {
+                Some(src) if src.result().is_none() => {
+                    self.latency_preemption_timeout_src.set(Some(src));
+                }
+                _ => {
+                    self.latency_preemption_timeout_src
+                        .set(Some(lat_ring.prepare_latency_preemption_timer(preempt)));
+                    self.latency_preemption_deadline
+                        .set(Some(Instant::now() + preempt));
+                    flush_rings!(lat_ring, main_ring)?;
+                }
+            }
         }
 
         // A Note about `need_preempt`:
