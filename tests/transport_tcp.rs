@@ -1438,3 +1438,89 @@ fn a_notification_does_not_wait_behind_a_batch_in_flight() {
         drop(initiator);
     })
 }
+
+/// A served connection holds its answers back until the next request is not
+/// there yet; a client that sends many requests at once must still get every
+/// answer, in request order, with READ payloads and the REGIONS table in
+/// their places.
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    block_on(async {
+        let config = TcpConfig::default();
+        let target = TcpTransport::bind(any_port(), config).unwrap();
+        let mut dst = Buf::filled(4096, 0);
+        dst.register(&target);
+        let region_addr = dst.addr();
+        let written = vec![0x5Au8; 64];
+        let frames = [
+            request(wire::OP_WRITE, &[(region_addr, 64)], 64, 1),
+            written.clone(),
+            // Out of the region: refused, the connection keeps serving.
+            request(wire::OP_WRITE, &[(region_addr + 4090, 64)], 64, 2),
+            vec![0x11; 64],
+            // No notification handler on this endpoint: undeliverable.
+            Header {
+                opcode: wire::OP_NOTIFY,
+                req_id: 3,
+                payload_len: 5,
+                ..Header::default()
+            }
+            .encode()
+            .to_vec(),
+            b"hello".to_vec(),
+            request(wire::OP_READ, &[(region_addr, 64)], 0, 4),
+            request(wire::OP_REGIONS, &[], 0, 5),
+            request(wire::OP_WRITE, &[(region_addr + 64, 64)], 64, 6),
+            written.clone(),
+        ]
+        .concat();
+        let mut s = TcpStream::connect(target.local_addr()).await.unwrap();
+        s.write_all(&frames).await.unwrap();
+
+        let h = response(&mut s).await;
+        assert_eq!(
+            (h.opcode, h.req_id, h.status),
+            (wire::OP_WRITE, 1, wire::STATUS_OK)
+        );
+        let h = response(&mut s).await;
+        assert_eq!((h.opcode, h.req_id), (wire::OP_WRITE, 2));
+        assert_eq!(
+            RejectReason::from_status(h.status),
+            RejectReason::OutOfRegion
+        );
+        let h = response(&mut s).await;
+        assert_eq!((h.opcode, h.req_id), (wire::OP_NOTIFY, 3));
+        assert_eq!(
+            RejectReason::from_status(h.status),
+            RejectReason::Undeliverable
+        );
+        let h = response(&mut s).await;
+        assert_eq!(
+            (h.opcode, h.req_id, h.status),
+            (wire::OP_READ, 4, wire::STATUS_OK)
+        );
+        let mut read_back = vec![0u8; h.payload_len as usize];
+        s.read_exact(&mut read_back).await.unwrap();
+        assert_eq!(read_back, written, "READ payload out of place");
+        let h = response(&mut s).await;
+        assert_eq!(
+            (h.opcode, h.req_id, h.status),
+            (wire::OP_REGIONS, 5, wire::STATUS_OK)
+        );
+        assert_eq!(h.payload_len, (h.count as usize * wire::ENTRY_LEN) as u64);
+        let mut table = vec![0u8; h.payload_len as usize];
+        s.read_exact(&mut table).await.unwrap();
+        let regions: Vec<(u64, u64)> = (0..h.count as usize)
+            .map(|i| wire::decode_entry(&table, i))
+            .collect();
+        assert!(regions.contains(&(region_addr, 4096)), "{regions:?}");
+        let h = response(&mut s).await;
+        assert_eq!(
+            (h.opcode, h.req_id, h.status),
+            (wire::OP_WRITE, 6, wire::STATUS_OK)
+        );
+        assert_eq!(&dst.bytes[..64], &written[..]);
+        assert_eq!(&dst.bytes[64..128], &written[..]);
+        assert!(dst.bytes[128..].iter().all(|&b| b == 0));
+    });
+}
