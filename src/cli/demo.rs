@@ -365,19 +365,33 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             );
             next += 1;
         }
-        // What is queued first: a `Selector` registers with both channels
-        // and seeds a random generator (a `getrandom` call) every time.
+        // What is queued first; otherwise wait on the side a live request
+        // still waits for (decode first: its notification ends a request's
+        // latency). Not a `Selector`: it registers with both channels and
+        // seeds a random generator (a `getrandom` call) every time, and
+        // while its lock is held the executor that fired it is preempted
+        // by this thread, a lock convoy on a shared core. Both channels
+        // are unbounded, so nothing waiting on the other one is dropped.
         let ready = c
             .decode_done
             .try_recv()
             .map(|(_, t, p)| (true, t, p))
             .or_else(|_| c.prefill_done.try_recv().map(|(_, t, p)| (false, t, p)));
+        let wait = Duration::from_millis(500);
         let event = match ready {
             Ok(e) => Ok(Ok(e)),
-            Err(_) => flume::Selector::new()
-                .recv(&c.decode_done, |r| r.map(|(_, t, p)| (true, t, p)))
-                .recv(&c.prefill_done, |r| r.map(|(_, t, p)| (false, t, p)))
-                .wait_timeout(Duration::from_millis(500)),
+            Err(_) if live.values().any(|l| l.decode_left > 0) => {
+                match c.decode_done.recv_timeout(wait) {
+                    Ok((_, t, p)) => Ok(Ok((true, t, p))),
+                    Err(flume::RecvTimeoutError::Timeout) => Err(()),
+                    Err(flume::RecvTimeoutError::Disconnected) => Ok(Err(())),
+                }
+            }
+            Err(_) => match c.prefill_done.recv_timeout(wait) {
+                Ok((_, t, p)) => Ok(Ok((false, t, p))),
+                Err(flume::RecvTimeoutError::Timeout) => Err(()),
+                Err(flume::RecvTimeoutError::Disconnected) => Ok(Err(())),
+            },
         };
         let (is_decode, tid, phase) = match event {
             Ok(Ok(e)) => e,

@@ -1072,13 +1072,19 @@ impl SleepableRing {
             // We have now prepared the SQE that links the two rings. We now need to submit
             // it successfully to be able to safely sleep.
 
-            if self
-                .submit_sqes()
+            // kvferry patch: one `io_uring_enter` submits the link and waits,
+            // where upstream makes two (submit, then wait). The kernel
+            // submits before it waits and returns at once if it could not
+            // submit, so this sleeps only with the rings linked.
+            let submitted = self
+                .ring
+                .submit_sqes_and_wait(1)
+                .map(|n| n as usize)
                 .or_else(Reactor::busy_ok)
                 .or_else(Reactor::again_ok)
-                .or_else(Reactor::intr_ok)?
-                != 1
-            {
+                .or_else(Reactor::intr_ok)?;
+            self.in_kernel += submitted;
+            if submitted != 1 {
                 // We failed to submit the `SQE` that links the rings. Just can't sleep.
                 // Waiting here is unsafe because we could end up waiting much longer than
                 // needed.
@@ -1086,14 +1092,8 @@ impl SleepableRing {
                 unsafe { crate::uring_sys::io_uring_prep_nop(sqe_ptr) };
                 Err(io::Error::from_raw_os_error(libc::EBUSY))
             } else {
-                // The rings are linked. Goodnight!
-                self.ring
-                    .cq()
-                    .wait(1)
-                    .map(|_| 1)
-                    .or_else(Reactor::busy_ok)
-                    .or_else(Reactor::again_ok)
-                    .or_else(Reactor::intr_ok)
+                // The rings were linked, we slept and woke up.
+                Ok(1)
             }
         } else {
             // Can't link rings because we ran out of `CQE`s. Just can't sleep.
@@ -1222,8 +1222,10 @@ pub(crate) struct Reactor {
     poll_ring: RefCell<PollRing>,
 
     latency_preemption_timeout_src: Cell<Option<Source>>,
-    // kvferry patch: when the armed latency timer expires (see `wait`).
+    // kvferry patch: when the armed latency timer expires, and how many
+    // polls ran since the executor last slept (see `wait`).
     latency_preemption_deadline: Cell<Option<Instant>>,
+    polls_awake: Cell<u32>,
     throughput_preemption_timeout_src: Cell<Option<Source>>,
 
     link_fd: RawFd,
@@ -1356,6 +1358,7 @@ impl Reactor {
             poll_ring: RefCell::new(poll_ring),
             latency_preemption_timeout_src: Cell::new(None),
             latency_preemption_deadline: Cell::new(None),
+            polls_awake: Cell::new(0),
             throughput_preemption_timeout_src: Cell::new(None),
             blocking_thread,
             link_fd,
@@ -1830,11 +1833,17 @@ impl Reactor {
         // re-arms it on every poll, two timer SQEs and an `io_uring_enter`
         // each time, and each arms or cancels an hrtimer (a timer MSR write,
         // so a VM exit, on virtual machines). Firing early is harmless (the
-        // executor polls and carries on). A timer is never kept across a
-        // sleep: an executor that slept with a timer armed by an earlier
-        // call lost wake-ups in `reactor/tests/wake_stress.rs`.
+        // executor polls and carries on). And the first poll after a sleep
+        // arms no preemption timer (an executor woken for one message
+        // usually handles it and sleeps again; one that stays busy gets its
+        // timer on the next poll), so it keeps whatever timer it slept with
+        // until it parks. A timer is never kept across a sleep: an executor
+        // that slept with a timer armed by an earlier call lost wake-ups in
+        // `reactor/tests/wake_stress.rs`.
         let now = Instant::now();
+        let polls = self.polls_awake.get().saturating_add(1);
         let keep = match (self.latency_preemption_timeout_src.take(), preempt_timer()) {
+            (Some(src), Some(_)) if polls < 2 && src.result().is_none() => Some(src),
             (Some(src), Some(preempt))
                 if src.result().is_none()
                     && self
@@ -1850,14 +1859,11 @@ impl Reactor {
             }
         };
 
-        // Schedule the throughput-based timeout immediately: it won't matter if we end
-        // up sleeping.
-        self.throughput_preemption_timeout_src.replace(Some(
-            main_ring.prepare_throughput_preemption_timer(
-                self.ring_depth() as u32,
-                self.eventfd_src.raw(),
-            ),
-        ));
+        // kvferry patch: no throughput-based timeout. Upstream cancels and
+        // re-arms it (three SQEs and an `io_uring_enter` on the main ring) on
+        // every call, twice per park; it only makes a task queue yield after
+        // `ring_depth` completions, and the latency timer bounds every run.
+        drop(self.throughput_preemption_timeout_src.take());
 
         // This will only dispatch if we run out of sqes. Which means until
         // flush_rings! nothing is really send to the kernel...
@@ -1904,6 +1910,7 @@ impl Reactor {
                 if self.eventfd_src.is_installed().unwrap() {
                     self.link_rings_and_sleep(&mut main_ring)
                         .expect("some error");
+                    self.polls_awake.set(0);
                     // May have new cancellations related to the link ring fd.
                     flush_cancellations!(into &mut 0; lat_ring, poll_ring, main_ring);
                     flush_rings!(lat_ring, poll_ring, main_ring)?;
@@ -1915,10 +1922,12 @@ impl Reactor {
         }
 
         if let Some(preempt) = preempt_timer() {
+            self.polls_awake.set(polls);
             match keep {
                 Some(src) if src.result().is_none() => {
                     self.latency_preemption_timeout_src.set(Some(src));
                 }
+                _ if polls < 2 => {}
                 _ => {
                     self.latency_preemption_timeout_src
                         .set(Some(lat_ring.prepare_latency_preemption_timer(preempt)));
