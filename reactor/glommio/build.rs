@@ -3,6 +3,10 @@ use std::{env, fs, path::*, process::Command};
 use cc::Build;
 
 fn main() {
+    // kvferry patch: rebuild the C bindings when they change (the crate's
+    // package file list does not name them, so cargo would not notice).
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=rusturing.c");
     let project = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap())
         .canonicalize()
         .unwrap();

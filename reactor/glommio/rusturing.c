@@ -312,3 +312,31 @@ extern inline int rust_io_uring_wait_cqe(struct io_uring *ring, struct io_uring_
 {
     return io_uring_wait_cqe(ring, cqe_ptr);
 }
+
+/* kvferry patch: submit what is queued and wait for `wait_nr` completions
+ * or `ts`, in one io_uring_enter, with the timeout passed to the kernel
+ * (IORING_ENTER_EXT_ARG, Linux 5.11+) instead of queued as a TIMEOUT
+ * request. Returns what io_uring_enter returns (the number submitted, or
+ * -errno). */
+#include <errno.h>
+#include <signal.h>
+
+int __io_uring_flush_sq(struct io_uring *ring);
+int __sys_io_uring_enter2(int fd, unsigned to_submit, unsigned min_complete,
+                          unsigned flags, sigset_t *sig, int sz);
+
+int rust_io_uring_submit_and_wait_timeout(struct io_uring *ring, unsigned wait_nr,
+                                          struct __kernel_timespec *ts)
+{
+    unsigned submit = __io_uring_flush_sq(ring);
+    struct io_uring_getevents_arg arg = {
+        .sigmask = 0,
+        .sigmask_sz = _NSIG / 8,
+        .pad = 0,
+        .ts = (unsigned long) ts,
+    };
+    int ret = __sys_io_uring_enter2(ring->ring_fd, submit, wait_nr,
+                                    IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG,
+                                    (sigset_t *) &arg, sizeof(arg));
+    return ret < 0 ? -errno : ret;
+}

@@ -79,3 +79,33 @@ fn no_wake_up_is_lost_by_an_executor_parking_with_a_timer() {
         worst.max(other_worst)
     );
 }
+
+/// An idle executor whose only work is a timer wakes when it expires: the
+/// patched glommio sleeps with the timer as the wait's own timeout
+/// (`IORING_ENTER_EXT_ARG`) instead of a TIMEOUT request on a ring.
+#[test]
+fn a_sleeping_executor_wakes_for_its_timers() {
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<Duration>();
+    let executor = std::thread::spawn(move || {
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .make()
+            .expect("executor")
+            .run(async move {
+                let mut late = Duration::ZERO;
+                for _ in 0..200 {
+                    let t = std::time::Instant::now();
+                    glommio::timer::sleep(Duration::from_millis(2)).await;
+                    let slept = t.elapsed();
+                    assert!(slept >= Duration::from_millis(2), "woke early: {slept:?}");
+                    late = late.max(slept - Duration::from_millis(2));
+                }
+                done_tx.send(late).expect("test thread alive");
+            })
+    });
+    let late = done_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("200 timers of 2 ms did not all fire within 20 s");
+    executor.join().expect("executor thread");
+    // Generous for shared cores; a timer that never armed would hang above.
+    assert!(late < Duration::from_secs(1), "a timer fired {late:?} late");
+}

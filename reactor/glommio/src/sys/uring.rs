@@ -1044,7 +1044,13 @@ impl SleepableRing {
         }
     }
 
-    fn sleep(&mut self, link: &Source) -> io::Result<usize> {
+    /// kvferry patch: whether the kernel takes a wait timeout in
+    /// `io_uring_enter` itself (`IORING_FEAT_EXT_ARG`).
+    fn waits_with_timeout(&self) -> bool {
+        self.ring.raw().features & crate::uring_sys::IORING_FEAT_EXT_ARG != 0
+    }
+
+    fn sleep(&mut self, link: &Source, timeout: Option<Duration>) -> io::Result<usize> {
         assert_eq!(
             self.waiting_kernel_submission(),
             0,
@@ -1076,13 +1082,39 @@ impl SleepableRing {
             // where upstream makes two (submit, then wait). The kernel
             // submits before it waits and returns at once if it could not
             // submit, so this sleeps only with the rings linked.
-            let submitted = self
-                .ring
-                .submit_sqes_and_wait(1)
-                .map(|n| n as usize)
-                .or_else(Reactor::busy_ok)
-                .or_else(Reactor::again_ok)
-                .or_else(Reactor::intr_ok)?;
+            // With a timeout (only where the kernel takes it in the wait
+            // itself, see `waits_with_timeout`) the executor wakes when it
+            // expires, without a TIMEOUT request to arm and cancel.
+            let submitted = match timeout {
+                None => self.ring.submit_sqes_and_wait(1).map(|n| n as usize),
+                Some(d) => {
+                    let mut ts = crate::uring_sys::__kernel_timespec {
+                        tv_sec: d.as_secs() as _,
+                        tv_nsec: d.subsec_nanos() as _,
+                    };
+                    // SAFETY: the ring is ours and initialised; `ts` lives
+                    // across the call.
+                    let r = unsafe {
+                        crate::uring_sys::io_uring_submit_and_wait_timeout(
+                            self.ring.raw_mut(),
+                            1,
+                            &mut ts,
+                        )
+                    };
+                    if r == -libc::ETIME {
+                        // Nothing submitted and the time ran out (the kernel
+                        // reports what it submitted in preference).
+                        Ok(0)
+                    } else if r < 0 {
+                        Err(io::Error::from_raw_os_error(-r))
+                    } else {
+                        Ok(r as usize)
+                    }
+                }
+            }
+            .or_else(Reactor::busy_ok)
+            .or_else(Reactor::again_ok)
+            .or_else(Reactor::intr_ok)?;
             self.in_kernel += submitted;
             if submitted != 1 {
                 // We failed to submit the `SQE` that links the rings. Just can't sleep.
@@ -1215,6 +1247,10 @@ impl UringCommon for SleepableRing {
     }
 }
 
+/// kvferry patch: how long after waking from a sleep an executor runs
+/// without a preemption timer (see `Reactor::wait`).
+const UNTIMED_AFTER_WAKE: Duration = Duration::from_millis(1);
+
 pub(crate) struct Reactor {
     // FIXME: it is starting to feel we should clean this up to a Inner pattern
     main_ring: RefCell<SleepableRing>,
@@ -1222,10 +1258,10 @@ pub(crate) struct Reactor {
     poll_ring: RefCell<PollRing>,
 
     latency_preemption_timeout_src: Cell<Option<Source>>,
-    // kvferry patch: when the armed latency timer expires, and how many
-    // polls ran since the executor last slept (see `wait`).
+    // kvferry patch: when the armed latency timer expires, and when the
+    // executor last woke from a sleep (see `wait`).
     latency_preemption_deadline: Cell<Option<Instant>>,
-    polls_awake: Cell<u32>,
+    awake_since: Cell<Option<Instant>>,
     throughput_preemption_timeout_src: Cell<Option<Source>>,
 
     link_fd: RawFd,
@@ -1358,7 +1394,7 @@ impl Reactor {
             poll_ring: RefCell::new(poll_ring),
             latency_preemption_timeout_src: Cell::new(None),
             latency_preemption_deadline: Cell::new(None),
-            polls_awake: Cell::new(0),
+            awake_since: Cell::new(None),
             throughput_preemption_timeout_src: Cell::new(None),
             blocking_thread,
             link_fd,
@@ -1731,7 +1767,11 @@ impl Reactor {
     ///
     /// We may not be able to register an `SQE` at this point, so we return an
     /// Error and will just not sleep.
-    fn link_rings_and_sleep(&self, ring: &mut SleepableRing) -> io::Result<()> {
+    fn link_rings_and_sleep(
+        &self,
+        ring: &mut SleepableRing,
+        timeout: Option<Duration>,
+    ) -> io::Result<()> {
         let link_rings = Source::new(
             IoRequirements::default(),
             self.link_fd,
@@ -1739,7 +1779,9 @@ impl Reactor {
             None,
             None,
         );
-        ring.sleep(&link_rings).or_else(Self::busy_ok).map(|_| {})
+        ring.sleep(&link_rings, timeout)
+            .or_else(Self::busy_ok)
+            .map(|_| {})
     }
 
     pub(crate) fn poll_io(&self, woke: &mut usize) -> io::Result<()> {
@@ -1833,17 +1875,21 @@ impl Reactor {
         // re-arms it on every poll, two timer SQEs and an `io_uring_enter`
         // each time, and each arms or cancels an hrtimer (a timer MSR write,
         // so a VM exit, on virtual machines). Firing early is harmless (the
-        // executor polls and carries on). And the first poll after a sleep
-        // arms no preemption timer (an executor woken for one message
-        // usually handles it and sleeps again; one that stays busy gets its
-        // timer on the next poll), so it keeps whatever timer it slept with
+        // executor polls and carries on). And for `UNTIMED_AFTER_WAKE` after
+        // a sleep no preemption timer is armed (an executor woken for a
+        // message or two usually handles them and sleeps again, polling a
+        // few times meanwhile; one that stays busy gets its timer on the
+        // first poll after that), so it keeps whatever timer it slept with
         // until it parks. A timer is never kept across a sleep: an executor
         // that slept with a timer armed by an earlier call lost wake-ups in
         // `reactor/tests/wake_stress.rs`.
         let now = Instant::now();
-        let polls = self.polls_awake.get().saturating_add(1);
+        let untimed = self
+            .awake_since
+            .get()
+            .is_some_and(|at| now.saturating_duration_since(at) < UNTIMED_AFTER_WAKE);
         let keep = match (self.latency_preemption_timeout_src.take(), preempt_timer()) {
-            (Some(src), Some(_)) if polls < 2 && src.result().is_none() => Some(src),
+            (Some(src), Some(_)) if untimed && src.result().is_none() => Some(src),
             (Some(src), Some(preempt))
                 if src.result().is_none()
                     && self
@@ -1884,11 +1930,21 @@ impl Reactor {
         if should_sleep {
             // We are about to go to sleep. It's ok to sleep, but if there
             // is a timer set, we need to make sure we wake up to handle it.
+            // kvferry patch: where the kernel takes a timeout in the wait
+            // itself, the user timer is that timeout; upstream arms a
+            // TIMEOUT request on the latency ring before every sleep and
+            // cancels it after (an `io_uring_enter` each).
+            let mut sleep_timeout = None;
             if let Some(dur) = user_timer {
-                self.latency_preemption_timeout_src
-                    .set(Some(lat_ring.prepare_latency_preemption_timer(dur)));
-                self.latency_preemption_deadline.set(Some(Instant::now() + dur));
-                assert!(flush_rings!(lat_ring)? > 0);
+                if main_ring.waits_with_timeout() {
+                    sleep_timeout = Some(dur);
+                } else {
+                    self.latency_preemption_timeout_src
+                        .set(Some(lat_ring.prepare_latency_preemption_timer(dur)));
+                    self.latency_preemption_deadline
+                        .set(Some(Instant::now() + dur));
+                    assert!(flush_rings!(lat_ring)? > 0);
+                }
             }
             // From this moment on the remote executors are aware that we are sleeping
             // We have to sweep the remote channels function once more because since
@@ -1908,9 +1964,9 @@ impl Reactor {
             let events = process_remote_channels() + self.flush_syscall_thread();
             if events == 0 {
                 if self.eventfd_src.is_installed().unwrap() {
-                    self.link_rings_and_sleep(&mut main_ring)
+                    self.link_rings_and_sleep(&mut main_ring, sleep_timeout)
                         .expect("some error");
-                    self.polls_awake.set(0);
+                    self.awake_since.set(Some(Instant::now()));
                     // May have new cancellations related to the link ring fd.
                     flush_cancellations!(into &mut 0; lat_ring, poll_ring, main_ring);
                     flush_rings!(lat_ring, poll_ring, main_ring)?;
@@ -1922,12 +1978,11 @@ impl Reactor {
         }
 
         if let Some(preempt) = preempt_timer() {
-            self.polls_awake.set(polls);
             match keep {
                 Some(src) if src.result().is_none() => {
                     self.latency_preemption_timeout_src.set(Some(src));
                 }
-                _ if polls < 2 => {}
+                _ if untimed => {}
                 _ => {
                     self.latency_preemption_timeout_src
                         .set(Some(lat_ring.prepare_latency_preemption_timer(preempt)));

@@ -380,8 +380,20 @@ extern "C" {
     pub fn io_uring_unregister_personality(ring: *mut io_uring, id: libc::c_int) -> libc::c_int;
 }
 
+/// kvferry patch: `IORING_FEAT_EXT_ARG` (Linux 5.11+).
+pub const IORING_FEAT_EXT_ARG: libc::__u32 = 1 << 8;
+
 #[link(name = "rusturing")]
 extern "C" {
+    /// kvferry patch: submits what is queued and waits for `wait_nr`
+    /// completions or `ts`, in one `io_uring_enter` (`IORING_ENTER_EXT_ARG`).
+    #[link_name = "rust_io_uring_submit_and_wait_timeout"]
+    pub fn io_uring_submit_and_wait_timeout(
+        ring: *mut io_uring,
+        wait_nr: libc::c_uint,
+        ts: *mut __kernel_timespec,
+    ) -> libc::c_int;
+
     #[link_name = "rust_io_uring_opcode_supported"]
     pub fn io_uring_opcode_supported(p: *mut io_uring_probe, op: libc::c_int) -> libc::c_int;
 
