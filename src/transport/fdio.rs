@@ -277,6 +277,58 @@ pub(crate) fn recv_now(fd: RawFd, buf: &mut [u8]) -> Result<Option<usize>, IoFai
     }
 }
 
+/// Reads what is there (at least one byte, waiting for it) into the one
+/// buffer of `iovs` (a local buffer); returns how many bytes.
+pub(crate) async fn recv_some(
+    rd: &mut ReadHalf<TcpStream>,
+    fd: RawFd,
+    iovs: &mut [libc::iovec; 1],
+    policy: PollPolicy,
+) -> Result<usize, IoFail> {
+    let mut spin = Spinner::new(policy);
+    let only = iovs[0];
+    // SAFETY: the iovec names a writable local buffer of that length.
+    let buf = unsafe { std::slice::from_raw_parts_mut(only.iov_base.cast::<u8>(), only.iov_len) };
+    loop {
+        if matches!(policy, PollPolicy::Spin { .. }) {
+            match recv_now(fd, buf)? {
+                Some(n) => return Ok(n),
+                None if spin.keep_spinning() => {
+                    futures_lite::future::yield_now().await;
+                    continue;
+                }
+                None => {}
+            }
+        }
+        // glommio tries a non-blocking `recv` itself before it waits.
+        return match rd.read(buf).await {
+            Ok(0) => Err(IoFail::Closed),
+            Ok(n) => Ok(n),
+            Err(e) => Err(IoFail::from_os(e)),
+        };
+    }
+}
+
+/// Copies `src` into the memory `iovs` name, in order, and advances them
+/// past it (a written-out iovec is left empty). The caller guarantees the
+/// iovecs name writable memory of at least `src.len()` bytes in all.
+pub(crate) fn copy_into(iovs: &mut [libc::iovec], mut src: &[u8]) {
+    for v in iovs.iter_mut() {
+        if src.is_empty() {
+            break;
+        }
+        let n = v.iov_len.min(src.len());
+        // SAFETY: the iovec names writable memory of `iov_len` bytes
+        // (caller's guarantee), `n` is within it and `src` is ours.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), v.iov_base.cast::<u8>(), n);
+            v.iov_base = v.iov_base.cast::<u8>().add(n).cast();
+        }
+        v.iov_len -= n;
+        src = &src[n..];
+    }
+}
+
 /// Sends every buffer of `iovs` to the socket.
 ///
 /// The caller guarantees each iovec names readable memory it owns.

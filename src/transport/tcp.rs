@@ -360,6 +360,97 @@ fn notification_answer(
     Ok((h.status != wire::STATUS_OK).then(|| RejectReason::from_status(h.status)))
 }
 
+/// What a served connection reads at a time when it reads for itself.
+const IN_BUF_BYTES: usize = 4096;
+
+/// Bytes read from a served connection and not parsed yet.
+///
+/// Headers, descriptor tables and notification payloads are read a buffer
+/// at a time, so the frames that arrive together (a WRITE with a small
+/// payload and the notification riding behind it) cost one `recv` instead
+/// of one per piece. Payload bytes that came along are copied into their
+/// registered ranges (under the block fence, like a `recv` into them);
+/// the rest of a payload is read straight into registered memory.
+struct InBuf {
+    bytes: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl InBuf {
+    fn new() -> InBuf {
+        InBuf {
+            bytes: vec![0; IN_BUF_BYTES],
+            start: 0,
+            end: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Room at the end for the next read, moving what is left to the front.
+    fn spare(&mut self) -> &mut [u8] {
+        if self.start > 0 {
+            self.bytes.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        &mut self.bytes[self.end..]
+    }
+
+    /// One non-blocking read: `Ok(false)` when nothing was there.
+    fn try_fill(&mut self, fd: RawFd) -> Result<bool, IoFail> {
+        let n = fdio::recv_now(fd, self.spare())?;
+        self.end += n.unwrap_or(0);
+        Ok(n.is_some())
+    }
+
+    /// Reads at least one byte, waiting for it.
+    async fn fill(&mut self, conn: &mut Conn, poll: PollPolicy) -> Result<(), IoFail> {
+        let fd = conn.fd;
+        let room = self.spare();
+        let mut v = [iov(room.as_mut_ptr() as u64, room.len() as u64)];
+        let n = fdio::recv_some(&mut conn.rd, fd, &mut v, poll).await?;
+        self.end += n;
+        Ok(())
+    }
+
+    /// Takes up to `dst.len()` buffered bytes into `dst`; returns how many.
+    fn drain(&mut self, dst: &mut [u8]) -> usize {
+        let n = self.len().min(dst.len());
+        dst[..n].copy_from_slice(&self.bytes[self.start..self.start + n]);
+        self.start += n;
+        n
+    }
+
+    /// Takes up to `max` buffered bytes into the memory `iovs` name,
+    /// advancing them past what was written; returns how many.
+    fn drain_into(&mut self, iovs: &mut [libc::iovec], max: u64) -> usize {
+        let n = (self.len() as u64).min(max) as usize;
+        fdio::copy_into(iovs, &self.bytes[self.start..self.start + n]);
+        self.start += n;
+        n
+    }
+
+    /// Fills `dst` from the buffer, then from the socket.
+    async fn read_exact(
+        &mut self,
+        conn: &mut Conn,
+        dst: &mut [u8],
+        poll: PollPolicy,
+    ) -> Result<(), IoFail> {
+        let got = self.drain(dst);
+        if got < dst.len() {
+            let rest = &mut dst[got..];
+            let mut v = [iov(rest.as_mut_ptr() as u64, rest.len() as u64)];
+            fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None).await?;
+        }
+        Ok(())
+    }
+}
+
 fn reject(opcode: u8, req_id: u64, reason: RejectReason, detail: u32) -> Header {
     Header {
         opcode,
@@ -385,32 +476,34 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
     // WRITE frames that landed in full right before the current frame.
     let mut landed_run: u32 = 0;
     let mut answers = Answers::default();
+    let mut inbuf = InBuf::new();
     loop {
         let run_before = std::mem::take(&mut landed_run);
-        let mut got = 0;
-        if !answers.is_empty() && !answers.is_full() {
+        if answers.is_full() {
+            answers.flush(conn).await?;
+        }
+        if inbuf.len() < hb.len() && !answers.is_empty() {
             // Another request already here is read first; otherwise the
             // tasks the delivered requests woke run once, then the answers go.
-            got = match fdio::recv_now(fd, &mut hb) {
-                Ok(Some(n)) => n,
-                Ok(None) => {
-                    futures_lite::future::yield_now().await;
-                    0
-                }
+            match inbuf.try_fill(fd) {
+                Ok(true) => {}
+                Ok(false) => futures_lite::future::yield_now().await,
                 // A close between frames is the normal end of a connection.
-                Err(IoFail::Closed) => return Ok(()),
-                Err(e) => return Err(conv("reading a header")(e)),
-            };
-        }
-        if got < hb.len() {
-            answers.flush(conn).await?;
-            let mut v = [iov(hb[got..].as_mut_ptr() as u64, (hb.len() - got) as u64)];
-            match fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None).await {
-                Ok(()) => {}
-                Err(IoFail::Closed) if got == 0 => return Ok(()),
+                Err(IoFail::Closed) if inbuf.len() == 0 => return Ok(()),
                 Err(e) => return Err(conv("reading a header")(e)),
             }
         }
+        if inbuf.len() < hb.len() {
+            answers.flush(conn).await?;
+            while inbuf.len() < hb.len() {
+                match inbuf.fill(conn, poll).await {
+                    Ok(()) => {}
+                    Err(IoFail::Closed) if inbuf.len() == 0 => return Ok(()),
+                    Err(e) => return Err(conv("reading a header")(e)),
+                }
+            }
+        }
+        inbuf.drain(&mut hb);
         let h = match Header::decode(&hb) {
             Ok(h) if h.status == wire::STATUS_OK => h,
             Ok(h) => {
@@ -447,8 +540,8 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 }
                 // Bounded by MAX_NOTIFY_BYTES; never registered memory.
                 scratch.resize(h.payload_len as usize, 0);
-                let mut v = [iov(scratch.as_mut_ptr() as u64, scratch.len() as u64)];
-                fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None)
+                inbuf
+                    .read_exact(conn, &mut scratch, poll)
                     .await
                     .map_err(conv("reading a notification"))?;
                 // A conditional notification says what its sender learns
@@ -488,8 +581,8 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
         }
         // The table is bounded by MAX_FRAME_DESCS entries (64 KiB).
         table.resize(h.count as usize * wire::ENTRY_LEN, 0);
-        let mut v = [iov(table.as_mut_ptr() as u64, table.len() as u64)];
-        fdio::recv_exact(&mut conn.rd, fd, &mut v, poll, None)
+        inbuf
+            .read_exact(conn, &mut table, poll)
             .await
             .map_err(conv("reading a descriptor table"))?;
         ranges.clear();
@@ -525,9 +618,17 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 // registered memory and keep serving this connection.
                 if op == Op::Write {
                     scratch.resize(64 << 10, 0);
-                    fdio::discard(&mut conn.rd, fd, h.payload_len, &mut scratch, poll)
-                        .await
-                        .map_err(conv("discarding a rejected payload"))?;
+                    let buffered = (inbuf.len() as u64).min(h.payload_len);
+                    inbuf.start += buffered as usize;
+                    fdio::discard(
+                        &mut conn.rd,
+                        fd,
+                        h.payload_len - buffered,
+                        &mut scratch,
+                        poll,
+                    )
+                    .await
+                    .map_err(conv("discarding a rejected payload"))?;
                 }
                 let reason = match fault {
                     registry::RangeFault::Empty => RejectReason::EmptyDescriptor,
@@ -545,6 +646,14 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 let fence = target.fence.borrow().clone();
                 let guard = Guard::new(fence.as_deref());
                 let allowed = || guard.check(ranges.iter().copied());
+                // What came along with the header goes in first, under the
+                // fence like any read into these ranges.
+                if inbuf.len() > 0 {
+                    if !allowed() {
+                        return Err(conv("receiving a payload")(IoFail::Fenced));
+                    }
+                    inbuf.drain_into(&mut iovs, h.payload_len);
+                }
                 // The payload follows its header at once or streams in at
                 // bulk pace; either way spinning buys nothing, and on shared
                 // cores it slows the sender, so payloads always park. A
