@@ -1493,6 +1493,15 @@ impl LocalExecutor {
                         // test again here. We can't test *just* here because the main
                         // future is probably the one setting up the task queues and etc.
                         break t.unwrap();
+                    } else if spin_before_park.is_zero() {
+                        // kvferry patch: no spinning, so park at once. A park
+                        // looks for ready work before it sleeps, like the
+                        // poll upstream makes first, and it submits the
+                        // main ring's new requests together with its sleep
+                        // (the poll would submit them on their own).
+                        this.parker
+                            .park()
+                            .expect("Failed to park! This is actually pretty bad!");
                     } else {
                         while !this.reactor.spin_poll_io().unwrap() {
                             if pre_time.elapsed() > spin_before_park {

@@ -1050,12 +1050,24 @@ impl SleepableRing {
         self.ring.raw().features & crate::uring_sys::IORING_FEAT_EXT_ARG != 0
     }
 
+    /// kvferry patch: moves queued requests into the SQ ring without
+    /// submitting them (unless it is full); `sleep` submits them.
+    fn prepare_submissions(&mut self) -> io::Result<usize> {
+        let q = self.submission_queue();
+        let mut queue = q.borrow_mut();
+        self.consume_sqe_queue(&mut queue.submissions, false)
+    }
+
+    /// kvferry patch: `can_sleep` for a ring whose prepared requests the
+    /// sleep itself submits.
+    fn can_sleep_holding(&self) -> bool {
+        self.submission_queue.borrow().is_empty() && self.waiting_kernel_collection() == 0
+    }
+
     fn sleep(&mut self, link: &Source, timeout: Option<Duration>) -> io::Result<usize> {
-        assert_eq!(
-            self.waiting_kernel_submission(),
-            0,
-            "sleeping with pending SQEs"
-        );
+        // kvferry patch: requests held by `prepare_submissions` go in with
+        // the link (upstream asserts there are none).
+        let held = self.waiting_kernel_submission();
         if let Some(mut sqe) = self.ring.sq().prepare_sqe() {
             let sqe_ptr = unsafe { sqe.raw_mut() as *mut _ };
             let op = UringDescriptor {
@@ -1116,7 +1128,7 @@ impl SleepableRing {
             .or_else(Reactor::again_ok)
             .or_else(Reactor::intr_ok)?;
             self.in_kernel += submitted;
-            if submitted != 1 {
+            if submitted != held + 1 {
                 // We failed to submit the `SQE` that links the rings. Just can't sleep.
                 // Waiting here is unsafe because we could end up waiting much longer than
                 // needed.
@@ -1913,10 +1925,23 @@ impl Reactor {
 
         // This will only dispatch if we run out of sqes. Which means until
         // flush_rings! nothing is really send to the kernel...
+        //
+        // kvferry patch: a call that may sleep (no preemption timer asked
+        // for) holds the main ring's new requests in its SQ ring, unless
+        // cancellations are queued there too: the sleep submits them with
+        // the ring link in one `io_uring_enter`, and any other way out of
+        // this function submits them below.
+        let hold_main = preempt_timer().is_none()
+            && main_ring.submission_queue().borrow().cancellations.is_empty();
         flush_cancellations!(into &mut woke; lat_ring, poll_ring, main_ring);
         // ... which happens right here. If you ever reorder this code just
         // be careful about this dependency.
-        flush_rings!(lat_ring, poll_ring, main_ring)?;
+        flush_rings!(lat_ring, poll_ring)?;
+        if hold_main {
+            main_ring.prepare_submissions()?;
+        } else {
+            flush_rings!(main_ring)?;
+        }
         // pick up the results of any cancellations
         consume_rings!(into &mut woke; lat_ring, poll_ring, main_ring);
 
@@ -1924,7 +1949,11 @@ impl Reactor {
         let should_sleep = preempt_timer().is_none()
             && (woke == 0)
             && poll_ring.can_sleep()
-            && main_ring.can_sleep()
+            && (if hold_main {
+                main_ring.can_sleep_holding()
+            } else {
+                main_ring.can_sleep()
+            })
             && lat_ring.can_sleep();
 
         if should_sleep {
@@ -1976,6 +2005,10 @@ impl Reactor {
                 self.notifier.wake_up();
             }
         }
+
+        // kvferry patch: submits what `hold_main` held if this call did not
+        // sleep (a sleep submitted it).
+        flush_rings!(main_ring)?;
 
         if let Some(preempt) = preempt_timer() {
             match keep {
