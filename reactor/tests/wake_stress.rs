@@ -106,3 +106,49 @@ fn a_sleeping_executor_wakes_for_its_timers() {
     // Generous for shared cores; a timer that never armed would hang above.
     assert!(late < Duration::from_secs(1), "a timer fired {late:?} late");
 }
+
+/// A busy stretch that begins right after a wake-up, when the patched
+/// glommio runs without a preemption timer for a while, still yields to
+/// the reactor after that while: a timer due meanwhile fires long before
+/// the busy task ends.
+#[test]
+fn a_busy_run_right_after_a_wake_up_still_fires_timers() {
+    const BUSY: Duration = Duration::from_millis(400);
+    let (go_tx, go_rx) = flume::bounded::<()>(1);
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<Duration>();
+    let executor = std::thread::spawn(move || {
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .make()
+            .expect("executor")
+            .run(async move {
+                // Parks here until the message comes: the run below starts
+                // right after a wake-up.
+                go_rx.recv_async().await.expect("test thread alive");
+                let t0 = std::time::Instant::now();
+                let timer = glommio::spawn_local(async move {
+                    glommio::timer::sleep(Duration::from_millis(2)).await;
+                    t0.elapsed()
+                });
+                let busy = glommio::spawn_local(async move {
+                    while t0.elapsed() < BUSY {
+                        futures_lite::future::yield_now().await;
+                    }
+                });
+                let fired = timer.await;
+                busy.await;
+                done_tx.send(fired).expect("test thread alive");
+            })
+    });
+    // Gives the executor time to park (not a synchronisation: the check
+    // below holds either way, this only makes the run start from a sleep).
+    std::thread::sleep(Duration::from_millis(50));
+    go_tx.send(()).expect("executor alive");
+    let fired = done_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the executor never finished");
+    executor.join().expect("executor thread");
+    assert!(
+        fired < BUSY / 2,
+        "a 2 ms timer fired after {fired:?}, behind a busy task"
+    );
+}

@@ -206,7 +206,11 @@ impl Reactor {
 
     #[inline(always)]
     pub(crate) fn need_preempt(&self) -> bool {
-        unsafe { *self.preempt_ptr_head != (*self.preempt_ptr_tail).load(Ordering::Acquire) }
+        // kvferry patch: also when a run that began without a preemption
+        // timer has gone on too long (see `sys::Reactor::wait`).
+        let pending =
+            unsafe { *self.preempt_ptr_head != (*self.preempt_ptr_tail).load(Ordering::Acquire) };
+        pending || self.sys.untimed_run_expired()
     }
 
     pub(crate) fn id(&self) -> usize {

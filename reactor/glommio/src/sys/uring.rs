@@ -1260,7 +1260,8 @@ impl UringCommon for SleepableRing {
 }
 
 /// kvferry patch: how long after waking from a sleep an executor runs
-/// without a preemption timer (see `Reactor::wait`).
+/// without a preemption timer (see `Reactor::wait`); past it,
+/// `need_preempt` says yes, so the next poll arms one.
 const UNTIMED_AFTER_WAKE: Duration = Duration::from_millis(1);
 
 pub(crate) struct Reactor {
@@ -1270,10 +1271,10 @@ pub(crate) struct Reactor {
     poll_ring: RefCell<PollRing>,
 
     latency_preemption_timeout_src: Cell<Option<Source>>,
-    // kvferry patch: when the armed latency timer expires, and when the
-    // executor last woke from a sleep (see `wait`).
+    // kvferry patch: when the armed latency timer expires, and until when
+    // the executor runs without one after waking (see `wait`).
     latency_preemption_deadline: Cell<Option<Instant>>,
-    awake_since: Cell<Option<Instant>>,
+    untimed_until: Cell<Option<Instant>>,
     throughput_preemption_timeout_src: Cell<Option<Source>>,
 
     link_fd: RawFd,
@@ -1406,7 +1407,7 @@ impl Reactor {
             poll_ring: RefCell::new(poll_ring),
             latency_preemption_timeout_src: Cell::new(None),
             latency_preemption_deadline: Cell::new(None),
-            awake_since: Cell::new(None),
+            untimed_until: Cell::new(None),
             throughput_preemption_timeout_src: Cell::new(None),
             blocking_thread,
             link_fd,
@@ -1890,16 +1891,24 @@ impl Reactor {
         // executor polls and carries on). And for `UNTIMED_AFTER_WAKE` after
         // a sleep no preemption timer is armed (an executor woken for a
         // message or two usually handles them and sleeps again, polling a
-        // few times meanwhile; one that stays busy gets its timer on the
-        // first poll after that), so it keeps whatever timer it slept with
-        // until it parks. A timer is never kept across a sleep: an executor
+        // few times meanwhile): it keeps whatever timer it slept with until
+        // it parks. One that stays busy longer is told to yield by
+        // `untimed_run_expired` (checked in `need_preempt`) and gets its
+        // timer at the next poll. A timer is never kept across a sleep: an executor
         // that slept with a timer armed by an earlier call lost wake-ups in
         // `reactor/tests/wake_stress.rs`.
         let now = Instant::now();
-        let untimed = self
-            .awake_since
-            .get()
-            .is_some_and(|at| now.saturating_duration_since(at) < UNTIMED_AFTER_WAKE);
+        let untimed = self.untimed_until.get().is_some_and(|until| now < until);
+        if self.untimed_until.get().is_some() && !untimed {
+            // The untimed stretch ran out, so `need_preempt` has been saying
+            // yes: possibly before any task ran, in which case the executor
+            // parks with tasks ready. Such a park must not sleep; a poll
+            // arms the preemption timer below.
+            self.untimed_until.set(None);
+            if preempt_timer().is_none() {
+                woke += 1;
+            }
+        }
         let keep = match (self.latency_preemption_timeout_src.take(), preempt_timer()) {
             (Some(src), Some(_)) if untimed && src.result().is_none() => Some(src),
             (Some(src), Some(preempt))
@@ -1995,7 +2004,8 @@ impl Reactor {
                 if self.eventfd_src.is_installed().unwrap() {
                     self.link_rings_and_sleep(&mut main_ring, sleep_timeout)
                         .expect("some error");
-                    self.awake_since.set(Some(Instant::now()));
+                    self.untimed_until
+                        .set(Some(Instant::now() + UNTIMED_AFTER_WAKE));
                     // May have new cancellations related to the link ring fd.
                     flush_cancellations!(into &mut 0; lat_ring, poll_ring, main_ring);
                     flush_rings!(lat_ring, poll_ring, main_ring)?;
@@ -2017,6 +2027,7 @@ impl Reactor {
                 }
                 _ if untimed => {}
                 _ => {
+                    self.untimed_until.set(None);
                     self.latency_preemption_timeout_src
                         .set(Some(lat_ring.prepare_latency_preemption_timer(preempt)));
                     self.latency_preemption_deadline
@@ -2034,6 +2045,15 @@ impl Reactor {
         // need_preempt() should be false at this point. As soon as the next event
         // in the preempt ring completes, though, then it will be true.
         Ok(should_sleep)
+    }
+
+    /// kvferry patch: the executor woke from a sleep more than
+    /// `UNTIMED_AFTER_WAKE` ago and still runs without a preemption timer.
+    #[inline]
+    pub(crate) fn untimed_run_expired(&self) -> bool {
+        self.untimed_until
+            .get()
+            .is_some_and(|until| Instant::now() >= until)
     }
 
     pub(crate) fn flush_syscall_thread(&self) -> usize {
