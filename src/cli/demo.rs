@@ -377,21 +377,21 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             .try_recv()
             .map(|(_, t, p)| (true, t, p))
             .or_else(|_| c.prefill_done.try_recv().map(|(_, t, p)| (false, t, p)));
-        let wait = Duration::from_millis(500);
         let event = match ready {
             Ok(e) => Ok(Ok(e)),
-            Err(_) if live.values().any(|l| l.decode_left > 0) => {
-                match c.decode_done.recv_timeout(wait) {
-                    Ok((_, t, p)) => Ok(Ok((true, t, p))),
+            Err(_) => {
+                let is_decode = live.values().any(|l| l.decode_left > 0);
+                let done = if is_decode {
+                    &c.decode_done
+                } else {
+                    &c.prefill_done
+                };
+                match done.recv_timeout(Duration::from_millis(500)) {
+                    Ok((_, t, p)) => Ok(Ok((is_decode, t, p))),
                     Err(flume::RecvTimeoutError::Timeout) => Err(()),
                     Err(flume::RecvTimeoutError::Disconnected) => Ok(Err(())),
                 }
             }
-            Err(_) => match c.prefill_done.recv_timeout(wait) {
-                Ok((_, t, p)) => Ok(Ok((false, t, p))),
-                Err(flume::RecvTimeoutError::Timeout) => Err(()),
-                Err(flume::RecvTimeoutError::Disconnected) => Ok(Err(())),
-            },
         };
         let (is_decode, tid, phase) = match event {
             Ok(Ok(e)) => e,

@@ -277,35 +277,29 @@ pub(crate) fn recv_now(fd: RawFd, buf: &mut [u8]) -> Result<Option<usize>, IoFai
     }
 }
 
-/// Reads what is there (at least one byte, waiting for it) into the one
-/// buffer of `iovs` (a local buffer); returns how many bytes.
+/// Reads what is there (at least one byte, waiting for it) into `buf` (a
+/// local buffer); returns how many bytes.
 pub(crate) async fn recv_some(
     rd: &mut ReadHalf<TcpStream>,
     fd: RawFd,
-    iovs: &mut [libc::iovec; 1],
+    buf: &mut [u8],
     policy: PollPolicy,
 ) -> Result<usize, IoFail> {
-    let mut spin = Spinner::new(policy);
-    let only = iovs[0];
-    // SAFETY: the iovec names a writable local buffer of that length.
-    let buf = unsafe { std::slice::from_raw_parts_mut(only.iov_base.cast::<u8>(), only.iov_len) };
-    loop {
-        if matches!(policy, PollPolicy::Spin { .. }) {
+    if matches!(policy, PollPolicy::Spin { .. }) {
+        let mut spin = Spinner::new(policy);
+        loop {
             match recv_now(fd, buf)? {
                 Some(n) => return Ok(n),
-                None if spin.keep_spinning() => {
-                    futures_lite::future::yield_now().await;
-                    continue;
-                }
-                None => {}
+                None if spin.keep_spinning() => futures_lite::future::yield_now().await,
+                None => break,
             }
         }
-        // glommio tries a non-blocking `recv` itself before it waits.
-        return match rd.read(buf).await {
-            Ok(0) => Err(IoFail::Closed),
-            Ok(n) => Ok(n),
-            Err(e) => Err(IoFail::from_os(e)),
-        };
+    }
+    // glommio tries a non-blocking `recv` itself before it waits.
+    match rd.read(buf).await {
+        Ok(0) => Err(IoFail::Closed),
+        Ok(n) => Ok(n),
+        Err(e) => Err(IoFail::from_os(e)),
     }
 }
 

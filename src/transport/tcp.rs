@@ -409,12 +409,16 @@ impl InBuf {
 
     /// Reads at least one byte, waiting for it.
     async fn fill(&mut self, conn: &mut Conn, poll: PollPolicy) -> Result<(), IoFail> {
-        let fd = conn.fd;
-        let room = self.spare();
-        let mut v = [iov(room.as_mut_ptr() as u64, room.len() as u64)];
-        let n = fdio::recv_some(&mut conn.rd, fd, &mut v, poll).await?;
+        let n = fdio::recv_some(&mut conn.rd, conn.fd, self.spare(), poll).await?;
         self.end += n;
         Ok(())
+    }
+
+    /// Drops up to `max` buffered bytes; returns how many.
+    fn skip(&mut self, max: u64) -> u64 {
+        let n = (self.len() as u64).min(max);
+        self.start += n as usize;
+        n
     }
 
     /// Takes up to `dst.len()` buffered bytes into `dst`; returns how many.
@@ -618,8 +622,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 // registered memory and keep serving this connection.
                 if op == Op::Write {
                     scratch.resize(64 << 10, 0);
-                    let buffered = (inbuf.len() as u64).min(h.payload_len);
-                    inbuf.start += buffered as usize;
+                    let buffered = inbuf.skip(h.payload_len);
                     fdio::discard(
                         &mut conn.rd,
                         fd,

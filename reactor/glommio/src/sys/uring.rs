@@ -1275,7 +1275,6 @@ pub(crate) struct Reactor {
     // the executor runs without one after waking (see `wait`).
     latency_preemption_deadline: Cell<Option<Instant>>,
     untimed_until: Cell<Option<Instant>>,
-    throughput_preemption_timeout_src: Cell<Option<Source>>,
 
     link_fd: RawFd,
 
@@ -1408,7 +1407,6 @@ impl Reactor {
             latency_preemption_timeout_src: Cell::new(None),
             latency_preemption_deadline: Cell::new(None),
             untimed_until: Cell::new(None),
-            throughput_preemption_timeout_src: Cell::new(None),
             blocking_thread,
             link_fd,
             notifier,
@@ -1898,8 +1896,9 @@ impl Reactor {
         // that slept with a timer armed by an earlier call lost wake-ups in
         // `reactor/tests/wake_stress.rs`.
         let now = Instant::now();
-        let untimed = self.untimed_until.get().is_some_and(|until| now < until);
-        if self.untimed_until.get().is_some() && !untimed {
+        let untimed_until = self.untimed_until.get();
+        let untimed = untimed_until.is_some_and(|until| now < until);
+        if untimed_until.is_some() && !untimed {
             // The untimed stretch ran out, so `need_preempt` has been saying
             // yes: possibly before any task ran, in which case the executor
             // parks with tasks ready. Such a park must not sleep; a poll
@@ -1930,7 +1929,7 @@ impl Reactor {
         // re-arms it (three SQEs and an `io_uring_enter` on the main ring) on
         // every call, twice per park; it only makes a task queue yield after
         // `ring_depth` completions, and the latency timer bounds every run.
-        drop(self.throughput_preemption_timeout_src.take());
+        // (`prepare_throughput_preemption_timer` is left in place, unused.)
 
         // This will only dispatch if we run out of sqes. Which means until
         // flush_rings! nothing is really send to the kernel...
