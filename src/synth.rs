@@ -672,15 +672,18 @@ impl Cluster {
         use kvferry_machines::common::BlockId;
         let dst: Vec<BlockId> = dst_blocks.iter().map(|&b| BlockId(b)).collect();
         let src: Vec<BlockId> = src_blocks.iter().map(|&b| BlockId(b)).collect();
-        for r in &self.decode {
-            r.node
-                .receiver(transfer, &self.target)?
-                .request_with_prefix(vec![dst.clone()], vec![prefix])?;
-        }
-        for r in &self.prefill {
-            r.node.sender(transfer)?.send(vec![src.clone()], true)?;
-        }
-        Ok(())
+        // Every rank's executor is woken once, after all of them were asked.
+        crate::node::Node::batch(|| {
+            for r in &self.decode {
+                r.node
+                    .receiver(transfer, &self.target)?
+                    .request_with_prefix(vec![dst.clone()], vec![prefix])?;
+            }
+            for r in &self.prefill {
+                r.node.sender(transfer)?.send(vec![src.clone()], true)?;
+            }
+            Ok(())
+        })
     }
 
     /// Waits until every decode rank reported a terminal phase for

@@ -138,3 +138,52 @@ fn the_closing_status_rides_the_last_write_or_falls_back() {
     assert!(ps.data_plane_messages <= 1, "{ps:?}");
     assert!(ps.data_plane_fallbacks >= 1, "{ps:?}");
 }
+
+/// `Node::batch` holds the executors' wake-ups until it returns, but a wait
+/// inside it still sees its own request through: the node's waits release
+/// what the batch held first. An abort with no peer involved is seen only
+/// by the executor, so nothing else could wake it; a transfer through a
+/// live pair inside one batch completes too.
+#[test]
+fn a_wait_inside_a_batch_does_not_hold_its_own_request_back() {
+    let (p, mut p_mem) = node(Role::Prefill, true);
+    let (d, d_mem) = node(Role::Decode, true);
+    let phase = Node::batch(|| {
+        let tx = p.sender(100).unwrap();
+        tx.abort().unwrap();
+        // Well inside every machine timeout (10 s): a held wake-up would
+        // leave the executor asleep past it.
+        tx.wait(Duration::from_secs(3))
+    });
+    assert!(matches!(phase, Phase::Failed(_)), "{phase:?}");
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![p.side_channel_addr()],
+    };
+    for t in 1..=4u64 {
+        let (src, dst) = (t as u32, 8 + t as u32);
+        p_mem[src as usize * BLOCK_LEN..][..BLOCK_LEN].fill(t as u8 ^ 0x5a);
+        let (d_phase, p_phase) = Node::batch(|| {
+            let rx = d.receiver(t, &target).unwrap();
+            rx.request(one(dst)).unwrap();
+            let tx = p.sender(t).unwrap();
+            tx.send(one(src), true).unwrap();
+            (
+                rx.wait(Duration::from_secs(3)),
+                tx.wait(Duration::from_secs(3)),
+            )
+        });
+        assert_eq!(
+            (d_phase, p_phase),
+            (Phase::Success, Phase::Success),
+            "request {t}"
+        );
+        assert!(
+            d_mem[dst as usize * BLOCK_LEN..][..BLOCK_LEN]
+                .iter()
+                .all(|b| *b == t as u8 ^ 0x5a),
+            "request {t}: bytes differ"
+        );
+    }
+    drop((p, d));
+}

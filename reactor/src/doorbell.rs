@@ -15,9 +15,10 @@
 //! into the queue and then swaps `armed`. At least one sees the other, so a
 //! command is never left in the queue of a sleeping executor.
 
+use std::cell::RefCell;
 use std::task::Waker;
 
-use crate::sync::{lock, AtomicBool, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
 /// One executor's doorbell (see the module docs).
 #[derive(Debug, Default)]
@@ -55,5 +56,143 @@ impl Doorbell {
                 waker.wake();
             }
         }
+    }
+}
+
+std::thread_local! {
+    /// Doorbells whose rings this thread holds back (see [`batch`]); `None`
+    /// outside a batch.
+    static HELD: RefCell<Option<Vec<Arc<Doorbell>>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's doorbell rings held back until it returns
+/// (or unwinds), then rings each held doorbell once.
+///
+/// An engine that queues several commands for one executor in a row (a new
+/// machine and its first event, or a step's worth of requests) otherwise
+/// may wake it once per command: on a busy core the woken executor runs at
+/// once, takes the first command, parks, and is woken again for the next.
+/// Batches nest; only the outermost one rings.
+///
+/// Nothing queued inside `f` is seen by a sleeping executor before `f`
+/// returns, so `f` must not wait for an executor to act. Calls that do
+/// (blocking waits in the node API) call [`release_held`] first.
+pub fn batch<R>(f: impl FnOnce() -> R) -> R {
+    struct Release {
+        outermost: bool,
+    }
+    impl Drop for Release {
+        fn drop(&mut self) {
+            if self.outermost {
+                release_held();
+                HELD.with(|h| *h.borrow_mut() = None);
+            }
+        }
+    }
+    let outermost = HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        let outermost = h.is_none();
+        if outermost {
+            *h = Some(Vec::new());
+        }
+        outermost
+    });
+    let _release = Release { outermost };
+    f()
+}
+
+/// Rings the doorbells this thread's enclosing [`batch`] holds back; a
+/// no-op outside a batch. The batch goes on holding later rings.
+pub fn release_held() {
+    let held = HELD.with(|h| h.borrow_mut().as_mut().map(std::mem::take));
+    for doorbell in held.into_iter().flatten() {
+        doorbell.ring();
+    }
+}
+
+/// Rings `doorbell` now, or when this thread's enclosing [`batch`] ends.
+pub fn ring_or_hold(doorbell: &Arc<Doorbell>) {
+    let held = HELD.with(|h| match h.borrow_mut().as_mut() {
+        Some(list) => {
+            if !list.iter().any(|d| Arc::ptr_eq(d, doorbell)) {
+                list.push(Arc::clone(doorbell));
+            }
+            true
+        }
+        None => false,
+    });
+    if !held {
+        doorbell.ring();
+    }
+}
+
+#[cfg(all(test, not(kvferry_loom)))]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::task::Wake;
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn armed() -> (Arc<Doorbell>, std::sync::Arc<Count>) {
+        let count = std::sync::Arc::new(Count(AtomicUsize::new(0)));
+        let bell = Arc::new(Doorbell::new());
+        bell.arm(&Waker::from(count.clone()));
+        (bell, count)
+    }
+
+    fn wakes(c: &Count) -> usize {
+        c.0.load(Ordering::SeqCst)
+    }
+
+    #[test]
+    fn a_batch_rings_each_doorbell_once_when_it_ends() {
+        let (a, ca) = armed();
+        let (b, cb) = armed();
+        batch(|| {
+            ring_or_hold(&a);
+            ring_or_hold(&b);
+            ring_or_hold(&a);
+            // A nested batch ending rings nothing.
+            batch(|| ring_or_hold(&b));
+            assert_eq!((wakes(&ca), wakes(&cb)), (0, 0), "held until the end");
+        });
+        assert_eq!((wakes(&ca), wakes(&cb)), (1, 1));
+        // Outside a batch a ring wakes at once.
+        a.arm(&Waker::from(ca.clone()));
+        ring_or_hold(&a);
+        assert_eq!(wakes(&ca), 2);
+    }
+
+    #[test]
+    fn release_held_rings_inside_a_batch_and_a_panic_still_rings() {
+        let (a, ca) = armed();
+        batch(|| {
+            ring_or_hold(&a);
+            release_held();
+            assert_eq!(wakes(&ca), 1, "released before a wait");
+            a.arm(&Waker::from(ca.clone()));
+            ring_or_hold(&a);
+            assert_eq!(wakes(&ca), 1, "later rings are held again");
+        });
+        assert_eq!(wakes(&ca), 2);
+        a.arm(&Waker::from(ca.clone()));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            batch(|| {
+                ring_or_hold(&a);
+                panic!("engine bug");
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(wakes(&ca), 3, "an unwinding batch still rings");
+        // And the thread is out of the batch afterwards.
+        a.arm(&Waker::from(ca.clone()));
+        ring_or_hold(&a);
+        assert_eq!(wakes(&ca), 4);
     }
 }

@@ -76,7 +76,7 @@ struct Shared<M: Machine> {
     latch: ShutdownLatch,
     mailboxes: Vec<flume::Sender<Command<M>>>,
     /// One per mailbox: rung after every command queued into it.
-    doorbells: Vec<Doorbell>,
+    doorbells: Vec<Arc<Doorbell>>,
     completions_tx: flume::Sender<Completion>,
     completions_rx: flume::Receiver<Completion>,
 }
@@ -90,7 +90,7 @@ impl<M: Machine> Shared<M> {
         command: Command<M>,
     ) -> Result<(), flume::TrySendError<Command<M>>> {
         self.mailboxes[executor].try_send(command)?;
-        self.doorbells[executor].ring();
+        crate::doorbell::ring_or_hold(&self.doorbells[executor]);
         Ok(())
     }
 }
@@ -382,7 +382,7 @@ where
             board: CompletionBoard::new(executors, config.max_machines_per_executor),
             stats: Stats::new(),
             latch: ShutdownLatch::new(),
-            doorbells: (0..executors).map(|_| Doorbell::new()).collect(),
+            doorbells: (0..executors).map(|_| Arc::new(Doorbell::new())).collect(),
             mailboxes,
             completions_tx,
             completions_rx,

@@ -93,7 +93,7 @@ pub mod sync;
 
 pub use board::{BoardError, CompletionBoard};
 pub use config::{ExecutorConfig, PollPolicy, ReactorConfig, ShutdownPolicy};
-pub use doorbell::Doorbell;
+pub use doorbell::{batch, release_held, Doorbell};
 pub use driver::{
     round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome,
     RejectReason,

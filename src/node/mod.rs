@@ -1058,6 +1058,8 @@ impl Node {
         };
         let (tx, rx) = flume::bounded(1);
         let node_id = s.node_id;
+        // Waits for the executor below.
+        kvferry_reactor::release_held();
         self.inner
             .handle
             .spawn_on(move || async move {
@@ -1084,6 +1086,18 @@ impl Node {
             return Err(NodeError::Misuse("register_kv_caches first".into()));
         }
         Ok(())
+    }
+
+    /// Runs `f` and wakes each executor that `f` queued work for once, when
+    /// `f` returns, instead of once per call: for an engine step that
+    /// starts several requests, or a `sender` and its `send` issued
+    /// together. Without it a woken executor on a busy core may run between
+    /// two calls, take the first, park, and be woken again for the second.
+    /// Work queued inside `f` only starts when `f` returns, so `f` must not
+    /// wait for a transfer (the node's own waits, like [`Sender::wait`],
+    /// wake what is held first). Batches nest, on any number of nodes.
+    pub fn batch<R>(f: impl FnOnce() -> R) -> R {
+        kvferry_reactor::batch(f)
     }
 
     /// Prefill: the handle for `transfer_id` (created now, or found if the
@@ -1139,6 +1153,17 @@ impl Node {
     }
 
     fn request(
+        &self,
+        tid: TransferId,
+        target: &PrefillTarget,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+    ) -> Result<(), NodeError> {
+        // The machine and its first event: one wake-up.
+        Node::batch(|| self.request_now(tid, target, dst_blocks, prefix_blocks))
+    }
+
+    fn request_now(
         &self,
         tid: TransferId,
         target: &PrefillTarget,
@@ -1260,7 +1285,13 @@ impl Node {
 
     /// vLLM-style batch call: starts every load (decode) and send (prefill)
     /// of `meta`. Returns the first error; the requests before it started.
+    /// Each executor is woken once for the whole batch (see
+    /// [`Node::batch`]).
     pub fn start_load_kv(&self, meta: &LoadMeta) -> Result<(), NodeError> {
+        Node::batch(|| self.start_load_kv_now(meta))
+    }
+
+    fn start_load_kv_now(&self, meta: &LoadMeta) -> Result<(), NodeError> {
         for l in &meta.loads {
             self.request(
                 TransferId(l.transfer_id),
@@ -1369,6 +1400,8 @@ pub struct LoadMeta {
 /// on the node's condition variable, which the executor signals on every
 /// terminal phase.
 fn wait_terminal(node: &Node, tid: u64, timeout: Duration, before: Phase) -> Phase {
+    // Inside a `Node::batch` what this waits for may not have been woken.
+    kvferry_reactor::release_held();
     let deadline = Instant::now() + timeout;
     let s = &node.inner.shared;
     loop {
