@@ -252,8 +252,9 @@ fn embedded_bootstrap_serves_the_prefill_metrics() {
 
 /// Once a data-plane session to a peer is open, the messages on a request's
 /// critical path (push: D's `Pull` and lease ticket, P's `Status`; pull:
-/// D's `Done`) travel over it instead of ZeroMQ, and every byte still
-/// verifies. Nothing falls back to ZeroMQ on a healthy pair.
+/// D's `Pull` and `Done`, P's `Ready`) travel over it instead of ZeroMQ,
+/// and every byte still verifies. Nothing falls back to ZeroMQ on a
+/// healthy pair.
 #[test]
 fn critical_path_messages_take_the_data_plane() {
     for (mode, p_tp) in [(Mode::Push, 2), (Mode::Pull, 1)] {
@@ -278,12 +279,16 @@ fn critical_path_messages_take_the_data_plane() {
         for (rank, r) in c.prefill.iter().enumerate() {
             let p = r.node.stats();
             assert_eq!(p.data_plane_fallbacks, 0, "{mode:?} P{rank}: {p:?}");
-            if mode == Mode::Push {
-                assert!(
-                    p.data_plane_messages >= later,
-                    "{mode:?} P{rank} Status: {p:?}"
-                );
-            }
+            // Push: a `Status` per request; pull: a `Ready` and the grant
+            // answering the lease ticket that rode D's `Pull`.
+            let per_request = match mode {
+                Mode::Push => 1,
+                Mode::Pull => 2,
+            };
+            assert!(
+                p.data_plane_messages >= later * per_request,
+                "{mode:?} P{rank}: {p:?}"
+            );
         }
         assert_eq!(d.data_plane_fallbacks, 0, "{mode:?} D: {d:?}");
         let per_request = match mode {
