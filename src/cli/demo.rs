@@ -555,5 +555,19 @@ pub fn print_report(r: &DemoReport, json: bool) {
         if let (Some(p50), Some(p99)) = (r.zmq_rtt_two_ctx_p50_ms, r.zmq_rtt_two_ctx_p99_ms) {
             println!("bare ZeroMQ 256 B round trip, two contexts: p50 {p50:.3} ms p99 {p99:.3} ms");
         }
+        // The yardstick of issue 4: request p50 in bare round trips.
+        let ratios: Vec<String> = [
+            ("two contexts", r.zmq_rtt_two_ctx_p50_ms),
+            ("one context", r.zmq_rtt_p50_ms),
+        ]
+        .iter()
+        .filter_map(|(name, rtt)| {
+            rtt.filter(|v| *v > 0.0)
+                .map(|v| format!("{:.2} ({name})", r.p50_ms / v))
+        })
+        .collect();
+        if !ratios.is_empty() {
+            println!("request p50 in bare round trips: {}", ratios.join(", "));
+        }
     }
 }
