@@ -173,7 +173,8 @@ pub struct NodeConfig {
     /// the ZeroMQ threads on the same cores. Spin only with cores to spare.
     pub tcp_poll: crate::transport::PollPolicy,
     /// Send the messages on a request's critical path (push: decode's
-    /// `Pull` and lease ticket, prefill's `Status`; pull: decode's `Done`)
+    /// `Pull` and lease ticket, prefill's `Status`; pull: decode's `Pull`
+    /// and `Done`, prefill's `Ready`)
     /// over the tcp data-plane session to that peer instead of ZeroMQ once
     /// a session is open, and take such messages from peers. On loopback
     /// this cuts a small request's latency by about a third (five thread
