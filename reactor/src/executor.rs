@@ -428,6 +428,7 @@ where
                 local_event_capacity: config.local_event_capacity,
                 mailbox_capacity: config.mailbox_capacity,
                 timer_tick: config.timer_tick,
+                yield_after_ends_below: config.yield_after_ends_below,
             };
             match builder.spawn(move || run_loop(state)) {
                 Ok(join) => {
@@ -545,12 +546,15 @@ struct LoopState<M: Machine, F> {
     local_event_capacity: usize,
     mailbox_capacity: usize,
     timer_tick: Duration,
+    yield_after_ends_below: usize,
 }
 
 /// Forwards to the node's sink and mirrors phase changes onto the board.
 struct BoardSink<'a, S> {
     inner: &'a mut S,
     board: &'a CompletionBoard,
+    /// Terminal phases reported this turn.
+    ended: usize,
 }
 
 impl<M: Machine, S: ActionSink<M>> ActionSink<M> for BoardSink<'_, S> {
@@ -559,6 +563,9 @@ impl<M: Machine, S: ActionSink<M>> ActionSink<M> for BoardSink<'_, S> {
     }
 
     fn on_phase(&mut self, transfer_id: TransferId, phase: Phase, now: Instant) {
+        if phase.is_terminal() {
+            self.ended += 1;
+        }
         self.board.publish(transfer_id, phase);
         self.inner.on_phase(transfer_id, phase, now);
     }
@@ -608,6 +615,7 @@ where
         local_event_capacity,
         mailbox_capacity,
         timer_tick,
+        yield_after_ends_below,
     } = state;
     let (local_tx, local_rx) = flume::bounded::<(TransferId, M::Event)>(local_event_capacity);
     let mut user_sink = make_sink(ExecutorContext {
@@ -692,6 +700,7 @@ where
         let mut sink = BoardSink {
             inner: &mut user_sink,
             board: &shared.board,
+            ended: 0,
         };
         let mut run = Turn {
             driver: &mut driver,
@@ -777,7 +786,23 @@ where
                 }
             }
         }
+        // Decided and counted before the completions go out, so whoever
+        // collects one sees the count.
+        let give_way = sink.ended > 0 && driver.len() < yield_after_ends_below;
+        if give_way {
+            shared.stats.add_yield_after_ends();
+        }
         flush_completions(&mut driver, &shared);
+        if give_way {
+            // Engine threads waiting for these requests were woken, and on
+            // a shared core the kernel lets us run on first: through the
+            // answers and acknowledgements our other tasks send next, and
+            // often through the peer those wake as well. Give the core away
+            // once so the engine hears of its requests first. Only with few
+            // requests live: with many, the engine is busy feeding us rather
+            // than waiting, and a yield per turn only adds context switches.
+            std::thread::yield_now();
+        }
         let stopping = !matches!(stage, Stage::Running);
         if stopping && driver.is_empty() && !driver.has_pending() {
             break;

@@ -23,6 +23,7 @@ pub struct Stats {
     input_errors: AtomicU64,
     timer_wakes: AtomicU64,
     max_timer_lag_ns: AtomicU64,
+    yields_after_ends: AtomicU64,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -50,6 +51,9 @@ pub struct StatsSnapshot {
     /// Worst observed delay between the instant a deadline timer was armed
     /// for and the instant the executor actually ran it, in nanoseconds.
     pub max_timer_lag_ns: u64,
+    /// Times an executor gave its core away after requests ended (see
+    /// `ReactorConfig::yield_after_ends_below`).
+    pub yields_after_ends: u64,
 }
 
 impl Stats {
@@ -102,6 +106,11 @@ impl Stats {
         self.max_timer_lag_ns.fetch_max(lag_ns, Ordering::Relaxed);
     }
 
+    /// Counts one yield of the core after requests ended.
+    pub fn add_yield_after_ends(&self) {
+        self.yields_after_ends.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Reads every counter.
     pub fn snapshot(&self) -> StatsSnapshot {
         // `finished` first, with Acquire: see the type docs.
@@ -116,6 +125,7 @@ impl Stats {
             input_errors: self.input_errors.load(Ordering::Relaxed),
             timer_wakes: self.timer_wakes.load(Ordering::Relaxed),
             max_timer_lag_ns: self.max_timer_lag_ns.load(Ordering::Relaxed),
+            yields_after_ends: self.yields_after_ends.load(Ordering::Relaxed),
         }
     }
 }

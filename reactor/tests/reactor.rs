@@ -468,3 +468,34 @@ fn handles_cross_threads() {
     assert_eq!(done.transfer_id, TransferId(1));
     shut(reactor);
 }
+
+/// An executor gives its core away after a turn in which requests ended
+/// only while fewer than `yield_after_ends_below` are left live, and never
+/// by default.
+#[test]
+fn an_executor_yields_after_ends_only_when_few_requests_are_live() {
+    for (below, expected) in [(3usize, vec![0u64, 0, 1, 2, 3]), (0, vec![0, 0, 0, 0, 0])] {
+        let reactor = start(ReactorConfig {
+            yield_after_ends_below: below,
+            ..one_executor()
+        });
+        let handle = reactor.handle();
+        for t in 1..=5u64 {
+            handle
+                .create(0, TransferId(t), TestMachine::new(None))
+                .unwrap();
+        }
+        let mut seen = Vec::new();
+        for t in 1..=5u64 {
+            handle
+                .send_event(TransferId(t), TestEvent::Succeed)
+                .unwrap();
+            // One request ends per turn; counted before its completion goes
+            // out. Live after it: 4, 3, 2, 1, 0.
+            assert_eq!(recv(&handle).transfer_id, TransferId(t));
+            seen.push(handle.stats().yields_after_ends);
+        }
+        assert_eq!(seen, expected, "below {below}");
+        shut(reactor);
+    }
+}

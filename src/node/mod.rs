@@ -208,12 +208,24 @@ pub struct RemoteRequest {
     pub blocks_per_group: Vec<u32>,
 }
 
+/// A decode node's [`ReactorConfig::yield_after_ends_below`]: the engine
+/// hears first of requests that end while few are in flight (measured with
+/// the demo: one at a time 0.12 → 0.095 ms at p50 on one core; 256 in flight
+/// unchanged, where a yield per turn cost 12 % of the throughput).
+pub const DECODE_YIELD_BELOW: usize = 8;
+
 impl NodeConfig {
     /// Defaults for one rank (TP 1, push mode, TCP on loopback, ephemeral ports).
     pub fn new(role: Role, engine_id: impl Into<String>) -> NodeConfig {
         let reactor = ReactorConfig {
             mailbox_capacity: 65_536,
             max_machines_per_executor: 65_536,
+            // A decode engine waits for its requests to end (the KV is
+            // there); a prefill engine only gets its blocks back.
+            yield_after_ends_below: match role {
+                Role::Decode => DECODE_YIELD_BELOW,
+                Role::Prefill => 0,
+            },
             ..ReactorConfig::default()
         };
         NodeConfig {

@@ -938,6 +938,9 @@ struct NoteRouter<M: NodeMachine> {
     deferred: RefCell<Deferred>,
 }
 
+/// Most messages waiting a turn in [`Deferred`] per executor.
+const MAX_DEFERRED_NOTES: usize = 1024;
+
 /// Messages waiting for the executor's mailbox to be taken once.
 #[derive(Default)]
 struct Deferred {
@@ -963,6 +966,14 @@ impl<M: NodeMachine + 'static> NoteRouter<M> {
         let waits = over_data_plane(&msg) && !self.is_live(tid);
         if d.queue.is_empty() && !waits {
             drop(d);
+            self.deliver(peer, tid, msg);
+            return;
+        }
+        if d.queue.len() >= MAX_DEFERRED_NOTES {
+            // A flood (a peer naming transfers nobody holds) waits no turn:
+            // what waits goes now, in order, and this one behind it.
+            drop(d);
+            self.drain();
             self.deliver(peer, tid, msg);
             return;
         }
