@@ -187,3 +187,48 @@ fn a_wait_inside_a_batch_does_not_hold_its_own_request_back() {
     }
     drop((p, d));
 }
+
+/// Inside `Node::batch`, the node's calls that need an executor to act
+/// still get it: registering memory (which waits for the executor) and an
+/// engine polling `phase` in a loop until its request ends.
+#[test]
+fn registration_and_polling_inside_a_batch_make_progress() {
+    let mut c = NodeConfig::new(Role::Prefill, "e");
+    c.timeouts = Config {
+        bootstrap_timeout: Duration::from_secs(10),
+        waiting_timeout: Duration::from_secs(10),
+        heartbeat_interval: Duration::from_millis(100),
+        ..Config::default()
+    };
+    let p = Node::start(c).expect("node starts");
+    let mut mem = vec![0u8; BLOCKS as usize * BLOCK_LEN].into_boxed_slice();
+    let layout = KvLayout {
+        model: MODEL,
+        num_blocks: BLOCKS,
+        regions: vec![Region {
+            base: mem.as_mut_ptr() as u64,
+            block_len: BLOCK_LEN as u64,
+            kv_block_len: BLOCK_LEN as u64,
+        }],
+    };
+    let started = std::time::Instant::now();
+    // SAFETY: `mem` outlives the node (the node is dropped first below).
+    let registered = Node::batch(|| unsafe { p.register_kv_caches(layout) });
+    assert!(registered.is_ok(), "{registered:?}");
+    // An abort is seen by the executor only; poll until it shows, well
+    // inside the machine's timeouts.
+    let phase = Node::batch(|| {
+        let tx = p.sender(7).unwrap();
+        tx.abort().unwrap();
+        loop {
+            let phase = tx.poll();
+            if phase.is_terminal() || started.elapsed() > Duration::from_secs(5) {
+                return phase;
+            }
+            std::thread::yield_now();
+        }
+    });
+    assert!(matches!(phase, Phase::Failed(_)), "{phase:?}");
+    drop(p);
+    drop(mem);
+}

@@ -1071,14 +1071,15 @@ impl Node {
         };
         let (tx, rx) = flume::bounded(1);
         let node_id = s.node_id;
-        // Waits for the executor below.
-        kvferry_reactor::release_held();
         self.inner
             .handle
             .spawn_on(move || async move {
                 let _ = tx.send(sink::register_regions(node_id, &kv));
             })
             .map_err(NodeError::from)?;
+        // Waits for the executor: inside a `Node::batch` the ring of the
+        // spawn just queued would otherwise wait for the batch's end.
+        kvferry_reactor::release_held();
         rx.recv_timeout(Duration::from_secs(10))
             .map_err(|_| NodeError::Timeout("memory registration"))?
             .map_err(NodeError::Transport)?;
@@ -1107,8 +1108,10 @@ impl Node {
     /// together. Without it a woken executor on a busy core may run between
     /// two calls, take the first, park, and be woken again for the second.
     /// Work queued inside `f` only starts when `f` returns, so `f` must not
-    /// wait for a transfer (the node's own waits, like [`Sender::wait`],
-    /// wake what is held first). Batches nest, on any number of nodes.
+    /// wait for a transfer by other means than the node's own calls: its
+    /// waits ([`Sender::wait`]), polls ([`Node::phase`], the handles'
+    /// `poll`, [`Node::get_finished`]) and `register_kv_caches` wake what
+    /// is held first. Batches nest, on any number of nodes.
     pub fn batch<R>(f: impl FnOnce() -> R) -> R {
         kvferry_reactor::batch(f)
     }
@@ -1253,6 +1256,9 @@ impl Node {
     /// Latest phase of a transfer: live from the executor, or the final
     /// phase once it finished (kept for a bounded number of transfers).
     pub fn phase(&self, transfer_id: u64) -> Option<Phase> {
+        // An engine polling in a loop inside a `Node::batch` must not
+        // starve what it polls for.
+        kvferry_reactor::release_held();
         let tid = TransferId(transfer_id);
         if let Some(p) = self.inner.handle.poll(tid) {
             return Some(p);
@@ -1325,6 +1331,8 @@ impl Node {
     /// by role). Every terminal outcome counts; failed loads also appear
     /// in [`Node::block_ids_with_load_errors`].
     pub fn get_finished(&self) -> (Vec<u64>, Vec<u64>) {
+        // As in `phase`: a polling loop inside a batch still makes progress.
+        kvferry_reactor::release_held();
         self.collect();
         let ids: Vec<u64> = {
             let mut r = self
