@@ -18,7 +18,7 @@ const MODEL: ModelSpec = ModelSpec {
 const BLOCKS: u64 = 16;
 const BLOCK_LEN: usize = 64;
 
-fn node(role: Role, data_plane_messages: bool) -> (Node, Box<[u8]>) {
+fn start(role: Role, data_plane_messages: bool) -> Node {
     let mut c = NodeConfig::new(role, "e");
     c.data_plane_messages = data_plane_messages;
     c.timeouts = Config {
@@ -27,7 +27,11 @@ fn node(role: Role, data_plane_messages: bool) -> (Node, Box<[u8]>) {
         heartbeat_interval: Duration::from_millis(100),
         ..Config::default()
     };
-    let node = Node::start(c).expect("node starts");
+    Node::start(c).expect("node starts")
+}
+
+/// The node's KV memory: `BLOCKS` blocks, and the layout naming it.
+fn kv_memory() -> (Box<[u8]>, KvLayout) {
     let mut mem = vec![0u8; BLOCKS as usize * BLOCK_LEN].into_boxed_slice();
     let layout = KvLayout {
         model: MODEL,
@@ -38,6 +42,12 @@ fn node(role: Role, data_plane_messages: bool) -> (Node, Box<[u8]>) {
             kv_block_len: BLOCK_LEN as u64,
         }],
     };
+    (mem, layout)
+}
+
+fn node(role: Role, data_plane_messages: bool) -> (Node, Box<[u8]>) {
+    let node = start(role, data_plane_messages);
+    let (mem, layout) = kv_memory();
     // SAFETY: `mem` is dropped after the node in every test (declared
     // later in the returned tuple's owner, and the node is shut down first).
     unsafe { node.register_kv_caches(layout).expect("register") };
@@ -193,24 +203,8 @@ fn a_wait_inside_a_batch_does_not_hold_its_own_request_back() {
 /// engine polling `phase` in a loop until its request ends.
 #[test]
 fn registration_and_polling_inside_a_batch_make_progress() {
-    let mut c = NodeConfig::new(Role::Prefill, "e");
-    c.timeouts = Config {
-        bootstrap_timeout: Duration::from_secs(10),
-        waiting_timeout: Duration::from_secs(10),
-        heartbeat_interval: Duration::from_millis(100),
-        ..Config::default()
-    };
-    let p = Node::start(c).expect("node starts");
-    let mut mem = vec![0u8; BLOCKS as usize * BLOCK_LEN].into_boxed_slice();
-    let layout = KvLayout {
-        model: MODEL,
-        num_blocks: BLOCKS,
-        regions: vec![Region {
-            base: mem.as_mut_ptr() as u64,
-            block_len: BLOCK_LEN as u64,
-            kv_block_len: BLOCK_LEN as u64,
-        }],
-    };
+    let p = start(Role::Prefill, true);
+    let (mem, layout) = kv_memory();
     let started = std::time::Instant::now();
     // SAFETY: `mem` outlives the node (the node is dropped first below).
     let registered = Node::batch(|| unsafe { p.register_kv_caches(layout) });
