@@ -9,7 +9,22 @@
 
 #![cfg(not(kvferry_loom))]
 
+use std::future::Future;
 use std::time::Duration;
+
+/// Runs the future `make` builds on a glommio executor of its own thread.
+fn on_executor<T, Fut>(make: impl FnOnce() -> Fut + Send + 'static) -> std::thread::JoinHandle<T>
+where
+    T: Send + 'static,
+    Fut: Future<Output = T> + 'static,
+{
+    std::thread::spawn(move || {
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .make()
+            .expect("executor")
+            .run(make())
+    })
+}
 
 /// Round trips between this thread and an executor that parks in between
 /// (every third one after a short pause, so it is asleep when woken). With
@@ -19,22 +34,16 @@ use std::time::Duration;
 fn round_trips(n: u64, pause_every: u64, far_timer: bool) -> Duration {
     let (to_ex, ex_rx) = flume::bounded::<u64>(1);
     let (to_main, main_rx) = std::sync::mpsc::channel::<u64>();
-    let executor = std::thread::spawn(move || {
-        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-            .make()
-            .expect("executor")
-            .run(async move {
-                // Dropping the task at the end cancels it.
-                let far = far_timer.then(|| {
-                    glommio::spawn_local(glommio::timer::sleep(Duration::from_secs(3600)))
-                });
-                while let Ok(x) = ex_rx.recv_async().await {
-                    if to_main.send(x).is_err() {
-                        break;
-                    }
-                }
-                drop(far);
-            })
+    let executor = on_executor(move || async move {
+        // Dropping the task at the end cancels it.
+        let far = far_timer
+            .then(|| glommio::spawn_local(glommio::timer::sleep(Duration::from_secs(3600))));
+        while let Ok(x) = ex_rx.recv_async().await {
+            if to_main.send(x).is_err() {
+                break;
+            }
+        }
+        drop(far);
     });
     let mut worst = Duration::ZERO;
     for i in 0..n {
@@ -83,21 +92,16 @@ fn no_wake_up_is_lost_by_an_executor_parking_with_a_timer() {
 #[test]
 fn a_sleeping_executor_wakes_for_its_timers() {
     let (done_tx, done_rx) = std::sync::mpsc::channel::<Duration>();
-    let executor = std::thread::spawn(move || {
-        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-            .make()
-            .expect("executor")
-            .run(async move {
-                let mut late = Duration::ZERO;
-                for _ in 0..200 {
-                    let t = std::time::Instant::now();
-                    glommio::timer::sleep(Duration::from_millis(2)).await;
-                    let slept = t.elapsed();
-                    assert!(slept >= Duration::from_millis(2), "woke early: {slept:?}");
-                    late = late.max(slept - Duration::from_millis(2));
-                }
-                done_tx.send(late).expect("test thread alive");
-            })
+    let executor = on_executor(move || async move {
+        let mut late = Duration::ZERO;
+        for _ in 0..200 {
+            let t = std::time::Instant::now();
+            glommio::timer::sleep(Duration::from_millis(2)).await;
+            let slept = t.elapsed();
+            assert!(slept >= Duration::from_millis(2), "woke early: {slept:?}");
+            late = late.max(slept - Duration::from_millis(2));
+        }
+        done_tx.send(late).expect("test thread alive");
     });
     let late = done_rx
         .recv_timeout(Duration::from_secs(20))
@@ -116,28 +120,23 @@ fn a_busy_run_right_after_a_wake_up_still_fires_timers() {
     const BUSY: Duration = Duration::from_millis(400);
     let (go_tx, go_rx) = flume::bounded::<()>(1);
     let (done_tx, done_rx) = std::sync::mpsc::channel::<Duration>();
-    let executor = std::thread::spawn(move || {
-        glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
-            .make()
-            .expect("executor")
-            .run(async move {
-                // Parks here until the message comes: the run below starts
-                // right after a wake-up.
-                go_rx.recv_async().await.expect("test thread alive");
-                let t0 = std::time::Instant::now();
-                let timer = glommio::spawn_local(async move {
-                    glommio::timer::sleep(Duration::from_millis(2)).await;
-                    t0.elapsed()
-                });
-                let busy = glommio::spawn_local(async move {
-                    while t0.elapsed() < BUSY {
-                        futures_lite::future::yield_now().await;
-                    }
-                });
-                let fired = timer.await;
-                busy.await;
-                done_tx.send(fired).expect("test thread alive");
-            })
+    let executor = on_executor(move || async move {
+        // Parks here until the message comes: the run below starts right
+        // after a wake-up.
+        go_rx.recv_async().await.expect("test thread alive");
+        let t0 = std::time::Instant::now();
+        let timer = glommio::spawn_local(async move {
+            glommio::timer::sleep(Duration::from_millis(2)).await;
+            t0.elapsed()
+        });
+        let busy = glommio::spawn_local(async move {
+            while t0.elapsed() < BUSY {
+                futures_lite::future::yield_now().await;
+            }
+        });
+        let fired = timer.await;
+        busy.await;
+        done_tx.send(fired).expect("test thread alive");
     });
     // Gives the executor time to park (not a synchronisation: the check
     // below holds either way, this only makes the run start from a sleep).
