@@ -75,8 +75,10 @@ std::thread_local! {
 /// Batches nest; only the outermost one rings.
 ///
 /// Nothing queued inside `f` is seen by a sleeping executor before `f`
-/// returns, so `f` must not wait for an executor to act. Calls that do
-/// (blocking waits in the node API) call [`release_held`] first.
+/// returns, so `f` must not wait for an executor to act by other means than
+/// the reactor handle's reads (`poll`, `get_finished`, `recv_finished`),
+/// which call [`release_held`] first, as must any other wait built on
+/// executors' work (the node's memory registration).
 pub fn batch<R>(f: impl FnOnce() -> R) -> R {
     struct Release {
         outermost: bool,

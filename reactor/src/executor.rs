@@ -293,12 +293,16 @@ where
     /// Latest phase of a transfer, without a round trip to its executor.
     /// `None` once its completion was collected (or if it never existed).
     pub fn poll(&self, transfer_id: TransferId) -> Option<Phase> {
+        // A caller polling in a loop inside a `batch` must not starve what
+        // it polls for; so for every call that reads what executors did.
+        crate::doorbell::release_held();
         self.shared.board.phase(transfer_id)
     }
 
     /// Collects up to `max` completions without waiting. Each transfer
     /// leaves the board as its completion is collected.
     pub fn get_finished(&self, max: usize) -> Vec<Completion> {
+        crate::doorbell::release_held();
         let mut out = Vec::new();
         // Bounded by `max`.
         while out.len() < max {
@@ -315,6 +319,7 @@ where
 
     /// Waits up to `timeout` for one completion.
     pub fn recv_finished(&self, timeout: Duration) -> Option<Completion> {
+        crate::doorbell::release_held();
         let completion = self.shared.completions_rx.recv_timeout(timeout).ok()?;
         self.shared.board.remove(completion.transfer_id);
         Some(completion)

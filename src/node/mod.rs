@@ -1110,8 +1110,9 @@ impl Node {
     /// Work queued inside `f` only starts when `f` returns, so `f` must not
     /// wait for a transfer by other means than the node's own calls: its
     /// waits ([`Sender::wait`]), polls ([`Node::phase`], the handles'
-    /// `poll`, [`Node::get_finished`]) and `register_kv_caches` wake what
-    /// is held first. Batches nest, on any number of nodes.
+    /// `poll`, [`Node::get_finished`], all reading through the reactor
+    /// handle, which wakes what is held first) and `register_kv_caches`.
+    /// Batches nest, on any number of nodes.
     pub fn batch<R>(f: impl FnOnce() -> R) -> R {
         kvferry_reactor::batch(f)
     }
@@ -1256,9 +1257,6 @@ impl Node {
     /// Latest phase of a transfer: live from the executor, or the final
     /// phase once it finished (kept for a bounded number of transfers).
     pub fn phase(&self, transfer_id: u64) -> Option<Phase> {
-        // An engine polling in a loop inside a `Node::batch` must not
-        // starve what it polls for.
-        kvferry_reactor::release_held();
         let tid = TransferId(transfer_id);
         if let Some(p) = self.inner.handle.poll(tid) {
             return Some(p);
@@ -1331,8 +1329,6 @@ impl Node {
     /// by role). Every terminal outcome counts; failed loads also appear
     /// in [`Node::block_ids_with_load_errors`].
     pub fn get_finished(&self) -> (Vec<u64>, Vec<u64>) {
-        // As in `phase`: a polling loop inside a batch still makes progress.
-        kvferry_reactor::release_held();
         self.collect();
         let ids: Vec<u64> = {
             let mut r = self
@@ -1421,8 +1417,6 @@ pub struct LoadMeta {
 /// on the node's condition variable, which the executor signals on every
 /// terminal phase.
 fn wait_terminal(node: &Node, tid: u64, timeout: Duration, before: Phase) -> Phase {
-    // Inside a `Node::batch` what this waits for may not have been woken.
-    kvferry_reactor::release_held();
     let deadline = Instant::now() + timeout;
     let s = &node.inner.shared;
     loop {
