@@ -237,9 +237,11 @@ pub enum Msg {
         /// How many D ranks will send `Pull` to this P rank for this transfer.
         receivers_expected: u16,
         /// D's destination blocks (push mode; P ignores them in pull mode).
+        #[serde(deserialize_with = "crate::wire::bounded::groups")]
         dst_blocks: BlockLists,
         /// Per group, how many of P's leading blocks D already holds (prefix
         /// hit): P's block at position `i >= prefix` lands in `dst[i - prefix]`.
+        #[serde(deserialize_with = "crate::wire::bounded::per_group")]
         prefix_blocks: Vec<u32>,
         /// Pull mode: the first lease request rides on the `Pull`. Push
         /// mode: `Some(ticket)` announces a grant on lease ticket `ticket`
@@ -252,8 +254,10 @@ pub enum Msg {
         /// Chunk index, 0-based and dense.
         chunk: u32,
         /// Position in P's full block list of this chunk's first block, per group.
+        #[serde(deserialize_with = "crate::wire::bounded::per_group")]
         start_blocks: Vec<u32>,
         /// The chunk's source blocks, per group.
+        #[serde(deserialize_with = "crate::wire::bounded::groups")]
         src_blocks: BlockLists,
         /// True on the last chunk of the request.
         is_last: bool,
@@ -270,6 +274,22 @@ pub enum Msg {
     Abort,
     /// Answer to `Abort`. From the toucher it returns the lease.
     AbortAck,
+}
+
+impl Msg {
+    /// Short name for logs and metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Msg::Pull { .. } => "pull",
+            Msg::Ready { .. } => "ready",
+            Msg::LeaseRequest { .. } => "lease_request",
+            Msg::LeaseGrant { .. } => "lease_grant",
+            Msg::Status { .. } => "status",
+            Msg::Done { .. } => "done",
+            Msg::Abort => "abort",
+            Msg::AbortAck => "abort_ack",
+        }
+    }
 }
 
 /// Earliest of two optional deadlines.

@@ -87,6 +87,7 @@ pub struct RankLayout {
     /// Blocks per region; block ids must be below this.
     pub num_blocks: u64,
     /// Regions, in the same order on both sides (region i pairs with region i).
+    #[serde(deserialize_with = "crate::wire::bounded::regions")]
     pub regions: Vec<Region>,
 }
 

@@ -23,6 +23,7 @@ pub mod layout;
 pub mod planner;
 pub mod recv;
 pub mod send;
+pub mod wire;
 
 pub use common::{AbortReason, FailReason, InputError, Phase, TransferId};
 pub use recv::RecvMachine;

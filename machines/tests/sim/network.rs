@@ -1,15 +1,15 @@
 //! Simulated control network: per-message delay (hence reordering), drop,
 //! duplication and a long tail, plus partitions that cut node sets apart.
 //! Messages travel as bytes in the node's real wire encoding: the side
-//! channel's `Frame::Transfer` (`kvferry::node::proto`, the versioned `KF`
-//! postcard envelope), decoded with the node's default frame limits.
+//! channel's `Frame::Transfer` (`kvferry_machines::wire`, the versioned `KF`
+//! postcard envelope the node uses), decoded with the default limits.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use kvferry::node::proto::{self, Frame, FrameLimits};
 use kvferry_machines::common::{Msg, PeerId};
+use kvferry_machines::wire::{self, Frame, Limits};
 use kvferry_machines::TransferId;
 
 use super::rng::Rng;
@@ -39,8 +39,8 @@ pub fn cut(mask: u64, one_way: bool, from: usize, to: usize) -> bool {
 /// the real side channel knows from the socket, not from the frame).
 pub fn encode(env: &Envelope) -> Vec<u8> {
     let mut out = env.from.0.to_le_bytes().to_vec();
-    out.extend(proto::encode(&Frame::Transfer {
-        transfer_id: env.transfer.0,
+    out.extend(wire::encode(&Frame::Transfer {
+        transfer_id: env.transfer,
         msg: env.msg.clone(),
     }));
     out
@@ -53,9 +53,9 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, String> {
     }
     let (from, frame) = bytes.split_at(4);
     let from = u32::from_le_bytes([from[0], from[1], from[2], from[3]]);
-    match proto::decode(frame, &FrameLimits::default()) {
+    match wire::decode(frame, &Limits::default()) {
         Ok(Frame::Transfer { transfer_id, msg }) => Ok(Envelope {
-            transfer: TransferId(transfer_id),
+            transfer: transfer_id,
             from: PeerId(from),
             msg,
         }),

@@ -1,0 +1,411 @@
+//! The control protocol on the wire: one model of every frame and its one
+//! encoding, a versioned envelope around a postcard (serde) body.
+//!
+//! ```text
+//! +------+------+------------------+---------------------+
+//! | 'K'  | 'F'  | version (u16 LE) | postcard(Frame)     |
+//! +------+------+------------------+---------------------+
+//! ```
+//!
+//! The frames carry the machines' own types ([`Msg`], [`ModelSpec`],
+//! [`RankLayout`]): there is no second model to translate to. The node, the
+//! simulator and the fuzz targets encode and decode through this module.
+//!
+//! Decoding never panics and never trusts a length the peer claims: every
+//! variable-length field is checked against the configured [`Limits`]
+//! *before* anything is allocated for it, and the whole frame against
+//! `max_frame_bytes` before parsing starts. Every failure is a
+//! [`WireError`]; all of them blame the peer that sent the frame.
+//!
+//! # Versions
+//!
+//! A build speaks exactly one protocol [`VERSION`]; there is no silent
+//! compatibility between versions, because postcard bodies carry no field
+//! tags and a guess would garble a transfer instead of refusing it.
+//!
+//! - A frame whose header names another version is rejected with
+//!   [`WireError::UnsupportedVersion`] before its body is read.
+//! - Two things are frozen for every version: the 4-byte header, and the
+//!   body of [`Frame::Refuse`] (variant 0, [`Refuse`]'s fields). A peer
+//!   answers a frame of another version with a `Refuse` naming its own
+//!   version, and every version decodes a `Refuse` whatever version its
+//!   header names. So when two builds of different versions meet, the first
+//!   `Hello` is refused and *both* sides know why: the refuser from the
+//!   decode error, the refused side from the `Refuse` it receives. Both count
+//!   it; neither starts a transfer with the other.
+//! - A change to any other frame's encoding increments [`VERSION`]. A
+//!   future build that wants to talk to an older one may accept a range of
+//!   versions explicitly (decode per version); nothing is inferred.
+//!
+//! ```
+//! use kvferry_machines::common::{Msg, TransferId};
+//! use kvferry_machines::wire::{self, Frame, Limits};
+//! let frame = Frame::Transfer { transfer_id: TransferId(7), msg: Msg::Done { ok: true } };
+//! let bytes = wire::encode(&frame);
+//! assert_eq!(wire::decode(&bytes, &Limits::default()), Ok(frame));
+//! ```
+
+pub(crate) mod bounded;
+mod notify;
+
+pub use notify::{
+    decode_notify, encode_notify, notify_endpoint_len, notify_frame_len, MAX_NOTIFY_FRAMES,
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::common::{Mode, Msg, TransferId};
+use crate::layout::{ModelSpec, RankLayout};
+use crate::planner::REGIONS_MAX;
+
+/// First two bytes of every frame.
+pub const MAGIC: [u8; 2] = *b"KF";
+/// The protocol version this build speaks (see the module docs).
+pub const VERSION: u16 = 2;
+/// Length of the magic + version header.
+pub const HEADER_LEN: usize = 4;
+
+/// Upper bounds the decoder enforces. They bound the memory one frame can
+/// make a receiver allocate, so a hostile or buggy peer cannot exhaust it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Whole frame, header included. Also ZeroMQ's `MAXMSGSIZE`.
+    pub max_frame_bytes: usize,
+    /// KV-cache groups in one block list (and per-group value lists).
+    pub max_groups: usize,
+    /// Block ids in one group.
+    pub max_blocks_per_group: usize,
+    /// Block ids across all groups of one message.
+    pub max_total_blocks: usize,
+    /// Regions announced in one `Hello`; at most the planner's
+    /// [`REGIONS_MAX`].
+    pub max_regions: usize,
+    /// Bytes of any string (engine id, endpoint).
+    pub max_string_bytes: usize,
+}
+
+impl Default for Limits {
+    /// Generous enough for a 1M-token request with one-token pages
+    /// (SGLang's default page size) while keeping one frame under 16 MiB.
+    fn default() -> Self {
+        Limits {
+            max_frame_bytes: 16 << 20,
+            max_groups: 64,
+            max_blocks_per_group: 1 << 20,
+            max_total_blocks: 1 << 21,
+            max_regions: REGIONS_MAX,
+            max_string_bytes: 1024,
+        }
+    }
+}
+
+/// Why a frame was rejected. Every variant means the peer sent something
+/// this side does not accept; none of them is the receiver's fault.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// The frame is larger than `Limits::max_frame_bytes`.
+    #[error("frame of {len_bytes} bytes exceeds the limit of {max_bytes} bytes")]
+    FrameTooLarge {
+        /// Size of the frame.
+        len_bytes: usize,
+        /// The limit.
+        max_bytes: usize,
+    },
+    /// The frame ended before the header or the frame body was complete.
+    #[error("truncated frame")]
+    Truncated,
+    /// The first two bytes are not [`MAGIC`].
+    #[error("bad magic {0:02x?}")]
+    BadMagic([u8; 2]),
+    /// The envelope names another protocol version.
+    #[error("peer speaks wire version {theirs}, this build speaks {ours}")]
+    UnsupportedVersion {
+        /// The version in the frame's header.
+        theirs: u16,
+        /// [`VERSION`].
+        ours: u16,
+    },
+    /// A variable-length field claims more elements than the limit allows.
+    #[error("{field} has {len} elements, limit is {max}")]
+    LimitExceeded {
+        /// Which kind of field.
+        field: &'static str,
+        /// How many elements it claims or holds.
+        len: u64,
+        /// The limit.
+        max: usize,
+    },
+    /// Bytes left over after a complete frame.
+    #[error("{count} trailing bytes after the frame")]
+    TrailingBytes {
+        /// How many.
+        count: usize,
+    },
+    /// The body is not a valid frame (bad varint, unknown variant, bad
+    /// UTF-8, bad bool, ...).
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    /// A field decoded but is out of the range the protocol allows.
+    #[error("{field}: {why}")]
+    Invalid {
+        /// Which field.
+        field: &'static str,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+}
+
+/// A rank introduces itself. Sent by decode when it connects (and as its
+/// probe while the peer is not answering) and answered by prefill.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The sender's engine.
+    #[serde(deserialize_with = "bounded::string")]
+    pub engine_id: String,
+    /// Push or pull; both sides must agree.
+    pub mode: Mode,
+    /// Model facts; both sides must agree.
+    pub model: ModelSpec,
+    /// The sender's TP place and registered KV regions.
+    pub layout: RankLayout,
+    /// The sender's data-plane endpoint (`tcp://..`, `local://..`).
+    #[serde(deserialize_with = "bounded::string")]
+    pub endpoint: String,
+}
+
+/// The answer to a frame this side will not read. Its encoding is frozen
+/// for every protocol version (see the module docs): never add, remove or
+/// reorder a field or a [`RefuseReason`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refuse {
+    /// The protocol version the refusing side speaks.
+    pub version: u16,
+    /// Why it refused.
+    pub reason: RefuseReason,
+}
+
+/// Why a peer refused a frame (frozen, like [`Refuse`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RefuseReason {
+    /// The frame's header names a version the refuser does not speak.
+    UnsupportedVersion,
+}
+
+/// Every frame of the control protocol.
+///
+/// Variant order is part of the encoding; `Refuse` stays variant 0.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Frame {
+    /// This side will not read the peer's frames (frozen encoding).
+    Refuse(Refuse),
+    /// Per peer, once per connection (and again after a reconnect).
+    Hello(Hello),
+    /// A machine message for one transfer.
+    Transfer {
+        /// The transfer.
+        transfer_id: TransferId,
+        /// The machines' message, unchanged.
+        msg: Msg,
+    },
+    /// Liveness probe; answered with `HeartbeatAck` carrying the same `seq`.
+    Heartbeat {
+        /// Chosen by the sender; echoed back.
+        seq: u64,
+    },
+    /// Answer to `Heartbeat`.
+    HeartbeatAck {
+        /// The `seq` of the heartbeat answered.
+        seq: u64,
+    },
+}
+
+impl Frame {
+    /// The transfer this frame is about, if any.
+    pub fn transfer_id(&self) -> Option<TransferId> {
+        match self {
+            Frame::Transfer { transfer_id, .. } => Some(*transfer_id),
+            Frame::Refuse(_)
+            | Frame::Hello(_)
+            | Frame::Heartbeat { .. }
+            | Frame::HeartbeatAck { .. } => None,
+        }
+    }
+
+    /// Short name for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Frame::Refuse(_) => "refuse",
+            Frame::Hello(_) => "hello",
+            Frame::Transfer { msg, .. } => msg.kind(),
+            Frame::Heartbeat { .. } => "heartbeat",
+            Frame::HeartbeatAck { .. } => "heartbeat_ack",
+        }
+    }
+
+    /// Checks the frame against `limits` as a receiver would, so a sender
+    /// can refuse to emit what its peer is going to reject. Does not check
+    /// the encoded size; compare `encode(..).len()` with `max_frame_bytes`.
+    pub fn check_limits(&self, limits: &Limits) -> Result<(), WireError> {
+        match self {
+            Frame::Hello(h) => {
+                check("string", h.engine_id.len(), limits.max_string_bytes)?;
+                check("string", h.endpoint.len(), limits.max_string_bytes)?;
+                check("regions", h.layout.regions.len(), limits.max_regions)
+            }
+            Frame::Transfer { msg, .. } => match msg {
+                Msg::Pull {
+                    dst_blocks,
+                    prefix_blocks,
+                    ..
+                } => {
+                    check("per-group values", prefix_blocks.len(), limits.max_groups)?;
+                    check_groups(dst_blocks, limits)
+                }
+                Msg::Ready {
+                    start_blocks,
+                    src_blocks,
+                    ..
+                } => {
+                    check("per-group values", start_blocks.len(), limits.max_groups)?;
+                    check_groups(src_blocks, limits)
+                }
+                Msg::LeaseRequest { .. }
+                | Msg::LeaseGrant { .. }
+                | Msg::Status { .. }
+                | Msg::Done { .. }
+                | Msg::Abort
+                | Msg::AbortAck => Ok(()),
+            },
+            Frame::Refuse(_) | Frame::Heartbeat { .. } | Frame::HeartbeatAck { .. } => Ok(()),
+        }
+    }
+
+    /// The range checks serde cannot express, applied after decoding.
+    fn validate(&self) -> Result<(), WireError> {
+        match self {
+            Frame::Hello(h) if h.layout.regions.is_empty() => Err(WireError::Invalid {
+                field: "regions",
+                why: "no region",
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+// Field names match the ones the decoder reports.
+fn check(field: &'static str, len: usize, max: usize) -> Result<(), WireError> {
+    if len > max {
+        return Err(WireError::LimitExceeded {
+            field,
+            len: len as u64,
+            max,
+        });
+    }
+    Ok(())
+}
+
+fn check_groups<T>(groups: &[Vec<T>], limits: &Limits) -> Result<(), WireError> {
+    check("groups", groups.len(), limits.max_groups)?;
+    let mut total = 0usize;
+    for group in groups {
+        check("blocks per group", group.len(), limits.max_blocks_per_group)?;
+        total += group.len();
+    }
+    check("total blocks", total, limits.max_total_blocks)
+}
+
+/// Encodes `frame` (header + postcard body).
+pub fn encode(frame: &Frame) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    encode_into(frame, &mut out);
+    out
+}
+
+/// Appends the encoding of `frame` to `out`, reusing its allocation.
+pub fn encode_into(frame: &Frame, out: &mut Vec<u8>) {
+    encode_versioned(frame, VERSION, out);
+}
+
+/// The header with `version`, then the body. Tests use other versions to
+/// play a peer of another build.
+#[doc(hidden)]
+pub fn encode_versioned(frame: &Frame, version: u16, out: &mut Vec<u8>) {
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&version.to_le_bytes());
+    // postcard only fails for unknown-length sequences, `collect_str` and
+    // custom serializer errors, none of which these plain types use.
+    postcard::serialize_with_flavor::<Frame, _, ()>(frame, AppendFlavor(out))
+        .expect("postcard cannot fail on the wire frame types");
+}
+
+/// Appends to a `Vec` with `extend_from_slice`, where postcard's generic
+/// `Extend` flavor goes through an iterator byte by byte.
+struct AppendFlavor<'a>(&'a mut Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for AppendFlavor<'_> {
+    type Output = ();
+
+    fn try_extend(&mut self, data: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(data);
+        Ok(())
+    }
+
+    fn try_push(&mut self, data: u8) -> postcard::Result<()> {
+        self.0.push(data);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<()> {
+        Ok(())
+    }
+}
+
+/// Decodes one frame, enforcing `limits`. Never panics, whatever `bytes` is.
+pub fn decode(bytes: &[u8], limits: &Limits) -> Result<Frame, WireError> {
+    let (version, body) = header(bytes, limits)?;
+    if version != VERSION {
+        return decode_refuse(body).ok_or(WireError::UnsupportedVersion {
+            theirs: version,
+            ours: VERSION,
+        });
+    }
+    let frame = bounded::decode_body(body, limits)?;
+    frame.validate()?;
+    Ok(frame)
+}
+
+/// Checks size, magic and header; returns the version and the body.
+fn header<'a>(bytes: &'a [u8], limits: &Limits) -> Result<(u16, &'a [u8]), WireError> {
+    if bytes.len() > limits.max_frame_bytes {
+        return Err(WireError::FrameTooLarge {
+            len_bytes: bytes.len(),
+            max_bytes: limits.max_frame_bytes,
+        });
+    }
+    if bytes.len() < HEADER_LEN {
+        // A frame that does not even start with the magic is garbage rather
+        // than a truncated frame; say so when that can be told.
+        if bytes.len() >= 2 && bytes[..2] != MAGIC {
+            return Err(WireError::BadMagic([bytes[0], bytes[1]]));
+        }
+        return Err(WireError::Truncated);
+    }
+    let magic = [bytes[0], bytes[1]];
+    if magic != MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    Ok((u16::from_le_bytes([bytes[2], bytes[3]]), &bytes[HEADER_LEN..]))
+}
+
+/// A `Refuse` body, which every version reads (its encoding is frozen).
+fn decode_refuse(body: &[u8]) -> Option<Frame> {
+    let (&variant, fields) = body.split_first()?;
+    if variant != 0 {
+        return None;
+    }
+    match postcard::take_from_bytes::<Refuse>(fields) {
+        Ok((refuse, [])) => Some(Frame::Refuse(refuse)),
+        Ok(_) | Err(_) => None,
+    }
+}
