@@ -12,7 +12,6 @@ pub mod plan;
 pub mod scheduler;
 pub mod synth;
 pub mod transport;
-pub mod wire;
 
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;

@@ -168,7 +168,7 @@ fn dead_prefill_fails_requests_fast() {
 
 #[test]
 fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
-    use kvferry::node::proto::{self, Frame};
+    use kvferry::machines::wire::{self, Frame};
     let c = Cluster::start(&spec(Mode::Push)).unwrap();
     let p = &c.prefill[0];
     let ctx = zmq::Context::new();
@@ -176,7 +176,7 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
     s.set_linger(0).unwrap();
     s.connect(&p.node.side_channel_addr()).unwrap();
     let mut rng = fastrand::Rng::with_seed(7);
-    let valid = proto::encode(&Frame::Heartbeat { seq: 1 });
+    let valid = wire::encode(&Frame::Heartbeat { seq: 1 });
     let mut sent = 0u64;
     for i in 0..3000 {
         let frame: Vec<u8> = match i % 4 {
@@ -193,8 +193,8 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
                 v
             }
             // A well-formed frame from a peer that never said hello.
-            _ => proto::encode(&Frame::Transfer {
-                transfer_id: rng.u64(..),
+            _ => wire::encode(&Frame::Transfer {
+                transfer_id: kvferry::machines::TransferId(rng.u64(..)),
                 msg: kvferry::machines::common::Msg::LeaseRequest { seq: 1 },
             }),
         };
@@ -232,6 +232,122 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
         vec![Phase::Success]
     );
     assert_eq!(c.verify(2, &[6], 0), 0);
+}
+
+/// Receives one frame on `s` within 5 s.
+fn recv_within(s: &zmq::Socket) -> Vec<Vec<u8>> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match s.recv_multipart(zmq::DONTWAIT) {
+            Ok(parts) => return parts,
+            Err(zmq::Error::EAGAIN) if Instant::now() < deadline => {
+                let mut items = [s.as_poll_item(zmq::POLLIN)];
+                zmq::poll(&mut items, 100).unwrap();
+            }
+            Err(e) => panic!("no frame within 5 s: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
+    use kvferry::machines::wire::{self, Frame, Refuse, RefuseReason};
+    let c = Cluster::start(&spec(Mode::Push)).unwrap();
+    let p = &c.prefill[0];
+    // A decode rank of a newer build: the hello of our model, under the next
+    // version's header (its body could be anything).
+    let d = &c.decode[0];
+    let hello = Frame::Hello(wire::Hello {
+        engine_id: "future".into(),
+        mode: Mode::Push,
+        model: spec(Mode::Push).model,
+        layout: kvferry::machines::layout::RankLayout {
+            tp_size: 1,
+            tp_rank: 0,
+            num_blocks: 32,
+            regions: d.kv.kv_layout().regions,
+        },
+        endpoint: "tcp://127.0.0.1:1".into(),
+    });
+    let mut future = Vec::new();
+    wire::encode_versioned(&hello, wire::VERSION + 1, &mut future);
+    let ctx = zmq::Context::new();
+    let s = ctx.socket(zmq::DEALER).unwrap();
+    s.set_linger(0).unwrap();
+    s.connect(&p.node.side_channel_addr()).unwrap();
+    s.send(future, 0).unwrap();
+    let answer = recv_within(&s);
+    assert_eq!(answer.len(), 1);
+    // The refusal reads the same under every version.
+    assert_eq!(
+        wire::decode(&answer[0], &wire::Limits::default()),
+        Ok(Frame::Refuse(Refuse {
+            version: wire::VERSION,
+            reason: RefuseReason::UnsupportedVersion,
+        }))
+    );
+    let stats = p.node.stats();
+    assert_eq!(stats.version_refusals_sent, 1, "{stats:?}");
+    assert_eq!(stats.bad_frames, 0, "{stats:?}");
+    // Peers of this version are served as before.
+    c.fill(1, &[1, 2]);
+    c.start_request(1, &[1, 2], &[3, 4], 0).unwrap();
+    assert_eq!(
+        c.wait_decode(1, Duration::from_secs(10)),
+        vec![Phase::Success]
+    );
+    assert_eq!(c.verify(1, &[3, 4], 0), 0);
+}
+
+#[test]
+fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
+    use kvferry::machines::wire::{self, Frame, Refuse, RefuseReason};
+    use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
+    use kvferry::synth::SynthKv;
+    // A prefill rank of a newer build, played by a bare ROUTER.
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.set_linger(0).unwrap();
+    router.bind("tcp://127.0.0.1:*").unwrap();
+    let addr = router.get_last_endpoint().unwrap().unwrap();
+    let model = spec(Mode::Push).model;
+    let mut dc = NodeConfig::new(Role::Decode, "d");
+    dc.timeouts = timeouts();
+    let dkv = SynthKv::new(model, 1, 0, 2, 8);
+    let d = Node::start(dc).unwrap();
+    // SAFETY: `d` is shut down at the end, before `dkv` drops.
+    unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![addr],
+    };
+    let t0 = Instant::now();
+    let rx = d.receiver(5, &target).unwrap();
+    rx.request(ids(&[2])).unwrap();
+    // Decode introduces itself in this build's version...
+    let hello = recv_within(&router);
+    assert_eq!(hello.len(), 2);
+    assert!(matches!(
+        wire::decode(&hello[1], &wire::Limits::default()),
+        Ok(Frame::Hello(_))
+    ));
+    // ...and the newer prefill refuses under its own header.
+    let mut refuse = Vec::new();
+    let frame = Frame::Refuse(Refuse {
+        version: wire::VERSION + 1,
+        reason: RefuseReason::UnsupportedVersion,
+    });
+    wire::encode_versioned(&frame, wire::VERSION + 1, &mut refuse);
+    router.send_multipart([hello[0].clone(), refuse], 0).unwrap();
+    assert_eq!(
+        rx.wait(Duration::from_secs(5)),
+        Phase::Failed(FailReason::BadMetadata)
+    );
+    // Well before the bootstrap timeout (3 s here) would have expired it.
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    let stats = d.stats();
+    assert_eq!(stats.version_refusals_received, 1, "{stats:?}");
+    d.shutdown(Duration::ZERO);
 }
 
 #[test]

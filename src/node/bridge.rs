@@ -23,7 +23,7 @@ use kvferry_machines::send::SendMachine;
 use kvferry_machines::{recv, send, AbortReason, TransferId};
 use kvferry_reactor::SubmitError;
 
-use super::proto::{self, Frame, Hello};
+use kvferry_machines::wire::{self, Frame, Hello};
 use super::{EngineHandle, NodeConfig, NodeError, PeerData, PrefillTarget, Role, Shared};
 use crate::bootstrap::{
     BootstrapClient, BootstrapServer, Metrics, RegisterRequest, RetryPolicy, ServerConfig,
@@ -169,6 +169,9 @@ struct Slot {
     addr: String,
     ready: bool,
     dead: bool,
+    /// The protocol version of a peer that refused our frames (decode
+    /// side); cleared by its next hello.
+    refused: Option<u16>,
     since: Instant,
     last_heard: Option<Instant>,
     transfers: HashSet<TransferId>,
@@ -182,6 +185,7 @@ impl Slot {
             addr,
             ready: false,
             dead: false,
+            refused: None,
             since,
             last_heard: None,
             transfers: HashSet::new(),
@@ -351,7 +355,7 @@ impl Bridge {
     }
 
     fn send_frame(&mut self, peer: u32, frame: &Frame) {
-        self.send_bytes(peer, proto::encode(frame));
+        self.send_bytes(peer, wire::encode(frame));
     }
 
     fn read(&mut self, source: Source) {
@@ -401,8 +405,12 @@ impl Bridge {
                 }
                 Source::Monitor(_) => return,
             };
-            let frame = match proto::decode(&payload, &self.shared.config.frame_limits) {
+            let frame = match wire::decode(&payload, &self.shared.config.frame_limits) {
                 Ok(f) => f,
+                Err(wire::WireError::UnsupportedVersion { theirs, .. }) => {
+                    self.refuse(peer, theirs);
+                    continue;
+                }
                 Err(e) => {
                     self.bad_frame(&e.to_string());
                     continue;
@@ -444,9 +452,71 @@ impl Bridge {
         self.shared.metrics.record_sidechannel_decode_error();
     }
 
+    /// Answers a frame of another protocol version with the frozen
+    /// `Refuse`, which the peer reads whatever version it speaks, so both
+    /// sides report the mismatch. No slot is created for such a peer.
+    fn refuse(&mut self, peer: Result<u32, Vec<u8>>, theirs: u16) {
+        tracing::warn!(theirs, ours = wire::VERSION, "peer speaks another wire version; refused");
+        self.shared
+            .counters
+            .version_refusals_sent
+            .fetch_add(1, Ordering::Relaxed);
+        let refuse = wire::encode(&Frame::Refuse(wire::Refuse {
+            version: wire::VERSION,
+            reason: wire::RefuseReason::UnsupportedVersion,
+        }));
+        match peer {
+            Ok(slot) => self.send_bytes(slot, refuse),
+            Err(identity) => self.send_to_identity(&identity, refuse),
+        }
+    }
+
+    /// Sends to a ROUTER peer that has no slot (it never said hello).
+    fn send_to_identity(&self, identity: &[u8], bytes: Vec<u8>) {
+        let sent = self.router.as_ref().map(|router| {
+            router
+                .send(identity, zmq::SNDMORE | zmq::DONTWAIT)
+                .and_then(|()| router.send(bytes, zmq::DONTWAIT))
+        });
+        if !matches!(sent, Some(Ok(()))) {
+            self.shared
+                .counters
+                .dropped_frames
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The peer will not read our frames: its transfers cannot run. The
+    /// requests waiting for it fail at once (see `try_resolve`) instead of
+    /// waiting out the bootstrap timeout.
+    fn on_refused(&mut self, peer: Option<u32>, refuse: wire::Refuse) {
+        tracing::warn!(
+            peer,
+            theirs = refuse.version,
+            ours = wire::VERSION,
+            reason = ?refuse.reason,
+            "peer refused our frames"
+        );
+        self.shared
+            .counters
+            .version_refusals_received
+            .fetch_add(1, Ordering::Relaxed);
+        let Some(slot) = peer.and_then(|p| self.slots.get_mut(p as usize)) else {
+            return;
+        };
+        slot.refused = Some(refuse.version);
+        slot.ready = false;
+        self.routes_changed(None);
+        self.retry_pending();
+    }
+
     /// `peer` is the slot, or the unknown ROUTER identity.
     fn handle_frame(&mut self, peer: Result<u32, Vec<u8>>, frame: Frame) {
         let now = Instant::now();
+        if let Frame::Refuse(refuse) = frame {
+            self.on_refused(peer.ok(), refuse);
+            return;
+        }
         let peer = match peer {
             Ok(p) => p,
             Err(identity) => {
@@ -496,8 +566,9 @@ impl Bridge {
                 }
             }
             Frame::Transfer { transfer_id, msg } => {
-                self.on_transfer_msg(peer, TransferId(transfer_id), msg)
+                self.on_transfer_msg(peer, transfer_id, msg)
             }
+            Frame::Refuse(_) => unreachable!("handled before the peer lookup"),
         }
     }
 
@@ -553,6 +624,7 @@ impl Bridge {
         self.shared.set_peer(peer, data);
         if let Some(s) = self.slots.get_mut(peer as usize) {
             s.ready = true;
+            s.refused = None;
         }
         match self.shared.role {
             // Only decode ranks start a hello (prefill answers every one,
@@ -652,7 +724,7 @@ impl Bridge {
                                 self.send_frame(
                                     peer,
                                     &Frame::Transfer {
-                                        transfer_id: tid.0,
+                                        transfer_id: tid,
                                         msg: Msg::Abort,
                                     },
                                 );
@@ -721,7 +793,7 @@ impl Bridge {
             self.send_frame(
                 peer,
                 &Frame::Transfer {
-                    transfer_id: tid.0,
+                    transfer_id: tid,
                     msg: a,
                 },
             );
@@ -934,6 +1006,7 @@ impl Bridge {
         };
         let mut peers = Vec::new();
         let mut dead = Vec::new();
+        let mut refused = Vec::new();
         let mut waiting = false;
         for (rank, _) in pair.sources_of(local.layout.tp_rank) {
             let Some(addr) = addrs.get(rank as usize) else {
@@ -946,6 +1019,8 @@ impl Bridge {
             let slot = &self.slots[peer as usize];
             if slot.dead {
                 dead.push(peer);
+            } else if slot.refused.is_some() {
+                refused.push(peer);
             } else if !slot.ready {
                 waiting = true;
             }
@@ -957,10 +1032,10 @@ impl Bridge {
                 lease_ticket,
             });
         }
-        if waiting && dead.is_empty() {
+        if waiting && dead.is_empty() && refused.is_empty() {
             return false;
         }
-        if dead.is_empty() {
+        if dead.is_empty() && refused.is_empty() {
             // Every rank connected and alive: later requests for this
             // target resolve on the engine's thread until something changes.
             let route = peers
@@ -984,6 +1059,11 @@ impl Bridge {
             let _ = h.send_event(p.tid, recv::Event::PeersResolved { peers });
             for d in dead {
                 let _ = h.send_event(p.tid, recv::Event::PeerDead { peer: PeerId(d) });
+            }
+            // A peer of another protocol version cannot pair with us: the
+            // same failure as layouts that do not fit.
+            for r in refused {
+                let _ = h.send_event(p.tid, recv::Event::PlanFailed { peer: PeerId(r) });
             }
         }
         true

@@ -41,7 +41,6 @@
 //! ```
 
 mod bridge;
-pub mod proto;
 mod sink;
 mod waker;
 
@@ -64,7 +63,7 @@ use kvferry_reactor::{
 
 use crate::transport::EndpointAddr;
 use bridge::BridgeCmd;
-pub use proto::FrameLimits;
+use kvferry_machines::wire;
 
 /// Which side of disaggregated serving this node is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -135,7 +134,7 @@ pub struct NodeConfig {
     /// The reactor (exactly one executor: one rank is one device).
     pub reactor: ReactorConfig,
     /// Side-channel frame bounds.
-    pub frame_limits: FrameLimits,
+    pub frame_limits: wire::Limits,
     /// Planner batch bounds.
     pub batch_limits: BatchLimits,
     /// Most peers the side channel tracks (ROUTER identities on prefill,
@@ -242,7 +241,7 @@ impl NodeConfig {
             serve_bootstrap: None,
             timeouts: Timeouts::default(),
             reactor,
-            frame_limits: FrameLimits::default(),
+            frame_limits: wire::Limits::default(),
             batch_limits: BatchLimits::default(),
             max_peers: 4096,
             // As many as the executor holds live: enough for handles polled
@@ -345,6 +344,12 @@ pub struct NodeStats {
     /// Push mode: closing `Status` messages that rode behind their
     /// transfer's last write (also counted in `data_plane_messages`).
     pub statuses_behind_writes: u64,
+    /// Frames of another protocol version this node refused (answered with
+    /// a `Refuse`).
+    pub version_refusals_sent: u64,
+    /// `Refuse` frames this node received: a peer of another protocol
+    /// version will not read its frames.
+    pub version_refusals_received: u64,
 }
 
 #[derive(Default)]
@@ -362,6 +367,8 @@ pub(crate) struct Counters {
     pub data_plane_messages: AtomicU64,
     pub data_plane_fallbacks: AtomicU64,
     pub statuses_behind_writes: AtomicU64,
+    pub version_refusals_sent: AtomicU64,
+    pub version_refusals_received: AtomicU64,
     /// Peers marked dead now (not cumulative).
     pub dead_now: AtomicU64,
 }
@@ -383,6 +390,8 @@ impl Counters {
             data_plane_messages: g(&self.data_plane_messages),
             data_plane_fallbacks: g(&self.data_plane_fallbacks),
             statuses_behind_writes: g(&self.statuses_behind_writes),
+            version_refusals_sent: g(&self.version_refusals_sent),
+            version_refusals_received: g(&self.version_refusals_received),
         }
     }
 }
@@ -392,7 +401,7 @@ impl Counters {
 pub(crate) struct PeerData {
     /// The peer's hello, kept for diagnostics (`Debug`).
     #[allow(dead_code)]
-    pub hello: proto::Hello,
+    pub hello: wire::Hello,
     /// The validated pair (P layout, D layout), or why it does not fit.
     pub pair: Result<PairLayout, String>,
     pub endpoint: Option<EndpointAddr>,

@@ -22,7 +22,7 @@ use kvferry_machines::{recv, send, FailReason, Machine, Phase, TransferId};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
-use super::proto::{self, Frame};
+use kvferry_machines::wire::{self, Frame};
 use super::{Shared, TransportKind};
 use crate::transport::fence::BlockFence;
 use crate::transport::local::LocalTransport;
@@ -181,8 +181,8 @@ impl Messenger {
     }
 
     fn send_frame(&self, tid: TransferId, peer: PeerId, msg: Msg) {
-        let bytes = proto::encode(&Frame::Transfer {
-            transfer_id: tid.0,
+        let bytes = wire::encode(&Frame::Transfer {
+            transfer_id: tid,
             msg,
         });
         self.shared.to_bridge(BridgeCmd::Send {
@@ -213,8 +213,8 @@ impl Messenger {
             }
         }
         self.shared.track(peer.0, tid);
-        let bytes = proto::encode(&Frame::Transfer {
-            transfer_id: tid.0,
+        let bytes = wire::encode(&Frame::Transfer {
+            transfer_id: tid,
             msg,
         });
         let start = {
@@ -465,8 +465,8 @@ where
         // waiting for this node to hear the write's acknowledgement.
         let status = Msg::Status { ok: true };
         let note = (status_after && self.msgr.may_carry(&endpoint, &status)).then(|| {
-            proto::encode(&Frame::Transfer {
-                transfer_id: tid.0,
+            wire::encode(&Frame::Transfer {
+                transfer_id: tid,
                 msg: status,
             })
         });
@@ -490,7 +490,7 @@ where
                 };
                 io.queue(endpoint, op, descs, note, deadline).await
             } else {
-                let trailer = note.map(|f| proto::encode_notify(&msgr.sender(), [&f[..]]));
+                let trailer = note.map(|f| wire::encode_notify(&msgr.sender(), [&f[..]]));
                 let route = Route {
                     transport: &transport,
                     sessions: &sessions,
@@ -730,7 +730,7 @@ impl Io {
             let descs: Vec<Desc> = live.iter().flat_map(|j| j.descs.iter().copied()).collect();
             let whole = std::iter::once(0..descs.len()).collect::<Vec<_>>();
             let notes: Vec<&[u8]> = live.iter().filter_map(|j| j.note.as_deref()).collect();
-            let trailer = (!notes.is_empty()).then(|| proto::encode_notify(&self.sender, notes));
+            let trailer = (!notes.is_empty()).then(|| wire::encode_notify(&self.sender, notes));
             let route = Route {
                 transport: &self.transport,
                 sessions: &self.sessions,
@@ -757,12 +757,12 @@ impl Io {
         let mut jobs: Vec<Queued> = Vec::new();
         let (mut n, mut bytes) = (0usize, 0u64);
         // The notes share one notification, within its bounds.
-        let (mut notes, mut note_bytes) = (0usize, proto::notify_endpoint_len(&self.sender));
+        let (mut notes, mut note_bytes) = (0usize, wire::notify_endpoint_len(&self.sender));
         while let Some(next) = lane.queue.front() {
             let len: u64 = next.descs.iter().map(|d| d.len_bytes).sum();
-            let note_len = next.note.as_deref().map_or(0, proto::notify_frame_len);
+            let note_len = next.note.as_deref().map_or(0, wire::notify_frame_len);
             let notes_fit = next.note.is_none()
-                || (notes < proto::MAX_NOTIFY_FRAMES
+                || (notes < wire::MAX_NOTIFY_FRAMES
                     && note_bytes + note_len <= crate::transport::wire::MAX_NOTIFY_BYTES);
             let fits = jobs.is_empty()
                 || (jobs[0].op == next.op
@@ -813,13 +813,13 @@ async fn pump_notes(endpoint: EndpointAddr, msgr: Messenger) {
                 map.remove(&endpoint);
                 return;
             }
-            let mut bytes = proto::notify_endpoint_len(&sender);
+            let mut bytes = wire::notify_endpoint_len(&sender);
             let n = lane
                 .queue
                 .iter()
-                .take(proto::MAX_NOTIFY_FRAMES)
+                .take(wire::MAX_NOTIFY_FRAMES)
                 .take_while(|(_, _, f)| {
-                    bytes += proto::notify_frame_len(f);
+                    bytes += wire::notify_frame_len(f);
                     bytes <= crate::transport::wire::MAX_NOTIFY_BYTES
                 })
                 .count()
@@ -833,7 +833,7 @@ async fn pump_notes(endpoint: EndpointAddr, msgr: Messenger) {
         };
         let sent = match session.as_deref() {
             Some(AnySession::Tcp(s)) => {
-                let payload = proto::encode_notify(&sender, batch.iter().map(|(_, _, f)| &f[..]));
+                let payload = wire::encode_notify(&sender, batch.iter().map(|(_, _, f)| &f[..]));
                 match s.notify(&payload).await {
                     Ok(()) => true,
                     Err(e) => {
@@ -895,7 +895,7 @@ fn notify_handler<M: NodeMachine + 'static>(
     Rc::new(move |bytes: &[u8]| {
         let shared = &router.shared;
         let limits = shared.config.frame_limits;
-        let (sender, frames) = match proto::decode_notify(bytes, &limits) {
+        let (sender, frames) = match wire::decode_notify(bytes, &limits) {
             Ok(x) => x,
             Err(e) => {
                 tracing::debug!(%e, "bad data-plane notification");
@@ -912,9 +912,9 @@ fn notify_handler<M: NodeMachine + 'static>(
             return false;
         };
         for f in frames {
-            match proto::decode(f, &limits) {
+            match wire::decode(f, &limits) {
                 Ok(Frame::Transfer { transfer_id, msg }) => {
-                    router.route(peer, TransferId(transfer_id), msg)
+                    router.route(peer, transfer_id, msg)
                 }
                 Ok(other) => {
                     tracing::debug!(?other, "only transfer messages travel over the data plane");
