@@ -16,3 +16,7 @@ pub mod wire;
 
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
