@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Same-sitting comparison of two kvferry binaries, as in the README's "Measured results":
-#   bash scripts/compare.sh NEW_BINARY OLD_BINARY > sitting.txt
+# Compares two kvferry binaries on the demo configurations of docs/performance.md:
+#   bash scripts/compare.sh NEW_BINARY OLD_BINARY > compare.txt
 # Runs each demo configuration back to back, alternating the binaries, and prints
 # one JSON line per run with the request p50 in bare ZeroMQ round trips.
 # Needs python3 and perf (for the last step); takes about 2 minutes on 2 cores.

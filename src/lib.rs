@@ -15,3 +15,7 @@ pub mod transport;
 
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
