@@ -588,15 +588,12 @@ impl Cluster {
         if let Some(addr) = &bootstrap_addr {
             // Registration runs in the background; decode asks only once
             // every prefill rank is listed, so no request waits for a retry.
-            let client = crate::bootstrap::BootstrapClient::new(addr)
-                .map_err(|e| crate::node::NodeError::Bootstrap(e.to_string()))?;
+            let client = crate::bootstrap::BootstrapClient::new(addr)?;
             let policy = crate::bootstrap::RetryPolicy {
                 deadline: std::time::Duration::from_secs(10),
                 ..crate::bootstrap::RetryPolicy::default()
             };
-            client
-                .wait_for_engine("prefill", spec.prefill_tp as usize, policy)
-                .map_err(|e| crate::node::NodeError::Bootstrap(e.to_string()))?;
+            client.wait_for_engine("prefill", spec.prefill_tp as usize, policy)?;
         }
         let mut decode = Vec::new();
         for r in 0..spec.decode_tp {

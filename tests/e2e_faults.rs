@@ -338,7 +338,9 @@ fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
         reason: RefuseReason::UnsupportedVersion,
     });
     wire::encode_versioned(&frame, wire::VERSION + 1, &mut refuse);
-    router.send_multipart([hello[0].clone(), refuse], 0).unwrap();
+    router
+        .send_multipart([hello[0].clone(), refuse], 0)
+        .unwrap();
     assert_eq!(
         rx.wait(Duration::from_secs(5)),
         Phase::Failed(FailReason::BadMetadata)

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvferry::machines::common::{AbortReason, BlockId, Config};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, Region};
 use kvferry::machines::{FailReason, Phase};
-use kvferry::node::{KvLayout, Node, NodeConfig, NodeError, PrefillTarget, Role};
+use kvferry::node::{KvLayout, Misuse, Node, NodeConfig, NodeError, PrefillTarget, Role};
 
 const MODEL: ModelSpec = ModelSpec {
     layout: LayoutKind::Hnd,
@@ -204,6 +204,35 @@ fn zero_limits_are_refused_at_start() {
     ] {
         let mut c = NodeConfig::new(Role::Decode, "d");
         set(&mut c);
-        assert!(matches!(Node::start(c), Err(NodeError::Misuse(_))));
+        assert!(matches!(
+            Node::start(c),
+            Err(NodeError::Misuse(Misuse::ZeroBound(_)))
+        ));
     }
+}
+
+#[test]
+fn config_and_call_misuse_are_typed() {
+    let mut c = NodeConfig::new(Role::Decode, "d");
+    c.tp_size = 2;
+    c.tp_rank = 2;
+    assert!(matches!(
+        Node::start(c),
+        Err(NodeError::Misuse(Misuse::TpRank {
+            tp_rank: 2,
+            tp_size: 2
+        }))
+    ));
+    let mut c = NodeConfig::new(Role::Decode, "d");
+    c.timeouts.lease = c.timeouts.heartbeat_interval;
+    assert!(matches!(
+        Node::start(c),
+        Err(NodeError::Misuse(Misuse::Timeouts(_)))
+    ));
+    let d = Node::start(NodeConfig::new(Role::Decode, "d")).unwrap();
+    assert!(matches!(
+        d.sender(1),
+        Err(NodeError::Misuse(Misuse::WrongRole(Role::Prefill)))
+    ));
+    d.shutdown(std::time::Duration::ZERO);
 }

@@ -23,11 +23,14 @@ use kvferry_machines::send::SendMachine;
 use kvferry_machines::{recv, send, AbortReason, TransferId};
 use kvferry_reactor::SubmitError;
 
-use kvferry_machines::wire::{self, Frame, Hello};
-use super::{EngineHandle, NodeConfig, NodeError, PeerData, PrefillTarget, Role, Shared};
-use crate::bootstrap::{
-    BootstrapClient, BootstrapServer, Metrics, RegisterRequest, RetryPolicy, ServerConfig,
+use super::{
+    EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Role, Shared,
 };
+use crate::bootstrap::{
+    BootstrapClient, BootstrapServer, ClientError, Metrics, RegisterRequest, RetryPolicy,
+    ServerConfig,
+};
+use kvferry_machines::wire::{self, Frame, Hello};
 
 /// Most frames read from one socket before looking at the others.
 const READ_BUDGET: usize = 512;
@@ -64,7 +67,7 @@ pub(crate) enum BridgeCmd {
     /// Result of a bootstrap query started by the bridge.
     Directory {
         target: PrefillTarget,
-        result: Result<(u32, Vec<String>), String>,
+        result: Result<(u32, Vec<String>), LookupError>,
     },
     /// Stop the thread.
     Stop,
@@ -82,7 +85,7 @@ impl BridgeThread {
         handle: EngineHandle,
         rx: flume::Receiver<BridgeCmd>,
     ) -> Result<(BridgeThread, String), NodeError> {
-        let zerr = |e: zmq::Error| NodeError::SideChannel(e.to_string());
+        let zerr = |e: zmq::Error| NodeError::side_channel("socket setup", e);
         let ctx = zmq::Context::new();
         let (router, addr) = match shared.role {
             Role::Prefill => {
@@ -94,11 +97,13 @@ impl BridgeThread {
                 };
                 let ep = format!("tcp://{}:{}", shared.config.host, port);
                 s.bind(&ep)
-                    .map_err(|e| NodeError::SideChannel(format!("bind {ep}: {e}")))?;
-                let bound = s
-                    .get_last_endpoint()
-                    .map_err(zerr)?
-                    .map_err(|_| NodeError::SideChannel("bound endpoint is not UTF-8".into()))?;
+                    .map_err(|e| NodeError::side_channel("bind", e))?;
+                let bound = s.get_last_endpoint().map_err(zerr)?.map_err(|_| {
+                    NodeError::side_channel(
+                        "bound endpoint",
+                        std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"),
+                    )
+                })?;
                 (Some(s), bound)
             }
             Role::Decode => (None, String::new()),
@@ -128,7 +133,7 @@ impl BridgeThread {
         let join = std::thread::Builder::new()
             .name("kvferry-bridge".into())
             .spawn(move || bridge.run())
-            .map_err(|e| NodeError::SideChannel(e.to_string()))?;
+            .map_err(|e| NodeError::side_channel("bridge thread", e))?;
         Ok((BridgeThread { join }, addr))
     }
 
@@ -456,7 +461,11 @@ impl Bridge {
     /// `Refuse`, which the peer reads whatever version it speaks, so both
     /// sides report the mismatch. No slot is created for such a peer.
     fn refuse(&mut self, peer: Result<u32, Vec<u8>>, theirs: u16) {
-        tracing::warn!(theirs, ours = wire::VERSION, "peer speaks another wire version; refused");
+        tracing::warn!(
+            theirs,
+            ours = wire::VERSION,
+            "peer speaks another wire version; refused"
+        );
         self.shared
             .counters
             .version_refusals_sent
@@ -565,9 +574,7 @@ impl Bridge {
                     self.shared.routes().set_ticket(peer, seq, now);
                 }
             }
-            Frame::Transfer { transfer_id, msg } => {
-                self.on_transfer_msg(peer, transfer_id, msg)
-            }
+            Frame::Transfer { transfer_id, msg } => self.on_transfer_msg(peer, transfer_id, msg),
             Frame::Refuse(_) => unreachable!("handled before the peer lookup"),
         }
     }
@@ -599,18 +606,18 @@ impl Bridge {
             return;
         };
         let pair = if h.mode != self.shared.config.mode {
-            Err(format!(
-                "peer runs {:?} mode, we run {:?}",
-                h.mode, self.shared.config.mode
-            ))
+            Err(PeerUnfit::Mode {
+                theirs: h.mode,
+                ours: self.shared.config.mode,
+            })
         } else if h.model != local.model {
-            Err("peer's model spec differs from ours".to_string())
+            Err(PeerUnfit::Model)
         } else {
             let r = match self.shared.role {
                 Role::Prefill => PairLayout::new(&local.model, &local.layout, &h.layout),
                 Role::Decode => PairLayout::new(&local.model, &h.layout, &local.layout),
             };
-            r.map_err(|e| e.to_string())
+            r.map_err(PeerUnfit::Layout)
         };
         if let Err(e) = &pair {
             tracing::warn!(peer, %e, "peer layout does not fit; its transfers will fail");
@@ -1193,23 +1200,32 @@ pub(crate) fn dead_peers(shared: &Shared) -> usize {
 
 /// Asks the bootstrap service for the side channels of `engine_id`'s ranks
 /// (data-parallel rank 0, pipeline rank 0): `(tp_size, addresses by rank)`.
-fn query_bootstrap(addr: &str, engine_id: &str) -> Result<(u32, Vec<String>), String> {
-    let client = BootstrapClient::new(addr)
-        .map_err(|e| e.to_string())?
-        .with_io_timeout(Duration::from_secs(2));
-    let found = client.query(Some(engine_id)).map_err(|e| e.to_string())?;
-    let entry = found
-        .get(&0)
-        .ok_or_else(|| format!("engine {engine_id:?} is not registered"))?;
+fn query_bootstrap(addr: &str, engine_id: &str) -> Result<(u32, Vec<String>), LookupError> {
+    let client = BootstrapClient::new(addr)?.with_io_timeout(Duration::from_secs(2));
+    let found = client.query(Some(engine_id))?;
+    let entry = found.get(&0).ok_or(LookupError::NotRegistered)?;
     let tp = entry.tp_size();
     let mut addrs = Vec::with_capacity(tp);
     for rank in 0..tp as u32 {
-        let a = entry
-            .addr(rank, 0)
-            .ok_or_else(|| format!("engine {engine_id:?} has no tp rank {rank} yet"))?;
+        let a = entry.addr(rank, 0).ok_or(LookupError::RankMissing(rank))?;
         addrs.push(a.to_string());
     }
     Ok((tp as u32, addrs))
+}
+
+/// Why the bootstrap service did not name a prefill engine's ranks; the
+/// bridge retries after a tick.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LookupError {
+    /// The service could not be asked.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The engine is not registered.
+    #[error("engine is not registered")]
+    NotRegistered,
+    /// A TP rank of the engine has not registered yet.
+    #[error("tp rank {0} not registered yet")]
+    RankMissing(u32),
 }
 
 /// The bootstrap service embedded in a prefill node.
@@ -1219,8 +1235,7 @@ pub(crate) struct EmbeddedBootstrap {
 
 impl EmbeddedBootstrap {
     pub(crate) fn start(addr: &str, metrics: Arc<Metrics>) -> Result<EmbeddedBootstrap, NodeError> {
-        let server = BootstrapServer::start_with(addr, ServerConfig::default(), metrics)
-            .map_err(|e| NodeError::Bootstrap(e.to_string()))?;
+        let server = BootstrapServer::start_with(addr, ServerConfig::default(), metrics)?;
         Ok(EmbeddedBootstrap { server })
     }
 

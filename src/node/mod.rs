@@ -41,6 +41,7 @@
 //! ```
 
 mod bridge;
+mod error;
 mod sink;
 mod waker;
 
@@ -63,6 +64,7 @@ use kvferry_reactor::{
 
 use crate::transport::EndpointAddr;
 use bridge::BridgeCmd;
+pub use error::{DataPlaneError, Misuse, NodeError, PeerUnfit};
 use kvferry_machines::wire;
 
 /// Which side of disaggregated serving this node is.
@@ -272,45 +274,6 @@ pub struct KvLayout {
     pub regions: Vec<Region>,
 }
 
-/// Why a node call failed. Failures of a request are phases, not errors.
-#[non_exhaustive]
-#[derive(Debug, thiserror::Error)]
-pub enum NodeError {
-    /// The caller used the API wrongly (bad config, call in the wrong role,
-    /// layout registered twice, unknown transfer).
-    #[error("misuse: {0}")]
-    Misuse(String),
-    /// Back-pressure: the node holds its maximum of requests or its queues
-    /// are full; retry after collecting finished requests.
-    #[error("busy: {0}")]
-    Busy(SubmitError),
-    /// The node is shutting down.
-    #[error("node is shutting down")]
-    ShuttingDown,
-    /// The data plane refused (registration, bind).
-    #[error("transport: {0}")]
-    Transport(String),
-    /// The side channel could not start (bind, thread).
-    #[error("side channel: {0}")]
-    SideChannel(String),
-    /// The bootstrap service could not be started or reached.
-    #[error("bootstrap: {0}")]
-    Bootstrap(String),
-    /// A startup step did not finish in time.
-    #[error("timed out: {0}")]
-    Timeout(&'static str),
-}
-
-impl From<SubmitError> for NodeError {
-    fn from(e: SubmitError) -> Self {
-        match e {
-            SubmitError::ShuttingDown => NodeError::ShuttingDown,
-            SubmitError::MailboxFull { .. } | SubmitError::AtCapacity { .. } => NodeError::Busy(e),
-            other => NodeError::Misuse(other.to_string()),
-        }
-    }
-}
-
 /// Counters of a node.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
@@ -403,7 +366,7 @@ pub(crate) struct PeerData {
     #[allow(dead_code)]
     pub hello: wire::Hello,
     /// The validated pair (P layout, D layout), or why it does not fit.
-    pub pair: Result<PairLayout, String>,
+    pub pair: Result<PairLayout, PeerUnfit>,
     pub endpoint: Option<EndpointAddr>,
 }
 
@@ -893,20 +856,16 @@ impl Node {
     /// and, on a prefill rank, the embedded bootstrap service and the
     /// registration at the bootstrap service.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
-        config
-            .timeouts
-            .validate()
-            .map_err(|e| NodeError::Misuse(e.to_string()))?;
+        config.timeouts.validate().map_err(Misuse::Timeouts)?;
         if config.reactor.executors.len() != 1 {
-            return Err(NodeError::Misuse(
-                "a node runs exactly one executor (one rank is one device)".into(),
-            ));
+            return Err(Misuse::Executors(config.reactor.executors.len()).into());
         }
         if config.tp_size == 0 || config.tp_rank >= config.tp_size {
-            return Err(NodeError::Misuse(format!(
-                "tp_rank {} outside tp_size {}",
-                config.tp_rank, config.tp_size
-            )));
+            return Err(Misuse::TpRank {
+                tp_rank: config.tp_rank,
+                tp_size: config.tp_size,
+            }
+            .into());
         }
         if config.max_peers == 0
             || config.max_finished_records == 0
@@ -914,15 +873,14 @@ impl Node {
             || config.max_bootstrap_targets == 0
             || config.max_data_sessions == 0
         {
-            return Err(NodeError::Misuse(
+            return Err(Misuse::ZeroBound(
                 "max_peers, max_finished_records, bridge_queue_capacity, \
-                 max_bootstrap_targets and max_data_sessions must be positive"
-                    .into(),
-            ));
+                 max_bootstrap_targets and max_data_sessions",
+            )
+            .into());
         }
         let (bridge_tx, bridge_rx) = flume::bounded(config.bridge_queue_capacity);
-        let waker =
-            Arc::new(waker::Waker::new().map_err(|e| NodeError::SideChannel(e.to_string()))?);
+        let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
         let shared = Arc::new(Shared {
             role: config.role,
             node_id: NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed),
@@ -942,22 +900,20 @@ impl Node {
             terminal_seq: Mutex::new(TerminalSeq::default()),
             terminal_cv: Condvar::new(),
         });
-        let (ready_tx, ready_rx) = flume::bounded::<Result<String, String>>(1);
+        let (ready_tx, ready_rx) = flume::bounded::<Result<String, DataPlaneError>>(1);
         let engine = match config.role {
             Role::Prefill => {
                 let s = shared.clone();
                 let r = Reactor::<SendMachine>::start(config.reactor.clone(), move |ctx| {
                     sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
-                })
-                .map_err(|e| NodeError::Transport(e.to_string()))?;
+                })?;
                 Engine::Prefill(r)
             }
             Role::Decode => {
                 let s = shared.clone();
                 let r = Reactor::<RecvMachine>::start(config.reactor.clone(), move |ctx| {
                     sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
-                })
-                .map_err(|e| NodeError::Transport(e.to_string()))?;
+                })?;
                 Engine::Decode(r)
             }
         };
@@ -967,8 +923,7 @@ impl Node {
         };
         let endpoint = ready_rx
             .recv_timeout(Duration::from_secs(10))
-            .map_err(|_| NodeError::Timeout("transport endpoint"))?
-            .map_err(NodeError::Transport)?;
+            .map_err(|_| NodeError::Timeout("transport endpoint"))??;
         let _ = shared.endpoint.set(endpoint);
         let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
             (Role::Prefill, Some(addr)) => Some(bridge::EmbeddedBootstrap::start(
@@ -1045,7 +1000,7 @@ impl Node {
     pub unsafe fn register_kv_caches(&self, layout: KvLayout) -> Result<(), NodeError> {
         let s = &self.inner.shared;
         if s.local.get().is_some() {
-            return Err(NodeError::Misuse("register_kv_caches called twice".into()));
+            return Err(Misuse::RegisteredTwice.into());
         }
         let rank = RankLayout {
             tp_size: s.config.tp_size,
@@ -1065,12 +1020,12 @@ impl Node {
             },
         )
         .or_else(|_| PairLayout::new(&layout.model, &rank, &rank))
-        .map_err(|e| NodeError::Misuse(format!("layout rejected: {e}")))?;
+        .map_err(Misuse::Layout)?;
         for r in &rank.regions {
             layout
                 .num_blocks
                 .checked_mul(r.block_len)
-                .ok_or_else(|| NodeError::Misuse("region length overflows".into()))?;
+                .ok_or(Misuse::RegionOverflow)?;
         }
         let kv = sink::KvMemory {
             regions: rank.regions.iter().map(|r| (r.base, r.block_len)).collect(),
@@ -1090,8 +1045,7 @@ impl Node {
         // spawn just queued would otherwise wait for the batch's end.
         kvferry_reactor::release_held();
         rx.recv_timeout(Duration::from_secs(10))
-            .map_err(|_| NodeError::Timeout("memory registration"))?
-            .map_err(NodeError::Transport)?;
+            .map_err(|_| NodeError::Timeout("memory registration"))??;
         let _ = s.local.set(LocalKv {
             model: layout.model,
             layout: rank,
@@ -1101,12 +1055,10 @@ impl Node {
 
     fn require(&self, role: Role) -> Result<(), NodeError> {
         if self.inner.shared.role != role {
-            return Err(NodeError::Misuse(format!(
-                "this call needs a {role:?} node"
-            )));
+            return Err(Misuse::WrongRole(role).into());
         }
         if self.inner.shared.local.get().is_none() {
-            return Err(NodeError::Misuse("register_kv_caches first".into()));
+            return Err(Misuse::NotRegistered.into());
         }
         Ok(())
     }
@@ -1209,7 +1161,7 @@ impl Node {
             dst_blocks,
             prefix_blocks,
         )
-        .map_err(|e| NodeError::Misuse(e.to_string()))?;
+        .map_err(Misuse::Request)?;
         h.create(0, tid, m).map_err(|r| NodeError::from(r.error))?;
         // Prefill ranks this node talks to already: no trip through the
         // bridge (about two thread hand-offs off every request).
@@ -1241,7 +1193,7 @@ impl Node {
         is_last: bool,
     ) -> Result<(), NodeError> {
         let EngineHandle::Prefill(h) = &self.inner.handle else {
-            return Err(NodeError::Misuse("send on a decode node".into()));
+            return Err(Misuse::WrongRole(Role::Prefill).into());
         };
         match h.send_event(
             tid,

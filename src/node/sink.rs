@@ -22,8 +22,7 @@ use kvferry_machines::{recv, send, FailReason, Machine, Phase, TransferId};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
-use kvferry_machines::wire::{self, Frame};
-use super::{Shared, TransportKind};
+use super::{DataPlaneError, Shared, TransportKind};
 use crate::transport::fence::BlockFence;
 use crate::transport::local::LocalTransport;
 use crate::transport::tcp::{TcpConfig, TcpTransport};
@@ -31,6 +30,7 @@ use crate::transport::wire::RejectReason;
 use crate::transport::{
     AnySession, AnyTransport, Desc, EndpointAddr, Op, PeerError, Session, Transport, TransportError,
 };
+use kvferry_machines::wire::{self, Frame};
 
 thread_local! {
     /// The transport endpoint of each node whose executor runs on this
@@ -50,25 +50,22 @@ pub(crate) struct KvMemory {
 
 /// Registers the regions of `kv` with the node's endpoint and puts them
 /// under a block fence; runs on the executor.
-pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), String> {
+pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPlaneError> {
     let t = TRANSPORTS
         .with(|m| m.borrow().get(&node_id).cloned())
-        .ok_or_else(|| "the node has no transport endpoint".to_string())?;
+        .ok_or(DataPlaneError::NoEndpoint)?;
     // The local transport copies on the initiator's thread, outside any
     // fence of ours; only tcp endpoints get one.
     if let (true, AnyTransport::Tcp(tcp)) = (kv.fenced, &*t) {
         tcp.set_fence(Some(Rc::new(BlockFence::new(&kv.regions, kv.num_blocks))));
     }
     for &(base, block_len) in &kv.regions {
-        let len = kv
-            .num_blocks
-            .checked_mul(block_len)
-            .ok_or_else(|| "region length overflows".to_string())?;
-        let len =
-            usize::try_from(len).map_err(|_| "region longer than the address space".to_string())?;
+        // `register_kv_caches` checked that the product fits in 64 bits.
+        let len = kv.num_blocks.saturating_mul(block_len);
+        let len = usize::try_from(len).map_err(|_| DataPlaneError::RegionTooLong)?;
         // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
         // promised the memory stays valid and shareable with peers.
-        unsafe { t.register(base as usize as *mut u8, len) }.map_err(|e| e.to_string())?;
+        unsafe { t.register(base as usize as *mut u8, len) }?;
     }
     Ok(())
 }
@@ -325,7 +322,7 @@ where
     pub(crate) fn new(
         shared: Arc<Shared>,
         poster: EventPoster<M>,
-        ready: flume::Sender<Result<String, String>>,
+        ready: flume::Sender<Result<String, DataPlaneError>>,
     ) -> Self {
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
@@ -343,8 +340,11 @@ where
                 };
                 format!("{}:0", shared.config.host)
                     .parse()
-                    .map_err(|e| format!("bad host {:?}: {e}", shared.config.host))
-                    .and_then(|addr| TcpTransport::bind(addr, config).map_err(|e| e.to_string()))
+                    .map_err(|source| DataPlaneError::BadHost {
+                        host: shared.config.host.clone(),
+                        source,
+                    })
+                    .and_then(|addr| Ok(TcpTransport::bind(addr, config)?))
                     .map(AnyTransport::Tcp)
             }
         };
@@ -544,7 +544,7 @@ where
         op: Op,
     ) -> Result<(EndpointAddr, Vec<Desc>, Vec<Range<usize>>), String> {
         let data = self.shared.peer(peer.0).ok_or("peer unknown (no hello)")?;
-        let pair = data.pair.as_ref().map_err(|e| e.clone())?;
+        let pair = data.pair.as_ref().map_err(|e| e.to_string())?;
         let endpoint = data.endpoint.ok_or("peer endpoint unusable")?;
         fill_u64(&mut self.src, src);
         fill_u64(&mut self.dst, dst);
@@ -913,9 +913,7 @@ fn notify_handler<M: NodeMachine + 'static>(
         };
         for f in frames {
             match wire::decode(f, &limits) {
-                Ok(Frame::Transfer { transfer_id, msg }) => {
-                    router.route(peer, transfer_id, msg)
-                }
+                Ok(Frame::Transfer { transfer_id, msg }) => router.route(peer, transfer_id, msg),
                 Ok(other) => {
                     tracing::debug!(?other, "only transfer messages travel over the data plane");
                     shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);

@@ -395,7 +395,10 @@ fn header<'a>(bytes: &'a [u8], limits: &Limits) -> Result<(u16, &'a [u8]), WireE
     if magic != MAGIC {
         return Err(WireError::BadMagic(magic));
     }
-    Ok((u16::from_le_bytes([bytes[2], bytes[3]]), &bytes[HEADER_LEN..]))
+    Ok((
+        u16::from_le_bytes([bytes[2], bytes[3]]),
+        &bytes[HEADER_LEN..],
+    ))
 }
 
 /// A `Refuse` body, which every version reads (its encoding is frozen).

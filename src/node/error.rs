@@ -1,0 +1,163 @@
+//! Why node calls fail, with the blame kept apart: the caller
+//! ([`Misuse`]), back-pressure, the data plane, the side channel, the
+//! bootstrap service, time. Failures of a request are phases, not errors.
+
+use kvferry_machines::common::InputError;
+use kvferry_machines::planner::PlanError;
+use kvferry_machines::Phase;
+use kvferry_reactor::{ReactorError, SubmitError};
+
+use super::Role;
+use crate::bootstrap::{ClientError, ServerError};
+use crate::transport::TransportError;
+
+/// Why a node call failed.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The caller used the API wrongly.
+    #[error("misuse: {0}")]
+    Misuse(#[from] Misuse),
+    /// Back-pressure: the node holds its maximum of requests or its queues
+    /// are full; retry after collecting finished requests.
+    #[error("busy: {0}")]
+    Busy(SubmitError),
+    /// The node is shutting down.
+    #[error("node is shutting down")]
+    ShuttingDown,
+    /// The executors could not start.
+    #[error("reactor: {0}")]
+    Reactor(#[from] ReactorError),
+    /// The data plane refused (endpoint, memory registration).
+    #[error("data plane: {0}")]
+    DataPlane(#[from] DataPlaneError),
+    /// The side channel could not start.
+    #[error("side channel: {during}: {source}")]
+    SideChannel {
+        /// The step that failed.
+        during: &'static str,
+        /// What ZeroMQ or the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The embedded bootstrap service could not start.
+    #[error("bootstrap service: {0}")]
+    BootstrapServer(#[from] ServerError),
+    /// The bootstrap service could not be reached or refused us.
+    #[error("bootstrap: {0}")]
+    Bootstrap(#[from] ClientError),
+    /// A startup step did not finish in time.
+    #[error("timed out: {0}")]
+    Timeout(&'static str),
+}
+
+impl NodeError {
+    /// A side-channel failure during `during`.
+    pub(crate) fn side_channel(during: &'static str, source: impl Into<std::io::Error>) -> Self {
+        NodeError::SideChannel {
+            during,
+            source: source.into(),
+        }
+    }
+}
+
+impl From<SubmitError> for NodeError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::ShuttingDown => NodeError::ShuttingDown,
+            SubmitError::MailboxFull { .. } | SubmitError::AtCapacity { .. } => NodeError::Busy(e),
+            other => NodeError::Misuse(Misuse::Submit(other)),
+        }
+    }
+}
+
+/// How the caller used the node wrongly.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum Misuse {
+    /// The machines' timeouts or bounds are inconsistent.
+    #[error("timeouts: {0}")]
+    Timeouts(#[source] InputError),
+    /// A node runs exactly one executor (one rank is one device).
+    #[error("a node runs exactly one executor (one rank is one device), not {0}")]
+    Executors(usize),
+    /// `tp_rank` is not below `tp_size`.
+    #[error("tp_rank {tp_rank} outside tp_size {tp_size}")]
+    TpRank {
+        /// The configured rank.
+        tp_rank: u32,
+        /// The configured size.
+        tp_size: u32,
+    },
+    /// A bound of [`super::NodeConfig`] that must be positive is 0.
+    #[error("{0} must be positive")]
+    ZeroBound(&'static str),
+    /// `register_kv_caches` was called a second time.
+    #[error("register_kv_caches called twice")]
+    RegisteredTwice,
+    /// A call that needs registered memory came before `register_kv_caches`.
+    #[error("register_kv_caches first")]
+    NotRegistered,
+    /// The registered layout is not one the planner accepts.
+    #[error("layout rejected: {0}")]
+    Layout(#[source] PlanError),
+    /// A region's `num_blocks × block_len` does not fit in 64 bits.
+    #[error("region length overflows")]
+    RegionOverflow,
+    /// The call belongs to the other role.
+    #[error("this call needs a {0:?} node")]
+    WrongRole(Role),
+    /// The request's input was refused by its machine.
+    #[error("request refused: {0}")]
+    Request(#[source] InputError),
+    /// The executor refused the command (unknown or duplicate transfer).
+    #[error("{0}")]
+    Submit(#[source] SubmitError),
+    /// The transfer already ended in this phase.
+    #[error("the transfer already ended: {0:?}")]
+    Ended(Phase),
+}
+
+/// Why the data plane could not start or take the registered memory.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum DataPlaneError {
+    /// `NodeConfig::host` is not an IP address.
+    #[error("bad host {host:?}: {source}")]
+    BadHost {
+        /// The configured host.
+        host: String,
+        /// Why it does not parse.
+        #[source]
+        source: std::net::AddrParseError,
+    },
+    /// The node's executor has no transport endpoint (it failed to start).
+    #[error("the node has no transport endpoint")]
+    NoEndpoint,
+    /// A region is longer than this machine's address space.
+    #[error("region longer than the address space")]
+    RegionTooLong,
+    /// The transport refused.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+/// Why a peer cannot pair with this rank; its transfers fail with
+/// `BadMetadata`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PeerUnfit {
+    /// The peer runs the other transfer mode.
+    #[error("peer runs {theirs:?} mode, we run {ours:?}")]
+    Mode {
+        /// The peer's mode.
+        theirs: kvferry_machines::common::Mode,
+        /// Ours.
+        ours: kvferry_machines::common::Mode,
+    },
+    /// The peer's model facts differ from ours.
+    #[error("peer's model spec differs from ours")]
+    Model,
+    /// The planner rejected the pair of layouts.
+    #[error("layouts do not fit: {0}")]
+    Layout(#[source] PlanError),
+}
