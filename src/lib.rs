@@ -10,6 +10,7 @@ pub mod cli;
 pub mod node;
 pub mod plan;
 pub mod scheduler;
+pub mod stats;
 pub mod synth;
 pub mod transport;
 

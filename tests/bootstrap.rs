@@ -3,12 +3,12 @@
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+
 use std::time::Duration;
 
 use kvferry::bootstrap::{
-    BootstrapClient, BootstrapServer, ClientError, Metrics, Outcome, RegisterRequest,
-    RegistryLimits, RetryPolicy, ServerConfig, LATENCY_BUCKETS_S,
+    BootstrapClient, BootstrapServer, ClientError, RegisterRequest, RegistryLimits, RetryPolicy,
+    ServerConfig,
 };
 
 fn start() -> (BootstrapServer, BootstrapClient) {
@@ -216,8 +216,7 @@ fn body_size_and_registry_size_are_bounded() {
         },
         ..ServerConfig::default()
     };
-    let server = BootstrapServer::start_with("127.0.0.1:0", config, Arc::new(Metrics::new()))
-        .expect("server");
+    let server = BootstrapServer::start_with("127.0.0.1:0", config, None).expect("server");
     let client = BootstrapClient::new(&server.local_addr().to_string()).expect("client");
 
     let big = vec![b' '; 257];
@@ -252,98 +251,13 @@ fn body_size_and_registry_size_are_bounded() {
 }
 
 #[test]
-fn metrics_are_prometheus_text() {
-    let metrics = Arc::new(Metrics::new());
-    let server =
-        BootstrapServer::start_with("127.0.0.1:0", ServerConfig::default(), Arc::clone(&metrics))
-            .expect("server");
+fn a_standalone_service_has_no_metrics() {
+    let server = BootstrapServer::start("127.0.0.1:0").expect("server");
     let client = BootstrapClient::new(&server.local_addr().to_string()).expect("client");
-
-    metrics.record_transfer(Outcome::Ok, Duration::from_micros(700));
-    metrics.record_transfer(Outcome::Ok, Duration::from_millis(3));
-    metrics.record_transfer(Outcome::Ok, Duration::from_secs(100));
-    metrics.record_transfer(Outcome::Failed, Duration::from_millis(1));
-    metrics.record_transfer(Outcome::Expired, Duration::from_secs(300));
-    metrics.record_transfer(Outcome::Aborted, Duration::ZERO);
-    metrics.add_bytes(12345);
-    metrics.add_descriptors(67);
-    metrics.record_expired_hold();
-    metrics.record_peer_marked_dead();
-    metrics.record_peer_marked_dead();
-
     let (status, _) = client.request("GET", "/metrics", None).expect("raw");
+    assert_eq!(status, 404);
+    let (status, _) = client.request("GET", "/health", None).expect("raw");
     assert_eq!(status, 200);
-    let text = client.metrics_text().expect("metrics");
-
-    // Every sample line is `name[{labels}] value` with a HELP and TYPE for
-    // its family before it.
-    let mut declared = Vec::new();
-    for line in text.lines() {
-        if let Some(rest) = line.strip_prefix("# TYPE ") {
-            let mut parts = rest.split(' ');
-            let name = parts.next().expect("name").to_string();
-            let kind = parts.next().expect("kind");
-            assert!(matches!(kind, "counter" | "histogram"), "{line}");
-            declared.push(name);
-            continue;
-        }
-        if line.starts_with("# HELP ") {
-            continue;
-        }
-        let (series, value) = line.rsplit_once(' ').expect("sample has a value");
-        value.parse::<f64>().expect("numeric value");
-        let name = series.split('{').next().expect("name");
-        let family = name
-            .strip_suffix("_bucket")
-            .or_else(|| name.strip_suffix("_sum"))
-            .or_else(|| name.strip_suffix("_count"))
-            .filter(|f| declared.iter().any(|d| d == f))
-            .unwrap_or(name);
-        assert!(
-            declared.iter().any(|d| d == family),
-            "{name} has no TYPE line"
-        );
-    }
-
-    let sample = |series: &str| -> f64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
-            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
-            .parse()
-            .expect("number")
-    };
-    assert_eq!(sample("kvferry_transfers_total{outcome=\"ok\"}"), 3.0);
-    assert_eq!(sample("kvferry_transfers_total{outcome=\"failed\"}"), 1.0);
-    assert_eq!(sample("kvferry_transfers_total{outcome=\"expired\"}"), 1.0);
-    assert_eq!(sample("kvferry_transfers_total{outcome=\"aborted\"}"), 1.0);
-    assert_eq!(sample("kvferry_transfer_bytes_total"), 12345.0);
-    assert_eq!(sample("kvferry_transfer_descriptors_total"), 67.0);
-    assert_eq!(sample("kvferry_expired_holds_total"), 1.0);
-    assert_eq!(sample("kvferry_peers_marked_dead_total"), 2.0);
-
-    // Histogram of the three successful transfers: 0.7 ms, 3 ms, 100 s.
-    let h = "kvferry_transfer_duration_seconds";
-    assert_eq!(sample(&format!("{h}_bucket{{le=\"0.0005\"}}")), 0.0);
-    assert_eq!(sample(&format!("{h}_bucket{{le=\"0.001\"}}")), 1.0);
-    assert_eq!(sample(&format!("{h}_bucket{{le=\"0.005\"}}")), 2.0);
-    assert_eq!(sample(&format!("{h}_bucket{{le=\"60\"}}")), 2.0);
-    assert_eq!(sample(&format!("{h}_bucket{{le=\"+Inf\"}}")), 3.0);
-    assert_eq!(sample(&format!("{h}_count")), 3.0);
-    assert!((sample(&format!("{h}_sum")) - 100.0037).abs() < 1e-6);
-    // Buckets are cumulative: never decreasing, one line per bound + Inf.
-    let buckets: Vec<f64> = text
-        .lines()
-        .filter(|l| l.starts_with(&format!("{h}_bucket")))
-        .map(|l| {
-            l.rsplit_once(' ')
-                .expect("value")
-                .1
-                .parse()
-                .expect("number")
-        })
-        .collect();
-    assert_eq!(buckets.len(), LATENCY_BUCKETS_S.len() + 1);
-    assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
 }
 
 #[test]

@@ -6,14 +6,13 @@
 //! * `GET /query[?engine_id=ID]` →
 //!   `{"<dp_rank>": {"engine_id": .., "worker_addr": {"<tp_rank>": {"<pp_rank>": addr}}}}`
 //! * `GET /health` → `ok`
-//! * `GET /metrics` → Prometheus text from a shared [`Metrics`].
+//! * `GET /metrics` → the embedding node's metrics ([`MetricsSource`]), when it has one.
 //!
 //! The server ([`BootstrapServer`]) runs on plain threads over `tiny_http`;
 //! the client ([`BootstrapClient`]) is a few lines of HTTP/1.1 over
 //! `std::net::TcpStream`, so neither pulls in an async runtime.
 
 mod client;
-mod metrics;
 mod server;
 
 use std::collections::BTreeMap;
@@ -21,7 +20,13 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use client::{BootstrapClient, ClientError, RetryPolicy};
-pub use metrics::{Metrics, MetricsSnapshot, Outcome, LATENCY_BUCKETS_S};
+
+/// Renders a node's metrics for `GET /metrics`.
+pub type MetricsSource = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
+
+/// The content type of `/metrics` (OpenMetrics text, which Prometheus
+/// scrapes).
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 pub use server::{BootstrapServer, ServerConfig, ServerError};
 
 /// Default port of the bootstrap service (the one vLLM uses).

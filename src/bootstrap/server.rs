@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 
 use tiny_http::{Header, Method, Request, Response, StatusCode};
 
-use super::{Metrics, RegisterError, RegisterRequest, Registry, RegistryLimits};
+use super::{MetricsSource, RegisterError, RegisterRequest, Registry, RegistryLimits};
 
 /// Server settings.
 #[derive(Clone, Debug)]
@@ -55,7 +55,7 @@ pub enum ServerError {
 
 struct Shared {
     registry: Mutex<Registry>,
-    metrics: Arc<Metrics>,
+    metrics: Option<MetricsSource>,
     config: ServerConfig,
 }
 
@@ -70,17 +70,18 @@ pub struct BootstrapServer {
 }
 
 impl BootstrapServer {
-    /// Starts the service on `addr` (e.g. `"0.0.0.0:8998"`, or port 0 for any
-    /// free port) with default settings and its own [`Metrics`].
+    /// Starts the service on `addr` (e.g. `"127.0.0.1:8998"`, or port 0 for
+    /// any free port) with default settings and no `/metrics`.
     pub fn start(addr: &str) -> Result<BootstrapServer, ServerError> {
-        Self::start_with(addr, ServerConfig::default(), Arc::new(Metrics::new()))
+        Self::start_with(addr, ServerConfig::default(), None)
     }
 
-    /// Starts the service, serving `metrics` on `GET /metrics`.
+    /// Starts the service, serving `metrics` (a node's, when the service is
+    /// embedded in it) on `GET /metrics`.
     pub fn start_with(
         addr: &str,
         config: ServerConfig,
-        metrics: Arc<Metrics>,
+        metrics: Option<MetricsSource>,
     ) -> Result<BootstrapServer, ServerError> {
         let resolved = addr
             .to_socket_addrs()
@@ -128,11 +129,6 @@ impl BootstrapServer {
     /// port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
-    }
-
-    /// The metrics served on `/metrics`.
-    pub fn metrics(&self) -> &Arc<Metrics> {
-        &self.shared.metrics
     }
 
     /// Workers registered so far.
@@ -195,10 +191,13 @@ fn handle(mut request: Request, shared: &Shared) {
         (Method::Post, "/register") => register(&mut request, shared),
         (Method::Get, "/query") => query_route(query, shared),
         (Method::Get, "/health") => Reply::text(200, "ok\n".into()),
-        (Method::Get, "/metrics") => Reply {
-            status: 200,
-            content_type: "text/plain; version=0.0.4; charset=utf-8",
-            body: shared.metrics.render_prometheus(),
+        (Method::Get, "/metrics") => match &shared.metrics {
+            Some(source) => Reply {
+                status: 200,
+                content_type: super::METRICS_CONTENT_TYPE,
+                body: source(),
+            },
+            None => Reply::error(404, "this service has no metrics".into()),
         },
         (_, "/register" | "/query" | "/health" | "/metrics") => {
             Reply::error(405, format!("method {method} not allowed on {path}"))

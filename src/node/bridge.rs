@@ -24,10 +24,10 @@ use kvferry_machines::{recv, send, AbortReason, TransferId};
 use kvferry_reactor::SubmitError;
 
 use super::{
-    EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Role, Shared,
+    Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Role, Shared,
 };
 use crate::bootstrap::{
-    BootstrapClient, BootstrapServer, ClientError, Metrics, RegisterRequest, RetryPolicy,
+    BootstrapClient, BootstrapServer, ClientError, MetricsSource, RegisterRequest, RetryPolicy,
     ServerConfig,
 };
 use kvferry_machines::wire::{self, Frame, Hello};
@@ -91,6 +91,9 @@ impl BridgeThread {
             Role::Prefill => {
                 let s = ctx.socket(zmq::ROUTER).map_err(zerr)?;
                 configure(&s, &shared.config).map_err(zerr)?;
+                // A frame for a decode peer that is gone is an error the
+                // bridge counts (`dropped_frames`), not a silent drop.
+                s.set_router_mandatory(true).map_err(zerr)?;
                 let port = match shared.config.side_channel_port {
                     0 => "*".to_string(),
                     p => p.to_string(),
@@ -350,6 +353,9 @@ impl Bridge {
             },
             Route::Dealer(d) => d.send(bytes, zmq::DONTWAIT),
         };
+        if r.is_ok() {
+            Counters::inc(&self.shared.counters.sidechannel_sent);
+        }
         if let Err(e) = r {
             tracing::debug!(peer, %e, "frame not sent");
             self.shared
@@ -411,7 +417,10 @@ impl Bridge {
                 Source::Monitor(_) => return,
             };
             let frame = match wire::decode(&payload, &self.shared.config.frame_limits) {
-                Ok(f) => f,
+                Ok(f) => {
+                    Counters::inc(&self.shared.counters.sidechannel_received);
+                    f
+                }
                 Err(wire::WireError::UnsupportedVersion { theirs, .. }) => {
                     self.refuse(peer, theirs);
                     continue;
@@ -454,7 +463,6 @@ impl Bridge {
             .counters
             .bad_frames
             .fetch_add(1, Ordering::Relaxed);
-        self.shared.metrics.record_sidechannel_decode_error();
     }
 
     /// Answers a frame of another protocol version with the frozen
@@ -487,7 +495,9 @@ impl Bridge {
                 .send(identity, zmq::SNDMORE | zmq::DONTWAIT)
                 .and_then(|()| router.send(bytes, zmq::DONTWAIT))
         });
-        if !matches!(sent, Some(Ok(()))) {
+        if let Some(Ok(())) = sent {
+            Counters::inc(&self.shared.counters.sidechannel_sent);
+        } else {
             self.shared
                 .counters
                 .dropped_frames
@@ -1113,7 +1123,6 @@ impl Bridge {
             .counters
             .dead_now
             .fetch_add(1, Ordering::Relaxed);
-        self.shared.metrics.record_peer_marked_dead();
         let quiet = s.last_heard.unwrap_or(s.since).elapsed();
         tracing::warn!(peer = i, addr = %s.addr, why, quiet_ms = quiet.as_millis() as u64, "peer marked dead");
         let tids: Vec<TransferId> = s.transfers.drain().collect();
@@ -1234,8 +1243,11 @@ pub(crate) struct EmbeddedBootstrap {
 }
 
 impl EmbeddedBootstrap {
-    pub(crate) fn start(addr: &str, metrics: Arc<Metrics>) -> Result<EmbeddedBootstrap, NodeError> {
-        let server = BootstrapServer::start_with(addr, ServerConfig::default(), metrics)?;
+    pub(crate) fn start(
+        addr: &str,
+        metrics: MetricsSource,
+    ) -> Result<EmbeddedBootstrap, NodeError> {
+        let server = BootstrapServer::start_with(addr, ServerConfig::default(), Some(metrics))?;
         Ok(EmbeddedBootstrap { server })
     }
 

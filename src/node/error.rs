@@ -40,9 +40,10 @@ pub enum NodeError {
         #[source]
         source: std::io::Error,
     },
-    /// The embedded bootstrap service could not start.
-    #[error("bootstrap service: {0}")]
-    BootstrapServer(#[from] ServerError),
+    /// The embedded bootstrap service or the metrics endpoint could not
+    /// start.
+    #[error("http server: {0}")]
+    Http(#[from] ServerError),
     /// The bootstrap service could not be reached or refused us.
     #[error("bootstrap: {0}")]
     Bootstrap(#[from] ClientError),

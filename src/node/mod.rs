@@ -62,6 +62,8 @@ use kvferry_reactor::{
     Completion, Outcome, Reactor, ReactorConfig, ReactorHandle, ShutdownPolicy, SubmitError,
 };
 
+use crate::stats::Counters;
+pub use crate::stats::NodeStats;
 use crate::transport::EndpointAddr;
 use bridge::BridgeCmd;
 pub use error::{DataPlaneError, Misuse, NodeError, PeerUnfit};
@@ -128,8 +130,12 @@ pub struct NodeConfig {
     /// Prefill: the bootstrap service to register at (`host:port`).
     pub bootstrap: Option<String>,
     /// Prefill: serve the bootstrap service embedded on this address
-    /// (vLLM serves it from rank 0 on port 8998).
+    /// (vLLM serves it from rank 0 on port 8998). It also serves this
+    /// node's `/metrics`.
     pub serve_bootstrap: Option<String>,
+    /// Serve this node's `/metrics` and `/health` on this address
+    /// (`host:port`, port 0 picks a free one; see [`Node::metrics_addr`]).
+    pub metrics_listen: Option<String>,
     /// Timeouts and bounds of the machines; `heartbeat_interval` and
     /// `heartbeat_misses` also drive peer liveness.
     pub timeouts: Timeouts,
@@ -241,6 +247,7 @@ impl NodeConfig {
             side_channel_port: 0,
             bootstrap: None,
             serve_bootstrap: None,
+            metrics_listen: None,
             timeouts: Timeouts::default(),
             reactor,
             frame_limits: wire::Limits::default(),
@@ -272,91 +279,6 @@ pub struct KvLayout {
     pub num_blocks: u64,
     /// One region per layer and K/V (per layer for MLA), same order on P and D.
     pub regions: Vec<Region>,
-}
-
-/// Counters of a node.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NodeStats {
-    /// Requests that ended in `Success`.
-    pub ok: u64,
-    /// Requests that ended in `Failed`.
-    pub failed: u64,
-    /// Requests that ended in `Expired`.
-    pub expired: u64,
-    /// Payload bytes this node moved (writes it posted or reads it made).
-    pub bytes: u64,
-    /// Descriptors posted.
-    pub descriptors: u64,
-    /// Batches that failed in the transport.
-    pub transport_errors: u64,
-    /// Times a peer was marked dead.
-    pub peers_marked_dead: u64,
-    /// Side-channel frames rejected by the decoder.
-    pub bad_frames: u64,
-    /// Frames dropped because a queue was full.
-    pub dropped_frames: u64,
-    /// Times a configured limit of the node (see [`NodeConfig`]) refused
-    /// or dropped something; each is also logged with the limit's name.
-    pub limit_hits: u64,
-    /// Side-channel messages this node sent over a data-plane session
-    /// instead of ZeroMQ (the peer took them).
-    pub data_plane_messages: u64,
-    /// Messages that were to go over the data plane but went over ZeroMQ
-    /// after all (the peer refused them, or the session failed).
-    pub data_plane_fallbacks: u64,
-    /// Push mode: closing `Status` messages that rode behind their
-    /// transfer's last write (also counted in `data_plane_messages`).
-    pub statuses_behind_writes: u64,
-    /// Frames of another protocol version this node refused (answered with
-    /// a `Refuse`).
-    pub version_refusals_sent: u64,
-    /// `Refuse` frames this node received: a peer of another protocol
-    /// version will not read its frames.
-    pub version_refusals_received: u64,
-}
-
-#[derive(Default)]
-pub(crate) struct Counters {
-    pub ok: AtomicU64,
-    pub failed: AtomicU64,
-    pub expired: AtomicU64,
-    pub bytes: AtomicU64,
-    pub descriptors: AtomicU64,
-    pub transport_errors: AtomicU64,
-    pub peers_marked_dead: AtomicU64,
-    pub bad_frames: AtomicU64,
-    pub dropped_frames: AtomicU64,
-    pub limit_hits: AtomicU64,
-    pub data_plane_messages: AtomicU64,
-    pub data_plane_fallbacks: AtomicU64,
-    pub statuses_behind_writes: AtomicU64,
-    pub version_refusals_sent: AtomicU64,
-    pub version_refusals_received: AtomicU64,
-    /// Peers marked dead now (not cumulative).
-    pub dead_now: AtomicU64,
-}
-
-impl Counters {
-    fn snapshot(&self) -> NodeStats {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        NodeStats {
-            ok: g(&self.ok),
-            failed: g(&self.failed),
-            expired: g(&self.expired),
-            bytes: g(&self.bytes),
-            descriptors: g(&self.descriptors),
-            transport_errors: g(&self.transport_errors),
-            peers_marked_dead: g(&self.peers_marked_dead),
-            bad_frames: g(&self.bad_frames),
-            dropped_frames: g(&self.dropped_frames),
-            limit_hits: g(&self.limit_hits),
-            data_plane_messages: g(&self.data_plane_messages),
-            data_plane_fallbacks: g(&self.data_plane_fallbacks),
-            statuses_behind_writes: g(&self.statuses_behind_writes),
-            version_refusals_sent: g(&self.version_refusals_sent),
-            version_refusals_received: g(&self.version_refusals_received),
-        }
-    }
 }
 
 /// A remote rank as the node knows it after its hello.
@@ -410,12 +332,11 @@ pub(crate) struct Shared {
     /// while all of them are connected and alive, so an engine thread can
     /// hand a new request its peers without a trip through the bridge.
     routes: Mutex<Routes>,
-    pub counters: Counters,
+    pub counters: Arc<Counters>,
     records: Mutex<Records>,
     pub bridge_tx: flume::Sender<BridgeCmd>,
     pub waker: Arc<waker::Waker>,
     /// Prometheus counters; the embedded bootstrap service serves them.
-    pub metrics: Arc<crate::bootstrap::Metrics>,
     /// Held while a prefill machine is created and while the bridge hands
     /// a message to a prefill machine. The reactor makes a transfer visible
     /// (board) before its `Create` is in the mailbox; without this lock the
@@ -671,14 +592,17 @@ impl Shared {
         r.finished.push_back(tid);
     }
 
-    pub(crate) fn on_terminal(&self, tid: TransferId, phase: Phase) {
-        let c = &self.counters;
-        match phase {
-            Phase::Success => c.ok.fetch_add(1, Ordering::Relaxed),
-            Phase::Failed(_) => c.failed.fetch_add(1, Ordering::Relaxed),
-            Phase::Expired => c.expired.fetch_add(1, Ordering::Relaxed),
-            Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring => return,
-        };
+    /// A request of this node reached `phase`, `latency` after its first
+    /// report.
+    pub(crate) fn on_terminal(&self, tid: TransferId, phase: Phase, latency: Duration) {
+        if !phase.is_terminal() {
+            return;
+        }
+        self.counters.record_terminal(phase, latency);
+        if let (Role::Prefill, Phase::Expired) = (self.role, phase) {
+            // The claim or lease ran out: the hold ended without decode's word.
+            Counters::inc(&self.counters.expired_holds);
+        }
         self.record(tid, phase);
         if let Some(n) = &self.config.notify {
             let _ = n.try_send((tid, phase));
@@ -797,6 +721,7 @@ struct Inner {
     bridge: Mutex<Option<bridge::BridgeThread>>,
     side_channel: String,
     bootstrap_server: Mutex<Option<crate::node::bridge::EmbeddedBootstrap>>,
+    metrics_server: Mutex<Option<crate::stats::MetricsServer>>,
 }
 
 impl Drop for Inner {
@@ -825,6 +750,12 @@ impl Inner {
         {
             s.stop();
         }
+        drop(
+            self.metrics_server
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
     }
 }
 
@@ -891,11 +822,10 @@ impl Node {
             tickets: Mutex::new(HashMap::new()),
             tracked: Mutex::new(Vec::new()),
             routes: Mutex::new(Routes::default()),
-            counters: Counters::default(),
+            counters: Arc::new(Counters::default()),
             records: Mutex::new(Records::default()),
             bridge_tx,
             waker,
-            metrics: Arc::new(crate::bootstrap::Metrics::new()),
             create_lock: Mutex::new(()),
             terminal_seq: Mutex::new(TerminalSeq::default()),
             terminal_cv: Condvar::new(),
@@ -925,12 +855,18 @@ impl Node {
             .recv_timeout(Duration::from_secs(10))
             .map_err(|_| NodeError::Timeout("transport endpoint"))??;
         let _ = shared.endpoint.set(endpoint);
+        let counters = shared.counters.clone();
+        let source: crate::bootstrap::MetricsSource =
+            Arc::new(move || crate::stats::render(&counters));
         let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
-            (Role::Prefill, Some(addr)) => Some(bridge::EmbeddedBootstrap::start(
-                addr,
-                shared.metrics.clone(),
-            )?),
+            (Role::Prefill, Some(addr)) => {
+                Some(bridge::EmbeddedBootstrap::start(addr, source.clone())?)
+            }
             _ => None,
+        };
+        let metrics_server = match &config.metrics_listen {
+            Some(addr) => Some(crate::stats::MetricsServer::start(addr, source)?),
+            None => None,
         };
         let (bridge, side_channel) =
             bridge::BridgeThread::start(shared.clone(), handle.clone(), bridge_rx)?;
@@ -942,6 +878,7 @@ impl Node {
                 bridge: Mutex::new(Some(bridge)),
                 side_channel,
                 bootstrap_server: Mutex::new(bootstrap_server),
+                metrics_server: Mutex::new(metrics_server),
             }),
         };
         if config.role == Role::Prefill {
@@ -1322,11 +1259,25 @@ impl Node {
         self.inner.shared.counters.snapshot()
     }
 
-    /// The node's Prometheus metrics (transfers by outcome, latency, bytes,
-    /// descriptors, peers marked dead); served on `/metrics` by the embedded
-    /// bootstrap service of a rank-0 prefill node.
-    pub fn metrics(&self) -> Arc<crate::bootstrap::Metrics> {
-        self.inner.shared.metrics.clone()
+    /// The node's metrics as `/metrics` serves them (OpenMetrics text):
+    /// the counters of [`Node::stats`] and the latency histogram.
+    pub fn metrics_text(&self) -> String {
+        crate::stats::render(&self.inner.shared.counters)
+    }
+
+    /// Latency of the requests that succeeded, first report to terminal.
+    pub fn latency(&self) -> crate::stats::Latency {
+        self.inner.shared.counters.latency()
+    }
+
+    /// Where `/metrics` and `/health` are served (`NodeConfig::metrics_listen`).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        let m = self
+            .inner
+            .metrics_server
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        m.as_ref().map(|m| m.local_addr())
     }
 
     /// Side-channel peers currently marked dead.

@@ -13,12 +13,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::bootstrap::Outcome;
 use kvferry_machines::common::{BlockLists, Msg, PeerId, TICKET_BIT};
 use kvferry_machines::planner::Plan;
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send::SendMachine;
-use kvferry_machines::{recv, send, FailReason, Machine, Phase, TransferId};
+use kvferry_machines::{recv, send, Machine, Phase, TransferId};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
@@ -517,8 +516,7 @@ where
                         .counters
                         .descriptors
                         .fetch_add(count, Ordering::Relaxed);
-                    shared.metrics.add_bytes(bytes);
-                    shared.metrics.add_descriptors(count);
+
                     true
                 }
                 Err(e) => {
@@ -591,19 +589,8 @@ where
             }
         }
         let since = self.started.borrow_mut().remove(&tid).unwrap_or(now);
-        let outcome = match phase {
-            Phase::Success => Outcome::Ok,
-            Phase::Expired => Outcome::Expired,
-            Phase::Failed(FailReason::Aborted(_) | FailReason::PeerAborted) => Outcome::Aborted,
-            Phase::Failed(_)
-            | Phase::Bootstrapping
-            | Phase::WaitingForInput
-            | Phase::Transferring => Outcome::Failed,
-        };
         self.shared
-            .metrics
-            .record_transfer(outcome, now.saturating_duration_since(since));
-        self.shared.on_terminal(tid, phase);
+            .on_terminal(tid, phase, now.saturating_duration_since(since));
     }
 }
 

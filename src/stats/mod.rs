@@ -1,0 +1,338 @@
+//! The node's one set of counters, and its two views: [`NodeStats`] (a
+//! snapshot for the embedder) and the Prometheus exposition of `/metrics`
+//! (rendered from the same counters at scrape time, through
+//! `prometheus-client`'s encoder). Every counter is declared once, in
+//! `counters!`: its field, its metric family and its help text.
+//!
+//! Every field is an independent relaxed atomic: the counters are only read
+//! for reporting, no decision depends on two of them being consistent with
+//! each other, and updating one from any thread costs one uncontended add.
+
+mod latency;
+mod serve;
+
+pub use latency::{Latency, LATENCY_BUCKETS_S};
+pub(crate) use serve::MetricsServer;
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use kvferry_machines::{FailReason, Phase};
+
+/// Declares every plain counter once: `field => "metric family", "help"`.
+/// The family is rendered with a `_total` suffix.
+macro_rules! counters {
+    ($($(#[$doc:meta])* $field:ident => $family:literal, $help:literal;)*) => {
+        /// A snapshot of the node's counters (each read individually).
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct NodeStats {
+            /// Requests that ended in `Success`.
+            pub ok: u64,
+            /// Requests that ended in `Failed` (aborts included).
+            pub failed: u64,
+            /// Of `failed`, those ended by an abort (local or the peer's).
+            pub aborted: u64,
+            /// Requests that ended in `Expired`.
+            pub expired: u64,
+            /// Peers marked dead now (not cumulative).
+            pub dead_now: u64,
+            $($(#[$doc])* pub $field: u64,)*
+        }
+
+        /// The counters themselves; one per node.
+        #[derive(Debug, Default)]
+        pub(crate) struct Counters {
+            ok: AtomicU64,
+            failed_other: AtomicU64,
+            aborted: AtomicU64,
+            expired: AtomicU64,
+            /// Peers marked dead now (a gauge).
+            pub dead_now: AtomicU64,
+            /// Latency of successful requests, first report to terminal.
+            latency: Mutex<Latency>,
+            $(pub $field: AtomicU64,)*
+        }
+
+        impl Counters {
+            /// Reads every counter.
+            pub fn snapshot(&self) -> NodeStats {
+                let aborted = self.aborted.load(Relaxed);
+                NodeStats {
+                    ok: self.ok.load(Relaxed),
+                    failed: self.failed_other.load(Relaxed) + aborted,
+                    aborted,
+                    expired: self.expired.load(Relaxed),
+                    dead_now: self.dead_now.load(Relaxed),
+                    $($field: self.$field.load(Relaxed),)*
+                }
+            }
+        }
+
+        impl NodeStats {
+            /// `(family, help, value)` of every plain counter.
+            fn plain(&self) -> Vec<(&'static str, &'static str, u64)> {
+                vec![$(($family, $help, self.$field),)*]
+            }
+        }
+    };
+}
+
+counters! {
+    /// Payload bytes this node moved (writes it posted or reads it made).
+    bytes => "kvferry_transfer_bytes", "Payload bytes moved by the data plane.";
+    /// Descriptors posted.
+    descriptors => "kvferry_transfer_descriptors", "Descriptors posted to the data plane.";
+    /// Batches that failed in the transport.
+    transport_errors => "kvferry_transport_errors", "Data-plane batches that failed.";
+    /// Times a peer was marked dead.
+    peers_marked_dead => "kvferry_peers_marked_dead",
+        "Peers marked dead after missed heartbeats or a dropped connection.";
+    /// Prefill: requests whose blocks were released because decode's claim
+    /// or lease ran out (decode never came, or went silent).
+    expired_holds => "kvferry_expired_holds",
+        "Block holds released because a claim or lease ran out.";
+    /// Side-channel frames decoded and handled.
+    sidechannel_received => "kvferry_sidechannel_received",
+        "Side-channel frames received and decoded.";
+    /// Side-channel frames handed to ZeroMQ.
+    sidechannel_sent => "kvferry_sidechannel_sent", "Side-channel frames sent.";
+    /// Side-channel frames rejected by the decoder.
+    bad_frames => "kvferry_sidechannel_decode_errors",
+        "Side-channel frames rejected by the decoder.";
+    /// Side-channel frames not sent: a queue was full, or the peer's slot
+    /// is gone.
+    dropped_frames => "kvferry_sidechannel_send_failures",
+        "Side-channel frames that could not be sent.";
+    /// Times a configured limit of the node (see `NodeConfig`) refused or
+    /// dropped something; each is also logged with the limit's name.
+    limit_hits => "kvferry_limit_hits", "Times a configured limit refused or dropped something.";
+    /// Side-channel messages this node sent over a data-plane session
+    /// instead of ZeroMQ (the peer took them).
+    data_plane_messages => "kvferry_data_plane_messages",
+        "Side-channel messages sent over a data-plane session.";
+    /// Messages that were to go over the data plane but went over ZeroMQ
+    /// after all (the peer refused them, or the session failed).
+    data_plane_fallbacks => "kvferry_data_plane_fallbacks",
+        "Messages meant for the data plane that went over ZeroMQ after all.";
+    /// Push mode: closing `Status` messages that rode behind their
+    /// transfer's last write (also counted in `data_plane_messages`).
+    statuses_behind_writes => "kvferry_statuses_behind_writes",
+        "Closing statuses that rode behind their transfer's last write.";
+    /// Frames of another protocol version this node refused (answered with
+    /// a `Refuse`).
+    version_refusals_sent => "kvferry_version_refusals_sent",
+        "Frames of another protocol version refused.";
+    /// `Refuse` frames this node received: a peer of another protocol
+    /// version will not read its frames.
+    version_refusals_received => "kvferry_version_refusals_received",
+        "Refusals received from peers of another protocol version.";
+}
+
+impl Counters {
+    /// Counts a request that reached `phase`, which took `latency` from its
+    /// first report. Only successes enter the latency histogram: failed and
+    /// expired requests end at deadlines, and mixing them in would hide the
+    /// latency of the requests that worked.
+    pub fn record_terminal(&self, phase: Phase, latency: Duration) {
+        match phase {
+            Phase::Success => {
+                self.ok.fetch_add(1, Relaxed);
+                let mut l = self.latency.lock().unwrap_or_else(|e| e.into_inner());
+                l.record(latency);
+            }
+            Phase::Failed(FailReason::Aborted(_) | FailReason::PeerAborted) => {
+                self.aborted.fetch_add(1, Relaxed);
+            }
+            Phase::Failed(_) => {
+                self.failed_other.fetch_add(1, Relaxed);
+            }
+            Phase::Expired => {
+                self.expired.fetch_add(1, Relaxed);
+            }
+            Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring => {}
+        }
+    }
+
+    /// A copy of the latency histogram of successful requests.
+    pub fn latency(&self) -> Latency {
+        self.latency
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+
+    /// Adds one to `counter` (a field of this set).
+    pub fn inc(counter: &AtomicU64) {
+        Self::add(counter, 1);
+    }
+}
+
+/// Renders `counters` as OpenMetrics text (which Prometheus scrapes).
+pub(crate) fn render(counters: &std::sync::Arc<Counters>) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Scrape(counters.clone())));
+    let mut out = String::with_capacity(4096);
+    // Writing to a String cannot fail, and the collector only fails when
+    // the writer does.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+    out
+}
+
+/// Reads the counters at scrape time.
+#[derive(Debug)]
+struct Scrape(std::sync::Arc<Counters>);
+
+impl Collector for Scrape {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = self.0.snapshot();
+        let by_outcome = [
+            ("ok", s.ok),
+            ("failed", s.failed - s.aborted),
+            ("aborted", s.aborted),
+            ("expired", s.expired),
+        ];
+        let mut family = encoder.encode_descriptor(
+            "kvferry_transfers",
+            "Requests finished, by outcome.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (outcome, n) in by_outcome {
+            let labels = [("outcome", outcome)];
+            ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+        }
+        for (name, help, value) in s.plain() {
+            let c = ConstCounter::new(value);
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        let g = ConstGauge::new(s.dead_now as i64);
+        g.encode(encoder.encode_descriptor(
+            "kvferry_peers_dead",
+            "Peers marked dead now.",
+            None,
+            g.metric_type(),
+        )?)?;
+        let latency = self.0.latency();
+        let buckets = latency.buckets();
+        let bounds = LATENCY_BUCKETS_S.iter().copied().chain([f64::MAX]);
+        let pairs: Vec<(f64, u64)> = bounds.zip(buckets).collect();
+        let m = encoder.encode_descriptor(
+            "kvferry_transfer_duration_seconds",
+            "Latency of successful requests, first report to completion.",
+            None,
+            MetricType::Histogram,
+        )?;
+        encode_histogram(m, latency.sum().as_secs_f64(), latency.count(), &pairs)
+    }
+}
+
+fn encode_histogram(
+    mut m: prometheus_client::encoding::MetricEncoder,
+    sum: f64,
+    count: u64,
+    buckets: &[(f64, u64)],
+) -> Result<(), std::fmt::Error> {
+    m.encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, count, buckets, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn every_counter_is_rendered_once_with_its_value() {
+        let c = Arc::new(Counters::default());
+        c.record_terminal(Phase::Success, Duration::from_micros(700));
+        c.record_terminal(Phase::Success, Duration::from_secs(100));
+        c.record_terminal(Phase::Failed(FailReason::PeerDead), Duration::ZERO);
+        c.record_terminal(Phase::Failed(FailReason::PeerAborted), Duration::ZERO);
+        c.record_terminal(Phase::Expired, Duration::ZERO);
+        Counters::add(&c.bytes, 12345);
+        Counters::inc(&c.limit_hits);
+        c.dead_now.fetch_add(2, Relaxed);
+        let s = c.snapshot();
+        assert_eq!((s.ok, s.failed, s.aborted, s.expired), (2, 2, 1, 1));
+        let text = render(&c);
+        let sample = |series: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+                .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+                .parse()
+                .expect("number")
+        };
+        assert_eq!(sample("kvferry_transfers_total{outcome=\"ok\"}"), 2.0);
+        assert_eq!(sample("kvferry_transfers_total{outcome=\"failed\"}"), 1.0);
+        assert_eq!(sample("kvferry_transfers_total{outcome=\"aborted\"}"), 1.0);
+        assert_eq!(sample("kvferry_transfers_total{outcome=\"expired\"}"), 1.0);
+        assert_eq!(sample("kvferry_transfer_bytes_total"), 12345.0);
+        assert_eq!(sample("kvferry_limit_hits_total"), 1.0);
+        assert_eq!(sample("kvferry_peers_dead"), 2.0);
+        let h = "kvferry_transfer_duration_seconds";
+        assert_eq!(sample(&format!("{h}_bucket{{le=\"0.0005\"}}")), 0.0);
+        assert_eq!(sample(&format!("{h}_bucket{{le=\"0.001\"}}")), 1.0);
+        assert_eq!(sample(&format!("{h}_bucket{{le=\"60.0\"}}")), 1.0);
+        assert_eq!(sample(&format!("{h}_bucket{{le=\"+Inf\"}}")), 2.0);
+        assert_eq!(sample(&format!("{h}_count")), 2.0);
+        assert!((sample(&format!("{h}_sum")) - 100.0007).abs() < 1e-6);
+        // Buckets are cumulative: never decreasing, one line per bound + Inf.
+        let buckets: Vec<f64> = text
+            .lines()
+            .filter(|l| l.starts_with(&format!("{h}_bucket")))
+            .map(|l| {
+                l.rsplit_once(' ')
+                    .expect("value")
+                    .1
+                    .parse()
+                    .expect("number")
+            })
+            .collect();
+        assert_eq!(buckets.len(), LATENCY_BUCKETS_S.len() + 1);
+        assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
+        check_exposition(&text);
+        // One TYPE line per family, every plain counter among them.
+        for (family, _, _) in s.plain() {
+            let declared = format!("# TYPE {family} counter");
+            assert_eq!(text.matches(&declared).count(), 1, "{family}\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    /// Every sample line is `name[{labels}] value` after a TYPE line of its
+    /// family (`_total`, `_bucket`, `_sum`, `_count` suffixes).
+    pub(crate) fn check_exposition(text: &str) {
+        let mut declared: Vec<String> = Vec::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("name and kind");
+                assert!(matches!(kind, "counter" | "gauge" | "histogram"), "{line}");
+                declared.push(name.to_string());
+                continue;
+            }
+            if line.starts_with('#') {
+                continue;
+            }
+            let (series, value) = line.rsplit_once(' ').expect("sample has a value");
+            value.parse::<f64>().expect("numeric value");
+            let name = series.split('{').next().expect("name");
+            let family = ["_total", "_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .filter(|f| declared.iter().any(|d| d == f))
+                .unwrap_or(name);
+            assert!(declared.iter().any(|d| d == family), "{name} has no TYPE");
+        }
+    }
+}
