@@ -1,0 +1,127 @@
+//! Per-request handles: a [`Sender`] on a prefill node, a [`Receiver`] on
+//! a decode node.
+
+use std::time::{Duration, Instant};
+
+use kvferry_machines::common::{AbortReason, BlockLists, FailReason, Phase, TransferId};
+
+use super::{Node, NodeError, PrefillTarget};
+
+/// Waits for a terminal phase of `tid` on `node`, up to `timeout`: sleeps
+/// on the node's condition variable, which the executor signals on every
+/// terminal phase.
+fn wait_terminal(node: &Node, tid: u64, timeout: Duration, before: Phase) -> Phase {
+    let deadline = Instant::now() + timeout;
+    let s = &node.inner.shared;
+    loop {
+        let seen = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner()).seq;
+        let p = node.phase(tid).unwrap_or(before);
+        let now = Instant::now();
+        if p.is_terminal() || now >= deadline {
+            return p;
+        }
+        let mut guard = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.seq == seen {
+            // Counted under the lock the notifier bumps `seq` under: it
+            // either sees us waiting or we see its bump.
+            guard.waiters += 1;
+            let (mut guard, _) = s
+                .terminal_cv
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|e| e.into_inner());
+            guard.waiters -= 1;
+        }
+    }
+}
+
+/// Prefill-side handle of one transfer (SGLang's `KVSender`).
+#[derive(Debug)]
+pub struct Sender {
+    pub(super) node: Node,
+    pub(super) tid: TransferId,
+}
+
+impl Sender {
+    /// The transfer.
+    pub fn transfer_id(&self) -> u64 {
+        self.tid.0
+    }
+
+    /// Hands a chunk of ready KV (source blocks per group) to the transfer;
+    /// `is_last` on the final chunk (a whole request is one chunk).
+    pub fn send(&self, blocks: BlockLists, is_last: bool) -> Result<(), NodeError> {
+        self.node.send_chunk(self.tid, blocks, is_last)
+    }
+
+    /// Current phase. Terminal once the source blocks may be reused.
+    pub fn poll(&self) -> Phase {
+        self.node
+            .phase(self.tid.0)
+            .unwrap_or(Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
+    }
+
+    /// Aborts the transfer; the phase turns terminal once no peer can read
+    /// the blocks anymore.
+    pub fn abort(&self) -> Result<(), NodeError> {
+        self.node.abort(self.tid.0)
+    }
+
+    /// Waits (bounded) for a terminal phase.
+    pub fn wait(&self, timeout: Duration) -> Phase {
+        wait_terminal(
+            &self.node,
+            self.tid.0,
+            timeout,
+            Phase::Failed(FailReason::Aborted(AbortReason::Engine)),
+        )
+    }
+}
+
+/// Decode-side handle of one transfer (SGLang's `KVReceiver`).
+#[derive(Debug)]
+pub struct Receiver {
+    pub(super) node: Node,
+    pub(super) tid: TransferId,
+    pub(super) target: PrefillTarget,
+}
+
+impl Receiver {
+    /// The transfer.
+    pub fn transfer_id(&self) -> u64 {
+        self.tid.0
+    }
+
+    /// Asks the prefill ranks for the KV, into `dst_blocks` (per group).
+    pub fn request(&self, dst_blocks: BlockLists) -> Result<(), NodeError> {
+        let prefix = vec![0; dst_blocks.len()];
+        self.node
+            .request(self.tid, &self.target, dst_blocks, prefix)
+    }
+
+    /// Like [`Receiver::request`] with a partial prefix hit: per group, the
+    /// number of the prefill side's leading blocks this rank already holds.
+    pub fn request_with_prefix(
+        &self,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+    ) -> Result<(), NodeError> {
+        self.node
+            .request(self.tid, &self.target, dst_blocks, prefix_blocks)
+    }
+
+    /// Current phase; `Bootstrapping` before `request`. Terminal once the
+    /// destination blocks are the engine's again.
+    pub fn poll(&self) -> Phase {
+        self.node.phase(self.tid.0).unwrap_or(Phase::Bootstrapping)
+    }
+
+    /// Aborts the transfer.
+    pub fn abort(&self) -> Result<(), NodeError> {
+        self.node.abort(self.tid.0)
+    }
+
+    /// Waits (bounded) for a terminal phase.
+    pub fn wait(&self, timeout: Duration) -> Phase {
+        wait_terminal(&self.node, self.tid.0, timeout, Phase::Bootstrapping)
+    }
+}

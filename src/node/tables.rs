@@ -1,0 +1,420 @@
+//! The tables the engine threads, the executor and the bridge share, and
+//! [`Shared`], which holds them.
+//!
+//! Each table has one writer; the others read. The locks stay where a
+//! message to the writer would put a thread hand-off on the critical path
+//! of a request: each hand-off waits for a cross-CPU wake-up of an idle
+//! vCPU, about 35 µs on the 2-vCPU VM of `docs/performance.md`, against
+//! well under a microsecond for these uncontended locks.
+//!
+//! | table | writer | readers |
+//! |---|---|---|
+//! | `peers` (hellos by slot and by endpoint) | bridge | executor (planning), bridge |
+//! | `tickets` (heartbeat acks sent, prefill) | bridge | executor (grants over the data plane) |
+//! | `tracked` (transfers to tie to peers) | executor, engine threads | bridge (drains it) |
+//! | `routes` (resolved prefill ranks, decode) | bridge | engine threads (new requests) |
+//! | `records` (final phases) | executor | engine threads (`poll`, `get_finished`) |
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use kvferry_machines::common::{BlockId, Mode, Phase, TransferId};
+use kvferry_machines::layout::{ModelSpec, RankLayout};
+use kvferry_machines::planner::PairLayout;
+use kvferry_machines::recv::ResolvedPeer;
+use kvferry_machines::send;
+use kvferry_machines::wire;
+
+use super::bridge::BridgeCmd;
+use super::{waker, NodeConfig, PeerUnfit, PrefillTarget, Role, TRACK_WAKE_EVERY};
+use crate::stats::Counters;
+use crate::transport::EndpointAddr;
+
+/// A remote rank as the node knows it after its hello.
+#[derive(Debug)]
+pub(crate) struct PeerData {
+    /// The peer's hello, kept for diagnostics (`Debug`).
+    #[allow(dead_code)]
+    pub hello: wire::Hello,
+    /// The validated pair (P layout, D layout), or why it does not fit.
+    pub pair: Result<PairLayout, PeerUnfit>,
+    pub endpoint: Option<EndpointAddr>,
+}
+
+/// This rank's registered KV cache.
+#[derive(Clone, Debug)]
+pub(crate) struct LocalKv {
+    pub model: ModelSpec,
+    pub layout: RankLayout,
+}
+
+#[derive(Default)]
+pub(crate) struct Records {
+    /// Final phase by transfer, for handles polled after collection.
+    pub(crate) done: HashMap<TransferId, Phase>,
+    pub(crate) order: VecDeque<TransferId>,
+    pub(crate) finished: VecDeque<TransferId>,
+    pub(crate) load_errors: Vec<BlockId>,
+}
+
+/// State shared by the engine-facing handle, the executor and the bridge.
+pub(crate) struct Shared {
+    pub role: Role,
+    pub node_id: u64,
+    pub config: NodeConfig,
+    pub local: OnceLock<LocalKv>,
+    pub endpoint: OnceLock<String>,
+    /// Peers by side-channel slot, and the slot of each data-plane
+    /// endpoint (the latest hello that named it), for messages that arrive
+    /// over the data plane.
+    pub(crate) peers: Mutex<Peers>,
+    /// Prefill side: per decode peer, the heartbeat acks the bridge sent it
+    /// (`seq`, sent at), newest last: a grant naming one as a lease ticket
+    /// counts from when it was sent. Read by the bridge and by the executor
+    /// (for grants that come over the data plane).
+    pub(crate) tickets: Mutex<HashMap<u32, VecDeque<(u64, Instant)>>>,
+    /// Transfers whose messages went over the data plane, by peer slot, for
+    /// the bridge to tie to that peer (so the peer's death fails them fast)
+    /// on its next turn.
+    pub(crate) tracked: Mutex<Vec<(u32, TransferId)>>,
+    /// Decode side: the prefill ranks of each target the bridge resolved,
+    /// while all of them are connected and alive, so an engine thread can
+    /// hand a new request its peers without a trip through the bridge.
+    pub(crate) routes: Mutex<Routes>,
+    pub counters: Arc<Counters>,
+    pub(crate) records: Mutex<Records>,
+    pub bridge_tx: flume::Sender<BridgeCmd>,
+    pub waker: Arc<waker::Waker>,
+    /// Prometheus counters; the embedded bootstrap service serves them.
+    /// Held while a prefill machine is created and while the bridge hands
+    /// a message to a prefill machine. The reactor makes a transfer visible
+    /// (board) before its `Create` is in the mailbox; without this lock the
+    /// bridge could queue a `Pull` ahead of the engine's `Create`, and the
+    /// executor would drop it as a message for an unknown transfer.
+    pub create_lock: Mutex<()>,
+    /// Bumped on every terminal phase, and signalled when a `wait` is
+    /// waiting (a wake-up with nobody to wake is a system call per request).
+    pub(crate) terminal_seq: Mutex<TerminalSeq>,
+    pub(crate) terminal_cv: Condvar,
+}
+
+/// See `Shared::terminal_seq`.
+#[derive(Default)]
+pub(crate) struct TerminalSeq {
+    pub(crate) seq: u64,
+    pub(crate) waiters: usize,
+}
+
+/// See `Shared::routes`.
+#[derive(Default)]
+pub(crate) struct Routes {
+    /// Per target: (peer slot, receivers expected) per prefill rank the
+    /// request contacts, as the bridge last resolved them.
+    pub(crate) by_target: HashMap<PrefillTarget, Vec<(u32, u16)>>,
+    /// Per prefill slot: the latest heartbeat ack it sent us (`seq`, when
+    /// it arrived), a lease ticket for push-mode `Pull`s.
+    pub(crate) tickets: HashMap<u32, (u64, Instant)>,
+}
+
+#[derive(Default)]
+pub(crate) struct Peers {
+    pub(crate) by_slot: HashMap<u32, Arc<PeerData>>,
+    pub(crate) by_endpoint: HashMap<EndpointAddr, u32>,
+}
+
+impl Shared {
+    pub(crate) fn peer(&self, id: u32) -> Option<Arc<PeerData>> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_slot
+            .get(&id)
+            .cloned()
+    }
+
+    /// The side-channel slot of the peer whose hello named data-plane
+    /// endpoint `endpoint`.
+    pub(crate) fn peer_at(&self, endpoint: &EndpointAddr) -> Option<u32> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_endpoint
+            .get(endpoint)
+            .copied()
+    }
+
+    /// Records the hello of the peer in slot `id`.
+    pub(crate) fn set_peer(&self, id: u32, data: Arc<PeerData>) {
+        let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = data.endpoint {
+            p.by_endpoint.insert(e, id);
+        }
+        if let Some(old) = p.by_slot.insert(id, data) {
+            forget_endpoint(&mut p, id, old.endpoint);
+        }
+    }
+
+    /// Forgets the peer in slot `id` (its slot goes to a newcomer).
+    pub(crate) fn remove_peer(&self, id: u32) {
+        let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = p.by_slot.remove(&id) {
+            forget_endpoint(&mut p, id, old.endpoint);
+        }
+        drop(p);
+        self.tickets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+    }
+
+    /// Remembers that heartbeat ack `seq` went to `peer` at `at`; the
+    /// oldest beyond `kept` are forgotten.
+    pub(crate) fn ack_sent(&self, peer: u32, seq: u64, at: Instant, kept: usize) {
+        let mut t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        let acks = t.entry(peer).or_default();
+        if acks.len() >= kept {
+            acks.pop_front();
+        }
+        acks.push_back((seq, at));
+    }
+
+    /// When the heartbeat ack `ticket` went to `peer` (the first time, if
+    /// twice), if it is still remembered.
+    pub(crate) fn ticket_sent_at(&self, peer: u32, ticket: u64) -> Option<Instant> {
+        let t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        t.get(&peer)?
+            .iter()
+            .filter(|(q, _)| *q == ticket)
+            .map(|(_, at)| *at)
+            .min()
+    }
+
+    /// What a grant naming heartbeat ack `ticket` from decode `peer` means
+    /// to a prefill machine: a lease counted from when that ack went out
+    /// (the oldest, if sent twice), or, for an unknown or forgotten one,
+    /// that P must ask for a lease at once.
+    pub(crate) fn ticket_event(&self, peer: u32, ticket: u64, duration_ms: u64) -> send::Event {
+        let peer = kvferry_machines::common::PeerId(peer);
+        match self.ticket_sent_at(peer.0, ticket) {
+            Some(sent_at) => send::Event::TicketGrant {
+                peer,
+                sent_at,
+                duration_ms,
+            },
+            None => {
+                tracing::debug!(?peer, ticket, "lease ticket not ours; refused");
+                send::Event::TicketRefused { peer }
+            }
+        }
+    }
+
+    /// Ties `tid` to `peer` for the bridge (see `tracked`); bounded like the
+    /// bridge's queue, past which the peer's death is left to the
+    /// machines' own timeouts.
+    pub(crate) fn track(&self, peer: u32, tid: TransferId) {
+        let mut t = self.tracked.lock().unwrap_or_else(|e| e.into_inner());
+        if t.len() < self.config.bridge_queue_capacity {
+            t.push((peer, tid));
+            // An otherwise idle bridge only turns once per heartbeat
+            // interval; under load, wake it to take the queue now and then
+            // (one eventfd write per `TRACK_WAKE_EVERY` entries).
+            if t.len() % TRACK_WAKE_EVERY == 0 {
+                drop(t);
+                self.waker.wake();
+            }
+        } else {
+            self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                limit = self.config.bridge_queue_capacity,
+                "transfer not tied to its peer: bridge_queue_capacity reached"
+            );
+        }
+    }
+
+    /// Takes what [`Shared::track`] queued.
+    pub(crate) fn take_tracked(&self) -> Vec<(u32, TransferId)> {
+        std::mem::take(&mut *self.tracked.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub(crate) fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
+        self.routes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The peers of a new decode request for `target`, from the routes the
+    /// bridge cached, each tied to `tid` for peer-death notification under
+    /// the same lock the bridge takes before it fails a dead peer's
+    /// transfers (so none is missed). `None`: ask the bridge.
+    pub(crate) fn cached_route(
+        &self,
+        tid: TransferId,
+        target: &PrefillTarget,
+    ) -> Option<Vec<ResolvedPeer>> {
+        let routes = self.routes();
+        let route = routes.by_target.get(target)?;
+        let peers = route
+            .iter()
+            .map(|&(slot, receivers_expected)| ResolvedPeer {
+                peer: kvferry_machines::common::PeerId(slot),
+                receivers_expected,
+                lease_ticket: routes.fresh_ticket(slot, &self.config),
+            })
+            .collect();
+        for &(slot, _) in route {
+            self.track(slot, tid);
+        }
+        Some(peers)
+    }
+
+    /// Queues a command for the bridge; a full queue drops it (the
+    /// machines' timeouts cover a lost message) and counts the drop.
+    pub(crate) fn to_bridge(&self, cmd: BridgeCmd) -> bool {
+        match self.bridge_tx.try_send(cmd) {
+            Ok(()) => {
+                self.waker.wake();
+                true
+            }
+            Err(_) => {
+                self.counters.dropped_frames.fetch_add(1, Ordering::Relaxed);
+                self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    limit = self.config.bridge_queue_capacity,
+                    "bridge command dropped: bridge_queue_capacity reached"
+                );
+                false
+            }
+        }
+    }
+
+    /// The recorded final phase of a transfer that ended here.
+    pub(crate) fn finished_phase(&self, tid: TransferId) -> Option<Phase> {
+        self.records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .done
+            .get(&tid)
+            .copied()
+    }
+
+    pub(crate) fn add_load_errors(&self, blocks: &[BlockId]) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let room = self
+            .config
+            .max_load_error_blocks
+            .saturating_sub(r.load_errors.len());
+        if blocks.len() > room {
+            tracing::warn!(
+                dropped = blocks.len() - room,
+                limit = self.config.max_load_error_blocks,
+                "load-error block ids dropped: max_load_error_blocks reached"
+            );
+            self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+        }
+        r.load_errors.extend(blocks.iter().take(room));
+    }
+
+    /// Remembers a final phase for handles and `get_finished`, bounded:
+    /// the oldest records go first.
+    pub(crate) fn record(&self, tid: TransferId, phase: Phase) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let max = self.config.max_finished_records.max(1);
+        if r.order.len() >= max {
+            if let Some(old) = r.order.pop_front() {
+                r.done.remove(&old);
+            }
+        }
+        if r.finished.len() >= max {
+            // The engine is not collecting (`get_finished`): the oldest
+            // uncollected notification goes. Its phase stays queryable
+            // until it ages out of `done` too.
+            if let Some(lost) = r.finished.pop_front() {
+                self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    ?lost,
+                    limit = max,
+                    "finished notification dropped uncollected: max_finished_records reached"
+                );
+            }
+        }
+        if r.done.insert(tid, phase).is_none() {
+            r.order.push_back(tid);
+        }
+        r.finished.push_back(tid);
+    }
+
+    /// A request of this node reached `phase`, `latency` after its first
+    /// report.
+    pub(crate) fn on_terminal(&self, tid: TransferId, phase: Phase, latency: Duration) {
+        if !phase.is_terminal() {
+            return;
+        }
+        self.counters.record_terminal(phase, latency);
+        if let (Role::Prefill, Phase::Expired) = (self.role, phase) {
+            // The claim or lease ran out: the hold ended without decode's word.
+            Counters::inc(&self.counters.expired_holds);
+        }
+        self.record(tid, phase);
+        if let Some(n) = &self.config.notify {
+            let _ = n.try_send((tid, phase));
+        }
+        if let Some((tag, n)) = &self.config.notify_tagged {
+            let _ = n.try_send((*tag, tid, phase));
+        }
+        let waiters = {
+            let mut t = self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+            t.seq += 1;
+            t.waiters
+        };
+        if waiters > 0 {
+            self.terminal_cv.notify_all();
+        }
+    }
+}
+
+impl Routes {
+    /// The ticket of prefill `slot` if recent enough to be worth a grant
+    /// (push mode only).
+    pub(crate) fn fresh_ticket(&self, slot: u32, config: &NodeConfig) -> Option<u64> {
+        let fresh = config.timeouts.lease / 2;
+        match config.mode {
+            Mode::Push => self
+                .tickets
+                .get(&slot)
+                .filter(|(_, at)| at.elapsed() < fresh)
+                .map(|&(seq, _)| seq),
+            Mode::Pull => None,
+        }
+    }
+
+    pub(crate) fn set_ticket(&mut self, slot: u32, seq: u64, at: Instant) {
+        self.tickets.insert(slot, (seq, at));
+    }
+
+    /// Caches the resolution of `target` (bounded: a full cache starts over).
+    pub(crate) fn insert(&mut self, target: PrefillTarget, route: Vec<(u32, u16)>, max: usize) {
+        if self.by_target.len() >= max.max(1) && !self.by_target.contains_key(&target) {
+            self.by_target.clear();
+        }
+        self.by_target.insert(target, route);
+    }
+
+    /// Forgets every cached resolution and the tickets of `slot` (reused).
+    pub(crate) fn clear(&mut self, reused: Option<u32>) {
+        self.by_target.clear();
+        if let Some(slot) = reused {
+            self.tickets.remove(&slot);
+        }
+    }
+}
+
+/// Drops the index entry of `endpoint` if it still names slot `id`.
+fn forget_endpoint(p: &mut Peers, id: u32, endpoint: Option<EndpointAddr>) {
+    if let Some(e) = endpoint {
+        if p.by_endpoint.get(&e) == Some(&id)
+            && p.by_slot.get(&id).and_then(|d| d.endpoint) != Some(e)
+        {
+            p.by_endpoint.remove(&e);
+        }
+    }
+}
