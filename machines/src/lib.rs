@@ -20,6 +20,7 @@
 
 pub mod common;
 pub mod layout;
+pub mod liveness;
 pub mod planner;
 pub mod recv;
 pub mod send;

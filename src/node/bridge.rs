@@ -30,6 +30,7 @@ use crate::bootstrap::{
     BootstrapClient, BootstrapServer, ClientError, MetricsSource, RegisterRequest, RetryPolicy,
     ServerConfig,
 };
+use kvferry_machines::liveness::{DeathCause, Liveness};
 use kvferry_machines::wire::{self, Frame, Hello};
 
 /// Most frames read from one socket before looking at the others.
@@ -116,7 +117,10 @@ impl BridgeThread {
             .timeouts
             .heartbeat_interval
             .max(Duration::from_millis(1));
+        let t = &shared.config.timeouts;
+        let silence_max = t.heartbeat_interval * t.heartbeat_misses.max(1);
         let bridge = Bridge {
+            liveness: Liveness::new(silence_max),
             shared,
             handle,
             rx,
@@ -176,26 +180,20 @@ struct Slot {
     /// Prefill side-channel address (decode side only).
     addr: String,
     ready: bool,
-    dead: bool,
     /// The protocol version of a peer that refused our frames (decode
     /// side); cleared by its next hello.
     refused: Option<u16>,
-    since: Instant,
-    last_heard: Option<Instant>,
     transfers: HashSet<TransferId>,
 }
 
 impl Slot {
-    fn new(route: Route, monitor: Option<zmq::Socket>, addr: String, since: Instant) -> Slot {
+    fn new(route: Route, monitor: Option<zmq::Socket>, addr: String) -> Slot {
         Slot {
             route,
             monitor,
             addr,
             ready: false,
-            dead: false,
             refused: None,
-            since,
-            last_heard: None,
             transfers: HashSet::new(),
         }
     }
@@ -229,6 +227,8 @@ struct Bridge {
     /// Socket monitors made so far (names their inproc endpoints).
     monitors: u64,
     stop: bool,
+    /// Which peers are dead (see `kvferry_machines::liveness`).
+    liveness: Liveness,
 }
 
 /// Where a readable socket is.
@@ -452,7 +452,8 @@ impl Bridge {
                 .and_then(|f| f.get(..2))
                 .map(|b| u16::from_le_bytes([b[0], b[1]]));
             if event == Some(zmq::SocketEvent::DISCONNECTED as u16) {
-                self.mark_dead(i as usize, "connection dropped");
+                self.liveness.handle_dropped(i);
+                self.on_deaths();
             }
         }
     }
@@ -552,22 +553,16 @@ impl Bridge {
                     self.bad_frame("too many peers");
                     return;
                 };
-                let slot = Slot::new(Route::Identity(identity.clone()), None, String::new(), now);
+                let slot = Slot::new(Route::Identity(identity.clone()), None, String::new());
                 let id = self.install(at, slot);
                 self.by_identity.insert(identity, id);
                 id
             }
         };
-        if let Some(s) = self.slots.get_mut(peer as usize) {
-            s.last_heard = Some(now);
-            if s.dead {
-                s.dead = false;
-                self.shared
-                    .counters
-                    .dead_now
-                    .fetch_sub(1, Ordering::Relaxed);
-                tracing::info!(peer, addr = %s.addr, "peer answered again; dead mark cleared");
-            }
+        if self.liveness.handle_heard(now, peer) {
+            self.publish_dead_count();
+            let addr = self.slots.get(peer as usize).map(|s| s.addr.as_str());
+            tracing::info!(peer, ?addr, "peer answered again; dead mark cleared");
         }
         match frame {
             Frame::Hello(h) => self.handle_hello(peer, h),
@@ -827,8 +822,11 @@ impl Bridge {
         }
         self.slots
             .iter()
-            .position(|s| {
-                s.dead && s.transfers.is_empty() && matches!(s.route, Route::Dealer(_)) == dealer
+            .enumerate()
+            .position(|(i, s)| {
+                self.liveness.is_dead(i as u32)
+                    && s.transfers.is_empty()
+                    && matches!(s.route, Route::Dealer(_)) == dealer
             })
             .map(Some)
     }
@@ -836,9 +834,12 @@ impl Bridge {
     /// Puts `slot` where [`Bridge::room_for`] said; a reused slot's peer is
     /// forgotten (its index entry, its dead mark, its hello).
     fn install(&mut self, at: Option<usize>, slot: Slot) -> u32 {
+        let now = Instant::now();
         let Some(i) = at else {
             self.slots.push(slot);
-            return self.slots.len() as u32 - 1;
+            let id = self.slots.len() as u32 - 1;
+            self.liveness.handle_added(now, id);
+            return id;
         };
         self.routes_changed(Some(i as u32));
         let old = std::mem::replace(&mut self.slots[i], slot);
@@ -846,10 +847,8 @@ impl Bridge {
             Route::Identity(id) => self.by_identity.remove(id),
             Route::Dealer(_) => self.by_addr.remove(&old.addr),
         };
-        self.shared
-            .counters
-            .dead_now
-            .fetch_sub(1, Ordering::Relaxed);
+        self.liveness.handle_added(now, i as u32);
+        self.publish_dead_count();
         self.shared.remove_peer(i as u32);
         i as u32
     }
@@ -899,7 +898,7 @@ impl Bridge {
             tracing::warn!(addr, %e, "cannot connect to prefill side channel");
             return None;
         }
-        let slot = Slot::new(Route::Dealer(s), monitor, addr.to_string(), Instant::now());
+        let slot = Slot::new(Route::Dealer(s), monitor, addr.to_string());
         let id = self.install(at, slot);
         self.by_addr.insert(addr.to_string(), id);
         if let Some(h) = self.own_hello() {
@@ -1034,7 +1033,7 @@ impl Bridge {
                 return true;
             };
             let slot = &self.slots[peer as usize];
-            if slot.dead {
+            if self.liveness.is_dead(peer) {
                 dead.push(peer);
             } else if slot.refused.is_some() {
                 refused.push(peer);
@@ -1102,29 +1101,27 @@ impl Bridge {
         drop(routes);
     }
 
-    /// Marks slot `i` dead and fails its transfers with `PeerDead`.
-    fn mark_dead(&mut self, i: usize, why: &'static str) {
-        let Some(s) = self.slots.get_mut(i) else {
-            return;
-        };
-        if s.dead {
-            return;
+    /// Handles the deaths the liveness table reports.
+    fn on_deaths(&mut self) {
+        while let Some((peer, cause)) = self.liveness.poll_dead() {
+            self.on_dead(peer as usize, cause);
         }
+        self.publish_dead_count();
+    }
+
+    fn publish_dead_count(&self) {
+        let dead = self.liveness.dead_count() as u64;
+        self.shared.counters.dead_now.store(dead, Ordering::Relaxed);
+    }
+
+    /// Slot `i` died: its routes go and its transfers fail with `PeerDead`.
+    fn on_dead(&mut self, i: usize, cause: DeathCause) {
         self.routes_changed(None);
         let Some(s) = self.slots.get_mut(i) else {
             return;
         };
-        s.dead = true;
-        self.shared
-            .counters
-            .peers_marked_dead
-            .fetch_add(1, Ordering::Relaxed);
-        self.shared
-            .counters
-            .dead_now
-            .fetch_add(1, Ordering::Relaxed);
-        let quiet = s.last_heard.unwrap_or(s.since).elapsed();
-        tracing::warn!(peer = i, addr = %s.addr, why, quiet_ms = quiet.as_millis() as u64, "peer marked dead");
+        Counters::inc(&self.shared.counters.peers_marked_dead);
+        tracing::warn!(peer = i, addr = %s.addr, ?cause, "peer marked dead");
         let tids: Vec<TransferId> = s.transfers.drain().collect();
         let addr = s.addr.clone();
         for tid in tids {
@@ -1141,15 +1138,14 @@ impl Bridge {
 
     fn on_tick(&mut self) {
         let now = Instant::now();
-        let t = &self.shared.config.timeouts;
-        let silence_max = t.heartbeat_interval * t.heartbeat_misses.max(1);
         let hello = self.own_hello();
         self.hb_seq += 1;
         let seq = self.hb_seq;
         for i in 0..self.slots.len() {
             // Decode probes its prefill peers; prefill only answers.
             if let Route::Dealer(_) = self.slots[i].route {
-                let frame = match (&hello, self.slots[i].ready && !self.slots[i].dead) {
+                let live = !self.liveness.is_dead(i as u32);
+                let frame = match (&hello, self.slots[i].ready && live) {
                     (_, true) => Some(Frame::Heartbeat { seq }),
                     (Some(h), false) => Some(Frame::Hello(h.clone())),
                     (None, false) => None,
@@ -1158,14 +1154,6 @@ impl Bridge {
                     self.send_frame(i as u32, &f);
                 }
             }
-            let s = &self.slots[i];
-            let quiet = now.saturating_duration_since(s.last_heard.unwrap_or(s.since));
-            // Decode ranks probe their prefill peers every tick (hello or
-            // heartbeat), so on either side silence means the peer is gone,
-            // busy or idle.
-            if !s.dead && quiet > silence_max {
-                self.mark_dead(i, "silent");
-            }
             // Forget transfers that ended, so the sets stay bounded by the
             // live requests.
             let handle = &self.handle;
@@ -1173,6 +1161,11 @@ impl Bridge {
                 .transfers
                 .retain(|tid| handle.poll(*tid).is_some_and(|p| !p.is_terminal()));
         }
+        // Decode ranks probe their prefill peers every tick (hello or
+        // heartbeat), so on either side silence means the peer is gone,
+        // busy or idle.
+        self.liveness.handle_tick(now);
+        self.on_deaths();
         if !self.pending.is_empty() {
             self.retry_pending();
         }
