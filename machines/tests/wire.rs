@@ -1419,7 +1419,7 @@ fn huge_length_prefixes_fail_fast_without_big_allocations() {
 /// A claim the bytes could back but the limit forbids is reported as such,
 /// from the length prefix alone; one the bytes cannot back is truncated.
 #[test]
-fn claimed_lengths_are_judged_before_the_elements() {
+fn claimed_block_lengths_are_judged_before_the_elements() {
     let l = Limits::default();
     let pull_prefix = || {
         let mut b = header();
@@ -1464,6 +1464,12 @@ fn claimed_lengths_are_judged_before_the_elements() {
         decode(&bytes, &small),
         Err(limit_error("total blocks", 8, 6))
     );
+}
+
+/// The same for a hello's strings and regions.
+#[test]
+fn claimed_hello_lengths_are_judged_before_the_elements() {
+    let l = Limits::default();
 
     // An engine id claiming 1 GiB: postcard sees the bytes are not there
     // before the bounded visitor runs.
