@@ -3,13 +3,22 @@
 //! from these, so it starts past the magic/version checks and the postcard
 //! enum tags instead of having to discover them byte by byte.
 
-use kvferry::node::proto;
 use kvferry::transport::wire as tw;
-use kvferry::wire::{self, *};
-use kvferry_machines::common::{BlockId, Mode, Msg};
-use kvferry_machines::layout::{LayoutKind as PlanLayout, ModelSpec, RankLayout, Region};
+use kvferry_machines::common::{BlockId, Mode, Msg, TransferId};
+use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout, Region};
+use kvferry_machines::wire::{self, Frame, Hello, Limits, Refuse, RefuseReason, VERSION};
 use std::fs;
 use std::path::Path;
+
+/// Empties `seeds/<target>/`, so seeds of a renamed variant do not linger.
+fn reset(target: &str) {
+    let dir = Path::new("seeds").join(target);
+    match fs::remove_dir_all(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => panic!("remove {}: {e}", dir.display()),
+    }
+}
 
 fn write(target: &str, name: &str, bytes: &[u8]) {
     let dir = Path::new("seeds").join(target);
@@ -17,93 +26,9 @@ fn write(target: &str, name: &str, bytes: &[u8]) {
     fs::write(dir.join(name), bytes).expect("write seed");
 }
 
-fn wire_seeds() {
-    let region = RegionInfo {
-        base: 0x1000,
-        len_bytes: 4096,
-        block_len_bytes: 1024,
-        kv_block_len_bytes: 512,
-        group: 0,
-        layer: 3,
-    };
-    let msgs = [
-        Message::Hello(Hello {
-            engine_id: "p0".into(),
-            dp_rank: 0,
-            tp_rank: 1,
-            pp_rank: 0,
-            tp_size: 2,
-            total_kv_heads: 8,
-            block_tokens: 16,
-            num_blocks: 4,
-            layout: LayoutKind::Hnd,
-            mode: TransferMode::Push,
-            regions: vec![region, region],
-            transport_endpoint: "127.0.0.1:7000".into(),
-        }),
-        Message::Pull(Pull {
-            transfer_id: 42,
-            dst_blocks: vec![vec![1, 2, 3], vec![7]],
-            prefix_blocks: vec![0, 1],
-            expected_senders: 2,
-            receivers_expected: 1,
-            lease_seq: Some(1),
-            deadline_ms: 30_000,
-            lease_ms: 5_000,
-        }),
-        Message::Ready(Ready {
-            transfer_id: 42,
-            chunk: 0,
-            start_blocks: vec![0],
-            src_blocks: vec![vec![9, 10]],
-            is_last: true,
-        }),
-        Message::Done(Done {
-            transfer_id: 42,
-            ok: true,
-        }),
-        Message::Status(Status {
-            transfer_id: 42,
-            result: Err(ErrorCode::Expired),
-        }),
-        Message::Status(Status {
-            transfer_id: 43,
-            result: Ok(()),
-        }),
-        Message::Abort(Abort {
-            transfer_id: 42,
-            reason: AbortCode::PeerDead,
-        }),
-        Message::AbortAck(AbortAck { transfer_id: 42 }),
-        Message::Heartbeat(Heartbeat {
-            seq: 7,
-            renew: vec![1, 2, 3],
-            lease_ms: 5_000,
-        }),
-        Message::HeartbeatAck(HeartbeatAck {
-            seq: 7,
-            unknown: vec![2],
-        }),
-        Message::LeaseRequest(LeaseRequest {
-            transfer_id: 42,
-            seq: 2,
-        }),
-        Message::LeaseGrant(LeaseGrant {
-            transfer_id: 42,
-            seq: 2,
-            duration_ms: 5_000,
-        }),
-    ];
-    for (i, m) in msgs.iter().enumerate() {
-        let frame = wire::encode(m);
-        assert_eq!(wire::decode(&frame, &Limits::default()).as_ref(), Ok(m));
-        write("wire_decode", &format!("{i:02}_{}", m.kind()), &frame);
-    }
-}
-
 fn model() -> ModelSpec {
     ModelSpec {
-        layout: PlanLayout::Hnd,
+        layout: LayoutKind::Hnd,
         total_kv_heads: 4,
         block_tokens: 2,
         head_bytes: 8,
@@ -131,98 +56,86 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
     }
 }
 
-fn proto_seeds() {
-    let frames = [
+/// One valid frame per `Frame` variant and per `Msg` variant, named by
+/// `Frame::kind`.
+fn frames() -> Vec<Frame> {
+    let transfer = |msg| Frame::Transfer {
+        transfer_id: TransferId(5),
+        msg,
+    };
+    vec![
+        Frame::Refuse(Refuse {
+            version: VERSION,
+            reason: RefuseReason::UnsupportedVersion,
+        }),
+        Frame::Hello(Hello {
+            engine_id: "d0".into(),
+            mode: Mode::Push,
+            model: model(),
+            layout: rank(2, 1, 0x10000),
+            endpoint: "tcp://127.0.0.1:7000".into(),
+        }),
+        transfer(Msg::Pull {
+            receivers_expected: 1,
+            dst_blocks: vec![vec![BlockId(1), BlockId(2)], vec![BlockId(7)]],
+            prefix_blocks: vec![0, 1],
+            lease_seq: Some(0),
+        }),
+        transfer(Msg::Ready {
+            chunk: 1,
+            start_blocks: vec![2],
+            src_blocks: vec![vec![BlockId(4)]],
+            is_last: true,
+        }),
+        transfer(Msg::LeaseRequest { seq: 3 }),
+        transfer(Msg::LeaseGrant {
+            seq: 3,
+            duration_ms: 100,
+        }),
+        transfer(Msg::Status { ok: true }),
+        transfer(Msg::Done { ok: false }),
+        transfer(Msg::Abort),
+        transfer(Msg::AbortAck),
+        Frame::Heartbeat { seq: 9 },
+        Frame::HeartbeatAck { seq: 9 },
+    ]
+}
+
+fn wire_seeds() {
+    reset("wire_decode");
+    let frames = frames();
+    for f in &frames {
+        let bytes = wire::encode(f);
+        assert_eq!(wire::decode(&bytes, &Limits::default()).as_ref(), Ok(f));
+        write("wire_decode", f.kind(), &bytes);
+    }
+    // A peer of another version refusing this one: read whatever the
+    // version its header names.
+    let mut refuse = Vec::new();
+    wire::encode_versioned(&frames[0], VERSION + 1, &mut refuse);
+    assert_eq!(
+        wire::decode(&refuse, &Limits::default()).as_ref(),
+        Ok(&frames[0])
+    );
+    write("wire_decode", "refuse_other_version", &refuse);
+
+    reset("node_notify_decode");
+    let endpoint = "tcp://127.0.0.1:7001";
+    let last_word: Vec<Vec<u8>> = frames[6..8].iter().map(wire::encode).collect();
+    let notifications = [
+        ("empty", wire::encode_notify(endpoint, [])),
         (
-            "hello",
-            proto::Frame::Hello(proto::Hello {
-                engine_id: "d0".into(),
-                mode: Mode::Push,
-                model: model(),
-                layout: rank(2, 1, 0x10000),
-                endpoint: "tcp://127.0.0.1:7000".into(),
-                is_reply: false,
-            }),
+            "status_and_done",
+            wire::encode_notify(endpoint, last_word.iter().map(Vec::as_slice)),
         ),
-        (
-            "pull",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::Pull {
-                    receivers_expected: 1,
-                    dst_blocks: vec![vec![BlockId(1), BlockId(2)]],
-                    prefix_blocks: vec![0],
-                    lease_seq: Some(0),
-                },
-            },
-        ),
-        (
-            "ready",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::Ready {
-                    chunk: 1,
-                    start_blocks: vec![2],
-                    src_blocks: vec![vec![BlockId(4)]],
-                    is_last: true,
-                },
-            },
-        ),
-        (
-            "lease_request",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::LeaseRequest { seq: 3 },
-            },
-        ),
-        (
-            "lease_grant",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::LeaseGrant {
-                    seq: 3,
-                    duration_ms: 100,
-                },
-            },
-        ),
-        (
-            "status",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::Status { ok: true },
-            },
-        ),
-        (
-            "done",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::Done { ok: false },
-            },
-        ),
-        (
-            "abort",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::Abort,
-            },
-        ),
-        (
-            "abort_ack",
-            proto::Frame::Transfer {
-                transfer_id: 5,
-                msg: Msg::AbortAck,
-            },
-        ),
-        ("heartbeat", proto::Frame::Heartbeat { seq: 9 }),
-        ("heartbeat_ack", proto::Frame::HeartbeatAck { seq: 9 }),
     ];
-    for (name, f) in &frames {
-        let bytes = proto::encode(f);
-        assert_eq!(
-            proto::decode(&bytes, &proto::FrameLimits::default()).as_ref(),
-            Ok(f)
-        );
-        write("node_proto_decode", name, &bytes);
+    for (name, bytes) in notifications {
+        let (e, got) = wire::decode_notify(&bytes, &Limits::default()).expect("notification");
+        assert_eq!(e, endpoint);
+        assert!(got
+            .iter()
+            .all(|f| wire::decode(f, &Limits::default()).is_ok()));
+        write("node_notify_decode", name, &bytes);
     }
 }
 
@@ -267,6 +180,7 @@ fn tcp_seeds() {
 }
 
 fn spec_seeds() {
+    reset("plan_spec");
     // Same shape as `kvferry plan` specs: heterogeneous TP (2 -> 4), and MLA.
     let hetero = r#"{
   "model": {"layout": "hnd", "total_kv_heads": 4, "block_tokens": 2, "head_bytes": 8},
@@ -305,7 +219,8 @@ fn spec_seeds() {
 
 fn main() {
     wire_seeds();
-    proto_seeds();
+    reset("node_proto_decode");
+    reset("tcp_header_decode");
     tcp_seeds();
     spec_seeds();
     println!("seeds written under fuzz/seeds/");

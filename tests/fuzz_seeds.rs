@@ -1,0 +1,111 @@
+//! Replays the inputs of the fuzz targets over the node's own decoders
+//! through the same properties the fuzzer checks (`fuzz/fuzz_targets/
+//! {tcp_header,plan_spec}_oracle.rs`), so the ordinary test command
+//! exercises them: every committed seed under `fuzz/seeds/` must decode
+//! (a header) or plan (a spec), and a sample of a local `fuzz/corpus/`
+//! (ignored by git; skipped when absent) must keep every property. The wire
+//! seeds are replayed by `machines/tests/fuzz_seeds.rs`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+#[path = "../fuzz/fuzz_targets/tcp_header_oracle.rs"]
+mod tcp_header_oracle;
+
+#[path = "../fuzz/fuzz_targets/plan_spec_oracle.rs"]
+mod plan_spec_oracle;
+
+fn fuzz_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
+}
+
+/// The files of `dir`, sorted by name. Panics on anything unreadable: a
+/// replay that silently read nothing would pass for the wrong reason.
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+        .map(|entry| {
+            entry
+                .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+                .path()
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn seeds(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
+    let seeds: Vec<_> = files(&fuzz_dir().join("seeds").join(target))
+        .into_iter()
+        .map(|path| {
+            let bytes = fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+            (path, bytes)
+        })
+        .collect();
+    assert!(!seeds.is_empty(), "no seeds for {target}");
+    seeds
+}
+
+#[test]
+fn tcp_header_seeds_decode() {
+    for (path, bytes) in seeds("tcp_header_decode") {
+        let h = tcp_header_oracle::check_header(&bytes)
+            .unwrap_or_else(|| panic!("{} does not decode", path.display()));
+        // A request's descriptor table is all there (the oracle pads a
+        // short one with zeros, which would leave its entries untested).
+        if h.status == 0 {
+            let table = h.count as usize * kvferry::transport::wire::ENTRY_LEN;
+            assert_eq!(
+                bytes.len(),
+                kvferry::transport::wire::HEADER_LEN + table,
+                "{}",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn plan_spec_seeds_plan_a_transfer() {
+    for (path, bytes) in seeds("plan_spec") {
+        let plan = plan_spec_oracle::check_spec(&bytes)
+            .unwrap_or_else(|| panic!("{} plans nothing", path.display()));
+        assert!(plan.is_transfer(), "{}", path.display());
+    }
+}
+
+/// A target's oracle; it panics on a broken property.
+type Check = fn(&[u8]);
+
+/// Most files replayed per corpus directory; the fuzzer keeps thousands.
+const CORPUS_SAMPLE: usize = 256;
+
+#[test]
+fn corpus_sample_keeps_the_properties() {
+    let corpus = fuzz_dir().join("corpus");
+    if !corpus.exists() {
+        return;
+    }
+    let targets: [(&str, Check); 2] = [
+        ("tcp_header_decode", |b| {
+            let _ = tcp_header_oracle::check_header(b);
+        }),
+        ("plan_spec", |b| {
+            let _ = plan_spec_oracle::check_spec(b);
+        }),
+    ];
+    for (target, check) in targets {
+        let dir = corpus.join(target);
+        if !dir.exists() {
+            continue;
+        }
+        let all = files(&dir);
+        let step = all.len().div_ceil(CORPUS_SAMPLE).max(1);
+        for path in all.into_iter().step_by(step) {
+            let bytes = fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+            // A panic names the file, for `cargo fuzz run <target> <file>`.
+            let outcome = std::panic::catch_unwind(|| check(&bytes));
+            assert!(outcome.is_ok(), "{target}: {} fails", path.display());
+        }
+    }
+}
