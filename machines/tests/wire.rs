@@ -1715,3 +1715,47 @@ fn notification_bounds_are_exact() {
     let over = vec![&[][..]; MAX_NOTIFY_FRAMES + 1];
     assert_eq!(unpack(&encode_notify("e", over)), bad("too many frames"));
 }
+
+/// A group whose claimed length is longer than the frame (so postcard
+/// claims nothing) and that runs past the room left in the total is
+/// reported as breaking the total, not its own bound.
+#[test]
+fn an_unclaimed_group_past_the_total_names_the_total() {
+    let limits = Limits {
+        max_groups: 3,
+        max_blocks_per_group: 5,
+        max_total_blocks: 8,
+        ..Limits::default()
+    };
+    let ones = |n| vec![BlockId(1); n];
+    let frame = Frame::Transfer {
+        transfer_id: TransferId(9),
+        msg: Msg::Pull {
+            receivers_expected: 1,
+            dst_blocks: vec![ones(5), ones(4)],
+            prefix_blocks: vec![0, 0],
+            lease_seq: None,
+        },
+    };
+    let mut bytes = encode(&frame);
+    // header, Transfer, id 9, Pull, 1 receiver, 2 groups, 5, five ids: the
+    // second group's length prefix.
+    let at = 4 + 6 + 5;
+    assert_eq!(bytes[at], 4);
+    let mut claim = Vec::new();
+    let mut v: u64 = 1 << 60;
+    while v >= 0x80 {
+        claim.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    claim.push(v as u8);
+    bytes.splice(at..=at, claim);
+    assert_eq!(
+        decode(&bytes, &limits),
+        Err(WireError::LimitExceeded {
+            field: "total blocks",
+            len: 9,
+            max: 8
+        })
+    );
+}

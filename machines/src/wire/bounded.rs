@@ -196,11 +196,24 @@ impl<'de> Visitor<'de> for Inner<'_> {
                 self.limits.max_total_blocks,
             ));
         }
-        let group: Vec<BlockId> = bounded_vec(
-            seq,
-            "blocks per group",
-            self.limits.max_blocks_per_group.min(room),
-        )?;
+        // Both bounds are counted while reading: postcard claims no length
+        // when the prefix is longer than the bytes left.
+        let per = self.limits.max_blocks_per_group;
+        if claimed > per {
+            return Err(violation("blocks per group", claimed as u64, per));
+        }
+        let mut seq = seq;
+        let mut group = Vec::with_capacity(claimed.min(per));
+        while let Some(id) = seq.next_element()? {
+            if group.len() == per {
+                return Err(violation("blocks per group", per as u64 + 1, per));
+            }
+            if group.len() == room {
+                let len = (*self.total as u64).saturating_add(room as u64 + 1);
+                return Err(violation("total blocks", len, self.limits.max_total_blocks));
+            }
+            group.push(id);
+        }
         *self.total += group.len();
         Ok(group)
     }

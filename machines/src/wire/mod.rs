@@ -243,10 +243,11 @@ impl Frame {
         }
     }
 
-    /// Checks the frame against `limits` as a receiver would, so a sender
-    /// can refuse to emit what its peer is going to reject. Does not check
-    /// the encoded size; compare `encode(..).len()` with `max_frame_bytes`.
+    /// Checks the frame against `limits` and the protocol's ranges as a
+    /// receiver would, so a sender can refuse to emit what its peer is
+    /// going to reject. Does not check the encoded size; compare `encode(..).len()` with `max_frame_bytes`.
     pub fn check_limits(&self, limits: &Limits) -> Result<(), WireError> {
+        self.validate()?;
         match self {
             Frame::Hello(h) => {
                 check("string", h.engine_id.len(), limits.max_string_bytes)?;
@@ -307,12 +308,15 @@ fn check(field: &'static str, len: usize, max: usize) -> Result<(), WireError> {
 
 fn check_groups<T>(groups: &[Vec<T>], limits: &Limits) -> Result<(), WireError> {
     check("groups", groups.len(), limits.max_groups)?;
+    // In the decoder's order: a group's length against the room left in
+    // the total first, then against the per-group bound.
     let mut total = 0usize;
     for group in groups {
+        check("total blocks", total + group.len(), limits.max_total_blocks)?;
         check("blocks per group", group.len(), limits.max_blocks_per_group)?;
         total += group.len();
     }
-    check("total blocks", total, limits.max_total_blocks)
+    Ok(())
 }
 
 /// Encodes `frame` (header + postcard body).
