@@ -1,9 +1,13 @@
 //! kvferry moves the KV cache of LLM requests from a prefill engine to a
 //! decode engine (disaggregated serving).
 //!
-//! Crates: `kvferry-machines` holds the pure state machines and the planner,
-//! `kvferry-reactor` the glommio executors that drive them, and this crate the
-//! transports, the control plane, the public API and the CLI.
+//! Crates: `kvferry-machines` holds the pure state machines, the planner and
+//! the wire codec, `kvferry-reactor` the glommio executors that drive them,
+//! and this crate the transports, the control plane and the public API,
+//! re-exported here: a [`Node`] per rank with its per-request
+//! [`Sender`]/[`Receiver`] handles, or the vLLM-style step loop of a
+//! [`Scheduler`] feeding [`Node::start_load_kv`]. `examples/embed.rs` shows
+//! both.
 
 pub mod bootstrap;
 pub mod cli;
@@ -16,6 +20,18 @@ pub mod transport;
 
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
+
+pub use kvferry_machines::common::{
+    AbortReason, BlockId, BlockLists, FailReason, Mode, TransferId,
+};
+pub use kvferry_machines::layout::{LayoutKind, ModelSpec, Region};
+pub use kvferry_machines::Phase;
+pub use node::{
+    DataPlaneError, KvLayout, LoadMeta, Misuse, Node, NodeConfig, NodeError, NodeStats,
+    PrefillTarget, Receiver, Role, Sender, TransportKind,
+};
+pub use scheduler::{SchedError, Scheduler, SchedulerConfig};
+pub use stats::Latency;
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -33,19 +33,31 @@ pub enum ClientError {
     /// retries these until its deadline.
     #[error("bootstrap service at {addr} unreachable: {source}")]
     Unreachable {
+        /// The service's address.
         addr: SocketAddr,
+        /// What the OS said.
         #[source]
         source: std::io::Error,
     },
     /// The service answered with an error status; `reason` is its message.
     #[error("bootstrap service refused the request: HTTP {status}: {reason}")]
-    Rejected { status: u16, reason: String },
+    Rejected {
+        /// The HTTP status.
+        status: u16,
+        /// The service's message.
+        reason: String,
+    },
     /// The response is not valid HTTP or not the expected JSON (peer).
     #[error("bad response from the bootstrap service: {0}")]
     BadResponse(String),
     /// The deadline passed before the request succeeded (timeout).
     #[error("bootstrap service not reachable within {waited_ms} ms (last error: {last})")]
-    DeadlineExceeded { waited_ms: u64, last: String },
+    DeadlineExceeded {
+        /// How long it tried.
+        waited_ms: u64,
+        /// The last attempt's error.
+        last: String,
+    },
 }
 
 impl ClientError {

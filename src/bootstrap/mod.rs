@@ -35,9 +35,13 @@ pub const DEFAULT_PORT: u16 = 8998;
 /// Body of `POST /register`: one worker (rank) and its side-channel address.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterRequest {
+    /// The engine the worker belongs to.
     pub engine_id: String,
+    /// Its data-parallel rank.
     pub dp_rank: u32,
+    /// Its tensor-parallel rank.
     pub tp_rank: u32,
+    /// Its pipeline-parallel rank.
     pub pp_rank: u32,
     /// Side-channel endpoint, e.g. `tcp://10.0.0.5:41235`.
     pub addr: String,
@@ -46,6 +50,7 @@ pub struct RegisterRequest {
 /// Body of a successful `POST /register`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterResponse {
+    /// `"ok"`.
     pub status: String,
     /// True when this (dp, tp, pp) slot was registered before and its address
     /// was replaced (a restarted rank).
@@ -55,6 +60,7 @@ pub struct RegisterResponse {
 /// One data-parallel rank of an engine in `GET /query`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineEntry {
+    /// The engine.
     pub engine_id: String,
     /// tp_rank → pp_rank → side-channel address.
     pub worker_addr: BTreeMap<u32, BTreeMap<u32, String>>,
@@ -109,13 +115,19 @@ pub enum RegisterError {
     /// The dp rank already belongs to another engine (HTTP 409).
     #[error("dp_rank {dp_rank} is registered by engine {existing:?}, not {requested:?}")]
     EngineMismatch {
+        /// The contested rank.
         dp_rank: u32,
+        /// The engine that holds it.
         existing: String,
+        /// The engine that asked for it.
         requested: String,
     },
     /// The registry holds `max_workers` workers already (HTTP 503).
     #[error("registry full ({max_workers} workers)")]
-    Full { max_workers: usize },
+    Full {
+        /// The registry's bound.
+        max_workers: usize,
+    },
 }
 
 /// The registry behind the service, independent of HTTP.
@@ -127,6 +139,7 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// An empty registry under `limits`.
     pub fn new(limits: RegistryLimits) -> Registry {
         Registry {
             limits,
@@ -232,6 +245,7 @@ impl Registry {
         self.workers
     }
 
+    /// True when no worker is registered.
     pub fn is_empty(&self) -> bool {
         self.workers == 0
     }

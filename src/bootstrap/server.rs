@@ -47,7 +47,12 @@ pub enum ServerError {
     BadAddress(String),
     /// Binding the listening socket failed (port in use, permissions...).
     #[error("cannot listen on {addr}: {reason}")]
-    Bind { addr: String, reason: String },
+    Bind {
+        /// The address asked for.
+        addr: String,
+        /// Why it failed.
+        reason: String,
+    },
     /// The OS refused to start a thread.
     #[error("cannot spawn server thread: {0}")]
     Spawn(#[from] std::io::Error),
