@@ -6,11 +6,9 @@
 //! transports, the control plane, the public API and the CLI.
 
 pub mod bootstrap;
-pub mod cli;
 pub mod node;
 pub mod plan;
 pub mod scheduler;
-pub mod synth;
 pub mod transport;
 pub mod wire;
 

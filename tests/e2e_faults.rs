@@ -7,7 +7,7 @@ use kvferry::machines::common::{BlockId, Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::{FailReason, Phase};
 use kvferry::node::TransportKind;
-use kvferry::synth::{Cluster, ClusterSpec};
+use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn timeouts() -> Config {
     Config {
@@ -237,7 +237,7 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
 #[test]
 fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
     use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
-    use kvferry::synth::SynthKv;
+    use kvferry_testkit::synth::SynthKv;
     let model = spec(Mode::Push).model;
     let mut pc = NodeConfig::new(Role::Prefill, "p");
     pc.timeouts = timeouts();
