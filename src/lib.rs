@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! kvferry moves the KV cache of LLM requests from a prefill engine to a
 //! decode engine (disaggregated serving).
 //!
@@ -10,12 +11,10 @@
 //! both.
 
 pub mod bootstrap;
-pub mod cli;
 pub mod node;
 pub mod plan;
 pub mod scheduler;
 pub mod stats;
-pub mod synth;
 pub mod transport;
 
 pub use kvferry_machines as machines;

@@ -1,9 +1,6 @@
 //! The bootstrap service over real HTTP on 127.0.0.1.
 
-use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Command, Stdio};
-
 use std::time::Duration;
 
 use kvferry::bootstrap::{
@@ -311,38 +308,6 @@ fn register_gives_up_at_its_deadline() {
         BootstrapClient::new("not an address"),
         Err(ClientError::BadAddress(_))
     ));
-}
-
-#[test]
-fn cli_serves_until_sigterm() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["bootstrap", "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvferry bootstrap");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("first line");
-    let addr = line
-        .trim()
-        .rsplit(' ')
-        .next()
-        .expect("address at the end")
-        .to_string();
-    let client = BootstrapClient::new(&addr).expect("client");
-    client.health().expect("healthy");
-    client
-        .register(&worker("cli", 0, 0, 0, "tcp://h:1"), quick())
-        .expect("register");
-    assert_eq!(client.query(None).expect("query").len(), 1);
-
-    // SAFETY: plain kill(2) on our own child's pid.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0);
-    let status = child.wait().expect("wait");
-    assert!(status.success(), "clean exit on SIGTERM, got {status:?}");
 }
 
 #[test]

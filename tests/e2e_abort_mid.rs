@@ -42,7 +42,7 @@ use kvferry::machines::common::{BlockId, Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::{AbortReason, FailReason, Phase};
 use kvferry::node::TransportKind;
-use kvferry::synth::{Cluster, ClusterSpec, SynthKv};
+use kvferry_testkit::synth::{Cluster, ClusterSpec, SynthKv};
 
 /// Layers of the model (regions are layers × K/V).
 const LAYERS: u32 = 4;

@@ -7,7 +7,7 @@ use kvferry::machines::common::{BlockId, Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::{FailReason, Phase};
 use kvferry::node::TransportKind;
-use kvferry::synth::{Cluster, ClusterSpec};
+use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn timeouts() -> Config {
     Config {
@@ -303,7 +303,7 @@ fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
 fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
     use kvferry::machines::wire::{self, Frame, Refuse, RefuseReason};
     use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
-    use kvferry::synth::SynthKv;
+    use kvferry_testkit::synth::SynthKv;
     // A prefill rank of a newer build, played by a bare ROUTER.
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER).unwrap();
@@ -355,7 +355,7 @@ fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
 #[test]
 fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
     use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
-    use kvferry::synth::SynthKv;
+    use kvferry_testkit::synth::SynthKv;
     let model = spec(Mode::Push).model;
     let mut pc = NodeConfig::new(Role::Prefill, "p");
     pc.timeouts = timeouts();

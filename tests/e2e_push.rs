@@ -7,7 +7,7 @@ use kvferry::machines::common::{Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::TransportKind;
-use kvferry::synth::{Cluster, ClusterSpec};
+use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn timeouts() -> Config {
     Config {

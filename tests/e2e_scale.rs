@@ -8,7 +8,7 @@ use kvferry::machines::common::{BlockId, Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::{LoadMeta, LoadRequest, SendRequest, TransportKind};
-use kvferry::synth::{Cluster, ClusterSpec};
+use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 const IN_FLIGHT: u32 = 2000;
 
@@ -126,7 +126,7 @@ fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
         spin: None,
         data_plane_messages: true,
     };
-    kvferry::cli::init_tracing();
+    kvferry_testkit::init_tracing();
     let c = Cluster::start(&spec).unwrap();
     round(&c, 1_000_000);
     let after_first = rss_bytes();

@@ -11,7 +11,7 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout};
 use kvferry::machines::wire::{self, Frame};
 use kvferry::machines::{FailReason, Phase, TransferId};
 use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
-use kvferry::synth::SynthKv;
+use kvferry_testkit::synth::SynthKv;
 
 const MODEL: ModelSpec = ModelSpec {
     layout: LayoutKind::Hnd,

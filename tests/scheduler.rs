@@ -13,7 +13,7 @@ use kvferry::scheduler::{
     Blame, FinishDecision, FinishStatus, KvRole, KvTransferParams, SchedError, SchedRequest,
     Scheduler, SchedulerConfig,
 };
-use kvferry::synth::{Cluster, ClusterSpec};
+use kvferry_testkit::synth::{Cluster, ClusterSpec};
 use proptest::prelude::*;
 
 const BS: u32 = 4;

@@ -13,41 +13,73 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::args::{Args, UsageError};
-use super::demo::{demo_timeouts, parse_layout, parse_mode, parse_transport};
-use crate::machines::common::BlockId;
-use crate::machines::layout::{LayoutKind, ModelSpec};
-use crate::node::{Node, NodeConfig, RemoteRequest, Role};
-use crate::synth::SynthKv;
+use clap::Args;
+use kvferry::machines::common::BlockId;
+use kvferry::node::{Node, NodeConfig, RemoteRequest, Role};
+use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::synth::SynthKv;
 
-const USAGE: &str = "\
-usage: kvferry prefill --bootstrap ADDR [--serve-bootstrap] [--engine-id ID]
-                       [--tp-size N] [--tp-rank R] [--blocks N] [--layers L]
-                       [--block-tokens T] [--heads H] [--head-bytes X]
-                       [--layout hnd|nhd|mla] [--mode push|pull]
-                       [--transport tcp|local] [--timeout-ms MS] [--delay-ms MS]
-                       [--host HOST] [--side-channel-port PORT]
-";
+use crate::shape::{DemoOptions, ModelArgs};
 
-const OPTIONS: &[&str] = &[
-    "bootstrap",
-    "serve-bootstrap",
-    "engine-id",
-    "tp-size",
-    "tp-rank",
-    "blocks",
-    "layers",
-    "block-tokens",
-    "heads",
-    "head-bytes",
-    "layout",
-    "mode",
-    "transport",
-    "timeout-ms",
-    "delay-ms",
-    "host",
-    "side-channel-port",
-];
+/// The options of `kvferry prefill`.
+#[derive(Clone, Debug, Args)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    rank: RankArgs,
+    /// Serve the bootstrap service at --bootstrap instead of using one there.
+    #[arg(long)]
+    serve_bootstrap: bool,
+    /// This engine's id, which decode ranks ask for.
+    #[arg(long, value_name = "ID", default_value = "prefill")]
+    engine_id: String,
+    /// KV blocks of this rank.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    blocks: u32,
+    /// Stand-in for the prefill computation: a request's KV is ready this
+    /// long after decode asked.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    delay_ms: u64,
+    /// Side-channel (ZeroMQ) port; 0 picks a free one.
+    #[arg(long, value_name = "PORT", default_value_t = 0)]
+    side_channel_port: u16,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+/// Where a rank finds the bootstrap service and which TP rank it is: the
+/// options `prefill` and `decode` share.
+#[derive(Clone, Debug, Args)]
+pub struct RankArgs {
+    /// Address of the bootstrap service.
+    #[arg(long, value_name = "ADDR")]
+    pub bootstrap: String,
+    /// TP size of this engine.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub tp_size: u32,
+    /// This rank's index in its TP group.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub tp_rank: u32,
+    /// Host other ranks reach this one at [default: the node's, 127.0.0.1].
+    #[arg(long, value_name = "HOST")]
+    pub host: Option<String>,
+}
+
+impl RankArgs {
+    /// A node config of `role` for this rank, with the model options' mode,
+    /// transport and deadlines.
+    pub fn node_config(&self, role: Role, engine_id: String, o: &DemoOptions) -> NodeConfig {
+        let mut c = NodeConfig::new(role, engine_id);
+        c.tp_size = self.tp_size;
+        c.tp_rank = self.tp_rank;
+        c.mode = o.mode;
+        c.transport = o.transport;
+        c.timeouts = demo_timeouts(o.timeout_ms);
+        if let Some(h) = &self.host {
+            c.host = h.clone();
+        }
+        c
+    }
+}
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -70,54 +102,14 @@ pub(crate) fn stop_requested() -> bool {
     STOP.load(Ordering::SeqCst)
 }
 
-/// The model options shared by `prefill` and `decode`.
-pub(crate) fn model_from(a: &Args) -> Result<(ModelSpec, u32), UsageError> {
-    let layout = a
-        .get_str("layout")
-        .map_or(Ok(LayoutKind::Hnd), parse_layout)?;
-    let heads: u32 = a.get_or("heads", 8)?;
-    let model = ModelSpec {
-        layout,
-        total_kv_heads: if layout == LayoutKind::Mla { 1 } else { heads },
-        block_tokens: a.get_or("block-tokens", 16)?,
-        head_bytes: a.get_or("head-bytes", 128)?,
-    };
-    let layers: u32 = a.get_or("layers", 4)?;
-    if model.block_tokens == 0 || model.head_bytes == 0 || heads == 0 || layers == 0 {
-        return Err(UsageError(
-            "--block-tokens, --head-bytes, --heads and --layers must be positive".into(),
-        ));
-    }
-    Ok((model, layers))
-}
-
-fn run(a: &Args) -> Result<ExitCode, String> {
-    let bootstrap = a
-        .get_str("bootstrap")
-        .ok_or("--bootstrap is required")?
-        .to_string();
-    let (model, layers) = model_from(a).map_err(|e| e.to_string())?;
-    let num_blocks: u32 = a.get_or("blocks", 4096).map_err(|e| e.to_string())?;
-    let delay = Duration::from_millis(a.get_or("delay-ms", 0u64).map_err(|e| e.to_string())?);
-    let mut c = NodeConfig::new(Role::Prefill, a.get_str("engine-id").unwrap_or("prefill"));
-    c.tp_size = a.get_or("tp-size", 1).map_err(|e| e.to_string())?;
-    c.tp_rank = a.get_or("tp-rank", 0).map_err(|e| e.to_string())?;
-    c.mode = a
-        .get_str("mode")
-        .map_or(Ok(c.mode), parse_mode)
-        .map_err(|e| e.to_string())?;
-    c.transport = a
-        .get_str("transport")
-        .map_or(Ok(c.transport), parse_transport)
-        .map_err(|e| e.to_string())?;
-    c.timeouts = demo_timeouts(a.get_or("timeout-ms", 10_000).map_err(|e| e.to_string())?);
-    if let Some(h) = a.get_str("host") {
-        c.host = h.to_string();
-    }
-    c.side_channel_port = a
-        .get_or("side-channel-port", 0)
-        .map_err(|e| e.to_string())?;
-    if a.flag("serve-bootstrap") {
+fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
+    let o = a.model.apply(DemoOptions::default());
+    let num_blocks = a.blocks;
+    let delay = Duration::from_millis(a.delay_ms);
+    let mut c = a.rank.node_config(Role::Prefill, a.engine_id.clone(), &o);
+    c.side_channel_port = a.side_channel_port;
+    let bootstrap = a.rank.bootstrap.clone();
+    if a.serve_bootstrap {
         c.serve_bootstrap = Some(bootstrap);
     } else {
         c.bootstrap = Some(bootstrap);
@@ -126,7 +118,13 @@ fn run(a: &Args) -> Result<ExitCode, String> {
     let (done_tx, done_rx) = flume::bounded(1 << 16);
     c.on_remote_request = Some(req_tx);
     c.notify = Some(done_tx);
-    let kv = SynthKv::new(model, c.tp_size, c.tp_rank, layers, u64::from(num_blocks));
+    let kv = SynthKv::new(
+        o.model(),
+        c.tp_size,
+        c.tp_rank,
+        o.layers,
+        u64::from(num_blocks),
+    );
     install_signal_handlers();
     let node = Node::start(c).map_err(|e| e.to_string())?;
     // SAFETY: `kv` outlives the node: the node is shut down below, before
@@ -216,21 +214,13 @@ fn either_left(r: RemoteRequest) -> Either {
     Either::Request(r)
 }
 
-fn either_right((t, _): (crate::machines::TransferId, crate::machines::Phase)) -> Either {
+fn either_right((t, _): (kvferry::machines::TransferId, kvferry::machines::Phase)) -> Either {
     Either::Done(t.0)
 }
 
-pub fn main(argv: &[String]) -> ExitCode {
-    let a = match Args::parse(argv, &["serve-bootstrap"])
-        .and_then(|a| a.reject_unknown(OPTIONS).map(|()| a))
-    {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("kvferry prefill: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    match run(&a) {
+/// `kvferry prefill`.
+pub fn main(a: &PrefillArgs) -> ExitCode {
+    match run(a) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("kvferry prefill: {e}");

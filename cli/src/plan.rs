@@ -2,31 +2,29 @@
 //! for a JSON spec (`-` reads the spec from stdin). A bad spec exits with
 //! status 2 and a one-line reason on stderr.
 
-use crate::cli::args::Args;
-use crate::plan::{plan_from_json, write_plan_json, SpecError};
 use std::io::{self, Read, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-const USAGE: &str = "usage: kvferry plan --spec FILE   (FILE may be - for stdin)";
+use clap::Args;
+use kvferry::plan::{plan_from_json, write_plan_json, SpecError};
+
+use crate::cli::usage_error;
+
+/// The options of `kvferry plan`.
+#[derive(Clone, Debug, Args)]
+pub struct PlanArgs {
+    /// The JSON spec (- reads it from stdin).
+    #[arg(long, value_name = "FILE")]
+    spec: PathBuf,
+}
 
 /// Entry point of `kvferry plan`.
-pub fn main(argv: &[String]) -> ExitCode {
-    let args = match Args::parse(argv, &[]).and_then(|a| a.reject_unknown(&["spec"]).map(|()| a)) {
-        Ok(args) => args,
-        Err(e) => return fail(&format!("{e}; {USAGE}")),
-    };
-    if !args.positional().is_empty() {
-        return fail(&format!(
-            "unexpected argument {:?}; {USAGE}",
-            args.positional()[0]
-        ));
-    }
-    let Some(path) = args.get_str("spec") else {
-        return fail(&format!("--spec is required; {USAGE}"));
-    };
+pub fn main(a: &PlanArgs) -> ExitCode {
+    let path = a.spec.as_path();
     let text = match read_spec(path) {
         Ok(text) => text,
-        Err(e) => return fail(&format!("{path}: {}", SpecError::Io(e))),
+        Err(e) => return fail(&format!("{}: {}", path.display(), SpecError::Io(e))),
     };
     let plan = match plan_from_json(&text) {
         Ok(plan) => plan,
@@ -44,8 +42,8 @@ pub fn main(argv: &[String]) -> ExitCode {
     }
 }
 
-fn read_spec(path: &str) -> io::Result<String> {
-    if path == "-" {
+fn read_spec(path: &std::path::Path) -> io::Result<String> {
+    if path.as_os_str() == "-" {
         let mut text = String::new();
         io::stdin().read_to_string(&mut text)?;
         Ok(text)
@@ -56,10 +54,5 @@ fn read_spec(path: &str) -> io::Result<String> {
 
 /// Prints `reason` as exactly one line and returns the usage-error status.
 fn fail(reason: &str) -> ExitCode {
-    let line: String = reason
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    eprintln!("kvferry plan: {line}");
-    ExitCode::from(2)
+    usage_error("kvferry plan", reason)
 }

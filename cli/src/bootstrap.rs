@@ -5,34 +5,20 @@
 
 use std::process::ExitCode;
 
-use super::args::{Args, UsageError};
-use crate::bootstrap::{BootstrapServer, DEFAULT_PORT};
+use clap::Args;
+use kvferry::bootstrap::{BootstrapServer, DEFAULT_PORT};
 
-const USAGE: &str = "usage: kvferry bootstrap [--listen ADDR]   (default 0.0.0.0:8998)";
-
-pub fn main(argv: &[String]) -> ExitCode {
-    match run(argv) {
-        Ok(code) => code,
-        Err(UsageError(msg)) => {
-            eprintln!("kvferry bootstrap: {msg}\n{USAGE}");
-            ExitCode::from(2)
-        }
-    }
+/// The options of `kvferry bootstrap`.
+#[derive(Clone, Debug, Args)]
+pub struct BootstrapArgs {
+    /// Address to listen on (0.0.0.0:PORT serves every interface).
+    #[arg(long, value_name = "ADDR", default_value_t = format!("127.0.0.1:{DEFAULT_PORT}"))]
+    listen: String,
 }
 
-fn run(argv: &[String]) -> Result<ExitCode, UsageError> {
-    let args = Args::parse(argv, &["help"])?;
-    if args.flag("help") {
-        println!("{USAGE}");
-        return Ok(ExitCode::SUCCESS);
-    }
-    args.reject_unknown(&["listen", "help"])?;
-    if let Some(extra) = args.positional().first() {
-        return Err(UsageError(format!("unexpected argument {extra:?}")));
-    }
-    let default_listen = format!("0.0.0.0:{DEFAULT_PORT}");
-    let listen = args.get_str("listen").unwrap_or(&default_listen);
-
+/// Entry point of `kvferry bootstrap`.
+pub fn main(a: &BootstrapArgs) -> ExitCode {
+    let listen = a.listen.as_str();
     // Block the signals before any thread exists so every thread inherits the
     // mask and only `sigwait` below ever sees them: no handler runs inside
     // arbitrary code, and no flag has to be polled.
@@ -40,31 +26,31 @@ fn run(argv: &[String]) -> Result<ExitCode, UsageError> {
         Ok(s) => s,
         Err(err) => {
             eprintln!("kvferry bootstrap: cannot block signals: {err}");
-            return Ok(ExitCode::FAILURE);
+            return ExitCode::FAILURE;
         }
     };
     let server = match BootstrapServer::start(listen) {
         Ok(server) => server,
         Err(err) => {
             eprintln!("kvferry bootstrap: {err}");
-            return Ok(ExitCode::FAILURE);
+            return ExitCode::FAILURE;
         }
     };
     println!("bootstrap service listening on {}", server.local_addr());
     let signal = signals.wait();
     eprintln!("kvferry bootstrap: signal {signal}, shutting down");
     server.shutdown();
-    Ok(ExitCode::SUCCESS)
+    ExitCode::SUCCESS
 }
 
 /// SIGINT and SIGTERM, blocked in this thread (and so in every thread it
 /// spawns afterwards), to be received synchronously with `sigwait`.
-pub(crate) struct ShutdownSignals {
+struct ShutdownSignals {
     set: libc::sigset_t,
 }
 
 impl ShutdownSignals {
-    pub(crate) fn block() -> std::io::Result<ShutdownSignals> {
+    fn block() -> std::io::Result<ShutdownSignals> {
         // SAFETY: sigset_t is plain data that sigemptyset initialises; the
         // calls only read and write the set we own and this thread's mask.
         unsafe {
@@ -81,7 +67,7 @@ impl ShutdownSignals {
     }
 
     /// Blocks until SIGINT or SIGTERM arrives; returns its number.
-    pub(crate) fn wait(&self) -> i32 {
+    fn wait(&self) -> i32 {
         loop {
             let mut sig: libc::c_int = 0;
             // SAFETY: `self.set` was initialised in `block`; `sig` is a valid

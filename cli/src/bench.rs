@@ -13,38 +13,97 @@ use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
 
-use super::args::{Args, UsageError};
-use crate::transport::local::LocalTransport;
-use crate::transport::tcp::{TcpConfig, TcpTransport};
-use crate::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
+use clap::{Args, Subcommand, ValueEnum};
+use kvferry::transport::local::LocalTransport;
+use kvferry::transport::tcp::{TcpConfig, TcpTransport};
+use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
 
-const USAGE: &str = "\
-usage: kvferry bench transport [options]
-  --transport tcp|local   transport to measure (default tcp)
-  --block-bytes N         bytes per descriptor (default 1048576)
-  --batch N               descriptors per batch (default 32)
-  --streams N             TCP streams per session (default 4)
-  --seconds S             measuring time (default 3)
-  --poll spin|park        wait policy while a transfer is pending (default spin)
-  --op write|read         push or pull (default write)
-  --no-pin                do not pin the executors to cores
-  --json                  print one JSON object
-";
+use crate::cli::{usage_error, UsageError};
+use crate::shape::TransportArg;
 
-/// Entry point of `kvferry bench`.
-pub fn main(argv: &[String]) -> ExitCode {
-    match argv.split_first() {
-        Some((cmd, rest)) if cmd == "transport" => match transport_main(rest) {
-            Ok(code) => code,
-            Err(e) => {
-                eprintln!("kvferry bench transport: {e}\n\n{USAGE}");
-                ExitCode::from(2)
-            }
-        },
-        _ => {
-            eprint!("{USAGE}");
-            ExitCode::from(2)
-        }
+/// `kvferry bench ...`.
+#[derive(Clone, Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Transport throughput and latency on loopback, next to memcpy.
+    #[command(allow_negative_numbers = true)]
+    Transport(TransportArgs),
+}
+
+/// The options of `kvferry bench transport`.
+#[derive(Clone, Debug, Args)]
+pub struct TransportArgs {
+    /// Transport to measure.
+    #[arg(long, default_value_t = TransportArg::Tcp)]
+    transport: TransportArg,
+    /// Bytes per descriptor.
+    #[arg(long, value_name = "N", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    block_bytes: u64,
+    /// Descriptors per batch.
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    /// TCP streams per session (1..=64).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    streams: usize,
+    /// Measuring time, in (0, 3600].
+    #[arg(long, value_name = "S", default_value_t = 3.0)]
+    seconds: f64,
+    /// Wait policy while a transfer is pending.
+    #[arg(long, default_value_t = PollArg::Spin)]
+    poll: PollArg,
+    /// Push or pull.
+    #[arg(long, default_value_t = OpArg::Write)]
+    op: OpArg,
+    /// Do not pin the executors to cores.
+    #[arg(long)]
+    no_pin: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `--poll`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PollArg {
+    /// Spin up to 1 ms, then park.
+    Spin,
+    /// Park at once.
+    Park,
+}
+
+/// `--op`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum OpArg {
+    /// The initiator writes into the target.
+    Write,
+    /// The initiator reads from the target.
+    Read,
+}
+
+impl std::fmt::Display for PollArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PollArg::Spin => "spin",
+            PollArg::Park => "park",
+        })
+    }
+}
+
+impl std::fmt::Display for OpArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OpArg::Write => "write",
+            OpArg::Read => "read",
+        })
+    }
+}
+
+/// Entry point of `kvferry bench transport`.
+pub fn main(a: &TransportArgs) -> ExitCode {
+    match transport_main(a) {
+        Ok(code) => code,
+        Err(e) => usage_error("kvferry bench transport", &e.0),
     }
 }
 
@@ -79,52 +138,10 @@ struct Measured {
 /// At most this many latency samples are kept (40 MB).
 const MAX_SAMPLES: usize = 5_000_000;
 
-fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
-    let args = Args::parse(argv, &["json", "no-pin"])?;
-    args.reject_unknown(&[
-        "transport",
-        "block-bytes",
-        "batch",
-        "streams",
-        "seconds",
-        "poll",
-        "op",
-        "json",
-        "no-pin",
-    ])?;
-    let transport = args.get_or("transport", "tcp".to_string())?;
-    if transport != "tcp" && transport != "local" {
-        return Err(UsageError(format!(
-            "--transport must be tcp or local, not {transport:?}"
-        )));
-    }
-    let block_bytes: u64 = args.get_or("block-bytes", 1 << 20)?;
-    let batch: u64 = args.get_or("batch", 32)?;
-    let streams: usize = args.get_or("streams", 4)?;
-    let seconds: f64 = args.get_or("seconds", 3.0)?;
-    let poll_name = args.get_or("poll", "spin".to_string())?;
-    let poll = match poll_name.as_str() {
-        "spin" => PollPolicy::Spin { budget_us: 1_000 },
-        "park" => PollPolicy::Park,
-        other => {
-            return Err(UsageError(format!(
-                "--poll must be spin or park, not {other:?}"
-            )))
-        }
-    };
-    let op = match args.get_or("op", "write".to_string())?.as_str() {
-        "write" => Op::Write,
-        "read" => Op::Read,
-        other => {
-            return Err(UsageError(format!(
-                "--op must be write or read, not {other:?}"
-            )))
-        }
-    };
-    if block_bytes == 0 || batch == 0 || !(1..=64).contains(&streams) {
-        return Err(UsageError(
-            "--block-bytes and --batch must be positive, --streams 1..=64".into(),
-        ));
+fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
+    let (block_bytes, batch, streams, seconds) = (a.block_bytes, a.batch, a.streams, a.seconds);
+    if !(1..=64).contains(&streams) {
+        return Err(UsageError("--streams: expected 1..=64".into()));
     }
     let total = block_bytes
         .checked_mul(batch)
@@ -133,8 +150,17 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
     if !(seconds > 0.0 && seconds <= 3600.0) {
         return Err(UsageError("--seconds must be in (0, 3600]".into()));
     }
-    let json = args.flag("json");
-    let pin = !args.flag("no-pin");
+    let poll = match a.poll {
+        PollArg::Spin => PollPolicy::Spin { budget_us: 1_000 },
+        PollArg::Park => PollPolicy::Park,
+    };
+    let op = match a.op {
+        OpArg::Write => Op::Write,
+        OpArg::Read => Op::Read,
+    };
+    let (json, pin) = (a.json, !a.no_pin);
+    let transport = a.transport.to_string();
+    let poll_name = a.poll.to_string();
     let p = Params {
         transport,
         block_bytes,

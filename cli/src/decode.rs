@@ -9,82 +9,71 @@ use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use super::args::Args;
-use super::demo::{demo_timeouts, parse_mode, parse_transport, print_report, DemoReport};
-use super::prefill::{install_signal_handlers, model_from, stop_requested};
-use crate::machines::common::BlockId;
-use crate::machines::Phase;
-use crate::node::{Node, NodeConfig, PrefillTarget, Role};
-use crate::synth::SynthKv;
+use clap::Args;
+use kvferry::machines::common::BlockId;
+use kvferry::machines::Phase;
+use kvferry::node::{Node, PrefillTarget, Role};
+use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::synth::SynthKv;
 
-const USAGE: &str = "\
-usage: kvferry decode --bootstrap ADDR --requests K [--engine-id ID]
-                      [--tp-size N] [--tp-rank R] [--timeout-ms MS] [--json]
-                      [--concurrency C] [--blocks-per-request B]
-                      [--transfer-base N] [--layers L] [--block-tokens T]
-                      [--heads H] [--head-bytes X] [--layout hnd|nhd|mla]
-                      [--mode push|pull] [--transport tcp|local]
-";
+use crate::demo::{print_report, DemoReport};
+use crate::prefill::{install_signal_handlers, stop_requested, RankArgs};
+use crate::shape::{DemoOptions, ModelArgs};
 
-const OPTIONS: &[&str] = &[
-    "bootstrap",
-    "engine-id",
-    "tp-size",
-    "tp-rank",
-    "requests",
-    "timeout-ms",
-    "json",
-    "concurrency",
-    "blocks-per-request",
-    "transfer-base",
-    "layers",
-    "block-tokens",
-    "heads",
-    "head-bytes",
-    "layout",
-    "mode",
-    "transport",
-    "host",
-];
+/// The options of `kvferry decode`.
+#[derive(Clone, Debug, Args)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    rank: RankArgs,
+    /// The prefill engine to pull from.
+    #[arg(long, value_name = "ID", default_value = "prefill")]
+    engine_id: String,
+    /// Requests to run, then exit.
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    requests: u64,
+    /// Requests in flight at once (at least 1).
+    #[arg(long, value_name = "C", default_value_t = 16)]
+    concurrency: u64,
+    /// KV blocks per request (at least 1).
+    #[arg(long, value_name = "B", default_value_t = 4)]
+    blocks_per_request: u32,
+    /// Transfer id of the first request (ids run up from it).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    transfer_base: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+}
 
-fn run(a: &Args) -> Result<DemoReport, String> {
-    let e = |e: super::args::UsageError| e.to_string();
-    let bootstrap = a
-        .get_str("bootstrap")
-        .ok_or("--bootstrap is required")?
-        .to_string();
-    let requests: u64 = a.get_or("requests", 0).map_err(e)?;
-    let (model, layers) = model_from(a).map_err(e)?;
-    let concurrency: u64 = a.get_or("concurrency", 16u64).map_err(e)?.max(1);
-    let b: u32 = a.get_or("blocks-per-request", 4u32).map_err(e)?.max(1);
-    let base: u64 = a.get_or("transfer-base", 1u64).map_err(e)?;
-    let timeout_ms: u64 = a.get_or("timeout-ms", 10_000).map_err(e)?;
-    let mut c = NodeConfig::new(Role::Decode, format!("decode-{}", std::process::id()));
-    c.tp_size = a.get_or("tp-size", 1).map_err(e)?;
-    c.tp_rank = a.get_or("tp-rank", 0).map_err(e)?;
-    c.mode = a
-        .get_str("mode")
-        .map_or(Ok(c.mode), parse_mode)
-        .map_err(e)?;
-    c.transport = a
-        .get_str("transport")
-        .map_or(Ok(c.transport), parse_transport)
-        .map_err(e)?;
-    c.timeouts = demo_timeouts(timeout_ms);
-    if let Some(h) = a.get_str("host") {
-        c.host = h.to_string();
-    }
+fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
+    let o = a.model.apply(DemoOptions::default());
+    let requests = a.requests;
+    let concurrency = a.concurrency.max(1);
+    let b = a.blocks_per_request.max(1);
+    let base = a.transfer_base;
+    let timeout_ms = o.timeout_ms;
+    let mut c = a
+        .rank
+        .node_config(Role::Decode, format!("decode-{}", std::process::id()), &o);
     let (done_tx, done_rx) = flume::bounded(1 << 16);
     c.notify = Some(done_tx);
     let slots = concurrency.min(requests.max(1));
-    let kv = SynthKv::new(model, c.tp_size, c.tp_rank, layers, slots * u64::from(b));
+    let kv = SynthKv::new(
+        o.model(),
+        c.tp_size,
+        c.tp_rank,
+        o.layers,
+        slots * u64::from(b),
+    );
     install_signal_handlers();
     let node = Node::start(c).map_err(|e| e.to_string())?;
     // SAFETY: `kv` outlives the node (shut down below before `kv` drops).
     unsafe { node.register_kv_caches(kv.kv_layout()) }.map_err(|e| e.to_string())?;
     let target = PrefillTarget::Bootstrap {
-        addr: bootstrap,
-        engine_id: a.get_str("engine-id").unwrap_or("prefill").to_string(),
+        addr: a.rank.bootstrap.clone(),
+        engine_id: a.engine_id.clone(),
     };
     let mut report = DemoReport {
         requests,
@@ -174,17 +163,11 @@ fn run(a: &Args) -> Result<DemoReport, String> {
     Ok(report)
 }
 
-pub fn main(argv: &[String]) -> ExitCode {
-    let a = match Args::parse(argv, &["json"]).and_then(|a| a.reject_unknown(OPTIONS).map(|()| a)) {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("kvferry decode: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
-    match run(&a) {
+/// `kvferry decode`.
+pub fn main(a: &DecodeArgs) -> ExitCode {
+    match run(a) {
         Ok(r) => {
-            print_report(&r, a.flag("json"));
+            print_report(&r, a.json);
             if r.verify_errors > 0 {
                 ExitCode::from(1)
             } else {

@@ -408,8 +408,8 @@ impl SynthKv {
     }
 
     /// The layout to register with the node.
-    pub fn kv_layout(&self) -> crate::node::KvLayout {
-        crate::node::KvLayout {
+    pub fn kv_layout(&self) -> kvferry::node::KvLayout {
+        kvferry::node::KvLayout {
             model: self.layout.model,
             num_blocks: self.layout.rank.num_blocks,
             regions: self.layout.rank.regions.clone(),
@@ -496,7 +496,7 @@ pub struct ClusterSpec {
     /// Push or pull.
     pub mode: kvferry_machines::common::Mode,
     /// Data plane.
-    pub transport: crate::node::TransportKind,
+    pub transport: kvferry::node::TransportKind,
     /// Timeouts of every node.
     pub timeouts: kvferry_machines::common::Config,
     /// Serve an embedded bootstrap service from prefill rank 0 on this
@@ -506,7 +506,7 @@ pub struct ClusterSpec {
     /// Let idle executors spin this long before parking (lower wake-up
     /// latency, costs CPU); `None` parks at once.
     pub spin: Option<std::time::Duration>,
-    /// [`crate::node::NodeConfig::data_plane_messages`] of every node.
+    /// [`kvferry::node::NodeConfig::data_plane_messages`] of every node.
     pub data_plane_messages: bool,
 }
 
@@ -514,7 +514,7 @@ pub struct ClusterSpec {
 /// before the memory is freed.
 pub struct Rank {
     /// The node.
-    pub node: crate::node::Node,
+    pub node: kvferry::node::Node,
     /// Its registered memory.
     pub kv: SynthKv,
 }
@@ -535,7 +535,7 @@ pub struct Cluster {
     /// Prefill ranks, by TP rank.
     pub prefill: Vec<Rank>,
     /// How decode ranks find the prefill ranks.
-    pub target: crate::node::PrefillTarget,
+    pub target: kvferry::node::PrefillTarget,
     /// Terminal phases of decode transfers: `(decode rank, transfer, phase)`.
     pub decode_done: flume::Receiver<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
     /// Terminal phases of prefill transfers: `(prefill rank, transfer, phase)`.
@@ -544,8 +544,8 @@ pub struct Cluster {
 
 impl Cluster {
     /// Starts and registers every rank.
-    pub fn start(spec: &ClusterSpec) -> Result<Cluster, crate::node::NodeError> {
-        use crate::node::{Node, NodeConfig, PrefillTarget, Role};
+    pub fn start(spec: &ClusterSpec) -> Result<Cluster, kvferry::node::NodeError> {
+        use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
         let (dtx, drx) = flume::unbounded();
         let (ptx, prx) = flume::unbounded();
         let mut prefill = Vec::new();
@@ -560,7 +560,7 @@ impl Cluster {
             c.notify_tagged = Some((r, ptx.clone()));
             c.data_plane_messages = spec.data_plane_messages;
             if let Some(spin) = spec.spin {
-                c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
+                c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
             }
             if let Some(b) = &spec.bootstrap {
                 if r == 0 {
@@ -588,10 +588,10 @@ impl Cluster {
         if let Some(addr) = &bootstrap_addr {
             // Registration runs in the background; decode asks only once
             // every prefill rank is listed, so no request waits for a retry.
-            let client = crate::bootstrap::BootstrapClient::new(addr)?;
-            let policy = crate::bootstrap::RetryPolicy {
+            let client = kvferry::bootstrap::BootstrapClient::new(addr)?;
+            let policy = kvferry::bootstrap::RetryPolicy {
                 deadline: std::time::Duration::from_secs(10),
-                ..crate::bootstrap::RetryPolicy::default()
+                ..kvferry::bootstrap::RetryPolicy::default()
             };
             client.wait_for_engine("prefill", spec.prefill_tp as usize, policy)?;
         }
@@ -606,7 +606,7 @@ impl Cluster {
             c.notify_tagged = Some((r, dtx.clone()));
             c.data_plane_messages = spec.data_plane_messages;
             if let Some(spin) = spec.spin {
-                c.reactor.poll_policy = kvferry_reactor::PollPolicy::Spin { spin };
+                c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
             }
             let node = Node::start(c)?;
             let kv = SynthKv::new(
@@ -665,12 +665,12 @@ impl Cluster {
         src_blocks: &[u32],
         dst_blocks: &[u32],
         prefix: u32,
-    ) -> Result<(), crate::node::NodeError> {
+    ) -> Result<(), kvferry::node::NodeError> {
         use kvferry_machines::common::BlockId;
         let dst: Vec<BlockId> = dst_blocks.iter().map(|&b| BlockId(b)).collect();
         let src: Vec<BlockId> = src_blocks.iter().map(|&b| BlockId(b)).collect();
         // Every rank's executor is woken once, after all of them were asked.
-        crate::node::Node::batch(|| {
+        kvferry::node::Node::batch(|| {
             for r in &self.decode {
                 r.node
                     .receiver(transfer, &self.target)?

@@ -7,120 +7,62 @@ use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use super::args::{Args, UsageError};
-use crate::machines::common::{Config, Mode};
-use crate::machines::layout::{LayoutKind, ModelSpec};
-use crate::machines::Phase;
-use crate::node::TransportKind;
-use crate::synth::{Cluster, ClusterSpec};
+use clap::Args;
+use kvferry::machines::Phase;
+use kvferry_testkit::synth::Cluster;
 
-const USAGE: &str = "\
-usage: kvferry demo [--requests N] [--concurrency C] [--layers L]
-                    [--blocks-per-request B] [--block-tokens T] [--heads H]
-                    [--head-bytes X] [--prefill-tp P] [--decode-tp D]
-                    [--layout hnd|nhd|mla] [--mode push|pull]
-                    [--transport tcp|local] [--timeout-ms MS] [--json]
-                    [--spin-us US] [--zmq-baseline]   (also time a bare 256-byte ZeroMQ
-                                        DEALER/ROUTER round trip, same run)
-                    [--zmq-only]   (every side-channel message over ZeroMQ, none
-                                    over the tcp data plane)
-       kvferry demo --soak SECONDS [--abort-ratio R] [--seed S]
-                    [--prefill-delay-us US] [the options above but --requests]
-                    (requests in flight for SECONDS with random aborts; checks
-                    every byte, that nothing stays live and that RSS stays flat)
-";
+use crate::cli::DemoArgs;
+use crate::shape::{cluster_spec, with_default, DemoOptions};
 
-const OPTIONS: &[&str] = &[
-    "requests",
-    "concurrency",
-    "layers",
-    "blocks-per-request",
-    "block-tokens",
-    "heads",
-    "head-bytes",
-    "prefill-tp",
-    "decode-tp",
-    "layout",
-    "mode",
-    "transport",
-    "timeout-ms",
-    "json",
-    "zmq-baseline",
-    "spin-us",
-    "zmq-only",
-];
-
-/// The demo's settings.
-#[derive(Clone, Debug)]
-pub struct DemoOptions {
-    pub requests: u64,
-    pub concurrency: u64,
-    pub layers: u32,
-    pub blocks_per_request: u32,
-    pub block_tokens: u32,
-    pub heads: u32,
-    pub head_bytes: u64,
-    pub prefill_tp: u32,
-    pub decode_tp: u32,
-    pub layout: LayoutKind,
-    pub mode: Mode,
-    pub transport: TransportKind,
-    /// Per-request deadline (bootstrap, waiting, claim).
-    pub timeout_ms: u64,
-    /// Executors spin this long before parking (0: park at once).
-    pub spin_us: u64,
-    /// Every side-channel message over ZeroMQ (`data_plane_messages` off).
-    pub zmq_only: bool,
-}
-
-impl Default for DemoOptions {
-    fn default() -> Self {
-        DemoOptions {
-            requests: 2000,
-            concurrency: 64,
-            layers: 4,
-            blocks_per_request: 4,
-            block_tokens: 16,
-            heads: 8,
-            head_bytes: 128,
-            prefill_tp: 1,
-            decode_tp: 1,
-            layout: LayoutKind::Hnd,
-            mode: Mode::Push,
-            transport: TransportKind::Tcp,
-            timeout_ms: 10_000,
-            spin_us: 0,
-            zmq_only: false,
-        }
-    }
+/// The options of `kvferry demo` that the soak does not take.
+#[derive(Clone, Debug, Args)]
+pub struct DemoOnlyArgs {
+    #[arg(long, value_name = "N", conflicts_with = "soak",
+          help = with_default("Requests to run", |o| o.requests))]
+    requests: Option<u64>,
+    /// Also time a bare 256-byte ZeroMQ DEALER/ROUTER round trip, same run.
+    #[arg(long, conflicts_with = "soak")]
+    zmq_baseline: bool,
 }
 
 /// What the demo measured.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct DemoReport {
+    /// Requests run.
     pub requests: u64,
+    /// Ended in `Success` on every decode rank.
     pub ok: u64,
+    /// Ended `Failed` on a decode rank.
     pub failed: u64,
+    /// Ended `Expired` on a decode rank.
     pub expired: u64,
+    /// Successful requests with a wrong byte on some decode rank.
     pub verify_errors: u64,
+    /// Verified payload bytes.
     pub bytes: u64,
     /// Gigabytes (1e9 bytes) per second of verified payload, wall clock.
     pub gbps: f64,
+    /// Successful requests per second, wall clock.
     pub requests_per_s: f64,
+    /// Median request latency.
     pub p50_ms: f64,
+    /// 99th percentile request latency.
     pub p99_ms: f64,
+    /// Wall-clock time of the run.
     pub elapsed_s: f64,
     /// With `--zmq-baseline`: p50 / p99 of a bare 256-byte DEALER/ROUTER
     /// round trip on loopback, both sockets in one ZeroMQ context (one I/O
     /// thread carries both ends), measured in the same process just before.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_p50_ms: Option<f64>,
+    /// p99 of the same round trip.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_p99_ms: Option<f64>,
     /// The same round trip with each socket in its own context, as between
     /// a decode and a prefill process (two I/O threads).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_two_ctx_p50_ms: Option<f64>,
+    /// p99 of the same round trip.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_two_ctx_p99_ms: Option<f64>,
 }
@@ -170,132 +112,6 @@ pub fn zmq_baseline(n: usize, two_contexts: bool) -> Result<(f64, f64), String> 
     // The first round trips include the connection set-up.
     let warm = &rtt[..];
     Ok((percentile(warm, 0.5), percentile(warm, 0.99)))
-}
-
-pub fn parse_layout(s: &str) -> Result<LayoutKind, UsageError> {
-    match s {
-        "hnd" => Ok(LayoutKind::Hnd),
-        "nhd" => Ok(LayoutKind::Nhd),
-        "mla" => Ok(LayoutKind::Mla),
-        _ => Err(UsageError(format!(
-            "--layout: expected hnd, nhd or mla, not {s:?}"
-        ))),
-    }
-}
-
-pub fn parse_mode(s: &str) -> Result<Mode, UsageError> {
-    match s {
-        "push" => Ok(Mode::Push),
-        "pull" => Ok(Mode::Pull),
-        _ => Err(UsageError(format!(
-            "--mode: expected push or pull, not {s:?}"
-        ))),
-    }
-}
-
-pub fn parse_transport(s: &str) -> Result<TransportKind, UsageError> {
-    match s {
-        "tcp" => Ok(TransportKind::Tcp),
-        "local" => Ok(TransportKind::Local),
-        _ => Err(UsageError(format!(
-            "--transport: expected tcp or local, not {s:?}"
-        ))),
-    }
-}
-
-fn parse(argv: &[String]) -> Result<(DemoOptions, bool, bool), UsageError> {
-    let a = Args::parse(argv, &["json", "zmq-baseline", "zmq-only"])?;
-    a.reject_unknown(OPTIONS)?;
-    let o = shape_options(&a, DemoOptions::default())?;
-    Ok((o, a.flag("json"), a.flag("zmq-baseline")))
-}
-
-/// Reads the options shared by the demo and the soak (request shape,
-/// cluster, timeouts), each defaulting to the field of `d`, and checks them.
-pub fn shape_options(a: &Args, d: DemoOptions) -> Result<DemoOptions, UsageError> {
-    let o = DemoOptions {
-        requests: a.get_or("requests", d.requests)?,
-        concurrency: a.get_or("concurrency", d.concurrency)?,
-        layers: a.get_or("layers", d.layers)?,
-        blocks_per_request: a.get_or("blocks-per-request", d.blocks_per_request)?,
-        block_tokens: a.get_or("block-tokens", d.block_tokens)?,
-        heads: a.get_or("heads", d.heads)?,
-        head_bytes: a.get_or("head-bytes", d.head_bytes)?,
-        prefill_tp: a.get_or("prefill-tp", d.prefill_tp)?,
-        decode_tp: a.get_or("decode-tp", d.decode_tp)?,
-        layout: a.get_str("layout").map_or(Ok(d.layout), parse_layout)?,
-        mode: a.get_str("mode").map_or(Ok(d.mode), parse_mode)?,
-        transport: a
-            .get_str("transport")
-            .map_or(Ok(d.transport), parse_transport)?,
-        timeout_ms: a.get_or("timeout-ms", d.timeout_ms)?,
-        spin_us: a.get_or("spin-us", d.spin_us)?,
-        zmq_only: a.flag("zmq-only") || d.zmq_only,
-    };
-    if o.concurrency == 0 || o.layers == 0 || o.blocks_per_request == 0 || o.block_tokens == 0 {
-        return Err(UsageError(
-            "--concurrency, --layers, --blocks-per-request and --block-tokens must be positive"
-                .into(),
-        ));
-    }
-    if o.heads == 0 || o.head_bytes == 0 || o.prefill_tp == 0 || o.decode_tp == 0 {
-        return Err(UsageError(
-            "--heads, --head-bytes and the TP sizes must be positive".into(),
-        ));
-    }
-    Ok(o)
-}
-
-/// The cluster of a demo-style run with `slots` request slots of
-/// `blocks_per_request` blocks on every rank.
-pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> {
-    let model = ModelSpec {
-        layout: o.layout,
-        total_kv_heads: match o.layout {
-            LayoutKind::Mla => 1,
-            LayoutKind::Hnd | LayoutKind::Nhd => o.heads,
-        },
-        block_tokens: o.block_tokens,
-        head_bytes: o.head_bytes,
-    };
-    let blocks = slots
-        .checked_mul(u64::from(o.blocks_per_request))
-        .filter(|&b| b <= u64::from(u32::MAX))
-        .ok_or("concurrency × blocks-per-request is too large")?;
-    Ok(ClusterSpec {
-        model,
-        layers: o.layers,
-        prefill_blocks: blocks,
-        decode_blocks: blocks,
-        prefill_tp: o.prefill_tp,
-        decode_tp: o.decode_tp,
-        mode: o.mode,
-        transport: o.transport,
-        timeouts: demo_timeouts(o.timeout_ms),
-        bootstrap: Some("127.0.0.1:0".into()),
-        spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
-        data_plane_messages: !o.zmq_only,
-    })
-}
-
-/// Timeouts for demo-style runs: everything ends within `timeout_ms` plus
-/// the fence.
-pub fn demo_timeouts(timeout_ms: u64) -> Config {
-    let t = Duration::from_millis(timeout_ms.max(10));
-    Config {
-        bootstrap_timeout: t,
-        waiting_timeout: t,
-        claim_timeout: t,
-        hold_limit: t * 3,
-        transfer_bound: t.min(Duration::from_secs(10)),
-        fence_margin: Duration::from_millis(200).min(t),
-        heartbeat_interval: (t / 4).min(Duration::from_secs(1)),
-        lease: (t / 2)
-            .min(Duration::from_secs(4))
-            .max((t / 4).min(Duration::from_secs(1)) * 2),
-        heartbeat_misses: 3,
-        ..Config::default()
-    }
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -479,20 +295,11 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
     Ok(report)
 }
 
-pub fn main(argv: &[String]) -> ExitCode {
-    if argv
-        .iter()
-        .any(|a| a == "--soak" || a.starts_with("--soak="))
-    {
-        return super::soak::main(argv);
-    }
-    let (o, json, baseline) = match parse(argv) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("kvferry demo: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+/// `kvferry demo`.
+pub fn main(a: &DemoArgs) -> ExitCode {
+    let mut o = a.shape.apply(DemoOptions::default());
+    o.requests = a.demo.requests.unwrap_or(o.requests);
+    let (json, baseline) = (a.json, a.demo.zmq_baseline);
     let progress = !json && std::io::stderr().is_terminal();
     let rtt = if baseline {
         let both =
@@ -555,7 +362,7 @@ pub fn print_report(r: &DemoReport, json: bool) {
         if let (Some(p50), Some(p99)) = (r.zmq_rtt_two_ctx_p50_ms, r.zmq_rtt_two_ctx_p99_ms) {
             println!("bare ZeroMQ 256 B round trip, two contexts: p50 {p50:.3} ms p99 {p99:.3} ms");
         }
-        // The yardstick of issue 4: request p50 in bare round trips.
+        // The yardstick of the control plane: request p50 in bare round trips.
         let ratios: Vec<String> = [
             ("two contexts", r.zmq_rtt_two_ctx_p50_ms),
             ("one context", r.zmq_rtt_p50_ms),

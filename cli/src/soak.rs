@@ -24,54 +24,78 @@ use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use super::args::{Args, UsageError};
-use super::demo::{cluster_spec, shape_options, DemoOptions};
-use crate::machines::common::BlockId;
-use crate::machines::Phase;
-use crate::node::{NodeStats, Receiver, Sender};
-use crate::synth::Cluster;
+use clap::Args;
+use kvferry::machines::common::BlockId;
+use kvferry::machines::Phase;
+use kvferry::node::{NodeStats, Receiver, Sender};
+use kvferry_testkit::synth::Cluster;
 
-const USAGE: &str = "\
-usage: kvferry demo --soak SECONDS [--concurrency C] [--abort-ratio R]
-                    [--seed S] [--prefill-delay-us US] [--warmup-s W] [--json]
-                    [--layers L] [--blocks-per-request B] [--block-tokens T]
-                    [--heads H] [--head-bytes X] [--prefill-tp P] [--decode-tp D]
-                    [--layout hnd|nhd|mla] [--mode push|pull]
-                    [--transport tcp|local] [--timeout-ms MS] [--spin-us US]
+use crate::cli::{usage_error, DemoArgs, UsageError};
+use crate::shape::{cluster_spec, DemoOptions};
 
-Soak defaults: --concurrency 2000 --abort-ratio 0.05 --prefill-delay-us 1000,
---warmup-s 10 % of SECONDS (at least 1; the RSS baseline is taken then),
-and a small request (2 layers, 2 blocks of 16 tokens, 4 heads of 64 bytes:
-32 KiB) so that thousands fit in memory. Exits 1 on a verify error, a request
-or machine still live after draining, a block slot not returned, or RSS
-growth past the threshold (rss_flat false). Each node remembers the final
-phase of its last 2^20 transfers (~100 bytes a request for both nodes), so
-RSS climbs until about a million requests and is flat after: to judge the
-plateau, put --warmup-s past that point (e.g. --soak 480 --warmup-s 330).
-";
+/// The options of `kvferry demo --soak` that the demo does not take.
+#[derive(Clone, Debug, Args)]
+pub struct SoakArgs {
+    /// Soak: keep --concurrency requests in flight for SECONDS with random
+    /// aborts; checks every byte, that nothing stays live and that RSS stays
+    /// flat.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub soak: Option<f64>,
+    #[arg(long, value_name = "R", requires = "soak", value_parser = parse_ratio,
+          help = soak_default("Fraction of requests aborted at a random moment", |o| o.abort_ratio))]
+    abort_ratio: Option<f64>,
+    /// Seed of the random plan (default: from the clock; the report prints it).
+    #[arg(long, value_name = "S", requires = "soak")]
+    seed: Option<u64>,
+    #[arg(long, value_name = "US", requires = "soak",
+          help = soak_default("Prefill KV is ready a random 0..=US after decode asks", |o| o.prefill_delay_us))]
+    prefill_delay_us: Option<u64>,
+    /// Seconds of warm-up before the RSS baseline [default: 10 % of SECONDS,
+    /// at least 1].
+    #[arg(long, value_name = "W", requires = "soak")]
+    warmup_s: Option<f64>,
+}
 
-const OPTIONS: &[&str] = &[
-    "soak",
-    "concurrency",
-    "abort-ratio",
-    "seed",
-    "prefill-delay-us",
-    "warmup-s",
-    "json",
-    "layers",
-    "blocks-per-request",
-    "block-tokens",
-    "heads",
-    "head-bytes",
-    "prefill-tp",
-    "decode-tp",
-    "layout",
-    "mode",
-    "transport",
-    "timeout-ms",
-    "spin-us",
-    "zmq-only",
-];
+/// `text` followed by the default of the field `f` picks from
+/// [`SoakOptions::default`], as clap prints a default.
+fn soak_default<T: std::fmt::Display>(text: &str, f: impl Fn(&SoakOptions) -> T) -> String {
+    format!("{text} [default: {}]", f(&SoakOptions::default()))
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if v.is_finite() && v > 0.0 && v <= 86_400.0 {
+        Ok(v)
+    } else {
+        Err("expected seconds in (0, 86400]".into())
+    }
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err("expected 0..=1".into())
+    }
+}
+
+/// What `kvferry demo --help` says of the soak's defaults, from
+/// [`soak_shape`].
+pub fn defaults_help() -> String {
+    let d = soak_shape();
+    format!(
+        "\
+With --soak the defaults are --concurrency {} --layers {} --blocks-per-request {} \
+--block-tokens {} --heads {} --head-bytes {} (a small request, so that thousands fit \
+in memory). The soak exits 1 on a verify error, a request or machine still live after \
+draining, a block slot not returned, or RSS growth past the threshold (rss_flat \
+false). Each node remembers the final phase of its last NodeConfig::max_finished_records \
+transfers (~100 bytes a request for both nodes), so RSS climbs until that many \
+requests ended and is flat after: to judge the plateau, put --warmup-s past that point.",
+        d.concurrency, d.layers, d.blocks_per_request, d.block_tokens, d.heads, d.head_bytes
+    )
+}
 
 /// RSS growth after warm-up that still counts as flat, whichever is larger:
 /// 8 MiB, or 5 % of the RSS at the end of warm-up. Why these: the
@@ -149,13 +173,21 @@ pub struct RoleStats {
     pub machines_created: u64,
     /// Terminal phases the ranks counted (`ok + failed + expired`).
     pub terminal: u64,
+    /// [`NodeStats::ok`], summed.
     pub ok: u64,
+    /// [`NodeStats::failed`], summed.
     pub failed: u64,
+    /// [`NodeStats::expired`], summed.
     pub expired: u64,
+    /// [`NodeStats::bytes`], summed.
     pub bytes: u64,
+    /// [`NodeStats::transport_errors`], summed.
     pub transport_errors: u64,
+    /// [`NodeStats::peers_marked_dead`], summed.
     pub peers_marked_dead: u64,
+    /// [`NodeStats::bad_frames`], summed.
     pub bad_frames: u64,
+    /// [`NodeStats::dropped_frames`], summed.
     pub dropped_frames: u64,
     /// Machines still live after draining, found by asking the node for
     /// the phase of every transfer id the soak used.
@@ -215,11 +247,17 @@ pub struct AbortStats {
 /// the prefill side's KV was ready or after (while moving or too late).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct AbortPlanCounts {
+    /// Decode side, before the KV was ready.
     pub decode_before_kv: u64,
+    /// Decode side, after the send.
     pub decode_after_send: u64,
+    /// Prefill side, before the KV was ready.
     pub prefill_before_kv: u64,
+    /// Prefill side, after the send.
     pub prefill_after_send: u64,
+    /// Both sides, before the KV was ready.
     pub both_before_kv: u64,
+    /// Both sides, after the send.
     pub both_after_send: u64,
 }
 
@@ -240,7 +278,9 @@ impl AbortPlanCounts {
 /// Where stray terminal notifications came from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StrayStats {
+    /// Strays from prefill ranks.
     pub prefill: u64,
+    /// Strays from decode ranks.
     pub decode: u64,
     /// Strays that ended `Expired` (a machine that waited out a deadline).
     pub expired: u64,
@@ -370,8 +410,11 @@ pub struct SoakReport {
     pub seconds: f64,
     /// Seconds of warm-up before the RSS baseline.
     pub warmup_s: f64,
+    /// Requests kept in flight.
     pub concurrency: u64,
+    /// Fraction of requests planned to be aborted.
     pub abort_ratio: f64,
+    /// Seed of the random plan (`--seed` repeats it).
     pub seed: u64,
     /// Requests started.
     pub requests: u64,
@@ -403,21 +446,30 @@ pub struct SoakReport {
     pub stray: StrayStats,
     /// Terminal phases found by polling because no notification came.
     pub missed_notifications: u64,
+    /// When and from where requests were aborted.
     pub aborts: AbortStats,
     /// Verified payload bytes.
     pub bytes: u64,
+    /// Successful requests per second of load.
     pub requests_per_s: f64,
+    /// Gigabytes (1e9 bytes) per second of verified payload during the load.
     pub gbps: f64,
     /// Latency of successful requests, decode request to decode terminal.
     pub p50_ms: f64,
+    /// 99th percentile of the same latency.
     pub p99_ms: f64,
-    /// Seconds of load, and of draining after it.
+    /// Seconds of load.
     pub elapsed_s: f64,
+    /// Seconds of draining after the load.
     pub drain_s: f64,
+    /// Whether RSS stayed flat.
     #[serde(flatten)]
     pub rss: RssVerdict,
+    /// RSS once a second, and once after draining.
     pub rss_samples: Vec<RssSample>,
+    /// Counters of the prefill ranks.
     pub prefill: RoleStats,
+    /// Counters of the decode ranks.
     pub decode: RoleStats,
 }
 
@@ -737,7 +789,7 @@ impl Soak<'_> {
     }
 
     /// The first refusal is a warning, the rest are counted in `refused`.
-    fn log_refusal(refused_before: u64, tid: u64, e: &crate::node::NodeError) {
+    fn log_refusal(refused_before: u64, tid: u64, e: &kvferry::node::NodeError) {
         if refused_before == 0 {
             tracing::warn!(tid, error = %e, "a node refused a soak request; backing off");
         } else {
@@ -1147,62 +1199,44 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
     Ok(report)
 }
 
-fn parse(argv: &[String]) -> Result<(SoakOptions, bool), UsageError> {
-    let a = Args::parse(argv, &["json", "zmq-only"])?;
-    a.reject_unknown(OPTIONS)?;
+/// The soak's settings from the command line.
+fn options(a: &DemoArgs) -> Result<SoakOptions, UsageError> {
     let d = SoakOptions::default();
-    let seconds: f64 = a.get_or("soak", 0.0)?;
-    if !(seconds.is_finite() && seconds > 0.0 && seconds <= 86_400.0) {
-        return Err(UsageError("--soak: expected seconds in (0, 86400]".into()));
-    }
-    let abort_ratio: f64 = a.get_or("abort-ratio", d.abort_ratio)?;
-    if !(0.0..=1.0).contains(&abort_ratio) {
-        return Err(UsageError("--abort-ratio: expected 0..=1".into()));
-    }
-    let seed = match a.get_str("seed") {
-        Some(_) => a.get_or("seed", 0u64)?,
-        // Printed in the report, so a run's plan can be repeated.
-        None => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |t| t.as_nanos() as u64),
-    };
-    let demo = shape_options(&a, soak_shape())?;
+    let s = &a.soak;
+    let seconds = s.soak.unwrap_or(d.duration.as_secs_f64());
+    let demo = a.shape.apply(soak_shape());
     if demo.concurrency > 1_000_000 {
         return Err(UsageError("--concurrency: at most 1000000".into()));
     }
-    Ok((
-        SoakOptions {
-            demo,
-            duration: Duration::from_secs_f64(seconds),
-            abort_ratio,
-            seed,
-            prefill_delay_us: a.get_or("prefill-delay-us", d.prefill_delay_us)?,
-            warmup_s: match a.get_str("warmup-s") {
-                None => None,
-                Some(_) => {
-                    let w: f64 = a.get_or("warmup-s", 0.0)?;
-                    if !(w.is_finite() && w >= 0.0 && w < seconds) {
-                        return Err(UsageError(
-                            "--warmup-s: expected seconds in [0, SECONDS)".into(),
-                        ));
-                    }
-                    Some(w)
-                }
-            },
-        },
-        a.flag("json"),
-    ))
+    if let Some(w) = s.warmup_s {
+        if !(w.is_finite() && w >= 0.0 && w < seconds) {
+            return Err(UsageError(
+                "--warmup-s: expected seconds in [0, SECONDS)".into(),
+            ));
+        }
+    }
+    Ok(SoakOptions {
+        demo,
+        duration: Duration::from_secs_f64(seconds),
+        abort_ratio: s.abort_ratio.unwrap_or(d.abort_ratio),
+        // Printed in the report, so a run's plan can be repeated.
+        seed: s.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |t| t.as_nanos() as u64)
+        }),
+        prefill_delay_us: s.prefill_delay_us.unwrap_or(d.prefill_delay_us),
+        warmup_s: s.warmup_s,
+    })
 }
 
 /// `kvferry demo --soak SECONDS ...`.
-pub fn main(argv: &[String]) -> ExitCode {
-    let (o, json) = match parse(argv) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("kvferry demo --soak: {e}\n\n{USAGE}");
-            return ExitCode::from(2);
-        }
+pub fn main(a: &DemoArgs) -> ExitCode {
+    let o = match options(a) {
+        Ok(o) => o,
+        Err(e) => return usage_error("kvferry demo --soak", &e.0),
     };
+    let json = a.json;
     let progress = !json && std::io::stderr().is_terminal();
     let report = match run_soak(&o, progress) {
         Ok(r) => r,

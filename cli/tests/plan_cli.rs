@@ -18,7 +18,10 @@ fn kvferry(args: &[&str], stdin: &[u8]) -> Output {
 }
 
 fn plan_file(name: &str) -> Value {
-    let path = format!("{}/examples/specs/{name}.json", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/../examples/specs/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let out = kvferry(&["plan", "--spec", &path], b"");
     assert!(
         out.status.success(),
@@ -29,7 +32,10 @@ fn plan_file(name: &str) -> Value {
 }
 
 fn example(name: &str) -> Value {
-    let path = format!("{}/examples/specs/{name}.json", env!("CARGO_MANIFEST_DIR"));
+    let path = format!(
+        "{}/../examples/specs/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
@@ -90,7 +96,7 @@ fn every_example_plans_and_matches_the_library() {
     ] {
         let out = plan_file(name);
         let text = std::fs::read_to_string(format!(
-            "{}/examples/specs/{name}.json",
+            "{}/../examples/specs/{name}.json",
             env!("CARGO_MANIFEST_DIR")
         ))
         .unwrap();

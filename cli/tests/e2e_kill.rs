@@ -7,12 +7,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
-use kvferry::cli::demo::demo_timeouts;
 use kvferry::machines::common::BlockId;
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::{Node, NodeConfig, PrefillTarget, RemoteRequest, Role};
-use kvferry::synth::SynthKv;
+use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::synth::SynthKv;
 
 const TIMEOUT_MS: u64 = 1000;
 

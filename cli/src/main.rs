@@ -1,0 +1,20 @@
+//! The `kvferry` command-line tool. See `kvferry help`.
+
+#![warn(missing_docs)]
+
+mod bench;
+mod bootstrap;
+mod cli;
+mod decode;
+mod demo;
+mod plan;
+mod prefill;
+mod shape;
+mod soak;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    kvferry_testkit::init_tracing();
+    cli::run(std::env::args_os())
+}

@@ -1,0 +1,313 @@
+//! The request shape, cluster and timeout options that `demo`, the soak,
+//! `prefill` and `decode` share, and the cluster a demo-style run starts.
+//!
+//! Shape options are optional on the command line: the demo and the soak
+//! fill what is not given from different defaults ([`DemoOptions::default`]
+//! and the soak's small request), so the defaults live in one place and
+//! the help text is written from them.
+
+use std::fmt::Display;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use kvferry::machines::common::Mode;
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::node::TransportKind;
+use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::synth::ClusterSpec;
+
+/// KV cache layout (`--layout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LayoutArg {
+    /// Heads, then tokens, then bytes within a block.
+    Hnd,
+    /// Tokens, then heads, then bytes within a block.
+    Nhd,
+    /// One latent per token, the same on every rank.
+    Mla,
+}
+
+/// Who moves the KV (`--mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// Prefill writes into decode's blocks.
+    Push,
+    /// Decode reads from prefill's blocks.
+    Pull,
+}
+
+/// Data plane (`--transport`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TransportArg {
+    /// TCP streams, also between processes.
+    Tcp,
+    /// memcpy within one process.
+    Local,
+}
+
+/// The name a value has on the command line.
+fn value_name(v: impl ValueEnum) -> String {
+    v.to_possible_value()
+        .map_or_else(String::new, |p| p.get_name().to_string())
+}
+
+impl Display for LayoutArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&value_name(*self))
+    }
+}
+
+impl Display for ModeArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&value_name(*self))
+    }
+}
+
+impl Display for TransportArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&value_name(*self))
+    }
+}
+
+impl From<LayoutArg> for LayoutKind {
+    fn from(v: LayoutArg) -> LayoutKind {
+        match v {
+            LayoutArg::Hnd => LayoutKind::Hnd,
+            LayoutArg::Nhd => LayoutKind::Nhd,
+            LayoutArg::Mla => LayoutKind::Mla,
+        }
+    }
+}
+
+impl From<LayoutKind> for LayoutArg {
+    fn from(v: LayoutKind) -> LayoutArg {
+        match v {
+            LayoutKind::Hnd => LayoutArg::Hnd,
+            LayoutKind::Nhd => LayoutArg::Nhd,
+            LayoutKind::Mla => LayoutArg::Mla,
+        }
+    }
+}
+
+impl From<ModeArg> for Mode {
+    fn from(v: ModeArg) -> Mode {
+        match v {
+            ModeArg::Push => Mode::Push,
+            ModeArg::Pull => Mode::Pull,
+        }
+    }
+}
+
+impl From<Mode> for ModeArg {
+    fn from(v: Mode) -> ModeArg {
+        match v {
+            Mode::Push => ModeArg::Push,
+            Mode::Pull => ModeArg::Pull,
+        }
+    }
+}
+
+impl From<TransportArg> for TransportKind {
+    fn from(v: TransportArg) -> TransportKind {
+        match v {
+            TransportArg::Tcp => TransportKind::Tcp,
+            TransportArg::Local => TransportKind::Local,
+        }
+    }
+}
+
+impl From<TransportKind> for TransportArg {
+    fn from(v: TransportKind) -> TransportArg {
+        match v {
+            TransportKind::Tcp => TransportArg::Tcp,
+            TransportKind::Local => TransportArg::Local,
+        }
+    }
+}
+
+/// `text` followed by the default of the field `f` picks from
+/// [`DemoOptions::default`], as clap prints a default.
+pub fn with_default<T: Display>(text: &str, f: impl Fn(&DemoOptions) -> T) -> String {
+    format!("{text} [default: {}]", f(&DemoOptions::default()))
+}
+
+/// The model, the node's mode and transport, and the deadlines: the options
+/// of every command that runs a node.
+#[derive(Clone, Debug, Default, Args)]
+pub struct ModelArgs {
+    #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..),
+          help = with_default("Layers", |o| o.layers))]
+    layers: Option<u32>,
+    #[arg(long, value_name = "T", value_parser = clap::value_parser!(u32).range(1..),
+          help = with_default("Tokens per block", |o| o.block_tokens))]
+    block_tokens: Option<u32>,
+    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u32).range(1..),
+          help = with_default("KV heads of the model (1 for mla)", |o| o.heads))]
+    heads: Option<u32>,
+    #[arg(long, value_name = "X", value_parser = clap::value_parser!(u64).range(1..),
+          help = with_default("Bytes per head per token", |o| o.head_bytes))]
+    head_bytes: Option<u64>,
+    #[arg(long, help = with_default("KV layout", |o| LayoutArg::from(o.layout)))]
+    layout: Option<LayoutArg>,
+    #[arg(long, help = with_default("Who moves the KV", |o| ModeArg::from(o.mode)))]
+    mode: Option<ModeArg>,
+    #[arg(long, help = with_default("Data plane", |o| TransportArg::from(o.transport)))]
+    transport: Option<TransportArg>,
+    #[arg(long, value_name = "MS",
+          help = with_default("Per-request deadline (bootstrap, waiting, claim)", |o| o.timeout_ms))]
+    timeout_ms: Option<u64>,
+}
+
+impl ModelArgs {
+    /// `d` with the options given here in place of its fields.
+    pub fn apply(&self, d: DemoOptions) -> DemoOptions {
+        DemoOptions {
+            layers: self.layers.unwrap_or(d.layers),
+            block_tokens: self.block_tokens.unwrap_or(d.block_tokens),
+            heads: self.heads.unwrap_or(d.heads),
+            head_bytes: self.head_bytes.unwrap_or(d.head_bytes),
+            layout: self.layout.map_or(d.layout, LayoutKind::from),
+            mode: self.mode.map_or(d.mode, Mode::from),
+            transport: self.transport.map_or(d.transport, TransportKind::from),
+            timeout_ms: self.timeout_ms.unwrap_or(d.timeout_ms),
+            ..d
+        }
+    }
+}
+
+/// The options shared by the demo and the soak: request shape, cluster and
+/// timeouts.
+#[derive(Clone, Debug, Default, Args)]
+pub struct ShapeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, value_name = "C", value_parser = clap::value_parser!(u64).range(1..),
+          help = with_default("Requests in flight", |o| o.concurrency))]
+    concurrency: Option<u64>,
+    #[arg(long, value_name = "B", value_parser = clap::value_parser!(u32).range(1..),
+          help = with_default("KV blocks per request", |o| o.blocks_per_request))]
+    blocks_per_request: Option<u32>,
+    #[arg(long, value_name = "P", value_parser = clap::value_parser!(u32).range(1..),
+          help = with_default("Prefill TP size", |o| o.prefill_tp))]
+    prefill_tp: Option<u32>,
+    #[arg(long, value_name = "D", value_parser = clap::value_parser!(u32).range(1..),
+          help = with_default("Decode TP size", |o| o.decode_tp))]
+    decode_tp: Option<u32>,
+    #[arg(long, value_name = "US",
+          help = with_default("Executors spin this long before parking (0: park at once)", |o| o.spin_us))]
+    spin_us: Option<u64>,
+    /// Every side-channel message over ZeroMQ, none over the tcp data plane.
+    #[arg(long)]
+    zmq_only: bool,
+}
+
+impl ShapeArgs {
+    /// `d` with the options given here in place of its fields.
+    pub fn apply(&self, d: DemoOptions) -> DemoOptions {
+        let d = self.model.apply(d);
+        DemoOptions {
+            concurrency: self.concurrency.unwrap_or(d.concurrency),
+            blocks_per_request: self.blocks_per_request.unwrap_or(d.blocks_per_request),
+            prefill_tp: self.prefill_tp.unwrap_or(d.prefill_tp),
+            decode_tp: self.decode_tp.unwrap_or(d.decode_tp),
+            spin_us: self.spin_us.unwrap_or(d.spin_us),
+            zmq_only: self.zmq_only || d.zmq_only,
+            ..d
+        }
+    }
+}
+
+/// The settings of a demo-style run.
+#[derive(Clone, Debug)]
+pub struct DemoOptions {
+    /// Requests to run (the demo; the soak runs for a time instead).
+    pub requests: u64,
+    /// Requests in flight at once.
+    pub concurrency: u64,
+    /// Layers of the model.
+    pub layers: u32,
+    /// KV blocks per request.
+    pub blocks_per_request: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// KV heads of the model (1 is used for MLA).
+    pub heads: u32,
+    /// Bytes per head per token.
+    pub head_bytes: u64,
+    /// Prefill TP size.
+    pub prefill_tp: u32,
+    /// Decode TP size.
+    pub decode_tp: u32,
+    /// KV layout.
+    pub layout: LayoutKind,
+    /// Who moves the KV.
+    pub mode: Mode,
+    /// Data plane.
+    pub transport: TransportKind,
+    /// Per-request deadline (bootstrap, waiting, claim).
+    pub timeout_ms: u64,
+    /// Executors spin this long before parking (0: park at once).
+    pub spin_us: u64,
+    /// Every side-channel message over ZeroMQ (`data_plane_messages` off).
+    pub zmq_only: bool,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        DemoOptions {
+            requests: 2000,
+            concurrency: 64,
+            layers: 4,
+            blocks_per_request: 4,
+            block_tokens: 16,
+            heads: 8,
+            head_bytes: 128,
+            prefill_tp: 1,
+            decode_tp: 1,
+            layout: LayoutKind::Hnd,
+            mode: Mode::Push,
+            transport: TransportKind::Tcp,
+            timeout_ms: 10_000,
+            spin_us: 0,
+            zmq_only: false,
+        }
+    }
+}
+
+impl DemoOptions {
+    /// The model of these options.
+    pub fn model(&self) -> ModelSpec {
+        ModelSpec {
+            layout: self.layout,
+            total_kv_heads: match self.layout {
+                LayoutKind::Mla => 1,
+                LayoutKind::Hnd | LayoutKind::Nhd => self.heads,
+            },
+            block_tokens: self.block_tokens,
+            head_bytes: self.head_bytes,
+        }
+    }
+}
+
+/// The cluster of a demo-style run with `slots` request slots of
+/// `blocks_per_request` blocks on every rank.
+pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> {
+    let blocks = slots
+        .checked_mul(u64::from(o.blocks_per_request))
+        .filter(|&b| b <= u64::from(u32::MAX))
+        .ok_or("concurrency × blocks-per-request is too large")?;
+    Ok(ClusterSpec {
+        model: o.model(),
+        layers: o.layers,
+        prefill_blocks: blocks,
+        decode_blocks: blocks,
+        prefill_tp: o.prefill_tp,
+        decode_tp: o.decode_tp,
+        mode: o.mode,
+        transport: o.transport,
+        timeouts: demo_timeouts(o.timeout_ms),
+        bootstrap: Some("127.0.0.1:0".into()),
+        spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
+        data_plane_messages: !o.zmq_only,
+    })
+}

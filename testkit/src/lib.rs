@@ -1,0 +1,42 @@
+//! What the `kvferry` CLI and the end-to-end tests share and the library
+//! does not offer: a synthetic KV cache whose every byte is known
+//! ([`synth::SynthKv`]), an in-process cluster of prefill and decode ranks
+//! ([`synth::Cluster`]), the timeouts of demo-style runs and log set-up.
+
+#![warn(missing_docs)]
+
+pub mod synth;
+
+use std::time::Duration;
+
+use kvferry_machines::common::Config;
+
+/// Timeouts for demo-style runs: everything ends within `timeout_ms` plus
+/// the fence.
+pub fn demo_timeouts(timeout_ms: u64) -> Config {
+    let t = Duration::from_millis(timeout_ms.max(10));
+    Config {
+        bootstrap_timeout: t,
+        waiting_timeout: t,
+        claim_timeout: t,
+        hold_limit: t * 3,
+        transfer_bound: t.min(Duration::from_secs(10)),
+        fence_margin: Duration::from_millis(200).min(t),
+        heartbeat_interval: (t / 4).min(Duration::from_secs(1)),
+        lease: (t / 2)
+            .min(Duration::from_secs(4))
+            .max((t / 4).min(Duration::from_secs(1)) * 2),
+        heartbeat_misses: 3,
+        ..Config::default()
+    }
+}
+
+/// Logs go to stderr; `RUST_LOG` selects the level (default: warn).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
