@@ -1,6 +1,6 @@
 //! Cross-thread wake-ups of a sleeping glommio executor are never lost.
 //!
-//! kvferry carries glommio with a patch (`reactor/glommio/KVFERRY-PATCH.md`):
+//! kvferry carries glommio with a patch (`vendor/glommio.md`):
 //! a parking executor orders its "I am going to sleep" flag against remote
 //! wake-ups with two `SeqCst` fences instead of a process-wide
 //! `membarrier`. A mistake there loses a wake-up: the executor sleeps with
