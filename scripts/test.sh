@@ -5,7 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step prints its name, and the time the previous one took; the end
+# prints the whole run's time.
+started=$SECONDS
+last=$SECONDS
+step() {
+  if [ -n "${current:-}" ]; then printf '<== %s: %d s\n' "$current" $((SECONDS - last)); fi
+  current="$*"
+  last=$SECONDS
+  printf '\n==> %s\n' "$*"
+}
+finish() { printf '<== %s: %d s\n\n==> all steps passed in %d s\n' "$current" $((SECONDS - last)) $((SECONDS - started)); }
 
 step "format"
 cargo fmt --all --check
@@ -29,6 +39,9 @@ bash scripts/check_vendor.sh
 step "unit, property and integration tests"
 cargo test --workspace
 
+step "the embedding example moves a request and checks its bytes"
+cargo run --quiet --example embed
+
 step "glommio's own tests of the patched code (vendor/glommio.md)"
 # Its own manifest, lock file and target dir: glommio is a workspace of its
 # own, so its dev-dependencies stay out of kvferry's tree. One test at a
@@ -48,7 +61,8 @@ glommio_tests=(
   --skip executor::test::test_dynamic_shares
   --skip executor::test::test_shares_
 )
-CARGO_TARGET_DIR=target/glommio cargo test --locked \
+# Bounded: a hang fails the run instead of stalling it.
+CARGO_TARGET_DIR=target/glommio timeout 900 cargo test --locked \
   --manifest-path vendor/glommio/Cargo.toml --lib -- --test-threads=1 "${glommio_tests[@]}"
 
 if [ -f reactor/tests/loom.rs ]; then
@@ -58,3 +72,5 @@ if [ -f reactor/tests/loom.rs ]; then
   RUSTFLAGS="--cfg kvferry_loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=2 \
     cargo test -p kvferry-reactor --release --test loom
 fi
+
+finish
