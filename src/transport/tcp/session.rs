@@ -3,18 +3,20 @@
 
 use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
+use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::io::{ReadHalf, WriteHalf};
 use futures::lock::{Mutex, MutexGuard};
 use glommio::net::TcpStream;
 use glommio::sync::Semaphore;
 
-use super::plan::{plan, Plan};
+use super::plan::{plan, FrameSpec, Plan};
 use super::{conv, notification_answer, protocol, FenceCell, TcpConfig, TcpTransport};
 use crate::transport::fdio::{self, iov, Conn};
-use crate::transport::fence::Guard;
+use crate::transport::fence::{BlockFence, Guard};
 use crate::transport::registry::{self, Registry};
 use crate::transport::turns::Turns;
 use crate::transport::wire::{self, Header, RejectReason};
@@ -344,177 +346,251 @@ impl SessionInner {
         stream: Stream,
         trailer: Option<&[u8]>,
     ) -> Result<bool, TransportError> {
-        let Stream {
-            op,
-            j,
-            k,
-            base_req_id,
-            per_stream_bytes,
-        } = stream;
         // Taken out so that a failure or cancellation drops (closes) it: a
         // stream that stopped mid-frame is out of step for good.
         let Some(mut conn) = slot.take() else {
             unreachable!("ensure_conn leaves a connection in the slot")
         };
-        let poll = self.config.poll;
-        let fd = conn.fd;
-        let opcode = match op {
+        let fence = self.fence.borrow().clone();
+        let run = StreamRun::new(plan, stream, trailer, fence, self.config.poll, conn.fd);
+        let Conn { rd, wr, .. } = &mut conn;
+        let (_, delivered) = futures::future::try_join(run.send(wr), run.recv(rd)).await?;
+        *slot = Some(conn);
+        Ok(delivered)
+    }
+}
+
+/// One stream's share of a batch while it moves: what its sending half and
+/// its receiving half share.
+struct StreamRun<'p> {
+    plan: &'p Plan<'p>,
+    s: Stream,
+    opcode: u8,
+    fd: RawFd,
+    poll: PollPolicy,
+    fence: Option<Rc<BlockFence>>,
+    /// Payload bytes the sending half may still have unacknowledged.
+    credit: Semaphore,
+    /// Set once every frame is out.
+    all_sent: Cell<bool>,
+    /// The trailer and its NOTIFY_AFTER_WRITE header.
+    trailer: Option<(&'p [u8], [u8; wire::HEADER_LEN])>,
+    /// Frames of the plan on this stream.
+    frames_here: usize,
+}
+
+impl<'p> StreamRun<'p> {
+    fn new(
+        plan: &'p Plan<'p>,
+        s: Stream,
+        trailer: Option<&'p [u8]>,
+        fence: Option<Rc<BlockFence>>,
+        poll: PollPolicy,
+        fd: RawFd,
+    ) -> StreamRun<'p> {
+        let opcode = match s.op {
             Op::Write => wire::OP_WRITE,
             Op::Read => wire::OP_READ,
         };
-        let credit = Semaphore::new(per_stream_bytes);
-        let all_sent = Cell::new(false);
-        let fence = self.fence.borrow().clone();
-        let frames = || plan.frames.iter().enumerate().skip(j).step_by(k);
-        let descs = &plan.descs[..];
-        let Conn { rd, wr, .. } = &mut conn;
-        let frames_here = frames().count();
-        let trailer_id = base_req_id.wrapping_add(plan.frames.len() as u64);
-        let trailer_head = trailer.map(|t| {
-            Header {
+        let frames_here = plan.frames.iter().skip(s.j).step_by(s.k).count();
+        let trailer = trailer.map(|t| {
+            let head = Header {
                 opcode: wire::OP_NOTIFY_AFTER_WRITE,
                 // Only one-stream batches carry a trailer: every frame of
                 // the plan is right before it.
                 detail: frames_here as u32,
-                req_id: trailer_id,
+                req_id: trailer_id(plan, &s),
                 payload_len: t.len() as u64,
                 ..Header::default()
-            }
-            .encode()
+            };
+            (t, head.encode())
         });
-        let send = async {
-            let mut head: Vec<u8> = Vec::new();
-            let mut iovs: Vec<libc::iovec> = Vec::new();
-            for (i, (n, f)) in frames().enumerate() {
-                credit
-                    .acquire(f.bytes.min(per_stream_bytes))
-                    .await
-                    .map_err(|_| protocol("credit semaphore closed"))?;
-                let h = Header {
-                    opcode,
-                    count: (f.end - f.start) as u32,
-                    req_id: base_req_id.wrapping_add(n as u64),
-                    payload_len: match op {
-                        Op::Write => f.bytes,
-                        Op::Read => 0,
-                    },
-                    ..Header::default()
-                };
-                head.clear();
-                head.extend_from_slice(&h.encode());
-                for d in &descs[f.start..f.end] {
-                    wire::encode_entry(&mut head, d.remote_addr, d.len_bytes);
-                }
-                iovs.clear();
-                iovs.push(iov(head.as_ptr() as u64, head.len() as u64));
-                if op == Op::Write {
-                    iovs.extend(
-                        descs[f.start..f.end]
-                            .iter()
-                            .map(|d| iov(d.local_addr, d.len_bytes)),
-                    );
-                }
-                // The trailer shares the last frame's send: one segment,
-                // one wake-up at the peer.
-                if let (Some(th), Some(t), true) = (&trailer_head, trailer, i + 1 == frames_here) {
-                    iovs.push(iov(th.as_ptr() as u64, th.len() as u64));
-                    iovs.push(iov(t.as_ptr() as u64, t.len() as u64));
-                }
-                let guard = Guard::new(fence.as_deref());
-                let local = || {
-                    guard.check(
-                        descs[f.start..f.end]
-                            .iter()
-                            .map(|d| (d.local_addr, d.len_bytes)),
-                    )
-                };
-                let check: Option<&dyn Fn() -> bool> = match op {
-                    Op::Write => Some(&local),
-                    Op::Read => None,
-                };
-                fdio::send_all(wr, fd, &mut iovs, check)
-                    .await
-                    .map_err(conv("sending a frame"))?;
-            }
-            all_sent.set(true);
-            Ok::<(), TransportError>(())
-        };
-        let recv = async {
-            let mut hb = [0u8; wire::HEADER_LEN];
-            let mut iovs: Vec<libc::iovec> = Vec::new();
-            for (n, f) in frames() {
-                let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
-                // Spin for the response only once every frame is out:
-                // before that the sender half waits on io_uring readiness,
-                // which a spinning sibling would only delay.
-                let wait = if all_sent.get() {
-                    poll
-                } else {
-                    PollPolicy::Park
-                };
-                fdio::recv_exact(rd, fd, &mut v, wait, None)
-                    .await
-                    .map_err(conv("awaiting a response"))?;
-                let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
-                if h.opcode != opcode || h.req_id != base_req_id.wrapping_add(n as u64) {
-                    return Err(protocol("response out of order"));
-                }
-                if h.status != wire::STATUS_OK {
-                    let in_frame = (h.detail as usize).min(f.end - f.start - 1);
-                    let split_index = f.start + in_frame;
-                    let index = plan.origin.as_ref().map_or(split_index, |o| o[split_index]);
-                    let reason = RejectReason::from_status(h.status);
-                    return Err(PeerError::Rejected { reason, index }.into());
-                }
-                match op {
-                    Op::Write => {
-                        if h.payload_len != 0 {
-                            return Err(protocol("WRITE response with a payload"));
-                        }
-                    }
-                    Op::Read => {
-                        if h.payload_len != f.bytes {
-                            return Err(protocol("READ response of the wrong length"));
-                        }
-                        iovs.clear();
-                        iovs.extend(
-                            descs[f.start..f.end]
-                                .iter()
-                                .map(|d| iov(d.local_addr, d.len_bytes)),
-                        );
-                        let guard = Guard::new(fence.as_deref());
-                        let local = || {
-                            guard.check(
-                                descs[f.start..f.end]
-                                    .iter()
-                                    .map(|d| (d.local_addr, d.len_bytes)),
-                            )
-                        };
-                        fdio::recv_exact(rd, fd, &mut iovs, PollPolicy::Park, Some(&local))
-                            .await
-                            .map_err(conv("receiving a payload"))?;
-                    }
-                }
-                credit.signal(f.bytes.min(per_stream_bytes));
-            }
-            if trailer.is_none() {
-                return Ok::<bool, TransportError>(false);
-            }
-            let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
-            fdio::recv_exact(rd, fd, &mut v, poll, None)
-                .await
-                .map_err(conv("awaiting a notification answer"))?;
-            match notification_answer(&hb, wire::OP_NOTIFY_AFTER_WRITE, trailer_id)? {
-                None => Ok(true),
-                // Every frame landed; the peer only did not take the trailer.
-                Some(reason) if reason.keeps_connection() => Ok(false),
-                Some(reason) => Err(PeerError::Rejected { reason, index: 0 }.into()),
-            }
-        };
-        let (_, delivered) = futures::future::try_join(send, recv).await?;
-        *slot = Some(conn);
-        Ok(delivered)
+        StreamRun {
+            plan,
+            s,
+            opcode,
+            fd,
+            poll,
+            fence,
+            credit: Semaphore::new(s.per_stream_bytes),
+            all_sent: Cell::new(false),
+            trailer,
+            frames_here,
+        }
     }
+
+    /// This stream's frames, with their index in the plan.
+    fn frames(&self) -> impl Iterator<Item = (usize, &'p FrameSpec)> {
+        let plan: &'p Plan<'p> = self.plan;
+        plan.frames
+            .iter()
+            .enumerate()
+            .skip(self.s.j)
+            .step_by(self.s.k)
+    }
+
+    fn trailer_id(&self) -> u64 {
+        trailer_id(self.plan, &self.s)
+    }
+
+    fn descs(&self, f: &FrameSpec) -> &'p [Desc] {
+        &self.plan.descs[f.start..f.end]
+    }
+
+    /// Credit a frame takes while unacknowledged.
+    fn cost(&self, f: &FrameSpec) -> u64 {
+        f.bytes.min(self.s.per_stream_bytes)
+    }
+
+    /// The sending half: every frame, as credit allows.
+    async fn send(&self, wr: &mut WriteHalf<TcpStream>) -> Result<(), TransportError> {
+        let mut head: Vec<u8> = Vec::new();
+        let mut iovs: Vec<libc::iovec> = Vec::new();
+        for (i, (n, f)) in self.frames().enumerate() {
+            self.credit
+                .acquire(self.cost(f))
+                .await
+                .map_err(|_| protocol("credit semaphore closed"))?;
+            self.frame_iovs(n, f, i + 1 == self.frames_here, &mut head, &mut iovs);
+            let guard = Guard::new(self.fence.as_deref());
+            let local = local_check(&guard, self.descs(f));
+            let check: Option<&dyn Fn() -> bool> = match self.s.op {
+                Op::Write => Some(&local),
+                Op::Read => None,
+            };
+            fdio::send_all(wr, self.fd, &mut iovs, check)
+                .await
+                .map_err(conv("sending a frame"))?;
+        }
+        self.all_sent.set(true);
+        Ok(())
+    }
+
+    /// Lays out frame `n` (`f`) for one send: its header and descriptor
+    /// table (in `head`), a WRITE's payload, and behind the `last` frame the
+    /// trailer: one segment, one wake-up at the peer.
+    fn frame_iovs(
+        &self,
+        n: usize,
+        f: &FrameSpec,
+        last: bool,
+        head: &mut Vec<u8>,
+        iovs: &mut Vec<libc::iovec>,
+    ) {
+        let op = self.s.op;
+        let h = Header {
+            opcode: self.opcode,
+            count: (f.end - f.start) as u32,
+            req_id: self.s.base_req_id.wrapping_add(n as u64),
+            payload_len: match op {
+                Op::Write => f.bytes,
+                Op::Read => 0,
+            },
+            ..Header::default()
+        };
+        head.clear();
+        head.extend_from_slice(&h.encode());
+        for d in self.descs(f) {
+            wire::encode_entry(head, d.remote_addr, d.len_bytes);
+        }
+        iovs.clear();
+        iovs.push(iov(head.as_ptr() as u64, head.len() as u64));
+        if op == Op::Write {
+            iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
+        }
+        if let (Some((t, th)), true) = (&self.trailer, last) {
+            iovs.push(iov(th.as_ptr() as u64, th.len() as u64));
+            iovs.push(iov(t.as_ptr() as u64, t.len() as u64));
+        }
+    }
+
+    /// The receiving half: every frame's response (and a READ's payload),
+    /// then the trailer's answer. `Ok(true)` when the peer took the trailer.
+    async fn recv(&self, rd: &mut ReadHalf<TcpStream>) -> Result<bool, TransportError> {
+        let mut iovs: Vec<libc::iovec> = Vec::new();
+        for (n, f) in self.frames() {
+            self.await_response(rd, n, f).await?;
+            if self.s.op == Op::Read {
+                iovs.clear();
+                iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
+                let guard = Guard::new(self.fence.as_deref());
+                let local = local_check(&guard, self.descs(f));
+                fdio::recv_exact(rd, self.fd, &mut iovs, PollPolicy::Park, Some(&local))
+                    .await
+                    .map_err(conv("receiving a payload"))?;
+            }
+            self.credit.signal(self.cost(f));
+        }
+        if self.trailer.is_none() {
+            return Ok(false);
+        }
+        let mut hb = [0u8; wire::HEADER_LEN];
+        let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
+        fdio::recv_exact(rd, self.fd, &mut v, self.poll, None)
+            .await
+            .map_err(conv("awaiting a notification answer"))?;
+        match notification_answer(&hb, wire::OP_NOTIFY_AFTER_WRITE, self.trailer_id())? {
+            None => Ok(true),
+            // Every frame landed; the peer only did not take the trailer.
+            Some(reason) if reason.keeps_connection() => Ok(false),
+            Some(reason) => Err(PeerError::Rejected { reason, index: 0 }.into()),
+        }
+    }
+
+    /// Reads and checks the response to frame `n` (`f`), up to a READ's
+    /// payload.
+    async fn await_response(
+        &self,
+        rd: &mut ReadHalf<TcpStream>,
+        n: usize,
+        f: &FrameSpec,
+    ) -> Result<(), TransportError> {
+        let mut hb = [0u8; wire::HEADER_LEN];
+        let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
+        // Spin for the response only once every frame is out: before that
+        // the sender half waits on io_uring readiness, which a spinning
+        // sibling would only delay.
+        let wait = if self.all_sent.get() {
+            self.poll
+        } else {
+            PollPolicy::Park
+        };
+        fdio::recv_exact(rd, self.fd, &mut v, wait, None)
+            .await
+            .map_err(conv("awaiting a response"))?;
+        let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
+        if h.opcode != self.opcode || h.req_id != self.s.base_req_id.wrapping_add(n as u64) {
+            return Err(protocol("response out of order"));
+        }
+        if h.status != wire::STATUS_OK {
+            let in_frame = (h.detail as usize).min(f.end - f.start - 1);
+            let split_index = f.start + in_frame;
+            let index = self
+                .plan
+                .origin
+                .as_ref()
+                .map_or(split_index, |o| o[split_index]);
+            let reason = RejectReason::from_status(h.status);
+            return Err(PeerError::Rejected { reason, index }.into());
+        }
+        match self.s.op {
+            Op::Write if h.payload_len != 0 => Err(protocol("WRITE response with a payload")),
+            Op::Read if h.payload_len != f.bytes => {
+                Err(protocol("READ response of the wrong length"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The request id of a trailer: the one after the plan's frames.
+fn trailer_id(plan: &Plan<'_>, s: &Stream) -> u64 {
+    s.base_req_id.wrapping_add(plan.frames.len() as u64)
+}
+
+/// Whether the fence still lets the local side of `descs` be touched.
+fn local_check<'g>(guard: &'g Guard<'g>, descs: &'g [Desc]) -> impl Fn() -> bool + 'g {
+    move || guard.check(descs.iter().map(|d| (d.local_addr, d.len_bytes)))
 }
 
 /// Where one stream's share of a plan lies: frames `j, j+k, ...`.
