@@ -780,7 +780,7 @@ fn silent_peer_times_out() {
     block_on(async {
         let config = TcpConfig {
             streams: 1,
-            batch_timeout_ms: 200,
+            batch_timeout: std::time::Duration::from_millis(200),
             ..TcpConfig::default()
         };
         let initiator = TcpTransport::bind(any_port(), config).unwrap();

@@ -104,7 +104,7 @@ fn transport_main(argv: &[String]) -> Result<ExitCode, UsageError> {
     let seconds: f64 = args.get_or("seconds", 3.0)?;
     let poll_name = args.get_or("poll", "spin".to_string())?;
     let poll = match poll_name.as_str() {
-        "spin" => PollPolicy::Spin { budget_us: 1_000 },
+        "spin" => PollPolicy::default(),
         "park" => PollPolicy::Park,
         other => {
             return Err(UsageError(format!(

@@ -330,14 +330,9 @@ where
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
             TransportKind::Tcp => {
-                let bound_ms = shared
-                    .config
-                    .timeouts
-                    .transfer_bound
-                    .as_millis()
-                    .clamp(1, u64::MAX as u128) as u64;
+                let bound = shared.config.timeouts.transfer_bound;
                 let config = TcpConfig {
-                    batch_timeout_ms: bound_ms,
+                    batch_timeout: bound.max(std::time::Duration::from_millis(1)),
                     poll: shared.config.tcp_poll,
                     ..TcpConfig::default()
                 };

@@ -68,30 +68,9 @@ pub struct Desc {
     pub len_bytes: u64,
 }
 
-/// How an endpoint waits for a socket while a transfer is pending.
-///
-/// Parking costs a thread wake-up per round trip (80-110 µs on small VMs);
-/// spinning on non-blocking sockets costs a core but answers in ~20 µs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PollPolicy {
-    /// Always let the executor park on io_uring readiness: lowest CPU use.
-    Park,
-    /// Poll the socket without blocking, yielding to other tasks between
-    /// tries, for up to `budget_us` after the last progress, then park.
-    /// `u64::MAX` never parks while a transfer or connection is waiting.
-    Spin {
-        /// How long to keep polling after the last byte moved.
-        budget_us: u64,
-    },
-}
-
-impl Default for PollPolicy {
-    /// Spinning for a millisecond keeps back-to-back small batches on the
-    /// fast path while an idle endpoint still parks quickly.
-    fn default() -> Self {
-        PollPolicy::Spin { budget_us: 1_000 }
-    }
-}
+/// How an endpoint waits for a socket while a transfer is pending: the
+/// executors' type, so one setting means the same everywhere.
+pub use kvferry_reactor::PollPolicy;
 
 /// Where a peer endpoint listens. Its text form (`tcp://127.0.0.1:7000`,
 /// `local://3`) is what nodes exchange in their hello message.

@@ -26,6 +26,7 @@ use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
 use std::os::fd::{IntoRawFd, RawFd};
 use std::rc::Rc;
+use std::time::Duration;
 
 use glommio::net::TcpListener;
 use glommio::Task;
@@ -60,10 +61,11 @@ pub struct TcpConfig {
     pub max_batch_descs: usize,
     /// How both sides wait for sockets.
     pub poll: PollPolicy,
-    /// Bound on one batch, from submission to completion.
-    pub batch_timeout_ms: u64,
+    /// Bound on one batch, from submission to completion (and on one
+    /// notification).
+    pub batch_timeout: Duration,
     /// Bound on establishing one connection.
-    pub connect_timeout_ms: u64,
+    pub connect_timeout: Duration,
     /// Most connections the target side serves at once.
     pub max_connections: usize,
     /// Most registered regions.
@@ -79,8 +81,8 @@ impl Default for TcpConfig {
             inflight_max_bytes: 64 << 20,
             max_batch_descs: 1 << 20,
             poll: PollPolicy::default(),
-            batch_timeout_ms: 60_000,
-            connect_timeout_ms: 5_000,
+            batch_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(5),
             max_connections: 1024,
             max_regions: registry::DEFAULT_MAX_REGIONS,
         }
@@ -109,7 +111,7 @@ impl TcpConfig {
         if self.inflight_max_bytes < self.frame_max_bytes.saturating_mul(self.streams as u64) {
             return bad("inflight_max_bytes must be at least streams * frame_max_bytes".into());
         }
-        if self.batch_timeout_ms == 0 || self.connect_timeout_ms == 0 {
+        if self.batch_timeout.is_zero() || self.connect_timeout.is_zero() {
             return bad("timeouts must be positive".into());
         }
         if self.max_regions as u64 > u64::from(wire::MAX_REGIONS) {

@@ -2,6 +2,7 @@
 //! streams that move a batch's frames.
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::rc::Rc;
@@ -94,7 +95,7 @@ impl SessionInner {
             *slot = None;
         }
         if slot.is_none() {
-            let timeout = Duration::from_millis(self.config.connect_timeout_ms);
+            let timeout = self.config.connect_timeout;
             let stream = TcpStream::connect_timeout(self.peer, timeout)
                 .await
                 .map_err(|e| TransportError::io("connect", e.into()))?;
@@ -279,13 +280,8 @@ impl SessionInner {
             .pin(descs.iter().map(|d| (d.local_addr, d.len_bytes)))
             .map_err(|(index, fault)| MisuseError::LocalDescriptor { index, fault })?;
         let plan = plan(descs, &self.config);
-        let after_ms = self.config.batch_timeout_ms;
         let body = self.run_plan(op, descs, &plan, trailer);
-        let deadline = async {
-            glommio::timer::Timer::new(Duration::from_millis(after_ms)).await;
-            Err(TransportError::Timeout { after_ms })
-        };
-        futures_lite::future::or(body, deadline).await
+        within(self.config.batch_timeout, body).await
     }
 
     async fn run_plan(
@@ -583,6 +579,21 @@ impl<'p> StreamRun<'p> {
     }
 }
 
+/// Runs `work` for at most `bound`, then fails it with
+/// [`TransportError::Timeout`]; dropping it stops every socket operation on
+/// its memory at once.
+async fn within<T>(
+    bound: Duration,
+    work: impl Future<Output = Result<T, TransportError>>,
+) -> Result<T, TransportError> {
+    let deadline = async {
+        glommio::timer::Timer::new(bound).await;
+        let after_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+        Err(TransportError::Timeout { after_ms })
+    };
+    futures_lite::future::or(work, deadline).await
+}
+
 /// The request id of a trailer: the one after the plan's frames.
 fn trailer_id(plan: &Plan<'_>, s: &Stream) -> u64 {
     s.base_req_id.wrapping_add(plan.frames.len() as u64)
@@ -649,11 +660,6 @@ impl TcpSession {
     /// still in flight: to say something about data, send it once that
     /// data's batch returned (or use [`TcpSession::write_then_notify`]).
     pub async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
-        let after_ms = self.inner.config.batch_timeout_ms;
-        let deadline = async {
-            glommio::timer::Timer::new(Duration::from_millis(after_ms)).await;
-            Err(TransportError::Timeout { after_ms })
-        };
-        futures_lite::future::or(self.inner.notify(payload), deadline).await
+        within(self.inner.config.batch_timeout, self.inner.notify(payload)).await
     }
 }
