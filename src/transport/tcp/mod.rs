@@ -281,6 +281,11 @@ impl Transport for TcpTransport {
         EndpointAddr::Tcp(self.local_addr)
     }
 
+    /// Every batch costs a round trip to the peer.
+    fn coalesce_small_batches(&self) -> bool {
+        true
+    }
+
     async fn open(&self, peer: &EndpointAddr) -> Result<TcpSession, TransportError> {
         match peer {
             EndpointAddr::Tcp(addr) => self.open_tcp(*addr).await,

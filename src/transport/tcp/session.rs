@@ -2,12 +2,11 @@
 //! streams that move a batch's frames.
 
 use std::cell::{Cell, RefCell};
-use std::future::Future;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::io::{ReadHalf, WriteHalf};
 use futures::lock::{Mutex, MutexGuard};
@@ -22,7 +21,7 @@ use crate::transport::registry::{self, Registry};
 use crate::transport::turns::Turns;
 use crate::transport::wire::{self, Header, RejectReason};
 use crate::transport::{
-    Desc, MisuseError, Op, PeerError, PollPolicy, RegionInfo, Session, TransportError,
+    within, Desc, MisuseError, Op, PeerError, PollPolicy, RegionInfo, Session, TransportError,
 };
 
 struct SessionInner {
@@ -249,15 +248,16 @@ impl SessionInner {
         )
     }
 
-    /// Moves `descs`; with a `trailer` (WRITE only) that fits a
-    /// notification, also hands it to the peer's handler behind the last
-    /// frame when the whole batch takes one stream, delivered only if every
-    /// frame landed. `Ok(true)` when the trailer was delivered.
+    /// Moves `descs` within `bound`; with a `trailer` (WRITE only) that
+    /// fits a notification, also hands it to the peer's handler behind the
+    /// last frame when the whole batch takes one stream, delivered only if
+    /// every frame landed. `Ok(true)` when the trailer was delivered.
     async fn transfer(
         &self,
         op: Op,
         descs: &[Desc],
         trailer: Option<&[u8]>,
+        bound: Duration,
     ) -> Result<bool, TransportError> {
         if self.closed.get() {
             return Err(MisuseError::SessionClosed.into());
@@ -281,7 +281,7 @@ impl SessionInner {
             .map_err(|(index, fault)| MisuseError::LocalDescriptor { index, fault })?;
         let plan = plan(descs, &self.config);
         let body = self.run_plan(op, descs, &plan, trailer);
-        within(self.config.batch_timeout, body).await
+        within(bound, body).await
     }
 
     async fn run_plan(
@@ -579,21 +579,6 @@ impl<'p> StreamRun<'p> {
     }
 }
 
-/// Runs `work` for at most `bound`, then fails it with
-/// [`TransportError::Timeout`]; dropping it stops every socket operation on
-/// its memory at once.
-async fn within<T>(
-    bound: Duration,
-    work: impl Future<Output = Result<T, TransportError>>,
-) -> Result<T, TransportError> {
-    let deadline = async {
-        glommio::timer::Timer::new(bound).await;
-        let after_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
-        Err(TransportError::Timeout { after_ms })
-    };
-    futures_lite::future::or(work, deadline).await
-}
-
 /// The request id of a trailer: the one after the plan's frames.
 fn trailer_id(plan: &Plan<'_>, s: &Stream) -> u64 {
     s.base_req_id.wrapping_add(plan.frames.len() as u64)
@@ -616,7 +601,22 @@ struct Stream {
 
 impl Session for TcpSession {
     async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError> {
-        self.inner.transfer(op, descs, None).await.map(|_| ())
+        let bound = self.inner.config.batch_timeout;
+        self.inner
+            .transfer(op, descs, None, bound)
+            .await
+            .map(|_| ())
+    }
+
+    async fn transfer_until(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        trailer: Option<&[u8]>,
+        deadline: Instant,
+    ) -> Result<bool, TransportError> {
+        let bound = deadline.saturating_duration_since(Instant::now());
+        self.inner.transfer(op, descs, trailer, bound).await
     }
 
     async fn close(self) {
@@ -644,13 +644,18 @@ impl TcpSession {
     /// same send as the last frame when the batch fits one stream (then
     /// `Ok(true)` says the handler took it), else not at all (`Ok(false)`:
     /// the caller delivers it its own way). The peer's node learns the
-    /// batch landed one trip earlier than from this side.
+    /// batch landed one trip earlier than from this side. The same as
+    /// [`Session::transfer_until`] with a trailer, under the configured
+    /// batch bound.
     pub async fn write_then_notify(
         &self,
         descs: &[Desc],
         trailer: &[u8],
     ) -> Result<bool, TransportError> {
-        self.inner.transfer(Op::Write, descs, Some(trailer)).await
+        let bound = self.inner.config.batch_timeout;
+        self.inner
+            .transfer(Op::Write, descs, Some(trailer), bound)
+            .await
     }
 
     /// Hands `payload` (at most [`wire::MAX_NOTIFY_BYTES`]) to the peer's
