@@ -780,7 +780,7 @@ fn silent_peer_times_out() {
     block_on(async {
         let config = TcpConfig {
             streams: 1,
-            batch_timeout_ms: 200,
+            batch_timeout: std::time::Duration::from_millis(200),
             ..TcpConfig::default()
         };
         let initiator = TcpTransport::bind(any_port(), config).unwrap();
@@ -809,6 +809,50 @@ fn silent_peer_times_out() {
             matches!(err, TransportError::Timeout { after_ms: 200 }),
             "{err:?}"
         );
+    });
+}
+
+/// A caller's deadline bounds the batch in place of the endpoint's own
+/// (much longer) batch bound: the batch fails at the deadline, and a write
+/// that carries a trailer does too.
+#[test]
+fn silent_peer_fails_the_batch_at_the_callers_deadline() {
+    block_on(async {
+        let config = TcpConfig {
+            streams: 1,
+            batch_timeout: std::time::Duration::from_secs(600),
+            ..TcpConfig::default()
+        };
+        let initiator = TcpTransport::bind(any_port(), config).unwrap();
+        let mut src = Buf::random(4096, 4);
+        src.register(&initiator);
+        let remote = (1u64 << 40, 4096u64);
+        let d = [Desc {
+            local_addr: src.addr(),
+            remote_addr: remote.0,
+            len_bytes: 4096,
+        }];
+        for trailer in [None, Some(&b"landed"[..])] {
+            let peer = fake_target(remote, |mut s| async move {
+                let mut rest = vec![0u8; 1 << 16];
+                while let Ok(n) = s.read(&mut rest).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            })
+            .await;
+            let session = initiator.open(&EndpointAddr::Tcp(peer)).await.unwrap();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+            let err = session
+                .transfer_until(Op::Write, &d, trailer, deadline)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, TransportError::Timeout { after_ms } if after_ms <= 100),
+                "{err:?}"
+            );
+        }
     });
 }
 

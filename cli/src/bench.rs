@@ -151,7 +151,7 @@ fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
         return Err(UsageError("--seconds must be in (0, 3600]".into()));
     }
     let poll = match a.poll {
-        PollArg::Spin => PollPolicy::Spin { budget_us: 1_000 },
+        PollArg::Spin => PollPolicy::default(),
         PollArg::Park => PollPolicy::Park,
     };
     let op = match a.op {

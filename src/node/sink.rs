@@ -326,14 +326,9 @@ where
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
             TransportKind::Tcp => {
-                let bound_ms = shared
-                    .config
-                    .timeouts
-                    .transfer_bound
-                    .as_millis()
-                    .clamp(1, u64::MAX as u128) as u64;
+                let bound = shared.config.timeouts.transfer_bound;
                 let config = TcpConfig {
-                    batch_timeout_ms: bound_ms,
+                    batch_timeout: bound.max(std::time::Duration::from_millis(1)),
                     poll: shared.config.tcp_poll,
                     ..TcpConfig::default()
                 };
@@ -470,7 +465,7 @@ where
             })
         });
         let msgr = self.msgr.clone();
-        let coalesce = shared.config.transport == TransportKind::Tcp
+        let coalesce = transport.coalesce_small_batches()
             && batches.len() == 1
             && descs.len() <= COALESCE_MAX_DESCS
             && bytes <= COALESCE_MAX_BYTES;
@@ -1064,27 +1059,18 @@ impl Route<'_> {
                 }
             }
         };
-        let left = deadline.saturating_duration_since(Instant::now());
-        let work = async {
-            match (&*session, trailer, batches) {
-                (AnySession::Tcp(tcp), Some(t), [only]) if op == Op::Write => {
-                    tcp.write_then_notify(&descs[only.clone()], t).await
-                }
-                _ => futures::future::try_join_all(
-                    batches
-                        .iter()
-                        .map(|b| session.transfer(op, &descs[b.clone()])),
-                )
-                .await
-                .map(|_| false),
-            }
-        };
-        let timed =
-            futures_lite::future::or(async { work.await.map_err(|e| e.to_string()) }, async {
-                glommio::timer::sleep(left).await;
-                Err("transfer did not finish within the transfer bound".to_string())
-            });
-        let result = timed.await;
+        // The transport holds the batches' only timer, set to `deadline`:
+        // its own batch bound (the same transfer bound, counted from this
+        // call) would start after the op waited in its lane or for the
+        // session, and a second timer here would only race it.
+        let trailer = trailer.filter(|_| op == Op::Write && batches.len() == 1);
+        let moves = batches
+            .iter()
+            .map(|b| session.transfer_until(op, &descs[b.clone()], trailer, deadline));
+        let result = futures::future::try_join_all(moves)
+            .await
+            .map(|delivered| delivered.contains(&true))
+            .map_err(|e| e.to_string());
         if result.is_err() {
             // A broken session is re-opened by the next transfer.
             let mut guard = slot.lock().await;

@@ -1,6 +1,8 @@
 //! A transport chosen at run time (`async fn` in traits is not object safe,
 //! so configuration-driven code uses this enum instead of `dyn Transport`).
 
+use std::time::Instant;
+
 use super::local::{LocalSession, LocalTransport};
 use super::tcp::{TcpSession, TcpTransport};
 use super::{Desc, EndpointAddr, Op, RegionId, RegionInfo, Session, Transport, TransportError};
@@ -61,6 +63,13 @@ impl Transport for AnyTransport {
             AnyTransport::Tcp(t) => AnySession::Tcp(t.open(peer).await?),
         })
     }
+
+    fn coalesce_small_batches(&self) -> bool {
+        match self {
+            AnyTransport::Local(t) => t.coalesce_small_batches(),
+            AnyTransport::Tcp(t) => t.coalesce_small_batches(),
+        }
+    }
 }
 
 impl Session for AnySession {
@@ -68,6 +77,19 @@ impl Session for AnySession {
         match self {
             AnySession::Local(s) => s.transfer(op, descs).await,
             AnySession::Tcp(s) => s.transfer(op, descs).await,
+        }
+    }
+
+    async fn transfer_until(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        trailer: Option<&[u8]>,
+        deadline: Instant,
+    ) -> Result<bool, TransportError> {
+        match self {
+            AnySession::Local(s) => s.transfer_until(op, descs, trailer, deadline).await,
+            AnySession::Tcp(s) => s.transfer_until(op, descs, trailer, deadline).await,
         }
     }
 

@@ -14,7 +14,7 @@
 
 use std::io;
 use std::os::fd::RawFd;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use glommio::net::TcpStream;
@@ -109,17 +109,15 @@ impl Spinner {
     }
 
     fn keep_spinning(&mut self) -> bool {
-        match self.policy {
-            PollPolicy::Park => false,
-            PollPolicy::Spin { budget_us } => {
-                if budget_us == u64::MAX {
-                    return true;
-                }
-                let now = Instant::now();
-                let since = *self.since.get_or_insert(now);
-                now.duration_since(since).as_micros() < u128::from(budget_us)
-            }
+        let PollPolicy::Spin { spin } = self.policy else {
+            return false;
+        };
+        if spin == Duration::MAX {
+            return true;
         }
+        let now = Instant::now();
+        let since = *self.since.get_or_insert(now);
+        now.duration_since(since) < spin
     }
 }
 

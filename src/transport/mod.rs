@@ -41,8 +41,10 @@ mod turns;
 pub mod wire;
 
 use std::fmt;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::str::FromStr;
+use std::time::{Duration, Instant};
 
 pub use any::{AnySession, AnyTransport};
 pub use registry::{RangeFault, RegionId, RegionInfo};
@@ -68,30 +70,9 @@ pub struct Desc {
     pub len_bytes: u64,
 }
 
-/// How an endpoint waits for a socket while a transfer is pending.
-///
-/// Parking costs a thread wake-up per round trip (80-110 µs on small VMs);
-/// spinning on non-blocking sockets costs a core but answers in ~20 µs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PollPolicy {
-    /// Always let the executor park on io_uring readiness: lowest CPU use.
-    Park,
-    /// Poll the socket without blocking, yielding to other tasks between
-    /// tries, for up to `budget_us` after the last progress, then park.
-    /// `u64::MAX` never parks while a transfer or connection is waiting.
-    Spin {
-        /// How long to keep polling after the last byte moved.
-        budget_us: u64,
-    },
-}
-
-impl Default for PollPolicy {
-    /// Spinning for a millisecond keeps back-to-back small batches on the
-    /// fast path while an idle endpoint still parks quickly.
-    fn default() -> Self {
-        PollPolicy::Spin { budget_us: 1_000 }
-    }
-}
+/// How an endpoint waits for a socket while a transfer is pending: the
+/// executors' type, so one setting means the same everywhere.
+pub use kvferry_reactor::PollPolicy;
 
 /// Where a peer endpoint listens. Its text form (`tcp://127.0.0.1:7000`,
 /// `local://3`) is what nodes exchange in their hello message.
@@ -322,6 +303,13 @@ pub trait Transport {
     /// Opens a session to `peer`. Connections are made lazily and re-made
     /// after a failure, so a session survives a peer restart.
     async fn open(&self, peer: &EndpointAddr) -> Result<Self::Session, TransportError>;
+
+    /// Whether callers gain from coalescing small batches to one peer into
+    /// one: true where every batch costs a round trip to the peer (tcp),
+    /// false where a batch is a copy in this process (the default).
+    fn coalesce_small_batches(&self) -> bool {
+        false
+    }
 }
 
 /// A session from this endpoint to one peer endpoint.
@@ -332,7 +320,51 @@ pub trait Session {
     /// moved. Several batches may be in flight on one session at once.
     async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError>;
 
+    /// Moves `descs` like [`Session::transfer`], bounded by `deadline`
+    /// instead of the transport's own batch bound, so that the caller's
+    /// deadline is the batch's only timer: at `deadline` the batch fails
+    /// with [`TransportError::Timeout`], and dropping it stops every
+    /// operation on its memory at once.
+    ///
+    /// A `trailer` (writes only) asks for a write whose completion also
+    /// delivers a notification behind the bytes: the transport hands it to
+    /// the peer's notification handler once every byte landed, where it can
+    /// make the delivery depend on that (tcp, for a batch that fits one
+    /// stream). `Ok(true)` says the handler took it; `Ok(false)` that it
+    /// was not delivered and the caller delivers it its own way. The
+    /// default delivers no trailer and races [`Session::transfer`] against
+    /// one timer.
+    async fn transfer_until(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        trailer: Option<&[u8]>,
+        deadline: Instant,
+    ) -> Result<bool, TransportError> {
+        let _ = trailer;
+        let bound = deadline.saturating_duration_since(Instant::now());
+        within(bound, async {
+            self.transfer(op, descs).await.map(|()| false)
+        })
+        .await
+    }
+
     /// Closes the session's connections. In-flight batches on other clones
     /// fail with [`MisuseError::SessionClosed`] on their next use.
     async fn close(self);
+}
+
+/// Runs `work` for at most `bound`, then fails it with
+/// [`TransportError::Timeout`]; dropping it stops every socket operation or
+/// copy on its memory at once.
+pub(crate) async fn within<T>(
+    bound: Duration,
+    work: impl Future<Output = Result<T, TransportError>>,
+) -> Result<T, TransportError> {
+    let deadline = async {
+        glommio::timer::Timer::new(bound).await;
+        let after_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+        Err(TransportError::Timeout { after_ms })
+    };
+    futures_lite::future::or(work, deadline).await
 }

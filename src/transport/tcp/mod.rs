@@ -1,0 +1,297 @@
+//! The `tcp` transport: glommio (io_uring) sockets, several streams per peer.
+//!
+//! Each [`TcpTransport`] is both a target (it listens, and serves the frames
+//! peers send against its own registered memory) and an initiator (its
+//! [`TcpSession`]s push and pull batches). The frame format is in
+//! [`super::wire`].
+//!
+//! A batch is cut into frames of at most [`TcpConfig::frame_max_bytes`] and
+//! [`TcpConfig::frame_max_descs`]; frames are dealt round-robin to the
+//! session's streams and pipelined: on each stream one half sends frames
+//! while the other half reads the in-order responses, and the sender stops
+//! when the stream's share of [`TcpConfig::inflight_max_bytes`] is unacked.
+//! Payload bytes go between the socket and registered memory with
+//! `recvmsg`/`sendmsg` over one iovec per descriptor: no staging copy.
+//!
+//! The target side (the served connections) is in `target` and `inbuf`,
+//! the initiator side (sessions, and the plan that cuts a batch into
+//! frames) in `session` and `plan`.
+
+mod inbuf;
+mod plan;
+mod session;
+mod target;
+
+use std::cell::{Cell, RefCell};
+use std::net::SocketAddr;
+use std::os::fd::{IntoRawFd, RawFd};
+use std::rc::Rc;
+use std::time::Duration;
+
+use glommio::net::TcpListener;
+use glommio::Task;
+use slab::Slab;
+
+use super::fdio::IoFail;
+use super::fence::BlockFence;
+use super::registry::{self, Registry};
+use super::wire::{self, Header, RejectReason};
+use super::{
+    EndpointAddr, MisuseError, PeerError, PollPolicy, RegionId, RegionInfo, Transport,
+    TransportError,
+};
+
+pub use session::TcpSession;
+use target::Target;
+
+/// Settings of a TCP endpoint (both its target and its initiator side).
+#[derive(Clone, Debug)]
+pub struct TcpConfig {
+    /// Connections per session; large batches are spread over them.
+    pub streams: usize,
+    /// Most payload bytes per frame (at most [`wire::MAX_FRAME_BYTES`]);
+    /// longer descriptors are split.
+    pub frame_max_bytes: u64,
+    /// Most descriptors per frame (at most [`wire::MAX_FRAME_DESCS`]).
+    pub frame_max_descs: u32,
+    /// Most unacknowledged payload bytes per session, shared evenly by the
+    /// streams a batch uses; must be at least `streams * frame_max_bytes`.
+    pub inflight_max_bytes: u64,
+    /// Most descriptors in one batch.
+    pub max_batch_descs: usize,
+    /// How both sides wait for sockets.
+    pub poll: PollPolicy,
+    /// Bound on one batch, from submission to completion (and on one
+    /// notification).
+    pub batch_timeout: Duration,
+    /// Bound on establishing one connection.
+    pub connect_timeout: Duration,
+    /// Most connections the target side serves at once.
+    pub max_connections: usize,
+    /// Most registered regions.
+    pub max_regions: usize,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            streams: 2,
+            frame_max_bytes: 4 << 20,
+            frame_max_descs: 1024,
+            inflight_max_bytes: 64 << 20,
+            max_batch_descs: 1 << 20,
+            poll: PollPolicy::default(),
+            batch_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(5),
+            max_connections: 1024,
+            max_regions: registry::DEFAULT_MAX_REGIONS,
+        }
+    }
+}
+
+impl TcpConfig {
+    /// Checks the ranges documented on the fields.
+    pub fn validate(&self) -> Result<(), MisuseError> {
+        let bad = |s: String| Err(MisuseError::BadConfig(s));
+        if !(1..=64).contains(&self.streams) {
+            return bad(format!("streams must be 1..=64, not {}", self.streams));
+        }
+        if !(1..=wire::MAX_FRAME_BYTES).contains(&self.frame_max_bytes) {
+            return bad(format!(
+                "frame_max_bytes must be 1..={}",
+                wire::MAX_FRAME_BYTES
+            ));
+        }
+        if !(1..=wire::MAX_FRAME_DESCS).contains(&self.frame_max_descs) {
+            return bad(format!(
+                "frame_max_descs must be 1..={}",
+                wire::MAX_FRAME_DESCS
+            ));
+        }
+        if self.inflight_max_bytes < self.frame_max_bytes.saturating_mul(self.streams as u64) {
+            return bad("inflight_max_bytes must be at least streams * frame_max_bytes".into());
+        }
+        if self.batch_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return bad("timeouts must be positive".into());
+        }
+        if self.max_regions as u64 > u64::from(wire::MAX_REGIONS) {
+            return bad(format!("max_regions must be at most {}", wire::MAX_REGIONS));
+        }
+        if self.max_batch_descs == 0 || self.max_connections == 0 || self.max_regions == 0 {
+            return bad("limits must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn conv(during: &'static str) -> impl Fn(IoFail) -> TransportError {
+    move |f| match f {
+        IoFail::Closed => TransportError::Disconnected { during },
+        IoFail::Fenced => TransportError::Fenced { during },
+        IoFail::Os(source) => TransportError::Io { during, source },
+    }
+}
+
+pub(super) fn protocol(msg: impl Into<String>) -> TransportError {
+    TransportError::Peer(PeerError::Protocol(msg.into()))
+}
+
+pub(super) type FenceCell = Rc<RefCell<Option<Rc<BlockFence>>>>;
+
+/// Takes the bytes of a NOTIFY frame on the target's executor; returns
+/// whether it took them (a refusal tells the sender to use another path).
+pub type NotifyHandler = Rc<dyn Fn(&[u8]) -> bool>;
+
+/// A TCP endpoint. Create it inside the glommio executor that will own it.
+pub struct TcpTransport {
+    target: Rc<Target>,
+    local_addr: SocketAddr,
+    listener_fd: RawFd,
+    acceptor: Option<Task<()>>,
+}
+
+impl TcpTransport {
+    /// Listens on `addr` (port 0 picks a free port) and starts serving peers
+    /// on the current glommio executor.
+    ///
+    /// # Panics
+    ///
+    /// Outside a glommio executor.
+    pub fn bind(addr: SocketAddr, config: TcpConfig) -> Result<TcpTransport, TransportError> {
+        config.validate()?;
+        // std's listener sets SO_REUSEADDR but not SO_REUSEPORT (glommio's
+        // own bind sets the latter), so a restarted endpoint can rebind the
+        // port but two live endpoints can never share it.
+        let std_listener =
+            std::net::TcpListener::bind(addr).map_err(|e| TransportError::io("bind", e))?;
+        let local_addr = std_listener
+            .local_addr()
+            .map_err(|e| TransportError::io("bind", e))?;
+        let listener_fd = std_listener.into_raw_fd();
+        // SAFETY: `listener_fd` is a bound, listening socket we own; the
+        // glommio listener takes ownership of it.
+        let listener = unsafe { <TcpListener as std::os::fd::FromRawFd>::from_raw_fd(listener_fd) };
+        let target = Rc::new(Target {
+            registry: Registry::new(config.max_regions),
+            fence: Rc::new(RefCell::new(None)),
+            config,
+            notify: RefCell::new(None),
+            conns: RefCell::new(Slab::new()),
+            shutting_down: Cell::new(false),
+        });
+        let acceptor = glommio::spawn_local(target::accept_loop(Rc::clone(&target), listener));
+        Ok(TcpTransport {
+            target,
+            local_addr,
+            listener_fd,
+            acceptor: Some(acceptor),
+        })
+    }
+
+    /// The address peers connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Puts registered memory under `fence`: from now on both ends of this
+    /// endpoint (the served connections and every session it opened or
+    /// opens) touch KV blocks only while the fence has them open.
+    pub fn set_fence(&self, fence: Option<Rc<BlockFence>>) {
+        *self.target.fence.borrow_mut() = fence;
+    }
+
+    /// Sets where NOTIFY frames from peers go (see [`TcpSession::notify`]).
+    pub fn set_notify_handler(&self, handler: Option<NotifyHandler>) {
+        *self.target.notify.borrow_mut() = handler;
+    }
+
+    /// The block fence set by [`TcpTransport::set_fence`].
+    pub fn fence(&self) -> Option<Rc<BlockFence>> {
+        self.target.fence.borrow().clone()
+    }
+
+    /// The endpoint's configuration.
+    pub fn config(&self) -> &TcpConfig {
+        &self.target.config
+    }
+
+    /// Connections being served now.
+    pub fn connections(&self) -> usize {
+        self.target.conns.borrow().len()
+    }
+
+    /// Stops serving: the listener stops accepting and every served
+    /// connection is shut down at once, so peers see the close immediately
+    /// and the port can be bound again. Also done on drop.
+    pub fn shutdown(&mut self) {
+        if self.target.shutting_down.replace(true) {
+            return;
+        }
+        // SAFETY: shutting down sockets we own; the fds stay open until their
+        // owners (acceptor, connection tasks) drop them, so they are not
+        // reused underneath us.
+        unsafe {
+            libc::shutdown(self.listener_fd, libc::SHUT_RDWR);
+            for (_, &fd) in self.target.conns.borrow().iter() {
+                libc::shutdown(fd, libc::SHUT_RDWR);
+            }
+        }
+        // Dropping the task cancels the acceptor and closes the listener.
+        self.acceptor.take();
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Checks the answer to notification `req_id` (a NOTIFY or a
+/// NOTIFY_AFTER_WRITE, `opcode`): `None` when the peer's handler took it,
+/// else why the peer refused it.
+pub(super) fn notification_answer(
+    answer: &[u8; wire::HEADER_LEN],
+    opcode: u8,
+    req_id: u64,
+) -> Result<Option<RejectReason>, TransportError> {
+    let h = Header::decode(answer).map_err(|_| protocol("bad notification answer header"))?;
+    if h.opcode != opcode || h.req_id != req_id || h.payload_len != 0 {
+        return Err(protocol("unexpected notification answer"));
+    }
+    Ok((h.status != wire::STATUS_OK).then(|| RejectReason::from_status(h.status)))
+}
+
+impl Transport for TcpTransport {
+    type Session = TcpSession;
+
+    unsafe fn register(&self, addr: *mut u8, len_bytes: usize) -> Result<RegionId, TransportError> {
+        Ok(self.target.registry.insert(addr as u64, len_bytes as u64)?)
+    }
+
+    fn unregister(&self, id: RegionId) -> Result<(), TransportError> {
+        Ok(self.target.registry.remove(id)?)
+    }
+
+    fn regions(&self) -> Vec<RegionInfo> {
+        self.target.registry.regions()
+    }
+
+    fn endpoint_addr(&self) -> EndpointAddr {
+        EndpointAddr::Tcp(self.local_addr)
+    }
+
+    /// Every batch costs a round trip to the peer.
+    fn coalesce_small_batches(&self) -> bool {
+        true
+    }
+
+    async fn open(&self, peer: &EndpointAddr) -> Result<TcpSession, TransportError> {
+        match peer {
+            EndpointAddr::Tcp(addr) => self.open_tcp(*addr).await,
+            EndpointAddr::Local(_) => {
+                Err(MisuseError::UnreachableEndpoint(peer.to_string()).into())
+            }
+        }
+    }
+}

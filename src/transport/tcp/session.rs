@@ -1,0 +1,670 @@
+//! The initiator side of a TCP endpoint: sessions to peers, and the
+//! streams that move a batch's frames.
+
+use std::cell::{Cell, RefCell};
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::io::{ReadHalf, WriteHalf};
+use futures::lock::{Mutex, MutexGuard};
+use glommio::net::TcpStream;
+use glommio::sync::Semaphore;
+
+use super::plan::{plan, FrameSpec, Plan};
+use super::{conv, notification_answer, protocol, FenceCell, TcpConfig, TcpTransport};
+use crate::transport::fdio::{self, iov, Conn};
+use crate::transport::fence::{BlockFence, Guard};
+use crate::transport::registry::{self, Registry};
+use crate::transport::turns::Turns;
+use crate::transport::wire::{self, Header, RejectReason};
+use crate::transport::{
+    within, Desc, MisuseError, Op, PeerError, PollPolicy, RegionInfo, Session, TransportError,
+};
+
+struct SessionInner {
+    peer: SocketAddr,
+    config: TcpConfig,
+    local: Arc<Registry>,
+    /// The endpoint's block fence, read at each batch.
+    fence: FenceCell,
+    /// One slot per stream; `None` until connected or after a failure.
+    slots: Vec<Mutex<Option<Conn>>>,
+    /// One unit per stream; a batch of `k` streams waits for `k` units,
+    /// strictly in arrival order (see [`Turns`]).
+    turns: Turns,
+    /// A connection of its own for NOTIFY frames, taken in arrival order
+    /// (one unit): a notification never queues behind bulk batches. Those
+    /// that must follow data (a `Status` after the writes it reports) are
+    /// sent once the data's acknowledgement is back, so no ordering between
+    /// connections is needed.
+    note_slot: Mutex<Option<Conn>>,
+    note_turn: Turns,
+    /// The peer's regions as last fetched, sorted by address.
+    remote_regions: RefCell<Vec<RegionInfo>>,
+    next_req_id: Cell<u64>,
+    next_slot: Cell<usize>,
+    closed: Cell<bool>,
+}
+
+/// A session to one TCP peer. Cheap to clone; clones share the streams.
+#[derive(Clone)]
+pub struct TcpSession {
+    inner: Rc<SessionInner>,
+}
+
+impl TcpTransport {
+    /// Opens a session to the endpoint listening at `peer`.
+    pub async fn open_tcp(&self, peer: SocketAddr) -> Result<TcpSession, TransportError> {
+        let config = self.target.config.clone();
+        let slots = (0..config.streams).map(|_| Mutex::new(None)).collect();
+        let turns = Turns::new(config.streams);
+        let session = TcpSession {
+            inner: Rc::new(SessionInner {
+                peer,
+                config,
+                local: Arc::clone(&self.target.registry),
+                fence: Rc::clone(&self.target.fence),
+                slots,
+                turns,
+                note_slot: Mutex::new(None),
+                note_turn: Turns::new(1),
+                remote_regions: RefCell::new(Vec::new()),
+                next_req_id: Cell::new(1),
+                next_slot: Cell::new(0),
+                closed: Cell::new(false),
+            }),
+        };
+        // Connect one stream now, so an unreachable peer fails here, and
+        // learn the peer's regions for the initiator-side check.
+        let mut slot = session.inner.slots[0].lock().await;
+        session.inner.refresh_regions(&mut slot).await?;
+        drop(slot);
+        Ok(session)
+    }
+}
+
+impl SessionInner {
+    /// Makes sure the slot holds a live connection, reconnecting when the
+    /// previous one failed or the peer closed it (e.g. it restarted).
+    async fn ensure_conn(&self, slot: &mut Option<Conn>) -> Result<(), TransportError> {
+        if slot.as_ref().is_some_and(Conn::is_stale) {
+            *slot = None;
+        }
+        if slot.is_none() {
+            let timeout = self.config.connect_timeout;
+            let stream = TcpStream::connect_timeout(self.peer, timeout)
+                .await
+                .map_err(|e| TransportError::io("connect", e.into()))?;
+            let _ = stream.set_nodelay(true);
+            *slot = Some(Conn::new(stream));
+        }
+        Ok(())
+    }
+
+    fn take_req_ids(&self, n: u64) -> u64 {
+        let base = self.next_req_id.get();
+        self.next_req_id.set(base.wrapping_add(n));
+        base
+    }
+
+    async fn refresh_regions(&self, slot: &mut Option<Conn>) -> Result<(), TransportError> {
+        self.ensure_conn(slot).await?;
+        // Taken out so that a failure or cancellation drops (closes) it.
+        let Some(mut conn) = slot.take() else {
+            unreachable!("ensure_conn leaves a connection in the slot")
+        };
+        let req_id = self.take_req_ids(1);
+        let poll = self.config.poll;
+        let mut hb = Header {
+            opcode: wire::OP_REGIONS,
+            req_id,
+            ..Header::default()
+        }
+        .encode();
+        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
+            .await
+            .map_err(conv("asking for regions"))?;
+        let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
+            .await
+            .map_err(conv("reading regions"))?;
+        let h = Header::decode(&hb).map_err(|_| protocol("bad REGIONS response header"))?;
+        if h.opcode != wire::OP_REGIONS || h.req_id != req_id || h.status != wire::STATUS_OK {
+            return Err(protocol("unexpected REGIONS response"));
+        }
+        if h.count > wire::MAX_REGIONS
+            || h.payload_len != u64::from(h.count) * wire::ENTRY_LEN as u64
+        {
+            return Err(protocol("REGIONS response of a bad size"));
+        }
+        let mut table = vec![0u8; h.payload_len as usize];
+        let mut v = [iov(table.as_mut_ptr() as u64, table.len() as u64)];
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
+            .await
+            .map_err(conv("reading regions"))?;
+        let mut regions: Vec<RegionInfo> = (0..h.count as usize)
+            .map(|i| {
+                let (addr, len_bytes) = wire::decode_entry(&table, i);
+                RegionInfo { addr, len_bytes }
+            })
+            .collect();
+        regions.sort_by_key(|r| r.addr);
+        // The list is peer input: reject empty, wrapping or overlapping
+        // regions rather than trusting them in later range checks.
+        let mut prev_end = 0u64;
+        for r in &regions {
+            let end = r.addr.checked_add(r.len_bytes).filter(|_| r.len_bytes > 0);
+            match end {
+                Some(end) if r.addr >= prev_end => prev_end = end,
+                _ => return Err(protocol("peer advertised a malformed region list")),
+            }
+        }
+        *self.remote_regions.borrow_mut() = regions;
+        *slot = Some(conn);
+        Ok(())
+    }
+
+    /// Locks `k` unlocked streams, starting at a rotating one so that the
+    /// connections share the work. The caller holds `k` turns, which means
+    /// at least `k` streams are unlocked: only `close` holds a stream
+    /// without a turn, and it marks the session closed first.
+    fn free_streams(&self, k: usize) -> Result<Vec<MutexGuard<'_, Option<Conn>>>, TransportError> {
+        let n = self.slots.len();
+        let first = self.next_slot.get();
+        self.next_slot.set((first + 1) % n);
+        let guards: Vec<_> = (0..n)
+            .filter_map(|i| self.slots[(first + i) % n].try_lock())
+            .take(k)
+            .collect();
+        if guards.len() < k {
+            return Err(MisuseError::SessionClosed.into());
+        }
+        Ok(guards)
+    }
+
+    /// Sends one NOTIFY on the session's notification connection and waits
+    /// for its answer.
+    async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
+        if self.closed.get() {
+            return Err(MisuseError::SessionClosed.into());
+        }
+        if payload.len() as u64 > wire::MAX_NOTIFY_BYTES {
+            return Err(MisuseError::BadConfig(format!(
+                "a notification of {} bytes exceeds {}",
+                payload.len(),
+                wire::MAX_NOTIFY_BYTES
+            ))
+            .into());
+        }
+        let _turn = self.note_turn.acquire(1).await;
+        // Uncontended: the turn is held, and only `close` takes it otherwise.
+        let mut guard = self.note_slot.lock().await;
+        if self.closed.get() {
+            return Err(MisuseError::SessionClosed.into());
+        }
+        self.ensure_conn(&mut guard).await?;
+        // Taken out so that a failure or cancellation drops (closes) it.
+        let Some(mut conn) = guard.take() else {
+            unreachable!("ensure_conn leaves a connection in the slot")
+        };
+        let req_id = self.take_req_ids(1);
+        let h = Header {
+            opcode: wire::OP_NOTIFY,
+            req_id,
+            payload_len: payload.len() as u64,
+            ..Header::default()
+        };
+        let hb = h.encode();
+        let mut v = [
+            iov(hb.as_ptr() as u64, hb.len() as u64),
+            iov(payload.as_ptr() as u64, payload.len() as u64),
+        ];
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
+            .await
+            .map_err(conv("sending a notification"))?;
+        let mut rb = [0u8; wire::HEADER_LEN];
+        let mut v = [iov(rb.as_mut_ptr() as u64, rb.len() as u64)];
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
+            .await
+            .map_err(conv("awaiting a notification answer"))?;
+        let refused = notification_answer(&rb, wire::OP_NOTIFY, req_id)?;
+        if refused.is_none_or(|r| r.keeps_connection()) {
+            *guard = Some(conn);
+        }
+        match refused {
+            None => Ok(()),
+            Some(reason) => Err(PeerError::Rejected { reason, index: 0 }.into()),
+        }
+    }
+
+    fn check_remote(&self, descs: &[Desc]) -> Result<(), (usize, registry::RangeFault)> {
+        registry::check_remote(
+            &self.remote_regions.borrow(),
+            descs.iter().map(|d| (d.remote_addr, d.len_bytes)),
+        )
+    }
+
+    /// Moves `descs` within `bound`; with a `trailer` (WRITE only) that
+    /// fits a notification, also hands it to the peer's handler behind the
+    /// last frame when the whole batch takes one stream, delivered only if
+    /// every frame landed. `Ok(true)` when the trailer was delivered.
+    async fn transfer(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        trailer: Option<&[u8]>,
+        bound: Duration,
+    ) -> Result<bool, TransportError> {
+        if self.closed.get() {
+            return Err(MisuseError::SessionClosed.into());
+        }
+        if descs.is_empty() {
+            return Ok(false);
+        }
+        let trailer =
+            trailer.filter(|t| op == Op::Write && t.len() as u64 <= wire::MAX_NOTIFY_BYTES);
+        if descs.len() > self.config.max_batch_descs {
+            return Err(MisuseError::BatchTooLarge {
+                descs: descs.len(),
+                max_descs: self.config.max_batch_descs,
+            }
+            .into());
+        }
+        // Local side first: nothing is sent unless all of it is registered.
+        let _pins = self
+            .local
+            .pin(descs.iter().map(|d| (d.local_addr, d.len_bytes)))
+            .map_err(|(index, fault)| MisuseError::LocalDescriptor { index, fault })?;
+        let plan = plan(descs, &self.config);
+        let body = self.run_plan(op, descs, &plan, trailer);
+        within(bound, body).await
+    }
+
+    async fn run_plan(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        plan: &Plan<'_>,
+        trailer: Option<&[u8]>,
+    ) -> Result<bool, TransportError> {
+        let k = plan.frames.len().min(self.slots.len());
+        // Frames on several streams land in no order the peer can see, so
+        // only a one-stream batch carries a trailer.
+        let trailer = trailer.filter(|_| k == 1);
+        // Batches take their turn for streams in arrival order. Waiting on
+        // the stream locks themselves was unfair: futures' `Mutex` wakes the
+        // waiter with the lowest slab key, which new waiters keep reusing,
+        // and newcomers grab any idle stream first, so under load some
+        // batches waited behind hundreds of later ones (p99 near a second
+        // for transfers that move in milliseconds). glommio's semaphore
+        // lets newcomers pass too, so the turns are our own FIFO.
+        let _turn = self.turns.acquire(k).await;
+        let mut guards = self.free_streams(k)?;
+        for g in guards.iter_mut() {
+            self.ensure_conn(g).await?;
+        }
+        // Remote side: check against the peer's regions, refreshing them
+        // once if they look stale, before any byte moves.
+        if self.check_remote(descs).is_err() {
+            self.refresh_regions(&mut guards[0]).await?;
+            self.check_remote(descs)
+                .map_err(|(index, fault)| MisuseError::RemoteDescriptor { index, fault })?;
+        }
+        let ids = plan.frames.len() as u64 + u64::from(trailer.is_some());
+        let base_req_id = self.take_req_ids(ids);
+        let per_stream_bytes = self.config.inflight_max_bytes / k as u64;
+        let streams = guards.iter_mut().enumerate().map(|(j, g)| {
+            let stream = Stream {
+                op,
+                j,
+                k,
+                base_req_id,
+                per_stream_bytes,
+            };
+            self.drive_stream(g, plan, stream, trailer)
+        });
+        let delivered = futures::future::try_join_all(streams).await?;
+        Ok(delivered.into_iter().any(|d| d))
+    }
+
+    /// Sends frames `j, j+k, j+2k, ...` of the plan on one stream while
+    /// reading their responses; then the `trailer`, if any, as a
+    /// NOTIFY_AFTER_WRITE in the same send as the last frame. `Ok(true)`
+    /// when the peer's handler took the trailer.
+    async fn drive_stream(
+        &self,
+        slot: &mut Option<Conn>,
+        plan: &Plan<'_>,
+        stream: Stream,
+        trailer: Option<&[u8]>,
+    ) -> Result<bool, TransportError> {
+        // Taken out so that a failure or cancellation drops (closes) it: a
+        // stream that stopped mid-frame is out of step for good.
+        let Some(mut conn) = slot.take() else {
+            unreachable!("ensure_conn leaves a connection in the slot")
+        };
+        let fence = self.fence.borrow().clone();
+        let run = StreamRun::new(plan, stream, trailer, fence, self.config.poll, conn.fd);
+        let Conn { rd, wr, .. } = &mut conn;
+        let (_, delivered) = futures::future::try_join(run.send(wr), run.recv(rd)).await?;
+        *slot = Some(conn);
+        Ok(delivered)
+    }
+}
+
+/// One stream's share of a batch while it moves: what its sending half and
+/// its receiving half share.
+struct StreamRun<'p> {
+    plan: &'p Plan<'p>,
+    s: Stream,
+    opcode: u8,
+    fd: RawFd,
+    poll: PollPolicy,
+    fence: Option<Rc<BlockFence>>,
+    /// Payload bytes the sending half may still have unacknowledged.
+    credit: Semaphore,
+    /// Set once every frame is out.
+    all_sent: Cell<bool>,
+    /// The trailer and its NOTIFY_AFTER_WRITE header.
+    trailer: Option<(&'p [u8], [u8; wire::HEADER_LEN])>,
+    /// Frames of the plan on this stream.
+    frames_here: usize,
+}
+
+impl<'p> StreamRun<'p> {
+    fn new(
+        plan: &'p Plan<'p>,
+        s: Stream,
+        trailer: Option<&'p [u8]>,
+        fence: Option<Rc<BlockFence>>,
+        poll: PollPolicy,
+        fd: RawFd,
+    ) -> StreamRun<'p> {
+        let opcode = match s.op {
+            Op::Write => wire::OP_WRITE,
+            Op::Read => wire::OP_READ,
+        };
+        let frames_here = plan.frames.iter().skip(s.j).step_by(s.k).count();
+        let trailer = trailer.map(|t| {
+            let head = Header {
+                opcode: wire::OP_NOTIFY_AFTER_WRITE,
+                // Only one-stream batches carry a trailer: every frame of
+                // the plan is right before it.
+                detail: frames_here as u32,
+                req_id: trailer_id(plan, &s),
+                payload_len: t.len() as u64,
+                ..Header::default()
+            };
+            (t, head.encode())
+        });
+        StreamRun {
+            plan,
+            s,
+            opcode,
+            fd,
+            poll,
+            fence,
+            credit: Semaphore::new(s.per_stream_bytes),
+            all_sent: Cell::new(false),
+            trailer,
+            frames_here,
+        }
+    }
+
+    /// This stream's frames, with their index in the plan.
+    fn frames(&self) -> impl Iterator<Item = (usize, &'p FrameSpec)> {
+        let plan: &'p Plan<'p> = self.plan;
+        plan.frames
+            .iter()
+            .enumerate()
+            .skip(self.s.j)
+            .step_by(self.s.k)
+    }
+
+    fn trailer_id(&self) -> u64 {
+        trailer_id(self.plan, &self.s)
+    }
+
+    fn descs(&self, f: &FrameSpec) -> &'p [Desc] {
+        &self.plan.descs[f.start..f.end]
+    }
+
+    /// Credit a frame takes while unacknowledged.
+    fn cost(&self, f: &FrameSpec) -> u64 {
+        f.bytes.min(self.s.per_stream_bytes)
+    }
+
+    /// The sending half: every frame, as credit allows.
+    async fn send(&self, wr: &mut WriteHalf<TcpStream>) -> Result<(), TransportError> {
+        let mut head: Vec<u8> = Vec::new();
+        let mut iovs: Vec<libc::iovec> = Vec::new();
+        for (i, (n, f)) in self.frames().enumerate() {
+            self.credit
+                .acquire(self.cost(f))
+                .await
+                .map_err(|_| protocol("credit semaphore closed"))?;
+            self.frame_iovs(n, f, i + 1 == self.frames_here, &mut head, &mut iovs);
+            let guard = Guard::new(self.fence.as_deref());
+            let local = local_check(&guard, self.descs(f));
+            let check: Option<&dyn Fn() -> bool> = match self.s.op {
+                Op::Write => Some(&local),
+                Op::Read => None,
+            };
+            fdio::send_all(wr, self.fd, &mut iovs, check)
+                .await
+                .map_err(conv("sending a frame"))?;
+        }
+        self.all_sent.set(true);
+        Ok(())
+    }
+
+    /// Lays out frame `n` (`f`) for one send: its header and descriptor
+    /// table (in `head`), a WRITE's payload, and behind the `last` frame the
+    /// trailer: one segment, one wake-up at the peer.
+    fn frame_iovs(
+        &self,
+        n: usize,
+        f: &FrameSpec,
+        last: bool,
+        head: &mut Vec<u8>,
+        iovs: &mut Vec<libc::iovec>,
+    ) {
+        let op = self.s.op;
+        let h = Header {
+            opcode: self.opcode,
+            count: (f.end - f.start) as u32,
+            req_id: self.s.base_req_id.wrapping_add(n as u64),
+            payload_len: match op {
+                Op::Write => f.bytes,
+                Op::Read => 0,
+            },
+            ..Header::default()
+        };
+        head.clear();
+        head.extend_from_slice(&h.encode());
+        for d in self.descs(f) {
+            wire::encode_entry(head, d.remote_addr, d.len_bytes);
+        }
+        iovs.clear();
+        iovs.push(iov(head.as_ptr() as u64, head.len() as u64));
+        if op == Op::Write {
+            iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
+        }
+        if let (Some((t, th)), true) = (&self.trailer, last) {
+            iovs.push(iov(th.as_ptr() as u64, th.len() as u64));
+            iovs.push(iov(t.as_ptr() as u64, t.len() as u64));
+        }
+    }
+
+    /// The receiving half: every frame's response (and a READ's payload),
+    /// then the trailer's answer. `Ok(true)` when the peer took the trailer.
+    async fn recv(&self, rd: &mut ReadHalf<TcpStream>) -> Result<bool, TransportError> {
+        let mut iovs: Vec<libc::iovec> = Vec::new();
+        for (n, f) in self.frames() {
+            self.await_response(rd, n, f).await?;
+            if self.s.op == Op::Read {
+                iovs.clear();
+                iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
+                let guard = Guard::new(self.fence.as_deref());
+                let local = local_check(&guard, self.descs(f));
+                fdio::recv_exact(rd, self.fd, &mut iovs, PollPolicy::Park, Some(&local))
+                    .await
+                    .map_err(conv("receiving a payload"))?;
+            }
+            self.credit.signal(self.cost(f));
+        }
+        if self.trailer.is_none() {
+            return Ok(false);
+        }
+        let mut hb = [0u8; wire::HEADER_LEN];
+        let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
+        fdio::recv_exact(rd, self.fd, &mut v, self.poll, None)
+            .await
+            .map_err(conv("awaiting a notification answer"))?;
+        match notification_answer(&hb, wire::OP_NOTIFY_AFTER_WRITE, self.trailer_id())? {
+            None => Ok(true),
+            // Every frame landed; the peer only did not take the trailer.
+            Some(reason) if reason.keeps_connection() => Ok(false),
+            Some(reason) => Err(PeerError::Rejected { reason, index: 0 }.into()),
+        }
+    }
+
+    /// Reads and checks the response to frame `n` (`f`), up to a READ's
+    /// payload.
+    async fn await_response(
+        &self,
+        rd: &mut ReadHalf<TcpStream>,
+        n: usize,
+        f: &FrameSpec,
+    ) -> Result<(), TransportError> {
+        let mut hb = [0u8; wire::HEADER_LEN];
+        let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
+        // Spin for the response only once every frame is out: before that
+        // the sender half waits on io_uring readiness, which a spinning
+        // sibling would only delay.
+        let wait = if self.all_sent.get() {
+            self.poll
+        } else {
+            PollPolicy::Park
+        };
+        fdio::recv_exact(rd, self.fd, &mut v, wait, None)
+            .await
+            .map_err(conv("awaiting a response"))?;
+        let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
+        if h.opcode != self.opcode || h.req_id != self.s.base_req_id.wrapping_add(n as u64) {
+            return Err(protocol("response out of order"));
+        }
+        if h.status != wire::STATUS_OK {
+            let in_frame = (h.detail as usize).min(f.end - f.start - 1);
+            let split_index = f.start + in_frame;
+            let index = self
+                .plan
+                .origin
+                .as_ref()
+                .map_or(split_index, |o| o[split_index]);
+            let reason = RejectReason::from_status(h.status);
+            return Err(PeerError::Rejected { reason, index }.into());
+        }
+        match self.s.op {
+            Op::Write if h.payload_len != 0 => Err(protocol("WRITE response with a payload")),
+            Op::Read if h.payload_len != f.bytes => {
+                Err(protocol("READ response of the wrong length"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The request id of a trailer: the one after the plan's frames.
+fn trailer_id(plan: &Plan<'_>, s: &Stream) -> u64 {
+    s.base_req_id.wrapping_add(plan.frames.len() as u64)
+}
+
+/// Whether the fence still lets the local side of `descs` be touched.
+fn local_check<'g>(guard: &'g Guard<'g>, descs: &'g [Desc]) -> impl Fn() -> bool + 'g {
+    move || guard.check(descs.iter().map(|d| (d.local_addr, d.len_bytes)))
+}
+
+/// Where one stream's share of a plan lies: frames `j, j+k, ...`.
+#[derive(Clone, Copy)]
+struct Stream {
+    op: Op,
+    j: usize,
+    k: usize,
+    base_req_id: u64,
+    per_stream_bytes: u64,
+}
+
+impl Session for TcpSession {
+    async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError> {
+        let bound = self.inner.config.batch_timeout;
+        self.inner
+            .transfer(op, descs, None, bound)
+            .await
+            .map(|_| ())
+    }
+
+    async fn transfer_until(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        trailer: Option<&[u8]>,
+        deadline: Instant,
+    ) -> Result<bool, TransportError> {
+        let bound = deadline.saturating_duration_since(Instant::now());
+        self.inner.transfer(op, descs, trailer, bound).await
+    }
+
+    async fn close(self) {
+        self.inner.closed.set(true);
+        for slot in &self.inner.slots {
+            slot.lock().await.take();
+        }
+        self.inner.note_slot.lock().await.take();
+    }
+}
+
+impl TcpSession {
+    /// The peer's listening address.
+    pub fn peer(&self) -> SocketAddr {
+        self.inner.peer
+    }
+
+    /// The peer's regions as last learned from it.
+    pub fn remote_regions(&self) -> Vec<RegionInfo> {
+        self.inner.remote_regions.borrow().clone()
+    }
+
+    /// Writes `descs` like [`Session::transfer`], and hands `trailer` to
+    /// the peer's notification handler only once every byte landed: in the
+    /// same send as the last frame when the batch fits one stream (then
+    /// `Ok(true)` says the handler took it), else not at all (`Ok(false)`:
+    /// the caller delivers it its own way). The peer's node learns the
+    /// batch landed one trip earlier than from this side. The same as
+    /// [`Session::transfer_until`] with a trailer, under the configured
+    /// batch bound.
+    pub async fn write_then_notify(
+        &self,
+        descs: &[Desc],
+        trailer: &[u8],
+    ) -> Result<bool, TransportError> {
+        let bound = self.inner.config.batch_timeout;
+        self.inner
+            .transfer(Op::Write, descs, Some(trailer), bound)
+            .await
+    }
+
+    /// Hands `payload` (at most [`wire::MAX_NOTIFY_BYTES`]) to the peer's
+    /// notification handler; `Ok` once the handler took it. Notifications
+    /// have a connection of their own, taken in arrival order, so they never
+    /// wait behind bulk batches, and nothing orders them against batches
+    /// still in flight: to say something about data, send it once that
+    /// data's batch returned (or use [`TcpSession::write_then_notify`]).
+    pub async fn notify(&self, payload: &[u8]) -> Result<(), TransportError> {
+        within(self.inner.config.batch_timeout, self.inner.notify(payload)).await
+    }
+}

@@ -1,0 +1,469 @@
+//! The target side of a TCP endpoint: the acceptor and the connections it
+//! serves against the endpoint's registered memory.
+
+use std::cell::{Cell, RefCell};
+use std::os::fd::{AsRawFd, RawFd};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use glommio::net::{TcpListener, TcpStream};
+use slab::Slab;
+
+use super::inbuf::InBuf;
+use super::{conv, protocol, FenceCell, NotifyHandler, TcpConfig};
+use crate::transport::fdio::{self, iov, Conn, IoFail};
+use crate::transport::fence::Guard;
+use crate::transport::registry::{self, Registry};
+use crate::transport::wire::{self, Header, RejectReason};
+use crate::transport::{Op, PollPolicy, TransportError};
+
+/// State shared by the acceptor and the connection tasks of one endpoint.
+pub(super) struct Target {
+    pub(super) registry: Arc<Registry>,
+    /// The node's block fence, shared with the sessions this endpoint opens.
+    pub(super) fence: FenceCell,
+    pub(super) config: TcpConfig,
+    /// Where NOTIFY frames go; without one they are refused.
+    pub(super) notify: RefCell<Option<NotifyHandler>>,
+    /// Sockets of the live connections, so shutdown can close them at once.
+    pub(super) conns: RefCell<Slab<RawFd>>,
+    pub(super) shutting_down: Cell<bool>,
+}
+
+pub(super) async fn accept_loop(target: Rc<Target>, listener: TcpListener) {
+    loop {
+        let accepted = listener.accept().await;
+        if target.shutting_down.get() {
+            break;
+        }
+        match accepted {
+            Ok(stream) => {
+                if target.conns.borrow().len() >= target.config.max_connections {
+                    tracing::warn!(
+                        max = target.config.max_connections,
+                        "tcp transport: connection limit reached, refusing a peer"
+                    );
+                    continue;
+                }
+                let _ = stream.set_nodelay(true);
+                let key = target.conns.borrow_mut().insert(stream.as_raw_fd());
+                glommio::spawn_local(serve_conn(Rc::clone(&target), stream, key)).detach();
+            }
+            Err(e) => {
+                // Typically EMFILE: back off instead of spinning on the error.
+                tracing::warn!(error = %e, "tcp transport: accept failed");
+                glommio::timer::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+async fn serve_conn(target: Rc<Target>, stream: TcpStream, key: usize) {
+    let mut conn = Conn::new(stream);
+    if let Err(e) = serve_frames(&target, &mut conn).await {
+        tracing::debug!(error = %e, "tcp transport: closing a served connection");
+    }
+    // Forget the fd before closing it, so shutdown never touches a reused fd.
+    target.conns.borrow_mut().try_remove(key);
+    drop(conn);
+}
+
+/// Most answers a served connection holds back before it sends them anyway.
+const MAX_HELD_ANSWERS: usize = 64;
+
+/// Answers of a served connection not sent yet, in request order.
+///
+/// A connection answers what it has read only when the next request is not
+/// there yet, after one pass of the executor's other ready tasks. Answers
+/// to frames that arrive together (a WRITE and the notification riding
+/// behind it, a run of WRITEs) then leave in one `sendmsg` and wake the
+/// peer once, and a notification's handler gets to run first: on a decode
+/// rank the request completes and its engine hears of it before the
+/// prefill rank is woken to read the acknowledgements (on a shared core,
+/// that wake-up otherwise runs on the critical path).
+#[derive(Default)]
+struct Answers {
+    bytes: Vec<u8>,
+}
+
+impl Answers {
+    fn hold(&mut self, h: Header) {
+        self.bytes.extend_from_slice(&h.encode());
+    }
+
+    fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    fn is_full(&self) -> bool {
+        self.bytes.len() >= MAX_HELD_ANSWERS * wire::HEADER_LEN
+    }
+
+    async fn flush(&mut self, conn: &mut Conn) -> Result<(), TransportError> {
+        if self.bytes.is_empty() {
+            return Ok(());
+        }
+        let mut v = [iov(self.bytes.as_ptr() as u64, self.bytes.len() as u64)];
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
+            .await
+            .map_err(conv("answering"))?;
+        self.bytes.clear();
+        Ok(())
+    }
+
+    /// Sends the held answers and then `h` (a refusal before the
+    /// connection closes, so the peer learns why).
+    async fn respond(&mut self, conn: &mut Conn, h: Header) -> Result<(), TransportError> {
+        self.hold(h);
+        self.flush(conn).await
+    }
+}
+
+fn reject(opcode: u8, req_id: u64, reason: RejectReason, detail: u32) -> Header {
+    Header {
+        opcode,
+        status: reason.to_status(),
+        count: 0,
+        detail,
+        req_id,
+        payload_len: 0,
+    }
+}
+
+/// Serves frames until the peer closes or breaks the framing. Every frame is
+/// validated completely (header, table, lengths, regions) before any byte
+/// of registered memory is touched.
+async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportError> {
+    let mut served = Served::new(target, conn);
+    // WRITE frames that landed in full right before the current frame.
+    let mut landed_run: u32 = 0;
+    loop {
+        let run_before = std::mem::take(&mut landed_run);
+        let Some(h) = served.next_header().await? else {
+            // A close between frames is the normal end of a connection.
+            return Ok(());
+        };
+        match h.opcode {
+            wire::OP_WRITE => {
+                if served.serve_data(Op::Write, &h).await? {
+                    landed_run = run_before.saturating_add(1);
+                }
+            }
+            wire::OP_READ => {
+                served.serve_data(Op::Read, &h).await?;
+            }
+            wire::OP_REGIONS => served.serve_regions(&h).await?,
+            wire::OP_NOTIFY | wire::OP_NOTIFY_AFTER_WRITE => {
+                served.serve_notify(&h, run_before).await?
+            }
+            other => {
+                let why = format!("unknown opcode {other}");
+                let reason = RejectReason::UnknownOpcode;
+                return Err(served.refuse(other, h.req_id, reason, why).await);
+            }
+        }
+    }
+}
+
+/// One served connection and the buffers it reuses from frame to frame.
+struct Served<'a> {
+    target: &'a Target,
+    conn: &'a mut Conn,
+    poll: PollPolicy,
+    answers: Answers,
+    inbuf: InBuf,
+    /// The current frame's descriptor table as read...
+    table: Vec<u8>,
+    /// ...and decoded: `(addr, len)` ranges of the target's memory.
+    ranges: Vec<(u64, u64)>,
+    iovs: Vec<libc::iovec>,
+    /// A notification's payload, or the bytes of a refused payload.
+    scratch: Vec<u8>,
+}
+
+impl<'a> Served<'a> {
+    fn new(target: &'a Target, conn: &'a mut Conn) -> Served<'a> {
+        Served {
+            target,
+            conn,
+            poll: target.config.poll,
+            answers: Answers::default(),
+            inbuf: InBuf::new(),
+            table: Vec::new(),
+            ranges: Vec::new(),
+            iovs: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Sends the held answers and then a refusal of request `req_id`, so
+    /// the peer learns why; returns the error that closes the connection.
+    async fn refuse(
+        &mut self,
+        opcode: u8,
+        req_id: u64,
+        reason: RejectReason,
+        why: impl Into<String>,
+    ) -> TransportError {
+        let refusal = reject(opcode, req_id, reason, 0);
+        match self.answers.respond(self.conn, refusal).await {
+            Ok(()) => protocol(why),
+            Err(e) => e,
+        }
+    }
+
+    /// Reads the next request header; `None` when the peer closed between
+    /// frames. The held answers go out first unless another request is
+    /// already here (see [`Answers`]).
+    async fn next_header(&mut self) -> Result<Option<Header>, TransportError> {
+        let mut hb = [0u8; wire::HEADER_LEN];
+        if self.answers.is_full() {
+            self.answers.flush(self.conn).await?;
+        }
+        if self.inbuf.len() < hb.len() && !self.answers.is_empty() {
+            // Another request already here is read first; otherwise the
+            // tasks the delivered requests woke run once, then the answers go.
+            match self.inbuf.try_fill(self.conn.fd) {
+                Ok(true) => {}
+                Ok(false) => futures_lite::future::yield_now().await,
+                Err(IoFail::Closed) if self.inbuf.len() == 0 => return Ok(None),
+                Err(e) => return Err(conv("reading a header")(e)),
+            }
+        }
+        if self.inbuf.len() < hb.len() {
+            self.answers.flush(self.conn).await?;
+            while self.inbuf.len() < hb.len() {
+                match self.inbuf.fill(self.conn, self.poll).await {
+                    Ok(()) => {}
+                    Err(IoFail::Closed) if self.inbuf.len() == 0 => return Ok(None),
+                    Err(e) => return Err(conv("reading a header")(e)),
+                }
+            }
+        }
+        self.inbuf.drain(&mut hb);
+        match Header::decode(&hb) {
+            Ok(h) if h.status == wire::STATUS_OK => Ok(Some(h)),
+            Ok(h) => {
+                let reason = RejectReason::BadHeader;
+                let why = "request with a status byte";
+                Err(self.refuse(h.opcode, h.req_id, reason, why).await)
+            }
+            Err(reason) => Err(self.refuse(hb[4], 0, reason, "bad request header").await),
+        }
+    }
+
+    /// Answers a REGIONS request, after the answers held before it.
+    async fn serve_regions(&mut self, h: &Header) -> Result<(), TransportError> {
+        if h.count != 0 || h.payload_len != 0 {
+            let why = "REGIONS request with a body";
+            return Err(self
+                .refuse(h.opcode, h.req_id, RejectReason::BadHeader, why)
+                .await);
+        }
+        self.answers.flush(self.conn).await?;
+        send_regions(self.target, self.conn, h.req_id).await
+    }
+
+    /// Reads a NOTIFY or NOTIFY_AFTER_WRITE (after `run_before` WRITEs that
+    /// landed in full), hands it to the handler and holds the answer.
+    async fn serve_notify(&mut self, h: &Header, run_before: u32) -> Result<(), TransportError> {
+        if h.count != 0 || h.payload_len > wire::MAX_NOTIFY_BYTES {
+            let why = "NOTIFY with descriptors or too long";
+            return Err(self
+                .refuse(h.opcode, h.req_id, RejectReason::TooLarge, why)
+                .await);
+        }
+        // Bounded by MAX_NOTIFY_BYTES; never registered memory.
+        self.scratch.resize(h.payload_len as usize, 0);
+        self.inbuf
+            .read_exact(self.conn, &mut self.scratch, self.poll)
+            .await
+            .map_err(conv("reading a notification"))?;
+        // A conditional notification says what its sender learns only from
+        // the WRITEs before it: deliver it only if they all landed (a
+        // fenced one closed the connection already).
+        let deliverable = h.opcode == wire::OP_NOTIFY || (h.detail >= 1 && h.detail <= run_before);
+        let handler = self.target.notify.borrow().clone();
+        let taken = deliverable && handler.is_some_and(|f| f(&self.scratch));
+        self.answers.hold(if taken {
+            accept(h, 0)
+        } else {
+            reject(h.opcode, h.req_id, RejectReason::Undeliverable, 0)
+        });
+        Ok(())
+    }
+
+    /// Serves a WRITE or READ frame; `Ok(true)` when a WRITE landed in full.
+    async fn serve_data(&mut self, op: Op, h: &Header) -> Result<bool, TransportError> {
+        let total = self.read_table(op, h).await?;
+        let pins = match self.target.registry.pin(self.ranges.iter().copied()) {
+            Ok(pins) => pins,
+            Err((index, fault)) => {
+                self.skip_refused(op, h, index, fault).await?;
+                return Ok(false);
+            }
+        };
+        match op {
+            Op::Write => self.receive_payload(h).await?,
+            Op::Read => self.send_payload(h, total).await?,
+        }
+        drop(pins);
+        Ok(op == Op::Write)
+    }
+
+    /// Reads a data frame's descriptor table into `ranges` and checks its
+    /// sizes against the header; returns the frame's bytes in total.
+    async fn read_table(&mut self, op: Op, h: &Header) -> Result<u64, TransportError> {
+        let (opcode, req_id) = (h.opcode, h.req_id);
+        if h.count == 0 || h.count > wire::MAX_FRAME_DESCS {
+            let why = "descriptor count out of range";
+            return Err(self
+                .refuse(opcode, req_id, RejectReason::TooLarge, why)
+                .await);
+        }
+        // The table is bounded by MAX_FRAME_DESCS entries (64 KiB).
+        self.table.resize(h.count as usize * wire::ENTRY_LEN, 0);
+        self.inbuf
+            .read_exact(self.conn, &mut self.table, self.poll)
+            .await
+            .map_err(conv("reading a descriptor table"))?;
+        self.ranges.clear();
+        let mut total: u64 = 0;
+        for i in 0..h.count as usize {
+            let (addr, len) = wire::decode_entry(&self.table, i);
+            total = total.saturating_add(len);
+            self.ranges.push((addr, len));
+        }
+        if total > wire::MAX_FRAME_BYTES {
+            let why = "frame payload too large";
+            return Err(self
+                .refuse(opcode, req_id, RejectReason::TooLarge, why)
+                .await);
+        }
+        let expected_payload = match op {
+            Op::Write => total,
+            Op::Read => 0,
+        };
+        if h.payload_len != expected_payload {
+            let why = "payload length does not match the descriptors";
+            let reason = RejectReason::LengthMismatch;
+            return Err(self.refuse(opcode, req_id, reason, why).await);
+        }
+        Ok(total)
+    }
+
+    /// Refuses a data frame whose ranges are not all registered. The
+    /// framing is sound, so the payload is skipped without touching
+    /// registered memory and the connection goes on.
+    async fn skip_refused(
+        &mut self,
+        op: Op,
+        h: &Header,
+        index: usize,
+        fault: registry::RangeFault,
+    ) -> Result<(), TransportError> {
+        if op == Op::Write {
+            self.scratch.resize(64 << 10, 0);
+            let buffered = self.inbuf.skip(h.payload_len);
+            let Conn { rd, fd, .. } = &mut *self.conn;
+            fdio::discard(
+                rd,
+                *fd,
+                h.payload_len - buffered,
+                &mut self.scratch,
+                self.poll,
+            )
+            .await
+            .map_err(conv("discarding a rejected payload"))?;
+        }
+        let reason = match fault {
+            registry::RangeFault::Empty => RejectReason::EmptyDescriptor,
+            registry::RangeFault::Overflow => RejectReason::Overflow,
+            registry::RangeFault::OutOfRegion => RejectReason::OutOfRegion,
+        };
+        self.answers
+            .hold(reject(h.opcode, h.req_id, reason, index as u32));
+        Ok(())
+    }
+
+    /// Receives a WRITE's payload into the frame's (pinned) ranges and holds
+    /// its acknowledgement.
+    async fn receive_payload(&mut self, h: &Header) -> Result<(), TransportError> {
+        self.iovs.clear();
+        self.iovs
+            .extend(self.ranges.iter().map(|&(a, l)| iov(a, l)));
+        let fence = self.target.fence.borrow().clone();
+        let guard = Guard::new(fence.as_deref());
+        let ranges = &self.ranges;
+        let allowed = || guard.check(ranges.iter().copied());
+        // What came along with the header goes in first, under the fence
+        // like any read into these ranges.
+        if self.inbuf.len() > 0 {
+            if !allowed() {
+                return Err(conv("receiving a payload")(IoFail::Fenced));
+            }
+            self.inbuf.drain_into(&mut self.iovs, h.payload_len);
+        }
+        // The payload follows its header at once or streams in at bulk
+        // pace; either way spinning buys nothing, and on shared cores it
+        // slows the sender, so payloads always park. A fenced payload
+        // closes the connection: the peer's batch fails and the rest of its
+        // bytes are never read.
+        let Conn { rd, fd, .. } = &mut *self.conn;
+        fdio::recv_exact(rd, *fd, &mut self.iovs, PollPolicy::Park, Some(&allowed))
+            .await
+            .map_err(conv("receiving a payload"))?;
+        self.answers.hold(accept(h, 0));
+        Ok(())
+    }
+
+    /// Answers a READ with its header and the frame's (pinned) ranges in
+    /// one send, after the answers held before it.
+    async fn send_payload(&mut self, h: &Header, total: u64) -> Result<(), TransportError> {
+        self.answers.flush(self.conn).await?;
+        let ob = accept(h, total).encode();
+        self.iovs.clear();
+        self.iovs.push(iov(ob.as_ptr() as u64, ob.len() as u64));
+        self.iovs
+            .extend(self.ranges.iter().map(|&(a, l)| iov(a, l)));
+        let fence = self.target.fence.borrow().clone();
+        let guard = Guard::new(fence.as_deref());
+        let ranges = &self.ranges;
+        let allowed = || guard.check(ranges.iter().copied());
+        let Conn { wr, fd, .. } = &mut *self.conn;
+        fdio::send_all(wr, *fd, &mut self.iovs, Some(&allowed))
+            .await
+            .map_err(conv("sending a payload"))
+    }
+}
+
+/// The answer that request `h` was served, with `payload_len` bytes behind.
+fn accept(h: &Header, payload_len: u64) -> Header {
+    Header {
+        opcode: h.opcode,
+        req_id: h.req_id,
+        payload_len,
+        ..Header::default()
+    }
+}
+
+async fn send_regions(target: &Target, conn: &mut Conn, req_id: u64) -> Result<(), TransportError> {
+    let regions = target.registry.regions();
+    let h = Header {
+        opcode: wire::OP_REGIONS,
+        count: regions.len() as u32,
+        req_id,
+        payload_len: (regions.len() * wire::ENTRY_LEN) as u64,
+        ..Header::default()
+    };
+    let mut body = Vec::with_capacity(wire::HEADER_LEN + regions.len() * wire::ENTRY_LEN);
+    body.extend_from_slice(&h.encode());
+    for r in &regions {
+        wire::encode_entry(&mut body, r.addr, r.len_bytes);
+    }
+    let mut v = [iov(body.as_ptr() as u64, body.len() as u64)];
+    fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
+        .await
+        .map_err(conv("sending regions"))
+}
