@@ -36,7 +36,6 @@ impl ExecutorConfig {
 ///
 /// Parking costs a thread wake-up per round trip (80-110 µs on small VMs);
 /// spinning costs a core but answers in ~20 µs.
-#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PollPolicy {
     /// Sleep in the kernel as soon as there is nothing to do. Cheapest on
@@ -67,7 +66,6 @@ impl Default for PollPolicy {
 }
 
 /// What to do with requests still in flight at shutdown.
-#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ShutdownPolicy {
     /// Abort every live request with `AbortReason::Shutdown` at once, then

@@ -96,7 +96,6 @@ pub enum DriverError {
 }
 
 /// How a transfer left its driver.
-#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
     /// The machine reached a terminal phase, drained its actions and has no
@@ -118,7 +117,6 @@ pub enum Outcome {
 }
 
 /// Why an executor refused a `Create` it had accepted into its mailbox.
-#[non_exhaustive]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RejectReason {
     /// The executor was shutting down when it read the command.

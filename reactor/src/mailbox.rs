@@ -9,7 +9,6 @@ use kvferry_machines::{AbortReason, Machine, TransferId};
 pub type SpawnFn = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()>>> + Send>;
 
 /// One entry of an executor's mailbox.
-#[non_exhaustive]
 pub enum Command<M: Machine> {
     /// Insert a new machine.
     Create {

@@ -77,7 +77,6 @@ pub use kvferry_reactor::PollPolicy;
 /// Where a peer endpoint listens. Its text form (`tcp://127.0.0.1:7000`,
 /// `local://3`) is what nodes exchange in their hello message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum EndpointAddr {
     /// A [`tcp::TcpTransport`] listening on this socket address.
     Tcp(SocketAddr),

@@ -26,7 +26,6 @@ pub struct RegionInfo {
 
 /// What is wrong with a range `(addr, len_bytes)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum RangeFault {
     /// `len_bytes` is zero.
     Empty,

@@ -73,7 +73,6 @@ pub const STATUS_OK: u8 = 0;
 
 /// Why a target refused a frame (the status byte of its response).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum RejectReason {
     /// A descriptor is outside the target's registered regions.
     OutOfRegion,
