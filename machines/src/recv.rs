@@ -33,7 +33,7 @@ use crate::common::{
     AbortReason, BlockId, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode,
     Msg, Op, PeerId, Phase, TouchLease, TransferId, TICKET_BIT,
 };
-use crate::Machine;
+use crate::machine::Machine;
 
 /// One P rank this D rank must hear from, as the pairing helper says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

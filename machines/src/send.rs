@@ -38,7 +38,7 @@ use crate::common::{
     AbortReason, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode, Msg, Op,
     PeerId, Phase, TouchLease, TransferId,
 };
-use crate::Machine;
+use crate::machine::Machine;
 
 /// Inputs of a [`SendMachine`].
 #[derive(Clone, Debug, PartialEq, Eq)]
