@@ -926,6 +926,25 @@ impl SendMachine {
         self.actions.push_back(Action::Send { peer, msg });
     }
 
+    /// The machine's state and, borrowed apart from it, what the handlers
+    /// of a live request use.
+    fn split(&mut self, now: Instant) -> (&mut State, Cx<'_>) {
+        let SendMachine {
+            cfg,
+            mode,
+            state,
+            actions,
+            ..
+        } = self;
+        let cx = Cx {
+            cfg,
+            mode: *mode,
+            now,
+            actions,
+        };
+        (state, cx)
+    }
+
     /// Carries out what a handler of a live input decided.
     fn apply(&mut self, now: Instant, next: Next) {
         match next {
@@ -938,14 +957,8 @@ impl SendMachine {
     /// Posts what can be posted, returns finished leases and completes the
     /// request when every expected peer is finished.
     fn progress(&mut self, now: Instant) {
-        let State::Live(live) = &mut self.state else {
+        let (State::Live(live), mut cx) = self.split(now) else {
             return;
-        };
-        let mut cx = Cx {
-            cfg: &self.cfg,
-            mode: self.mode,
-            now,
-            actions: &mut self.actions,
         };
         if live.post_writes(&mut cx).is_err() {
             self.end(now, End::Fail(FailReason::BadMetadata));
@@ -1013,14 +1026,9 @@ impl Machine for SendMachine {
     type Action = Action;
 
     fn handle_event(&mut self, now: Instant, event: Event) -> Result<(), InputError> {
-        match &mut self.state {
+        let (state, mut cx) = self.split(now);
+        match state {
             State::Live(live) => {
-                let mut cx = Cx {
-                    cfg: &self.cfg,
-                    mode: self.mode,
-                    now,
-                    actions: &mut self.actions,
-                };
                 let next = live.handle_event(&mut cx, event)?;
                 self.apply(now, next);
                 Ok(())
@@ -1044,14 +1052,9 @@ impl Machine for SendMachine {
     }
 
     fn handle_timeout(&mut self, now: Instant) {
-        match &mut self.state {
+        let (state, mut cx) = self.split(now);
+        match state {
             State::Live(live) => {
-                let mut cx = Cx {
-                    cfg: &self.cfg,
-                    mode: self.mode,
-                    now,
-                    actions: &mut self.actions,
-                };
                 let next = live.handle_timeout(&mut cx);
                 self.apply(now, next);
             }
