@@ -679,15 +679,24 @@ impl PairLayout {
         if self.regions.is_empty() || scratch.runs.is_empty() {
             return Ok(());
         }
+        self.reserve(&scratch.runs, limits, out)?;
+        self.emit_regions(&scratch.runs, limits, out, batches)
+    }
 
-        // Count what the plan needs before byte splitting: a lower bound, so
-        // a plan over the limit fails before anything is allocated, and a
-        // large plan grows its vector once instead of copying it log(n) times.
-        let blocks: u64 = scratch.runs.iter().map(|r| r.len).sum();
+    /// Counts what the plan needs before byte splitting: a lower bound, so
+    /// a plan over the limit fails before anything is allocated, and a
+    /// large plan grows its vector once instead of copying it log(n) times.
+    fn reserve(
+        &self,
+        runs: &[Run],
+        limits: &BatchLimits,
+        out: &mut Vec<Descriptor>,
+    ) -> Result<(), PlanError> {
+        let blocks: u64 = runs.iter().map(|r| r.len).sum();
         let mut estimate = 0usize;
         for map in &self.regions {
             let per_region = if map.whole_blocks {
-                scratch.runs.len() as u64
+                runs.len() as u64
             } else {
                 blocks.saturating_mul(map.slices)
             };
@@ -699,7 +708,22 @@ impl PairLayout {
             });
         }
         out.reserve(estimate);
+        Ok(())
+    }
 
+    /// Writes the copies of every region over `runs` into `out`, cutting
+    /// batches into `batches` as it goes.
+    // Inline, so that the hot path compiles into the caller's instance of
+    // the generic `fill`: out of line it is compiled once in this crate, and
+    // the random-id case of `benches/planner.rs` runs measurably slower.
+    #[inline]
+    fn emit_regions(
+        &self,
+        runs: &[Run],
+        limits: &BatchLimits,
+        out: &mut Vec<Descriptor>,
+        batches: Option<&mut Vec<Batch>>,
+    ) -> Result<(), PlanError> {
         // Descriptors never need merging after the fact: two copies abut on
         // both sides only when they are whole blocks consecutive on both
         // sides, which is exactly a run, and a run is emitted as one copy.
@@ -707,7 +731,7 @@ impl PairLayout {
         // sides, and `region_map` then copies the whole block instead.)
         // Copies of different regions never merge either: each region is its
         // own memory registration, and a descriptor must stay inside one.
-        let longest_run = scratch.runs.iter().map(|r| r.len).max().unwrap_or(0);
+        let longest_run = runs.iter().map(|r| r.len).max().unwrap_or(0);
         // Batches are cut while the descriptors just written are still in
         // cache: a separate pass would read the whole plan back from memory.
         let mut sink = Sink {
@@ -721,28 +745,10 @@ impl PairLayout {
         for map in &self.regions {
             if map.whole_blocks && map.len.saturating_mul(longest_run) <= limits.batch_bytes_max {
                 // The hot path: one copy per run, none over the byte limit.
-                sink.extend_runs(map, &scratch.runs)?;
+                sink.extend_runs(map, runs)?;
                 sink.cut_batches(map.len * longest_run);
-                continue;
-            }
-            for run in &scratch.runs {
-                // Validation bounds every address below: a block id is below
-                // num_blocks and the region's last byte fits in u64.
-                let src = map.src_base + run.src * map.src_block_len + map.src_off;
-                let dst = map.dst_base + run.dst * map.dst_block_len + map.dst_off;
-                if map.whole_blocks {
-                    sink.emit(src, dst, map.len * run.len)?;
-                } else {
-                    emit_blocks(&mut sink, map, src, dst, run.len)?;
-                }
-                // Every copy is at most the byte limit, and at most one
-                // block's slice otherwise.
-                let len_max = if map.whole_blocks {
-                    limits.batch_bytes_max
-                } else {
-                    map.len.min(limits.batch_bytes_max)
-                };
-                sink.cut_batches(len_max);
+            } else {
+                emit_region_by_run(&mut sink, map, runs, limits)?;
             }
         }
         sink.finish_batches();
@@ -774,62 +780,113 @@ impl PairLayout {
                     decode: d.len(),
                 });
             }
-            let p = &p[p.len() - d.len()..];
-            // Whether the last pair extended the current run: only then is
-            // the next chunk worth testing as a whole.
-            let mut streak = false;
-            let mut i = 0;
-            while i < p.len() {
-                if streak && p.len() - i >= CHUNK {
-                    if let Some(run) = runs.last_mut() {
-                        if continues_run(run, &p[i..i + CHUNK], &d[i..i + CHUNK])
-                            && p[i + CHUNK - 1] < self.prefill_num_blocks
-                            && d[i + CHUNK - 1] < self.decode_num_blocks
-                        {
-                            // The chunk ascends by one on both sides, so its
-                            // last ids are its largest: all are in range.
-                            run.len += CHUNK as u64;
-                            i += CHUNK;
-                            continue;
-                        }
-                    }
-                }
-                let (pb, db) = (p[i], d[i]);
-                if pb >= self.prefill_num_blocks {
-                    return Err(PlanError::BlockOutOfRange {
-                        side: Side::Prefill,
-                        group,
-                        block: pb,
-                        num_blocks: self.prefill_num_blocks,
-                    });
-                }
-                if db >= self.decode_num_blocks {
-                    return Err(PlanError::BlockOutOfRange {
-                        side: Side::Decode,
-                        group,
-                        block: db,
-                        num_blocks: self.decode_num_blocks,
-                    });
-                }
-                match runs.last_mut() {
-                    Some(run) if run.src + run.len == pb && run.dst + run.len == db => {
-                        run.len += 1;
-                        streak = true;
-                    }
-                    _ => {
-                        runs.push(Run {
-                            src: pb,
-                            dst: db,
-                            len: 1,
-                        });
-                        streak = false;
-                    }
-                }
-                i += 1;
-            }
+            self.push_group_runs(group, &p[p.len() - d.len()..], d, runs)?;
         }
         Ok(())
     }
+
+    /// Appends the pairs `(p[i], d[i])` of group `group` (equal lengths) to
+    /// `runs`, extending the last run while the pairs continue it.
+    #[inline]
+    fn push_group_runs(
+        &self,
+        group: usize,
+        p: &[u64],
+        d: &[u64],
+        runs: &mut Vec<Run>,
+    ) -> Result<(), PlanError> {
+        // Whether the last pair extended the current run: only then is
+        // the next chunk worth testing as a whole.
+        let mut streak = false;
+        let mut i = 0;
+        while i < p.len() {
+            if streak && p.len() - i >= CHUNK {
+                if let Some(run) = runs.last_mut() {
+                    if continues_run(run, &p[i..i + CHUNK], &d[i..i + CHUNK])
+                        && p[i + CHUNK - 1] < self.prefill_num_blocks
+                        && d[i + CHUNK - 1] < self.decode_num_blocks
+                    {
+                        // The chunk ascends by one on both sides, so its
+                        // last ids are its largest: all are in range.
+                        run.len += CHUNK as u64;
+                        i += CHUNK;
+                        continue;
+                    }
+                }
+            }
+            let (pb, db) = (p[i], d[i]);
+            self.check_pair(group, pb, db)?;
+            match runs.last_mut() {
+                Some(run) if run.src + run.len == pb && run.dst + run.len == db => {
+                    run.len += 1;
+                    streak = true;
+                }
+                _ => {
+                    runs.push(Run {
+                        src: pb,
+                        dst: db,
+                        len: 1,
+                    });
+                    streak = false;
+                }
+            }
+            i += 1;
+        }
+        Ok(())
+    }
+
+    /// Checks that prefill block `pb` and decode block `db` of `group`
+    /// exist on their sides.
+    #[inline]
+    fn check_pair(&self, group: usize, pb: u64, db: u64) -> Result<(), PlanError> {
+        if pb >= self.prefill_num_blocks {
+            return Err(PlanError::BlockOutOfRange {
+                side: Side::Prefill,
+                group,
+                block: pb,
+                num_blocks: self.prefill_num_blocks,
+            });
+        }
+        if db >= self.decode_num_blocks {
+            return Err(PlanError::BlockOutOfRange {
+                side: Side::Decode,
+                group,
+                block: db,
+                num_blocks: self.decode_num_blocks,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Writes the copies of region `map` run by run: for regions that copy
+/// slices of blocks, or whose runs may be longer than the byte limit.
+fn emit_region_by_run(
+    sink: &mut Sink<'_>,
+    map: &RegionMap,
+    runs: &[Run],
+    limits: &BatchLimits,
+) -> Result<(), PlanError> {
+    for run in runs {
+        // Validation bounds every address below: a block id is below
+        // num_blocks and the region's last byte fits in u64.
+        let src = map.src_base + run.src * map.src_block_len + map.src_off;
+        let dst = map.dst_base + run.dst * map.dst_block_len + map.dst_off;
+        if map.whole_blocks {
+            sink.emit(src, dst, map.len * run.len)?;
+        } else {
+            emit_blocks(sink, map, src, dst, run.len)?;
+        }
+        // Every copy is at most the byte limit, and at most one
+        // block's slice otherwise.
+        let len_max = if map.whole_blocks {
+            limits.batch_bytes_max
+        } else {
+            map.len.min(limits.batch_bytes_max)
+        };
+        sink.cut_batches(len_max);
+    }
+    Ok(())
 }
 
 /// Pairs tested at once when a run is growing: long runs of consecutive

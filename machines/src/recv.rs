@@ -33,7 +33,7 @@ use crate::common::{
     AbortReason, BlockId, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode,
     Msg, Op, PeerId, Phase, TouchLease, TransferId, TICKET_BIT,
 };
-use crate::Machine;
+use crate::machine::Machine;
 
 /// One P rank this D rank must hear from, as the pairing helper says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,6 +161,380 @@ pub struct RecvMachine {
     actions: VecDeque<Action>,
 }
 
+/// What the machine does after a handler applied an input to an active
+/// request.
+#[must_use]
+#[derive(Clone, Copy, Debug)]
+enum Next {
+    /// Nothing more.
+    Stay,
+    /// Post the reads that can be posted, return finished leases and
+    /// complete the transfer when every peer is finished.
+    Progress,
+    /// End the request.
+    End(End),
+}
+
+/// What a handler of an active request uses besides [`Active`]: the
+/// machine's settings and destination, the time of the input and the
+/// action queue, borrowed apart from the machine's state.
+struct Cx<'a> {
+    cfg: &'a Config,
+    now: Instant,
+    dst_blocks: &'a BlockLists,
+    prefix_blocks: &'a [u32],
+    actions: &'a mut VecDeque<Action>,
+}
+
+impl Cx<'_> {
+    fn send(&mut self, peer: PeerId, msg: Msg) {
+        self.actions.push_back(Action::Send { peer, msg });
+    }
+
+    /// The waiting deadline restarted by progress seen now.
+    fn waiting_deadline(&self) -> Instant {
+        after(self.now, self.cfg.waiting_timeout)
+    }
+}
+
+/// A peer's layouts or block lists do not fit ours.
+struct BadMetadata;
+
+/// Handlers of the inputs of an active request. None changes the state;
+/// each says what the machine does next ([`Next`]).
+impl Active {
+    fn handle_event(&mut self, cx: &mut Cx, event: Event) -> Result<Next, InputError> {
+        match event {
+            Event::PeersResolved { .. } => Err(InputError::Misuse("peers resolved twice")),
+            Event::ReadDone { peer, chunk, ok } => self.handle_read_done(cx, peer, chunk, ok),
+            Event::PeerDead { peer } => {
+                if self.peers.iter().any(|p| p.id == peer && !p.is_finished()) {
+                    Ok(Next::End(End::Fail(FailReason::PeerDead)))
+                } else {
+                    Ok(Next::Stay)
+                }
+            }
+            Event::PlanFailed { peer } => {
+                if self.peers.iter().any(|p| p.id == peer) {
+                    Ok(Next::End(End::Fail(FailReason::BadMetadata)))
+                } else {
+                    Ok(Next::Stay)
+                }
+            }
+            Event::Msg { peer, msg } => self.handle_msg(cx, peer, msg),
+        }
+    }
+
+    fn handle_read_done(
+        &mut self,
+        cx: &Cx,
+        peer: PeerId,
+        chunk: u32,
+        ok: bool,
+    ) -> Result<Next, InputError> {
+        let Some(i) = self
+            .ops
+            .iter()
+            .position(|op| op.peer == peer && op.chunk == chunk)
+        else {
+            return Err(InputError::Misuse(
+                "completion of a read that is not in flight",
+            ));
+        };
+        self.ops.swap_remove(i);
+        if !ok {
+            return Ok(Next::End(End::Fail(FailReason::Transport)));
+        }
+        if let Some(p) = self.peers.iter_mut().find(|p| p.id == peer) {
+            if let Role::Toucher { chunks, .. } = &mut p.role {
+                if let Some(Some(c)) = chunks.get_mut(chunk as usize) {
+                    c.state = ReadState::Done;
+                }
+            }
+        }
+        self.waiting_deadline = cx.waiting_deadline();
+        Ok(Next::Progress)
+    }
+
+    fn handle_msg(&mut self, cx: &mut Cx, peer: PeerId, msg: Msg) -> Result<Next, InputError> {
+        let Some(i) = self.peers.iter().position(|p| p.id == peer) else {
+            return Err(InputError::Peer(
+                "message from a P rank not paired with this transfer",
+            ));
+        };
+        match msg {
+            Msg::LeaseRequest { seq } => self.handle_lease_request(cx, i, seq),
+            Msg::Status { ok } => self.handle_status(cx, i, ok),
+            Msg::LeaseGrant { seq, duration_ms } => {
+                self.handle_lease_grant(cx, i, seq, duration_ms)
+            }
+            Msg::Ready {
+                chunk,
+                start_blocks,
+                src_blocks,
+                is_last,
+            } => self.handle_ready(cx, i, chunk, start_blocks, src_blocks, is_last),
+            Msg::Abort => Ok(self.handle_abort(i)),
+            Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
+            Msg::Pull { .. } | Msg::Done { .. } => {
+                Err(InputError::Peer("message D never receives"))
+            }
+        }
+    }
+
+    /// Push mode: the peer at `i` renews the lease on our blocks.
+    fn handle_lease_request(
+        &mut self,
+        cx: &mut Cx,
+        i: usize,
+        seq: u64,
+    ) -> Result<Next, InputError> {
+        let p = &mut self.peers[i];
+        match &mut p.role {
+            Role::Granter { lease, finished } => {
+                if !*finished {
+                    let msg = lease.grant(cx.now, seq, cx.cfg.lease);
+                    cx.send(p.id, msg);
+                }
+                Ok(Next::Stay)
+            }
+            Role::Toucher { .. } => Err(InputError::Peer("lease request in pull mode")),
+        }
+    }
+
+    /// Push mode: the peer at `i` returns its lease; its writes are over.
+    fn handle_status(&mut self, cx: &Cx, i: usize, ok: bool) -> Result<Next, InputError> {
+        let p = &mut self.peers[i];
+        match &mut p.role {
+            Role::Granter { finished: true, .. } => Ok(Next::Stay),
+            Role::Granter { finished, .. } => {
+                if ok {
+                    *finished = true;
+                    self.waiting_deadline = cx.waiting_deadline();
+                    Ok(Next::Progress)
+                } else {
+                    Ok(Next::End(End::PeerFailed(p.id)))
+                }
+            }
+            Role::Toucher { .. } => Err(InputError::Peer("Status in pull mode")),
+        }
+    }
+
+    /// Pull mode: the peer at `i` granted the lease on its blocks.
+    fn handle_lease_grant(
+        &mut self,
+        cx: &Cx,
+        i: usize,
+        seq: u64,
+        duration_ms: u64,
+    ) -> Result<Next, InputError> {
+        match &mut self.peers[i].role {
+            Role::Toucher { lease, .. } => {
+                lease.check_grant(seq)?;
+                lease.handle_grant(seq, duration_ms, cx.cfg);
+                Ok(Next::Progress)
+            }
+            Role::Granter { .. } => Err(InputError::Peer("lease grant in push mode")),
+        }
+    }
+
+    /// Pull mode: the peer at `i` announces a chunk to read.
+    fn handle_ready(
+        &mut self,
+        cx: &Cx,
+        i: usize,
+        chunk: u32,
+        start_blocks: Vec<u32>,
+        src_blocks: BlockLists,
+        is_last: bool,
+    ) -> Result<Next, InputError> {
+        let Role::Toucher {
+            chunks,
+            last,
+            finished,
+            ..
+        } = &mut self.peers[i].role
+        else {
+            return Err(InputError::Peer("Ready in push mode"));
+        };
+        let idx = chunk as usize;
+        if idx >= cx.cfg.max_chunks {
+            return Err(InputError::Peer("chunk index over max_chunks"));
+        }
+        if !check_lists(&src_blocks, cx.cfg) || start_blocks.len() != src_blocks.len() {
+            return Err(InputError::Peer(
+                "source block list malformed or over bounds",
+            ));
+        }
+        if let Some(Some(c)) = chunks.get(idx) {
+            if c.start_blocks != start_blocks
+                || c.src_blocks != src_blocks
+                || (*last == Some(chunk)) != is_last
+            {
+                return Err(InputError::Peer("chunk announced twice with other content"));
+            }
+            return Ok(Next::Stay);
+        }
+        if last.is_some_and(|l| chunk > l) {
+            return Err(InputError::Peer("chunk after the last chunk"));
+        }
+        if is_last && (last.is_some() || chunks.len() > idx + 1) {
+            return Err(InputError::Peer("second last chunk"));
+        }
+        if *finished {
+            return Err(InputError::Peer("chunk after the transfer finished"));
+        }
+        if chunks.len() <= idx {
+            chunks.resize(idx + 1, None);
+        }
+        chunks[idx] = Some(RemoteChunk {
+            start_blocks,
+            src_blocks,
+            state: ReadState::Pending,
+        });
+        if is_last {
+            *last = Some(chunk);
+        }
+        self.waiting_deadline = cx.waiting_deadline();
+        Ok(Next::Progress)
+    }
+
+    fn handle_abort(&self, i: usize) -> Next {
+        let p = &self.peers[i];
+        if p.is_finished() {
+            // This peer already delivered everything and returned its
+            // lease: its `Abort` is stale (its driver answering a
+            // duplicated `Pull` after it ended, say). If the request
+            // is really gone, the peers still at work abort as well.
+            return Next::Stay;
+        }
+        Next::End(End::PeerAbort(p.id))
+    }
+
+    /// Time passed: a read past its bound, the waiting deadline, or a
+    /// lease to renew.
+    fn handle_timeout(&mut self, cx: &mut Cx) -> Next {
+        let now = cx.now;
+        if self.ops.iter().any(|op| now >= op.deadline) {
+            // The transport did not report within its bound: the read
+            // can no longer touch memory, and it failed.
+            self.ops.retain(|op| now < op.deadline);
+            return Next::End(End::Fail(FailReason::Transport));
+        }
+        if now >= self.waiting_deadline {
+            return Next::End(End::Expire);
+        }
+        for p in &mut self.peers {
+            if let Role::Toucher {
+                lease,
+                finished: false,
+                ..
+            } = &mut p.role
+            {
+                if lease.renew_at().is_some_and(|r| now >= r) {
+                    let seq = lease.request(now, cx.cfg);
+                    cx.send(p.id, Msg::LeaseRequest { seq });
+                }
+            }
+        }
+        Next::Stay
+    }
+
+    /// Pull mode: posts the reads that can be posted from every peer and
+    /// returns the leases of the peers whose KV all landed.
+    fn post_reads(&mut self, cx: &mut Cx) -> Result<(), BadMetadata> {
+        for p in &mut self.peers {
+            read_from_peer(p, &mut self.ops, cx)?;
+        }
+        Ok(())
+    }
+}
+
+/// Pull mode: posts the reads from `p` that its lease and the in-flight
+/// bound allow, and returns its lease (`Done{ok: true}`) once every chunk
+/// was read.
+fn read_from_peer(p: &mut Peer, ops: &mut Vec<Op>, cx: &mut Cx) -> Result<(), BadMetadata> {
+    let Role::Toucher {
+        lease,
+        chunks,
+        last,
+        finished,
+    } = &mut p.role
+    else {
+        return Ok(());
+    };
+    if *finished {
+        return Ok(());
+    }
+    if let Some(Some(c)) = last.and_then(|l| chunks.get(l as usize)) {
+        let end = chunk_end(&c.start_blocks, &c.src_blocks);
+        if !covers_exactly(&end, cx.dst_blocks, cx.prefix_blocks) {
+            return Err(BadMetadata);
+        }
+    }
+    for (idx, slot) in chunks.iter_mut().enumerate() {
+        let Some(c) = slot else { continue };
+        match c.state {
+            ReadState::Posted | ReadState::Done => continue,
+            ReadState::Pending => {}
+        }
+        if !lease.is_live(cx.now) {
+            break;
+        }
+        let (src, dst) = align_chunk(
+            &c.start_blocks,
+            &c.src_blocks,
+            cx.dst_blocks,
+            cx.prefix_blocks,
+        )
+        .ok_or(BadMetadata)?;
+        if is_empty_lists(&src) {
+            c.state = ReadState::Done;
+            continue;
+        }
+        if ops.len() >= cx.cfg.max_in_flight {
+            break;
+        }
+        c.state = ReadState::Posted;
+        ops.push(Op {
+            peer: p.id,
+            chunk: idx as u32,
+            deadline: after(cx.now, cx.cfg.transfer_bound),
+        });
+        cx.actions.push_back(Action::Read {
+            peer: p.id,
+            chunk: idx as u32,
+            src_blocks: src,
+            dst_blocks: dst,
+        });
+    }
+    let complete = last.is_some_and(|l| chunks.len() == l as usize + 1)
+        && chunks
+            .iter()
+            .all(|c| c.as_ref().is_some_and(|c| c.state == ReadState::Done));
+    if complete {
+        *finished = true;
+        cx.send(p.id, Msg::Done { ok: true });
+    }
+    Ok(())
+}
+
+/// Checks the P ranks the driver resolved.
+fn check_resolved(peers: &[ResolvedPeer], cfg: &Config) -> Result<(), InputError> {
+    if peers.is_empty() || peers.len() > cfg.max_peers {
+        return Err(InputError::Misuse("number of P ranks out of range"));
+    }
+    for (i, p) in peers.iter().enumerate() {
+        if peers[..i].iter().any(|q| q.peer == p.peer) {
+            return Err(InputError::Misuse("a P rank listed twice"));
+        }
+        if p.receivers_expected == 0 || p.receivers_expected as usize > cfg.max_peers {
+            return Err(InputError::Misuse("receivers_expected out of range"));
+        }
+    }
+    Ok(())
+}
+
 impl RecvMachine {
     /// A machine for `transfer_id` on this D rank, in `Bootstrapping`.
     /// `dst_blocks` are the destination blocks per group; `prefix_blocks`
@@ -226,326 +600,106 @@ impl RecvMachine {
             State::Active(_) => return Err(InputError::Misuse("peers resolved twice")),
             State::Draining(_) | State::Finished(_) => return Ok(()),
         }
-        if peers.is_empty() || peers.len() > self.cfg.max_peers {
-            return Err(InputError::Misuse("number of P ranks out of range"));
-        }
-        for (i, p) in peers.iter().enumerate() {
-            if peers[..i].iter().any(|q| q.peer == p.peer) {
-                return Err(InputError::Misuse("a P rank listed twice"));
-            }
-            if p.receivers_expected == 0 || p.receivers_expected as usize > self.cfg.max_peers {
-                return Err(InputError::Misuse("receivers_expected out of range"));
-            }
-        }
+        check_resolved(&peers, &self.cfg)?;
         let mut active = Active {
             peers: Vec::with_capacity(peers.len()),
             waiting_deadline: after(now, self.cfg.waiting_timeout),
             ops: Vec::new(),
         };
         for rp in peers {
-            let mut ticket_grant = None;
-            let (role, lease_seq) = match self.mode {
-                Mode::Push => {
-                    let mut lease = GrantLease::new();
-                    if let Some(t) = rp.lease_ticket {
-                        ticket_grant = Some(lease.grant(now, t | TICKET_BIT, self.cfg.lease));
-                    }
-                    (
-                        Role::Granter {
-                            lease,
-                            finished: false,
-                        },
-                        rp.lease_ticket,
-                    )
-                }
-                Mode::Pull => {
-                    let mut lease = TouchLease::new();
-                    let seq = lease.request(now, &self.cfg);
-                    (
-                        Role::Toucher {
-                            lease,
-                            chunks: Vec::new(),
-                            last: None,
-                            finished: false,
-                        },
-                        Some(seq),
-                    )
-                }
-            };
-            self.actions.push_back(Action::Send {
-                peer: rp.peer,
-                msg: Msg::Pull {
-                    receivers_expected: rp.receivers_expected,
-                    dst_blocks: self.dst_blocks.clone(),
-                    prefix_blocks: self.prefix_blocks.clone(),
-                    lease_seq,
-                },
-            });
-            if let Some(msg) = ticket_grant {
-                self.actions.push_back(Action::Send { peer: rp.peer, msg });
-            }
-            active.peers.push(Peer { id: rp.peer, role });
+            let peer = self.contact(now, rp);
+            active.peers.push(peer);
         }
         self.state = State::Active(active);
         Ok(())
     }
 
-    fn handle_active(&mut self, now: Instant, event: Event) -> Result<(), InputError> {
-        let cfg = self.cfg;
-        let State::Active(active) = &mut self.state else {
-            unreachable!("handle_active on a machine that is not active");
+    /// Sends `Pull` to `rp` (in push mode followed by the grant answering
+    /// its lease ticket, if any) and returns what this rank keeps of it.
+    fn contact(&mut self, now: Instant, rp: ResolvedPeer) -> Peer {
+        let mut ticket_grant = None;
+        let (role, lease_seq) = match self.mode {
+            Mode::Push => {
+                let mut lease = GrantLease::new();
+                if let Some(t) = rp.lease_ticket {
+                    ticket_grant = Some(lease.grant(now, t | TICKET_BIT, self.cfg.lease));
+                }
+                (
+                    Role::Granter {
+                        lease,
+                        finished: false,
+                    },
+                    rp.lease_ticket,
+                )
+            }
+            Mode::Pull => {
+                let mut lease = TouchLease::new();
+                let seq = lease.request(now, &self.cfg);
+                (
+                    Role::Toucher {
+                        lease,
+                        chunks: Vec::new(),
+                        last: None,
+                        finished: false,
+                    },
+                    Some(seq),
+                )
+            }
         };
-        match event {
-            Event::PeersResolved { .. } => Err(InputError::Misuse("peers resolved twice")),
-            Event::ReadDone { peer, chunk, ok } => {
-                let Some(i) = active
-                    .ops
-                    .iter()
-                    .position(|op| op.peer == peer && op.chunk == chunk)
-                else {
-                    return Err(InputError::Misuse(
-                        "completion of a read that is not in flight",
-                    ));
-                };
-                active.ops.swap_remove(i);
-                if !ok {
-                    self.end(now, End::Fail(FailReason::Transport));
-                    return Ok(());
-                }
-                if let Some(p) = active.peers.iter_mut().find(|p| p.id == peer) {
-                    if let Role::Toucher { chunks, .. } = &mut p.role {
-                        if let Some(Some(c)) = chunks.get_mut(chunk as usize) {
-                            c.state = ReadState::Done;
-                        }
-                    }
-                }
-                active.waiting_deadline = after(now, cfg.waiting_timeout);
-                self.progress(now);
-                Ok(())
-            }
-            Event::PeerDead { peer } => {
-                if active
-                    .peers
-                    .iter()
-                    .any(|p| p.id == peer && !p.is_finished())
-                {
-                    self.end(now, End::Fail(FailReason::PeerDead));
-                }
-                Ok(())
-            }
-            Event::PlanFailed { peer } => {
-                if active.peers.iter().any(|p| p.id == peer) {
-                    self.end(now, End::Fail(FailReason::BadMetadata));
-                }
-                Ok(())
-            }
-            Event::Msg { peer, msg } => {
-                let Some(i) = active.peers.iter().position(|p| p.id == peer) else {
-                    return Err(InputError::Peer(
-                        "message from a P rank not paired with this transfer",
-                    ));
-                };
-                let p = &mut active.peers[i];
-                match msg {
-                    Msg::LeaseRequest { seq } => match &mut p.role {
-                        Role::Granter { lease, finished } => {
-                            if !*finished {
-                                let msg = lease.grant(now, seq, cfg.lease);
-                                self.send(peer, msg);
-                            }
-                            Ok(())
-                        }
-                        Role::Toucher { .. } => Err(InputError::Peer("lease request in pull mode")),
-                    },
-                    Msg::Status { ok } => match &mut p.role {
-                        Role::Granter { finished: true, .. } => Ok(()),
-                        Role::Granter { finished, .. } => {
-                            if ok {
-                                *finished = true;
-                                active.waiting_deadline = after(now, cfg.waiting_timeout);
-                                self.progress(now);
-                            } else {
-                                self.end(now, End::PeerFailed(peer));
-                            }
-                            Ok(())
-                        }
-                        Role::Toucher { .. } => Err(InputError::Peer("Status in pull mode")),
-                    },
-                    Msg::LeaseGrant { seq, duration_ms } => match &mut p.role {
-                        Role::Toucher { lease, .. } => {
-                            lease.check_grant(seq)?;
-                            lease.handle_grant(seq, duration_ms, &cfg);
-                            self.progress(now);
-                            Ok(())
-                        }
-                        Role::Granter { .. } => Err(InputError::Peer("lease grant in push mode")),
-                    },
-                    Msg::Ready {
-                        chunk,
-                        start_blocks,
-                        src_blocks,
-                        is_last,
-                    } => {
-                        let Role::Toucher {
-                            chunks,
-                            last,
-                            finished,
-                            ..
-                        } = &mut p.role
-                        else {
-                            return Err(InputError::Peer("Ready in push mode"));
-                        };
-                        let idx = chunk as usize;
-                        if idx >= cfg.max_chunks {
-                            return Err(InputError::Peer("chunk index over max_chunks"));
-                        }
-                        if !check_lists(&src_blocks, &cfg) || start_blocks.len() != src_blocks.len()
-                        {
-                            return Err(InputError::Peer(
-                                "source block list malformed or over bounds",
-                            ));
-                        }
-                        if let Some(Some(c)) = chunks.get(idx) {
-                            if c.start_blocks != start_blocks
-                                || c.src_blocks != src_blocks
-                                || (*last == Some(chunk)) != is_last
-                            {
-                                return Err(InputError::Peer(
-                                    "chunk announced twice with other content",
-                                ));
-                            }
-                            return Ok(());
-                        }
-                        if last.is_some_and(|l| chunk > l) {
-                            return Err(InputError::Peer("chunk after the last chunk"));
-                        }
-                        if is_last && (last.is_some() || chunks.len() > idx + 1) {
-                            return Err(InputError::Peer("second last chunk"));
-                        }
-                        if *finished {
-                            return Err(InputError::Peer("chunk after the transfer finished"));
-                        }
-                        if chunks.len() <= idx {
-                            chunks.resize(idx + 1, None);
-                        }
-                        chunks[idx] = Some(RemoteChunk {
-                            start_blocks,
-                            src_blocks,
-                            state: ReadState::Pending,
-                        });
-                        if is_last {
-                            *last = Some(chunk);
-                        }
-                        active.waiting_deadline = after(now, cfg.waiting_timeout);
-                        self.progress(now);
-                        Ok(())
-                    }
-                    Msg::Abort => {
-                        if p.is_finished() {
-                            // This peer already delivered everything and returned its
-                            // lease: its `Abort` is stale (its driver answering a
-                            // duplicated `Pull` after it ended, say). If the request
-                            // is really gone, the peers still at work abort as well.
-                            return Ok(());
-                        }
-                        self.end(now, End::PeerAbort(peer));
-                        Ok(())
-                    }
-                    Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
-                    Msg::Pull { .. } | Msg::Done { .. } => {
-                        Err(InputError::Peer("message D never receives"))
-                    }
-                }
-            }
+        self.send(
+            rp.peer,
+            Msg::Pull {
+                receivers_expected: rp.receivers_expected,
+                dst_blocks: self.dst_blocks.clone(),
+                prefix_blocks: self.prefix_blocks.clone(),
+                lease_seq,
+            },
+        );
+        if let Some(msg) = ticket_grant {
+            self.send(rp.peer, msg);
+        }
+        Peer { id: rp.peer, role }
+    }
+
+    /// The machine's state and, borrowed apart from it, what the handlers
+    /// of an active request use.
+    fn split(&mut self, now: Instant) -> (&mut State, Cx<'_>) {
+        let RecvMachine {
+            cfg,
+            dst_blocks,
+            prefix_blocks,
+            state,
+            actions,
+            ..
+        } = self;
+        let cx = Cx {
+            cfg,
+            now,
+            dst_blocks,
+            prefix_blocks,
+            actions,
+        };
+        (state, cx)
+    }
+
+    /// Carries out what a handler of an active request decided.
+    fn apply(&mut self, now: Instant, next: Next) {
+        match next {
+            Next::Stay => {}
+            Next::Progress => self.progress(now),
+            Next::End(end) => self.end(now, end),
         }
     }
 
     /// Posts the reads that can be posted, returns finished leases and
     /// completes the transfer when every peer is finished.
     fn progress(&mut self, now: Instant) {
-        let cfg = self.cfg;
-        let State::Active(active) = &mut self.state else {
+        let (State::Active(active), mut cx) = self.split(now) else {
             return;
         };
-        let mut bad_metadata = false;
-        for p in &mut active.peers {
-            let Role::Toucher {
-                lease,
-                chunks,
-                last,
-                finished,
-            } = &mut p.role
-            else {
-                continue;
-            };
-            if *finished {
-                continue;
-            }
-            if let Some(Some(c)) = last.and_then(|l| chunks.get(l as usize)) {
-                let end = chunk_end(&c.start_blocks, &c.src_blocks);
-                if !covers_exactly(&end, &self.dst_blocks, &self.prefix_blocks) {
-                    bad_metadata = true;
-                    break;
-                }
-            }
-            for (idx, slot) in chunks.iter_mut().enumerate() {
-                let Some(c) = slot else { continue };
-                match c.state {
-                    ReadState::Posted | ReadState::Done => continue,
-                    ReadState::Pending => {}
-                }
-                if !lease.is_live(now) {
-                    break;
-                }
-                let Some((src, dst)) = align_chunk(
-                    &c.start_blocks,
-                    &c.src_blocks,
-                    &self.dst_blocks,
-                    &self.prefix_blocks,
-                ) else {
-                    bad_metadata = true;
-                    break;
-                };
-                if is_empty_lists(&src) {
-                    c.state = ReadState::Done;
-                    continue;
-                }
-                if active.ops.len() >= cfg.max_in_flight {
-                    break;
-                }
-                c.state = ReadState::Posted;
-                active.ops.push(Op {
-                    peer: p.id,
-                    chunk: idx as u32,
-                    deadline: after(now, cfg.transfer_bound),
-                });
-                self.actions.push_back(Action::Read {
-                    peer: p.id,
-                    chunk: idx as u32,
-                    src_blocks: src,
-                    dst_blocks: dst,
-                });
-            }
-            if bad_metadata {
-                break;
-            }
-            let complete = last.is_some_and(|l| chunks.len() == l as usize + 1)
-                && chunks
-                    .iter()
-                    .all(|c| c.as_ref().is_some_and(|c| c.state == ReadState::Done));
-            if complete {
-                *finished = true;
-                self.actions.push_back(Action::Send {
-                    peer: p.id,
-                    msg: Msg::Done { ok: true },
-                });
-            }
-        }
-        if bad_metadata {
+        if active.post_reads(&mut cx).is_err() {
             self.end(now, End::Fail(FailReason::BadMetadata));
-            return;
-        }
-        if active.peers.iter().all(Peer::is_finished) {
+        } else if active.peers.iter().all(Peer::is_finished) {
             self.finish(Phase::Success);
         }
     }
@@ -616,7 +770,8 @@ impl Machine for RecvMachine {
     type Action = Action;
 
     fn handle_event(&mut self, now: Instant, event: Event) -> Result<(), InputError> {
-        match &mut self.state {
+        let (state, mut cx) = self.split(now);
+        match state {
             State::Bootstrapping { .. } => match event {
                 Event::PeersResolved { peers } => self.handle_resolved(now, peers),
                 Event::Msg { .. } => {
@@ -627,7 +782,11 @@ impl Machine for RecvMachine {
                 )),
                 Event::PeerDead { .. } | Event::PlanFailed { .. } => Ok(()),
             },
-            State::Active(_) => self.handle_active(now, event),
+            State::Active(active) => {
+                let next = active.handle_event(&mut cx, event)?;
+                self.apply(now, next);
+                Ok(())
+            }
             State::Draining(drain) => {
                 match event {
                     Event::ReadDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
@@ -645,41 +804,16 @@ impl Machine for RecvMachine {
     }
 
     fn handle_timeout(&mut self, now: Instant) {
-        let cfg = self.cfg;
-        match &mut self.state {
+        let (state, mut cx) = self.split(now);
+        match state {
             State::Bootstrapping { deadline } => {
                 if now >= *deadline {
                     self.end(now, End::Expire);
                 }
             }
             State::Active(active) => {
-                if active.ops.iter().any(|op| now >= op.deadline) {
-                    // The transport did not report within its bound: the read
-                    // can no longer touch memory, and it failed.
-                    active.ops.retain(|op| now < op.deadline);
-                    self.end(now, End::Fail(FailReason::Transport));
-                    return;
-                }
-                if now >= active.waiting_deadline {
-                    self.end(now, End::Expire);
-                    return;
-                }
-                for p in &mut active.peers {
-                    if let Role::Toucher {
-                        lease,
-                        finished: false,
-                        ..
-                    } = &mut p.role
-                    {
-                        if lease.renew_at().is_some_and(|r| now >= r) {
-                            let seq = lease.request(now, &cfg);
-                            self.actions.push_back(Action::Send {
-                                peer: p.id,
-                                msg: Msg::LeaseRequest { seq },
-                            });
-                        }
-                    }
-                }
+                let next = active.handle_timeout(&mut cx);
+                self.apply(now, next);
             }
             State::Draining(_) => self.advance_drain(now),
             State::Finished(_) => {}

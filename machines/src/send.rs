@@ -38,7 +38,7 @@ use crate::common::{
     AbortReason, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode, Msg, Op,
     PeerId, Phase, TouchLease, TransferId,
 };
-use crate::Machine;
+use crate::machine::Machine;
 
 /// Inputs of a [`SendMachine`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -202,6 +202,671 @@ pub struct SendMachine {
     actions: VecDeque<Action>,
 }
 
+/// What the machine does after a handler applied a live input.
+#[must_use]
+#[derive(Clone, Copy, Debug)]
+enum Next {
+    /// Nothing more.
+    Stay,
+    /// Post what can be posted, return finished leases and complete the
+    /// request when every expected peer is finished.
+    Progress,
+    /// End the request.
+    End(End),
+}
+
+/// What a handler of a live request uses besides [`Live`]: the machine's
+/// settings, the time of the input and the action queue, borrowed apart
+/// from the machine's state.
+struct Cx<'a> {
+    cfg: &'a Config,
+    mode: Mode,
+    now: Instant,
+    actions: &'a mut VecDeque<Action>,
+}
+
+impl Cx<'_> {
+    fn send(&mut self, peer: PeerId, msg: Msg) {
+        self.actions.push_back(Action::Send { peer, msg });
+    }
+}
+
+/// A peer's layouts or block lists do not fit ours.
+struct BadMetadata;
+
+impl Role {
+    /// The role of a peer that just became known, in `mode`.
+    fn new(mode: Mode) -> Role {
+        match mode {
+            Mode::Push => Role::Toucher {
+                lease: TouchLease::new(),
+                next_chunk: 0,
+                finished: false,
+                closing: false,
+            },
+            Mode::Pull => Role::Granter {
+                lease: GrantLease::new(),
+                announced: 0,
+                finished: false,
+            },
+        }
+    }
+}
+
+/// Handlers of the inputs of a live request. None changes the state; each
+/// says what the machine does next ([`Next`]).
+impl Live {
+    fn peer_mut(&mut self, peer: PeerId) -> Option<&mut Peer> {
+        self.peers.iter_mut().find(|p| p.id == peer)
+    }
+
+    /// True once every D rank that will send a `Pull` did.
+    fn all_known(&self) -> bool {
+        self.receivers_expected
+            .is_some_and(|n| n as usize == self.peers.len())
+    }
+
+    fn handle_event(&mut self, cx: &mut Cx, event: Event) -> Result<Next, InputError> {
+        match event {
+            Event::Msg { peer, msg } => self.handle_msg(cx, peer, msg),
+            Event::ChunkReady {
+                src_blocks,
+                is_last,
+            } => self.handle_chunk_ready(cx, src_blocks, is_last),
+            Event::WriteDone { peer, chunk, ok } => self.handle_write_done(peer, chunk, ok),
+            Event::PeerDead { peer } => Ok(self.handle_verdict(peer, FailReason::PeerDead)),
+            Event::PlanFailed { peer } => Ok(self.handle_verdict(peer, FailReason::BadMetadata)),
+            Event::TicketGrant {
+                peer,
+                sent_at,
+                duration_ms,
+            } => self.handle_ticket_grant(cx, peer, sent_at, duration_ms),
+            Event::TicketRefused { peer } => self.handle_ticket_refused(cx, peer),
+        }
+    }
+
+    fn handle_msg(&mut self, cx: &mut Cx, peer: PeerId, msg: Msg) -> Result<Next, InputError> {
+        match msg {
+            Msg::Pull {
+                receivers_expected,
+                dst_blocks,
+                prefix_blocks,
+                lease_seq,
+            } => self.handle_pull(
+                cx,
+                peer,
+                receivers_expected,
+                dst_blocks,
+                prefix_blocks,
+                lease_seq,
+            ),
+            Msg::LeaseGrant { seq, duration_ms } => {
+                self.handle_lease_grant(cx, peer, seq, duration_ms)
+            }
+            Msg::LeaseRequest { seq } => self.handle_lease_request(cx, peer, seq),
+            Msg::Done { ok } => self.handle_done(cx, peer, ok),
+            Msg::Abort => Ok(self.handle_abort(peer)),
+            Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
+            Msg::Ready { .. } | Msg::Status { .. } => {
+                Err(InputError::Peer("message P never receives"))
+            }
+        }
+    }
+
+    fn handle_chunk_ready(
+        &mut self,
+        cx: &mut Cx,
+        src_blocks: BlockLists,
+        is_last: bool,
+    ) -> Result<Next, InputError> {
+        if self.last_seen {
+            return Err(InputError::Misuse("chunk after the last chunk"));
+        }
+        if self.chunks.len() >= cx.cfg.max_chunks {
+            return Err(InputError::Misuse("more chunks than max_chunks"));
+        }
+        if !check_lists(&src_blocks, cx.cfg) {
+            return Err(InputError::Misuse("block list over the configured bounds"));
+        }
+        let start_blocks: Vec<u32> = match self.chunks.last() {
+            None => vec![0; src_blocks.len()],
+            Some(prev) => {
+                if prev.src_blocks.len() != src_blocks.len() {
+                    return Err(InputError::Misuse("chunk with another group count"));
+                }
+                chunk_end(&prev.start_blocks, &prev.src_blocks)
+            }
+        };
+        let index = self.chunks.len() as u32;
+        self.chunks.push(Chunk {
+            start_blocks,
+            src_blocks,
+        });
+        self.last_seen = is_last;
+        if self.first_chunk_at.is_none() {
+            // The claim counts from when we started holding KV for D: a D rank
+            // that was quiet while there was nothing to fetch is not late.
+            self.first_chunk_at = Some(cx.now);
+            for p in &mut self.peers {
+                p.last_heard = p.last_heard.max(cx.now);
+            }
+        }
+        match cx.mode {
+            Mode::Push => {}
+            Mode::Pull => self.announce(cx, index),
+        }
+        Ok(Next::Progress)
+    }
+
+    fn handle_write_done(
+        &mut self,
+        peer: PeerId,
+        chunk: u32,
+        ok: bool,
+    ) -> Result<Next, InputError> {
+        let Some(i) = self
+            .ops
+            .iter()
+            .position(|op| op.peer == peer && op.chunk == chunk)
+        else {
+            return Err(InputError::Misuse(
+                "completion of a write that is not in flight",
+            ));
+        };
+        self.ops.swap_remove(i);
+        if ok {
+            Ok(Next::Progress)
+        } else {
+            Ok(Next::End(End::Fail(FailReason::Transport)))
+        }
+    }
+
+    /// The driver's verdict on `peer` (dead, or its plan rejected).
+    fn handle_verdict(&self, peer: PeerId, reason: FailReason) -> Next {
+        // A finished peer returned its lease and needs nothing more from us.
+        if self.peers.iter().any(|p| p.id == peer && !p.is_finished()) {
+            Next::End(End::Fail(reason))
+        } else {
+            Next::Stay
+        }
+    }
+
+    fn handle_ticket_grant(
+        &mut self,
+        cx: &mut Cx,
+        peer: PeerId,
+        sent_at: Instant,
+        duration_ms: u64,
+    ) -> Result<Next, InputError> {
+        if cx.mode == Mode::Pull {
+            return Err(InputError::Peer("ticket grant in pull mode"));
+        }
+        if !self.peers.iter().any(|p| p.id == peer) {
+            // It overtook its `Pull`: keep it for when the `Pull` comes
+            // (bounded; past the bound P asks the ordinary way).
+            if !self.early_tickets.iter().any(|(p, _, _)| *p == peer)
+                && self.early_tickets.len() < cx.cfg.max_peers
+            {
+                self.early_tickets.push((peer, sent_at, duration_ms));
+            }
+            return Ok(Next::Stay);
+        }
+        if self.apply_ticket(cx, peer, sent_at, duration_ms) {
+            Ok(Next::Progress)
+        } else {
+            Ok(Next::Stay)
+        }
+    }
+
+    /// Push mode: counts `peer`'s lease from when its ticket was sent.
+    /// True when the lease changed (the caller then progresses).
+    fn apply_ticket(&mut self, cx: &Cx, peer: PeerId, sent_at: Instant, duration_ms: u64) -> bool {
+        let Some(p) = self.peer_mut(peer) else {
+            return false;
+        };
+        match &mut p.role {
+            // A ticket from the future would stretch the lease: count it
+            // from now at the latest.
+            Role::Toucher { lease, .. } => {
+                lease.handle_ticket(sent_at.min(cx.now), duration_ms, cx.cfg)
+            }
+            Role::Granter { .. } => return false,
+        }
+        p.last_heard = cx.now;
+        true
+    }
+
+    /// Push mode: `peer` refused the ticket: ask now, unless a lease is
+    /// already live.
+    fn handle_ticket_refused(&mut self, cx: &mut Cx, peer: PeerId) -> Result<Next, InputError> {
+        match self.peers.iter().find(|p| p.id == peer).map(|p| &p.role) {
+            Some(Role::Toucher {
+                lease,
+                finished: false,
+                ..
+            }) if !lease.is_live(cx.now) => self.request_lease(cx, peer),
+            Some(Role::Granter { .. }) => {
+                return Err(InputError::Peer("ticket refused in pull mode"))
+            }
+            // Unknown peer (it overtook its `Pull`), finished, or leased.
+            Some(Role::Toucher { .. }) | None => {}
+        }
+        Ok(Next::Stay)
+    }
+
+    /// D rank `peer` takes part: a new peer, or a duplicate `Pull` that
+    /// only shows it is alive.
+    fn handle_pull(
+        &mut self,
+        cx: &mut Cx,
+        peer: PeerId,
+        receivers_expected: u16,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+        lease_seq: Option<u64>,
+    ) -> Result<Next, InputError> {
+        self.check_pull(cx.cfg, receivers_expected, &dst_blocks, &prefix_blocks)?;
+        if let Some(p) = self.peer_mut(peer) {
+            if p.dst_blocks != dst_blocks || p.prefix_blocks != prefix_blocks {
+                return Err(InputError::Peer("second Pull with other blocks"));
+            }
+            // A duplicate: it only shows the peer is alive. Its lease
+            // request (pull mode) is answered like any other.
+            p.last_heard = cx.now;
+            if let (Some(seq), Mode::Pull) = (lease_seq, cx.mode) {
+                self.grant(cx, peer, seq);
+            }
+            return Ok(Next::Stay);
+        }
+        if self.peers.len() >= receivers_expected as usize {
+            return Err(InputError::Peer("more D ranks than announced"));
+        }
+        self.receivers_expected = Some(receivers_expected);
+        self.peers.push(Peer {
+            id: peer,
+            dst_blocks,
+            prefix_blocks,
+            last_heard: cx.now,
+            role: Role::new(cx.mode),
+        });
+        self.greet(cx, peer, lease_seq);
+        Ok(Next::Progress)
+    }
+
+    /// Checks a `Pull` against the bounds and the other D ranks' `Pull`s.
+    fn check_pull(
+        &self,
+        cfg: &Config,
+        receivers_expected: u16,
+        dst_blocks: &BlockLists,
+        prefix_blocks: &[u32],
+    ) -> Result<(), InputError> {
+        if receivers_expected == 0 || receivers_expected as usize > cfg.max_peers {
+            return Err(InputError::Peer("receivers_expected out of range"));
+        }
+        if self
+            .receivers_expected
+            .is_some_and(|n| n != receivers_expected)
+        {
+            return Err(InputError::Peer(
+                "receivers_expected differs between D ranks",
+            ));
+        }
+        if !check_lists(dst_blocks, cfg) || prefix_blocks.len() != dst_blocks.len() {
+            return Err(InputError::Peer(
+                "destination block list malformed or over bounds",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Starts the lease with `peer`, just known, and in pull mode announces
+    /// the chunks ready so far.
+    fn greet(&mut self, cx: &mut Cx, peer: PeerId, lease_seq: Option<u64>) {
+        let early = self
+            .early_tickets
+            .iter()
+            .position(|(p, _, _)| *p == peer)
+            .map(|i| self.early_tickets.swap_remove(i));
+        match cx.mode {
+            // Its ticket grant came first: apply it now (the `Pull` makes
+            // the machine progress either way).
+            Mode::Push if early.is_some() => {
+                if let Some((_, sent_at, duration_ms)) = early {
+                    self.apply_ticket(cx, peer, sent_at, duration_ms);
+                }
+            }
+            // A `Pull` that announces a ticket grant right behind it
+            // saves the lease round trip; should the grant get lost,
+            // P asks one heartbeat interval from now, and a refused
+            // ticket makes it ask at once.
+            Mode::Push if lease_seq.is_some() => self.defer_lease_request(cx, peer),
+            Mode::Push => self.request_lease(cx, peer),
+            Mode::Pull => {
+                if let Some(seq) = lease_seq {
+                    self.grant(cx, peer, seq);
+                }
+                for i in 0..self.chunks.len() as u32 {
+                    self.announce(cx, i);
+                }
+            }
+        }
+    }
+
+    fn handle_lease_grant(
+        &mut self,
+        cx: &mut Cx,
+        peer: PeerId,
+        seq: u64,
+        duration_ms: u64,
+    ) -> Result<Next, InputError> {
+        let Some(p) = self.peer_mut(peer) else {
+            return Err(InputError::Peer("lease grant from an unknown peer"));
+        };
+        match &mut p.role {
+            Role::Toucher { lease, .. } => {
+                lease.check_grant(seq)?;
+                lease.handle_grant(seq, duration_ms, cx.cfg);
+            }
+            Role::Granter { .. } => return Err(InputError::Peer("lease grant in pull mode")),
+        }
+        p.last_heard = cx.now;
+        Ok(Next::Progress)
+    }
+
+    fn handle_lease_request(
+        &mut self,
+        cx: &mut Cx,
+        peer: PeerId,
+        seq: u64,
+    ) -> Result<Next, InputError> {
+        match cx.mode {
+            Mode::Push => return Err(InputError::Peer("lease request in push mode")),
+            Mode::Pull => {}
+        }
+        // A request that overtook its `Pull` is dropped: the peer
+        // renews within a heartbeat interval.
+        if let Some(p) = self.peer_mut(peer) {
+            p.last_heard = cx.now;
+            self.grant(cx, peer, seq);
+        }
+        Ok(Next::Stay)
+    }
+
+    /// Pull mode: D rank `peer` returns its lease; its reads are over.
+    fn handle_done(&mut self, cx: &mut Cx, peer: PeerId, ok: bool) -> Result<Next, InputError> {
+        let chunks = self.chunks.len() as u32;
+        let last_seen = self.last_seen;
+        let Some(p) = self.peer_mut(peer) else {
+            if ok {
+                return Err(InputError::Peer("Done from an unknown peer"));
+            }
+            // A D rank that failed before its `Pull` reached us (or
+            // whose `Pull` was lost): the request is gone.
+            return Ok(Next::End(End::PeerFailed(peer)));
+        };
+        match &mut p.role {
+            Role::Toucher { .. } => Err(InputError::Peer("Done in push mode")),
+            Role::Granter { finished: true, .. } => Ok(Next::Stay),
+            Role::Granter {
+                announced,
+                finished,
+                ..
+            } => {
+                if ok && !(last_seen && *announced == chunks) {
+                    return Err(InputError::Peer("Done before the last chunk was announced"));
+                }
+                p.last_heard = cx.now;
+                if ok {
+                    *finished = true;
+                    Ok(Next::Progress)
+                } else {
+                    Ok(Next::End(End::PeerFailed(peer)))
+                }
+            }
+        }
+    }
+
+    fn handle_abort(&self, peer: PeerId) -> Next {
+        let known = self.peers.iter().find(|p| p.id == peer);
+        if known.is_some_and(Peer::is_finished) {
+            // This D rank already has everything and returned its
+            // lease: its `Abort` is stale (its driver answering a
+            // duplicated message after it ended, say). If the
+            // request is really gone, the D ranks still at work
+            // abort as well.
+            return Next::Stay;
+        }
+        if known.is_some_and(Peer::is_closing) {
+            // The last write is in flight with the `Status` behind
+            // it; the D rank may have had both and ended, and this
+            // answers a lease renewal that crossed them. If the
+            // abort is real, D's fence fails the write and its
+            // completion ends the request; if the write landed,
+            // everything D was told of is there.
+            return Next::Stay;
+        }
+        // An abort from a D rank we do not know yet still ends the
+        // request: any D rank aborting means the request is gone.
+        Next::End(End::PeerAbort(peer))
+    }
+
+    /// Time passed: a write past its bound, a missed deadline, or a lease
+    /// to renew.
+    fn handle_timeout(&mut self, cx: &mut Cx) -> Next {
+        let now = cx.now;
+        if self.ops.iter().any(|op| now >= op.deadline) {
+            // The transport did not report within its bound: the write
+            // can no longer land, and it failed.
+            self.ops.retain(|op| now < op.deadline);
+            return Next::End(End::Fail(FailReason::Transport));
+        }
+        if !self.all_known() && now >= self.bootstrap_deadline {
+            return Next::End(End::Expire);
+        }
+        if self.claim_deadline(cx.cfg).is_some_and(|d| now >= d) {
+            return Next::End(End::Expire);
+        }
+        let due: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|p| match &p.role {
+                Role::Toucher {
+                    lease, finished, ..
+                } => !finished && lease.renew_at().is_some_and(|r| now >= r),
+                Role::Granter { .. } => false,
+            })
+            .map(|p| p.id)
+            .collect();
+        for peer in due {
+            self.request_lease(cx, peer);
+        }
+        // A lease may have run out: nothing to do, posting stops by itself.
+        Next::Stay
+    }
+
+    /// Pull mode: sends `Ready` for chunk `index` to every known peer.
+    fn announce(&mut self, cx: &mut Cx, index: u32) {
+        let chunk = &self.chunks[index as usize];
+        let is_last = self.last_seen && index as usize + 1 == self.chunks.len();
+        for p in &mut self.peers {
+            if let Role::Granter {
+                announced,
+                finished: false,
+                ..
+            } = &mut p.role
+            {
+                if *announced == index {
+                    *announced += 1;
+                    cx.send(
+                        p.id,
+                        Msg::Ready {
+                            chunk: index,
+                            start_blocks: chunk.start_blocks.clone(),
+                            src_blocks: chunk.src_blocks.clone(),
+                            is_last,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Pull mode: grants `peer` a lease for its request `seq`, capped by the hold limit.
+    fn grant(&mut self, cx: &mut Cx, peer: PeerId, seq: u64) {
+        let d = cx
+            .cfg
+            .lease
+            .min(self.hold_deadline.saturating_duration_since(cx.now));
+        if d.is_zero() {
+            return;
+        }
+        let Some(p) = self.peer_mut(peer) else {
+            return;
+        };
+        if let Role::Granter {
+            lease,
+            finished: false,
+            ..
+        } = &mut p.role
+        {
+            let msg = lease.grant(cx.now, seq, d);
+            cx.send(peer, msg);
+        }
+    }
+
+    /// Push mode: plans to ask `peer` for a lease one heartbeat interval
+    /// from now, unless a grant makes that moot.
+    fn defer_lease_request(&mut self, cx: &Cx, peer: PeerId) {
+        if let Some(p) = self.peer_mut(peer) {
+            if let Role::Toucher { lease, .. } = &mut p.role {
+                lease.defer_request(cx.now, cx.cfg);
+            }
+        }
+    }
+
+    /// Push mode: asks `peer` for a lease, counting from now.
+    fn request_lease(&mut self, cx: &mut Cx, peer: PeerId) {
+        if let Some(p) = self.peer_mut(peer) {
+            if let Role::Toucher {
+                lease,
+                finished: false,
+                ..
+            } = &mut p.role
+            {
+                let seq = lease.request(cx.now, cx.cfg);
+                cx.send(peer, Msg::LeaseRequest { seq });
+            }
+        }
+    }
+
+    /// Push mode: posts what can be posted to every peer and returns the
+    /// leases of the peers that have all their KV.
+    fn post_writes(&mut self, cx: &mut Cx) -> Result<(), BadMetadata> {
+        for p in &mut self.peers {
+            post_to_peer(p, &self.chunks, self.last_seen, &mut self.ops, cx)?;
+        }
+        Ok(())
+    }
+
+    /// True when every expected peer is known and finished, and the last
+    /// chunk was seen.
+    fn is_complete(&self) -> bool {
+        self.all_known() && self.last_seen && self.peers.iter().all(Peer::is_finished)
+    }
+
+    /// The claim (D silent while we hold KV for it) capped by the hold limit.
+    fn claim_deadline(&self, cfg: &Config) -> Option<Instant> {
+        let hold = self.hold_deadline;
+        if self.first_chunk_at.is_none() {
+            return Some(hold);
+        }
+        // D ranks that never showed up are bounded by the bootstrap deadline;
+        // the claim is about known D ranks going silent while we hold KV for them.
+        let mut claim = None;
+        for p in &self.peers {
+            if !p.is_finished() {
+                claim = earliest(claim, Some(after(p.last_heard, cfg.claim_timeout)));
+            }
+        }
+        Some(claim.map_or(hold, |c| c.min(hold)))
+    }
+}
+
+/// Push mode: posts the writes to `p` that its lease and the in-flight
+/// bound allow, and returns its lease (`Status{ok: true}`) once all of
+/// its KV landed.
+fn post_to_peer(
+    p: &mut Peer,
+    chunks: &[Chunk],
+    last_seen: bool,
+    ops: &mut Vec<Op>,
+    cx: &mut Cx,
+) -> Result<(), BadMetadata> {
+    let Role::Toucher {
+        lease,
+        next_chunk,
+        finished,
+        closing,
+    } = &mut p.role
+    else {
+        return Ok(());
+    };
+    if *finished {
+        return Ok(());
+    }
+    if last_seen {
+        let last = &chunks[chunks.len() - 1];
+        let end = chunk_end(&last.start_blocks, &last.src_blocks);
+        if !covers_exactly(&end, &p.dst_blocks, &p.prefix_blocks) {
+            return Err(BadMetadata);
+        }
+    }
+    while (*next_chunk as usize) < chunks.len() && lease.is_live(cx.now) {
+        let chunk = &chunks[*next_chunk as usize];
+        let (src, dst) = align_chunk(
+            &chunk.start_blocks,
+            &chunk.src_blocks,
+            &p.dst_blocks,
+            &p.prefix_blocks,
+        )
+        .ok_or(BadMetadata)?;
+        if !is_empty_lists(&src) {
+            if ops.len() >= cx.cfg.max_in_flight {
+                break;
+            }
+            // The `Status` may ride this write when it is the
+            // peer's last and nothing else is in flight to it: then
+            // the write landing means all of the peer's KV landed.
+            let last = last_seen && *next_chunk as usize + 1 == chunks.len();
+            let status_after = last && !ops.iter().any(|op| op.peer == p.id);
+            *closing |= status_after;
+            ops.push(Op {
+                peer: p.id,
+                chunk: *next_chunk,
+                deadline: after(cx.now, cx.cfg.transfer_bound),
+            });
+            cx.actions.push_back(Action::Write {
+                peer: p.id,
+                chunk: *next_chunk,
+                src_blocks: src,
+                dst_blocks: dst,
+                status_after,
+            });
+        }
+        *next_chunk += 1;
+    }
+    let all_posted = last_seen && *next_chunk as usize == chunks.len();
+    if all_posted && !ops.iter().any(|op| op.peer == p.id) {
+        *finished = true;
+        // A closing write's driver delivered the `Status` already.
+        if !*closing {
+            cx.send(p.id, Msg::Status { ok: true });
+        }
+    }
+    Ok(())
+}
+
 /// Why the live request ends, with the peer that caused it if any.
 impl SendMachine {
     /// A machine for `transfer_id` on this P rank, in `Bootstrapping`.
@@ -261,547 +926,43 @@ impl SendMachine {
         self.actions.push_back(Action::Send { peer, msg });
     }
 
-    fn handle_chunk_ready(
-        &mut self,
-        now: Instant,
-        src_blocks: BlockLists,
-        is_last: bool,
-    ) -> Result<(), InputError> {
-        let State::Live(live) = &mut self.state else {
-            unreachable!("handle_chunk_ready on a machine that is not live");
-        };
-        let cfg = self.cfg;
-        if live.last_seen {
-            return Err(InputError::Misuse("chunk after the last chunk"));
-        }
-        if live.chunks.len() >= cfg.max_chunks {
-            return Err(InputError::Misuse("more chunks than max_chunks"));
-        }
-        if !check_lists(&src_blocks, &cfg) {
-            return Err(InputError::Misuse("block list over the configured bounds"));
-        }
-        let start_blocks: Vec<u32> = match live.chunks.last() {
-            None => vec![0; src_blocks.len()],
-            Some(prev) => {
-                if prev.src_blocks.len() != src_blocks.len() {
-                    return Err(InputError::Misuse("chunk with another group count"));
-                }
-                chunk_end(&prev.start_blocks, &prev.src_blocks)
-            }
-        };
-        let index = live.chunks.len() as u32;
-        live.chunks.push(Chunk {
-            start_blocks,
-            src_blocks,
-        });
-        live.last_seen = is_last;
-        if live.first_chunk_at.is_none() {
-            // The claim counts from when we started holding KV for D: a D rank
-            // that was quiet while there was nothing to fetch is not late.
-            live.first_chunk_at = Some(now);
-            for p in &mut live.peers {
-                p.last_heard = p.last_heard.max(now);
-            }
-        }
-        match self.mode {
-            Mode::Push => {}
-            Mode::Pull => self.announce(index),
-        }
-        self.progress(now);
-        Ok(())
-    }
-
-    fn handle_write_done(
-        &mut self,
-        now: Instant,
-        peer: PeerId,
-        chunk: u32,
-        ok: bool,
-    ) -> Result<(), InputError> {
-        let State::Live(live) = &mut self.state else {
-            unreachable!("handle_write_done on a machine that is not live");
-        };
-        let Some(i) = live
-            .ops
-            .iter()
-            .position(|op| op.peer == peer && op.chunk == chunk)
-        else {
-            return Err(InputError::Misuse(
-                "completion of a write that is not in flight",
-            ));
-        };
-        live.ops.swap_remove(i);
-        if ok {
-            self.progress(now);
-        } else {
-            self.end(now, End::Fail(FailReason::Transport));
-        }
-        Ok(())
-    }
-
-    /// The driver's verdict on `peer` (dead, or its plan rejected).
-    fn handle_verdict(&mut self, now: Instant, peer: PeerId, reason: FailReason) {
-        let State::Live(live) = &self.state else {
-            return;
-        };
-        // A finished peer returned its lease and needs nothing more from us.
-        if live.peers.iter().any(|p| p.id == peer && !p.is_finished()) {
-            self.end(now, End::Fail(reason));
-        }
-    }
-
-    /// Pull mode: sends `Ready` for chunk `index` to every known peer.
-    fn announce(&mut self, index: u32) {
-        let State::Live(live) = &mut self.state else {
-            return;
-        };
-        let chunk = &live.chunks[index as usize];
-        let is_last = live.last_seen && index as usize + 1 == live.chunks.len();
-        for p in &mut live.peers {
-            if let Role::Granter {
-                announced,
-                finished: false,
-                ..
-            } = &mut p.role
-            {
-                if *announced == index {
-                    *announced += 1;
-                    self.actions.push_back(Action::Send {
-                        peer: p.id,
-                        msg: Msg::Ready {
-                            chunk: index,
-                            start_blocks: chunk.start_blocks.clone(),
-                            src_blocks: chunk.src_blocks.clone(),
-                            is_last,
-                        },
-                    });
-                }
-            }
-        }
-    }
-
-    fn handle_ticket_grant(
-        &mut self,
-        now: Instant,
-        peer: PeerId,
-        sent_at: Instant,
-        duration_ms: u64,
-    ) -> Result<(), InputError> {
-        let State::Live(live) = &mut self.state else {
-            unreachable!("handle_ticket_grant on a machine that is not live");
-        };
-        let cfg = self.cfg;
-        if self.mode == Mode::Pull {
-            return Err(InputError::Peer("ticket grant in pull mode"));
-        }
-        if !live.peers.iter().any(|p| p.id == peer) {
-            // It overtook its `Pull`: keep it for when the `Pull` comes
-            // (bounded; past the bound P asks the ordinary way).
-            if !live.early_tickets.iter().any(|(p, _, _)| *p == peer)
-                && live.early_tickets.len() < cfg.max_peers
-            {
-                live.early_tickets.push((peer, sent_at, duration_ms));
-            }
-            return Ok(());
-        }
-        self.apply_ticket(now, peer, sent_at, duration_ms);
-        Ok(())
-    }
-
-    /// Push mode: counts `peer`'s lease from when its ticket was sent.
-    fn apply_ticket(&mut self, now: Instant, peer: PeerId, sent_at: Instant, duration_ms: u64) {
-        let State::Live(live) = &mut self.state else {
-            return;
-        };
-        let cfg = self.cfg;
-        let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) else {
-            return;
-        };
-        match &mut p.role {
-            // A ticket from the future would stretch the lease: count it
-            // from now at the latest.
-            Role::Toucher { lease, .. } => lease.handle_ticket(sent_at.min(now), duration_ms, &cfg),
-            Role::Granter { .. } => return,
-        }
-        p.last_heard = now;
-        self.progress(now);
-    }
-
-    fn handle_msg(&mut self, now: Instant, peer: PeerId, msg: Msg) -> Result<(), InputError> {
-        let State::Live(live) = &mut self.state else {
-            unreachable!("handle_msg on a machine that is not live");
-        };
-        let cfg = self.cfg;
-        let mode = self.mode;
-        let known = live.peers.iter().position(|p| p.id == peer);
-        match msg {
-            Msg::Pull {
-                receivers_expected,
-                dst_blocks,
-                prefix_blocks,
-                lease_seq,
-            } => {
-                if receivers_expected == 0 || receivers_expected as usize > cfg.max_peers {
-                    return Err(InputError::Peer("receivers_expected out of range"));
-                }
-                if live
-                    .receivers_expected
-                    .is_some_and(|n| n != receivers_expected)
-                {
-                    return Err(InputError::Peer(
-                        "receivers_expected differs between D ranks",
-                    ));
-                }
-                if !check_lists(&dst_blocks, &cfg) || prefix_blocks.len() != dst_blocks.len() {
-                    return Err(InputError::Peer(
-                        "destination block list malformed or over bounds",
-                    ));
-                }
-                if let Some(i) = known {
-                    let p = &live.peers[i];
-                    if p.dst_blocks != dst_blocks || p.prefix_blocks != prefix_blocks {
-                        return Err(InputError::Peer("second Pull with other blocks"));
-                    }
-                    // A duplicate: it only shows the peer is alive. Its lease
-                    // request (pull mode) is answered like any other.
-                    live.peers[i].last_heard = now;
-                    if let (Some(seq), Mode::Pull) = (lease_seq, mode) {
-                        self.grant(now, peer, seq);
-                    }
-                    return Ok(());
-                }
-                if live.peers.len() >= receivers_expected as usize {
-                    return Err(InputError::Peer("more D ranks than announced"));
-                }
-                live.receivers_expected = Some(receivers_expected);
-                let role = match mode {
-                    Mode::Push => Role::Toucher {
-                        lease: TouchLease::new(),
-                        next_chunk: 0,
-                        finished: false,
-                        closing: false,
-                    },
-                    Mode::Pull => Role::Granter {
-                        lease: GrantLease::new(),
-                        announced: 0,
-                        finished: false,
-                    },
-                };
-                live.peers.push(Peer {
-                    id: peer,
-                    dst_blocks,
-                    prefix_blocks,
-                    last_heard: now,
-                    role,
-                });
-                let early = live
-                    .early_tickets
-                    .iter()
-                    .position(|(p, _, _)| *p == peer)
-                    .map(|i| live.early_tickets.swap_remove(i));
-                match mode {
-                    // Its ticket grant came first: apply it now.
-                    Mode::Push if early.is_some() => {
-                        if let Some((_, sent_at, duration_ms)) = early {
-                            self.apply_ticket(now, peer, sent_at, duration_ms);
-                        }
-                    }
-                    // A `Pull` that announces a ticket grant right behind it
-                    // saves the lease round trip; should the grant get lost,
-                    // P asks one heartbeat interval from now, and a refused
-                    // ticket makes it ask at once.
-                    Mode::Push if lease_seq.is_some() => self.defer_lease_request(now, peer),
-                    Mode::Push => self.request_lease(now, peer),
-                    Mode::Pull => {
-                        if let Some(seq) = lease_seq {
-                            self.grant(now, peer, seq);
-                        }
-                        let n = match &self.state {
-                            State::Live(live) => live.chunks.len() as u32,
-                            State::Draining(_) | State::Finished(_) => 0,
-                        };
-                        for i in 0..n {
-                            self.announce(i);
-                        }
-                    }
-                }
-                self.progress(now);
-                Ok(())
-            }
-            Msg::LeaseGrant { seq, duration_ms } => {
-                let Some(i) = known else {
-                    return Err(InputError::Peer("lease grant from an unknown peer"));
-                };
-                let p = &mut live.peers[i];
-                match &mut p.role {
-                    Role::Toucher { lease, .. } => {
-                        lease.check_grant(seq)?;
-                        lease.handle_grant(seq, duration_ms, &cfg);
-                    }
-                    Role::Granter { .. } => {
-                        return Err(InputError::Peer("lease grant in pull mode"))
-                    }
-                }
-                p.last_heard = now;
-                self.progress(now);
-                Ok(())
-            }
-            Msg::LeaseRequest { seq } => {
-                match mode {
-                    Mode::Push => return Err(InputError::Peer("lease request in push mode")),
-                    Mode::Pull => {}
-                }
-                // A request that overtook its `Pull` is dropped: the peer
-                // renews within a heartbeat interval.
-                if let Some(i) = known {
-                    live.peers[i].last_heard = now;
-                    self.grant(now, peer, seq);
-                }
-                Ok(())
-            }
-            Msg::Done { ok } => {
-                let Some(i) = known else {
-                    if ok {
-                        return Err(InputError::Peer("Done from an unknown peer"));
-                    }
-                    // A D rank that failed before its `Pull` reached us (or
-                    // whose `Pull` was lost): the request is gone.
-                    self.end(now, End::PeerFailed(peer));
-                    return Ok(());
-                };
-                let chunks = live.chunks.len() as u32;
-                let last_seen = live.last_seen;
-                let p = &mut live.peers[i];
-                match &mut p.role {
-                    Role::Toucher { .. } => return Err(InputError::Peer("Done in push mode")),
-                    Role::Granter { finished: true, .. } => return Ok(()),
-                    Role::Granter {
-                        announced,
-                        finished,
-                        ..
-                    } => {
-                        if ok && !(last_seen && *announced == chunks) {
-                            return Err(InputError::Peer(
-                                "Done before the last chunk was announced",
-                            ));
-                        }
-                        p.last_heard = now;
-                        if ok {
-                            *finished = true;
-                            self.progress(now);
-                        } else {
-                            self.end(now, End::PeerFailed(peer));
-                        }
-                    }
-                }
-                Ok(())
-            }
-            Msg::Abort => {
-                if known.is_some_and(|i| live.peers[i].is_finished()) {
-                    // This D rank already has everything and returned its
-                    // lease: its `Abort` is stale (its driver answering a
-                    // duplicated message after it ended, say). If the
-                    // request is really gone, the D ranks still at work
-                    // abort as well.
-                    return Ok(());
-                }
-                if known.is_some_and(|i| live.peers[i].is_closing()) {
-                    // The last write is in flight with the `Status` behind
-                    // it; the D rank may have had both and ended, and this
-                    // answers a lease renewal that crossed them. If the
-                    // abort is real, D's fence fails the write and its
-                    // completion ends the request; if the write landed,
-                    // everything D was told of is there.
-                    return Ok(());
-                }
-                // An abort from a D rank we do not know yet still ends the
-                // request: any D rank aborting means the request is gone.
-                self.end(now, End::PeerAbort(peer));
-                Ok(())
-            }
-            Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
-            Msg::Ready { .. } | Msg::Status { .. } => {
-                Err(InputError::Peer("message P never receives"))
-            }
-        }
-    }
-
-    /// Pull mode: grants `peer` a lease for its request `seq`, capped by the hold limit.
-    fn grant(&mut self, now: Instant, peer: PeerId, seq: u64) {
-        let State::Live(live) = &mut self.state else {
-            return;
-        };
-        let d = self
-            .cfg
-            .lease
-            .min(live.hold_deadline.saturating_duration_since(now));
-        if d.is_zero() {
-            return;
-        }
-        let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) else {
-            return;
-        };
-        if let Role::Granter {
-            lease,
-            finished: false,
+    /// The machine's state and, borrowed apart from it, what the handlers
+    /// of a live request use.
+    fn split(&mut self, now: Instant) -> (&mut State, Cx<'_>) {
+        let SendMachine {
+            cfg,
+            mode,
+            state,
+            actions,
             ..
-        } = &mut p.role
-        {
-            let msg = lease.grant(now, seq, d);
-            self.actions.push_back(Action::Send { peer, msg });
-        }
+        } = self;
+        let cx = Cx {
+            cfg,
+            mode: *mode,
+            now,
+            actions,
+        };
+        (state, cx)
     }
 
-    /// Push mode: plans to ask `peer` for a lease one heartbeat interval
-    /// from now, unless a grant makes that moot.
-    fn defer_lease_request(&mut self, now: Instant, peer: PeerId) {
-        let State::Live(live) = &mut self.state else {
-            return;
-        };
-        let cfg = self.cfg;
-        if let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) {
-            if let Role::Toucher { lease, .. } = &mut p.role {
-                lease.defer_request(now, &cfg);
-            }
-        }
-    }
-
-    /// Push mode: `peer` refused the ticket: ask now, unless a lease is
-    /// already live.
-    fn handle_ticket_refused(&mut self, now: Instant, peer: PeerId) -> Result<(), InputError> {
-        let State::Live(live) = &self.state else {
-            unreachable!("handle_ticket_refused on a machine that is not live");
-        };
-        match live.peers.iter().find(|p| p.id == peer).map(|p| &p.role) {
-            Some(Role::Toucher {
-                lease,
-                finished: false,
-                ..
-            }) if !lease.is_live(now) => self.request_lease(now, peer),
-            Some(Role::Granter { .. }) => {
-                return Err(InputError::Peer("ticket refused in pull mode"))
-            }
-            // Unknown peer (it overtook its `Pull`), finished, or leased.
-            Some(Role::Toucher { .. }) | None => {}
-        }
-        Ok(())
-    }
-
-    /// Push mode: asks `peer` for a lease, counting from now.
-    fn request_lease(&mut self, now: Instant, peer: PeerId) {
-        let State::Live(live) = &mut self.state else {
-            return;
-        };
-        let cfg = self.cfg;
-        if let Some(p) = live.peers.iter_mut().find(|p| p.id == peer) {
-            if let Role::Toucher {
-                lease,
-                finished: false,
-                ..
-            } = &mut p.role
-            {
-                let seq = lease.request(now, &cfg);
-                self.actions.push_back(Action::Send {
-                    peer,
-                    msg: Msg::LeaseRequest { seq },
-                });
-            }
+    /// Carries out what a handler of a live input decided.
+    fn apply(&mut self, now: Instant, next: Next) {
+        match next {
+            Next::Stay => {}
+            Next::Progress => self.progress(now),
+            Next::End(end) => self.end(now, end),
         }
     }
 
     /// Posts what can be posted, returns finished leases and completes the
     /// request when every expected peer is finished.
     fn progress(&mut self, now: Instant) {
-        let State::Live(live) = &mut self.state else {
+        let (State::Live(live), mut cx) = self.split(now) else {
             return;
         };
-        let cfg = self.cfg;
-        let mut bad_metadata = false;
-        for p in &mut live.peers {
-            let Role::Toucher {
-                lease,
-                next_chunk,
-                finished,
-                closing,
-            } = &mut p.role
-            else {
-                continue;
-            };
-            if *finished {
-                continue;
-            }
-            if live.last_seen {
-                let last = &live.chunks[live.chunks.len() - 1];
-                let end = chunk_end(&last.start_blocks, &last.src_blocks);
-                if !covers_exactly(&end, &p.dst_blocks, &p.prefix_blocks) {
-                    bad_metadata = true;
-                    break;
-                }
-            }
-            while (*next_chunk as usize) < live.chunks.len() && lease.is_live(now) {
-                let chunk = &live.chunks[*next_chunk as usize];
-                let Some((src, dst)) = align_chunk(
-                    &chunk.start_blocks,
-                    &chunk.src_blocks,
-                    &p.dst_blocks,
-                    &p.prefix_blocks,
-                ) else {
-                    bad_metadata = true;
-                    break;
-                };
-                if !is_empty_lists(&src) {
-                    if live.ops.len() >= cfg.max_in_flight {
-                        break;
-                    }
-                    // The `Status` may ride this write when it is the
-                    // peer's last and nothing else is in flight to it: then
-                    // the write landing means all of the peer's KV landed.
-                    let last = live.last_seen && *next_chunk as usize + 1 == live.chunks.len();
-                    let status_after = last && !live.ops.iter().any(|op| op.peer == p.id);
-                    *closing |= status_after;
-                    live.ops.push(Op {
-                        peer: p.id,
-                        chunk: *next_chunk,
-                        deadline: after(now, cfg.transfer_bound),
-                    });
-                    self.actions.push_back(Action::Write {
-                        peer: p.id,
-                        chunk: *next_chunk,
-                        src_blocks: src,
-                        dst_blocks: dst,
-                        status_after,
-                    });
-                }
-                *next_chunk += 1;
-            }
-            if bad_metadata {
-                break;
-            }
-            let all_posted = live.last_seen && *next_chunk as usize == live.chunks.len();
-            if all_posted && !live.ops.iter().any(|op| op.peer == p.id) {
-                *finished = true;
-                // A closing write's driver delivered the `Status` already.
-                if !*closing {
-                    self.actions.push_back(Action::Send {
-                        peer: p.id,
-                        msg: Msg::Status { ok: true },
-                    });
-                }
-            }
-        }
-        if bad_metadata {
+        if live.post_writes(&mut cx).is_err() {
             self.end(now, End::Fail(FailReason::BadMetadata));
-            return;
-        }
-        let State::Live(live) = &mut self.state else {
-            return;
-        };
-        let complete = live
-            .receivers_expected
-            .is_some_and(|n| n as usize == live.peers.len())
-            && live.last_seen
-            && live.peers.iter().all(Peer::is_finished);
-        if complete {
+        } else if live.is_complete() {
             self.finish(Phase::Success);
         }
     }
@@ -858,23 +1019,6 @@ impl SendMachine {
             self.finish(outcome);
         }
     }
-
-    /// The claim (D silent while we hold KV for it) capped by the hold limit.
-    fn claim_deadline(&self, live: &Live) -> Option<Instant> {
-        let hold = live.hold_deadline;
-        if live.first_chunk_at.is_none() {
-            return Some(hold);
-        }
-        // D ranks that never showed up are bounded by the bootstrap deadline;
-        // the claim is about known D ranks going silent while we hold KV for them.
-        let mut claim = None;
-        for p in &live.peers {
-            if !p.is_finished() {
-                claim = earliest(claim, Some(after(p.last_heard, self.cfg.claim_timeout)));
-            }
-        }
-        Some(claim.map_or(hold, |c| c.min(hold)))
-    }
 }
 
 impl Machine for SendMachine {
@@ -882,31 +1026,13 @@ impl Machine for SendMachine {
     type Action = Action;
 
     fn handle_event(&mut self, now: Instant, event: Event) -> Result<(), InputError> {
-        match &mut self.state {
-            State::Live(_) => match event {
-                Event::Msg { peer, msg } => self.handle_msg(now, peer, msg),
-                Event::ChunkReady {
-                    src_blocks,
-                    is_last,
-                } => self.handle_chunk_ready(now, src_blocks, is_last),
-                Event::WriteDone { peer, chunk, ok } => {
-                    self.handle_write_done(now, peer, chunk, ok)
-                }
-                Event::PeerDead { peer } => {
-                    self.handle_verdict(now, peer, FailReason::PeerDead);
-                    Ok(())
-                }
-                Event::PlanFailed { peer } => {
-                    self.handle_verdict(now, peer, FailReason::BadMetadata);
-                    Ok(())
-                }
-                Event::TicketGrant {
-                    peer,
-                    sent_at,
-                    duration_ms,
-                } => self.handle_ticket_grant(now, peer, sent_at, duration_ms),
-                Event::TicketRefused { peer } => self.handle_ticket_refused(now, peer),
-            },
+        let (state, mut cx) = self.split(now);
+        match state {
+            State::Live(live) => {
+                let next = live.handle_event(&mut cx, event)?;
+                self.apply(now, next);
+                Ok(())
+            }
             State::Draining(drain) => {
                 match event {
                     Event::WriteDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
@@ -926,45 +1052,11 @@ impl Machine for SendMachine {
     }
 
     fn handle_timeout(&mut self, now: Instant) {
-        match &mut self.state {
+        let (state, mut cx) = self.split(now);
+        match state {
             State::Live(live) => {
-                if live.ops.iter().any(|op| now >= op.deadline) {
-                    // The transport did not report within its bound: the write
-                    // can no longer land, and it failed.
-                    live.ops.retain(|op| now < op.deadline);
-                    self.end(now, End::Fail(FailReason::Transport));
-                    return;
-                }
-                let all_known = live
-                    .receivers_expected
-                    .is_some_and(|n| n as usize == live.peers.len());
-                if !all_known && now >= live.bootstrap_deadline {
-                    self.end(now, End::Expire);
-                    return;
-                }
-                let live_ref = match &self.state {
-                    State::Live(l) => l,
-                    State::Draining(_) | State::Finished(_) => return,
-                };
-                if self.claim_deadline(live_ref).is_some_and(|d| now >= d) {
-                    self.end(now, End::Expire);
-                    return;
-                }
-                let due: Vec<PeerId> = live_ref
-                    .peers
-                    .iter()
-                    .filter(|p| match &p.role {
-                        Role::Toucher {
-                            lease, finished, ..
-                        } => !finished && lease.renew_at().is_some_and(|r| now >= r),
-                        Role::Granter { .. } => false,
-                    })
-                    .map(|p| p.id)
-                    .collect();
-                for peer in due {
-                    self.request_lease(now, peer);
-                }
-                // A lease may have run out: nothing to do, posting stops by itself.
+                let next = live.handle_timeout(&mut cx);
+                self.apply(now, next);
             }
             State::Draining(_) => self.advance_drain(now),
             State::Finished(_) => {}
@@ -985,14 +1077,11 @@ impl Machine for SendMachine {
     fn poll_timeout(&self) -> Option<Instant> {
         match &self.state {
             State::Live(live) => {
-                let all_known = live
-                    .receivers_expected
-                    .is_some_and(|n| n as usize == live.peers.len());
                 let mut t = live.ops.iter().map(|op| op.deadline).min();
-                if !all_known {
+                if !live.all_known() {
                     t = earliest(t, Some(live.bootstrap_deadline));
                 }
-                t = earliest(t, self.claim_deadline(live));
+                t = earliest(t, live.claim_deadline(&self.cfg));
                 for p in &live.peers {
                     if let Role::Toucher {
                         lease,
@@ -1013,10 +1102,7 @@ impl Machine for SendMachine {
     fn phase(&self) -> Phase {
         match &self.state {
             State::Live(live) => {
-                let all_known = live
-                    .receivers_expected
-                    .is_some_and(|n| n as usize == live.peers.len());
-                if !all_known {
+                if !live.all_known() {
                     Phase::Bootstrapping
                 } else if live.chunks.is_empty() {
                     Phase::WaitingForInput

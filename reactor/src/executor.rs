@@ -82,6 +82,33 @@ struct Shared<M: Machine> {
 }
 
 impl<M: Machine> Shared<M> {
+    /// The state of a reactor configured by `config`, and the receiving
+    /// end of each executor's mailbox.
+    fn new(config: &ReactorConfig) -> (Arc<Self>, Vec<flume::Receiver<Command<M>>>) {
+        let executors = config.executors.len();
+        let total = executors.saturating_mul(config.max_machines_per_executor);
+        // Every completion belongs to a transfer still on the board, so this
+        // channel can never hold more than the board does.
+        let (completions_tx, completions_rx) = flume::bounded(total);
+        let mut mailboxes = Vec::with_capacity(executors);
+        let mut receivers = Vec::with_capacity(executors);
+        for _ in 0..executors {
+            let (tx, rx) = flume::bounded(config.mailbox_capacity);
+            mailboxes.push(tx);
+            receivers.push(rx);
+        }
+        let shared = Arc::new(Shared {
+            board: CompletionBoard::new(executors, config.max_machines_per_executor),
+            stats: Stats::new(),
+            latch: ShutdownLatch::new(),
+            doorbells: (0..executors).map(|_| Arc::new(Doorbell::new())).collect(),
+            mailboxes,
+            completions_tx,
+            completions_rx,
+        });
+        (shared, receivers)
+    }
+
     /// Queues `command` for `executor` and wakes it (outside the channel's
     /// lock, see [`Doorbell`]).
     fn post(
@@ -372,26 +399,7 @@ where
     {
         config.validate()?;
         let executors = config.executors.len();
-        let total = executors.saturating_mul(config.max_machines_per_executor);
-        // Every completion belongs to a transfer still on the board, so this
-        // channel can never hold more than the board does.
-        let (completions_tx, completions_rx) = flume::bounded(total);
-        let mut mailboxes = Vec::with_capacity(executors);
-        let mut receivers = Vec::with_capacity(executors);
-        for _ in 0..executors {
-            let (tx, rx) = flume::bounded(config.mailbox_capacity);
-            mailboxes.push(tx);
-            receivers.push(rx);
-        }
-        let shared = Arc::new(Shared {
-            board: CompletionBoard::new(executors, config.max_machines_per_executor),
-            stats: Stats::new(),
-            latch: ShutdownLatch::new(),
-            doorbells: (0..executors).map(|_| Arc::new(Doorbell::new())).collect(),
-            mailboxes,
-            completions_tx,
-            completions_rx,
-        });
+        let (shared, receivers) = Shared::new(&config);
         let mut reactor = Reactor {
             handle: ReactorHandle {
                 shared: shared.clone(),
@@ -403,39 +411,18 @@ where
         let make_sink = Arc::new(make_sink);
         let (ready_tx, ready_rx) = flume::bounded::<usize>(executors);
         for (index, commands) in receivers.into_iter().enumerate() {
-            let exec_config = &config.executors[index];
-            let placement = match exec_config.core {
-                Some(core) => Placement::Fixed(core),
-                None => Placement::Unbound,
-            };
-            let mut builder = LocalExecutorBuilder::new(placement)
-                .name(&exec_config.label)
-                .io_memory(config.io_memory_bytes);
-            match config.poll_policy {
-                PollPolicy::Park => {}
-                PollPolicy::Spin { spin } => builder = builder.spin_before_park(spin),
-            }
             // Only one shutdown policy is ever sent per executor.
             let (control_tx, control_rx) = flume::bounded(1);
-            let state = LoopState {
+            let state = LoopState::new(
+                &config,
                 index,
-                core: exec_config.core,
-                shared: shared.clone(),
+                &shared,
                 commands,
-                control: control_rx,
-                make_sink: make_sink.clone(),
-                ready: ready_tx.clone(),
-                driver_config: DriverConfig {
-                    max_machines: config.max_machines_per_executor,
-                    max_actions_per_input: config.max_actions_per_input,
-                },
-                max_inputs_per_turn: config.max_inputs_per_turn,
-                local_event_capacity: config.local_event_capacity,
-                mailbox_capacity: config.mailbox_capacity,
-                timer_tick: config.timer_tick,
-                yield_after_ends_below: config.yield_after_ends_below,
-            };
-            match builder.spawn(move || run_loop(state)) {
+                control_rx,
+                make_sink.clone(),
+                ready_tx.clone(),
+            );
+            match executor_builder(&config, index).spawn(move || run_loop(state)) {
                 Ok(join) => {
                     reactor.controls.push(control_tx);
                     reactor.joins.push(join);
@@ -450,12 +437,21 @@ where
             }
         }
         drop(ready_tx);
-        let deadline = Instant::now() + config.start_timeout;
-        for _ in 0..executors {
-            if ready_rx.recv_deadline(deadline).is_err() {
+        reactor.wait_ready(&ready_rx, Instant::now() + config.start_timeout)?;
+        Ok(reactor)
+    }
+
+    /// Waits until every executor reported that it runs, or `deadline`.
+    fn wait_ready(
+        &mut self,
+        ready: &flume::Receiver<usize>,
+        deadline: Instant,
+    ) -> Result<(), ReactorError> {
+        for _ in 0..self.joins.len() {
+            if ready.recv_deadline(deadline).is_err() {
                 // A thread died before reporting (bad core, io_uring refused)
                 // or took too long. Find out which, after stopping the rest.
-                let failed = reactor.shutdown_inner(ShutdownPolicy::Abort {
+                let failed = self.shutdown_inner(ShutdownPolicy::Abort {
                     grace: Duration::ZERO,
                 });
                 let (executor, message) = match failed {
@@ -465,7 +461,7 @@ where
                 return Err(ReactorError::Start { executor, message });
             }
         }
-        Ok(reactor)
+        Ok(())
     }
 
     /// A handle for engine threads.
@@ -537,6 +533,23 @@ impl<M: Machine> Drop for Reactor<M> {
     }
 }
 
+/// The glommio executor builder for executor `index`: its placement,
+/// name, IO memory and poll policy.
+fn executor_builder(config: &ReactorConfig, index: usize) -> LocalExecutorBuilder {
+    let exec_config = &config.executors[index];
+    let placement = match exec_config.core {
+        Some(core) => Placement::Fixed(core),
+        None => Placement::Unbound,
+    };
+    let builder = LocalExecutorBuilder::new(placement)
+        .name(&exec_config.label)
+        .io_memory(config.io_memory_bytes);
+    match config.poll_policy {
+        PollPolicy::Park => builder,
+        PollPolicy::Spin { spin } => builder.spin_before_park(spin),
+    }
+}
+
 /// Everything one executor's loop owns.
 struct LoopState<M: Machine, F> {
     index: usize,
@@ -552,6 +565,38 @@ struct LoopState<M: Machine, F> {
     mailbox_capacity: usize,
     timer_tick: Duration,
     yield_after_ends_below: usize,
+}
+
+impl<M: Machine, F> LoopState<M, F> {
+    /// What executor `index` of a reactor configured by `config` owns.
+    fn new(
+        config: &ReactorConfig,
+        index: usize,
+        shared: &Arc<Shared<M>>,
+        commands: flume::Receiver<Command<M>>,
+        control: flume::Receiver<ShutdownPolicy>,
+        make_sink: Arc<F>,
+        ready: flume::Sender<usize>,
+    ) -> Self {
+        LoopState {
+            index,
+            core: config.executors[index].core,
+            shared: shared.clone(),
+            commands,
+            control,
+            make_sink,
+            ready,
+            driver_config: DriverConfig {
+                max_machines: config.max_machines_per_executor,
+                max_actions_per_input: config.max_actions_per_input,
+            },
+            max_inputs_per_turn: config.max_inputs_per_turn,
+            local_event_capacity: config.local_event_capacity,
+            mailbox_capacity: config.mailbox_capacity,
+            timer_tick: config.timer_tick,
+            yield_after_ends_below: config.yield_after_ends_below,
+        }
+    }
 }
 
 /// Forwards to the node's sink and mirrors phase changes onto the board.
@@ -591,11 +636,138 @@ enum Stage {
     },
 }
 
+impl Stage {
+    /// When the stage moves on by itself, if it does.
+    fn deadline(self) -> Option<Instant> {
+        match self {
+            Stage::Running => None,
+            Stage::Draining { until, .. } | Stage::Grace { until } => Some(until),
+        }
+    }
+}
+
 enum Wake<M: Machine> {
     Control(Option<ShutdownPolicy>),
     Local(TransferId, M::Event),
     Command(Command<M>),
     Timer,
+}
+
+/// Where one executor's inputs come from.
+struct Inputs<'a, M: Machine> {
+    commands: &'a flume::Receiver<Command<M>>,
+    /// False once the shutdown policy (or the control channel's end) came.
+    control_open: bool,
+    control: flume::r#async::RecvStream<'a, ShutdownPolicy>,
+    local_rx: &'a flume::Receiver<(TransferId, M::Event)>,
+    local: flume::r#async::RecvStream<'a, (TransferId, M::Event)>,
+    /// Rung after every command queued into `commands`.
+    doorbell: &'a Doorbell,
+}
+
+impl<M: Machine> Inputs<'_, M> {
+    /// Waits for the next wake-up: the shutdown policy, a local event, the
+    /// timer or a command, looked at in that order.
+    async fn next(&mut self, alarm: &mut Alarm) -> Wake<M> {
+        future::poll_fn(|cx| {
+            if self.control_open {
+                if let Poll::Ready(policy) = std::pin::Pin::new(&mut self.control).poll_next(cx) {
+                    return Poll::Ready(Wake::Control(policy));
+                }
+            }
+            if let Poll::Ready(Some((id, event))) =
+                std::pin::Pin::new(&mut self.local).poll_next(cx)
+            {
+                return Poll::Ready(Wake::Local(id, event));
+            }
+            if alarm.poll(cx) {
+                return Poll::Ready(Wake::Timer);
+            }
+            // The handle keeps a sender alive for as long as the reactor
+            // exists, so the mailbox does not disconnect while we run.
+            // Armed before the second look, never after (see `Doorbell`).
+            if let Ok(command) = self.commands.try_recv() {
+                return Poll::Ready(Wake::Command(command));
+            }
+            self.doorbell.arm(cx.waker());
+            if let Ok(command) = self.commands.try_recv() {
+                return Poll::Ready(Wake::Command(command));
+            }
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+/// The one timer of an executor, re-armed to the earliest deadline.
+struct Alarm {
+    timer: Timer,
+    /// The deadline the timer is armed for; `None`: not armed.
+    armed_for: Option<Instant>,
+    /// Origin of the timer ticks.
+    epoch: Instant,
+    tick: Duration,
+}
+
+impl Alarm {
+    fn new(tick: Duration) -> Self {
+        let epoch = Instant::now();
+        Alarm {
+            timer: Timer::new(Duration::from_secs(3600)),
+            armed_for: None,
+            epoch,
+            tick,
+        }
+    }
+
+    /// Arms the timer for the driver's earliest deadline (rounded up to the
+    /// tick) or the stage's, whichever comes first, or for now when the
+    /// driver has work pending.
+    fn arm<M: Machine>(&mut self, now: Instant, driver: &mut Driver<M>, stage: Stage) {
+        let mut target = driver
+            .poll_timeout()
+            .map(|deadline| round_up_to_tick(deadline, self.epoch, self.tick));
+        target = match (target, stage.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if driver.has_pending() {
+            target = Some(now);
+        }
+        if target != self.armed_for {
+            if let Some(when) = target {
+                self.timer.reset(when.saturating_duration_since(now));
+            }
+            self.armed_for = target;
+        }
+    }
+
+    /// True when the armed timer fired.
+    fn poll(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        self.armed_for.is_some() && std::pin::Pin::new(&mut self.timer).poll(cx).is_ready()
+    }
+
+    /// The timer woke the executor at `now`: counts how late, and disarms.
+    fn fired(&mut self, now: Instant, stats: &Stats) {
+        if let Some(armed) = self.armed_for {
+            let lag = now.saturating_duration_since(armed);
+            stats.add_timer_wake(u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX));
+        }
+        self.armed_for = None;
+    }
+}
+
+/// What one executor's loop works on between wake-ups.
+struct Executor<'a, M: Machine, S> {
+    index: usize,
+    shared: &'a Shared<M>,
+    driver: Driver<M>,
+    sink: S,
+    report: ExecutorReport,
+    stage: Stage,
+    max_inputs_per_turn: usize,
+    mailbox_capacity: usize,
+    yield_after_ends_below: usize,
 }
 
 /// The driver loop of one executor (see the crate docs for its shape).
@@ -623,181 +795,112 @@ where
         yield_after_ends_below,
     } = state;
     let (local_tx, local_rx) = flume::bounded::<(TransferId, M::Event)>(local_event_capacity);
-    let mut user_sink = make_sink(ExecutorContext {
+    let sink = make_sink(ExecutorContext {
         executor: index,
         core,
         poster: EventPoster { tx: local_tx },
     });
-    let mut driver: Driver<M> = Driver::new(index, driver_config);
-    let mut report = ExecutorReport {
-        executor: index,
-        ..ExecutorReport::default()
+    let mut exec = Executor {
+        index,
+        shared: &shared,
+        driver: Driver::new(index, driver_config),
+        sink,
+        report: ExecutorReport {
+            executor: index,
+            ..ExecutorReport::default()
+        },
+        stage: Stage::Running,
+        max_inputs_per_turn,
+        mailbox_capacity,
+        yield_after_ends_below,
     };
     let _ = ready.send(index);
     drop(ready);
 
-    let epoch = Instant::now();
-    // The one timer of this executor; re-armed to the earliest deadline.
-    let mut timer = Timer::new(Duration::from_secs(3600));
-    let mut armed_for: Option<Instant> = None;
-    let mut stage = Stage::Running;
-    let mut control_open = true;
-    let mut control_stream = control.stream();
-    let mut local_stream = local_rx.stream();
-    let doorbell = &shared.doorbells[index];
-
+    let mut alarm = Alarm::new(timer_tick);
+    let mut inputs = Inputs {
+        commands: &commands,
+        control_open: true,
+        control: control.stream(),
+        local_rx: &local_rx,
+        local: local_rx.stream(),
+        doorbell: &shared.doorbells[index],
+    };
     // Each turn waits for one wake-up, handles it plus at most
     // `max_inputs_per_turn` more queued inputs, then runs due timers. The
     // loop ends only in a shutdown stage, when the driver is empty or the
     // grace period ran out; both are reached in bounded time.
     loop {
-        let now = Instant::now();
-        let mut target = driver
-            .poll_timeout()
-            .map(|deadline| round_up_to_tick(deadline, epoch, timer_tick));
-        let stage_deadline = match stage {
-            Stage::Running => None,
-            Stage::Draining { until, .. } | Stage::Grace { until } => Some(until),
-        };
-        target = match (target, stage_deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        if driver.has_pending() {
-            target = Some(now);
+        alarm.arm(Instant::now(), &mut exec.driver, exec.stage);
+        let wake = inputs.next(&mut alarm).await;
+        if exec.turn(Instant::now(), wake, &mut inputs, &mut alarm) {
+            break;
         }
-        if target != armed_for {
-            if let Some(when) = target {
-                timer.reset(when.saturating_duration_since(now));
-            }
-            armed_for = target;
-        }
+    }
+    exec.reject_queued(&commands);
+    tracing::debug!(executor = index, report = ?exec.report, "executor stopped");
+    exec.report
+}
 
-        let wake = future::poll_fn(|cx| {
-            if control_open {
-                if let Poll::Ready(policy) = std::pin::Pin::new(&mut control_stream).poll_next(cx) {
-                    return Poll::Ready(Wake::Control(policy));
-                }
-            }
-            if let Poll::Ready(Some((id, event))) =
-                std::pin::Pin::new(&mut local_stream).poll_next(cx)
-            {
-                return Poll::Ready(Wake::Local(id, event));
-            }
-            if armed_for.is_some() && std::pin::Pin::new(&mut timer).poll(cx).is_ready() {
-                return Poll::Ready(Wake::Timer);
-            }
-            // The handle keeps a sender alive for as long as the reactor
-            // exists, so the mailbox does not disconnect while we run.
-            // Armed before the second look, never after (see `Doorbell`).
-            if let Ok(command) = commands.try_recv() {
-                return Poll::Ready(Wake::Command(command));
-            }
-            doorbell.arm(cx.waker());
-            if let Ok(command) = commands.try_recv() {
-                return Poll::Ready(Wake::Command(command));
-            }
-            Poll::Pending
-        })
-        .await;
-
-        let now = Instant::now();
+impl<M: Machine, S: ActionSink<M>> Executor<'_, M, S> {
+    /// Handles one wake-up and the inputs queued behind it, runs due timers
+    /// and the shutdown stage, and hands out the completions. True once the
+    /// executor may stop.
+    fn turn(
+        &mut self,
+        now: Instant,
+        wake: Wake<M>,
+        inputs: &mut Inputs<M>,
+        alarm: &mut Alarm,
+    ) -> bool {
         let mut sink = BoardSink {
-            inner: &mut user_sink,
-            board: &shared.board,
+            inner: &mut self.sink,
+            board: &self.shared.board,
             ended: 0,
         };
         let mut run = Turn {
-            driver: &mut driver,
+            driver: &mut self.driver,
             sink: &mut sink,
-            stats: &shared.stats,
-            stage,
+            stats: &self.shared.stats,
+            stage: self.stage,
         };
         match wake {
             Wake::Control(policy) => {
-                control_open = false;
+                inputs.control_open = false;
                 // A closed control channel means the reactor went away
                 // without a policy; abort promptly.
                 let policy = policy.unwrap_or(ShutdownPolicy::Abort {
                     grace: Duration::ZERO,
                 });
-                // The latch closed before the policy was sent, so every
-                // `Create` a caller was told was accepted is already in the
-                // mailbox. Handle them now, while still running, so that the
-                // policy applies to them like to every other in-flight
-                // request. Bounded by the mailbox capacity.
-                for _ in 0..mailbox_capacity {
-                    match commands.try_recv() {
-                        Ok(command) => run.handle_command(now, command),
-                        Err(_) => break,
-                    }
-                }
-                stage = match policy {
-                    ShutdownPolicy::Abort { grace } => {
-                        report.aborted +=
-                            run.driver.abort_all(now, AbortReason::Shutdown, run.sink);
-                        Stage::Grace { until: now + grace }
-                    }
-                    ShutdownPolicy::Drain { drain, grace } => Stage::Draining {
-                        until: now + drain,
-                        grace,
-                    },
-                };
-                run.stage = stage;
-                tracing::debug!(executor = index, ?policy, "shutdown started");
+                self.report.aborted +=
+                    run.start_shutdown(now, policy, inputs.commands, self.mailbox_capacity);
+                tracing::debug!(executor = self.index, ?policy, "shutdown started");
             }
             Wake::Local(id, event) => run.handle_event(now, id, event),
             Wake::Command(command) => run.handle_command(now, command),
-            Wake::Timer => {
-                if let Some(armed) = armed_for {
-                    let lag = now.saturating_duration_since(armed);
-                    shared
-                        .stats
-                        .add_timer_wake(u64::try_from(lag.as_nanos()).unwrap_or(u64::MAX));
-                }
-                armed_for = None;
-            }
+            Wake::Timer => alarm.fired(now, &self.shared.stats),
         }
-        // More queued input, bounded so timers are not starved, and taken
-        // alternately from both queues so neither starves the other.
-        for _ in 0..max_inputs_per_turn {
-            let mut idle = true;
-            if let Ok((id, event)) = local_rx.try_recv() {
-                run.handle_event(now, id, event);
-                idle = false;
-            }
-            if let Ok(command) = commands.try_recv() {
-                run.handle_command(now, command);
-                idle = false;
-            }
-            if idle {
-                break;
-            }
-        }
+        run.handle_queued(now, inputs, self.max_inputs_per_turn);
         run.driver.drive_pending(now, run.sink);
         run.driver.handle_timers(now, run.sink);
+        run.advance_stage(now, &mut self.report);
+        self.stage = run.stage;
+        let ended = sink.ended;
+        self.hand_out(ended);
+        let stopping = !matches!(self.stage, Stage::Running);
+        stopping && self.driver.is_empty() && !self.driver.has_pending()
+    }
 
-        match stage {
-            Stage::Running => {}
-            Stage::Draining { until, grace } => {
-                if now >= until {
-                    report.aborted += driver.abort_all(now, AbortReason::Shutdown, &mut sink);
-                    stage = Stage::Grace { until: now + grace };
-                }
-            }
-            Stage::Grace { until } => {
-                if now >= until {
-                    report.dropped += driver.drop_all();
-                }
-            }
-        }
+    /// Sends this turn's completions to the handle, after `ended` requests
+    /// turned terminal in it.
+    fn hand_out(&mut self, ended: usize) {
         // Decided and counted before the completions go out, so whoever
         // collects one sees the count.
-        let give_way = sink.ended > 0 && driver.len() < yield_after_ends_below;
+        let give_way = ended > 0 && self.driver.len() < self.yield_after_ends_below;
         if give_way {
-            shared.stats.add_yield_after_ends();
+            self.shared.stats.add_yield_after_ends();
         }
-        flush_completions(&mut driver, &shared);
+        flush_completions(&mut self.driver, self.shared);
         if give_way {
             // Engine threads waiting for these requests were woken, and on
             // a shared core the kernel lets us run on first: through the
@@ -808,34 +911,33 @@ where
             // than waiting, and a yield per turn only adds context switches.
             std::thread::yield_now();
         }
-        let stopping = !matches!(stage, Stage::Running);
-        if stopping && driver.is_empty() && !driver.has_pending() {
-            break;
-        }
     }
 
-    // Latch closed before the shutdown policy was sent, so no `Create` can
-    // arrive any more; the ones still queued get a rejection so that every
-    // accepted creation yields exactly one completion. Bounded by the
-    // mailbox capacity (events may still trickle in from other threads).
-    for _ in 0..mailbox_capacity {
-        match commands.try_recv() {
-            Ok(Command::Create { transfer_id, .. }) => {
-                reject(
-                    &mut driver,
-                    &shared,
-                    index,
-                    transfer_id,
-                    RejectReason::ShuttingDown,
-                );
+    /// Rejects the creations still queued once the loop ended.
+    fn reject_queued(&mut self, commands: &flume::Receiver<Command<M>>) {
+        // Latch closed before the shutdown policy was sent, so no `Create` can
+        // arrive any more; the ones still queued get a rejection so that every
+        // accepted creation yields exactly one completion. Bounded by the
+        // mailbox capacity (events may still trickle in from other threads).
+        for _ in 0..self.mailbox_capacity {
+            match commands.try_recv() {
+                Ok(Command::Create { transfer_id, .. }) => {
+                    reject(
+                        &mut self.driver,
+                        self.shared,
+                        self.index,
+                        transfer_id,
+                        RejectReason::ShuttingDown,
+                    );
+                }
+                Ok(Command::Event { .. } | Command::Abort { .. }) => {
+                    self.shared.stats.add_late_event()
+                }
+                Ok(Command::Spawn(_)) => {}
+                Err(_) => break,
             }
-            Ok(Command::Event { .. } | Command::Abort { .. }) => shared.stats.add_late_event(),
-            Ok(Command::Spawn(_)) => {}
-            Err(_) => break,
         }
     }
-    tracing::debug!(executor = index, ?report, "executor stopped");
-    report
 }
 
 /// One turn's borrowed view, so command handling reads as one method.
@@ -893,6 +995,78 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
             }
             Command::Spawn(make) => {
                 glommio::spawn_local(make()).detach();
+            }
+        }
+    }
+
+    /// Shutdown `policy` arrived: handles the creations already queued,
+    /// then starts draining or aborts. Returns how many machines it aborted.
+    fn start_shutdown(
+        &mut self,
+        now: Instant,
+        policy: ShutdownPolicy,
+        commands: &flume::Receiver<Command<M>>,
+        mailbox_capacity: usize,
+    ) -> usize {
+        // The latch closed before the policy was sent, so every
+        // `Create` a caller was told was accepted is already in the
+        // mailbox. Handle them now, while still running, so that the
+        // policy applies to them like to every other in-flight
+        // request. Bounded by the mailbox capacity.
+        for _ in 0..mailbox_capacity {
+            match commands.try_recv() {
+                Ok(command) => self.handle_command(now, command),
+                Err(_) => break,
+            }
+        }
+        let mut aborted = 0;
+        self.stage = match policy {
+            ShutdownPolicy::Abort { grace } => {
+                aborted = self.driver.abort_all(now, AbortReason::Shutdown, self.sink);
+                Stage::Grace { until: now + grace }
+            }
+            ShutdownPolicy::Drain { drain, grace } => Stage::Draining {
+                until: now + drain,
+                grace,
+            },
+        };
+        aborted
+    }
+
+    /// More queued input, bounded so timers are not starved, and taken
+    /// alternately from both queues so neither starves the other.
+    fn handle_queued(&mut self, now: Instant, inputs: &Inputs<M>, max_inputs_per_turn: usize) {
+        for _ in 0..max_inputs_per_turn {
+            let mut idle = true;
+            if let Ok((id, event)) = inputs.local_rx.try_recv() {
+                self.handle_event(now, id, event);
+                idle = false;
+            }
+            if let Ok(command) = inputs.commands.try_recv() {
+                self.handle_command(now, command);
+                idle = false;
+            }
+            if idle {
+                break;
+            }
+        }
+    }
+
+    /// Moves a shutdown stage on once its time is up: a drain ends by
+    /// aborting what is left, the grace period by dropping it.
+    fn advance_stage(&mut self, now: Instant, report: &mut ExecutorReport) {
+        match self.stage {
+            Stage::Running => {}
+            Stage::Draining { until, grace } => {
+                if now >= until {
+                    report.aborted += self.driver.abort_all(now, AbortReason::Shutdown, self.sink);
+                    self.stage = Stage::Grace { until: now + grace };
+                }
+            }
+            Stage::Grace { until } => {
+                if now >= until {
+                    report.dropped += self.driver.drop_all();
+                }
             }
         }
     }
