@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Pure core of kvferry: per-request state machines and the transfer planner.
 //!
 //! Nothing in this crate performs IO, reads a clock, spawns a thread or is

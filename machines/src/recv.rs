@@ -38,6 +38,7 @@ use crate::machine::Machine;
 /// One P rank this D rank must hear from, as the pairing helper says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ResolvedPeer {
+    /// The P rank.
     pub peer: PeerId,
     /// How many D ranks (this one included) contact that P rank for this transfer.
     pub receivers_expected: u16,
@@ -51,35 +52,68 @@ pub struct ResolvedPeer {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// The P ranks to contact (once).
-    PeersResolved { peers: Vec<ResolvedPeer> },
+    PeersResolved {
+        /// The P ranks, with what each expects.
+        peers: Vec<ResolvedPeer>,
+    },
     /// A control message from P rank `peer`.
-    Msg { peer: PeerId, msg: Msg },
+    Msg {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The message.
+        msg: Msg,
+    },
     /// Pull mode: the transport finished the read of `chunk` from `peer`.
-    ReadDone { peer: PeerId, chunk: u32, ok: bool },
+    ReadDone {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The chunk index.
+        chunk: u32,
+        /// True when it succeeded.
+        ok: bool,
+    },
     /// The driver declared `peer` dead (missed heartbeats, connection lost).
-    PeerDead { peer: PeerId },
+    PeerDead {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
     /// The planner rejected the layouts or block lists of `peer`.
-    PlanFailed { peer: PeerId },
+    PlanFailed {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
 }
 
 /// Outputs of a [`RecvMachine`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Send `msg` to P rank `peer` for this transfer.
-    Send { peer: PeerId, msg: Msg },
+    Send {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The message.
+        msg: Msg,
+    },
     /// Pull mode: read `src_blocks` (the peer's) into `dst_blocks` (ours),
     /// same lengths per group, then report [`Event::ReadDone`].
     Read {
+        /// The peer, as the driver names it.
         peer: PeerId,
+        /// The chunk index.
         chunk: u32,
+        /// Source blocks, per group.
         src_blocks: BlockLists,
+        /// Destination blocks, per group.
         dst_blocks: BlockLists,
     },
     /// Every paired P rank delivered: the KV is in the destination blocks.
     Received,
     /// The transfer failed; `block_ids` (all destination blocks of this
     /// transfer) hold no valid KV and may be reused now.
-    LoadFailed { block_ids: Vec<BlockId> },
+    LoadFailed {
+        /// The destination blocks, which hold no valid KV.
+        block_ids: Vec<BlockId>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,7 +174,10 @@ struct Active {
 #[derive(Clone, Debug)]
 enum State {
     /// P ranks not resolved yet.
-    Bootstrapping { deadline: Instant },
+    Bootstrapping {
+        /// When the bootstrap timeout fails the request.
+        deadline: Instant,
+    },
     /// `Pull` sent: WaitingForInput, then Transferring.
     Active(Active),
     /// Outcome decided; the fence: waiting until nothing can touch the blocks.
@@ -570,10 +607,12 @@ impl RecvMachine {
         })
     }
 
+    /// The transfer this machine moves.
     pub fn transfer_id(&self) -> TransferId {
         self.transfer_id
     }
 
+    /// Push or pull.
     pub fn mode(&self) -> Mode {
         self.mode
     }

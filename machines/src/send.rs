@@ -44,62 +44,109 @@ use crate::machine::Machine;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     /// A control message from D rank `peer`.
-    Msg { peer: PeerId, msg: Msg },
+    Msg {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The message.
+        msg: Msg,
+    },
     /// The engine finished a chunk of KV: its source blocks per group, in
     /// order after the previous chunks. Chunk ids are assigned 0, 1, 2, ...
     ChunkReady {
+        /// Source blocks, per group.
         src_blocks: BlockLists,
+        /// True on the request's last chunk.
         is_last: bool,
     },
     /// Push mode: the transport finished the write of `chunk` to `peer`.
-    WriteDone { peer: PeerId, chunk: u32, ok: bool },
+    WriteDone {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The chunk index.
+        chunk: u32,
+        /// True when it succeeded.
+        ok: bool,
+    },
     /// The driver declared `peer` dead (missed heartbeats, connection lost).
-    PeerDead { peer: PeerId },
+    PeerDead {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
     /// The planner rejected the layouts or block lists of `peer`.
-    PlanFailed { peer: PeerId },
+    PlanFailed {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
     /// Push mode: `peer` granted a lease answering a ticket this node sent
     /// it at `sent_at` (see [`crate::common::TICKET_BIT`]); the driver
     /// turns the `LeaseGrant` naming that ticket into this event.
     TicketGrant {
+        /// The peer, as the driver names it.
         peer: PeerId,
+        /// When the ticket went out.
         sent_at: Instant,
+        /// Length of the lease in milliseconds, on each side's own clock.
         duration_ms: u64,
     },
     /// Push mode: `peer`'s grant named a ticket this node does not know
     /// (any more): ask for a lease now instead of waiting for one.
-    TicketRefused { peer: PeerId },
+    TicketRefused {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
+    /// Push mode: the peer's last write (posted with `status_after`)
+    /// landed, but the transport could not carry its `Status`; reported
+    /// before that write's `WriteDone{ok: true}`. The machine then sends
+    /// the `Status` itself.
+    StatusNotCarried {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
 }
 
 /// Outputs of a [`SendMachine`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Send `msg` to D rank `peer` for this transfer.
-    Send { peer: PeerId, msg: Msg },
+    Send {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The message.
+        msg: Msg,
+    },
     /// Push mode: write `src_blocks` (ours) into `dst_blocks` (the peer's),
     /// same lengths per group, then report [`Event::WriteDone`]. The driver
     /// turns the lists into descriptors with the planner.
     ///
     /// With `status_after`, this is the peer's last write and nothing else
-    /// of the request is in flight to it: the driver itself delivers
-    /// `Status{ok: true}` to the peer once the write has landed in full,
-    /// and before it reports `WriteDone{ok: true}` (the machine sends no
-    /// `Status` then). A transport that can carries the `Status` right
-    /// behind the write on the same connection, delivered only if the
-    /// write landed, so D learns of it without waiting for P to hear the
-    /// write's acknowledgement. `WriteDone{ok: false}` then leaves open
+    /// of the request is in flight to it: the driver carries
+    /// `Status{ok: true}` right behind the write on the same connection,
+    /// delivered only if the write landed in full, so D learns of it
+    /// without waiting for P to hear the write's acknowledgement (the
+    /// machine sends no `Status` then). A driver that cannot carry it
+    /// reports [`Event::StatusNotCarried`] before `WriteDone{ok: true}`,
+    /// and the machine sends the `Status` itself. `WriteDone{ok: false}` then leaves open
     /// whether the `Status` reached the peer (the write may have landed
     /// and only its acknowledgement been lost); either way every byte the
     /// peer was told of landed.
     Write {
+        /// The peer, as the driver names it.
         peer: PeerId,
+        /// The chunk index.
         chunk: u32,
+        /// Source blocks, per group.
         src_blocks: BlockLists,
+        /// Destination blocks, per group.
         dst_blocks: BlockLists,
+        /// The driver carries the closing `Status` behind this write.
         status_after: bool,
     },
     /// The request's source blocks may go back to the engine. Emitted
     /// exactly once; `outcome` is the terminal phase.
-    ReleaseBlocks { outcome: Phase },
+    ReleaseBlocks {
+        /// The terminal phase.
+        outcome: Phase,
+    },
 }
 
 /// One chunk of local KV.
@@ -282,6 +329,7 @@ impl Live {
                 duration_ms,
             } => self.handle_ticket_grant(cx, peer, sent_at, duration_ms),
             Event::TicketRefused { peer } => self.handle_ticket_refused(cx, peer),
+            Event::StatusNotCarried { peer } => self.handle_status_not_carried(peer),
         }
     }
 
@@ -379,6 +427,26 @@ impl Live {
         } else {
             Ok(Next::End(End::Fail(FailReason::Transport)))
         }
+    }
+
+    /// The closing write to `peer` landed without its `Status`: the
+    /// machine sends it when the write's completion arrives.
+    fn handle_status_not_carried(&mut self, peer: PeerId) -> Result<Next, InputError> {
+        let closing = self.peers.iter_mut().find_map(|p| match &mut p.role {
+            Role::Toucher {
+                closing,
+                finished: false,
+                ..
+            } if p.id == peer && *closing => Some(closing),
+            Role::Toucher { .. } | Role::Granter { .. } => None,
+        });
+        let Some(closing) = closing else {
+            return Err(InputError::Misuse(
+                "status not carried for a peer with no closing write",
+            ));
+        };
+        *closing = false;
+        Ok(Next::Stay)
     }
 
     /// The driver's verdict on `peer` (dead, or its plan rejected).
@@ -890,10 +958,12 @@ impl SendMachine {
         }
     }
 
+    /// The transfer this machine moves.
     pub fn transfer_id(&self) -> TransferId {
         self.transfer_id
     }
 
+    /// Push or pull.
     pub fn mode(&self) -> Mode {
         self.mode
     }
@@ -1042,7 +1112,8 @@ impl Machine for SendMachine {
                     | Event::PeerDead { .. }
                     | Event::PlanFailed { .. }
                     | Event::TicketGrant { .. }
-                    | Event::TicketRefused { .. } => {}
+                    | Event::TicketRefused { .. }
+                    | Event::StatusNotCarried { .. } => {}
                 }
                 self.advance_drain(now);
                 Ok(())

@@ -106,6 +106,46 @@ fn assert_peer_error(m: &mut SendMachine, now: Instant, e: Event) {
 }
 
 #[test]
+fn a_status_the_write_could_not_carry_is_sent_by_the_machine() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None)));
+    ev(&mut m, t0, chunk(&[1, 2], true));
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, grant(0))),
+        vec![write_last(D0, 0, &[1, 2], &[5, 6])]
+    );
+    // The driver reports that the `Status` did not ride the write...
+    assert_eq!(ev(&mut m, t0, Event::StatusNotCarried { peer: D0 }), vec![]);
+    // ...and once the write's completion arrives, the machine sends it
+    // itself, before it releases: its actions are the whole record.
+    let out = ev(
+        &mut m,
+        t0,
+        Event::WriteDone {
+            peer: D0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(
+        out,
+        vec![send(D0, Msg::Status { ok: true }), release(Phase::Success)]
+    );
+}
+
+#[test]
+fn status_not_carried_without_a_closing_write_is_misuse() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, None)));
+    let err = m
+        .handle_event(t0, Event::StatusNotCarried { peer: D0 })
+        .expect_err("no closing write is in flight");
+    assert!(matches!(err, InputError::Misuse(_)), "{err:?}");
+}
+
+#[test]
 fn push_whole_request_with_d_info_first() {
     let t0 = Instant::now();
     let mut m = push_machine(t0);

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Thread-per-core glommio executors that drive kvferry's state machines.
 //!
 //! A [`Reactor`] runs one glommio `LocalExecutor` per device, pinned to a

@@ -413,13 +413,17 @@ where
 
     /// Plans `src` (P's blocks) → `dst` (D's blocks) against `peer` and
     /// moves the bytes in direction `op`; `done(ok)` is the completion event
-    /// and `plan_failed` the verdict when the planner refuses.
+    /// and `plan_failed` the verdict when the planner refuses. For a write
+    /// whose `Status` was to ride it (`status_after`), `uncarried` tells the
+    /// machine, before `done(true)`, that it landed without its `Status`, so
+    /// the machine sends it itself.
     fn start_transfer(
         &mut self,
         tid: TransferId,
         job: Job<'_>,
         done: impl FnOnce(bool) -> M::Event + 'static,
         plan_failed: M::Event,
+        uncarried: Option<M::Event>,
     ) {
         let Job {
             peer,
@@ -500,11 +504,11 @@ where
                         let c = &shared.counters;
                         c.data_plane_messages.fetch_add(1, Ordering::Relaxed);
                         c.statuses_behind_writes.fetch_add(1, Ordering::Relaxed);
-                    } else if status_after {
+                    } else if let Some(event) = uncarried {
                         // The write could not carry it (several streams,
-                        // no data-plane messages, refused): send it now
-                        // that the KV landed, as the machine would have.
-                        msgr.send_msg(tid, peer, Msg::Status { ok: true });
+                        // no data-plane messages, refused): the machine
+                        // sends it now that the KV landed.
+                        let _ = poster.post(tid, event).await;
                     }
                     shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
                     shared
@@ -1111,6 +1115,7 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
                     },
                     move |ok| send::Event::WriteDone { peer, chunk, ok },
                     send::Event::PlanFailed { peer },
+                    status_after.then_some(send::Event::StatusNotCarried { peer }),
                 )
             }
             // The phase turns terminal in the same call; `on_phase` reports it.
@@ -1153,6 +1158,7 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
                     },
                     move |ok| recv::Event::ReadDone { peer, chunk, ok },
                     recv::Event::PlanFailed { peer },
+                    None,
                 )
             }
             recv::Action::Received => {}

@@ -53,13 +53,27 @@ pub enum Msg {
         is_last: bool,
     },
     /// Toucher → granter: please (re)grant the lease.
-    LeaseRequest { seq: u64 },
+    LeaseRequest {
+        /// The lease request it answers or makes.
+        seq: u64,
+    },
     /// Granter → toucher: lease for request `seq`, valid for `duration_ms`.
-    LeaseGrant { seq: u64, duration_ms: u64 },
+    LeaseGrant {
+        /// The lease request it answers or makes.
+        seq: u64,
+        /// Length of the lease in milliseconds, on each side's own clock.
+        duration_ms: u64,
+    },
     /// P → D (push mode): this P rank's writes are over (`ok`: all landed). Returns the lease.
-    Status { ok: bool },
+    Status {
+        /// True when it succeeded.
+        ok: bool,
+    },
     /// D → P (pull mode): this D rank's reads are over (`ok`: all succeeded). Returns the lease.
-    Done { ok: bool },
+    Done {
+        /// True when it succeeded.
+        ok: bool,
+    },
     /// Either side: the transfer is aborted. From the toucher it also returns the lease.
     Abort,
     /// Answer to `Abort`. From the toucher it returns the lease.
