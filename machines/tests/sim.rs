@@ -105,6 +105,13 @@ fn sim_campaign() {
             ("aborts", total.aborts),
             ("plan failures", total.plan_failures),
             ("false PeerDead verdicts", total.false_dead),
+            ("heartbeat ticks", total.beats),
+            ("peers declared dead for silence", total.silent_deaths),
+            (
+                "peers declared dead for a dropped connection",
+                total.dropped_deaths,
+            ),
+            ("dead peers heard again", total.revivals),
             ("messages buffered before creation", total.buffered),
             ("pull requests", total.pull),
             ("push requests", total.push),

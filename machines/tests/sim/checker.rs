@@ -115,6 +115,13 @@ pub struct Stats {
     pub spurious_aborts: u64,
     pub stale_aborts: u64,
     pub false_dead: u64,
+    /// Heartbeat ticks of the nodes' liveness tables.
+    pub beats: u64,
+    /// Deaths the tables reported: peers silent too long, dropped connections.
+    pub silent_deaths: u64,
+    pub dropped_deaths: u64,
+    /// Peers a table had marked dead and heard from again.
+    pub revivals: u64,
     pub buffered: u64,
     pub sim_us: u64,
     /// Failed granters that released only after a lease ran out (the fence path).
@@ -165,6 +172,10 @@ impl Default for Stats {
             spurious_aborts: 0,
             stale_aborts: 0,
             false_dead: 0,
+            beats: 0,
+            silent_deaths: 0,
+            dropped_deaths: 0,
+            revivals: 0,
             buffered: 0,
             sim_us: 0,
             fenced: 0,
@@ -213,6 +224,10 @@ impl Stats {
         self.spurious_aborts += o.spurious_aborts;
         self.stale_aborts += o.stale_aborts;
         self.false_dead += o.false_dead;
+        self.beats += o.beats;
+        self.silent_deaths += o.silent_deaths;
+        self.dropped_deaths += o.dropped_deaths;
+        self.revivals += o.revivals;
         self.buffered += o.buffered;
         self.sim_us += o.sim_us;
         self.fenced += o.fenced;
@@ -265,10 +280,15 @@ impl fmt::Display for Stats {
             "writes/reads {} (failed {}, never completed {}), block touches {} (on dead memory {})",
             self.ops, self.ops_failed, self.ops_hung, self.touches, self.late_drops
         )?;
-        write!(
+        writeln!(
             f,
             "faults: crashes {}, partitions {}, PeerDead delivered {} (false positives {}), aborts {}, plan failures {}",
             self.crashes, self.partitions, self.peer_dead, self.false_dead, self.aborts, self.plan_failures
+        )?;
+        write!(
+            f,
+            "liveness tables: beats {}, deaths reported {} silent + {} dropped, peers heard again {}",
+            self.beats, self.silent_deaths, self.dropped_deaths, self.revivals
         )
     }
 }

@@ -23,10 +23,16 @@
 //!
 //! Faults: message delay (hence reordering), a long tail beyond the lease,
 //! drop, duplication; symmetric and one-way partitions that heal; node
-//! crashes (its machines and memory vanish) and restarts; a heartbeat
-//! detector that declares unreachable peers dead after
-//! `heartbeat_misses * heartbeat_interval` (off in one seed in four:
-//! silence only), resets on restart, and rare false verdicts; transfers that
+//! crashes (its machines and memory vanish) and restarts; peer-death
+//! detection by the node's own liveness table (`machines::liveness`), one
+//! per node over every other, fed on the node's drifting clock: at each
+//! heartbeat tick it hears every peer that is up and whose frames reach it
+//! (one-way partitions cut only one direction), every delivered frame
+//! counts too, and each death it reports (more than
+//! `heartbeat_misses * heartbeat_interval` of silence, or a connection
+//! reset by a restart) is `PeerDead` to the node's machines paired with
+//! that peer; off in one seed in four (no ticks: silence only), fresh on
+//! restart, and rare false verdicts beside it; transfers that
 //! fail, land partly, or never report (landing up to the bound); engine
 //! aborts and client disconnects; planner rejections; slow engines and
 //! bootstraps; clocks drifting as far as `fence_margin` covers; FIFO or

@@ -101,13 +101,6 @@ impl Network {
         self.active.retain(|(i, _, _)| *i != id);
     }
 
-    /// True when partition `id` is in force and loses messages from `from` to `to`.
-    pub fn cuts(&self, id: usize, from: usize, to: usize) -> bool {
-        self.active
-            .iter()
-            .any(|&(i, m, one_way)| i == id && cut(m, one_way, from, to))
-    }
-
     /// True when a partition in force loses messages from `from` to `to`.
     pub fn blocked(&self, from: usize, to: usize) -> bool {
         self.active

@@ -169,7 +169,8 @@ pub struct Scenario {
     pub pool_blocks: u32,
     pub net: NetParams,
     pub transport: TransportParams,
-    /// The heartbeat detector declares unreachable peers dead; off: silence only.
+    /// Nodes tick their liveness tables, which declare silent peers dead;
+    /// off: no ticks, silence only.
     pub detector: bool,
     /// A restarted peer is noticed at once (its connections reset).
     pub reset_on_restart: bool,

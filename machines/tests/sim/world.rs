@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 use kvferry_machines::common::{BlockId, BlockLists, Config, Mode, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::liveness::{DeathCause, Liveness};
 use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
 use kvferry_machines::send::{self, SendMachine};
 use kvferry_machines::{AbortReason, FailReason, Machine, Phase, TransferId};
@@ -79,14 +80,11 @@ enum Ev {
     Restart(usize),
     Partition(usize),
     Heal(usize),
-    Detect {
-        observer: usize,
-        peer: usize,
-        cause: Cause,
-    },
-    Unmark {
-        observer: usize,
-        peer: usize,
+    /// `node`'s heartbeat tick (of incarnation `epoch`): it hears the
+    /// peers whose frames reach it and asks its liveness table who died.
+    Beat {
+        node: usize,
+        epoch: u32,
     },
     EngineFree {
         node: usize,
@@ -94,13 +92,6 @@ enum Ev {
         tid: TransferId,
         blocks: Vec<BlockId>,
     },
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Cause {
-    /// The peer crashed into this epoch (it is down while the epoch holds).
-    Crash(u32),
-    Partition(usize),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -222,8 +213,14 @@ struct Node {
     mem: Memory,
     machines: BTreeMap<TransferId, Slot>,
     pending: VecDeque<(TransferId, PeerId, Msg)>,
-    /// Peers the heartbeat detector of this node declared dead.
-    dead: BTreeSet<usize>,
+    /// The node's liveness table over every other node, fed on its own
+    /// clock: the real one the node's bridge keeps.
+    live: Liveness,
+    /// Ground truth beside the table: when this node last heard each
+    /// node (local µs; since its incarnation began, if never).
+    heard: Vec<T>,
+    /// A `Beat` of this incarnation is queued.
+    beating: bool,
 }
 
 enum Input {
@@ -263,6 +260,10 @@ pub struct World<'a> {
     /// sent before D received them, so always before D's grant.
     tickets: BTreeMap<u64, (usize, u32, T)>,
     net: Network,
+    /// Queued events other than heartbeats: while there are none, nothing
+    /// but a heartbeat can happen, so the nodes stop beating and the run
+    /// quiesces.
+    work: u64,
     stats: Stats,
     violation: Option<Violation>,
     trace: Option<Vec<String>>,
@@ -272,9 +273,16 @@ pub fn run(sc: &Scenario, trace: bool) -> RunResult {
     let mut w = World::new(sc, trace);
     w.start();
     let mut steps = 0u64;
-    while let Some(e) = w.queue.pop() {
+    loop {
+        w.keep_beating();
+        let Some(e) = w.queue.pop() else {
+            break;
+        };
         debug_assert!(e.at >= w.now, "time went backwards");
         w.now = e.at;
+        if !matches!(e.ev, Ev::Beat { .. }) {
+            w.work -= 1;
+        }
         w.handle(e.ev);
         steps += 1;
         if w.violation.is_some() {
@@ -310,14 +318,18 @@ pub fn run(sc: &Scenario, trace: bool) -> RunResult {
 
 impl<'a> World<'a> {
     fn new(sc: &'a Scenario, trace: bool) -> Self {
+        let base = Instant::now();
         let nodes = (0..sc.nodes())
-            .map(|_| Node {
+            .map(|me| Node {
                 up: true,
                 epoch: 0,
                 mem: Memory::new(sc.pool_blocks),
                 machines: BTreeMap::new(),
                 pending: VecDeque::new(),
-                dead: BTreeSet::new(),
+                // Every clock reads 0 at real time 0.
+                live: fresh_table(&sc.cfg, sc.nodes(), me, base),
+                heard: vec![0; sc.nodes()],
+                beating: false,
             })
             .collect();
         let mut seed_rng = Rng::new(sc.seed);
@@ -325,7 +337,7 @@ impl<'a> World<'a> {
             sc,
             cfg: sc.cfg,
             rng: seed_rng.fork().fork(),
-            base: Instant::now(),
+            base,
             now: 0,
             seq: 0,
             queue: BinaryHeap::new(),
@@ -344,6 +356,7 @@ impl<'a> World<'a> {
             next_op: 0,
             tickets: BTreeMap::new(),
             net: Network::new(sc.net.clone()),
+            work: 0,
             stats: Stats::default(),
             violation: None,
             trace: trace.then(Vec::new),
@@ -401,6 +414,9 @@ impl<'a> World<'a> {
             Ev::SpanEnd { .. } => 1,
             _ => 2,
         };
+        if !matches!(ev, Ev::Beat { .. }) {
+            self.work += 1;
+        }
         self.seq += 1;
         let tie = self.rng.next_u64();
         self.queue.push(Entry {
@@ -559,39 +575,12 @@ impl<'a> World<'a> {
                     format!("partition {i} starts: nodes {mask:#b} cut off (one way: {one_way})")
                 });
                 self.net.partition(i, mask, one_way);
-                for obs in 0..self.nodes.len() {
-                    for peer in 0..self.nodes.len() {
-                        // The observer misses the peer's heartbeats.
-                        if network::cut(mask, one_way, peer, obs) {
-                            self.schedule_detect(obs, peer, Cause::Partition(i));
-                        }
-                    }
-                }
             }
             Ev::Heal(i) => {
                 self.log(|| format!("partition {i} heals"));
                 self.net.heal(i);
-                self.schedule_unmark_all();
             }
-            Ev::Detect {
-                observer,
-                peer,
-                cause,
-            } => {
-                let still = match cause {
-                    Cause::Crash(e) => !self.nodes[peer].up && self.nodes[peer].epoch == e,
-                    Cause::Partition(i) => self.net.cuts(i, peer, observer),
-                };
-                if still && self.nodes[observer].up && self.nodes[observer].dead.insert(peer) {
-                    self.log(|| format!("node {observer} declares node {peer} dead"));
-                    self.peer_dead_all(observer, peer);
-                }
-            }
-            Ev::Unmark { observer, peer } => {
-                if self.nodes[peer].up && !self.net.blocked(peer, observer) {
-                    self.nodes[observer].dead.remove(&peer);
-                }
-            }
+            Ev::Beat { node, epoch } => self.beat(node, epoch),
             Ev::EngineFree {
                 node,
                 epoch,
@@ -849,7 +838,7 @@ impl<'a> World<'a> {
         let dead: Vec<usize> = spec.pairs[rank]
             .iter()
             .map(|&i| spec.p_nodes[i])
-            .filter(|p| self.nodes[node].dead.contains(p))
+            .filter(|&p| self.nodes[node].live.is_dead(p as u32))
             .collect();
         for p in dead {
             self.stats.peer_dead += 1;
@@ -903,6 +892,8 @@ impl<'a> World<'a> {
                 return;
             }
         };
+        // Every frame heard counts as a sign of life, as in the bridge.
+        self.hear(to, from);
         let tid = env.transfer;
         let req = tid.0 as usize;
         let p_rank = if self.is_p(to) && req < self.sc.requests.len() {
@@ -1955,9 +1946,8 @@ impl<'a> World<'a> {
         n.epoch += 1;
         n.machines.clear();
         n.pending.clear();
-        n.dead.clear();
+        n.beating = false;
         n.mem.reset();
-        let epoch = n.epoch;
         for (r, spec) in self.sc.requests.iter().enumerate() {
             for (i, &p) in spec.p_nodes.iter().enumerate() {
                 if p == node && matches!(self.ranks_p[r][i], RankRt::Live(_)) {
@@ -1970,11 +1960,6 @@ impl<'a> World<'a> {
                 }
             }
         }
-        for obs in 0..self.nodes.len() {
-            if obs != node {
-                self.schedule_detect(obs, node, Cause::Crash(epoch));
-            }
-        }
     }
 
     fn restart(&mut self, node: usize) {
@@ -1982,49 +1967,133 @@ impl<'a> World<'a> {
             return;
         }
         self.log(|| format!("node {node} restarts"));
-        self.nodes[node].up = true;
+        // The new incarnation knows every peer afresh.
+        let fresh = fresh_table(
+            &self.cfg,
+            self.nodes.len(),
+            node,
+            self.instant(node, self.now),
+        );
+        let local = self.local(node, self.now);
+        let n = &mut self.nodes[node];
+        n.up = true;
+        n.live = fresh;
+        n.heard.fill(local);
         if self.sc.reset_on_restart {
-            // The peers' connections to the old incarnation reset: every
-            // session with it fails at once.
+            // The peers' connections to the old incarnation reset: each
+            // peer's table hears the drop, and every session with a peer it
+            // reports dead fails at once. Without a detector, the drop
+            // fails the sessions directly.
             for obs in 0..self.nodes.len() {
-                if obs != node && self.nodes[obs].up {
+                if obs == node || !self.nodes[obs].up {
+                    continue;
+                }
+                if self.sc.detector {
+                    self.nodes[obs].live.handle_dropped(node as u32);
+                    self.report_deaths(obs);
+                } else {
                     self.peer_dead_all(obs, node);
+                }
+                if self.violation.is_some() {
+                    return;
                 }
             }
         }
-        self.schedule_unmark_all();
     }
 
-    fn schedule_detect(&mut self, observer: usize, peer: usize, cause: Cause) {
-        if !self.sc.detector {
+    /// While the run has other work, every node that is up beats every
+    /// `heartbeat_interval` on its own clock (from a random phase, so that
+    /// the nodes' probes interleave); without a detector, nobody beats.
+    fn keep_beating(&mut self) {
+        if !self.sc.detector || self.work == 0 {
             return;
         }
         let hb = us(self.cfg.heartbeat_interval);
-        let t = self.now + hb * self.cfg.heartbeat_misses as u64 + self.rng.below(hb + 1);
-        self.at(
-            t,
-            Ev::Detect {
-                observer,
-                peer,
-                cause,
-            },
-        );
+        for node in 0..self.nodes.len() {
+            if self.nodes[node].up && !self.nodes[node].beating {
+                let first = self.local(node, self.now) + 1 + self.rng.below(hb);
+                self.queue_beat(node, first);
+            }
+        }
     }
 
-    /// Probes: a peer reachable again is un-marked within a heartbeat.
-    fn schedule_unmark_all(&mut self) {
-        let hb = us(self.cfg.heartbeat_interval);
-        for obs in 0..self.nodes.len() {
-            let dead: Vec<usize> = self.nodes[obs].dead.iter().copied().collect();
-            for peer in dead {
-                let t = self.now + self.rng.below(hb + 1);
-                self.at(
-                    t,
-                    Ev::Unmark {
-                        observer: obs,
-                        peer,
-                    },
-                );
+    fn queue_beat(&mut self, node: usize, local: T) {
+        self.nodes[node].beating = true;
+        let epoch = self.nodes[node].epoch;
+        let t = self.real(node, local);
+        self.at(t, Ev::Beat { node, epoch });
+    }
+
+    /// `node`'s heartbeat tick: it hears every peer that is up and whose
+    /// frames reach it (the peer answers the probe, or probes it), then its
+    /// table says who stayed silent too long. The next tick is queued only
+    /// while something else may still happen.
+    fn beat(&mut self, node: usize, epoch: u32) {
+        if self.nodes[node].epoch != epoch || !self.nodes[node].up {
+            return;
+        }
+        for peer in 0..self.nodes.len() {
+            if peer != node && self.nodes[peer].up && !self.net.blocked(peer, node) {
+                self.hear(node, peer);
+            }
+        }
+        self.stats.beats += 1;
+        let now = self.instant(node, self.now);
+        self.nodes[node].live.handle_tick(now);
+        self.report_deaths(node);
+        self.check_silent_are_dead(node);
+        if self.work > 0 {
+            let next = self.local(node, self.now) + us(self.cfg.heartbeat_interval);
+            self.queue_beat(node, next);
+        } else {
+            self.nodes[node].beating = false;
+        }
+    }
+
+    /// `observer` heard a frame from `peer`: a peer it had marked dead is
+    /// alive again.
+    fn hear(&mut self, observer: usize, peer: usize) {
+        let now = self.instant(observer, self.now);
+        self.nodes[observer].heard[peer] = self.local(observer, self.now);
+        if self.nodes[observer].live.handle_heard(now, peer as u32) {
+            self.stats.revivals += 1;
+            self.log(|| format!("node {observer} hears node {peer} again"));
+        }
+    }
+
+    /// After a tick, every peer `node` has not heard for more than
+    /// `heartbeat_misses * heartbeat_interval` (on its clock) is marked
+    /// dead: detection comes within a heartbeat of that silence.
+    fn check_silent_are_dead(&mut self, node: usize) {
+        let local = self.local(node, self.now);
+        let silence_max = us(self.cfg.heartbeat_interval) * self.cfg.heartbeat_misses as u64;
+        let missed = (0..self.nodes.len()).find(|&p| {
+            p != node
+                && local - self.nodes[node].heard[p] > silence_max
+                && !self.nodes[node].live.is_dead(p as u32)
+        });
+        if let Some(p) = missed {
+            let quiet = local - self.nodes[node].heard[p];
+            self.fail(
+                Kind::Liveness,
+                format!("node {node} heard nothing from node {p} for {quiet} µs (more than {silence_max}) yet does not mark it dead"),
+            );
+        }
+    }
+
+    /// Acts on every death `observer`'s table reports: `PeerDead` to each
+    /// of its machines paired with that peer.
+    fn report_deaths(&mut self, observer: usize) {
+        while let Some((peer, cause)) = self.nodes[observer].live.poll_dead() {
+            let peer = peer as usize;
+            match cause {
+                DeathCause::Silent { .. } => self.stats.silent_deaths += 1,
+                DeathCause::Dropped => self.stats.dropped_deaths += 1,
+            }
+            self.log(|| format!("node {observer} declares node {peer} dead ({cause:?})"));
+            self.peer_dead_all(observer, peer);
+            if self.violation.is_some() {
+                return;
             }
         }
     }
@@ -2118,4 +2187,13 @@ impl<'a> World<'a> {
             }
         }
     }
+}
+
+/// A liveness table of node `me` over every other node, all heard at `now`.
+fn fresh_table(cfg: &Config, nodes: usize, me: usize, now: Instant) -> Liveness {
+    let mut live = Liveness::new(cfg.heartbeat_interval * cfg.heartbeat_misses);
+    for peer in (0..nodes).filter(|&p| p != me) {
+        live.handle_added(now, peer as u32);
+    }
+    live
 }
