@@ -856,7 +856,7 @@ impl Scheduler {
             return Err(out_of_range());
         }
         let prompt_blocks = blocks_for(req.prompt_len_tokens, bs).ok_or_else(out_of_range)?;
-        if req.computed_len_tokens % u64::from(bs) != 0 {
+        if !req.computed_len_tokens.is_multiple_of(u64::from(bs)) {
             return Err(SchedError::UnalignedComputedTokens {
                 request_id: req.request_id.to_string(),
                 computed_len_tokens: req.computed_len_tokens,

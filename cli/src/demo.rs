@@ -257,7 +257,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             free.push(l.slot);
             live.remove(&tid.0);
         }
-        if finished % 256 == 0 {
+        if finished.is_multiple_of(256) {
             // Collect finished records so the executors' boards stay small.
             for r in c.prefill.iter().chain(&c.decode) {
                 let _ = r.node.get_finished();

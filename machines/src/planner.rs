@@ -1291,9 +1291,9 @@ fn check_tp(model: &ModelSpec, side: Side, tp_size: u32) -> Result<(), PlanError
         LayoutKind::Hnd | LayoutKind::Nhd => {
             tp_size > 0
                 && if tp_size <= heads {
-                    heads % tp_size == 0
+                    heads.is_multiple_of(tp_size)
                 } else {
-                    tp_size % heads == 0
+                    tp_size.is_multiple_of(heads)
                 }
         }
     };

@@ -622,15 +622,19 @@ impl World {
                 chunk: x as u32,
                 start_blocks: vec![0],
                 src_blocks: vec![vec![BlockId(7)]],
-                is_last: x % 2 == 0,
+                is_last: x.is_multiple_of(2),
             },
             2 => Msg::LeaseRequest { seq: x },
             3 => Msg::LeaseGrant {
                 seq: x + 1000,
                 duration_ms: 5_000,
             },
-            4 => Msg::Status { ok: x % 2 == 0 },
-            5 => Msg::Done { ok: x % 2 == 0 },
+            4 => Msg::Status {
+                ok: x.is_multiple_of(2),
+            },
+            5 => Msg::Done {
+                ok: x.is_multiple_of(2),
+            },
             6 => Msg::Abort,
             7 => Msg::AbortAck,
             _ => Msg::Ready {

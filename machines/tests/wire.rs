@@ -294,7 +294,7 @@ fn take_varint(bytes: &[u8], bits: u32) -> Option<(u64, &[u8])> {
     for (i, &b) in bytes.iter().enumerate().take(max_len) {
         value |= u64::from(b & 0x7f) << (7 * i);
         if b & 0x80 == 0 {
-            if i == max_len - 1 && bits % 7 != 0 && b > max_last {
+            if i == max_len - 1 && !bits.is_multiple_of(7) && b > max_last {
                 return None;
             }
             return Some((value, &bytes[i + 1..]));

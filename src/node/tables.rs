@@ -220,7 +220,7 @@ impl Shared {
             // An otherwise idle bridge only turns once per heartbeat
             // interval; under load, wake it to take the queue now and then
             // (one eventfd write per `TRACK_WAKE_EVERY` entries).
-            if t.len() % TRACK_WAKE_EVERY == 0 {
+            if t.len().is_multiple_of(TRACK_WAKE_EVERY) {
                 drop(t);
                 self.waker.wake();
             }
