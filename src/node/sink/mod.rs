@@ -1,0 +1,562 @@
+//! The executor side of a node: the [`ActionSink`] that turns machine
+//! actions into side-channel frames and planner-built transport batches.
+//!
+//! Runs on the node's glommio executor. `execute` never waits: a transfer
+//! is planned at once (the planner is pure and fast) and then moved by a
+//! local task, which reports back through the executor's [`EventPoster`].
+
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvferry_machines::common::{BlockLists, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::planner::{Plan, PlanError};
+use kvferry_machines::recv::RecvMachine;
+use kvferry_machines::send::SendMachine;
+use kvferry_machines::{recv, send, Machine, Phase, TransferId};
+use kvferry_reactor::{ActionSink, EventPoster};
+
+use super::bridge::BridgeCmd;
+use super::{DataPlaneError, PeerUnfit, Shared, TransportKind};
+use crate::transport::fence::BlockFence;
+use crate::transport::local::LocalTransport;
+use crate::transport::tcp::{TcpConfig, TcpTransport};
+use crate::transport::wire::RejectReason;
+use crate::transport::{
+    AnySession, AnyTransport, Desc, EndpointAddr, Op, PeerError, Session, Transport, TransportError,
+};
+use kvferry_machines::wire::{self, Frame};
+
+mod coalesce;
+mod inbound;
+mod messenger;
+mod sessions;
+
+use coalesce::*;
+use inbound::*;
+use messenger::*;
+use sessions::*;
+
+/// Why a batch was not moved. Logged with its transfer; the machine hears
+/// of it as a failed write or read.
+#[derive(Clone, Debug, thiserror::Error)]
+enum MoveError {
+    /// The peer never said hello.
+    #[error("peer unknown (no hello)")]
+    UnknownPeer,
+    /// The peer cannot pair with this rank.
+    #[error(transparent)]
+    Unfit(PeerUnfit),
+    /// The peer's hello named no usable data-plane endpoint.
+    #[error("peer endpoint unusable")]
+    NoEndpoint,
+    /// The planner refused the block lists.
+    #[error("plan: {0}")]
+    Plan(#[from] PlanError),
+    /// `max_data_sessions` sessions are open and busy.
+    #[error("{busy} data-plane sessions are busy: max_data_sessions reached")]
+    SessionsFull {
+        /// Sessions open.
+        busy: usize,
+    },
+    /// The shared batch carrying this transfer went away unfinished.
+    #[error("the shared batch was dropped")]
+    BatchDropped,
+    /// The transfer waited in its lane past its deadline; nothing moved.
+    #[error("waited past the transfer bound for a batch")]
+    WaitedPastBound,
+    /// The transport failed the batch (shared by the transfers of a
+    /// shared batch, hence the `Arc`).
+    #[error(transparent)]
+    Transport(Arc<TransportError>),
+}
+
+impl From<TransportError> for MoveError {
+    fn from(e: TransportError) -> Self {
+        MoveError::Transport(Arc::new(e))
+    }
+}
+
+thread_local! {
+    /// The transport endpoint of each node whose executor runs on this
+    /// thread, so that tasks spawned by `register_kv_caches` reach it.
+    static TRANSPORTS: RefCell<HashMap<u64, Rc<AnyTransport>>> = RefCell::new(HashMap::new());
+}
+
+/// The KV memory of a node as `register_kv_caches` hands it to the executor.
+pub(crate) struct KvMemory {
+    /// `(base, block_len)` per region.
+    pub regions: Vec<(u64, u64)>,
+    pub num_blocks: u64,
+    /// False only when a self-test switched the machines' own protection
+    /// off to show what it catches; the block fence would hide that.
+    pub fenced: bool,
+}
+
+/// Registers the regions of `kv` with the node's endpoint and puts them
+/// under a block fence; runs on the executor.
+pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPlaneError> {
+    let t = TRANSPORTS
+        .with(|m| m.borrow().get(&node_id).cloned())
+        .ok_or(DataPlaneError::NoEndpoint)?;
+    // The local transport copies on the initiator's thread, outside any
+    // fence of ours; only tcp endpoints get one.
+    if let (true, AnyTransport::Tcp(tcp)) = (kv.fenced, &*t) {
+        tcp.set_fence(Some(Rc::new(BlockFence::new(&kv.regions, kv.num_blocks))));
+    }
+    for &(base, block_len) in &kv.regions {
+        // `register_kv_caches` checked that the product fits in 64 bits.
+        let len = kv.num_blocks.saturating_mul(block_len);
+        let len = usize::try_from(len).map_err(|_| DataPlaneError::RegionTooLong)?;
+        // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
+        // promised the memory stays valid and shareable with peers.
+        unsafe { t.register(base as usize as *mut u8, len) }?;
+    }
+    Ok(())
+}
+
+/// One chunk to move: P's blocks `src` to D's blocks `dst` of `peer`, in
+/// direction `op` as seen from this side.
+struct Job<'a> {
+    peer: PeerId,
+    src: &'a BlockLists,
+    dst: &'a BlockLists,
+    op: Op,
+    /// Push mode: deliver `Status{ok: true}` to the peer once the write
+    /// landed (see `send::Action::Write`).
+    status_after: bool,
+}
+
+/// What the sink needs to know of each machine type.
+pub(crate) trait NodeMachine: Machine {
+    /// The event that hands `peer`'s message to a live machine of this
+    /// executor, as the bridge would.
+    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Self::Event;
+}
+
+impl NodeMachine for SendMachine {
+    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> send::Event {
+        match msg {
+            Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
+                shared.ticket_event(peer.0, seq & !TICKET_BIT, duration_ms)
+            }
+            msg => send::Event::Msg { peer, msg },
+        }
+    }
+}
+
+impl NodeMachine for RecvMachine {
+    fn inbound(_: &Shared, peer: PeerId, msg: Msg) -> recv::Event {
+        recv::Event::Msg { peer, msg }
+    }
+}
+
+/// The node's action sink, for either machine type.
+pub(crate) struct Sink<M: Machine> {
+    shared: Arc<Shared>,
+    poster: EventPoster<M>,
+    plan: Plan,
+    /// Scratch block lists for the planner (u64 ids), kept between calls.
+    src: Vec<Vec<u64>>,
+    dst: Vec<Vec<u64>>,
+    /// When each live transfer was created, for the latency histogram;
+    /// also which transfers the executor holds live.
+    started: Live,
+    /// Sends the machines' messages; also holds the node's transport
+    /// endpoint and its data-plane sessions, which transfers use too.
+    msgr: Messenger,
+    /// Small transfers waiting to share a batch, per peer endpoint.
+    lanes: Lanes,
+    /// Local blocks each live transfer opened in the block fence; closed in
+    /// the turn that reports the transfer terminal.
+    opened: HashMap<TransferId, Vec<u32>>,
+}
+
+type Live = Rc<RefCell<HashMap<TransferId, Instant>>>;
+
+impl<M: Machine> Drop for Sink<M> {
+    fn drop(&mut self) {
+        let id = self.shared.node_id;
+        TRANSPORTS.with(|m| m.borrow_mut().remove(&id));
+    }
+}
+
+impl<M: NodeMachine + 'static> Sink<M>
+where
+    M::Event: 'static,
+{
+    /// Builds the sink and the node's transport endpoint on the executor;
+    /// reports the endpoint address (or why it failed) on `ready`.
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        poster: EventPoster<M>,
+        ready: flume::Sender<Result<String, DataPlaneError>>,
+    ) -> Self {
+        let made = match shared.config.transport {
+            TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
+            TransportKind::Tcp => {
+                let bound = shared.config.timeouts.transfer_bound;
+                let config = TcpConfig {
+                    batch_timeout: bound.max(std::time::Duration::from_millis(1)),
+                    poll: shared.config.tcp_poll,
+                    ..TcpConfig::default()
+                };
+                format!("{}:0", shared.config.host)
+                    .parse()
+                    .map_err(|source| DataPlaneError::BadHost {
+                        host: shared.config.host.clone(),
+                        source,
+                    })
+                    .and_then(|addr| Ok(TcpTransport::bind(addr, config)?))
+                    .map(AnyTransport::Tcp)
+            }
+        };
+        let started: Live = Rc::new(RefCell::new(HashMap::new()));
+        let transport = match made {
+            Ok(t) => {
+                if let (AnyTransport::Tcp(tcp), true) = (&t, shared.config.data_plane_messages) {
+                    tcp.set_notify_handler(Some(notify_handler::<M>(
+                        shared.clone(),
+                        poster.clone(),
+                        started.clone(),
+                    )));
+                }
+                let t = Rc::new(t);
+                let _ = ready.try_send(Ok(t.endpoint_addr().to_string()));
+                TRANSPORTS.with(|m| m.borrow_mut().insert(shared.node_id, t.clone()));
+                Some(t)
+            }
+            Err(e) => {
+                let _ = ready.try_send(Err(e));
+                None
+            }
+        };
+        Sink {
+            shared: shared.clone(),
+            poster,
+            plan: Plan::default(),
+            src: Vec::new(),
+            dst: Vec::new(),
+            started,
+            msgr: Messenger {
+                shared,
+                transport,
+                sessions: Rc::new(RefCell::new(HashMap::new())),
+                notes: Rc::new(RefCell::new(HashMap::new())),
+                refusing: Rc::default(),
+            },
+            lanes: Rc::new(RefCell::new(HashMap::new())),
+            opened: HashMap::new(),
+        }
+    }
+
+    /// The endpoint's block fence, once `register_kv_caches` made one.
+    fn fence(&self) -> Option<Rc<BlockFence>> {
+        match self.msgr.transport.as_deref() {
+            Some(AnyTransport::Tcp(tcp)) => tcp.fence(),
+            Some(AnyTransport::Local(_)) | None => None,
+        }
+    }
+
+    /// Opens this node's `blocks` of `tid` in the block fence: the data
+    /// plane may touch them until the transfer is reported terminal.
+    fn open_blocks(&mut self, tid: TransferId, blocks: &BlockLists) {
+        let Some(fence) = self.fence() else {
+            return;
+        };
+        let ids = blocks.iter().flatten().map(|b| b.0);
+        fence.open(ids.clone());
+        self.opened.entry(tid).or_default().extend(ids);
+    }
+
+    /// Posts `events` to the machine from a local task (`execute` cannot wait).
+    fn post_later(&self, tid: TransferId, events: Vec<M::Event>) {
+        let poster = self.poster.clone();
+        glommio::spawn_local(async move {
+            for e in events {
+                let _ = poster.post(tid, e).await;
+            }
+        })
+        .detach();
+    }
+
+    /// Plans `src` (P's blocks) → `dst` (D's blocks) against `peer` and
+    /// moves the bytes in direction `op`; `done(ok)` is the completion event
+    /// and `plan_failed` the verdict when the planner refuses. For a write
+    /// whose `Status` was to ride it (`status_after`), `uncarried` tells the
+    /// machine, before `done(true)`, that it landed without its `Status`, so
+    /// the machine sends it itself.
+    fn start_transfer(
+        &mut self,
+        tid: TransferId,
+        job: Job<'_>,
+        done: impl FnOnce(bool) -> M::Event + 'static,
+        plan_failed: M::Event,
+        uncarried: Option<M::Event>,
+    ) {
+        let Job {
+            peer,
+            src,
+            dst,
+            op,
+            status_after,
+        } = job;
+        let planned = self.plan_descs(peer, src, dst, op);
+        let (endpoint, descs, batches) = match planned {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(?tid, ?peer, %why, "transfer not planned");
+                self.post_later(tid, vec![plan_failed, done(false)]);
+                return;
+            }
+        };
+        let Some(transport) = self.msgr.transport.clone() else {
+            self.post_later(tid, vec![done(false)]);
+            return;
+        };
+        let bytes: u64 = descs.iter().map(|d| d.len_bytes).sum();
+        let count = descs.len() as u64;
+        let sessions = self.msgr.sessions.clone();
+        let poster = self.poster.clone();
+        let shared = self.shared.clone();
+        let bound = shared.config.timeouts.transfer_bound;
+        if let Err(why) = make_room(&sessions, &endpoint, shared.config.max_data_sessions) {
+            tracing::warn!(?tid, %why, "transfer not started");
+            shared.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+            self.post_later(tid, vec![done(false)]);
+            return;
+        }
+        let lanes = self.lanes.clone();
+        // The closing `Status` rides the write when the peer takes
+        // data-plane messages; the D node learns the KV landed without
+        // waiting for this node to hear the write's acknowledgement.
+        let status = Msg::Status { ok: true };
+        let note = (status_after && self.msgr.may_carry(&endpoint, &status)).then(|| {
+            wire::encode(&Frame::Transfer {
+                transfer_id: tid,
+                msg: status,
+            })
+        });
+        let msgr = self.msgr.clone();
+        let coalesce = transport.coalesce_small_batches()
+            && batches.len() == 1
+            && descs.len() <= COALESCE_MAX_DESCS
+            && bytes <= COALESCE_MAX_BYTES;
+        // Counted from now, when the machine's op was posted, not from when
+        // the task first runs.
+        let deadline = Instant::now() + bound;
+        glommio::spawn_local(async move {
+            let result = if descs.is_empty() {
+                Ok(false)
+            } else if coalesce {
+                let io = Io {
+                    transport,
+                    sessions,
+                    lanes,
+                    sender: msgr.sender(),
+                };
+                io.queue(endpoint, op, descs, note, deadline).await
+            } else {
+                let trailer = note.map(|f| wire::encode_notify(&msgr.sender(), [&f[..]]));
+                let route = Route {
+                    transport: &transport,
+                    sessions: &sessions,
+                    endpoint,
+                };
+                route
+                    .move_bytes(op, &descs, &batches, trailer.as_deref(), deadline)
+                    .await
+            };
+            let ok = match result {
+                Ok(delivered) => {
+                    if delivered {
+                        let c = &shared.counters;
+                        c.data_plane_messages.fetch_add(1, Ordering::Relaxed);
+                        c.statuses_behind_writes.fetch_add(1, Ordering::Relaxed);
+                    } else if let Some(event) = uncarried {
+                        // The write could not carry it (several streams,
+                        // no data-plane messages, refused): the machine
+                        // sends it now that the KV landed.
+                        let _ = poster.post(tid, event).await;
+                    }
+                    shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+                    shared
+                        .counters
+                        .descriptors
+                        .fetch_add(count, Ordering::Relaxed);
+
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(?tid, %e, "transfer failed");
+                    shared
+                        .counters
+                        .transport_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    false
+                }
+            };
+            let _ = poster.post(tid, done(ok)).await;
+        })
+        .detach();
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn plan_descs(
+        &mut self,
+        peer: PeerId,
+        src: &BlockLists,
+        dst: &BlockLists,
+        op: Op,
+    ) -> Result<(EndpointAddr, Vec<Desc>, Vec<Range<usize>>), MoveError> {
+        let data = self.shared.peer(peer.0).ok_or(MoveError::UnknownPeer)?;
+        let pair = data
+            .pair
+            .as_ref()
+            .map_err(|e| MoveError::Unfit(e.clone()))?;
+        let endpoint = data.endpoint.ok_or(MoveError::NoEndpoint)?;
+        fill_u64(&mut self.src, src);
+        fill_u64(&mut self.dst, dst);
+        pair.plan_into(
+            &self.src,
+            &self.dst,
+            &self.shared.config.batch_limits,
+            &mut self.plan,
+        )?;
+        let descs = self
+            .plan
+            .descriptors
+            .iter()
+            .map(|d| match op {
+                Op::Write => Desc {
+                    local_addr: d.src,
+                    remote_addr: d.dst,
+                    len_bytes: d.len,
+                },
+                Op::Read => Desc {
+                    local_addr: d.dst,
+                    remote_addr: d.src,
+                    len_bytes: d.len,
+                },
+            })
+            .collect();
+        let batches = self.plan.batches.iter().map(|b| b.range()).collect();
+        Ok((endpoint, descs, batches))
+    }
+
+    fn report(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        if !phase.is_terminal() {
+            // The first report comes when the machine is inserted.
+            self.started.borrow_mut().entry(tid).or_insert(now);
+            return;
+        }
+        // The blocks go back to the engine now: close them before anything
+        // else runs on this executor, so no byte moves in or out of them
+        // from here on, whatever is still in flight.
+        if let Some(ids) = self.opened.remove(&tid) {
+            if let Some(f) = self.fence() {
+                f.close(ids);
+            }
+        }
+        let since = self.started.borrow_mut().remove(&tid).unwrap_or(now);
+        self.shared
+            .on_terminal(tid, phase, now.saturating_duration_since(since));
+    }
+}
+
+fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
+    out.resize_with(lists.len(), Vec::new);
+    for (o, l) in out.iter_mut().zip(lists) {
+        o.clear();
+        o.extend(l.iter().map(|b| u64::from(b.0)));
+    }
+}
+
+impl ActionSink<SendMachine> for Sink<SendMachine> {
+    fn execute(&mut self, tid: TransferId, action: send::Action) {
+        match action {
+            send::Action::Send { peer, msg } => {
+                // Pull mode: D ranks read these blocks from our endpoint.
+                if let Msg::Ready { src_blocks, .. } = &msg {
+                    self.open_blocks(tid, src_blocks);
+                }
+                self.msgr.send_msg(tid, peer, msg)
+            }
+            send::Action::Write {
+                peer,
+                chunk,
+                src_blocks,
+                dst_blocks,
+                status_after,
+            } => {
+                self.open_blocks(tid, &src_blocks);
+                self.start_transfer(
+                    tid,
+                    Job {
+                        peer,
+                        src: &src_blocks,
+                        dst: &dst_blocks,
+                        op: Op::Write,
+                        status_after,
+                    },
+                    move |ok| send::Event::WriteDone { peer, chunk, ok },
+                    send::Event::PlanFailed { peer },
+                    status_after.then_some(send::Event::StatusNotCarried { peer }),
+                )
+            }
+            // The phase turns terminal in the same call; `on_phase` reports it.
+            send::Action::ReleaseBlocks { .. } => {}
+        }
+    }
+
+    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        self.report(tid, phase, now);
+    }
+}
+
+impl ActionSink<RecvMachine> for Sink<RecvMachine> {
+    fn execute(&mut self, tid: TransferId, action: recv::Action) {
+        match action {
+            recv::Action::Send { peer, msg } => {
+                // Push mode: P ranks write these blocks through our endpoint.
+                if let Msg::Pull { dst_blocks, .. } = &msg {
+                    if !self.opened.contains_key(&tid) {
+                        self.open_blocks(tid, dst_blocks);
+                    }
+                }
+                self.msgr.send_msg(tid, peer, msg)
+            }
+            recv::Action::Read {
+                peer,
+                chunk,
+                src_blocks,
+                dst_blocks,
+            } => {
+                self.open_blocks(tid, &dst_blocks);
+                self.start_transfer(
+                    tid,
+                    Job {
+                        peer,
+                        src: &src_blocks,
+                        dst: &dst_blocks,
+                        op: Op::Read,
+                        status_after: false,
+                    },
+                    move |ok| recv::Event::ReadDone { peer, chunk, ok },
+                    recv::Event::PlanFailed { peer },
+                    None,
+                )
+            }
+            recv::Action::Received => {}
+            recv::Action::LoadFailed { block_ids } => self.shared.add_load_errors(&block_ids),
+        }
+    }
+
+    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+        self.report(tid, phase, now);
+    }
+}
