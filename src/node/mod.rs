@@ -45,6 +45,7 @@ mod bridge;
 mod config;
 mod error;
 mod handles;
+mod registration;
 mod sink;
 mod tables;
 mod waker;
@@ -129,7 +130,7 @@ struct Inner {
     engine: Mutex<Option<Engine>>,
     bridge: Mutex<Option<bridge::BridgeThread>>,
     side_channel: String,
-    bootstrap_server: Mutex<Option<crate::node::bridge::EmbeddedBootstrap>>,
+    bootstrap_server: Mutex<Option<registration::EmbeddedBootstrap>>,
     metrics_server: Mutex<Option<crate::stats::MetricsServer>>,
 }
 
@@ -268,9 +269,10 @@ impl Node {
         let source: crate::bootstrap::MetricsSource =
             Arc::new(move || crate::stats::render(&counters));
         let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
-            (Role::Prefill, Some(addr)) => {
-                Some(bridge::EmbeddedBootstrap::start(addr, source.clone())?)
-            }
+            (Role::Prefill, Some(addr)) => Some(registration::EmbeddedBootstrap::start(
+                addr,
+                source.clone(),
+            )?),
             _ => None,
         };
         let metrics_server = match &config.metrics_listen {
@@ -292,7 +294,7 @@ impl Node {
         };
         if config.role == Role::Prefill {
             if let Some(addr) = node.bootstrap_addr() {
-                bridge::register_in_background(addr, &config, node.side_channel_addr());
+                registration::register_in_background(addr, &config, node.side_channel_addr());
             }
         }
         Ok(node)

@@ -1,0 +1,217 @@
+//! Resolving the prefill ranks of decode requests: the bootstrap service
+//! lookup, the directory it fills, and the requests waiting for it.
+
+use super::*;
+
+impl Bridge {
+    pub(super) fn retry_pending(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        for p in pending {
+            if !self.try_resolve(&p) {
+                self.pending.push(p);
+            }
+        }
+    }
+
+    /// Starts a directory query for `target`; false if the directory is
+    /// full of targets being queried (the caller fails its request).
+    pub(super) fn start_query(&mut self, target: &PrefillTarget) -> bool {
+        let PrefillTarget::Bootstrap { addr, engine_id } = target else {
+            return true;
+        };
+        if !self.directory.contains_key(target)
+            && self.directory.len() >= self.shared.config.max_bootstrap_targets
+        {
+            // Full: forget a cached answer (it is only a cache) rather than
+            // refuse; a target being queried stays.
+            let idle = self
+                .directory
+                .iter()
+                .find(|(_, d)| !matches!(d, Dir::Querying))
+                .map(|(k, _)| k.clone());
+            match idle {
+                Some(k) => {
+                    self.directory.remove(&k);
+                    self.routes_changed(None);
+                }
+                None => {
+                    tracing::warn!(
+                        ?target,
+                        limit = self.shared.config.max_bootstrap_targets,
+                        "bootstrap target not queried: max_bootstrap_targets reached"
+                    );
+                    self.shared
+                        .counters
+                        .limit_hits
+                        .fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
+        self.directory.insert(target.clone(), Dir::Querying);
+        let tx = self.shared.bridge_tx.clone();
+        let waker = self.shared.waker.clone();
+        let (addr, engine_id, key) = (addr.clone(), engine_id.clone(), target.clone());
+        let target = target.clone();
+        // HTTP would block the sockets; one short-lived thread per query,
+        // and at most one query per target at a time.
+        let spawned = std::thread::Builder::new()
+            .name("kvferry-bootstrap-query".into())
+            .spawn(move || {
+                let result = query_bootstrap(&addr, &engine_id);
+                let _ = tx.send_timeout(
+                    BridgeCmd::Directory {
+                        target: key,
+                        result,
+                    },
+                    Duration::from_secs(5),
+                );
+                waker.wake();
+            });
+        if spawned.is_err() {
+            self.directory.insert(target, Dir::Failed(Instant::now()));
+        }
+        true
+    }
+
+    /// Tries to hand the P ranks to the machine of `p`; false: wait.
+    pub(super) fn try_resolve(&mut self, p: &Pending) -> bool {
+        let Some(local) = self.shared.local.get().cloned() else {
+            return false;
+        };
+        // A request whose machine already ended needs nothing more.
+        match self.handle.poll(p.tid) {
+            Some(phase) if !phase.is_terminal() => {}
+            _ => return true,
+        }
+        let (tp, addrs) = match &p.target {
+            PrefillTarget::Direct {
+                tp_size,
+                side_channels,
+            } => (*tp_size, side_channels.clone()),
+            PrefillTarget::Bootstrap { .. } => match self.directory.get(&p.target) {
+                Some(Dir::Known(tp, addrs)) => (*tp, addrs.clone()),
+                Some(Dir::Querying) => return false,
+                Some(Dir::Failed(at)) => {
+                    if at.elapsed() >= self.tick {
+                        let t = p.target.clone();
+                        self.start_query(&t);
+                    }
+                    return false;
+                }
+                None => {
+                    let t = p.target.clone();
+                    if !self.start_query(&t) {
+                        let _ = self.handle.abort_engine(p.tid);
+                        return true;
+                    }
+                    return false;
+                }
+            },
+        };
+        let pair = match TpPair::new(&local.model, tp, local.layout.tp_size) {
+            Ok(pair) if addrs.len() == tp as usize => pair,
+            Ok(_) | Err(_) => {
+                tracing::warn!(tid = ?p.tid, tp, ranks = addrs.len(), "prefill TP does not fit; aborting");
+                let _ = self.handle.abort_engine(p.tid);
+                return true;
+            }
+        };
+        let mut peers = Vec::new();
+        let mut dead = Vec::new();
+        let mut refused = Vec::new();
+        let mut waiting = false;
+        for (rank, _) in pair.sources_of(local.layout.tp_rank) {
+            let Some(addr) = addrs.get(rank as usize) else {
+                continue;
+            };
+            let Some(peer) = self.dealer_for(addr) else {
+                let _ = self.handle.abort_engine(p.tid);
+                return true;
+            };
+            let slot = &self.slots[peer as usize];
+            if self.liveness.is_dead(peer) {
+                dead.push(peer);
+            } else if slot.refused.is_some() {
+                refused.push(peer);
+            } else if !slot.ready {
+                waiting = true;
+            }
+            let receivers = pair.targets_of(rank).count() as u16;
+            let lease_ticket = self.shared.routes().fresh_ticket(peer, &self.shared.config);
+            peers.push(ResolvedPeer {
+                peer: PeerId(peer),
+                receivers_expected: receivers,
+                lease_ticket,
+            });
+        }
+        if waiting && dead.is_empty() && refused.is_empty() {
+            return false;
+        }
+        if dead.is_empty() && refused.is_empty() {
+            // Every rank connected and alive: later requests for this
+            // target resolve on the engine's thread until something changes.
+            let route = peers
+                .iter()
+                .map(|rp| (rp.peer.0, rp.receivers_expected))
+                .collect();
+            let max = self.shared.config.max_bootstrap_targets;
+            self.shared.routes().insert(p.target.clone(), route, max);
+        } else {
+            // The directory may be stale (a replacement registers at another
+            // address): the next request asks the bootstrap service again.
+            if let PrefillTarget::Bootstrap { .. } = &p.target {
+                self.directory.remove(&p.target);
+                self.routes_changed(None);
+            }
+        }
+        for rp in &peers {
+            self.slots[rp.peer.0 as usize].transfers.insert(p.tid);
+        }
+        if let EngineHandle::Decode(h) = &self.handle {
+            let _ = h.send_event(p.tid, recv::Event::PeersResolved { peers });
+            for d in dead {
+                let _ = h.send_event(p.tid, recv::Event::PeerDead { peer: PeerId(d) });
+            }
+            // A peer of another protocol version cannot pair with us: the
+            // same failure as layouts that do not fit.
+            for r in refused {
+                let _ = h.send_event(p.tid, recv::Event::PlanFailed { peer: PeerId(r) });
+            }
+        }
+        true
+    }
+}
+
+/// Asks the bootstrap service for the side channels of `engine_id`'s ranks
+/// (data-parallel rank 0, pipeline rank 0): `(tp_size, addresses by rank)`.
+pub(super) fn query_bootstrap(
+    addr: &str,
+    engine_id: &str,
+) -> Result<(u32, Vec<String>), LookupError> {
+    let client = BootstrapClient::new(addr)?.with_io_timeout(Duration::from_secs(2));
+    let found = client.query(Some(engine_id))?;
+    let entry = found.get(&0).ok_or(LookupError::NotRegistered)?;
+    let tp = entry.tp_size();
+    let mut addrs = Vec::with_capacity(tp);
+    for rank in 0..tp as u32 {
+        let a = entry.addr(rank, 0).ok_or(LookupError::RankMissing(rank))?;
+        addrs.push(a.to_string());
+    }
+    Ok((tp as u32, addrs))
+}
+
+/// Why the bootstrap service did not name a prefill engine's ranks; the
+/// bridge retries after a tick.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LookupError {
+    /// The service could not be asked.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The engine is not registered.
+    #[error("engine is not registered")]
+    NotRegistered,
+    /// A TP rank of the engine has not registered yet.
+    #[error("tp rank {0} not registered yet")]
+    RankMissing(u32),
+}

@@ -1,0 +1,56 @@
+//! A prefill node's part in the bootstrap service: serving it embedded,
+//! and registering the rank at it.
+
+use super::{NodeConfig, NodeError};
+use crate::bootstrap::{
+    BootstrapClient, BootstrapServer, MetricsSource, RegisterRequest, RetryPolicy, ServerConfig,
+};
+
+/// The bootstrap service embedded in a prefill node.
+pub(crate) struct EmbeddedBootstrap {
+    server: BootstrapServer,
+}
+
+impl EmbeddedBootstrap {
+    pub(crate) fn start(
+        addr: &str,
+        metrics: MetricsSource,
+    ) -> Result<EmbeddedBootstrap, NodeError> {
+        let server = BootstrapServer::start_with(addr, ServerConfig::default(), Some(metrics))?;
+        Ok(EmbeddedBootstrap { server })
+    }
+
+    /// The address it listens on.
+    pub(crate) fn addr(&self) -> String {
+        self.server.local_addr().to_string()
+    }
+
+    /// Stops it and joins its threads.
+    pub(crate) fn stop(self) {
+        self.server.shutdown();
+    }
+}
+
+/// Registers a prefill rank at the bootstrap service, retrying in the
+/// background while the service is not up yet (the rank serves requests
+/// meanwhile; decode finds it once the registration lands).
+pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_channel: String) {
+    let req = RegisterRequest {
+        engine_id: config.engine_id.clone(),
+        dp_rank: config.dp_rank,
+        tp_rank: config.tp_rank,
+        pp_rank: 0,
+        addr: side_channel,
+    };
+    let spawned = std::thread::Builder::new().name("kvferry-register".into()).spawn(move || {
+        let result = BootstrapClient::new(&addr)
+            .and_then(|c| c.register(&req, RetryPolicy::default()));
+        match result {
+            Ok(_) => tracing::info!(%addr, tp_rank = req.tp_rank, "registered at the bootstrap service"),
+            Err(e) => tracing::error!(%addr, %e, "registration at the bootstrap service failed"),
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!(%e, "cannot start the registration thread");
+    }
+}
