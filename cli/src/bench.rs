@@ -127,16 +127,13 @@ struct Params {
 struct Measured {
     batches: u64,
     elapsed: Duration,
-    /// Per-batch latency in nanoseconds (bounded sample).
-    latencies_ns: Vec<u64>,
+    /// Per-batch latency.
+    latencies: kvferry::Latency,
     /// Source and destination were equal after the run.
     verified: bool,
     /// Single-thread memcpy of the same buffers on the same (pinned) thread.
     memcpy_gbps: f64,
 }
-
-/// At most this many latency samples are kept (40 MB).
-const MAX_SAMPLES: usize = 5_000_000;
 
 fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
     let (block_bytes, batch, streams, seconds) = (a.block_bytes, a.batch, a.streams, a.seconds);
@@ -252,9 +249,7 @@ async fn drive(p: &Params, session: &impl Session, batch: &[Desc]) -> Result<Mea
             .map_err(|e| e.to_string())?;
         let t1 = Instant::now();
         m.batches += 1;
-        if m.latencies_ns.len() < MAX_SAMPLES {
-            m.latencies_ns.push((t1 - t0).as_nanos() as u64);
-        }
+        m.latencies.record(t1 - t0);
         if t1 >= until {
             m.elapsed = t1 - start;
             return Ok(m);
@@ -389,22 +384,13 @@ fn measure_memcpy(src: &[u8], dst: &mut [u8], block: usize, seconds: f64) -> f64
     bytes as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-fn percentile_us(sorted: &[u64], pct: usize) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = (sorted.len() * pct / 100).min(sorted.len() - 1);
-    sorted[i] as f64 / 1e3
-}
-
 fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
-    m.latencies_ns.sort_unstable();
     let secs = m.elapsed.as_secs_f64().max(1e-9);
     let bytes = m.batches * p.batch * p.block_bytes;
     let gbps = bytes as f64 / secs / 1e9;
     let descs_per_s = (m.batches * p.batch) as f64 / secs;
-    let p50_us = percentile_us(&m.latencies_ns, 50);
-    let p99_us = percentile_us(&m.latencies_ns, 99);
+    let us = |q: f64| m.latencies.quantile(q).as_secs_f64() * 1e6;
+    let (p50_us, p99_us) = (us(0.50), us(0.99));
     let ratio = if memcpy_gbps > 0.0 {
         gbps / memcpy_gbps
     } else {

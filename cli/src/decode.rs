@@ -81,7 +81,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
     };
     let mut free: Vec<u64> = (0..slots).rev().collect();
     let mut live: HashMap<u64, (u64, Instant)> = HashMap::new();
-    let mut latencies = Vec::new();
+    let mut latencies = kvferry::Latency::new();
     let started = Instant::now();
     let (mut next, mut finished) = (0u64, 0u64);
     // The machines end every request by its deadline plus the fence; this
@@ -132,7 +132,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
                 }
                 report.ok += 1;
                 report.bytes += kv.block_bytes() * u64::from(b);
-                latencies.push(at.elapsed().as_secs_f64() * 1e3);
+                latencies.record(at.elapsed());
             }
             Phase::Expired => report.expired += 1,
             Phase::Failed(_)
@@ -144,14 +144,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         let _ = node.get_finished();
     }
     let elapsed = started.elapsed().as_secs_f64();
-    latencies.sort_by(|x, y| x.total_cmp(y));
-    let pct = |q: f64| {
-        if latencies.is_empty() {
-            0.0
-        } else {
-            latencies[(((latencies.len() - 1) as f64) * q).round() as usize]
-        }
-    };
+    let pct = |q: f64| latencies.quantile(q).as_secs_f64() * 1e3;
     report.p50_ms = pct(0.5);
     report.p99_ms = pct(0.99);
     report.elapsed_s = elapsed;

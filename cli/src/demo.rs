@@ -2,6 +2,7 @@
 //! one process on 127.0.0.1, N requests with synthetic KV, every byte
 //! verified on decode.
 
+use kvferry::Latency;
 use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -100,26 +101,20 @@ pub fn zmq_baseline(n: usize, two_contexts: bool) -> Result<(f64, f64), String> 
     dealer.set_linger(0).map_err(e)?;
     dealer.connect(&ep).map_err(e)?;
     let payload = vec![7u8; 256];
-    let mut rtt = Vec::with_capacity(n);
+    let mut rtt = Latency::new();
     for _ in 0..n {
         let t = Instant::now();
         dealer.send(&payload[..], 0).map_err(e)?;
         dealer.recv_bytes(0).map_err(e)?;
-        rtt.push(t.elapsed().as_secs_f64() * 1e3);
+        rtt.record(t.elapsed());
     }
     let _ = echo.join();
-    rtt.sort_by(|a, b| a.total_cmp(b));
-    // The first round trips include the connection set-up.
-    let warm = &rtt[..];
-    Ok((percentile(warm, 0.5), percentile(warm, 0.99)))
+    Ok((ms(rtt.quantile(0.5)), ms(rtt.quantile(0.99))))
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
+/// Milliseconds, as the report prints them.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// Runs the demo. `progress` draws a progress bar on stderr.
@@ -144,7 +139,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         requests: o.requests,
         ..DemoReport::default()
     };
-    let mut latencies = Vec::with_capacity(o.requests as usize);
+    let mut latencies = Latency::new();
     let bytes_per_request: u64 = c
         .decode
         .iter()
@@ -241,7 +236,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
                 if l.all_ok {
                     report.ok += 1;
                     report.bytes += bytes_per_request;
-                    latencies.push(l.started.elapsed().as_secs_f64() * 1e3);
+                    latencies.record(l.started.elapsed());
                     let bad = c.verify(tid.0, &blocks, 0);
                     report.verify_errors += bad as u64;
                 } else if phase == Phase::Expired {
@@ -286,12 +281,11 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         tracing::debug!(stats = ?r.node.stats(), "node counters");
     }
     let elapsed = started.elapsed().as_secs_f64();
-    latencies.sort_by(|a, b| a.total_cmp(b));
     report.elapsed_s = elapsed;
     report.gbps = report.bytes as f64 / elapsed / 1e9;
     report.requests_per_s = report.ok as f64 / elapsed;
-    report.p50_ms = percentile(&latencies, 0.50);
-    report.p99_ms = percentile(&latencies, 0.99);
+    report.p50_ms = ms(latencies.quantile(0.50));
+    report.p99_ms = ms(latencies.quantile(0.99));
     Ok(report)
 }
 

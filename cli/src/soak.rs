@@ -19,6 +19,7 @@
 //! node is left live, and judges whether RSS stayed flat (see
 //! [`RssVerdict`]).
 
+use kvferry::Latency;
 use std::collections::{BinaryHeap, HashMap};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -556,64 +557,6 @@ impl Rng {
     }
 }
 
-/// Latencies in a fixed number of log-linear buckets (16 per power of
-/// two, under 7 % error), so a long soak's bookkeeping does not grow.
-struct Histogram {
-    counts: Vec<u64>,
-    n: u64,
-}
-
-impl Histogram {
-    const BUCKETS: usize = 1024;
-
-    fn new() -> Self {
-        Histogram {
-            counts: vec![0; Self::BUCKETS],
-            n: 0,
-        }
-    }
-
-    fn bucket(us: u64) -> usize {
-        if us < 16 {
-            us as usize
-        } else {
-            let e = 63 - us.leading_zeros() as u64;
-            let sub = (us >> (e - 4)) & 15;
-            ((e - 3) * 16 + sub) as usize
-        }
-    }
-
-    fn lower_us(i: usize) -> u64 {
-        if i < 16 {
-            i as u64
-        } else {
-            let (e, sub) = (i as u64 / 16 + 3, i as u64 % 16);
-            (16 + sub) << (e - 4)
-        }
-    }
-
-    fn record(&mut self, d: Duration) {
-        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        self.counts[Self::bucket(us).min(Self::BUCKETS - 1)] += 1;
-        self.n += 1;
-    }
-
-    fn quantile_ms(&self, q: f64) -> f64 {
-        if self.n == 0 {
-            return 0.0;
-        }
-        let rank = ((self.n as f64 - 1.0) * q).round() as u64;
-        let mut seen = 0;
-        for (i, &c) in self.counts.iter().enumerate() {
-            seen += c;
-            if seen > rank {
-                return Self::lower_us(i) as f64 / 1e3;
-            }
-        }
-        0.0
-    }
-}
-
 /// Where an abort comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Side {
@@ -658,7 +601,7 @@ struct Soak<'a> {
     live: HashMap<u64, Live>,
     timers: BinaryHeap<std::cmp::Reverse<(Instant, Action, u64)>>,
     report: SoakReport,
-    latencies: Histogram,
+    latencies: Latency,
     /// Moving average of send-to-decode-terminal time of successful
     /// requests: aborts "while moving" are spread over about this long.
     move_ewma: Duration,
@@ -1029,7 +972,7 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
             seed: o.seed,
             ..SoakReport::default()
         },
-        latencies: Histogram::new(),
+        latencies: Latency::new(),
         move_ewma: Duration::from_millis(1),
         bytes_per_request,
         next_tid: 0,
@@ -1169,8 +1112,8 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
         (slots - s.free.len() as u64) * u64::from(o.demo.blocks_per_request);
     report.requests_per_s = report.ok as f64 / report.elapsed_s.max(1e-9);
     report.gbps = report.bytes as f64 / report.elapsed_s.max(1e-9) / 1e9;
-    report.p50_ms = s.latencies.quantile_ms(0.50);
-    report.p99_ms = s.latencies.quantile_ms(0.99);
+    report.p50_ms = s.latencies.quantile(0.50).as_secs_f64() * 1e3;
+    report.p99_ms = s.latencies.quantile(0.99).as_secs_f64() * 1e3;
     // Machines still live on the nodes: the node exposes no count of live
     // machines, so ask for the phase of every transfer id the soak used
     // (a live machine is on the executor's board, hence found).
@@ -1360,20 +1303,6 @@ mod tests {
         assert!(!v.rss_flat, "a jump while draining must count: {v:?}");
         assert_eq!(v.rss_end_kib, 204_800 + 64 * 1024);
         assert!(v.rss_slope_kib_per_1000_requests.abs() < 0.1, "{v:?}");
-    }
-
-    #[test]
-    fn histogram_buckets_round_down_within_a_sixteenth() {
-        for us in [0u64, 1, 15, 16, 17, 31, 32, 100, 1000, 123_456, 10_000_000] {
-            let lo = Histogram::lower_us(Histogram::bucket(us));
-            assert!(lo <= us && us - lo <= us / 16, "{us} -> {lo}");
-        }
-        let mut h = Histogram::new();
-        for ms in 1..=100u64 {
-            h.record(Duration::from_millis(ms));
-        }
-        let p50 = h.quantile_ms(0.5);
-        assert!((47.0..=51.0).contains(&p50), "{p50}");
     }
 
     #[test]
