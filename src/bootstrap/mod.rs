@@ -27,6 +27,7 @@ pub type MetricsSource = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
 /// The content type of `/metrics` (OpenMetrics text, which Prometheus
 /// scrapes).
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) use server::bind;
 pub use server::{BootstrapServer, ServerConfig, ServerError};
 
 /// Default port of the bootstrap service (the one vLLM uses).

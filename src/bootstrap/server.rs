@@ -88,19 +88,7 @@ impl BootstrapServer {
         config: ServerConfig,
         metrics: Option<MetricsSource>,
     ) -> Result<BootstrapServer, ServerError> {
-        let resolved = addr
-            .to_socket_addrs()
-            .map_err(|_| ServerError::BadAddress(addr.to_string()))?
-            .next()
-            .ok_or_else(|| ServerError::BadAddress(addr.to_string()))?;
-        let server = tiny_http::Server::http(resolved).map_err(|e| ServerError::Bind {
-            addr: addr.to_string(),
-            reason: e.to_string(),
-        })?;
-        let local_addr = server
-            .server_addr()
-            .to_ip()
-            .expect("a server bound to an IP address reports an IP address");
+        let (server, local_addr) = bind(addr)?;
         let server = Arc::new(server);
         let stopping = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
@@ -164,6 +152,25 @@ impl BootstrapServer {
             }
         }
     }
+}
+
+/// Binds an HTTP server to `addr` (port 0: any free port); returns it and
+/// the address it got.
+pub(crate) fn bind(addr: &str) -> Result<(tiny_http::Server, SocketAddr), ServerError> {
+    let resolved = addr
+        .to_socket_addrs()
+        .map_err(|_| ServerError::BadAddress(addr.to_string()))?
+        .next()
+        .ok_or_else(|| ServerError::BadAddress(addr.to_string()))?;
+    let server = tiny_http::Server::http(resolved).map_err(|e| ServerError::Bind {
+        addr: addr.to_string(),
+        reason: e.to_string(),
+    })?;
+    let local_addr = server
+        .server_addr()
+        .to_ip()
+        .expect("a server bound to an IP address reports an IP address");
+    Ok((server, local_addr))
 }
 
 impl Drop for BootstrapServer {

@@ -1,7 +1,7 @@
 //! `GET /metrics` and `GET /health` of one node, on the address its config
 //! names (`NodeConfig::metrics_listen`).
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -19,19 +19,7 @@ pub(crate) struct MetricsServer {
 impl MetricsServer {
     /// Serves `source` on `addr` (port 0: any free port).
     pub(crate) fn start(addr: &str, source: MetricsSource) -> Result<MetricsServer, ServerError> {
-        let resolved = addr
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| ServerError::BadAddress(addr.to_string()))?;
-        let server = tiny_http::Server::http(resolved).map_err(|e| ServerError::Bind {
-            addr: addr.to_string(),
-            reason: e.to_string(),
-        })?;
-        let local_addr = server
-            .server_addr()
-            .to_ip()
-            .expect("a server bound to an IP address reports an IP address");
+        let (server, local_addr) = crate::bootstrap::bind(addr)?;
         let server = Arc::new(server);
         let stopping = Arc::new(AtomicBool::new(false));
         let (s, stop) = (server.clone(), stopping.clone());
