@@ -1,7 +1,7 @@
 //! Property tests: P and D machines wired together through a network that
 //! delays, reorders, duplicates and drops messages, and a transport whose
 //! completions come late, out of order, fail, or never come. After every
-//! step the invariants of DESIGN.md §2 are checked against ground truth that
+//! step the invariants of docs/design.md §2 are checked against ground truth that
 //! the harness keeps itself (not the machines' own bookkeeping):
 //!
 //! * exactly once: each machine releases/reports at most once, and its phase

@@ -1,4 +1,4 @@
-//! The invariants (DESIGN.md §2) as the simulator checks them, the first
+//! The invariants (docs/design.md §2) as the simulator checks them, the first
 //! violation of a run, and the counters a campaign reports.
 //!
 //! The world keeps ground truth the machines cannot see (block owners,

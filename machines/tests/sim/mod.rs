@@ -3,7 +3,7 @@
 //! many simulated P and D ranks, a lossy control network that carries the
 //! real message encoding, a data plane whose writes and reads land in
 //! simulated memory, crashes, partitions, aborts, and a checker that holds
-//! the invariants of DESIGN.md §2 after every step.
+//! the invariants of docs/design.md §2 after every step.
 //!
 //! * `scenario` draws everything a seed simulates;
 //! * `world` runs it on one event queue and a simulated clock;

@@ -2,7 +2,7 @@
 //! feed them, the control network, the data plane and the memory it
 //! touches, all driven by one event queue on a simulated clock.
 //!
-//! The world is the machines' driver as DESIGN.md §2 describes it: after
+//! The world is the machines' driver as docs/design.md §2 describes it: after
 //! every input it drains `poll_action`, executes the actions, and arms a
 //! timer at `poll_timeout`. Time is microseconds since a base `Instant`;
 //! nothing reads a real clock and nothing runs on another thread, so a seed
