@@ -106,6 +106,47 @@ impl Default for RegistryLimits {
     }
 }
 
+impl RegistryLimits {
+    /// Refuses a request whose strings or ranks exceed these limits.
+    fn check(&self, req: &RegisterRequest) -> Result<(), RegisterError> {
+        self.check_str("engine_id", &req.engine_id)?;
+        self.check_str("addr", &req.addr)?;
+        for (what, rank) in [
+            ("dp_rank", req.dp_rank),
+            ("tp_rank", req.tp_rank),
+            ("pp_rank", req.pp_rank),
+        ] {
+            if rank >= self.max_rank {
+                return Err(RegisterError::Invalid(format!(
+                    "{what} {rank} is out of range (limit {})",
+                    self.max_rank
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses an empty, oversized or control-character string `what`.
+    fn check_str(&self, what: &str, s: &str) -> Result<(), RegisterError> {
+        if s.is_empty() {
+            return Err(RegisterError::Invalid(format!("{what} is empty")));
+        }
+        if s.len() > self.max_string_bytes {
+            return Err(RegisterError::Invalid(format!(
+                "{what} is {} bytes, limit is {}",
+                s.len(),
+                self.max_string_bytes
+            )));
+        }
+        if s.chars().any(char::is_control) {
+            return Err(RegisterError::Invalid(format!(
+                "{what} contains control characters"
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Why a registration was refused.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -153,39 +194,7 @@ impl Registry {
     /// address, so a restarted rank is found again by decode ranks (vLLM
     /// rejects it, which leaves a restarted prefill rank unreachable).
     pub fn register(&mut self, req: RegisterRequest) -> Result<RegisterResponse, RegisterError> {
-        let limits = self.limits;
-        let check_str = |what: &str, s: &str| {
-            if s.is_empty() {
-                return Err(RegisterError::Invalid(format!("{what} is empty")));
-            }
-            if s.len() > limits.max_string_bytes {
-                return Err(RegisterError::Invalid(format!(
-                    "{what} is {} bytes, limit is {}",
-                    s.len(),
-                    limits.max_string_bytes
-                )));
-            }
-            if s.chars().any(char::is_control) {
-                return Err(RegisterError::Invalid(format!(
-                    "{what} contains control characters"
-                )));
-            }
-            Ok(())
-        };
-        check_str("engine_id", &req.engine_id)?;
-        check_str("addr", &req.addr)?;
-        for (what, rank) in [
-            ("dp_rank", req.dp_rank),
-            ("tp_rank", req.tp_rank),
-            ("pp_rank", req.pp_rank),
-        ] {
-            if rank >= limits.max_rank {
-                return Err(RegisterError::Invalid(format!(
-                    "{what} {rank} is out of range (limit {})",
-                    limits.max_rank
-                )));
-            }
-        }
+        self.limits.check(&req)?;
 
         if let Some(entry) = self.engines.get(&req.dp_rank) {
             if entry.engine_id != req.engine_id {
@@ -208,9 +217,9 @@ impl Registry {
                 });
             }
         }
-        if self.workers >= limits.max_workers {
+        if self.workers >= self.limits.max_workers {
             return Err(RegisterError::Full {
-                max_workers: limits.max_workers,
+                max_workers: self.limits.max_workers,
             });
         }
         let entry = self

@@ -174,83 +174,94 @@ pub(crate) async fn recv_exact(
     let glommio_first = guard.is_none() && matches!(policy, PollPolicy::Park);
     while idx < iovs.len() {
         if glommio_first && iovs.len() - idx == 1 {
-            let only = iovs[idx];
-            // SAFETY: the iovec names writable memory of that length
-            // (caller's guarantee).
-            let buf =
-                unsafe { std::slice::from_raw_parts_mut(only.iov_base.cast::<u8>(), only.iov_len) };
-            match rd.read(buf).await {
-                Ok(0) => return Err(IoFail::Closed),
-                Ok(n) => advance(iovs, &mut idx, n),
-                Err(e) => return Err(IoFail::from_os(e)),
-            }
+            let n = read_into(rd, iovs[idx]).await?;
+            advance(iovs, &mut idx, n);
             continue;
         }
         if guard.is_some_and(|g| !g()) {
             return Err(IoFail::Fenced);
         }
-        let rest = &mut iovs[idx..];
-        // SAFETY: msghdr is plain data; every field we do not set is zero.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = rest.as_mut_ptr();
-        msg.msg_iovlen = rest.len().min(IOV_MAX) as _;
-        // SAFETY: the iovecs name writable memory (caller's guarantee) and
-        // `fd` is an open socket.
-        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
-        if r > 0 {
-            advance(iovs, &mut idx, r as usize);
-            spin.progress();
-            continue;
-        }
-        if r == 0 {
-            return Err(IoFail::Closed);
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => continue,
-            io::ErrorKind::WouldBlock => {}
-            _ => return Err(IoFail::from_os(e)),
+        match recvmsg_now(fd, &mut iovs[idx..]) {
+            Ok(0) => return Err(IoFail::Closed),
+            Ok(n) => {
+                advance(iovs, &mut idx, n);
+                spin.progress();
+                continue;
+            }
+            Err(e) => match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => {}
+                _ => return Err(IoFail::from_os(e)),
+            },
         }
         if spin.keep_spinning() {
             futures_lite::future::yield_now().await;
             continue;
         }
-        if let Some(g) = guard {
-            // Park on a scratch byte: the memory may be fenced by the time
-            // the socket is readable.
-            let mut one = [0u8; 1];
-            match rd.read(&mut one).await {
-                Ok(0) => return Err(IoFail::Closed),
-                Ok(_) => {
-                    if !g() {
-                        return Err(IoFail::Fenced);
-                    }
-                    // SAFETY: the iovec names at least one writable byte
-                    // (caller's guarantee; `advance` skips empty ones).
-                    unsafe { *iovs[idx].iov_base.cast::<u8>() = one[0] };
-                    advance(iovs, &mut idx, 1);
-                    spin.progress();
-                }
-                Err(e) => return Err(IoFail::from_os(e)),
-            }
-            continue;
-        }
-        // Park: let glommio wait for readiness and read into the first
-        // buffer (glommio reads straight into the slice it is given).
-        let first = iovs[idx];
-        // SAFETY: as above, the iovec names writable memory of that length.
-        let buf =
-            unsafe { std::slice::from_raw_parts_mut(first.iov_base.cast::<u8>(), first.iov_len) };
-        match rd.read(buf).await {
-            Ok(0) => return Err(IoFail::Closed),
-            Ok(n) => {
-                advance(iovs, &mut idx, n);
-                spin.progress();
-            }
-            Err(e) => return Err(IoFail::from_os(e)),
-        }
+        let n = match guard {
+            Some(g) => park_scratch(rd, iovs[idx], g).await?,
+            // Park: let glommio wait for readiness and read into the first
+            // buffer (glommio reads straight into the slice it is given).
+            None => read_into(rd, iovs[idx]).await?,
+        };
+        advance(iovs, &mut idx, n);
+        spin.progress();
     }
     Ok(())
+}
+
+/// One non-blocking `recvmsg` into `rest` (at most [`IOV_MAX`] of them):
+/// the bytes read, `Ok(0)` once the peer closed, or the OS error.
+fn recvmsg_now(fd: RawFd, rest: &mut [libc::iovec]) -> io::Result<usize> {
+    // SAFETY: msghdr is plain data; every field we do not set is zero.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = rest.as_mut_ptr();
+    msg.msg_iovlen = rest.len().min(IOV_MAX) as _;
+    // SAFETY: the iovecs name writable memory (caller's guarantee) and
+    // `fd` is an open socket.
+    let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(r as usize)
+}
+
+/// Lets glommio wait for and read at least one byte straight into `iov`;
+/// returns how many it read.
+async fn read_into(rd: &mut ReadHalf<TcpStream>, iov: libc::iovec) -> Result<usize, IoFail> {
+    // SAFETY: the iovec names writable memory of that length (caller's
+    // guarantee).
+    let buf = unsafe { std::slice::from_raw_parts_mut(iov.iov_base.cast::<u8>(), iov.iov_len) };
+    match rd.read(buf).await {
+        Ok(0) => Err(IoFail::Closed),
+        Ok(n) => Ok(n),
+        Err(e) => Err(IoFail::from_os(e)),
+    }
+}
+
+/// Waits for one byte and, if `guard` still allows it, stores it at the
+/// start of `iov` (non-empty); returns the one byte read.
+async fn park_scratch(
+    rd: &mut ReadHalf<TcpStream>,
+    iov: libc::iovec,
+    guard: &dyn Fn() -> bool,
+) -> Result<usize, IoFail> {
+    // Park on a scratch byte: the memory may be fenced by the time
+    // the socket is readable.
+    let mut one = [0u8; 1];
+    match rd.read(&mut one).await {
+        Ok(0) => Err(IoFail::Closed),
+        Ok(_) => {
+            if !guard() {
+                return Err(IoFail::Fenced);
+            }
+            // SAFETY: the iovec names at least one writable byte
+            // (caller's guarantee; `advance` skips empty ones).
+            unsafe { *iov.iov_base.cast::<u8>() = one[0] };
+            Ok(1)
+        }
+        Err(e) => Err(IoFail::from_os(e)),
+    }
 }
 
 /// One non-blocking `recv` into `buf` (a local buffer): `Ok(Some(n))` with

@@ -526,6 +526,40 @@ impl Drop for Rank {
     }
 }
 
+impl Rank {
+    /// Registers `kv` as the KV caches of `node`; together they form a rank.
+    fn register(node: kvferry::node::Node, kv: SynthKv) -> Result<Rank, kvferry::node::NodeError> {
+        // SAFETY: `kv` lives in the same `Rank`, whose drop shuts the node
+        // down before the memory is freed.
+        unsafe { node.register_kv_caches(kv.kv_layout())? };
+        Ok(Rank { node, kv })
+    }
+}
+
+/// The configuration every rank of `spec` shares, for TP rank `tp_rank` of
+/// `tp_size` in `role`.
+fn node_config(
+    spec: &ClusterSpec,
+    role: kvferry::node::Role,
+    name: &str,
+    tp_size: u32,
+    tp_rank: u32,
+    done: &kvferry::node::TaggedNotify,
+) -> kvferry::node::NodeConfig {
+    let mut c = kvferry::node::NodeConfig::new(role, name);
+    c.tp_size = tp_size;
+    c.tp_rank = tp_rank;
+    c.mode = spec.mode;
+    c.transport = spec.transport;
+    c.timeouts = spec.timeouts;
+    c.notify_tagged = Some((tp_rank, done.clone()));
+    c.data_plane_messages = spec.data_plane_messages;
+    if let Some(spin) = spec.spin {
+        c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
+    }
+    c
+}
+
 /// P and D ranks in one process, wired together.
 pub struct Cluster {
     /// Decode ranks, by TP rank. Declared (so dropped) before the prefill
@@ -545,81 +579,14 @@ pub struct Cluster {
 impl Cluster {
     /// Starts and registers every rank.
     pub fn start(spec: &ClusterSpec) -> Result<Cluster, kvferry::node::NodeError> {
-        use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
+        use kvferry::node::PrefillTarget;
         let (dtx, drx) = flume::unbounded();
         let (ptx, prx) = flume::unbounded();
-        let mut prefill = Vec::new();
-        let mut bootstrap_addr = None;
-        for r in 0..spec.prefill_tp {
-            let mut c = NodeConfig::new(Role::Prefill, "prefill");
-            c.tp_size = spec.prefill_tp;
-            c.tp_rank = r;
-            c.mode = spec.mode;
-            c.transport = spec.transport;
-            c.timeouts = spec.timeouts;
-            c.notify_tagged = Some((r, ptx.clone()));
-            c.data_plane_messages = spec.data_plane_messages;
-            if let Some(spin) = spec.spin {
-                c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
-            }
-            if let Some(b) = &spec.bootstrap {
-                if r == 0 {
-                    c.serve_bootstrap = Some(b.clone());
-                } else {
-                    c.bootstrap = bootstrap_addr.clone();
-                }
-            }
-            let node = Node::start(c)?;
-            if r == 0 {
-                bootstrap_addr = node.bootstrap_addr();
-            }
-            let kv = SynthKv::new(
-                spec.model,
-                spec.prefill_tp,
-                r,
-                spec.layers,
-                spec.prefill_blocks,
-            );
-            // SAFETY: `kv` lives in the same `Rank`, whose drop shuts the node
-            // down before the memory is freed.
-            unsafe { node.register_kv_caches(kv.kv_layout())? };
-            prefill.push(Rank { node, kv });
-        }
+        let (prefill, bootstrap_addr) = Self::start_prefill(spec, &ptx)?;
         if let Some(addr) = &bootstrap_addr {
-            // Registration runs in the background; decode asks only once
-            // every prefill rank is listed, so no request waits for a retry.
-            let client = kvferry::bootstrap::BootstrapClient::new(addr)?;
-            let policy = kvferry::bootstrap::RetryPolicy {
-                deadline: std::time::Duration::from_secs(10),
-                ..kvferry::bootstrap::RetryPolicy::default()
-            };
-            client.wait_for_engine("prefill", spec.prefill_tp as usize, policy)?;
+            Self::wait_for_prefill(spec, addr)?;
         }
-        let mut decode = Vec::new();
-        for r in 0..spec.decode_tp {
-            let mut c = NodeConfig::new(Role::Decode, "decode");
-            c.tp_size = spec.decode_tp;
-            c.tp_rank = r;
-            c.mode = spec.mode;
-            c.transport = spec.transport;
-            c.timeouts = spec.timeouts;
-            c.notify_tagged = Some((r, dtx.clone()));
-            c.data_plane_messages = spec.data_plane_messages;
-            if let Some(spin) = spec.spin {
-                c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
-            }
-            let node = Node::start(c)?;
-            let kv = SynthKv::new(
-                spec.model,
-                spec.decode_tp,
-                r,
-                spec.layers,
-                spec.decode_blocks,
-            );
-            // SAFETY: as above.
-            unsafe { node.register_kv_caches(kv.kv_layout())? };
-            decode.push(Rank { node, kv });
-        }
+        let decode = Self::start_decode(spec, &dtx)?;
         let target = match bootstrap_addr {
             Some(addr) => PrefillTarget::Bootstrap {
                 addr,
@@ -637,6 +604,76 @@ impl Cluster {
             decode_done: drx,
             prefill_done: prx,
         })
+    }
+
+    /// Starts the prefill ranks; with `spec.bootstrap`, rank 0 serves the
+    /// bootstrap service (whose address comes back) and the others register
+    /// with it.
+    fn start_prefill(
+        spec: &ClusterSpec,
+        done: &kvferry::node::TaggedNotify,
+    ) -> Result<(Vec<Rank>, Option<String>), kvferry::node::NodeError> {
+        use kvferry::node::Role;
+        let mut prefill = Vec::new();
+        let mut bootstrap_addr = None;
+        for r in 0..spec.prefill_tp {
+            let mut c = node_config(spec, Role::Prefill, "prefill", spec.prefill_tp, r, done);
+            if let Some(b) = &spec.bootstrap {
+                if r == 0 {
+                    c.serve_bootstrap = Some(b.clone());
+                } else {
+                    c.bootstrap = bootstrap_addr.clone();
+                }
+            }
+            let node = kvferry::node::Node::start(c)?;
+            if r == 0 {
+                bootstrap_addr = node.bootstrap_addr();
+            }
+            let kv = SynthKv::new(
+                spec.model,
+                spec.prefill_tp,
+                r,
+                spec.layers,
+                spec.prefill_blocks,
+            );
+            prefill.push(Rank::register(node, kv)?);
+        }
+        Ok((prefill, bootstrap_addr))
+    }
+
+    /// Waits until the bootstrap service at `addr` lists every prefill rank.
+    fn wait_for_prefill(spec: &ClusterSpec, addr: &str) -> Result<(), kvferry::node::NodeError> {
+        // Registration runs in the background; decode asks only once
+        // every prefill rank is listed, so no request waits for a retry.
+        let client = kvferry::bootstrap::BootstrapClient::new(addr)?;
+        let policy = kvferry::bootstrap::RetryPolicy {
+            deadline: std::time::Duration::from_secs(10),
+            ..kvferry::bootstrap::RetryPolicy::default()
+        };
+        client.wait_for_engine("prefill", spec.prefill_tp as usize, policy)?;
+        Ok(())
+    }
+
+    /// Starts the decode ranks.
+    fn start_decode(
+        spec: &ClusterSpec,
+        done: &kvferry::node::TaggedNotify,
+    ) -> Result<Vec<Rank>, kvferry::node::NodeError> {
+        use kvferry::node::Role;
+        let mut decode = Vec::new();
+        for r in 0..spec.decode_tp {
+            let c = node_config(spec, Role::Decode, "decode", spec.decode_tp, r, done);
+            let node = kvferry::node::Node::start(c)?;
+            let kv = SynthKv::new(
+                spec.model,
+                spec.decode_tp,
+                r,
+                spec.layers,
+                spec.decode_blocks,
+            );
+            decode.push(Rank::register(node, kv)?);
+        }
+        Ok(decode)
     }
 
     /// Fills the prefill blocks of `transfer` on every prefill rank.
