@@ -136,6 +136,39 @@ struct Measured {
 }
 
 fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
+    let (p, total) = params(a)?;
+    // Both buffers live here and outlive the executor threads, which only
+    // see their addresses; they are touched again only after the threads
+    // are joined. The side the data comes from holds a pattern, the other
+    // zeros, so the check after the run means something in both directions.
+    let (mut src, mut dst) = buffers(p.op, total);
+    let src_addr = src.as_mut_ptr() as u64;
+    let dst_addr = dst.as_mut_ptr() as u64;
+
+    let measured = match p.transport.as_str() {
+        "tcp" => run_tcp(&p, src_addr, dst_addr),
+        _ => run_local(&p, src_addr, dst_addr),
+    };
+    let mut m = match measured {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("kvferry bench transport: {e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let check_ok = m.verified;
+    let memcpy_gbps = m.memcpy_gbps;
+    drop((src, dst));
+    report(&p, &mut m, memcpy_gbps, check_ok);
+    Ok(if check_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// What to measure, from the command line, and the bytes of one batch.
+fn params(a: &TransportArgs) -> Result<(Params, u64), UsageError> {
     let (block_bytes, batch, streams, seconds) = (a.block_bytes, a.batch, a.streams, a.seconds);
     if !(1..=64).contains(&streams) {
         return Err(UsageError("--streams: expected 1..=64".into()));
@@ -170,43 +203,22 @@ fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
         json,
         pin,
     };
+    Ok((p, total))
+}
 
-    // Both buffers live here and outlive the executor threads, which only
-    // see their addresses; they are touched again only after the threads
-    // are joined. The side the data comes from holds a pattern, the other
-    // zeros, so the check after the run means something in both directions.
+/// Source and destination of `total` bytes: the side `op` reads from
+/// holds a pattern, the other zeros.
+fn buffers(op: Op, total: u64) -> (Vec<u8>, Vec<u8>) {
     let mut src = vec![0u8; total as usize];
     let mut dst = vec![0u8; total as usize];
-    let from = match p.op {
+    let from = match op {
         Op::Write => &mut src,
         Op::Read => &mut dst,
     };
     for (i, b) in from.iter_mut().enumerate() {
         *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
     }
-    let src_addr = src.as_mut_ptr() as u64;
-    let dst_addr = dst.as_mut_ptr() as u64;
-
-    let measured = match p.transport.as_str() {
-        "tcp" => run_tcp(&p, src_addr, dst_addr),
-        _ => run_local(&p, src_addr, dst_addr),
-    };
-    let mut m = match measured {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("kvferry bench transport: {e}");
-            return Ok(ExitCode::FAILURE);
-        }
-    };
-    let check_ok = m.verified;
-    let memcpy_gbps = m.memcpy_gbps;
-    drop((src, dst));
-    report(&p, &mut m, memcpy_gbps, check_ok);
-    Ok(if check_ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    (src, dst)
 }
 
 fn placement(pin: bool, core: usize) -> Placement {

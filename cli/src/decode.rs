@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use kvferry::machines::common::BlockId;
-use kvferry::machines::Phase;
+use kvferry::machines::{Phase, TransferId};
 use kvferry::node::{Node, PrefillTarget, Role};
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::SynthKv;
@@ -49,17 +49,13 @@ pub struct DecodeArgs {
 
 fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
     let o = a.model.apply(DemoOptions::default());
-    let requests = a.requests;
-    let concurrency = a.concurrency.max(1);
     let b = a.blocks_per_request.max(1);
-    let base = a.transfer_base;
-    let timeout_ms = o.timeout_ms;
     let mut c = a
         .rank
         .node_config(Role::Decode, format!("decode-{}", std::process::id()), &o);
     let (done_tx, done_rx) = flume::bounded(1 << 16);
     c.notify = Some(done_tx);
-    let slots = concurrency.min(requests.max(1));
+    let slots = a.concurrency.max(1).min(a.requests.max(1));
     let kv = SynthKv::new(
         o.model(),
         c.tp_size,
@@ -71,68 +67,137 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
     let node = Node::start(c).map_err(|e| e.to_string())?;
     // SAFETY: `kv` outlives the node (shut down below before `kv` drops).
     unsafe { node.register_kv_caches(kv.kv_layout()) }.map_err(|e| e.to_string())?;
-    let target = PrefillTarget::Bootstrap {
-        addr: a.rank.bootstrap.clone(),
-        engine_id: a.engine_id.clone(),
+    let mut p = Pull {
+        node: &node,
+        kv: &kv,
+        target: PrefillTarget::Bootstrap {
+            addr: a.rank.bootstrap.clone(),
+            engine_id: a.engine_id.clone(),
+        },
+        requests: a.requests,
+        base: a.transfer_base,
+        b,
+        free: (0..slots).rev().collect(),
+        live: HashMap::new(),
+        latencies: kvferry::Latency::new(),
+        report: DemoReport {
+            requests: a.requests,
+            ..DemoReport::default()
+        },
+        next: 0,
+        finished: 0,
     };
-    let mut report = DemoReport {
-        requests,
-        ..DemoReport::default()
-    };
-    let mut free: Vec<u64> = (0..slots).rev().collect();
-    let mut live: HashMap<u64, (u64, Instant)> = HashMap::new();
-    let mut latencies = kvferry::Latency::new();
     let started = Instant::now();
-    let (mut next, mut finished) = (0u64, 0u64);
-    // The machines end every request by its deadline plus the fence; this
-    // outer bound only guards against a bug, so the command cannot hang.
+    p.run(&done_rx, guard(o.timeout_ms))?;
+    let report = p.finish(started.elapsed().as_secs_f64());
+    node.shutdown(Duration::from_millis(200));
+    drop(node);
+    drop(kv);
+    Ok(report)
+}
+
+/// The machines end every request by its deadline plus the fence; this
+/// outer bound only guards against a bug, so the command cannot hang.
+fn guard(timeout_ms: u64) -> Duration {
     let t = demo_timeouts(timeout_ms);
-    let guard =
-        t.bootstrap_timeout + t.waiting_timeout + t.fence() + t.lease * 2 + Duration::from_secs(5);
-    let mut last_event = Instant::now();
-    while finished < requests {
-        while next < requests && !stop_requested() {
-            let Some(slot) = free.pop() else { break };
-            let tid = base + next;
-            let blocks: Vec<u32> = (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect();
-            kv.clear(&blocks);
+    t.bootstrap_timeout + t.waiting_timeout + t.fence() + t.lease * 2 + Duration::from_secs(5)
+}
+
+/// The decode rank's requests between events.
+struct Pull<'a> {
+    node: &'a Node,
+    kv: &'a SynthKv,
+    target: PrefillTarget,
+    requests: u64,
+    /// Transfer id of the first request.
+    base: u64,
+    /// Blocks per request.
+    b: u32,
+    free: Vec<u64>,
+    /// Slot and start of every request in flight, by transfer id.
+    live: HashMap<u64, (u64, Instant)>,
+    latencies: kvferry::Latency,
+    report: DemoReport,
+    next: u64,
+    finished: u64,
+}
+
+impl Pull<'_> {
+    /// The blocks of request slot `slot`.
+    fn blocks(&self, slot: u64) -> Vec<u32> {
+        (0..self.b)
+            .map(|i| (slot * u64::from(self.b)) as u32 + i)
+            .collect()
+    }
+
+    /// Runs every request to its end, or until a signal asked to stop and
+    /// nothing is in flight.
+    fn run(
+        &mut self,
+        done_rx: &flume::Receiver<(TransferId, Phase)>,
+        guard: Duration,
+    ) -> Result<(), String> {
+        let mut last_event = Instant::now();
+        while self.finished < self.requests {
+            self.launch()?;
+            if stop_requested() && self.live.is_empty() {
+                break;
+            }
+            let (tid, phase) = match done_rx.recv_timeout(Duration::from_millis(200)) {
+                Ok((tid, phase)) => (tid.0, phase),
+                Err(_) => {
+                    if last_event.elapsed() > guard {
+                        return Err(format!(
+                            "{} requests did not end within {} s",
+                            self.live.len(),
+                            guard.as_secs()
+                        ));
+                    }
+                    continue;
+                }
+            };
+            last_event = Instant::now();
+            self.done(tid, phase);
+        }
+        Ok(())
+    }
+
+    /// Asks for a request in every free slot, until all were asked or a
+    /// signal asked to stop.
+    fn launch(&mut self) -> Result<(), String> {
+        while self.next < self.requests && !stop_requested() {
+            let Some(slot) = self.free.pop() else { break };
+            let tid = self.base + self.next;
+            let blocks = self.blocks(slot);
+            self.kv.clear(&blocks);
             let dst = vec![blocks.iter().map(|&x| BlockId(x)).collect()];
-            node.receiver(tid, &target)
+            self.node
+                .receiver(tid, &self.target)
                 .and_then(|r| r.request(dst))
                 .map_err(|e| format!("request {tid}: {e}"))?;
-            live.insert(tid, (slot, Instant::now()));
-            next += 1;
+            self.live.insert(tid, (slot, Instant::now()));
+            self.next += 1;
         }
-        if stop_requested() && live.is_empty() {
-            break;
-        }
-        let (tid, phase) = match done_rx.recv_timeout(Duration::from_millis(200)) {
-            Ok((tid, phase)) => (tid.0, phase),
-            Err(_) => {
-                if last_event.elapsed() > guard {
-                    return Err(format!(
-                        "{} requests did not end within {} s",
-                        live.len(),
-                        guard.as_secs()
-                    ));
-                }
-                continue;
-            }
+        Ok(())
+    }
+
+    /// The end of `tid`: counted, every byte of a success verified, its
+    /// slot free again.
+    fn done(&mut self, tid: u64, phase: Phase) {
+        let Some((slot, at)) = self.live.remove(&tid) else {
+            return;
         };
-        last_event = Instant::now();
-        let Some((slot, at)) = live.remove(&tid) else {
-            continue;
-        };
-        finished += 1;
+        self.finished += 1;
+        let blocks = self.blocks(slot);
+        let report = &mut self.report;
         match phase {
             Phase::Success => {
-                let blocks: Vec<u32> = (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect();
-                if kv.verify(tid, &blocks, 0).is_err() {
+                if self.kv.verify(tid, &blocks, 0).is_err() {
                     report.verify_errors += 1;
                 }
                 report.ok += 1;
-                report.bytes += kv.block_bytes() * u64::from(b);
-                latencies.record(at.elapsed());
+                report.bytes += self.kv.block_bytes() * u64::from(self.b);
+                self.latencies.record(at.elapsed());
             }
             Phase::Expired => report.expired += 1,
             Phase::Failed(_)
@@ -140,20 +205,21 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
             | Phase::WaitingForInput
             | Phase::Transferring => report.failed += 1,
         }
-        free.push(slot);
-        let _ = node.get_finished();
+        self.free.push(slot);
+        let _ = self.node.get_finished();
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let pct = |q: f64| latencies.quantile(q).as_secs_f64() * 1e3;
-    report.p50_ms = pct(0.5);
-    report.p99_ms = pct(0.99);
-    report.elapsed_s = elapsed;
-    report.gbps = report.bytes as f64 / elapsed / 1e9;
-    report.requests_per_s = report.ok as f64 / elapsed;
-    node.shutdown(Duration::from_millis(200));
-    drop(node);
-    drop(kv);
-    Ok(report)
+
+    /// The report of a run that took `elapsed` seconds.
+    fn finish(self, elapsed: f64) -> DemoReport {
+        let mut report = self.report;
+        let pct = |q: f64| self.latencies.quantile(q).as_secs_f64() * 1e3;
+        report.p50_ms = pct(0.5);
+        report.p99_ms = pct(0.99);
+        report.elapsed_s = elapsed;
+        report.gbps = report.bytes as f64 / elapsed / 1e9;
+        report.requests_per_s = report.ok as f64 / elapsed;
+        report
+    }
 }
 
 /// `kvferry decode`.

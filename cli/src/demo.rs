@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::Phase;
+use kvferry::machines::{Phase, TransferId};
 use kvferry_testkit::synth::Cluster;
 
 use crate::cli::DemoArgs;
@@ -122,60 +122,114 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
     let slots = o.concurrency.min(o.requests.max(1));
     let spec = cluster_spec(o, slots)?;
     let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
-    // Block slots: request slot s owns blocks s·B .. (s+1)·B on both sides,
-    // until both its prefill and its decode ranks are done with it.
-    let b = o.blocks_per_request;
-    let mut free: Vec<u64> = (0..slots).rev().collect();
-    struct Live {
-        slot: u64,
-        started: Instant,
-        decode_left: u32,
-        prefill_left: u32,
-        all_ok: bool,
-        verified: bool,
-    }
-    let mut live: HashMap<u64, Live> = HashMap::new();
-    let mut report = DemoReport {
-        requests: o.requests,
-        ..DemoReport::default()
-    };
-    let mut latencies = Latency::new();
     let bytes_per_request: u64 = c
         .decode
         .iter()
-        .map(|r| r.kv.block_bytes() * u64::from(b))
+        .map(|r| r.kv.block_bytes() * u64::from(o.blocks_per_request))
         .sum();
+    let mut d = Demo {
+        o,
+        c: &c,
+        progress,
+        free: (0..slots).rev().collect(),
+        live: HashMap::new(),
+        report: DemoReport {
+            requests: o.requests,
+            ..DemoReport::default()
+        },
+        latencies: Latency::new(),
+        bytes_per_request,
+        next: 0,
+        finished: 0,
+        last_draw: Instant::now(),
+    };
     let started = Instant::now();
-    let mut next = 0u64;
-    let mut finished = 0u64;
-    let mut last_draw = Instant::now();
     let hard_deadline = Duration::from_millis(o.timeout_ms) * 4 + Duration::from_secs(30);
     let mut last_progress = Instant::now();
-    while finished < o.requests {
-        while next < o.requests {
-            let Some(slot) = free.pop() else { break };
-            let tid = next + 1;
-            let blocks: Vec<u32> = (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect();
-            c.fill(tid, &blocks);
+    while d.finished < o.requests {
+        d.launch()?;
+        let Some((is_decode, tid, phase)) = d.next_event()? else {
+            if last_progress.elapsed() > hard_deadline {
+                return Err(format!(
+                    "no progress for {} s; {} requests still live",
+                    hard_deadline.as_secs(),
+                    d.live.len()
+                ));
+            }
+            continue;
+        };
+        last_progress = Instant::now();
+        d.on_event(is_decode, tid.0, phase);
+    }
+    Ok(d.finish(started))
+}
+
+/// One request in flight.
+struct Live {
+    slot: u64,
+    started: Instant,
+    decode_left: u32,
+    prefill_left: u32,
+    all_ok: bool,
+    verified: bool,
+}
+
+/// The demo's requests between events.
+struct Demo<'a> {
+    o: &'a DemoOptions,
+    c: &'a Cluster,
+    progress: bool,
+    /// Block slots: request slot s owns blocks s·B .. (s+1)·B on both
+    /// sides, until both its prefill and its decode ranks are done with it.
+    free: Vec<u64>,
+    live: HashMap<u64, Live>,
+    report: DemoReport,
+    latencies: Latency,
+    bytes_per_request: u64,
+    next: u64,
+    finished: u64,
+    last_draw: Instant,
+}
+
+impl Demo<'_> {
+    /// The blocks of request slot `slot`.
+    fn blocks(&self, slot: u64) -> Vec<u32> {
+        let b = self.o.blocks_per_request;
+        (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect()
+    }
+
+    /// Starts a request in every free slot, until all were started.
+    fn launch(&mut self) -> Result<(), String> {
+        while self.next < self.o.requests {
+            let Some(slot) = self.free.pop() else { break };
+            let tid = self.next + 1;
+            let blocks = self.blocks(slot);
+            self.c.fill(tid, &blocks);
             // The clock starts before the ranks are asked (an executor may
             // run on this core before `start_request` returns).
             let asked_at = Instant::now();
-            if let Err(e) = c.start_request(tid, &blocks, &blocks, 0) {
+            if let Err(e) = self.c.start_request(tid, &blocks, &blocks, 0) {
                 return Err(format!("request {tid} refused: {e}"));
             }
-            live.insert(
+            self.live.insert(
                 tid,
                 Live {
                     slot,
                     started: asked_at,
-                    decode_left: o.decode_tp,
-                    prefill_left: o.prefill_tp,
+                    decode_left: self.o.decode_tp,
+                    prefill_left: self.o.prefill_tp,
                     all_ok: true,
                     verified: false,
                 },
             );
-            next += 1;
+            self.next += 1;
         }
+        Ok(())
+    }
+
+    /// The next terminal phase (decode side or not, transfer, phase);
+    /// `None` if none came within 500 ms.
+    fn next_event(&self) -> Result<Option<(bool, TransferId, Phase)>, String> {
         // What is queued first; otherwise wait on the side a live request
         // still waits for (decode first: its notification ends a request's
         // latency). Not a `Selector`: it registers with both channels and
@@ -183,44 +237,36 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         // while its lock is held the executor that fired it is preempted
         // by this thread, a lock convoy on a shared core. Both channels
         // are unbounded, so nothing waiting on the other one is dropped.
+        let c = self.c;
         let ready = c
             .decode_done
             .try_recv()
             .map(|(_, t, p)| (true, t, p))
             .or_else(|_| c.prefill_done.try_recv().map(|(_, t, p)| (false, t, p)));
-        let event = match ready {
-            Ok(e) => Ok(Ok(e)),
-            Err(_) => {
-                let is_decode = live.values().any(|l| l.decode_left > 0);
-                let done = if is_decode {
-                    &c.decode_done
-                } else {
-                    &c.prefill_done
-                };
-                match done.recv_timeout(Duration::from_millis(500)) {
-                    Ok((_, t, p)) => Ok(Ok((is_decode, t, p))),
-                    Err(flume::RecvTimeoutError::Timeout) => Err(()),
-                    Err(flume::RecvTimeoutError::Disconnected) => Ok(Err(())),
-                }
-            }
+        if let Ok(e) = ready {
+            return Ok(Some(e));
+        }
+        let is_decode = self.live.values().any(|l| l.decode_left > 0);
+        let done = if is_decode {
+            &c.decode_done
+        } else {
+            &c.prefill_done
         };
-        let (is_decode, tid, phase) = match event {
-            Ok(Ok(e)) => e,
-            Ok(Err(_)) => return Err("node notification channel closed".into()),
-            Err(_) => {
-                if last_progress.elapsed() > hard_deadline {
-                    return Err(format!(
-                        "no progress for {} s; {} requests still live",
-                        hard_deadline.as_secs(),
-                        live.len()
-                    ));
-                }
-                continue;
+        match done.recv_timeout(Duration::from_millis(500)) {
+            Ok((_, t, p)) => Ok(Some((is_decode, t, p))),
+            Err(flume::RecvTimeoutError::Timeout) => Ok(None),
+            Err(flume::RecvTimeoutError::Disconnected) => {
+                Err("node notification channel closed".into())
             }
-        };
-        last_progress = Instant::now();
-        let Some(l) = live.get_mut(&tid.0) else {
-            continue;
+        }
+    }
+
+    /// A terminal phase of `tid` on a rank: the request's outcome once
+    /// every decode rank is terminal (every byte of a success verified),
+    /// its slot once every rank is.
+    fn on_event(&mut self, is_decode: bool, tid: u64, phase: Phase) {
+        let Some(l) = self.live.get_mut(&tid) else {
+            return;
         };
         if is_decode {
             l.decode_left = l.decode_left.saturating_sub(1);
@@ -231,13 +277,15 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             }
             if l.decode_left == 0 && !l.verified {
                 l.verified = true;
-                finished += 1;
+                self.finished += 1;
+                let b = self.o.blocks_per_request;
                 let blocks: Vec<u32> = (0..b).map(|i| (l.slot * u64::from(b)) as u32 + i).collect();
+                let report = &mut self.report;
                 if l.all_ok {
                     report.ok += 1;
-                    report.bytes += bytes_per_request;
-                    latencies.record(l.started.elapsed());
-                    let bad = c.verify(tid.0, &blocks, 0);
+                    report.bytes += self.bytes_per_request;
+                    self.latencies.record(l.started.elapsed());
+                    let bad = self.c.verify(tid, &blocks, 0);
                     report.verify_errors += bad as u64;
                 } else if phase == Phase::Expired {
                     report.expired += 1;
@@ -249,44 +297,56 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
             l.prefill_left = l.prefill_left.saturating_sub(1);
         }
         if l.decode_left == 0 && l.prefill_left == 0 {
-            free.push(l.slot);
-            live.remove(&tid.0);
+            self.free.push(l.slot);
+            self.live.remove(&tid);
         }
-        if finished.is_multiple_of(256) {
+        if self.finished.is_multiple_of(256) {
             // Collect finished records so the executors' boards stay small.
-            for r in c.prefill.iter().chain(&c.decode) {
+            for r in self.c.prefill.iter().chain(&self.c.decode) {
                 let _ = r.node.get_finished();
             }
         }
-        if progress && last_draw.elapsed() > Duration::from_millis(100) {
-            last_draw = Instant::now();
-            let width = 40u64;
-            let done = finished * width / o.requests.max(1);
-            eprint!(
-                "\r[{}{}] {finished}/{} ok {} failed {} expired {}",
-                "#".repeat(done as usize),
-                " ".repeat((width - done) as usize),
-                o.requests,
-                report.ok,
-                report.failed,
-                report.expired
-            );
-            let _ = std::io::stderr().flush();
+        self.draw();
+    }
+
+    /// The progress bar, at most every 100 ms.
+    fn draw(&mut self) {
+        if !(self.progress && self.last_draw.elapsed() > Duration::from_millis(100)) {
+            return;
         }
+        self.last_draw = Instant::now();
+        let (finished, requests, report) = (self.finished, self.o.requests, &self.report);
+        let width = 40u64;
+        let done = finished * width / requests.max(1);
+        eprint!(
+            "\r[{}{}] {finished}/{} ok {} failed {} expired {}",
+            "#".repeat(done as usize),
+            " ".repeat((width - done) as usize),
+            requests,
+            report.ok,
+            report.failed,
+            report.expired
+        );
+        let _ = std::io::stderr().flush();
     }
-    if progress {
-        eprintln!();
+
+    /// The report of a run that started at `started`.
+    fn finish(self, started: Instant) -> DemoReport {
+        if self.progress {
+            eprintln!();
+        }
+        for r in self.c.prefill.iter().chain(&self.c.decode) {
+            tracing::debug!(stats = ?r.node.stats(), "node counters");
+        }
+        let mut report = self.report;
+        let elapsed = started.elapsed().as_secs_f64();
+        report.elapsed_s = elapsed;
+        report.gbps = report.bytes as f64 / elapsed / 1e9;
+        report.requests_per_s = report.ok as f64 / elapsed;
+        report.p50_ms = ms(self.latencies.quantile(0.50));
+        report.p99_ms = ms(self.latencies.quantile(0.99));
+        report
     }
-    for r in c.prefill.iter().chain(&c.decode) {
-        tracing::debug!(stats = ?r.node.stats(), "node counters");
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    report.elapsed_s = elapsed;
-    report.gbps = report.bytes as f64 / elapsed / 1e9;
-    report.requests_per_s = report.ok as f64 / elapsed;
-    report.p50_ms = ms(latencies.quantile(0.50));
-    report.p99_ms = ms(latencies.quantile(0.99));
-    Ok(report)
 }
 
 /// `kvferry demo`.

@@ -105,7 +105,6 @@ pub(crate) fn stop_requested() -> bool {
 fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
     let o = a.model.apply(DemoOptions::default());
     let num_blocks = a.blocks;
-    let delay = Duration::from_millis(a.delay_ms);
     let mut c = a.rank.node_config(Role::Prefill, a.engine_id.clone(), &o);
     c.side_channel_port = a.side_channel_port;
     let bootstrap = a.rank.bootstrap.clone();
@@ -136,73 +135,112 @@ fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
         node.endpoint(),
         node.bootstrap_addr().unwrap_or_default()
     );
-    let mut free: Vec<u32> = (0..num_blocks).rev().collect();
-    let mut held: HashMap<u64, Vec<u32>> = HashMap::new();
-    // Requests waiting for their delay or for free blocks, oldest first.
-    let mut waiting: VecDeque<(Instant, RemoteRequest)> = VecDeque::new();
-    let mut served = 0u64;
+    let mut s = Serve {
+        node: &node,
+        kv: &kv,
+        num_blocks,
+        delay: Duration::from_millis(a.delay_ms),
+        free: (0..num_blocks).rev().collect(),
+        held: HashMap::new(),
+        waiting: VecDeque::new(),
+        served: 0,
+    };
     while !stop_requested() {
         let now = Instant::now();
-        // Start every request whose delay passed and whose blocks are free.
-        while let Some((at, r)) = waiting.front() {
+        s.start_ready(now);
+        let event = flume::Selector::new()
+            .recv(&req_rx, |r| r.map(either_left))
+            .recv(&done_rx, |r| r.map(either_right))
+            .wait_timeout(s.wait(now));
+        if let Ok(Ok(e)) = event {
+            s.on_event(e);
+        }
+        let _ = node.get_finished();
+    }
+    eprintln!("kvferry prefill: stopping after {} requests", s.served);
+    node.shutdown(Duration::from_millis(500));
+    drop(node);
+    drop(kv);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The prefill rank's requests between events.
+struct Serve<'a> {
+    node: &'a Node,
+    kv: &'a SynthKv,
+    num_blocks: u32,
+    /// Stand-in for the prefill computation.
+    delay: Duration,
+    free: Vec<u32>,
+    /// Blocks of every transfer sent, until its phase turns terminal.
+    held: HashMap<u64, Vec<u32>>,
+    /// Requests waiting for their delay or for free blocks, oldest first.
+    waiting: VecDeque<(Instant, RemoteRequest)>,
+    served: u64,
+}
+
+impl Serve<'_> {
+    /// Starts every request whose delay passed and whose blocks are free.
+    fn start_ready(&mut self, now: Instant) {
+        while let Some((at, r)) = self.waiting.front() {
             let need = r.blocks_per_group.first().copied().unwrap_or(0) as usize;
-            if *at > now || need > free.len() {
+            if *at > now || need > self.free.len() {
                 break;
             }
             let tid = r.transfer_id;
-            waiting.pop_front();
-            let blocks: Vec<u32> = (0..need).filter_map(|_| free.pop()).collect();
-            kv.fill(tid, &blocks, 0);
-            let sent = node
+            self.waiting.pop_front();
+            let blocks: Vec<u32> = (0..need).filter_map(|_| self.free.pop()).collect();
+            self.kv.fill(tid, &blocks, 0);
+            let sent = self
+                .node
                 .sender(tid)
                 .and_then(|s| s.send(vec![blocks.iter().map(|&b| BlockId(b)).collect()], true));
             match sent {
                 Ok(()) => {
-                    held.insert(tid, blocks);
-                    served += 1;
+                    self.held.insert(tid, blocks);
+                    self.served += 1;
                 }
                 Err(e) => {
                     tracing::warn!(tid, %e, "cannot send");
-                    free.extend(blocks);
+                    self.free.extend(blocks);
                 }
             }
         }
-        let wait = waiting
+    }
+
+    /// How long to wait for an event: until the oldest waiting request's
+    /// delay passes, at most 100 ms.
+    fn wait(&self, now: Instant) -> Duration {
+        self.waiting
             .front()
             .map_or(Duration::from_millis(100), |(at, _)| {
                 at.saturating_duration_since(now)
             })
-            .min(Duration::from_millis(100));
-        let event = flume::Selector::new()
-            .recv(&req_rx, |r| r.map(either_left))
-            .recv(&done_rx, |r| r.map(either_right))
-            .wait_timeout(wait);
-        match event {
-            Ok(Ok(Either::Request(r))) => {
-                if r.blocks_per_group.len() == 1 && r.blocks_per_group[0] <= num_blocks {
-                    waiting.push_back((Instant::now() + delay, r));
+            .min(Duration::from_millis(100))
+    }
+
+    /// A new request waits for its delay (or is aborted if it cannot
+    /// fit); a terminal phase frees its transfer's blocks.
+    fn on_event(&mut self, e: Either) {
+        match e {
+            Either::Request(r) => {
+                if r.blocks_per_group.len() == 1 && r.blocks_per_group[0] <= self.num_blocks {
+                    self.waiting.push_back((Instant::now() + self.delay, r));
                 } else {
                     tracing::warn!(
                         tid = r.transfer_id,
                         "request does not fit this server; aborting"
                     );
-                    let _ = node.abort(r.transfer_id);
+                    let _ = self.node.abort(r.transfer_id);
                 }
             }
-            Ok(Ok(Either::Done(tid))) => {
-                if let Some(blocks) = held.remove(&tid) {
-                    free.extend(blocks);
+            Either::Done(tid) => {
+                if let Some(blocks) = self.held.remove(&tid) {
+                    self.free.extend(blocks);
                 }
             }
-            Ok(Err(_)) | Err(_) => {}
         }
-        let _ = node.get_finished();
     }
-    eprintln!("kvferry prefill: stopping after {served} requests");
-    node.shutdown(Duration::from_millis(500));
-    drop(node);
-    drop(kv);
-    Ok(ExitCode::SUCCESS)
 }
 
 enum Either {

@@ -639,7 +639,6 @@ impl Soak<'_> {
         self.report.requests += 1;
         let ids = self.block_ids(slot);
         self.c.fill(tid, &ids);
-        let blocks = self.blocks(slot);
         let mut l = Live {
             slot,
             started: now,
@@ -655,6 +654,20 @@ impl Soak<'_> {
             aborted: false,
             refused: false,
         };
+        self.start_handles(tid, &mut l);
+        if l.refused {
+            self.undo_refused(tid, l);
+            return false;
+        }
+        self.plan(tid, &mut l, now);
+        self.live.insert(tid, l);
+        true
+    }
+
+    /// Asks every decode rank for the KV, then opens a sender on every
+    /// prefill rank; stops at the first refusal and sets `l.refused`.
+    fn start_handles(&mut self, tid: u64, l: &mut Live) {
+        let blocks = self.blocks(l.slot);
         for (i, r) in self.c.decode.iter().enumerate() {
             let started = r.node.receiver(tid, &self.c.target).and_then(|h| {
                 h.request_with_prefix(vec![blocks.clone()], vec![0])
@@ -689,21 +702,26 @@ impl Soak<'_> {
                 }
             }
         }
-        if l.refused {
-            // Whatever started is aborted; the slot comes back once those
-            // ranks are terminal.
-            self.report.refused += 1;
-            l.outcome_counted = true;
-            Self::abort_handles(&mut self.report, &l, Side::Both);
-            if l.decode_wait == 0 && l.prefill_wait == 0 {
-                // Not free at once: relaunching in the same pass would spin
-                // on a node that is still full.
-                self.parked.push(slot);
-            } else {
-                self.live.insert(tid, l);
-            }
-            return false;
+    }
+
+    /// A request a node refused: whatever started is aborted; the slot
+    /// comes back once those ranks are terminal.
+    fn undo_refused(&mut self, tid: u64, mut l: Live) {
+        self.report.refused += 1;
+        l.outcome_counted = true;
+        Self::abort_handles(&mut self.report, &l, Side::Both);
+        if l.decode_wait == 0 && l.prefill_wait == 0 {
+            // Not free at once: relaunching in the same pass would spin
+            // on a node that is still full.
+            self.parked.push(l.slot);
+        } else {
+            self.live.insert(tid, l);
         }
+    }
+
+    /// The random plan of a started request: when its KV is ready on the
+    /// prefill side and whether, when and from which side it is aborted.
+    fn plan(&mut self, tid: u64, l: &mut Live, now: Instant) {
         let delay = Duration::from_micros(self.rng.upto(self.o.prefill_delay_us));
         let send_at = now + delay;
         self.timers
@@ -727,8 +745,6 @@ impl Soak<'_> {
             self.timers
                 .push(std::cmp::Reverse((at, Action::Abort, tid)));
         }
-        self.live.insert(tid, l);
-        true
     }
 
     /// The first refusal is a warning, the rest are counted in `refused`.
@@ -821,15 +837,36 @@ impl Soak<'_> {
     /// A terminal phase of `tid` on a rank.
     fn terminal(&mut self, decode: bool, rank: u32, tid: u64, phase: Phase, now: Instant) {
         self.terminals_since_collect += 1;
-        let Some(l) = self.live.get_mut(&tid) else {
+        if !self.rank_done(decode, rank, tid, phase) {
             self.stray(decode, tid, phase);
             return;
+        }
+        let Some(l) = self.live.get_mut(&tid) else {
+            return;
+        };
+        let count = l.decode_wait == 0 && !l.outcome_counted;
+        if count {
+            l.outcome_counted = true;
+        }
+        let done = l.decode_wait == 0 && l.prefill_wait == 0;
+        if count {
+            self.count_outcome(tid, now);
+        }
+        if done {
+            self.retire(tid);
+        }
+    }
+
+    /// Marks `rank` of `tid` terminal; false if that rank was not awaited
+    /// (a stray notification).
+    fn rank_done(&mut self, decode: bool, rank: u32, tid: u64, phase: Phase) -> bool {
+        let Some(l) = self.live.get_mut(&tid) else {
+            return false;
         };
         let bit = 1u64 << rank.min(63);
         if decode {
             if l.decode_wait & bit == 0 {
-                self.stray(decode, tid, phase);
-                return;
+                return false;
             }
             l.decode_wait &= !bit;
             match phase {
@@ -843,61 +880,70 @@ impl Soak<'_> {
             }
         } else {
             if l.prefill_wait & bit == 0 {
-                self.stray(decode, tid, phase);
-                return;
+                return false;
             }
             l.prefill_wait &= !bit;
             if let (Phase::Expired, Some((side, early)), true) = (phase, l.abort, l.aborted) {
                 self.report.aborts.prefill_expired_by_plan.bump(side, early);
             }
         }
-        if l.decode_wait == 0 && !l.outcome_counted {
-            l.outcome_counted = true;
-            let r = &mut self.report;
-            if l.all_ok {
-                r.ok += 1;
-                if l.aborted {
-                    r.aborts.ended_ok += 1;
-                }
-                r.bytes += self.bytes_per_request;
-                self.latencies.record(now - l.started);
-                if let Some(sent) = l.sent_at {
-                    let d = now.saturating_duration_since(sent);
-                    self.move_ewma = (self.move_ewma * 7 + d) / 8;
-                }
-                let b = u64::from(self.o.demo.blocks_per_request);
-                let ids: Vec<u32> = (0..b).map(|i| (l.slot * b + i) as u32).collect();
-                if self.c.verify(tid, &ids, 0) > 0 {
-                    r.verify_errors += 1;
-                }
-            } else if l.aborted {
-                r.aborted += 1;
-                if l.any_expired {
-                    r.aborts.ended_expired += 1;
-                    if let Some((side, early)) = l.abort {
-                        r.aborts.ended_expired_by_plan.bump(side, early);
-                    }
-                }
-            } else if l.any_expired {
-                r.expired += 1;
-            } else {
-                r.failed += 1;
+        true
+    }
+
+    /// Counts the outcome of `tid` once every decode rank is terminal;
+    /// verifies every byte of a success.
+    fn count_outcome(&mut self, tid: u64, now: Instant) {
+        let Some(l) = self.live.get(&tid) else {
+            return;
+        };
+        let r = &mut self.report;
+        if l.all_ok {
+            r.ok += 1;
+            if l.aborted {
+                r.aborts.ended_ok += 1;
             }
+            r.bytes += self.bytes_per_request;
+            self.latencies.record(now - l.started);
+            if let Some(sent) = l.sent_at {
+                let d = now.saturating_duration_since(sent);
+                self.move_ewma = (self.move_ewma * 7 + d) / 8;
+            }
+            let b = u64::from(self.o.demo.blocks_per_request);
+            let ids: Vec<u32> = (0..b).map(|i| (l.slot * b + i) as u32).collect();
+            if self.c.verify(tid, &ids, 0) > 0 {
+                r.verify_errors += 1;
+            }
+        } else if l.aborted {
+            r.aborted += 1;
+            if l.any_expired {
+                r.aborts.ended_expired += 1;
+                if let Some((side, early)) = l.abort {
+                    r.aborts.ended_expired_by_plan.bump(side, early);
+                }
+            }
+        } else if l.any_expired {
+            r.expired += 1;
+        } else {
+            r.failed += 1;
         }
-        if l.decode_wait == 0 && l.prefill_wait == 0 {
-            self.free.push(l.slot);
-            if let Some(plan) = l.abort.filter(|_| l.aborted) {
-                // Remembered (bounded) so a stray notification that comes
-                // later can be attributed to its abort plan.
-                if self.recent_aborts.len() >= RECENT_ABORTS_MAX {
-                    if let Some(old) = self.recent_order.pop_front() {
-                        self.recent_aborts.remove(&old);
-                    }
+    }
+
+    /// Every rank of `tid` is terminal: its slot is free again.
+    fn retire(&mut self, tid: u64) {
+        let Some(l) = self.live.remove(&tid) else {
+            return;
+        };
+        self.free.push(l.slot);
+        if let Some(plan) = l.abort.filter(|_| l.aborted) {
+            // Remembered (bounded) so a stray notification that comes
+            // later can be attributed to its abort plan.
+            if self.recent_aborts.len() >= RECENT_ABORTS_MAX {
+                if let Some(old) = self.recent_order.pop_front() {
+                    self.recent_aborts.remove(&old);
                 }
-                self.recent_aborts.insert(tid, plan);
-                self.recent_order.push_back(tid);
             }
-            self.live.remove(&tid);
+            self.recent_aborts.insert(tid, plan);
+            self.recent_order.push_back(tid);
         }
     }
 
@@ -945,147 +991,198 @@ impl Soak<'_> {
     }
 }
 
-/// Runs the soak. `progress` draws a status line on stderr.
-pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
-    if o.demo.prefill_tp > 64 || o.demo.decode_tp > 64 {
-        return Err("the soak tracks at most 64 ranks per side".into());
+/// Collected every 256 terminal phases or every 5 ms, like an engine's
+/// scheduler steps; a refusal also backs new requests off for 1 ms.
+const COLLECT_EVERY: Duration = Duration::from_millis(5);
+
+/// Requests that had reached a terminal outcome.
+fn completed(r: &SoakReport) -> u64 {
+    r.ok + r.failed + r.aborted + r.expired + r.refused
+}
+
+/// When the soak loop next collects, launches and samples, and when it
+/// stops.
+struct Schedule {
+    started: Instant,
+    load_end: Instant,
+    /// Every request is terminal within its deadlines plus the fence; past
+    /// this, what is still live is reported, not waited for.
+    drain_limit: Duration,
+    /// Set when the load stops: the end of the drain.
+    drain_end: Option<Instant>,
+    next_sample: Instant,
+    last_event: Instant,
+    next_collect: Instant,
+    backoff_until: Instant,
+    samples: Vec<RssSample>,
+}
+
+impl Schedule {
+    fn new(o: &SoakOptions) -> Self {
+        let samples = Vec::with_capacity(o.duration.as_secs() as usize + 64);
+        let started = Instant::now();
+        Schedule {
+            started,
+            load_end: started + o.duration,
+            drain_limit: Duration::from_millis(o.demo.timeout_ms) * 4 + Duration::from_secs(30),
+            drain_end: None,
+            next_sample: started,
+            last_event: started,
+            next_collect: started,
+            backoff_until: started,
+            samples,
+        }
     }
-    let slots = o.demo.concurrency;
-    let spec = cluster_spec(&o.demo, slots)?;
-    let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
-    let bytes_per_request = c
-        .decode
-        .iter()
-        .map(|r| r.kv.block_bytes() * u64::from(o.demo.blocks_per_request))
-        .sum();
-    let mut s = Soak {
-        o,
-        c: &c,
-        rng: Rng(o.seed),
-        free: (0..slots).rev().collect(),
-        live: HashMap::with_capacity(slots as usize),
-        timers: BinaryHeap::with_capacity(2 * slots as usize),
-        report: SoakReport {
-            seconds: o.duration.as_secs_f64(),
-            concurrency: o.demo.concurrency,
-            abort_ratio: o.abort_ratio,
-            seed: o.seed,
-            ..SoakReport::default()
-        },
-        latencies: Latency::new(),
-        move_ewma: Duration::from_millis(1),
-        bytes_per_request,
-        next_tid: 0,
-        parked: Vec::new(),
-        terminals_since_collect: 0,
-        recent_aborts: HashMap::with_capacity(RECENT_ABORTS_MAX),
-        recent_order: std::collections::VecDeque::with_capacity(RECENT_ABORTS_MAX),
-    };
-    let load_s = o.duration.as_secs_f64();
-    let warmup_s = o
-        .warmup_s
-        .unwrap_or((load_s * WARMUP_FRACTION).max(1.0))
-        .min(load_s);
-    let mut samples: Vec<RssSample> = Vec::with_capacity(o.duration.as_secs() as usize + 64);
-    let started = Instant::now();
-    let load_end = started + o.duration;
-    // Every request is terminal within its deadlines plus the fence; past
-    // this, what is still live is reported, not waited for.
-    let drain_limit = Duration::from_millis(o.demo.timeout_ms) * 4 + Duration::from_secs(30);
-    let mut drain_end: Option<Instant> = None;
-    let mut next_sample = started;
-    let mut last_event = started;
-    // Collected every 256 terminal phases or every 5 ms, like an engine's
-    // scheduler steps; a refusal also backs new requests off for 1 ms.
-    let collect_every = Duration::from_millis(5);
-    let mut next_collect = started;
-    let mut backoff_until = started;
-    let completed = |r: &SoakReport| r.ok + r.failed + r.aborted + r.expired + r.refused;
-    loop {
-        let now = Instant::now();
-        if drain_end.is_none() && now >= load_end {
-            drain_end = Some(now + drain_limit);
-            s.report.elapsed_s = now.duration_since(started).as_secs_f64();
+}
+
+impl<'a> Soak<'a> {
+    fn new(o: &'a SoakOptions, c: &'a Cluster) -> Self {
+        let slots = o.demo.concurrency;
+        let bytes_per_request = c
+            .decode
+            .iter()
+            .map(|r| r.kv.block_bytes() * u64::from(o.demo.blocks_per_request))
+            .sum();
+        Soak {
+            o,
+            c,
+            rng: Rng(o.seed),
+            free: (0..slots).rev().collect(),
+            live: HashMap::with_capacity(slots as usize),
+            timers: BinaryHeap::with_capacity(2 * slots as usize),
+            report: SoakReport {
+                seconds: o.duration.as_secs_f64(),
+                concurrency: o.demo.concurrency,
+                abort_ratio: o.abort_ratio,
+                seed: o.seed,
+                ..SoakReport::default()
+            },
+            latencies: Latency::new(),
+            move_ewma: Duration::from_millis(1),
+            bytes_per_request,
+            next_tid: 0,
+            parked: Vec::new(),
+            terminals_since_collect: 0,
+            recent_aborts: HashMap::with_capacity(RECENT_ABORTS_MAX),
+            recent_order: std::collections::VecDeque::with_capacity(RECENT_ABORTS_MAX),
         }
-        if s.terminals_since_collect >= 256 || now >= next_collect {
-            s.collect();
-            next_collect = now + collect_every;
+    }
+
+    /// The load, then the drain: until nothing is live or the drain limit
+    /// passed.
+    fn run(&mut self, t: &mut Schedule, progress: bool) -> Result<(), String> {
+        loop {
+            self.step(t, Instant::now(), progress);
+            let handled = self.take_queued();
+            let now = Instant::now();
+            if handled {
+                t.last_event = now;
+                continue;
+            }
+            if let Some(end) = t.drain_end {
+                if self.live.is_empty() || now >= end {
+                    return Ok(());
+                }
+                if now.duration_since(t.last_event) > Duration::from_secs(1) {
+                    self.reconcile(now);
+                    t.last_event = now;
+                    continue;
+                }
+            }
+            self.wait(t)?;
         }
-        if drain_end.is_none() && now >= backoff_until {
-            while let Some(slot) = s.free.pop() {
-                if !s.launch(slot, now) {
-                    backoff_until = now + Duration::from_millis(1);
-                    next_collect = now;
+    }
+
+    /// What is due at `now`: the end of the load, a collection, new
+    /// requests, the timers that passed, an RSS sample.
+    fn step(&mut self, t: &mut Schedule, now: Instant, progress: bool) {
+        if t.drain_end.is_none() && now >= t.load_end {
+            t.drain_end = Some(now + t.drain_limit);
+            self.report.elapsed_s = now.duration_since(t.started).as_secs_f64();
+        }
+        if self.terminals_since_collect >= 256 || now >= t.next_collect {
+            self.collect();
+            t.next_collect = now + COLLECT_EVERY;
+        }
+        if t.drain_end.is_none() && now >= t.backoff_until {
+            while let Some(slot) = self.free.pop() {
+                if !self.launch(slot, now) {
+                    t.backoff_until = now + Duration::from_millis(1);
+                    t.next_collect = now;
                     break;
                 }
             }
         }
-        while let Some(std::cmp::Reverse((at, action, tid))) = s.timers.peek().copied() {
+        while let Some(std::cmp::Reverse((at, action, tid))) = self.timers.peek().copied() {
             if at > now {
                 break;
             }
-            s.timers.pop();
-            s.fire(action, tid, now);
+            self.timers.pop();
+            self.fire(action, tid, now);
         }
-        if now >= next_sample {
-            next_sample += Duration::from_secs(1);
-            if let Some(rss) = rss_kib() {
-                samples.push(RssSample {
-                    t_s: now.duration_since(started).as_secs_f64(),
-                    rss_kib: rss,
-                    completed: completed(&s.report),
-                });
-            }
-            if progress {
-                let r = &s.report;
-                eprint!(
-                    "\r{:>5.0} s  in flight {:>5}  ok {}  aborted {}  failed {}  expired {}  rss {} KiB   ",
-                    now.duration_since(started).as_secs_f64(),
-                    s.live.len(),
-                    r.ok,
-                    r.aborted,
-                    r.failed,
-                    r.expired,
-                    samples.last().map_or(0, |x| x.rss_kib)
-                );
-                let _ = std::io::stderr().flush();
-            }
+        if now >= t.next_sample {
+            t.next_sample += Duration::from_secs(1);
+            self.sample(t, now, progress);
         }
+    }
+
+    /// Once a second: an RSS sample and, with `progress`, the status line.
+    fn sample(&self, t: &mut Schedule, now: Instant, progress: bool) {
+        if let Some(rss) = rss_kib() {
+            t.samples.push(RssSample {
+                t_s: now.duration_since(t.started).as_secs_f64(),
+                rss_kib: rss,
+                completed: completed(&self.report),
+            });
+        }
+        if progress {
+            let r = &self.report;
+            eprint!(
+                "\r{:>5.0} s  in flight {:>5}  ok {}  aborted {}  failed {}  expired {}  rss {} KiB   ",
+                now.duration_since(t.started).as_secs_f64(),
+                self.live.len(),
+                r.ok,
+                r.aborted,
+                r.failed,
+                r.expired,
+                t.samples.last().map_or(0, |x| x.rss_kib)
+            );
+            let _ = std::io::stderr().flush();
+        }
+    }
+
+    /// Handles the terminal phases already queued; true if there was one.
+    fn take_queued(&mut self) -> bool {
         let mut handled = false;
-        while let Ok((rank, tid, p)) = c.decode_done.try_recv() {
-            s.terminal(true, rank, tid.0, p, Instant::now());
+        while let Ok((rank, tid, p)) = self.c.decode_done.try_recv() {
+            self.terminal(true, rank, tid.0, p, Instant::now());
             handled = true;
         }
-        while let Ok((rank, tid, p)) = c.prefill_done.try_recv() {
-            s.terminal(false, rank, tid.0, p, Instant::now());
+        while let Ok((rank, tid, p)) = self.c.prefill_done.try_recv() {
+            self.terminal(false, rank, tid.0, p, Instant::now());
             handled = true;
         }
-        let now = Instant::now();
-        if handled {
-            last_event = now;
-            continue;
+        handled
+    }
+
+    /// Waits for a terminal phase, at most until the next thing due.
+    fn wait(&mut self, t: &mut Schedule) -> Result<(), String> {
+        let mut wake = t.next_sample.min(t.next_collect);
+        if t.drain_end.is_none() && !self.free.is_empty() {
+            wake = wake.min(t.backoff_until);
         }
-        if let Some(end) = drain_end {
-            if s.live.is_empty() || now >= end {
-                break;
-            }
-            if now.duration_since(last_event) > Duration::from_secs(1) {
-                s.reconcile(now);
-                last_event = now;
-                continue;
-            }
-        }
-        let mut wake = next_sample.min(next_collect);
-        if drain_end.is_none() && !s.free.is_empty() {
-            wake = wake.min(backoff_until);
-        }
-        if let Some(std::cmp::Reverse((at, _, _))) = s.timers.peek() {
+        if let Some(std::cmp::Reverse((at, _, _))) = self.timers.peek() {
             wake = wake.min(*at);
         }
-        match drain_end {
-            None => wake = wake.min(load_end),
-            Some(end) => wake = wake.min(end).min(last_event + Duration::from_millis(1100)),
+        match t.drain_end {
+            None => wake = wake.min(t.load_end),
+            Some(end) => {
+                wake = wake
+                    .min(end)
+                    .min(t.last_event + Duration::from_millis(1100))
+            }
         }
+        let c = self.c;
         let event = flume::Selector::new()
             .recv(&c.decode_done, |r| r.map(|(k, t, p)| (true, k, t, p)))
             .recv(&c.prefill_done, |r| r.map(|(k, t, p)| (false, k, t, p)))
@@ -1093,31 +1190,52 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
         match event {
             Ok(Ok((decode, rank, tid, p))) => {
                 let now = Instant::now();
-                s.terminal(decode, rank, tid.0, p, now);
-                last_event = now;
+                self.terminal(decode, rank, tid.0, p, now);
+                t.last_event = now;
             }
             Ok(Err(_)) => return Err("node notification channel closed".into()),
             Err(_) => {}
         }
+        Ok(())
     }
-    s.collect();
-    let end = Instant::now();
-    if progress {
-        eprintln!();
+
+    /// The report once the drain ended at `end`.
+    fn finish(self, mut t: Schedule, end: Instant) -> SoakReport {
+        let o = self.o;
+        let load_s = o.duration.as_secs_f64();
+        let warmup_s = o
+            .warmup_s
+            .unwrap_or((load_s * WARMUP_FRACTION).max(1.0))
+            .min(load_s);
+        let mut report = self.report;
+        report.drain_s = end.duration_since(t.started).as_secs_f64() - report.elapsed_s;
+        report.non_terminal = self.live.len() as u64;
+        report.blocks_outstanding =
+            (o.demo.concurrency - self.free.len() as u64) * u64::from(o.demo.blocks_per_request);
+        report.requests_per_s = report.ok as f64 / report.elapsed_s.max(1e-9);
+        report.gbps = report.bytes as f64 / report.elapsed_s.max(1e-9) / 1e9;
+        report.p50_ms = self.latencies.quantile(0.50).as_secs_f64() * 1e3;
+        report.p99_ms = self.latencies.quantile(0.99).as_secs_f64() * 1e3;
+        count_nodes(&mut report, self.c, self.next_tid);
+        if let Some(rss) = rss_kib() {
+            t.samples.push(RssSample {
+                t_s: Instant::now().duration_since(t.started).as_secs_f64(),
+                rss_kib: rss,
+                completed: completed(&report),
+            });
+        }
+        report.warmup_s = warmup_s;
+        report.rss = rss_verdict(&t.samples, warmup_s, load_s);
+        report.rss_samples = t.samples;
+        report
     }
-    let mut report = s.report;
-    report.drain_s = end.duration_since(started).as_secs_f64() - report.elapsed_s;
-    report.non_terminal = s.live.len() as u64;
-    report.blocks_outstanding =
-        (slots - s.free.len() as u64) * u64::from(o.demo.blocks_per_request);
-    report.requests_per_s = report.ok as f64 / report.elapsed_s.max(1e-9);
-    report.gbps = report.bytes as f64 / report.elapsed_s.max(1e-9) / 1e9;
-    report.p50_ms = s.latencies.quantile(0.50).as_secs_f64() * 1e3;
-    report.p99_ms = s.latencies.quantile(0.99).as_secs_f64() * 1e3;
-    // Machines still live on the nodes: the node exposes no count of live
-    // machines, so ask for the phase of every transfer id the soak used
-    // (a live machine is on the executor's board, hence found).
-    let last_tid = s.next_tid;
+}
+
+/// The nodes' counters, and the machines still live on them: the node
+/// exposes no count of live machines, so ask for the phase of every
+/// transfer id the soak used (a live machine is on the executor's board,
+/// hence found).
+fn count_nodes(report: &mut SoakReport, c: &Cluster, last_tid: u64) {
     for (stats, ranks) in [
         (&mut report.prefill, &c.prefill),
         (&mut report.decode, &c.decode),
@@ -1129,17 +1247,24 @@ pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
                 .count() as u64;
         }
     }
-    if let Some(rss) = rss_kib() {
-        samples.push(RssSample {
-            t_s: Instant::now().duration_since(started).as_secs_f64(),
-            rss_kib: rss,
-            completed: completed(&report),
-        });
+}
+
+/// Runs the soak. `progress` draws a status line on stderr.
+pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
+    if o.demo.prefill_tp > 64 || o.demo.decode_tp > 64 {
+        return Err("the soak tracks at most 64 ranks per side".into());
     }
-    report.warmup_s = warmup_s;
-    report.rss = rss_verdict(&samples, warmup_s, load_s);
-    report.rss_samples = samples;
-    Ok(report)
+    let spec = cluster_spec(&o.demo, o.demo.concurrency)?;
+    let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
+    let mut s = Soak::new(o, &c);
+    let mut t = Schedule::new(o);
+    s.run(&mut t, progress)?;
+    s.collect();
+    let end = Instant::now();
+    if progress {
+        eprintln!();
+    }
+    Ok(s.finish(t, end))
 }
 
 /// The soak's settings from the command line.
