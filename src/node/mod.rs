@@ -192,93 +192,132 @@ impl std::fmt::Debug for Node {
     }
 }
 
+/// Refuses a configuration the node cannot run with.
+fn check_config(config: &NodeConfig) -> Result<(), NodeError> {
+    config.timeouts.validate().map_err(Misuse::Timeouts)?;
+    if config.reactor.executors.len() != 1 {
+        return Err(Misuse::Executors(config.reactor.executors.len()).into());
+    }
+    if config.tp_size == 0 || config.tp_rank >= config.tp_size {
+        return Err(Misuse::TpRank {
+            tp_rank: config.tp_rank,
+            tp_size: config.tp_size,
+        }
+        .into());
+    }
+    if config.max_peers == 0
+        || config.max_finished_records == 0
+        || config.bridge_queue_capacity == 0
+        || config.max_bootstrap_targets == 0
+        || config.max_data_sessions == 0
+    {
+        return Err(Misuse::ZeroBound(
+            "max_peers, max_finished_records, bridge_queue_capacity, \
+             max_bootstrap_targets and max_data_sessions",
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The state the engine threads, the executor and the bridge share.
+fn new_shared(
+    config: &NodeConfig,
+    bridge_tx: flume::Sender<bridge::BridgeCmd>,
+) -> Result<Arc<Shared>, NodeError> {
+    let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
+    Ok(Arc::new(Shared {
+        role: config.role,
+        node_id: NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed),
+        config: config.clone(),
+        local: OnceLock::new(),
+        endpoint: OnceLock::new(),
+        peers: Mutex::new(Peers::default()),
+        tickets: Mutex::new(HashMap::new()),
+        tracked: Mutex::new(Vec::new()),
+        routes: Mutex::new(Routes::default()),
+        counters: Arc::new(Counters::default()),
+        records: Mutex::new(Records::default()),
+        bridge_tx,
+        waker,
+        create_lock: Mutex::new(()),
+        terminal_seq: Mutex::new(TerminalSeq::default()),
+        terminal_cv: Condvar::new(),
+    }))
+}
+
+/// Starts the executor of `config.role` and waits until its transport
+/// endpoint is bound; the engine and the handle engine threads use.
+fn start_engine(
+    shared: &Arc<Shared>,
+    config: &NodeConfig,
+) -> Result<(Engine, EngineHandle), NodeError> {
+    let (ready_tx, ready_rx) = flume::bounded::<Result<String, DataPlaneError>>(1);
+    let engine = match config.role {
+        Role::Prefill => {
+            let s = shared.clone();
+            let r = Reactor::<SendMachine>::start(config.reactor.clone(), move |ctx| {
+                sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
+            })?;
+            Engine::Prefill(r)
+        }
+        Role::Decode => {
+            let s = shared.clone();
+            let r = Reactor::<RecvMachine>::start(config.reactor.clone(), move |ctx| {
+                sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
+            })?;
+            Engine::Decode(r)
+        }
+    };
+    let handle = match &engine {
+        Engine::Prefill(r) => EngineHandle::Prefill(r.handle()),
+        Engine::Decode(r) => EngineHandle::Decode(r.handle()),
+    };
+    let endpoint = ready_rx
+        .recv_timeout(Duration::from_secs(10))
+        .map_err(|_| NodeError::Timeout("transport endpoint"))??;
+    let _ = shared.endpoint.set(endpoint);
+    Ok((engine, handle))
+}
+
+/// The HTTP servers `config` asks for: the embedded bootstrap service (a
+/// prefill rank only) and the metrics endpoint.
+fn start_servers(
+    shared: &Shared,
+    config: &NodeConfig,
+) -> Result<
+    (
+        Option<registration::EmbeddedBootstrap>,
+        Option<crate::stats::MetricsServer>,
+    ),
+    NodeError,
+> {
+    let counters = shared.counters.clone();
+    let source: crate::bootstrap::MetricsSource = Arc::new(move || crate::stats::render(&counters));
+    let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
+        (Role::Prefill, Some(addr)) => Some(registration::EmbeddedBootstrap::start(
+            addr,
+            source.clone(),
+        )?),
+        _ => None,
+    };
+    let metrics_server = match &config.metrics_listen {
+        Some(addr) => Some(crate::stats::MetricsServer::start(addr, source)?),
+        None => None,
+    };
+    Ok((bootstrap_server, metrics_server))
+}
+
 impl Node {
     /// Starts the executor (with its transport endpoint), the side channel
     /// and, on a prefill rank, the embedded bootstrap service and the
     /// registration at the bootstrap service.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
-        config.timeouts.validate().map_err(Misuse::Timeouts)?;
-        if config.reactor.executors.len() != 1 {
-            return Err(Misuse::Executors(config.reactor.executors.len()).into());
-        }
-        if config.tp_size == 0 || config.tp_rank >= config.tp_size {
-            return Err(Misuse::TpRank {
-                tp_rank: config.tp_rank,
-                tp_size: config.tp_size,
-            }
-            .into());
-        }
-        if config.max_peers == 0
-            || config.max_finished_records == 0
-            || config.bridge_queue_capacity == 0
-            || config.max_bootstrap_targets == 0
-            || config.max_data_sessions == 0
-        {
-            return Err(Misuse::ZeroBound(
-                "max_peers, max_finished_records, bridge_queue_capacity, \
-                 max_bootstrap_targets and max_data_sessions",
-            )
-            .into());
-        }
+        check_config(&config)?;
         let (bridge_tx, bridge_rx) = flume::bounded(config.bridge_queue_capacity);
-        let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
-        let shared = Arc::new(Shared {
-            role: config.role,
-            node_id: NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed),
-            config: config.clone(),
-            local: OnceLock::new(),
-            endpoint: OnceLock::new(),
-            peers: Mutex::new(Peers::default()),
-            tickets: Mutex::new(HashMap::new()),
-            tracked: Mutex::new(Vec::new()),
-            routes: Mutex::new(Routes::default()),
-            counters: Arc::new(Counters::default()),
-            records: Mutex::new(Records::default()),
-            bridge_tx,
-            waker,
-            create_lock: Mutex::new(()),
-            terminal_seq: Mutex::new(TerminalSeq::default()),
-            terminal_cv: Condvar::new(),
-        });
-        let (ready_tx, ready_rx) = flume::bounded::<Result<String, DataPlaneError>>(1);
-        let engine = match config.role {
-            Role::Prefill => {
-                let s = shared.clone();
-                let r = Reactor::<SendMachine>::start(config.reactor.clone(), move |ctx| {
-                    sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
-                })?;
-                Engine::Prefill(r)
-            }
-            Role::Decode => {
-                let s = shared.clone();
-                let r = Reactor::<RecvMachine>::start(config.reactor.clone(), move |ctx| {
-                    sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
-                })?;
-                Engine::Decode(r)
-            }
-        };
-        let handle = match &engine {
-            Engine::Prefill(r) => EngineHandle::Prefill(r.handle()),
-            Engine::Decode(r) => EngineHandle::Decode(r.handle()),
-        };
-        let endpoint = ready_rx
-            .recv_timeout(Duration::from_secs(10))
-            .map_err(|_| NodeError::Timeout("transport endpoint"))??;
-        let _ = shared.endpoint.set(endpoint);
-        let counters = shared.counters.clone();
-        let source: crate::bootstrap::MetricsSource =
-            Arc::new(move || crate::stats::render(&counters));
-        let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
-            (Role::Prefill, Some(addr)) => Some(registration::EmbeddedBootstrap::start(
-                addr,
-                source.clone(),
-            )?),
-            _ => None,
-        };
-        let metrics_server = match &config.metrics_listen {
-            Some(addr) => Some(crate::stats::MetricsServer::start(addr, source)?),
-            None => None,
-        };
+        let shared = new_shared(&config, bridge_tx)?;
+        let (engine, handle) = start_engine(&shared, &config)?;
+        let (bootstrap_server, metrics_server) = start_servers(&shared, &config)?;
         let (bridge, side_channel) =
             bridge::BridgeThread::start(shared.clone(), handle.clone(), bridge_rx)?;
         let node = Node {

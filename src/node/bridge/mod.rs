@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 
 use kvferry_machines::common::{Msg, PeerId, TICKET_BIT};
 use kvferry_machines::planner::{PairLayout, TpPair};
-use kvferry_machines::recv::ResolvedPeer;
+use kvferry_machines::recv::{RecvMachine, ResolvedPeer};
 use kvferry_machines::send::SendMachine;
 use kvferry_machines::{recv, send, AbortReason, TransferId};
-use kvferry_reactor::SubmitError;
+use kvferry_reactor::{ReactorHandle, SubmitError};
 
 use super::{
     Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Role, Shared,
@@ -597,7 +597,6 @@ impl Bridge {
 
     /// Hands `msg` to the machine of `tid`; true if a live machine took it.
     fn deliver(&mut self, peer: u32, tid: TransferId, msg: Msg) -> bool {
-        let pid = PeerId(peer);
         if self.handle.poll(tid).is_some_and(|p| p.is_terminal()) {
             // Finished here (released, nothing in flight) but not collected
             // yet: answer like for an unknown transfer so the peer does not
@@ -614,94 +613,23 @@ impl Bridge {
                 return with_lock(&shared, || h.send_event(tid, event)).is_ok();
             }
         }
-        let refused = match &self.handle {
-            EngineHandle::Prefill(h) => match with_lock(&shared, || {
-                h.send_event(tid, send::Event::Msg { peer: pid, msg })
-            }) {
-                Ok(()) => return true,
-                Err(r) => match (r.error, r.value) {
-                    // A `Pull` for a transfer that already ended here (and
-                    // was collected): tell decode at once, as for any
-                    // unknown transfer, instead of starting a second
-                    // machine that would wait for an engine that is done.
-                    (
-                        SubmitError::UnknownTransfer(_),
-                        send::Event::Msg {
-                            msg: msg @ Msg::Pull { .. },
-                            ..
-                        },
-                    ) if shared.finished_phase(tid).is_some() => (r.error, Some(msg)),
-                    (
-                        SubmitError::UnknownTransfer(_),
-                        send::Event::Msg {
-                            msg: msg @ Msg::Pull { .. },
-                            ..
-                        },
-                    ) => {
-                        if let (
-                            Some(hook),
-                            Msg::Pull {
-                                dst_blocks,
-                                prefix_blocks,
-                                ..
-                            },
-                        ) = (&self.shared.config.on_remote_request, &msg)
-                        {
-                            let blocks_per_group = dst_blocks
-                                .iter()
-                                .zip(prefix_blocks)
-                                .map(|(d, p)| (d.len() as u32).saturating_add(*p))
-                                .collect();
-                            let _ = hook.try_send(super::RemoteRequest {
-                                transfer_id: tid.0,
-                                blocks_per_group,
-                            });
-                        }
-                        // D asked before the engine called `sender`: create
-                        // the machine now (either may come first).
-                        let cfg = &self.shared.config;
-                        let m = SendMachine::new(Instant::now(), &cfg.timeouts, tid, cfg.mode);
-                        let created = {
-                            let _order =
-                                shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
-                            h.create(0, tid, m)
-                        };
-                        match created {
-                            Ok(()) => {}
-                            Err(c) if c.error == SubmitError::DuplicateTransfer(tid) => {}
-                            Err(c) => {
-                                tracing::warn!(?tid, error = %c.error, "cannot take a new transfer");
-                                self.send_frame(
-                                    peer,
-                                    &Frame::Transfer {
-                                        transfer_id: tid,
-                                        msg: Msg::Abort,
-                                    },
-                                );
-                                return false;
-                            }
-                        }
-                        match h.send_event(tid, send::Event::Msg { peer: pid, msg }) {
-                            Ok(()) => return true,
-                            Err(r) => (r.error, None),
-                        }
-                    }
-                    (e, send::Event::Msg { msg, .. }) => (e, Some(msg)),
-                    (e, _) => (e, None),
-                },
-            },
-            EngineHandle::Decode(h) => match h.send_event(tid, recv::Event::Msg { peer: pid, msg })
-            {
-                Ok(()) => return true,
-                Err(r) => match r.value {
-                    recv::Event::Msg { msg, .. } => (r.error, Some(msg)),
-                    _ => (r.error, None),
-                },
-            },
+        let delivery = match &self.handle {
+            EngineHandle::Prefill(h) => to_sender(&shared, h, PeerId(peer), tid, msg),
+            EngineHandle::Decode(h) => to_receiver(h, PeerId(peer), tid, msg),
         };
-        match refused {
-            (SubmitError::UnknownTransfer(_), Some(msg)) => self.answer_unknown(peer, tid, msg),
-            (e, _) => {
+        match delivery {
+            Delivery::Taken => return true,
+            Delivery::NoRoom => self.send_frame(
+                peer,
+                &Frame::Transfer {
+                    transfer_id: tid,
+                    msg: Msg::Abort,
+                },
+            ),
+            Delivery::Refused(SubmitError::UnknownTransfer(_), Some(msg)) => {
+                self.answer_unknown(peer, tid, msg)
+            }
+            Delivery::Refused(e, _) => {
                 tracing::debug!(?tid, %e, "message not delivered");
                 self.shared
                     .counters
@@ -790,6 +718,125 @@ impl Bridge {
 fn with_lock<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
     let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
     f()
+}
+
+/// What became of a message handed to the machine of its transfer.
+enum Delivery {
+    /// A live machine took it.
+    Taken,
+    /// No machine took it: why, and the message when it came back.
+    Refused(SubmitError, Option<Msg>),
+    /// A `Pull` needed a new machine and the engine had no room for one;
+    /// the peer is told to abort.
+    NoRoom,
+}
+
+/// Hands `msg` to the send machine of `tid`, creating the machine when
+/// decode's `Pull` comes before the engine's `sender`.
+fn to_sender(
+    shared: &Shared,
+    h: &ReactorHandle<SendMachine>,
+    peer: PeerId,
+    tid: TransferId,
+    msg: Msg,
+) -> Delivery {
+    match with_lock(shared, || h.send_event(tid, send::Event::Msg { peer, msg })) {
+        Ok(()) => Delivery::Taken,
+        Err(r) => match (r.error, r.value) {
+            // A `Pull` for a transfer that already ended here (and
+            // was collected): tell decode at once, as for any
+            // unknown transfer, instead of starting a second
+            // machine that would wait for an engine that is done.
+            (
+                SubmitError::UnknownTransfer(_),
+                send::Event::Msg {
+                    msg: msg @ Msg::Pull { .. },
+                    ..
+                },
+            ) if shared.finished_phase(tid).is_some() => Delivery::Refused(r.error, Some(msg)),
+            (
+                SubmitError::UnknownTransfer(_),
+                send::Event::Msg {
+                    msg: msg @ Msg::Pull { .. },
+                    ..
+                },
+            ) => sender_for_pull(shared, h, peer, tid, msg),
+            (e, send::Event::Msg { msg, .. }) => Delivery::Refused(e, Some(msg)),
+            (e, _) => Delivery::Refused(e, None),
+        },
+    }
+}
+
+/// Creates the send machine of `tid` for decode's early `Pull` and hands
+/// the `Pull` to it.
+fn sender_for_pull(
+    shared: &Shared,
+    h: &ReactorHandle<SendMachine>,
+    peer: PeerId,
+    tid: TransferId,
+    msg: Msg,
+) -> Delivery {
+    announce_remote_request(shared, tid, &msg);
+    // D asked before the engine called `sender`: create
+    // the machine now (either may come first).
+    let cfg = &shared.config;
+    let m = SendMachine::new(Instant::now(), &cfg.timeouts, tid, cfg.mode);
+    let created = {
+        let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+        h.create(0, tid, m)
+    };
+    match created {
+        Ok(()) => {}
+        Err(c) if c.error == SubmitError::DuplicateTransfer(tid) => {}
+        Err(c) => {
+            tracing::warn!(?tid, error = %c.error, "cannot take a new transfer");
+            return Delivery::NoRoom;
+        }
+    }
+    match h.send_event(tid, send::Event::Msg { peer, msg }) {
+        Ok(()) => Delivery::Taken,
+        Err(r) => Delivery::Refused(r.error, None),
+    }
+}
+
+/// Tells the engine's `on_remote_request` hook, if any, how many blocks a
+/// decode `Pull` asks for in each group.
+fn announce_remote_request(shared: &Shared, tid: TransferId, msg: &Msg) {
+    if let (
+        Some(hook),
+        Msg::Pull {
+            dst_blocks,
+            prefix_blocks,
+            ..
+        },
+    ) = (&shared.config.on_remote_request, msg)
+    {
+        let blocks_per_group = dst_blocks
+            .iter()
+            .zip(prefix_blocks)
+            .map(|(d, p)| (d.len() as u32).saturating_add(*p))
+            .collect();
+        let _ = hook.try_send(super::RemoteRequest {
+            transfer_id: tid.0,
+            blocks_per_group,
+        });
+    }
+}
+
+/// Hands `msg` to the receive machine of `tid`.
+fn to_receiver(
+    h: &ReactorHandle<RecvMachine>,
+    peer: PeerId,
+    tid: TransferId,
+    msg: Msg,
+) -> Delivery {
+    match h.send_event(tid, recv::Event::Msg { peer, msg }) {
+        Ok(()) => Delivery::Taken,
+        Err(r) => match r.value {
+            recv::Event::Msg { msg, .. } => Delivery::Refused(r.error, Some(msg)),
+            _ => Delivery::Refused(r.error, None),
+        },
+    }
 }
 
 impl EngineHandle {

@@ -1,6 +1,8 @@
 //! Resolving the prefill ranks of decode requests: the bootstrap service
 //! lookup, the directory it fills, and the requests waiting for it.
 
+use std::ops::ControlFlow;
+
 use super::*;
 
 impl Bridge {
@@ -84,30 +86,9 @@ impl Bridge {
             Some(phase) if !phase.is_terminal() => {}
             _ => return true,
         }
-        let (tp, addrs) = match &p.target {
-            PrefillTarget::Direct {
-                tp_size,
-                side_channels,
-            } => (*tp_size, side_channels.clone()),
-            PrefillTarget::Bootstrap { .. } => match self.directory.get(&p.target) {
-                Some(Dir::Known(tp, addrs)) => (*tp, addrs.clone()),
-                Some(Dir::Querying) => return false,
-                Some(Dir::Failed(at)) => {
-                    if at.elapsed() >= self.tick {
-                        let t = p.target.clone();
-                        self.start_query(&t);
-                    }
-                    return false;
-                }
-                None => {
-                    let t = p.target.clone();
-                    if !self.start_query(&t) {
-                        let _ = self.handle.abort_engine(p.tid);
-                        return true;
-                    }
-                    return false;
-                }
-            },
+        let (tp, addrs) = match self.prefill_ranks(p) {
+            ControlFlow::Continue(ranks) => ranks,
+            ControlFlow::Break(done) => return done,
         };
         let pair = match TpPair::new(&local.model, tp, local.layout.tp_size) {
             Ok(pair) if addrs.len() == tp as usize => pair,
@@ -117,41 +98,89 @@ impl Bridge {
                 return true;
             }
         };
-        let mut peers = Vec::new();
-        let mut dead = Vec::new();
-        let mut refused = Vec::new();
-        let mut waiting = false;
-        for (rank, _) in pair.sources_of(local.layout.tp_rank) {
+        let Some(ranks) = self.rank_peers(&pair, local.layout.tp_rank, &addrs) else {
+            let _ = self.handle.abort_engine(p.tid);
+            return true;
+        };
+        if ranks.waiting && ranks.dead.is_empty() && ranks.refused.is_empty() {
+            return false;
+        }
+        self.remember_route(p, &ranks);
+        self.hand_resolved(p.tid, ranks);
+        true
+    }
+
+    /// The TP size and side channels of `p`'s prefill engine, or what
+    /// `try_resolve` answers while the directory does not know them yet.
+    fn prefill_ranks(&mut self, p: &Pending) -> ControlFlow<bool, (u32, Vec<String>)> {
+        match &p.target {
+            PrefillTarget::Direct {
+                tp_size,
+                side_channels,
+            } => ControlFlow::Continue((*tp_size, side_channels.clone())),
+            PrefillTarget::Bootstrap { .. } => match self.directory.get(&p.target) {
+                Some(Dir::Known(tp, addrs)) => ControlFlow::Continue((*tp, addrs.clone())),
+                Some(Dir::Querying) => ControlFlow::Break(false),
+                Some(Dir::Failed(at)) => {
+                    if at.elapsed() >= self.tick {
+                        let t = p.target.clone();
+                        self.start_query(&t);
+                    }
+                    ControlFlow::Break(false)
+                }
+                None => {
+                    let t = p.target.clone();
+                    if !self.start_query(&t) {
+                        let _ = self.handle.abort_engine(p.tid);
+                        return ControlFlow::Break(true);
+                    }
+                    ControlFlow::Break(false)
+                }
+            },
+        }
+    }
+
+    /// The prefill ranks `my_rank` reads from, each with the dealer that
+    /// reaches it and its state; `None` if a side channel has no dealer.
+    fn rank_peers(&mut self, pair: &TpPair, my_rank: u32, addrs: &[String]) -> Option<RankPeers> {
+        let mut ranks = RankPeers {
+            peers: Vec::new(),
+            dead: Vec::new(),
+            refused: Vec::new(),
+            waiting: false,
+        };
+        for (rank, _) in pair.sources_of(my_rank) {
             let Some(addr) = addrs.get(rank as usize) else {
                 continue;
             };
-            let Some(peer) = self.dealer_for(addr) else {
-                let _ = self.handle.abort_engine(p.tid);
-                return true;
-            };
+            let peer = self.dealer_for(addr)?;
             let slot = &self.slots[peer as usize];
             if self.liveness.is_dead(peer) {
-                dead.push(peer);
+                ranks.dead.push(peer);
             } else if slot.refused.is_some() {
-                refused.push(peer);
+                ranks.refused.push(peer);
             } else if !slot.ready {
-                waiting = true;
+                ranks.waiting = true;
             }
             let receivers = pair.targets_of(rank).count() as u16;
             let lease_ticket = self.shared.routes().fresh_ticket(peer, &self.shared.config);
-            peers.push(ResolvedPeer {
+            ranks.peers.push(ResolvedPeer {
                 peer: PeerId(peer),
                 receivers_expected: receivers,
                 lease_ticket,
             });
         }
-        if waiting && dead.is_empty() && refused.is_empty() {
-            return false;
-        }
-        if dead.is_empty() && refused.is_empty() {
+        Some(ranks)
+    }
+
+    /// Caches the route of a target whose ranks are all fine, or forgets
+    /// the directory's answer for one that has a dead or refused rank.
+    fn remember_route(&mut self, p: &Pending, ranks: &RankPeers) {
+        if ranks.dead.is_empty() && ranks.refused.is_empty() {
             // Every rank connected and alive: later requests for this
             // target resolve on the engine's thread until something changes.
-            let route = peers
+            let route = ranks
+                .peers
                 .iter()
                 .map(|rp| (rp.peer.0, rp.receivers_expected))
                 .collect();
@@ -165,22 +194,37 @@ impl Bridge {
                 self.routes_changed(None);
             }
         }
-        for rp in &peers {
-            self.slots[rp.peer.0 as usize].transfers.insert(p.tid);
+    }
+
+    /// Records `tid` with each of its peers and hands them to its machine,
+    /// then tells it which of them are dead or refused us.
+    fn hand_resolved(&mut self, tid: TransferId, ranks: RankPeers) {
+        for rp in &ranks.peers {
+            self.slots[rp.peer.0 as usize].transfers.insert(tid);
         }
         if let EngineHandle::Decode(h) = &self.handle {
-            let _ = h.send_event(p.tid, recv::Event::PeersResolved { peers });
-            for d in dead {
-                let _ = h.send_event(p.tid, recv::Event::PeerDead { peer: PeerId(d) });
+            let _ = h.send_event(tid, recv::Event::PeersResolved { peers: ranks.peers });
+            for d in ranks.dead {
+                let _ = h.send_event(tid, recv::Event::PeerDead { peer: PeerId(d) });
             }
             // A peer of another protocol version cannot pair with us: the
             // same failure as layouts that do not fit.
-            for r in refused {
-                let _ = h.send_event(p.tid, recv::Event::PlanFailed { peer: PeerId(r) });
+            for r in ranks.refused {
+                let _ = h.send_event(tid, recv::Event::PlanFailed { peer: PeerId(r) });
             }
         }
-        true
     }
+}
+
+/// The prefill ranks a decode request reads from, as they stand now.
+struct RankPeers {
+    peers: Vec<ResolvedPeer>,
+    /// Ranks whose peer is dead.
+    dead: Vec<u32>,
+    /// Ranks whose peer refused our hello.
+    refused: Vec<u32>,
+    /// Some rank is connected but has not said hello yet.
+    waiting: bool,
 }
 
 /// Asks the bootstrap service for the side channels of `engine_id`'s ranks

@@ -179,71 +179,16 @@ impl Messenger {
 /// turn (everything queued meanwhile shares the next), until it is empty.
 /// Whatever the peer did not take goes over the side channel instead.
 pub(super) async fn pump_notes(endpoint: EndpointAddr, msgr: Messenger) {
-    let Messenger {
-        shared,
-        sessions,
-        notes,
-        refusing,
-        ..
-    } = &msgr;
+    let shared = &msgr.shared;
     let sender = msgr.sender();
     loop {
         // Let the executor finish its turn first: a machine's messages of
         // one step (a `Pull` and its lease ticket) then share a frame.
         futures_lite::future::yield_now().await;
-        let batch = {
-            let mut map = notes.borrow_mut();
-            let Some(lane) = map.get_mut(&endpoint) else {
-                return;
-            };
-            if lane.queue.is_empty() {
-                map.remove(&endpoint);
-                return;
-            }
-            let mut bytes = wire::notify_endpoint_len(&sender);
-            let n = lane
-                .queue
-                .iter()
-                .take(wire::MAX_NOTIFY_FRAMES)
-                .take_while(|(_, _, f)| {
-                    bytes += wire::notify_frame_len(f);
-                    bytes <= crate::transport::wire::MAX_NOTIFY_BYTES
-                })
-                .count()
-                .max(1);
-            lane.queue.drain(..n).collect::<Vec<_>>()
+        let Some(batch) = next_notes(&msgr.notes, endpoint, &sender) else {
+            return;
         };
-        let slot = sessions.borrow().get(&endpoint).cloned();
-        let session = match slot {
-            Some(slot) => slot.lock().await.clone(),
-            None => None,
-        };
-        let sent = match session.as_deref() {
-            Some(AnySession::Tcp(s)) => {
-                let payload = wire::encode_notify(&sender, batch.iter().map(|(_, _, f)| &f[..]));
-                match s.notify(&payload).await {
-                    Ok(()) => true,
-                    Err(e) => {
-                        if let TransportError::Peer(PeerError::Rejected {
-                            reason: RejectReason::Undeliverable,
-                            ..
-                        }) = e
-                        {
-                            tracing::info!(%endpoint, "peer takes no data-plane messages; using the side channel for it");
-                            let mut r = refusing.borrow_mut();
-                            if r.len() >= shared.config.max_data_sessions {
-                                r.clear();
-                            }
-                            r.insert(endpoint);
-                        } else {
-                            tracing::debug!(%endpoint, %e, "data-plane notification not taken; using the side channel");
-                        }
-                        false
-                    }
-                }
-            }
-            Some(AnySession::Local(_)) | None => false,
-        };
+        let sent = send_notes(&msgr, endpoint, &sender, &batch).await;
         let counter = if sent {
             &shared.counters.data_plane_messages
         } else {
@@ -259,5 +204,75 @@ pub(super) async fn pump_notes(endpoint: EndpointAddr, msgr: Messenger) {
                 });
             }
         }
+    }
+}
+
+/// Takes the frames of the next notification off the note lane of
+/// `endpoint` (at least one, as many as fit); `None` once the lane is
+/// empty, which also removes it.
+fn next_notes(
+    notes: &NoteLanes,
+    endpoint: EndpointAddr,
+    sender: &str,
+) -> Option<Vec<(PeerId, TransferId, Vec<u8>)>> {
+    let mut map = notes.borrow_mut();
+    let lane = map.get_mut(&endpoint)?;
+    if lane.queue.is_empty() {
+        map.remove(&endpoint);
+        return None;
+    }
+    let mut bytes = wire::notify_endpoint_len(sender);
+    let n = lane
+        .queue
+        .iter()
+        .take(wire::MAX_NOTIFY_FRAMES)
+        .take_while(|(_, _, f)| {
+            bytes += wire::notify_frame_len(f);
+            bytes <= crate::transport::wire::MAX_NOTIFY_BYTES
+        })
+        .count()
+        .max(1);
+    Some(lane.queue.drain(..n).collect::<Vec<_>>())
+}
+
+/// Sends `batch` as one notification over the data-plane session to
+/// `endpoint`; true if the peer took it. A peer that takes no data-plane
+/// messages joins `refusing`.
+async fn send_notes(
+    msgr: &Messenger,
+    endpoint: EndpointAddr,
+    sender: &str,
+    batch: &[(PeerId, TransferId, Vec<u8>)],
+) -> bool {
+    let slot = msgr.sessions.borrow().get(&endpoint).cloned();
+    let session = match slot {
+        Some(slot) => slot.lock().await.clone(),
+        None => None,
+    };
+    match session.as_deref() {
+        Some(AnySession::Tcp(s)) => {
+            let payload = wire::encode_notify(sender, batch.iter().map(|(_, _, f)| &f[..]));
+            match s.notify(&payload).await {
+                Ok(()) => true,
+                Err(e) => {
+                    if let TransportError::Peer(PeerError::Rejected {
+                        reason: RejectReason::Undeliverable,
+                        ..
+                    }) = e
+                    {
+                        tracing::info!(%endpoint, "peer takes no data-plane messages; using the side channel for it");
+                        let mut r = msgr.refusing.borrow_mut();
+                        if r.len() >= msgr.shared.config.max_data_sessions {
+                            r.clear();
+                        }
+                        r.insert(endpoint);
+                    } else {
+                        tracing::debug!(%endpoint, %e, "data-plane notification not taken; using the side channel");
+                    }
+                    false
+                }
+            }
+        }
+        Some(AnySession::Local(_)) | None => false,
     }
 }

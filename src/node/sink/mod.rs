@@ -81,6 +81,118 @@ impl From<TransportError> for MoveError {
     }
 }
 
+/// Counts a finished move and returns whether it succeeded; first tells
+/// the machine `uncarried` when the bytes landed without their `Status`.
+async fn count_move<M: Machine>(
+    shared: &Shared,
+    poster: &EventPoster<M>,
+    tid: TransferId,
+    result: Result<bool, MoveError>,
+    uncarried: Option<M::Event>,
+    bytes: u64,
+    count: u64,
+) -> bool {
+    match result {
+        Ok(delivered) => {
+            if delivered {
+                let c = &shared.counters;
+                c.data_plane_messages.fetch_add(1, Ordering::Relaxed);
+                c.statuses_behind_writes.fetch_add(1, Ordering::Relaxed);
+            } else if let Some(event) = uncarried {
+                // The write could not carry it (several streams,
+                // no data-plane messages, refused): the machine
+                // sends it now that the KV landed.
+                let _ = poster.post(tid, event).await;
+            }
+            shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+            shared
+                .counters
+                .descriptors
+                .fetch_add(count, Ordering::Relaxed);
+
+            true
+        }
+        Err(e) => {
+            tracing::warn!(?tid, %e, "transfer failed");
+            shared
+                .counters
+                .transport_errors
+                .fetch_add(1, Ordering::Relaxed);
+            false
+        }
+    }
+}
+
+/// A transfer planned and admitted: where its bytes go, in which batches.
+struct Planned {
+    transport: Rc<AnyTransport>,
+    endpoint: EndpointAddr,
+    descs: Vec<Desc>,
+    batches: Vec<Range<usize>>,
+}
+
+/// Why a transfer's bytes do not move; its machine hears a failed move.
+enum NotStarted {
+    /// The planner (or the peer's hello) gave no plan.
+    Unplanned,
+    /// No endpoint here, or no room for a data-plane session.
+    Refused,
+}
+
+/// The bytes of one transfer on their way, run by a local task.
+struct Move {
+    transport: Rc<AnyTransport>,
+    sessions: Sessions,
+    lanes: Lanes,
+    msgr: Messenger,
+    endpoint: EndpointAddr,
+    op: Op,
+    descs: Vec<Desc>,
+    batches: Vec<Range<usize>>,
+    /// The encoded `Status` frame to ride the write, if any.
+    note: Option<Vec<u8>>,
+    /// Small enough to share a batch with others to the same peer.
+    coalesce: bool,
+    deadline: Instant,
+}
+
+impl Move {
+    /// Moves the bytes; `Ok(true)` if the `note` was delivered with them.
+    async fn run(self) -> Result<bool, MoveError> {
+        if self.descs.is_empty() {
+            Ok(false)
+        } else if self.coalesce {
+            let io = Io {
+                transport: self.transport,
+                sessions: self.sessions,
+                lanes: self.lanes,
+                sender: self.msgr.sender(),
+            };
+            io.queue(self.endpoint, self.op, self.descs, self.note, self.deadline)
+                .await
+        } else {
+            let msgr = &self.msgr;
+            let trailer = self
+                .note
+                .map(|f| wire::encode_notify(&msgr.sender(), [&f[..]]));
+            let route = Route {
+                transport: &self.transport,
+                sessions: &self.sessions,
+                endpoint: self.endpoint,
+            };
+            route
+                .move_bytes(
+                    self.op,
+                    &self.descs,
+                    &self.batches,
+                    trailer.as_deref(),
+                    self.deadline,
+                )
+                .await
+        }
+    }
+}
+
 thread_local! {
     /// The transport endpoint of each node whose executor runs on this
     /// thread, so that tasks spawned by `register_kv_caches` reach it.
@@ -305,104 +417,106 @@ where
             op,
             status_after,
         } = job;
-        let planned = self.plan_descs(peer, src, dst, op);
-        let (endpoint, descs, batches) = match planned {
+        let Planned {
+            transport,
+            endpoint,
+            descs,
+            batches,
+        } = match self.admit(tid, peer, src, dst, op) {
             Ok(p) => p,
-            Err(why) => {
-                tracing::warn!(?tid, ?peer, %why, "transfer not planned");
+            Err(NotStarted::Unplanned) => {
                 self.post_later(tid, vec![plan_failed, done(false)]);
                 return;
             }
-        };
-        let Some(transport) = self.msgr.transport.clone() else {
-            self.post_later(tid, vec![done(false)]);
-            return;
+            Err(NotStarted::Refused) => {
+                self.post_later(tid, vec![done(false)]);
+                return;
+            }
         };
         let bytes: u64 = descs.iter().map(|d| d.len_bytes).sum();
         let count = descs.len() as u64;
-        let sessions = self.msgr.sessions.clone();
         let poster = self.poster.clone();
         let shared = self.shared.clone();
-        let bound = shared.config.timeouts.transfer_bound;
-        if let Err(why) = make_room(&sessions, &endpoint, shared.config.max_data_sessions) {
-            tracing::warn!(?tid, %why, "transfer not started");
-            shared.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
-            self.post_later(tid, vec![done(false)]);
-            return;
-        }
-        let lanes = self.lanes.clone();
-        // The closing `Status` rides the write when the peer takes
-        // data-plane messages; the D node learns the KV landed without
-        // waiting for this node to hear the write's acknowledgement.
-        let status = Msg::Status { ok: true };
-        let note = (status_after && self.msgr.may_carry(&endpoint, &status)).then(|| {
-            wire::encode(&Frame::Transfer {
-                transfer_id: tid,
-                msg: status,
-            })
-        });
-        let msgr = self.msgr.clone();
+        let note = self.status_note(tid, &endpoint, status_after);
         let coalesce = transport.coalesce_small_batches()
             && batches.len() == 1
             && descs.len() <= COALESCE_MAX_DESCS
             && bytes <= COALESCE_MAX_BYTES;
-        // Counted from now, when the machine's op was posted, not from when
-        // the task first runs.
-        let deadline = Instant::now() + bound;
+        let mv = Move {
+            transport,
+            sessions: self.msgr.sessions.clone(),
+            lanes: self.lanes.clone(),
+            msgr: self.msgr.clone(),
+            endpoint,
+            op,
+            descs,
+            batches,
+            note,
+            coalesce,
+            // Counted from now, when the machine's op was posted, not from
+            // when the task first runs.
+            deadline: Instant::now() + shared.config.timeouts.transfer_bound,
+        };
         glommio::spawn_local(async move {
-            let result = if descs.is_empty() {
-                Ok(false)
-            } else if coalesce {
-                let io = Io {
-                    transport,
-                    sessions,
-                    lanes,
-                    sender: msgr.sender(),
-                };
-                io.queue(endpoint, op, descs, note, deadline).await
-            } else {
-                let trailer = note.map(|f| wire::encode_notify(&msgr.sender(), [&f[..]]));
-                let route = Route {
-                    transport: &transport,
-                    sessions: &sessions,
-                    endpoint,
-                };
-                route
-                    .move_bytes(op, &descs, &batches, trailer.as_deref(), deadline)
-                    .await
-            };
-            let ok = match result {
-                Ok(delivered) => {
-                    if delivered {
-                        let c = &shared.counters;
-                        c.data_plane_messages.fetch_add(1, Ordering::Relaxed);
-                        c.statuses_behind_writes.fetch_add(1, Ordering::Relaxed);
-                    } else if let Some(event) = uncarried {
-                        // The write could not carry it (several streams,
-                        // no data-plane messages, refused): the machine
-                        // sends it now that the KV landed.
-                        let _ = poster.post(tid, event).await;
-                    }
-                    shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
-                    shared
-                        .counters
-                        .descriptors
-                        .fetch_add(count, Ordering::Relaxed);
-
-                    true
-                }
-                Err(e) => {
-                    tracing::warn!(?tid, %e, "transfer failed");
-                    shared
-                        .counters
-                        .transport_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    false
-                }
-            };
+            let result = mv.run().await;
+            let ok = count_move(&shared, &poster, tid, result, uncarried, bytes, count).await;
             let _ = poster.post(tid, done(ok)).await;
         })
         .detach();
+    }
+
+    /// The closing `Status` of `tid` as the frame to ride its write, when
+    /// the write is to carry it (`status_after`) and the peer takes
+    /// data-plane messages; the D node learns the KV landed without
+    /// waiting for this node to hear the write's acknowledgement.
+    fn status_note(
+        &self,
+        tid: TransferId,
+        endpoint: &EndpointAddr,
+        status_after: bool,
+    ) -> Option<Vec<u8>> {
+        let status = Msg::Status { ok: true };
+        (status_after && self.msgr.may_carry(endpoint, &status)).then(|| {
+            wire::encode(&Frame::Transfer {
+                transfer_id: tid,
+                msg: status,
+            })
+        })
+    }
+
+    /// Plans `src` → `dst` against `peer` and takes a data-plane session
+    /// slot for it; logs why when it cannot.
+    fn admit(
+        &mut self,
+        tid: TransferId,
+        peer: PeerId,
+        src: &BlockLists,
+        dst: &BlockLists,
+        op: Op,
+    ) -> Result<Planned, NotStarted> {
+        let (endpoint, descs, batches) = match self.plan_descs(peer, src, dst, op) {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(?tid, ?peer, %why, "transfer not planned");
+                return Err(NotStarted::Unplanned);
+            }
+        };
+        let Some(transport) = self.msgr.transport.clone() else {
+            return Err(NotStarted::Refused);
+        };
+        let max = self.shared.config.max_data_sessions;
+        if let Err(why) = make_room(&self.msgr.sessions, &endpoint, max) {
+            tracing::warn!(?tid, %why, "transfer not started");
+            let c = &self.shared.counters;
+            c.limit_hits.fetch_add(1, Ordering::Relaxed);
+            return Err(NotStarted::Refused);
+        }
+        Ok(Planned {
+            transport,
+            endpoint,
+            descs,
+            batches,
+        })
     }
 
     #[allow(clippy::type_complexity)]
