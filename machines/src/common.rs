@@ -17,6 +17,6 @@ pub use outcome::{AbortReason, FailReason, InputError, Phase};
 pub use transfer::{BlockId, BlockLists, Mode, PeerId, TransferId};
 
 pub(crate) use deadline::{after, earliest};
-pub(crate) use drain::{Drain, End, Op};
+pub(crate) use drain::{Drain, End, Next, Op};
 pub(crate) use lease::{GrantLease, TouchLease};
 pub(crate) use lists::{align_chunk, check_lists, chunk_end, covers_exactly, is_empty_lists};

@@ -31,7 +31,7 @@ use std::time::Instant;
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
     AbortReason, BlockId, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode,
-    Msg, Op, PeerId, Phase, TouchLease, TransferId, TICKET_BIT,
+    Msg, Next, Op, PeerId, Phase, TouchLease, TransferId, TICKET_BIT,
 };
 use crate::machine::Machine;
 
@@ -196,20 +196,6 @@ pub struct RecvMachine {
     prefix_blocks: Vec<u32>,
     state: State,
     actions: VecDeque<Action>,
-}
-
-/// What the machine does after a handler applied an input to an active
-/// request.
-#[must_use]
-#[derive(Clone, Copy, Debug)]
-enum Next {
-    /// Nothing more.
-    Stay,
-    /// Post the reads that can be posted, return finished leases and
-    /// complete the transfer when every peer is finished.
-    Progress,
-    /// End the request.
-    End(End),
 }
 
 /// What a handler of an active request uses besides [`Active`]: the

@@ -35,8 +35,8 @@ use std::time::Instant;
 
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
-    AbortReason, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode, Msg, Op,
-    PeerId, Phase, TouchLease, TransferId,
+    AbortReason, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode, Msg,
+    Next, Op, PeerId, Phase, TouchLease, TransferId,
 };
 use crate::machine::Machine;
 
@@ -247,19 +247,6 @@ pub struct SendMachine {
     mode: Mode,
     state: State,
     actions: VecDeque<Action>,
-}
-
-/// What the machine does after a handler applied a live input.
-#[must_use]
-#[derive(Clone, Copy, Debug)]
-enum Next {
-    /// Nothing more.
-    Stay,
-    /// Post what can be posted, return finished leases and complete the
-    /// request when every expected peer is finished.
-    Progress,
-    /// End the request.
-    End(End),
 }
 
 /// What a handler of a live request uses besides [`Live`]: the machine's

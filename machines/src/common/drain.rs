@@ -99,6 +99,20 @@ impl Drain {
     }
 }
 
+/// What a machine does after a handler applied an input to its live
+/// request (`SendMachine` and `RecvMachine` alike).
+#[must_use]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Next {
+    /// Nothing more.
+    Stay,
+    /// Post what can be posted, return finished leases and complete the
+    /// request when every expected peer is finished.
+    Progress,
+    /// End the request.
+    End(End),
+}
+
 /// How a live request ends; decides the outcome and what each peer is owed.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum End {
