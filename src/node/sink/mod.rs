@@ -238,9 +238,6 @@ struct Job<'a> {
     src: &'a BlockLists,
     dst: &'a BlockLists,
     op: Op,
-    /// Push mode: deliver `Status{ok: true}` to the peer once the write
-    /// landed (see `send::Action::Write`).
-    status_after: bool,
 }
 
 /// What the sink needs to know of each machine type.
@@ -398,10 +395,11 @@ where
 
     /// Plans `src` (P's blocks) → `dst` (D's blocks) against `peer` and
     /// moves the bytes in direction `op`; `done(ok)` is the completion event
-    /// and `plan_failed` the verdict when the planner refuses. For a write
-    /// whose `Status` was to ride it (`status_after`), `uncarried` tells the
-    /// machine, before `done(true)`, that it landed without its `Status`, so
-    /// the machine sends it itself.
+    /// and `plan_failed` the verdict when the planner refuses. `uncarried`
+    /// is set for a write whose `Status` is to ride it (`status_after` of
+    /// `send::Action::Write`): it tells the machine, before `done(true)`,
+    /// that the write landed without its `Status`, so the machine sends it
+    /// itself.
     fn start_transfer(
         &mut self,
         tid: TransferId,
@@ -410,13 +408,8 @@ where
         plan_failed: M::Event,
         uncarried: Option<M::Event>,
     ) {
-        let Job {
-            peer,
-            src,
-            dst,
-            op,
-            status_after,
-        } = job;
+        let Job { peer, src, dst, op } = job;
+        let status_after = uncarried.is_some();
         let Planned {
             transport,
             endpoint,
@@ -615,7 +608,6 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
                         src: &src_blocks,
                         dst: &dst_blocks,
                         op: Op::Write,
-                        status_after,
                     },
                     move |ok| send::Event::WriteDone { peer, chunk, ok },
                     send::Event::PlanFailed { peer },
@@ -658,7 +650,6 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
                         src: &src_blocks,
                         dst: &dst_blocks,
                         op: Op::Read,
-                        status_after: false,
                     },
                     move |ok| recv::Event::ReadDone { peer, chunk, ok },
                     recv::Event::PlanFailed { peer },
