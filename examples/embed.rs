@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvferry::scheduler::{
     FinishStatus, KvRole, KvTransferParams, SchedRequest, Scheduler, SchedulerConfig,
 };
-use kvferry::{BlockId, KvLayout, LayoutKind, ModelSpec, Node, NodeConfig, Phase};
+use kvferry::{BlockId, KvLayout, LayoutKind, ModelSpec, Node, NodeConfig, Phase, TransferId};
 use kvferry::{PrefillTarget, Region, Role};
 
 const MODEL: ModelSpec = ModelSpec {
@@ -98,9 +98,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         tp_size: 1,
         side_channels: vec![prefill.side_channel_addr()],
     };
-    let rx = decode.receiver(1, &target)?;
+    let rx = decode.receiver(TransferId(1), &target)?;
     rx.request(ids(&[10, 11]))?;
-    let tx = prefill.sender(1)?;
+    let tx = prefill.sender(TransferId(1))?;
     tx.send(ids(&[3, 4]), true)?;
     assert_eq!(rx.wait(Duration::from_secs(10)), Phase::Success);
     assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
@@ -131,7 +131,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let p_blocks = ids(&[5, 6, 7]);
     let params = KvTransferParams {
         do_remote_decode: true,
-        transfer_id: Some(2),
+        transfer_id: Some(TransferId(2)),
         ..Default::default()
     };
     let p_req = SchedRequest {

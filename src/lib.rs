@@ -26,8 +26,8 @@ pub use kvferry_machines::common::{
 pub use kvferry_machines::layout::{LayoutKind, ModelSpec, Region};
 pub use kvferry_machines::Phase;
 pub use node::{
-    DataPlaneError, KvLayout, LoadMeta, Misuse, Node, NodeConfig, NodeError, NodeStats,
-    PrefillTarget, Receiver, Role, Sender, TransportKind,
+    DataPlaneError, Event, EventKind, EventSink, KvLayout, LoadMeta, Misuse, Node, NodeConfig,
+    NodeError, NodeStats, PrefillTarget, Receiver, Role, Sender, TransportKind,
 };
 pub use scheduler::{SchedError, Scheduler, SchedulerConfig};
 pub use stats::Latency;

@@ -16,14 +16,14 @@
 //! ```
 //!
 //! ```
-//! use kvferry::node::BlockId;
+//! use kvferry::node::{BlockId, TransferId};
 //! use kvferry::scheduler::*;
 //!
 //! # fn main() -> Result<(), SchedError> {
 //! let mut p = Scheduler::new(SchedulerConfig::new(KvRole::Producer, "p", "10.0.0.1:8998", 16))?;
 //! let mut d = Scheduler::new(SchedulerConfig::new(KvRole::Consumer, "d", "", 16))?;
 //! // Prefill: 40 prompt tokens in 3 blocks, the router's transfer id 7.
-//! let p_params = KvTransferParams { do_remote_decode: true, transfer_id: Some(7), ..Default::default() };
+//! let p_params = KvTransferParams { do_remote_decode: true, transfer_id: Some(TransferId(7)), ..Default::default() };
 //! let p_blocks = [vec![BlockId(3), BlockId(4), BlockId(5)]];
 //! let p_req = SchedRequest { request_id: "p-1", prompt_len_tokens: 40, computed_len_tokens: 0,
 //!                            block_ids: &p_blocks, params: Some(&p_params) };
@@ -46,8 +46,8 @@
 //! assert_eq!(d_meta.loads[0].prefix_blocks, vec![1]);
 //!
 //! // Later steps: the nodes' get_finished, back to request ids.
-//! assert_eq!(d.handle_finished(&[], &[7]).finished_recving, ["d-1"]);
-//! assert_eq!(p.handle_finished(&[7], &[]).finished_sending, ["p-1"]);
+//! assert_eq!(d.handle_finished(&[], &[TransferId(7)]).finished_recving, ["d-1"]);
+//! assert_eq!(p.handle_finished(&[TransferId(7)], &[]).finished_sending, ["p-1"]);
 //! # Ok(()) }
 //! ```
 //!
@@ -93,8 +93,8 @@
 //! vLLM names requests by string ids that differ between the prefill and the
 //! decode engine (each engine names its own); the router gives both halves
 //! one shared `transfer_id` in their `kv_transfer_params`. The node keys
-//! every transfer on both sides by a `u64` transfer id, so
-//! [`KvTransferParams::transfer_id`] is that `u64`, chosen by the router
+//! every transfer on both sides by a [`TransferId`] (a `u64`), so
+//! [`KvTransferParams::transfer_id`] is that number, chosen by the router
 //! (a router that has string ids maps them to numbers it owns, for example a
 //! counter; hashing strings could collide). The scheduler keeps the mapping
 //! request id ↔ transfer id of every request it tracks, both ways, so the
@@ -118,6 +118,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::node::{BlockId, BlockLists, LoadMeta, LoadRequest, PrefillTarget, SendRequest};
+use kvferry_machines::common::TransferId;
 
 /// Which side(s) of disaggregated serving this engine plays (vLLM's
 /// `kv_role`).
@@ -158,7 +159,7 @@ pub struct KvTransferParams {
     pub do_remote_decode: bool,
     /// The transfer shared by the prefill and the decode half of a request,
     /// chosen by the router (see the module docs on id mapping).
-    pub transfer_id: Option<u64>,
+    pub transfer_id: Option<TransferId>,
     /// Decode: the prefill engine's id, as its bootstrap service lists it.
     pub remote_engine_id: Option<String>,
     /// Decode: the prefill engine's bootstrap service, `host:port` or
@@ -232,7 +233,7 @@ pub struct FinishedRequests {
     pub freed: Vec<String>,
     /// Transfers not tracked: release-only loads, cancelled sends, transfers
     /// started outside this scheduler. Nothing is left to do for them.
-    pub untracked: Vec<u64>,
+    pub untracked: Vec<TransferId>,
 }
 
 /// Who is to blame for a [`SchedError`].
@@ -269,7 +270,7 @@ pub enum SchedError {
     #[error("transfer {transfer_id} of request {request_id:?} is used by request {other:?}")]
     DuplicateTransfer {
         /// The transfer id.
-        transfer_id: u64,
+        transfer_id: TransferId,
         /// The request that asked for it.
         request_id: String,
         /// The request that holds it.
@@ -465,7 +466,7 @@ impl State {
 
 #[derive(Clone, Debug)]
 struct Entry {
-    transfer_id: u64,
+    transfer_id: TransferId,
     state: State,
 }
 
@@ -493,9 +494,9 @@ enum Pending {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     entries: HashMap<String, Entry>,
-    by_transfer: HashMap<u64, String>,
+    by_transfer: HashMap<TransferId, String>,
     pending: VecDeque<Pending>,
-    aborts: VecDeque<u64>,
+    aborts: VecDeque<TransferId>,
 }
 
 /// The blocks a prompt of `len` tokens fills, or `None` when that count
@@ -541,12 +542,12 @@ impl Scheduler {
     }
 
     /// The request tracked under `transfer_id`.
-    pub fn request_id_of(&self, transfer_id: u64) -> Option<&str> {
+    pub fn request_id_of(&self, transfer_id: TransferId) -> Option<&str> {
         self.by_transfer.get(&transfer_id).map(String::as_str)
     }
 
     /// The transfer id of a tracked request.
-    pub fn transfer_id_of(&self, request_id: &str) -> Option<u64> {
+    pub fn transfer_id_of(&self, request_id: &str) -> Option<TransferId> {
         self.entries.get(request_id).map(|e| e.transfer_id)
     }
 
@@ -774,7 +775,11 @@ impl Scheduler {
 
     /// Feeds what `Node::get_finished` returned (`(sent, received)`
     /// transfer ids) and returns the requests they finish.
-    pub fn handle_finished(&mut self, sent: &[u64], received: &[u64]) -> FinishedRequests {
+    pub fn handle_finished(
+        &mut self,
+        sent: &[TransferId],
+        received: &[TransferId],
+    ) -> FinishedRequests {
         let mut out = FinishedRequests::default();
         let tagged = sent
             .iter()
@@ -818,7 +823,7 @@ impl Scheduler {
     /// ended meanwhile makes the node answer with a misuse error, which the
     /// worker can ignore.
     #[must_use]
-    pub fn poll_abort(&mut self) -> Option<u64> {
+    pub fn poll_abort(&mut self) -> Option<TransferId> {
         self.aborts.pop_front()
     }
 
@@ -1004,7 +1009,7 @@ impl Scheduler {
     }
 
     /// An empty last chunk: "this prefill has no KV for the transfer".
-    fn cancel(&self, transfer_id: u64) -> SendRequest {
+    fn cancel(&self, transfer_id: TransferId) -> SendRequest {
         SendRequest {
             transfer_id,
             src_blocks: vec![Vec::new(); self.cfg.num_groups],
@@ -1070,7 +1075,7 @@ impl Scheduler {
 
     /// Checks that a new entry (and its one queued item) fits and that its
     /// transfer id is free.
-    fn check_new(&self, request_id: &str, transfer_id: u64) -> Result<(), SchedError> {
+    fn check_new(&self, request_id: &str, transfer_id: TransferId) -> Result<(), SchedError> {
         if let Some(other) = self.by_transfer.get(&transfer_id) {
             return Err(SchedError::DuplicateTransfer {
                 transfer_id,
@@ -1095,7 +1100,7 @@ impl Scheduler {
         Ok(())
     }
 
-    fn insert(&mut self, request_id: &str, transfer_id: u64, state: State) {
+    fn insert(&mut self, request_id: &str, transfer_id: TransferId, state: State) {
         self.entries
             .insert(request_id.to_string(), Entry { transfer_id, state });
         self.by_transfer.insert(transfer_id, request_id.to_string());
@@ -1125,7 +1130,7 @@ impl Scheduler {
 /// Where a decode request loads from and what it already holds.
 #[derive(Clone, Debug)]
 struct DecodePlan {
-    transfer_id: u64,
+    transfer_id: TransferId,
     target: PrefillTarget,
     /// Blocks holding the prompt (the prefill side has this many per group).
     prompt_blocks: u32,
@@ -1151,7 +1156,7 @@ mod tests {
     fn decode_params(tid: u64) -> KvTransferParams {
         KvTransferParams {
             do_remote_prefill: true,
-            transfer_id: Some(tid),
+            transfer_id: Some(TransferId(tid)),
             remote_engine_id: Some("p".into()),
             remote_bootstrap_addr: Some("127.0.0.1:8998".into()),
             ..KvTransferParams::default()
@@ -1208,11 +1213,11 @@ mod tests {
         );
         assert_eq!(e.blame(), Blame::Capacity);
         assert_eq!((s.tracked_len(), s.pending_len()), (2, 2));
-        assert_eq!(s.request_id_of(2), None);
+        assert_eq!(s.request_id_of(TransferId(2)), None);
         // Once a request leaves, there is room again.
         let meta = s.build_connector_meta();
         assert_eq!(meta.loads.len(), 2);
-        let done = s.handle_finished(&[], &[0]);
+        let done = s.handle_finished(&[], &[TransferId(0)]);
         assert_eq!(done.finished_recving, vec!["a".to_string()]);
         let a = SchedRequest {
             request_id: "a",
@@ -1224,7 +1229,7 @@ mod tests {
             FinishDecision::FREE_NOW
         );
         s.update_state_after_alloc(&r, 8).unwrap();
-        assert_eq!(s.transfer_id_of("c"), Some(2));
+        assert_eq!(s.transfer_id_of("c"), Some(TransferId(2)));
     }
 
     #[test]
@@ -1250,7 +1255,10 @@ mod tests {
         assert!(matches!(e, SchedError::Full { .. }), "{e}");
         assert_eq!(s.build_connector_meta().loads.len(), 1);
         s.request_finished(&r1, FinishStatus::Aborted).unwrap();
-        assert_eq!(s.build_connector_meta().loads[0].transfer_id, 11);
+        assert_eq!(
+            s.build_connector_meta().loads[0].transfer_id,
+            TransferId(11)
+        );
     }
 
     #[test]
@@ -1270,10 +1278,13 @@ mod tests {
             assert_eq!(s.build_connector_meta().loads.len(), 1);
             let d = s.request_finished(&r, FinishStatus::Aborted).unwrap();
             assert!(d.delay_free);
-            assert_eq!(s.handle_finished(&[], &[tid]).freed, vec!["a".to_string()]);
+            assert_eq!(
+                s.handle_finished(&[], &[TransferId(tid)]).freed,
+                vec!["a".to_string()]
+            );
         }
         // Never polled: only the newest abort is kept.
-        assert_eq!(s.poll_abort(), Some(2));
+        assert_eq!(s.poll_abort(), Some(TransferId(2)));
         assert_eq!(s.poll_abort(), None);
     }
 

@@ -8,6 +8,7 @@ use kvferry::machines::common::{BlockId, Config};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, Region};
 use kvferry::machines::Phase;
 use kvferry::node::{KvLayout, Node, NodeConfig, NodeStats, PrefillTarget, Role};
+use kvferry::TransferId;
 
 const MODEL: ModelSpec = ModelSpec {
     layout: LayoutKind::Hnd,
@@ -76,9 +77,9 @@ fn run(p_messages: bool, d_messages: bool, requests: u32) -> (NodeStats, NodeSta
         {
             *b = pattern(i);
         }
-        let rx = d.receiver(u64::from(t) + 1, &target).unwrap();
+        let rx = d.receiver(TransferId(u64::from(t) + 1), &target).unwrap();
         rx.request(one(dst)).unwrap();
-        let tx = p.sender(u64::from(t) + 1).unwrap();
+        let tx = p.sender(TransferId(u64::from(t) + 1)).unwrap();
         tx.send(one(src), true).unwrap();
         assert_eq!(
             rx.wait(Duration::from_secs(10)),
@@ -159,7 +160,7 @@ fn a_wait_inside_a_batch_does_not_hold_its_own_request_back() {
     let (p, mut p_mem) = node(Role::Prefill, true);
     let (d, d_mem) = node(Role::Decode, true);
     let phase = Node::batch(|| {
-        let tx = p.sender(100).unwrap();
+        let tx = p.sender(TransferId(100)).unwrap();
         tx.abort().unwrap();
         // Well inside every machine timeout (10 s): a held wake-up would
         // leave the executor asleep past it.
@@ -174,9 +175,9 @@ fn a_wait_inside_a_batch_does_not_hold_its_own_request_back() {
         let (src, dst) = (t as u32, 8 + t as u32);
         p_mem[src as usize * BLOCK_LEN..][..BLOCK_LEN].fill(t as u8 ^ 0x5a);
         let (d_phase, p_phase) = Node::batch(|| {
-            let rx = d.receiver(t, &target).unwrap();
+            let rx = d.receiver(TransferId(t), &target).unwrap();
             rx.request(one(dst)).unwrap();
-            let tx = p.sender(t).unwrap();
+            let tx = p.sender(TransferId(t)).unwrap();
             tx.send(one(src), true).unwrap();
             (
                 rx.wait(Duration::from_secs(3)),
@@ -212,7 +213,7 @@ fn registration_and_polling_inside_a_batch_make_progress() {
     // An abort is seen by the executor only; poll until it shows, well
     // inside the machine's timeouts.
     let phase = Node::batch(|| {
-        let tx = p.sender(7).unwrap();
+        let tx = p.sender(TransferId(7)).unwrap();
         tx.abort().unwrap();
         loop {
             let phase = tx.poll();

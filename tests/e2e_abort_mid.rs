@@ -42,6 +42,7 @@ use kvferry::machines::common::{BlockId, Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::{AbortReason, FailReason, Phase};
 use kvferry::node::TransportKind;
+use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec, SynthKv};
 
 /// Layers of the model (regions are layers × K/V).
@@ -209,11 +210,15 @@ impl Notes {
     }
 
     fn take(&mut self, c: &Cluster) {
-        for (_, t, p) in c.prefill_done.try_iter() {
-            self.prefill.entry(t.0).or_default().push(p);
+        for e in c.prefill_events.try_iter() {
+            if let Some(p) = e.finished() {
+                self.prefill.entry(e.transfer_id.0).or_default().push(p);
+            }
         }
-        for (_, t, p) in c.decode_done.try_iter() {
-            self.decode.entry(t.0).or_default().push(p);
+        for e in c.decode_events.try_iter() {
+            if let Some(p) = e.finished() {
+                self.decode.entry(e.transfer_id.0).or_default().push(p);
+            }
         }
     }
 
@@ -227,7 +232,7 @@ impl Notes {
         self.wait(c, tid, timeout, false);
     }
 
-    /// Notifications travel through a forwarding thread per node, so they
+    /// Events are sent once the phase is visible to the handles, so they
     /// may trail the phase that `wait` on a handle already saw.
     fn wait(&mut self, c: &Cluster, tid: u64, timeout: Duration, prefill: bool) {
         let deadline = Instant::now() + timeout;
@@ -239,13 +244,16 @@ impl Notes {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             let channel = if prefill {
-                &c.prefill_done
+                &c.prefill_events
             } else {
-                &c.decode_done
+                &c.decode_events
             };
-            let (_, t, p) = channel.recv_timeout(left).unwrap_or_else(|_| {
+            let e = channel.recv_timeout(left).unwrap_or_else(|_| {
                 panic!("no terminal notification of transfer {tid} (prefill: {prefill})")
             });
+            let (t, Some(p)) = (e.transfer_id, e.finished()) else {
+                continue;
+            };
             let map = if prefill {
                 &mut self.prefill
             } else {
@@ -334,9 +342,9 @@ impl Rounds<'_> {
         poison(&d.kv, 0..REQUEST_BLOCKS);
         let ok_before = p.node.stats();
         self.transfers.push(tid);
-        let rx = d.node.receiver(tid, &c.target).unwrap();
+        let rx = d.node.receiver(TransferId(tid), &c.target).unwrap();
         rx.request(ids(0..REQUEST_BLOCKS)).unwrap();
-        let tx = p.node.sender(tid).unwrap();
+        let tx = p.node.sender(TransferId(tid)).unwrap();
         for k in 0..sent_before {
             let blocks = k * CHUNK_BLOCKS..(k + 1) * CHUNK_BLOCKS;
             tx.send(ids(blocks), false).unwrap();
@@ -437,25 +445,37 @@ impl Rounds<'_> {
         // would have landed by its end), every byte verified.
         let normal = 100_000 + seed;
         self.transfers.push(normal);
-        p.kv.fill(normal, &[SPARE], 0);
+        p.kv.fill(TransferId(normal), &[SPARE], 0);
         d.kv.clear(&[SPARE + 1]);
-        c.start_request(normal, &[SPARE], &[SPARE + 1], 0).unwrap();
-        let rx_normal = d.node.receiver(normal, &c.target).unwrap();
+        c.start_request(TransferId(normal), &[SPARE], &[SPARE + 1], 0)
+            .unwrap();
+        let rx_normal = d.node.receiver(TransferId(normal), &c.target).unwrap();
         let normal_phase = rx_normal.wait(Duration::from_secs(10));
         // Not `sender(normal)`: once finished, that would start a new transfer.
         self.notes.wait_prefill(c, normal, Duration::from_secs(10));
-        // With a bound shorter than the transfers, the next one may fail too.
-        if !(self.lenient_phases && matches!(normal_phase, Phase::Failed(_))) {
-            assert_eq!(normal_phase, Phase::Success, "{ctx}: the next transfer");
+        // With a bound shorter than the transfers, the next one may fail
+        // too, on either side: P's write may run past its bound after its
+        // bytes and `Status` left, so D succeeds while P reports the
+        // transport failure. A success on D always means every byte.
+        let p_normal = self.notes.prefill[&normal].clone();
+        if normal_phase == Phase::Success {
             assert_eq!(
-                d.kv.verify(normal, &[SPARE + 1], 0),
+                d.kv.verify(TransferId(normal), &[SPARE + 1], 0),
                 Ok(()),
                 "{ctx}: bytes of the next transfer"
             );
+        }
+        if !self.lenient_phases {
+            assert_eq!(normal_phase, Phase::Success, "{ctx}: the next transfer");
             assert_eq!(
-                self.notes.prefill[&normal],
+                p_normal,
                 vec![Phase::Success],
                 "{ctx}: P's side of the next transfer"
+            );
+        } else {
+            assert!(
+                normal_phase.is_terminal() && p_normal.len() == 1 && p_normal[0].is_terminal(),
+                "{ctx}: the next transfer ends on both sides (D {normal_phase:?}, P {p_normal:?})"
             );
         }
 
@@ -491,7 +511,10 @@ impl Rounds<'_> {
 fn run(mode: Mode) {
     let cfg = timeouts();
     let c = Cluster::start(&spec(mode, cfg)).unwrap();
-    c.fill(FILL_TID, &(0..REQUEST_BLOCKS).collect::<Vec<_>>());
+    c.fill(
+        TransferId(FILL_TID),
+        &(0..REQUEST_BLOCKS).collect::<Vec<_>>(),
+    );
     let mut rounds = Rounds {
         c: &c,
         mode,
@@ -522,7 +545,7 @@ fn run(mode: Mode) {
     assert!(received.is_empty());
     let mut counts: HashMap<u64, usize> = HashMap::new();
     for t in sent {
-        *counts.entry(t).or_default() += 1;
+        *counts.entry(t.0).or_default() += 1;
     }
     for t in &rounds.transfers {
         assert_eq!(counts.get(t), Some(&1), "{mode:?}: get_finished of {t}");
@@ -560,7 +583,10 @@ fn run_unprotected(mode: Mode) {
         Mode::Pull => cfg.unsafe_ignore_in_flight = true,
     }
     let c = Cluster::start(&spec(mode, cfg)).unwrap();
-    c.fill(FILL_TID, &(0..REQUEST_BLOCKS).collect::<Vec<_>>());
+    c.fill(
+        TransferId(FILL_TID),
+        &(0..REQUEST_BLOCKS).collect::<Vec<_>>(),
+    );
     let mut rounds = Rounds {
         c: &c,
         mode,
@@ -618,12 +644,19 @@ fn abort_while_transfers_outlive_their_bound(mode: Mode) {
     let mut cfg = timeouts();
     cfg.transfer_bound = Duration::from_millis(10);
     let c = Cluster::start(&spec(mode, cfg)).unwrap();
-    c.fill(FILL_TID, &(0..REQUEST_BLOCKS).collect::<Vec<_>>());
+    c.fill(
+        TransferId(FILL_TID),
+        &(0..REQUEST_BLOCKS).collect::<Vec<_>>(),
+    );
     // Opening the data-plane session counts against the first bound.
     let warm = 7;
-    c.fill(warm, &[SPARE]);
-    c.start_request(warm, &[SPARE], &[SPARE], 0).unwrap();
-    let rx = c.decode[0].node.receiver(warm, &c.target).unwrap();
+    c.fill(TransferId(warm), &[SPARE]);
+    c.start_request(TransferId(warm), &[SPARE], &[SPARE], 0)
+        .unwrap();
+    let rx = c.decode[0]
+        .node
+        .receiver(TransferId(warm), &c.target)
+        .unwrap();
     assert!(rx.wait(Duration::from_secs(5)).is_terminal());
     let mut rounds = Rounds {
         c: &c,

@@ -7,6 +7,7 @@ use kvferry::machines::common::{BlockId, Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::{FailReason, Phase};
 use kvferry::node::TransportKind;
+use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn timeouts() -> Config {
@@ -49,7 +50,7 @@ fn spec(mode: Mode) -> ClusterSpec {
 /// Collects prefill's finished transfers (like an engine step) until `tid`
 /// is among them or 5 s passed: its completion is queued just after its
 /// phase turns terminal. Returns everything collected.
-fn collect_sent_until(node: &kvferry::node::Node, tid: u64) -> Vec<u64> {
+fn collect_sent_until(node: &kvferry::node::Node, tid: TransferId) -> Vec<TransferId> {
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut sent = Vec::new();
     while !sent.contains(&tid) && Instant::now() < deadline {
@@ -70,11 +71,11 @@ fn decode_abort_releases_prefill_once_and_no_write_lands_after() {
         let (p, d) = (&c.prefill[0], &c.decode[0]);
         let src = [1, 2, 3];
         let dst = [7, 8, 9];
-        c.fill(5, &src);
+        c.fill(TransferId(5), &src);
         d.kv.clear(&dst);
-        let rx = d.node.receiver(5, &c.target).unwrap();
+        let rx = d.node.receiver(TransferId(5), &c.target).unwrap();
         rx.request(ids(&dst)).unwrap();
-        let tx = p.node.sender(5).unwrap();
+        let tx = p.node.sender(TransferId(5)).unwrap();
         // D gives up before P has its KV (client disconnect on D).
         rx.abort().unwrap();
         let phase = rx.wait(Duration::from_secs(5));
@@ -94,7 +95,7 @@ fn decode_abort_releases_prefill_once_and_no_write_lands_after() {
         );
         assert_eq!(s.bytes, 0, "{mode:?}: P moved no byte");
         assert!(
-            d.kv.verify(5, &dst, 0).is_err(),
+            d.kv.verify(TransferId(5), &dst, 0).is_err(),
             "{mode:?}: D blocks must not hold P's KV"
         );
     }
@@ -103,9 +104,9 @@ fn decode_abort_releases_prefill_once_and_no_write_lands_after() {
 #[test]
 fn prefill_abort_fails_decode_promptly() {
     let c = Cluster::start(&spec(Mode::Push)).unwrap();
-    let rx = c.decode[0].node.receiver(9, &c.target).unwrap();
+    let rx = c.decode[0].node.receiver(TransferId(9), &c.target).unwrap();
     rx.request(ids(&[1])).unwrap();
-    let tx = c.prefill[0].node.sender(9).unwrap();
+    let tx = c.prefill[0].node.sender(TransferId(9)).unwrap();
     let t0 = Instant::now();
     tx.abort().unwrap();
     let phase = rx.wait(Duration::from_secs(5));
@@ -122,16 +123,16 @@ fn dead_prefill_fails_requests_fast() {
     let c = Cluster::start(&spec(Mode::Push)).unwrap();
     let (p, d) = (&c.prefill[0], &c.decode[0]);
     // One request proves the pair works.
-    c.fill(1, &[1]);
-    c.start_request(1, &[1], &[1], 0).unwrap();
+    c.fill(TransferId(1), &[1]);
+    c.start_request(TransferId(1), &[1], &[1], 0).unwrap();
     assert_eq!(
-        c.wait_decode(1, Duration::from_secs(5)),
+        c.wait_decode(TransferId(1), Duration::from_secs(5)),
         vec![Phase::Success]
     );
     // P stops; from now on its side channel is silent.
     p.node.shutdown(Duration::ZERO);
     let t0 = Instant::now();
-    let rx = d.node.receiver(2, &c.target).unwrap();
+    let rx = d.node.receiver(TransferId(2), &c.target).unwrap();
     rx.request(ids(&[2])).unwrap();
     // Heartbeat detection (3 x 100 ms), far below the 3 s waiting timeout.
     assert_eq!(
@@ -147,7 +148,7 @@ fn dead_prefill_fails_requests_fast() {
     assert!(d.node.stats().peers_marked_dead >= 1);
     // A new request to the dead peer fails at once instead of waiting.
     let t0 = Instant::now();
-    let rx = d.node.receiver(3, &c.target).unwrap();
+    let rx = d.node.receiver(TransferId(3), &c.target).unwrap();
     rx.request(ids(&[3])).unwrap();
     assert_eq!(
         rx.wait(Duration::from_secs(5)),
@@ -208,13 +209,13 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
     // A normal transfer completes afterwards; the bridge handled the junk
     // in order before it (ZeroMQ keeps order per connection only, so wait
     // until the counter moved to be sure junk was seen).
-    c.fill(1, &[1, 2]);
-    c.start_request(1, &[1, 2], &[3, 4], 0).unwrap();
+    c.fill(TransferId(1), &[1, 2]);
+    c.start_request(TransferId(1), &[1, 2], &[3, 4], 0).unwrap();
     assert_eq!(
-        c.wait_decode(1, Duration::from_secs(10)),
+        c.wait_decode(TransferId(1), Duration::from_secs(10)),
         vec![Phase::Success]
     );
-    assert_eq!(c.verify(1, &[3, 4], 0), 0);
+    assert_eq!(c.verify(TransferId(1), &[3, 4], 0), 0);
     let deadline = Instant::now() + Duration::from_secs(10);
     while p.node.stats().bad_frames < sent / 2 && Instant::now() < deadline {
         std::thread::yield_now();
@@ -225,13 +226,13 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
         p.node.stats()
     );
     // And once more after all the junk was processed.
-    c.fill(2, &[5]);
-    c.start_request(2, &[5], &[6], 0).unwrap();
+    c.fill(TransferId(2), &[5]);
+    c.start_request(TransferId(2), &[5], &[6], 0).unwrap();
     assert_eq!(
-        c.wait_decode(2, Duration::from_secs(10)),
+        c.wait_decode(TransferId(2), Duration::from_secs(10)),
         vec![Phase::Success]
     );
-    assert_eq!(c.verify(2, &[6], 0), 0);
+    assert_eq!(c.verify(TransferId(2), &[6], 0), 0);
 }
 
 /// Receives one frame on `s` within 5 s.
@@ -290,13 +291,13 @@ fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
     assert_eq!(stats.version_refusals_sent, 1, "{stats:?}");
     assert_eq!(stats.bad_frames, 0, "{stats:?}");
     // Peers of this version are served as before.
-    c.fill(1, &[1, 2]);
-    c.start_request(1, &[1, 2], &[3, 4], 0).unwrap();
+    c.fill(TransferId(1), &[1, 2]);
+    c.start_request(TransferId(1), &[1, 2], &[3, 4], 0).unwrap();
     assert_eq!(
-        c.wait_decode(1, Duration::from_secs(10)),
+        c.wait_decode(TransferId(1), Duration::from_secs(10)),
         vec![Phase::Success]
     );
-    assert_eq!(c.verify(1, &[3, 4], 0), 0);
+    assert_eq!(c.verify(TransferId(1), &[3, 4], 0), 0);
 }
 
 #[test]
@@ -322,7 +323,7 @@ fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
         side_channels: vec![addr],
     };
     let t0 = Instant::now();
-    let rx = d.receiver(5, &target).unwrap();
+    let rx = d.receiver(TransferId(5), &target).unwrap();
     rx.request(ids(&[2])).unwrap();
     // Decode introduces itself in this build's version...
     let hello = recv_within(&router);
@@ -377,10 +378,13 @@ fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
         // SAFETY: `d` is shut down below, before `dkv` drops.
         unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
         let tid = 100 + round;
-        pkv.fill(tid, &[1], 0);
-        let rx = d.receiver(tid, &target).unwrap();
+        pkv.fill(TransferId(tid), &[1], 0);
+        let rx = d.receiver(TransferId(tid), &target).unwrap();
         rx.request(ids(&[2])).unwrap();
-        p.sender(tid).unwrap().send(ids(&[1]), true).unwrap();
+        p.sender(TransferId(tid))
+            .unwrap()
+            .send(ids(&[1]), true)
+            .unwrap();
         // Round 0 takes the only slot; later rounds reuse it (the previous
         // decode rank was declared dead at the end of its round).
         assert_eq!(
@@ -388,7 +392,7 @@ fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
             Phase::Success,
             "round {round}"
         );
-        assert!(dkv.verify(tid, &[2], 0).is_ok());
+        assert!(dkv.verify(TransferId(tid), &[2], 0).is_ok());
         d.shutdown(Duration::ZERO);
         drop(d);
         drop(dkv);
@@ -413,22 +417,25 @@ fn prefill_sender_after_decode_abort_ends_at_once() {
     for mode in [Mode::Push, Mode::Pull] {
         let c = Cluster::start(&spec(mode)).unwrap();
         let (p, d) = (&c.prefill[0], &c.decode[0]);
-        let rx = d.node.receiver(9, &c.target).unwrap();
+        let rx = d.node.receiver(TransferId(9), &c.target).unwrap();
         rx.request(ids(&[4, 5])).unwrap();
         // Wait until P learned of the transfer (its machine exists), then abort.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while p.node.phase(9).is_none() && Instant::now() < deadline {
+        while p.node.phase(TransferId(9)).is_none() && Instant::now() < deadline {
             std::thread::yield_now();
         }
-        assert!(p.node.phase(9).is_some(), "{mode:?}: P never heard of it");
+        assert!(
+            p.node.phase(TransferId(9)).is_some(),
+            "{mode:?}: P never heard of it"
+        );
         rx.abort().unwrap();
         assert!(matches!(rx.wait(Duration::from_secs(5)), Phase::Failed(_)));
         // A connector collects finished transfers every step (vLLM's
         // `get_finished`), so the ended machine is gone from the executor.
-        let sent = collect_sent_until(&p.node, 9);
-        assert!(sent.contains(&9), "{mode:?}: {sent:?}");
+        let sent = collect_sent_until(&p.node, TransferId(9));
+        assert!(sent.contains(&TransferId(9)), "{mode:?}: {sent:?}");
         let started = Instant::now();
-        let tx = p.node.sender(9).unwrap();
+        let tx = p.node.sender(TransferId(9)).unwrap();
         tx.send(ids(&[1, 2]), true).unwrap();
         let phase = tx.wait(Duration::from_secs(10));
         assert_eq!(phase, Phase::Failed(FailReason::PeerAborted), "{mode:?}");
@@ -451,13 +458,13 @@ fn pull_for_a_transfer_prefill_already_ended_fails_decode_at_once() {
     for mode in [Mode::Push, Mode::Pull] {
         let c = Cluster::start(&spec(mode)).unwrap();
         let (p, d) = (&c.prefill[0], &c.decode[0]);
-        let tx = p.node.sender(11).unwrap();
+        let tx = p.node.sender(TransferId(11)).unwrap();
         tx.abort().unwrap();
         assert!(tx.wait(Duration::from_secs(5)).is_terminal(), "{mode:?}");
-        let sent = collect_sent_until(&p.node, 11);
-        assert!(sent.contains(&11), "{mode:?}: {sent:?}");
+        let sent = collect_sent_until(&p.node, TransferId(11));
+        assert!(sent.contains(&TransferId(11)), "{mode:?}: {sent:?}");
         let started = Instant::now();
-        let rx = d.node.receiver(11, &c.target).unwrap();
+        let rx = d.node.receiver(TransferId(11), &c.target).unwrap();
         rx.request(ids(&[4, 5])).unwrap();
         let phase = rx.wait(Duration::from_secs(10));
         assert_eq!(phase, Phase::Failed(FailReason::PeerAborted), "{mode:?}");

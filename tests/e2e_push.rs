@@ -7,6 +7,7 @@ use kvferry::machines::common::{Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::TransportKind;
+use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn timeouts() -> Config {
@@ -60,18 +61,19 @@ fn run(spec: &ClusterSpec, requests: u64) {
         let n = 1 + (t as u32 % 5);
         let src: Vec<u32> = (0..n).map(|i| 2 * i + t as u32 % 3).collect();
         let dst: Vec<u32> = (0..n).map(|i| 40 - 3 * i - t as u32 % 2).collect();
-        c.fill(tid, &src);
+        c.fill(TransferId(tid), &src);
         for r in &c.decode {
             r.kv.clear(&dst);
         }
-        c.start_request(tid, &src, &dst, 0).expect("request starts");
-        let phases = c.wait_decode(tid, Duration::from_secs(10));
+        c.start_request(TransferId(tid), &src, &dst, 0)
+            .expect("request starts");
+        let phases = c.wait_decode(TransferId(tid), Duration::from_secs(10));
         assert!(
             phases.iter().all(|p| *p == Phase::Success),
             "request {tid}: {phases:?}"
         );
         assert_eq!(
-            c.verify(tid, &dst, 0),
+            c.verify(TransferId(tid), &dst, 0),
             0,
             "request {tid}: bytes differ on decode"
         );
@@ -165,20 +167,20 @@ fn partial_prefix_hit_moves_only_the_tail() {
         let src: Vec<u32> = (10..16).collect();
         // D already holds the first 2 of P's 6 blocks; the rest land in 4 blocks.
         let dst: Vec<u32> = vec![30, 31, 33, 35];
-        c.fill(tid, &src);
+        c.fill(TransferId(tid), &src);
         // Mark the destination: if the prefix were sent, it would overflow
         // or shift the tail and the position check below would fail.
         c.decode[0].kv.clear(&dst);
-        c.start_request(tid, &src, &dst, 2).unwrap();
-        let phases = c.wait_decode(tid, Duration::from_secs(10));
+        c.start_request(TransferId(tid), &src, &dst, 2).unwrap();
+        let phases = c.wait_decode(TransferId(tid), Duration::from_secs(10));
         assert_eq!(phases, vec![Phase::Success], "{mode:?}");
         assert_eq!(
-            c.verify(tid, &dst, 2),
+            c.verify(TransferId(tid), &dst, 2),
             0,
             "{mode:?}: tail must hold positions 2..6"
         );
         assert!(
-            c.decode[0].kv.verify(tid, &dst, 0).is_err(),
+            c.decode[0].kv.verify(TransferId(tid), &dst, 0).is_err(),
             "positions are not shifted"
         );
     }
@@ -199,18 +201,21 @@ fn chunked_sends_arrive_in_order() {
         let tid = 11;
         let src: Vec<u32> = (0..6).collect();
         let dst: Vec<u32> = (20..26).collect();
-        c.fill(tid, &src);
-        let rx = c.decode[0].node.receiver(tid, &c.target).unwrap();
+        c.fill(TransferId(tid), &src);
+        let rx = c.decode[0]
+            .node
+            .receiver(TransferId(tid), &c.target)
+            .unwrap();
         rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
             .unwrap();
-        let tx = c.prefill[0].node.sender(tid).unwrap();
+        let tx = c.prefill[0].node.sender(TransferId(tid)).unwrap();
         for (i, part) in src.chunks(2).enumerate() {
             tx.send(vec![part.iter().map(|&b| BlockId(b)).collect()], i == 2)
                 .unwrap();
         }
         assert_eq!(rx.wait(Duration::from_secs(10)), Phase::Success);
         assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
-        assert_eq!(c.verify(tid, &dst, 0), 0);
+        assert_eq!(c.verify(TransferId(tid), &dst, 0), 0);
     }
 }
 
@@ -220,17 +225,17 @@ fn embedded_bootstrap_serves_the_prefill_metrics() {
     s.bootstrap = Some("127.0.0.1:0".into());
     let c = Cluster::start(&s).unwrap();
     for tid in 1..=3u64 {
-        c.fill(tid, &[tid as u32]);
-        c.start_request(tid, &[tid as u32], &[10 + tid as u32], 0)
+        c.fill(TransferId(tid), &[tid as u32]);
+        c.start_request(TransferId(tid), &[tid as u32], &[10 + tid as u32], 0)
             .unwrap();
         assert_eq!(
-            c.wait_decode(tid, Duration::from_secs(10)),
+            c.wait_decode(TransferId(tid), Duration::from_secs(10)),
             vec![Phase::Success]
         );
     }
     // P's release may trail D's success by a moment; wait on P's phases.
     for tid in 1..=3u64 {
-        let tx = c.prefill[0].node.sender(tid).unwrap();
+        let tx = c.prefill[0].node.sender(TransferId(tid)).unwrap();
         assert_eq!(tx.wait(Duration::from_secs(10)), Phase::Success);
     }
     let addr = c.prefill[0].node.bootstrap_addr().unwrap();
@@ -264,13 +269,17 @@ fn critical_path_messages_take_the_data_plane() {
         for t in 0..requests {
             let tid = 500 + t;
             let blocks: Vec<u32> = vec![t as u32 % 8, 20 + t as u32 % 8];
-            c.fill(tid, &blocks);
+            c.fill(TransferId(tid), &blocks);
             c.decode[0].kv.clear(&blocks);
-            c.start_request(tid, &blocks, &blocks, 0)
+            c.start_request(TransferId(tid), &blocks, &blocks, 0)
                 .expect("request starts");
-            let phases = c.wait_decode(tid, Duration::from_secs(10));
+            let phases = c.wait_decode(TransferId(tid), Duration::from_secs(10));
             assert_eq!(phases, vec![Phase::Success], "{mode:?} request {tid}");
-            assert_eq!(c.verify(tid, &blocks, 0), 0, "{mode:?} request {tid}");
+            assert_eq!(
+                c.verify(TransferId(tid), &blocks, 0),
+                0,
+                "{mode:?} request {tid}"
+            );
         }
         // The first request of each pair opens the sessions (its messages go
         // over ZeroMQ); a session opened in the background may miss one more.
@@ -328,22 +337,25 @@ fn data_plane_traffic_between_bridge_ticks_hits_no_limit() {
     while done < total {
         while next < total {
             let Some(slot) = free.pop() else { break };
-            c.start_request(1 + next, &[slot], &[slot], 0)
+            c.start_request(TransferId(1 + next), &[slot], &[slot], 0)
                 .expect("request starts");
             live.insert(1 + next, (slot, false, false));
             next += 1;
         }
-        let (decode, tid, phase) = match c.decode_done.try_recv() {
-            Ok((_, t, p)) => (true, t, p),
-            Err(_) => match c.prefill_done.try_recv() {
-                Ok((_, t, p)) => (false, t, p),
+        let (decode, e) = match c.decode_events.try_recv() {
+            Ok(e) => (true, e),
+            Err(_) => match c.prefill_events.try_recv() {
+                Ok(e) => (false, e),
                 Err(_) => flume::Selector::new()
-                    .recv(&c.decode_done, |r| r.map(|(_, t, p)| (true, t, p)))
-                    .recv(&c.prefill_done, |r| r.map(|(_, t, p)| (false, t, p)))
+                    .recv(&c.decode_events, |r| r.map(|e| (true, e)))
+                    .recv(&c.prefill_events, |r| r.map(|e| (false, e)))
                     .wait_timeout(Duration::from_secs(30))
                     .expect("progress")
                     .expect("channels open"),
             },
+        };
+        let (tid, Some(phase)) = (e.transfer_id, e.finished()) else {
+            continue;
         };
         let e = live.get_mut(&tid.0).expect("a request we started");
         if decode {

@@ -8,6 +8,7 @@ use kvferry::machines::common::{BlockId, Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::{LoadMeta, LoadRequest, SendRequest, TransportKind};
+use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 const IN_FLIGHT: u32 = 2000;
@@ -28,7 +29,7 @@ fn round(c: &Cluster, base: u64) {
     // of them are in flight at once.
     let loads = (0..IN_FLIGHT)
         .map(|i| LoadRequest {
-            transfer_id: base + u64::from(i),
+            transfer_id: TransferId(base + u64::from(i)),
             prefill: c.target.clone(),
             dst_blocks: vec![vec![BlockId(i)]],
             prefix_blocks: vec![0],
@@ -40,12 +41,14 @@ fn round(c: &Cluster, base: u64) {
     })
     .unwrap();
     for i in 0..IN_FLIGHT {
-        c.prefill[0].kv.fill(base + u64::from(i), &[i], 0);
+        c.prefill[0]
+            .kv
+            .fill(TransferId(base + u64::from(i)), &[i], 0);
         c.decode[0].kv.clear(&[i]);
     }
     let sends = (0..IN_FLIGHT)
         .map(|i| SendRequest {
-            transfer_id: base + u64::from(i),
+            transfer_id: TransferId(base + u64::from(i)),
             src_blocks: vec![vec![BlockId(i)]],
             is_last: true,
         })
@@ -57,7 +60,7 @@ fn round(c: &Cluster, base: u64) {
     .unwrap();
     let mut received = HashSet::new();
     while received.len() < IN_FLIGHT as usize {
-        let Ok((_, tid, phase)) = c.decode_done.recv_timeout(Duration::from_secs(20)) else {
+        let Ok(e) = c.decode_events.recv_timeout(Duration::from_secs(20)) else {
             panic!(
                 "requests did not end: {} of {IN_FLIGHT}; d {:?} p {:?}",
                 received.len(),
@@ -65,9 +68,10 @@ fn round(c: &Cluster, base: u64) {
                 p.stats()
             );
         };
+        let (tid, phase) = (e.transfer_id, e.finished());
         assert_eq!(
             phase,
-            Phase::Success,
+            Some(Phase::Success),
             "transfer {tid:?}; d {:?} p {:?}",
             d.stats(),
             p.stats()
@@ -76,13 +80,16 @@ fn round(c: &Cluster, base: u64) {
     }
     for i in 0..IN_FLIGHT {
         assert!(
-            c.decode[0].kv.verify(base + u64::from(i), &[i], 0).is_ok(),
+            c.decode[0]
+                .kv
+                .verify(TransferId(base + u64::from(i)), &[i], 0)
+                .is_ok(),
             "request {i}"
         );
     }
     // The batch API reports every transfer once.
     let (_, got) = d.get_finished();
-    let got: HashSet<u64> = got.into_iter().collect();
+    let got: HashSet<u64> = got.into_iter().map(|t| t.0).collect();
     assert_eq!(got.len(), received.len());
     assert!(
         got == received,
@@ -90,11 +97,13 @@ fn round(c: &Cluster, base: u64) {
     );
     let mut sent = HashSet::new();
     while sent.len() < IN_FLIGHT as usize {
-        let (_, tid, _) = c
-            .prefill_done
+        let e = c
+            .prefill_events
             .recv_timeout(Duration::from_secs(20))
             .expect("prefill ends");
-        sent.insert(tid.0);
+        if e.finished().is_some() {
+            sent.insert(e.transfer_id.0);
+        }
     }
     let (p_sent, _) = p.get_finished();
     assert!(p_sent.len() <= IN_FLIGHT as usize);

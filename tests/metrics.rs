@@ -118,7 +118,9 @@ fn vanishing_decode_rank(p: &Node, dkv: &SynthKv, tid: u64) {
         },
     };
     s.send(wire::encode(&pull), 0).unwrap();
-    eventually("prefill knows the transfer", || p.phase(tid).is_some());
+    eventually("prefill knows the transfer", || {
+        p.phase(TransferId(tid)).is_some()
+    });
     drop(s);
     // Returns once the socket is closed and its connection gone.
     drop(ctx);
@@ -147,26 +149,28 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
         side_channels: vec![p.side_channel_addr()],
     };
     for tid in 1..=3u64 {
-        pkv.fill(tid, &[tid as u32], 0);
-        let rx = d.receiver(tid, &target).unwrap();
+        pkv.fill(TransferId(tid), &[tid as u32], 0);
+        let rx = d.receiver(TransferId(tid), &target).unwrap();
         rx.request(ids(&[tid as u32])).unwrap();
-        let tx = p.sender(tid).unwrap();
+        let tx = p.sender(TransferId(tid)).unwrap();
         tx.send(ids(&[tid as u32]), true).unwrap();
         assert_eq!(rx.wait(Duration::from_secs(5)), Phase::Success);
         assert_eq!(tx.wait(Duration::from_secs(5)), Phase::Success);
-        assert!(dkv.verify(tid, &[tid as u32], 0).is_ok());
+        assert!(dkv.verify(TransferId(tid), &[tid as u32], 0).is_ok());
     }
     // Prefill aborts a request decode asked for.
-    let rx = d.receiver(4, &target).unwrap();
+    let rx = d.receiver(TransferId(4), &target).unwrap();
     rx.request(ids(&[4])).unwrap();
-    eventually("prefill knows request 4", || p.phase(4).is_some());
-    p.sender(4).unwrap().abort().unwrap();
+    eventually("prefill knows request 4", || {
+        p.phase(TransferId(4)).is_some()
+    });
+    p.sender(TransferId(4)).unwrap().abort().unwrap();
     assert_eq!(
         rx.wait(Duration::from_secs(5)),
         Phase::Failed(FailReason::PeerAborted)
     );
     // KV nobody asks for: prefill's hold expires.
-    let tx = p.sender(5).unwrap();
+    let tx = p.sender(TransferId(5)).unwrap();
     tx.send(ids(&[5]), true).unwrap();
     assert_eq!(tx.wait(Duration::from_secs(5)), Phase::Expired);
     // Junk and a peer of the next protocol version.
@@ -184,7 +188,7 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
     ));
     // A frame for a decode rank that is gone cannot be sent.
     vanishing_decode_rank(&p, &dkv, 6);
-    p.sender(6).unwrap().abort().unwrap();
+    p.sender(TransferId(6)).unwrap().abort().unwrap();
     eventually("the abort for the vanished rank was attempted", || {
         p.stats().dropped_frames > 0
     });

@@ -9,6 +9,7 @@ use kvferry::machines::common::{AbortReason, BlockId, Config};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, Region};
 use kvferry::machines::{FailReason, Phase};
 use kvferry::node::{KvLayout, Misuse, Node, NodeConfig, NodeError, PrefillTarget, Role};
+use kvferry::TransferId;
 
 const MODEL: ModelSpec = ModelSpec {
     layout: LayoutKind::Hnd,
@@ -56,7 +57,7 @@ fn terminal(node: &Node, tid: u64, within: Duration) -> (Phase, Duration) {
     let started = Instant::now();
     let phase = node
         .receiver(
-            tid,
+            TransferId(tid),
             &PrefillTarget::Direct {
                 tp_size: 1,
                 side_channels: vec![],
@@ -79,12 +80,15 @@ fn machines_per_executor_limit_refuses_with_busy() {
         side_channels: vec![format!("tcp://{}", silent.local_addr().unwrap())],
     };
     for tid in 1..=2 {
-        d.receiver(tid, &target)
+        d.receiver(TransferId(tid), &target)
             .unwrap()
             .request(blocks(&[tid as u32]))
             .expect("under the limit");
     }
-    let third = d.receiver(3, &target).unwrap().request(blocks(&[3]));
+    let third = d
+        .receiver(TransferId(3), &target)
+        .unwrap()
+        .request(blocks(&[3]));
     assert!(
         matches!(third, Err(NodeError::Busy(_))),
         "third request over a limit of two: {third:?}"
@@ -102,14 +106,14 @@ fn side_channel_peer_limit_fails_a_request_at_once() {
         tp_size: 1,
         side_channels: vec![format!("tcp://{}", l.local_addr().unwrap())],
     };
-    d.receiver(1, &to(&a))
+    d.receiver(TransferId(1), &to(&a))
         .unwrap()
         .request(blocks(&[1]))
         .unwrap();
     // A second prefill address needs a second peer slot: over the limit
     // (and the first peer is not dead), so the request fails now instead of
     // waiting out its 20 s bootstrap timeout.
-    d.receiver(2, &to(&b))
+    d.receiver(TransferId(2), &to(&b))
         .unwrap()
         .request(blocks(&[2]))
         .unwrap();
@@ -121,7 +125,7 @@ fn side_channel_peer_limit_fails_a_request_at_once() {
     assert!(took < Duration::from_secs(5), "failed fast, took {took:?}");
     assert!(d.stats().limit_hits >= 1, "{:?}", d.stats());
     // The first request is untouched by the refusal.
-    assert!(!d.phase(1).expect("known").is_terminal());
+    assert!(!d.phase(TransferId(1)).expect("known").is_terminal());
 }
 
 #[test]
@@ -140,14 +144,14 @@ fn bootstrap_target_limit_fails_a_request_at_once() {
         addr: hang.local_addr().unwrap().to_string(),
         engine_id: "p2".into(),
     };
-    d.receiver(1, &first)
+    d.receiver(TransferId(1), &first)
         .unwrap()
         .request(blocks(&[1]))
         .unwrap();
     // The first query is under way once it connects; the connection is
     // held open, unanswered, for the rest of the test.
     let _held = hang.accept().expect("the bridge queries the first target");
-    d.receiver(2, &second)
+    d.receiver(TransferId(2), &second)
         .unwrap()
         .request(blocks(&[2]))
         .unwrap();
@@ -170,7 +174,7 @@ fn finished_records_are_bounded() {
         side_channels: vec![],
     };
     for tid in 1..=5u64 {
-        let rx = d.receiver(tid, &target).unwrap();
+        let rx = d.receiver(TransferId(tid), &target).unwrap();
         rx.request(blocks(&[tid as u32])).unwrap();
         rx.abort().unwrap();
         assert!(rx.wait(Duration::from_secs(10)).is_terminal());
@@ -179,7 +183,7 @@ fn finished_records_are_bounded() {
     // collect until it is in, each collection bounded by the limit.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut seen = Vec::new();
-    while !seen.contains(&5) && Instant::now() < deadline {
+    while !seen.contains(&TransferId(5)) && Instant::now() < deadline {
         let (_, received) = d.get_finished();
         assert!(
             received.len() <= 2,
@@ -188,8 +192,14 @@ fn finished_records_are_bounded() {
         seen.extend(received);
         std::thread::yield_now();
     }
-    assert!(seen.contains(&5), "the newest record is kept: {seen:?}");
-    assert!(!seen.contains(&1), "the oldest was dropped: {seen:?}");
+    assert!(
+        seen.contains(&TransferId(5)),
+        "the newest record is kept: {seen:?}"
+    );
+    assert!(
+        !seen.contains(&TransferId(1)),
+        "the oldest was dropped: {seen:?}"
+    );
     assert!(d.stats().limit_hits >= 1, "the drop is counted");
 }
 
@@ -231,7 +241,7 @@ fn config_and_call_misuse_are_typed() {
     ));
     let d = Node::start(NodeConfig::new(Role::Decode, "d")).unwrap();
     assert!(matches!(
-        d.sender(1),
+        d.sender(TransferId(1)),
         Err(NodeError::Misuse(Misuse::WrongRole(Role::Prefill)))
     ));
     d.shutdown(std::time::Duration::ZERO);

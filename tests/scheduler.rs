@@ -13,6 +13,7 @@ use kvferry::scheduler::{
     Blame, FinishDecision, FinishStatus, KvRole, KvTransferParams, SchedError, SchedRequest,
     Scheduler, SchedulerConfig,
 };
+use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 use proptest::prelude::*;
 
@@ -35,7 +36,7 @@ fn prefill() -> Scheduler {
 fn d_params(tid: u64) -> KvTransferParams {
     KvTransferParams {
         do_remote_prefill: true,
-        transfer_id: Some(tid),
+        transfer_id: Some(TransferId(tid)),
         remote_engine_id: Some("p".into()),
         remote_bootstrap_addr: Some(ADDR.into()),
         ..KvTransferParams::default()
@@ -45,7 +46,7 @@ fn d_params(tid: u64) -> KvTransferParams {
 fn p_params(tid: u64) -> KvTransferParams {
     KvTransferParams {
         do_remote_decode: true,
-        transfer_id: Some(tid),
+        transfer_id: Some(TransferId(tid)),
         ..KvTransferParams::default()
     }
 }
@@ -123,18 +124,18 @@ fn remote_prefill_loads_every_prompt_block_once() {
     assert_eq!(meta.loads.len(), 1);
     assert!(meta.sends.is_empty());
     let l = &meta.loads[0];
-    assert_eq!(l.transfer_id, 7);
+    assert_eq!(l.transfer_id, TransferId(7));
     assert_eq!(l.prefill, target());
     assert_eq!(l.dst_blocks, vec![ids(&[40, 41, 45])]);
     assert_eq!(l.prefix_blocks, vec![0]);
     // Drained: the next step carries nothing.
     let again = s.build_connector_meta();
     assert!(again.loads.is_empty());
-    assert_eq!(s.request_id_of(7), Some("r"));
+    assert_eq!(s.request_id_of(TransferId(7)), Some("r"));
     // Loaded once: a resumed request is not loaded again.
     assert_eq!(s.get_num_new_matched_tokens(&r).unwrap(), (0, false));
     s.update_state_after_alloc(&r, 0).unwrap();
-    let done = s.handle_finished(&[], &[7]);
+    let done = s.handle_finished(&[], &[TransferId(7)]);
     assert_eq!(done.finished_recving, vec!["r".to_string()]);
     assert!(done.untracked.is_empty());
     assert_eq!(s.get_num_new_matched_tokens(&r).unwrap(), (0, false));
@@ -147,7 +148,7 @@ fn remote_prefill_loads_every_prompt_block_once() {
         }
     );
     assert_eq!(s.tracked_len(), 0);
-    assert_eq!(s.request_id_of(7), None);
+    assert_eq!(s.request_id_of(TransferId(7)), None);
 }
 
 #[test]
@@ -206,7 +207,10 @@ fn nothing_to_load_still_releases_the_prefill_blocks() {
     assert_eq!(meta.loads[0].prefix_blocks, vec![2]);
     // The request runs now and is never loaded again.
     assert_eq!(s.get_num_new_matched_tokens(&r).unwrap(), (0, false));
-    assert_eq!(s.handle_finished(&[], &[11]).untracked, vec![11]);
+    assert_eq!(
+        s.handle_finished(&[], &[TransferId(11)]).untracked,
+        vec![TransferId(11)]
+    );
     assert!(
         !s.request_finished(&r, FinishStatus::Stopped)
             .unwrap()
@@ -225,7 +229,7 @@ fn aborted_before_allocation_releases_the_prefill_blocks() {
     let meta = s.build_connector_meta();
     assert_eq!(meta.loads.len(), 1);
     let l = &meta.loads[0];
-    assert_eq!((l.transfer_id, &l.prefill), (12, &target()));
+    assert_eq!((l.transfer_id, &l.prefill), (TransferId(12), &target()));
     // Nothing lands on decode; all 3 prefill blocks count as held.
     assert_eq!(l.dst_blocks, vec![Vec::<BlockId>::new()]);
     assert_eq!(l.prefix_blocks, vec![3]);
@@ -260,17 +264,20 @@ fn finished_during_the_load_holds_the_blocks_until_it_ends() {
     assert_eq!(s.poll_abort(), None);
     let d = s.request_finished(&r, FinishStatus::Aborted).unwrap();
     assert!(d.delay_free, "prefill may still write the blocks");
-    assert_eq!(s.poll_abort(), Some(14));
+    assert_eq!(s.poll_abort(), Some(TransferId(14)));
     assert_eq!(s.poll_abort(), None);
     // Finishing twice is misuse.
     let e = s.request_finished(&r, FinishStatus::Aborted).unwrap_err();
     assert!(matches!(e, SchedError::WrongState { .. }), "{e}");
-    let done = s.handle_finished(&[], &[14]);
+    let done = s.handle_finished(&[], &[TransferId(14)]);
     assert_eq!(done.freed, vec!["r".to_string()]);
     assert!(done.finished_recving.is_empty());
     assert_eq!(s.tracked_len(), 0);
     // Reported once: a second report is not ours anymore.
-    assert_eq!(s.handle_finished(&[], &[14]).untracked, vec![14]);
+    assert_eq!(
+        s.handle_finished(&[], &[TransferId(14)]).untracked,
+        vec![TransferId(14)]
+    );
 }
 
 #[test]
@@ -345,7 +352,7 @@ fn decode_misuse_is_refused_and_records_nothing() {
     assert_eq!(
         e,
         SchedError::DuplicateTransfer {
-            transfer_id: 20,
+            transfer_id: TransferId(20),
             request_id: "q".into(),
             other: "r".into()
         }
@@ -421,7 +428,7 @@ fn params_parse_from_router_json() {
         p,
         KvTransferParams {
             do_remote_prefill: true,
-            transfer_id: Some(5),
+            transfer_id: Some(TransferId(5)),
             remote_engine_id: Some("p".into()),
             remote_bootstrap_addr: Some("http://h:8998".into()),
             ..KvTransferParams::default()
@@ -450,7 +457,7 @@ fn length_capped_prefill_delays_the_free_and_sends_the_prompt_blocks() {
         Some(KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            transfer_id: Some(30),
+            transfer_id: Some(TransferId(30)),
             remote_engine_id: Some("p".into()),
             remote_bootstrap_addr: Some(ADDR.into()),
             remote_block_ids: Some(vec![ids(&[3, 4, 5])]),
@@ -463,7 +470,7 @@ fn length_capped_prefill_delays_the_free_and_sends_the_prompt_blocks() {
     let meta = s.build_connector_meta();
     assert!(meta.loads.is_empty());
     assert_eq!(meta.sends.len(), 1);
-    assert_eq!(meta.sends[0].transfer_id, 30);
+    assert_eq!(meta.sends[0].transfer_id, TransferId(30));
     assert_eq!(meta.sends[0].src_blocks, vec![ids(&[3, 4, 5])]);
     assert!(meta.sends[0].is_last);
     assert!(s.build_connector_meta().sends.is_empty());
@@ -473,11 +480,11 @@ fn length_capped_prefill_delays_the_free_and_sends_the_prompt_blocks() {
     assert!(matches!(e, SchedError::WrongState { .. }), "{e}");
     // A decode-side report of the transfer is not a finished send, and an
     // unknown transfer is nobody's.
-    let done = s.handle_finished(&[], &[30, 99]);
-    assert_eq!(done.untracked, vec![30, 99]);
+    let done = s.handle_finished(&[], &[TransferId(30), TransferId(99)]);
+    assert_eq!(done.untracked, vec![TransferId(30), TransferId(99)]);
     assert!(done.finished_sending.is_empty());
     assert_eq!(s.tracked_len(), 1);
-    let done = s.handle_finished(&[30], &[]);
+    let done = s.handle_finished(&[TransferId(30)], &[]);
     assert_eq!(done.finished_sending, vec!["p-r".to_string()]);
     assert_eq!(s.tracked_len(), 0);
 
@@ -490,7 +497,7 @@ fn length_capped_prefill_delays_the_free_and_sends_the_prompt_blocks() {
     assert_eq!(dsched.get_num_new_matched_tokens(&dr).unwrap(), (10, true));
     dsched.update_state_after_alloc(&dr, 10).unwrap();
     let l = &dsched.build_connector_meta().loads[0];
-    assert_eq!(l.transfer_id, 30);
+    assert_eq!(l.transfer_id, TransferId(30));
     assert_eq!(l.dst_blocks[0].len() as u32 + l.prefix_blocks[0], 3);
 }
 
@@ -524,7 +531,7 @@ fn other_finish_statuses_free_at_once_and_send_no_kv() {
         let meta = s.build_connector_meta();
         // Only an empty last chunk: "no KV for this transfer".
         assert_eq!(meta.sends.len(), 1, "{status:?}");
-        assert_eq!(meta.sends[0].transfer_id, tid);
+        assert_eq!(meta.sends[0].transfer_id, TransferId(tid));
         assert_eq!(meta.sends[0].src_blocks, vec![Vec::<BlockId>::new()]);
         assert!(meta.sends[0].is_last);
     }
@@ -706,7 +713,7 @@ proptest! {
         let mut freed_now: HashSet<usize> = HashSet::new();
         let mut delayed: HashSet<usize> = HashSet::new();
         let mut reported: HashSet<usize> = HashSet::new();
-        let mut in_flight: Vec<u64> = Vec::new();
+        let mut in_flight: Vec<TransferId> = Vec::new();
         for (op, i) in ops {
             let r = req(names[i], 10, 0, &blocks[i], &params[i]);
             // vLLM never reuses a request id: a finished request gets no
@@ -731,11 +738,11 @@ proptest! {
                 },
                 2 => {
                     for l in s.build_connector_meta().loads {
-                        let k = (l.transfer_id - 100) as usize;
+                        let k = (l.transfer_id.0 - 100) as usize;
                         if l.dst_blocks[0].is_empty() {
                             continue;
                         }
-                        prop_assert!(handed.insert(l.transfer_id), "loaded twice");
+                        prop_assert!(handed.insert(l.transfer_id.0), "loaded twice");
                         prop_assert!(!freed_now.contains(&k), "blocks freed before their load");
                         in_flight.push(l.transfer_id);
                     }
@@ -755,7 +762,7 @@ proptest! {
         // Every load handed over ends: each delayed free is reported.
         for l in s.build_connector_meta().loads {
             if !l.dst_blocks[0].is_empty() {
-                prop_assert!(handed.insert(l.transfer_id), "loaded twice");
+                prop_assert!(handed.insert(l.transfer_id.0), "loaded twice");
                 in_flight.push(l.transfer_id);
             }
         }
@@ -857,9 +864,9 @@ impl Engines {
             // Sleep until some node reports a terminal phase.
             let _ = self
                 .c
-                .decode_done
+                .decode_events
                 .recv_timeout(left.min(Duration::from_millis(200)));
-            while self.c.prefill_done.try_recv().is_ok() {}
+            while self.c.prefill_events.try_recv().is_ok() {}
         }
     }
 }
@@ -870,8 +877,8 @@ struct Reported {
     recv: Vec<String>,
     sent: Vec<String>,
     freed: Vec<String>,
-    p_untracked: Vec<u64>,
-    d_untracked: Vec<u64>,
+    p_untracked: Vec<TransferId>,
+    d_untracked: Vec<TransferId>,
 }
 
 #[test]
@@ -899,7 +906,9 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
     // asks before prefill has finished.
     for (tid, prompt, cached, _, d_blocks) in reqs.iter().filter(|r| r.0 % 2 == 0) {
         let held = (*cached / u64::from(BS)) as usize;
-        e.c.decode[0].kv.fill(*tid, &d_blocks[..held], 0);
+        e.c.decode[0]
+            .kv
+            .fill(TransferId(*tid), &d_blocks[..held], 0);
         e.c.decode[0].kv.clear(&d_blocks[held..]);
         let p = d_params_for(*tid, &e.p.config().bootstrap_addr);
         let blocks = [ids(d_blocks)];
@@ -928,7 +937,7 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
         e.p.update_state_after_alloc(&r, 0).unwrap();
         e.step_prefill();
         let n = prompt.div_ceil(u64::from(BS)) as usize;
-        e.c.prefill[0].kv.fill(*tid, &p_blocks[..n], 0);
+        e.c.prefill[0].kv.fill(TransferId(*tid), &p_blocks[..n], 0);
         let d =
             e.p.request_finished(&r, FinishStatus::LengthCapped)
                 .unwrap();
@@ -943,7 +952,9 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
     for (tid, json) in late.iter().filter(|(t, _)| t % 2 == 1) {
         let (_, prompt, cached, _, d_blocks) = reqs.iter().find(|r| r.0 == *tid).unwrap();
         let held = (*cached / u64::from(BS)) as usize;
-        e.c.decode[0].kv.fill(*tid, &d_blocks[..held], 0);
+        e.c.decode[0]
+            .kv
+            .fill(TransferId(*tid), &d_blocks[..held], 0);
         e.c.decode[0].kv.clear(&d_blocks[held..]);
         let p: KvTransferParams = serde_json::from_str(json).unwrap();
         let blocks = [ids(d_blocks)];
@@ -977,12 +988,12 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
         let n = prompt.div_ceil(u64::from(BS)) as usize;
         e.c.decode[0]
             .kv
-            .verify(*tid, &d_blocks[..n], 0)
+            .verify(TransferId(*tid), &d_blocks[..n], 0)
             .unwrap_or_else(|err| panic!("transfer {tid} (cached {cached}): {err:?}"));
         // The spare block got nothing.
         assert!(e.c.decode[0]
             .kv
-            .verify(*tid, &d_blocks[n..], n as u64)
+            .verify(TransferId(*tid), &d_blocks[n..], n as u64)
             .is_err());
     }
 
@@ -1008,7 +1019,7 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
 fn d_params_for(tid: u64, bootstrap_addr: &str) -> KvTransferParams {
     KvTransferParams {
         do_remote_prefill: true,
-        transfer_id: Some(tid),
+        transfer_id: Some(TransferId(tid)),
         remote_engine_id: Some("prefill".into()),
         remote_bootstrap_addr: Some(bootstrap_addr.into()),
         ..KvTransferParams::default()
@@ -1028,7 +1039,7 @@ fn prefill_one(e: &mut Engines, tid: u64, prompt: u64, first_block: u32) -> KvTr
         ..req("", prompt, 0, &blocks, &p)
     };
     e.p.update_state_after_alloc(&r, 0).unwrap();
-    e.c.prefill[0].kv.fill(tid, &p_blocks, 0);
+    e.c.prefill[0].kv.fill(TransferId(tid), &p_blocks, 0);
     let d =
         e.p.request_finished(&r, FinishStatus::LengthCapped)
             .unwrap();
@@ -1052,10 +1063,10 @@ fn e2e_decode_gone_before_allocation_releases_the_prefill_blocks() {
     let got = e.drive_until(|r| !r.sent.is_empty() && !r.d_untracked.is_empty());
     // Prefill's delayed free ends: its blocks go back to its engine.
     assert_eq!(got.sent, vec!["p600".to_string()]);
-    assert_eq!(got.d_untracked, vec![600]);
+    assert_eq!(got.d_untracked, vec![TransferId(600)]);
     assert!(got.recv.is_empty());
     assert_eq!(
-        e.c.prefill[0].node.phase(600),
+        e.c.prefill[0].node.phase(TransferId(600)),
         Some(kvferry::machines::Phase::Success)
     );
     assert!(e.c.decode[0].node.block_ids_with_load_errors().is_empty());
@@ -1085,7 +1096,7 @@ fn e2e_prefill_abort_fails_the_waiting_decode_load() {
     let got = e.drive_until(|r| !r.recv.is_empty());
     assert_eq!(got.recv, vec!["d700".to_string()]);
     // The load failed because prefill said so, not by waiting out a deadline.
-    let phase = e.c.decode[0].node.phase(tid).unwrap();
+    let phase = e.c.decode[0].node.phase(TransferId(tid)).unwrap();
     assert!(
         matches!(phase, kvferry::machines::Phase::Failed(_)),
         "{phase:?}"
@@ -1110,7 +1121,7 @@ fn e2e_decode_abort_during_the_load_frees_after_it_ends() {
     let d = e.d.request_finished(&r, FinishStatus::Aborted).unwrap();
     assert!(d.delay_free);
     let abort = e.d.poll_abort().expect("an abort to issue");
-    assert_eq!(abort, tid);
+    assert_eq!(abort, TransferId(tid));
     e.c.decode[0].node.abort(abort).unwrap();
     let got = e.drive_until(|r| !r.freed.is_empty());
     assert_eq!(got.freed, vec!["d800".to_string()]);
@@ -1129,6 +1140,6 @@ fn e2e_decode_abort_during_the_load_frees_after_it_ends() {
     // reported at once: `e2e_faults::prefill_sender_after_decode_abort_ends_at_once`.)
     assert!(e.c.prefill[0]
         .node
-        .phase(tid)
+        .phase(TransferId(tid))
         .is_some_and(|p| p.is_terminal()));
 }

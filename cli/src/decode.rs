@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use kvferry::machines::common::BlockId;
 use kvferry::machines::{Phase, TransferId};
-use kvferry::node::{Node, PrefillTarget, Role};
+use kvferry::node::{Event, EventSink, Node, PrefillTarget, Role};
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::SynthKv;
 
@@ -53,8 +53,11 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
     let mut c = a
         .rank
         .node_config(Role::Decode, format!("decode-{}", std::process::id()), &o);
-    let (done_tx, done_rx) = flume::bounded(1 << 16);
-    c.notify = Some(done_tx);
+    let (events_tx, events_rx) = flume::bounded(1 << 16);
+    c.events = Some(EventSink {
+        tag: 0,
+        tx: events_tx,
+    });
     let slots = a.concurrency.max(1).min(a.requests.max(1));
     let kv = SynthKv::new(
         o.model(),
@@ -88,7 +91,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         finished: 0,
     };
     let started = Instant::now();
-    p.run(&done_rx, guard(o.timeout_ms))?;
+    p.run(&events_rx, guard(o.timeout_ms))?;
     let report = p.finish(started.elapsed().as_secs_f64());
     node.shutdown(Duration::from_millis(200));
     drop(node);
@@ -132,19 +135,18 @@ impl Pull<'_> {
 
     /// Runs every request to its end, or until a signal asked to stop and
     /// nothing is in flight.
-    fn run(
-        &mut self,
-        done_rx: &flume::Receiver<(TransferId, Phase)>,
-        guard: Duration,
-    ) -> Result<(), String> {
+    fn run(&mut self, events: &flume::Receiver<Event>, guard: Duration) -> Result<(), String> {
         let mut last_event = Instant::now();
         while self.finished < self.requests {
             self.launch()?;
             if stop_requested() && self.live.is_empty() {
                 break;
             }
-            let (tid, phase) = match done_rx.recv_timeout(Duration::from_millis(200)) {
-                Ok((tid, phase)) => (tid.0, phase),
+            let (tid, phase) = match events.recv_timeout(Duration::from_millis(200)) {
+                Ok(e) => match e.finished() {
+                    Some(phase) => (e.transfer_id.0, phase),
+                    None => continue,
+                },
                 Err(_) => {
                     if last_event.elapsed() > guard {
                         return Err(format!(
@@ -172,7 +174,7 @@ impl Pull<'_> {
             self.kv.clear(&blocks);
             let dst = vec![blocks.iter().map(|&x| BlockId(x)).collect()];
             self.node
-                .receiver(tid, &self.target)
+                .receiver(TransferId(tid), &self.target)
                 .and_then(|r| r.request(dst))
                 .map_err(|e| format!("request {tid}: {e}"))?;
             self.live.insert(tid, (slot, Instant::now()));
@@ -192,7 +194,7 @@ impl Pull<'_> {
         let report = &mut self.report;
         match phase {
             Phase::Success => {
-                if self.kv.verify(tid, &blocks, 0).is_err() {
+                if self.kv.verify(TransferId(tid), &blocks, 0).is_err() {
                     report.verify_errors += 1;
                 }
                 report.ok += 1;

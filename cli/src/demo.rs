@@ -204,11 +204,11 @@ impl Demo<'_> {
             let Some(slot) = self.free.pop() else { break };
             let tid = self.next + 1;
             let blocks = self.blocks(slot);
-            self.c.fill(tid, &blocks);
+            self.c.fill(TransferId(tid), &blocks);
             // The clock starts before the ranks are asked (an executor may
             // run on this core before `start_request` returns).
             let asked_at = Instant::now();
-            if let Err(e) = self.c.start_request(tid, &blocks, &blocks, 0) {
+            if let Err(e) = self.c.start_request(TransferId(tid), &blocks, &blocks, 0) {
                 return Err(format!("request {tid} refused: {e}"));
             }
             self.live.insert(
@@ -228,7 +228,8 @@ impl Demo<'_> {
     }
 
     /// The next terminal phase (decode side or not, transfer, phase);
-    /// `None` if none came within 500 ms.
+    /// `None` if none came within 500 ms, or the event was not a terminal
+    /// phase.
     fn next_event(&self) -> Result<Option<(bool, TransferId, Phase)>, String> {
         // What is queued first; otherwise wait on the side a live request
         // still waits for (decode first: its notification ends a request's
@@ -239,21 +240,21 @@ impl Demo<'_> {
         // are unbounded, so nothing waiting on the other one is dropped.
         let c = self.c;
         let ready = c
-            .decode_done
+            .decode_events
             .try_recv()
-            .map(|(_, t, p)| (true, t, p))
-            .or_else(|_| c.prefill_done.try_recv().map(|(_, t, p)| (false, t, p)));
-        if let Ok(e) = ready {
-            return Ok(Some(e));
+            .map(|e| (true, e))
+            .or_else(|_| c.prefill_events.try_recv().map(|e| (false, e)));
+        if let Ok((decode, e)) = ready {
+            return Ok(e.finished().map(|p| (decode, e.transfer_id, p)));
         }
         let is_decode = self.live.values().any(|l| l.decode_left > 0);
-        let done = if is_decode {
-            &c.decode_done
+        let events = if is_decode {
+            &c.decode_events
         } else {
-            &c.prefill_done
+            &c.prefill_events
         };
-        match done.recv_timeout(Duration::from_millis(500)) {
-            Ok((_, t, p)) => Ok(Some((is_decode, t, p))),
+        match events.recv_timeout(Duration::from_millis(500)) {
+            Ok(e) => Ok(e.finished().map(|p| (is_decode, e.transfer_id, p))),
             Err(flume::RecvTimeoutError::Timeout) => Ok(None),
             Err(flume::RecvTimeoutError::Disconnected) => {
                 Err("node notification channel closed".into())
@@ -285,7 +286,7 @@ impl Demo<'_> {
                     report.ok += 1;
                     report.bytes += self.bytes_per_request;
                     self.latencies.record(l.started.elapsed());
-                    let bad = self.c.verify(tid, &blocks, 0);
+                    let bad = self.c.verify(TransferId(tid), &blocks, 0);
                     report.verify_errors += bad as u64;
                 } else if phase == Phase::Expired {
                     report.expired += 1;

@@ -2,8 +2,8 @@
 //! KV for whatever decode ranks ask, until SIGTERM or SIGINT.
 //!
 //! A decode request reaches this rank as a `Pull` for a transfer the
-//! "engine" (this command) has not seen; the node reports it through
-//! `NodeConfig::on_remote_request`, and the command allocates blocks,
+//! "engine" (this command) has not seen; the node reports it as an
+//! `EventKind::Requested` event, and the command allocates blocks,
 //! fills them with the pattern of that transfer (after `--delay-ms`, which
 //! stands in for the prefill computation) and sends them. Blocks go back to
 //! the free list when the transfer's phase turns terminal.
@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use kvferry::machines::common::BlockId;
-use kvferry::node::{Node, NodeConfig, RemoteRequest, Role};
+use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, Role};
+use kvferry::TransferId;
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::SynthKv;
 
@@ -113,10 +114,11 @@ fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
     } else {
         c.bootstrap = Some(bootstrap);
     }
-    let (req_tx, req_rx) = flume::bounded::<RemoteRequest>(1 << 16);
-    let (done_tx, done_rx) = flume::bounded(1 << 16);
-    c.on_remote_request = Some(req_tx);
-    c.notify = Some(done_tx);
+    let (events_tx, events_rx) = flume::bounded(1 << 17);
+    c.events = Some(EventSink {
+        tag: 0,
+        tx: events_tx,
+    });
     let kv = SynthKv::new(
         o.model(),
         c.tp_size,
@@ -148,11 +150,7 @@ fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
     while !stop_requested() {
         let now = Instant::now();
         s.start_ready(now);
-        let event = flume::Selector::new()
-            .recv(&req_rx, |r| r.map(either_left))
-            .recv(&done_rx, |r| r.map(either_right))
-            .wait_timeout(s.wait(now));
-        if let Ok(Ok(e)) = event {
+        if let Ok(e) = events_rx.recv_timeout(s.wait(now)) {
             s.on_event(e);
         }
         let _ = node.get_finished();
@@ -173,21 +171,21 @@ struct Serve<'a> {
     delay: Duration,
     free: Vec<u32>,
     /// Blocks of every transfer sent, until its phase turns terminal.
-    held: HashMap<u64, Vec<u32>>,
-    /// Requests waiting for their delay or for free blocks, oldest first.
-    waiting: VecDeque<(Instant, RemoteRequest)>,
+    held: HashMap<TransferId, Vec<u32>>,
+    /// Requests waiting for their delay or for free blocks, oldest first:
+    /// when they may start, the transfer and how many blocks it needs.
+    waiting: VecDeque<(Instant, TransferId, u32)>,
     served: u64,
 }
 
 impl Serve<'_> {
     /// Starts every request whose delay passed and whose blocks are free.
     fn start_ready(&mut self, now: Instant) {
-        while let Some((at, r)) = self.waiting.front() {
-            let need = r.blocks_per_group.first().copied().unwrap_or(0) as usize;
-            if *at > now || need > self.free.len() {
+        while let Some(&(at, tid, need)) = self.waiting.front() {
+            let need = need as usize;
+            if at > now || need > self.free.len() {
                 break;
             }
-            let tid = r.transfer_id;
             self.waiting.pop_front();
             let blocks: Vec<u32> = (0..need).filter_map(|_| self.free.pop()).collect();
             self.kv.fill(tid, &blocks, 0);
@@ -201,7 +199,7 @@ impl Serve<'_> {
                     self.served += 1;
                 }
                 Err(e) => {
-                    tracing::warn!(tid, %e, "cannot send");
+                    tracing::warn!(%tid, %e, "cannot send");
                     self.free.extend(blocks);
                 }
             }
@@ -213,7 +211,7 @@ impl Serve<'_> {
     fn wait(&self, now: Instant) -> Duration {
         self.waiting
             .front()
-            .map_or(Duration::from_millis(100), |(at, _)| {
+            .map_or(Duration::from_millis(100), |(at, _, _)| {
                 at.saturating_duration_since(now)
             })
             .min(Duration::from_millis(100))
@@ -221,39 +219,26 @@ impl Serve<'_> {
 
     /// A new request waits for its delay (or is aborted if it cannot
     /// fit); a terminal phase frees its transfer's blocks.
-    fn on_event(&mut self, e: Either) {
-        match e {
-            Either::Request(r) => {
-                if r.blocks_per_group.len() == 1 && r.blocks_per_group[0] <= self.num_blocks {
-                    self.waiting.push_back((Instant::now() + self.delay, r));
-                } else {
-                    tracing::warn!(
-                        tid = r.transfer_id,
-                        "request does not fit this server; aborting"
-                    );
-                    let _ = self.node.abort(r.transfer_id);
+    fn on_event(&mut self, e: Event) {
+        let tid = e.transfer_id;
+        match e.kind {
+            EventKind::Requested { blocks_per_group } => match blocks_per_group[..] {
+                [n] if n <= self.num_blocks => {
+                    self.waiting
+                        .push_back((Instant::now() + self.delay, tid, n));
                 }
-            }
-            Either::Done(tid) => {
+                _ => {
+                    tracing::warn!(%tid, "request does not fit this server; aborting");
+                    let _ = self.node.abort(tid);
+                }
+            },
+            EventKind::Finished(_) => {
                 if let Some(blocks) = self.held.remove(&tid) {
                     self.free.extend(blocks);
                 }
             }
         }
     }
-}
-
-enum Either {
-    Request(RemoteRequest),
-    Done(u64),
-}
-
-fn either_left(r: RemoteRequest) -> Either {
-    Either::Request(r)
-}
-
-fn either_right((t, _): (kvferry::machines::TransferId, kvferry::machines::Phase)) -> Either {
-    Either::Done(t.0)
 }
 
 /// `kvferry prefill`.

@@ -29,6 +29,7 @@ use clap::Args;
 use kvferry::machines::common::BlockId;
 use kvferry::machines::Phase;
 use kvferry::node::{NodeStats, Receiver, Sender};
+use kvferry::TransferId;
 use kvferry_testkit::synth::Cluster;
 
 use crate::cli::{usage_error, DemoArgs, UsageError};
@@ -638,7 +639,7 @@ impl Soak<'_> {
         let tid = self.next_tid;
         self.report.requests += 1;
         let ids = self.block_ids(slot);
-        self.c.fill(tid, &ids);
+        self.c.fill(TransferId(tid), &ids);
         let mut l = Live {
             slot,
             started: now,
@@ -669,10 +670,13 @@ impl Soak<'_> {
     fn start_handles(&mut self, tid: u64, l: &mut Live) {
         let blocks = self.blocks(l.slot);
         for (i, r) in self.c.decode.iter().enumerate() {
-            let started = r.node.receiver(tid, &self.c.target).and_then(|h| {
-                h.request_with_prefix(vec![blocks.clone()], vec![0])
-                    .map(|()| h)
-            });
+            let started = r
+                .node
+                .receiver(TransferId(tid), &self.c.target)
+                .and_then(|h| {
+                    h.request_with_prefix(vec![blocks.clone()], vec![0])
+                        .map(|()| h)
+                });
             match started {
                 Ok(h) => {
                     l.receivers.push(h);
@@ -688,7 +692,7 @@ impl Soak<'_> {
         }
         if !l.refused {
             for (i, r) in self.c.prefill.iter().enumerate() {
-                match r.node.sender(tid) {
+                match r.node.sender(TransferId(tid)) {
                     Ok(h) => {
                         l.senders.push(h);
                         l.prefill_wait |= 1 << i;
@@ -910,7 +914,7 @@ impl Soak<'_> {
             }
             let b = u64::from(self.o.demo.blocks_per_request);
             let ids: Vec<u32> = (0..b).map(|i| (l.slot * b + i) as u32).collect();
-            if self.c.verify(tid, &ids, 0) > 0 {
+            if self.c.verify(TransferId(tid), &ids, 0) > 0 {
                 r.verify_errors += 1;
             }
         } else if l.aborted {
@@ -971,14 +975,14 @@ impl Soak<'_> {
         for (&tid, l) in &self.live {
             for (i, r) in self.c.decode.iter().enumerate() {
                 if l.decode_wait & (1 << i) != 0 {
-                    if let Some(p) = r.node.phase(tid).filter(Phase::is_terminal) {
+                    if let Some(p) = r.node.phase(TransferId(tid)).filter(Phase::is_terminal) {
                         found.push((true, i as u32, tid, p));
                     }
                 }
             }
             for (i, r) in self.c.prefill.iter().enumerate() {
                 if l.prefill_wait & (1 << i) != 0 {
-                    if let Some(p) = r.node.phase(tid).filter(Phase::is_terminal) {
+                    if let Some(p) = r.node.phase(TransferId(tid)).filter(Phase::is_terminal) {
                         found.push((false, i as u32, tid, p));
                     }
                 }
@@ -1154,12 +1158,13 @@ impl<'a> Soak<'a> {
     /// Handles the terminal phases already queued; true if there was one.
     fn take_queued(&mut self) -> bool {
         let mut handled = false;
-        while let Ok((rank, tid, p)) = self.c.decode_done.try_recv() {
-            self.terminal(true, rank, tid.0, p, Instant::now());
-            handled = true;
-        }
-        while let Ok((rank, tid, p)) = self.c.prefill_done.try_recv() {
-            self.terminal(false, rank, tid.0, p, Instant::now());
+        let queued = (self.c.decode_events.try_iter().map(|e| (true, e)))
+            .chain(self.c.prefill_events.try_iter().map(|e| (false, e)));
+        let finished: Vec<_> = queued
+            .filter_map(|(d, e)| Some((d, e.tag, e.transfer_id, e.finished()?)))
+            .collect();
+        for (decode, rank, tid, p) in finished {
+            self.terminal(decode, rank, tid.0, p, Instant::now());
             handled = true;
         }
         handled
@@ -1184,13 +1189,18 @@ impl<'a> Soak<'a> {
         }
         let c = self.c;
         let event = flume::Selector::new()
-            .recv(&c.decode_done, |r| r.map(|(k, t, p)| (true, k, t, p)))
-            .recv(&c.prefill_done, |r| r.map(|(k, t, p)| (false, k, t, p)))
+            .recv(&c.decode_events, |r| r.map(|e| (true, e)))
+            .recv(&c.prefill_events, |r| r.map(|e| (false, e)))
             .wait_deadline(wake);
         match event {
-            Ok(Ok((decode, rank, tid, p))) => {
+            Ok(Ok((decode, e))) => {
+                // Not a terminal phase: a prefill rank heard of a request
+                // before its sender (the soak starts both sides itself).
+                let Some(p) = e.finished() else {
+                    return Ok(());
+                };
                 let now = Instant::now();
-                self.terminal(decode, rank, tid.0, p, now);
+                self.terminal(decode, e.tag, e.transfer_id.0, p, now);
                 t.last_event = now;
             }
             Ok(Err(_)) => return Err("node notification channel closed".into()),
@@ -1243,7 +1253,11 @@ fn count_nodes(report: &mut SoakReport, c: &Cluster, last_tid: u64) {
         for r in ranks {
             stats.add(&r.node.stats());
             stats.live_after_drain += (1..=last_tid)
-                .filter(|&t| r.node.phase(t).is_some_and(|p| !p.is_terminal()))
+                .filter(|&t| {
+                    r.node
+                        .phase(TransferId(t))
+                        .is_some_and(|p| !p.is_terminal())
+                })
                 .count() as u64;
         }
     }

@@ -10,7 +10,8 @@ use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
 use kvferry::machines::common::BlockId;
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
-use kvferry::node::{Node, NodeConfig, PrefillTarget, RemoteRequest, Role};
+use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, PrefillTarget, Role};
+use kvferry::TransferId;
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::SynthKv;
 
@@ -66,15 +67,11 @@ fn registered_addr(client: &BootstrapClient) -> Option<String> {
         .map(str::to_string)
 }
 
-fn decode_node() -> (
-    Node,
-    SynthKv,
-    flume::Receiver<(kvferry::machines::TransferId, Phase)>,
-) {
+fn decode_node() -> (Node, SynthKv, flume::Receiver<Event>) {
     let (tx, rx) = flume::unbounded();
     let mut c = NodeConfig::new(Role::Decode, "decode");
     c.timeouts = demo_timeouts(TIMEOUT_MS);
-    c.notify = Some(tx);
+    c.events = Some(EventSink { tag: 0, tx });
     let kv = SynthKv::new(model(), 1, 0, 4, 64);
     let node = Node::start(c).unwrap();
     // SAFETY: the test shuts the node down before `kv` drops (see the end of each test).
@@ -104,7 +101,7 @@ fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
     let start = |tid: u64| {
         let blocks: Vec<u32> = vec![(tid % 16) as u32 * 4, (tid % 16) as u32 * 4 + 1];
         kv.clear(&blocks);
-        let r = node.receiver(tid, &target).unwrap();
+        let r = node.receiver(TransferId(tid), &target).unwrap();
         r.request(vec![blocks.iter().map(|&b| BlockId(b)).collect()])
             .unwrap();
         (r, blocks)
@@ -112,7 +109,7 @@ fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
     // A first request completes and is verified.
     let (r, blocks) = start(1);
     assert_eq!(r.wait(Duration::from_secs(10)), Phase::Success);
-    assert!(kv.verify(1, &blocks, 0).is_ok());
+    assert!(kv.verify(TransferId(1), &blocks, 0).is_ok());
     // Ten more, then P dies while it "computes" them.
     let live: Vec<_> = (2..12).map(start).collect();
     let killed_at = Instant::now();
@@ -154,7 +151,7 @@ fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
     }
     let (r, blocks) = start(100);
     assert_eq!(r.wait(Duration::from_secs(10)), Phase::Success);
-    assert!(kv.verify(100, &blocks, 0).is_ok());
+    assert!(kv.verify(TransferId(100), &blocks, 0).is_ok());
     drop(done);
     node.shutdown(Duration::from_millis(50));
     drop(node);
@@ -163,11 +160,14 @@ fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
 
 #[test]
 fn decode_killed_prefill_releases_when_the_lease_runs_out() {
-    let (req_tx, req_rx) = flume::unbounded::<RemoteRequest>();
+    let (events_tx, events_rx) = flume::unbounded();
     let mut c = NodeConfig::new(Role::Prefill, "prefill");
     c.serve_bootstrap = Some("127.0.0.1:0".into());
     c.timeouts = demo_timeouts(TIMEOUT_MS);
-    c.on_remote_request = Some(req_tx);
+    c.events = Some(EventSink {
+        tag: 0,
+        tx: events_tx,
+    });
     let kv = SynthKv::new(model(), 1, 0, 4, 64);
     let node = Node::start(c).unwrap();
     // SAFETY: shut down before `kv` drops, below.
@@ -196,14 +196,21 @@ fn decode_killed_prefill_releases_when_the_lease_runs_out() {
             .unwrap(),
     );
     // D's request arrives; P holds blocks for it, then D dies.
-    let req = req_rx
+    let Event {
+        transfer_id,
+        kind: EventKind::Requested { blocks_per_group },
+        ..
+    } = events_rx
         .recv_timeout(Duration::from_secs(20))
-        .expect("decode asked");
-    let tx = node.sender(req.transfer_id).unwrap();
+        .expect("decode asked")
+    else {
+        panic!("the first event of a prefill rank that started nothing is a request");
+    };
+    let tx = node.sender(transfer_id).unwrap();
     d.0.kill().unwrap();
     let _ = d.0.wait();
     let killed_at = Instant::now();
-    let blocks: Vec<BlockId> = (0..req.blocks_per_group[0]).map(BlockId).collect();
+    let blocks: Vec<BlockId> = (0..blocks_per_group[0]).map(BlockId).collect();
     let _ = tx.send(vec![blocks], true);
     let t = demo_timeouts(TIMEOUT_MS);
     let phase = tx.wait(t.lease + t.fence() + Duration::from_secs(2));
@@ -258,10 +265,10 @@ fn prefill_back_on_the_same_address_clears_the_dead_mark() {
     let run = |tid: u64| {
         let blocks = [tid as u32 % 32];
         kv.clear(&blocks);
-        let r = node.receiver(tid, &target).unwrap();
+        let r = node.receiver(TransferId(tid), &target).unwrap();
         r.request(vec![vec![BlockId(blocks[0])]]).unwrap();
         let phase = r.wait(Duration::from_secs(10));
-        (phase, kv.verify(tid, &blocks, 0).is_ok())
+        (phase, kv.verify(TransferId(tid), &blocks, 0).is_ok())
     };
     assert_eq!(run(1), (Phase::Success, true));
     p.0.kill().unwrap();
@@ -402,7 +409,7 @@ fn prefill_killed_fails_requests_at_once_by_connection_drop_not_silence() {
         };
         let live: Vec<_> = (1..5u64)
             .map(|tid| {
-                let r = node.receiver(tid, &target).unwrap();
+                let r = node.receiver(TransferId(tid), &target).unwrap();
                 r.request(vec![vec![
                     BlockId(tid as u32 * 2),
                     BlockId(tid as u32 * 2 + 1),

@@ -9,7 +9,7 @@ use super::{Node, NodeError, PrefillTarget, Role};
 #[derive(Clone, Debug)]
 pub struct LoadRequest {
     /// The transfer.
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// Where its prefill ranks are.
     pub prefill: PrefillTarget,
     /// Destination blocks per group.
@@ -22,7 +22,7 @@ pub struct LoadRequest {
 #[derive(Clone, Debug)]
 pub struct SendRequest {
     /// The transfer.
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// Source blocks per group of this chunk.
     pub src_blocks: BlockLists,
     /// True on the request's last chunk.
@@ -50,7 +50,7 @@ impl Node {
     fn start_load_kv_now(&self, meta: &LoadMeta) -> Result<(), NodeError> {
         for l in &meta.loads {
             self.request(
-                TransferId(l.transfer_id),
+                l.transfer_id,
                 &l.prefill,
                 l.dst_blocks.clone(),
                 l.prefix_blocks.clone(),
@@ -67,16 +67,16 @@ impl Node {
     /// `(finished sending, finished receiving)` (one of them is empty,
     /// by role). Every terminal outcome counts; failed loads also appear
     /// in [`Node::block_ids_with_load_errors`].
-    pub fn get_finished(&self) -> (Vec<u64>, Vec<u64>) {
+    pub fn get_finished(&self) -> (Vec<TransferId>, Vec<TransferId>) {
         self.collect();
-        let ids: Vec<u64> = {
+        let ids: Vec<TransferId> = {
             let mut r = self
                 .inner
                 .shared
                 .records
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            r.finished.drain(..).map(|t| t.0).collect()
+            r.finished.drain(..).collect()
         };
         match self.inner.shared.role {
             Role::Prefill => (ids, Vec::new()),

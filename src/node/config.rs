@@ -126,30 +126,63 @@ pub struct NodeConfig {
     /// bridge, executor). Off: everything goes over ZeroMQ, and peers that
     /// try are refused and fall back to it.
     pub data_plane_messages: bool,
-    /// Optional notification of every terminal phase, sent from the
-    /// executor when it happens (no need to poll). Full channels drop.
-    pub notify: Option<flume::Sender<(TransferId, Phase)>>,
-    /// The same, with `tag` (a rank, say) in every notification, so that
-    /// several nodes can share one channel without a forwarding thread
-    /// (which would add a thread hand-off to every notification).
-    pub notify_tagged: Option<(u32, TaggedNotify)>,
-    /// Prefill: told about every transfer a decode rank asked for before the
-    /// engine called [`Node::sender`](super::Node::sender) (a synthetic server answers these).
-    /// Full channels drop.
-    pub on_remote_request: Option<flume::Sender<RemoteRequest>>,
+    /// Where the node reports events as they happen, for a program that
+    /// blocks on a channel instead of polling; `None` for an engine that
+    /// polls (the handles' `poll`/`wait`, or [`Node::get_finished`]).
+    ///
+    /// [`Node::get_finished`]: super::Node::get_finished
+    pub events: Option<EventSink>,
 }
 
-/// Where [`NodeConfig::notify_tagged`] sends `(tag, transfer, phase)`.
-pub type TaggedNotify = flume::Sender<(u32, TransferId, Phase)>;
+/// A channel a node sends its [`Event`]s to. Several nodes may share one
+/// channel (each with its own `tag`) without a forwarding thread, which
+/// would add a thread hand-off to every event. A full channel drops the
+/// event: the handles and `get_finished` still report it.
+#[derive(Clone, Debug)]
+pub struct EventSink {
+    /// Copied into every event of this node (a rank, say).
+    pub tag: u32,
+    /// Where the events go.
+    pub tx: flume::Sender<Event>,
+}
 
-/// A decode rank asked this prefill rank for a transfer it did not know yet.
+/// What a node reports to its [`EventSink`], sent from the executor or
+/// the bridge when it happens.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RemoteRequest {
+pub struct Event {
+    /// The sink's tag.
+    pub tag: u32,
     /// The transfer.
-    pub transfer_id: u64,
-    /// Per group, how many blocks the request has on the prefill side
-    /// (the decode rank's prefix hit plus its destination blocks).
-    pub blocks_per_group: Vec<u32>,
+    pub transfer_id: TransferId,
+    /// What happened to it.
+    pub kind: EventKind,
+}
+
+impl Event {
+    /// The terminal phase this event reports, if it is a
+    /// [`EventKind::Finished`].
+    pub fn finished(&self) -> Option<Phase> {
+        match self.kind {
+            EventKind::Finished(p) => Some(p),
+            EventKind::Requested { .. } => None,
+        }
+    }
+}
+
+/// The kinds of [`Event`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// The transfer reached this terminal phase (either role).
+    Finished(Phase),
+    /// Prefill: a decode rank asked for a transfer the engine has not
+    /// started (no [`Node::sender`](super::Node::sender) yet). An engine
+    /// learns of its requests from its own router and ignores these; a
+    /// prefill with no router (`kvferry prefill`, a benchmark) answers them.
+    Requested {
+        /// Per group, how many blocks the request has on the prefill side
+        /// (the decode rank's prefix hit plus its destination blocks).
+        blocks_per_group: Vec<u32>,
+    },
 }
 
 /// A decode node's [`ReactorConfig::yield_after_ends_below`]: the engine
@@ -200,9 +233,7 @@ impl NodeConfig {
             max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
             data_plane_messages: true,
-            notify: None,
-            notify_tagged: None,
-            on_remote_request: None,
+            events: None,
         }
     }
 }

@@ -10,7 +10,7 @@ use super::{Node, NodeError, PrefillTarget};
 /// Waits for a terminal phase of `tid` on `node`, up to `timeout`: sleeps
 /// on the node's condition variable, which the executor signals on every
 /// terminal phase.
-fn wait_terminal(node: &Node, tid: u64, timeout: Duration, before: Phase) -> Phase {
+fn wait_terminal(node: &Node, tid: TransferId, timeout: Duration, before: Phase) -> Phase {
     let deadline = Instant::now() + timeout;
     let s = &node.inner.shared;
     loop {
@@ -43,8 +43,8 @@ pub struct Sender {
 
 impl Sender {
     /// The transfer.
-    pub fn transfer_id(&self) -> u64 {
-        self.tid.0
+    pub fn transfer_id(&self) -> TransferId {
+        self.tid
     }
 
     /// Hands a chunk of ready KV (source blocks per group) to the transfer;
@@ -56,21 +56,21 @@ impl Sender {
     /// Current phase. Terminal once the source blocks may be reused.
     pub fn poll(&self) -> Phase {
         self.node
-            .phase(self.tid.0)
+            .phase(self.tid)
             .unwrap_or(Phase::Failed(FailReason::Aborted(AbortReason::Engine)))
     }
 
     /// Aborts the transfer; the phase turns terminal once no peer can read
     /// the blocks anymore.
     pub fn abort(&self) -> Result<(), NodeError> {
-        self.node.abort(self.tid.0)
+        self.node.abort(self.tid)
     }
 
     /// Waits (bounded) for a terminal phase.
     pub fn wait(&self, timeout: Duration) -> Phase {
         wait_terminal(
             &self.node,
-            self.tid.0,
+            self.tid,
             timeout,
             Phase::Failed(FailReason::Aborted(AbortReason::Engine)),
         )
@@ -87,8 +87,8 @@ pub struct Receiver {
 
 impl Receiver {
     /// The transfer.
-    pub fn transfer_id(&self) -> u64 {
-        self.tid.0
+    pub fn transfer_id(&self) -> TransferId {
+        self.tid
     }
 
     /// Asks the prefill ranks for the KV, into `dst_blocks` (per group).
@@ -112,16 +112,16 @@ impl Receiver {
     /// Current phase; `Bootstrapping` before `request`. Terminal once the
     /// destination blocks are the engine's again.
     pub fn poll(&self) -> Phase {
-        self.node.phase(self.tid.0).unwrap_or(Phase::Bootstrapping)
+        self.node.phase(self.tid).unwrap_or(Phase::Bootstrapping)
     }
 
     /// Aborts the transfer.
     pub fn abort(&self) -> Result<(), NodeError> {
-        self.node.abort(self.tid.0)
+        self.node.abort(self.tid)
     }
 
     /// Waits (bounded) for a terminal phase.
     pub fn wait(&self, timeout: Duration) -> Phase {
-        wait_terminal(&self.node, self.tid.0, timeout, Phase::Bootstrapping)
+        wait_terminal(&self.node, self.tid, timeout, Phase::Bootstrapping)
     }
 }

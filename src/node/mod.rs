@@ -32,9 +32,9 @@
 //! let d = Node::start(NodeConfig::new(Role::Decode, "d"))?;
 //! unsafe { d.register_kv_caches(d_layout)? };
 //! let target = PrefillTarget::Direct { tp_size: 1, side_channels: vec![p.side_channel_addr()] };
-//! let rx = d.receiver(42, &target)?;
+//! let rx = d.receiver(TransferId(42), &target)?;
 //! rx.request(vec![vec![BlockId(0), BlockId(1)]])?;
-//! let tx = p.sender(42)?;
+//! let tx = p.sender(TransferId(42))?;
 //! tx.send(vec![vec![BlockId(5), BlockId(6)]], true)?;
 //! let phase = rx.wait(std::time::Duration::from_secs(5));
 //! # Ok(()) }
@@ -70,7 +70,7 @@ pub use crate::stats::NodeStats;
 pub use batch::{LoadMeta, LoadRequest, SendRequest};
 use bridge::BridgeCmd;
 pub use config::{
-    KvLayout, NodeConfig, PrefillTarget, RemoteRequest, Role, TaggedNotify, TransportKind,
+    Event, EventKind, EventSink, KvLayout, NodeConfig, PrefillTarget, Role, TransportKind,
     DECODE_YIELD_BELOW,
 };
 pub use error::{DataPlaneError, Misuse, NodeError, PeerUnfit};
@@ -465,11 +465,10 @@ impl Node {
         kvferry_reactor::batch(f)
     }
 
-    /// Prefill: the handle for `transfer_id` (created now, or found if the
+    /// Prefill: the handle for `tid` (created now, or found if the
     /// decode side's request arrived first).
-    pub fn sender(&self, transfer_id: u64) -> Result<Sender, NodeError> {
+    pub fn sender(&self, tid: TransferId) -> Result<Sender, NodeError> {
         self.require(Role::Prefill)?;
-        let tid = TransferId(transfer_id);
         let EngineHandle::Prefill(h) = &self.inner.handle else {
             unreachable!("role checked above");
         };
@@ -502,17 +501,17 @@ impl Node {
         })
     }
 
-    /// Decode: the handle for `transfer_id`, fed by the prefill engine at
+    /// Decode: the handle for `tid`, fed by the prefill engine at
     /// `prefill`. Nothing is sent until [`Receiver::request`].
     pub fn receiver(
         &self,
-        transfer_id: u64,
+        tid: TransferId,
         prefill: &PrefillTarget,
     ) -> Result<Receiver, NodeError> {
         self.require(Role::Decode)?;
         Ok(Receiver {
             node: self.clone(),
-            tid: TransferId(transfer_id),
+            tid,
             target: prefill.clone(),
         })
     }
@@ -604,8 +603,7 @@ impl Node {
 
     /// Latest phase of a transfer: live from the executor, or the final
     /// phase once it finished (kept for a bounded number of transfers).
-    pub fn phase(&self, transfer_id: u64) -> Option<Phase> {
-        let tid = TransferId(transfer_id);
+    pub fn phase(&self, tid: TransferId) -> Option<Phase> {
         if let Some(p) = self.inner.handle.poll(tid) {
             return Some(p);
         }
@@ -624,10 +622,10 @@ impl Node {
     }
 
     /// Aborts a transfer (either role). Unknown transfers are a misuse.
-    pub fn abort(&self, transfer_id: u64) -> Result<(), NodeError> {
+    pub fn abort(&self, tid: TransferId) -> Result<(), NodeError> {
         self.inner
             .handle
-            .abort(TransferId(transfer_id), AbortReason::Engine)
+            .abort(tid, AbortReason::Engine)
             .map_err(NodeError::from)
     }
 

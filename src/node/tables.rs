@@ -28,7 +28,9 @@ use kvferry_machines::send;
 use kvferry_machines::wire;
 
 use super::bridge::BridgeCmd;
-use super::{waker, NodeConfig, PeerUnfit, PrefillTarget, Role, TRACK_WAKE_EVERY};
+use super::{
+    waker, Event, EventKind, NodeConfig, PeerUnfit, PrefillTarget, Role, TRACK_WAKE_EVERY,
+};
 use crate::stats::Counters;
 use crate::transport::EndpointAddr;
 
@@ -355,11 +357,12 @@ impl Shared {
             Counters::inc(&self.counters.expired_holds);
         }
         self.record(tid, phase);
-        if let Some(n) = &self.config.notify {
-            let _ = n.try_send((tid, phase));
-        }
-        if let Some((tag, n)) = &self.config.notify_tagged {
-            let _ = n.try_send((*tag, tid, phase));
+        if let Some(sink) = &self.config.events {
+            let _ = sink.tx.try_send(Event {
+                tag: sink.tag,
+                transfer_id: tid,
+                kind: EventKind::Finished(phase),
+            });
         }
         let waiters = {
             let mut t = self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());

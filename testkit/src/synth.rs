@@ -12,6 +12,7 @@
 //! For MLA the latent cache is the same on every rank and has no heads:
 //! `head` is 0 and `byte` runs over the latent of one token.
 
+use kvferry_machines::common::TransferId;
 use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout};
 
 /// Where one rank's KV lives and how it is shaped, as the pattern needs it.
@@ -50,8 +51,8 @@ fn mix(mut z: u64) -> u64 {
 
 /// Seed of one row: the bytes of one head of one token of one region.
 #[inline]
-fn row_seed(transfer: u64, region: usize, token: u64, head: u32) -> u64 {
-    let a = mix(transfer ^ 0x6b76_6665_7272_7921);
+fn row_seed(transfer: TransferId, region: usize, token: u64, head: u32) -> u64 {
+    let a = mix(transfer.0 ^ 0x6b76_6665_7272_7921);
     let b = mix(a ^ (region as u64).wrapping_mul(0x1000_0000_01b3));
     let c = mix(b ^ token);
     mix(c ^ u64::from(head).wrapping_mul(0x9E37_79B9))
@@ -59,7 +60,7 @@ fn row_seed(transfer: u64, region: usize, token: u64, head: u32) -> u64 {
 
 /// The expected byte `byte` of a row (public so tests can spot-check).
 #[inline]
-pub fn pattern_byte(transfer: u64, region: usize, token: u64, head: u32, byte: u64) -> u8 {
+pub fn pattern_byte(transfer: TransferId, region: usize, token: u64, head: u32, byte: u64) -> u8 {
     let word = mix(row_seed(transfer, region, token, head).wrapping_add(byte / 8));
     (word >> ((byte % 8) * 8)) as u8
 }
@@ -109,7 +110,7 @@ fn check_row(row: &[u8], seed: u64) -> Option<(usize, u8, u8)> {
 /// `position`: `(offset in block, len, seed)`.
 fn rows(
     layout: &SynthLayout,
-    transfer: u64,
+    transfer: TransferId,
     region: usize,
     position: u64,
     mut visit: impl FnMut(u64, u64, u64) -> bool,
@@ -168,7 +169,7 @@ fn rows(
 /// every block id must be below `num_blocks`.
 pub unsafe fn fill_blocks(
     layout: &SynthLayout,
-    transfer: u64,
+    transfer: TransferId,
     blocks: &[u32],
     first_position: u64,
 ) {
@@ -203,7 +204,7 @@ pub unsafe fn fill_blocks(
 /// As [`fill_blocks`], for reads.
 pub unsafe fn verify_blocks(
     layout: &SynthLayout,
-    transfer: u64,
+    transfer: TransferId,
     blocks: &[u32],
     first_position: u64,
 ) -> Result<(), VerifyError> {
@@ -291,20 +292,20 @@ mod tests {
             let mut buf = vec![0u8; 4096];
             let l = layout(kind, 1, 0, &mut buf, 8);
             unsafe {
-                fill_blocks(&l, 7, &[1, 3], 0);
-                verify_blocks(&l, 7, &[1, 3], 0).unwrap();
+                fill_blocks(&l, TransferId(7), &[1, 3], 0);
+                verify_blocks(&l, TransferId(7), &[1, 3], 0).unwrap();
                 assert!(
-                    verify_blocks(&l, 8, &[1, 3], 0).is_err(),
+                    verify_blocks(&l, TransferId(8), &[1, 3], 0).is_err(),
                     "other transfer must differ"
                 );
                 assert!(
-                    verify_blocks(&l, 7, &[1, 3], 1).is_err(),
+                    verify_blocks(&l, TransferId(7), &[1, 3], 1).is_err(),
                     "other position must differ"
                 );
             }
             let kv = l.rank.regions[0].kv_block_len as usize;
             buf[3 * kv + 5] ^= 1;
-            let e = unsafe { verify_blocks(&l, 7, &[1, 3], 0) }.unwrap_err();
+            let e = unsafe { verify_blocks(&l, TransferId(7), &[1, 3], 0) }.unwrap_err();
             assert_eq!((e.position, e.offset), (1, 5));
         }
     }
@@ -319,24 +320,24 @@ mod tests {
         let lp1 = layout(LayoutKind::Hnd, 2, 1, &mut p1, 4);
         let ld = layout(LayoutKind::Hnd, 1, 0, &mut d, 4);
         unsafe {
-            fill_blocks(&lp0, 1, &[0], 0);
-            fill_blocks(&lp1, 1, &[0], 0);
+            fill_blocks(&lp0, TransferId(1), &[0], 0);
+            fill_blocks(&lp1, TransferId(1), &[0], 0);
         }
         // HND: a rank's heads are consecutive halves of D's block.
         let half = lp0.rank.regions[0].kv_block_len as usize;
         d[..half].copy_from_slice(&p0[..half]);
         d[half..2 * half].copy_from_slice(&p1[..half]);
-        unsafe { verify_blocks(&ld, 1, &[0], 0).unwrap() };
+        unsafe { verify_blocks(&ld, TransferId(1), &[0], 0).unwrap() };
         d.swap(0, half);
-        assert!(unsafe { verify_blocks(&ld, 1, &[0], 0) }.is_err());
+        assert!(unsafe { verify_blocks(&ld, TransferId(1), &[0], 0) }.is_err());
     }
 
     #[test]
     fn pattern_byte_matches_fill() {
         let mut row = [0u8; 21];
-        fill_row(&mut row, row_seed(3, 2, 9, 1));
+        fill_row(&mut row, row_seed(TransferId(3), 2, 9, 1));
         for (i, b) in row.iter().enumerate() {
-            assert_eq!(*b, pattern_byte(3, 2, 9, 1, i as u64));
+            assert_eq!(*b, pattern_byte(TransferId(3), 2, 9, 1, i as u64));
         }
     }
 }
@@ -434,7 +435,7 @@ impl SynthKv {
     /// Fills `blocks` (request positions from `first_position`) with the
     /// pattern of `transfer`. The caller must own the blocks (no transfer
     /// in flight on them). Panics on a block id out of range.
-    pub fn fill(&self, transfer: u64, blocks: &[u32], first_position: u64) {
+    pub fn fill(&self, transfer: TransferId, blocks: &[u32], first_position: u64) {
         self.check(blocks);
         // SAFETY: buffers are valid for num_blocks blocks (checked above) and
         // the caller owns these blocks.
@@ -444,7 +445,7 @@ impl SynthKv {
     /// Verifies `blocks` against the pattern of `transfer`.
     pub fn verify(
         &self,
-        transfer: u64,
+        transfer: TransferId,
         blocks: &[u32],
         first_position: u64,
     ) -> Result<(), VerifyError> {
@@ -544,7 +545,7 @@ fn node_config(
     name: &str,
     tp_size: u32,
     tp_rank: u32,
-    done: &kvferry::node::TaggedNotify,
+    events: &flume::Sender<kvferry::node::Event>,
 ) -> kvferry::node::NodeConfig {
     let mut c = kvferry::node::NodeConfig::new(role, name);
     c.tp_size = tp_size;
@@ -552,7 +553,10 @@ fn node_config(
     c.mode = spec.mode;
     c.transport = spec.transport;
     c.timeouts = spec.timeouts;
-    c.notify_tagged = Some((tp_rank, done.clone()));
+    c.events = Some(kvferry::node::EventSink {
+        tag: tp_rank,
+        tx: events.clone(),
+    });
     c.data_plane_messages = spec.data_plane_messages;
     if let Some(spin) = spec.spin {
         c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
@@ -570,10 +574,10 @@ pub struct Cluster {
     pub prefill: Vec<Rank>,
     /// How decode ranks find the prefill ranks.
     pub target: kvferry::node::PrefillTarget,
-    /// Terminal phases of decode transfers: `(decode rank, transfer, phase)`.
-    pub decode_done: flume::Receiver<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
-    /// Terminal phases of prefill transfers: `(prefill rank, transfer, phase)`.
-    pub prefill_done: flume::Receiver<(u32, kvferry_machines::TransferId, kvferry_machines::Phase)>,
+    /// The decode ranks' events, tagged with the decode rank.
+    pub decode_events: flume::Receiver<kvferry::node::Event>,
+    /// The prefill ranks' events, tagged with the prefill rank.
+    pub prefill_events: flume::Receiver<kvferry::node::Event>,
 }
 
 impl Cluster {
@@ -601,8 +605,8 @@ impl Cluster {
             prefill,
             decode,
             target,
-            decode_done: drx,
-            prefill_done: prx,
+            decode_events: drx,
+            prefill_events: prx,
         })
     }
 
@@ -611,13 +615,13 @@ impl Cluster {
     /// with it.
     fn start_prefill(
         spec: &ClusterSpec,
-        done: &kvferry::node::TaggedNotify,
+        events: &flume::Sender<kvferry::node::Event>,
     ) -> Result<(Vec<Rank>, Option<String>), kvferry::node::NodeError> {
         use kvferry::node::Role;
         let mut prefill = Vec::new();
         let mut bootstrap_addr = None;
         for r in 0..spec.prefill_tp {
-            let mut c = node_config(spec, Role::Prefill, "prefill", spec.prefill_tp, r, done);
+            let mut c = node_config(spec, Role::Prefill, "prefill", spec.prefill_tp, r, events);
             if let Some(b) = &spec.bootstrap {
                 if r == 0 {
                     c.serve_bootstrap = Some(b.clone());
@@ -657,12 +661,12 @@ impl Cluster {
     /// Starts the decode ranks.
     fn start_decode(
         spec: &ClusterSpec,
-        done: &kvferry::node::TaggedNotify,
+        events: &flume::Sender<kvferry::node::Event>,
     ) -> Result<Vec<Rank>, kvferry::node::NodeError> {
         use kvferry::node::Role;
         let mut decode = Vec::new();
         for r in 0..spec.decode_tp {
-            let c = node_config(spec, Role::Decode, "decode", spec.decode_tp, r, done);
+            let c = node_config(spec, Role::Decode, "decode", spec.decode_tp, r, events);
             let node = kvferry::node::Node::start(c)?;
             let kv = SynthKv::new(
                 spec.model,
@@ -677,7 +681,7 @@ impl Cluster {
     }
 
     /// Fills the prefill blocks of `transfer` on every prefill rank.
-    pub fn fill(&self, transfer: u64, src_blocks: &[u32]) {
+    pub fn fill(&self, transfer: TransferId, src_blocks: &[u32]) {
         for r in &self.prefill {
             r.kv.fill(transfer, src_blocks, 0);
         }
@@ -686,7 +690,7 @@ impl Cluster {
     /// Verifies the destination blocks of `transfer` on every decode rank;
     /// `prefix` leading positions were not transferred. Returns the number
     /// of decode ranks whose bytes are wrong.
-    pub fn verify(&self, transfer: u64, dst_blocks: &[u32], prefix: u64) -> usize {
+    pub fn verify(&self, transfer: TransferId, dst_blocks: &[u32], prefix: u64) -> usize {
         self.decode
             .iter()
             .filter(|r| r.kv.verify(transfer, dst_blocks, prefix).is_err())
@@ -698,7 +702,7 @@ impl Cluster {
     /// as one last chunk.
     pub fn start_request(
         &self,
-        transfer: u64,
+        transfer: TransferId,
         src_blocks: &[u32],
         dst_blocks: &[u32],
         prefix: u32,
@@ -724,7 +728,7 @@ impl Cluster {
     /// `transfer` (or `timeout` passed); returns the phases by decode rank.
     pub fn wait_decode(
         &self,
-        transfer: u64,
+        transfer: TransferId,
         timeout: std::time::Duration,
     ) -> Vec<kvferry_machines::Phase> {
         use kvferry_machines::Phase;
@@ -736,8 +740,12 @@ impl Cluster {
         let deadline = std::time::Instant::now() + timeout;
         while phases.iter().any(Option::is_none) {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.decode_done.recv_timeout(left) {
-                Ok((rank, t, p)) if t.0 == transfer => phases[rank as usize] = Some(p),
+            match self.decode_events.recv_timeout(left) {
+                Ok(kvferry::node::Event {
+                    tag,
+                    transfer_id,
+                    kind: kvferry::node::EventKind::Finished(p),
+                }) if transfer_id == transfer => phases[tag as usize] = Some(p),
                 Ok(_) => {}
                 Err(_) => break,
             }

@@ -4,9 +4,24 @@
 use serde::{Deserialize, Serialize};
 
 /// Identifies one request's transfer across P and D (vLLM's `transfer_id`,
-/// SGLang's bootstrap room).
+/// SGLang's bootstrap room). The one type of a transfer id in every API:
+/// the machines, the wire, the node, the scheduler. It serializes as its
+/// number (`"transfer_id": 7` in `kv_transfer_params`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
 pub struct TransferId(pub u64);
+
+impl From<u64> for TransferId {
+    fn from(id: u64) -> Self {
+        TransferId(id)
+    }
+}
+
+impl std::fmt::Display for TransferId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// Which side touches the other side's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -799,28 +799,31 @@ fn sender_for_pull(
     }
 }
 
-/// Tells the engine's `on_remote_request` hook, if any, how many blocks a
-/// decode `Pull` asks for in each group.
+/// Reports a decode `Pull` for a transfer the engine has not started to
+/// the node's event sink, if any, with how many blocks it asks for in each
+/// group.
 fn announce_remote_request(shared: &Shared, tid: TransferId, msg: &Msg) {
-    if let (
-        Some(hook),
+    let (
+        Some(sink),
         Msg::Pull {
             dst_blocks,
             prefix_blocks,
             ..
         },
-    ) = (&shared.config.on_remote_request, msg)
-    {
-        let blocks_per_group = dst_blocks
-            .iter()
-            .zip(prefix_blocks)
-            .map(|(d, p)| (d.len() as u32).saturating_add(*p))
-            .collect();
-        let _ = hook.try_send(super::RemoteRequest {
-            transfer_id: tid.0,
-            blocks_per_group,
-        });
-    }
+    ) = (&shared.config.events, msg)
+    else {
+        return;
+    };
+    let blocks_per_group = dst_blocks
+        .iter()
+        .zip(prefix_blocks)
+        .map(|(d, p)| (d.len() as u32).saturating_add(*p))
+        .collect();
+    let _ = sink.tx.try_send(super::Event {
+        tag: sink.tag,
+        transfer_id: tid,
+        kind: super::EventKind::Requested { blocks_per_group },
+    });
 }
 
 /// Hands `msg` to the receive machine of `tid`.
