@@ -1,7 +1,7 @@
 //! End-to-end: prefill and decode nodes in one process, real side channel
 //! (ZeroMQ over loopback), real data plane, every byte verified.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry::machines::common::{Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
@@ -264,51 +264,95 @@ fn embedded_bootstrap_serves_the_prefill_metrics() {
 fn critical_path_messages_take_the_data_plane() {
     for (mode, p_tp) in [(Mode::Push, 2), (Mode::Pull, 1)] {
         let s = spec(LayoutKind::Hnd, p_tp, 1, mode, TransportKind::Tcp);
-        let requests = 12;
         let c = Cluster::start(&s).expect("cluster starts");
-        for t in 0..requests {
-            let tid = 500 + t;
-            let blocks: Vec<u32> = vec![t as u32 % 8, 20 + t as u32 % 8];
-            c.fill(TransferId(tid), &blocks);
-            c.decode[0].kv.clear(&blocks);
-            c.start_request(TransferId(tid), &blocks, &blocks, 0)
-                .expect("request starts");
-            let phases = c.wait_decode(TransferId(tid), Duration::from_secs(10));
-            assert_eq!(phases, vec![Phase::Success], "{mode:?} request {tid}");
-            assert_eq!(
-                c.verify(TransferId(tid), &blocks, 0),
-                0,
-                "{mode:?} request {tid}"
-            );
+        // Push: D sends a `Pull` and a ticket per P rank, P a `Status`;
+        // pull: D sends a `Pull` and a `Done`, P a `Ready` and the grant
+        // answering the lease ticket that rode D's `Pull`.
+        let (per_d, per_p) = match mode {
+            Mode::Push => (2 * u64::from(p_tp), 1),
+            Mode::Pull => (2, 2),
+        };
+        let counts = |c: &Cluster| {
+            let p: Vec<u64> = c
+                .prefill
+                .iter()
+                .map(|r| r.node.stats().data_plane_messages)
+                .collect();
+            (c.decode[0].node.stats().data_plane_messages, p)
+        };
+        // The first requests open the sessions (their messages go over
+        // ZeroMQ, and a session opened in the background may miss a few
+        // more): warm up until one request's messages all took the data
+        // plane, which needs every session open.
+        let mut tid = 500;
+        let mut warm = false;
+        for _ in 0..WARM_UP_LIMIT {
+            let before = counts(&c);
+            run_verified(&c, mode, tid);
+            tid += 1;
+            let after = counts(&c);
+            let p_all = before.1.iter().zip(&after.1).all(|(b, a)| a - b >= per_p);
+            if after.0 - before.0 >= per_d && p_all {
+                warm = true;
+                break;
+            }
         }
-        // The first request of each pair opens the sessions (its messages go
-        // over ZeroMQ); a session opened in the background may miss one more.
-        let later = requests - 2;
+        assert!(warm, "{mode:?}: no request's messages took the data plane");
+        // From now on every request's messages take it.
+        let requests = 10;
+        let before = counts(&c);
+        for _ in 0..requests {
+            run_verified(&c, mode, tid);
+            tid += 1;
+        }
+        // The counters move once a send completed, which may trail the
+        // request's end on D: wait (bounded) until they show every message.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let enough = |a: &(u64, Vec<u64>)| {
+            a.0 - before.0 >= requests * per_d
+                && a.1
+                    .iter()
+                    .zip(&before.1)
+                    .all(|(a, b)| a - b >= requests * per_p)
+        };
+        let mut after = counts(&c);
+        while !enough(&after) && Instant::now() < deadline {
+            std::thread::yield_now();
+            after = counts(&c);
+        }
         let d = c.decode[0].node.stats();
+        assert_eq!(d.data_plane_fallbacks, 0, "{mode:?} D: {d:?}");
+        assert!(after.0 - before.0 >= requests * per_d, "{mode:?} D: {d:?}");
         for (rank, r) in c.prefill.iter().enumerate() {
             let p = r.node.stats();
             assert_eq!(p.data_plane_fallbacks, 0, "{mode:?} P{rank}: {p:?}");
-            // Push: a `Status` per request; pull: a `Ready` and the grant
-            // answering the lease ticket that rode D's `Pull`.
-            let per_request = match mode {
-                Mode::Push => 1,
-                Mode::Pull => 2,
-            };
             assert!(
-                p.data_plane_messages >= later * per_request,
+                after.1[rank] - before.1[rank] >= requests * per_p,
                 "{mode:?} P{rank}: {p:?}"
             );
         }
-        assert_eq!(d.data_plane_fallbacks, 0, "{mode:?} D: {d:?}");
-        let per_request = match mode {
-            Mode::Push => 2 * u64::from(p_tp), // a Pull and a ticket per P rank
-            Mode::Pull => 2,                   // a Pull and a Done
-        };
-        assert!(
-            d.data_plane_messages >= later * per_request,
-            "{mode:?} D: {d:?}"
-        );
     }
+}
+
+/// Requests a cluster runs to open its data-plane sessions before they
+/// carry every message (a bound, so a transport that never opens one fails).
+const WARM_UP_LIMIT: usize = 50;
+
+/// Runs request `tid` (two blocks) and checks it succeeded with every byte.
+fn run_verified(c: &Cluster, mode: Mode, tid: u64) {
+    let t = (tid % 8) as u32;
+    let blocks: Vec<u32> = vec![t, 20 + t];
+    c.fill(TransferId(tid), &blocks);
+    c.decode[0].kv.clear(&blocks);
+    c.start_request(TransferId(tid), &blocks, &blocks, 0)
+        .expect("request starts");
+    let phases = c.wait_decode(TransferId(tid), Duration::from_secs(10));
+    assert_eq!(phases, vec![Phase::Success], "{mode:?} request {tid}");
+    assert_eq!(
+        c.verify(TransferId(tid), &blocks, 0),
+        0,
+        "{mode:?} request {tid}"
+    );
 }
 
 /// Transfers whose messages take the data plane are tied to their peers by
