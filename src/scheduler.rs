@@ -162,6 +162,8 @@ pub struct KvTransferParams {
     pub transfer_id: Option<TransferId>,
     /// Decode: the prefill engine's id, as its bootstrap service lists it.
     pub remote_engine_id: Option<String>,
+    /// Decode: the prefill engine's data-parallel rank (absent: 0).
+    pub remote_dp_rank: Option<u32>,
     /// Decode: the prefill engine's bootstrap service, `host:port` or
     /// `http://host:port`.
     pub remote_bootstrap_addr: Option<String>,
@@ -399,6 +401,9 @@ pub struct SchedulerConfig {
     pub role: KvRole,
     /// Prefill: this engine's id, handed to decode as `remote_engine_id`.
     pub engine_id: String,
+    /// Prefill: this engine's data-parallel rank, handed to decode as
+    /// `remote_dp_rank`.
+    pub dp_rank: u32,
     /// Prefill: this engine's bootstrap service, handed to decode as
     /// `remote_bootstrap_addr`.
     pub bootstrap_addr: String,
@@ -422,6 +427,7 @@ impl SchedulerConfig {
         SchedulerConfig {
             role,
             engine_id: engine_id.into(),
+            dp_rank: 0,
             bootstrap_addr: bootstrap_addr.into(),
             block_size_tokens,
             num_groups: 1,
@@ -889,6 +895,7 @@ impl Scheduler {
             target: PrefillTarget::Bootstrap {
                 addr: addr.clone(),
                 engine_id: engine_id.clone(),
+                dp_rank: params.remote_dp_rank.unwrap_or(0),
             },
             prompt_blocks,
             prefix_blocks,
@@ -990,6 +997,7 @@ impl Scheduler {
             do_remote_decode: false,
             transfer_id: Some(transfer_id),
             remote_engine_id: Some(self.cfg.engine_id.clone()),
+            remote_dp_rank: Some(self.cfg.dp_rank),
             remote_bootstrap_addr: Some(self.cfg.bootstrap_addr.clone()),
             remote_block_ids: Some(src_blocks.clone()),
         };

@@ -71,6 +71,7 @@ fn target() -> PrefillTarget {
     PrefillTarget::Bootstrap {
         addr: ADDR.into(),
         engine_id: "p".into(),
+        dp_rank: 0,
     }
 }
 
@@ -437,6 +438,39 @@ fn params_parse_from_router_json() {
     assert!(serde_json::from_str::<KvTransferParams>(r#"{"transfer_id": "x"}"#).is_err());
 }
 
+/// A prefill engine on a data-parallel rank hands its rank to decode, and
+/// decode's load asks the bootstrap service for that rank's workers.
+#[test]
+fn the_prefill_dp_rank_travels_to_the_decode_load() {
+    let mut cfg = SchedulerConfig::new(KvRole::Producer, "p", ADDR, BS);
+    cfg.dp_rank = 3;
+    let mut p = Scheduler::new(cfg).unwrap();
+    let pp = p_params(40);
+    let blocks = [ids(&[1, 2])];
+    let r = req("p-1", 8, 0, &blocks, &pp);
+    p.update_state_after_alloc(&r, 0).unwrap();
+    let d_params = p
+        .request_finished(&r, FinishStatus::LengthCapped)
+        .unwrap()
+        .params
+        .expect("params for decode");
+    assert_eq!(d_params.remote_dp_rank, Some(3));
+    let json = serde_json::to_string(&d_params).unwrap();
+    let d_params: KvTransferParams = serde_json::from_str(&json).unwrap();
+    let mut d = decode();
+    let d_blocks = [ids(&[7, 8])];
+    let r = req("d-1", 8, 0, &d_blocks, &d_params);
+    let (tokens, _) = d.get_num_new_matched_tokens(&r).unwrap();
+    d.update_state_after_alloc(&r, tokens).unwrap();
+    let load = &d.build_connector_meta().loads[0];
+    let want = PrefillTarget::Bootstrap {
+        addr: ADDR.into(),
+        engine_id: "p".into(),
+        dp_rank: 3,
+    };
+    assert_eq!(load.prefill, want);
+}
+
 // ---- prefill side ----
 
 #[test]
@@ -459,6 +493,7 @@ fn length_capped_prefill_delays_the_free_and_sends_the_prompt_blocks() {
             do_remote_decode: false,
             transfer_id: Some(TransferId(30)),
             remote_engine_id: Some("p".into()),
+            remote_dp_rank: Some(0),
             remote_bootstrap_addr: Some(ADDR.into()),
             remote_block_ids: Some(vec![ids(&[3, 4, 5])]),
         })

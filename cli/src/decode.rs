@@ -25,9 +25,15 @@ use crate::shape::{DemoOptions, ModelArgs};
 pub struct DecodeArgs {
     #[command(flatten)]
     rank: RankArgs,
+    /// This decode engine's own id [default: decode-PID].
+    #[arg(long, value_name = "ID")]
+    engine_id: Option<String>,
     /// The prefill engine to pull from.
     #[arg(long, value_name = "ID", default_value = "prefill")]
-    engine_id: String,
+    prefill_engine_id: String,
+    /// The prefill engine's data-parallel rank.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    prefill_dp_rank: u32,
     /// Requests to run, then exit.
     #[arg(long, value_name = "K", default_value_t = 0)]
     requests: u64,
@@ -50,9 +56,9 @@ pub struct DecodeArgs {
 fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
     let o = a.model.apply(DemoOptions::default());
     let b = a.blocks_per_request.max(1);
-    let mut c = a
-        .rank
-        .node_config(Role::Decode, format!("decode-{}", std::process::id()), &o);
+    let engine_id =
+        (a.engine_id.clone()).unwrap_or_else(|| format!("decode-{}", std::process::id()));
+    let mut c = a.rank.node_config(Role::Decode, engine_id, &o);
     let (events_tx, events_rx) = flume::bounded(1 << 16);
     c.events = Some(EventSink {
         tag: 0,
@@ -75,7 +81,8 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         kv: &kv,
         target: PrefillTarget::Bootstrap {
             addr: a.rank.bootstrap.clone(),
-            engine_id: a.engine_id.clone(),
+            engine_id: a.prefill_engine_id.clone(),
+            dp_rank: a.prefill_dp_rank,
         },
         requests: a.requests,
         base: a.transfer_base,

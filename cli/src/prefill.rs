@@ -60,6 +60,9 @@ pub struct RankArgs {
     /// This rank's index in its TP group.
     #[arg(long, value_name = "R", default_value_t = 0)]
     pub tp_rank: u32,
+    /// This engine's data-parallel rank (what it registers under).
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub dp_rank: u32,
     /// Host other ranks reach this one at [default: the node's, 127.0.0.1].
     #[arg(long, value_name = "HOST")]
     pub host: Option<String>,
@@ -72,6 +75,7 @@ impl RankArgs {
         let mut c = NodeConfig::new(role, engine_id);
         c.tp_size = self.tp_size;
         c.tp_rank = self.tp_rank;
+        c.dp_rank = self.dp_rank;
         c.mode = o.mode;
         c.transport = o.transport;
         c.timeouts = demo_timeouts(o.timeout_ms);

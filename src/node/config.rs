@@ -27,12 +27,16 @@ pub enum TransportKind {
 /// Where a decode rank finds the prefill ranks of a request.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum PrefillTarget {
-    /// Ask a bootstrap service for engine `engine_id`.
+    /// Ask a bootstrap service for the ranks of engine `engine_id` at data
+    /// parallel rank `dp_rank` (vLLM: `remote_engine_id` and the prefill
+    /// engine's DP rank; 0 without data parallelism).
     Bootstrap {
         /// `host:port` of the bootstrap service.
         addr: String,
         /// The prefill engine.
         engine_id: String,
+        /// Its data-parallel rank, as it registered.
+        dp_rank: u32,
     },
     /// The side-channel addresses of every prefill rank, by TP rank.
     Direct {

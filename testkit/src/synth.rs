@@ -595,6 +595,7 @@ impl Cluster {
             Some(addr) => PrefillTarget::Bootstrap {
                 addr,
                 engine_id: "prefill".into(),
+                dp_rank: 0,
             },
             None => PrefillTarget::Direct {
                 tp_size: spec.prefill_tp,

@@ -18,7 +18,12 @@ impl Bridge {
     /// Starts a directory query for `target`; false if the directory is
     /// full of targets being queried (the caller fails its request).
     pub(super) fn start_query(&mut self, target: &PrefillTarget) -> bool {
-        let PrefillTarget::Bootstrap { addr, engine_id } = target else {
+        let PrefillTarget::Bootstrap {
+            addr,
+            engine_id,
+            dp_rank,
+        } = target
+        else {
             return true;
         };
         if !self.directory.contains_key(target)
@@ -53,14 +58,15 @@ impl Bridge {
         self.directory.insert(target.clone(), Dir::Querying);
         let tx = self.shared.bridge_tx.clone();
         let waker = self.shared.waker.clone();
-        let (addr, engine_id, key) = (addr.clone(), engine_id.clone(), target.clone());
+        let (addr, engine_id, dp_rank, key) =
+            (addr.clone(), engine_id.clone(), *dp_rank, target.clone());
         let target = target.clone();
         // HTTP would block the sockets; one short-lived thread per query,
         // and at most one query per target at a time.
         let spawned = std::thread::Builder::new()
             .name("kvferry-bootstrap-query".into())
             .spawn(move || {
-                let result = query_bootstrap(&addr, &engine_id);
+                let result = query_bootstrap(&addr, &engine_id, dp_rank);
                 let _ = tx.send_timeout(
                     BridgeCmd::Directory {
                         target: key,
@@ -228,14 +234,18 @@ struct RankPeers {
 }
 
 /// Asks the bootstrap service for the side channels of `engine_id`'s ranks
-/// (data-parallel rank 0, pipeline rank 0): `(tp_size, addresses by rank)`.
+/// at data-parallel rank `dp_rank` (pipeline rank 0): `(tp_size, addresses
+/// by rank)`.
 pub(super) fn query_bootstrap(
     addr: &str,
     engine_id: &str,
+    dp_rank: u32,
 ) -> Result<(u32, Vec<String>), LookupError> {
     let client = BootstrapClient::new(addr)?.with_io_timeout(Duration::from_secs(2));
     let found = client.query(Some(engine_id))?;
-    let entry = found.get(&0).ok_or(LookupError::NotRegistered)?;
+    let entry = found
+        .get(&dp_rank)
+        .ok_or(LookupError::NotRegistered(dp_rank))?;
     let tp = entry.tp_size();
     let mut addrs = Vec::with_capacity(tp);
     for rank in 0..tp as u32 {
@@ -252,9 +262,9 @@ pub(crate) enum LookupError {
     /// The service could not be asked.
     #[error(transparent)]
     Client(#[from] ClientError),
-    /// The engine is not registered.
-    #[error("engine is not registered")]
-    NotRegistered,
+    /// The engine has no ranks registered at this data-parallel rank.
+    #[error("engine is not registered at dp rank {0}")]
+    NotRegistered(u32),
     /// A TP rank of the engine has not registered yet.
     #[error("tp rank {0} not registered yet")]
     RankMissing(u32),

@@ -1,0 +1,60 @@
+//! `kvferry prefill` and `kvferry decode` as separate processes, addressed
+//! by engine id and data-parallel rank.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn decode(addr: &str, dp_rank: &str) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["decode", "--bootstrap", addr, "--engine-id", "d"])
+        .args(["--prefill-engine-id", "p", "--prefill-dp-rank", dp_rank])
+        .args(["--requests", "5", "--timeout-ms", "1500", "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn decode_pulls_from_the_prefill_engines_dp_rank_it_names() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let _p = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["prefill", "--bootstrap", &addr, "--engine-id", "p"])
+            .args(["--dp-rank", "1", "--timeout-ms", "1500"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let client = BootstrapClient::new(&addr).unwrap();
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    let listed = client.wait_for_engine("p", 1, policy).unwrap();
+    assert!(
+        listed.contains_key(&1),
+        "registered under dp rank 1: {listed:?}"
+    );
+    let summary = decode(&addr, "1");
+    assert_eq!(summary["ok"], 5, "{summary}");
+    assert_eq!(summary["verify_errors"], 0, "{summary}");
+    // Nothing serves dp rank 0 of that engine: those requests end by their
+    // deadline, none succeeds.
+    let summary = decode(&addr, "0");
+    assert_eq!(summary["ok"], 0, "{summary}");
+}

@@ -1,0 +1,107 @@
+//! Prefill engines addressed by more than their TP rank: data-parallel
+//! ranks of one engine, each registered at the bootstrap service under its
+//! own DP rank, and decode asking for the one that prefilled a request.
+
+use std::time::Duration;
+
+use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::node::{BlockId, Node, NodeConfig, Phase, PrefillTarget, Role, TransferId};
+use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::synth::SynthKv;
+
+fn model() -> ModelSpec {
+    ModelSpec {
+        layout: LayoutKind::Hnd,
+        total_kv_heads: 8,
+        block_tokens: 16,
+        head_bytes: 128,
+    }
+}
+
+/// A registered node and its synthetic KV. Shut down before the KV drops.
+struct Engine {
+    node: Node,
+    kv: SynthKv,
+}
+
+impl Engine {
+    fn start(c: NodeConfig) -> Engine {
+        let kv = SynthKv::new(model(), 1, 0, 2, 32);
+        let node = Node::start(c).unwrap();
+        // SAFETY: `kv` outlives the node: `Drop` shuts the node down first.
+        unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
+        Engine { node, kv }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.node.shutdown(Duration::from_millis(100));
+    }
+}
+
+fn config(role: Role, engine_id: &str, dp_rank: u32, bootstrap: &str) -> NodeConfig {
+    let mut c = NodeConfig::new(role, engine_id);
+    c.dp_rank = dp_rank;
+    c.bootstrap = Some(bootstrap.to_string());
+    // A request sent to the wrong DP rank waits for a chunk that never
+    // comes: it must fail by this deadline, not pass.
+    c.timeouts = demo_timeouts(2000);
+    c
+}
+
+/// Moves `tid` from `p` (which prefilled it) to `d`, asking the bootstrap
+/// service for engine "p" at `dp_rank`; returns D's phase.
+fn transfer(p: &Engine, d: &Engine, addr: &str, dp_rank: u32, tid: TransferId) -> Phase {
+    let src = [1 + dp_rank, 5 + dp_rank];
+    let dst = [10 + dp_rank, 20 + dp_rank];
+    p.kv.fill(tid, &src, 0);
+    d.kv.clear(&dst);
+    let target = PrefillTarget::Bootstrap {
+        addr: addr.to_string(),
+        engine_id: "p".into(),
+        dp_rank,
+    };
+    let rx = d.node.receiver(tid, &target).unwrap();
+    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
+        .unwrap();
+    let tx = p.node.sender(tid).unwrap();
+    tx.send(vec![src.iter().map(|&b| BlockId(b)).collect()], true)
+        .unwrap();
+    let phase = rx.wait(Duration::from_secs(10));
+    if phase == Phase::Success {
+        assert_eq!(d.kv.verify(tid, &dst, 0), Ok(()), "bytes of {tid}");
+    }
+    assert_eq!(
+        tx.wait(Duration::from_secs(10)),
+        phase,
+        "P's phase of {tid}"
+    );
+    phase
+}
+
+#[test]
+fn each_data_parallel_rank_of_a_prefill_engine_is_reached_by_its_rank() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let p0 = Engine::start(config(Role::Prefill, "p", 0, &addr));
+    let p1 = Engine::start(config(Role::Prefill, "p", 1, &addr));
+    let client = BootstrapClient::new(&addr).unwrap();
+    let listed = client
+        .wait_for_engine("p", 1, RetryPolicy::default())
+        .unwrap();
+    assert!(
+        listed.contains_key(&0) && listed.contains_key(&1),
+        "{listed:?}"
+    );
+    let d = Engine::start(config(Role::Decode, "d", 0, &addr));
+    // DP rank 1 first: it must not depend on rank 0 being asked before.
+    assert_eq!(transfer(&p1, &d, &addr, 1, TransferId(1)), Phase::Success);
+    assert_eq!(transfer(&p0, &d, &addr, 0, TransferId(2)), Phase::Success);
+    assert_eq!(transfer(&p1, &d, &addr, 1, TransferId(3)), Phase::Success);
+    // Each rank served its own requests and heard of no other.
+    assert_eq!((p0.node.stats().ok, p1.node.stats().ok), (1, 2));
+    assert_eq!(p0.node.phase(TransferId(1)), None);
+    assert_eq!(p1.node.phase(TransferId(2)), None);
+}
