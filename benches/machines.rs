@@ -36,6 +36,7 @@ fn lifecycle(mode: Mode, chunks: u32, blocks_per_chunk: u32, cfg: &Config, now: 
             receivers_expected: 1,
             lease_ticket: None,
         }],
+        unneeded: Vec::new(),
     });
     let mut next_chunk = 0;
     loop {

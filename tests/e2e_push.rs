@@ -12,7 +12,9 @@ use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn timeouts() -> Config {
     Config {
-        bootstrap_timeout: Duration::from_secs(5),
+        // Longer than any wait below: a prefill rank that is never told it
+        // is not needed fails the test instead of expiring within it.
+        bootstrap_timeout: Duration::from_secs(30),
         waiting_timeout: Duration::from_secs(5),
         claim_timeout: Duration::from_secs(5),
         lease: Duration::from_millis(2000),
@@ -77,9 +79,19 @@ fn run(spec: &ClusterSpec, requests: u64) {
             0,
             "request {tid}: bytes differ on decode"
         );
+        // Every prefill rank ends the request, the ones no decode rank
+        // reads from (replicated heads) as well: they are told so, and do
+        // not hold their blocks until the bootstrap timeout.
+        let phases = c.wait_prefill(TransferId(tid), Duration::from_secs(10));
+        assert!(
+            phases.iter().all(|p| *p == Phase::Success),
+            "request {tid}: prefill {phases:?}"
+        );
     }
     let stats: u64 = c.decode.iter().map(|r| r.node.stats().ok).sum();
     assert_eq!(stats, requests * spec.decode_tp as u64);
+    let stats: u64 = c.prefill.iter().map(|r| r.node.stats().ok).sum();
+    assert_eq!(stats, requests * spec.prefill_tp as u64);
 }
 
 #[test]
@@ -127,6 +139,16 @@ fn push_tp8_to_tp2_gqa_replicated_heads() {
     // More P ranks than KV heads: heads are replicated, one replica sends.
     run(
         &spec(LayoutKind::Hnd, 8, 2, Mode::Push, TransportKind::Local),
+        3,
+    );
+}
+
+#[test]
+fn pull_mla_tp4_to_tp2_unpaired_prefill_ranks_are_told() {
+    // MLA: every P rank holds the whole KV; decode ranks 0 and 1 read P
+    // ranks 0 and 1, and P ranks 2 and 3 are told they are not needed.
+    run(
+        &spec(LayoutKind::Mla, 4, 2, Mode::Pull, TransportKind::Tcp),
         3,
     );
 }

@@ -2,7 +2,7 @@
 //! ranks of one engine, each registered at the bootstrap service under its
 //! own DP rank, and decode asking for the one that prefilled a request.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
@@ -87,14 +87,19 @@ fn each_data_parallel_rank_of_a_prefill_engine_is_reached_by_its_rank() {
     let addr = server.local_addr().to_string();
     let p0 = Engine::start(config(Role::Prefill, "p", 0, &addr));
     let p1 = Engine::start(config(Role::Prefill, "p", 1, &addr));
+    // Both DP ranks register in the background: wait (bounded) for both.
     let client = BootstrapClient::new(&addr).unwrap();
-    let listed = client
-        .wait_for_engine("p", 1, RetryPolicy::default())
-        .unwrap();
-    assert!(
-        listed.contains_key(&0) && listed.contains_key(&1),
-        "{listed:?}"
-    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let listed = client
+            .wait_for_engine("p", 1, RetryPolicy::default())
+            .unwrap();
+        if listed.contains_key(&0) && listed.contains_key(&1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{listed:?}");
+        std::thread::yield_now();
+    }
     let d = Engine::start(config(Role::Decode, "d", 0, &addr));
     // DP rank 1 first: it must not depend on rank 0 being asked before.
     assert_eq!(transfer(&p1, &d, &addr, 1, TransferId(1)), Phase::Success);
@@ -104,4 +109,66 @@ fn each_data_parallel_rank_of_a_prefill_engine_is_reached_by_its_rank() {
     assert_eq!((p0.node.stats().ok, p1.node.stats().ok), (1, 2));
     assert_eq!(p0.node.phase(TransferId(1)), None);
     assert_eq!(p1.node.phase(TransferId(2)), None);
+}
+
+fn mla() -> ModelSpec {
+    ModelSpec {
+        layout: LayoutKind::Mla,
+        total_kv_heads: 1,
+        block_tokens: 16,
+        head_bytes: 64,
+    }
+}
+
+/// An MLA rank `tp_rank` of `tp_size` that serves its own side channel.
+fn mla_rank(role: Role, engine_id: &str, tp_size: u32, tp_rank: u32) -> Engine {
+    let mut c = NodeConfig::new(role, engine_id);
+    (c.tp_size, c.tp_rank) = (tp_size, tp_rank);
+    c.timeouts = demo_timeouts(2000);
+    let kv = SynthKv::new(mla(), tp_size, tp_rank, 2, 32);
+    let node = Node::start(c).unwrap();
+    // SAFETY: `kv` outlives the node: `Drop` shuts the node down first.
+    unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
+    Engine { node, kv }
+}
+
+/// A decode rank that sends its `Pull` to a prefill rank it is not paired
+/// with (here: a target listing the ranks' side channels out of order) is
+/// refused, and both sides fail with `BadMetadata` instead of decode
+/// "succeeding" with no bytes.
+#[test]
+fn a_pull_from_a_decode_rank_the_prefill_rank_does_not_pair_with_is_refused() {
+    // MLA, prefill TP 4 → decode TP 2: decode rank 0 reads prefill rank 0;
+    // prefill rank 2 sends to nobody (decode rank 0 tells it so).
+    let p2 = mla_rank(Role::Prefill, "p", 4, 2);
+    let p0 = mla_rank(Role::Prefill, "p", 4, 0);
+    let d0 = mla_rank(Role::Decode, "d", 2, 0);
+    let unused = "tcp://127.0.0.1:9".to_string();
+    let target = PrefillTarget::Direct {
+        tp_size: 4,
+        // Rank 0's entry names prefill rank 2; rank 2's names rank 0.
+        side_channels: vec![
+            p2.node.side_channel_addr(),
+            unused.clone(),
+            p0.node.side_channel_addr(),
+            unused,
+        ],
+    };
+    let tid = TransferId(9);
+    p2.kv.fill(tid, &[1, 2], 0);
+    let tx = p2.node.sender(tid).unwrap();
+    tx.send(vec![vec![BlockId(1), BlockId(2)]], true).unwrap();
+    let rx = d0.node.receiver(tid, &target).unwrap();
+    rx.request(vec![vec![BlockId(3), BlockId(4)]]).unwrap();
+    let bad = Phase::Failed(kvferry::FailReason::BadMetadata);
+    assert_eq!(rx.wait(Duration::from_secs(10)), bad, "decode's phase");
+    assert_eq!(tx.wait(Duration::from_secs(10)), bad, "prefill's phase");
+    // Prefill rank 0 (listed where rank 2 belongs) was told it is not
+    // needed, and released at once.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !p0.node.phase(tid).is_some_and(|p| p.is_terminal()) && Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    let told = p0.node.phase(tid);
+    assert_eq!(told, Some(Phase::Success), "the rank told it is not needed");
 }

@@ -178,7 +178,10 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
     let s = ctx.socket(zmq::DEALER).unwrap();
     s.set_linger(0).unwrap();
     s.connect(&p.side_channel_addr()).unwrap();
-    s.send(&b"KF\x02\x00junk"[..], 0).unwrap();
+    let mut junk = wire::MAGIC.to_vec();
+    junk.extend_from_slice(&wire::VERSION.to_le_bytes());
+    junk.extend_from_slice(b"junk");
+    s.send(junk, 0).unwrap();
     let mut future = Vec::new();
     wire::encode_versioned(&hello(&dkv), wire::VERSION + 1, &mut future);
     s.send(future, 0).unwrap();

@@ -358,6 +358,17 @@ impl TpPair {
         }
     }
 
+    /// The prefill ranks no decode rank receives from (their KV heads are
+    /// replicas another prefill rank sends) that `decode_rank` tells so:
+    /// rank `u` is told by decode rank `u % decode TP`. Every decode rank
+    /// computes the same rule, so each unpaired prefill rank is told
+    /// exactly once, by a decode rank that exists.
+    pub fn unpaired_told_by(&self, decode_rank: u32) -> impl Iterator<Item = u32> + '_ {
+        let d_tp = self.decode_tp;
+        (0..self.prefill_tp)
+            .filter(move |&u| u % d_tp == decode_rank && self.targets_of(u).count() == 0)
+    }
+
     /// The decode ranks `prefill_rank` sends to, with what each receives.
     pub fn targets_of(&self, prefill_rank: u32) -> Peers {
         let empty = Peers::empty(*self, prefill_rank, Side::Prefill);

@@ -55,6 +55,9 @@ pub enum Event {
     PeersResolved {
         /// The P ranks, with what each expects.
         peers: Vec<ResolvedPeer>,
+        /// P ranks no D rank reads from that this rank tells so
+        /// (`Unneeded`), by the rule that covers each exactly once.
+        unneeded: Vec<PeerId>,
     },
     /// A control message from P rank `peer`.
     Msg {
@@ -299,7 +302,8 @@ impl Active {
             } => self.handle_ready(cx, i, chunk, start_blocks, src_blocks, is_last),
             Msg::Abort => Ok(self.handle_abort(i)),
             Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
-            Msg::Pull { .. } | Msg::Done { .. } => {
+            Msg::NotPaired => Ok(Next::End(End::PeerRefused(self.peers[i].id))),
+            Msg::Pull { .. } | Msg::Done { .. } | Msg::Unneeded => {
                 Err(InputError::Peer("message D never receives"))
             }
         }
@@ -543,9 +547,18 @@ fn read_from_peer(p: &mut Peer, ops: &mut Vec<Op>, cx: &mut Cx) -> Result<(), Ba
 }
 
 /// Checks the P ranks the driver resolved.
-fn check_resolved(peers: &[ResolvedPeer], cfg: &Config) -> Result<(), InputError> {
-    if peers.is_empty() || peers.len() > cfg.max_peers {
+fn check_resolved(
+    peers: &[ResolvedPeer],
+    unneeded: &[PeerId],
+    cfg: &Config,
+) -> Result<(), InputError> {
+    if peers.is_empty() || peers.len() > cfg.max_peers || unneeded.len() > cfg.max_peers {
         return Err(InputError::Misuse("number of P ranks out of range"));
+    }
+    if (unneeded.iter().enumerate())
+        .any(|(i, u)| unneeded[..i].contains(u) || peers.iter().any(|p| p.peer == *u))
+    {
+        return Err(InputError::Misuse("a P rank listed twice"));
     }
     for (i, p) in peers.iter().enumerate() {
         if peers[..i].iter().any(|q| q.peer == p.peer) {
@@ -619,13 +632,20 @@ impl RecvMachine {
         &mut self,
         now: Instant,
         peers: Vec<ResolvedPeer>,
+        unneeded: Vec<PeerId>,
     ) -> Result<(), InputError> {
         match self.state {
             State::Bootstrapping { .. } => {}
             State::Active(_) => return Err(InputError::Misuse("peers resolved twice")),
             State::Draining(_) | State::Finished(_) => return Ok(()),
         }
-        check_resolved(&peers, &self.cfg)?;
+        check_resolved(&peers, &unneeded, &self.cfg)?;
+        for peer in unneeded {
+            self.actions.push_back(Action::Send {
+                peer,
+                msg: Msg::Unneeded,
+            });
+        }
         let mut active = Active {
             peers: Vec::with_capacity(peers.len()),
             waiting_deadline: after(now, self.cfg.waiting_timeout),
@@ -798,7 +818,9 @@ impl Machine for RecvMachine {
         let (state, mut cx) = self.split(now);
         match state {
             State::Bootstrapping { .. } => match event {
-                Event::PeersResolved { peers } => self.handle_resolved(now, peers),
+                Event::PeersResolved { peers, unneeded } => {
+                    self.handle_resolved(now, peers, unneeded)
+                }
                 Event::Msg { .. } => {
                     Err(InputError::Peer("message before any P rank was contacted"))
                 }

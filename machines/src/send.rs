@@ -77,6 +77,14 @@ pub enum Event {
         /// The peer, as the driver names it.
         peer: PeerId,
     },
+    /// `peer` sent a `Pull`, but by the layouts the driver knows it reads
+    /// nothing from this P rank: the machine refuses it (`NotPaired`) and
+    /// fails the transfer with `BadMetadata`. The driver turns such a
+    /// `Pull` into this event instead of [`Event::Msg`].
+    UnpairedPull {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
     /// Push mode: `peer` granted a lease answering a ticket this node sent
     /// it at `sent_at` (see [`crate::common::TICKET_BIT`]); the driver
     /// turns the `LeaseGrant` naming that ticket into this event.
@@ -227,6 +235,9 @@ struct Live {
     /// `max_peers`. The two travel together but a node may route them
     /// differently (one to a live machine at once, one through its bridge).
     early_tickets: Vec<(PeerId, Instant, u64)>,
+    /// A D rank said nobody reads from this rank (`Unneeded`): the
+    /// request completes without waiting for the engine's last chunk.
+    unneeded: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -310,6 +321,7 @@ impl Live {
             Event::WriteDone { peer, chunk, ok } => self.handle_write_done(peer, chunk, ok),
             Event::PeerDead { peer } => Ok(self.handle_verdict(peer, FailReason::PeerDead)),
             Event::PlanFailed { peer } => Ok(self.handle_verdict(peer, FailReason::BadMetadata)),
+            Event::UnpairedPull { peer } => Ok(self.handle_unpaired_pull(cx, peer)),
             Event::TicketGrant {
                 peer,
                 sent_at,
@@ -342,7 +354,8 @@ impl Live {
             Msg::Done { ok } => self.handle_done(cx, peer, ok),
             Msg::Abort => Ok(self.handle_abort(peer)),
             Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
-            Msg::Ready { .. } | Msg::Status { .. } => {
+            Msg::Unneeded => self.handle_unneeded(),
+            Msg::Ready { .. } | Msg::Status { .. } | Msg::NotPaired => {
                 Err(InputError::Peer("message P never receives"))
             }
         }
@@ -434,6 +447,28 @@ impl Live {
         };
         *closing = false;
         Ok(Next::Stay)
+    }
+
+    /// A D rank says no D rank reads from this P rank: nothing is sent,
+    /// the blocks go back as soon as the machine progresses.
+    fn handle_unneeded(&mut self) -> Result<Next, InputError> {
+        if !self.peers.is_empty() {
+            return Err(InputError::Peer("Unneeded for a transfer D ranks pull"));
+        }
+        self.receivers_expected = Some(0);
+        self.unneeded = true;
+        Ok(Next::Progress)
+    }
+
+    /// `peer`'s `Pull` is not ours to serve: refuse it and fail.
+    fn handle_unpaired_pull(&mut self, cx: &mut Cx, peer: PeerId) -> Next {
+        if self.peers.iter().any(|p| p.id == peer) {
+            // Its first `Pull` was taken, so the layouts changed under
+            // us (a new hello): settle it like any peer whose plan failed.
+            return self.handle_verdict(peer, FailReason::BadMetadata);
+        }
+        cx.send(peer, Msg::NotPaired);
+        Next::End(End::Fail(FailReason::BadMetadata))
     }
 
     /// The driver's verdict on `peer` (dead, or its plan rejected).
@@ -827,7 +862,9 @@ impl Live {
     /// True when every expected peer is known and finished, and the last
     /// chunk was seen.
     fn is_complete(&self) -> bool {
-        self.all_known() && self.last_seen && self.peers.iter().all(Peer::is_finished)
+        self.all_known()
+            && (self.last_seen || self.unneeded)
+            && self.peers.iter().all(Peer::is_finished)
     }
 
     /// The claim (D silent while we hold KV for it) capped by the hold limit.
@@ -940,6 +977,7 @@ impl SendMachine {
                 hold_deadline: after(now, config.hold_limit),
                 ops: Vec::new(),
                 early_tickets: Vec::new(),
+                unneeded: false,
             }),
             actions: VecDeque::new(),
         }
@@ -1094,6 +1132,11 @@ impl Machine for SendMachine {
                 match event {
                     Event::WriteDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
                     Event::Msg { peer, msg } => drain.handle_msg(peer, &msg),
+                    // Refused as when live; the outcome is decided already.
+                    Event::UnpairedPull { peer } => self.actions.push_back(Action::Send {
+                        peer,
+                        msg: Msg::NotPaired,
+                    }),
                     // The outcome is decided; neither changes when the blocks are free.
                     Event::ChunkReady { .. }
                     | Event::PeerDead { .. }

@@ -43,7 +43,7 @@ fn sample(files: Vec<PathBuf>, max: usize) -> Vec<PathBuf> {
 }
 
 /// Seeds per `Frame` variant and `Msg` variant, named by `Frame::kind`.
-const EVERY_KIND: [&str; 12] = [
+const EVERY_KIND: [&str; 14] = [
     "refuse",
     "hello",
     "pull",
@@ -54,6 +54,8 @@ const EVERY_KIND: [&str; 12] = [
     "done",
     "abort",
     "abort_ack",
+    "unneeded",
+    "not_paired",
     "heartbeat",
     "heartbeat_ack",
 ];

@@ -757,7 +757,13 @@ impl World {
                             lease_ticket: None,
                         })
                         .collect();
-                    let r = self.ds[j].handle_event(now, recv::Event::PeersResolved { peers });
+                    let r = self.ds[j].handle_event(
+                        now,
+                        recv::Event::PeersResolved {
+                            peers,
+                            unneeded: Vec::new(),
+                        },
+                    );
                     assert_eq!(r, Ok(()));
                     self.route_d(j);
                 }

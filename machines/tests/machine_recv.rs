@@ -44,6 +44,7 @@ fn resolved(peers: &[PeerId]) -> Event {
                 lease_ticket: None,
             })
             .collect(),
+        unneeded: Vec::new(),
     }
 }
 
@@ -935,6 +936,7 @@ fn push_peer_with_a_ticket_gets_a_grant_with_the_pull() {
                     lease_ticket: None,
                 },
             ],
+            unneeded: Vec::new(),
         },
     );
     assert_eq!(

@@ -427,6 +427,23 @@ proptest! {
         prop_assert_eq!(all, want);
     }
 
+    /// Every prefill rank no decode rank reads from is told so by exactly
+    /// one decode rank, and no prefill rank that sends is told.
+    #[test]
+    fn each_unpaired_prefill_rank_is_told_by_one_decode_rank(c in case()) {
+        let tp = TpPair::new(&c.model, c.prefill.tp_size, c.decode.tp_size).unwrap();
+        let mut told = vec![0u32; c.prefill.tp_size as usize];
+        for rd in 0..c.decode.tp_size {
+            for u in tp.unpaired_told_by(rd) {
+                told[u as usize] += 1;
+            }
+        }
+        for rp in 0..c.prefill.tp_size {
+            let sends = (0..c.decode.tp_size).any(|rd| tp.sources_of(rd).any(|(r, _)| r == rp));
+            prop_assert_eq!(told[rp as usize], u32::from(!sends), "prefill rank {}", rp);
+        }
+    }
+
     /// Contiguous block ids on both sides with whole-block copies give
     /// exactly one descriptor per region (before byte splitting).
     #[test]

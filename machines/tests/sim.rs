@@ -465,8 +465,14 @@ fn sim_regression_abort_from_finished_peer_is_stale() {
                 lease_ticket: None,
             },
         ];
-        m.handle_event(ms(1), Event::PeersResolved { peers })
-            .expect("resolved");
+        m.handle_event(
+            ms(1),
+            Event::PeersResolved {
+                peers,
+                unneeded: Vec::new(),
+            },
+        )
+        .expect("resolved");
         drain(&mut m);
         // P3 delivers everything.
         match mode {

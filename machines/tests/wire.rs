@@ -173,6 +173,8 @@ fn msg() -> impl Strategy<Value = Msg> {
         any::<bool>().prop_map(|ok| Msg::Done { ok }),
         Just(Msg::Abort),
         Just(Msg::AbortAck),
+        Just(Msg::Unneeded),
+        Just(Msg::NotPaired),
     ]
 }
 
@@ -375,13 +377,15 @@ fn variant(f: &Frame) -> &'static str {
             Msg::Done { .. } => "Done",
             Msg::Abort => "Abort",
             Msg::AbortAck => "AbortAck",
+            Msg::Unneeded => "Unneeded",
+            Msg::NotPaired => "NotPaired",
         },
         Frame::Heartbeat { .. } => "Heartbeat",
         Frame::HeartbeatAck { .. } => "HeartbeatAck",
     }
 }
 
-const EVERY_VARIANT: [&str; 12] = [
+const EVERY_VARIANT: [&str; 14] = [
     "Refuse",
     "Hello",
     "Pull",
@@ -392,6 +396,8 @@ const EVERY_VARIANT: [&str; 12] = [
     "Done",
     "Abort",
     "AbortAck",
+    "Unneeded",
+    "NotPaired",
     "Heartbeat",
     "HeartbeatAck",
 ];
@@ -541,6 +547,8 @@ fn round_trip_edge_cases() {
         transfer(6, Msg::Done { ok: true }),
         transfer(7, Msg::Abort),
         transfer(8, Msg::AbortAck),
+        transfer(9, Msg::Unneeded),
+        transfer(10, Msg::NotPaired),
         Frame::Heartbeat { seq: u64::MAX },
         Frame::HeartbeatAck { seq: 0 },
     ];
@@ -584,6 +592,8 @@ fn transfer_id_and_kind_cover_every_variant() {
         (Msg::Done { ok: false }, "done"),
         (Msg::Abort, "abort"),
         (Msg::AbortAck, "abort_ack"),
+        (Msg::Unneeded, "unneeded"),
+        (Msg::NotPaired, "not_paired"),
     ];
     for (i, (msg, kind)) in msgs.into_iter().enumerate() {
         let id = TransferId(100 + i as u64);
@@ -804,7 +814,7 @@ fn header_errors_are_precise() {
     assert!(matches!(decode(&unknown, &l), Err(WireError::Malformed(_))));
     // Unknown message variant inside a transfer.
     let mut unknown = header();
-    unknown.extend_from_slice(&[2, 0, 8]);
+    unknown.extend_from_slice(&[2, 0, 10]);
     assert!(matches!(decode(&unknown, &l), Err(WireError::Malformed(_))));
 }
 

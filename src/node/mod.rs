@@ -551,8 +551,8 @@ impl Node {
         h.create(0, tid, m).map_err(|r| NodeError::from(r.error))?;
         // Prefill ranks this node talks to already: no trip through the
         // bridge (about two thread hand-offs off every request).
-        if let Some(peers) = s.cached_route(tid, target) {
-            return match h.send_event(tid, kvferry_machines::recv::Event::PeersResolved { peers }) {
+        if let Some(resolved) = s.cached_route(tid, target) {
+            return match h.send_event(tid, resolved) {
                 Ok(()) => Ok(()),
                 Err(r) => {
                     let _ = h.abort(tid, AbortReason::Engine);

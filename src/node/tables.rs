@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use kvferry_machines::common::{BlockId, Mode, Phase, TransferId};
 use kvferry_machines::layout::{ModelSpec, RankLayout};
 use kvferry_machines::planner::PairLayout;
-use kvferry_machines::recv::ResolvedPeer;
+use kvferry_machines::recv::{self, ResolvedPeer};
 use kvferry_machines::send;
 use kvferry_machines::wire;
 
@@ -113,7 +113,8 @@ pub(crate) struct TerminalSeq {
 #[derive(Default)]
 pub(crate) struct Routes {
     /// Per target: (peer slot, receivers expected) per prefill rank the
-    /// request contacts, as the bridge last resolved them.
+    /// request contacts, as the bridge last resolved them; 0 receivers
+    /// marks an unpaired rank this rank tells it is not needed.
     pub(crate) by_target: HashMap<PrefillTarget, Vec<(u32, u16)>>,
     /// Per prefill slot: the latest heartbeat ack it sent us (`seq`, when
     /// it arrived), a lease ticket for push-mode `Pull`s.
@@ -134,6 +135,14 @@ impl Shared {
             .by_slot
             .get(&id)
             .cloned()
+    }
+
+    /// Prefill: true when decode peer `id`'s layouts pair with ours but its
+    /// rank reads nothing from this one, so a `Pull` from it is refused.
+    /// Layouts that do not fit at all fail when the transfer is planned.
+    pub(crate) fn is_unpaired(&self, id: u32) -> bool {
+        self.peer(id)
+            .is_some_and(|d| d.pair.as_ref().is_ok_and(|p| p.share().is_none()))
     }
 
     /// The side-channel slot of the peer whose hello named data-plane
@@ -244,7 +253,7 @@ impl Shared {
         self.routes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The peers of a new decode request for `target`, from the routes the
+    /// The `PeersResolved` of a new decode request for `target`, from the routes the
     /// bridge cached, each tied to `tid` for peer-death notification under
     /// the same lock the bridge takes before it fails a dead peer's
     /// transfers (so none is missed). `None`: ask the bridge.
@@ -252,21 +261,26 @@ impl Shared {
         &self,
         tid: TransferId,
         target: &PrefillTarget,
-    ) -> Option<Vec<ResolvedPeer>> {
+    ) -> Option<recv::Event> {
         let routes = self.routes();
         let route = routes.by_target.get(target)?;
-        let peers = route
-            .iter()
-            .map(|&(slot, receivers_expected)| ResolvedPeer {
-                peer: kvferry_machines::common::PeerId(slot),
+        let mut peers = Vec::with_capacity(route.len());
+        let mut unneeded = Vec::new();
+        // A slot with no receivers is an unpaired P rank this rank tells.
+        for &(slot, receivers_expected) in route {
+            let peer = kvferry_machines::common::PeerId(slot);
+            if receivers_expected == 0 {
+                unneeded.push(peer);
+                continue;
+            }
+            peers.push(ResolvedPeer {
+                peer,
                 receivers_expected,
                 lease_ticket: routes.fresh_ticket(slot, &self.config),
-            })
-            .collect();
-        for &(slot, _) in route {
+            });
             self.track(slot, tid);
         }
-        Some(peers)
+        Some(recv::Event::PeersResolved { peers, unneeded })
     }
 
     /// Queues a command for the bridge; a full queue drops it (the

@@ -732,32 +732,52 @@ impl Cluster {
         transfer: TransferId,
         timeout: std::time::Duration,
     ) -> Vec<kvferry_machines::Phase> {
-        use kvferry_machines::Phase;
-        let mut phases: Vec<Option<Phase>> = self
-            .decode
-            .iter()
-            .map(|r| r.node.phase(transfer).filter(|p| p.is_terminal()))
-            .collect();
-        let deadline = std::time::Instant::now() + timeout;
-        while phases.iter().any(Option::is_none) {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.decode_events.recv_timeout(left) {
-                Ok(kvferry::node::Event {
-                    tag,
-                    transfer_id,
-                    kind: kvferry::node::EventKind::Finished(p),
-                }) if transfer_id == transfer => phases[tag as usize] = Some(p),
-                Ok(_) => {}
-                Err(_) => break,
-            }
-        }
-        phases
-            .into_iter()
-            .enumerate()
-            .map(|(i, p)| {
-                p.or_else(|| self.decode[i].node.phase(transfer))
-                    .unwrap_or(Phase::Bootstrapping)
-            })
-            .collect()
+        wait_ranks(&self.decode, &self.decode_events, transfer, timeout)
     }
+
+    /// Like [`Cluster::wait_decode`], for the prefill ranks.
+    pub fn wait_prefill(
+        &self,
+        transfer: TransferId,
+        timeout: std::time::Duration,
+    ) -> Vec<kvferry_machines::Phase> {
+        wait_ranks(&self.prefill, &self.prefill_events, transfer, timeout)
+    }
+}
+
+/// Waits until every rank of `ranks` reported a terminal phase for
+/// `transfer` on `events` (or `timeout` passed); the phases by rank. Other
+/// events on the channel are consumed.
+fn wait_ranks(
+    ranks: &[Rank],
+    events: &flume::Receiver<kvferry::node::Event>,
+    transfer: TransferId,
+    timeout: std::time::Duration,
+) -> Vec<kvferry_machines::Phase> {
+    use kvferry_machines::Phase;
+    let mut phases: Vec<Option<Phase>> = ranks
+        .iter()
+        .map(|r| r.node.phase(transfer).filter(|p| p.is_terminal()))
+        .collect();
+    let deadline = std::time::Instant::now() + timeout;
+    while phases.iter().any(Option::is_none) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match events.recv_timeout(left) {
+            Ok(kvferry::node::Event {
+                tag,
+                transfer_id,
+                kind: kvferry::node::EventKind::Finished(p),
+            }) if transfer_id == transfer => phases[tag as usize] = Some(p),
+            Ok(_) => {}
+            Err(_) => break,
+        }
+    }
+    phases
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            p.or_else(|| ranks[i].node.phase(transfer))
+                .unwrap_or(Phase::Bootstrapping)
+        })
+        .collect()
 }

@@ -70,16 +70,18 @@ impl Drain {
     }
 
     /// A message from `peer` after the outcome was decided: only the
-    /// lease-returning ones (`Status`, `Done`, `Abort`, `AbortAck`) matter.
+    /// lease-returning ones (`Status`, `Done`, `Abort`, `AbortAck`, and
+    /// `NotPaired`, which says the peer holds nothing) matter.
     pub(crate) fn handle_msg(&mut self, peer: PeerId, msg: &Msg) {
         match msg {
-            Msg::Status { .. } | Msg::Done { .. } | Msg::Abort | Msg::AbortAck => {
+            Msg::Status { .. } | Msg::Done { .. } | Msg::Abort | Msg::AbortAck | Msg::NotPaired => {
                 self.handle_return(peer)
             }
             Msg::Pull { .. }
             | Msg::Ready { .. }
             | Msg::LeaseRequest { .. }
-            | Msg::LeaseGrant { .. } => {}
+            | Msg::LeaseGrant { .. }
+            | Msg::Unneeded => {}
         }
     }
 
@@ -122,6 +124,9 @@ pub(crate) enum End {
     PeerAbort(PeerId),
     /// The peer returned its lease while failing (`Status`/`Done` with `ok: false`).
     PeerFailed(PeerId),
+    /// The peer refused the transfer (`NotPaired`) before touching
+    /// anything or granting a lease: settled like a lease return.
+    PeerRefused(PeerId),
 }
 
 impl End {
@@ -132,6 +137,7 @@ impl End {
             End::Expire => Phase::Expired,
             End::PeerAbort(_) => Phase::Failed(FailReason::PeerAborted),
             End::PeerFailed(_) => Phase::Failed(FailReason::PeerReported),
+            End::PeerRefused(_) => Phase::Failed(FailReason::BadMetadata),
         }
     }
 
@@ -165,15 +171,17 @@ impl End {
         cfg: &Config,
     ) -> Option<Msg> {
         let aborter = matches!(self, End::PeerAbort(a) if a == peer);
-        let failer = matches!(self, End::PeerFailed(a) if a == peer);
+        let failer = matches!(self, End::PeerFailed(a) | End::PeerRefused(a) if a == peer);
         match granted {
             None => {
                 let msg = match self {
                     _ if aborter => Msg::AbortAck,
                     End::Fail(FailReason::Aborted(_)) => Msg::Abort,
-                    End::Fail(_) | End::Expire | End::PeerAbort(_) | End::PeerFailed(_) => {
-                        failure_return
-                    }
+                    End::Fail(_)
+                    | End::Expire
+                    | End::PeerAbort(_)
+                    | End::PeerFailed(_)
+                    | End::PeerRefused(_) => failure_return,
                 };
                 drain.returns.push((peer, msg));
                 None

@@ -78,6 +78,16 @@ pub enum Msg {
     Abort,
     /// Answer to `Abort`. From the toucher it returns the lease.
     AbortAck,
+    /// D → P: no D rank reads this P rank's KV for this transfer (its KV
+    /// heads are replicas another P rank sends); P releases the blocks at
+    /// once. Each such P rank is told by exactly one D rank (see
+    /// `docs/design.md` §3, "Unpaired prefill ranks").
+    Unneeded,
+    /// P → D: refuses D's `Pull`: by the layouts P knows, D's rank reads
+    /// nothing from this P rank. Both sides fail the transfer with
+    /// `BadMetadata`. P sends it before touching anything or granting a
+    /// lease, so it settles the peer like a lease return.
+    NotPaired,
 }
 
 impl Msg {
@@ -92,6 +102,8 @@ impl Msg {
             Msg::Done { .. } => "done",
             Msg::Abort => "abort",
             Msg::AbortAck => "abort_ack",
+            Msg::Unneeded => "unneeded",
+            Msg::NotPaired => "not_paired",
         }
     }
 }

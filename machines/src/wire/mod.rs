@@ -61,7 +61,7 @@ use crate::planner::REGIONS_MAX;
 /// First two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"KF";
 /// The protocol version this build speaks (see the module docs).
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Length of the magic + version header.
 pub const HEADER_LEN: usize = 4;
 
@@ -276,7 +276,9 @@ impl Frame {
                 | Msg::Status { .. }
                 | Msg::Done { .. }
                 | Msg::Abort
-                | Msg::AbortAck => Ok(()),
+                | Msg::AbortAck
+                | Msg::Unneeded
+                | Msg::NotPaired => Ok(()),
             },
             Frame::Refuse(_) | Frame::Heartbeat { .. } | Frame::HeartbeatAck { .. } => Ok(()),
         }

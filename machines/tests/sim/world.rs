@@ -832,7 +832,10 @@ impl<'a> World<'a> {
         self.drive(
             node,
             spec.id,
-            Input::D(recv::Event::PeersResolved { peers }),
+            Input::D(recv::Event::PeersResolved {
+                peers,
+                unneeded: Vec::new(),
+            }),
         );
         // Sessions to peers already declared dead fail fast.
         let dead: Vec<usize> = spec.pairs[rank]
@@ -921,9 +924,12 @@ impl<'a> World<'a> {
             let answer = match env.msg {
                 Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
                 Msg::Abort => Some(Msg::AbortAck),
-                Msg::AbortAck | Msg::Status { .. } | Msg::Done { .. } | Msg::LeaseGrant { .. } => {
-                    None
-                }
+                Msg::AbortAck
+                | Msg::Status { .. }
+                | Msg::Done { .. }
+                | Msg::LeaseGrant { .. }
+                | Msg::Unneeded
+                | Msg::NotPaired => None,
             };
             if let Some(a) = answer {
                 self.stats.late_pull_aborts += 1;
@@ -961,13 +967,14 @@ impl<'a> World<'a> {
                         s.returned.insert(from);
                         s.stale_abort_input = s.released.is_none() && s.succeeded.contains(&from);
                     }
-                    Msg::AbortAck => {
+                    Msg::AbortAck | Msg::NotPaired => {
                         s.returned.insert(from);
                     }
                     Msg::Pull { .. }
                     | Msg::Ready { .. }
                     | Msg::LeaseRequest { .. }
-                    | Msg::LeaseGrant { .. } => {}
+                    | Msg::LeaseGrant { .. }
+                    | Msg::Unneeded => {}
                 }
             }
             let input = if self.is_p(to) {

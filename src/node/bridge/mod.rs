@@ -16,13 +16,14 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{Msg, PeerId, TICKET_BIT};
+use kvferry_machines::common::{Msg, PeerId};
 use kvferry_machines::planner::{PairLayout, TpPair};
 use kvferry_machines::recv::{RecvMachine, ResolvedPeer};
 use kvferry_machines::send::SendMachine;
 use kvferry_machines::{recv, send, AbortReason, TransferId};
 use kvferry_reactor::{ReactorHandle, SubmitError};
 
+use super::sink::NodeMachine;
 use super::{
     Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Role, Shared,
 };
@@ -605,20 +606,19 @@ impl Bridge {
             return false;
         }
         let shared = self.shared.clone();
-        if let (EngineHandle::Prefill(h), Msg::LeaseGrant { seq, duration_ms }) =
-            (&self.handle, &msg)
-        {
-            if seq & TICKET_BIT != 0 {
-                let event = shared.ticket_event(peer, seq & !TICKET_BIT, *duration_ms);
-                return with_lock(&shared, || h.send_event(tid, event)).is_ok();
-            }
-        }
         let delivery = match &self.handle {
             EngineHandle::Prefill(h) => to_sender(&shared, h, PeerId(peer), tid, msg),
             EngineHandle::Decode(h) => to_receiver(h, PeerId(peer), tid, msg),
         };
         match delivery {
             Delivery::Taken => return true,
+            Delivery::Answer(answer) => self.send_frame(
+                peer,
+                &Frame::Transfer {
+                    transfer_id: tid,
+                    msg: answer,
+                },
+            ),
             Delivery::NoRoom => self.send_frame(
                 peer,
                 &Frame::Transfer {
@@ -656,7 +656,12 @@ impl Bridge {
             Msg::Abort => Some(Msg::AbortAck),
             // Lease returns and final words need no answer, and a grant we
             // no longer need lapses on its own.
-            Msg::AbortAck | Msg::Status { .. } | Msg::Done { .. } | Msg::LeaseGrant { .. } => None,
+            Msg::AbortAck
+            | Msg::Status { .. }
+            | Msg::Done { .. }
+            | Msg::LeaseGrant { .. }
+            | Msg::Unneeded
+            | Msg::NotPaired => None,
             // Someone wants to start (or keep) touching blocks of a transfer
             // we do not have: stop it now rather than at its deadline.
             Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
@@ -724,6 +729,8 @@ fn with_lock<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
 enum Delivery {
     /// A live machine took it.
     Taken,
+    /// No machine took it; the peer gets this answer.
+    Answer(Msg),
     /// No machine took it: why, and the message when it came back.
     Refused(SubmitError, Option<Msg>),
     /// A `Pull` needed a new machine and the engine had no room for one;
@@ -732,7 +739,7 @@ enum Delivery {
 }
 
 /// Hands `msg` to the send machine of `tid`, creating the machine when
-/// decode's `Pull` comes before the engine's `sender`.
+/// decode's `Pull` (or `Unneeded`) comes before the engine's `sender`.
 fn to_sender(
     shared: &Shared,
     h: &ReactorHandle<SendMachine>,
@@ -740,43 +747,54 @@ fn to_sender(
     tid: TransferId,
     msg: Msg,
 ) -> Delivery {
-    match with_lock(shared, || h.send_event(tid, send::Event::Msg { peer, msg })) {
+    let event = SendMachine::inbound(shared, peer, msg);
+    match with_lock(shared, || h.send_event(tid, event)) {
         Ok(()) => Delivery::Taken,
         Err(r) => match (r.error, r.value) {
-            // A `Pull` for a transfer that already ended here (and
-            // was collected): tell decode at once, as for any
-            // unknown transfer, instead of starting a second
-            // machine that would wait for an engine that is done.
-            (
-                SubmitError::UnknownTransfer(_),
-                send::Event::Msg {
-                    msg: msg @ Msg::Pull { .. },
-                    ..
-                },
-            ) if shared.finished_phase(tid).is_some() => Delivery::Refused(r.error, Some(msg)),
-            (
-                SubmitError::UnknownTransfer(_),
-                send::Event::Msg {
-                    msg: msg @ Msg::Pull { .. },
-                    ..
-                },
-            ) => sender_for_pull(shared, h, peer, tid, msg),
+            // The first words of a transfer that already ended here (and
+            // was collected): tell decode at once, as for any unknown
+            // transfer, instead of starting a second machine that would
+            // wait for an engine that is done.
+            (SubmitError::UnknownTransfer(_), event) if shared.finished_phase(tid).is_some() => {
+                match event {
+                    send::Event::UnpairedPull { .. } => Delivery::Answer(Msg::NotPaired),
+                    send::Event::Msg { msg, .. } => Delivery::Refused(r.error, Some(msg)),
+                    _ => Delivery::Refused(r.error, None),
+                }
+            }
+            (SubmitError::UnknownTransfer(_), event) if opens_transfer(&event) => {
+                sender_for_early(shared, h, tid, event)
+            }
             (e, send::Event::Msg { msg, .. }) => Delivery::Refused(e, Some(msg)),
             (e, _) => Delivery::Refused(e, None),
         },
     }
 }
 
-/// Creates the send machine of `tid` for decode's early `Pull` and hands
-/// the `Pull` to it.
-fn sender_for_pull(
+/// True for what decode sends first to a P rank: a `Pull` (paired or
+/// not) or an `Unneeded`.
+fn opens_transfer(event: &send::Event) -> bool {
+    matches!(
+        event,
+        send::Event::UnpairedPull { .. }
+            | send::Event::Msg {
+                msg: Msg::Pull { .. } | Msg::Unneeded,
+                ..
+            }
+    )
+}
+
+/// Creates the send machine of `tid` for decode's early first words and
+/// hands them to it.
+fn sender_for_early(
     shared: &Shared,
     h: &ReactorHandle<SendMachine>,
-    peer: PeerId,
     tid: TransferId,
-    msg: Msg,
+    event: send::Event,
 ) -> Delivery {
-    announce_remote_request(shared, tid, &msg);
+    if let send::Event::Msg { msg, .. } = &event {
+        announce_remote_request(shared, tid, msg);
+    }
     // D asked before the engine called `sender`: create
     // the machine now (either may come first).
     let cfg = &shared.config;
@@ -793,7 +811,7 @@ fn sender_for_pull(
             return Delivery::NoRoom;
         }
     }
-    match h.send_event(tid, send::Event::Msg { peer, msg }) {
+    match h.send_event(tid, event) {
         Ok(()) => Delivery::Taken,
         Err(r) => Delivery::Refused(r.error, None),
     }

@@ -151,10 +151,24 @@ impl Bridge {
     fn rank_peers(&mut self, pair: &TpPair, my_rank: u32, addrs: &[String]) -> Option<RankPeers> {
         let mut ranks = RankPeers {
             peers: Vec::new(),
+            unneeded: Vec::new(),
             dead: Vec::new(),
             refused: Vec::new(),
             waiting: false,
         };
+        for rank in pair.unpaired_told_by(my_rank) {
+            let Some(addr) = addrs.get(rank as usize) else {
+                continue;
+            };
+            let peer = self.dealer_for(addr)?;
+            let slot = &self.slots[peer as usize];
+            // A dead or refusing rank holds nothing of ours to release.
+            if self.liveness.is_dead(peer) || slot.refused.is_some() {
+                continue;
+            }
+            ranks.waiting |= !slot.ready;
+            ranks.unneeded.push(PeerId(peer));
+        }
         for (rank, _) in pair.sources_of(my_rank) {
             let Some(addr) = addrs.get(rank as usize) else {
                 continue;
@@ -185,10 +199,10 @@ impl Bridge {
         if ranks.dead.is_empty() && ranks.refused.is_empty() {
             // Every rank connected and alive: later requests for this
             // target resolve on the engine's thread until something changes.
-            let route = ranks
-                .peers
-                .iter()
+            let told = ranks.unneeded.iter().map(|p| (p.0, 0));
+            let route = (ranks.peers.iter())
                 .map(|rp| (rp.peer.0, rp.receivers_expected))
+                .chain(told)
                 .collect();
             let max = self.shared.config.max_bootstrap_targets;
             self.shared.routes().insert(p.target.clone(), route, max);
@@ -209,7 +223,11 @@ impl Bridge {
             self.slots[rp.peer.0 as usize].transfers.insert(tid);
         }
         if let EngineHandle::Decode(h) = &self.handle {
-            let _ = h.send_event(tid, recv::Event::PeersResolved { peers: ranks.peers });
+            let resolved = recv::Event::PeersResolved {
+                peers: ranks.peers,
+                unneeded: ranks.unneeded,
+            };
+            let _ = h.send_event(tid, resolved);
             for d in ranks.dead {
                 let _ = h.send_event(tid, recv::Event::PeerDead { peer: PeerId(d) });
             }
@@ -225,6 +243,8 @@ impl Bridge {
 /// The prefill ranks a decode request reads from, as they stand now.
 struct RankPeers {
     peers: Vec<ResolvedPeer>,
+    /// Unpaired prefill ranks this rank tells that nobody reads from them.
+    unneeded: Vec<PeerId>,
     /// Ranks whose peer is dead.
     dead: Vec<u32>,
     /// Ranks whose peer refused our hello.

@@ -32,7 +32,11 @@ pub(super) fn over_data_plane(msg: &Msg) -> bool {
         | Msg::Pull { .. }
         | Msg::LeaseGrant { .. }
         | Msg::Ready { .. } => true,
-        Msg::LeaseRequest { .. } | Msg::Abort | Msg::AbortAck => false,
+        // `NotPaired` is a last word like `Abort`; `Unneeded` goes to a
+        // P rank this rank has no data-plane session with.
+        Msg::LeaseRequest { .. } | Msg::Abort | Msg::AbortAck | Msg::NotPaired | Msg::Unneeded => {
+            false
+        }
     }
 }
 

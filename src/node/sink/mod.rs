@@ -253,6 +253,7 @@ impl NodeMachine for SendMachine {
             Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
                 shared.ticket_event(peer.0, seq & !TICKET_BIT, duration_ms)
             }
+            Msg::Pull { .. } if shared.is_unpaired(peer.0) => send::Event::UnpairedPull { peer },
             msg => send::Event::Msg { peer, msg },
         }
     }
