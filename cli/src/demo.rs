@@ -66,6 +66,39 @@ pub struct DemoReport {
     /// p99 of the same round trip.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_two_ctx_p99_ms: Option<f64>,
+    /// The prefill side, where the run has prefill ranks (the demo).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<PrefillReport>,
+}
+
+/// How the prefill ranks ended their requests, one outcome per prefill
+/// rank and request.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PrefillReport {
+    /// Ended in `Success`.
+    pub ok: u64,
+    /// Ended `Failed`.
+    pub failed: u64,
+    /// Ended `Expired`.
+    pub expired: u64,
+    /// The longest any prefill rank held a request's blocks after the
+    /// request ended on decode (0 when every rank ended first).
+    pub held_ms_max: f64,
+}
+
+impl PrefillReport {
+    /// A prefill rank ended a request in `phase`; its decode side ended at
+    /// `decode_ended`, if it did already.
+    fn record(&mut self, phase: Phase, decode_ended: Option<Instant>) {
+        match phase {
+            Phase::Success => self.ok += 1,
+            Phase::Failed(_) => self.failed += 1,
+            Phase::Expired => self.expired += 1,
+            Phase::Bootstrapping | Phase::WaitingForInput | Phase::Transferring => return,
+        }
+        let held = decode_ended.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+        self.held_ms_max = self.held_ms_max.max(held);
+    }
 }
 
 /// Times `n` bare 256-byte ZeroMQ DEALER→ROUTER→DEALER round trips on
@@ -135,6 +168,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         live: HashMap::new(),
         report: DemoReport {
             requests: o.requests,
+            prefill: Some(PrefillReport::default()),
             ..DemoReport::default()
         },
         latencies: Latency::new(),
@@ -146,7 +180,13 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
     let started = Instant::now();
     let hard_deadline = Duration::from_millis(o.timeout_ms) * 4 + Duration::from_secs(30);
     let mut last_progress = Instant::now();
-    while d.finished < o.requests {
+    let mut decode_done = None;
+    // Until every prefill rank ended every request too (their outcomes
+    // are in the report); the clock stops when decode is done.
+    while d.finished < o.requests || !d.live.is_empty() {
+        if d.finished == o.requests {
+            decode_done.get_or_insert_with(|| started.elapsed());
+        }
         d.launch()?;
         let Some((is_decode, tid, phase)) = d.next_event()? else {
             if last_progress.elapsed() > hard_deadline {
@@ -161,7 +201,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         last_progress = Instant::now();
         d.on_event(is_decode, tid.0, phase);
     }
-    Ok(d.finish(started))
+    Ok(d.finish(decode_done.unwrap_or_else(|| started.elapsed())))
 }
 
 /// One request in flight.
@@ -172,6 +212,8 @@ struct Live {
     prefill_left: u32,
     all_ok: bool,
     verified: bool,
+    /// When the last decode rank ended it.
+    decode_ended: Option<Instant>,
 }
 
 /// The demo's requests between events.
@@ -220,6 +262,7 @@ impl Demo<'_> {
                     prefill_left: self.o.prefill_tp,
                     all_ok: true,
                     verified: false,
+                    decode_ended: None,
                 },
             );
             self.next += 1;
@@ -278,6 +321,7 @@ impl Demo<'_> {
             }
             if l.decode_left == 0 && !l.verified {
                 l.verified = true;
+                l.decode_ended = Some(Instant::now());
                 self.finished += 1;
                 let b = self.o.blocks_per_request;
                 let blocks: Vec<u32> = (0..b).map(|i| (l.slot * u64::from(b)) as u32 + i).collect();
@@ -296,6 +340,9 @@ impl Demo<'_> {
             }
         } else {
             l.prefill_left = l.prefill_left.saturating_sub(1);
+            if let Some(p) = &mut self.report.prefill {
+                p.record(phase, l.decode_ended);
+            }
         }
         if l.decode_left == 0 && l.prefill_left == 0 {
             self.free.push(l.slot);
@@ -332,7 +379,7 @@ impl Demo<'_> {
     }
 
     /// The report of a run that started at `started`.
-    fn finish(self, started: Instant) -> DemoReport {
+    fn finish(self, elapsed: Duration) -> DemoReport {
         if self.progress {
             eprintln!();
         }
@@ -340,7 +387,7 @@ impl Demo<'_> {
             tracing::debug!(stats = ?r.node.stats(), "node counters");
         }
         let mut report = self.report;
-        let elapsed = started.elapsed().as_secs_f64();
+        let elapsed = elapsed.as_secs_f64();
         report.elapsed_s = elapsed;
         report.gbps = report.bytes as f64 / elapsed / 1e9;
         report.requests_per_s = report.ok as f64 / elapsed;

@@ -61,6 +61,31 @@ fn demo_json_summary_counts_every_request() {
     }
 }
 
+/// Prefill TP 8 → decode TP 2 with 4 KV heads: half the prefill ranks send
+/// to nobody. Every prefill rank still ends every request with `Success`
+/// (the unpaired ones are told), none by expiring its hold.
+#[test]
+fn demo_json_reports_every_prefill_rank_of_every_request() {
+    let args = [
+        "--requests",
+        "40",
+        "--prefill-tp",
+        "8",
+        "--decode-tp",
+        "2",
+        "--heads",
+        "4",
+        "--json",
+    ];
+    let (code, j) = demo(&args);
+    assert_eq!(code, 0, "{j}");
+    assert_eq!(j["ok"], 40, "{j}");
+    let p = &j["prefill"];
+    assert_eq!(p["ok"], 8 * 40, "{j}");
+    assert_eq!((&p["failed"], &p["expired"]), (&0.into(), &0.into()), "{j}");
+    assert!(p["held_ms_max"].as_f64().unwrap() >= 0.0, "{j}");
+}
+
 #[test]
 fn demo_rejects_bad_options_with_status_2() {
     assert_eq!(demo(&["--layout", "diagonal"]).0, 2);
