@@ -172,3 +172,41 @@ fn a_pull_from_a_decode_rank_the_prefill_rank_does_not_pair_with_is_refused() {
     let told = p0.node.phase(tid);
     assert_eq!(told, Some(Phase::Success), "the rank told it is not needed");
 }
+
+/// Decode aborts a request while its prefill engine is not even listed by
+/// the bootstrap service, so no `Pull` ever left. Once the engine
+/// registers, decode still resolves its ranks and tells them: prefill
+/// releases at once instead of at its bootstrap timeout.
+#[test]
+fn an_abort_before_the_pull_left_reaches_prefill() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let long = |role, id| {
+        let mut c = config(role, id, 0, &addr);
+        // Far beyond the waits below: only the abort can end prefill's side.
+        c.timeouts.bootstrap_timeout = Duration::from_secs(60);
+        c.timeouts.waiting_timeout = Duration::from_secs(60);
+        c.timeouts.claim_timeout = Duration::from_secs(60);
+        c.timeouts.hold_limit = Duration::from_secs(120);
+        c
+    };
+    let d = Engine::start(long(Role::Decode, "d"));
+    let target = PrefillTarget::Bootstrap {
+        addr: addr.clone(),
+        engine_id: "p".into(),
+        dp_rank: 0,
+    };
+    let tid = TransferId(21);
+    let rx = d.node.receiver(tid, &target).unwrap();
+    rx.request(vec![vec![BlockId(3)]]).unwrap();
+    rx.abort().unwrap();
+    let aborted = Phase::Failed(kvferry::FailReason::Aborted(kvferry::AbortReason::Engine));
+    assert_eq!(rx.wait(Duration::from_secs(5)), aborted);
+    // The prefill engine comes up and starts the request.
+    let p = Engine::start(long(Role::Prefill, "p"));
+    p.kv.fill(tid, &[1], 0);
+    let tx = p.node.sender(tid).unwrap();
+    tx.send(vec![vec![BlockId(1)]], true).unwrap();
+    let phase = tx.wait(Duration::from_secs(20));
+    assert_eq!(phase, Phase::Failed(kvferry::FailReason::PeerAborted));
+}

@@ -211,6 +211,9 @@ enum Dir {
 struct Pending {
     tid: TransferId,
     target: PrefillTarget,
+    /// Past it, a request that ended before its `Pull` left stops trying
+    /// to tell its prefill ranks (they have expired by then anyway).
+    give_up: Instant,
 }
 
 struct Bridge {
@@ -313,7 +316,12 @@ impl Bridge {
                 }
                 BridgeCmd::Inbound { peer, tid, msg } => self.on_transfer_msg(peer, tid, msg),
                 BridgeCmd::Resolve { tid, target } => {
-                    let p = Pending { tid, target };
+                    let give_up = Instant::now() + self.shared.config.timeouts.bootstrap_timeout;
+                    let p = Pending {
+                        tid,
+                        target,
+                        give_up,
+                    };
                     if !self.try_resolve(&p) {
                         self.pending.push(p);
                     }
@@ -772,13 +780,15 @@ fn to_sender(
 }
 
 /// True for what decode sends first to a P rank: a `Pull` (paired or
-/// not) or an `Unneeded`.
+/// not), an `Unneeded`, or the `Abort` of a request that ended on decode
+/// before its `Pull` left. Each ends or starts the engine's request
+/// whenever the engine gets to it.
 fn opens_transfer(event: &send::Event) -> bool {
     matches!(
         event,
         send::Event::UnpairedPull { .. }
             | send::Event::Msg {
-                msg: Msg::Pull { .. } | Msg::Unneeded,
+                msg: Msg::Pull { .. } | Msg::Unneeded | Msg::Abort,
                 ..
             }
     )

@@ -87,10 +87,15 @@ impl Bridge {
         let Some(local) = self.shared.local.get().cloned() else {
             return false;
         };
-        // A request whose machine already ended needs nothing more.
-        match self.handle.poll(p.tid) {
-            Some(phase) if !phase.is_terminal() => {}
-            _ => return true,
+        // A request that ended (aborted, expired) before its `Pull` left
+        // still has prefill ranks waiting for it: resolve them anyway, and
+        // tell them (bounded by `give_up`).
+        let ended = self
+            .handle
+            .poll(p.tid)
+            .is_none_or(|phase| phase.is_terminal());
+        if ended && Instant::now() >= p.give_up {
+            return true;
         }
         let (tp, addrs) = match self.prefill_ranks(p) {
             ControlFlow::Continue(ranks) => ranks,
@@ -110,6 +115,10 @@ impl Bridge {
         };
         if ranks.waiting && ranks.dead.is_empty() && ranks.refused.is_empty() {
             return false;
+        }
+        if ended {
+            self.abort_unpulled(p.tid, &ranks);
+            return true;
         }
         self.remember_route(p, &ranks);
         self.hand_resolved(p.tid, ranks);
@@ -213,6 +222,34 @@ impl Bridge {
                 self.directory.remove(&p.target);
                 self.routes_changed(None);
             }
+        }
+    }
+
+    /// Tells the prefill ranks of a request that ended before its `Pull`
+    /// left (the ones it would have pulled from and the unpaired ones it
+    /// would have told) that it is gone, so they release at once instead
+    /// of at their bootstrap timeout, as vLLM's empty "abort" pull does.
+    fn abort_unpulled(&mut self, tid: TransferId, ranks: &RankPeers) {
+        let live = ranks
+            .peers
+            .iter()
+            .map(|rp| rp.peer)
+            .chain(ranks.unneeded.iter().copied());
+        let peers: Vec<u32> = live
+            .map(|p| p.0)
+            .filter(|p| !ranks.dead.contains(p) && !ranks.refused.contains(p))
+            .collect();
+        tracing::debug!(
+            ?tid,
+            ?peers,
+            "telling prefill ranks of a request that ended before its pull"
+        );
+        for peer in peers {
+            let frame = Frame::Transfer {
+                transfer_id: tid,
+                msg: Msg::Abort,
+            };
+            self.send_frame(peer, &frame);
         }
     }
 
