@@ -481,3 +481,139 @@ fn pull_for_a_transfer_prefill_already_ended_fails_decode_at_once() {
         );
     }
 }
+
+/// Frames from decode on a bare ROUTER playing a prefill rank, decoded,
+/// until `want` picks one; `(identity, picked)`.
+fn recv_until<T>(
+    router: &zmq::Socket,
+    mut want: impl FnMut(kvferry::machines::wire::Frame) -> Option<T>,
+) -> (Vec<u8>, T) {
+    use kvferry::machines::wire;
+    loop {
+        let parts = recv_within(router);
+        let frame = wire::decode(&parts[1], &wire::Limits::default()).unwrap();
+        if let Some(t) = want(frame) {
+            return (parts[0].clone(), t);
+        }
+    }
+}
+
+/// A data-plane connection to a prefill rank that fails (refused here)
+/// marks the rank dead at once: the next request to it fails fast, before
+/// any heartbeat could miss. Its answer to decode's next probe clears the
+/// mark, and the recovery is counted.
+#[test]
+fn a_failed_data_plane_connection_marks_the_peer_dead_until_it_answers() {
+    use kvferry::machines::common::Msg;
+    use kvferry::machines::layout::{RankLayout, Region};
+    use kvferry::machines::wire::{self, Frame};
+    use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
+    use kvferry_testkit::synth::SynthKv;
+    // A prefill rank played by a bare ROUTER whose hello names a
+    // data-plane endpoint where nothing listens.
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.set_linger(0).unwrap();
+    router.bind("tcp://127.0.0.1:*").unwrap();
+    let addr = router.get_last_endpoint().unwrap().unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let model = spec(Mode::Pull).model;
+    let mut dc = NodeConfig::new(Role::Decode, "d");
+    dc.mode = Mode::Pull;
+    dc.timeouts = Config {
+        // Silence never kills the peer here: only the failed connection.
+        heartbeat_misses: 100_000,
+        ..timeouts()
+    };
+    let dkv = SynthKv::new(model, 1, 0, 2, 8);
+    let d = Node::start(dc).unwrap();
+    // SAFETY: `d` is shut down at the end, before `dkv` drops.
+    unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec![addr],
+    };
+    let regions: Vec<Region> = dkv.kv_layout().regions;
+    let hello = Frame::Hello(wire::Hello {
+        engine_id: "p".into(),
+        mode: Mode::Pull,
+        model,
+        layout: RankLayout {
+            tp_size: 1,
+            tp_rank: 0,
+            num_blocks: 8,
+            regions,
+        },
+        endpoint,
+    });
+    let rx = d.receiver(TransferId(1), &target).unwrap();
+    rx.request(ids(&[2])).unwrap();
+    let (id, ()) = recv_until(&router, |f| matches!(f, Frame::Hello(_)).then_some(()));
+    router
+        .send_multipart([id, wire::encode(&hello)], 0)
+        .unwrap();
+    // Decode's `Pull` carries its lease request: grant it, announce a chunk.
+    let (id, seq) = recv_until(&router, |f| match f {
+        Frame::Transfer {
+            msg: Msg::Pull { lease_seq, .. },
+            ..
+        } => lease_seq,
+        _ => None,
+    });
+    for msg in [
+        Msg::LeaseGrant {
+            seq,
+            duration_ms: 5000,
+        },
+        Msg::Ready {
+            chunk: 0,
+            start_blocks: vec![0],
+            src_blocks: ids(&[1]),
+            is_last: true,
+        },
+    ] {
+        let frame = Frame::Transfer {
+            transfer_id: TransferId(1),
+            msg,
+        };
+        router
+            .send_multipart([id.clone(), wire::encode(&frame)], 0)
+            .unwrap();
+    }
+    let phase = rx.wait(Duration::from_secs(5));
+    assert!(
+        matches!(
+            phase,
+            Phase::Failed(FailReason::Transport | FailReason::PeerDead)
+        ),
+        "{phase:?}"
+    );
+    // The read's failure and the mark travel apart (executor, bridge).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.stats().peers_marked_dead == 0 && Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    let s = d.stats();
+    assert_eq!((s.peers_marked_dead, s.dead_now), (1, 1), "{s:?}");
+    // A new request to that rank fails at once.
+    let rx = d.receiver(TransferId(2), &target).unwrap();
+    rx.request(ids(&[3])).unwrap();
+    assert_eq!(
+        rx.wait(Duration::from_secs(5)),
+        Phase::Failed(FailReason::PeerDead)
+    );
+    // Decode probes the dead rank with hellos; an answer revives it.
+    let (id, ()) = recv_until(&router, |f| matches!(f, Frame::Hello(_)).then_some(()));
+    router
+        .send_multipart([id, wire::encode(&hello)], 0)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while d.stats().peer_recoveries == 0 && Instant::now() < deadline {
+        std::thread::yield_now();
+    }
+    let s = d.stats();
+    assert_eq!((s.peer_recoveries, s.dead_now), (1, 0), "{s:?}");
+    d.shutdown(Duration::ZERO);
+}

@@ -95,6 +95,9 @@ counters! {
     /// Times a peer was marked dead.
     peers_marked_dead => "kvferry_peers_marked_dead",
         "Peers marked dead after missed heartbeats or a dropped connection.";
+    /// Times a peer marked dead answered again and its mark was cleared.
+    peer_recoveries => "kvferry_peer_recoveries",
+        "Peers marked dead whose mark a later frame from them cleared.";
     /// Prefill: requests whose blocks were released because decode's claim
     /// or lease ran out (decode never came, or went silent).
     expired_holds => "kvferry_expired_holds",

@@ -68,6 +68,10 @@ pub(crate) enum BridgeCmd {
         tid: TransferId,
         target: PrefillTarget,
     },
+    /// A data-plane connection to the peer failed (refused, reset): mark
+    /// it dead now, so new requests to it fail fast until it answers a
+    /// probe, instead of each waiting for its own timeout.
+    PeerUnreachable { peer: u32 },
     /// Result of a bootstrap query started by the bridge.
     Directory {
         target: PrefillTarget,
@@ -338,6 +342,13 @@ impl Bridge {
                     self.routes_changed(None);
                     self.retry_pending();
                 }
+                BridgeCmd::PeerUnreachable { peer } => {
+                    if !self.liveness.is_dead(peer) {
+                        tracing::warn!(peer, "data-plane connection failed; peer marked dead");
+                    }
+                    self.liveness.handle_dropped(peer);
+                    self.on_deaths();
+                }
                 BridgeCmd::Stop => self.stop = true,
             }
         }
@@ -507,6 +518,7 @@ impl Bridge {
             }
         };
         if self.liveness.handle_heard(now, peer) {
+            Counters::inc(&self.shared.counters.peer_recoveries);
             self.publish_dead_count();
             let addr = self.slots.get(peer as usize).map(|s| s.addr.as_str());
             tracing::info!(peer, ?addr, "peer answered again; dead mark cleared");

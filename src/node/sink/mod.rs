@@ -75,6 +75,27 @@ enum MoveError {
     Transport(Arc<TransportError>),
 }
 
+impl MoveError {
+    /// The data-plane connection to the peer failed (refused, reset,
+    /// closed): the peer is likely gone, unlike a timeout, a fenced block
+    /// or a refused frame, which say nothing about the peer's health.
+    fn is_connection_loss(&self) -> bool {
+        match self {
+            MoveError::Transport(e) => matches!(
+                **e,
+                TransportError::Disconnected { .. } | TransportError::Io { .. }
+            ),
+            MoveError::UnknownPeer
+            | MoveError::Unfit(_)
+            | MoveError::NoEndpoint
+            | MoveError::Plan(_)
+            | MoveError::SessionsFull { .. }
+            | MoveError::BatchDropped
+            | MoveError::WaitedPastBound => false,
+        }
+    }
+}
+
 impl From<TransportError> for MoveError {
     fn from(e: TransportError) -> Self {
         MoveError::Transport(Arc::new(e))
@@ -453,6 +474,9 @@ where
         };
         glommio::spawn_local(async move {
             let result = mv.run().await;
+            if result.as_ref().is_err_and(MoveError::is_connection_loss) {
+                shared.to_bridge(BridgeCmd::PeerUnreachable { peer: peer.0 });
+            }
             let ok = count_move(&shared, &poster, tid, result, uncarried, bytes, count).await;
             let _ = poster.post(tid, done(ok)).await;
         })
