@@ -68,6 +68,11 @@ pub struct NodeConfig {
     pub host: String,
     /// Side-channel port of a prefill rank; 0 picks a free one.
     pub side_channel_port: u16,
+    /// Port the tcp data plane listens on; 0 picks a free one.
+    pub data_plane_port: u16,
+    /// TCP connections per data-plane session (large batches are spread
+    /// over them); 0 keeps the transport's default.
+    pub tcp_streams: usize,
     /// Prefill: the bootstrap service to register at (`host:port`).
     pub bootstrap: Option<String>,
     /// Prefill: serve the bootstrap service embedded on this address
@@ -219,6 +224,8 @@ impl NodeConfig {
             transport: TransportKind::Tcp,
             host: "127.0.0.1".into(),
             side_channel_port: 0,
+            data_plane_port: 0,
+            tcp_streams: 0,
             bootstrap: None,
             serve_bootstrap: None,
             metrics_listen: None,

@@ -46,6 +46,7 @@ mod config;
 mod error;
 mod handles;
 mod registration;
+mod settings;
 mod sink;
 mod tables;
 mod waker;
@@ -75,6 +76,9 @@ pub use config::{
 };
 pub use error::{DataPlaneError, Misuse, NodeError, PeerUnfit};
 pub use handles::{Receiver, Sender};
+pub use settings::{
+    setting_keys, ConfigError, ModeSetting, NodeSettings, RoleSetting, TransportSetting, ENV_PREFIX,
+};
 pub(crate) use tables::{LocalKv, PeerData, Routes, Shared};
 use tables::{Peers, Records, TerminalSeq};
 

@@ -331,12 +331,22 @@ where
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
             TransportKind::Tcp => {
                 let bound = shared.config.timeouts.transfer_bound;
+                let defaults = TcpConfig::default();
+                let streams = match shared.config.tcp_streams {
+                    0 => defaults.streams,
+                    n => n,
+                };
                 let config = TcpConfig {
                     batch_timeout: bound.max(std::time::Duration::from_millis(1)),
                     poll: shared.config.tcp_poll,
-                    ..TcpConfig::default()
+                    streams,
+                    // Room for every stream's frame in flight at once.
+                    inflight_max_bytes: defaults
+                        .inflight_max_bytes
+                        .max(streams as u64 * defaults.frame_max_bytes),
+                    ..defaults
                 };
-                format!("{}:0", shared.config.host)
+                format!("{}:{}", shared.config.host, shared.config.data_plane_port)
                     .parse()
                     .map_err(|source| DataPlaneError::BadHost {
                         host: shared.config.host.clone(),
