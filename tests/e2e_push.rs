@@ -143,6 +143,55 @@ fn push_tp8_to_tp2_gqa_replicated_heads() {
     );
 }
 
+/// Three KV-cache groups with different block counts and a prefix hit in
+/// one of them, push and pull, homogeneous and heterogeneous TP: each
+/// group's blocks land in that group's destination blocks, every byte
+/// verified.
+#[test]
+fn several_kv_cache_groups_move_end_to_end() {
+    let src = vec![vec![1, 2, 3], vec![10], vec![20, 21, 22, 23]];
+    let dst = vec![vec![30, 31, 32], vec![40], vec![50, 51, 52]];
+    let prefix = [0, 0, 1];
+    for (mode, p_tp, d_tp) in [
+        (Mode::Push, 1, 1),
+        (Mode::Push, 2, 1),
+        (Mode::Pull, 1, 2),
+        (Mode::Pull, 2, 2),
+    ] {
+        let c = Cluster::start(&spec(LayoutKind::Hnd, p_tp, d_tp, mode, TransportKind::Tcp))
+            .expect("cluster starts");
+        for (t, tid) in [(0u32, 600u64), (1, 601)] {
+            // The second request swaps the groups' destination order.
+            let dst: Vec<Vec<u32>> = match t {
+                0 => dst.clone(),
+                _ => dst
+                    .iter()
+                    .map(|g| g.iter().rev().copied().collect())
+                    .collect(),
+            };
+            c.fill_groups(TransferId(tid), &src);
+            for r in &c.decode {
+                r.kv.clear(&dst.concat());
+            }
+            c.start_request_groups(TransferId(tid), &src, &dst, &prefix)
+                .expect("request starts");
+            let phases = c.wait_decode(TransferId(tid), Duration::from_secs(10));
+            let ctx = format!("{mode:?} {p_tp}->{d_tp} request {tid}");
+            assert!(
+                phases.iter().all(|p| *p == Phase::Success),
+                "{ctx}: {phases:?}"
+            );
+            assert_eq!(c.verify_groups(TransferId(tid), &dst, &prefix), 0, "{ctx}");
+            // The groups' patterns differ: group 1's bytes are not group 0's.
+            let swapped = [dst[1].clone(), dst[0].clone(), dst[2].clone()];
+            assert!(
+                c.verify_groups(TransferId(tid), &swapped, &prefix) > 0,
+                "{ctx}"
+            );
+        }
+    }
+}
+
 #[test]
 fn pull_mla_tp4_to_tp2_unpaired_prefill_ranks_are_told() {
     // MLA: every P rank holds the whole KV; decode ranks 0 and 1 read P

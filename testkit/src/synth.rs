@@ -564,6 +564,10 @@ fn node_config(
     c
 }
 
+/// Request positions reserved per KV-cache group by
+/// [`Cluster::fill_groups`].
+pub const GROUP_POSITIONS: u64 = 1 << 32;
+
 /// P and D ranks in one process, wired together.
 pub struct Cluster {
     /// Decode ranks, by TP rank. Declared (so dropped) before the prefill
@@ -708,21 +712,78 @@ impl Cluster {
         dst_blocks: &[u32],
         prefix: u32,
     ) -> Result<(), kvferry::node::NodeError> {
+        self.start_request_groups(
+            transfer,
+            &[src_blocks.to_vec()],
+            &[dst_blocks.to_vec()],
+            &[prefix],
+        )
+    }
+
+    /// Like [`Cluster::start_request`] with several KV-cache groups: per
+    /// group, prefill's blocks, decode's blocks and decode's prefix hit.
+    pub fn start_request_groups(
+        &self,
+        transfer: TransferId,
+        src_blocks: &[Vec<u32>],
+        dst_blocks: &[Vec<u32>],
+        prefix: &[u32],
+    ) -> Result<(), kvferry::node::NodeError> {
         use kvferry_machines::common::BlockId;
-        let dst: Vec<BlockId> = dst_blocks.iter().map(|&b| BlockId(b)).collect();
-        let src: Vec<BlockId> = src_blocks.iter().map(|&b| BlockId(b)).collect();
+        let ids = |lists: &[Vec<u32>]| -> Vec<Vec<BlockId>> {
+            lists
+                .iter()
+                .map(|l| l.iter().map(|&b| BlockId(b)).collect())
+                .collect()
+        };
+        let (src, dst) = (ids(src_blocks), ids(dst_blocks));
         // Every rank's executor is woken once, after all of them were asked.
         kvferry::node::Node::batch(|| {
             for r in &self.decode {
                 r.node
                     .receiver(transfer, &self.target)?
-                    .request_with_prefix(vec![dst.clone()], vec![prefix])?;
+                    .request_with_prefix(dst.clone(), prefix.to_vec())?;
             }
             for r in &self.prefill {
-                r.node.sender(transfer)?.send(vec![src.clone()], true)?;
+                r.node.sender(transfer)?.send(src.clone(), true)?;
             }
             Ok(())
         })
+    }
+
+    /// Fills each group's prefill blocks of `transfer` on every prefill
+    /// rank; group `g`'s positions start at `g · GROUP_POSITIONS`, so no two
+    /// groups share a pattern.
+    pub fn fill_groups(&self, transfer: TransferId, src_blocks: &[Vec<u32>]) {
+        for r in &self.prefill {
+            for (g, blocks) in src_blocks.iter().enumerate() {
+                r.kv.fill(transfer, blocks, g as u64 * GROUP_POSITIONS);
+            }
+        }
+    }
+
+    /// Verifies each group's destination blocks on every decode rank
+    /// (`prefix[g]` leading positions of group `g` were not transferred);
+    /// the number of decode ranks with a wrong byte.
+    pub fn verify_groups(
+        &self,
+        transfer: TransferId,
+        dst_blocks: &[Vec<u32>],
+        prefix: &[u32],
+    ) -> usize {
+        self.decode
+            .iter()
+            .filter(|r| {
+                dst_blocks
+                    .iter()
+                    .zip(prefix)
+                    .enumerate()
+                    .any(|(g, (blocks, &p))| {
+                        let first = g as u64 * GROUP_POSITIONS + u64::from(p);
+                        r.kv.verify(transfer, blocks, first).is_err()
+                    })
+            })
+            .count()
     }
 
     /// Waits until every decode rank reported a terminal phase for
