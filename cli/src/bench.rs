@@ -18,8 +18,10 @@ use kvferry::transport::local::LocalTransport;
 use kvferry::transport::tcp::{TcpConfig, TcpTransport};
 use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
 
+use crate::baseline::{self, BaselineArg, BaselineRun};
 use crate::cli::{usage_error, UsageError};
 use crate::shape::TransportArg;
+use crate::sweep::{self, SweepArgs};
 
 /// `kvferry bench ...`.
 #[derive(Clone, Debug, Subcommand)]
@@ -58,9 +60,19 @@ pub struct TransportArgs {
     /// Do not pin the executors to cores.
     #[arg(long)]
     no_pin: bool,
+    /// Every descriptor of a batch moves the same block (one block of
+    /// source and destination memory, like iperf3's one `-l` buffer)
+    /// instead of a block of its own.
+    #[arg(long)]
+    reuse_block: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// Also measure a reference in the same run and print the ratio.
+    #[arg(long, value_name = "KIND")]
+    baseline: Option<BaselineArg>,
+    #[command(flatten)]
+    sweep: SweepArgs,
 }
 
 /// `--poll`.
@@ -101,7 +113,12 @@ impl std::fmt::Display for OpArg {
 
 /// Entry point of `kvferry bench transport`.
 pub fn main(a: &TransportArgs) -> ExitCode {
-    match transport_main(a) {
+    let run = if a.sweep.sweep {
+        params(a).and_then(|(p, _)| sweep::main(&p, &a.sweep))
+    } else {
+        transport_main(a)
+    };
+    match run {
         Ok(code) => code,
         Err(e) => usage_error("kvferry bench transport", &e.0),
     }
@@ -109,34 +126,69 @@ pub fn main(a: &TransportArgs) -> ExitCode {
 
 /// What to measure.
 #[derive(Clone, Debug)]
-struct Params {
-    transport: String,
-    block_bytes: u64,
-    batch: u64,
-    streams: usize,
-    seconds: f64,
-    poll: PollPolicy,
-    poll_name: String,
-    op: Op,
-    json: bool,
-    pin: bool,
+pub(crate) struct Params {
+    pub(crate) transport: String,
+    pub(crate) block_bytes: u64,
+    pub(crate) batch: u64,
+    pub(crate) streams: usize,
+    pub(crate) seconds: f64,
+    pub(crate) poll: PollPolicy,
+    pub(crate) poll_name: String,
+    pub(crate) op: Op,
+    pub(crate) json: bool,
+    pub(crate) pin: bool,
+    /// Keep every batch's latency in [`Measured::samples`].
+    pub(crate) keep_samples: bool,
+    /// Every descriptor moves block 0.
+    pub(crate) reuse_block: bool,
 }
 
 /// What was measured.
 #[derive(Debug, Default)]
-struct Measured {
+pub(crate) struct Measured {
     batches: u64,
     elapsed: Duration,
     /// Per-batch latency.
-    latencies: kvferry::Latency,
+    pub(crate) latencies: kvferry::Latency,
+    /// Every batch's latency, in order, with [`Params::keep_samples`].
+    pub(crate) samples: Vec<Duration>,
     /// Source and destination were equal after the run.
-    verified: bool,
+    pub(crate) verified: bool,
     /// Single-thread memcpy of the same buffers on the same (pinned) thread.
-    memcpy_gbps: f64,
+    pub(crate) memcpy_gbps: f64,
 }
 
 fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
-    let (p, total) = params(a)?;
+    let (p, _) = params(a)?;
+    // Found before anything is measured, so a missing tool fails at once.
+    let baseline = a.baseline.map(baseline::Baseline::find).transpose()?;
+    let mut m = match measure(&p) {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("kvferry bench transport: {e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let reference = match baseline.map(|b| b.run(&p)).transpose() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvferry bench transport: {e}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    let check_ok = m.verified;
+    let memcpy_gbps = m.memcpy_gbps;
+    report(&p, &mut m, memcpy_gbps, check_ok, reference.as_ref());
+    Ok(if check_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// Runs one measurement of `p` over freshly filled buffers.
+pub(crate) fn measure(p: &Params) -> Result<Measured, String> {
+    let total = buffer_bytes(p);
     // Both buffers live here and outlive the executor threads, which only
     // see their addresses; they are touched again only after the threads
     // are joined. The side the data comes from holds a pattern, the other
@@ -146,25 +198,19 @@ fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
     let dst_addr = dst.as_mut_ptr() as u64;
 
     let measured = match p.transport.as_str() {
-        "tcp" => run_tcp(&p, src_addr, dst_addr),
-        _ => run_local(&p, src_addr, dst_addr),
+        "tcp" => run_tcp(p, src_addr, dst_addr),
+        _ => run_local(p, src_addr, dst_addr),
     };
-    let mut m = match measured {
-        Ok(m) => m,
-        Err(e) => {
-            eprintln!("kvferry bench transport: {e}");
-            return Ok(ExitCode::FAILURE);
-        }
-    };
-    let check_ok = m.verified;
-    let memcpy_gbps = m.memcpy_gbps;
     drop((src, dst));
-    report(&p, &mut m, memcpy_gbps, check_ok);
-    Ok(if check_ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    measured
+}
+
+impl Measured {
+    /// Payload throughput in GB/s (10^9 bytes per second).
+    pub(crate) fn gbps(&self, p: &Params) -> f64 {
+        let bytes = self.batches * p.batch * p.block_bytes;
+        bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
 }
 
 /// What to measure, from the command line, and the bytes of one batch.
@@ -202,8 +248,19 @@ fn params(a: &TransportArgs) -> Result<(Params, u64), UsageError> {
         op,
         json,
         pin,
+        keep_samples: false,
+        reuse_block: a.reuse_block,
     };
     Ok((p, total))
+}
+
+/// Bytes of each of the source and destination buffers.
+fn buffer_bytes(p: &Params) -> u64 {
+    if p.reuse_block {
+        p.block_bytes
+    } else {
+        p.block_bytes * p.batch
+    }
 }
 
 /// Source and destination of `total` bytes: the side `op` reads from
@@ -222,16 +279,25 @@ fn buffers(op: Op, total: u64) -> (Vec<u8>, Vec<u8>) {
 }
 
 fn placement(pin: bool, core: usize) -> Placement {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if pin && cores >= 2 {
+    if pins(pin) {
         Placement::Fixed(core)
     } else {
         Placement::Unbound
     }
 }
 
+/// Whether `pin` pins: the initiator to core 0 and the target to core 1,
+/// which takes two cores.
+pub(crate) fn pins(pin: bool) -> bool {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    pin && cores >= 2
+}
+
 fn descs(p: &Params, local: u64, remote: u64) -> Vec<Desc> {
+    // With `reuse_block` every descriptor names block 0.
+    let blocks = if p.reuse_block { 1 } else { p.batch };
     (0..p.batch)
+        .map(|i| i % blocks)
         .map(|i| Desc {
             local_addr: local + i * p.block_bytes,
             remote_addr: remote + i * p.block_bytes,
@@ -262,6 +328,9 @@ async fn drive(p: &Params, session: &impl Session, batch: &[Desc]) -> Result<Mea
         let t1 = Instant::now();
         m.batches += 1;
         m.latencies.record(t1 - t0);
+        if p.keep_samples {
+            m.samples.push(t1 - t0);
+        }
         if t1 >= until {
             m.elapsed = t1 - start;
             return Ok(m);
@@ -270,7 +339,7 @@ async fn drive(p: &Params, session: &impl Session, batch: &[Desc]) -> Result<Mea
 }
 
 fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String> {
-    let total = (p.block_bytes * p.batch) as usize;
+    let total = buffer_bytes(p) as usize;
     let config = TcpConfig {
         streams: p.streams,
         poll: p.poll,
@@ -334,7 +403,7 @@ fn run_tcp(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String>
 }
 
 fn run_local(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String> {
-    let total = (p.block_bytes * p.batch) as usize;
+    let total = buffer_bytes(p) as usize;
     let p2 = p.clone();
     LocalExecutorBuilder::new(placement(p.pin, 0))
         .name("bench-local")
@@ -366,7 +435,7 @@ fn run_local(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, Strin
 /// of the same buffers on the calling (executor) thread, so both figures
 /// come from the same core in the same run.
 fn verify_and_memcpy(p: &Params, mut m: Measured, src_addr: u64, dst_addr: u64) -> Measured {
-    let total = (p.block_bytes * p.batch) as usize;
+    let total = buffer_bytes(p) as usize;
     // SAFETY: the buffers are owned by `transport_main`, which does not touch
     // them until this thread is joined, and no transfer is running now.
     let (src, dst) = unsafe {
@@ -396,24 +465,25 @@ fn measure_memcpy(src: &[u8], dst: &mut [u8], block: usize, seconds: f64) -> f64
     bytes as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
+fn report(
+    p: &Params,
+    m: &mut Measured,
+    memcpy_gbps: f64,
+    check_ok: bool,
+    reference: Option<&BaselineRun>,
+) {
     let secs = m.elapsed.as_secs_f64().max(1e-9);
-    let bytes = m.batches * p.batch * p.block_bytes;
-    let gbps = bytes as f64 / secs / 1e9;
+    let gbps = m.gbps(p);
     let descs_per_s = (m.batches * p.batch) as f64 / secs;
     let us = |q: f64| m.latencies.quantile(q).as_secs_f64() * 1e6;
     let (p50_us, p99_us) = (us(0.50), us(0.99));
-    let ratio = if memcpy_gbps > 0.0 {
-        gbps / memcpy_gbps
-    } else {
-        0.0
-    };
+    let ratio = baseline::ratio(gbps, memcpy_gbps);
     let op = match p.op {
         Op::Write => "write",
         Op::Read => "read",
     };
     if p.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "transport": p.transport,
             "op": op,
             "poll": p.poll_name,
@@ -421,6 +491,7 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
             "batch": p.batch,
             "streams": p.streams,
             "pinned": p.pin,
+            "reuse_block": p.reuse_block,
             "seconds": secs,
             "batches": m.batches,
             "gbps": gbps,
@@ -431,10 +502,20 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
             "ratio_to_memcpy": ratio,
             "verified": check_ok,
         });
+        if let Some(r) = reference {
+            v["iperf3_gbps"] = r.gbps.into();
+            v["iperf3_len"] = r.len.into();
+            v["ratio_to_iperf3"] = baseline::ratio(gbps, r.gbps).into();
+        }
         println!("{v}");
     } else {
+        let reuse = if p.reuse_block {
+            " (one block reused)"
+        } else {
+            ""
+        };
         println!(
-            "transport {} ({op}, poll {}), {} x {} B per batch, {} streams, {:.1} s",
+            "transport {} ({op}, poll {}), {} x {} B per batch{reuse}, {} streams, {:.1} s",
             p.transport, p.poll_name, p.batch, p.block_bytes, p.streams, secs
         );
         println!("  batches        {}", m.batches);
@@ -442,6 +523,9 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
         println!("  batch latency  p50 {p50_us:.1} us, p99 {p99_us:.1} us");
         println!("  memcpy         {memcpy_gbps:.3} GB/s (one thread, same buffers)");
         println!("  ratio          {ratio:.3} of memcpy");
+        if let Some(r) = reference {
+            println!("{}", r.describe(gbps));
+        }
         if !check_ok {
             println!("  VERIFY FAILED: destination differs from source");
         }

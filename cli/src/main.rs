@@ -2,6 +2,7 @@
 
 #![warn(missing_docs)]
 
+mod baseline;
 mod bench;
 mod bootstrap;
 mod cli;
@@ -11,6 +12,7 @@ mod plan;
 mod prefill;
 mod shape;
 mod soak;
+mod sweep;
 
 use std::process::ExitCode;
 
