@@ -119,6 +119,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::node::{BlockId, BlockLists, LoadMeta, LoadRequest, PrefillTarget, SendRequest};
 use kvferry_machines::common::TransferId;
+use kvferry_machines::planner::sliding_window_blocks;
 
 /// Which side(s) of disaggregated serving this engine plays (vLLM's
 /// `kv_role`).
@@ -412,6 +413,12 @@ pub struct SchedulerConfig {
     pub block_size_tokens: u32,
     /// KV-cache groups of the model (1 without a hybrid cache).
     pub num_groups: usize,
+    /// Per group, the sliding window in tokens (0: full attention); empty
+    /// means full attention everywhere. A windowed group moves only the
+    /// prompt's last `sliding_window_blocks(window, block_size)` blocks
+    /// (vLLM's `get_sw_clipped_blocks`), on both sides by the same rule, so
+    /// prefill and decode agree on every group's block count.
+    pub window_tokens: Vec<u64>,
     /// Most requests tracked at once, and most items queued for one meta.
     pub max_tracked_requests: usize,
 }
@@ -431,6 +438,7 @@ impl SchedulerConfig {
             bootstrap_addr: bootstrap_addr.into(),
             block_size_tokens,
             num_groups: 1,
+            window_tokens: Vec::new(),
             max_tracked_requests: 65_536,
         }
     }
@@ -522,6 +530,11 @@ impl Scheduler {
         }
         if config.max_tracked_requests == 0 {
             return Err(SchedError::BadConfig("max_tracked_requests is 0"));
+        }
+        if !config.window_tokens.is_empty() && config.window_tokens.len() != config.num_groups {
+            return Err(SchedError::BadConfig(
+                "window_tokens has not one entry per group",
+            ));
         }
         Ok(Scheduler {
             cfg: config,
@@ -626,11 +639,17 @@ impl Scheduler {
                 return Ok(());
             }
             let dst_blocks = self.destination_blocks(req, &plan)?;
+            let prefix_blocks = (0..self.cfg.num_groups)
+                .map(|g| {
+                    let start = self.window_start(g, plan.prompt_blocks);
+                    plan.prefix_blocks.max(start) - start
+                })
+                .collect();
             let load = LoadRequest {
                 transfer_id: plan.transfer_id,
                 prefill: plan.target,
                 dst_blocks,
-                prefix_blocks: vec![plan.prefix_blocks; self.cfg.num_groups],
+                prefix_blocks,
             };
             self.insert(req.request_id, plan.transfer_id, State::LoadQueued);
             self.pending.push_back(Pending::Load {
@@ -883,7 +902,8 @@ impl Scheduler {
             if remote.len() != self.cfg.num_groups {
                 return Err(invalid(req, "remote_block_ids group count differs"));
             }
-            if remote.iter().any(|g| g.len() != prompt_blocks as usize) {
+            let sent = |g: usize| (prompt_blocks - self.window_start(g, prompt_blocks)) as usize;
+            if remote.iter().enumerate().any(|(g, l)| l.len() != sent(g)) {
                 return Err(invalid(
                     req,
                     "remote_block_ids do not hold the prompt's block count",
@@ -910,8 +930,25 @@ impl Scheduler {
         plan: &DecodePlan,
     ) -> Result<BlockLists, SchedError> {
         let lists = self.prompt_blocks(req, plan.prompt_blocks)?;
-        let skip = plan.prefix_blocks as usize;
-        Ok(lists.into_iter().map(|g| g[skip..].to_vec()).collect())
+        let skip = |g: usize| {
+            plan.prefix_blocks
+                .max(self.window_start(g, plan.prompt_blocks))
+        };
+        Ok((lists.into_iter().enumerate())
+            .map(|(g, l)| l[skip(g) as usize..].to_vec())
+            .collect())
+    }
+
+    /// The first of group `g`'s `prompt_blocks` prompt blocks that moves:
+    /// 0 for full attention, the start of the window's blocks otherwise.
+    fn window_start(&self, g: usize, prompt_blocks: u32) -> u32 {
+        let window = self.cfg.window_tokens.get(g).copied().unwrap_or(0);
+        let bs = u64::from(self.cfg.block_size_tokens);
+        let keep = u32::try_from(sliding_window_blocks(window, bs)).unwrap_or(u32::MAX);
+        match keep {
+            0 => 0,
+            keep => prompt_blocks.saturating_sub(keep),
+        }
     }
 
     /// A load that moves nothing: every prefill block counts as held, so the
@@ -921,7 +958,9 @@ impl Scheduler {
             transfer_id: plan.transfer_id,
             prefill: plan.target.clone(),
             dst_blocks: vec![Vec::new(); self.cfg.num_groups],
-            prefix_blocks: vec![plan.prompt_blocks; self.cfg.num_groups],
+            prefix_blocks: (0..self.cfg.num_groups)
+                .map(|g| plan.prompt_blocks - self.window_start(g, plan.prompt_blocks))
+                .collect(),
         }
     }
 
@@ -990,7 +1029,10 @@ impl Scheduler {
                 request_id: req.request_id.to_string(),
                 prompt_len_tokens: req.prompt_len_tokens,
             })?;
-        let src_blocks = self.prompt_blocks(req, prompt_blocks)?;
+        let src_blocks: BlockLists = (self.prompt_blocks(req, prompt_blocks)?.into_iter())
+            .enumerate()
+            .map(|(g, l)| l[self.window_start(g, prompt_blocks) as usize..].to_vec())
+            .collect();
         self.check_pending_room()?;
         let d_params = KvTransferParams {
             do_remote_prefill: true,

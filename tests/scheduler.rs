@@ -1178,3 +1178,89 @@ fn e2e_decode_abort_during_the_load_frees_after_it_ends() {
         .phase(TransferId(tid))
         .is_some_and(|p| p.is_terminal()));
 }
+
+/// Two KV-cache groups, the second with a sliding window of 2 blocks'
+/// tokens (so 3 blocks move): both schedulers clip by the same rule,
+/// prefill sends only the window's blocks of group 1, decode loads them
+/// into its last blocks, with a prefix hit inside and outside the window.
+#[test]
+fn e2e_a_sliding_window_group_moves_only_its_window() {
+    use kvferry_testkit::synth::GROUP_POSITIONS;
+    let c = Cluster::start(&e2e_spec()).expect("cluster starts");
+    let addr = c.prefill[0]
+        .node
+        .bootstrap_addr()
+        .expect("bootstrap served");
+    let config = |role, id: &str, addr: &str| {
+        let mut cfg = SchedulerConfig::new(role, id, addr, BS);
+        cfg.num_groups = 2;
+        cfg.window_tokens = vec![0, u64::from(2 * BS)];
+        Scheduler::new(cfg).unwrap()
+    };
+    let mut p = config(KvRole::Producer, "prefill", &addr);
+    let mut d = config(KvRole::Consumer, "decode", "");
+    let (prompt, n) = (10 * u64::from(BS), 10usize);
+    for (i, cached_blocks) in [(0u64, 0usize), (1, 2), (2, 8)] {
+        let tid = 700 + i;
+        let p_blocks = [
+            (0..n as u32).collect::<Vec<_>>(),
+            (20..20 + n as u32).collect::<Vec<_>>(),
+        ];
+        let d_blocks = [
+            (40..40 + n as u32).collect::<Vec<_>>(),
+            (60..60 + n as u32).collect::<Vec<_>>(),
+        ];
+        c.fill_groups(TransferId(tid), &p_blocks);
+        c.decode[0].kv.clear(&d_blocks.concat());
+        // Prefill computes the request and finishes it length-capped.
+        let pp = p_params(tid);
+        let blocks = [ids(&p_blocks[0]), ids(&p_blocks[1])];
+        let p_id = format!("p{tid}");
+        let r = req(&p_id, prompt, 0, &blocks, &pp);
+        p.update_state_after_alloc(&r, 0).unwrap();
+        let params = p
+            .request_finished(&r, FinishStatus::LengthCapped)
+            .unwrap()
+            .params
+            .unwrap();
+        let sends = p.build_connector_meta();
+        // Only the window's 3 blocks of group 1 are sent.
+        assert_eq!(sends.sends[0].src_blocks[1], ids(&p_blocks[1][7..]));
+        c.prefill[0].node.start_load_kv(&sends).unwrap();
+        // Decode, with `cached_blocks` of the prompt held locally.
+        let blocks = [ids(&d_blocks[0]), ids(&d_blocks[1])];
+        let cached = cached_blocks as u64 * u64::from(BS);
+        let d_id = format!("d{tid}");
+        let r = req(&d_id, prompt, cached, &blocks, &params);
+        let (t, _) = d.get_num_new_matched_tokens(&r).unwrap();
+        d.update_state_after_alloc(&r, t).unwrap();
+        let loads = d.build_connector_meta();
+        let first = [cached_blocks, cached_blocks.max(7)];
+        for g in 0..2 {
+            assert_eq!(
+                loads.loads[0].dst_blocks[g],
+                ids(&d_blocks[g][first[g]..]),
+                "group {g}"
+            );
+        }
+        c.decode[0].node.start_load_kv(&loads).unwrap();
+        let phases = c.wait_decode(TransferId(tid), Duration::from_secs(10));
+        assert_eq!(phases, vec![kvferry::Phase::Success], "request {tid}");
+        let landed = [
+            d_blocks[0][first[0]..].to_vec(),
+            d_blocks[1][first[1]..].to_vec(),
+        ];
+        let offsets = [first[0] as u32, first[1] as u32];
+        assert_eq!(
+            c.verify_groups(TransferId(tid), &landed, &offsets),
+            0,
+            "request {tid}"
+        );
+        // Group 1's blocks before the window were not written.
+        let before = &d_blocks[1][..first[1]];
+        let untouched = c.decode[0]
+            .kv
+            .verify(TransferId(tid), before, GROUP_POSITIONS);
+        assert!(before.is_empty() || untouched.is_err(), "request {tid}");
+    }
+}
