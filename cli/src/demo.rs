@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use kvferry::machines::planner::sliding_window_blocks;
 use kvferry::machines::{Phase, TransferId};
 use kvferry_testkit::synth::Cluster;
 
@@ -24,6 +25,14 @@ pub struct DemoOnlyArgs {
     /// Also time a bare 256-byte ZeroMQ DEALER/ROUTER round trip, same run.
     #[arg(long, conflicts_with = "soak")]
     zmq_baseline: bool,
+    #[arg(long, value_name = "N", conflicts_with = "soak",
+          value_parser = clap::value_parser!(u32).range(1..=16),
+          help = with_default("KV-cache groups per request", |o| o.groups))]
+    groups: Option<u32>,
+    #[arg(long, value_name = "T", conflicts_with = "soak",
+          help = with_default("Sliding window (tokens) of every group but the first; 0: full attention",
+                              |o| o.window_tokens))]
+    window_tokens: Option<u64>,
 }
 
 /// What the demo measured.
@@ -84,6 +93,42 @@ pub struct PrefillReport {
     /// The longest any prefill rank held a request's blocks after the
     /// request ended on decode (0 when every rank ended first).
     pub held_ms_max: f64,
+}
+
+/// Per group, the blocks of request slot `slot` (the same ids on both
+/// sides): `groups` runs of `per_group` blocks.
+fn slot_blocks(per_group: u32, groups: usize, slot: u64) -> Vec<Vec<u32>> {
+    let (b, groups) = (u64::from(per_group), groups as u64);
+    (0..groups)
+        .map(|g| {
+            (0..b)
+                .map(|i| ((slot * groups + g) * b + i) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Per group, the blocks of `all` that move (from the group's start).
+fn moved_blocks(all: &[Vec<u32>], starts: &[u32]) -> Vec<Vec<u32>> {
+    (all.iter().zip(starts))
+        .map(|(g, &s)| g[s as usize..].to_vec())
+        .collect()
+}
+
+/// Per group, the first of a request's blocks that moves: the start of the
+/// window's blocks (by the rule the scheduler applies) for every group but
+/// the first, when a window is set.
+fn window_starts(o: &DemoOptions) -> Vec<u32> {
+    let b = o.blocks_per_request;
+    let keep = sliding_window_blocks(o.window_tokens, u64::from(o.block_tokens));
+    let start = match u32::try_from(keep) {
+        Ok(0) => 0,
+        Ok(k) => b.saturating_sub(k),
+        Err(_) => 0,
+    };
+    (0..o.groups.max(1))
+        .map(|g| if g == 0 { 0 } else { start })
+        .collect()
 }
 
 impl PrefillReport {
@@ -155,11 +200,12 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
     let slots = o.concurrency.min(o.requests.max(1));
     let spec = cluster_spec(o, slots)?;
     let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
-    let bytes_per_request: u64 = c
-        .decode
+    let starts = window_starts(o);
+    let moved: u64 = starts
         .iter()
-        .map(|r| r.kv.block_bytes() * u64::from(o.blocks_per_request))
+        .map(|&s| u64::from(o.blocks_per_request - s))
         .sum();
+    let bytes_per_request: u64 = c.decode.iter().map(|r| r.kv.block_bytes() * moved).sum();
     let mut d = Demo {
         o,
         c: &c,
@@ -173,6 +219,7 @@ pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
         },
         latencies: Latency::new(),
         bytes_per_request,
+        starts,
         next: 0,
         finished: 0,
         last_draw: Instant::now(),
@@ -228,6 +275,9 @@ struct Demo<'a> {
     report: DemoReport,
     latencies: Latency,
     bytes_per_request: u64,
+    /// Per group, the first of a request's blocks that moves (the window's
+    /// start; 0 for full attention).
+    starts: Vec<u32>,
     next: u64,
     finished: u64,
     last_draw: Instant,
@@ -235,9 +285,8 @@ struct Demo<'a> {
 
 impl Demo<'_> {
     /// The blocks of request slot `slot`.
-    fn blocks(&self, slot: u64) -> Vec<u32> {
-        let b = self.o.blocks_per_request;
-        (0..b).map(|i| (slot * u64::from(b)) as u32 + i).collect()
+    fn blocks(&self, slot: u64) -> Vec<Vec<u32>> {
+        slot_blocks(self.o.blocks_per_request, self.starts.len(), slot)
     }
 
     /// Starts a request in every free slot, until all were started.
@@ -246,11 +295,16 @@ impl Demo<'_> {
             let Some(slot) = self.free.pop() else { break };
             let tid = self.next + 1;
             let blocks = self.blocks(slot);
-            self.c.fill(TransferId(tid), &blocks);
+            self.c.fill_groups(TransferId(tid), &blocks);
+            let moved = moved_blocks(&blocks, &self.starts);
+            let none = vec![0; moved.len()];
             // The clock starts before the ranks are asked (an executor may
             // run on this core before `start_request` returns).
             let asked_at = Instant::now();
-            if let Err(e) = self.c.start_request(TransferId(tid), &blocks, &blocks, 0) {
+            let started = self
+                .c
+                .start_request_groups(TransferId(tid), &moved, &moved, &none);
+            if let Err(e) = started {
                 return Err(format!("request {tid} refused: {e}"));
             }
             self.live.insert(
@@ -323,14 +377,14 @@ impl Demo<'_> {
                 l.verified = true;
                 l.decode_ended = Some(Instant::now());
                 self.finished += 1;
-                let b = self.o.blocks_per_request;
-                let blocks: Vec<u32> = (0..b).map(|i| (l.slot * u64::from(b)) as u32 + i).collect();
+                let all = slot_blocks(self.o.blocks_per_request, self.starts.len(), l.slot);
+                let moved = moved_blocks(&all, &self.starts);
                 let report = &mut self.report;
                 if l.all_ok {
                     report.ok += 1;
                     report.bytes += self.bytes_per_request;
                     self.latencies.record(l.started.elapsed());
-                    let bad = self.c.verify(TransferId(tid), &blocks, 0);
+                    let bad = self.c.verify_groups(TransferId(tid), &moved, &self.starts);
                     report.verify_errors += bad as u64;
                 } else if phase == Phase::Expired {
                     report.expired += 1;
@@ -401,6 +455,8 @@ impl Demo<'_> {
 pub fn main(a: &DemoArgs) -> ExitCode {
     let mut o = a.shape.apply(DemoOptions::default());
     o.requests = a.demo.requests.unwrap_or(o.requests);
+    o.groups = a.demo.groups.unwrap_or(o.groups);
+    o.window_tokens = a.demo.window_tokens.unwrap_or(o.window_tokens);
     let (json, baseline) = (a.json, a.demo.zmq_baseline);
     let progress = !json && std::io::stderr().is_terminal();
     let rtt = if baseline {

@@ -250,6 +250,12 @@ pub struct DemoOptions {
     pub spin_us: u64,
     /// Every side-channel message over ZeroMQ (`data_plane_messages` off).
     pub zmq_only: bool,
+    /// KV-cache groups per request (the demo), each of
+    /// `blocks_per_request` blocks.
+    pub groups: u32,
+    /// Sliding window in tokens of every group but the first (0: full
+    /// attention): those groups move only the window's blocks.
+    pub window_tokens: u64,
 }
 
 impl Default for DemoOptions {
@@ -270,6 +276,8 @@ impl Default for DemoOptions {
             timeout_ms: 10_000,
             spin_us: 0,
             zmq_only: false,
+            groups: 1,
+            window_tokens: 0,
         }
     }
 }
@@ -293,7 +301,7 @@ impl DemoOptions {
 /// `blocks_per_request` blocks on every rank.
 pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> {
     let blocks = slots
-        .checked_mul(u64::from(o.blocks_per_request))
+        .checked_mul(u64::from(o.blocks_per_request) * u64::from(o.groups.max(1)))
         .filter(|&b| b <= u64::from(u32::MAX))
         .ok_or("concurrency × blocks-per-request is too large")?;
     Ok(ClusterSpec {

@@ -93,3 +93,24 @@ fn demo_rejects_bad_options_with_status_2() {
     // A model the TP sizes do not fit is refused before any request runs.
     assert_eq!(demo(&["--heads", "3", "--prefill-tp", "2", "--json"]).0, 1);
 }
+
+/// Three KV-cache groups, two of them with a sliding window of 32 tokens
+/// (16-token blocks: 3 of a request's 4 blocks move): every byte verified,
+/// and exactly the window's blocks moved.
+#[test]
+fn demo_moves_several_groups_and_only_the_windows_blocks() {
+    let base = ["--requests", "40", "--json"];
+    let (code, one) = demo(&base);
+    assert_eq!(code, 0, "{one}");
+    let args = [&base[..], &["--groups", "3", "--window-tokens", "32"]].concat();
+    let (code, j) = demo(&args);
+    assert_eq!(code, 0, "{j}");
+    assert_eq!(
+        (&j["ok"], &j["verify_errors"]),
+        (&40.into(), &0.into()),
+        "{j}"
+    );
+    // 4 + 3 + 3 blocks per request against 4.
+    let (a, b) = (one["bytes"].as_u64().unwrap(), j["bytes"].as_u64().unwrap());
+    assert_eq!(b * 4, a * 10, "{one} {j}");
+}
