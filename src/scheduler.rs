@@ -638,20 +638,9 @@ impl Scheduler {
                     .push_back(Pending::Release(self.release_load(&plan)));
                 return Ok(());
             }
-            let dst_blocks = self.destination_blocks(req, &plan)?;
-            let prefix_blocks = (0..self.cfg.num_groups)
-                .map(|g| {
-                    let start = self.window_start(g, plan.prompt_blocks);
-                    plan.prefix_blocks.max(start) - start
-                })
-                .collect();
-            let load = LoadRequest {
-                transfer_id: plan.transfer_id,
-                prefill: plan.target,
-                dst_blocks,
-                prefix_blocks,
-            };
-            self.insert(req.request_id, plan.transfer_id, State::LoadQueued);
+            let transfer_id = plan.transfer_id;
+            let load = self.load_of(req, plan)?;
+            self.insert(req.request_id, transfer_id, State::LoadQueued);
             self.pending.push_back(Pending::Load {
                 request_id: req.request_id.to_string(),
                 load,
@@ -937,6 +926,24 @@ impl Scheduler {
         Ok((lists.into_iter().enumerate())
             .map(|(g, l)| l[skip(g) as usize..].to_vec())
             .collect())
+    }
+
+    /// The load of `plan`: per group, the destination blocks and the
+    /// prefix hit counted in prefill's (window-clipped) block list.
+    fn load_of(&self, req: &SchedRequest<'_>, plan: DecodePlan) -> Result<LoadRequest, SchedError> {
+        let dst_blocks = self.destination_blocks(req, &plan)?;
+        let prefix_blocks = (0..self.cfg.num_groups)
+            .map(|g| {
+                let start = self.window_start(g, plan.prompt_blocks);
+                plan.prefix_blocks.max(start) - start
+            })
+            .collect();
+        Ok(LoadRequest {
+            transfer_id: plan.transfer_id,
+            prefill: plan.target,
+            dst_blocks,
+            prefix_blocks,
+        })
     }
 
     /// The first of group `g`'s `prompt_blocks` prompt blocks that moves:

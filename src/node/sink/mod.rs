@@ -102,6 +102,35 @@ impl From<TransportError> for MoveError {
     }
 }
 
+/// The node's tcp data plane, bound to its host and data-plane port.
+fn tcp_transport(config: &super::NodeConfig) -> Result<AnyTransport, DataPlaneError> {
+    let defaults = TcpConfig::default();
+    let streams = match config.tcp_streams {
+        0 => defaults.streams,
+        n => n,
+    };
+    let tcp = TcpConfig {
+        batch_timeout: config
+            .timeouts
+            .transfer_bound
+            .max(std::time::Duration::from_millis(1)),
+        poll: config.tcp_poll,
+        streams,
+        // Room for every stream's frame in flight at once.
+        inflight_max_bytes: defaults
+            .inflight_max_bytes
+            .max(streams as u64 * defaults.frame_max_bytes),
+        ..defaults
+    };
+    let addr = format!("{}:{}", config.host, config.data_plane_port)
+        .parse()
+        .map_err(|source| DataPlaneError::BadHost {
+            host: config.host.clone(),
+            source,
+        })?;
+    Ok(AnyTransport::Tcp(TcpTransport::bind(addr, tcp)?))
+}
+
 /// Counts a finished move and returns whether it succeeded; first tells
 /// the machine `uncarried` when the bytes landed without their `Status`.
 async fn count_move<M: Machine>(
@@ -329,32 +358,7 @@ where
     ) -> Self {
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
-            TransportKind::Tcp => {
-                let bound = shared.config.timeouts.transfer_bound;
-                let defaults = TcpConfig::default();
-                let streams = match shared.config.tcp_streams {
-                    0 => defaults.streams,
-                    n => n,
-                };
-                let config = TcpConfig {
-                    batch_timeout: bound.max(std::time::Duration::from_millis(1)),
-                    poll: shared.config.tcp_poll,
-                    streams,
-                    // Room for every stream's frame in flight at once.
-                    inflight_max_bytes: defaults
-                        .inflight_max_bytes
-                        .max(streams as u64 * defaults.frame_max_bytes),
-                    ..defaults
-                };
-                format!("{}:{}", shared.config.host, shared.config.data_plane_port)
-                    .parse()
-                    .map_err(|source| DataPlaneError::BadHost {
-                        host: shared.config.host.clone(),
-                        source,
-                    })
-                    .and_then(|addr| Ok(TcpTransport::bind(addr, config)?))
-                    .map(AnyTransport::Tcp)
-            }
+            TransportKind::Tcp => tcp_transport(&shared.config),
         };
         let started: Live = Rc::new(RefCell::new(HashMap::new()));
         let transport = match made {
