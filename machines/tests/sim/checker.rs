@@ -103,6 +103,8 @@ pub struct Stats {
     pub aborts: u64,
     pub plan_failures: u64,
     pub created_on_pull: u64,
+    /// `Unneeded` messages delivered to unpaired P ranks.
+    pub unneeded: u64,
     pub engine_late: u64,
     pub late_pull_aborts: u64,
     /// Push-mode leases granted on a ticket with the `Pull` (no round trip).
@@ -164,6 +166,7 @@ impl Default for Stats {
             aborts: 0,
             plan_failures: 0,
             created_on_pull: 0,
+            unneeded: 0,
             engine_late: 0,
             late_pull_aborts: 0,
             ticket_grants: 0,
@@ -216,6 +219,7 @@ impl Stats {
         self.aborts += o.aborts;
         self.plan_failures += o.plan_failures;
         self.created_on_pull += o.created_on_pull;
+        self.unneeded += o.unneeded;
         self.engine_late += o.engine_late;
         self.late_pull_aborts += o.late_pull_aborts;
         self.ticket_grants += o.ticket_grants;
@@ -267,8 +271,8 @@ impl fmt::Display for Stats {
         writeln!(f, "outcomes: {:?}", self.outcomes)?;
         writeln!(
             f,
-            "P machines created on a Pull {}, engine after the transfer gave up {}, late Pulls answered with Abort {}, D PeerAborted although every P succeeded {}, failed on an Abort from a peer that had reported success {}",
-            self.created_on_pull, self.engine_late, self.late_pull_aborts, self.spurious_aborts, self.stale_aborts
+            "P machines created on a Pull {}, Unneeded delivered {}, engine after the transfer gave up {}, late Pulls answered with Abort {}, D PeerAborted although every P succeeded {}, failed on an Abort from a peer that had reported success {}",
+            self.created_on_pull, self.unneeded, self.engine_late, self.late_pull_aborts, self.spurious_aborts, self.stale_aborts
         )?;
         writeln!(
             f,

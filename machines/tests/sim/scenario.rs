@@ -99,6 +99,10 @@ pub struct RequestSpec {
     pub d_nodes: Vec<usize>,
     /// For each D rank, the P ranks (indices into `p_nodes`) it contacts.
     pub pairs: Vec<Vec<usize>>,
+    /// For each D rank, the unpaired P ranks (in no D rank's `pairs`, as
+    /// replicated heads leave them) it tells `Unneeded`: rank `i` is told
+    /// by D rank `i % tp_d`, the node's rule.
+    pub unneeded: Vec<Vec<usize>>,
     /// Per group: P's blocks for the whole prompt.
     pub total: Vec<u32>,
     /// Per group: leading blocks D already holds (prefix hit).
@@ -530,7 +534,7 @@ fn gen_request(
     };
     let plan_fail = verdict(rng, 50);
     let false_dead = verdict(rng, 30);
-    RequestSpec {
+    let mut spec = RequestSpec {
         id: TransferId(r as u64),
         arrive: rng.below(horizon),
         mode: if rng.below(2) == 0 {
@@ -552,5 +556,42 @@ fn gen_request(
         plan_fail,
         false_dead,
         decode: rng.below(20 * MS),
+        unneeded: Vec::new(),
+    };
+    unpair_some(&mut spec, r);
+    spec
+}
+
+/// In one request in four with several P ranks, leaves some P ranks
+/// unpaired (as replicated KV heads do) and names who tells them. Drawn
+/// from a generator of its own, so the other draws of every seed stay as
+/// they were. Verdicts aimed at an unpaired P rank are dropped (it has no
+/// peer to judge).
+fn unpair_some(spec: &mut RequestSpec, r: usize) {
+    let (tp_p, tp_d) = (spec.p_nodes.len(), spec.d_nodes.len());
+    spec.unneeded = vec![Vec::new(); tp_d];
+    let mut rng = Rng::new(spec.arrive ^ (r as u64).rotate_left(32) ^ 0x756e_7061_6972);
+    if tp_p < 2 || rng.below(4) != 0 {
+        return;
+    }
+    for _ in 0..rng.range(1, 2) {
+        let i = rng.below(tp_p as u64) as usize;
+        for ps in &mut spec.pairs {
+            if ps.len() > 1 {
+                ps.retain(|&p| p != i);
+            }
+        }
+    }
+    for i in 0..tp_p {
+        if !spec.pairs.iter().any(|ps| ps.contains(&i)) {
+            spec.unneeded[i % tp_d].push(i);
+        }
+    }
+    let unpaired = |v: &Option<(Side, usize, T)>| matches!(v, Some((Side::P, i, _)) if spec.unneeded.iter().any(|u| u.contains(i)));
+    if unpaired(&spec.plan_fail) {
+        spec.plan_fail = None;
+    }
+    if unpaired(&spec.false_dead) {
+        spec.false_dead = None;
     }
 }

@@ -834,7 +834,9 @@ impl<'a> World<'a> {
             spec.id,
             Input::D(recv::Event::PeersResolved {
                 peers,
-                unneeded: Vec::new(),
+                unneeded: (spec.unneeded[rank].iter())
+                    .map(|&i| PeerId(spec.p_nodes[i] as u32))
+                    .collect(),
             }),
         );
         // Sessions to peers already declared dead fail fast.
@@ -904,7 +906,10 @@ impl<'a> World<'a> {
         } else {
             None
         };
-        if let (Some(rank), Msg::Pull { .. }) = (p_rank, &env.msg) {
+        if let (Some(_), Msg::Unneeded) = (p_rank, &env.msg) {
+            self.stats.unneeded += 1;
+        }
+        if let (Some(rank), Msg::Pull { .. } | Msg::Unneeded) = (p_rank, &env.msg) {
             if self.sc.create_on_pull && self.ranks_p[req][rank] == RankRt::NotYet {
                 self.create_p_on_pull(req, rank);
             }
@@ -1109,7 +1114,7 @@ impl<'a> World<'a> {
         let peers = if self.is_p(node) {
             spec.d_ranks_of(rank).len()
         } else {
-            spec.pairs[rank].len()
+            spec.pairs[rank].len() + spec.unneeded[rank].len()
         };
         let limit = 4 + 2 * peers * (spec.chunks.len() + 2);
         if acts.len() > limit {
