@@ -19,6 +19,7 @@ use kvferry::transport::tcp::{TcpConfig, TcpTransport};
 use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
 
 use crate::cli::{usage_error, UsageError};
+use crate::pingpong;
 use crate::shape::TransportArg;
 
 /// `kvferry bench ...`.
@@ -61,6 +62,20 @@ pub struct TransportArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// Also measure a reference in the same run and print kvferry's ratio
+    /// to it.
+    #[arg(long, value_name = "KIND")]
+    baseline: Option<BaselineArg>,
+}
+
+/// `--baseline`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BaselineArg {
+    /// Two threads (pinned like the executors) busy-polling one blocking
+    /// TCP socket, exchanging the bytes of one batch each way: the
+    /// loopback round trip with nothing of kvferry; the ratio is of the
+    /// batch latency p50 and p99.
+    Pingpong,
 }
 
 /// `--poll`.
@@ -159,7 +174,17 @@ fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
     let check_ok = m.verified;
     let memcpy_gbps = m.memcpy_gbps;
     drop((src, dst));
-    report(&p, &mut m, memcpy_gbps, check_ok);
+    let pingpong = match a.baseline {
+        Some(BaselineArg::Pingpong) => match run_pingpong(&p) {
+            Ok(pp) => Some(pp),
+            Err(e) => {
+                eprintln!("kvferry bench transport: ping-pong baseline: {e}");
+                return Ok(ExitCode::FAILURE);
+            }
+        },
+        None => None,
+    };
+    report(&p, &mut m, memcpy_gbps, check_ok, pingpong.as_ref());
     Ok(if check_ok {
         ExitCode::SUCCESS
     } else {
@@ -219,6 +244,17 @@ fn buffers(op: Op, total: u64) -> (Vec<u8>, Vec<u8>) {
         *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
     }
     (src, dst)
+}
+
+/// The ping-pong baseline with the batch shape, time and pinning of `p`.
+fn run_pingpong(p: &Params) -> std::io::Result<pingpong::PingPong> {
+    let shape = pingpong::Shape {
+        block_bytes: p.block_bytes,
+        batch: p.batch,
+        op: p.op,
+    };
+    let cores = matches!(placement(p.pin, 0), Placement::Fixed(_)).then_some((0, 1));
+    pingpong::measure(shape, p.seconds, cores)
 }
 
 fn placement(pin: bool, core: usize) -> Placement {
@@ -396,13 +432,23 @@ fn measure_memcpy(src: &[u8], dst: &mut [u8], block: usize, seconds: f64) -> f64
     bytes as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
-fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
+fn report(
+    p: &Params,
+    m: &mut Measured,
+    memcpy_gbps: f64,
+    check_ok: bool,
+    pingpong: Option<&pingpong::PingPong>,
+) {
     let secs = m.elapsed.as_secs_f64().max(1e-9);
     let bytes = m.batches * p.batch * p.block_bytes;
     let gbps = bytes as f64 / secs / 1e9;
     let descs_per_s = (m.batches * p.batch) as f64 / secs;
     let us = |q: f64| m.latencies.quantile(q).as_secs_f64() * 1e6;
     let (p50_us, p99_us) = (us(0.50), us(0.99));
+    let pp_us = pingpong.map(|pp| {
+        let us = |q: f64| pp.latencies.quantile(q).as_secs_f64() * 1e6;
+        (us(0.50), us(0.99))
+    });
     let ratio = if memcpy_gbps > 0.0 {
         gbps / memcpy_gbps
     } else {
@@ -413,7 +459,7 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
         Op::Read => "read",
     };
     if p.json {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "transport": p.transport,
             "op": op,
             "poll": p.poll_name,
@@ -431,6 +477,12 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
             "ratio_to_memcpy": ratio,
             "verified": check_ok,
         });
+        if let Some((pp50, pp99)) = pp_us {
+            v["pingpong_p50_us"] = pp50.into();
+            v["pingpong_p99_us"] = pp99.into();
+            v["p50_to_pingpong"] = (p50_us / pp50).into();
+            v["p99_to_pingpong"] = (p99_us / pp99).into();
+        }
         println!("{v}");
     } else {
         println!(
@@ -442,6 +494,17 @@ fn report(p: &Params, m: &mut Measured, memcpy_gbps: f64, check_ok: bool) {
         println!("  batch latency  p50 {p50_us:.1} us, p99 {p99_us:.1} us");
         println!("  memcpy         {memcpy_gbps:.3} GB/s (one thread, same buffers)");
         println!("  ratio          {ratio:.3} of memcpy");
+        if let (Some((pp50, pp99)), Some(pp)) = (pp_us, pingpong) {
+            println!(
+                "  pingpong       p50 {pp50:.1} us, p99 {pp99:.1} us ({} round trips)",
+                pp.round_trips
+            );
+            println!(
+                "  to pingpong    p50 {:.2}x, p99 {:.2}x",
+                p50_us / pp50,
+                p99_us / pp99
+            );
+        }
         if !check_ok {
             println!("  VERIFY FAILED: destination differs from source");
         }

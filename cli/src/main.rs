@@ -7,6 +7,7 @@ mod bootstrap;
 mod cli;
 mod decode;
 mod demo;
+mod pingpong;
 mod plan;
 mod prefill;
 mod shape;
