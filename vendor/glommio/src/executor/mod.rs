@@ -1344,9 +1344,14 @@ impl LocalExecutor {
             }
             // kvferry patch: a task that yielded to the reactor runs again
             // only after the executor polled its rings (see
-            // `ExecutorProxy::yield_to_reactor`).
+            // `ExecutorProxy::yield_to_reactor`), the way an executor that
+            // spins before it parks polls them: completions, submissions,
+            // timers and remote channels, without the preemption timer and
+            // sleep bookkeeping of `Reactor::wait`.
             if std::mem::take(&mut self.queues.borrow_mut().reactor_yield) {
-                break;
+                self.reactor
+                    .spin_poll_io()
+                    .expect("Failed to poll io! This is actually pretty bad!");
             }
         }
         ran
