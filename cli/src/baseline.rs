@@ -21,8 +21,13 @@ use crate::cli::UsageError;
 /// `--baseline`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BaselineArg {
-    /// iperf3 over loopback (must be on PATH).
+    /// iperf3 over loopback (must be on PATH); the ratio is of throughput.
     Iperf3,
+    /// Two threads (pinned like the executors) busy-polling one blocking
+    /// TCP socket, exchanging the bytes of one batch each way: the
+    /// loopback round trip with nothing of kvferry; the ratio is of the
+    /// batch latency p50 and p99.
+    Pingpong,
 }
 
 /// The largest `-l` iperf3 takes for TCP.
@@ -44,19 +49,17 @@ pub(crate) struct BaselineRun {
 }
 
 impl Baseline {
-    /// Finds the tool `kind` needs; a one-line usage error if it is missing.
-    pub(crate) fn find(kind: BaselineArg) -> Result<Baseline, UsageError> {
-        match kind {
-            BaselineArg::Iperf3 => find_on_path("iperf3")
-                .map(|iperf3| Baseline { iperf3 })
-                .ok_or_else(|| {
-                    UsageError(
-                        "--baseline iperf3: iperf3 is not on PATH (install it, e.g. \
-                         `apt-get install iperf3`)"
-                            .into(),
-                    )
-                }),
-        }
+    /// Finds iperf3; a one-line usage error if it is missing.
+    pub(crate) fn find_iperf3() -> Result<Baseline, UsageError> {
+        find_on_path("iperf3")
+            .map(|iperf3| Baseline { iperf3 })
+            .ok_or_else(|| {
+                UsageError(
+                    "--baseline iperf3: iperf3 is not on PATH (install it, e.g. \
+                     `apt-get install iperf3`)"
+                        .into(),
+                )
+            })
     }
 
     /// Measures iperf3 with `p`'s message size, time and pinning.

@@ -20,6 +20,7 @@ use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport}
 
 use crate::baseline::{self, BaselineArg, BaselineRun};
 use crate::cli::{usage_error, UsageError};
+use crate::pingpong;
 use crate::shape::TransportArg;
 use crate::sweep::{self, SweepArgs};
 
@@ -161,7 +162,10 @@ pub(crate) struct Measured {
 fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
     let (p, _) = params(a)?;
     // Found before anything is measured, so a missing tool fails at once.
-    let baseline = a.baseline.map(baseline::Baseline::find).transpose()?;
+    let iperf3 = match a.baseline {
+        Some(BaselineArg::Iperf3) => Some(baseline::Baseline::find_iperf3()?),
+        Some(BaselineArg::Pingpong) | None => None,
+    };
     let mut m = match measure(&p) {
         Ok(m) => m,
         Err(e) => {
@@ -169,16 +173,33 @@ fn transport_main(a: &TransportArgs) -> Result<ExitCode, UsageError> {
             return Ok(ExitCode::FAILURE);
         }
     };
-    let reference = match baseline.map(|b| b.run(&p)).transpose() {
+    let reference = match iperf3.map(|b| b.run(&p)).transpose() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvferry bench transport: {e}");
             return Ok(ExitCode::FAILURE);
         }
     };
+    let pingpong = match a.baseline {
+        Some(BaselineArg::Pingpong) => match run_pingpong(&p) {
+            Ok(pp) => Some(pp),
+            Err(e) => {
+                eprintln!("kvferry bench transport: ping-pong baseline: {e}");
+                return Ok(ExitCode::FAILURE);
+            }
+        },
+        Some(BaselineArg::Iperf3) | None => None,
+    };
     let check_ok = m.verified;
     let memcpy_gbps = m.memcpy_gbps;
-    report(&p, &mut m, memcpy_gbps, check_ok, reference.as_ref());
+    report(
+        &p,
+        &mut m,
+        memcpy_gbps,
+        check_ok,
+        reference.as_ref(),
+        pingpong.as_ref(),
+    );
     Ok(if check_ok {
         ExitCode::SUCCESS
     } else {
@@ -276,6 +297,17 @@ fn buffers(op: Op, total: u64) -> (Vec<u8>, Vec<u8>) {
         *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
     }
     (src, dst)
+}
+
+/// The ping-pong baseline with the batch shape, time and pinning of `p`.
+fn run_pingpong(p: &Params) -> std::io::Result<pingpong::PingPong> {
+    let shape = pingpong::Shape {
+        block_bytes: p.block_bytes,
+        batch: p.batch,
+        op: p.op,
+    };
+    let cores = matches!(placement(p.pin, 0), Placement::Fixed(_)).then_some((0, 1));
+    pingpong::measure(shape, p.seconds, cores)
 }
 
 fn placement(pin: bool, core: usize) -> Placement {
@@ -471,6 +503,7 @@ fn report(
     memcpy_gbps: f64,
     check_ok: bool,
     reference: Option<&BaselineRun>,
+    pingpong: Option<&pingpong::PingPong>,
 ) {
     let secs = m.elapsed.as_secs_f64().max(1e-9);
     let gbps = m.gbps(p);
@@ -478,6 +511,10 @@ fn report(
     let us = |q: f64| m.latencies.quantile(q).as_secs_f64() * 1e6;
     let (p50_us, p99_us) = (us(0.50), us(0.99));
     let ratio = baseline::ratio(gbps, memcpy_gbps);
+    let pp_us = pingpong.map(|pp| {
+        let us = |q: f64| pp.latencies.quantile(q).as_secs_f64() * 1e6;
+        (us(0.50), us(0.99))
+    });
     let op = match p.op {
         Op::Write => "write",
         Op::Read => "read",
@@ -507,6 +544,12 @@ fn report(
             v["iperf3_len"] = r.len.into();
             v["ratio_to_iperf3"] = baseline::ratio(gbps, r.gbps).into();
         }
+        if let Some((pp50, pp99)) = pp_us {
+            v["pingpong_p50_us"] = pp50.into();
+            v["pingpong_p99_us"] = pp99.into();
+            v["p50_to_pingpong"] = (p50_us / pp50).into();
+            v["p99_to_pingpong"] = (p99_us / pp99).into();
+        }
         println!("{v}");
     } else {
         let reuse = if p.reuse_block {
@@ -525,6 +568,17 @@ fn report(
         println!("  ratio          {ratio:.3} of memcpy");
         if let Some(r) = reference {
             println!("{}", r.describe(gbps));
+        }
+        if let (Some((pp50, pp99)), Some(pp)) = (pp_us, pingpong) {
+            println!(
+                "  pingpong       p50 {pp50:.1} us, p99 {pp99:.1} us ({} round trips)",
+                pp.round_trips
+            );
+            println!(
+                "  to pingpong    p50 {:.2}x, p99 {:.2}x",
+                p50_us / pp50,
+                p99_us / pp99
+            );
         }
         if !check_ok {
             println!("  VERIFY FAILED: destination differs from source");

@@ -8,6 +8,7 @@ mod bootstrap;
 mod cli;
 mod decode;
 mod demo;
+mod pingpong;
 mod plan;
 mod prefill;
 mod shape;

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-use crate::baseline::{Baseline, BaselineArg, IPERF3_MAX_LEN};
+use crate::baseline::{Baseline, IPERF3_MAX_LEN};
 use crate::bench::{measure, Measured, Params};
 use crate::cli::UsageError;
 
@@ -98,7 +98,7 @@ pub(crate) fn main(base: &Params, a: &SweepArgs) -> Result<ExitCode, UsageError>
     if !(a.point_seconds > 0.0 && a.point_seconds <= 3600.0) {
         return Err(UsageError("--point-seconds must be in (0, 3600]".into()));
     }
-    let iperf3 = Baseline::find(BaselineArg::Iperf3).ok();
+    let iperf3 = Baseline::find_iperf3().ok();
     if iperf3.is_none() {
         eprintln!("kvferry bench transport --sweep: iperf3 is not on PATH; no iperf3 rows");
     }

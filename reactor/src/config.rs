@@ -44,8 +44,9 @@ pub enum PollPolicy {
     /// Busy-poll for up to `spin` before sleeping. Costs a core while
     /// spinning; cuts wake-up latency when work arrives within `spin`. An
     /// executor spins in glommio (`spin_before_park`); a socket is tried
-    /// without blocking, yielding to other tasks between tries, for `spin`
-    /// after the last byte moved. [`Duration::MAX`] never parks.
+    /// without blocking for `spin` after the last byte moved, the executor
+    /// polling its rings and running what that woke between two tries.
+    /// [`Duration::MAX`] never parks.
     Spin {
         /// How long to spin before parking.
         spin: Duration,

@@ -4,20 +4,24 @@
 //! descriptor with one `iovec` per descriptor, so payload bytes land in (or
 //! leave from) registered memory without an intermediate buffer, and many
 //! small descriptors cost one system call. When the socket is not ready the
-//! [`PollPolicy`] decides: spin (yield to other tasks and try again) or park on
-//! glommio's io_uring readiness through the glommio stream itself.
+//! [`PollPolicy`] decides: spin (let the executor poll its rings and run what
+//! that woke, then try again) or park on glommio's io_uring readiness
+//! through the glommio stream itself.
 //!
 //! Cancellation is safe for registered memory: glommio's stream waits for
 //! readiness with io_uring and then copies with a plain non-blocking system
 //! call, so no kernel operation keeps a pointer into the buffer after a
 //! future is dropped (unlike an io_uring `recv` into the buffer would).
 
+use std::cell::{Cell, RefCell};
+use std::future::Future;
 use std::io;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use futures::io::{AsyncReadExt, AsyncWriteExt, ReadHalf, WriteHalf};
 use glommio::net::TcpStream;
+use slab::Slab;
 
 use super::PollPolicy;
 
@@ -94,6 +98,7 @@ impl IoFail {
 struct Spinner {
     policy: PollPolicy,
     since: Option<Instant>,
+    stalls: StallWatch,
 }
 
 impl Spinner {
@@ -101,11 +106,13 @@ impl Spinner {
         Spinner {
             policy,
             since: None,
+            stalls: StallWatch::default(),
         }
     }
 
     fn progress(&mut self) {
         self.since = None;
+        self.stalls = StallWatch::default();
     }
 
     fn keep_spinning(&mut self) -> bool {
@@ -119,6 +126,128 @@ impl Spinner {
         let since = *self.since.get_or_insert(now);
         now.duration_since(since) < spin
     }
+
+    /// After a try that found nothing: `true` once the executor polled its
+    /// rings (and ran what that woke), time for the next try; `false` when
+    /// the spin is over and the caller parks.
+    ///
+    /// A plain `yield_now` would only let the other ready tasks run: the
+    /// executor polls its rings only when a run of its task queues ends,
+    /// so the tasks parked on other sockets of this executor would not be
+    /// woken for their bytes until the spin gave up (or the executor's
+    /// preemption timer fired), about a millisecond per batch.
+    async fn try_again(&mut self) -> bool {
+        if !self.keep_spinning() {
+            return false;
+        }
+        self.stalls.tick();
+        glommio::executor().yield_to_reactor().await;
+        true
+    }
+}
+
+/// Tries between two looks of a spinning task at the parked readers of its
+/// executor (a look costs a `recv` per parked reader).
+const STALL_LOOK_EVERY: u32 = 64;
+
+/// A reader parked on socket readiness through glommio, as a spinning task
+/// of the same executor sees it.
+struct Parked {
+    fd: RawFd,
+    /// Unique per poll of the parked future, so that a reader woken (and
+    /// polled) between two looks never looks the same, whatever its slab key.
+    stamp: u64,
+}
+
+thread_local! {
+    /// The readers parked on this executor thread.
+    static PARKED: RefCell<Slab<Parked>> = const { RefCell::new(Slab::new()) };
+    static NEXT_STAMP: Cell<u64> = const { Cell::new(0) };
+    /// See [`spin_stalls`].
+    static SPIN_STALLS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many times, on the calling thread, a parked reader's bytes had
+/// arrived and it was still not woken for them after a spinning task of
+/// the same executor tried its own socket [`STALL_LOOK_EVERY`] more
+/// times: a batch held up until the spin ran out.
+pub(crate) fn spin_stalls() -> u64 {
+    SPIN_STALLS.with(Cell::get)
+}
+
+/// What a spinning task saw of the parked readers.
+#[derive(Default)]
+struct StallWatch {
+    tries: u32,
+    /// `(slab key, stamp)` of the readers that had unread bytes at the last
+    /// look.
+    waiting: Vec<(usize, u64)>,
+    /// Readers counted in this spin already.
+    counted: Vec<usize>,
+}
+
+impl StallWatch {
+    /// One more try; every [`STALL_LOOK_EVERY`] tries, counts the readers
+    /// that had bytes at the last look and were not polled since.
+    fn tick(&mut self) {
+        self.tries = self.tries.wrapping_add(1);
+        if !self.tries.is_multiple_of(STALL_LOOK_EVERY) {
+            return;
+        }
+        let now: Vec<(usize, u64)> = PARKED.with(|p| {
+            p.borrow()
+                .iter()
+                .filter(|(_, r)| has_bytes(r.fd))
+                .map(|(key, r)| (key, r.stamp))
+                .collect()
+        });
+        for &(key, stamp) in &now {
+            if self.waiting.contains(&(key, stamp)) && !self.counted.contains(&key) {
+                self.counted.push(key);
+                SPIN_STALLS.with(|c| c.set(c.get() + 1));
+            }
+        }
+        self.waiting = now;
+    }
+}
+
+/// True if the socket has bytes to read (a `MSG_PEEK` of one byte).
+fn has_bytes(fd: RawFd) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: `fd` is an open socket of a parked reader on this thread and
+    // `byte` a valid one-byte buffer; MSG_PEEK leaves the data in place.
+    let r = unsafe {
+        libc::recv(
+            fd,
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    r > 0
+}
+
+/// Runs `wait` (a read parked on `fd`'s readiness) as a parked reader that
+/// spinning tasks of this executor can see.
+async fn parked<T>(fd: RawFd, wait: impl Future<Output = T>) -> T {
+    struct Entry(usize);
+    impl Drop for Entry {
+        fn drop(&mut self) {
+            PARKED.with(|p| p.borrow_mut().try_remove(self.0));
+        }
+    }
+    let entry = Entry(PARKED.with(|p| p.borrow_mut().insert(Parked { fd, stamp: 0 })));
+    let mut wait = std::pin::pin!(wait);
+    std::future::poll_fn(|cx| {
+        let stamp = NEXT_STAMP.with(|n| n.replace(n.get() + 1));
+        PARKED.with(|p| {
+            if let Some(r) = p.borrow_mut().get_mut(entry.0) {
+                r.stamp = stamp;
+            }
+        });
+        wait.as_mut().poll(cx)
+    })
+    .await
 }
 
 /// Skips `n` transferred bytes in `iovs[*idx..]`.
@@ -174,7 +303,7 @@ pub(crate) async fn recv_exact(
     let glommio_first = guard.is_none() && matches!(policy, PollPolicy::Park);
     while idx < iovs.len() {
         if glommio_first && iovs.len() - idx == 1 {
-            let n = read_into(rd, iovs[idx]).await?;
+            let n = parked(fd, read_into(rd, iovs[idx])).await?;
             advance(iovs, &mut idx, n);
             continue;
         }
@@ -194,15 +323,14 @@ pub(crate) async fn recv_exact(
                 _ => return Err(IoFail::from_os(e)),
             },
         }
-        if spin.keep_spinning() {
-            futures_lite::future::yield_now().await;
+        if spin.try_again().await {
             continue;
         }
         let n = match guard {
-            Some(g) => park_scratch(rd, iovs[idx], g).await?,
+            Some(g) => parked(fd, park_scratch(rd, iovs[idx], g)).await?,
             // Park: let glommio wait for readiness and read into the first
             // buffer (glommio reads straight into the slice it is given).
-            None => read_into(rd, iovs[idx]).await?,
+            None => parked(fd, read_into(rd, iovs[idx])).await?,
         };
         advance(iovs, &mut idx, n);
         spin.progress();
@@ -299,13 +427,13 @@ pub(crate) async fn recv_some(
         loop {
             match recv_now(fd, buf)? {
                 Some(n) => return Ok(n),
-                None if spin.keep_spinning() => futures_lite::future::yield_now().await,
+                None if spin.try_again().await => {}
                 None => break,
             }
         }
     }
     // glommio tries a non-blocking `recv` itself before it waits.
-    match rd.read(buf).await {
+    match parked(fd, rd.read(buf)).await {
         Ok(0) => Err(IoFail::Closed),
         Ok(n) => Ok(n),
         Err(e) => Err(IoFail::from_os(e)),

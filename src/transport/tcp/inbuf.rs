@@ -5,8 +5,11 @@ use std::os::fd::RawFd;
 use crate::transport::fdio::{self, iov, Conn, IoFail};
 use crate::transport::PollPolicy;
 
-/// What a served connection reads at a time when it reads for itself.
-const IN_BUF_BYTES: usize = 4096;
+/// What a served connection reads at a time when it reads for itself: 8 KiB,
+/// so that a one-descriptor WRITE of 4 KiB (header, table entry and payload)
+/// comes in with one `recv`; a 4 KiB buffer took a second system call for
+/// the last 48 bytes, about 1 µs of an 8 µs round trip on a 2-vCPU VM.
+const IN_BUF_BYTES: usize = 8192;
 
 /// Bytes read from a served connection and not parsed yet.
 ///

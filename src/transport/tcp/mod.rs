@@ -142,6 +142,17 @@ pub(super) type FenceCell = Rc<RefCell<Option<Rc<BlockFence>>>>;
 /// whether it took them (a refusal tells the sender to use another path).
 pub type NotifyHandler = Rc<dyn Fn(&[u8]) -> bool>;
 
+/// Counters of the tcp transport on one executor thread
+/// ([`TcpTransport::thread_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TcpThreadStats {
+    /// Times a reader parked on a socket of this executor had its bytes
+    /// and was still not woken for them while a task spinning on another
+    /// socket made 64 more tries: a batch that waits for a spin to run out.
+    /// Under [`PollPolicy::Park`] nothing spins, so it stays 0.
+    pub spin_stalls: u64,
+}
+
 /// A TCP endpoint. Create it inside the glommio executor that will own it.
 pub struct TcpTransport {
     target: Rc<Target>,
@@ -218,6 +229,15 @@ impl TcpTransport {
     /// Connections being served now.
     pub fn connections(&self) -> usize {
         self.target.conns.borrow().len()
+    }
+
+    /// The transport's counters on the executor thread this endpoint runs
+    /// on (every endpoint of that thread shares them: a task that spins on
+    /// a socket holds back every task of its executor).
+    pub fn thread_stats(&self) -> TcpThreadStats {
+        TcpThreadStats {
+            spin_stalls: super::fdio::spin_stalls(),
+        }
     }
 
     /// Stops serving: the listener stops accepting and every served

@@ -45,7 +45,6 @@ struct SessionInner {
     /// The peer's regions as last fetched, sorted by address.
     remote_regions: RefCell<Vec<RegionInfo>>,
     next_req_id: Cell<u64>,
-    next_slot: Cell<usize>,
     closed: Cell<bool>,
 }
 
@@ -73,7 +72,6 @@ impl TcpTransport {
                 note_turn: Turns::new(1),
                 remote_regions: RefCell::new(Vec::new()),
                 next_req_id: Cell::new(1),
-                next_slot: Cell::new(0),
                 closed: Cell::new(false),
             }),
         };
@@ -168,16 +166,21 @@ impl SessionInner {
         Ok(())
     }
 
-    /// Locks `k` unlocked streams, starting at a rotating one so that the
-    /// connections share the work. The caller holds `k` turns, which means
-    /// at least `k` streams are unlocked: only `close` holds a stream
-    /// without a turn, and it marks the session closed first.
+    /// Locks the first `k` unlocked streams. The caller holds `k` turns,
+    /// which means at least `k` streams are unlocked: only `close` holds a
+    /// stream without a turn, and it marks the session closed first.
+    ///
+    /// Always from the first: one small batch after another then keeps to
+    /// the same connection, whose served task is the one spinning for the
+    /// next header under [`PollPolicy::Spin`]. Dealt round-robin, every
+    /// connection's served task spun at once, and each batch's header
+    /// waited for the other spinners' tries (a 4 KiB batch took about 2 µs
+    /// more with 4 streams than with 1 on a 2-vCPU VM).
     fn free_streams(&self, k: usize) -> Result<Vec<MutexGuard<'_, Option<Conn>>>, TransportError> {
-        let n = self.slots.len();
-        let first = self.next_slot.get();
-        self.next_slot.set((first + 1) % n);
-        let guards: Vec<_> = (0..n)
-            .filter_map(|i| self.slots[(first + i) % n].try_lock())
+        let guards: Vec<_> = self
+            .slots
+            .iter()
+            .filter_map(|slot| slot.try_lock())
             .take(k)
             .collect();
         if guards.len() < k {

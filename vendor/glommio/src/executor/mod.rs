@@ -354,6 +354,9 @@ struct ExecutorQueues {
     default_preempt_timer_duration: Duration,
     spin_before_park: Option<Duration>,
     stats: ExecutorStats,
+    // kvferry patch: set by `ExecutorProxy::yield_to_reactor`; ends the
+    // current run of the task queues so the executor polls its rings.
+    reactor_yield: bool,
 }
 
 impl ExecutorQueues {
@@ -368,6 +371,7 @@ impl ExecutorQueues {
             default_preempt_timer_duration: preempt_timer_duration,
             spin_before_park,
             stats: ExecutorStats::new(),
+            reactor_yield: false,
         }
     }
 
@@ -1279,6 +1283,12 @@ impl LocalExecutor {
         me.yielded = true;
     }
 
+    /// kvferry patch: see `ExecutorProxy::yield_to_reactor`.
+    fn mark_me_for_reactor_yield(&self) {
+        self.mark_me_for_yield();
+        self.queues.borrow_mut().reactor_yield = true;
+    }
+
     fn spawn<T>(&self, future: impl Future<Output = T>) -> multitask::Task<T> {
         let tq = self
             .queues
@@ -1331,6 +1341,17 @@ impl LocalExecutor {
                 return false;
             } else {
                 ran = true;
+            }
+            // kvferry patch: a task that yielded to the reactor runs again
+            // only after the executor polled its rings (see
+            // `ExecutorProxy::yield_to_reactor`), the way an executor that
+            // spins before it parks polls them: completions, submissions,
+            // timers and remote channels, without the preemption timer and
+            // sleep bookkeeping of `Reactor::wait`.
+            if std::mem::take(&mut self.queues.borrow_mut().reactor_yield) {
+                self.reactor
+                    .spin_poll_io()
+                    .expect("Failed to poll io! This is actually pretty bad!");
             }
         }
         ran
@@ -2184,6 +2205,35 @@ impl ExecutorProxy {
     #[inline(always)]
     pub async fn yield_now(&self) {
         futures_lite::future::yield_now().await
+    }
+
+    /// kvferry patch: unconditionally yields the current task and lets the
+    /// executor poll its rings (completions, timers, remote channels, without
+    /// sleeping) before it runs any task again.
+    ///
+    /// For a task that busy-polls something the executor does not watch (a
+    /// non-blocking socket call, say): [`ExecutorProxy::yield_now`] and
+    /// [`ExecutorProxy::yield_task_queue_now`] only let other ready tasks
+    /// run, so while such a task spins, tasks whose I/O completed are not
+    /// woken until its run ends (the preemption timer, or the spin giving
+    /// up).
+    #[inline(always)]
+    pub async fn yield_to_reactor(&self) {
+        #[cfg(not(feature = "native-tls"))]
+        {
+            if LOCAL_EX.is_set() {
+                LOCAL_EX.with(|local_ex| local_ex.mark_me_for_reactor_yield())
+            }
+            futures_lite::future::yield_now().await;
+        }
+
+        #[cfg(feature = "native-tls")]
+        {
+            if let Some(local_ex) = unsafe { LOCAL_EX.as_ref() } {
+                local_ex.mark_me_for_reactor_yield();
+            }
+            futures_lite::future::yield_now().await;
+        }
     }
 
     /// Unconditionally yields the current task queue and forces the scheduler
@@ -4242,5 +4292,42 @@ mod test {
 
         #[cfg(feature = "native-tls")]
         assert!(unsafe { LOCAL_EX.is_null() });
+    }
+
+    // kvferry patch: a task that busy-polls with `yield_to_reactor` lets a
+    // task parked on I/O be woken and run while it spins; with `yield_now`
+    // the executor never polls its rings during the spin.
+    #[test]
+    fn yield_to_reactor_wakes_tasks_whose_io_completed() {
+        use futures_lite::AsyncReadExt;
+        use std::{io::Write, os::unix::io::{FromRawFd, IntoRawFd}};
+
+        LocalExecutor::default().run(async {
+            let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+            b.set_nonblocking(true).unwrap();
+            let mut b = unsafe { crate::net::UnixStream::from_raw_fd(b.into_raw_fd()) };
+            let parked = Rc::new(Cell::new(false));
+            let got = Rc::new(Cell::new(false));
+            let reader = crate::spawn_local(enclose! { (parked, got) async move {
+                parked.set(true);
+                let mut byte = [0u8; 1];
+                b.read_exact(&mut byte).await.unwrap();
+                got.set(true);
+            }});
+            // The reader runs, finds nothing to read and parks on the ring.
+            while !parked.get() {
+                executor().yield_to_reactor().await;
+            }
+            executor().yield_to_reactor().await;
+            // A write of our own: the byte is there when the call returns.
+            a.write_all(&[7]).unwrap();
+            let mut tries = 0;
+            while !got.get() {
+                tries += 1;
+                assert!(tries < 100, "the parked reader never ran while we spun");
+                executor().yield_to_reactor().await;
+            }
+            reader.await;
+        });
     }
 }
