@@ -235,6 +235,17 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
     assert_eq!(c.verify(TransferId(2), &[6], 0), 0);
 }
 
+/// A bare ZeroMQ ROUTER on 127.0.0.1 playing a prefill rank: its context,
+/// the socket and its address.
+fn bare_router() -> (zmq::Context, zmq::Socket, String) {
+    let ctx = zmq::Context::new();
+    let router = ctx.socket(zmq::ROUTER).unwrap();
+    router.set_linger(0).unwrap();
+    router.bind("tcp://127.0.0.1:*").unwrap();
+    let addr = router.get_last_endpoint().unwrap().unwrap();
+    (ctx, router, addr)
+}
+
 /// Receives one frame on `s` within 5 s.
 fn recv_within(s: &zmq::Socket) -> Vec<Vec<u8>> {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -306,11 +317,7 @@ fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
     use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
     use kvferry_testkit::synth::SynthKv;
     // A prefill rank of a newer build, played by a bare ROUTER.
-    let ctx = zmq::Context::new();
-    let router = ctx.socket(zmq::ROUTER).unwrap();
-    router.set_linger(0).unwrap();
-    router.bind("tcp://127.0.0.1:*").unwrap();
-    let addr = router.get_last_endpoint().unwrap().unwrap();
+    let (_ctx, router, addr) = bare_router();
     let model = spec(Mode::Push).model;
     let mut dc = NodeConfig::new(Role::Decode, "d");
     dc.timeouts = timeouts();
@@ -511,11 +518,7 @@ fn a_failed_data_plane_connection_marks_the_peer_dead_until_it_answers() {
     use kvferry_testkit::synth::SynthKv;
     // A prefill rank played by a bare ROUTER whose hello names a
     // data-plane endpoint where nothing listens.
-    let ctx = zmq::Context::new();
-    let router = ctx.socket(zmq::ROUTER).unwrap();
-    router.set_linger(0).unwrap();
-    router.bind("tcp://127.0.0.1:*").unwrap();
-    let addr = router.get_last_endpoint().unwrap().unwrap();
+    let (_ctx, router, addr) = bare_router();
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = format!("tcp://{}", closed.local_addr().unwrap());
     drop(closed);
