@@ -66,6 +66,43 @@ impl Default for PollPolicy {
     }
 }
 
+impl PollPolicy {
+    /// The policy to run with `cpus` CPUs allowed to the process: a spin
+    /// parks on one CPU, where the spinner would keep the very thread it
+    /// waits for (the socket's other end, the executor that answers) off
+    /// the only core (measured: tcp 1 MiB × 32 on `taskset -c 0` reached
+    /// 0.78 × iperf3 spinning against 1.03 × parked).
+    pub fn for_cpus(self, cpus: usize) -> PollPolicy {
+        match self {
+            PollPolicy::Spin { .. } if cpus <= 1 => PollPolicy::Park,
+            PollPolicy::Spin { .. } | PollPolicy::Park => self,
+        }
+    }
+
+    /// [`PollPolicy::for_cpus`] with the CPUs this process may run on: the
+    /// affinity mask of its main thread, as `taskset` sets it. Not the
+    /// calling thread's, which is one CPU in an executor pinned to its
+    /// core. A system call: call it once per transport or executor, not
+    /// per wait.
+    pub fn for_this_process(self) -> PollPolicy {
+        self.for_cpus(process_cpus())
+    }
+}
+
+/// CPUs in the main thread's affinity mask; 1 if it cannot be read.
+fn process_cpus() -> usize {
+    // SAFETY: `set` is a plain bitmask the call fills; the size passed is
+    // its own; the pid names this process's main thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        if libc::sched_getaffinity(libc::getpid(), size, &mut set) != 0 {
+            return 1;
+        }
+        libc::CPU_COUNT(&set).max(1) as usize
+    }
+}
+
 /// What to do with requests still in flight at shutdown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ShutdownPolicy {
@@ -199,5 +236,39 @@ impl ReactorConfig {
             return bad("local_event_capacity must be positive");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spin_parks_on_one_cpu_and_spins_on_more() {
+        let spin = PollPolicy::Spin {
+            spin: Duration::from_millis(1),
+        };
+        assert_eq!(spin.for_cpus(1), PollPolicy::Park);
+        assert_eq!(spin.for_cpus(0), PollPolicy::Park);
+        assert_eq!(spin.for_cpus(2), spin);
+        assert_eq!(PollPolicy::Park.for_cpus(8), PollPolicy::Park);
+    }
+
+    #[test]
+    fn the_process_cpus_are_the_main_threads_not_a_pinned_threads() {
+        let main = process_cpus();
+        // A thread pinned to one CPU still sees the process's count.
+        let seen = std::thread::spawn(|| {
+            // SAFETY: a zeroed mask with CPU 0 set, for this thread only.
+            unsafe {
+                let mut one: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(0, &mut one);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &one);
+            }
+            process_cpus()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(seen, main);
     }
 }

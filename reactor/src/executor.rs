@@ -544,7 +544,7 @@ fn executor_builder(config: &ReactorConfig, index: usize) -> LocalExecutorBuilde
     let builder = LocalExecutorBuilder::new(placement)
         .name(&exec_config.label)
         .io_memory(config.io_memory_bytes);
-    match config.poll_policy {
+    match config.poll_policy.for_this_process() {
         PollPolicy::Park => builder,
         PollPolicy::Spin { spin } => builder.spin_before_park(spin),
     }

@@ -168,8 +168,9 @@ impl TcpTransport {
     /// # Panics
     ///
     /// Outside a glommio executor.
-    pub fn bind(addr: SocketAddr, config: TcpConfig) -> Result<TcpTransport, TransportError> {
+    pub fn bind(addr: SocketAddr, mut config: TcpConfig) -> Result<TcpTransport, TransportError> {
         config.validate()?;
+        config.poll = config.poll.for_this_process();
         // std's listener sets SO_REUSEADDR but not SO_REUSEPORT (glommio's
         // own bind sets the latter), so a restarted endpoint can rebind the
         // port but two live endpoints can never share it.
