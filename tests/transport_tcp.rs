@@ -688,10 +688,12 @@ where
 #[test]
 fn peer_closing_mid_batch_fails_the_batch_without_hanging() {
     block_on(async {
+        // 4 MiB frames: the fake reader below answers one such frame.
         let initiator = TcpTransport::bind(
             any_port(),
             TcpConfig {
                 streams: 1,
+                frame_max_bytes: 4 << 20,
                 ..TcpConfig::default()
             },
         )

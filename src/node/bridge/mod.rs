@@ -518,8 +518,9 @@ impl Bridge {
             }
         };
         if self.liveness.handle_heard(now, peer) {
-            Counters::inc(&self.shared.counters.peer_recoveries);
+            // The gauge first: whoever sees the recovery sees it cleared.
             self.publish_dead_count();
+            Counters::inc(&self.shared.counters.peer_recoveries);
             let addr = self.slots.get(peer as usize).map(|s| s.addr.as_str());
             tracing::info!(peer, ?addr, "peer answered again; dead mark cleared");
         }

@@ -198,6 +198,9 @@ impl Bridge {
         let Some(s) = self.slots.get_mut(i) else {
             return;
         };
+        // The gauge first: whoever sees the death counted sees it dead.
+        let dead = self.liveness.dead_count() as u64;
+        self.shared.counters.dead_now.store(dead, Ordering::Relaxed);
         Counters::inc(&self.shared.counters.peers_marked_dead);
         tracing::warn!(peer = i, addr = %s.addr, ?cause, "peer marked dead");
         let tids: Vec<TransferId> = s.transfers.drain().collect();

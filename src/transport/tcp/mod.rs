@@ -76,7 +76,7 @@ impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
             streams: 2,
-            frame_max_bytes: 4 << 20,
+            frame_max_bytes: 512 << 10,
             frame_max_descs: 1024,
             inflight_max_bytes: 64 << 20,
             max_batch_descs: 1 << 20,
