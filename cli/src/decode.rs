@@ -14,7 +14,7 @@ use kvferry::machines::common::BlockId;
 use kvferry::machines::{Phase, TransferId};
 use kvferry::node::{Event, EventSink, Node, PrefillTarget, Role};
 use kvferry_testkit::demo_timeouts;
-use kvferry_testkit::synth::SynthKv;
+use kvferry_testkit::synth::{SynthKv, GROUP_POSITIONS};
 
 use crate::demo::{print_report, DemoReport};
 use crate::prefill::{install_signal_handlers, stop_requested, RankArgs};
@@ -40,9 +40,13 @@ pub struct DecodeArgs {
     /// Requests in flight at once (at least 1).
     #[arg(long, value_name = "C", default_value_t = 16)]
     concurrency: u64,
-    /// KV blocks per request (at least 1).
+    /// KV blocks per request and group (at least 1).
     #[arg(long, value_name = "B", default_value_t = 4)]
     blocks_per_request: u32,
+    /// KV-cache groups per request.
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=16))]
+    groups: u32,
     /// Transfer id of the first request (ids run up from it).
     #[arg(long, value_name = "N", default_value_t = 1)]
     transfer_base: u64,
@@ -70,7 +74,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         c.tp_size,
         c.tp_rank,
         o.layers,
-        slots * u64::from(b),
+        slots * u64::from(b) * u64::from(a.groups),
     );
     install_signal_handlers();
     let node = Node::start(c).map_err(|e| e.to_string())?;
@@ -87,6 +91,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         requests: a.requests,
         base: a.transfer_base,
         b,
+        groups: a.groups,
         free: (0..slots).rev().collect(),
         live: HashMap::new(),
         latencies: kvferry::Latency::new(),
@@ -121,8 +126,10 @@ struct Pull<'a> {
     requests: u64,
     /// Transfer id of the first request.
     base: u64,
-    /// Blocks per request.
+    /// Blocks per request and group.
     b: u32,
+    /// KV-cache groups per request.
+    groups: u32,
     free: Vec<u64>,
     /// Slot and start of every request in flight, by transfer id.
     live: HashMap<u64, (u64, Instant)>,
@@ -134,9 +141,15 @@ struct Pull<'a> {
 
 impl Pull<'_> {
     /// The blocks of request slot `slot`.
-    fn blocks(&self, slot: u64) -> Vec<u32> {
-        (0..self.b)
-            .map(|i| (slot * u64::from(self.b)) as u32 + i)
+    /// Per group, the blocks of request slot `slot`.
+    fn blocks(&self, slot: u64) -> Vec<Vec<u32>> {
+        let (b, groups) = (u64::from(self.b), u64::from(self.groups));
+        (0..groups)
+            .map(|g| {
+                (0..b)
+                    .map(|i| ((slot * groups + g) * b + i) as u32)
+                    .collect()
+            })
             .collect()
     }
 
@@ -178,8 +191,10 @@ impl Pull<'_> {
             let Some(slot) = self.free.pop() else { break };
             let tid = self.base + self.next;
             let blocks = self.blocks(slot);
-            self.kv.clear(&blocks);
-            let dst = vec![blocks.iter().map(|&x| BlockId(x)).collect()];
+            self.kv.clear(&blocks.concat());
+            let dst = (blocks.iter())
+                .map(|g| g.iter().map(|&x| BlockId(x)).collect())
+                .collect();
             self.node
                 .receiver(TransferId(tid), &self.target)
                 .and_then(|r| r.request(dst))
@@ -201,11 +216,16 @@ impl Pull<'_> {
         let report = &mut self.report;
         match phase {
             Phase::Success => {
-                if self.kv.verify(TransferId(tid), &blocks, 0).is_err() {
-                    report.verify_errors += 1;
-                }
+                // Group `g`'s pattern starts at `g · GROUP_POSITIONS`, as
+                // `kvferry prefill` fills it.
+                let kv = self.kv;
+                let bad = blocks.iter().enumerate().any(|(g, l)| {
+                    kv.verify(TransferId(tid), l, g as u64 * GROUP_POSITIONS)
+                        .is_err()
+                });
+                report.verify_errors += u64::from(bad);
                 report.ok += 1;
-                report.bytes += self.kv.block_bytes() * u64::from(self.b);
+                report.bytes += kv.block_bytes() * u64::from(self.b) * u64::from(self.groups);
                 self.latencies.record(at.elapsed());
             }
             Phase::Expired => report.expired += 1,

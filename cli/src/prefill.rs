@@ -18,7 +18,7 @@ use kvferry::machines::common::BlockId;
 use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, Role};
 use kvferry::TransferId;
 use kvferry_testkit::demo_timeouts;
-use kvferry_testkit::synth::SynthKv;
+use kvferry_testkit::synth::{SynthKv, GROUP_POSITIONS};
 
 use crate::shape::{DemoOptions, ModelArgs};
 
@@ -177,34 +177,44 @@ struct Serve<'a> {
     /// Blocks of every transfer sent, until its phase turns terminal.
     held: HashMap<TransferId, Vec<u32>>,
     /// Requests waiting for their delay or for free blocks, oldest first:
-    /// when they may start, the transfer and how many blocks it needs.
-    waiting: VecDeque<(Instant, TransferId, u32)>,
+    /// when they may start, the transfer and how many blocks each of its
+    /// groups needs.
+    waiting: VecDeque<(Instant, TransferId, Vec<u32>)>,
     served: u64,
 }
 
 impl Serve<'_> {
     /// Starts every request whose delay passed and whose blocks are free.
     fn start_ready(&mut self, now: Instant) {
-        while let Some(&(at, tid, need)) = self.waiting.front() {
-            let need = need as usize;
-            if at > now || need > self.free.len() {
+        while let Some((at, tid, need)) = self.waiting.front() {
+            let (at, tid) = (*at, *tid);
+            let total: usize = need.iter().map(|&n| n as usize).sum();
+            if at > now || total > self.free.len() {
                 break;
             }
-            self.waiting.pop_front();
-            let blocks: Vec<u32> = (0..need).filter_map(|_| self.free.pop()).collect();
-            self.kv.fill(tid, &blocks, 0);
-            let sent = self
-                .node
-                .sender(tid)
-                .and_then(|s| s.send(vec![blocks.iter().map(|&b| BlockId(b)).collect()], true));
+            let Some((_, _, need)) = self.waiting.pop_front() else {
+                break;
+            };
+            let groups: Vec<Vec<u32>> = (need.iter())
+                .map(|&n| (0..n).filter_map(|_| self.free.pop()).collect())
+                .collect();
+            // Group `g`'s pattern starts at `g · GROUP_POSITIONS`, where
+            // `kvferry decode` checks it.
+            for (g, blocks) in groups.iter().enumerate() {
+                self.kv.fill(tid, blocks, g as u64 * GROUP_POSITIONS);
+            }
+            let lists = (groups.iter())
+                .map(|l| l.iter().map(|&b| BlockId(b)).collect())
+                .collect();
+            let sent = self.node.sender(tid).and_then(|s| s.send(lists, true));
             match sent {
                 Ok(()) => {
-                    self.held.insert(tid, blocks);
+                    self.held.insert(tid, groups.concat());
                     self.served += 1;
                 }
                 Err(e) => {
                     tracing::warn!(%tid, %e, "cannot send");
-                    self.free.extend(blocks);
+                    self.free.extend(groups.concat());
                 }
             }
         }
@@ -226,16 +236,16 @@ impl Serve<'_> {
     fn on_event(&mut self, e: Event) {
         let tid = e.transfer_id;
         match e.kind {
-            EventKind::Requested { blocks_per_group } => match blocks_per_group[..] {
-                [n] if n <= self.num_blocks => {
+            EventKind::Requested { blocks_per_group } => {
+                let total: u64 = blocks_per_group.iter().map(|&n| u64::from(n)).sum();
+                if total <= u64::from(self.num_blocks) {
                     self.waiting
-                        .push_back((Instant::now() + self.delay, tid, n));
-                }
-                _ => {
+                        .push_back((Instant::now() + self.delay, tid, blocks_per_group));
+                } else {
                     tracing::warn!(%tid, "request does not fit this server; aborting");
                     let _ = self.node.abort(tid);
                 }
-            },
+            }
             EventKind::Finished(_) => {
                 if let Some(blocks) = self.held.remove(&tid) {
                     self.free.extend(blocks);

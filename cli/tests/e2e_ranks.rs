@@ -58,3 +58,49 @@ fn decode_pulls_from_the_prefill_engines_dp_rank_it_names() {
     let summary = decode(&addr, "0");
     assert_eq!(summary["ok"], 0, "{summary}");
 }
+
+/// `kvferry decode --groups 3` against `kvferry prefill`: every group's
+/// blocks come from the prefill process, each verified against its group's
+/// pattern, three times the bytes of one group.
+#[test]
+fn decode_and_prefill_processes_move_several_kv_cache_groups() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let _p = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["prefill", "--bootstrap", &addr, "--engine-id", "p"])
+            .args(["--timeout-ms", "1500"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let client = BootstrapClient::new(&addr).unwrap();
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(20),
+        ..RetryPolicy::default()
+    };
+    client.wait_for_engine("p", 1, policy).unwrap();
+    // Transfer ids are never reused: each run has ids of its own.
+    let run = |groups: &str, base: &str| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["decode", "--bootstrap", &addr, "--prefill-engine-id", "p"])
+            .args(["--groups", groups, "--transfer-base", base])
+            .args(["--requests", "5", "--timeout-ms", "1500", "--json"])
+            .stderr(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let (one, three) = (run("1", "1"), run("3", "100"));
+    for s in [&one, &three] {
+        assert_eq!(
+            (&s["ok"], &s["verify_errors"]),
+            (&5.into(), &0.into()),
+            "{s}"
+        );
+    }
+    let bytes = |s: &serde_json::Value| s["bytes"].as_u64().unwrap();
+    assert_eq!(bytes(&three), 3 * bytes(&one), "{one} {three}");
+}
