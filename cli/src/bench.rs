@@ -505,40 +505,15 @@ fn report(
     reference: Option<&BaselineRun>,
     pingpong: Option<&pingpong::PingPong>,
 ) {
-    let secs = m.elapsed.as_secs_f64().max(1e-9);
     let gbps = m.gbps(p);
-    let descs_per_s = (m.batches * p.batch) as f64 / secs;
     let us = |q: f64| m.latencies.quantile(q).as_secs_f64() * 1e6;
     let (p50_us, p99_us) = (us(0.50), us(0.99));
-    let ratio = baseline::ratio(gbps, memcpy_gbps);
     let pp_us = pingpong.map(|pp| {
         let us = |q: f64| pp.latencies.quantile(q).as_secs_f64() * 1e6;
         (us(0.50), us(0.99))
     });
-    let op = match p.op {
-        Op::Write => "write",
-        Op::Read => "read",
-    };
     if p.json {
-        let mut v = serde_json::json!({
-            "transport": p.transport,
-            "op": op,
-            "poll": p.poll_name,
-            "block_bytes": p.block_bytes,
-            "batch": p.batch,
-            "streams": p.streams,
-            "pinned": p.pin,
-            "reuse_block": p.reuse_block,
-            "seconds": secs,
-            "batches": m.batches,
-            "gbps": gbps,
-            "descs_per_s": descs_per_s,
-            "p50_us": p50_us,
-            "p99_us": p99_us,
-            "memcpy_gbps": memcpy_gbps,
-            "ratio_to_memcpy": ratio,
-            "verified": check_ok,
-        });
+        let mut v = report_json(p, m, memcpy_gbps, check_ok);
         if let Some(r) = reference {
             v["iperf3_gbps"] = r.gbps.into();
             v["iperf3_len"] = r.len.into();
@@ -551,37 +526,84 @@ fn report(
             v["p99_to_pingpong"] = (p99_us / pp99).into();
         }
         println!("{v}");
-    } else {
-        let reuse = if p.reuse_block {
-            " (one block reused)"
-        } else {
-            ""
-        };
-        println!(
-            "transport {} ({op}, poll {}), {} x {} B per batch{reuse}, {} streams, {:.1} s",
-            p.transport, p.poll_name, p.batch, p.block_bytes, p.streams, secs
-        );
-        println!("  batches        {}", m.batches);
-        println!("  throughput     {gbps:.3} GB/s, {descs_per_s:.0} descriptors/s");
-        println!("  batch latency  p50 {p50_us:.1} us, p99 {p99_us:.1} us");
-        println!("  memcpy         {memcpy_gbps:.3} GB/s (one thread, same buffers)");
-        println!("  ratio          {ratio:.3} of memcpy");
-        if let Some(r) = reference {
-            println!("{}", r.describe(gbps));
-        }
-        if let (Some((pp50, pp99)), Some(pp)) = (pp_us, pingpong) {
-            println!(
-                "  pingpong       p50 {pp50:.1} us, p99 {pp99:.1} us ({} round trips)",
-                pp.round_trips
-            );
-            println!(
-                "  to pingpong    p50 {:.2}x, p99 {:.2}x",
-                p50_us / pp50,
-                p99_us / pp99
-            );
-        }
-        if !check_ok {
-            println!("  VERIFY FAILED: destination differs from source");
-        }
+        return;
     }
+    print_text(p, m, memcpy_gbps);
+    if let Some(r) = reference {
+        println!("{}", r.describe(gbps));
+    }
+    if let (Some((pp50, pp99)), Some(pp)) = (pp_us, pingpong) {
+        println!(
+            "  pingpong       p50 {pp50:.1} us, p99 {pp99:.1} us ({} round trips)",
+            pp.round_trips
+        );
+        let (r50, r99) = (p50_us / pp50, p99_us / pp99);
+        println!("  to pingpong    p50 {r50:.2}x, p99 {r99:.2}x");
+    }
+    if !check_ok {
+        println!("  VERIFY FAILED: destination differs from source");
+    }
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Write => "write",
+        Op::Read => "read",
+    }
+}
+
+/// The JSON report of kvferry's own figures.
+fn report_json(p: &Params, m: &Measured, memcpy_gbps: f64, check_ok: bool) -> serde_json::Value {
+    let secs = m.elapsed.as_secs_f64().max(1e-9);
+    let gbps = m.gbps(p);
+    let us = |q: f64| m.latencies.quantile(q).as_secs_f64() * 1e6;
+    serde_json::json!({
+        "transport": p.transport,
+        "op": op_name(p.op),
+        "poll": p.poll_name,
+        "block_bytes": p.block_bytes,
+        "batch": p.batch,
+        "streams": p.streams,
+        "pinned": p.pin,
+        "reuse_block": p.reuse_block,
+        "seconds": secs,
+        "batches": m.batches,
+        "gbps": gbps,
+        "descs_per_s": (m.batches * p.batch) as f64 / secs,
+        "p50_us": us(0.50),
+        "p99_us": us(0.99),
+        "memcpy_gbps": memcpy_gbps,
+        "ratio_to_memcpy": baseline::ratio(gbps, memcpy_gbps),
+        "verified": check_ok,
+    })
+}
+
+/// The text report's first lines: what ran, throughput, latency, memcpy.
+fn print_text(p: &Params, m: &Measured, memcpy_gbps: f64) {
+    let secs = m.elapsed.as_secs_f64().max(1e-9);
+    let gbps = m.gbps(p);
+    let descs_per_s = (m.batches * p.batch) as f64 / secs;
+    let us = |q: f64| m.latencies.quantile(q).as_secs_f64() * 1e6;
+    let (p50_us, p99_us) = (us(0.50), us(0.99));
+    let ratio = baseline::ratio(gbps, memcpy_gbps);
+    let reuse = if p.reuse_block {
+        " (one block reused)"
+    } else {
+        ""
+    };
+    println!(
+        "transport {} ({}, poll {}), {} x {} B per batch{reuse}, {} streams, {:.1} s",
+        p.transport,
+        op_name(p.op),
+        p.poll_name,
+        p.batch,
+        p.block_bytes,
+        p.streams,
+        secs
+    );
+    println!("  batches        {}", m.batches);
+    println!("  throughput     {gbps:.3} GB/s, {descs_per_s:.0} descriptors/s");
+    println!("  batch latency  p50 {p50_us:.1} us, p99 {p99_us:.1} us");
+    println!("  memcpy         {memcpy_gbps:.3} GB/s (one thread, same buffers)");
+    println!("  ratio          {ratio:.3} of memcpy");
 }
