@@ -488,17 +488,8 @@ impl Node {
                 tid,
             });
         }
-        let m = SendMachine::new(Instant::now(), &s.config.timeouts, tid, s.config.mode);
-        let created = {
-            let _order = s.create_lock.lock().unwrap_or_else(|e| e.into_inner());
-            h.create(0, tid, m)
-        };
-        match created {
-            Ok(()) => {}
-            // The decode side's `Pull` got here first and created it.
-            Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => {}
-            Err(r) => return Err(r.error.into()),
-        }
+        // Found if the decode side's first message got here first.
+        s.create_sender(h, tid)?;
         Ok(Sender {
             node: self.clone(),
             tid,

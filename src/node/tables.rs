@@ -24,8 +24,9 @@ use kvferry_machines::common::{BlockId, Mode, Phase, TransferId};
 use kvferry_machines::layout::{ModelSpec, RankLayout};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::{self, ResolvedPeer};
-use kvferry_machines::send;
+use kvferry_machines::send::{self, SendMachine};
 use kvferry_machines::wire;
+use kvferry_reactor::{ReactorHandle, SubmitError};
 
 use super::bridge::BridgeCmd;
 use super::{
@@ -143,6 +144,26 @@ impl Shared {
     pub(crate) fn is_unpaired(&self, id: u32) -> bool {
         self.peer(id)
             .is_some_and(|d| d.pair.as_ref().is_ok_and(|p| p.share().is_none()))
+    }
+
+    /// Prefill: creates the send machine of `tid` under the create lock,
+    /// unless there is one already (the engine's `sender` and decode's
+    /// first message may come in either order).
+    pub(crate) fn create_sender(
+        &self,
+        h: &ReactorHandle<SendMachine>,
+        tid: TransferId,
+    ) -> Result<(), SubmitError> {
+        let m = SendMachine::new(Instant::now(), &self.config.timeouts, tid, self.config.mode);
+        let created = {
+            let _order = self.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+            h.create(0, tid, m)
+        };
+        match created {
+            Ok(()) => Ok(()),
+            Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => Ok(()),
+            Err(r) => Err(r.error),
+        }
     }
 
     /// The side-channel slot of the peer whose hello named data-plane

@@ -820,19 +820,9 @@ fn sender_for_early(
     }
     // D asked before the engine called `sender`: create
     // the machine now (either may come first).
-    let cfg = &shared.config;
-    let m = SendMachine::new(Instant::now(), &cfg.timeouts, tid, cfg.mode);
-    let created = {
-        let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
-        h.create(0, tid, m)
-    };
-    match created {
-        Ok(()) => {}
-        Err(c) if c.error == SubmitError::DuplicateTransfer(tid) => {}
-        Err(c) => {
-            tracing::warn!(?tid, error = %c.error, "cannot take a new transfer");
-            return Delivery::NoRoom;
-        }
+    if let Err(e) = shared.create_sender(h, tid) {
+        tracing::warn!(?tid, error = %e, "cannot take a new transfer");
+        return Delivery::NoRoom;
     }
     match h.send_event(tid, event) {
         Ok(()) => Delivery::Taken,
