@@ -14,11 +14,11 @@ use kvferry::machines::common::BlockId;
 use kvferry::machines::{Phase, TransferId};
 use kvferry::node::{Event, EventSink, Node, PrefillTarget, Role};
 use kvferry_testkit::demo_timeouts;
-use kvferry_testkit::synth::{SynthKv, GROUP_POSITIONS};
+use kvferry_testkit::synth::SynthKv;
 
 use crate::demo::{print_report, DemoReport};
 use crate::prefill::{install_signal_handlers, stop_requested, RankArgs};
-use crate::shape::{DemoOptions, ModelArgs};
+use crate::shape::{slot_blocks, DemoOptions, ModelArgs};
 
 /// The options of `kvferry decode`.
 #[derive(Clone, Debug, Args)]
@@ -140,17 +140,9 @@ struct Pull<'a> {
 }
 
 impl Pull<'_> {
-    /// The blocks of request slot `slot`.
     /// Per group, the blocks of request slot `slot`.
     fn blocks(&self, slot: u64) -> Vec<Vec<u32>> {
-        let (b, groups) = (u64::from(self.b), u64::from(self.groups));
-        (0..groups)
-            .map(|g| {
-                (0..b)
-                    .map(|i| ((slot * groups + g) * b + i) as u32)
-                    .collect()
-            })
-            .collect()
+        slot_blocks(self.b, self.groups as usize, slot)
     }
 
     /// Runs every request to its end, or until a signal asked to stop and
@@ -216,13 +208,10 @@ impl Pull<'_> {
         let report = &mut self.report;
         match phase {
             Phase::Success => {
-                // Group `g`'s pattern starts at `g · GROUP_POSITIONS`, as
-                // `kvferry prefill` fills it.
+                // The pattern `kvferry prefill` fills (`fill_groups`).
                 let kv = self.kv;
-                let bad = blocks.iter().enumerate().any(|(g, l)| {
-                    kv.verify(TransferId(tid), l, g as u64 * GROUP_POSITIONS)
-                        .is_err()
-                });
+                let none = vec![0; blocks.len()];
+                let bad = kv.verify_groups(TransferId(tid), &blocks, &none).is_err();
                 report.verify_errors += u64::from(bad);
                 report.ok += 1;
                 report.bytes += kv.block_bytes() * u64::from(self.b) * u64::from(self.groups);

@@ -14,7 +14,7 @@ use kvferry::machines::{Phase, TransferId};
 use kvferry_testkit::synth::Cluster;
 
 use crate::cli::DemoArgs;
-use crate::shape::{cluster_spec, with_default, DemoOptions};
+use crate::shape::{cluster_spec, slot_blocks, with_default, DemoOptions};
 
 /// The options of `kvferry demo` that the soak does not take.
 #[derive(Clone, Debug, Args)]
@@ -93,19 +93,6 @@ pub struct PrefillReport {
     /// The longest any prefill rank held a request's blocks after the
     /// request ended on decode (0 when every rank ended first).
     pub held_ms_max: f64,
-}
-
-/// Per group, the blocks of request slot `slot` (the same ids on both
-/// sides): `groups` runs of `per_group` blocks.
-fn slot_blocks(per_group: u32, groups: usize, slot: u64) -> Vec<Vec<u32>> {
-    let (b, groups) = (u64::from(per_group), groups as u64);
-    (0..groups)
-        .map(|g| {
-            (0..b)
-                .map(|i| ((slot * groups + g) * b + i) as u32)
-                .collect()
-        })
-        .collect()
 }
 
 /// Per group, the blocks of `all` that move (from the group's start).

@@ -18,7 +18,7 @@ use kvferry::machines::common::BlockId;
 use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, Role};
 use kvferry::TransferId;
 use kvferry_testkit::demo_timeouts;
-use kvferry_testkit::synth::{SynthKv, GROUP_POSITIONS};
+use kvferry_testkit::synth::SynthKv;
 
 use crate::shape::{DemoOptions, ModelArgs};
 
@@ -198,11 +198,8 @@ impl Serve<'_> {
             let groups: Vec<Vec<u32>> = (need.iter())
                 .map(|&n| (0..n).filter_map(|_| self.free.pop()).collect())
                 .collect();
-            // Group `g`'s pattern starts at `g · GROUP_POSITIONS`, where
-            // `kvferry decode` checks it.
-            for (g, blocks) in groups.iter().enumerate() {
-                self.kv.fill(tid, blocks, g as u64 * GROUP_POSITIONS);
-            }
+            // The pattern `kvferry decode` checks (`verify_groups`).
+            self.kv.fill_groups(tid, &groups);
             let lists = (groups.iter())
                 .map(|l| l.iter().map(|&b| BlockId(b)).collect())
                 .collect();

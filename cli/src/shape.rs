@@ -319,3 +319,16 @@ pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> 
         data_plane_messages: !o.zmq_only,
     })
 }
+
+/// Per group, the blocks of request slot `slot` (the same ids on both
+/// sides): `groups` runs of `per_group` blocks.
+pub fn slot_blocks(per_group: u32, groups: usize, slot: u64) -> Vec<Vec<u32>> {
+    let (b, groups) = (u64::from(per_group), groups as u64);
+    (0..groups)
+        .map(|g| {
+            (0..b)
+                .map(|i| ((slot * groups + g) * b + i) as u32)
+                .collect()
+        })
+        .collect()
+}

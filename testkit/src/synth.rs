@@ -454,6 +454,31 @@ impl SynthKv {
         unsafe { verify_blocks(&self.layout, transfer, blocks, first_position) }
     }
 
+    /// Fills each group's blocks with the pattern of `transfer`; group
+    /// `g`'s request positions start at `g · GROUP_POSITIONS`, so no two
+    /// groups share a pattern.
+    pub fn fill_groups(&self, transfer: TransferId, groups: &[Vec<u32>]) {
+        for (g, blocks) in groups.iter().enumerate() {
+            self.fill(transfer, blocks, g as u64 * GROUP_POSITIONS);
+        }
+    }
+
+    /// Verifies each group's blocks against [`SynthKv::fill_groups`]'
+    /// pattern; `skipped[g]` leading positions of group `g` were not
+    /// transferred.
+    pub fn verify_groups(
+        &self,
+        transfer: TransferId,
+        groups: &[Vec<u32>],
+        skipped: &[u32],
+    ) -> Result<(), VerifyError> {
+        for (g, (blocks, &s)) in groups.iter().zip(skipped).enumerate() {
+            let first = g as u64 * GROUP_POSITIONS + u64::from(s);
+            self.verify(transfer, blocks, first)?;
+        }
+        Ok(())
+    }
+
     /// Zeroes `blocks`.
     pub fn clear(&self, blocks: &[u32]) {
         self.check(blocks);
@@ -752,13 +777,10 @@ impl Cluster {
     }
 
     /// Fills each group's prefill blocks of `transfer` on every prefill
-    /// rank; group `g`'s positions start at `g · GROUP_POSITIONS`, so no two
-    /// groups share a pattern.
+    /// rank ([`SynthKv::fill_groups`]).
     pub fn fill_groups(&self, transfer: TransferId, src_blocks: &[Vec<u32>]) {
         for r in &self.prefill {
-            for (g, blocks) in src_blocks.iter().enumerate() {
-                r.kv.fill(transfer, blocks, g as u64 * GROUP_POSITIONS);
-            }
+            r.kv.fill_groups(transfer, src_blocks);
         }
     }
 
@@ -773,16 +795,7 @@ impl Cluster {
     ) -> usize {
         self.decode
             .iter()
-            .filter(|r| {
-                dst_blocks
-                    .iter()
-                    .zip(prefix)
-                    .enumerate()
-                    .any(|(g, (blocks, &p))| {
-                        let first = g as u64 * GROUP_POSITIONS + u64::from(p);
-                        r.kv.verify(transfer, blocks, first).is_err()
-                    })
-            })
+            .filter(|r| r.kv.verify_groups(transfer, dst_blocks, prefix).is_err())
             .count()
     }
 
