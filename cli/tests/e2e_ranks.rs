@@ -4,7 +4,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
+use kvferry::bootstrap::{BootstrapClient, BootstrapServer, QueryResponse, RetryPolicy};
 
 struct Proc(Child);
 
@@ -27,25 +27,33 @@ fn decode(addr: &str, dp_rank: &str) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-#[test]
-fn decode_pulls_from_the_prefill_engines_dp_rank_it_names() {
-    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
-    let addr = server.local_addr().to_string();
-    let _p = Proc(
+/// `kvferry prefill` of engine "p" with `extra` options, once the
+/// bootstrap service at `addr` lists it; what the service lists.
+fn prefill(addr: &str, extra: &[&str]) -> (Proc, QueryResponse) {
+    let p = Proc(
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["prefill", "--bootstrap", &addr, "--engine-id", "p"])
-            .args(["--dp-rank", "1", "--timeout-ms", "1500"])
+            .args(["prefill", "--bootstrap", addr, "--engine-id", "p"])
+            .args(["--timeout-ms", "1500"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
     );
-    let client = BootstrapClient::new(&addr).unwrap();
+    let client = BootstrapClient::new(addr).unwrap();
     let policy = RetryPolicy {
         deadline: Duration::from_secs(20),
         ..RetryPolicy::default()
     };
     let listed = client.wait_for_engine("p", 1, policy).unwrap();
+    (p, listed)
+}
+
+#[test]
+fn decode_pulls_from_the_prefill_engines_dp_rank_it_names() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let (_p, listed) = prefill(&addr, &["--dp-rank", "1"]);
     assert!(
         listed.contains_key(&1),
         "registered under dp rank 1: {listed:?}"
@@ -66,21 +74,7 @@ fn decode_pulls_from_the_prefill_engines_dp_rank_it_names() {
 fn decode_and_prefill_processes_move_several_kv_cache_groups() {
     let server = BootstrapServer::start("127.0.0.1:0").unwrap();
     let addr = server.local_addr().to_string();
-    let _p = Proc(
-        Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["prefill", "--bootstrap", &addr, "--engine-id", "p"])
-            .args(["--timeout-ms", "1500"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let client = BootstrapClient::new(&addr).unwrap();
-    let policy = RetryPolicy {
-        deadline: Duration::from_secs(20),
-        ..RetryPolicy::default()
-    };
-    client.wait_for_engine("p", 1, policy).unwrap();
+    let (_p, _) = prefill(&addr, &[]);
     // Transfer ids are never reused: each run has ids of its own.
     let run = |groups: &str, base: &str| -> serde_json::Value {
         let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
