@@ -103,6 +103,7 @@ fn spec(mode: Mode, timeouts: Config) -> ClusterSpec {
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 

@@ -44,6 +44,7 @@ fn spec(mode: Mode) -> ClusterSpec {
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 

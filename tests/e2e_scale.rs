@@ -134,6 +134,7 @@ fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     };
     kvferry_testkit::init_tracing();
     let c = Cluster::start(&spec).unwrap();

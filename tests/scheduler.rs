@@ -841,6 +841,7 @@ fn e2e_spec() -> ClusterSpec {
         bootstrap: Some("127.0.0.1:0".into()),
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 

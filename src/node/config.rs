@@ -135,6 +135,12 @@ pub struct NodeConfig {
     /// bridge, executor). Off: everything goes over ZeroMQ, and peers that
     /// try are refused and fall back to it.
     pub data_plane_messages: bool,
+    /// Fault injection, for tests and `kvferry demo --drop-control-ppm`:
+    /// this share (parts per million) of the control messages the machines
+    /// emit is dropped instead of sent, whatever channel would carry it
+    /// (side channel, data-plane notification, a write's status trailer),
+    /// so that resending can be seen to recover them. 0 in production.
+    pub drop_control_ppm: u32,
     /// Where the node reports events as they happen, for a program that
     /// blocks on a channel instead of polling; `None` for an engine that
     /// polls (the handles' `poll`/`wait`, or [`Node::get_finished`]).
@@ -244,6 +250,7 @@ impl NodeConfig {
             max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
             data_plane_messages: true,
+            drop_control_ppm: 0,
             events: None,
         }
     }

@@ -230,9 +230,10 @@ fn new_shared(
     bridge_tx: flume::Sender<bridge::BridgeCmd>,
 ) -> Result<Arc<Shared>, NodeError> {
     let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
+    let node_id = NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed);
     Ok(Arc::new(Shared {
         role: config.role,
-        node_id: NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed),
+        node_id,
         config: config.clone(),
         local: OnceLock::new(),
         endpoint: OnceLock::new(),
@@ -245,6 +246,8 @@ fn new_shared(
         bridge_tx,
         waker,
         create_lock: Mutex::new(()),
+        // Any nonzero seed; distinct per node.
+        fault_dice: AtomicU64::new(0x9E37_79B9_7F4A_7C15 ^ node_id),
         terminal_seq: Mutex::new(TerminalSeq::default()),
         terminal_cv: Condvar::new(),
     }))

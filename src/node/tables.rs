@@ -16,7 +16,7 @@
 //! | `records` (final phases) | executor | engine threads (`poll`, `get_finished`) |
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,8 @@ pub(crate) struct Shared {
     pub create_lock: Mutex<()>,
     /// Bumped on every terminal phase, and signalled when a `wait` is
     /// waiting (a wake-up with nobody to wake is a system call per request).
+    /// State of the fault-injection dice (`NodeConfig::drop_control_ppm`).
+    pub(crate) fault_dice: AtomicU64,
     pub(crate) terminal_seq: Mutex<TerminalSeq>,
     pub(crate) terminal_cv: Condvar,
 }
@@ -322,6 +324,26 @@ impl Shared {
                 false
             }
         }
+    }
+
+    /// Fault injection: true for the share `drop_control_ppm` of calls,
+    /// from a per-node xorshift sequence (never true when it is 0).
+    pub(crate) fn drops_control(&self) -> bool {
+        let ppm = self.config.drop_control_ppm;
+        if ppm == 0 {
+            return false;
+        }
+        let step = |mut x: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let prev = self
+            .fault_dice
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |x| Some(step(x)))
+            .unwrap_or_else(|x| x);
+        step(prev) % 1_000_000 < u64::from(ppm)
     }
 
     /// The recorded final phase of a transfer that ended here.

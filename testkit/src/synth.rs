@@ -534,6 +534,8 @@ pub struct ClusterSpec {
     pub spin: Option<std::time::Duration>,
     /// [`kvferry::node::NodeConfig::data_plane_messages`] of every node.
     pub data_plane_messages: bool,
+    /// [`kvferry::node::NodeConfig::drop_control_ppm`] of every node.
+    pub drop_control_ppm: u32,
 }
 
 /// One rank: its node and its synthetic KV memory. The node is shut down
@@ -583,6 +585,7 @@ fn node_config(
         tx: events.clone(),
     });
     c.data_plane_messages = spec.data_plane_messages;
+    c.drop_control_ppm = spec.drop_control_ppm;
     if let Some(spin) = spec.spin {
         c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
     }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{Msg, PeerId};
+use kvferry_machines::common::{late_answer, Msg, PeerId};
 use kvferry_machines::planner::{PairLayout, TpPair};
 use kvferry_machines::recv::{RecvMachine, ResolvedPeer};
 use kvferry_machines::send::SendMachine;
@@ -662,7 +662,9 @@ impl Bridge {
     }
 
     /// We do not know (or no longer know) this transfer: tell the peer at
-    /// once so it does not wait out its deadline.
+    /// once so it does not wait out its deadline, by the machines' rule
+    /// ([`late_answer`]): after a success, the ended machine's last words
+    /// again; otherwise an `Abort` to whoever wants to touch its blocks.
     fn answer_unknown(&mut self, peer: u32, tid: TransferId, msg: Msg) {
         // The machine's own last words (a `Status`, `Done` or `Abort`) are
         // queued before its phase turned terminal; send them first so our
@@ -673,35 +675,26 @@ impl Bridge {
             }
             self.drain_commands();
         }
-        let answer = match msg {
-            Msg::Abort => Some(Msg::AbortAck),
-            // Lease returns and final words need no answer, and a grant we
-            // no longer need lapses on its own.
-            Msg::AbortAck
-            | Msg::Status { .. }
-            | Msg::Done { .. }
-            | Msg::LeaseGrant { .. }
-            | Msg::Unneeded
-            | Msg::NotPaired => None,
-            // Someone wants to start (or keep) touching blocks of a transfer
-            // we do not have: stop it now rather than at its deadline.
-            Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
+        let outcome = (self.handle.poll(tid))
+            .filter(|p| p.is_terminal())
+            .or_else(|| self.shared.finished_phase(tid));
+        let Some(answer) = late_answer(&msg, self.shared.config.mode, outcome) else {
+            return;
         };
-        if let Some(a) = answer {
-            tracing::debug!(
-                ?tid,
-                peer,
-                ?a,
-                "answering a message for an unknown or finished transfer"
-            );
-            self.send_frame(
-                peer,
-                &Frame::Transfer {
-                    transfer_id: tid,
-                    msg: a,
-                },
-            );
-        }
+        tracing::debug!(
+            ?tid,
+            peer,
+            ?answer,
+            "answering a message for an unknown or finished transfer"
+        );
+        Counters::inc(&self.shared.counters.late_answers);
+        self.send_frame(
+            peer,
+            &Frame::Transfer {
+                transfer_id: tid,
+                msg: answer,
+            },
+        );
     }
 
     fn on_tick(&mut self) {

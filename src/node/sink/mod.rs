@@ -466,7 +466,16 @@ where
         let count = descs.len() as u64;
         let poster = self.poster.clone();
         let shared = self.shared.clone();
-        let note = self.status_note(tid, &endpoint, status_after);
+        let mut note = self.status_note(tid, &endpoint, status_after);
+        // Fault injection: the `Status` rides nowhere, and the machine,
+        // told it was carried, does not send it either: it is lost.
+        let lost = note.is_some() && self.shared.drops_control();
+        if lost {
+            note = None;
+            let c = &shared.counters;
+            c.dropped_trailer.fetch_add(1, Ordering::Relaxed);
+        }
+        let uncarried = uncarried.filter(|_| !lost);
         let coalesce = transport.coalesce_small_batches()
             && batches.len() == 1
             && descs.len() <= COALESCE_MAX_DESCS
@@ -622,16 +631,34 @@ fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
     }
 }
 
+impl Sink<SendMachine> {
+    fn send_from_p(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
+        // Pull mode: D ranks read these blocks from our endpoint (opened
+        // once: a resent `Ready` names blocks its first sending opened).
+        if let (Msg::Ready { src_blocks, .. }, false) = (&msg, resent) {
+            self.open_blocks(tid, src_blocks);
+        }
+        self.msgr.send_msg(tid, peer, msg, resent)
+    }
+}
+
+impl Sink<RecvMachine> {
+    fn send_from_d(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
+        // Push mode: P ranks write these blocks through our endpoint.
+        if let Msg::Pull { dst_blocks, .. } = &msg {
+            if !self.opened.contains_key(&tid) {
+                self.open_blocks(tid, dst_blocks);
+            }
+        }
+        self.msgr.send_msg(tid, peer, msg, resent)
+    }
+}
+
 impl ActionSink<SendMachine> for Sink<SendMachine> {
     fn execute(&mut self, tid: TransferId, action: send::Action) {
         match action {
-            send::Action::Send { peer, msg } => {
-                // Pull mode: D ranks read these blocks from our endpoint.
-                if let Msg::Ready { src_blocks, .. } = &msg {
-                    self.open_blocks(tid, src_blocks);
-                }
-                self.msgr.send_msg(tid, peer, msg)
-            }
+            send::Action::Send { peer, msg } => self.send_from_p(tid, peer, msg, false),
+            send::Action::Resend { peer, msg } => self.send_from_p(tid, peer, msg, true),
             send::Action::Write {
                 peer,
                 chunk,
@@ -666,15 +693,8 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
 impl ActionSink<RecvMachine> for Sink<RecvMachine> {
     fn execute(&mut self, tid: TransferId, action: recv::Action) {
         match action {
-            recv::Action::Send { peer, msg } => {
-                // Push mode: P ranks write these blocks through our endpoint.
-                if let Msg::Pull { dst_blocks, .. } = &msg {
-                    if !self.opened.contains_key(&tid) {
-                        self.open_blocks(tid, dst_blocks);
-                    }
-                }
-                self.msgr.send_msg(tid, peer, msg)
-            }
+            recv::Action::Send { peer, msg } => self.send_from_d(tid, peer, msg, false),
+            recv::Action::Resend { peer, msg } => self.send_from_d(tid, peer, msg, true),
             recv::Action::Read {
                 peer,
                 chunk,
