@@ -97,6 +97,8 @@ fn spec(mode: Mode, timeouts: Config) -> ClusterSpec {
         decode_blocks: BLOCKS,
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode,
         transport: TransportKind::Tcp,
         timeouts,

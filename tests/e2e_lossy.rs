@@ -32,6 +32,8 @@ fn spec(mode: Mode, p_tp: u32, d_tp: u32) -> ClusterSpec {
         decode_blocks: u64::from(4 * WAVE),
         prefill_tp: p_tp,
         decode_tp: d_tp,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode,
         transport: TransportKind::Tcp,
         timeouts: Config {

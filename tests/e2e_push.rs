@@ -46,6 +46,8 @@ fn spec(
         decode_blocks: 64,
         prefill_tp: p_tp,
         decode_tp: d_tp,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode,
         transport,
         timeouts: timeouts(),

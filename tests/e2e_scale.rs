@@ -124,6 +124,8 @@ fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
         decode_blocks: u64::from(IN_FLIGHT),
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode: Mode::Push,
         transport: TransportKind::Tcp,
         timeouts: Config {

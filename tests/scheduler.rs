@@ -824,6 +824,8 @@ fn e2e_spec() -> ClusterSpec {
         decode_blocks: 128,
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode: Mode::Push,
         transport: TransportKind::Tcp,
         timeouts: Config {

@@ -315,6 +315,8 @@ pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> 
         decode_blocks: blocks,
         prefill_tp: o.prefill_tp,
         decode_tp: o.decode_tp,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode: o.mode,
         transport: o.transport,
         timeouts: demo_timeouts(o.timeout_ms),

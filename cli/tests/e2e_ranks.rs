@@ -98,3 +98,29 @@ fn decode_and_prefill_processes_move_several_kv_cache_groups() {
     let bytes = |s: &serde_json::Value| s["bytes"].as_u64().unwrap();
     assert_eq!(bytes(&three), 3 * bytes(&one), "{one} {three}");
 }
+
+/// Two `kvferry prefill` processes, the two pipeline stages of engine "p"
+/// (each holding half of the layers), feed one `kvferry decode` process
+/// without pipeline parallelism: every layer's bytes verified on decode.
+#[test]
+fn decode_pulls_every_layer_from_two_prefill_stages() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let stage = ["--pp-size", "2", "--pp-rank"];
+    let (_p0, _) = prefill(&addr, &[&stage[..], &["0"]].concat());
+    let (_p1, listed) = prefill(&addr, &[&stage[..], &["1"]].concat());
+    // The second stage is listed once registered; wait for it.
+    let mut listed = listed;
+    let client = BootstrapClient::new(&addr).unwrap();
+    for _ in 0..200 {
+        if listed[&0].pp_size() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        listed = client.query(Some("p")).unwrap();
+    }
+    assert_eq!(listed[&0].pp_size(), 2, "{listed:?}");
+    let summary = decode(&addr, "0");
+    assert_eq!(summary["ok"], 5, "{summary}");
+    assert_eq!(summary["verify_errors"], 0, "{summary}");
+}

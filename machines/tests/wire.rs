@@ -227,6 +227,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                     tp_rank,
                     num_blocks,
                     regions,
+                    stage: kvferry_machines::layout::Stage::SINGLE,
                 },
                 endpoint,
             },
@@ -474,6 +475,7 @@ fn round_trip_edge_cases() {
                     };
                     REGIONS_MAX
                 ],
+                stage: kvferry_machines::layout::Stage::SINGLE,
             },
             endpoint: "x".repeat(l.max_string_bytes),
         }),
@@ -496,6 +498,7 @@ fn round_trip_edge_cases() {
                     block_len: 0,
                     kv_block_len: 0,
                 }],
+                stage: kvferry_machines::layout::Stage::SINGLE,
             },
             endpoint: String::new(),
         }),
@@ -1052,6 +1055,7 @@ fn hello_with(engine_id: String, endpoint: String, regions: usize) -> Frame {
                 };
                 regions
             ],
+            stage: kvferry_machines::layout::Stage::SINGLE,
         },
         endpoint,
     })
@@ -1356,6 +1360,7 @@ fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
                 };
                 regions
             ],
+            stage: kvferry_machines::layout::Stage::SINGLE,
         };
         Frame::Hello(h)
     };

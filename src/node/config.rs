@@ -38,11 +38,14 @@ pub enum PrefillTarget {
         /// Its data-parallel rank, as it registered.
         dp_rank: u32,
     },
-    /// The side-channel addresses of every prefill rank, by TP rank.
+    /// The side-channel addresses of every prefill rank.
     Direct {
         /// Prefill TP size.
         tp_size: u32,
-        /// `tcp://host:port` per prefill TP rank.
+        /// Prefill PP size (1 without pipeline parallelism).
+        pp_size: u32,
+        /// `tcp://host:port` per prefill rank, stage by stage: the rank of
+        /// TP rank `t` in stage `s` is at `s · tp_size + t`.
         side_channels: Vec<String>,
     },
 }
@@ -60,6 +63,13 @@ pub struct NodeConfig {
     pub tp_size: u32,
     /// This node's TP rank.
     pub tp_rank: u32,
+    /// Pipeline-parallel size of the engine (1: none). A prefill engine
+    /// with stages feeds a decode engine with the same PP size (stage to
+    /// stage) or none (every stage to each decode rank).
+    pub pp_size: u32,
+    /// This node's pipeline stage; it registers the regions of its
+    /// layers ([`KvLayout::first_region`]).
+    pub pp_rank: u32,
     /// Push (P writes) or pull (D reads); both sides must agree.
     pub mode: Mode,
     /// Data plane.
@@ -226,6 +236,8 @@ impl NodeConfig {
             dp_rank: 0,
             tp_size: 1,
             tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
             mode: Mode::Push,
             transport: TransportKind::Tcp,
             host: "127.0.0.1".into(),
@@ -263,6 +275,11 @@ pub struct KvLayout {
     pub model: ModelSpec,
     /// Blocks per region.
     pub num_blocks: u64,
-    /// One region per layer and K/V (per layer for MLA), same order on P and D.
+    /// One region per layer and K/V (per layer for MLA), in the model's
+    /// order on P and D; a pipeline stage registers its layers' only.
     pub regions: Vec<Region>,
+    /// Index, in the model's region order, of the first region registered
+    /// (0 without pipeline parallelism; with it, the regions of the layers
+    /// before this stage's first).
+    pub first_region: u32,
 }

@@ -90,6 +90,14 @@ pub enum Misuse {
         /// The configured size.
         tp_size: u32,
     },
+    /// `pp_rank` is not below `pp_size`.
+    #[error("pp_rank {pp_rank} outside pp_size {pp_size}")]
+    PpRank {
+        /// The configured stage.
+        pp_rank: u32,
+        /// The configured size.
+        pp_size: u32,
+    },
     /// A bound of [`super::NodeConfig`] that must be positive is 0.
     #[error("{0} must be positive")]
     ZeroBound(&'static str),

@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 pub use kvferry_machines::common::{
     AbortReason, BlockId, BlockLists, Config as Timeouts, FailReason, Mode, Phase, TransferId,
 };
-pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
+pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send;
@@ -206,6 +206,13 @@ fn check_config(config: &NodeConfig) -> Result<(), NodeError> {
         return Err(Misuse::TpRank {
             tp_rank: config.tp_rank,
             tp_size: config.tp_size,
+        }
+        .into());
+    }
+    if config.pp_size == 0 || config.pp_rank >= config.pp_size {
+        return Err(Misuse::PpRank {
+            pp_rank: config.pp_rank,
+            pp_size: config.pp_size,
         }
         .into());
     }
@@ -401,6 +408,11 @@ impl Node {
             tp_rank: s.config.tp_rank,
             num_blocks: layout.num_blocks,
             regions: layout.regions.clone(),
+            stage: Stage {
+                pp_size: s.config.pp_size,
+                pp_rank: s.config.pp_rank,
+                first_region: layout.first_region,
+            },
         };
         // Checked now so a bad layout is the caller's error, not every
         // peer's: a pair with itself exercises the same validation.

@@ -39,7 +39,7 @@ pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_cha
         engine_id: config.engine_id.clone(),
         dp_rank: config.dp_rank,
         tp_rank: config.tp_rank,
-        pp_rank: 0,
+        pp_rank: config.pp_rank,
         addr: side_channel,
     };
     let spawned = std::thread::Builder::new().name("kvferry-register".into()).spawn(move || {

@@ -30,6 +30,10 @@ pub struct NodeSettings {
     pub tp_size: Option<u32>,
     /// [`NodeConfig::tp_rank`].
     pub tp_rank: Option<u32>,
+    /// [`NodeConfig::pp_size`].
+    pub pp_size: Option<u32>,
+    /// [`NodeConfig::pp_rank`].
+    pub pp_rank: Option<u32>,
     /// `"push"` or `"pull"`.
     pub mode: Option<ModeSetting>,
     /// `"tcp"` or `"local"`.
@@ -251,6 +255,8 @@ impl NodeSettings {
         set(&mut c.dp_rank, self.dp_rank);
         set(&mut c.tp_size, self.tp_size);
         set(&mut c.tp_rank, self.tp_rank);
+        set(&mut c.pp_size, self.pp_size);
+        set(&mut c.pp_rank, self.pp_rank);
         if let Some(m) = self.mode {
             c.mode = match m {
                 ModeSetting::Push => Mode::Push,
@@ -357,6 +363,8 @@ const KEYS: &[(&str, Kind)] = &[
     ("dp_rank", Kind::Number),
     ("tp_size", Kind::Number),
     ("tp_rank", Kind::Number),
+    ("pp_size", Kind::Number),
+    ("pp_rank", Kind::Number),
     ("mode", Kind::Text),
     ("transport", Kind::Text),
     ("host", Kind::Text),

@@ -75,7 +75,7 @@ pub(crate) enum BridgeCmd {
     /// Result of a bootstrap query started by the bridge.
     Directory {
         target: PrefillTarget,
-        result: Result<(u32, Vec<String>), LookupError>,
+        result: Result<EngineRanks, LookupError>,
     },
     /// Stop the thread.
     Stop,
@@ -208,8 +208,20 @@ impl Slot {
 
 enum Dir {
     Querying,
-    Known(u32, Vec<String>),
+    Known(EngineRanks),
     Failed(Instant),
+}
+
+/// The side channels of a prefill engine's ranks, as the bootstrap service
+/// or a direct target names them.
+#[derive(Clone, Debug)]
+pub(crate) struct EngineRanks {
+    /// TP size.
+    tp: u32,
+    /// PP size.
+    pp: u32,
+    /// By rank: stage `s`, TP rank `t` at `s · tp + t`.
+    addrs: Vec<String>,
 }
 
 struct Pending {
@@ -332,7 +344,7 @@ impl Bridge {
                 }
                 BridgeCmd::Directory { target, result } => {
                     let entry = match result {
-                        Ok((tp, addrs)) => Dir::Known(tp, addrs),
+                        Ok(ranks) => Dir::Known(ranks),
                         Err(e) => {
                             tracing::warn!(?target, %e, "bootstrap query failed; retrying");
                             Dir::Failed(Instant::now())

@@ -211,7 +211,7 @@ impl Bridge {
         if !addr.is_empty() {
             // A replacement may register elsewhere: ask again next time.
             self.directory.retain(|_, d| match d {
-                Dir::Known(_, addrs) => !addrs.contains(&addr),
+                Dir::Known(ranks) => !ranks.addrs.contains(&addr),
                 Dir::Querying | Dir::Failed(_) => true,
             });
         }
