@@ -263,6 +263,27 @@ fn parse_host(host: &str) -> Result<Host, ResolveError> {
 /// test injects to change the answer between two connection attempts.
 pub type LookupFn = dyn Fn(&str, u16) -> io::Result<Vec<SocketAddr>> + Send + Sync;
 
+/// A [`LookupFn`] a node is configured with
+/// ([`NodeConfig::lookup`](crate::node::NodeConfig::lookup)) instead of the
+/// system's resolver: a test moves a name between two addresses with it.
+#[derive(Clone)]
+pub struct HostLookup(Arc<LookupFn>);
+
+impl HostLookup {
+    /// Looks names up with `lookup`.
+    pub fn new(
+        lookup: impl Fn(&str, u16) -> io::Result<Vec<SocketAddr>> + Send + Sync + 'static,
+    ) -> HostLookup {
+        HostLookup(Arc::new(lookup))
+    }
+}
+
+impl fmt::Debug for HostLookup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("HostLookup(..)")
+    }
+}
+
 /// Resolves [`HostPort`]s with a bounded wait (see the module docs).
 /// Cheap to clone; clones share the bound on concurrent lookups.
 #[derive(Clone)]
@@ -314,6 +335,19 @@ impl Resolver {
             timeout,
             lookup: Arc::new(lookup),
             in_flight: Arc::default(),
+        }
+    }
+
+    /// A resolver that asks `lookup` (see [`HostLookup`]), or the system
+    /// when it is `None`, waiting `timeout` for each lookup.
+    pub fn configured(timeout: Duration, lookup: Option<&HostLookup>) -> Resolver {
+        match lookup {
+            Some(l) => Resolver {
+                timeout,
+                lookup: l.0.clone(),
+                in_flight: Arc::default(),
+            },
+            None => Resolver::system(timeout),
         }
     }
 

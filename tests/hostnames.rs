@@ -17,7 +17,7 @@ use kvferry::node::{
     AbortReason, BlockId, DataPlaneError, FailReason, Node, NodeConfig, NodeError, Phase,
     PrefillTarget, Role, TransferId,
 };
-use kvferry::resolve::{ResolveError, Resolver};
+use kvferry::resolve::{HostLookup, ResolveError, Resolver};
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::SynthKv;
 
@@ -279,4 +279,52 @@ fn a_name_is_looked_up_again_after_a_failed_connection() {
     client.register(&req, policy).unwrap();
     assert_eq!(server.registered(), 1);
     assert_eq!(lookups.load(Ordering::SeqCst), 2, "one lookup per attempt");
+}
+
+#[test]
+fn a_prefill_rank_that_moved_is_reached_again_by_its_name() {
+    // Where "prefill-0.kvferry.svc" points: the test moves it.
+    let at: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let (a, n) = (at.clone(), lookups.clone());
+    let lookup = HostLookup::new(move |host, port| {
+        if host != "prefill-0.kvferry.svc" {
+            return Resolver::default()
+                .resolve_str(&format!("{host}:{port}"))
+                .map(|a| vec![a])
+                .map_err(std::io::Error::other);
+        }
+        n.fetch_add(1, Ordering::SeqCst);
+        Ok(a.lock().unwrap().iter().copied().collect())
+    });
+    let side_channel = |e: &Engine| -> SocketAddr {
+        let addr = e.node.side_channel_addr();
+        addr.strip_prefix("tcp://").unwrap().parse().unwrap()
+    };
+    let mut pc = config(Role::Prefill, "p");
+    pc.host = "127.0.0.1".into();
+    let p1 = Engine::start(pc.clone());
+    *at.lock().unwrap() = Some(side_channel(&p1));
+    let mut dc = config(Role::Decode, "d");
+    dc.lookup = Some(lookup);
+    dc.probe_interval = Some(Duration::from_millis(20));
+    let d = Engine::start(dc);
+    // The port in the name's address is the lookup's, not this one.
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        side_channels: vec!["tcp://prefill-0.kvferry.svc:1".into()],
+    };
+    assert_eq!(transfer(&p1, &d, &target, TransferId(1)), Phase::Success);
+    // The rank restarts elsewhere (another port), under the same name.
+    drop(p1);
+    let p2 = Engine::start(pc);
+    *at.lock().unwrap() = Some(side_channel(&p2));
+    let before = lookups.load(Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while d.node.stats().peer_recoveries == 0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", d.node.stats());
+        std::thread::yield_now();
+    }
+    assert!(lookups.load(Ordering::SeqCst) > before, "looked up again");
+    assert_eq!(transfer(&p2, &d, &target, TransferId(2)), Phase::Success);
 }

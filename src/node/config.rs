@@ -97,6 +97,9 @@ pub struct NodeConfig {
     /// connection attempt or probe looks the name up again. At most
     /// [`MAX_RESOLVE_TIMEOUT`](crate::resolve::MAX_RESOLVE_TIMEOUT).
     pub resolve_timeout: Duration,
+    /// How host names are looked up; `None`, the system's resolver
+    /// (/etc/hosts, then DNS). A test moves a name with it.
+    pub lookup: Option<crate::resolve::HostLookup>,
     /// How often decode says hello again to a prefill peer that is dead
     /// or has not answered yet (and looks its name up again); `None`:
     /// every `timeouts.heartbeat_interval`. Between 1 ms and
@@ -225,6 +228,12 @@ impl NodeConfig {
             .unwrap_or(self.timeouts.heartbeat_interval)
     }
 
+    /// The resolver every lookup of the node uses: `lookup` (or the
+    /// system's) bounded by `resolve_timeout`.
+    pub fn resolver(&self) -> crate::resolve::Resolver {
+        crate::resolve::Resolver::configured(self.resolve_timeout, self.lookup.as_ref())
+    }
+
     /// Defaults for one rank (TP 1, push mode, TCP on loopback, ephemeral ports).
     pub fn new(role: Role, engine_id: impl Into<String>) -> NodeConfig {
         let reactor = ReactorConfig {
@@ -256,6 +265,7 @@ impl NodeConfig {
             timeouts: Timeouts::default(),
             resolve_timeout: crate::resolve::DEFAULT_RESOLVE_TIMEOUT,
             probe_interval: None,
+            lookup: None,
             reactor,
             frame_limits: wire::Limits::default(),
             batch_limits: BatchLimits::default(),

@@ -259,7 +259,8 @@ fn in_range(
 /// The address the node binds: its `host`, resolved once here (on the
 /// caller's thread, not on the executor, which binds the data plane).
 fn bind_ip(config: &NodeConfig) -> Result<std::net::IpAddr, NodeError> {
-    crate::resolve::Resolver::system(config.resolve_timeout)
+    config
+        .resolver()
         .resolve_host(&config.host)
         .map_err(|source| {
             DataPlaneError::BadHost {

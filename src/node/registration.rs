@@ -5,7 +5,6 @@ use super::{NodeConfig, NodeError};
 use crate::bootstrap::{
     BootstrapClient, BootstrapServer, MetricsSource, RegisterRequest, RetryPolicy, ServerConfig,
 };
-use crate::resolve::Resolver;
 
 /// The bootstrap service embedded in a prefill node.
 pub(crate) struct EmbeddedBootstrap {
@@ -43,7 +42,7 @@ pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_cha
         pp_rank: 0,
         addr: side_channel,
     };
-    let resolver = Resolver::system(config.resolve_timeout);
+    let resolver = config.resolver();
     let spawned = std::thread::Builder::new().name("kvferry-register".into()).spawn(move || {
         let result = BootstrapClient::new(&addr)
             .and_then(|c| c.with_resolver(resolver).register(&req, RetryPolicy::default()));

@@ -141,7 +141,7 @@ impl BridgeThread {
         let silence_max = t.heartbeat_interval * t.heartbeat_misses.max(1);
         let bridge = Bridge {
             liveness: Liveness::new(silence_max),
-            resolver: crate::resolve::Resolver::system(shared.config.resolve_timeout),
+            resolver: shared.config.resolver(),
             heartbeat: Every::new(heartbeat, now),
             probe: Every::new(probe, now),
             shared,
