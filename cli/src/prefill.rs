@@ -51,7 +51,8 @@ pub struct PrefillArgs {
 /// options `prefill` and `decode` share.
 #[derive(Clone, Debug, Args)]
 pub struct RankArgs {
-    /// Address of the bootstrap service.
+    /// Address of the bootstrap service (HOST:PORT; the host may be a
+    /// name, looked up again at every attempt).
     #[arg(long, value_name = "ADDR")]
     pub bootstrap: String,
     /// TP size of this engine.
@@ -70,7 +71,8 @@ pub struct RankArgs {
     /// This rank's pipeline stage.
     #[arg(long, value_name = "R", default_value_t = 0)]
     pub pp_rank: u32,
-    /// Host other ranks reach this one at [default: the node's, 127.0.0.1].
+    /// Host other ranks reach this one at, an IP address or a name (bound
+    /// at its address, advertised as given) [default: the node's, 127.0.0.1].
     #[arg(long, value_name = "HOST")]
     pub host: Option<String>,
 }

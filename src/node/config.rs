@@ -1,6 +1,8 @@
 //! What a node is configured with: its role, its peers' whereabouts, its
 //! bounds and its tuning, and the layout of the memory it registers.
 
+use std::time::Duration;
+
 use kvferry_machines::common::{Config as Timeouts, Mode, Phase, TransferId};
 use kvferry_machines::layout::{BatchLimits, ModelSpec, Region};
 use kvferry_machines::wire;
@@ -74,7 +76,11 @@ pub struct NodeConfig {
     pub mode: Mode,
     /// Data plane.
     pub transport: TransportKind,
-    /// Host to bind the side channel and the TCP transport on.
+    /// Host to bind the side channel and the TCP transport on: an IP
+    /// address or a name. A name is resolved once at [`Node::start`](super::Node::start)
+    /// (within `resolve_timeout`) for binding, and advertised as it is
+    /// (in the hello and the bootstrap registration), so peers resolve it
+    /// themselves and find the node again after a restart moved it.
     pub host: String,
     /// Side-channel port of a prefill rank; 0 picks a free one.
     pub side_channel_port: u16,
@@ -95,6 +101,20 @@ pub struct NodeConfig {
     /// Timeouts and bounds of the machines; `heartbeat_interval` and
     /// `heartbeat_misses` also drive peer liveness.
     pub timeouts: Timeouts,
+    /// Longest wait for one host-name lookup (this node's `host`, the
+    /// bootstrap service, a peer's side channel or data-plane endpoint);
+    /// past it the attempt fails with a typed timeout and the next
+    /// connection attempt or probe looks the name up again. At most
+    /// [`MAX_RESOLVE_TIMEOUT`](crate::resolve::MAX_RESOLVE_TIMEOUT).
+    pub resolve_timeout: Duration,
+    /// How host names are looked up; `None`, the system's resolver
+    /// (/etc/hosts, then DNS). A test moves a name with it.
+    pub lookup: Option<crate::resolve::HostLookup>,
+    /// How often decode says hello again to a prefill peer that is dead
+    /// or has not answered yet (and looks its name up again); `None`:
+    /// every `timeouts.heartbeat_interval`. Between 1 ms and
+    /// `timeouts.bootstrap_timeout`.
+    pub probe_interval: Option<Duration>,
     /// The reactor (exactly one executor: one rank is one device).
     pub reactor: ReactorConfig,
     /// Side-channel frame bounds.
@@ -217,6 +237,19 @@ pub enum EventKind {
 pub const DECODE_YIELD_BELOW: usize = 8;
 
 impl NodeConfig {
+    /// How often the bridge probes a dead or silent peer
+    /// ([`NodeConfig::probe_interval`], else the heartbeat interval).
+    pub fn probe_every(&self) -> Duration {
+        self.probe_interval
+            .unwrap_or(self.timeouts.heartbeat_interval)
+    }
+
+    /// The resolver every lookup of the node uses: `lookup` (or the
+    /// system's) bounded by `resolve_timeout`.
+    pub fn resolver(&self) -> crate::resolve::Resolver {
+        crate::resolve::Resolver::configured(self.resolve_timeout, self.lookup.as_ref())
+    }
+
     /// Defaults for one rank (TP 1, push mode, TCP on loopback, ephemeral ports).
     pub fn new(role: Role, engine_id: impl Into<String>) -> NodeConfig {
         let reactor = ReactorConfig {
@@ -248,6 +281,9 @@ impl NodeConfig {
             serve_bootstrap: None,
             metrics_listen: None,
             timeouts: Timeouts::default(),
+            resolve_timeout: crate::resolve::DEFAULT_RESOLVE_TIMEOUT,
+            probe_interval: None,
+            lookup: None,
             reactor,
             frame_limits: wire::Limits::default(),
             batch_limits: BatchLimits::default(),

@@ -101,6 +101,19 @@ pub enum Misuse {
     /// A bound of [`super::NodeConfig`] that must be positive is 0.
     #[error("{0} must be positive")]
     ZeroBound(&'static str),
+    /// A duration of [`super::NodeConfig`] outside the range the node
+    /// accepts.
+    #[error("{setting} of {value:?} outside {min:?}..={max:?}")]
+    OutOfRange {
+        /// The field.
+        setting: &'static str,
+        /// Its value.
+        value: std::time::Duration,
+        /// The least accepted.
+        min: std::time::Duration,
+        /// The most accepted.
+        max: std::time::Duration,
+    },
     /// `register_kv_caches` was called a second time.
     #[error("register_kv_caches called twice")]
     RegisteredTwice,
@@ -131,14 +144,15 @@ pub enum Misuse {
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum DataPlaneError {
-    /// `NodeConfig::host` is not an IP address.
+    /// `NodeConfig::host` is neither an IP address nor a name that
+    /// resolves within `resolve_timeout`.
     #[error("bad host {host:?}: {source}")]
     BadHost {
         /// The configured host.
         host: String,
-        /// Why it does not parse.
+        /// Why it does not parse or resolve.
         #[source]
-        source: std::net::AddrParseError,
+        source: crate::resolve::ResolveError,
     },
     /// The node's executor has no transport endpoint (it failed to start).
     #[error("the node has no transport endpoint")]

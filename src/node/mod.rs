@@ -228,12 +228,60 @@ fn check_config(config: &NodeConfig) -> Result<(), NodeError> {
         )
         .into());
     }
+    let ms = Duration::from_millis(1);
+    in_range(
+        "resolve_timeout",
+        config.resolve_timeout,
+        ms,
+        crate::resolve::MAX_RESOLVE_TIMEOUT,
+    )?;
+    // A probe later than the bootstrap timeout would come after the
+    // requests waiting for the peer expired. Unset, probes follow the
+    // heartbeat, which is checked as it always was.
+    if let Some(probe) = config.probe_interval {
+        let probe_max = config.timeouts.bootstrap_timeout.max(ms);
+        in_range("probe_interval", probe, ms, probe_max)?;
+    }
     Ok(())
+}
+
+fn in_range(
+    setting: &'static str,
+    value: Duration,
+    min: Duration,
+    max: Duration,
+) -> Result<(), NodeError> {
+    if (min..=max).contains(&value) {
+        return Ok(());
+    }
+    Err(Misuse::OutOfRange {
+        setting,
+        value,
+        min,
+        max,
+    }
+    .into())
+}
+
+/// The address the node binds: its `host`, resolved once here (on the
+/// caller's thread, not on the executor, which binds the data plane).
+fn bind_ip(config: &NodeConfig) -> Result<std::net::IpAddr, NodeError> {
+    config
+        .resolver()
+        .resolve_host(&config.host)
+        .map_err(|source| {
+            DataPlaneError::BadHost {
+                host: config.host.clone(),
+                source,
+            }
+            .into()
+        })
 }
 
 /// The state the engine threads, the executor and the bridge share.
 fn new_shared(
     config: &NodeConfig,
+    bind_ip: std::net::IpAddr,
     bridge_tx: flume::Sender<bridge::BridgeCmd>,
 ) -> Result<Arc<Shared>, NodeError> {
     let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
@@ -242,6 +290,7 @@ fn new_shared(
         role: config.role,
         node_id,
         config: config.clone(),
+        bind_ip,
         local: OnceLock::new(),
         endpoint: OnceLock::new(),
         peers: Mutex::new(Peers::default()),
@@ -328,8 +377,9 @@ impl Node {
     /// registration at the bootstrap service.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         check_config(&config)?;
+        let bind_ip = bind_ip(&config)?;
         let (bridge_tx, bridge_rx) = flume::bounded(config.bridge_queue_capacity);
-        let shared = new_shared(&config, bridge_tx)?;
+        let shared = new_shared(&config, bind_ip, bridge_tx)?;
         let (engine, handle) = start_engine(&shared, &config)?;
         let (bootstrap_server, metrics_server) = start_servers(&shared, &config)?;
         let (bridge, side_channel) =
@@ -372,8 +422,9 @@ impl Node {
         self.inner.shared.role
     }
 
-    /// The side-channel address peers connect to (`tcp://host:port`;
-    /// decode ranks have none and return an empty string).
+    /// The side-channel address peers connect to (`tcp://host:port`, with
+    /// the configured host when it is a name; decode ranks have none and
+    /// return an empty string).
     pub fn side_channel_addr(&self) -> String {
         self.inner.side_channel.clone()
     }

@@ -42,9 +42,10 @@ pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_cha
         pp_rank: config.pp_rank,
         addr: side_channel,
     };
+    let resolver = config.resolver();
     let spawned = std::thread::Builder::new().name("kvferry-register".into()).spawn(move || {
         let result = BootstrapClient::new(&addr)
-            .and_then(|c| c.register(&req, RetryPolicy::default()));
+            .and_then(|c| c.with_resolver(resolver).register(&req, RetryPolicy::default()));
         match result {
             Ok(_) => tracing::info!(%addr, tp_rank = req.tp_rank, "registered at the bootstrap service"),
             Err(e) => tracing::error!(%addr, %e, "registration at the bootstrap service failed"),

@@ -67,6 +67,9 @@ pub(crate) struct Shared {
     pub role: Role,
     pub node_id: u64,
     pub config: NodeConfig,
+    /// `config.host` resolved: what the side channel and the data plane
+    /// bind (the host itself is what the node advertises).
+    pub bind_ip: std::net::IpAddr,
     pub local: OnceLock<LocalKv>,
     pub endpoint: OnceLock<String>,
     /// Peers by side-channel slot, and the slot of each data-plane

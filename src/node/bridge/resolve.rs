@@ -61,12 +61,13 @@ impl Bridge {
         let (addr, engine_id, dp_rank, key) =
             (addr.clone(), engine_id.clone(), *dp_rank, target.clone());
         let target = target.clone();
+        let resolver = self.resolver.clone();
         // HTTP would block the sockets; one short-lived thread per query,
         // and at most one query per target at a time.
         let spawned = std::thread::Builder::new()
             .name("kvferry-bootstrap-query".into())
             .spawn(move || {
-                let result = query_bootstrap(&addr, &engine_id, dp_rank);
+                let result = query_bootstrap(&addr, &engine_id, dp_rank, resolver);
                 let _ = tx.send_timeout(
                     BridgeCmd::Directory {
                         target: key,
@@ -385,8 +386,11 @@ pub(super) fn query_bootstrap(
     addr: &str,
     engine_id: &str,
     dp_rank: u32,
+    resolver: crate::resolve::Resolver,
 ) -> Result<EngineRanks, LookupError> {
-    let client = BootstrapClient::new(addr)?.with_io_timeout(Duration::from_secs(2));
+    let client = BootstrapClient::new(addr)?
+        .with_io_timeout(Duration::from_secs(2))
+        .with_resolver(resolver);
     let found = client.query(Some(engine_id))?;
     let entry = found
         .get(&dp_rank)

@@ -103,7 +103,10 @@ impl From<TransportError> for MoveError {
 }
 
 /// The node's tcp data plane, bound to its host and data-plane port.
-fn tcp_transport(config: &super::NodeConfig) -> Result<AnyTransport, DataPlaneError> {
+fn tcp_transport(
+    config: &super::NodeConfig,
+    bind_ip: std::net::IpAddr,
+) -> Result<AnyTransport, DataPlaneError> {
     let defaults = TcpConfig::default();
     let streams = match config.tcp_streams {
         0 => defaults.streams,
@@ -122,12 +125,8 @@ fn tcp_transport(config: &super::NodeConfig) -> Result<AnyTransport, DataPlaneEr
             .max(streams as u64 * defaults.frame_max_bytes),
         ..defaults
     };
-    let addr = format!("{}:{}", config.host, config.data_plane_port)
-        .parse()
-        .map_err(|source| DataPlaneError::BadHost {
-            host: config.host.clone(),
-            source,
-        })?;
+    // `Node::start` resolved the host: no lookup on the executor.
+    let addr = std::net::SocketAddr::new(bind_ip, config.data_plane_port);
     Ok(AnyTransport::Tcp(TcpTransport::bind(addr, tcp)?))
 }
 
@@ -358,7 +357,7 @@ where
     ) -> Self {
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
-            TransportKind::Tcp => tcp_transport(&shared.config),
+            TransportKind::Tcp => tcp_transport(&shared.config, shared.bind_ip),
         };
         let started: Live = Rc::new(RefCell::new(HashMap::new()));
         let transport = match made {
