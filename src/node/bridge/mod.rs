@@ -86,6 +86,35 @@ pub(crate) struct BridgeThread {
     join: JoinHandle<()>,
 }
 
+/// Binds prefill's ROUTER to the resolved host (`Node::start`); returns
+/// it and the address it is advertised at (the configured host).
+fn bind_router(ctx: &zmq::Context, shared: &Shared) -> Result<(zmq::Socket, String), NodeError> {
+    let zerr = |e: zmq::Error| NodeError::side_channel("socket setup", e);
+    let s = ctx.socket(zmq::ROUTER).map_err(zerr)?;
+    configure(&s, &shared.config).map_err(zerr)?;
+    // A frame for a decode peer that is gone is an error the bridge
+    // counts (`dropped_frames`), not a silent drop.
+    s.set_router_mandatory(true).map_err(zerr)?;
+    let port = match shared.config.side_channel_port {
+        0 => "*".to_string(),
+        p => p.to_string(),
+    };
+    let ip = match shared.bind_ip {
+        std::net::IpAddr::V4(ip) => ip.to_string(),
+        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+    };
+    s.bind(&format!("tcp://{ip}:{port}"))
+        .map_err(|e| NodeError::side_channel("bind", e))?;
+    let bound = s.get_last_endpoint().map_err(zerr)?.map_err(|_| {
+        NodeError::side_channel(
+            "bound endpoint",
+            std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"),
+        )
+    })?;
+    let advertised = crate::resolve::advertised(&shared.config.host, &bound);
+    Ok((s, advertised))
+}
+
 impl BridgeThread {
     /// Binds the ROUTER (prefill) and starts the thread. Returns the
     /// side-channel address peers connect to (empty on decode).
@@ -94,35 +123,10 @@ impl BridgeThread {
         handle: EngineHandle,
         rx: flume::Receiver<BridgeCmd>,
     ) -> Result<(BridgeThread, String), NodeError> {
-        let zerr = |e: zmq::Error| NodeError::side_channel("socket setup", e);
         let ctx = zmq::Context::new();
         let (router, addr) = match shared.role {
             Role::Prefill => {
-                let s = ctx.socket(zmq::ROUTER).map_err(zerr)?;
-                configure(&s, &shared.config).map_err(zerr)?;
-                // A frame for a decode peer that is gone is an error the
-                // bridge counts (`dropped_frames`), not a silent drop.
-                s.set_router_mandatory(true).map_err(zerr)?;
-                let port = match shared.config.side_channel_port {
-                    0 => "*".to_string(),
-                    p => p.to_string(),
-                };
-                // Bound to the resolved host (`Node::start`), advertised
-                // with the configured one.
-                let ip = match shared.bind_ip {
-                    std::net::IpAddr::V4(ip) => ip.to_string(),
-                    std::net::IpAddr::V6(ip) => format!("[{ip}]"),
-                };
-                let ep = format!("tcp://{ip}:{port}");
-                s.bind(&ep)
-                    .map_err(|e| NodeError::side_channel("bind", e))?;
-                let bound = s.get_last_endpoint().map_err(zerr)?.map_err(|_| {
-                    NodeError::side_channel(
-                        "bound endpoint",
-                        std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"),
-                    )
-                })?;
-                let advertised = crate::resolve::advertised(&shared.config.host, &bound);
+                let (s, advertised) = bind_router(&ctx, &shared)?;
                 (Some(s), advertised)
             }
             Role::Decode => (None, String::new()),
