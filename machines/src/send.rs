@@ -694,8 +694,8 @@ impl Live {
             }
             // A `Pull` that announces a ticket grant right behind it
             // saves the lease round trip; should the grant get lost,
-            // P asks one heartbeat interval from now, and a refused
-            // ticket makes it ask at once.
+            // P asks when a lost answer would be resent (`resend_after`),
+            // and a refused ticket makes it ask at once.
             Mode::Push if lease_seq.is_some() => self.defer_lease_request(cx, peer),
             Mode::Push => self.request_lease(cx, peer),
             Mode::Pull => {
@@ -888,8 +888,8 @@ impl Live {
         }
     }
 
-    /// Push mode: plans to ask `peer` for a lease one heartbeat interval
-    /// from now, unless a grant makes that moot.
+    /// Push mode: plans to ask `peer` for a lease soon (see
+    /// `TouchLease::defer_request`), unless a grant makes that moot.
     fn defer_lease_request(&mut self, cx: &Cx, peer: PeerId) {
         if let Some(p) = self.peer_mut(peer) {
             if let Role::Toucher { lease, .. } = &mut p.role {

@@ -1279,12 +1279,12 @@ fn push_pull_announcing_a_ticket_defers_the_lease_request() {
         ev(&mut m, t0, msg(D0, pull(1, &[5], 0, None))),
         vec![send(D0, Msg::LeaseRequest { seq: 0 })]
     );
-    // With one it waits; if the grant never comes it asks one heartbeat
-    // interval later (the machine's timer says when).
+    // With one it waits; if the grant never comes it asks when a lost
+    // answer would be resent (the machine's timer says when).
     let mut m = push_machine(t0);
     ev(&mut m, t0, chunk(&[1], true));
     assert_eq!(ev(&mut m, t0, msg(D0, pull(1, &[5], 0, Some(3)))), vec![]);
-    let due = t0 + cfg.heartbeat_interval;
+    let due = t0 + cfg.resend_after;
     assert!(
         m.poll_timeout().is_some_and(|t| t <= due),
         "{:?}",

@@ -63,11 +63,16 @@ impl TouchLease {
         seq
     }
 
-    /// Plans the first request for one heartbeat interval from now (a
-    /// ticket grant is expected first); an earlier plan stays.
+    /// Plans the first request for when a lost ticket grant would be
+    /// resent (`resend_after`; one heartbeat interval with resending off
+    /// or longer): a ticket grant is expected first. An earlier plan stays.
     pub(crate) fn defer_request(&mut self, now: Instant, cfg: &Config) {
+        let wait = match cfg.max_resends {
+            0 => cfg.heartbeat_interval,
+            _ => cfg.resend_after.min(cfg.heartbeat_interval),
+        };
         if self.renew_at.is_none() && self.asked.is_empty() {
-            self.renew_at = Some(after(now, cfg.heartbeat_interval));
+            self.renew_at = Some(after(now, wait));
         }
     }
 
