@@ -131,7 +131,8 @@ counters! {
         "Closing statuses that rode behind their transfer's last write.";
     /// Control messages the machines sent again because the answer they
     /// wait for may have been lost (`Timeouts::resend_after`), by channel:
-    /// the side channel (ZeroMQ) ...
+    /// the side channel (ZeroMQ; this includes the second `Unneeded` each
+    /// unpaired prefill rank is told when its request ends) ...
     resent_sidechannel => "kvferry_control_resent_sidechannel",
         "Control messages resent over the side channel.";
     /// ... and a data-plane session. (A write's status trailer carries only
