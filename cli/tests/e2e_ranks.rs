@@ -98,3 +98,40 @@ fn decode_and_prefill_processes_move_several_kv_cache_groups() {
     let bytes = |s: &serde_json::Value| s["bytes"].as_u64().unwrap();
     assert_eq!(bytes(&three), 3 * bytes(&one), "{one} {three}");
 }
+
+/// `kvferry decode --request-id-prefix cmpl-` names its requests by string
+/// request ids, as vLLM routers do: the prefill process serves them under
+/// the ids' hashes. Asking for the same strings again fails them (a
+/// transfer id is never reused), and the summary names each one.
+#[test]
+fn decode_names_its_requests_by_string_request_ids() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let (_p, _) = prefill(&addr, &[]);
+    let run = || -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["decode", "--bootstrap", &addr, "--prefill-engine-id", "p"])
+            .args(["--request-id-prefix", "cmpl-6f2c-", "--requests", "3"])
+            .args(["--timeout-ms", "1500", "--json"])
+            .stderr(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let first = run();
+    assert_eq!(
+        (&first["ok"], &first["verify_errors"]),
+        (&3.into(), &0.into()),
+        "{first}"
+    );
+    assert!(first.get("failed_request_ids").is_none(), "{first}");
+    let again = run();
+    assert_eq!(again["ok"], 0, "{again}");
+    let ids = ["cmpl-6f2c-1", "cmpl-6f2c-2", "cmpl-6f2c-3"];
+    assert_eq!(
+        again["failed_request_ids"],
+        serde_json::json!(ids),
+        "{again}"
+    );
+}
