@@ -92,15 +92,22 @@
 //!
 //! vLLM names requests by string ids that differ between the prefill and the
 //! decode engine (each engine names its own); the router gives both halves
-//! one shared `transfer_id` in their `kv_transfer_params`. The node keys
-//! every transfer on both sides by a [`TransferId`] (a `u64`), so
-//! [`KvTransferParams::transfer_id`] is that number, chosen by the router
-//! (a router that has string ids maps them to numbers it owns, for example a
-//! counter; hashing strings could collide). The scheduler keeps the mapping
-//! request id ↔ transfer id of every request it tracks, both ways, so the
-//! engine speaks request ids only: [`LoadMeta`] carries transfer ids to the
-//! node, and [`Scheduler::handle_finished`] turns the node's finished
-//! transfer ids back into request ids.
+//! one shared `transfer_id` in their `kv_transfer_params`, a number
+//! (`"transfer_id": 7`) or a string of 1 to 256 bytes (`"transfer_id":
+//! "cmpl-6f2c…-0"`): [`KvTransferParams::transfer_id`] is a
+//! [`TransferRef`]. The node keys every transfer on both sides by a
+//! [`TransferId`] (a `u64`): the number, or the string's
+//! [`TransferId::of_request_id`] hash. A string travels on: in the params
+//! prefill hands to decode, as the router wrote it, and in [`LoadMeta`]
+//! (`request_id` of each load and send) to the node, which sends it in the
+//! decode side's `Pull` and refuses a second string with the same hash
+//! (`docs/design.md` §7). Two strings of one transfer id on one scheduler
+//! are refused like any transfer id in use ([`SchedError::DuplicateTransfer`]).
+//! The scheduler keeps the mapping request id ↔ transfer id of every
+//! request it tracks, both ways, so the engine speaks request ids only:
+//! [`LoadMeta`] carries transfer ids to the node, and
+//! [`Scheduler::handle_finished`] turns the node's finished transfer ids
+//! back into request ids.
 //!
 //! # Bounds
 //!

@@ -44,6 +44,7 @@ impl Bridge {
         }
         match self.shared.claim_name(tid, &request_id) {
             Ok(fresh) => {
+                tracing::debug!(transfer_id = %tid, request_id = %request_id, peer, "pull names its request");
                 self.on_transfer_msg(peer, tid, msg);
                 // No machine took it (no room, say): the string names nothing.
                 if fresh && self.handle.poll(tid).is_none() {
