@@ -21,6 +21,10 @@ pub(super) struct RefusedIds(VecDeque<(u32, TransferId)>);
 
 impl RefusedIds {
     fn insert(&mut self, peer: u32, tid: TransferId) {
+        // A resent `Pull` is refused again; one entry covers both.
+        if self.0.contains(&(peer, tid)) {
+            return;
+        }
         if self.0.len() >= MAX_REFUSED_IDS {
             self.0.pop_front();
         }
