@@ -45,7 +45,7 @@ fn lifecycle(mode: Mode, chunks: u32, blocks_per_chunk: u32, cfg: &Config, now: 
             events += 1;
             while let Some(a) = d.poll_action() {
                 match a {
-                    recv::Action::Send { msg, .. } => {
+                    recv::Action::Send { msg, .. } | recv::Action::Resend { msg, .. } => {
                         to_p.push_back(send::Event::Msg { peer: D, msg })
                     }
                     recv::Action::Read { chunk, .. } => to_d.push_back(recv::Event::ReadDone {
@@ -61,7 +61,7 @@ fn lifecycle(mode: Mode, chunks: u32, blocks_per_chunk: u32, cfg: &Config, now: 
             events += 1;
             while let Some(a) = p.poll_action() {
                 match a {
-                    send::Action::Send { msg, .. } => {
+                    send::Action::Send { msg, .. } | send::Action::Resend { msg, .. } => {
                         to_d.push_back(recv::Event::Msg { peer: P, msg })
                     }
                     send::Action::Write {

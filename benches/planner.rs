@@ -53,6 +53,7 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
                 kv_block_len: kv,
             })
             .collect(),
+        stage: kvferry::machines::layout::Stage::SINGLE,
     }
 }
 

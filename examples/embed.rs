@@ -46,6 +46,7 @@ impl Kv {
         let block_len = self.block_len() as u64;
         KvLayout {
             model: MODEL,
+            first_region: 0,
             num_blocks: BLOCKS,
             regions: self
                 .regions
@@ -96,6 +97,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     pkv.write_block(4, 4);
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![prefill.side_channel_addr()],
     };
     let rx = decode.receiver(TransferId(1), &target)?;

@@ -13,6 +13,7 @@
 pub mod bootstrap;
 pub mod node;
 pub mod plan;
+pub mod resolve;
 pub mod scheduler;
 pub mod stats;
 pub mod transport;

@@ -36,6 +36,7 @@ fn kv_memory() -> (Box<[u8]>, KvLayout) {
     let mut mem = vec![0u8; BLOCKS as usize * BLOCK_LEN].into_boxed_slice();
     let layout = KvLayout {
         model: MODEL,
+        first_region: 0,
         num_blocks: BLOCKS,
         regions: vec![Region {
             base: mem.as_mut_ptr() as u64,
@@ -66,6 +67,7 @@ fn run(p_messages: bool, d_messages: bool, requests: u32) -> (NodeStats, NodeSta
     let (d, d_mem) = node(Role::Decode, d_messages);
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![p.side_channel_addr()],
     };
     for t in 0..requests {
@@ -169,6 +171,7 @@ fn a_wait_inside_a_batch_does_not_hold_its_own_request_back() {
     assert!(matches!(phase, Phase::Failed(_)), "{phase:?}");
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![p.side_channel_addr()],
     };
     for t in 1..=4u64 {

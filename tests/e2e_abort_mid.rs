@@ -97,12 +97,15 @@ fn spec(mode: Mode, timeouts: Config) -> ClusterSpec {
         decode_blocks: BLOCKS,
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode,
         transport: TransportKind::Tcp,
         timeouts,
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 

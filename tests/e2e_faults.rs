@@ -38,12 +38,15 @@ fn spec(mode: Mode) -> ClusterSpec {
         decode_blocks: 32,
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode,
         transport: TransportKind::Tcp,
         timeouts: timeouts(),
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 
@@ -278,6 +281,7 @@ fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
             tp_rank: 0,
             num_blocks: 32,
             regions: d.kv.kv_layout().regions,
+            stage: kvferry::machines::layout::Stage::SINGLE,
         },
         endpoint: "tcp://127.0.0.1:1".into(),
     });
@@ -327,6 +331,7 @@ fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
     unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![addr],
     };
     let t0 = Instant::now();
@@ -374,6 +379,7 @@ fn prefill_reuses_the_peer_slot_of_a_dead_decode_rank() {
     unsafe { p.register_kv_caches(pkv.kv_layout()).unwrap() };
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![p.side_channel_addr()],
     };
     for round in 0..3u64 {
@@ -536,6 +542,7 @@ fn a_failed_data_plane_connection_marks_the_peer_dead_until_it_answers() {
     unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![addr],
     };
     let regions: Vec<Region> = dkv.kv_layout().regions;
@@ -548,6 +555,7 @@ fn a_failed_data_plane_connection_marks_the_peer_dead_until_it_answers() {
             tp_rank: 0,
             num_blocks: 8,
             regions,
+            stage: kvferry::machines::layout::Stage::SINGLE,
         },
         endpoint,
     });

@@ -46,12 +46,15 @@ fn spec(
         decode_blocks: 64,
         prefill_tp: p_tp,
         decode_tp: d_tp,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode,
         transport,
         timeouts: timeouts(),
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 

@@ -146,6 +146,7 @@ fn a_pull_from_a_decode_rank_the_prefill_rank_does_not_pair_with_is_refused() {
     let unused = "tcp://127.0.0.1:9".to_string();
     let target = PrefillTarget::Direct {
         tp_size: 4,
+        pp_size: 1,
         // Rank 0's entry names prefill rank 2; rank 2's names rank 0.
         side_channels: vec![
             p2.node.side_channel_addr(),

@@ -126,6 +126,8 @@ fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
         decode_blocks: u64::from(IN_FLIGHT),
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode: Mode::Push,
         transport: TransportKind::Tcp,
         timeouts: Config {
@@ -136,6 +138,7 @@ fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     };
     kvferry_testkit::init_tracing();
     let c = Cluster::start(&spec).unwrap();

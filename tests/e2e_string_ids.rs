@@ -42,12 +42,15 @@ fn spec(mode: Mode) -> ClusterSpec {
         decode_blocks: 64,
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode,
         transport: TransportKind::Tcp,
         timeouts: timeouts(),
         bootstrap: None,
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 

@@ -81,6 +81,7 @@ fn hello(kv: &SynthKv) -> Frame {
             tp_rank: 0,
             num_blocks: 16,
             regions: kv.kv_layout().regions,
+            stage: kvferry::machines::layout::Stage::SINGLE,
         },
         endpoint: "tcp://127.0.0.1:1".into(),
     })
@@ -146,6 +147,7 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
     unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![p.side_channel_addr()],
     };
     for tid in 1..=3u64 {

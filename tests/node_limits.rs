@@ -36,6 +36,7 @@ fn node(mut config: NodeConfig) -> (Node, Box<[u8]>) {
     let mut mem = vec![0u8; (BLOCKS * 16) as usize].into_boxed_slice();
     let layout = KvLayout {
         model: MODEL,
+        first_region: 0,
         num_blocks: BLOCKS,
         regions: vec![Region {
             base: mem.as_mut_ptr() as u64,
@@ -60,6 +61,7 @@ fn terminal(node: &Node, tid: u64, within: Duration) -> (Phase, Duration) {
             TransferId(tid),
             &PrefillTarget::Direct {
                 tp_size: 1,
+                pp_size: 1,
                 side_channels: vec![],
             },
         )
@@ -77,6 +79,7 @@ fn machines_per_executor_limit_refuses_with_busy() {
     let silent = TcpListener::bind("127.0.0.1:0").unwrap();
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![format!("tcp://{}", silent.local_addr().unwrap())],
     };
     for tid in 1..=2 {
@@ -104,6 +107,7 @@ fn side_channel_peer_limit_fails_a_request_at_once() {
     let b = TcpListener::bind("127.0.0.1:0").unwrap();
     let to = |l: &TcpListener| PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![format!("tcp://{}", l.local_addr().unwrap())],
     };
     d.receiver(TransferId(1), &to(&a))
@@ -173,6 +177,7 @@ fn finished_records_are_bounded() {
     let (d, _mem) = node(c);
     let target = PrefillTarget::Direct {
         tp_size: 1,
+        pp_size: 1,
         side_channels: vec![],
     };
     for tid in 1..=5u64 {

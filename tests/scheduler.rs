@@ -915,6 +915,8 @@ fn e2e_spec() -> ClusterSpec {
         decode_blocks: 128,
         prefill_tp: 1,
         decode_tp: 1,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode: Mode::Push,
         transport: TransportKind::Tcp,
         timeouts: Config {
@@ -932,6 +934,7 @@ fn e2e_spec() -> ClusterSpec {
         bootstrap: Some("127.0.0.1:0".into()),
         spin: None,
         data_plane_messages: true,
+        drop_control_ppm: 0,
     }
 }
 

@@ -11,7 +11,8 @@ use kvferry::bootstrap::{BootstrapServer, DEFAULT_PORT};
 /// The options of `kvferry bootstrap`.
 #[derive(Clone, Debug, Args)]
 pub struct BootstrapArgs {
-    /// Address to listen on (0.0.0.0:PORT serves every interface).
+    /// Address to listen on (0.0.0.0:PORT serves every interface; the host
+    /// may be a name, bound at its address).
     #[arg(long, value_name = "ADDR", default_value_t = format!("127.0.0.1:{DEFAULT_PORT}"))]
     listen: String,
 }

@@ -75,12 +75,13 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         tx: events_tx,
     });
     let slots = a.concurrency.max(1).min(a.requests.max(1));
-    let kv = SynthKv::new(
+    let kv = SynthKv::new_stage(
         o.model(),
         c.tp_size,
         c.tp_rank,
         o.layers,
         slots * u64::from(b) * u64::from(a.groups),
+        (c.pp_size, c.pp_rank),
     );
     install_signal_handlers();
     let node = Node::start(c).map_err(|e| e.to_string())?;

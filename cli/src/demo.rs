@@ -33,6 +33,12 @@ pub struct DemoOnlyArgs {
           help = with_default("Sliding window (tokens) of every group but the first; 0: full attention",
                               |o| o.window_tokens))]
     window_tokens: Option<u64>,
+    /// Fault injection: every node drops this many parts per million of
+    /// the control messages its machines emit (the report counts what was
+    /// dropped and resent).
+    #[arg(long, value_name = "PPM", conflicts_with = "soak",
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    drop_control_ppm: Option<u32>,
 }
 
 /// Most request ids a report lists in `failed_request_ids`.
@@ -86,6 +92,42 @@ pub struct DemoReport {
     /// The prefill side, where the run has prefill ranks (the demo).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefill: Option<PrefillReport>,
+    /// Control messages dropped (fault injection) and resent, summed over
+    /// every node (the demo).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control: Option<ControlReport>,
+}
+
+/// Control messages dropped by fault injection and resent, per channel,
+/// summed over the nodes of a run.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct ControlReport {
+    /// Dropped instead of sent over the side channel (ZeroMQ).
+    pub dropped_sidechannel: u64,
+    /// Dropped instead of sent in a data-plane notification.
+    pub dropped_data_plane: u64,
+    /// Closing statuses dropped from behind their write.
+    pub dropped_trailer: u64,
+    /// Resent over the side channel.
+    pub resent_sidechannel: u64,
+    /// Resent over a data-plane session.
+    pub resent_data_plane: u64,
+    /// Messages for ended transfers answered by a node.
+    pub late_answers: u64,
+}
+
+impl ControlReport {
+    /// The sums of `stats`.
+    fn of(stats: impl Iterator<Item = kvferry::NodeStats>) -> ControlReport {
+        stats.fold(ControlReport::default(), |r, s| ControlReport {
+            dropped_sidechannel: r.dropped_sidechannel + s.dropped_sidechannel,
+            dropped_data_plane: r.dropped_data_plane + s.dropped_data_plane,
+            dropped_trailer: r.dropped_trailer + s.dropped_trailer,
+            resent_sidechannel: r.resent_sidechannel + s.resent_sidechannel,
+            resent_data_plane: r.resent_data_plane + s.resent_data_plane,
+            late_answers: r.late_answers + s.late_answers,
+        })
+    }
 }
 
 /// How the prefill ranks ended their requests, one outcome per prefill
@@ -436,6 +478,8 @@ impl Demo<'_> {
             tracing::debug!(stats = ?r.node.stats(), "node counters");
         }
         let mut report = self.report;
+        let nodes = self.c.prefill.iter().chain(&self.c.decode);
+        report.control = Some(ControlReport::of(nodes.map(|r| r.node.stats())));
         let elapsed = elapsed.as_secs_f64();
         report.elapsed_s = elapsed;
         report.gbps = report.bytes as f64 / elapsed / 1e9;
@@ -452,6 +496,7 @@ pub fn main(a: &DemoArgs) -> ExitCode {
     o.requests = a.demo.requests.unwrap_or(o.requests);
     o.groups = a.demo.groups.unwrap_or(o.groups);
     o.window_tokens = a.demo.window_tokens.unwrap_or(o.window_tokens);
+    o.drop_control_ppm = a.demo.drop_control_ppm.unwrap_or(o.drop_control_ppm);
     let (json, baseline) = (a.json, a.demo.zmq_baseline);
     let progress = !json && std::io::stderr().is_terminal();
     let rtt = if baseline {

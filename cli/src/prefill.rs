@@ -51,7 +51,8 @@ pub struct PrefillArgs {
 /// options `prefill` and `decode` share.
 #[derive(Clone, Debug, Args)]
 pub struct RankArgs {
-    /// Address of the bootstrap service.
+    /// Address of the bootstrap service (HOST:PORT; the host may be a
+    /// name, looked up again at every attempt).
     #[arg(long, value_name = "ADDR")]
     pub bootstrap: String,
     /// TP size of this engine.
@@ -63,7 +64,15 @@ pub struct RankArgs {
     /// This engine's data-parallel rank (what it registers under).
     #[arg(long, value_name = "R", default_value_t = 0)]
     pub dp_rank: u32,
-    /// Host other ranks reach this one at [default: the node's, 127.0.0.1].
+    /// Pipeline-parallel size of this engine: each stage holds its share
+    /// of the layers (prefill with stages feeds decode with none or as many).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub pp_size: u32,
+    /// This rank's pipeline stage.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub pp_rank: u32,
+    /// Host other ranks reach this one at, an IP address or a name (bound
+    /// at its address, advertised as given) [default: the node's, 127.0.0.1].
     #[arg(long, value_name = "HOST")]
     pub host: Option<String>,
 }
@@ -76,6 +85,8 @@ impl RankArgs {
         c.tp_size = self.tp_size;
         c.tp_rank = self.tp_rank;
         c.dp_rank = self.dp_rank;
+        c.pp_size = self.pp_size;
+        c.pp_rank = self.pp_rank;
         c.mode = o.mode;
         c.transport = o.transport;
         c.timeouts = demo_timeouts(o.timeout_ms);
@@ -123,12 +134,14 @@ fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
         tag: 0,
         tx: events_tx,
     });
-    let kv = SynthKv::new(
+    let stage = (c.pp_size, c.pp_rank);
+    let kv = SynthKv::new_stage(
         o.model(),
         c.tp_size,
         c.tp_rank,
         o.layers,
         u64::from(num_blocks),
+        stage,
     );
     install_signal_handlers();
     let node = Node::start(c).map_err(|e| e.to_string())?;

@@ -256,6 +256,9 @@ pub struct DemoOptions {
     /// Sliding window in tokens of every group but the first (0: full
     /// attention): those groups move only the window's blocks.
     pub window_tokens: u64,
+    /// Fault injection: parts per million of the control messages every
+    /// node drops (`NodeConfig::drop_control_ppm`).
+    pub drop_control_ppm: u32,
 }
 
 impl Default for DemoOptions {
@@ -278,6 +281,7 @@ impl Default for DemoOptions {
             zmq_only: false,
             groups: 1,
             window_tokens: 0,
+            drop_control_ppm: 0,
         }
     }
 }
@@ -311,12 +315,15 @@ pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> 
         decode_blocks: blocks,
         prefill_tp: o.prefill_tp,
         decode_tp: o.decode_tp,
+        prefill_pp: 1,
+        decode_pp: 1,
         mode: o.mode,
         transport: o.transport,
         timeouts: demo_timeouts(o.timeout_ms),
         bootstrap: Some("127.0.0.1:0".into()),
         spin: (o.spin_us > 0).then(|| Duration::from_micros(o.spin_us)),
         data_plane_messages: !o.zmq_only,
+        drop_control_ppm: o.drop_control_ppm,
     })
 }
 

@@ -99,39 +99,69 @@ fn decode_and_prefill_processes_move_several_kv_cache_groups() {
     assert_eq!(bytes(&three), 3 * bytes(&one), "{one} {three}");
 }
 
+/// Two `kvferry prefill` processes, the two pipeline stages of engine "p"
+/// (each holding half of the layers), feed one `kvferry decode` process
+/// without pipeline parallelism: every layer's bytes verified on decode.
+#[test]
+fn decode_pulls_every_layer_from_two_prefill_stages() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let stage = ["--pp-size", "2", "--pp-rank"];
+    let (_p0, _) = prefill(&addr, &[&stage[..], &["0"]].concat());
+    let (_p1, listed) = prefill(&addr, &[&stage[..], &["1"]].concat());
+    // The second stage is listed once registered; wait for it.
+    let mut listed = listed;
+    let client = BootstrapClient::new(&addr).unwrap();
+    for _ in 0..200 {
+        if listed[&0].pp_size() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        listed = client.query(Some("p")).unwrap();
+    }
+    assert_eq!(listed[&0].pp_size(), 2, "{listed:?}");
+    let summary = decode(&addr, "0");
+    assert_eq!(summary["ok"], 5, "{summary}");
+    assert_eq!(summary["verify_errors"], 0, "{summary}");
+}
+
 /// `kvferry decode --request-id-prefix cmpl-` names its requests by string
 /// request ids, as vLLM routers do: the prefill process serves them under
-/// the ids' hashes. Asking for the same strings again fails them (a
-/// transfer id is never reused), and the summary names each one.
+/// the ids' hashes. Requests to a data-parallel rank nobody serves end by
+/// their deadline, and the summary names each one.
 #[test]
 fn decode_names_its_requests_by_string_request_ids() {
     let server = BootstrapServer::start("127.0.0.1:0").unwrap();
     let addr = server.local_addr().to_string();
     let (_p, _) = prefill(&addr, &[]);
-    let run = || -> serde_json::Value {
+    let run = |prefix: &str, dp_rank: &str| -> serde_json::Value {
         let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["decode", "--bootstrap", &addr, "--prefill-engine-id", "p"])
-            .args(["--request-id-prefix", "cmpl-6f2c-", "--requests", "3"])
-            .args(["--timeout-ms", "1500", "--json"])
+            .args(["--prefill-dp-rank", dp_rank, "--request-id-prefix", prefix])
+            .args(["--requests", "3", "--timeout-ms", "1500", "--json"])
             .stderr(Stdio::null())
             .output()
             .unwrap();
         assert!(out.status.success(), "{out:?}");
         serde_json::from_slice(&out.stdout).unwrap()
     };
-    let first = run();
+    let first = run("cmpl-6f2c-", "0");
     assert_eq!(
         (&first["ok"], &first["verify_errors"]),
         (&3.into(), &0.into()),
         "{first}"
     );
     assert!(first.get("failed_request_ids").is_none(), "{first}");
-    let again = run();
-    assert_eq!(again["ok"], 0, "{again}");
-    let ids = ["cmpl-6f2c-1", "cmpl-6f2c-2", "cmpl-6f2c-3"];
+    let lost = run("cmpl-7a1d-", "1");
+    assert_eq!(lost["ok"], 0, "{lost}");
+    // In the order they ended.
+    let mut failed: Vec<&str> = (lost["failed_request_ids"].as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    failed.sort_unstable();
     assert_eq!(
-        again["failed_request_ids"],
-        serde_json::json!(ids),
-        "{again}"
+        failed,
+        ["cmpl-7a1d-1", "cmpl-7a1d-2", "cmpl-7a1d-3"],
+        "{lost}"
     );
 }

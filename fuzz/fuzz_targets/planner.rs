@@ -68,6 +68,7 @@ fn rank(
         tp_rank,
         num_blocks,
         regions: out,
+        stage: kvferry_machines::layout::Stage::SINGLE,
     })
 }
 

@@ -4,13 +4,16 @@
 mod config;
 mod deadline;
 mod drain;
+mod late;
 mod lease;
 mod lists;
 mod msg;
 mod outcome;
+mod resend;
 mod transfer;
 
 pub use config::Config;
+pub use late::late_answer;
 pub use lease::TICKET_BIT;
 pub use msg::Msg;
 pub use outcome::{AbortReason, FailReason, InputError, Phase};
@@ -23,3 +26,4 @@ pub(crate) use deadline::{after, earliest};
 pub(crate) use drain::{Drain, End, Next, Op};
 pub(crate) use lease::{GrantLease, TouchLease};
 pub(crate) use lists::{align_chunk, check_lists, chunk_end, covers_exactly, is_empty_lists};
+pub(crate) use resend::Resend;

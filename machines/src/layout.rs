@@ -76,6 +76,38 @@ pub struct Region {
     pub kv_block_len: u64,
 }
 
+/// A rank's place in the pipeline: which of the model's regions it holds.
+///
+/// The model's regions come in one order (layer by layer; K then V per
+/// layer for HND/NHD, one per layer for MLA). A pipeline stage registers
+/// the regions of its layers only, a contiguous run starting at
+/// `first_region`. Without pipeline parallelism a rank holds them all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Stage {
+    /// Pipeline-parallel size of the engine.
+    pub pp_size: u32,
+    /// This rank's pipeline stage.
+    pub pp_rank: u32,
+    /// Index, in the model's region order, of this rank's first region.
+    pub first_region: u32,
+}
+
+impl Stage {
+    /// No pipeline parallelism: one stage holding every region.
+    pub const SINGLE: Stage = Stage {
+        pp_size: 1,
+        pp_rank: 0,
+        first_region: 0,
+    };
+}
+
+impl Default for Stage {
+    fn default() -> Self {
+        Stage::SINGLE
+    }
+}
+
 /// One rank's KV cache: its place in the TP group and its regions.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -86,9 +118,13 @@ pub struct RankLayout {
     pub tp_rank: u32,
     /// Blocks per region; block ids must be below this.
     pub num_blocks: u64,
-    /// Regions, in the same order on both sides (region i pairs with region i).
+    /// Regions, in the model's order (see [`Stage`]): without pipeline
+    /// parallelism region i pairs with region i.
     #[serde(deserialize_with = "crate::wire::bounded::regions")]
     pub regions: Vec<Region>,
+    /// The pipeline stage, and which of the model's regions it holds.
+    #[serde(default)]
+    pub stage: Stage,
 }
 
 /// Which side of a transfer a layout or block list belongs to. Errors carry

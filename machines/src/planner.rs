@@ -27,7 +27,7 @@
 //! group pairing, partial prefix hits, coalescing, batching) are those of
 //! `kvferry plan`, documented on [`PairLayout`] and [`TpPair`].
 
-use crate::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
+use crate::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side, Stage};
 use std::ops::Range;
 
 /// Most regions one side may register. Real models register one region per
@@ -108,6 +108,16 @@ pub enum PlanError {
         prefill: usize,
         /// Decode's region count.
         decode: usize,
+    },
+    /// The pipeline stages of the two sides do not fit: prefill's regions
+    /// run past decode's, a rank claims a stage outside its PP size, or
+    /// the PP sizes differ while decode's is not 1.
+    #[error("pipeline stages do not fit: prefill {prefill:?}, decode {decode:?}")]
+    StageMismatch {
+        /// Prefill's stage and region count.
+        prefill: (Stage, usize),
+        /// Decode's stage and region count.
+        decode: (Stage, usize),
     },
     /// `kv_block_len` does not match heads-per-rank × block_tokens × head_bytes.
     #[error("{side} region {region}: kv_block_len {kv_block_len} is not heads-per-rank x block_tokens x head_bytes = {expected}")]
@@ -227,6 +237,7 @@ impl PlanError {
             | PlanError::DuplicateBlock { side, .. } => Some(*side),
             PlanError::Model(_)
             | PlanError::RegionCount { .. }
+            | PlanError::StageMismatch { .. }
             | PlanError::MlaKvLen { .. }
             | PlanError::GroupCount { .. }
             | PlanError::FewerPrefillBlocks { .. }
@@ -579,14 +590,19 @@ impl PairLayout {
         let tp = TpPair::new(model, prefill.tp_size, decode.tp_size)?;
         validate_side(model, prefill, Side::Prefill)?;
         validate_side(model, decode, Side::Decode)?;
-        if prefill.regions.len() != decode.regions.len() {
-            return Err(PlanError::RegionCount {
-                prefill: prefill.regions.len(),
-                decode: decode.regions.len(),
+        // Decode's regions that pair with prefill's, region for region;
+        // `None`: another stage's layers, nothing to move between the two.
+        let Some(offset) = stage_offset(prefill, decode)? else {
+            return Ok(PairLayout {
+                prefill_num_blocks: prefill.num_blocks,
+                decode_num_blocks: decode.num_blocks,
+                share: None,
+                regions: Vec::new(),
             });
-        }
+        };
+        let decode_regions = &decode.regions[offset..offset + prefill.regions.len()];
         if model.layout == LayoutKind::Mla {
-            for (i, (p, d)) in prefill.regions.iter().zip(&decode.regions).enumerate() {
+            for (i, (p, d)) in prefill.regions.iter().zip(decode_regions).enumerate() {
                 if p.kv_block_len != d.kv_block_len {
                     return Err(PlanError::MlaKvLen {
                         region: i,
@@ -602,7 +618,7 @@ impl PairLayout {
             Some(share) => prefill
                 .regions
                 .iter()
-                .zip(&decode.regions)
+                .zip(decode_regions)
                 .map(|(p, d)| region_map(model, &tp, prefill, decode, share, p, d))
                 .collect(),
         };
@@ -1424,6 +1440,53 @@ fn check_regions_disjoint(
         }
     }
     Ok(())
+}
+
+/// Where prefill's regions start among decode's, by the two stages:
+/// `Some(offset)` when decode holds every layer prefill holds, `None` when
+/// they hold different layers (equal PP sizes, different stages).
+///
+/// Supported: equal PP sizes (stage `s` feeds stage `s`, same regions) and
+/// a decode engine without pipeline parallelism fed by every stage of a
+/// prefill engine that has it (each stage's regions within decode's).
+fn stage_offset(prefill: &RankLayout, decode: &RankLayout) -> Result<Option<usize>, PlanError> {
+    let (p, d) = (prefill.stage, decode.stage);
+    let mismatch = || PlanError::StageMismatch {
+        prefill: (p, prefill.regions.len()),
+        decode: (d, decode.regions.len()),
+    };
+    let in_range = |s: Stage| s.pp_size >= 1 && s.pp_rank < s.pp_size;
+    if !in_range(p) || !in_range(d) {
+        return Err(mismatch());
+    }
+    if p.pp_size == d.pp_size {
+        if p.pp_rank != d.pp_rank {
+            return Ok(None);
+        }
+        if prefill.regions.len() != decode.regions.len() {
+            return Err(PlanError::RegionCount {
+                prefill: prefill.regions.len(),
+                decode: decode.regions.len(),
+            });
+        }
+        if p.first_region != d.first_region {
+            return Err(mismatch());
+        }
+        return Ok(Some(0));
+    }
+    if d.pp_size != 1 {
+        return Err(mismatch());
+    }
+    let start = p.first_region as usize;
+    let end = start + prefill.regions.len();
+    // The first stage starts at decode's first region and the last ends at
+    // its last, so a prefill engine with fewer layers cannot pass.
+    let first_fits = p.pp_rank != 0 || start == 0;
+    let last_fits = p.pp_rank + 1 != p.pp_size || end == decode.regions.len();
+    if end > decode.regions.len() || !first_fits || !last_fits {
+        return Err(mismatch());
+    }
+    Ok(Some(start))
 }
 
 fn region_map(

@@ -31,7 +31,7 @@ use std::time::Instant;
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
     AbortReason, BlockId, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode,
-    Msg, Next, Op, PeerId, Phase, TouchLease, TransferId, TICKET_BIT,
+    Msg, Next, Op, PeerId, Phase, Resend, TouchLease, TransferId, TICKET_BIT,
 };
 use crate::machine::Machine;
 
@@ -97,6 +97,15 @@ pub enum Action {
         /// The message.
         msg: Msg,
     },
+    /// Send `msg` to P rank `peer` again: its answer may have been lost
+    /// (see `Config::resend_after`). Carried like [`Action::Send`]; the
+    /// driver counts it apart.
+    Resend {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The message.
+        msg: Msg,
+    },
     /// Pull mode: read `src_blocks` (the peer's) into `dst_blocks` (ours),
     /// same lengths per group, then report [`Event::ReadDone`].
     Read {
@@ -155,7 +164,11 @@ enum Role {
 #[derive(Clone, Debug)]
 struct Peer {
     id: PeerId,
+    /// How many D ranks contact this P rank (repeated in a resent `Pull`).
+    receivers_expected: u16,
     role: Role,
+    /// When this rank sends its `Pull` again, until the peer finished.
+    resend: Resend,
 }
 
 impl Peer {
@@ -199,6 +212,9 @@ pub struct RecvMachine {
     prefix_blocks: Vec<u32>,
     state: State,
     actions: VecDeque<Action>,
+    /// The unpaired P ranks this rank told `Unneeded`; told again when the
+    /// request ends, in case the first word was lost.
+    unneeded: Vec<PeerId>,
 }
 
 /// What a handler of an active request uses besides [`Active`]: the
@@ -272,6 +288,7 @@ impl Active {
             return Ok(Next::End(End::Fail(FailReason::Transport)));
         }
         if let Some(p) = self.peers.iter_mut().find(|p| p.id == peer) {
+            p.resend.restart(cx.now, cx.cfg);
             if let Role::Toucher { chunks, .. } = &mut p.role {
                 if let Some(Some(c)) = chunks.get_mut(chunk as usize) {
                     c.state = ReadState::Done;
@@ -288,6 +305,13 @@ impl Active {
                 "message from a P rank not paired with this transfer",
             ));
         };
+        let next = self.handle_peer_msg(cx, i, msg)?;
+        // Heard only once the message was taken: refused junk changes nothing.
+        self.peers[i].resend.heard(cx.now, cx.cfg);
+        Ok(next)
+    }
+
+    fn handle_peer_msg(&mut self, cx: &mut Cx, i: usize, msg: Msg) -> Result<Next, InputError> {
         match msg {
             Msg::LeaseRequest { seq } => self.handle_lease_request(cx, i, seq),
             Msg::Status { ok } => self.handle_status(cx, i, ok),
@@ -337,6 +361,7 @@ impl Active {
             Role::Granter { finished, .. } => {
                 if ok {
                     *finished = true;
+                    p.resend.stop();
                     self.waiting_deadline = cx.waiting_deadline();
                     Ok(Next::Progress)
                 } else {
@@ -368,19 +393,20 @@ impl Active {
     /// Pull mode: the peer at `i` announces a chunk to read.
     fn handle_ready(
         &mut self,
-        cx: &Cx,
+        cx: &mut Cx,
         i: usize,
         chunk: u32,
         start_blocks: Vec<u32>,
         src_blocks: BlockLists,
         is_last: bool,
     ) -> Result<Next, InputError> {
+        let peer = &mut self.peers[i];
         let Role::Toucher {
             chunks,
             last,
             finished,
             ..
-        } = &mut self.peers[i].role
+        } = &mut peer.role
         else {
             return Err(InputError::Peer("Ready in push mode"));
         };
@@ -399,6 +425,14 @@ impl Active {
                 || (*last == Some(chunk)) != is_last
             {
                 return Err(InputError::Peer("chunk announced twice with other content"));
+            }
+            if *finished {
+                // P resends its last `Ready` while it waits for our
+                // `Done`: that one was lost.
+                cx.actions.push_back(Action::Resend {
+                    peer: peer.id,
+                    msg: Msg::Done { ok: true },
+                });
             }
             return Ok(Next::Stay);
         }
@@ -422,6 +456,7 @@ impl Active {
         if is_last {
             *last = Some(chunk);
         }
+        peer.resend.restart(cx.now, cx.cfg);
         self.waiting_deadline = cx.waiting_deadline();
         Ok(Next::Progress)
     }
@@ -462,6 +497,18 @@ impl Active {
                     let seq = lease.request(now, cx.cfg);
                     cx.send(p.id, Msg::LeaseRequest { seq });
                 }
+            }
+        }
+        for p in &mut self.peers {
+            if !p.is_finished() && p.resend.fire(now, cx.cfg) {
+                let lease_seq = match &mut p.role {
+                    // The resent `Pull` also asks for a lease, as the first did.
+                    Role::Toucher { lease, .. } => Some(lease.request(now, cx.cfg)),
+                    // Push: without a ticket P asks for the lease itself.
+                    Role::Granter { .. } => None,
+                };
+                let msg = pull_msg(cx, p.receivers_expected, lease_seq);
+                cx.actions.push_back(Action::Resend { peer: p.id, msg });
             }
         }
         Next::Stay
@@ -541,9 +588,20 @@ fn read_from_peer(p: &mut Peer, ops: &mut Vec<Op>, cx: &mut Cx) -> Result<(), Ba
             .all(|c| c.as_ref().is_some_and(|c| c.state == ReadState::Done));
     if complete {
         *finished = true;
+        p.resend.stop();
         cx.send(p.id, Msg::Done { ok: true });
     }
     Ok(())
+}
+
+/// The `Pull` this rank sends (and resends) to a P rank.
+fn pull_msg(cx: &Cx, receivers_expected: u16, lease_seq: Option<u64>) -> Msg {
+    Msg::Pull {
+        receivers_expected,
+        dst_blocks: cx.dst_blocks.clone(),
+        prefix_blocks: cx.prefix_blocks.to_vec(),
+        lease_seq,
+    }
 }
 
 /// Checks the P ranks the driver resolved.
@@ -603,6 +661,7 @@ impl RecvMachine {
                 deadline: after(now, config.bootstrap_timeout),
             },
             actions: VecDeque::new(),
+            unneeded: Vec::new(),
         })
     }
 
@@ -640,11 +699,14 @@ impl RecvMachine {
             State::Draining(_) | State::Finished(_) => return Ok(()),
         }
         check_resolved(&peers, &unneeded, &self.cfg)?;
-        for peer in unneeded {
+        for &peer in &unneeded {
             self.actions.push_back(Action::Send {
                 peer,
                 msg: Msg::Unneeded,
             });
+        }
+        if self.cfg.max_resends > 0 {
+            self.unneeded = unneeded;
         }
         let mut active = Active {
             peers: Vec::with_capacity(peers.len()),
@@ -691,19 +753,20 @@ impl RecvMachine {
                 )
             }
         };
-        self.send(
-            rp.peer,
-            Msg::Pull {
-                receivers_expected: rp.receivers_expected,
-                dst_blocks: self.dst_blocks.clone(),
-                prefix_blocks: self.prefix_blocks.clone(),
-                lease_seq,
-            },
-        );
+        let (_, cx) = self.split(now);
+        let pull = pull_msg(&cx, rp.receivers_expected, lease_seq);
+        self.send(rp.peer, pull);
         if let Some(msg) = ticket_grant {
             self.send(rp.peer, msg);
         }
-        Peer { id: rp.peer, role }
+        let mut resend = Resend::idle();
+        resend.restart(now, &self.cfg);
+        Peer {
+            id: rp.peer,
+            receivers_expected: rp.receivers_expected,
+            role,
+            resend,
+        }
     }
 
     /// The machine's state and, borrowed apart from it, what the handlers
@@ -751,6 +814,12 @@ impl RecvMachine {
 
     fn finish(&mut self, outcome: Phase) {
         self.state = State::Finished(outcome);
+        for peer in std::mem::take(&mut self.unneeded) {
+            self.actions.push_back(Action::Resend {
+                peer,
+                msg: Msg::Unneeded,
+            });
+        }
         let action = match outcome {
             Phase::Success => Action::Received,
             Phase::Bootstrapping
@@ -887,6 +956,9 @@ impl Machine for RecvMachine {
                 let mut t = active.ops.iter().map(|op| op.deadline).min();
                 t = earliest(t, Some(active.waiting_deadline));
                 for p in &active.peers {
+                    if !p.is_finished() {
+                        t = earliest(t, p.resend.due());
+                    }
                     if let Role::Toucher {
                         lease,
                         finished: false,

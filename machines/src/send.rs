@@ -36,7 +36,7 @@ use std::time::Instant;
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
     AbortReason, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode, Msg,
-    Next, Op, PeerId, Phase, TouchLease, TransferId,
+    Next, Op, PeerId, Phase, Resend, TouchLease, TransferId,
 };
 use crate::machine::Machine;
 
@@ -122,6 +122,15 @@ pub enum Action {
         /// The message.
         msg: Msg,
     },
+    /// Send `msg` to D rank `peer` again: it may not have arrived (see
+    /// `Config::resend_after`). Carried like [`Action::Send`]; the driver
+    /// counts it apart.
+    Resend {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// The message.
+        msg: Msg,
+    },
     /// Push mode: write `src_blocks` (ours) into `dst_blocks` (the peer's),
     /// same lengths per group, then report [`Event::WriteDone`]. The driver
     /// turns the lists into descriptors with the planner.
@@ -195,6 +204,9 @@ struct Peer {
     prefix_blocks: Vec<u32>,
     last_heard: Instant,
     role: Role,
+    /// Pull mode: when this rank resends the last `Ready` while it waits
+    /// for the peer's `Done`, which may have been lost.
+    resend: Resend,
 }
 
 impl Peer {
@@ -274,6 +286,10 @@ impl Cx<'_> {
     fn send(&mut self, peer: PeerId, msg: Msg) {
         self.actions.push_back(Action::Send { peer, msg });
     }
+
+    fn resend(&mut self, peer: PeerId, msg: Msg) {
+        self.actions.push_back(Action::Resend { peer, msg });
+    }
 }
 
 /// A peer's layouts or block lists do not fit ours.
@@ -333,6 +349,15 @@ impl Live {
     }
 
     fn handle_msg(&mut self, cx: &mut Cx, peer: PeerId, msg: Msg) -> Result<Next, InputError> {
+        let next = self.handle_peer_msg(cx, peer, msg)?;
+        // Heard only once the message was taken: refused junk changes nothing.
+        if let Some(p) = self.peer_mut(peer) {
+            p.resend.heard(cx.now, cx.cfg);
+        }
+        Ok(next)
+    }
+
+    fn handle_peer_msg(&mut self, cx: &mut Cx, peer: PeerId, msg: Msg) -> Result<Next, InputError> {
         match msg {
             Msg::Pull {
                 receivers_expected,
@@ -560,12 +585,10 @@ impl Live {
             if p.dst_blocks != dst_blocks || p.prefix_blocks != prefix_blocks {
                 return Err(InputError::Peer("second Pull with other blocks"));
             }
-            // A duplicate: it only shows the peer is alive. Its lease
-            // request (pull mode) is answered like any other.
+            // A duplicate: the peer is alive, and may have missed what we
+            // told it (it resends its `Pull` until it hears back).
             p.last_heard = cx.now;
-            if let (Some(seq), Mode::Pull) = (lease_seq, cx.mode) {
-                self.grant(cx, peer, seq);
-            }
+            self.answer_again(cx, peer, lease_seq);
             return Ok(Next::Stay);
         }
         if self.peers.len() >= receivers_expected as usize {
@@ -578,6 +601,7 @@ impl Live {
             prefix_blocks,
             last_heard: cx.now,
             role: Role::new(cx.mode),
+            resend: Resend::idle(),
         });
         self.greet(cx, peer, lease_seq);
         Ok(Next::Progress)
@@ -608,6 +632,48 @@ impl Live {
             ));
         }
         Ok(())
+    }
+
+    /// Answers a duplicate `Pull` from `peer` with what it may have missed:
+    /// push mode, the `Status` of a peer whose KV all landed; pull mode, a
+    /// grant for its lease request and every chunk announced so far.
+    fn answer_again(&mut self, cx: &mut Cx, peer: PeerId, lease_seq: Option<u64>) {
+        let Some(p) = self.peers.iter().find(|p| p.id == peer) else {
+            return;
+        };
+        match &p.role {
+            Role::Toucher { finished, .. } => {
+                if *finished {
+                    cx.resend(peer, Msg::Status { ok: true });
+                }
+            }
+            Role::Granter { announced, .. } => {
+                let announced = *announced;
+                if let Some(seq) = lease_seq {
+                    self.grant(cx, peer, seq);
+                }
+                for index in 0..announced {
+                    cx.resend(peer, ready_msg(&self.chunks, self.last_seen, index));
+                }
+            }
+        }
+    }
+
+    /// Pull mode: resends the last `Ready` to every peer whose `Done` is
+    /// overdue; a D rank that finished answers it with its `Done` again.
+    fn resend_last_ready(&mut self, cx: &mut Cx) {
+        let Some(last) = self.chunks.len().checked_sub(1) else {
+            return;
+        };
+        let mut due = Vec::new();
+        for p in &mut self.peers {
+            if !p.is_finished() && p.resend.fire(cx.now, cx.cfg) {
+                due.push(p.id);
+            }
+        }
+        for peer in due {
+            cx.resend(peer, ready_msg(&self.chunks, self.last_seen, last as u32));
+        }
     }
 
     /// Starts the lease with `peer`, just known, and in pull mode announces
@@ -709,6 +775,7 @@ impl Live {
                 p.last_heard = cx.now;
                 if ok {
                     *finished = true;
+                    p.resend.stop();
                     Ok(Next::Progress)
                 } else {
                     Ok(Next::End(End::PeerFailed(peer)))
@@ -771,13 +838,13 @@ impl Live {
         for peer in due {
             self.request_lease(cx, peer);
         }
+        self.resend_last_ready(cx);
         // A lease may have run out: nothing to do, posting stops by itself.
         Next::Stay
     }
 
     /// Pull mode: sends `Ready` for chunk `index` to every known peer.
     fn announce(&mut self, cx: &mut Cx, index: u32) {
-        let chunk = &self.chunks[index as usize];
         let is_last = self.last_seen && index as usize + 1 == self.chunks.len();
         for p in &mut self.peers {
             if let Role::Granter {
@@ -788,15 +855,11 @@ impl Live {
             {
                 if *announced == index {
                     *announced += 1;
-                    cx.send(
-                        p.id,
-                        Msg::Ready {
-                            chunk: index,
-                            start_blocks: chunk.start_blocks.clone(),
-                            src_blocks: chunk.src_blocks.clone(),
-                            is_last,
-                        },
-                    );
+                    if is_last {
+                        // From now on only the peer's `Done` is missing.
+                        p.resend.restart(cx.now, cx.cfg);
+                    }
+                    cx.send(p.id, ready_msg(&self.chunks, self.last_seen, index));
                 }
             }
         }
@@ -882,6 +945,17 @@ impl Live {
             }
         }
         Some(claim.map_or(hold, |c| c.min(hold)))
+    }
+}
+
+/// Pull mode: the `Ready` announcing chunk `index` of `chunks`.
+fn ready_msg(chunks: &[Chunk], last_seen: bool, index: u32) -> Msg {
+    let chunk = &chunks[index as usize];
+    Msg::Ready {
+        chunk: index,
+        start_blocks: chunk.start_blocks.clone(),
+        src_blocks: chunk.src_blocks.clone(),
+        is_last: last_seen && index as usize + 1 == chunks.len(),
     }
 }
 
@@ -1184,6 +1258,9 @@ impl Machine for SendMachine {
                 }
                 t = earliest(t, live.claim_deadline(&self.cfg));
                 for p in &live.peers {
+                    if !p.is_finished() {
+                        t = earliest(t, p.resend.due());
+                    }
                     if let Role::Toucher {
                         lease,
                         finished: false,

@@ -320,7 +320,7 @@ impl World {
     fn route_p(&mut self, i: usize) {
         while let Some(a) = self.ps[i].poll_action() {
             match a {
-                send::Action::Send { peer, msg } => {
+                send::Action::Send { peer, msg } | send::Action::Resend { peer, msg } => {
                     let j = (peer.0 - 200) as usize;
                     if j >= self.sc.n_d {
                         assert!(self.hostile, "P{i} addresses a D rank that does not exist");
@@ -367,7 +367,7 @@ impl World {
     fn route_d(&mut self, j: usize) {
         while let Some(a) = self.ds[j].poll_action() {
             match a {
-                recv::Action::Send { peer, msg } => {
+                recv::Action::Send { peer, msg } | recv::Action::Resend { peer, msg } => {
                     let i = (peer.0 - 100) as usize;
                     if i >= self.sc.n_p {
                         assert!(self.hostile, "D{j} addresses a P rank that does not exist");

@@ -48,16 +48,18 @@ fn resolved(peers: &[PeerId]) -> Event {
     }
 }
 
+/// The configuration of these tests: the defaults with resending off, so
+/// that each test sees only the messages of what it is about; the
+/// `resend_*` tests turn it on.
+fn base() -> Config {
+    Config {
+        max_resends: 0,
+        ..Config::default()
+    }
+}
+
 fn machine(t0: Instant, mode: Mode, dst: &[u32], prefix: u32) -> RecvMachine {
-    RecvMachine::new(
-        t0,
-        &Config::default(),
-        TransferId(3),
-        mode,
-        blocks(dst),
-        vec![prefix],
-    )
-    .unwrap()
+    RecvMachine::new(t0, &base(), TransferId(3), mode, blocks(dst), vec![prefix]).unwrap()
 }
 
 fn pull_msg(dst: &[u32], prefix: u32, lease_seq: Option<u64>) -> Msg {
@@ -359,7 +361,7 @@ fn misuse_at_creation_and_resolution() {
     let cfg = Config {
         max_blocks_per_group: 2,
         max_peers: 2,
-        ..Config::default()
+        ..base()
     };
     let r = RecvMachine::new(
         t0,
@@ -752,7 +754,7 @@ fn pull_waiting_deadline_is_renewed_by_progress_only() {
     let t0 = Instant::now();
     let cfg = Config {
         waiting_timeout: secs(20),
-        ..Config::default()
+        ..base()
     };
     let mut m = RecvMachine::new(
         t0,
@@ -835,7 +837,7 @@ fn in_flight_reads_are_bounded() {
     let t0 = Instant::now();
     let cfg = Config {
         max_in_flight: 1,
-        ..Config::default()
+        ..base()
     };
     let mut m = RecvMachine::new(
         t0,
@@ -877,7 +879,7 @@ fn in_flight_reads_are_bounded() {
     );
     let cfg = Config {
         max_chunks: 2,
-        ..Config::default()
+        ..base()
     };
     let mut m = RecvMachine::new(
         t0,
@@ -918,7 +920,7 @@ fn pull_fewer_blocks_than_destination_is_bad_metadata() {
 #[test]
 fn push_peer_with_a_ticket_gets_a_grant_with_the_pull() {
     let t0 = Instant::now();
-    let cfg = Config::default();
+    let cfg = base();
     let mut m = machine(t0, Mode::Push, &[5, 6], 0);
     let out = ev(
         &mut m,
@@ -966,4 +968,125 @@ fn push_peer_with_a_ticket_gets_a_grant_with_the_pull() {
         msg(P0, Msg::AbortAck),
     );
     assert!(m.phase().is_terminal(), "{:?}", m.phase());
+}
+
+// ---- resending what may have been lost ----
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Resending on: first after 100 ms, doubling up to the 1 s heartbeat,
+/// three times at most while the peer is silent.
+fn resending(t0: Instant, mode: Mode, dst: &[u32]) -> RecvMachine {
+    let cfg = Config {
+        resend_after: ms(100),
+        max_resends: 3,
+        heartbeat_interval: secs(1),
+        ..Config::default()
+    };
+    RecvMachine::new(t0, &cfg, TransferId(3), mode, blocks(dst), vec![0]).unwrap()
+}
+
+fn resend(peer: PeerId, msg: Msg) -> Action {
+    Action::Resend { peer, msg }
+}
+
+#[test]
+fn resend_pull_backs_off_and_gives_up_while_p_is_silent() {
+    let t0 = Instant::now();
+    let mut m = resending(t0, Mode::Push, &[5]);
+    ev(&mut m, t0, resolved(&[P0]));
+    let mut sent = Vec::new();
+    for step in [100, 300, 700] {
+        assert_eq!(m.poll_timeout(), Some(t0 + ms(step)));
+        m.handle_timeout(t0 + ms(step));
+        sent.push(drain(&mut m));
+    }
+    let again = vec![resend(P0, pull_msg(&[5], 0, None))];
+    assert_eq!(sent, vec![again.clone(), again.clone(), again.clone()]);
+    // Three resends and not a word back: only the waiting deadline is left.
+    assert_eq!(m.poll_timeout(), Some(t0 + secs(300)));
+    // P speaks (a lease request): it is alive, so resending resumes at the
+    // backoff reached (800 ms), then stays at the 1 s heartbeat interval.
+    ev(&mut m, t0 + secs(2), msg(P0, Msg::LeaseRequest { seq: 0 }));
+    for step in [2800, 3800] {
+        assert_eq!(m.poll_timeout(), Some(t0 + ms(step)));
+        m.handle_timeout(t0 + ms(step));
+        assert_eq!(drain(&mut m), again);
+    }
+    // Its `Status` ends the transfer; nothing is resent after it.
+    let out = ev(&mut m, t0 + secs(4), msg(P0, Msg::Status { ok: true }));
+    assert_eq!(out, vec![Action::Received]);
+    assert_eq!(m.poll_timeout(), None);
+}
+
+#[test]
+fn resent_pull_in_pull_mode_asks_for_a_lease_again() {
+    let t0 = Instant::now();
+    let mut m = resending(t0, Mode::Pull, &[5]);
+    assert_eq!(
+        ev(&mut m, t0, resolved(&[P0])),
+        vec![send(P0, pull_msg(&[5], 0, Some(0)))]
+    );
+    m.handle_timeout(t0 + ms(100));
+    assert_eq!(drain(&mut m), vec![resend(P0, pull_msg(&[5], 0, Some(1)))]);
+    // The grant answering the resent `Pull` counts from when it was asked.
+    let grant = Msg::LeaseGrant {
+        seq: 1,
+        duration_ms: 10_000,
+    };
+    assert_eq!(ev(&mut m, t0 + ms(150), msg(P0, grant)), vec![]);
+    let out = ev(&mut m, t0 + ms(150), msg(P0, ready(0, 0, &[1], true)));
+    assert_eq!(out, vec![read(P0, 0, &[1], &[5])]);
+}
+
+#[test]
+fn a_finished_d_rank_answers_a_resent_ready_with_done_again() {
+    let t0 = Instant::now();
+    let mut m = resending(t0, Mode::Pull, &[5, 6]);
+    ev(&mut m, t0, resolved(&[P0, P1]));
+    for p in [P0, P1] {
+        let grant = Msg::LeaseGrant {
+            seq: 0,
+            duration_ms: 10_000,
+        };
+        ev(&mut m, t0, msg(p, grant));
+    }
+    ev(&mut m, t0, msg(P0, ready(0, 0, &[1, 2], true)));
+    let done = ev(
+        &mut m,
+        t0,
+        Event::ReadDone {
+            peer: P0,
+            chunk: 0,
+            ok: true,
+        },
+    );
+    assert_eq!(done, vec![send(P0, Msg::Done { ok: true })]);
+    // P0's `Done` was lost: P0 resends its last `Ready`, and D (still
+    // waiting for P1) says `Done` again.
+    let again = ev(&mut m, t0 + ms(50), msg(P0, ready(0, 0, &[1, 2], true)));
+    assert_eq!(again, vec![resend(P0, Msg::Done { ok: true })]);
+    assert_eq!(m.phase(), Phase::Transferring);
+}
+
+#[test]
+fn unneeded_is_told_again_when_the_request_ends() {
+    let t0 = Instant::now();
+    let mut m = resending(t0, Mode::Push, &[5]);
+    let resolved = Event::PeersResolved {
+        peers: vec![ResolvedPeer {
+            peer: P0,
+            receivers_expected: 1,
+            lease_ticket: None,
+        }],
+        unneeded: vec![P1],
+    };
+    assert_eq!(
+        ev(&mut m, t0, resolved),
+        vec![send(P1, Msg::Unneeded), send(P0, pull_msg(&[5], 0, None))]
+    );
+    let out = ev(&mut m, t0 + ms(10), msg(P0, Msg::Status { ok: true }));
+    assert_eq!(out, vec![resend(P1, Msg::Unneeded), Action::Received]);
 }

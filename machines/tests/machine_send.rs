@@ -1364,3 +1364,92 @@ fn push_ticket_grant_that_overtook_its_pull_applies_when_the_pull_comes() {
         vec![write_last(D0, 0, &[1], &[5])]
     );
 }
+
+// ---- resending what may have been lost ----
+
+fn resend(peer: PeerId, msg: Msg) -> Action {
+    Action::Resend { peer, msg }
+}
+
+fn ready(chunk: u32, start: u32, src: &[u32], is_last: bool) -> Msg {
+    Msg::Ready {
+        chunk,
+        start_blocks: vec![start],
+        src_blocks: blocks(src),
+        is_last,
+    }
+}
+
+#[test]
+fn a_resent_pull_of_a_finished_push_peer_gets_its_status_again() {
+    let t0 = Instant::now();
+    let mut m = push_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(2, &[5], 0, None)));
+    ev(&mut m, t0, msg(D1, pull(2, &[6], 0, None)));
+    ev(&mut m, t0, chunk(&[1], true));
+    assert_eq!(
+        ev(&mut m, t0, msg(D0, grant(0))),
+        vec![write_last(D0, 0, &[1], &[5])]
+    );
+    let done = Event::WriteDone {
+        peer: D0,
+        chunk: 0,
+        ok: true,
+    };
+    assert_eq!(ev(&mut m, t0, done), vec![]);
+    // The `Status` riding D0's write was lost: D0 resends its `Pull`.
+    let again = ev(&mut m, t0 + ms(200), msg(D0, pull(2, &[5], 0, None)));
+    assert_eq!(again, vec![resend(D0, Msg::Status { ok: true })]);
+    // D1, not finished, only shows it is alive with its resent `Pull`.
+    assert_eq!(
+        ev(&mut m, t0 + ms(200), msg(D1, pull(2, &[6], 0, None))),
+        vec![]
+    );
+}
+
+#[test]
+fn a_resent_pull_in_pull_mode_is_granted_and_told_every_chunk_again() {
+    let t0 = Instant::now();
+    let mut m = pull_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(1, &[5, 6], 0, Some(0))));
+    ev(&mut m, t0, chunk(&[1], false));
+    ev(&mut m, t0, chunk(&[2], true));
+    let out = ev(&mut m, t0 + ms(200), msg(D0, pull(1, &[5, 6], 0, Some(1))));
+    assert_eq!(
+        out,
+        vec![
+            send(D0, grant(1)),
+            resend(D0, ready(0, 0, &[1], false)),
+            resend(D0, ready(1, 1, &[2], true)),
+        ]
+    );
+}
+
+#[test]
+fn the_last_ready_is_resent_until_done_comes() {
+    let t0 = Instant::now();
+    let cfg = Config {
+        resend_after: ms(100),
+        max_resends: 2,
+        heartbeat_interval: secs(1),
+        ..Config::default()
+    };
+    let mut m = SendMachine::new(t0, &cfg, TransferId(7), Mode::Pull);
+    ev(&mut m, t0, msg(D0, pull(1, &[5], 0, Some(0))));
+    assert_eq!(
+        ev(&mut m, t0, chunk(&[1], true)),
+        vec![send(D0, ready(0, 0, &[1], true))]
+    );
+    // D0's `Done` is overdue: the last `Ready` again, after 100 then 200 ms,
+    // then nothing while D0 stays silent (the claim bounds the rest).
+    for at in [100, 300] {
+        m.handle_timeout(t0 + ms(at));
+        assert_eq!(drain(&mut m), vec![resend(D0, ready(0, 0, &[1], true))]);
+    }
+    m.handle_timeout(t0 + ms(700));
+    assert_eq!(drain(&mut m), vec![]);
+    // Its `Done` ends the transfer; nothing is resent after it.
+    let out = ev(&mut m, t0 + ms(800), msg(D0, Msg::Done { ok: true }));
+    assert_eq!(out, vec![release(Phase::Success)]);
+    assert_eq!(m.poll_timeout(), None);
+}

@@ -339,12 +339,14 @@ fn case() -> impl Strategy<Value = Case> {
                     tp_rank: rp,
                     num_blocks: nb_p,
                     regions: regions(&mut rng, nregions, &kv_p, nb_p, inter_p, top),
+                    stage: kvferry_machines::layout::Stage::SINGLE,
                 };
                 let decode = RankLayout {
                     tp_size: tp_d,
                     tp_rank: rd,
                     num_blocks: nb_d,
                     regions: regions(&mut rng, nregions, &kv_d, nb_d, inter_d, false),
+                    stage: kvferry_machines::layout::Stage::SINGLE,
                 };
                 // Decode asks for up to all its blocks; prefill has those
                 // plus a prefix decode already holds (a partial hit).
@@ -456,6 +458,7 @@ proptest! {
             regions: (0..regions as u64)
                 .map(|i| Region { base: base + i * (1 << 32), block_len: kv, kv_block_len: kv })
                 .collect(),
+            stage: kvferry_machines::layout::Stage::SINGLE,
         };
         let p = side(0, p0 + n);
         let d = side(1 << 48, d0 + n);
@@ -482,6 +485,7 @@ proptest! {
         let side = |base: u64| RankLayout {
             tp_size: 1, tp_rank: 0, num_blocks,
             regions: vec![Region { base, block_len: 8, kv_block_len: 8 }],
+            stage: kvferry_machines::layout::Stage::SINGLE,
         };
         // Prefill gets decode's length plus a prefix, so trimming happens.
         let pb: Vec<Vec<u64>> = groups.iter().map(|(p, d)| {
@@ -529,6 +533,7 @@ proptest! {
         let mk = |tp_size, tp_rank, num_blocks| RankLayout {
             tp_size, tp_rank: tp_rank % tp_size.max(1).saturating_add(1), num_blocks,
             regions: rs.iter().map(|&(base, block_len, kv_block_len)| Region { base, block_len, kv_block_len }).collect(),
+            stage: kvferry_machines::layout::Stage::SINGLE,
         };
         let p = mk(tps.0, tps.1, nbs.0);
         let d = mk(tps.2, tps.3, nbs.1);

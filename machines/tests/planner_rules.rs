@@ -33,6 +33,7 @@ fn rank(tp_size: u32, tp_rank: u32, num_blocks: u64, kv: u64, bases: &[u64]) -> 
                 kv_block_len: kv,
             })
             .collect(),
+        stage: kvferry_machines::layout::Stage::SINGLE,
     }
 }
 
@@ -103,6 +104,7 @@ fn padded_blocks_are_not_coalesced_across_blocks() {
         tp_rank: 0,
         num_blocks: 4,
         regions: vec![region(0)],
+        stage: kvferry_machines::layout::Stage::SINGLE,
     };
     let dd = RankLayout {
         regions: vec![region(4096)],
@@ -321,6 +323,7 @@ fn kv_pair_in_one_block_is_two_interleaved_regions() {
                 kv_block_len: kv,
             },
         ],
+        stage: kvferry_machines::layout::Stage::SINGLE,
     };
     let out = plan(
         &m,
@@ -758,4 +761,80 @@ fn errors_print_one_line_and_name_the_side() {
     assert_eq!(e.side(), Some(Side::Decode));
     assert_eq!(e.to_string(), "decode: regions 0 and 1 overlap");
     assert_eq!(PlanError::ZeroBatchLimit.side(), None);
+}
+
+// ---- pipeline stages ----
+
+fn staged(mut r: RankLayout, pp_size: u32, pp_rank: u32, first_region: u32) -> RankLayout {
+    r.stage = kvferry_machines::layout::Stage {
+        pp_size,
+        pp_rank,
+        first_region,
+    };
+    r
+}
+
+#[test]
+fn a_prefill_stage_maps_onto_its_layers_of_an_unstaged_decode_rank() {
+    let m = model(LayoutKind::Hnd, 2);
+    let kv = 2 * u64::from(T) * B;
+    // Decode holds four regions; prefill stage 1 of 2 holds the last two.
+    let dd = rank(1, 0, 16, kv, &[0x1000, 0x2000, 0x3000, 0x4000]);
+    let p = staged(rank(1, 0, 16, kv, &[0x9000, 0xa000]), 2, 1, 2);
+    let out = plan(&m, &p, &dd, &[vec![1]], &[vec![5]], &big()).unwrap();
+    assert_eq!(
+        out.descriptors,
+        vec![
+            d(0x9000 + kv, 0x3000 + 5 * kv, kv),
+            d(0xa000 + kv, 0x4000 + 5 * kv, kv),
+        ]
+    );
+}
+
+#[test]
+fn stages_of_equal_pipelines_pair_stage_to_stage_only() {
+    let m = model(LayoutKind::Hnd, 2);
+    let kv = 2 * u64::from(T) * B;
+    let p0 = staged(rank(1, 0, 16, kv, &[0x9000, 0xa000]), 2, 0, 0);
+    let d0 = staged(rank(1, 0, 16, kv, &[0x1000, 0x2000]), 2, 0, 0);
+    let d1 = staged(rank(1, 0, 16, kv, &[0x3000, 0x4000]), 2, 1, 2);
+    let same = PairLayout::new(&m, &p0, &d0).unwrap();
+    assert!(same.share().is_some());
+    // Another stage's layers: nothing to move between the two.
+    let other = PairLayout::new(&m, &p0, &d1).unwrap();
+    assert_eq!(other.share(), None);
+}
+
+#[test]
+fn stages_that_do_not_fit_are_refused() {
+    let m = model(LayoutKind::Hnd, 2);
+    let kv = 2 * u64::from(T) * B;
+    let dd = rank(1, 0, 16, kv, &[0x1000, 0x2000, 0x3000, 0x4000]);
+    let refused = |p: RankLayout, d: &RankLayout| {
+        matches!(
+            PairLayout::new(&m, &p, d),
+            Err(PlanError::StageMismatch { .. })
+        )
+    };
+    // The last stage ends before decode's last region: layers would be missing.
+    assert!(refused(staged(rank(1, 0, 16, kv, &[0x9000]), 2, 1, 2), &dd));
+    // A stage running past decode's regions.
+    assert!(refused(
+        staged(rank(1, 0, 16, kv, &[0x9000, 0xa000]), 2, 1, 3),
+        &dd
+    ));
+    // The first stage not starting at decode's first region.
+    assert!(refused(
+        staged(rank(1, 0, 16, kv, &[0x9000, 0xa000]), 2, 0, 1),
+        &dd
+    ));
+    // A stage outside its PP size.
+    assert!(refused(
+        staged(rank(1, 0, 16, kv, &[0x9000, 0xa000]), 2, 2, 2),
+        &dd
+    ));
+    // A staged decode fed by an unstaged prefill engine (not supported).
+    let p = rank(1, 0, 16, kv, &[0x9000, 0xa000, 0xb000, 0xc000]);
+    let d_staged = staged(rank(1, 0, 16, kv, &[0x1000, 0x2000]), 2, 0, 0);
+    assert!(refused(p, &d_staged));
 }

@@ -19,12 +19,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use sim::checker::{Kind, Stats};
-use sim::scenario::Switches;
+use sim::scenario::{Scenario, Switches};
 
-/// Runs seeds `start..start + seeds` on `jobs` threads (each seed is one
-/// single-threaded simulation); returns the summed counters and the lowest
-/// failing seed found, if any. Workers stop taking seeds after a failure.
-fn campaign(start: u64, seeds: u64, jobs: u64) -> (Stats, Option<(u64, sim::checker::Violation)>) {
+/// Runs the scenarios `draw` gives for seeds `start..start + seeds` on
+/// `jobs` threads (each seed is one single-threaded simulation); returns
+/// the summed counters and the lowest failing seed found, if any. Workers
+/// stop taking seeds after a failure.
+fn campaign(
+    draw: impl Fn(u64) -> Scenario + Sync,
+    start: u64,
+    seeds: u64,
+    jobs: u64,
+) -> (Stats, Option<(u64, sim::checker::Violation)>) {
     let next = AtomicU64::new(start);
     let failed = AtomicBool::new(false);
     let results: Vec<(Stats, Option<(u64, sim::checker::Violation)>)> = std::thread::scope(|s| {
@@ -38,7 +44,7 @@ fn campaign(start: u64, seeds: u64, jobs: u64) -> (Stats, Option<(u64, sim::chec
                         if seed >= start + seeds {
                             break;
                         }
-                        let (_, r) = sim::run_seed(seed, Switches::default(), false);
+                        let r = sim::world::run(&draw(seed), false);
                         stats.add(&r.stats);
                         if let Some(v) = r.violation {
                             failed.store(true, Ordering::Relaxed);
@@ -73,7 +79,8 @@ fn sim_campaign() {
     let start = sim::env_u64("KVFERRY_SIM_SEED_START", 0);
     let jobs = sim::env_u64("KVFERRY_SIM_JOBS", 1);
     let began = Instant::now();
-    let (total, failure) = campaign(start, seeds, jobs);
+    let draw = |seed| Scenario::generate(seed, Switches::default());
+    let (total, failure) = campaign(draw, start, seeds, jobs);
     if let Some((seed, v)) = failure {
         panic!("{}", sim::report_failure(seed, Switches::default(), &v));
     }
@@ -116,6 +123,7 @@ fn sim_campaign() {
             ("pull requests", total.pull),
             ("push requests", total.push),
             ("releases through the fence", total.fenced),
+            ("resent messages", total.resent),
         ];
         for (what, n) in checks {
             assert!(n > 0, "the campaign never produced {what}:\n{total}");
@@ -148,6 +156,60 @@ fn sim_campaign() {
             "too few successes:\n{total}"
         );
     }
+}
+
+/// Share of control messages the goodput runs lose.
+const LOSS_PPM: u32 = 20_000;
+/// Goodput the machines' resends must keep at that loss.
+const MIN_GOODPUT: f64 = 0.995;
+
+/// The goodput campaign: `KVFERRY_SIM_SEEDS` (default 3000) lossy
+/// scenarios, `scenario_fix` applied to each.
+fn lossy_campaign(scenario_fix: impl Fn(&mut Scenario) + Sync) -> Stats {
+    let seeds = sim::env_u64("KVFERRY_SIM_SEEDS", 3000);
+    let start = sim::env_u64("KVFERRY_SIM_SEED_START", 0);
+    let jobs = sim::env_u64("KVFERRY_SIM_JOBS", 1);
+    let draw = |seed| {
+        let mut sc = Scenario::lossy(seed, LOSS_PPM);
+        scenario_fix(&mut sc);
+        sc
+    };
+    let (total, failure) = campaign(draw, start, seeds, jobs);
+    if let Some((seed, v)) = failure {
+        panic!(
+            "lossy seed {seed} violates an invariant: {v}\n{:#?}",
+            draw(seed)
+        );
+    }
+    println!("lossy seeds {start}..{}:\n{total}", start + seeds);
+    total
+}
+
+#[test]
+fn sim_goodput_with_lost_messages() {
+    // With 2 % of the control messages lost and nothing else failing, the
+    // resends recover almost every request, and break no invariant.
+    let total = lossy_campaign(|_| {});
+    assert!(total.dropped > 0 && total.resent > 0, "{total}");
+    assert!(total.requests_judged > 0, "{total}");
+    assert!(
+        total.goodput() >= MIN_GOODPUT,
+        "goodput {:.4} under {MIN_GOODPUT} at {LOSS_PPM} ppm lost:\n{total}",
+        total.goodput()
+    );
+}
+
+#[test]
+fn sim_teeth_goodput_without_resends() {
+    // The same runs with resending off: lost messages fail requests at
+    // their deadlines, and the goodput falls under the bound.
+    let total = lossy_campaign(|sc| sc.cfg.max_resends = 0);
+    assert_eq!(total.resent, 0);
+    assert!(
+        total.goodput() < MIN_GOODPUT,
+        "goodput {:.4} without resends: the goodput test has no teeth\n{total}",
+        total.goodput()
+    );
 }
 
 #[test]

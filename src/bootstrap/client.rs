@@ -7,10 +7,11 @@
 //! chunked encoding, or the end of the connection.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::{QueryResponse, RegisterRequest, RegisterResponse};
+use crate::resolve::{HostPort, ResolveError, Resolver};
 
 /// Largest response body the client reads (a registry of thousands of
 /// workers is well below it).
@@ -26,9 +27,19 @@ const MAX_HEADERS: usize = 100;
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The address given does not parse or resolve (misuse).
-    #[error("bad bootstrap address {0:?}")]
-    BadAddress(String),
+    /// The address given is not `[http://]host:port[/]` (misuse).
+    #[error("bad bootstrap address: {0}")]
+    BadAddress(#[source] ResolveError),
+    /// The address's name did not resolve within the bound (retryable:
+    /// it is looked up again at the next attempt).
+    #[error("bootstrap address {addr:?}: {source}")]
+    Resolve {
+        /// The address as given.
+        addr: String,
+        /// Why.
+        #[source]
+        source: ResolveError,
+    },
     /// Connecting, writing or reading failed (transport). `register`
     /// retries these until its deadline.
     #[error("bootstrap service at {addr} unreachable: {source}")]
@@ -66,6 +77,7 @@ impl ClientError {
     pub fn is_retryable(&self) -> bool {
         match self {
             ClientError::Unreachable { .. } => true,
+            ClientError::Resolve { source, .. } => source.is_retryable(),
             ClientError::Rejected { status, .. } => *status == 503,
             ClientError::BadAddress(_)
             | ClientError::BadResponse(_)
@@ -101,7 +113,10 @@ impl Default for RetryPolicy {
 /// Talks to one bootstrap service.
 #[derive(Clone, Debug)]
 pub struct BootstrapClient {
-    addr: SocketAddr,
+    /// The service's address as given (a host name is looked up at every
+    /// attempt, so a service that moved is found again).
+    target: HostPort,
+    resolver: Resolver,
     host: String,
     /// Connect, read and write timeout of each attempt.
     io_timeout: Duration,
@@ -109,22 +124,23 @@ pub struct BootstrapClient {
 
 impl BootstrapClient {
     /// `addr` is `host:port`, optionally prefixed by `http://` and followed
-    /// by `/` (vLLM passes `http://host:port`).
+    /// by `/` (vLLM passes `http://host:port`); the host is an IP address
+    /// or a name, looked up by [`Resolver::default`] at every attempt
+    /// (see [`BootstrapClient::with_resolver`]).
     pub fn new(addr: &str) -> Result<BootstrapClient, ClientError> {
         let trimmed = addr.trim();
         let trimmed = trimmed.strip_prefix("http://").unwrap_or(trimmed);
         let trimmed = trimmed.trim_end_matches('/');
         if trimmed.is_empty() || trimmed.contains('/') {
-            return Err(ClientError::BadAddress(addr.to_string()));
+            return Err(ClientError::BadAddress(ResolveError::BadName(
+                addr.to_string(),
+            )));
         }
-        let resolved = trimmed
-            .to_socket_addrs()
-            .map_err(|_| ClientError::BadAddress(addr.to_string()))?
-            .next()
-            .ok_or_else(|| ClientError::BadAddress(addr.to_string()))?;
+        let target = HostPort::parse(trimmed).map_err(ClientError::BadAddress)?;
         Ok(BootstrapClient {
-            addr: resolved,
-            host: trimmed.to_string(),
+            host: target.to_string(),
+            target,
+            resolver: Resolver::default(),
             io_timeout: Duration::from_secs(5),
         })
     }
@@ -135,9 +151,27 @@ impl BootstrapClient {
         self
     }
 
-    /// The resolved address of the service.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
+    /// Looks the service's name up with `resolver` (a node passes one
+    /// bounded by its `resolve_timeout`; a test, one whose answer changes).
+    pub fn with_resolver(mut self, resolver: Resolver) -> BootstrapClient {
+        self.resolver = resolver;
+        self
+    }
+
+    /// The service's address as given.
+    pub fn addr(&self) -> &HostPort {
+        &self.target
+    }
+
+    /// The service's address now: looked up again for every connection,
+    /// so a name whose address changed is followed.
+    fn resolve(&self) -> Result<SocketAddr, ClientError> {
+        self.resolver
+            .resolve(&self.target)
+            .map_err(|source| ClientError::Resolve {
+                addr: self.target.to_string(),
+                source,
+            })
     }
 
     /// Registers one worker, retrying with exponential backoff while the
@@ -257,11 +291,9 @@ impl BootstrapClient {
         path: &str,
         body: Option<&[u8]>,
     ) -> Result<(u16, Vec<u8>), ClientError> {
-        let io = |source| ClientError::Unreachable {
-            addr: self.addr,
-            source,
-        };
-        let mut stream = TcpStream::connect_timeout(&self.addr, self.io_timeout).map_err(io)?;
+        let addr = self.resolve()?;
+        let io = |source| ClientError::Unreachable { addr, source };
+        let mut stream = TcpStream::connect_timeout(&addr, self.io_timeout).map_err(io)?;
         stream.set_read_timeout(Some(self.io_timeout)).map_err(io)?;
         stream
             .set_write_timeout(Some(self.io_timeout))
@@ -287,10 +319,7 @@ impl BootstrapClient {
 
         let mut reader = BufReader::new(stream);
         read_response(&mut reader).map_err(|e| match e {
-            ReadError::Io(source) => ClientError::Unreachable {
-                addr: self.addr,
-                source,
-            },
+            ReadError::Io(source) => ClientError::Unreachable { addr, source },
             ReadError::Bad(reason) => ClientError::BadResponse(reason),
         })
     }

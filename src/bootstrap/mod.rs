@@ -73,6 +73,11 @@ impl EngineEntry {
         self.worker_addr.len()
     }
 
+    /// PP size as the registered ranks show it: the stages of TP rank 0.
+    pub fn pp_size(&self) -> usize {
+        self.worker_addr.get(&0).map_or(0, BTreeMap::len)
+    }
+
     /// Side-channel address of one worker.
     pub fn addr(&self, tp_rank: u32, pp_rank: u32) -> Option<&str> {
         self.worker_addr

@@ -7,7 +7,7 @@
 //! glommio.
 
 use std::io::Read;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -42,9 +42,15 @@ impl Default for ServerConfig {
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// The listen address does not resolve.
-    #[error("cannot resolve listen address {0:?}")]
-    BadAddress(String),
+    /// The listen address does not parse or resolve.
+    #[error("bad listen address {addr:?}: {source}")]
+    BadAddress {
+        /// The address asked for.
+        addr: String,
+        /// Why.
+        #[source]
+        source: crate::resolve::ResolveError,
+    },
     /// Binding the listening socket failed (port in use, permissions...).
     #[error("cannot listen on {addr}: {reason}")]
     Bind {
@@ -157,11 +163,14 @@ impl BootstrapServer {
 /// Binds an HTTP server to `addr` (port 0: any free port); returns it and
 /// the address it got.
 pub(crate) fn bind(addr: &str) -> Result<(tiny_http::Server, SocketAddr), ServerError> {
-    let resolved = addr
-        .to_socket_addrs()
-        .map_err(|_| ServerError::BadAddress(addr.to_string()))?
-        .next()
-        .ok_or_else(|| ServerError::BadAddress(addr.to_string()))?;
+    // The caller's thread waits (bounded) for a name: a node binds its
+    // servers in `Node::start`, the CLI before it serves.
+    let resolved = crate::resolve::Resolver::default()
+        .resolve_str(addr)
+        .map_err(|source| ServerError::BadAddress {
+            addr: addr.to_string(),
+            source,
+        })?;
     let server = tiny_http::Server::http(resolved).map_err(|e| ServerError::Bind {
         addr: addr.to_string(),
         reason: e.to_string(),

@@ -1,6 +1,8 @@
 //! What a node is configured with: its role, its peers' whereabouts, its
 //! bounds and its tuning, and the layout of the memory it registers.
 
+use std::time::Duration;
+
 use kvferry_machines::common::{Config as Timeouts, Mode, Phase, TransferId};
 use kvferry_machines::layout::{BatchLimits, ModelSpec, Region};
 use kvferry_machines::wire;
@@ -38,11 +40,14 @@ pub enum PrefillTarget {
         /// Its data-parallel rank, as it registered.
         dp_rank: u32,
     },
-    /// The side-channel addresses of every prefill rank, by TP rank.
+    /// The side-channel addresses of every prefill rank.
     Direct {
         /// Prefill TP size.
         tp_size: u32,
-        /// `tcp://host:port` per prefill TP rank.
+        /// Prefill PP size (1 without pipeline parallelism).
+        pp_size: u32,
+        /// `tcp://host:port` per prefill rank, stage by stage: the rank of
+        /// TP rank `t` in stage `s` is at `s · tp_size + t`.
         side_channels: Vec<String>,
     },
 }
@@ -60,11 +65,22 @@ pub struct NodeConfig {
     pub tp_size: u32,
     /// This node's TP rank.
     pub tp_rank: u32,
+    /// Pipeline-parallel size of the engine (1: none). A prefill engine
+    /// with stages feeds a decode engine with the same PP size (stage to
+    /// stage) or none (every stage to each decode rank).
+    pub pp_size: u32,
+    /// This node's pipeline stage; it registers the regions of its
+    /// layers ([`KvLayout::first_region`]).
+    pub pp_rank: u32,
     /// Push (P writes) or pull (D reads); both sides must agree.
     pub mode: Mode,
     /// Data plane.
     pub transport: TransportKind,
-    /// Host to bind the side channel and the TCP transport on.
+    /// Host to bind the side channel and the TCP transport on: an IP
+    /// address or a name. A name is resolved once at [`Node::start`](super::Node::start)
+    /// (within `resolve_timeout`) for binding, and advertised as it is
+    /// (in the hello and the bootstrap registration), so peers resolve it
+    /// themselves and find the node again after a restart moved it.
     pub host: String,
     /// Side-channel port of a prefill rank; 0 picks a free one.
     pub side_channel_port: u16,
@@ -85,6 +101,20 @@ pub struct NodeConfig {
     /// Timeouts and bounds of the machines; `heartbeat_interval` and
     /// `heartbeat_misses` also drive peer liveness.
     pub timeouts: Timeouts,
+    /// Longest wait for one host-name lookup (this node's `host`, the
+    /// bootstrap service, a peer's side channel or data-plane endpoint);
+    /// past it the attempt fails with a typed timeout and the next
+    /// connection attempt or probe looks the name up again. At most
+    /// [`MAX_RESOLVE_TIMEOUT`](crate::resolve::MAX_RESOLVE_TIMEOUT).
+    pub resolve_timeout: Duration,
+    /// How host names are looked up; `None`, the system's resolver
+    /// (/etc/hosts, then DNS). A test moves a name with it.
+    pub lookup: Option<crate::resolve::HostLookup>,
+    /// How often decode says hello again to a prefill peer that is dead
+    /// or has not answered yet (and looks its name up again); `None`:
+    /// every `timeouts.heartbeat_interval`. Between 1 ms and
+    /// `timeouts.bootstrap_timeout`.
+    pub probe_interval: Option<Duration>,
     /// The reactor (exactly one executor: one rank is one device).
     pub reactor: ReactorConfig,
     /// Side-channel frame bounds.
@@ -135,6 +165,12 @@ pub struct NodeConfig {
     /// bridge, executor). Off: everything goes over ZeroMQ, and peers that
     /// try are refused and fall back to it.
     pub data_plane_messages: bool,
+    /// Fault injection, for tests and `kvferry demo --drop-control-ppm`:
+    /// this share (parts per million) of the control messages the machines
+    /// emit is dropped instead of sent, whatever channel would carry it
+    /// (side channel, data-plane notification, a write's status trailer),
+    /// so that resending can be seen to recover them. 0 in production.
+    pub drop_control_ppm: u32,
     /// Where the node reports events as they happen, for a program that
     /// blocks on a channel instead of polling; `None` for an engine that
     /// polls (the handles' `poll`/`wait`, or [`Node::get_finished`]).
@@ -201,6 +237,19 @@ pub enum EventKind {
 pub const DECODE_YIELD_BELOW: usize = 8;
 
 impl NodeConfig {
+    /// How often the bridge probes a dead or silent peer
+    /// ([`NodeConfig::probe_interval`], else the heartbeat interval).
+    pub fn probe_every(&self) -> Duration {
+        self.probe_interval
+            .unwrap_or(self.timeouts.heartbeat_interval)
+    }
+
+    /// The resolver every lookup of the node uses: `lookup` (or the
+    /// system's) bounded by `resolve_timeout`.
+    pub fn resolver(&self) -> crate::resolve::Resolver {
+        crate::resolve::Resolver::configured(self.resolve_timeout, self.lookup.as_ref())
+    }
+
     /// Defaults for one rank (TP 1, push mode, TCP on loopback, ephemeral ports).
     pub fn new(role: Role, engine_id: impl Into<String>) -> NodeConfig {
         let reactor = ReactorConfig {
@@ -220,6 +269,8 @@ impl NodeConfig {
             dp_rank: 0,
             tp_size: 1,
             tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
             mode: Mode::Push,
             transport: TransportKind::Tcp,
             host: "127.0.0.1".into(),
@@ -230,6 +281,9 @@ impl NodeConfig {
             serve_bootstrap: None,
             metrics_listen: None,
             timeouts: Timeouts::default(),
+            resolve_timeout: crate::resolve::DEFAULT_RESOLVE_TIMEOUT,
+            probe_interval: None,
+            lookup: None,
             reactor,
             frame_limits: wire::Limits::default(),
             batch_limits: BatchLimits::default(),
@@ -244,6 +298,7 @@ impl NodeConfig {
             max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
             data_plane_messages: true,
+            drop_control_ppm: 0,
             events: None,
         }
     }
@@ -256,6 +311,11 @@ pub struct KvLayout {
     pub model: ModelSpec,
     /// Blocks per region.
     pub num_blocks: u64,
-    /// One region per layer and K/V (per layer for MLA), same order on P and D.
+    /// One region per layer and K/V (per layer for MLA), in the model's
+    /// order on P and D; a pipeline stage registers its layers' only.
     pub regions: Vec<Region>,
+    /// Index, in the model's region order, of the first region registered
+    /// (0 without pipeline parallelism; with it, the regions of the layers
+    /// before this stage's first).
+    pub first_region: u32,
 }

@@ -94,9 +94,30 @@ pub enum Misuse {
         /// The configured size.
         tp_size: u32,
     },
+    /// `pp_rank` is not below `pp_size`.
+    #[error("pp_rank {pp_rank} outside pp_size {pp_size}")]
+    PpRank {
+        /// The configured stage.
+        pp_rank: u32,
+        /// The configured size.
+        pp_size: u32,
+    },
     /// A bound of [`super::NodeConfig`] that must be positive is 0.
     #[error("{0} must be positive")]
     ZeroBound(&'static str),
+    /// A duration of [`super::NodeConfig`] outside the range the node
+    /// accepts.
+    #[error("{setting} of {value:?} outside {min:?}..={max:?}")]
+    OutOfRange {
+        /// The field.
+        setting: &'static str,
+        /// Its value.
+        value: std::time::Duration,
+        /// The least accepted.
+        min: std::time::Duration,
+        /// The most accepted.
+        max: std::time::Duration,
+    },
     /// `register_kv_caches` was called a second time.
     #[error("register_kv_caches called twice")]
     RegisteredTwice,
@@ -144,14 +165,15 @@ pub struct IdCollision {
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum DataPlaneError {
-    /// `NodeConfig::host` is not an IP address.
+    /// `NodeConfig::host` is neither an IP address nor a name that
+    /// resolves within `resolve_timeout`.
     #[error("bad host {host:?}: {source}")]
     BadHost {
         /// The configured host.
         host: String,
-        /// Why it does not parse.
+        /// Why it does not parse or resolve.
         #[source]
-        source: std::net::AddrParseError,
+        source: crate::resolve::ResolveError,
     },
     /// The node's executor has no transport endpoint (it failed to start).
     #[error("the node has no transport endpoint")]

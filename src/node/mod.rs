@@ -60,7 +60,7 @@ use kvferry_machines::common::check_request_id;
 pub use kvferry_machines::common::{
     AbortReason, BlockId, BlockLists, Config as Timeouts, FailReason, Mode, Phase, TransferId,
 };
-pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
+pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send;
@@ -210,6 +210,13 @@ fn check_config(config: &NodeConfig) -> Result<(), NodeError> {
         }
         .into());
     }
+    if config.pp_size == 0 || config.pp_rank >= config.pp_size {
+        return Err(Misuse::PpRank {
+            pp_rank: config.pp_rank,
+            pp_size: config.pp_size,
+        }
+        .into());
+    }
     if config.max_peers == 0
         || config.max_finished_records == 0
         || config.bridge_queue_capacity == 0
@@ -222,19 +229,69 @@ fn check_config(config: &NodeConfig) -> Result<(), NodeError> {
         )
         .into());
     }
+    let ms = Duration::from_millis(1);
+    in_range(
+        "resolve_timeout",
+        config.resolve_timeout,
+        ms,
+        crate::resolve::MAX_RESOLVE_TIMEOUT,
+    )?;
+    // A probe later than the bootstrap timeout would come after the
+    // requests waiting for the peer expired. Unset, probes follow the
+    // heartbeat, which is checked as it always was.
+    if let Some(probe) = config.probe_interval {
+        let probe_max = config.timeouts.bootstrap_timeout.max(ms);
+        in_range("probe_interval", probe, ms, probe_max)?;
+    }
     Ok(())
+}
+
+fn in_range(
+    setting: &'static str,
+    value: Duration,
+    min: Duration,
+    max: Duration,
+) -> Result<(), NodeError> {
+    if (min..=max).contains(&value) {
+        return Ok(());
+    }
+    Err(Misuse::OutOfRange {
+        setting,
+        value,
+        min,
+        max,
+    }
+    .into())
+}
+
+/// The address the node binds: its `host`, resolved once here (on the
+/// caller's thread, not on the executor, which binds the data plane).
+fn bind_ip(config: &NodeConfig) -> Result<std::net::IpAddr, NodeError> {
+    config
+        .resolver()
+        .resolve_host(&config.host)
+        .map_err(|source| {
+            DataPlaneError::BadHost {
+                host: config.host.clone(),
+                source,
+            }
+            .into()
+        })
 }
 
 /// The state the engine threads, the executor and the bridge share.
 fn new_shared(
     config: &NodeConfig,
+    bind_ip: std::net::IpAddr,
     bridge_tx: flume::Sender<bridge::BridgeCmd>,
 ) -> Result<Arc<Shared>, NodeError> {
     let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
+    let node_id = NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed);
     Ok(Arc::new(Shared {
         role: config.role,
-        node_id: NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed),
+        node_id,
         config: config.clone(),
+        bind_ip,
         local: OnceLock::new(),
         endpoint: OnceLock::new(),
         peers: Mutex::new(Peers::default()),
@@ -246,6 +303,8 @@ fn new_shared(
         bridge_tx,
         waker,
         create_lock: Mutex::new(()),
+        // Any nonzero seed; distinct per node.
+        fault_dice: AtomicU64::new(0x9E37_79B9_7F4A_7C15 ^ node_id),
         terminal_seq: Mutex::new(TerminalSeq::default()),
         terminal_cv: Condvar::new(),
         any_named: std::sync::atomic::AtomicBool::new(false),
@@ -321,8 +380,9 @@ impl Node {
     /// registration at the bootstrap service.
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         check_config(&config)?;
+        let bind_ip = bind_ip(&config)?;
         let (bridge_tx, bridge_rx) = flume::bounded(config.bridge_queue_capacity);
-        let shared = new_shared(&config, bridge_tx)?;
+        let shared = new_shared(&config, bind_ip, bridge_tx)?;
         let (engine, handle) = start_engine(&shared, &config)?;
         let (bootstrap_server, metrics_server) = start_servers(&shared, &config)?;
         let (bridge, side_channel) =
@@ -365,8 +425,9 @@ impl Node {
         self.inner.shared.role
     }
 
-    /// The side-channel address peers connect to (`tcp://host:port`;
-    /// decode ranks have none and return an empty string).
+    /// The side-channel address peers connect to (`tcp://host:port`, with
+    /// the configured host when it is a name; decode ranks have none and
+    /// return an empty string).
     pub fn side_channel_addr(&self) -> String {
         self.inner.side_channel.clone()
     }
@@ -401,6 +462,11 @@ impl Node {
             tp_rank: s.config.tp_rank,
             num_blocks: layout.num_blocks,
             regions: layout.regions.clone(),
+            stage: Stage {
+                pp_size: s.config.pp_size,
+                pp_rank: s.config.pp_rank,
+                first_region: layout.first_region,
+            },
         };
         // Checked now so a bad layout is the caller's error, not every
         // peer's: a pair with itself exercises the same validation.

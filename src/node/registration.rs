@@ -39,12 +39,13 @@ pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_cha
         engine_id: config.engine_id.clone(),
         dp_rank: config.dp_rank,
         tp_rank: config.tp_rank,
-        pp_rank: 0,
+        pp_rank: config.pp_rank,
         addr: side_channel,
     };
+    let resolver = config.resolver();
     let spawned = std::thread::Builder::new().name("kvferry-register".into()).spawn(move || {
         let result = BootstrapClient::new(&addr)
-            .and_then(|c| c.register(&req, RetryPolicy::default()));
+            .and_then(|c| c.with_resolver(resolver).register(&req, RetryPolicy::default()));
         match result {
             Ok(_) => tracing::info!(%addr, tp_rank = req.tp_rank, "registered at the bootstrap service"),
             Err(e) => tracing::error!(%addr, %e, "registration at the bootstrap service failed"),

@@ -30,6 +30,10 @@ pub struct NodeSettings {
     pub tp_size: Option<u32>,
     /// [`NodeConfig::tp_rank`].
     pub tp_rank: Option<u32>,
+    /// [`NodeConfig::pp_size`].
+    pub pp_size: Option<u32>,
+    /// [`NodeConfig::pp_rank`].
+    pub pp_rank: Option<u32>,
     /// `"push"` or `"pull"`.
     pub mode: Option<ModeSetting>,
     /// `"tcp"` or `"local"`.
@@ -63,10 +67,18 @@ pub struct NodeSettings {
     /// `Timeouts::fence_margin`.
     pub fence_margin_ms: Option<u64>,
     /// `Timeouts::heartbeat_interval`; also how often decode probes a dead
-    /// prefill rank.
+    /// prefill rank unless `probe_interval_ms` is set.
     pub heartbeat_interval_ms: Option<u64>,
     /// `Timeouts::heartbeat_misses`.
     pub heartbeat_misses: Option<u32>,
+    /// `Timeouts::resend_after`.
+    pub resend_after_ms: Option<u64>,
+    /// `Timeouts::max_resends` (0 turns resending off).
+    pub max_resends: Option<u32>,
+    /// [`NodeConfig::probe_interval`].
+    pub probe_interval_ms: Option<u64>,
+    /// [`NodeConfig::resolve_timeout`].
+    pub resolve_timeout_ms: Option<u64>,
     /// [`NodeConfig::max_peers`].
     pub max_peers: Option<usize>,
     /// [`NodeConfig::max_finished_records`].
@@ -251,6 +263,8 @@ impl NodeSettings {
         set(&mut c.dp_rank, self.dp_rank);
         set(&mut c.tp_size, self.tp_size);
         set(&mut c.tp_rank, self.tp_rank);
+        set(&mut c.pp_size, self.pp_size);
+        set(&mut c.pp_rank, self.pp_rank);
         if let Some(m) = self.mode {
             c.mode = match m {
                 ModeSetting::Push => Mode::Push,
@@ -289,6 +303,12 @@ impl NodeSettings {
         set_ms(&mut t.fence_margin, self.fence_margin_ms);
         set_ms(&mut t.heartbeat_interval, self.heartbeat_interval_ms);
         set(&mut t.heartbeat_misses, self.heartbeat_misses);
+        set_ms(&mut t.resend_after, self.resend_after_ms);
+        set(&mut t.max_resends, self.max_resends);
+        if let Some(ms) = self.probe_interval_ms {
+            c.probe_interval = Some(Duration::from_millis(ms));
+        }
+        set_ms(&mut c.resolve_timeout, self.resolve_timeout_ms);
     }
 
     fn apply_bounds(&self, c: &mut NodeConfig) {
@@ -357,6 +377,8 @@ const KEYS: &[(&str, Kind)] = &[
     ("dp_rank", Kind::Number),
     ("tp_size", Kind::Number),
     ("tp_rank", Kind::Number),
+    ("pp_size", Kind::Number),
+    ("pp_rank", Kind::Number),
     ("mode", Kind::Text),
     ("transport", Kind::Text),
     ("host", Kind::Text),
@@ -375,6 +397,10 @@ const KEYS: &[(&str, Kind)] = &[
     ("fence_margin_ms", Kind::Number),
     ("heartbeat_interval_ms", Kind::Number),
     ("heartbeat_misses", Kind::Number),
+    ("resend_after_ms", Kind::Number),
+    ("max_resends", Kind::Number),
+    ("probe_interval_ms", Kind::Number),
+    ("resolve_timeout_ms", Kind::Number),
     ("max_peers", Kind::Number),
     ("max_finished_records", Kind::Number),
     ("max_load_error_blocks", Kind::Number),

@@ -17,7 +17,7 @@
 //! | `records.names` (string request ids) | engine threads, bridge | executor (`Pull`s), bridge |
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -73,6 +73,9 @@ pub(crate) struct Shared {
     pub role: Role,
     pub node_id: u64,
     pub config: NodeConfig,
+    /// `config.host` resolved: what the side channel and the data plane
+    /// bind (the host itself is what the node advertises).
+    pub bind_ip: std::net::IpAddr,
     pub local: OnceLock<LocalKv>,
     pub endpoint: OnceLock<String>,
     /// Peers by side-channel slot, and the slot of each data-plane
@@ -105,6 +108,8 @@ pub(crate) struct Shared {
     pub create_lock: Mutex<()>,
     /// Bumped on every terminal phase, and signalled when a `wait` is
     /// waiting (a wake-up with nobody to wake is a system call per request).
+    /// State of the fault-injection dice (`NodeConfig::drop_control_ppm`).
+    pub(crate) fault_dice: AtomicU64,
     pub(crate) terminal_seq: Mutex<TerminalSeq>,
     pub(crate) terminal_cv: Condvar,
     /// True once any transfer was opened by string request id: until then
@@ -409,6 +414,26 @@ impl Shared {
                 false
             }
         }
+    }
+
+    /// Fault injection: true for the share `drop_control_ppm` of calls,
+    /// from a per-node xorshift sequence (never true when it is 0).
+    pub(crate) fn drops_control(&self) -> bool {
+        let ppm = self.config.drop_control_ppm;
+        if ppm == 0 {
+            return false;
+        }
+        let step = |mut x: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let prev = self
+            .fault_dice
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |x| Some(step(x)))
+            .unwrap_or_else(|x| x);
+        step(prev) % 1_000_000 < u64::from(ppm)
     }
 
     /// The recorded final phase of a transfer that ended here.

@@ -129,6 +129,29 @@ counters! {
     /// transfer's last write (also counted in `data_plane_messages`).
     statuses_behind_writes => "kvferry_statuses_behind_writes",
         "Closing statuses that rode behind their transfer's last write.";
+    /// Control messages the machines sent again because the answer they
+    /// wait for may have been lost (`Timeouts::resend_after`), by channel:
+    /// the side channel (ZeroMQ) ...
+    resent_sidechannel => "kvferry_control_resent_sidechannel",
+        "Control messages resent over the side channel.";
+    /// ... and a data-plane session. (A write's status trailer carries only
+    /// a first `Status`, never a resent one.)
+    resent_data_plane => "kvferry_control_resent_data_plane",
+        "Control messages resent over a data-plane session.";
+    /// Answers to a message for a transfer that had ended here (or was
+    /// unknown): its last words again after a success, else an `Abort`.
+    late_answers => "kvferry_late_answers",
+        "Messages for ended or unknown transfers answered.";
+    /// Fault injection (`NodeConfig::drop_control_ppm`): control messages
+    /// dropped instead of sent, by channel: the side channel ...
+    dropped_sidechannel => "kvferry_control_dropped_sidechannel",
+        "Control messages dropped by fault injection on the side channel.";
+    /// ... a data-plane notification ...
+    dropped_data_plane => "kvferry_control_dropped_data_plane",
+        "Control messages dropped by fault injection on a data-plane session.";
+    /// ... and a write's status trailer.
+    dropped_trailer => "kvferry_control_dropped_trailer",
+        "Closing statuses dropped by fault injection from behind their write.";
     /// Frames of another protocol version this node refused (answered with
     /// a `Refuse`).
     version_refusals_sent => "kvferry_version_refusals_sent",

@@ -46,6 +46,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
+use crate::resolve::{ResolveError, Resolver};
 pub use any::{AnySession, AnyTransport};
 pub use registry::{RangeFault, RegionId, RegionInfo};
 
@@ -74,8 +75,13 @@ pub struct Desc {
 /// executors' type, so one setting means the same everywhere.
 pub use kvferry_reactor::PollPolicy;
 
-/// Where a peer endpoint listens. Its text form (`tcp://127.0.0.1:7000`,
-/// `local://3`) is what nodes exchange in their hello message.
+/// Where a peer endpoint listens: a resolved address. Its text form
+/// (`tcp://127.0.0.1:7000`, `local://3`) is what nodes exchange in their
+/// hello message; a hello may also name a tcp endpoint by host name
+/// (`tcp://prefill-0.prefill.svc:5600`), which [`EndpointAddr::resolve`]
+/// turns into this, off the executors. [`FromStr`] takes IP literals only:
+/// it runs where no lookup may block (the executor reading a data-plane
+/// notification's sender).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum EndpointAddr {
     /// A [`tcp::TcpTransport`] listening on this socket address.
@@ -105,6 +111,41 @@ impl FromStr for EndpointAddr {
             Err(bad())
         }
     }
+}
+
+impl EndpointAddr {
+    /// `text` as an endpoint, a `tcp://` host name looked up by `resolver`
+    /// (a bounded wait: never call it on an executor).
+    pub fn resolve(text: &str, resolver: &Resolver) -> Result<EndpointAddr, EndpointError> {
+        let Some(rest) = text.strip_prefix("tcp://") else {
+            return Ok(text.parse()?);
+        };
+        resolver
+            .resolve_str(rest)
+            .map(EndpointAddr::Tcp)
+            .map_err(|source| EndpointError::Resolve {
+                addr: text.to_string(),
+                source,
+            })
+    }
+}
+
+/// Why [`EndpointAddr::resolve`] found no endpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EndpointError {
+    /// Neither `tcp://host:port` nor `local://id`.
+    #[error(transparent)]
+    Malformed(#[from] MisuseError),
+    /// A `tcp://` address whose host is malformed or does not resolve.
+    #[error("endpoint {addr:?}: {source}")]
+    Resolve {
+        /// The endpoint as given.
+        addr: String,
+        /// Why.
+        #[source]
+        source: ResolveError,
+    },
 }
 
 impl serde::Serialize for EndpointAddr {

@@ -119,6 +119,8 @@ fn rows(
     let Some(r) = layout.rank.regions.get(region) else {
         return true;
     };
+    // The pattern follows the model's region, whichever stage holds it.
+    let region = layout.rank.stage.first_region as usize + region;
     let tokens = u64::from(model.block_tokens);
     match model.layout {
         LayoutKind::Mla => {
@@ -282,6 +284,7 @@ mod tests {
                     block_len: kv,
                     kv_block_len: kv,
                 }],
+                stage: kvferry_machines::layout::Stage::SINGLE,
             },
         }
     }
@@ -368,6 +371,31 @@ impl SynthKv {
         layers: u32,
         num_blocks: u64,
     ) -> SynthKv {
+        Self::new_stage(model, tp_size, tp_rank, layers, num_blocks, (1, 0))
+    }
+
+    /// Like [`SynthKv::new`], for pipeline stage `pp.1` of `pp.0`: it
+    /// holds the stage's share of the model's `layers` layers, stage `s`
+    /// layers `s·L/pp .. (s+1)·L/pp`.
+    pub fn new_stage(
+        model: ModelSpec,
+        tp_size: u32,
+        tp_rank: u32,
+        layers: u32,
+        num_blocks: u64,
+        (pp_size, pp_rank): (u32, u32),
+    ) -> SynthKv {
+        let first_layer = pp_rank * layers / pp_size.max(1);
+        let layers = (pp_rank + 1) * layers / pp_size.max(1) - first_layer;
+        let per_layer = match model.layout {
+            LayoutKind::Mla => 1,
+            LayoutKind::Hnd | LayoutKind::Nhd => 2,
+        };
+        let stage = kvferry_machines::layout::Stage {
+            pp_size,
+            pp_rank,
+            first_region: first_layer * per_layer,
+        };
         let kv_block_len = match model.layout {
             LayoutKind::Mla => u64::from(model.block_tokens) * model.head_bytes,
             LayoutKind::Hnd | LayoutKind::Nhd => {
@@ -403,6 +431,7 @@ impl SynthKv {
                     tp_rank,
                     num_blocks,
                     regions,
+                    stage,
                 },
             },
         }
@@ -414,6 +443,7 @@ impl SynthKv {
             model: self.layout.model,
             num_blocks: self.layout.rank.num_blocks,
             regions: self.layout.rank.regions.clone(),
+            first_region: self.layout.rank.stage.first_region,
         }
     }
 
@@ -519,6 +549,11 @@ pub struct ClusterSpec {
     pub prefill_tp: u32,
     /// Decode TP size.
     pub decode_tp: u32,
+    /// Prefill PP size (1: no pipeline parallelism); each stage holds its
+    /// share of the layers ([`SynthKv::new_stage`]).
+    pub prefill_pp: u32,
+    /// Decode PP size: 1 or `prefill_pp`.
+    pub decode_pp: u32,
     /// Push or pull.
     pub mode: kvferry_machines::common::Mode,
     /// Data plane.
@@ -534,6 +569,8 @@ pub struct ClusterSpec {
     pub spin: Option<std::time::Duration>,
     /// [`kvferry::node::NodeConfig::data_plane_messages`] of every node.
     pub data_plane_messages: bool,
+    /// [`kvferry::node::NodeConfig::drop_control_ppm`] of every node.
+    pub drop_control_ppm: u32,
 }
 
 /// One rank: its node and its synthetic KV memory. The node is shut down
@@ -562,27 +599,33 @@ impl Rank {
     }
 }
 
-/// The configuration every rank of `spec` shares, for TP rank `tp_rank` of
-/// `tp_size` in `role`.
+/// Where one rank sits: `(tp_size, tp_rank)` and `(pp_size, pp_rank)`.
+type Place = ((u32, u32), (u32, u32));
+
+/// The configuration every rank of `spec` shares, for the rank at `place`
+/// in `role`. Its events are tagged with its index among the ranks of its
+/// role, `pp_rank · tp_size + tp_rank`.
 fn node_config(
     spec: &ClusterSpec,
     role: kvferry::node::Role,
     name: &str,
-    tp_size: u32,
-    tp_rank: u32,
+    ((tp_size, tp_rank), (pp_size, pp_rank)): Place,
     events: &flume::Sender<kvferry::node::Event>,
 ) -> kvferry::node::NodeConfig {
     let mut c = kvferry::node::NodeConfig::new(role, name);
     c.tp_size = tp_size;
     c.tp_rank = tp_rank;
+    c.pp_size = pp_size;
+    c.pp_rank = pp_rank;
     c.mode = spec.mode;
     c.transport = spec.transport;
     c.timeouts = spec.timeouts;
     c.events = Some(kvferry::node::EventSink {
-        tag: tp_rank,
+        tag: pp_rank * tp_size + tp_rank,
         tx: events.clone(),
     });
     c.data_plane_messages = spec.data_plane_messages;
+    c.drop_control_ppm = spec.drop_control_ppm;
     if let Some(spin) = spec.spin {
         c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
     }
@@ -595,11 +638,11 @@ pub const GROUP_POSITIONS: u64 = 1 << 32;
 
 /// P and D ranks in one process, wired together.
 pub struct Cluster {
-    /// Decode ranks, by TP rank. Declared (so dropped) before the prefill
+    /// Decode ranks, by stage then TP rank. Declared (so dropped) before the prefill
     /// ranks: a decode rank that outlives its prefill peers sees their
     /// connections drop and logs them as dead peers at every shutdown.
     pub decode: Vec<Rank>,
-    /// Prefill ranks, by TP rank.
+    /// Prefill ranks, by stage then TP rank (`pp_rank · tp + tp_rank`).
     pub prefill: Vec<Rank>,
     /// How decode ranks find the prefill ranks.
     pub target: kvferry::node::PrefillTarget,
@@ -628,6 +671,7 @@ impl Cluster {
             },
             None => PrefillTarget::Direct {
                 tp_size: spec.prefill_tp,
+                pp_size: spec.prefill_pp,
                 side_channels: prefill.iter().map(|r| r.node.side_channel_addr()).collect(),
             },
         };
@@ -650,26 +694,24 @@ impl Cluster {
         use kvferry::node::Role;
         let mut prefill = Vec::new();
         let mut bootstrap_addr = None;
-        for r in 0..spec.prefill_tp {
-            let mut c = node_config(spec, Role::Prefill, "prefill", spec.prefill_tp, r, events);
+        let (tp, pp) = (spec.prefill_tp, spec.prefill_pp.max(1));
+        for (s, r) in (0..pp).flat_map(|s| (0..tp).map(move |r| (s, r))) {
+            let place = ((tp, r), (pp, s));
+            let mut c = node_config(spec, Role::Prefill, "prefill", place, events);
+            let first = (s, r) == (0, 0);
             if let Some(b) = &spec.bootstrap {
-                if r == 0 {
+                if first {
                     c.serve_bootstrap = Some(b.clone());
                 } else {
                     c.bootstrap = bootstrap_addr.clone();
                 }
             }
             let node = kvferry::node::Node::start(c)?;
-            if r == 0 {
+            if first {
                 bootstrap_addr = node.bootstrap_addr();
             }
-            let kv = SynthKv::new(
-                spec.model,
-                spec.prefill_tp,
-                r,
-                spec.layers,
-                spec.prefill_blocks,
-            );
+            let kv =
+                SynthKv::new_stage(spec.model, tp, r, spec.layers, spec.prefill_blocks, (pp, s));
             prefill.push(Rank::register(node, kv)?);
         }
         Ok((prefill, bootstrap_addr))
@@ -684,8 +726,23 @@ impl Cluster {
             deadline: std::time::Duration::from_secs(10),
             ..kvferry::bootstrap::RetryPolicy::default()
         };
-        client.wait_for_engine("prefill", spec.prefill_tp as usize, policy)?;
-        Ok(())
+        let started = std::time::Instant::now();
+        loop {
+            let found = client.wait_for_engine("prefill", spec.prefill_tp as usize, policy)?;
+            let stages = found.values().map(|e| e.pp_size()).min().unwrap_or(0);
+            if stages >= spec.prefill_pp.max(1) as usize {
+                return Ok(());
+            }
+            if started.elapsed() >= policy.deadline {
+                return Err(kvferry::bootstrap::ClientError::DeadlineExceeded {
+                    waited_ms: started.elapsed().as_millis() as u64,
+                    last: format!("{stages} of {} stages registered", spec.prefill_pp),
+                }
+                .into());
+            }
+            // A retry pause, as `wait_for_engine`'s own.
+            std::thread::sleep(policy.initial_backoff);
+        }
     }
 
     /// Starts the decode ranks.
@@ -695,16 +752,12 @@ impl Cluster {
     ) -> Result<Vec<Rank>, kvferry::node::NodeError> {
         use kvferry::node::Role;
         let mut decode = Vec::new();
-        for r in 0..spec.decode_tp {
-            let c = node_config(spec, Role::Decode, "decode", spec.decode_tp, r, events);
+        let (tp, pp) = (spec.decode_tp, spec.decode_pp.max(1));
+        for (s, r) in (0..pp).flat_map(|s| (0..tp).map(move |r| (s, r))) {
+            let c = node_config(spec, Role::Decode, "decode", ((tp, r), (pp, s)), events);
             let node = kvferry::node::Node::start(c)?;
-            let kv = SynthKv::new(
-                spec.model,
-                spec.decode_tp,
-                r,
-                spec.layers,
-                spec.decode_blocks,
-            );
+            let kv =
+                SynthKv::new_stage(spec.model, tp, r, spec.layers, spec.decode_blocks, (pp, s));
             decode.push(Rank::register(node, kv)?);
         }
         Ok(decode)

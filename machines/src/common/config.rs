@@ -42,6 +42,14 @@ pub struct Config {
     pub max_blocks_per_group: usize,
     /// Most lease requests remembered per peer (older ones are forgotten).
     pub max_lease_requests: usize,
+    /// How long a rank waits for the answer its peer owes it before it
+    /// sends again what asked for it (D: the `Pull`; pull-mode P: the last
+    /// `Ready`, which a D rank that is done answers with `Done`). The wait
+    /// doubles after each resend, up to `heartbeat_interval`.
+    pub resend_after: Duration,
+    /// Most resends to one peer while it stays silent; hearing from it
+    /// starts the count again. Zero turns resending off.
+    pub max_resends: u32,
     /// UNSAFE, for the simulator's self-test only (`tests/sim.rs`): a
     /// granter that ends a transfer reuses its blocks at once, without
     /// waiting for the toucher to return its lease or for the lease plus the
@@ -73,6 +81,8 @@ impl Default for Config {
             max_groups: 16,
             max_blocks_per_group: 1 << 20,
             max_lease_requests: 4,
+            resend_after: Duration::from_millis(200),
+            max_resends: 8,
             unsafe_disable_fence: false,
             unsafe_ignore_in_flight: false,
         }
@@ -98,6 +108,11 @@ impl Config {
             || self.max_lease_requests == 0
         {
             return Err(InputError::Misuse("every max_* bound must be at least 1"));
+        }
+        if self.max_resends > 0 && self.resend_after.is_zero() {
+            return Err(InputError::Misuse(
+                "resend_after must be positive when max_resends is not zero",
+            ));
         }
         if self.max_chunks > u32::MAX as usize || self.max_blocks_per_group > u32::MAX as usize {
             return Err(InputError::Misuse("chunk and block bounds must fit in u32"));

@@ -107,6 +107,12 @@ pub struct Stats {
     pub unneeded: u64,
     pub engine_late: u64,
     pub late_pull_aborts: u64,
+    /// Messages the machines sent again (`Action::Resend`).
+    pub resent: u64,
+    /// Requests all of whose ranks were created, and of those the ones
+    /// every rank of which succeeded (goodput).
+    pub requests_judged: u64,
+    pub requests_ok: u64,
     /// Push-mode leases granted on a ticket with the `Pull` (no round trip).
     pub ticket_grants: u64,
     /// Push-mode `Status` delivered behind its write, before the write's
@@ -169,6 +175,9 @@ impl Default for Stats {
             unneeded: 0,
             engine_late: 0,
             late_pull_aborts: 0,
+            resent: 0,
+            requests_judged: 0,
+            requests_ok: 0,
             ticket_grants: 0,
             status_riding: 0,
             acks_lost: 0,
@@ -189,6 +198,11 @@ impl Default for Stats {
 }
 
 impl Stats {
+    /// Share of the judged requests that succeeded on every rank.
+    pub fn goodput(&self) -> f64 {
+        self.requests_ok as f64 / self.requests_judged.max(1) as f64
+    }
+
     pub fn add(&mut self, o: &Stats) {
         self.runs += o.runs;
         self.calm_runs += o.calm_runs;
@@ -222,6 +236,9 @@ impl Stats {
         self.unneeded += o.unneeded;
         self.engine_late += o.engine_late;
         self.late_pull_aborts += o.late_pull_aborts;
+        self.resent += o.resent;
+        self.requests_judged += o.requests_judged;
+        self.requests_ok += o.requests_ok;
         self.ticket_grants += o.ticket_grants;
         self.status_riding += o.status_riding;
         self.acks_lost += o.acks_lost;
@@ -268,10 +285,18 @@ impl fmt::Display for Stats {
             "granters that waited out a lease (fence) {}, closest release to its liveness bound {} µs",
             self.fenced, self.min_slack_us
         )?;
+        writeln!(
+            f,
+            "goodput: {} of {} requests succeeded on every rank ({:.3} %), messages resent {}",
+            self.requests_ok,
+            self.requests_judged,
+            self.goodput() * 100.0,
+            self.resent
+        )?;
         writeln!(f, "outcomes: {:?}", self.outcomes)?;
         writeln!(
             f,
-            "P machines created on a Pull {}, Unneeded delivered {}, engine after the transfer gave up {}, late Pulls answered with Abort {}, D PeerAborted although every P succeeded {}, failed on an Abort from a peer that had reported success {}",
+            "P machines created on a Pull {}, Unneeded delivered {}, engine after the transfer gave up {}, late messages answered {}, D PeerAborted although every P succeeded {}, failed on an Abort from a peer that had reported success {}",
             self.created_on_pull, self.unneeded, self.engine_late, self.late_pull_aborts, self.spurious_aborts, self.stale_aborts
         )?;
         writeln!(

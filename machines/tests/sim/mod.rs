@@ -38,9 +38,17 @@
 //! bootstraps; clocks drifting as far as `fence_margin` covers; FIFO or
 //! reordering links. Drivers vary per seed: P's machine is created on D's
 //! first `Pull` or D's messages wait for the engine; messages for finished
-//! transfers are answered as the node does (`Abort` to `Pull`, `Ready`,
+//! transfers are answered as the node does (`late_answer`: after a success
+//! the machine's last words again, else `Abort` to `Pull`, `Ready`,
 //! `LeaseRequest`; `AbortAck` to `Abort`), or only late `Pull`s of failed
-//! transfers get an `Abort`, or nothing is answered.
+//! transfers get an `Abort`, or nothing is answered. Resending is drawn
+//! per seed (`resend_after` of 1 ms up to the heartbeat, off in one seed in
+//! nine).
+//!
+//! `Scenario::lossy` is the goodput profile: calm runs (no crash,
+//! partition, abort or transport fault) that lose a given share of the
+//! control messages, with the node's drivers; `Stats::goodput` is the
+//! share of requests that succeeded on every rank.
 //!
 //! # What is checked
 //!

@@ -211,6 +211,17 @@ impl Scenario {
 
     /// Draws the scenario of `seed`.
     pub fn generate(seed: u64, switches: Switches) -> Scenario {
+        Scenario::draw(seed, switches, None)
+    }
+
+    /// The goodput profile: no fault but `drop_ppm` of the control
+    /// messages lost, with the node's drivers (machines created on the
+    /// first `Pull`, late messages answered as the node does).
+    pub fn lossy(seed: u64, drop_ppm: u32) -> Scenario {
+        Scenario::draw(seed, Switches::default(), Some(drop_ppm))
+    }
+
+    fn draw(seed: u64, switches: Switches, lossy: Option<u32>) -> Scenario {
         let mut rng = Rng::new(seed);
         // One run in eight has no faults, so that the success path (and the
         // data check of `Received`) is exercised in bulk too; one in eight
@@ -218,9 +229,10 @@ impl Scenario {
         // a request either.
         let profile = rng.below(8);
         // The late-`Pull` self-test needs duplicates that arrive late and
-        // overtake: every run is jittery there.
-        let calm = profile <= 1 || switches.abort_after_success;
-        let jittery = profile == 1 || switches.abort_after_success;
+        // overtake: every run is jittery there. A lossy run is drawn as a
+        // calm one, then loses messages.
+        let calm = profile <= 1 || switches.abort_after_success || lossy.is_some();
+        let jittery = (profile == 1 || switches.abort_after_success) && lossy.is_none();
         let hb = rng.range(2, 5);
         let mut cfg = Config {
             bootstrap_timeout: ms(rng.range(40, 120)),
@@ -234,6 +246,9 @@ impl Scenario {
             heartbeat_misses: rng.range(2, 3) as u32,
             max_in_flight: rng.range(1, 8) as usize,
             max_lease_requests: rng.range(1, 4) as usize,
+            resend_after: ms(rng.range(1, hb + 1)),
+            // Off in one seed in nine (a lossy run always resends).
+            max_resends: rng.range(u64::from(lossy.is_some()) * 4, 9) as u32,
             ..Config::default()
         };
         if calm {
@@ -278,7 +293,7 @@ impl Scenario {
             }
         } else if calm {
             NetParams {
-                drop_ppm: 0,
+                drop_ppm: lossy.unwrap_or(0),
                 dup_ppm: 0,
                 delay_min: 20,
                 delay_max: 500,
@@ -361,7 +376,9 @@ impl Scenario {
         let drift_ppm = (0..nodes)
             .map(|_| rng.range(0, 2 * max_drift as u64) as i64 - max_drift)
             .collect();
-        let answer_like_node = net.fifo && rng.below(2) == 0;
+        // The node's answers hold on any link: after a success they repeat
+        // the machine's last words, which no reordering makes wrong.
+        let answer_like_node = rng.below(2) == 0 || lossy.is_some();
         Scenario {
             seed,
             cfg,
@@ -376,10 +393,11 @@ impl Scenario {
             crashes,
             partitions,
             switches,
-            calm,
+            // Lost messages may fail a request: only goodput is measured.
+            calm: calm && lossy.is_none(),
             jittery,
             drift_ppm,
-            create_on_pull: rng.below(2) == 0,
+            create_on_pull: rng.below(2) == 0 || lossy.is_some(),
             abort_late_pulls: rng.below(4) != 0 || switches.abort_after_success,
             answer_like_node,
         }

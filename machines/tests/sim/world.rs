@@ -12,7 +12,9 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, BlockLists, Config, Mode, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::common::{
+    late_answer, BlockId, BlockLists, Config, Mode, Msg, PeerId, TICKET_BIT,
+};
 use kvferry_machines::liveness::{DeathCause, Liveness};
 use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
 use kvferry_machines::send::{self, SendMachine};
@@ -921,22 +923,13 @@ impl<'a> World<'a> {
         let released = self.nodes[to]
             .machines
             .get(&tid)
-            .is_some_and(|s| s.released.is_some());
-        if released && self.sc.answer_like_node {
-            // The node's driver (`answer_unknown`) on FIFO links: whoever
-            // still wants to touch a finished transfer is told to stop, an
-            // `Abort` is acknowledged, whatever the outcome was.
-            let answer = match env.msg {
-                Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
-                Msg::Abort => Some(Msg::AbortAck),
-                Msg::AbortAck
-                | Msg::Status { .. }
-                | Msg::Done { .. }
-                | Msg::LeaseGrant { .. }
-                | Msg::Unneeded
-                | Msg::NotPaired => None,
-            };
-            if let Some(a) = answer {
+            .and_then(|s| s.released.map(|(_, o)| o));
+        if let (Some(outcome), true) = (released, self.sc.answer_like_node) {
+            // The node's driver (`answer_unknown`), by the machines' rule:
+            // after a success the ended machine's last words again, else
+            // whoever still wants to touch the transfer is told to stop.
+            let mode = self.spec(req).mode;
+            if let Some(a) = late_answer(&env.msg, mode, Some(outcome)) {
                 self.stats.late_pull_aborts += 1;
                 self.send(to, env.from, tid, a);
             }
@@ -1236,8 +1229,12 @@ impl<'a> World<'a> {
             );
             return;
         }
+        if let Act::P(send::Action::Resend { .. }) | Act::D(recv::Action::Resend { .. }) = act {
+            self.stats.resent += 1;
+        }
         match act {
-            Act::P(send::Action::Send { peer, msg }) | Act::D(recv::Action::Send { peer, msg }) => {
+            Act::P(send::Action::Send { peer, msg } | send::Action::Resend { peer, msg })
+            | Act::D(recv::Action::Send { peer, msg } | recv::Action::Resend { peer, msg }) => {
                 if let Msg::LeaseGrant { duration_ms, .. } = msg {
                     // The granter counts the lease on its own clock.
                     let until = self.real(node, self.local(node, now) + duration_ms * 1_000);
@@ -2155,6 +2152,16 @@ impl<'a> World<'a> {
                     .get(&spec.id)
                     .and_then(|s| s.released.map(|(_, o)| o))
             };
+            // Goodput: a request counts when every rank of it was created
+            // (a node was up and had blocks), and is good when every rank
+            // ended in success.
+            let ranks = || spec.p_nodes.iter().chain(&spec.d_nodes);
+            if ranks().all(|&n| self.nodes[n].machines.contains_key(&spec.id)) {
+                self.stats.requests_judged += 1;
+                if ranks().all(|&n| outcome(self, n) == Some(Phase::Success)) {
+                    self.stats.requests_ok += 1;
+                }
+            }
             let all_p_ok = spec
                 .p_nodes
                 .iter()

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{Msg, PeerId};
+use kvferry_machines::common::{late_answer, Msg, PeerId};
 use kvferry_machines::planner::{PairLayout, TpPair};
 use kvferry_machines::recv::{RecvMachine, ResolvedPeer};
 use kvferry_machines::send::SendMachine;
@@ -28,6 +28,7 @@ use super::{
     Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Role, Shared,
 };
 use crate::bootstrap::{BootstrapClient, ClientError};
+use crate::transport::EndpointAddr;
 use kvferry_machines::liveness::{DeathCause, Liveness};
 use kvferry_machines::wire::{self, Frame, Hello};
 
@@ -76,7 +77,7 @@ pub(crate) enum BridgeCmd {
     /// Result of a bootstrap query started by the bridge.
     Directory {
         target: PrefillTarget,
-        result: Result<(u32, Vec<String>), LookupError>,
+        result: Result<EngineRanks, LookupError>,
     },
     /// Stop the thread.
     Stop,
@@ -107,7 +108,13 @@ impl BridgeThread {
                     0 => "*".to_string(),
                     p => p.to_string(),
                 };
-                let ep = format!("tcp://{}:{}", shared.config.host, port);
+                // Bound to the resolved host (`Node::start`), advertised
+                // with the configured one.
+                let ip = match shared.bind_ip {
+                    std::net::IpAddr::V4(ip) => ip.to_string(),
+                    std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+                };
+                let ep = format!("tcp://{ip}:{port}");
                 s.bind(&ep)
                     .map_err(|e| NodeError::side_channel("bind", e))?;
                 let bound = s.get_last_endpoint().map_err(zerr)?.map_err(|_| {
@@ -116,20 +123,29 @@ impl BridgeThread {
                         std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"),
                     )
                 })?;
-                (Some(s), bound)
+                let advertised = crate::resolve::advertised(&shared.config.host, &bound);
+                (Some(s), advertised)
             }
             Role::Decode => (None, String::new()),
         };
-        let tick = shared
+        let heartbeat = shared
             .config
             .timeouts
             .heartbeat_interval
             .max(Duration::from_millis(1));
+        let probe = shared.config.probe_every().max(Duration::from_millis(1));
+        // Ticks come as often as the more frequent of the two; each goes
+        // out when its own interval passed.
+        let tick = heartbeat.min(probe);
+        let now = Instant::now();
         let t = &shared.config.timeouts;
         let silence_max = t.heartbeat_interval * t.heartbeat_misses.max(1);
         let bridge = Bridge {
             liveness: Liveness::new(silence_max),
             refused_ids: names::RefusedIds::default(),
+            resolver: shared.config.resolver(),
+            heartbeat: Every::new(heartbeat, now),
+            probe: Every::new(probe, now),
             shared,
             handle,
             rx,
@@ -141,7 +157,7 @@ impl BridgeThread {
             pending: Vec::new(),
             directory: HashMap::new(),
             tick,
-            next_tick: Instant::now() + tick,
+            next_tick: now + tick,
             hb_seq: 0,
             monitors: 0,
             stop: false,
@@ -186,8 +202,14 @@ struct Slot {
     /// reports a dropped connection at once (heartbeat silence would take
     /// `heartbeat_interval * heartbeat_misses`).
     monitor: Option<zmq::Socket>,
-    /// Prefill side-channel address (decode side only).
+    /// Prefill side-channel address (decode side only), as given: it may
+    /// name its host.
     addr: String,
+    /// The resolved `tcp://ip:port` our DEALER is connected to.
+    connected: String,
+    /// A lookup of `addr`'s name under way (a probe of a dead or silent
+    /// peer started it).
+    lookup: Option<crate::resolve::Lookup>,
     ready: bool,
     /// The protocol version of a peer that refused our frames (decode
     /// side); cleared by its next hello.
@@ -201,6 +223,8 @@ impl Slot {
             route,
             monitor,
             addr,
+            connected: String::new(),
+            lookup: None,
             ready: false,
             refused: None,
             transfers: HashSet::new(),
@@ -210,8 +234,20 @@ impl Slot {
 
 enum Dir {
     Querying,
-    Known(u32, Vec<String>),
+    Known(EngineRanks),
     Failed(Instant),
+}
+
+/// The side channels of a prefill engine's ranks, as the bootstrap service
+/// or a direct target names them.
+#[derive(Clone, Debug)]
+pub(crate) struct EngineRanks {
+    /// TP size.
+    tp: u32,
+    /// PP size.
+    pp: u32,
+    /// By rank: stage `s`, TP rank `t` at `s · tp + t`.
+    addrs: Vec<String>,
 }
 
 struct Pending {
@@ -243,6 +279,36 @@ struct Bridge {
     liveness: Liveness,
     /// Prefill: pulls refused for an id collision (see `names`).
     refused_ids: names::RefusedIds,
+    /// Looks up the names in side-channel addresses and peers' hellos.
+    resolver: crate::resolve::Resolver,
+    /// When decode heartbeats its ready peers.
+    heartbeat: Every,
+    /// When decode probes (says hello again to) its dead or silent peers.
+    probe: Every,
+}
+
+/// A period of the bridge's ticks.
+struct Every {
+    period: Duration,
+    next: Instant,
+}
+
+impl Every {
+    fn new(period: Duration, now: Instant) -> Every {
+        Every {
+            period,
+            next: now + period,
+        }
+    }
+
+    /// True once per period (at the first tick after it passed).
+    fn is_due(&mut self, now: Instant) -> bool {
+        let due = now >= self.next;
+        if due {
+            self.next = now + self.period;
+        }
+        due
+    }
 }
 
 /// Where a readable socket is.
@@ -336,7 +402,7 @@ impl Bridge {
                 }
                 BridgeCmd::Directory { target, result } => {
                     let entry = match result {
-                        Ok((tp, addrs)) => Dir::Known(tp, addrs),
+                        Ok(ranks) => Dir::Known(ranks),
                         Err(e) => {
                             tracing::warn!(?target, %e, "bootstrap query failed; retrying");
                             Dir::Failed(Instant::now())
@@ -574,7 +640,10 @@ impl Bridge {
             mode: self.shared.config.mode,
             model: local.model,
             layout: local.layout.clone(),
-            endpoint: self.shared.endpoint.get().cloned().unwrap_or_default(),
+            endpoint: crate::resolve::advertised(
+                &self.shared.config.host,
+                self.shared.endpoint.get().map_or("", String::as_str),
+            ),
         })
     }
 
@@ -600,7 +669,12 @@ impl Bridge {
         if let Err(e) = &pair {
             tracing::warn!(peer, %e, "peer layout does not fit; its transfers will fail");
         }
-        let endpoint = h.endpoint.parse().ok();
+        // A name is looked up again at every hello (and decode says hello
+        // again to a peer whose connection failed), so a peer that moved
+        // is reached at its new address.
+        let endpoint = EndpointAddr::resolve(&h.endpoint, &self.resolver)
+            .inspect_err(|e| tracing::warn!(peer, %e, "peer's data-plane endpoint unusable"))
+            .ok();
         let data = Arc::new(PeerData {
             hello: h,
             pair,
@@ -675,7 +749,9 @@ impl Bridge {
     }
 
     /// We do not know (or no longer know) this transfer: tell the peer at
-    /// once so it does not wait out its deadline.
+    /// once so it does not wait out its deadline, by the machines' rule
+    /// ([`late_answer`]): after a success, the ended machine's last words
+    /// again; otherwise an `Abort` to whoever wants to touch its blocks.
     fn answer_unknown(&mut self, peer: u32, tid: TransferId, msg: Msg) {
         // The machine's own last words (a `Status`, `Done` or `Abort`) are
         // queued before its phase turned terminal; send them first so our
@@ -686,50 +762,47 @@ impl Bridge {
             }
             self.drain_commands();
         }
-        let answer = match msg {
-            Msg::Abort => Some(Msg::AbortAck),
-            // Lease returns and final words need no answer, and a grant we
-            // no longer need lapses on its own.
-            Msg::AbortAck
-            | Msg::Status { .. }
-            | Msg::Done { .. }
-            | Msg::LeaseGrant { .. }
-            | Msg::Unneeded
-            | Msg::NotPaired => None,
-            // Someone wants to start (or keep) touching blocks of a transfer
-            // we do not have: stop it now rather than at its deadline.
-            Msg::Pull { .. } | Msg::Ready { .. } | Msg::LeaseRequest { .. } => Some(Msg::Abort),
+        let outcome = (self.handle.poll(tid))
+            .filter(|p| p.is_terminal())
+            .or_else(|| self.shared.finished_phase(tid));
+        let Some(answer) = late_answer(&msg, self.shared.config.mode, outcome) else {
+            return;
         };
-        if let Some(a) = answer {
-            tracing::debug!(
-                ?tid,
-                peer,
-                ?a,
-                "answering a message for an unknown or finished transfer"
-            );
-            self.send_frame(
-                peer,
-                &Frame::Transfer {
-                    transfer_id: tid,
-                    msg: a,
-                },
-            );
-        }
+        tracing::debug!(
+            ?tid,
+            peer,
+            ?answer,
+            "answering a message for an unknown or finished transfer"
+        );
+        Counters::inc(&self.shared.counters.late_answers);
+        self.send_frame(
+            peer,
+            &Frame::Transfer {
+                transfer_id: tid,
+                msg: answer,
+            },
+        );
     }
 
     fn on_tick(&mut self) {
         let now = Instant::now();
         let hello = self.own_hello();
-        self.hb_seq += 1;
+        let (beat, probe) = (self.heartbeat.is_due(now), self.probe.is_due(now));
+        if beat {
+            self.hb_seq += 1;
+        }
         let seq = self.hb_seq;
         for i in 0..self.slots.len() {
             // Decode probes its prefill peers; prefill only answers.
             if let Route::Dealer(_) = self.slots[i].route {
                 let live = !self.liveness.is_dead(i as u32);
+                if !(self.slots[i].ready && live) {
+                    self.reresolve(i, probe);
+                }
                 let frame = match (&hello, self.slots[i].ready && live) {
-                    (_, true) => Some(Frame::Heartbeat { seq }),
-                    (Some(h), false) => Some(Frame::Hello(h.clone())),
-                    (None, false) => None,
+                    (_, true) if beat => Some(Frame::Heartbeat { seq }),
+                    (Some(h), false) if probe => Some(Frame::Hello(h.clone())),
+                    _ => None,
                 };
                 if let Some(f) = frame {
                     self.send_frame(i as u32, &f);

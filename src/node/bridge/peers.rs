@@ -2,6 +2,7 @@
 //! marks (from the liveness table) and refusals, and what a death does.
 
 use super::*;
+use crate::resolve::{HostPort, ResolveError, Resolver};
 
 impl Bridge {
     /// Answers a frame of another protocol version with the frozen
@@ -130,6 +131,13 @@ impl Bridge {
                 .fetch_add(1, Ordering::Relaxed);
             return None;
         };
+        let connected = match side_channel_endpoint(addr, &self.resolver) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(addr, %e, "cannot connect to prefill side channel");
+                return None;
+            }
+        };
         let s = self.ctx.socket(zmq::DEALER).ok()?;
         // The monitor is attached before connecting, so no event is missed.
         self.monitors += 1;
@@ -150,17 +158,59 @@ impl Bridge {
                 None
             }
         };
-        if let Err(e) = configure(&s, &self.shared.config).and_then(|()| s.connect(addr)) {
+        if let Err(e) = configure(&s, &self.shared.config).and_then(|()| s.connect(&connected)) {
             tracing::warn!(addr, %e, "cannot connect to prefill side channel");
             return None;
         }
-        let slot = Slot::new(Route::Dealer(s), monitor, addr.to_string());
+        let mut slot = Slot::new(Route::Dealer(s), monitor, addr.to_string());
+        slot.connected = connected;
         let id = self.install(at, slot);
         self.by_addr.insert(addr.to_string(), id);
         if let Some(h) = self.own_hello() {
             self.send_frame(id, &Frame::Hello(h));
         }
         Some(id)
+    }
+
+    /// Decode, for dealer `i` whose peer is dead or silent: on a probe,
+    /// starts looking its name up again; once the answer is in, moves the
+    /// DEALER to the new address if the name moved (a prefill pod that
+    /// restarted elsewhere). The bridge never waits for it.
+    pub(super) fn reresolve(&mut self, i: usize, probe: bool) {
+        let slot = &mut self.slots[i];
+        let Route::Dealer(socket) = &slot.route else {
+            return;
+        };
+        let Some(lookup) = &mut slot.lookup else {
+            let named = side_channel_host(&slot.addr).is_ok_and(|h| h.is_name());
+            if probe && named {
+                let h = side_channel_host(&slot.addr).expect("parsed above");
+                slot.lookup = self.resolver.start(&h).ok();
+            }
+            return;
+        };
+        let Some(answer) = lookup.poll() else {
+            return;
+        };
+        slot.lookup = None;
+        let now = match answer {
+            Ok(a) => format!("tcp://{a}"),
+            Err(e) => {
+                tracing::debug!(addr = %slot.addr, %e, "prefill side channel not resolved again");
+                return;
+            }
+        };
+        if now == slot.connected {
+            return;
+        }
+        tracing::info!(addr = %slot.addr, from = %slot.connected, to = %now, "prefill side channel moved");
+        let _ = socket.disconnect(&slot.connected);
+        match socket.connect(&now) {
+            Ok(()) => slot.connected = now,
+            Err(e) => {
+                tracing::warn!(addr = %slot.addr, %e, "cannot connect to the moved side channel")
+            }
+        }
     }
 
     /// Something a cached route depends on changed (a peer died, a slot
@@ -211,9 +261,25 @@ impl Bridge {
         if !addr.is_empty() {
             // A replacement may register elsewhere: ask again next time.
             self.directory.retain(|_, d| match d {
-                Dir::Known(_, addrs) => !addrs.contains(&addr),
+                Dir::Known(ranks) => !ranks.addrs.contains(&addr),
                 Dir::Querying | Dir::Failed(_) => true,
             });
         }
     }
+}
+
+/// The host and port of side-channel address `addr` (`tcp://host:port`).
+fn side_channel_host(addr: &str) -> Result<HostPort, ResolveError> {
+    HostPort::parse(addr.strip_prefix("tcp://").unwrap_or(addr))
+}
+
+/// The endpoint a DEALER connects to for side channel `addr`, its name
+/// resolved first (within `resolve_timeout`, on the bridge thread).
+/// ZeroMQ would take the name itself, but it looks it up with no bound,
+/// on its I/O thread (stalling every socket of the node) and in
+/// `connect`; resolving here gives a typed error within the bound, and
+/// `reresolve` follows a name that moved.
+fn side_channel_endpoint(addr: &str, resolver: &Resolver) -> Result<String, ResolveError> {
+    let hp = side_channel_host(addr)?;
+    Ok(format!("tcp://{}", resolver.resolve(&hp)?))
 }

@@ -61,12 +61,13 @@ impl Bridge {
         let (addr, engine_id, dp_rank, key) =
             (addr.clone(), engine_id.clone(), *dp_rank, target.clone());
         let target = target.clone();
+        let resolver = self.resolver.clone();
         // HTTP would block the sockets; one short-lived thread per query,
         // and at most one query per target at a time.
         let spawned = std::thread::Builder::new()
             .name("kvferry-bootstrap-query".into())
             .spawn(move || {
-                let result = query_bootstrap(&addr, &engine_id, dp_rank);
+                let result = query_bootstrap(&addr, &engine_id, dp_rank, resolver);
                 let _ = tx.send_timeout(
                     BridgeCmd::Directory {
                         target: key,
@@ -97,22 +98,29 @@ impl Bridge {
         if ended && Instant::now() >= p.give_up {
             return true;
         }
-        let (tp, addrs) = match self.prefill_ranks(p) {
+        let engine = match self.prefill_ranks(p) {
             ControlFlow::Continue(ranks) => ranks,
             ControlFlow::Break(done) => return done,
         };
-        let pair = match TpPair::new(&local.model, tp, local.layout.tp_size) {
-            Ok(pair) if addrs.len() == tp as usize => pair,
-            Ok(_) | Err(_) => {
-                tracing::warn!(tid = ?p.tid, tp, ranks = addrs.len(), "prefill TP does not fit; aborting");
+        let pair = TpPair::new(&local.model, engine.tp, local.layout.tp_size);
+        let stages = stages_read(local.layout.stage, engine.pp);
+        let (pair, stages) = match (pair, stages) {
+            (Ok(pair), Some(stages)) if engine.addrs.len() == (engine.tp * engine.pp) as usize => {
+                (pair, stages)
+            }
+            _ => {
+                tracing::warn!(tid = ?p.tid, ?engine, "prefill TP or PP does not fit; aborting");
                 let _ = self.handle.abort_engine(p.tid);
                 return true;
             }
         };
-        let Some(ranks) = self.rank_peers(&pair, local.layout.tp_rank, &addrs) else {
+        let Some(ranks) = self.rank_peers(&pair, local.layout.tp_rank, &engine, stages) else {
             let _ = self.handle.abort_engine(p.tid);
             return true;
         };
+        if ranks.stale {
+            return self.refresh_stale(p);
+        }
         if ranks.waiting && ranks.dead.is_empty() && ranks.refused.is_empty() {
             return false;
         }
@@ -125,16 +133,46 @@ impl Bridge {
         true
     }
 
-    /// The TP size and side channels of `p`'s prefill engine, or what
-    /// `try_resolve` answers while the directory does not know them yet.
-    fn prefill_ranks(&mut self, p: &Pending) -> ControlFlow<bool, (u32, Vec<String>)> {
+    /// The directory's ranks of `p`'s target disagree with what the ranks
+    /// say of their stages: query again and wait (bootstrap), or fail the
+    /// request (a direct target is wrong as given). What `try_resolve`
+    /// answers.
+    fn refresh_stale(&mut self, p: &Pending) -> bool {
+        match &p.target {
+            PrefillTarget::Bootstrap { .. } => {
+                tracing::debug!(tid = ?p.tid, "prefill stages changed; asking again");
+                self.directory.remove(&p.target);
+                self.routes_changed(None);
+                let t = p.target.clone();
+                if !self.start_query(&t) {
+                    let _ = self.handle.abort_engine(p.tid);
+                    return true;
+                }
+                false
+            }
+            PrefillTarget::Direct { .. } => {
+                tracing::warn!(tid = ?p.tid, "prefill ranks' stages do not match the target; aborting");
+                let _ = self.handle.abort_engine(p.tid);
+                true
+            }
+        }
+    }
+
+    /// The ranks of `p`'s prefill engine, or what `try_resolve` answers
+    /// while the directory does not know them yet.
+    fn prefill_ranks(&mut self, p: &Pending) -> ControlFlow<bool, EngineRanks> {
         match &p.target {
             PrefillTarget::Direct {
                 tp_size,
+                pp_size,
                 side_channels,
-            } => ControlFlow::Continue((*tp_size, side_channels.clone())),
+            } => ControlFlow::Continue(EngineRanks {
+                tp: *tp_size,
+                pp: *pp_size,
+                addrs: side_channels.clone(),
+            }),
             PrefillTarget::Bootstrap { .. } => match self.directory.get(&p.target) {
-                Some(Dir::Known(tp, addrs)) => ControlFlow::Continue((*tp, addrs.clone())),
+                Some(Dir::Known(ranks)) => ControlFlow::Continue(ranks.clone()),
                 Some(Dir::Querying) => ControlFlow::Break(false),
                 Some(Dir::Failed(at)) => {
                     if at.elapsed() >= self.tick {
@@ -155,16 +193,43 @@ impl Bridge {
         }
     }
 
-    /// The prefill ranks `my_rank` reads from, each with the dealer that
-    /// reaches it and its state; `None` if a side channel has no dealer.
-    fn rank_peers(&mut self, pair: &TpPair, my_rank: u32, addrs: &[String]) -> Option<RankPeers> {
+    /// The prefill ranks `my_rank` reads from in `stages` of `engine`,
+    /// each with the dealer that reaches it and its state; `None` if a
+    /// side channel has no dealer.
+    fn rank_peers(
+        &mut self,
+        pair: &TpPair,
+        my_rank: u32,
+        engine: &EngineRanks,
+        stages: std::ops::Range<u32>,
+    ) -> Option<RankPeers> {
         let mut ranks = RankPeers {
             peers: Vec::new(),
             unneeded: Vec::new(),
             dead: Vec::new(),
             refused: Vec::new(),
             waiting: false,
+            stale: false,
         };
+        for stage in stages {
+            let addrs = &engine.addrs[(stage * engine.tp) as usize..][..engine.tp as usize];
+            let place = (stage, engine.pp);
+            self.stage_peers(pair, my_rank, addrs, place, &mut ranks)?;
+        }
+        Some(ranks)
+    }
+
+    /// Adds the ranks of one prefill stage (`addrs`, by TP rank; `place`:
+    /// the stage and the engine's PP size as the directory shows them) to
+    /// `ranks`.
+    fn stage_peers(
+        &mut self,
+        pair: &TpPair,
+        my_rank: u32,
+        addrs: &[String],
+        (stage, pp): (u32, u32),
+        ranks: &mut RankPeers,
+    ) -> Option<()> {
         for rank in pair.unpaired_told_by(my_rank) {
             let Some(addr) = addrs.get(rank as usize) else {
                 continue;
@@ -190,6 +255,12 @@ impl Bridge {
                 ranks.refused.push(peer);
             } else if !slot.ready {
                 ranks.waiting = true;
+            } else if let Some(d) = self.shared.peer(peer) {
+                // The rank's own word on its stage: a directory that lists
+                // fewer stages than the engine has (stages still
+                // registering) must not let decode read only some layers.
+                let s = d.hello.layout.stage;
+                ranks.stale |= s.pp_size != pp || s.pp_rank != stage;
             }
             let receivers = pair.targets_of(rank).count() as u16;
             let lease_ticket = self.shared.routes().fresh_ticket(peer, &self.shared.config);
@@ -199,7 +270,7 @@ impl Bridge {
                 lease_ticket,
             });
         }
-        Some(ranks)
+        Some(())
     }
 
     /// Caches the route of a target whose ranks are all fine, or forgets
@@ -288,28 +359,51 @@ struct RankPeers {
     refused: Vec<u32>,
     /// Some rank is connected but has not said hello yet.
     waiting: bool,
+    /// Some rank's hello names another stage or PP size than the
+    /// directory: ask the bootstrap service again.
+    stale: bool,
+}
+
+/// The prefill stages a decode rank at `stage` reads from, of an engine
+/// with `prefill_pp` stages: all of them without pipeline parallelism on
+/// decode, its own with the same PP size; `None` for other sizes.
+fn stages_read(
+    stage: kvferry_machines::layout::Stage,
+    prefill_pp: u32,
+) -> Option<std::ops::Range<u32>> {
+    if stage.pp_size == 1 {
+        Some(0..prefill_pp)
+    } else if stage.pp_size == prefill_pp {
+        Some(stage.pp_rank..stage.pp_rank + 1)
+    } else {
+        None
+    }
 }
 
 /// Asks the bootstrap service for the side channels of `engine_id`'s ranks
-/// at data-parallel rank `dp_rank` (pipeline rank 0): `(tp_size, addresses
-/// by rank)`.
+/// at data-parallel rank `dp_rank`, every TP rank of every stage.
 pub(super) fn query_bootstrap(
     addr: &str,
     engine_id: &str,
     dp_rank: u32,
-) -> Result<(u32, Vec<String>), LookupError> {
-    let client = BootstrapClient::new(addr)?.with_io_timeout(Duration::from_secs(2));
+    resolver: crate::resolve::Resolver,
+) -> Result<EngineRanks, LookupError> {
+    let client = BootstrapClient::new(addr)?
+        .with_io_timeout(Duration::from_secs(2))
+        .with_resolver(resolver);
     let found = client.query(Some(engine_id))?;
     let entry = found
         .get(&dp_rank)
         .ok_or(LookupError::NotRegistered(dp_rank))?;
-    let tp = entry.tp_size();
-    let mut addrs = Vec::with_capacity(tp);
-    for rank in 0..tp as u32 {
-        let a = entry.addr(rank, 0).ok_or(LookupError::RankMissing(rank))?;
-        addrs.push(a.to_string());
+    let (tp, pp) = (entry.tp_size() as u32, entry.pp_size() as u32);
+    let mut addrs = Vec::with_capacity((tp * pp) as usize);
+    for stage in 0..pp {
+        for rank in 0..tp {
+            let a = (entry.addr(rank, stage)).ok_or(LookupError::RankMissing { rank, stage })?;
+            addrs.push(a.to_string());
+        }
     }
-    Ok((tp as u32, addrs))
+    Ok(EngineRanks { tp, pp, addrs })
 }
 
 /// Why the bootstrap service did not name a prefill engine's ranks; the
@@ -322,7 +416,12 @@ pub(crate) enum LookupError {
     /// The engine has no ranks registered at this data-parallel rank.
     #[error("engine is not registered at dp rank {0}")]
     NotRegistered(u32),
-    /// A TP rank of the engine has not registered yet.
-    #[error("tp rank {0} not registered yet")]
-    RankMissing(u32),
+    /// A rank of the engine has not registered yet.
+    #[error("tp rank {rank} of stage {stage} not registered yet")]
+    RankMissing {
+        /// Its TP rank.
+        rank: u32,
+        /// Its pipeline stage.
+        stage: u32,
+    },
 }

@@ -103,7 +103,10 @@ impl From<TransportError> for MoveError {
 }
 
 /// The node's tcp data plane, bound to its host and data-plane port.
-fn tcp_transport(config: &super::NodeConfig) -> Result<AnyTransport, DataPlaneError> {
+fn tcp_transport(
+    config: &super::NodeConfig,
+    bind_ip: std::net::IpAddr,
+) -> Result<AnyTransport, DataPlaneError> {
     let defaults = TcpConfig::default();
     let streams = match config.tcp_streams {
         0 => defaults.streams,
@@ -122,12 +125,8 @@ fn tcp_transport(config: &super::NodeConfig) -> Result<AnyTransport, DataPlaneEr
             .max(streams as u64 * defaults.frame_max_bytes),
         ..defaults
     };
-    let addr = format!("{}:{}", config.host, config.data_plane_port)
-        .parse()
-        .map_err(|source| DataPlaneError::BadHost {
-            host: config.host.clone(),
-            source,
-        })?;
+    // `Node::start` resolved the host: no lookup on the executor.
+    let addr = std::net::SocketAddr::new(bind_ip, config.data_plane_port);
     Ok(AnyTransport::Tcp(TcpTransport::bind(addr, tcp)?))
 }
 
@@ -358,7 +357,7 @@ where
     ) -> Self {
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
-            TransportKind::Tcp => tcp_transport(&shared.config),
+            TransportKind::Tcp => tcp_transport(&shared.config, shared.bind_ip),
         };
         let started: Live = Rc::new(RefCell::new(HashMap::new()));
         let transport = match made {
@@ -466,7 +465,16 @@ where
         let count = descs.len() as u64;
         let poster = self.poster.clone();
         let shared = self.shared.clone();
-        let note = self.status_note(tid, &endpoint, status_after);
+        let mut note = self.status_note(tid, &endpoint, status_after);
+        // Fault injection: the `Status` rides nowhere, and the machine,
+        // told it was carried, does not send it either: it is lost.
+        let lost = note.is_some() && self.shared.drops_control();
+        if lost {
+            note = None;
+            let c = &shared.counters;
+            c.dropped_trailer.fetch_add(1, Ordering::Relaxed);
+        }
+        let uncarried = uncarried.filter(|_| !lost);
         let coalesce = transport.coalesce_small_batches()
             && batches.len() == 1
             && descs.len() <= COALESCE_MAX_DESCS
@@ -622,16 +630,34 @@ fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
     }
 }
 
+impl Sink<SendMachine> {
+    fn send_from_p(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
+        // Pull mode: D ranks read these blocks from our endpoint (opened
+        // once: a resent `Ready` names blocks its first sending opened).
+        if let (Msg::Ready { src_blocks, .. }, false) = (&msg, resent) {
+            self.open_blocks(tid, src_blocks);
+        }
+        self.msgr.send_msg(tid, peer, msg, resent)
+    }
+}
+
+impl Sink<RecvMachine> {
+    fn send_from_d(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
+        // Push mode: P ranks write these blocks through our endpoint.
+        if let Msg::Pull { dst_blocks, .. } = &msg {
+            if !self.opened.contains_key(&tid) {
+                self.open_blocks(tid, dst_blocks);
+            }
+        }
+        self.msgr.send_msg(tid, peer, msg, resent)
+    }
+}
+
 impl ActionSink<SendMachine> for Sink<SendMachine> {
     fn execute(&mut self, tid: TransferId, action: send::Action) {
         match action {
-            send::Action::Send { peer, msg } => {
-                // Pull mode: D ranks read these blocks from our endpoint.
-                if let Msg::Ready { src_blocks, .. } = &msg {
-                    self.open_blocks(tid, src_blocks);
-                }
-                self.msgr.send_msg(tid, peer, msg)
-            }
+            send::Action::Send { peer, msg } => self.send_from_p(tid, peer, msg, false),
+            send::Action::Resend { peer, msg } => self.send_from_p(tid, peer, msg, true),
             send::Action::Write {
                 peer,
                 chunk,
@@ -666,15 +692,8 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
 impl ActionSink<RecvMachine> for Sink<RecvMachine> {
     fn execute(&mut self, tid: TransferId, action: recv::Action) {
         match action {
-            recv::Action::Send { peer, msg } => {
-                // Push mode: P ranks write these blocks through our endpoint.
-                if let Msg::Pull { dst_blocks, .. } = &msg {
-                    if !self.opened.contains_key(&tid) {
-                        self.open_blocks(tid, dst_blocks);
-                    }
-                }
-                self.msgr.send_msg(tid, peer, msg)
-            }
+            recv::Action::Send { peer, msg } => self.send_from_d(tid, peer, msg, false),
+            recv::Action::Resend { peer, msg } => self.send_from_d(tid, peer, msg, true),
             recv::Action::Read {
                 peer,
                 chunk,

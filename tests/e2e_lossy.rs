@@ -1,0 +1,120 @@
+//! End-to-end with lost control messages: every node drops 2 % of the
+//! messages its machines emit (`NodeConfig::drop_control_ppm`), on whatever
+//! channel would carry them, and the machines' resends still bring almost
+//! every request home, every byte verified, on both sides.
+
+use std::time::Duration;
+
+use kvferry::machines::common::{Config, Mode};
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::Phase;
+use kvferry::node::TransportKind;
+use kvferry::{NodeStats, TransferId};
+use kvferry_testkit::synth::{Cluster, ClusterSpec};
+
+/// 2 % of the control messages, as in the simulator's goodput profile.
+const LOSS_PPM: u32 = 20_000;
+/// Requests in flight at once (each on its own blocks).
+const WAVE: u32 = 16;
+/// Waves of requests per run.
+const WAVES: u32 = 20;
+
+fn spec(mode: Mode, p_tp: u32, d_tp: u32) -> ClusterSpec {
+    ClusterSpec {
+        model: ModelSpec {
+            layout: LayoutKind::Hnd,
+            total_kv_heads: 4,
+            block_tokens: 4,
+            head_bytes: 32,
+        },
+        layers: 2,
+        prefill_blocks: u64::from(4 * WAVE),
+        decode_blocks: u64::from(4 * WAVE),
+        prefill_tp: p_tp,
+        decode_tp: d_tp,
+        prefill_pp: 1,
+        decode_pp: 1,
+        mode,
+        transport: TransportKind::Tcp,
+        timeouts: Config {
+            bootstrap_timeout: Duration::from_secs(20),
+            waiting_timeout: Duration::from_secs(10),
+            claim_timeout: Duration::from_secs(10),
+            lease: Duration::from_secs(2),
+            hold_limit: Duration::from_secs(30),
+            transfer_bound: Duration::from_secs(2),
+            fence_margin: Duration::from_millis(100),
+            heartbeat_interval: Duration::from_millis(200),
+            heartbeat_misses: 5,
+            resend_after: Duration::from_millis(50),
+            ..Config::default()
+        },
+        bootstrap: None,
+        spin: None,
+        data_plane_messages: true,
+        drop_control_ppm: LOSS_PPM,
+    }
+}
+
+/// Runs `WAVES` waves of `WAVE` requests and returns how many succeeded on
+/// every rank with every byte right, and the nodes' summed counters.
+fn run(spec: &ClusterSpec) -> (u32, NodeStats) {
+    let c = Cluster::start(spec).expect("cluster starts");
+    let mut good = 0;
+    for wave in 0..WAVES {
+        let slot_blocks = |k: u32| vec![4 * k, 4 * k + 1];
+        for k in 0..WAVE {
+            let tid = TransferId(u64::from(wave * WAVE + k));
+            c.fill(tid, &slot_blocks(k));
+            for r in &c.decode {
+                r.kv.clear(&slot_blocks(k));
+            }
+            c.start_request(tid, &slot_blocks(k), &slot_blocks(k), 0)
+                .expect("request starts");
+        }
+        for k in 0..WAVE {
+            let tid = TransferId(u64::from(wave * WAVE + k));
+            let decode = c.wait_decode(tid, Duration::from_secs(30));
+            let prefill = c.wait_prefill(tid, Duration::from_secs(30));
+            let ok = (decode.iter().chain(&prefill)).all(|p| *p == Phase::Success);
+            if ok && c.verify(tid, &slot_blocks(k), 0) == 0 {
+                good += 1;
+            }
+        }
+    }
+    let total = c.prefill.iter().chain(&c.decode).map(|r| r.node.stats());
+    let sum = total.fold(NodeStats::default(), |a, s| NodeStats {
+        dropped_sidechannel: a.dropped_sidechannel + s.dropped_sidechannel,
+        dropped_data_plane: a.dropped_data_plane + s.dropped_data_plane,
+        dropped_trailer: a.dropped_trailer + s.dropped_trailer,
+        resent_sidechannel: a.resent_sidechannel + s.resent_sidechannel,
+        resent_data_plane: a.resent_data_plane + s.resent_data_plane,
+        ..a
+    });
+    (good, sum)
+}
+
+fn assert_goodput(spec: &ClusterSpec) {
+    let (good, s) = run(spec);
+    let dropped = s.dropped_sidechannel + s.dropped_data_plane + s.dropped_trailer;
+    let resent = s.resent_sidechannel + s.resent_data_plane;
+    let total = WAVE * WAVES;
+    println!("{good} of {total} requests good; dropped {dropped}, resent {resent}: {s:?}");
+    assert!(dropped > 0, "nothing was dropped: {s:?}");
+    assert!(resent > 0, "nothing was resent: {s:?}");
+    // At least 99.5 % of the requests succeed on every rank.
+    assert!(
+        f64::from(good) >= 0.995 * f64::from(total),
+        "{good} of {total} requests succeeded with {LOSS_PPM} ppm of control messages lost"
+    );
+}
+
+#[test]
+fn push_recovers_lost_control_messages() {
+    assert_goodput(&spec(Mode::Push, 1, 1));
+}
+
+#[test]
+fn pull_recovers_lost_control_messages_across_ranks() {
+    assert_goodput(&spec(Mode::Pull, 2, 2));
+}

@@ -1,0 +1,333 @@
+//! Nodes addressed by host name: a decode node reaching a prefill node
+//! whose bootstrap service, side channel and data-plane endpoint are all
+//! `localhost:PORT` (every socket still binds 127.0.0.1), names that do not
+//! resolve failing with typed errors, and a name looked up again after a
+//! failed connection.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvferry::bootstrap::{
+    BootstrapClient, BootstrapServer, ClientError, RegisterRequest, RetryPolicy,
+};
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::node::{
+    AbortReason, BlockId, DataPlaneError, FailReason, Node, NodeConfig, NodeError, Phase,
+    PrefillTarget, Role, TransferId,
+};
+use kvferry::resolve::{HostLookup, ResolveError, Resolver};
+use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::synth::SynthKv;
+
+/// A name under the reserved `.invalid` top-level domain (RFC 2606):
+/// it never resolves.
+const NOWHERE: &str = "kvferry-nowhere.invalid";
+
+fn model() -> ModelSpec {
+    ModelSpec {
+        layout: LayoutKind::Hnd,
+        total_kv_heads: 8,
+        block_tokens: 16,
+        head_bytes: 128,
+    }
+}
+
+/// A registered node and its synthetic KV. Shut down before the KV drops.
+struct Engine {
+    node: Node,
+    kv: SynthKv,
+}
+
+impl Engine {
+    fn start(c: NodeConfig) -> Engine {
+        let kv = SynthKv::new(model(), 1, 0, 2, 32);
+        let node = Node::start(c).unwrap();
+        // SAFETY: `kv` outlives the node: `Drop` shuts the node down first.
+        unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
+        Engine { node, kv }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.node.shutdown(Duration::from_millis(100));
+    }
+}
+
+fn config(role: Role, engine_id: &str) -> NodeConfig {
+    let mut c = NodeConfig::new(role, engine_id);
+    c.host = "localhost".into();
+    c.timeouts = demo_timeouts(5000);
+    c
+}
+
+/// Moves `tid` from `p` to `d` through `target`; D's phase, with every
+/// byte checked on success.
+fn transfer(p: &Engine, d: &Engine, target: &PrefillTarget, tid: TransferId) -> Phase {
+    let (src, dst) = ([3u32, 4, 9], [11u32, 12, 20]);
+    p.kv.fill(tid, &src, 0);
+    d.kv.clear(&dst);
+    let rx = d.node.receiver(tid, target).unwrap();
+    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
+        .unwrap();
+    let tx = p.node.sender(tid).unwrap();
+    tx.send(vec![src.iter().map(|&b| BlockId(b)).collect()], true)
+        .unwrap();
+    let phase = rx.wait(Duration::from_secs(20));
+    if phase == Phase::Success {
+        assert_eq!(d.kv.verify(tid, &dst, 0), Ok(()), "bytes of {tid}");
+    }
+    assert_eq!(
+        tx.wait(Duration::from_secs(20)),
+        phase,
+        "P's phase of {tid}"
+    );
+    phase
+}
+
+/// Waits (bounded) until the bootstrap service at `addr` lists engine
+/// `engine_id` at DP rank `dp`; the side-channel address of its TP rank 0.
+fn registered(addr: &str, engine_id: &str, dp: u32) -> String {
+    let client = BootstrapClient::new(addr).unwrap();
+    let found = client
+        .wait_for_engine(engine_id, 1, RetryPolicy::default())
+        .unwrap();
+    found[&dp].addr(0, 0).unwrap().to_string()
+}
+
+#[test]
+fn a_decode_node_reaches_a_prefill_node_by_host_name() {
+    let mut pc = config(Role::Prefill, "p");
+    pc.serve_bootstrap = Some("localhost:0".into());
+    let p = Engine::start(pc);
+    let port = p
+        .node
+        .bootstrap_addr()
+        .unwrap()
+        .parse::<SocketAddr>()
+        .unwrap()
+        .port();
+    let bootstrap = format!("localhost:{port}");
+    // What the prefill node advertises is the name it was configured with.
+    let side_channel = p.node.side_channel_addr();
+    assert!(
+        side_channel.starts_with("tcp://localhost:"),
+        "{side_channel}"
+    );
+    // A prefill node that registers at the service by its name (another
+    // engine, at DP rank 1: the service keeps one engine per DP rank).
+    let mut p2c = config(Role::Prefill, "p2");
+    p2c.dp_rank = 1;
+    p2c.bootstrap = Some(bootstrap.clone());
+    let p2 = Engine::start(p2c);
+    assert_eq!(registered(&bootstrap, "p", 0), side_channel);
+    assert!(registered(&bootstrap, "p2", 1).starts_with("tcp://localhost:"));
+
+    let mut dc = config(Role::Decode, "d");
+    dc.bootstrap = Some(bootstrap.clone());
+    let d = Engine::start(dc);
+    let by_service = PrefillTarget::Bootstrap {
+        addr: bootstrap.clone(),
+        engine_id: "p".into(),
+        dp_rank: 0,
+    };
+    assert_eq!(transfer(&p, &d, &by_service, TransferId(1)), Phase::Success);
+    let direct = PrefillTarget::Direct {
+        tp_size: 1,
+        pp_size: 1,
+        side_channels: vec![side_channel],
+    };
+    assert_eq!(transfer(&p, &d, &direct, TransferId(2)), Phase::Success);
+    let registered_p2 = PrefillTarget::Bootstrap {
+        addr: format!("http://{bootstrap}/"),
+        engine_id: "p2".into(),
+        dp_rank: 1,
+    };
+    assert_eq!(
+        transfer(&p2, &d, &registered_p2, TransferId(3)),
+        Phase::Success
+    );
+    // The data plane was reached by the name each hello advertised: the
+    // messages that ride it were taken, none fell back to ZeroMQ.
+    let s = d.node.stats();
+    assert_eq!(s.ok, 3);
+    assert!(s.data_plane_messages > 0, "{s:?}");
+    assert_eq!(s.data_plane_fallbacks, 0, "{s:?}");
+}
+
+#[test]
+fn names_that_do_not_resolve_fail_with_typed_errors() {
+    // The node's own host.
+    let mut c = NodeConfig::new(Role::Prefill, "p");
+    c.host = NOWHERE.into();
+    match Node::start(c) {
+        Err(NodeError::DataPlane(DataPlaneError::BadHost {
+            source: ResolveError::NotFound { host, .. },
+            ..
+        })) => assert_eq!(host, NOWHERE),
+        other => panic!("expected BadHost(NotFound), got {other:?}"),
+    }
+    // Malformed hosts never reach a lookup.
+    for host in ["", "bad host", &"a".repeat(300)] {
+        let mut c = NodeConfig::new(Role::Decode, "d");
+        c.host = host.to_string();
+        let e = Node::start(c).unwrap_err();
+        assert!(
+            matches!(e, NodeError::DataPlane(DataPlaneError::BadHost { .. })),
+            "{host:?}: {e:?}"
+        );
+    }
+    // The bootstrap service: one attempt, a typed error naming the host.
+    let client = BootstrapClient::new(&format!("{NOWHERE}:8998")).unwrap();
+    match client.query(None) {
+        Err(ClientError::Resolve {
+            source: ResolveError::NotFound { host, .. },
+            ..
+        }) => assert_eq!(host, NOWHERE),
+        other => panic!("expected Resolve(NotFound), got {other:?}"),
+    }
+    for bad in ["", "localhost", "localhost:99999", ":8998"] {
+        let e = BootstrapClient::new(bad).unwrap_err();
+        assert!(
+            matches!(e, ClientError::BadAddress(_)) && !e.is_retryable(),
+            "{bad:?}: {e:?}"
+        );
+    }
+    let e = BootstrapServer::start(&format!("{NOWHERE}:0"))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains(NOWHERE), "{e}");
+    // A decode request whose side channel does not resolve fails at once,
+    // not at its bootstrap timeout (a minute here).
+    let mut dc = config(Role::Decode, "d");
+    dc.timeouts = demo_timeouts(60_000);
+    let d = Engine::start(dc);
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        pp_size: 1,
+        side_channels: vec![format!("tcp://{NOWHERE}:5600")],
+    };
+    let rx = d.node.receiver(TransferId(7), &target).unwrap();
+    rx.request(vec![vec![BlockId(1)]]).unwrap();
+    assert_eq!(
+        rx.wait(Duration::from_secs(30)),
+        Phase::Failed(FailReason::Aborted(AbortReason::Engine))
+    );
+}
+
+#[test]
+fn a_lookup_that_hangs_fails_within_the_bound() {
+    let (_hold, release) = std::sync::mpsc::channel::<()>();
+    let release = Mutex::new(release);
+    let resolver = Resolver::with_lookup(Duration::from_millis(50), move |_, _| {
+        // Answers only once the test is over (the sender dropped).
+        let _ = release.lock().unwrap().recv();
+        Ok(Vec::new())
+    });
+    let client = BootstrapClient::new("bootstrap.kvferry.svc:8998")
+        .unwrap()
+        .with_resolver(resolver);
+    let e = client.health().unwrap_err();
+    match &e {
+        ClientError::Resolve {
+            source: ResolveError::Timeout { host, after_ms: 50 },
+            ..
+        } => assert_eq!(host, "bootstrap.kvferry.svc"),
+        other => panic!("expected Resolve(Timeout), got {other:?}"),
+    }
+    assert!(e.is_retryable(), "a slow DNS server may answer next time");
+}
+
+#[test]
+fn a_name_is_looked_up_again_after_a_failed_connection() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    // A port nothing listens on: where the name pointed before it moved.
+    let gone: SocketAddr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let answers = Arc::new(Mutex::new(vec![server.local_addr(), gone]));
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let (a, n) = (answers.clone(), lookups.clone());
+    let resolver = Resolver::with_lookup(Duration::from_secs(5), move |host, _| {
+        assert_eq!(host, "bootstrap.kvferry.svc");
+        n.fetch_add(1, Ordering::SeqCst);
+        let mut a = a.lock().unwrap();
+        // The last answer sticks once the name moved.
+        let next = if a.len() > 1 {
+            a.pop()
+        } else {
+            a.last().copied()
+        };
+        Ok(next.into_iter().collect())
+    });
+    let client = BootstrapClient::new("http://bootstrap.kvferry.svc:8998")
+        .unwrap()
+        .with_resolver(resolver);
+    let req = RegisterRequest {
+        engine_id: "p".into(),
+        dp_rank: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+        addr: "tcp://prefill-0.kvferry.svc:5600".into(),
+    };
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(30),
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(20),
+    };
+    client.register(&req, policy).unwrap();
+    assert_eq!(server.registered(), 1);
+    assert_eq!(lookups.load(Ordering::SeqCst), 2, "one lookup per attempt");
+}
+
+#[test]
+fn a_prefill_rank_that_moved_is_reached_again_by_its_name() {
+    // Where "prefill-0.kvferry.svc" points: the test moves it.
+    let at: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let (a, n) = (at.clone(), lookups.clone());
+    let lookup = HostLookup::new(move |host, port| {
+        if host != "prefill-0.kvferry.svc" {
+            return Resolver::default()
+                .resolve_str(&format!("{host}:{port}"))
+                .map(|a| vec![a])
+                .map_err(std::io::Error::other);
+        }
+        n.fetch_add(1, Ordering::SeqCst);
+        Ok(a.lock().unwrap().iter().copied().collect())
+    });
+    let side_channel = |e: &Engine| -> SocketAddr {
+        let addr = e.node.side_channel_addr();
+        addr.strip_prefix("tcp://").unwrap().parse().unwrap()
+    };
+    let mut pc = config(Role::Prefill, "p");
+    pc.host = "127.0.0.1".into();
+    let p1 = Engine::start(pc.clone());
+    *at.lock().unwrap() = Some(side_channel(&p1));
+    let mut dc = config(Role::Decode, "d");
+    dc.lookup = Some(lookup);
+    dc.probe_interval = Some(Duration::from_millis(20));
+    let d = Engine::start(dc);
+    // The port in the name's address is the lookup's, not this one.
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        pp_size: 1,
+        side_channels: vec!["tcp://prefill-0.kvferry.svc:1".into()],
+    };
+    assert_eq!(transfer(&p1, &d, &target, TransferId(1)), Phase::Success);
+    // The rank restarts elsewhere (another port), under the same name.
+    drop(p1);
+    let p2 = Engine::start(pc);
+    *at.lock().unwrap() = Some(side_channel(&p2));
+    let before = lookups.load(Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while d.node.stats().peer_recoveries == 0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", d.node.stats());
+        std::thread::yield_now();
+    }
+    assert!(lookups.load(Ordering::SeqCst) > before, "looked up again");
+    assert_eq!(transfer(&p2, &d, &target, TransferId(2)), Phase::Success);
+}
