@@ -31,7 +31,7 @@
 //! unsafe { p.register_kv_caches(layout)? };
 //! let d = Node::start(NodeConfig::new(Role::Decode, "d"))?;
 //! unsafe { d.register_kv_caches(d_layout)? };
-//! let target = PrefillTarget::Direct { tp_size: 1, side_channels: vec![p.side_channel_addr()] };
+//! let target = PrefillTarget::Direct { tp_size: 1, pp_size: 1, side_channels: vec![p.side_channel_addr()] };
 //! let rx = d.receiver(TransferId(42), &target)?;
 //! rx.request(vec![vec![BlockId(0), BlockId(1)]])?;
 //! let tx = p.sender(TransferId(42))?;
