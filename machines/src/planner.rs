@@ -5,7 +5,7 @@
 //! known once per peer while block lists arrive once per request:
 //!
 //! ```
-//! use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
+//! use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Stage};
 //! use kvferry_machines::planner::{PairLayout, Plan};
 //!
 //! let model = ModelSpec { layout: LayoutKind::Hnd, total_kv_heads: 8, block_tokens: 16, head_bytes: 256 };
@@ -13,6 +13,7 @@
 //! let layout = |base| RankLayout {
 //!     tp_size: 1, tp_rank: 0, num_blocks: 64,
 //!     regions: vec![Region { base, block_len: kv, kv_block_len: kv }],
+//!     stage: Stage::SINGLE,
 //! };
 //! // Validated once per peer: bad metadata is an error here, never a panic later.
 //! let pair = PairLayout::new(&model, &layout(0x1000_0000), &layout(0x9000_0000)).unwrap();
