@@ -133,7 +133,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let p_blocks = ids(&[5, 6, 7]);
     let params = KvTransferParams {
         do_remote_decode: true,
-        transfer_id: Some(TransferId(2)),
+        transfer_id: Some(TransferId(2).into()),
         ..Default::default()
     };
     let p_req = SchedRequest {

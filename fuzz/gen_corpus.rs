@@ -97,9 +97,33 @@ fn frames() -> Vec<Frame> {
         transfer(Msg::Done { ok: false }),
         transfer(Msg::Abort),
         transfer(Msg::AbortAck),
+        transfer(Msg::Unneeded),
+        transfer(Msg::NotPaired),
         Frame::Heartbeat { seq: 9 },
         Frame::HeartbeatAck { seq: 9 },
+        Frame::NamedTransfer {
+            transfer_id: TransferId(5),
+            request_id: "cmpl-6f2c0e1a-0".into(),
+            msg: Msg::Pull {
+                receivers_expected: 1,
+                dst_blocks: vec![vec![BlockId(1)]],
+                prefix_blocks: vec![0],
+                lease_seq: None,
+            },
+        },
+        Frame::IdCollision {
+            transfer_id: TransferId(5),
+        },
     ]
+}
+
+/// A seed's file name: the frame's kind, but a named `Pull` is not the
+/// plain one.
+fn seed_name(f: &Frame) -> &'static str {
+    match f {
+        Frame::NamedTransfer { .. } => "named_pull",
+        _ => f.kind(),
+    }
 }
 
 fn wire_seeds() {
@@ -108,7 +132,7 @@ fn wire_seeds() {
     for f in &frames {
         let bytes = wire::encode(f);
         assert_eq!(wire::decode(&bytes, &Limits::default()).as_ref(), Ok(f));
-        write("wire_decode", f.kind(), &bytes);
+        write("wire_decode", seed_name(f), &bytes);
     }
     // A peer of another version refusing this one: read whatever the
     // version its header names.

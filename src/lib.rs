@@ -22,13 +22,13 @@ pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
 
 pub use kvferry_machines::common::{
-    AbortReason, BlockId, BlockLists, FailReason, Mode, TransferId,
+    AbortReason, BlockId, BlockLists, FailReason, Mode, TransferId, REQUEST_ID_MAX_BYTES,
 };
 pub use kvferry_machines::layout::{LayoutKind, ModelSpec, Region};
 pub use kvferry_machines::Phase;
 pub use node::{
-    DataPlaneError, Event, EventKind, EventSink, KvLayout, LoadMeta, Misuse, Node, NodeConfig,
-    NodeError, NodeStats, PrefillTarget, Receiver, Role, Sender, TransportKind,
+    DataPlaneError, Event, EventKind, EventSink, IdCollision, KvLayout, LoadMeta, Misuse, Node,
+    NodeConfig, NodeError, NodeStats, PrefillTarget, Receiver, Role, Sender, TransportKind,
 };
 pub use scheduler::{SchedError, Scheduler, SchedulerConfig};
 pub use stats::Latency;

@@ -23,7 +23,7 @@
 //! let mut p = Scheduler::new(SchedulerConfig::new(KvRole::Producer, "p", "10.0.0.1:8998", 16))?;
 //! let mut d = Scheduler::new(SchedulerConfig::new(KvRole::Consumer, "d", "", 16))?;
 //! // Prefill: 40 prompt tokens in 3 blocks, the router's transfer id 7.
-//! let p_params = KvTransferParams { do_remote_decode: true, transfer_id: Some(TransferId(7)), ..Default::default() };
+//! let p_params = KvTransferParams { do_remote_decode: true, transfer_id: Some(TransferId(7).into()), ..Default::default() };
 //! let p_blocks = [vec![BlockId(3), BlockId(4), BlockId(5)]];
 //! let p_req = SchedRequest { request_id: "p-1", prompt_len_tokens: 40, computed_len_tokens: 0,
 //!                            block_ids: &p_blocks, params: Some(&p_params) };
@@ -92,15 +92,22 @@
 //!
 //! vLLM names requests by string ids that differ between the prefill and the
 //! decode engine (each engine names its own); the router gives both halves
-//! one shared `transfer_id` in their `kv_transfer_params`. The node keys
-//! every transfer on both sides by a [`TransferId`] (a `u64`), so
-//! [`KvTransferParams::transfer_id`] is that number, chosen by the router
-//! (a router that has string ids maps them to numbers it owns, for example a
-//! counter; hashing strings could collide). The scheduler keeps the mapping
-//! request id ↔ transfer id of every request it tracks, both ways, so the
-//! engine speaks request ids only: [`LoadMeta`] carries transfer ids to the
-//! node, and [`Scheduler::handle_finished`] turns the node's finished
-//! transfer ids back into request ids.
+//! one shared `transfer_id` in their `kv_transfer_params`, a number
+//! (`"transfer_id": 7`) or a string of 1 to 256 bytes (`"transfer_id":
+//! "cmpl-6f2c…-0"`): [`KvTransferParams::transfer_id`] is a
+//! [`TransferRef`]. The node keys every transfer on both sides by a
+//! [`TransferId`] (a `u64`): the number, or the string's
+//! [`TransferId::of_request_id`] hash. A string travels on: in the params
+//! prefill hands to decode, as the router wrote it, and in [`LoadMeta`]
+//! (`request_id` of each load and send) to the node, which sends it in the
+//! decode side's `Pull` and refuses a second string with the same hash
+//! (`docs/design.md` §7). Two strings of one transfer id on one scheduler
+//! are refused like any transfer id in use ([`SchedError::DuplicateTransfer`]).
+//! The scheduler keeps the mapping request id ↔ transfer id of every
+//! request it tracks, both ways, so the engine speaks request ids only:
+//! [`LoadMeta`] carries transfer ids to the node, and
+//! [`Scheduler::handle_finished`] turns the node's finished transfer ids
+//! back into request ids.
 //!
 //! # Bounds
 //!
@@ -118,7 +125,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::node::{BlockId, BlockLists, LoadMeta, LoadRequest, PrefillTarget, SendRequest};
-use kvferry_machines::common::TransferId;
+use kvferry_machines::common::{check_request_id, TransferId, REQUEST_ID_MAX_BYTES};
 use kvferry_machines::planner::sliding_window_blocks;
 
 /// Which side(s) of disaggregated serving this engine plays (vLLM's
@@ -159,8 +166,9 @@ pub struct KvTransferParams {
     /// Prefill: keep the KV for a remote decode engine.
     pub do_remote_decode: bool,
     /// The transfer shared by the prefill and the decode half of a request,
-    /// chosen by the router (see the module docs on id mapping).
-    pub transfer_id: Option<TransferId>,
+    /// chosen by the router: a number or a string request id (see the
+    /// module docs on id mapping).
+    pub transfer_id: Option<TransferRef>,
     /// Decode: the prefill engine's id, as its bootstrap service lists it.
     pub remote_engine_id: Option<String>,
     /// Decode: the prefill engine's data-parallel rank (absent: 0).
@@ -171,6 +179,80 @@ pub struct KvTransferParams {
     /// Decode: the prefill engine's blocks per group holding the prompt;
     /// when present their counts are checked against the prompt length.
     pub remote_block_ids: Option<BlockLists>,
+}
+
+/// A transfer as the router names it in `kv_transfer_params`: a number
+/// (`"transfer_id": 7`) or a string request id (`"transfer_id":
+/// "cmpl-6f2c…-0"`, 1 to [`REQUEST_ID_MAX_BYTES`] bytes), whose transfer id
+/// is [`TransferId::of_request_id`]. It serializes back the way it came, so
+/// the string reaches the decode side and travels in its `Pull`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum TransferRef {
+    /// A transfer id the router chose.
+    Id(TransferId),
+    /// A string request id.
+    Name(String),
+}
+
+impl TransferRef {
+    /// The transfer id the node keys the transfer by.
+    pub fn transfer_id(&self) -> TransferId {
+        match self {
+            TransferRef::Id(id) => *id,
+            TransferRef::Name(name) => TransferId::of_request_id(name),
+        }
+    }
+
+    /// The string request id, if the router named the transfer by one.
+    pub fn request_id(&self) -> Option<&str> {
+        match self {
+            TransferRef::Id(_) => None,
+            TransferRef::Name(name) => Some(name),
+        }
+    }
+}
+
+impl From<TransferId> for TransferRef {
+    fn from(id: TransferId) -> Self {
+        TransferRef::Id(id)
+    }
+}
+
+impl Serialize for TransferRef {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            TransferRef::Id(id) => s.serialize_u64(id.0),
+            TransferRef::Name(name) => s.serialize_str(name),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TransferRef {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = TransferRef;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(
+                    f,
+                    "a transfer id (u64) or a request id of 1 to {REQUEST_ID_MAX_BYTES} bytes"
+                )
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<TransferRef, E> {
+                Ok(TransferRef::Id(TransferId(v)))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<TransferRef, E> {
+                u64::try_from(v)
+                    .map(|v| TransferRef::Id(TransferId(v)))
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<TransferRef, E> {
+                check_request_id(v).map_err(E::custom)?;
+                Ok(TransferRef::Name(v.to_owned()))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// The scheduler's view of one request, borrowed from the engine.
@@ -648,7 +730,8 @@ impl Scheduler {
             Ok(())
         } else if params.do_remote_decode {
             self.require_role(req.request_id, true)?;
-            let Some(transfer_id) = params.transfer_id else {
+            let Some(transfer_id) = params.transfer_id.as_ref().map(TransferRef::transfer_id)
+            else {
                 return Err(invalid(req, "do_remote_decode without transfer_id"));
             };
             if self.entries.contains_key(req.request_id) {
@@ -738,7 +821,7 @@ impl Scheduler {
         let Some(params) = req.params else {
             return Ok(FinishDecision::FREE_NOW);
         };
-        let Some(transfer_id) = params.transfer_id else {
+        let Some(transfer) = &params.transfer_id else {
             return Ok(FinishDecision::FREE_NOW);
         };
         if params.do_remote_prefill {
@@ -760,7 +843,7 @@ impl Scheduler {
             // wait for this transfer.
             self.check_pending_room()?;
             self.pending
-                .push_back(Pending::Cancel(self.cancel(transfer_id)));
+                .push_back(Pending::Cancel(self.cancel(transfer)));
         }
         Ok(FinishDecision::FREE_NOW)
     }
@@ -854,7 +937,7 @@ impl Scheduler {
         if params.do_remote_decode {
             return Err(invalid(req, "both do_remote_prefill and do_remote_decode"));
         }
-        let Some(transfer_id) = params.transfer_id else {
+        let Some(transfer) = &params.transfer_id else {
             return Err(invalid(req, "do_remote_prefill without transfer_id"));
         };
         let (Some(engine_id), Some(addr)) = (
@@ -900,7 +983,8 @@ impl Scheduler {
             }
         }
         Ok(DecodePlan {
-            transfer_id,
+            transfer_id: transfer.transfer_id(),
+            request_id: transfer.request_id().map(str::to_owned),
             target: PrefillTarget::Bootstrap {
                 addr: addr.clone(),
                 engine_id: engine_id.clone(),
@@ -940,6 +1024,7 @@ impl Scheduler {
             .collect();
         Ok(LoadRequest {
             transfer_id: plan.transfer_id,
+            request_id: plan.request_id,
             prefill: plan.target,
             dst_blocks,
             prefix_blocks,
@@ -963,6 +1048,7 @@ impl Scheduler {
     fn release_load(&self, plan: &DecodePlan) -> LoadRequest {
         LoadRequest {
             transfer_id: plan.transfer_id,
+            request_id: plan.request_id.clone(),
             prefill: plan.target.clone(),
             dst_blocks: vec![Vec::new(); self.cfg.num_groups],
             prefix_blocks: (0..self.cfg.num_groups)
@@ -993,6 +1079,7 @@ impl Scheduler {
                 .collect();
             let release = LoadRequest {
                 transfer_id: load.transfer_id,
+                request_id: load.request_id.clone(),
                 prefill: load.prefill.clone(),
                 dst_blocks: vec![Vec::new(); held.len()],
                 prefix_blocks: held,
@@ -1011,6 +1098,11 @@ impl Scheduler {
         status: FinishStatus,
     ) -> Result<FinishDecision, SchedError> {
         let transfer_id = self.entries[req.request_id].transfer_id;
+        // The request's name as the router gave it, for the node and for decode.
+        let transfer = match req.params.and_then(|p| p.transfer_id.as_ref()) {
+            Some(TransferRef::Name(name)) => TransferRef::Name(name.clone()),
+            Some(TransferRef::Id(_)) | None => TransferRef::Id(transfer_id),
+        };
         match status {
             FinishStatus::LengthCapped => {}
             FinishStatus::Stopped
@@ -1020,7 +1112,7 @@ impl Scheduler {
                 self.check_pending_room()?;
                 self.remove(req.request_id);
                 self.pending
-                    .push_back(Pending::Cancel(self.cancel(transfer_id)));
+                    .push_back(Pending::Cancel(self.cancel(&transfer)));
                 return Ok(FinishDecision::FREE_NOW);
             }
         }
@@ -1044,7 +1136,7 @@ impl Scheduler {
         let d_params = KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            transfer_id: Some(transfer_id),
+            transfer_id: Some(transfer.clone()),
             remote_engine_id: Some(self.cfg.engine_id.clone()),
             remote_dp_rank: Some(self.cfg.dp_rank),
             remote_bootstrap_addr: Some(self.cfg.bootstrap_addr.clone()),
@@ -1055,6 +1147,7 @@ impl Scheduler {
             request_id: req.request_id.to_string(),
             send: SendRequest {
                 transfer_id,
+                request_id: transfer.request_id().map(str::to_owned),
                 src_blocks,
                 is_last: true,
             },
@@ -1066,9 +1159,10 @@ impl Scheduler {
     }
 
     /// An empty last chunk: "this prefill has no KV for the transfer".
-    fn cancel(&self, transfer_id: TransferId) -> SendRequest {
+    fn cancel(&self, transfer: &TransferRef) -> SendRequest {
         SendRequest {
-            transfer_id,
+            transfer_id: transfer.transfer_id(),
+            request_id: transfer.request_id().map(str::to_owned),
             src_blocks: vec![Vec::new(); self.cfg.num_groups],
             is_last: true,
         }
@@ -1188,6 +1282,8 @@ impl Scheduler {
 #[derive(Clone, Debug)]
 struct DecodePlan {
     transfer_id: TransferId,
+    /// The router's string request id, if it named the transfer by one.
+    request_id: Option<String>,
     target: PrefillTarget,
     /// Blocks holding the prompt (the prefill side has this many per group).
     prompt_blocks: u32,
@@ -1213,7 +1309,7 @@ mod tests {
     fn decode_params(tid: u64) -> KvTransferParams {
         KvTransferParams {
             do_remote_prefill: true,
-            transfer_id: Some(TransferId(tid)),
+            transfer_id: Some(TransferId(tid).into()),
             remote_engine_id: Some("p".into()),
             remote_bootstrap_addr: Some("127.0.0.1:8998".into()),
             ..KvTransferParams::default()

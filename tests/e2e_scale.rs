@@ -30,6 +30,7 @@ fn round(c: &Cluster, base: u64) {
     let loads = (0..IN_FLIGHT)
         .map(|i| LoadRequest {
             transfer_id: TransferId(base + u64::from(i)),
+            request_id: None,
             prefill: c.target.clone(),
             dst_blocks: vec![vec![BlockId(i)]],
             prefix_blocks: vec![0],
@@ -49,6 +50,7 @@ fn round(c: &Cluster, base: u64) {
     let sends = (0..IN_FLIGHT)
         .map(|i| SendRequest {
             transfer_id: TransferId(base + u64::from(i)),
+            request_id: None,
             src_blocks: vec![vec![BlockId(i)]],
             is_last: true,
         })

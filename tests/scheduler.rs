@@ -11,7 +11,7 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::node::{LoadMeta, PrefillTarget, TransportKind};
 use kvferry::scheduler::{
     Blame, FinishDecision, FinishStatus, KvRole, KvTransferParams, SchedError, SchedRequest,
-    Scheduler, SchedulerConfig,
+    Scheduler, SchedulerConfig, TransferRef,
 };
 use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
@@ -36,7 +36,7 @@ fn prefill() -> Scheduler {
 fn d_params(tid: u64) -> KvTransferParams {
     KvTransferParams {
         do_remote_prefill: true,
-        transfer_id: Some(TransferId(tid)),
+        transfer_id: Some(TransferId(tid).into()),
         remote_engine_id: Some("p".into()),
         remote_bootstrap_addr: Some(ADDR.into()),
         ..KvTransferParams::default()
@@ -46,7 +46,7 @@ fn d_params(tid: u64) -> KvTransferParams {
 fn p_params(tid: u64) -> KvTransferParams {
     KvTransferParams {
         do_remote_decode: true,
-        transfer_id: Some(TransferId(tid)),
+        transfer_id: Some(TransferId(tid).into()),
         ..KvTransferParams::default()
     }
 }
@@ -429,13 +429,104 @@ fn params_parse_from_router_json() {
         p,
         KvTransferParams {
             do_remote_prefill: true,
-            transfer_id: Some(TransferId(5)),
+            transfer_id: Some(TransferId(5).into()),
             remote_engine_id: Some("p".into()),
             remote_bootstrap_addr: Some("http://h:8998".into()),
             ..KvTransferParams::default()
         }
     );
-    assert!(serde_json::from_str::<KvTransferParams>(r#"{"transfer_id": "x"}"#).is_err());
+    // Not a transfer id nor a request id of 1 to 256 bytes.
+    let long = format!(r#"{{"transfer_id": "{}"}}"#, "x".repeat(257));
+    for bad in [
+        r#"{"transfer_id": ""}"#,
+        r#"{"transfer_id": -1}"#,
+        r#"{"transfer_id": 1.5}"#,
+        r#"{"transfer_id": true}"#,
+        &long,
+    ] {
+        assert!(
+            serde_json::from_str::<KvTransferParams>(bad).is_err(),
+            "{bad}"
+        );
+    }
+}
+
+/// vLLM routers send string ids: the router's `"transfer_id": "cmpl-…"`
+/// is keyed by its hash, and the string goes on to the node (in the meta)
+/// and to decode (in the params prefill hands back), as the router wrote it.
+#[test]
+fn string_transfer_ids_from_router_json_travel_to_both_metas() {
+    let id = "cmpl-6f2c0e1a9b7d4c3e8f2a1b0c9d8e7f6a-0";
+    let at_limit = "é".repeat(128);
+    for name in [id, at_limit.as_str()] {
+        let json = format!(r#"{{"do_remote_decode": true, "transfer_id": "{name}"}}"#);
+        let pp: KvTransferParams = serde_json::from_str(&json).unwrap();
+        assert_eq!(pp.transfer_id, Some(TransferRef::Name(name.into())));
+        let tid = TransferId::of_request_id(name);
+        let mut p = prefill();
+        let blocks = [ids(&[1, 2])];
+        let r = req("p-1", 8, 0, &blocks, &pp);
+        p.update_state_after_alloc(&r, 0).unwrap();
+        assert_eq!(p.transfer_id_of("p-1"), Some(tid));
+        let d_params = p
+            .request_finished(&r, FinishStatus::LengthCapped)
+            .unwrap()
+            .params
+            .expect("params for decode");
+        let send = &p.build_connector_meta().sends[0];
+        assert_eq!(
+            (send.transfer_id, send.request_id.as_deref()),
+            (tid, Some(name))
+        );
+        let json = serde_json::to_string(&d_params).unwrap();
+        assert!(
+            json.contains(&format!(r#""transfer_id":"{name}""#)),
+            "{json}"
+        );
+        let d_params: KvTransferParams = serde_json::from_str(&json).unwrap();
+        let mut d = decode();
+        let d_blocks = [ids(&[7, 8])];
+        let r = req("d-1", 8, 0, &d_blocks, &d_params);
+        let (tokens, _) = d.get_num_new_matched_tokens(&r).unwrap();
+        d.update_state_after_alloc(&r, tokens).unwrap();
+        let load = &d.build_connector_meta().loads[0];
+        assert_eq!(
+            (load.transfer_id, load.request_id.as_deref()),
+            (tid, Some(name))
+        );
+        assert_eq!(d.handle_finished(&[], &[tid]).finished_recving, ["d-1"]);
+        assert_eq!(p.handle_finished(&[tid], &[]).finished_sending, ["p-1"]);
+    }
+    // The integer form stays a number, with no string.
+    let pp: KvTransferParams = serde_json::from_str(r#"{"transfer_id": 9}"#).unwrap();
+    assert_eq!(pp.transfer_id, Some(TransferRef::Id(TransferId(9))));
+    assert_eq!(serde_json::to_string(&pp.transfer_id).unwrap(), "9");
+}
+
+/// A string id whose transfer id another tracked request holds (here by
+/// the integer form of the same hash) is refused like any transfer id in
+/// use, and nothing changes.
+#[test]
+fn a_string_id_of_a_transfer_id_in_use_is_refused_by_the_scheduler() {
+    let name = "cmpl-a";
+    let by_number = KvTransferParams {
+        do_remote_decode: true,
+        transfer_id: Some(TransferId::of_request_id(name).into()),
+        ..KvTransferParams::default()
+    };
+    let by_name = KvTransferParams {
+        transfer_id: Some(TransferRef::Name(name.into())),
+        ..by_number.clone()
+    };
+    let mut p = prefill();
+    let blocks = [ids(&[1])];
+    p.update_state_after_alloc(&req("p-a", 4, 0, &blocks, &by_number), 0)
+        .unwrap();
+    let e = p
+        .update_state_after_alloc(&req("p-b", 4, 0, &blocks, &by_name), 0)
+        .unwrap_err();
+    assert!(matches!(e, SchedError::DuplicateTransfer { .. }), "{e}");
+    assert_eq!(p.tracked_len(), 1);
 }
 
 /// A prefill engine on a data-parallel rank hands its rank to decode, and
@@ -491,7 +582,7 @@ fn length_capped_prefill_delays_the_free_and_sends_the_prompt_blocks() {
         Some(KvTransferParams {
             do_remote_prefill: true,
             do_remote_decode: false,
-            transfer_id: Some(TransferId(30)),
+            transfer_id: Some(TransferId(30).into()),
             remote_engine_id: Some("p".into()),
             remote_dp_rank: Some(0),
             remote_bootstrap_addr: Some(ADDR.into()),
@@ -1057,7 +1148,7 @@ fn e2e_scheduler_drives_prefill_and_decode_nodes() {
 fn d_params_for(tid: u64, bootstrap_addr: &str) -> KvTransferParams {
     KvTransferParams {
         do_remote_prefill: true,
-        transfer_id: Some(TransferId(tid)),
+        transfer_id: Some(TransferId(tid).into()),
         remote_engine_id: Some("prefill".into()),
         remote_bootstrap_addr: Some(bootstrap_addr.into()),
         ..KvTransferParams::default()

@@ -50,6 +50,12 @@ pub struct DecodeArgs {
     /// Transfer id of the first request (ids run up from it).
     #[arg(long, value_name = "N", default_value_t = 1)]
     transfer_base: u64,
+    /// Name the requests by string request id, PREFIX followed by the
+    /// number `--transfer-base` starts (`cmpl-1`, `cmpl-2`, ...), as vLLM
+    /// routers do; the transfer id is then the id's hash
+    /// (`TransferId::of_request_id`), and the string travels in the `Pull`.
+    #[arg(long, value_name = "PREFIX")]
+    request_id_prefix: Option<String>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -91,6 +97,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         },
         requests: a.requests,
         base: a.transfer_base,
+        prefix: a.request_id_prefix.clone(),
         b,
         groups: a.groups,
         free: (0..slots).rev().collect(),
@@ -125,15 +132,19 @@ struct Pull<'a> {
     kv: &'a SynthKv,
     target: PrefillTarget,
     requests: u64,
-    /// Transfer id of the first request.
+    /// Transfer id (or with `prefix`, number in the request id) of the
+    /// first request.
     base: u64,
+    /// `--request-id-prefix`.
+    prefix: Option<String>,
     /// Blocks per request and group.
     b: u32,
     /// KV-cache groups per request.
     groups: u32,
     free: Vec<u64>,
-    /// Slot and start of every request in flight, by transfer id.
-    live: HashMap<u64, (u64, Instant)>,
+    /// Slot, start and string request id of every request in flight, by
+    /// transfer id.
+    live: HashMap<u64, (u64, Instant, Option<String>)>,
     latencies: kvferry::Latency,
     report: DemoReport,
     next: u64,
@@ -182,17 +193,22 @@ impl Pull<'_> {
     fn launch(&mut self) -> Result<(), String> {
         while self.next < self.requests && !stop_requested() {
             let Some(slot) = self.free.pop() else { break };
-            let tid = self.base + self.next;
+            let n = self.base + self.next;
+            let name = self.prefix.as_ref().map(|p| format!("{p}{n}"));
             let blocks = self.blocks(slot);
             self.kv.clear(&blocks.concat());
             let dst = (blocks.iter())
                 .map(|g| g.iter().map(|&x| BlockId(x)).collect())
                 .collect();
-            self.node
-                .receiver(TransferId(tid), &self.target)
-                .and_then(|r| r.request(dst))
-                .map_err(|e| format!("request {tid}: {e}"))?;
-            self.live.insert(tid, (slot, Instant::now()));
+            let rx = match &name {
+                Some(id) => self.node.receiver_named(id, &self.target),
+                None => self.node.receiver(TransferId(n), &self.target),
+            };
+            let rx = (rx.and_then(|r| r.request(dst).map(|()| r))).map_err(|e| {
+                format!("request {}: {e}", name.as_deref().unwrap_or(&n.to_string()))
+            })?;
+            let tid = rx.transfer_id().0;
+            self.live.insert(tid, (slot, Instant::now(), name));
             self.next += 1;
         }
         Ok(())
@@ -201,9 +217,15 @@ impl Pull<'_> {
     /// The end of `tid`: counted, every byte of a success verified, its
     /// slot free again.
     fn done(&mut self, tid: u64, phase: Phase) {
-        let Some((slot, at)) = self.live.remove(&tid) else {
+        let Some((slot, at, name)) = self.live.remove(&tid) else {
             return;
         };
+        if let (Some(id), false) = (&name, phase == Phase::Success) {
+            tracing::warn!(request_id = %id, transfer_id = tid, ?phase, "request did not succeed");
+            if self.report.failed_request_ids.len() < crate::demo::MAX_FAILED_IDS {
+                self.report.failed_request_ids.push(id.clone());
+            }
+        }
         self.finished += 1;
         let blocks = self.blocks(slot);
         let report = &mut self.report;

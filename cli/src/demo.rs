@@ -41,6 +41,9 @@ pub struct DemoOnlyArgs {
     drop_control_ppm: Option<u32>,
 }
 
+/// Most request ids a report lists in `failed_request_ids`.
+pub const MAX_FAILED_IDS: usize = 64;
+
 /// What the demo measured.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct DemoReport {
@@ -81,6 +84,11 @@ pub struct DemoReport {
     /// p99 of the same round trip.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zmq_rtt_two_ctx_p99_ms: Option<f64>,
+    /// Requests named by string request id that did not succeed (at most
+    /// [`MAX_FAILED_IDS`]), so an operator can look them up in both sides'
+    /// logs (`request_id` fields).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failed_request_ids: Vec<String>,
     /// The prefill side, where the run has prefill ranks (the demo).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prefill: Option<PrefillReport>,

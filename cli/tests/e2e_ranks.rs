@@ -124,3 +124,44 @@ fn decode_pulls_every_layer_from_two_prefill_stages() {
     assert_eq!(summary["ok"], 5, "{summary}");
     assert_eq!(summary["verify_errors"], 0, "{summary}");
 }
+
+/// `kvferry decode --request-id-prefix cmpl-` names its requests by string
+/// request ids, as vLLM routers do: the prefill process serves them under
+/// the ids' hashes. Requests to a data-parallel rank nobody serves end by
+/// their deadline, and the summary names each one.
+#[test]
+fn decode_names_its_requests_by_string_request_ids() {
+    let server = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().to_string();
+    let (_p, _) = prefill(&addr, &[]);
+    let run = |prefix: &str, dp_rank: &str| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["decode", "--bootstrap", &addr, "--prefill-engine-id", "p"])
+            .args(["--prefill-dp-rank", dp_rank, "--request-id-prefix", prefix])
+            .args(["--requests", "3", "--timeout-ms", "1500", "--json"])
+            .stderr(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let first = run("cmpl-6f2c-", "0");
+    assert_eq!(
+        (&first["ok"], &first["verify_errors"]),
+        (&3.into(), &0.into()),
+        "{first}"
+    );
+    assert!(first.get("failed_request_ids").is_none(), "{first}");
+    let lost = run("cmpl-7a1d-", "1");
+    assert_eq!(lost["ok"], 0, "{lost}");
+    // In the order they ended.
+    let mut failed: Vec<&str> = (lost["failed_request_ids"].as_array())
+        .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    failed.sort_unstable();
+    assert_eq!(
+        failed,
+        ["cmpl-7a1d-1", "cmpl-7a1d-2", "cmpl-7a1d-3"],
+        "{lost}"
+    );
+}

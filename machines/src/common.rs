@@ -17,7 +17,10 @@ pub use late::late_answer;
 pub use lease::TICKET_BIT;
 pub use msg::Msg;
 pub use outcome::{AbortReason, FailReason, InputError, Phase};
-pub use transfer::{BlockId, BlockLists, Mode, PeerId, TransferId};
+pub use transfer::{
+    check_request_id, BlockId, BlockLists, Mode, PeerId, RequestIdError, TransferId,
+    REQUEST_ID_MAX_BYTES,
+};
 
 pub(crate) use deadline::{after, earliest};
 pub(crate) use drain::{Drain, End, Next, Op};

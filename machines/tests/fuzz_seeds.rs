@@ -43,7 +43,7 @@ fn sample(files: Vec<PathBuf>, max: usize) -> Vec<PathBuf> {
 }
 
 /// Seeds per `Frame` variant and `Msg` variant, named by `Frame::kind`.
-const EVERY_KIND: [&str; 14] = [
+const EVERY_KIND: [&str; 15] = [
     "refuse",
     "hello",
     "pull",
@@ -58,6 +58,7 @@ const EVERY_KIND: [&str; 14] = [
     "not_paired",
     "heartbeat",
     "heartbeat_ack",
+    "id_collision",
 ];
 
 #[test]

@@ -8,7 +8,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Mode, Msg, TransferId};
+use kvferry_machines::common::{BlockId, Mode, Msg, TransferId, REQUEST_ID_MAX_BYTES};
 use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout, Region};
 use kvferry_machines::planner::REGIONS_MAX;
 use kvferry_machines::wire::{
@@ -241,6 +241,22 @@ fn refuse(version: u16) -> Frame {
     })
 }
 
+/// Request ids of 1 to `REQUEST_ID_MAX_BYTES` bytes, exactly the limit
+/// (in one- and two-byte characters) included.
+fn request_id() -> impl Strategy<Value = String> {
+    prop_oneof![
+        4 => "\\PC{1,40}",
+        1 => Just("cmpl-6f2c0e1a9b7d4c3e8f2a1b0c9d8e7f6a-0".to_string()),
+        1 => Just("x".repeat(REQUEST_ID_MAX_BYTES)),
+        1 => Just("é".repeat(REQUEST_ID_MAX_BYTES / 2)),
+    ]
+}
+
+/// A `Pull`: the only message a `NamedTransfer` carries.
+fn pull_only() -> impl Strategy<Value = Msg> {
+    msg().prop_filter("a pull", |m| matches!(m, Msg::Pull { .. }))
+}
+
 fn frame() -> impl Strategy<Value = Frame> {
     prop_oneof![
         1 => edge_u16().prop_map(refuse),
@@ -248,6 +264,10 @@ fn frame() -> impl Strategy<Value = Frame> {
         4 => (edge_u64(), msg()).prop_map(|(id, msg)| Frame::Transfer { transfer_id: TransferId(id), msg }),
         1 => edge_u64().prop_map(|seq| Frame::Heartbeat { seq }),
         1 => edge_u64().prop_map(|seq| Frame::HeartbeatAck { seq }),
+        1 => (edge_u64(), request_id(), pull_only()).prop_map(|(id, request_id, msg)| {
+            Frame::NamedTransfer { transfer_id: TransferId(id), request_id, msg }
+        }),
+        1 => edge_u64().prop_map(|id| Frame::IdCollision { transfer_id: TransferId(id) }),
     ]
 }
 
@@ -383,10 +403,12 @@ fn variant(f: &Frame) -> &'static str {
         },
         Frame::Heartbeat { .. } => "Heartbeat",
         Frame::HeartbeatAck { .. } => "HeartbeatAck",
+        Frame::NamedTransfer { .. } => "NamedTransfer",
+        Frame::IdCollision { .. } => "IdCollision",
     }
 }
 
-const EVERY_VARIANT: [&str; 14] = [
+const EVERY_VARIANT: [&str; 16] = [
     "Refuse",
     "Hello",
     "Pull",
@@ -401,6 +423,8 @@ const EVERY_VARIANT: [&str; 14] = [
     "NotPaired",
     "Heartbeat",
     "HeartbeatAck",
+    "NamedTransfer",
+    "IdCollision",
 ];
 
 // ---------------------------------------------------------------------------
@@ -525,7 +549,7 @@ fn round_trip_edge_cases() {
             Msg::Ready {
                 chunk: u32::MAX,
                 start_blocks: vec![u32::MAX; l.max_groups],
-                src_blocks: big_groups,
+                src_blocks: big_groups.clone(),
                 is_last: true,
             },
         ),
@@ -554,6 +578,19 @@ fn round_trip_edge_cases() {
         transfer(10, Msg::NotPaired),
         Frame::Heartbeat { seq: u64::MAX },
         Frame::HeartbeatAck { seq: 0 },
+        Frame::NamedTransfer {
+            transfer_id: TransferId(u64::MAX),
+            request_id: "é".repeat(REQUEST_ID_MAX_BYTES / 2),
+            msg: Msg::Pull {
+                receivers_expected: u16::MAX,
+                dst_blocks: big_groups.clone(),
+                prefix_blocks: vec![u32::MAX; l.max_groups],
+                lease_seq: Some(u64::MAX),
+            },
+        },
+        Frame::IdCollision {
+            transfer_id: TransferId(0),
+        },
     ];
     let seen: std::collections::BTreeSet<_> = frames.iter().map(variant).collect();
     assert_eq!(seen, EVERY_VARIANT.into_iter().collect());
@@ -571,6 +608,22 @@ fn transfer_id_and_kind_cover_every_variant() {
         (hello, None, "hello"),
         (Frame::Heartbeat { seq: 1 }, None, "heartbeat"),
         (Frame::HeartbeatAck { seq: 1 }, None, "heartbeat_ack"),
+        (
+            Frame::NamedTransfer {
+                transfer_id: TransferId(9),
+                request_id: "cmpl-a".into(),
+                msg: pull_msg(vec![]),
+            },
+            Some(TransferId(9)),
+            "pull",
+        ),
+        (
+            Frame::IdCollision {
+                transfer_id: TransferId(8),
+            },
+            Some(TransferId(8)),
+            "id_collision",
+        ),
     ];
     let msgs = [
         (pull_msg(vec![]), "pull"),
@@ -813,7 +866,7 @@ fn header_errors_are_precise() {
 
     // Unknown frame variant (beyond the last one).
     let mut unknown = header();
-    unknown.extend_from_slice(&[5, 0]);
+    unknown.extend_from_slice(&[7, 0]);
     assert!(matches!(decode(&unknown, &l), Err(WireError::Malformed(_))));
     // Unknown message variant inside a transfer.
     let mut unknown = header();
@@ -1773,5 +1826,110 @@ fn an_unclaimed_group_past_the_total_names_the_total() {
             len: 9,
             max: 8
         })
+    );
+}
+
+// ---------------------------------------------------------------------------
+// String request ids.
+
+fn named(request_id: String, msg: Msg) -> Frame {
+    Frame::NamedTransfer {
+        transfer_id: TransferId(5),
+        request_id,
+        msg,
+    }
+}
+
+/// A request id one byte over `REQUEST_ID_MAX_BYTES` is refused from its
+/// length prefix, before the string is copied; the configured
+/// `max_string_bytes` does not move the bound (both sides hash the ids).
+#[test]
+fn a_request_id_over_its_limit_is_refused_before_allocation() {
+    let want = limit_error("request id", REQUEST_ID_MAX_BYTES + 1, REQUEST_ID_MAX_BYTES);
+    for limits in [
+        Limits::default(),
+        Limits {
+            max_string_bytes: 1 << 20,
+            ..Limits::default()
+        },
+    ] {
+        for over in [
+            "x".repeat(REQUEST_ID_MAX_BYTES + 1),
+            format!("{}é", "x".repeat(255)),
+        ] {
+            let f = named(over, pull_msg(vec![]));
+            let bytes = encode(&f);
+            let (got, peak_bytes) = peak_alloc_bytes(|| decode(&bytes, &limits));
+            assert_eq!(got, Err(want.clone()));
+            assert!(
+                peak_bytes < REQUEST_ID_MAX_BYTES,
+                "allocated {peak_bytes} bytes"
+            );
+            assert_eq!(f.check_limits(&limits), Err(want.clone()));
+        }
+    }
+    let at = named("é".repeat(REQUEST_ID_MAX_BYTES / 2), pull_msg(vec![]));
+    assert_eq!(decode(&encode(&at), &Limits::default()), Ok(at.clone()));
+    assert_eq!(at.check_limits(&Limits::default()), Ok(()));
+}
+
+/// A length prefix claiming 2^60 bytes of request id is truncated at once.
+#[test]
+fn a_huge_request_id_claim_fails_fast() {
+    let mut bytes = header();
+    // NamedTransfer is frame variant 5, then its transfer id (5).
+    bytes.extend_from_slice(&[5, 5]);
+    bytes.extend(varint(1 << 60));
+    let empty = encode(&named(String::new(), pull_msg(vec![])));
+    assert_eq!(
+        &empty[..HEADER_LEN + 3],
+        &[&bytes[..HEADER_LEN + 2], &[0]].concat()[..]
+    );
+    let (got, peak_bytes) = peak_alloc_bytes(|| decode(&bytes, &Limits::default()));
+    assert_eq!(got, Err(WireError::Truncated));
+    assert!(peak_bytes <= 1024, "allocated {peak_bytes} bytes");
+}
+
+/// A named transfer carries a `Pull` with a request id of at least one
+/// byte; anything else is refused after decoding, and by the sender's check.
+#[test]
+fn a_named_transfer_is_a_pull_with_a_request_id() {
+    let l = Limits::default();
+    let cases = [
+        (
+            named(String::new(), pull_msg(vec![])),
+            WireError::Invalid {
+                field: "request id",
+                why: "empty",
+            },
+        ),
+        (
+            named("cmpl-a".into(), Msg::Abort),
+            WireError::Invalid {
+                field: "named transfer",
+                why: "only a Pull names its request",
+            },
+        ),
+    ];
+    for (f, want) in cases {
+        assert_eq!(decode(&encode(&f), &l), Err(want.clone()), "{f:?}");
+        assert_eq!(f.check_limits(&l), Err(want), "{f:?}");
+    }
+}
+
+/// The request id hash is the 64-bit FNV-1a of the id's bytes: the
+/// published test vectors, and one collision a test hash would need.
+#[test]
+fn the_request_id_hash_is_fnv1a_64() {
+    for (id, h) in [
+        ("", 0xcbf2_9ce4_8422_2325),
+        ("a", 0xaf63_dc4c_8601_ec8c),
+        ("foobar", 0x8594_4171_f739_67e8),
+    ] {
+        assert_eq!(TransferId::of_request_id(id), TransferId(h), "{id:?}");
+    }
+    assert_ne!(
+        TransferId::of_request_id("cmpl-a"),
+        TransferId::of_request_id("cmpl-b")
     );
 }

@@ -10,6 +10,9 @@ use super::{Node, NodeError, PrefillTarget, Role};
 pub struct LoadRequest {
     /// The transfer.
     pub transfer_id: TransferId,
+    /// The string request id the transfer was named by, if any; it travels
+    /// in the `Pull` (see [`Node::receiver_named`]).
+    pub request_id: Option<String>,
     /// Where its prefill ranks are.
     pub prefill: PrefillTarget,
     /// Destination blocks per group.
@@ -23,6 +26,9 @@ pub struct LoadRequest {
 pub struct SendRequest {
     /// The transfer.
     pub transfer_id: TransferId,
+    /// The string request id the transfer was named by, if any (see
+    /// [`Node::sender_named`]).
+    pub request_id: Option<String>,
     /// Source blocks per group of this chunk.
     pub src_blocks: BlockLists,
     /// True on the request's last chunk.
@@ -49,15 +55,16 @@ impl Node {
 
     fn start_load_kv_now(&self, meta: &LoadMeta) -> Result<(), NodeError> {
         for l in &meta.loads {
-            self.request(
+            self.request_as(
                 l.transfer_id,
+                l.request_id.as_deref(),
                 &l.prefill,
                 l.dst_blocks.clone(),
                 l.prefix_blocks.clone(),
             )?;
         }
         for s in &meta.sends {
-            self.sender(s.transfer_id)?
+            self.sender_as(s.transfer_id, s.request_id.as_deref())?
                 .send(s.src_blocks.clone(), s.is_last)?;
         }
         Ok(())

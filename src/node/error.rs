@@ -2,7 +2,7 @@
 //! ([`Misuse`]), back-pressure, the data plane, the side channel, the
 //! bootstrap service, time. Failures of a request are phases, not errors.
 
-use kvferry_machines::common::InputError;
+use kvferry_machines::common::{InputError, RequestIdError, TransferId};
 use kvferry_machines::planner::PlanError;
 use kvferry_machines::Phase;
 use kvferry_reactor::{ReactorError, SubmitError};
@@ -18,6 +18,10 @@ pub enum NodeError {
     /// The caller used the API wrongly.
     #[error("misuse: {0}")]
     Misuse(#[from] Misuse),
+    /// The request id's transfer id is held by another request id on this
+    /// node (their hashes are equal): this request cannot be opened here.
+    #[error("{0}")]
+    IdCollision(#[from] IdCollision),
     /// Back-pressure: the node holds its maximum of requests or its queues
     /// are full; retry after collecting finished requests.
     #[error("busy: {0}")]
@@ -138,6 +142,23 @@ pub enum Misuse {
     /// The transfer already ended in this phase.
     #[error("the transfer already ended: {0:?}")]
     Ended(Phase),
+    /// The string is not a request id (empty or too long).
+    #[error("{0}")]
+    RequestId(#[source] RequestIdError),
+}
+
+/// Two different request ids with one transfer id
+/// ([`TransferId::of_request_id`]): the one asked for and the one this
+/// node holds (live, or among its finished records).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("request id {request_id:?} has transfer id {transfer_id}, held by request id {held:?}")]
+pub struct IdCollision {
+    /// The transfer id both hash to.
+    pub transfer_id: TransferId,
+    /// The request id asked for.
+    pub request_id: String,
+    /// The request id that holds the transfer id.
+    pub held: String,
 }
 
 /// Why the data plane could not start or take the registered memory.

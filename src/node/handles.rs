@@ -1,6 +1,7 @@
 //! Per-request handles: a [`Sender`] on a prefill node, a [`Receiver`] on
 //! a decode node.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvferry_machines::common::{AbortReason, BlockLists, FailReason, Phase, TransferId};
@@ -39,12 +40,20 @@ fn wait_terminal(node: &Node, tid: TransferId, timeout: Duration, before: Phase)
 pub struct Sender {
     pub(super) node: Node,
     pub(super) tid: TransferId,
+    /// Set when the transfer was opened by string request id (here or by
+    /// a decode rank's `Pull`).
+    pub(super) request_id: Option<Arc<str>>,
 }
 
 impl Sender {
     /// The transfer.
     pub fn transfer_id(&self) -> TransferId {
         self.tid
+    }
+
+    /// The string request id of the transfer, if it has one.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
     }
 
     /// Hands a chunk of ready KV (source blocks per group) to the transfer;
@@ -82,6 +91,8 @@ impl Sender {
 pub struct Receiver {
     pub(super) node: Node,
     pub(super) tid: TransferId,
+    /// Set by [`Node::receiver_named`].
+    pub(super) request_id: Option<Arc<str>>,
     pub(super) target: PrefillTarget,
 }
 
@@ -91,11 +102,15 @@ impl Receiver {
         self.tid
     }
 
+    /// The string request id of the transfer, if it was opened by one.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
+    }
+
     /// Asks the prefill ranks for the KV, into `dst_blocks` (per group).
     pub fn request(&self, dst_blocks: BlockLists) -> Result<(), NodeError> {
         let prefix = vec![0; dst_blocks.len()];
-        self.node
-            .request(self.tid, &self.target, dst_blocks, prefix)
+        self.node.request(self, dst_blocks, prefix)
     }
 
     /// Like [`Receiver::request`] with a partial prefix hit: per group, the
@@ -105,8 +120,7 @@ impl Receiver {
         dst_blocks: BlockLists,
         prefix_blocks: Vec<u32>,
     ) -> Result<(), NodeError> {
-        self.node
-            .request(self.tid, &self.target, dst_blocks, prefix_blocks)
+        self.node.request(self, dst_blocks, prefix_blocks)
     }
 
     /// Current phase; `Bootstrapping` before `request`. Terminal once the

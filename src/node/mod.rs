@@ -31,7 +31,7 @@
 //! unsafe { p.register_kv_caches(layout)? };
 //! let d = Node::start(NodeConfig::new(Role::Decode, "d"))?;
 //! unsafe { d.register_kv_caches(d_layout)? };
-//! let target = PrefillTarget::Direct { tp_size: 1, side_channels: vec![p.side_channel_addr()] };
+//! let target = PrefillTarget::Direct { tp_size: 1, pp_size: 1, side_channels: vec![p.side_channel_addr()] };
 //! let rx = d.receiver(TransferId(42), &target)?;
 //! rx.request(vec![vec![BlockId(0), BlockId(1)]])?;
 //! let tx = p.sender(TransferId(42))?;
@@ -56,6 +56,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use kvferry_machines::common::check_request_id;
 pub use kvferry_machines::common::{
     AbortReason, BlockId, BlockLists, Config as Timeouts, FailReason, Mode, Phase, TransferId,
 };
@@ -74,7 +75,7 @@ pub use config::{
     Event, EventKind, EventSink, KvLayout, NodeConfig, PrefillTarget, Role, TransportKind,
     DECODE_YIELD_BELOW,
 };
-pub use error::{DataPlaneError, Misuse, NodeError, PeerUnfit};
+pub use error::{DataPlaneError, IdCollision, Misuse, NodeError, PeerUnfit};
 pub use handles::{Receiver, Sender};
 pub use settings::{
     setting_keys, ConfigError, ModeSetting, NodeSettings, RoleSetting, TransportSetting, ENV_PREFIX,
@@ -306,6 +307,8 @@ fn new_shared(
         fault_dice: AtomicU64::new(0x9E37_79B9_7F4A_7C15 ^ node_id),
         terminal_seq: Mutex::new(TerminalSeq::default()),
         terminal_cv: Condvar::new(),
+        any_named: std::sync::atomic::AtomicBool::new(false),
+        id_hash: OnceLock::new(),
     }))
 }
 
@@ -552,6 +555,7 @@ impl Node {
             return Ok(Sender {
                 node: self.clone(),
                 tid,
+                request_id: s.name_of(tid),
             });
         }
         // Found if the decode side's first message got here first.
@@ -559,7 +563,71 @@ impl Node {
         Ok(Sender {
             node: self.clone(),
             tid,
+            request_id: s.name_of(tid),
         })
+    }
+
+    /// The transfer id of string request id `request_id` (1 to
+    /// [`REQUEST_ID_MAX_BYTES`](kvferry_machines::common::REQUEST_ID_MAX_BYTES)
+    /// bytes): [`TransferId::of_request_id`], which every node computes alike.
+    pub fn transfer_id_of(&self, request_id: &str) -> Result<TransferId, NodeError> {
+        check_request_id(request_id).map_err(Misuse::RequestId)?;
+        Ok(self.inner.shared.transfer_id_of(request_id))
+    }
+
+    /// Prefill: [`Node::sender`] for a transfer named by string request id.
+    /// Fails with [`NodeError::IdCollision`] when this node holds the same
+    /// transfer id for another request id; a decode rank's `Pull` naming
+    /// another string is refused and fails only that decode request.
+    pub fn sender_named(&self, request_id: &str) -> Result<Sender, NodeError> {
+        self.require(Role::Prefill)?;
+        let tid = self.transfer_id_of(request_id)?;
+        self.sender_as(tid, Some(request_id))
+    }
+
+    /// [`Node::sender`], tying `request_id` (if any) to `tid` first.
+    fn sender_as(&self, tid: TransferId, request_id: Option<&str>) -> Result<Sender, NodeError> {
+        let Some(id) = request_id else {
+            return self.sender(tid);
+        };
+        check_request_id(id).map_err(Misuse::RequestId)?;
+        let s = &self.inner.shared;
+        let fresh = s.claim_name(tid, id)?;
+        let sender = self.sender(tid);
+        if sender.is_err() && fresh {
+            s.release_name(tid);
+        }
+        sender
+    }
+
+    /// Decode: [`Node::receiver`] for a transfer named by string request
+    /// id. The id travels in every `Pull`, and the prefill rank refuses it
+    /// if it holds the transfer id for another string (the request then
+    /// fails `Aborted(IdCollision)`). Fails with [`NodeError::IdCollision`]
+    /// when this node holds the transfer id for another request id.
+    pub fn receiver_named(
+        &self,
+        request_id: &str,
+        prefill: &PrefillTarget,
+    ) -> Result<Receiver, NodeError> {
+        self.require(Role::Decode)?;
+        let tid = self.transfer_id_of(request_id)?;
+        self.inner.shared.check_name(tid, request_id)?;
+        Ok(Receiver {
+            node: self.clone(),
+            tid,
+            request_id: Some(Arc::from(request_id)),
+            target: prefill.clone(),
+        })
+    }
+
+    /// Replaces the hash from request ids to transfer ids for this node,
+    /// before its first named transfer; false if one was set already.
+    /// Tests give two nodes one hash that maps different strings to one
+    /// transfer id, to force collisions.
+    #[doc(hidden)]
+    pub fn set_request_id_hash(&self, hash: fn(&str) -> TransferId) -> bool {
+        self.inner.shared.id_hash.set(hash).is_ok()
     }
 
     /// Decode: the handle for `tid`, fed by the prefill engine at
@@ -573,19 +641,47 @@ impl Node {
         Ok(Receiver {
             node: self.clone(),
             tid,
+            request_id: None,
             target: prefill.clone(),
         })
     }
 
     fn request(
         &self,
-        tid: TransferId,
-        target: &PrefillTarget,
+        rx: &Receiver,
         dst_blocks: BlockLists,
         prefix_blocks: Vec<u32>,
     ) -> Result<(), NodeError> {
         // The machine and its first event: one wake-up.
-        Node::batch(|| self.request_now(tid, target, dst_blocks, prefix_blocks))
+        Node::batch(|| {
+            let id = rx.request_id.as_deref();
+            self.request_as(rx.tid, id, &rx.target, dst_blocks, prefix_blocks)
+        })
+    }
+
+    /// Starts the load of `tid`, tying `request_id` (if any) to it before
+    /// the machine exists, so its `Pull` names the string.
+    fn request_as(
+        &self,
+        tid: TransferId,
+        request_id: Option<&str>,
+        target: &PrefillTarget,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+    ) -> Result<(), NodeError> {
+        let s = &self.inner.shared;
+        let fresh = match request_id {
+            Some(id) => {
+                check_request_id(id).map_err(Misuse::RequestId)?;
+                s.claim_name(tid, id)?
+            }
+            None => false,
+        };
+        let r = self.request_now(tid, target, dst_blocks, prefix_blocks);
+        if r.is_err() && fresh {
+            s.release_name(tid);
+        }
+        r
     }
 
     fn request_now(

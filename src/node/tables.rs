@@ -14,13 +14,14 @@
 //! | `tracked` (transfers to tie to peers) | executor, engine threads | bridge (drains it) |
 //! | `routes` (resolved prefill ranks, decode) | bridge | engine threads (new requests) |
 //! | `records` (final phases) | executor | engine threads (`poll`, `get_finished`) |
+//! | `records.names` (string request ids) | engine threads, bridge | executor (`Pull`s), bridge |
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Mode, Phase, TransferId};
+use kvferry_machines::common::{BlockId, Mode, Msg, Phase, TransferId};
 use kvferry_machines::layout::{ModelSpec, RankLayout};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::{self, ResolvedPeer};
@@ -29,6 +30,7 @@ use kvferry_machines::wire;
 use kvferry_reactor::{ReactorHandle, SubmitError};
 
 use super::bridge::BridgeCmd;
+use super::error::IdCollision;
 use super::{
     waker, Event, EventKind, NodeConfig, PeerUnfit, PrefillTarget, Role, TRACK_WAKE_EVERY,
 };
@@ -60,6 +62,10 @@ pub(crate) struct Records {
     pub(crate) order: VecDeque<TransferId>,
     pub(crate) finished: VecDeque<TransferId>,
     pub(crate) load_errors: Vec<BlockId>,
+    /// The string request id of each transfer opened by one (here or by a
+    /// decode rank's `Pull`), live or among the records in `order`, so a
+    /// second string with the same hash is refused whichever comes when.
+    pub(crate) names: HashMap<TransferId, Arc<str>>,
 }
 
 /// State shared by the engine-facing handle, the executor and the bridge.
@@ -106,6 +112,12 @@ pub(crate) struct Shared {
     pub(crate) fault_dice: AtomicU64,
     pub(crate) terminal_seq: Mutex<TerminalSeq>,
     pub(crate) terminal_cv: Condvar,
+    /// True once any transfer was opened by string request id: until then
+    /// no path looks `records.names` up, so numeric ids never take its lock.
+    pub(crate) any_named: AtomicBool,
+    /// The hash from request ids to transfer ids; unset means
+    /// [`TransferId::of_request_id`]. Tests set another to force collisions.
+    pub(crate) id_hash: OnceLock<fn(&str) -> TransferId>,
 }
 
 /// See `Shared::terminal_seq`.
@@ -168,6 +180,81 @@ impl Shared {
             Ok(()) => Ok(()),
             Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => Ok(()),
             Err(r) => Err(r.error),
+        }
+    }
+
+    /// The transfer id of string request id `id` (see [`Shared::id_hash`]).
+    pub(crate) fn transfer_id_of(&self, id: &str) -> TransferId {
+        self.id_hash
+            .get()
+            .map_or_else(|| TransferId::of_request_id(id), |h| h(id))
+    }
+
+    /// Ties request id `id` to `tid`, unless another request id holds it.
+    /// `Ok(true)` when `id` was not tied yet (the caller undoes it with
+    /// [`Shared::release_name`] if the transfer does not start). A
+    /// transfer opened by number holds no string and takes any.
+    pub(crate) fn claim_name(&self, tid: TransferId, id: &str) -> Result<bool, IdCollision> {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        match r.names.get(&tid) {
+            Some(held) if &**held == id => Ok(false),
+            Some(held) => Err(IdCollision {
+                transfer_id: tid,
+                request_id: id.to_owned(),
+                held: held.to_string(),
+            }),
+            None => {
+                self.any_named.store(true, Ordering::Relaxed);
+                r.names.insert(tid, Arc::from(id));
+                Ok(true)
+            }
+        }
+    }
+
+    /// Like [`Shared::claim_name`] without tying anything.
+    pub(crate) fn check_name(&self, tid: TransferId, id: &str) -> Result<(), IdCollision> {
+        match self.name_of(tid) {
+            Some(held) if &*held != id => Err(IdCollision {
+                transfer_id: tid,
+                request_id: id.to_owned(),
+                held: held.to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Unties a request id whose transfer did not start.
+    pub(crate) fn release_name(&self, tid: TransferId) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if !r.done.contains_key(&tid) {
+            r.names.remove(&tid);
+        }
+    }
+
+    /// The string request id of `tid`, if it was opened by one.
+    pub(crate) fn name_of(&self, tid: TransferId) -> Option<Arc<str>> {
+        if !self.any_named.load(Ordering::Relaxed) {
+            return None;
+        }
+        let r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        r.names.get(&tid).cloned()
+    }
+
+    /// The frame that carries `msg` for `tid`: a `Pull` of a transfer
+    /// opened by string request id names it.
+    pub(crate) fn transfer_frame(&self, tid: TransferId, msg: Msg) -> wire::Frame {
+        if let Msg::Pull { .. } = msg {
+            if let Some(name) = self.name_of(tid) {
+                return wire::Frame::NamedTransfer {
+                    transfer_id: tid,
+                    request_id: name.to_string(),
+                    msg,
+                };
+            }
+        }
+        wire::Frame::Transfer {
+            transfer_id: tid,
+            msg,
         }
     }
 
@@ -384,6 +471,7 @@ impl Shared {
         if r.order.len() >= max {
             if let Some(old) = r.order.pop_front() {
                 r.done.remove(&old);
+                r.names.remove(&old);
             }
         }
         if r.finished.len() >= max {

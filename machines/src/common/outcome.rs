@@ -66,6 +66,12 @@ pub enum AbortReason {
     ClientDisconnect,
     /// The node is shutting down.
     Shutdown,
+    /// The request's string id and another request's string id have the
+    /// same transfer id ([`TransferId::of_request_id`]), and the prefill
+    /// rank holds the other one: it refused this request's `Pull`.
+    ///
+    /// [`TransferId::of_request_id`]: super::TransferId::of_request_id
+    IdCollision,
 }
 
 /// Input a machine refused. The machine is unchanged after such an error.

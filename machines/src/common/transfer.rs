@@ -23,6 +23,54 @@ impl std::fmt::Display for TransferId {
     }
 }
 
+/// Most bytes of a string request id (vLLM's `"cmpl-…"` ids, uuids). The
+/// wire decoder checks a `Pull`'s id against it before allocating.
+pub const REQUEST_ID_MAX_BYTES: usize = 256;
+
+/// Why a string is not a request id.
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RequestIdError {
+    /// The empty string names no request.
+    #[error("a request id may not be empty")]
+    Empty,
+    /// Longer than [`REQUEST_ID_MAX_BYTES`].
+    #[error("a request id of {len_bytes} bytes exceeds the limit of {REQUEST_ID_MAX_BYTES} bytes")]
+    TooLong {
+        /// Its length.
+        len_bytes: usize,
+    },
+}
+
+/// Checks that `id` is a request id: 1 to [`REQUEST_ID_MAX_BYTES`] bytes.
+pub fn check_request_id(id: &str) -> Result<(), RequestIdError> {
+    match id.len() {
+        0 => Err(RequestIdError::Empty),
+        n if n > REQUEST_ID_MAX_BYTES => Err(RequestIdError::TooLong { len_bytes: n }),
+        _ => Ok(()),
+    }
+}
+
+impl TransferId {
+    /// The transfer id of string request id `id`: the 64-bit FNV-1a hash
+    /// of its UTF-8 bytes (offset basis `0xcbf29ce484222325`, prime
+    /// `0x100000001b3`; for each byte, xor then multiply, wrapping). Part
+    /// of the interface: prefill and decode compute it alike, and a
+    /// router may too. Two strings can share a hash, so the string itself
+    /// travels in the first message of a transfer and both nodes compare
+    /// it (`docs/design.md` §7, "Transfer ids").
+    pub fn of_request_id(id: &str) -> TransferId {
+        const OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let mut h = OFFSET_BASIS;
+        for b in id.as_bytes() {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(PRIME);
+        }
+        TransferId(h)
+    }
+}
+
 /// Which side touches the other side's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Mode {

@@ -15,7 +15,7 @@ use serde::de::{self, DeserializeSeed, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
 use super::{Frame, Limits, WireError};
-use crate::common::BlockId;
+use crate::common::{BlockId, REQUEST_ID_MAX_BYTES};
 use crate::layout::Region;
 
 thread_local! {
@@ -99,6 +99,30 @@ pub(crate) fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error
         }
     }
     d.deserialize_string(V(active_limits().max_string_bytes))
+}
+
+/// A string request id of at most [`REQUEST_ID_MAX_BYTES`] (a protocol
+/// constant, not a configured limit: both sides hash the same ids).
+pub(crate) fn request_id<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    struct V;
+    impl Visitor<'_> for V {
+        type Value = String;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            write!(f, "a request id of at most {REQUEST_ID_MAX_BYTES} bytes")
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<String, E> {
+            // Checked before `to_owned`, the only allocation.
+            if s.len() > REQUEST_ID_MAX_BYTES {
+                return Err(violation(
+                    "request id",
+                    s.len() as u64,
+                    REQUEST_ID_MAX_BYTES,
+                ));
+            }
+            Ok(s.to_owned())
+        }
+    }
+    d.deserialize_string(V)
 }
 
 /// Reads a sequence of `T` with at most `max` elements, checking the claimed

@@ -54,14 +54,14 @@ pub use notify::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::common::{Mode, Msg, TransferId};
+use crate::common::{Mode, Msg, TransferId, REQUEST_ID_MAX_BYTES};
 use crate::layout::{ModelSpec, RankLayout};
 use crate::planner::REGIONS_MAX;
 
 /// First two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"KF";
 /// The protocol version this build speaks (see the module docs).
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Length of the magic + version header.
 pub const HEADER_LEN: usize = 4;
 
@@ -218,13 +218,34 @@ pub enum Frame {
         /// The `seq` of the heartbeat answered.
         seq: u64,
     },
+    /// D → P: the `Pull` of a transfer the engine opened by string request
+    /// id, with that string, so P can tell two strings of one
+    /// [`TransferId::of_request_id`] apart. Only a `Pull` travels so.
+    NamedTransfer {
+        /// `TransferId::of_request_id(request_id)` on D.
+        transfer_id: TransferId,
+        /// The engine's request id, 1 to [`REQUEST_ID_MAX_BYTES`] bytes.
+        #[serde(deserialize_with = "bounded::request_id")]
+        request_id: String,
+        /// A [`Msg::Pull`].
+        msg: Msg,
+    },
+    /// P → D, answering a [`Frame::NamedTransfer`]: P holds this transfer
+    /// id for another request id. D fails the request
+    /// (`Aborted(IdCollision)`); P's own request goes on.
+    IdCollision {
+        /// The transfer id both strings hash to.
+        transfer_id: TransferId,
+    },
 }
 
 impl Frame {
     /// The transfer this frame is about, if any.
     pub fn transfer_id(&self) -> Option<TransferId> {
         match self {
-            Frame::Transfer { transfer_id, .. } => Some(*transfer_id),
+            Frame::Transfer { transfer_id, .. }
+            | Frame::NamedTransfer { transfer_id, .. }
+            | Frame::IdCollision { transfer_id } => Some(*transfer_id),
             Frame::Refuse(_)
             | Frame::Hello(_)
             | Frame::Heartbeat { .. }
@@ -237,7 +258,8 @@ impl Frame {
         match self {
             Frame::Refuse(_) => "refuse",
             Frame::Hello(_) => "hello",
-            Frame::Transfer { msg, .. } => msg.kind(),
+            Frame::Transfer { msg, .. } | Frame::NamedTransfer { msg, .. } => msg.kind(),
+            Frame::IdCollision { .. } => "id_collision",
             Frame::Heartbeat { .. } => "heartbeat",
             Frame::HeartbeatAck { .. } => "heartbeat_ack",
         }
@@ -254,33 +276,17 @@ impl Frame {
                 check("string", h.endpoint.len(), limits.max_string_bytes)?;
                 check("regions", h.layout.regions.len(), limits.max_regions)
             }
-            Frame::Transfer { msg, .. } => match msg {
-                Msg::Pull {
-                    dst_blocks,
-                    prefix_blocks,
-                    ..
-                } => {
-                    check("per-group values", prefix_blocks.len(), limits.max_groups)?;
-                    check_groups(dst_blocks, limits)
-                }
-                Msg::Ready {
-                    start_blocks,
-                    src_blocks,
-                    ..
-                } => {
-                    check("per-group values", start_blocks.len(), limits.max_groups)?;
-                    check_groups(src_blocks, limits)
-                }
-                Msg::LeaseRequest { .. }
-                | Msg::LeaseGrant { .. }
-                | Msg::Status { .. }
-                | Msg::Done { .. }
-                | Msg::Abort
-                | Msg::AbortAck
-                | Msg::Unneeded
-                | Msg::NotPaired => Ok(()),
-            },
-            Frame::Refuse(_) | Frame::Heartbeat { .. } | Frame::HeartbeatAck { .. } => Ok(()),
+            Frame::NamedTransfer {
+                request_id, msg, ..
+            } => {
+                check("request id", request_id.len(), REQUEST_ID_MAX_BYTES)?;
+                check_msg(msg, limits)
+            }
+            Frame::Transfer { msg, .. } => check_msg(msg, limits),
+            Frame::Refuse(_)
+            | Frame::Heartbeat { .. }
+            | Frame::HeartbeatAck { .. }
+            | Frame::IdCollision { .. } => Ok(()),
         }
     }
 
@@ -291,8 +297,56 @@ impl Frame {
                 field: "regions",
                 why: "no region",
             }),
+            Frame::NamedTransfer {
+                request_id, msg, ..
+            } => {
+                // Its length is the decoder's (and `check_limits`') to judge.
+                if request_id.is_empty() {
+                    return Err(WireError::Invalid {
+                        field: "request id",
+                        why: "empty",
+                    });
+                }
+                match msg {
+                    Msg::Pull { .. } => Ok(()),
+                    _ => Err(WireError::Invalid {
+                        field: "named transfer",
+                        why: "only a Pull names its request",
+                    }),
+                }
+            }
             _ => Ok(()),
         }
+    }
+}
+
+/// The bounds of one machine message, as the decoder applies them.
+fn check_msg(msg: &Msg, limits: &Limits) -> Result<(), WireError> {
+    match msg {
+        Msg::Pull {
+            dst_blocks,
+            prefix_blocks,
+            ..
+        } => {
+            check("per-group values", prefix_blocks.len(), limits.max_groups)?;
+            check_groups(dst_blocks, limits)
+        }
+        Msg::Ready {
+            start_blocks,
+            src_blocks,
+            ..
+        } => {
+            check("per-group values", start_blocks.len(), limits.max_groups)?;
+            check_groups(src_blocks, limits)
+        }
+        Msg::LeaseRequest { .. }
+        | Msg::LeaseGrant { .. }
+        | Msg::Status { .. }
+        | Msg::Done { .. }
+        | Msg::Abort
+        | Msg::AbortAck
+        | Msg::Unneeded
+        | Msg::NotPaired => Ok(()),
     }
 }
 

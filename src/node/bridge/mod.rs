@@ -33,6 +33,7 @@ use kvferry_machines::liveness::{DeathCause, Liveness};
 use kvferry_machines::wire::{self, Frame, Hello};
 
 /// Most frames read from one socket before looking at the others.
+mod names;
 mod peers;
 mod resolve;
 
@@ -145,6 +146,7 @@ impl BridgeThread {
         let silence_max = t.heartbeat_interval * t.heartbeat_misses.max(1);
         let bridge = Bridge {
             liveness: Liveness::new(silence_max),
+            refused_ids: names::RefusedIds::default(),
             resolver: shared.config.resolver(),
             heartbeat: Every::new(heartbeat, now),
             probe: Every::new(probe, now),
@@ -279,6 +281,8 @@ struct Bridge {
     stop: bool,
     /// Which peers are dead (see `kvferry_machines::liveness`).
     liveness: Liveness,
+    /// Prefill: pulls refused for an id collision (see `names`).
+    refused_ids: names::RefusedIds,
     /// Looks up the names in side-channel addresses and peers' hellos.
     resolver: crate::resolve::Resolver,
     /// When decode heartbeats its ready peers.
@@ -610,11 +614,20 @@ impl Bridge {
                 }
             }
             Frame::Transfer { transfer_id, msg } => self.on_transfer_msg(peer, transfer_id, msg),
+            Frame::NamedTransfer {
+                transfer_id,
+                request_id,
+                msg,
+            } => self.on_named_transfer(peer, transfer_id, request_id, msg),
+            Frame::IdCollision { transfer_id } => self.on_id_collision(peer, transfer_id),
             Frame::Refuse(_) => unreachable!("handled before the peer lookup"),
         }
     }
 
     fn on_transfer_msg(&mut self, peer: u32, tid: TransferId, msg: Msg) {
+        if self.intercept_refused(peer, tid, &msg) {
+            return;
+        }
         // Only transfers a machine took are tracked, so a peer sending
         // made-up ids cannot grow the set.
         if self.deliver(peer, tid, msg) {

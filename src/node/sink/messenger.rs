@@ -74,10 +74,7 @@ impl Messenger {
     }
 
     pub(super) fn send_frame(&self, tid: TransferId, peer: PeerId, msg: Msg) {
-        let bytes = wire::encode(&Frame::Transfer {
-            transfer_id: tid,
-            msg,
-        });
+        let bytes = wire::encode(&self.shared.transfer_frame(tid, msg));
         self.shared.to_bridge(BridgeCmd::Send {
             peer: peer.0,
             tid: Some(tid),
@@ -90,6 +87,9 @@ impl Messenger {
     /// channel (and then opens a session in the background for the next
     /// ones). `resent`: the machine sends it again (counted per channel).
     pub(super) fn send_msg(&self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
+        if self.names_request(tid, &msg) {
+            return self.side_channel(tid, peer, msg, resent);
+        }
         let Some(endpoint) = self.data_plane_endpoint(peer, &msg) else {
             return self.side_channel(tid, peer, msg, resent);
         };
@@ -128,6 +128,15 @@ impl Messenger {
         if start {
             glommio::spawn_local(pump_notes(endpoint, self.clone())).detach();
         }
+    }
+
+    /// True for the `Pull` of a transfer opened by string request id, and
+    /// for the lease grants that follow it: the `Pull` names the string
+    /// and goes to the peer's bridge, which checks it (docs/design.md §7),
+    /// and its ticket grant takes the same way so it cannot overtake it.
+    fn names_request(&self, tid: TransferId, msg: &Msg) -> bool {
+        matches!(msg, Msg::Pull { .. } | Msg::LeaseGrant { .. })
+            && self.shared.name_of(tid).is_some()
     }
 
     /// A machine's `msg` over the side channel, unless fault injection
