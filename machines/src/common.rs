@@ -13,7 +13,7 @@ mod resend;
 mod transfer;
 
 pub use config::Config;
-pub use late::late_answer;
+pub use late::{blocks_fingerprint, late_answer};
 pub use lease::TICKET_BIT;
 pub use msg::Msg;
 pub use outcome::{AbortReason, FailReason, InputError, Phase};

@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Mode, Msg, Phase, TransferId};
+use kvferry_machines::common::{
+    blocks_fingerprint, BlockId, BlockLists, Mode, Msg, PeerId, Phase, TransferId,
+};
 use kvferry_machines::layout::{ModelSpec, RankLayout};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::{self, ResolvedPeer};
@@ -66,6 +68,11 @@ pub(crate) struct Records {
     /// decode rank's `Pull`), live or among the records in `order`, so a
     /// second string with the same hash is refused whichever comes when.
     pub(crate) names: HashMap<TransferId, Arc<str>>,
+    /// Push-mode prefill: per successful transfer among the records, each
+    /// peer and the fingerprint of the blocks written to it
+    /// (`blocks_fingerprint`), which a late `Pull` must match to be
+    /// answered with a success.
+    pub(crate) written: HashMap<TransferId, Vec<(PeerId, u64)>>,
 }
 
 /// State shared by the engine-facing handle, the executor and the bridge.
@@ -463,6 +470,23 @@ impl Shared {
         r.load_errors.extend(blocks.iter().take(room));
     }
 
+    /// Push-mode prefill: the blocks of a successful transfer written to
+    /// each peer, kept as long as its record.
+    pub(crate) fn remember_written(&self, tid: TransferId, written: Vec<(PeerId, u64)>) {
+        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if r.done.contains_key(&tid) {
+            r.written.insert(tid, written);
+        }
+    }
+
+    /// True when `peer`'s blocks `dst_blocks` are what the ended transfer
+    /// `tid` wrote to it (see [`Records::written`]).
+    pub(crate) fn wrote(&self, tid: TransferId, peer: PeerId, dst_blocks: &BlockLists) -> bool {
+        let r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let fp = blocks_fingerprint(peer, dst_blocks);
+        (r.written.get(&tid)).is_some_and(|w| w.contains(&(peer, fp)))
+    }
+
     /// Remembers a final phase for handles and `get_finished`, bounded:
     /// the oldest records go first.
     pub(crate) fn record(&self, tid: TransferId, phase: Phase) {
@@ -472,6 +496,7 @@ impl Shared {
             if let Some(old) = r.order.pop_front() {
                 r.done.remove(&old);
                 r.names.remove(&old);
+                r.written.remove(&old);
             }
         }
         if r.finished.len() >= max {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{late_answer, Msg, PeerId};
+use kvferry_machines::common::{late_answer, Mode, Msg, PeerId, Phase};
 use kvferry_machines::planner::{PairLayout, TpPair};
 use kvferry_machines::recv::{RecvMachine, ResolvedPeer};
 use kvferry_machines::send::SendMachine;
@@ -769,6 +769,17 @@ impl Bridge {
         let outcome = (self.handle.poll(tid))
             .filter(|p| p.is_terminal())
             .or_else(|| self.shared.finished_phase(tid));
+        // A late `Pull` is answered with a success only if it names the
+        // blocks the transfer wrote to this peer: one that does not is a
+        // new request reusing the id, and is told `Abort`.
+        let outcome = match (&msg, self.shared.config.mode, outcome) {
+            (Msg::Pull { dst_blocks, .. }, Mode::Push, Some(Phase::Success))
+                if !self.shared.wrote(tid, PeerId(peer), dst_blocks) =>
+            {
+                None
+            }
+            _ => outcome,
+        };
         let Some(answer) = late_answer(&msg, self.shared.config.mode, outcome) else {
             return;
         };

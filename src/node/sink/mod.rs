@@ -13,7 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_machines::common::{BlockLists, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::common::{blocks_fingerprint, BlockLists, Msg, PeerId, TICKET_BIT};
 use kvferry_machines::planner::{Plan, PlanError};
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send::SendMachine;
@@ -333,6 +333,11 @@ pub(crate) struct Sink<M: Machine> {
     /// Local blocks each live transfer opened in the block fence; closed in
     /// the turn that reports the transfer terminal.
     opened: HashMap<TransferId, Vec<u32>>,
+    /// Push-mode prefill: per live transfer, each peer and the fingerprint
+    /// of the blocks written to it so far (`blocks_fingerprint`), kept with
+    /// the record of a success so a late `Pull` can be told apart from a
+    /// new request that reuses the id.
+    written: HashMap<TransferId, Vec<(PeerId, u64)>>,
 }
 
 type Live = Rc<RefCell<HashMap<TransferId, Instant>>>;
@@ -395,6 +400,7 @@ where
             },
             lanes: Rc::new(RefCell::new(HashMap::new())),
             opened: HashMap::new(),
+            written: HashMap::new(),
         }
     }
 
@@ -619,6 +625,9 @@ where
         let since = self.started.borrow_mut().remove(&tid).unwrap_or(now);
         self.shared
             .on_terminal(tid, phase, now.saturating_duration_since(since));
+        if let (Some(w), Phase::Success) = (self.written.remove(&tid), phase) {
+            self.shared.remember_written(tid, w);
+        }
     }
 }
 
@@ -631,6 +640,17 @@ fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
 }
 
 impl Sink<SendMachine> {
+    /// Adds `dst_blocks`, about to be written to `peer`, to what `tid`
+    /// wrote to it.
+    fn note_written(&mut self, tid: TransferId, peer: PeerId, dst_blocks: &BlockLists) {
+        let fp = blocks_fingerprint(peer, dst_blocks);
+        let w = self.written.entry(tid).or_default();
+        match w.iter_mut().find(|(p, _)| *p == peer) {
+            Some((_, sum)) => *sum = sum.wrapping_add(fp),
+            None => w.push((peer, fp)),
+        }
+    }
+
     fn send_from_p(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
         // Pull mode: D ranks read these blocks from our endpoint (opened
         // once: a resent `Ready` names blocks its first sending opened).
@@ -666,6 +686,7 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
                 status_after,
             } => {
                 self.open_blocks(tid, &src_blocks);
+                self.note_written(tid, peer, &dst_blocks);
                 self.start_transfer(
                     tid,
                     Job {
