@@ -798,6 +798,7 @@ impl Node {
                 _ => self.inner.shared.record(
                     c.transfer_id,
                     Phase::Failed(FailReason::Aborted(AbortReason::Shutdown)),
+                    None,
                 ),
             }
         }

@@ -72,7 +72,37 @@ pub(crate) struct Records {
     /// peer and the fingerprint of the blocks written to it
     /// (`blocks_fingerprint`), which a late `Pull` must match to be
     /// answered with a success.
-    pub(crate) written: HashMap<TransferId, Vec<(PeerId, u64)>>,
+    pub(crate) written: HashMap<TransferId, Written>,
+}
+
+/// Push-mode prefill: each peer of a transfer and the fingerprint of the
+/// blocks written to it (`blocks_fingerprint`), summed over its writes.
+/// Most transfers have one peer: it is kept inline.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Written {
+    first: Option<(PeerId, u64)>,
+    more: Vec<(PeerId, u64)>,
+}
+
+impl Written {
+    /// Adds the fingerprint `fp` of blocks written to `peer`.
+    pub(crate) fn add(&mut self, peer: PeerId, fp: u64) {
+        let Some(first) = &mut self.first else {
+            self.first = Some((peer, fp));
+            return;
+        };
+        let slot = std::iter::once(first)
+            .chain(self.more.iter_mut())
+            .find(|(p, _)| *p == peer);
+        match slot {
+            Some((_, sum)) => *sum = sum.wrapping_add(fp),
+            None => self.more.push((peer, fp)),
+        }
+    }
+
+    fn has(&self, peer: PeerId, fp: u64) -> bool {
+        self.first == Some((peer, fp)) || self.more.contains(&(peer, fp))
+    }
 }
 
 /// State shared by the engine-facing handle, the executor and the bridge.
@@ -470,27 +500,21 @@ impl Shared {
         r.load_errors.extend(blocks.iter().take(room));
     }
 
-    /// Push-mode prefill: the blocks of a successful transfer written to
-    /// each peer, kept as long as its record.
-    pub(crate) fn remember_written(&self, tid: TransferId, written: Vec<(PeerId, u64)>) {
-        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
-        if r.done.contains_key(&tid) {
-            r.written.insert(tid, written);
-        }
-    }
-
     /// True when `peer`'s blocks `dst_blocks` are what the ended transfer
     /// `tid` wrote to it (see [`Records::written`]).
     pub(crate) fn wrote(&self, tid: TransferId, peer: PeerId, dst_blocks: &BlockLists) -> bool {
         let r = self.records.lock().unwrap_or_else(|e| e.into_inner());
         let fp = blocks_fingerprint(peer, dst_blocks);
-        (r.written.get(&tid)).is_some_and(|w| w.contains(&(peer, fp)))
+        (r.written.get(&tid)).is_some_and(|w| w.has(peer, fp))
     }
 
     /// Remembers a final phase for handles and `get_finished`, bounded:
-    /// the oldest records go first.
-    pub(crate) fn record(&self, tid: TransferId, phase: Phase) {
+    /// the oldest records go first; with a success, what it wrote.
+    pub(crate) fn record(&self, tid: TransferId, phase: Phase, written: Option<Written>) {
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if let (Some(w), Phase::Success) = (written, phase) {
+            r.written.insert(tid, w);
+        }
         let max = self.config.max_finished_records.max(1);
         if r.order.len() >= max {
             if let Some(old) = r.order.pop_front() {
@@ -520,7 +544,14 @@ impl Shared {
 
     /// A request of this node reached `phase`, `latency` after its first
     /// report.
-    pub(crate) fn on_terminal(&self, tid: TransferId, phase: Phase, latency: Duration) {
+    /// `written`: push-mode prefill, what the transfer wrote to its peers.
+    pub(crate) fn on_terminal(
+        &self,
+        tid: TransferId,
+        phase: Phase,
+        latency: Duration,
+        written: Option<Written>,
+    ) {
         if !phase.is_terminal() {
             return;
         }
@@ -529,7 +560,7 @@ impl Shared {
             // The claim or lease ran out: the hold ended without decode's word.
             Counters::inc(&self.counters.expired_holds);
         }
-        self.record(tid, phase);
+        self.record(tid, phase, written);
         if let Some(sink) = &self.config.events {
             let _ = sink.tx.try_send(Event {
                 tag: sink.tag,

@@ -21,6 +21,7 @@ use kvferry_machines::{recv, send, Machine, Phase, TransferId};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
+use super::tables::Written;
 use super::{DataPlaneError, PeerUnfit, Shared, TransportKind};
 use crate::transport::fence::BlockFence;
 use crate::transport::local::LocalTransport;
@@ -337,7 +338,7 @@ pub(crate) struct Sink<M: Machine> {
     /// of the blocks written to it so far (`blocks_fingerprint`), kept with
     /// the record of a success so a late `Pull` can be told apart from a
     /// new request that reuses the id.
-    written: HashMap<TransferId, Vec<(PeerId, u64)>>,
+    written: HashMap<TransferId, Written>,
 }
 
 type Live = Rc<RefCell<HashMap<TransferId, Instant>>>;
@@ -623,11 +624,9 @@ where
             }
         }
         let since = self.started.borrow_mut().remove(&tid).unwrap_or(now);
-        self.shared
-            .on_terminal(tid, phase, now.saturating_duration_since(since));
-        if let (Some(w), Phase::Success) = (self.written.remove(&tid), phase) {
-            self.shared.remember_written(tid, w);
-        }
+        let latency = now.saturating_duration_since(since);
+        let written = self.written.remove(&tid);
+        self.shared.on_terminal(tid, phase, latency, written);
     }
 }
 
@@ -644,11 +643,7 @@ impl Sink<SendMachine> {
     /// wrote to it.
     fn note_written(&mut self, tid: TransferId, peer: PeerId, dst_blocks: &BlockLists) {
         let fp = blocks_fingerprint(peer, dst_blocks);
-        let w = self.written.entry(tid).or_default();
-        match w.iter_mut().find(|(p, _)| *p == peer) {
-            Some((_, sum)) => *sum = sum.wrapping_add(fp),
-            None => w.push((peer, fp)),
-        }
+        self.written.entry(tid).or_default().add(peer, fp);
     }
 
     fn send_from_p(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
