@@ -10,7 +10,7 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::TransportKind;
 use kvferry::{NodeStats, TransferId};
-use kvferry_testkit::synth::{Cluster, ClusterSpec};
+use kvferry_testkit::synth::{Cluster, ClusterSpec, Rank};
 
 /// 2 % of the control messages, as in the simulator's goodput profile.
 const LOSS_PPM: u32 = 20_000;
@@ -119,36 +119,6 @@ fn pull_recovers_lost_control_messages_across_ranks() {
     assert_goodput(&spec(Mode::Pull, 2, 2));
 }
 
-/// A second decode engine (its own node and memory) for `c`'s prefill rank.
-fn second_decode(spec: &ClusterSpec) -> kvferry_testkit::synth::Rank {
-    use kvferry::node::{Node, NodeConfig, Role};
-    let mut c = NodeConfig::new(Role::Decode, "decode-2");
-    c.mode = spec.mode;
-    c.transport = spec.transport;
-    c.timeouts = spec.timeouts;
-    let node = Node::start(c).expect("decode node starts");
-    let kv =
-        kvferry_testkit::synth::SynthKv::new(spec.model, 1, 0, spec.layers, spec.decode_blocks);
-    // SAFETY: the memory lives in the same `Rank`, whose drop shuts the
-    // node down before it is freed.
-    unsafe { node.register_kv_caches(kv.kv_layout()) }.expect("registers");
-    kvferry_testkit::synth::Rank { node, kv }
-}
-
-/// True when every byte of `ids`' blocks on `rank` is zero.
-fn untouched(rank: &kvferry_testkit::synth::Rank, ids: &[u32]) -> bool {
-    rank.kv.kv_layout().regions.iter().all(|r| {
-        ids.iter().all(|&b| {
-            let at = r.base + u64::from(b) * r.block_len;
-            // SAFETY: the block lies in a region `rank.kv` allocated and
-            // still owns; no transfer touches it while this reads.
-            let bytes =
-                unsafe { std::slice::from_raw_parts(at as *const u8, r.kv_block_len as usize) };
-            bytes.iter().all(|&x| x == 0)
-        })
-    })
-}
-
 #[test]
 fn a_pull_reusing_an_ended_transfers_id_is_not_told_it_succeeded() {
     // Prefill remembers the push transfer's success to answer a resent
@@ -172,7 +142,7 @@ fn a_pull_reusing_an_ended_transfers_id_is_not_told_it_succeeded() {
     );
     // Collected: prefill's machine is gone, its record stays.
     let _ = c.prefill[0].node.get_finished();
-    let d2 = second_decode(&spec);
+    let d2 = Rank::lone_decode(&spec, "decode-2");
     let rx = d2.node.receiver(tid, &c.target).expect("receiver");
     rx.request(vec![[7u32, 8]
         .iter()
@@ -183,5 +153,5 @@ fn a_pull_reusing_an_ended_transfers_id_is_not_told_it_succeeded() {
         rx.wait(Duration::from_secs(10)),
         Phase::Failed(kvferry::FailReason::PeerAborted)
     );
-    assert!(untouched(&d2, &[7, 8]));
+    assert!(d2.untouched(&[7, 8]));
 }

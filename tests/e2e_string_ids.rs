@@ -8,9 +8,9 @@ use std::time::Duration;
 use kvferry::machines::common::{Config, Mode};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
-use kvferry::node::{NodeConfig, Role, TransportKind};
-use kvferry::{AbortReason, BlockId, FailReason, IdCollision, Node, NodeError, TransferId};
-use kvferry_testkit::synth::{Cluster, ClusterSpec, Rank, SynthKv};
+use kvferry::node::TransportKind;
+use kvferry::{AbortReason, BlockId, FailReason, IdCollision, NodeError, TransferId};
+use kvferry_testkit::synth::{Cluster, ClusterSpec, Rank};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -65,35 +65,6 @@ fn colliding(id: &str) -> TransferId {
 
 fn blocks(ids: &[u32]) -> Vec<Vec<BlockId>> {
     vec![ids.iter().map(|&b| BlockId(b)).collect()]
-}
-
-/// A second decode engine (its own node and memory) for the cluster's
-/// prefill rank.
-fn second_decode(spec: &ClusterSpec) -> Rank {
-    let mut c = NodeConfig::new(Role::Decode, "decode-2");
-    c.mode = spec.mode;
-    c.transport = spec.transport;
-    c.timeouts = spec.timeouts;
-    let node = Node::start(c).expect("decode node starts");
-    let kv = SynthKv::new(spec.model, 1, 0, spec.layers, spec.decode_blocks);
-    // SAFETY: the memory lives in the same `Rank`, whose drop shuts the
-    // node down before it is freed.
-    unsafe { node.register_kv_caches(kv.kv_layout()) }.expect("registers");
-    Rank { node, kv }
-}
-
-/// True when every byte of `ids`' blocks on `rank` is zero.
-fn untouched(rank: &Rank, ids: &[u32]) -> bool {
-    rank.kv.kv_layout().regions.iter().all(|r| {
-        ids.iter().all(|&b| {
-            let at = r.base + u64::from(b) * r.block_len;
-            // SAFETY: the block lies in a region `rank.kv` allocated and
-            // still owns; no transfer touches it while this reads.
-            let bytes =
-                unsafe { std::slice::from_raw_parts(at as *const u8, r.kv_block_len as usize) };
-            bytes.iter().all(|&x| x == 0)
-        })
-    })
 }
 
 fn run_named(mode: Mode) {
@@ -154,7 +125,7 @@ fn collision(c: &IdCollision, request_id: &str, held: &str) -> bool {
 fn a_pull_naming_another_request_id_fails_only_that_request() {
     let spec = spec(Mode::Push);
     let c = Cluster::start(&spec).expect("cluster starts");
-    let d2 = second_decode(&spec);
+    let d2 = Rank::lone_decode(&spec, "decode-2");
     let (p, d1) = (&c.prefill[0].node, &c.decode[0].node);
     for n in [p, d1, &d2.node] {
         assert!(n.set_request_id_hash(colliding));
@@ -171,7 +142,7 @@ fn a_pull_naming_another_request_id_fails_only_that_request() {
         rx_b.wait(WAIT),
         Phase::Failed(FailReason::Aborted(AbortReason::IdCollision))
     );
-    assert!(untouched(&d2, &dst_b), "bytes of cmpl-a reached cmpl-b");
+    assert!(d2.untouched(&dst_b), "bytes of cmpl-a reached cmpl-b");
     match p.sender_named("cmpl-b") {
         Err(NodeError::IdCollision(e)) => assert!(collision(&e, "cmpl-b", "cmpl-a"), "{e:?}"),
         other => panic!("prefill opened a second string for one transfer id: {other:?}"),
@@ -184,7 +155,7 @@ fn a_pull_naming_another_request_id_fails_only_that_request() {
     assert_eq!(rx_a.wait(WAIT), Phase::Success);
     assert_eq!(tx.wait(WAIT), Phase::Success);
     assert_eq!(c.verify(TransferId(77), &dst_a, 0), 0, "cmpl-a differs");
-    assert!(untouched(&d2, &dst_b), "bytes of cmpl-a reached cmpl-b");
+    assert!(d2.untouched(&dst_b), "bytes of cmpl-a reached cmpl-b");
     // Each decode node keeps its string for the transfer id.
     match d1.receiver_named("cmpl-b", &c.target) {
         Err(NodeError::IdCollision(e)) => assert!(collision(&e, "cmpl-b", "cmpl-a"), "{e:?}"),

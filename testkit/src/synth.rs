@@ -602,6 +602,36 @@ impl Rank {
 /// Where one rank sits: `(tp_size, tp_rank)` and `(pp_size, pp_rank)`.
 type Place = ((u32, u32), (u32, u32));
 
+impl Rank {
+    /// A decode engine of its own (one rank, its node and memory) in
+    /// `spec`'s mode, transport and timeouts, beside a cluster's: a second
+    /// engine asking the cluster's prefill ranks.
+    pub fn lone_decode(spec: &ClusterSpec, name: &str) -> Rank {
+        let mut c = kvferry::node::NodeConfig::new(kvferry::node::Role::Decode, name);
+        c.mode = spec.mode;
+        c.transport = spec.transport;
+        c.timeouts = spec.timeouts;
+        let node = kvferry::node::Node::start(c).expect("decode node starts");
+        let kv = SynthKv::new(spec.model, 1, 0, spec.layers, spec.decode_blocks);
+        Rank::register(node, kv).expect("registers")
+    }
+
+    /// True when every KV byte of blocks `ids` is zero on this rank (the
+    /// caller must know no transfer touches them meanwhile).
+    pub fn untouched(&self, ids: &[u32]) -> bool {
+        self.kv.kv_layout().regions.iter().all(|r| {
+            ids.iter().all(|&b| {
+                let at = r.base + u64::from(b) * r.block_len;
+                // SAFETY: the block lies in a region `self.kv` allocated and
+                // still owns; the caller guarantees nothing writes it now.
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(at as *const u8, r.kv_block_len as usize) };
+                bytes.iter().all(|&x| x == 0)
+            })
+        })
+    }
+}
+
 /// The configuration every rank of `spec` shares, for the rank at `place`
 /// in `role`. Its events are tagged with its index among the ranks of its
 /// role, `pp_rank · tp_size + tp_rank`.
