@@ -165,6 +165,13 @@ fn a_pull_naming_another_request_id_fails_only_that_request() {
         Err(NodeError::IdCollision(e)) => assert!(collision(&e, "cmpl-a", "cmpl-b"), "{e:?}"),
         other => panic!("decode opened a second string for one transfer id: {other:?}"),
     }
+    // Counted where refused: prefill refused the Pull and its own second
+    // string; d2 was refused once by prefill and once by itself; d1 once.
+    let collisions = |n: &kvferry::Node| n.stats().id_collisions;
+    assert_eq!(
+        (collisions(p), collisions(&d2.node), collisions(d1)),
+        (2, 2, 1)
+    );
     drop(d2);
 }
 

@@ -235,11 +235,14 @@ impl Shared {
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
         match r.names.get(&tid) {
             Some(held) if &**held == id => Ok(false),
-            Some(held) => Err(IdCollision {
-                transfer_id: tid,
-                request_id: id.to_owned(),
-                held: held.to_string(),
-            }),
+            Some(held) => {
+                Counters::inc(&self.counters.id_collisions);
+                Err(IdCollision {
+                    transfer_id: tid,
+                    request_id: id.to_owned(),
+                    held: held.to_string(),
+                })
+            }
             None => {
                 self.any_named.store(true, Ordering::Relaxed);
                 r.names.insert(tid, Arc::from(id));
@@ -251,11 +254,14 @@ impl Shared {
     /// Like [`Shared::claim_name`] without tying anything.
     pub(crate) fn check_name(&self, tid: TransferId, id: &str) -> Result<(), IdCollision> {
         match self.name_of(tid) {
-            Some(held) if &*held != id => Err(IdCollision {
-                transfer_id: tid,
-                request_id: id.to_owned(),
-                held: held.to_string(),
-            }),
+            Some(held) if &*held != id => {
+                Counters::inc(&self.counters.id_collisions);
+                Err(IdCollision {
+                    transfer_id: tid,
+                    request_id: id.to_owned(),
+                    held: held.to_string(),
+                })
+            }
             _ => Ok(()),
         }
     }

@@ -153,6 +153,11 @@ counters! {
     /// ... and a write's status trailer.
     dropped_trailer => "kvferry_control_dropped_trailer",
         "Closing statuses dropped by fault injection from behind their write.";
+    /// String request ids refused because another request id holds their
+    /// transfer id (the hashes collide): opened here, named by a decode
+    /// rank's `Pull`, or refused by the prefill rank asked.
+    id_collisions => "kvferry_id_collisions",
+        "Request ids refused because another request id holds their transfer id.";
     /// Frames of another protocol version this node refused (answered with
     /// a `Refuse`).
     version_refusals_sent => "kvferry_version_refusals_sent",

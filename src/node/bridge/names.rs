@@ -114,8 +114,11 @@ impl Bridge {
             peer,
             "prefill holds this transfer id for another request id; failing the request"
         );
-        if let Err(e) = h.abort(tid, AbortReason::IdCollision) {
-            tracing::debug!(transfer_id = %tid, %e, "id collision for a transfer not live here");
+        match h.abort(tid, AbortReason::IdCollision) {
+            Ok(()) => Counters::inc(&self.shared.counters.id_collisions),
+            Err(e) => {
+                tracing::debug!(transfer_id = %tid, %e, "id collision for a transfer not live here")
+            }
         }
     }
 }
