@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
-use kvferry::node::{BlockId, Node, NodeConfig, Phase, PrefillTarget, Role, TransferId};
+use kvferry::node::{BlockId, NodeConfig, Phase, PrefillTarget, Role, TransferId};
 use kvferry_testkit::demo_timeouts;
-use kvferry_testkit::synth::SynthKv;
+use kvferry_testkit::synth::{Rank, SynthKv};
 
 fn model() -> ModelSpec {
     ModelSpec {
@@ -19,26 +19,10 @@ fn model() -> ModelSpec {
     }
 }
 
-/// A registered node and its synthetic KV. Shut down before the KV drops.
-struct Engine {
-    node: Node,
-    kv: SynthKv,
-}
-
-impl Engine {
-    fn start(c: NodeConfig) -> Engine {
-        let kv = SynthKv::new(model(), 1, 0, 2, 32);
-        let node = Node::start(c).unwrap();
-        // SAFETY: `kv` outlives the node: `Drop` shuts the node down first.
-        unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
-        Engine { node, kv }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.node.shutdown(Duration::from_millis(100));
-    }
+/// A node of `c` with synthetic KV registered (the testkit's `Rank`: shut
+/// down before its KV drops).
+fn engine(c: NodeConfig) -> Rank {
+    Rank::start(c, SynthKv::new(model(), 1, 0, 2, 32)).unwrap()
 }
 
 fn config(role: Role, engine_id: &str, dp_rank: u32, bootstrap: &str) -> NodeConfig {
@@ -53,40 +37,23 @@ fn config(role: Role, engine_id: &str, dp_rank: u32, bootstrap: &str) -> NodeCon
 
 /// Moves `tid` from `p` (which prefilled it) to `d`, asking the bootstrap
 /// service for engine "p" at `dp_rank`; returns D's phase.
-fn transfer(p: &Engine, d: &Engine, addr: &str, dp_rank: u32, tid: TransferId) -> Phase {
+fn transfer(p: &Rank, d: &Rank, addr: &str, dp_rank: u32, tid: TransferId) -> Phase {
     let src = [1 + dp_rank, 5 + dp_rank];
     let dst = [10 + dp_rank, 20 + dp_rank];
-    p.kv.fill(tid, &src, 0);
-    d.kv.clear(&dst);
     let target = PrefillTarget::Bootstrap {
         addr: addr.to_string(),
         engine_id: "p".into(),
         dp_rank,
     };
-    let rx = d.node.receiver(tid, &target).unwrap();
-    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
-        .unwrap();
-    let tx = p.node.sender(tid).unwrap();
-    tx.send(vec![src.iter().map(|&b| BlockId(b)).collect()], true)
-        .unwrap();
-    let phase = rx.wait(Duration::from_secs(10));
-    if phase == Phase::Success {
-        assert_eq!(d.kv.verify(tid, &dst, 0), Ok(()), "bytes of {tid}");
-    }
-    assert_eq!(
-        tx.wait(Duration::from_secs(10)),
-        phase,
-        "P's phase of {tid}"
-    );
-    phase
+    p.send_one(d, &target, tid, (&src, &dst), Duration::from_secs(10))
 }
 
 #[test]
 fn each_data_parallel_rank_of_a_prefill_engine_is_reached_by_its_rank() {
     let server = BootstrapServer::start("127.0.0.1:0").unwrap();
     let addr = server.local_addr().to_string();
-    let p0 = Engine::start(config(Role::Prefill, "p", 0, &addr));
-    let p1 = Engine::start(config(Role::Prefill, "p", 1, &addr));
+    let p0 = engine(config(Role::Prefill, "p", 0, &addr));
+    let p1 = engine(config(Role::Prefill, "p", 1, &addr));
     // Both DP ranks register in the background: wait (bounded) for both.
     let client = BootstrapClient::new(&addr).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -100,7 +67,7 @@ fn each_data_parallel_rank_of_a_prefill_engine_is_reached_by_its_rank() {
         assert!(Instant::now() < deadline, "{listed:?}");
         std::thread::yield_now();
     }
-    let d = Engine::start(config(Role::Decode, "d", 0, &addr));
+    let d = engine(config(Role::Decode, "d", 0, &addr));
     // DP rank 1 first: it must not depend on rank 0 being asked before.
     assert_eq!(transfer(&p1, &d, &addr, 1, TransferId(1)), Phase::Success);
     assert_eq!(transfer(&p0, &d, &addr, 0, TransferId(2)), Phase::Success);
@@ -121,15 +88,11 @@ fn mla() -> ModelSpec {
 }
 
 /// An MLA rank `tp_rank` of `tp_size` that serves its own side channel.
-fn mla_rank(role: Role, engine_id: &str, tp_size: u32, tp_rank: u32) -> Engine {
+fn mla_rank(role: Role, engine_id: &str, tp_size: u32, tp_rank: u32) -> Rank {
     let mut c = NodeConfig::new(role, engine_id);
     (c.tp_size, c.tp_rank) = (tp_size, tp_rank);
     c.timeouts = demo_timeouts(2000);
-    let kv = SynthKv::new(mla(), tp_size, tp_rank, 2, 32);
-    let node = Node::start(c).unwrap();
-    // SAFETY: `kv` outlives the node: `Drop` shuts the node down first.
-    unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
-    Engine { node, kv }
+    Rank::start(c, SynthKv::new(mla(), tp_size, tp_rank, 2, 32)).unwrap()
 }
 
 /// A decode rank that sends its `Pull` to a prefill rank it is not paired
@@ -191,7 +154,7 @@ fn an_abort_before_the_pull_left_reaches_prefill() {
         c.timeouts.hold_limit = Duration::from_secs(120);
         c
     };
-    let d = Engine::start(long(Role::Decode, "d"));
+    let d = engine(long(Role::Decode, "d"));
     let target = PrefillTarget::Bootstrap {
         addr: addr.clone(),
         engine_id: "p".into(),
@@ -204,7 +167,7 @@ fn an_abort_before_the_pull_left_reaches_prefill() {
     let aborted = Phase::Failed(kvferry::FailReason::Aborted(kvferry::AbortReason::Engine));
     assert_eq!(rx.wait(Duration::from_secs(5)), aborted);
     // The prefill engine comes up and starts the request.
-    let p = Engine::start(long(Role::Prefill, "p"));
+    let p = engine(long(Role::Prefill, "p"));
     p.kv.fill(tid, &[1], 0);
     let tx = p.node.sender(tid).unwrap();
     tx.send(vec![vec![BlockId(1)]], true).unwrap();

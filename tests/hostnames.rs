@@ -19,7 +19,7 @@ use kvferry::node::{
 };
 use kvferry::resolve::{HostLookup, ResolveError, Resolver};
 use kvferry_testkit::demo_timeouts;
-use kvferry_testkit::synth::SynthKv;
+use kvferry_testkit::synth::{Rank, SynthKv};
 
 /// A name under the reserved `.invalid` top-level domain (RFC 2606):
 /// it never resolves.
@@ -34,26 +34,10 @@ fn model() -> ModelSpec {
     }
 }
 
-/// A registered node and its synthetic KV. Shut down before the KV drops.
-struct Engine {
-    node: Node,
-    kv: SynthKv,
-}
-
-impl Engine {
-    fn start(c: NodeConfig) -> Engine {
-        let kv = SynthKv::new(model(), 1, 0, 2, 32);
-        let node = Node::start(c).unwrap();
-        // SAFETY: `kv` outlives the node: `Drop` shuts the node down first.
-        unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
-        Engine { node, kv }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.node.shutdown(Duration::from_millis(100));
-    }
+/// A node of `c` with synthetic KV registered (the testkit's `Rank`: shut
+/// down before its KV drops).
+fn engine(c: NodeConfig) -> Rank {
+    Rank::start(c, SynthKv::new(model(), 1, 0, 2, 32)).unwrap()
 }
 
 fn config(role: Role, engine_id: &str) -> NodeConfig {
@@ -65,26 +49,9 @@ fn config(role: Role, engine_id: &str) -> NodeConfig {
 
 /// Moves `tid` from `p` to `d` through `target`; D's phase, with every
 /// byte checked on success.
-fn transfer(p: &Engine, d: &Engine, target: &PrefillTarget, tid: TransferId) -> Phase {
+fn transfer(p: &Rank, d: &Rank, target: &PrefillTarget, tid: TransferId) -> Phase {
     let (src, dst) = ([3u32, 4, 9], [11u32, 12, 20]);
-    p.kv.fill(tid, &src, 0);
-    d.kv.clear(&dst);
-    let rx = d.node.receiver(tid, target).unwrap();
-    rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
-        .unwrap();
-    let tx = p.node.sender(tid).unwrap();
-    tx.send(vec![src.iter().map(|&b| BlockId(b)).collect()], true)
-        .unwrap();
-    let phase = rx.wait(Duration::from_secs(20));
-    if phase == Phase::Success {
-        assert_eq!(d.kv.verify(tid, &dst, 0), Ok(()), "bytes of {tid}");
-    }
-    assert_eq!(
-        tx.wait(Duration::from_secs(20)),
-        phase,
-        "P's phase of {tid}"
-    );
-    phase
+    p.send_one(d, target, tid, (&src, &dst), Duration::from_secs(20))
 }
 
 /// Waits (bounded) until the bootstrap service at `addr` lists engine
@@ -101,7 +68,7 @@ fn registered(addr: &str, engine_id: &str, dp: u32) -> String {
 fn a_decode_node_reaches_a_prefill_node_by_host_name() {
     let mut pc = config(Role::Prefill, "p");
     pc.serve_bootstrap = Some("localhost:0".into());
-    let p = Engine::start(pc);
+    let p = engine(pc);
     let port = p
         .node
         .bootstrap_addr()
@@ -121,13 +88,13 @@ fn a_decode_node_reaches_a_prefill_node_by_host_name() {
     let mut p2c = config(Role::Prefill, "p2");
     p2c.dp_rank = 1;
     p2c.bootstrap = Some(bootstrap.clone());
-    let p2 = Engine::start(p2c);
+    let p2 = engine(p2c);
     assert_eq!(registered(&bootstrap, "p", 0), side_channel);
     assert!(registered(&bootstrap, "p2", 1).starts_with("tcp://localhost:"));
 
     let mut dc = config(Role::Decode, "d");
     dc.bootstrap = Some(bootstrap.clone());
-    let d = Engine::start(dc);
+    let d = engine(dc);
     let by_service = PrefillTarget::Bootstrap {
         addr: bootstrap.clone(),
         engine_id: "p".into(),
@@ -203,7 +170,7 @@ fn names_that_do_not_resolve_fail_with_typed_errors() {
     // not at its bootstrap timeout (a minute here).
     let mut dc = config(Role::Decode, "d");
     dc.timeouts = demo_timeouts(60_000);
-    let d = Engine::start(dc);
+    let d = engine(dc);
     let target = PrefillTarget::Direct {
         tp_size: 1,
         pp_size: 1,
@@ -299,18 +266,18 @@ fn a_prefill_rank_that_moved_is_reached_again_by_its_name() {
         n.fetch_add(1, Ordering::SeqCst);
         Ok(a.lock().unwrap().iter().copied().collect())
     });
-    let side_channel = |e: &Engine| -> SocketAddr {
+    let side_channel = |e: &Rank| -> SocketAddr {
         let addr = e.node.side_channel_addr();
         addr.strip_prefix("tcp://").unwrap().parse().unwrap()
     };
     let mut pc = config(Role::Prefill, "p");
     pc.host = "127.0.0.1".into();
-    let p1 = Engine::start(pc.clone());
+    let p1 = engine(pc.clone());
     *at.lock().unwrap() = Some(side_channel(&p1));
     let mut dc = config(Role::Decode, "d");
     dc.lookup = Some(lookup);
     dc.probe_interval = Some(Duration::from_millis(20));
-    let d = Engine::start(dc);
+    let d = engine(dc);
     // The port in the name's address is the lookup's, not this one.
     let target = PrefillTarget::Direct {
         tp_size: 1,
@@ -320,7 +287,7 @@ fn a_prefill_rank_that_moved_is_reached_again_by_its_name() {
     assert_eq!(transfer(&p1, &d, &target, TransferId(1)), Phase::Success);
     // The rank restarts elsewhere (another port), under the same name.
     drop(p1);
-    let p2 = Engine::start(pc);
+    let p2 = engine(pc);
     *at.lock().unwrap() = Some(side_channel(&p2));
     let before = lookups.load(Ordering::SeqCst);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);

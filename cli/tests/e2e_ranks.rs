@@ -15,11 +15,13 @@ impl Drop for Proc {
     }
 }
 
-fn decode(addr: &str, dp_rank: &str) -> serde_json::Value {
+/// `kvferry decode` pulling from engine "p" through the bootstrap service
+/// at `addr`, with `extra` options; its JSON summary.
+fn decode_with(addr: &str, extra: &[&str]) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["decode", "--bootstrap", addr, "--engine-id", "d"])
-        .args(["--prefill-engine-id", "p", "--prefill-dp-rank", dp_rank])
-        .args(["--requests", "5", "--timeout-ms", "1500", "--json"])
+        .args(["decode", "--bootstrap", addr, "--prefill-engine-id", "p"])
+        .args(["--timeout-ms", "1500", "--json"])
+        .args(extra)
         .stderr(Stdio::null())
         .output()
         .unwrap();
@@ -27,9 +29,20 @@ fn decode(addr: &str, dp_rank: &str) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Five requests of decode engine "d" to engine "p" at `dp_rank`.
+fn decode(addr: &str, dp_rank: &str) -> serde_json::Value {
+    let args = ["--engine-id", "d", "--prefill-dp-rank", dp_rank];
+    decode_with(addr, &[&args[..], &["--requests", "5"]].concat())
+}
+
 /// `kvferry prefill` of engine "p" with `extra` options, once the
 /// bootstrap service at `addr` lists it; what the service lists.
 fn prefill(addr: &str, extra: &[&str]) -> (Proc, QueryResponse) {
+    prefill_stage(addr, extra, 1)
+}
+
+/// Like [`prefill`], waiting until `stages` pipeline stages are listed.
+fn prefill_stage(addr: &str, extra: &[&str], stages: usize) -> (Proc, QueryResponse) {
     let p = Proc(
         Command::new(env!("CARGO_BIN_EXE_kvferry"))
             .args(["prefill", "--bootstrap", addr, "--engine-id", "p"])
@@ -45,7 +58,7 @@ fn prefill(addr: &str, extra: &[&str]) -> (Proc, QueryResponse) {
         deadline: Duration::from_secs(20),
         ..RetryPolicy::default()
     };
-    let listed = client.wait_for_engine("p", 1, policy).unwrap();
+    let listed = client.wait_for_stages("p", 1, stages, policy).unwrap();
     (p, listed)
 }
 
@@ -76,16 +89,16 @@ fn decode_and_prefill_processes_move_several_kv_cache_groups() {
     let addr = server.local_addr().to_string();
     let (_p, _) = prefill(&addr, &[]);
     // Transfer ids are never reused: each run has ids of its own.
-    let run = |groups: &str, base: &str| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["decode", "--bootstrap", &addr, "--prefill-engine-id", "p"])
-            .args(["--groups", groups, "--transfer-base", base])
-            .args(["--requests", "5", "--timeout-ms", "1500", "--json"])
-            .stderr(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        serde_json::from_slice(&out.stdout).unwrap()
+    let run = |groups: &str, base: &str| {
+        let args = [
+            "--groups",
+            groups,
+            "--transfer-base",
+            base,
+            "--requests",
+            "5",
+        ];
+        decode_with(&addr, &args)
     };
     let (one, three) = (run("1", "1"), run("3", "100"));
     for s in [&one, &three] {
@@ -108,17 +121,7 @@ fn decode_pulls_every_layer_from_two_prefill_stages() {
     let addr = server.local_addr().to_string();
     let stage = ["--pp-size", "2", "--pp-rank"];
     let (_p0, _) = prefill(&addr, &[&stage[..], &["0"]].concat());
-    let (_p1, listed) = prefill(&addr, &[&stage[..], &["1"]].concat());
-    // The second stage is listed once registered; wait for it.
-    let mut listed = listed;
-    let client = BootstrapClient::new(&addr).unwrap();
-    for _ in 0..200 {
-        if listed[&0].pp_size() == 2 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-        listed = client.query(Some("p")).unwrap();
-    }
+    let (_p1, listed) = prefill_stage(&addr, &[&stage[..], &["1"]].concat(), 2);
     assert_eq!(listed[&0].pp_size(), 2, "{listed:?}");
     let summary = decode(&addr, "0");
     assert_eq!(summary["ok"], 5, "{summary}");
@@ -134,16 +137,9 @@ fn decode_names_its_requests_by_string_request_ids() {
     let server = BootstrapServer::start("127.0.0.1:0").unwrap();
     let addr = server.local_addr().to_string();
     let (_p, _) = prefill(&addr, &[]);
-    let run = |prefix: &str, dp_rank: &str| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["decode", "--bootstrap", &addr, "--prefill-engine-id", "p"])
-            .args(["--prefill-dp-rank", dp_rank, "--request-id-prefix", prefix])
-            .args(["--requests", "3", "--timeout-ms", "1500", "--json"])
-            .stderr(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        serde_json::from_slice(&out.stdout).unwrap()
+    let run = |prefix: &str, dp_rank: &str| {
+        let args = ["--prefill-dp-rank", dp_rank, "--request-id-prefix", prefix];
+        decode_with(&addr, &[&args[..], &["--requests", "3"]].concat())
     };
     let first = run("cmpl-6f2c-", "0");
     assert_eq!(

@@ -237,18 +237,33 @@ impl BootstrapClient {
         tp_size: usize,
         policy: RetryPolicy,
     ) -> Result<QueryResponse, ClientError> {
+        self.wait_for_stages(engine_id, tp_size, 1, policy)
+    }
+
+    /// Like [`BootstrapClient::wait_for_engine`], and with pipeline
+    /// parallelism until TP rank 0 of every dp rank has `pp_size` stages
+    /// registered too (each stage registers on its own).
+    pub fn wait_for_stages(
+        &self,
+        engine_id: &str,
+        tp_size: usize,
+        pp_size: usize,
+        policy: RetryPolicy,
+    ) -> Result<QueryResponse, ClientError> {
         let start = Instant::now();
         let mut backoff = policy.initial_backoff;
+        let complete = |e: &super::EngineEntry| {
+            e.tp_size() >= tp_size && (pp_size <= 1 || e.pp_size() >= pp_size)
+        };
         loop {
             let last = match self.query(Some(engine_id)) {
-                Ok(found)
-                    if !found.is_empty() && found.values().all(|e| e.tp_size() >= tp_size) =>
-                {
+                Ok(found) if !found.is_empty() && found.values().all(complete) => {
                     return Ok(found);
                 }
                 Ok(found) => format!(
-                    "engine {engine_id:?} has {} of {tp_size} tp ranks registered",
-                    found.values().map(|e| e.tp_size()).min().unwrap_or(0)
+                    "engine {engine_id:?} has {} of {tp_size} tp ranks and {} of {pp_size} stages registered",
+                    found.values().map(|e| e.tp_size()).min().unwrap_or(0),
+                    found.values().map(|e| e.pp_size()).min().unwrap_or(0)
                 ),
                 Err(err) if err.is_retryable() => err.to_string(),
                 Err(err) => return Err(err),

@@ -590,6 +590,14 @@ impl Drop for Rank {
 }
 
 impl Rank {
+    /// Starts a node of `config` and registers `kv` as its KV caches.
+    pub fn start(
+        config: kvferry::node::NodeConfig,
+        kv: SynthKv,
+    ) -> Result<Rank, kvferry::node::NodeError> {
+        Rank::register(kvferry::node::Node::start(config)?, kv)
+    }
+
     /// Registers `kv` as the KV caches of `node`; together they form a rank.
     fn register(node: kvferry::node::Node, kv: SynthKv) -> Result<Rank, kvferry::node::NodeError> {
         // SAFETY: `kv` lives in the same `Rank`, whose drop shuts the node
@@ -611,9 +619,38 @@ impl Rank {
         c.mode = spec.mode;
         c.transport = spec.transport;
         c.timeouts = spec.timeouts;
-        let node = kvferry::node::Node::start(c).expect("decode node starts");
         let kv = SynthKv::new(spec.model, 1, 0, spec.layers, spec.decode_blocks);
-        Rank::register(node, kv).expect("registers")
+        Rank::start(c, kv).expect("decode node starts")
+    }
+
+    /// Moves `tid` from this prefill rank's blocks `src` into decode rank
+    /// `d`'s blocks `dst` (one group), `d` finding this rank through
+    /// `target`: fills `src`, clears `dst`, opens both sides, and returns
+    /// D's phase, after checking every byte on success and that this rank
+    /// ended the same way, each within `timeout`.
+    pub fn send_one(
+        &self,
+        d: &Rank,
+        target: &kvferry::node::PrefillTarget,
+        tid: TransferId,
+        (src, dst): (&[u32], &[u32]),
+        timeout: std::time::Duration,
+    ) -> kvferry_machines::Phase {
+        use kvferry_machines::common::BlockId;
+        self.kv.fill(tid, src, 0);
+        d.kv.clear(dst);
+        let rx = d.node.receiver(tid, target).unwrap();
+        rx.request(vec![dst.iter().map(|&b| BlockId(b)).collect()])
+            .unwrap();
+        let tx = self.node.sender(tid).unwrap();
+        tx.send(vec![src.iter().map(|&b| BlockId(b)).collect()], true)
+            .unwrap();
+        let phase = rx.wait(timeout);
+        if phase == kvferry_machines::Phase::Success {
+            assert_eq!(d.kv.verify(tid, dst, 0), Ok(()), "bytes of {tid}");
+        }
+        assert_eq!(tx.wait(timeout), phase, "P's phase of {tid}");
+        phase
     }
 
     /// True when every KV byte of blocks `ids` is zero on this rank (the
@@ -756,23 +793,9 @@ impl Cluster {
             deadline: std::time::Duration::from_secs(10),
             ..kvferry::bootstrap::RetryPolicy::default()
         };
-        let started = std::time::Instant::now();
-        loop {
-            let found = client.wait_for_engine("prefill", spec.prefill_tp as usize, policy)?;
-            let stages = found.values().map(|e| e.pp_size()).min().unwrap_or(0);
-            if stages >= spec.prefill_pp.max(1) as usize {
-                return Ok(());
-            }
-            if started.elapsed() >= policy.deadline {
-                return Err(kvferry::bootstrap::ClientError::DeadlineExceeded {
-                    waited_ms: started.elapsed().as_millis() as u64,
-                    last: format!("{stages} of {} stages registered", spec.prefill_pp),
-                }
-                .into());
-            }
-            // A retry pause, as `wait_for_engine`'s own.
-            std::thread::sleep(policy.initial_backoff);
-        }
+        let (tp, pp) = (spec.prefill_tp as usize, spec.prefill_pp.max(1) as usize);
+        client.wait_for_stages("prefill", tp, pp, policy)?;
+        Ok(())
     }
 
     /// Starts the decode ranks.
