@@ -40,6 +40,16 @@ pub(super) fn over_data_plane(msg: &Msg) -> bool {
     }
 }
 
+/// The two ways a machine's message leaves this node (a write's status
+/// trailer is the third, counted where the write is started).
+#[derive(Clone, Copy)]
+enum Channel {
+    /// ZeroMQ, through the bridge.
+    SideChannel,
+    /// A NOTIFY frame of the data-plane session to the peer.
+    DataPlane,
+}
+
 /// Side-channel frames waiting for a data-plane notification, per peer
 /// endpoint: (peer slot, transfer, encoded frame).
 #[derive(Default)]
@@ -106,13 +116,8 @@ impl Messenger {
                 return self.side_channel(tid, peer, msg, resent);
             }
         }
-        let c = &self.shared.counters;
-        if self.shared.drops_control() {
-            c.dropped_data_plane.fetch_add(1, Ordering::Relaxed);
+        if !self.goes_out(Channel::DataPlane, resent) {
             return;
-        }
-        if resent {
-            c.resent_data_plane.fetch_add(1, Ordering::Relaxed);
         }
         self.shared.track(peer.0, tid);
         let bytes = wire::encode(&Frame::Transfer {
@@ -142,15 +147,27 @@ impl Messenger {
     /// A machine's `msg` over the side channel, unless fault injection
     /// drops it.
     fn side_channel(&self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
+        if self.goes_out(Channel::SideChannel, resent) {
+            self.send_frame(tid, peer, msg);
+        }
+    }
+
+    /// Whether a machine's message about to take `channel` goes out: false
+    /// when fault injection drops it (counted); a resent one is counted.
+    fn goes_out(&self, channel: Channel, resent: bool) -> bool {
         let c = &self.shared.counters;
+        let (dropped, resends) = match channel {
+            Channel::SideChannel => (&c.dropped_sidechannel, &c.resent_sidechannel),
+            Channel::DataPlane => (&c.dropped_data_plane, &c.resent_data_plane),
+        };
         if self.shared.drops_control() {
-            c.dropped_sidechannel.fetch_add(1, Ordering::Relaxed);
-            return;
+            dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
         }
         if resent {
-            c.resent_sidechannel.fetch_add(1, Ordering::Relaxed);
+            resends.fetch_add(1, Ordering::Relaxed);
         }
-        self.send_frame(tid, peer, msg);
+        true
     }
 
     /// The endpoint of `peer`'s node when `msg` may go to it over the data
