@@ -83,15 +83,7 @@ fn run(spec: &ClusterSpec) -> (u32, NodeStats) {
         }
     }
     let total = c.prefill.iter().chain(&c.decode).map(|r| r.node.stats());
-    let sum = total.fold(NodeStats::default(), |a, s| NodeStats {
-        dropped_sidechannel: a.dropped_sidechannel + s.dropped_sidechannel,
-        dropped_data_plane: a.dropped_data_plane + s.dropped_data_plane,
-        dropped_trailer: a.dropped_trailer + s.dropped_trailer,
-        resent_sidechannel: a.resent_sidechannel + s.resent_sidechannel,
-        resent_data_plane: a.resent_data_plane + s.resent_data_plane,
-        ..a
-    });
-    (good, sum)
+    (good, total.sum())
 }
 
 fn assert_goodput(spec: &ClusterSpec) {

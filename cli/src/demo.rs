@@ -119,14 +119,15 @@ pub struct ControlReport {
 impl ControlReport {
     /// The sums of `stats`.
     fn of(stats: impl Iterator<Item = kvferry::NodeStats>) -> ControlReport {
-        stats.fold(ControlReport::default(), |r, s| ControlReport {
-            dropped_sidechannel: r.dropped_sidechannel + s.dropped_sidechannel,
-            dropped_data_plane: r.dropped_data_plane + s.dropped_data_plane,
-            dropped_trailer: r.dropped_trailer + s.dropped_trailer,
-            resent_sidechannel: r.resent_sidechannel + s.resent_sidechannel,
-            resent_data_plane: r.resent_data_plane + s.resent_data_plane,
-            late_answers: r.late_answers + s.late_answers,
-        })
+        let s: kvferry::NodeStats = stats.sum();
+        ControlReport {
+            dropped_sidechannel: s.dropped_sidechannel,
+            dropped_data_plane: s.dropped_data_plane,
+            dropped_trailer: s.dropped_trailer,
+            resent_sidechannel: s.resent_sidechannel,
+            resent_data_plane: s.resent_data_plane,
+            late_answers: s.late_answers,
+        }
     }
 }
 

@@ -82,6 +82,20 @@ macro_rules! counters {
                 vec![$(($family, $help, self.$field),)*]
             }
         }
+
+        /// The counters of several nodes (the ranks of a run), added up.
+        impl std::iter::Sum for NodeStats {
+            fn sum<I: Iterator<Item = NodeStats>>(stats: I) -> NodeStats {
+                stats.fold(NodeStats::default(), |a, s| NodeStats {
+                    ok: a.ok + s.ok,
+                    failed: a.failed + s.failed,
+                    aborted: a.aborted + s.aborted,
+                    expired: a.expired + s.expired,
+                    dead_now: a.dead_now + s.dead_now,
+                    $($field: a.$field + s.$field,)*
+                })
+            }
+        }
     };
 }
 
