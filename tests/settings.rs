@@ -85,14 +85,29 @@ fn environment_variables_override_a_file() {
 }
 
 #[test]
+fn both_roles_are_one_setting_under_kvferrys_and_vllms_names() {
+    for name in ["both", "kv_both"] {
+        let json = format!(r#"{{"role": "{name}", "engine_id": "e"}}"#);
+        let c = NodeSettings::from_json(&json).unwrap().build().unwrap();
+        assert_eq!(c.role, Role::Both, "{name}");
+    }
+    let vars = [
+        ("KVFERRY_ROLE".to_string(), "kv_both".to_string()),
+        ("KVFERRY_ENGINE_ID".to_string(), "e".to_string()),
+    ];
+    let c = NodeSettings::from_vars(vars).unwrap().build().unwrap();
+    assert_eq!(c.role, Role::Both);
+}
+
+#[test]
 fn bad_settings_are_refused_with_what_is_wrong() {
     let e = NodeSettings::from_json(r#"{"role": "decode", "leas_ms": 5}"#).unwrap_err();
     assert!(
         matches!(e, ConfigError::Json(_)) && e.to_string().contains("leas_ms"),
         "{e}"
     );
-    let e = NodeSettings::from_json(r#"{"role": "both"}"#).unwrap_err();
-    assert!(e.to_string().contains("both"), "{e}");
+    let e = NodeSettings::from_json(r#"{"role": "kv_sideways"}"#).unwrap_err();
+    assert!(e.to_string().contains("kv_sideways"), "{e}");
     let vars = [("KVFERRY_TP_SIZE".to_string(), "two".to_string())];
     let e = NodeSettings::from_vars(vars).unwrap_err();
     assert!(

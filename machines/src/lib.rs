@@ -20,6 +20,7 @@
 //! `kvferry-reactor` crate.
 
 pub mod common;
+pub mod duplex;
 pub mod layout;
 pub mod liveness;
 mod machine;

@@ -28,10 +28,10 @@ pub trait ActionSink<M: Machine> {
     fn execute(&mut self, transfer_id: TransferId, action: M::Action);
 
     /// Called with the initial phase when a machine is inserted, then after
-    /// every phase change, once the actions of that input were drained. The
-    /// default does nothing.
-    fn on_phase(&mut self, transfer_id: TransferId, phase: Phase, now: Instant) {
-        let _ = (transfer_id, phase, now);
+    /// every phase change, once the actions of that input were drained;
+    /// `machine` is the machine whose phase it is. The default does nothing.
+    fn on_phase(&mut self, transfer_id: TransferId, machine: &M, phase: Phase, now: Instant) {
+        let _ = (transfer_id, machine, phase, now);
     }
 }
 
@@ -258,7 +258,7 @@ impl<M: Machine> Driver<M> {
         self.index.insert(transfer_id, key);
         // Report the initial phase too, so observers (the completion board)
         // start from the machine's own phase rather than a guess.
-        sink.on_phase(transfer_id, phase, now);
+        sink.on_phase(transfer_id, &self.slots[key].machine, phase, now);
         self.after_input(key, now, sink);
         Ok(())
     }
@@ -499,7 +499,7 @@ impl<M: Machine> Driver<M> {
             if phase.is_terminal() && slot.terminal_at.is_none() {
                 slot.terminal_at = Some(now);
             }
-            sink.on_phase(transfer_id, phase, now);
+            sink.on_phase(transfer_id, &slot.machine, phase, now);
         }
 
         let deadline = slot.machine.poll_timeout();

@@ -612,12 +612,12 @@ impl<M: Machine, S: ActionSink<M>> ActionSink<M> for BoardSink<'_, S> {
         self.inner.execute(transfer_id, action);
     }
 
-    fn on_phase(&mut self, transfer_id: TransferId, phase: Phase, now: Instant) {
+    fn on_phase(&mut self, transfer_id: TransferId, machine: &M, phase: Phase, now: Instant) {
         if phase.is_terminal() {
             self.ended += 1;
         }
         self.board.publish(transfer_id, phase);
-        self.inner.on_phase(transfer_id, phase, now);
+        self.inner.on_phase(transfer_id, machine, phase, now);
     }
 }
 

@@ -3,7 +3,9 @@
 
 use kvferry_machines::common::{BlockId, BlockLists, TransferId};
 
-use super::{Node, NodeError, PrefillTarget, Role};
+use kvferry_machines::duplex::Direction;
+
+use super::{Node, NodeError, PrefillTarget};
 
 /// One load of a [`LoadMeta`] (decode).
 #[derive(Clone, Debug)]
@@ -71,24 +73,23 @@ impl Node {
     }
 
     /// vLLM-style: the transfers that finished since the last call, as
-    /// `(finished sending, finished receiving)` (one of them is empty,
-    /// by role). Every terminal outcome counts; failed loads also appear
+    /// `(finished sending, finished receiving)` (one of them is empty
+    /// unless the role is [`Role::Both`](super::Role::Both)). Every terminal outcome counts; failed loads also appear
     /// in [`Node::block_ids_with_load_errors`].
     pub fn get_finished(&self) -> (Vec<TransferId>, Vec<TransferId>) {
         self.collect();
-        let ids: Vec<TransferId> = {
-            let mut r = self
-                .inner
-                .shared
-                .records
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            r.finished.drain(..).collect()
-        };
-        match self.inner.shared.role {
-            Role::Prefill => (ids, Vec::new()),
-            Role::Decode => (Vec::new(), ids),
-        }
+        let mut r = self
+            .inner
+            .shared
+            .records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (sent, received): (Vec<_>, Vec<_>) = r
+            .finished
+            .drain(..)
+            .partition(|(_, d)| *d == Direction::Send);
+        let ids = |v: Vec<(TransferId, Direction)>| v.into_iter().map(|(t, _)| t).collect();
+        (ids(sent), ids(received))
     }
 
     /// vLLM-style: destination blocks whose load failed since the last call.

@@ -15,6 +15,23 @@ pub enum Role {
     Prefill,
     /// Runs decode and receives KV.
     Decode,
+    /// Sends and receives KV (vLLM's `kv_role = "kv_both"`): one side
+    /// channel and one data plane serve both directions, and each request
+    /// keeps the direction it was opened with (a [`Sender`](super::Sender)
+    /// or a [`Receiver`](super::Receiver)).
+    Both,
+}
+
+impl Role {
+    /// True for the roles that send KV (open [`Sender`](super::Sender)s).
+    pub fn sends(self) -> bool {
+        matches!(self, Role::Prefill | Role::Both)
+    }
+
+    /// True for the roles that receive KV (open [`Receiver`](super::Receiver)s).
+    pub fn receives(self) -> bool {
+        matches!(self, Role::Decode | Role::Both)
+    }
 }
 
 /// Which data plane moves the bytes.
@@ -258,7 +275,7 @@ impl NodeConfig {
             // A decode engine waits for its requests to end (the KV is
             // there); a prefill engine only gets its blocks back.
             yield_after_ends_below: match role {
-                Role::Decode => DECODE_YIELD_BELOW,
+                Role::Decode | Role::Both => DECODE_YIELD_BELOW,
                 Role::Prefill => 0,
             },
             ..ReactorConfig::default()

@@ -130,8 +130,10 @@ pub enum Misuse {
     /// A region's `num_blocks × block_len` does not fit in 64 bits.
     #[error("region length overflows")]
     RegionOverflow,
-    /// The call belongs to the other role.
-    #[error("this call needs a {0:?} node")]
+    /// The call belongs to the other role: `Prefill` for the calls of a
+    /// sending role, `Decode` for those of a receiving one ([`Role::Both`]
+    /// has both).
+    #[error("this call needs a {0:?} (or Both) node")]
     WrongRole(Role),
     /// The request's input was refused by its machine.
     #[error("request refused: {0}")]

@@ -60,12 +60,12 @@ use kvferry_machines::common::check_request_id;
 pub use kvferry_machines::common::{
     AbortReason, BlockId, BlockLists, Config as Timeouts, FailReason, Mode, Phase, TransferId,
 };
+use kvferry_machines::duplex::{self, Direction, Duplex};
 pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send;
-use kvferry_machines::send::SendMachine;
-use kvferry_reactor::{Completion, Outcome, Reactor, ReactorHandle, ShutdownPolicy, SubmitError};
+use kvferry_reactor::{Outcome, Reactor, ReactorHandle, ShutdownPolicy, SubmitError};
 
 use crate::stats::Counters;
 pub use crate::stats::NodeStats;
@@ -83,51 +83,12 @@ pub use settings::{
 pub(crate) use tables::{LocalKv, PeerData, Routes, Shared};
 use tables::{Peers, Records, TerminalSeq};
 
-/// The reactor of either role.
-enum Engine {
-    Prefill(Reactor<SendMachine>),
-    Decode(Reactor<RecvMachine>),
-}
+/// The node's reactor: one executor whose machines go either way (a
+/// node of [`Role::Both`] holds both kinds at once).
+type Engine = Reactor<Duplex>;
 
-#[derive(Clone)]
-pub(crate) enum EngineHandle {
-    Prefill(ReactorHandle<SendMachine>),
-    Decode(ReactorHandle<RecvMachine>),
-}
-
-impl EngineHandle {
-    pub(crate) fn poll(&self, tid: TransferId) -> Option<Phase> {
-        match self {
-            EngineHandle::Prefill(h) => h.poll(tid),
-            EngineHandle::Decode(h) => h.poll(tid),
-        }
-    }
-
-    fn get_finished(&self, max: usize) -> Vec<Completion> {
-        match self {
-            EngineHandle::Prefill(h) => h.get_finished(max),
-            EngineHandle::Decode(h) => h.get_finished(max),
-        }
-    }
-
-    fn abort(&self, tid: TransferId, reason: AbortReason) -> Result<(), SubmitError> {
-        match self {
-            EngineHandle::Prefill(h) => h.abort(tid, reason),
-            EngineHandle::Decode(h) => h.abort(tid, reason),
-        }
-    }
-
-    fn spawn_on<F, Fut>(&self, make: F) -> Result<(), SubmitError>
-    where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: std::future::Future<Output = ()> + 'static,
-    {
-        match self {
-            EngineHandle::Prefill(h) => h.spawn_on(0, make),
-            EngineHandle::Decode(h) => h.spawn_on(0, make),
-        }
-    }
-}
+/// What the engine threads and the bridge reach the executor through.
+pub(crate) type EngineHandle = ReactorHandle<Duplex>;
 
 struct Inner {
     shared: Arc<Shared>,
@@ -148,11 +109,8 @@ impl Drop for Inner {
 impl Inner {
     fn stop(&self, grace: Duration) {
         let engine = self.engine.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let policy = ShutdownPolicy::Abort { grace };
-        match engine {
-            Some(Engine::Prefill(r)) => drop(r.shutdown(policy)),
-            Some(Engine::Decode(r)) => drop(r.shutdown(policy)),
-            None => {}
+        if let Some(r) = engine {
+            drop(r.shutdown(ShutdownPolicy::Abort { grace }));
         }
         if let Some(b) = self.bridge.lock().unwrap_or_else(|e| e.into_inner()).take() {
             b.stop(&self.shared);
@@ -309,6 +267,7 @@ fn new_shared(
         terminal_cv: Condvar::new(),
         any_named: std::sync::atomic::AtomicBool::new(false),
         id_hash: OnceLock::new(),
+        receiving: Mutex::new(std::collections::HashSet::new()),
     }))
 }
 
@@ -319,26 +278,11 @@ fn start_engine(
     config: &NodeConfig,
 ) -> Result<(Engine, EngineHandle), NodeError> {
     let (ready_tx, ready_rx) = flume::bounded::<Result<String, DataPlaneError>>(1);
-    let engine = match config.role {
-        Role::Prefill => {
-            let s = shared.clone();
-            let r = Reactor::<SendMachine>::start(config.reactor.clone(), move |ctx| {
-                sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
-            })?;
-            Engine::Prefill(r)
-        }
-        Role::Decode => {
-            let s = shared.clone();
-            let r = Reactor::<RecvMachine>::start(config.reactor.clone(), move |ctx| {
-                sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
-            })?;
-            Engine::Decode(r)
-        }
-    };
-    let handle = match &engine {
-        Engine::Prefill(r) => EngineHandle::Prefill(r.handle()),
-        Engine::Decode(r) => EngineHandle::Decode(r.handle()),
-    };
+    let s = shared.clone();
+    let engine = Reactor::<Duplex>::start(config.reactor.clone(), move |ctx| {
+        sink::Sink::new(s.clone(), ctx.poster, ready_tx.clone())
+    })?;
+    let handle = engine.handle();
     let endpoint = ready_rx
         .recv_timeout(Duration::from_secs(10))
         .map_err(|_| NodeError::Timeout("transport endpoint"))??;
@@ -361,7 +305,7 @@ fn start_servers(
     let counters = shared.counters.clone();
     let source: crate::bootstrap::MetricsSource = Arc::new(move || crate::stats::render(&counters));
     let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
-        (Role::Prefill, Some(addr)) => Some(registration::EmbeddedBootstrap::start(
+        (Role::Prefill | Role::Both, Some(addr)) => Some(registration::EmbeddedBootstrap::start(
             addr,
             source.clone(),
         )?),
@@ -398,7 +342,7 @@ impl Node {
                 metrics_server: Mutex::new(metrics_server),
             }),
         };
-        if config.role == Role::Prefill {
+        if config.role.sends() {
             if let Some(addr) = node.bootstrap_addr() {
                 registration::register_in_background(addr, &config, node.side_channel_addr());
             }
@@ -497,7 +441,7 @@ impl Node {
         let node_id = s.node_id;
         self.inner
             .handle
-            .spawn_on(move || async move {
+            .spawn_on(0, move || async move {
                 let _ = tx.send(sink::register_regions(node_id, &kv));
             })
             .map_err(NodeError::from)?;
@@ -513,9 +457,16 @@ impl Node {
         Ok(())
     }
 
-    fn require(&self, role: Role) -> Result<(), NodeError> {
-        if self.inner.shared.role != role {
-            return Err(Misuse::WrongRole(role).into());
+    /// Refuses a call of `direction` on a node whose role lacks it, or
+    /// before `register_kv_caches`.
+    fn require(&self, direction: Direction) -> Result<(), NodeError> {
+        let role = self.inner.shared.role;
+        match direction {
+            Direction::Send if !role.sends() => return Err(Misuse::WrongRole(Role::Prefill).into()),
+            Direction::Recv if !role.receives() => {
+                return Err(Misuse::WrongRole(Role::Decode).into())
+            }
+            Direction::Send | Direction::Recv => {}
         }
         if self.inner.shared.local.get().is_none() {
             return Err(Misuse::NotRegistered.into());
@@ -541,10 +492,8 @@ impl Node {
     /// Prefill: the handle for `tid` (created now, or found if the
     /// decode side's request arrived first).
     pub fn sender(&self, tid: TransferId) -> Result<Sender, NodeError> {
-        self.require(Role::Prefill)?;
-        let EngineHandle::Prefill(h) = &self.inner.handle else {
-            unreachable!("role checked above");
-        };
+        self.require(Direction::Send)?;
+        let h = &self.inner.handle;
         let s = &self.inner.shared;
         if s.finished_phase(tid).is_some() {
             // The transfer already ended here: typically decode aborted (or
@@ -580,7 +529,7 @@ impl Node {
     /// transfer id for another request id; a decode rank's `Pull` naming
     /// another string is refused and fails only that decode request.
     pub fn sender_named(&self, request_id: &str) -> Result<Sender, NodeError> {
-        self.require(Role::Prefill)?;
+        self.require(Direction::Send)?;
         let tid = self.transfer_id_of(request_id)?;
         self.sender_as(tid, Some(request_id))
     }
@@ -610,7 +559,7 @@ impl Node {
         request_id: &str,
         prefill: &PrefillTarget,
     ) -> Result<Receiver, NodeError> {
-        self.require(Role::Decode)?;
+        self.require(Direction::Recv)?;
         let tid = self.transfer_id_of(request_id)?;
         self.inner.shared.check_name(tid, request_id)?;
         Ok(Receiver {
@@ -637,7 +586,7 @@ impl Node {
         tid: TransferId,
         prefill: &PrefillTarget,
     ) -> Result<Receiver, NodeError> {
-        self.require(Role::Decode)?;
+        self.require(Direction::Recv)?;
         Ok(Receiver {
             node: self.clone(),
             tid,
@@ -691,10 +640,8 @@ impl Node {
         dst_blocks: BlockLists,
         prefix_blocks: Vec<u32>,
     ) -> Result<(), NodeError> {
-        self.require(Role::Decode)?;
-        let EngineHandle::Decode(h) = &self.inner.handle else {
-            unreachable!("role checked above");
-        };
+        self.require(Direction::Recv)?;
+        let h = &self.inner.handle;
         let s = &self.inner.shared;
         let m = RecvMachine::new(
             Instant::now(),
@@ -705,11 +652,21 @@ impl Node {
             prefix_blocks,
         )
         .map_err(Misuse::Request)?;
-        h.create(0, tid, m).map_err(|r| NodeError::from(r.error))?;
+        // Marked before the machine exists, so a `Pull` for the same id
+        // from a decode peer never finds it unmarked (`Role::Both`).
+        let was_receiving = s.is_receiving(tid);
+        s.set_receiving(tid, true);
+        if let Err(r) = h.create(0, tid, Duplex::Recv(m)) {
+            // Refused: the mark stays only for the receive that had it.
+            if !was_receiving {
+                s.set_receiving(tid, false);
+            }
+            return Err(NodeError::from(r.error));
+        }
         // Prefill ranks this node talks to already: no trip through the
         // bridge (about two thread hand-offs off every request).
         if let Some(resolved) = s.cached_route(tid, target) {
-            return match h.send_event(tid, resolved) {
+            return match h.send_event(tid, duplex::Event::Recv(resolved)) {
                 Ok(()) => Ok(()),
                 Err(r) => {
                     let _ = h.abort(tid, AbortReason::Engine);
@@ -735,16 +692,16 @@ impl Node {
         blocks: BlockLists,
         is_last: bool,
     ) -> Result<(), NodeError> {
-        let EngineHandle::Prefill(h) = &self.inner.handle else {
-            return Err(Misuse::WrongRole(Role::Prefill).into());
+        self.require(Direction::Send)?;
+        let event = send::Event::ChunkReady {
+            src_blocks: blocks,
+            is_last,
         };
-        match h.send_event(
-            tid,
-            send::Event::ChunkReady {
-                src_blocks: blocks,
-                is_last,
-            },
-        ) {
+        match self
+            .inner
+            .handle
+            .send_event(tid, duplex::Event::Send(event))
+        {
             Ok(()) => Ok(()),
             // Ended already (see `sender`): nothing to send, the handle's
             // phase tells the outcome.
@@ -795,11 +752,13 @@ impl Node {
                 Outcome::Finished { .. } => {}
                 // `Rejected`, `Dropped` and any later outcome: no terminal
                 // phase was reported for it.
-                _ => self.inner.shared.record(
-                    c.transfer_id,
-                    Phase::Failed(FailReason::Aborted(AbortReason::Shutdown)),
-                    None,
-                ),
+                _ => {
+                    let s = &self.inner.shared;
+                    let direction = s.direction_of(c.transfer_id);
+                    s.set_receiving(c.transfer_id, false);
+                    let phase = Phase::Failed(FailReason::Aborted(AbortReason::Shutdown));
+                    s.record(c.transfer_id, direction, phase, None);
+                }
             }
         }
     }

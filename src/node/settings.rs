@@ -20,7 +20,7 @@ use kvferry_machines::common::Mode;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeSettings {
-    /// `"prefill"` or `"decode"` (required to build a config).
+    /// `"prefill"`, `"decode"` or `"both"` (alias `"kv_both"`); required to build a config.
     pub role: Option<RoleSetting>,
     /// This engine's id (required to build a config).
     pub engine_id: Option<String>,
@@ -106,6 +106,9 @@ pub enum RoleSetting {
     Prefill,
     /// [`Role::Decode`].
     Decode,
+    /// [`Role::Both`]; `kv_both` is vLLM's name for it.
+    #[serde(alias = "kv_both")]
+    Both,
 }
 
 /// [`Mode`] as a setting.
@@ -247,6 +250,7 @@ impl NodeSettings {
         let role = match self.role.ok_or(ConfigError::Missing("role"))? {
             RoleSetting::Prefill => Role::Prefill,
             RoleSetting::Decode => Role::Decode,
+            RoleSetting::Both => Role::Both,
         };
         let engine_id = self
             .engine_id

@@ -16,7 +16,7 @@
 //! | `records` (final phases) | executor | engine threads (`poll`, `get_finished`) |
 //! | `records.names` (string request ids) | engine threads, bridge | executor (`Pull`s), bridge |
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use kvferry_machines::common::{
     blocks_fingerprint, BlockId, BlockLists, Mode, Msg, PeerId, Phase, TransferId,
 };
+use kvferry_machines::duplex::{Direction, Duplex};
 use kvferry_machines::layout::{ModelSpec, RankLayout};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::{self, ResolvedPeer};
@@ -48,6 +49,10 @@ pub(crate) struct PeerData {
     /// The validated pair (P layout, D layout), or why it does not fit.
     pub pair: Result<PairLayout, PeerUnfit>,
     pub endpoint: Option<EndpointAddr>,
+    /// Which way this rank moves KV with the peer: `Send` for a decode
+    /// peer behind the ROUTER, `Recv` for a prefill peer behind one of our
+    /// DEALERs (a node of [`Role::Both`] has both kinds).
+    pub direction: Direction,
 }
 
 /// This rank's registered KV cache.
@@ -62,7 +67,8 @@ pub(crate) struct Records {
     /// Final phase by transfer, for handles polled after collection.
     pub(crate) done: HashMap<TransferId, Phase>,
     pub(crate) order: VecDeque<TransferId>,
-    pub(crate) finished: VecDeque<TransferId>,
+    /// Ended since the engine last asked (`get_finished`), and which way.
+    pub(crate) finished: VecDeque<(TransferId, Direction)>,
     pub(crate) load_errors: Vec<BlockId>,
     /// The string request id of each transfer opened by one (here or by a
     /// decode rank's `Pull`), live or among the records in `order`, so a
@@ -155,6 +161,9 @@ pub(crate) struct Shared {
     /// The hash from request ids to transfer ids; unset means
     /// [`TransferId::of_request_id`]. Tests set another to force collisions.
     pub(crate) id_hash: OnceLock<fn(&str) -> TransferId>,
+    /// [`Role::Both`] only: the transfers live here as receives (see
+    /// [`Shared::is_receiving`]); bounded by the executor's machines.
+    pub(crate) receiving: Mutex<HashSet<TransferId>>,
 }
 
 /// See `Shared::terminal_seq`.
@@ -179,7 +188,9 @@ pub(crate) struct Routes {
 #[derive(Default)]
 pub(crate) struct Peers {
     pub(crate) by_slot: HashMap<u32, Arc<PeerData>>,
-    pub(crate) by_endpoint: HashMap<EndpointAddr, u32>,
+    /// By (endpoint, direction): a node of [`Role::Both`] can be both a
+    /// decode and a prefill peer of this one, in two slots.
+    pub(crate) by_endpoint: HashMap<(EndpointAddr, Direction), u32>,
 }
 
 impl Shared {
@@ -205,19 +216,59 @@ impl Shared {
     /// first message may come in either order).
     pub(crate) fn create_sender(
         &self,
-        h: &ReactorHandle<SendMachine>,
+        h: &ReactorHandle<Duplex>,
         tid: TransferId,
     ) -> Result<(), SubmitError> {
+        if self.is_receiving(tid) {
+            // Found, but it is this rank's receive of the same id.
+            return Err(SubmitError::DuplicateTransfer(tid));
+        }
         let m = SendMachine::new(Instant::now(), &self.config.timeouts, tid, self.config.mode);
         let created = {
             let _order = self.create_lock.lock().unwrap_or_else(|e| e.into_inner());
-            h.create(0, tid, m)
+            h.create(0, tid, Duplex::Send(m))
         };
         match created {
             Ok(()) => Ok(()),
             Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => Ok(()),
             Err(r) => Err(r.error),
         }
+    }
+
+    /// [`Role::Both`]: true while `tid` is live here as a receive. A
+    /// sender for it, or a decode peer's `Pull` naming it, is refused
+    /// rather than handed to the receive machine.
+    pub(crate) fn is_receiving(&self, tid: TransferId) -> bool {
+        self.role == Role::Both && self.lock_receiving().contains(&tid)
+    }
+
+    /// [`Role::Both`]: `tid` is live here as a receive from now
+    /// (`live`) or no longer.
+    pub(crate) fn set_receiving(&self, tid: TransferId, live: bool) {
+        if self.role != Role::Both {
+            return;
+        }
+        let mut r = self.lock_receiving();
+        if live {
+            r.insert(tid);
+        } else {
+            r.remove(&tid);
+        }
+    }
+
+    /// Which way `tid` goes here, for a transfer that ended without
+    /// reporting it (refused at creation, dropped at shutdown).
+    pub(crate) fn direction_of(&self, tid: TransferId) -> Direction {
+        match self.role {
+            Role::Prefill => Direction::Send,
+            Role::Decode => Direction::Recv,
+            Role::Both if self.is_receiving(tid) => Direction::Recv,
+            Role::Both => Direction::Send,
+        }
+    }
+
+    fn lock_receiving(&self) -> std::sync::MutexGuard<'_, HashSet<TransferId>> {
+        self.receiving.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The transfer id of string request id `id` (see [`Shared::id_hash`]).
@@ -302,24 +353,33 @@ impl Shared {
     }
 
     /// The side-channel slot of the peer whose hello named data-plane
-    /// endpoint `endpoint`.
-    pub(crate) fn peer_at(&self, endpoint: &EndpointAddr) -> Option<u32> {
+    /// endpoint `endpoint`, among the peers this rank moves KV with in
+    /// `direction`.
+    pub(crate) fn peer_at(&self, endpoint: &EndpointAddr, direction: Direction) -> Option<u32> {
         self.peers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .by_endpoint
-            .get(endpoint)
+            .get(&(*endpoint, direction))
             .copied()
+    }
+
+    /// True when some peer's hello named data-plane endpoint `endpoint`.
+    pub(crate) fn knows_endpoint(&self, endpoint: &EndpointAddr) -> bool {
+        let p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        [Direction::Send, Direction::Recv]
+            .iter()
+            .any(|d| p.by_endpoint.contains_key(&(*endpoint, *d)))
     }
 
     /// Records the hello of the peer in slot `id`.
     pub(crate) fn set_peer(&self, id: u32, data: Arc<PeerData>) {
         let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = data.endpoint {
-            p.by_endpoint.insert(e, id);
+            p.by_endpoint.insert((e, data.direction), id);
         }
         if let Some(old) = p.by_slot.insert(id, data) {
-            forget_endpoint(&mut p, id, old.endpoint);
+            forget_endpoint(&mut p, id, &old);
         }
     }
 
@@ -327,7 +387,7 @@ impl Shared {
     pub(crate) fn remove_peer(&self, id: u32) {
         let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(old) = p.by_slot.remove(&id) {
-            forget_endpoint(&mut p, id, old.endpoint);
+            forget_endpoint(&mut p, id, &old);
         }
         drop(p);
         self.tickets
@@ -516,7 +576,13 @@ impl Shared {
 
     /// Remembers a final phase for handles and `get_finished`, bounded:
     /// the oldest records go first; with a success, what it wrote.
-    pub(crate) fn record(&self, tid: TransferId, phase: Phase, written: Option<Written>) {
+    pub(crate) fn record(
+        &self,
+        tid: TransferId,
+        direction: Direction,
+        phase: Phase,
+        written: Option<Written>,
+    ) {
         let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
         if let (Some(w), Phase::Success) = (written, phase) {
             r.written.insert(tid, w);
@@ -545,7 +611,7 @@ impl Shared {
         if r.done.insert(tid, phase).is_none() {
             r.order.push_back(tid);
         }
-        r.finished.push_back(tid);
+        r.finished.push_back((tid, direction));
     }
 
     /// A request of this node reached `phase`, `latency` after its first
@@ -554,6 +620,7 @@ impl Shared {
     pub(crate) fn on_terminal(
         &self,
         tid: TransferId,
+        direction: Direction,
         phase: Phase,
         latency: Duration,
         written: Option<Written>,
@@ -562,11 +629,13 @@ impl Shared {
             return;
         }
         self.counters.record_terminal(phase, latency);
-        if let (Role::Prefill, Phase::Expired) = (self.role, phase) {
+        match (direction, phase) {
             // The claim or lease ran out: the hold ended without decode's word.
-            Counters::inc(&self.counters.expired_holds);
+            (Direction::Send, Phase::Expired) => Counters::inc(&self.counters.expired_holds),
+            (Direction::Recv, _) => self.set_receiving(tid, false),
+            (Direction::Send, _) => {}
         }
-        self.record(tid, phase, written);
+        self.record(tid, direction, phase, written);
         if let Some(sink) = &self.config.events {
             let _ = sink.tx.try_send(Event {
                 tag: sink.tag,
@@ -621,13 +690,13 @@ impl Routes {
     }
 }
 
-/// Drops the index entry of `endpoint` if it still names slot `id`.
-fn forget_endpoint(p: &mut Peers, id: u32, endpoint: Option<EndpointAddr>) {
-    if let Some(e) = endpoint {
-        if p.by_endpoint.get(&e) == Some(&id)
-            && p.by_slot.get(&id).and_then(|d| d.endpoint) != Some(e)
-        {
-            p.by_endpoint.remove(&e);
-        }
+/// Drops the index entry of `old`'s endpoint if it still names slot `id`
+/// and the slot's current hello names another.
+fn forget_endpoint(p: &mut Peers, id: u32, old: &PeerData) {
+    let Some(e) = old.endpoint else { return };
+    let key = (e, old.direction);
+    let current = p.by_slot.get(&id).map(|d| (d.endpoint, d.direction));
+    if p.by_endpoint.get(&key) == Some(&id) && current != Some((Some(e), old.direction)) {
+        p.by_endpoint.remove(&key);
     }
 }

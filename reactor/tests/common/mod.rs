@@ -140,7 +140,13 @@ impl kvferry_reactor::ActionSink<TestMachine> for VecSink {
         self.actions.push((transfer_id, action));
     }
 
-    fn on_phase(&mut self, transfer_id: kvferry_machines::TransferId, phase: Phase, _now: Instant) {
+    fn on_phase(
+        &mut self,
+        transfer_id: kvferry_machines::TransferId,
+        _machine: &TestMachine,
+        phase: Phase,
+        _now: Instant,
+    ) {
         self.phases.push((transfer_id, phase));
     }
 }

@@ -17,15 +17,15 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvferry_machines::common::{late_answer, Mode, Msg, PeerId, Phase};
+use kvferry_machines::duplex::{self, Direction};
 use kvferry_machines::planner::{PairLayout, TpPair};
-use kvferry_machines::recv::{RecvMachine, ResolvedPeer};
-use kvferry_machines::send::SendMachine;
+use kvferry_machines::recv::ResolvedPeer;
 use kvferry_machines::{recv, send, AbortReason, TransferId};
-use kvferry_reactor::{ReactorHandle, SubmitError};
+use kvferry_reactor::SubmitError;
 
-use super::sink::NodeMachine;
+use super::sink::inbound;
 use super::{
-    Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Role, Shared,
+    Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Shared,
 };
 use crate::bootstrap::{BootstrapClient, ClientError};
 use crate::transport::EndpointAddr;
@@ -117,20 +117,19 @@ fn bind_router(ctx: &zmq::Context, shared: &Shared) -> Result<(zmq::Socket, Stri
 }
 
 impl BridgeThread {
-    /// Binds the ROUTER (prefill) and starts the thread. Returns the
-    /// side-channel address peers connect to (empty on decode).
+    /// Binds the ROUTER (roles that send) and starts the thread. Returns
+    /// the side-channel address peers connect to (empty on decode).
     pub(crate) fn start(
         shared: Arc<Shared>,
         handle: EngineHandle,
         rx: flume::Receiver<BridgeCmd>,
     ) -> Result<(BridgeThread, String), NodeError> {
         let ctx = zmq::Context::new();
-        let (router, addr) = match shared.role {
-            Role::Prefill => {
-                let (s, advertised) = bind_router(&ctx, &shared)?;
-                (Some(s), advertised)
-            }
-            Role::Decode => (None, String::new()),
+        let (router, addr) = if shared.role.sends() {
+            let (s, advertised) = bind_router(&ctx, &shared)?;
+            (Some(s), advertised)
+        } else {
+            (None, String::new())
         };
         let heartbeat = shared
             .config
@@ -656,6 +655,9 @@ impl Bridge {
             // Not registered yet: the peer retries its hello every tick.
             return;
         };
+        let Some(direction) = self.direction(peer) else {
+            return;
+        };
         let pair = if h.mode != self.shared.config.mode {
             Err(PeerUnfit::Mode {
                 theirs: h.mode,
@@ -664,9 +666,9 @@ impl Bridge {
         } else if h.model != local.model {
             Err(PeerUnfit::Model)
         } else {
-            let r = match self.shared.role {
-                Role::Prefill => PairLayout::new(&local.model, &local.layout, &h.layout),
-                Role::Decode => PairLayout::new(&local.model, &h.layout, &local.layout),
+            let r = match direction {
+                Direction::Send => PairLayout::new(&local.model, &local.layout, &h.layout),
+                Direction::Recv => PairLayout::new(&local.model, &h.layout, &local.layout),
             };
             r.map_err(PeerUnfit::Layout)
         };
@@ -683,21 +685,22 @@ impl Bridge {
             hello: h,
             pair,
             endpoint,
+            direction,
         });
         self.shared.set_peer(peer, data);
         if let Some(s) = self.slots.get_mut(peer as usize) {
             s.ready = true;
             s.refused = None;
         }
-        match self.shared.role {
+        match direction {
             // Only decode ranks start a hello (prefill answers every one,
             // decode answers none), so no hello is ever answered twice.
-            Role::Prefill => {
+            Direction::Send => {
                 if let Some(mine) = self.own_hello() {
                     self.send_frame(peer, &Frame::Hello(mine));
                 }
             }
-            Role::Decode => {
+            Direction::Recv => {
                 // A first heartbeat at once, so the first requests to this
                 // peer already carry a lease ticket.
                 self.hb_seq += 1;
@@ -718,9 +721,10 @@ impl Bridge {
             return false;
         }
         let shared = self.shared.clone();
-        let delivery = match &self.handle {
-            EngineHandle::Prefill(h) => to_sender(&shared, h, PeerId(peer), tid, msg),
-            EngineHandle::Decode(h) => to_receiver(h, PeerId(peer), tid, msg),
+        let delivery = match self.direction(peer) {
+            Some(Direction::Send) => to_sender(&shared, &self.handle, PeerId(peer), tid, msg),
+            Some(Direction::Recv) => to_receiver(&self.handle, PeerId(peer), tid, msg),
+            None => return false,
         };
         match delivery {
             Delivery::Taken => return true,
@@ -864,15 +868,25 @@ enum Delivery {
 /// decode's `Pull` (or `Unneeded`) comes before the engine's `sender`.
 fn to_sender(
     shared: &Shared,
-    h: &ReactorHandle<SendMachine>,
+    h: &EngineHandle,
     peer: PeerId,
     tid: TransferId,
     msg: Msg,
 ) -> Delivery {
-    let event = SendMachine::inbound(shared, peer, msg);
+    if shared.is_receiving(tid) {
+        // `Role::Both`: the id is this rank's receive, not a send; the
+        // decode peer is told at once.
+        tracing::warn!(
+            ?tid,
+            ?peer,
+            "a decode peer names a transfer this rank receives"
+        );
+        return Delivery::Answer(Msg::Abort);
+    }
+    let event = inbound(shared, Direction::Send, peer, msg);
     match with_lock(shared, || h.send_event(tid, event)) {
         Ok(()) => Delivery::Taken,
-        Err(r) => match (r.error, r.value) {
+        Err(r) => match (r.error, unwrap_send(r.value)) {
             // The first words of a transfer that already ended here (and
             // was collected): tell decode at once, as for any unknown
             // transfer, instead of starting a second machine that would
@@ -912,7 +926,7 @@ fn opens_transfer(event: &send::Event) -> bool {
 /// hands them to it.
 fn sender_for_early(
     shared: &Shared,
-    h: &ReactorHandle<SendMachine>,
+    h: &EngineHandle,
     tid: TransferId,
     event: send::Event,
 ) -> Delivery {
@@ -925,9 +939,17 @@ fn sender_for_early(
         tracing::warn!(?tid, error = %e, "cannot take a new transfer");
         return Delivery::NoRoom;
     }
-    match h.send_event(tid, event) {
+    match h.send_event(tid, duplex::Event::Send(event)) {
         Ok(()) => Delivery::Taken,
         Err(r) => Delivery::Refused(r.error, None),
+    }
+}
+
+/// The send event in a refused `event` (every event `to_sender` makes is one).
+fn unwrap_send(event: duplex::Event) -> send::Event {
+    match event {
+        duplex::Event::Send(e) => e,
+        duplex::Event::Recv(_) => unreachable!("to_sender sends send events only"),
     }
 }
 
@@ -959,35 +981,42 @@ fn announce_remote_request(shared: &Shared, tid: TransferId, msg: &Msg) {
 }
 
 /// Hands `msg` to the receive machine of `tid`.
-fn to_receiver(
-    h: &ReactorHandle<RecvMachine>,
-    peer: PeerId,
-    tid: TransferId,
-    msg: Msg,
-) -> Delivery {
-    match h.send_event(tid, recv::Event::Msg { peer, msg }) {
+fn to_receiver(h: &EngineHandle, peer: PeerId, tid: TransferId, msg: Msg) -> Delivery {
+    match h.send_event(tid, duplex::Event::Recv(recv::Event::Msg { peer, msg })) {
         Ok(()) => Delivery::Taken,
         Err(r) => match r.value {
-            recv::Event::Msg { msg, .. } => Delivery::Refused(r.error, Some(msg)),
+            duplex::Event::Recv(recv::Event::Msg { msg, .. }) => {
+                Delivery::Refused(r.error, Some(msg))
+            }
             _ => Delivery::Refused(r.error, None),
         },
     }
 }
 
-impl EngineHandle {
-    fn abort_engine(&self, tid: TransferId) -> Result<(), SubmitError> {
-        self.abort(tid, AbortReason::Engine)
+impl Bridge {
+    /// Which way this rank moves KV with the peer in slot `peer`: it sends
+    /// to a decode peer behind the ROUTER, and receives from a prefill peer
+    /// behind one of its DEALERs.
+    fn direction(&self, peer: u32) -> Option<Direction> {
+        self.slots.get(peer as usize).map(|s| match s.route {
+            Route::Identity(_) => Direction::Send,
+            Route::Dealer(_) => Direction::Recv,
+        })
     }
 
-    fn peer_dead(&self, tid: TransferId, peer: PeerId) {
-        let _ = match self {
-            EngineHandle::Prefill(h) => h
-                .send_event(tid, send::Event::PeerDead { peer })
-                .map_err(|r| r.error),
-            EngineHandle::Decode(h) => h
-                .send_event(tid, recv::Event::PeerDead { peer })
-                .map_err(|r| r.error),
+    fn abort_engine(&self, tid: TransferId) -> Result<(), SubmitError> {
+        self.handle.abort(tid, AbortReason::Engine)
+    }
+
+    /// Tells the machine of `tid` that the peer in slot `peer` is dead.
+    fn peer_dead(&self, tid: TransferId, peer: u32) {
+        let p = PeerId(peer);
+        let event = match self.direction(peer) {
+            Some(Direction::Send) => duplex::Event::Send(send::Event::PeerDead { peer: p }),
+            Some(Direction::Recv) => duplex::Event::Recv(recv::Event::PeerDead { peer: p }),
+            None => return,
         };
+        let _ = self.handle.send_event(tid, event);
     }
 }
 

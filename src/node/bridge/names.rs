@@ -42,8 +42,8 @@ impl Bridge {
         request_id: String,
         msg: Msg,
     ) {
-        if self.shared.role != Role::Prefill {
-            self.bad_frame("named transfer sent to a decode rank");
+        if self.direction(peer) != Some(Direction::Send) {
+            self.bad_frame("named transfer sent by a prefill peer");
             return;
         }
         match self.shared.claim_name(tid, &request_id) {
@@ -103,10 +103,11 @@ impl Bridge {
     /// transfer id for another request id. The request fails
     /// `Aborted(IdCollision)`; its abort tells the other prefill ranks.
     pub(super) fn on_id_collision(&mut self, peer: u32, tid: TransferId) {
-        let EngineHandle::Decode(h) = &self.handle else {
-            self.bad_frame("id collision sent to a prefill rank");
+        if self.direction(peer) != Some(Direction::Recv) {
+            self.bad_frame("id collision sent by a decode peer");
             return;
-        };
+        }
+        let h = &self.handle;
         let request_id = self.shared.name_of(tid);
         tracing::warn!(
             transfer_id = %tid,

@@ -256,7 +256,7 @@ impl Bridge {
         let tids: Vec<TransferId> = s.transfers.drain().collect();
         let addr = s.addr.clone();
         for tid in tids {
-            self.handle.peer_dead(tid, PeerId(i as u32));
+            self.peer_dead(tid, i as u32);
         }
         if !addr.is_empty() {
             // A replacement may register elsewhere: ask again next time.

@@ -110,12 +110,12 @@ impl Bridge {
             }
             _ => {
                 tracing::warn!(tid = ?p.tid, ?engine, "prefill TP or PP does not fit; aborting");
-                let _ = self.handle.abort_engine(p.tid);
+                let _ = self.abort_engine(p.tid);
                 return true;
             }
         };
         let Some(ranks) = self.rank_peers(&pair, local.layout.tp_rank, &engine, stages) else {
-            let _ = self.handle.abort_engine(p.tid);
+            let _ = self.abort_engine(p.tid);
             return true;
         };
         if ranks.stale {
@@ -145,14 +145,14 @@ impl Bridge {
                 self.routes_changed(None);
                 let t = p.target.clone();
                 if !self.start_query(&t) {
-                    let _ = self.handle.abort_engine(p.tid);
+                    let _ = self.abort_engine(p.tid);
                     return true;
                 }
                 false
             }
             PrefillTarget::Direct { .. } => {
                 tracing::warn!(tid = ?p.tid, "prefill ranks' stages do not match the target; aborting");
-                let _ = self.handle.abort_engine(p.tid);
+                let _ = self.abort_engine(p.tid);
                 true
             }
         }
@@ -184,7 +184,7 @@ impl Bridge {
                 None => {
                     let t = p.target.clone();
                     if !self.start_query(&t) {
-                        let _ = self.handle.abort_engine(p.tid);
+                        let _ = self.abort_engine(p.tid);
                         return ControlFlow::Break(true);
                     }
                     ControlFlow::Break(false)
@@ -330,19 +330,23 @@ impl Bridge {
         for rp in &ranks.peers {
             self.slots[rp.peer.0 as usize].transfers.insert(tid);
         }
-        if let EngineHandle::Decode(h) = &self.handle {
+        let h = &self.handle;
+        let to_recv = duplex::Event::Recv;
+        {
             let resolved = recv::Event::PeersResolved {
                 peers: ranks.peers,
                 unneeded: ranks.unneeded,
             };
-            let _ = h.send_event(tid, resolved);
+            let _ = h.send_event(tid, to_recv(resolved));
             for d in ranks.dead {
-                let _ = h.send_event(tid, recv::Event::PeerDead { peer: PeerId(d) });
+                let dead = recv::Event::PeerDead { peer: PeerId(d) };
+                let _ = h.send_event(tid, to_recv(dead));
             }
             // A peer of another protocol version cannot pair with us: the
             // same failure as layouts that do not fit.
             for r in ranks.refused {
-                let _ = h.send_event(tid, recv::Event::PlanFailed { peer: PeerId(r) });
+                let unfit = recv::Event::PlanFailed { peer: PeerId(r) };
+                let _ = h.send_event(tid, to_recv(unfit));
             }
         }
     }

@@ -9,9 +9,9 @@ use super::*;
 /// the bridge's path, as if it had come over ZeroMQ. Refuses (so the peer
 /// resends over the side channel) when the sender is not a peer whose hello
 /// named that endpoint.
-pub(super) fn notify_handler<M: NodeMachine + 'static>(
+pub(super) fn notify_handler(
     shared: Arc<Shared>,
-    poster: EventPoster<M>,
+    poster: EventPoster<Duplex>,
     live: Live,
 ) -> crate::transport::tcp::NotifyHandler {
     let router = Rc::new(NoteRouter {
@@ -31,17 +31,29 @@ pub(super) fn notify_handler<M: NodeMachine + 'static>(
                 return false;
             }
         };
-        let Some(peer) = sender
-            .parse::<EndpointAddr>()
-            .ok()
-            .and_then(|e| shared.peer_at(&e))
-        else {
-            tracing::debug!(sender, "data-plane notification from an unknown endpoint");
+        let Ok(endpoint) = sender.parse::<EndpointAddr>() else {
+            tracing::debug!(sender, "data-plane notification names no endpoint");
             return false;
         };
+        if !shared.knows_endpoint(&endpoint) {
+            tracing::debug!(sender, "data-plane notification from an unknown endpoint");
+            return false;
+        }
         for f in frames {
             match wire::decode(f, &limits) {
-                Ok(Frame::Transfer { transfer_id, msg }) => router.route(peer, transfer_id, msg),
+                Ok(Frame::Transfer { transfer_id, msg }) => {
+                    // Which of the sender's peer slots: the one it is a
+                    // decode peer in, or the one it is a prefill peer in.
+                    let mode = shared.config.mode;
+                    let peer = toward(&msg, mode).and_then(|d| shared.peer_at(&endpoint, d));
+                    match peer {
+                        Some(peer) => router.route(peer, transfer_id, msg),
+                        None => {
+                            tracing::debug!(?msg, "no peer of that endpoint takes this message");
+                            shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
                 Ok(other) => {
                     tracing::debug!(?other, "only transfer messages travel over the data plane");
                     shared.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
@@ -57,9 +69,9 @@ pub(super) fn notify_handler<M: NodeMachine + 'static>(
 }
 
 /// Where the data-plane notifications of one executor go.
-pub(super) struct NoteRouter<M: NodeMachine> {
+pub(super) struct NoteRouter {
     pub(super) shared: Arc<Shared>,
-    pub(super) poster: EventPoster<M>,
+    pub(super) poster: EventPoster<Duplex>,
     pub(super) live: Live,
     pub(super) deferred: RefCell<Deferred>,
 }
@@ -76,7 +88,7 @@ pub(super) struct Deferred {
     pub(super) draining: bool,
 }
 
-impl<M: NodeMachine + 'static> NoteRouter<M> {
+impl NoteRouter {
     /// A message for a transfer that is not live here yet usually names one
     /// whose `Create` already sits in this executor's mailbox: the engine
     /// called `sender` (or `receiver`) and the peer's `Pull` overtook it in
@@ -132,8 +144,10 @@ impl<M: NodeMachine + 'static> NoteRouter<M> {
 
     pub(super) fn deliver(&self, peer: u32, tid: TransferId, msg: Msg) {
         let shared = &self.shared;
-        if over_data_plane(&msg) && self.is_live(tid) {
-            let event = M::inbound(shared, PeerId(peer), msg.clone());
+        let direction =
+            toward(&msg, shared.config.mode).filter(|_| over_data_plane(&msg) && self.is_live(tid));
+        if let Some(direction) = direction {
+            let event = inbound(shared, direction, PeerId(peer), msg.clone());
             // A full queue (or a closing executor) leaves it to the
             // bridge, whose hand-off waits for room.
             if self.poster.try_post(tid, event).is_ok() {

@@ -13,11 +13,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_machines::common::{blocks_fingerprint, BlockLists, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::common::{blocks_fingerprint, BlockLists, Mode, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::duplex::{self, Direction, Duplex};
 use kvferry_machines::planner::{Plan, PlanError};
-use kvferry_machines::recv::RecvMachine;
-use kvferry_machines::send::SendMachine;
-use kvferry_machines::{recv, send, Machine, Phase, TransferId};
+use kvferry_machines::{recv, send, Phase, TransferId};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
@@ -133,12 +132,12 @@ fn tcp_transport(
 
 /// Counts a finished move and returns whether it succeeded; first tells
 /// the machine `uncarried` when the bytes landed without their `Status`.
-async fn count_move<M: Machine>(
+async fn count_move(
     shared: &Shared,
-    poster: &EventPoster<M>,
+    poster: &EventPoster<Duplex>,
     tid: TransferId,
     result: Result<bool, MoveError>,
-    uncarried: Option<M::Event>,
+    uncarried: Option<duplex::Event>,
     bytes: u64,
     count: u64,
 ) -> bool {
@@ -290,35 +289,59 @@ struct Job<'a> {
     op: Op,
 }
 
-/// What the sink needs to know of each machine type.
-pub(crate) trait NodeMachine: Machine {
-    /// The event that hands `peer`'s message to a live machine of this
-    /// executor, as the bridge would.
-    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> Self::Event;
+/// `peer`'s message as the event of the machine it is for, which goes
+/// `direction` (the way this rank moves KV with that peer).
+pub(crate) fn inbound(
+    shared: &Shared,
+    direction: Direction,
+    peer: PeerId,
+    msg: Msg,
+) -> duplex::Event {
+    match direction {
+        Direction::Send => duplex::Event::Send(to_send_event(shared, peer, msg)),
+        Direction::Recv => duplex::Event::Recv(recv::Event::Msg { peer, msg }),
+    }
 }
 
-impl NodeMachine for SendMachine {
-    fn inbound(shared: &Shared, peer: PeerId, msg: Msg) -> send::Event {
-        match msg {
-            Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
-                shared.ticket_event(peer.0, seq & !TICKET_BIT, duration_ms)
-            }
-            Msg::Pull { .. } if shared.is_unpaired(peer.0) => send::Event::UnpairedPull { peer },
-            msg => send::Event::Msg { peer, msg },
+/// A decode peer's message to a send machine: a lease ticket's grant and a
+/// `Pull` from a rank paired with nothing here have events of their own.
+fn to_send_event(shared: &Shared, peer: PeerId, msg: Msg) -> send::Event {
+    match msg {
+        Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
+            shared.ticket_event(peer.0, seq & !TICKET_BIT, duration_ms)
         }
+        Msg::Pull { .. } if shared.is_unpaired(peer.0) => send::Event::UnpairedPull { peer },
+        msg => send::Event::Msg { peer, msg },
     }
 }
 
-impl NodeMachine for RecvMachine {
-    fn inbound(_: &Shared, peer: PeerId, msg: Msg) -> recv::Event {
-        recv::Event::Msg { peer, msg }
+/// Which way the machine that `msg` is for moves KV, in `mode`: a data-plane
+/// notification names the peer's endpoint only, and a rank of
+/// [`Role::Both`](super::Role) may be both a sender and a receiver of the
+/// same peer. Leases go from the granter (push: decode; pull: prefill) to
+/// the rank that touches the other's memory. `None` for the messages
+/// either side sends (`Abort`, `AbortAck`), which never travel that way.
+pub(crate) fn toward(msg: &Msg, mode: Mode) -> Option<Direction> {
+    let to_toucher = match mode {
+        Mode::Push => Direction::Send,
+        Mode::Pull => Direction::Recv,
+    };
+    match msg {
+        Msg::Pull { .. } | Msg::Done { .. } | Msg::Unneeded => Some(Direction::Send),
+        Msg::Status { .. } | Msg::Ready { .. } | Msg::NotPaired => Some(Direction::Recv),
+        Msg::LeaseGrant { .. } => Some(to_toucher),
+        Msg::LeaseRequest { .. } => Some(match to_toucher {
+            Direction::Send => Direction::Recv,
+            Direction::Recv => Direction::Send,
+        }),
+        Msg::Abort | Msg::AbortAck => None,
     }
 }
 
-/// The node's action sink, for either machine type.
-pub(crate) struct Sink<M: Machine> {
+/// The node's action sink.
+pub(crate) struct Sink {
     shared: Arc<Shared>,
-    poster: EventPoster<M>,
+    poster: EventPoster<Duplex>,
     plan: Plan,
     /// Scratch block lists for the planner (u64 ids), kept between calls.
     src: Vec<Vec<u64>>,
@@ -343,22 +366,19 @@ pub(crate) struct Sink<M: Machine> {
 
 type Live = Rc<RefCell<HashMap<TransferId, Instant>>>;
 
-impl<M: Machine> Drop for Sink<M> {
+impl Drop for Sink {
     fn drop(&mut self) {
         let id = self.shared.node_id;
         TRANSPORTS.with(|m| m.borrow_mut().remove(&id));
     }
 }
 
-impl<M: NodeMachine + 'static> Sink<M>
-where
-    M::Event: 'static,
-{
+impl Sink {
     /// Builds the sink and the node's transport endpoint on the executor;
     /// reports the endpoint address (or why it failed) on `ready`.
     pub(crate) fn new(
         shared: Arc<Shared>,
-        poster: EventPoster<M>,
+        poster: EventPoster<Duplex>,
         ready: flume::Sender<Result<String, DataPlaneError>>,
     ) -> Self {
         let made = match shared.config.transport {
@@ -369,7 +389,7 @@ where
         let transport = match made {
             Ok(t) => {
                 if let (AnyTransport::Tcp(tcp), true) = (&t, shared.config.data_plane_messages) {
-                    tcp.set_notify_handler(Some(notify_handler::<M>(
+                    tcp.set_notify_handler(Some(notify_handler(
                         shared.clone(),
                         poster.clone(),
                         started.clone(),
@@ -425,7 +445,7 @@ where
     }
 
     /// Posts `events` to the machine from a local task (`execute` cannot wait).
-    fn post_later(&self, tid: TransferId, events: Vec<M::Event>) {
+    fn post_later(&self, tid: TransferId, events: Vec<duplex::Event>) {
         let poster = self.poster.clone();
         glommio::spawn_local(async move {
             for e in events {
@@ -446,9 +466,9 @@ where
         &mut self,
         tid: TransferId,
         job: Job<'_>,
-        done: impl FnOnce(bool) -> M::Event + 'static,
-        plan_failed: M::Event,
-        uncarried: Option<M::Event>,
+        done: impl FnOnce(bool) -> duplex::Event + 'static,
+        plan_failed: duplex::Event,
+        uncarried: Option<duplex::Event>,
     ) {
         let Job { peer, src, dst, op } = job;
         let status_after = uncarried.is_some();
@@ -609,7 +629,7 @@ where
         Ok((endpoint, descs, batches))
     }
 
-    fn report(&mut self, tid: TransferId, phase: Phase, now: Instant) {
+    fn report(&mut self, tid: TransferId, direction: Direction, phase: Phase, now: Instant) {
         if !phase.is_terminal() {
             // The first report comes when the machine is inserted.
             self.started.borrow_mut().entry(tid).or_insert(now);
@@ -626,7 +646,8 @@ where
         let since = self.started.borrow_mut().remove(&tid).unwrap_or(now);
         let latency = now.saturating_duration_since(since);
         let written = self.written.remove(&tid);
-        self.shared.on_terminal(tid, phase, latency, written);
+        self.shared
+            .on_terminal(tid, direction, phase, latency, written);
     }
 }
 
@@ -638,7 +659,8 @@ fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
     }
 }
 
-impl Sink<SendMachine> {
+/// Prefill side: the actions of send machines.
+impl Sink {
     /// Adds `dst_blocks`, about to be written to `peer`, to what `tid`
     /// wrote to it.
     fn note_written(&mut self, tid: TransferId, peer: PeerId, dst_blocks: &BlockLists) {
@@ -654,22 +676,8 @@ impl Sink<SendMachine> {
         }
         self.msgr.send_msg(tid, peer, msg, resent)
     }
-}
 
-impl Sink<RecvMachine> {
-    fn send_from_d(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
-        // Push mode: P ranks write these blocks through our endpoint.
-        if let Msg::Pull { dst_blocks, .. } = &msg {
-            if !self.opened.contains_key(&tid) {
-                self.open_blocks(tid, dst_blocks);
-            }
-        }
-        self.msgr.send_msg(tid, peer, msg, resent)
-    }
-}
-
-impl ActionSink<SendMachine> for Sink<SendMachine> {
-    fn execute(&mut self, tid: TransferId, action: send::Action) {
+    fn execute_send(&mut self, tid: TransferId, action: send::Action) {
         match action {
             send::Action::Send { peer, msg } => self.send_from_p(tid, peer, msg, false),
             send::Action::Resend { peer, msg } => self.send_from_p(tid, peer, msg, true),
@@ -682,6 +690,7 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
             } => {
                 self.open_blocks(tid, &src_blocks);
                 self.note_written(tid, peer, &dst_blocks);
+                let sent = duplex::Event::Send;
                 self.start_transfer(
                     tid,
                     Job {
@@ -690,23 +699,30 @@ impl ActionSink<SendMachine> for Sink<SendMachine> {
                         dst: &dst_blocks,
                         op: Op::Write,
                     },
-                    move |ok| send::Event::WriteDone { peer, chunk, ok },
-                    send::Event::PlanFailed { peer },
-                    status_after.then_some(send::Event::StatusNotCarried { peer }),
+                    move |ok| sent(send::Event::WriteDone { peer, chunk, ok }),
+                    sent(send::Event::PlanFailed { peer }),
+                    status_after.then(|| sent(send::Event::StatusNotCarried { peer })),
                 )
             }
             // The phase turns terminal in the same call; `on_phase` reports it.
             send::Action::ReleaseBlocks { .. } => {}
         }
     }
-
-    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
-        self.report(tid, phase, now);
-    }
 }
 
-impl ActionSink<RecvMachine> for Sink<RecvMachine> {
-    fn execute(&mut self, tid: TransferId, action: recv::Action) {
+/// Decode side: the actions of receive machines.
+impl Sink {
+    fn send_from_d(&mut self, tid: TransferId, peer: PeerId, msg: Msg, resent: bool) {
+        // Push mode: P ranks write these blocks through our endpoint.
+        if let Msg::Pull { dst_blocks, .. } = &msg {
+            if !self.opened.contains_key(&tid) {
+                self.open_blocks(tid, dst_blocks);
+            }
+        }
+        self.msgr.send_msg(tid, peer, msg, resent)
+    }
+
+    fn execute_recv(&mut self, tid: TransferId, action: recv::Action) {
         match action {
             recv::Action::Send { peer, msg } => self.send_from_d(tid, peer, msg, false),
             recv::Action::Resend { peer, msg } => self.send_from_d(tid, peer, msg, true),
@@ -717,6 +733,7 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
                 dst_blocks,
             } => {
                 self.open_blocks(tid, &dst_blocks);
+                let got = duplex::Event::Recv;
                 self.start_transfer(
                     tid,
                     Job {
@@ -725,8 +742,8 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
                         dst: &dst_blocks,
                         op: Op::Read,
                     },
-                    move |ok| recv::Event::ReadDone { peer, chunk, ok },
-                    recv::Event::PlanFailed { peer },
+                    move |ok| got(recv::Event::ReadDone { peer, chunk, ok }),
+                    got(recv::Event::PlanFailed { peer }),
                     None,
                 )
             }
@@ -734,8 +751,17 @@ impl ActionSink<RecvMachine> for Sink<RecvMachine> {
             recv::Action::LoadFailed { block_ids } => self.shared.add_load_errors(&block_ids),
         }
     }
+}
 
-    fn on_phase(&mut self, tid: TransferId, phase: Phase, now: Instant) {
-        self.report(tid, phase, now);
+impl ActionSink<Duplex> for Sink {
+    fn execute(&mut self, tid: TransferId, action: duplex::Action) {
+        match action {
+            duplex::Action::Send(a) => self.execute_send(tid, a),
+            duplex::Action::Recv(a) => self.execute_recv(tid, a),
+        }
+    }
+
+    fn on_phase(&mut self, tid: TransferId, machine: &Duplex, phase: Phase, now: Instant) {
+        self.report(tid, machine.direction(), phase, now);
     }
 }
