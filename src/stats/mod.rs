@@ -77,6 +77,20 @@ macro_rules! counters {
         }
 
         impl NodeStats {
+            /// `(field name, value)` of every counter, in declaration
+            /// order: for embedders that report counters by name (the
+            /// Python package's `Node.stats()`).
+            pub fn fields(&self) -> Vec<(&'static str, u64)> {
+                vec![
+                    ("ok", self.ok),
+                    ("failed", self.failed),
+                    ("aborted", self.aborted),
+                    ("expired", self.expired),
+                    ("dead_now", self.dead_now),
+                    $((stringify!($field), self.$field),)*
+                ]
+            }
+
             /// `(family, help, value)` of every plain counter.
             fn plain(&self) -> Vec<(&'static str, &'static str, u64)> {
                 vec![$(($family, $help, self.$field),)*]

@@ -1,0 +1,340 @@
+"""kvferry moves the KV cache of LLM requests from a prefill engine to a
+decode engine (disaggregated serving).
+
+A :class:`Node` is one prefill, decode or both-ways rank. Register the
+engine's KV cache with :meth:`Node.register_kv_caches`, then open a
+:class:`Sender` (prefill) or :class:`Receiver` (decode) per request::
+
+    with kvferry.Node(role="prefill", engine_id="p") as p, \\
+         kvferry.Node(role="decode", engine_id="d") as d:
+        p.register_kv_caches([k0, v0], layout="hnd", total_kv_heads=8,
+                             block_tokens=16, head_bytes=256)
+        d.register_kv_caches([k1, v1], layout="hnd", total_kv_heads=8,
+                             block_tokens=16, head_bytes=256)
+        rx = d.receiver("req-1", side_channels=[p.side_channel_addr])
+        rx.request([3, 4])
+        p.sender("req-1").send([0, 1])
+        assert rx.wait(5.0) is kvferry.Phase.Success
+
+Every call that waits releases the GIL; ``wait`` returns on Ctrl-C with
+``KeyboardInterrupt``. Errors are :class:`Error` subclasses that say whose
+fault they are: :class:`MisuseError` (the caller), :class:`PeerError`,
+:class:`TransportError`, :class:`TimeoutError`, :class:`BusyError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from . import _native
+from ._native import (
+    REQUEST_ID_MAX_BYTES,
+    BusyError,
+    Error,
+    MisuseError,
+    PeerError,
+    TimeoutError,
+    TransportError,
+)
+
+__all__ = [
+    "Node",
+    "Sender",
+    "Receiver",
+    "Phase",
+    "Error",
+    "MisuseError",
+    "PeerError",
+    "TransportError",
+    "TimeoutError",
+    "BusyError",
+    "REQUEST_ID_MAX_BYTES",
+]
+
+TransferRef = Union[int, str]
+BlockIds = Union[Sequence[int], Sequence[Sequence[int]]]
+
+
+class Phase(enum.Enum):
+    """Where a transfer is; the names of the Rust phases."""
+
+    Bootstrapping = "Bootstrapping"
+    WaitingForInput = "WaitingForInput"
+    Transferring = "Transferring"
+    Success = "Success"
+    Failed = "Failed"
+    Expired = "Expired"
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once the transfer ended: its blocks are the engine's again."""
+        return self in (Phase.Success, Phase.Failed, Phase.Expired)
+
+
+class _Handle:
+    """What a sender and a receiver share: phase, wait, abort."""
+
+    def __init__(self, node: "Node", native: Any, transfer_id: TransferRef) -> None:
+        # The node (and with it the registered memory) lives as long as
+        # any handle of its transfers.
+        self._node = node
+        self._native = native
+        self.transfer_id = transfer_id
+        #: Why the transfer failed (``"PeerAborted"``, ``"Aborted(Engine)"``
+        #: ...) as of the last :meth:`poll` or :meth:`wait`; ``None`` unless
+        #: that phase was :attr:`Phase.Failed`.
+        self.failure: Optional[str] = None
+
+    def _phase(self, pair: "tuple[str, Optional[str]]") -> Phase:
+        name, self.failure = pair
+        return Phase(name)
+
+    def poll(self) -> Phase:
+        """The current phase, without waiting."""
+        return self._phase(self._native.poll())
+
+    def wait(self, timeout_s: float) -> Phase:
+        """Waits up to ``timeout_s`` seconds for a terminal phase and
+        returns the phase then (terminal or not)."""
+        return self._phase(self._native.wait(float(timeout_s)))
+
+    def abort(self) -> None:
+        """Aborts the transfer; it turns terminal once no peer can touch
+        its blocks any more."""
+        self._native.abort()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.transfer_id!r})"
+
+
+class Sender(_Handle):
+    """The prefill side of one transfer (SGLang's ``KVSender``)."""
+
+    def send(self, block_ids: BlockIds, is_last: bool = True) -> None:
+        """Hands the KV in ``block_ids`` (a list of ids, or one list per
+        KV-cache group) to the transfer; ``is_last`` on the last chunk."""
+        self._native.send(block_ids, is_last)
+
+
+class Receiver(_Handle):
+    """The decode side of one transfer (SGLang's ``KVReceiver``)."""
+
+    def request(
+        self, block_ids: BlockIds, prefix_blocks: Optional[Sequence[int]] = None
+    ) -> None:
+        """Asks the prefill ranks for the KV, into ``block_ids`` (a list of
+        ids, or one list per group). ``prefix_blocks``: per group, how many
+        of the prefill side's leading blocks this rank holds already."""
+        self._native.request(block_ids, prefix_blocks)
+
+
+def _tensor_region(t: Any) -> "tuple[int, int, int, Any]":
+    """``(address, nbytes, blocks, keepalive)`` of a tensor whose leading
+    dimension is the block: a CPU torch tensor, or any writable,
+    C-contiguous buffer (numpy arrays among them)."""
+    if hasattr(t, "data_ptr") and hasattr(t, "element_size"):
+        if getattr(getattr(t, "device", None), "type", "cpu") != "cpu":
+            raise MisuseError(f"only CPU tensors can be registered, not {t.device}")
+        if not t.is_contiguous():
+            raise MisuseError("a KV tensor must be contiguous")
+        return t.data_ptr(), t.numel() * t.element_size(), int(t.shape[0]), t
+    try:
+        view = memoryview(t)
+    except TypeError:
+        raise TypeError(
+            f"a KV tensor is a CPU torch tensor or a writable buffer, not {type(t).__name__}"
+        ) from None
+    if view.readonly or not view.c_contiguous:
+        raise MisuseError("a KV buffer must be writable and C-contiguous")
+    if view.ndim == 0 or view.nbytes == 0:
+        raise MisuseError("a KV buffer needs a leading block dimension and bytes")
+    # Holding the ctypes view keeps the buffer exported (and alive) for as
+    # long as the node may touch it.
+    anchor = (ctypes.c_char * view.nbytes).from_buffer(view)
+    return ctypes.addressof(anchor), view.nbytes, int(view.shape[0]), (t, view, anchor)
+
+
+class Node:
+    """One prefill, decode or both-ways rank.
+
+    Keywords are the node's settings (``docs/config.md``): ``role``
+    (``"prefill"``, ``"decode"``, ``"both"``), ``engine_id``, ``tp_size``,
+    ``tp_rank``, ``dp_rank``, ``pp_size``, ``pp_rank``, ``mode`` (``"push"``
+    or ``"pull"``), ``transport`` (``"tcp"`` or ``"local"``), ``host``,
+    ``bootstrap`` (``"HOST:PORT"`` to register at or ask), ``serve_bootstrap``
+    and every other key, timeouts as ``*_ms``. An unknown key raises
+    :class:`MisuseError`.
+    """
+
+    def __init__(self, *, role: str, engine_id: str, **settings: Any) -> None:
+        config = {"role": role, "engine_id": engine_id}
+        config.update({k: v for k, v in settings.items() if v is not None})
+        self._native = _native.Node(json.dumps(config))
+        #: Tensors registered, kept alive until the node stops.
+        self._memory: list = []
+        #: String request ids of transfers opened by one, by transfer id,
+        #: until ``get_finished`` reports them.
+        self._names: "dict[int, str]" = {}
+
+    # -- memory --------------------------------------------------------
+
+    def register_kv_caches(
+        self,
+        tensors: Optional[Iterable[Any]] = None,
+        *,
+        regions: Optional[Sequence["tuple[int, int, int]"]] = None,
+        num_blocks: Optional[int] = None,
+        layout: str = "hnd",
+        total_kv_heads: int,
+        block_tokens: int,
+        head_bytes: int,
+        first_region: int = 0,
+    ) -> None:
+        """Registers the KV cache: exactly one of ``tensors`` (one region
+        per tensor, leading dimension the block, all with as many blocks)
+        or raw ``regions`` ``[(base_address, block_len, kv_block_len)]``
+        of ``num_blocks`` blocks each. Raw addresses must stay valid until
+        :meth:`shutdown`; tensors are kept alive by the node."""
+        if (tensors is None) == (regions is None):
+            raise MisuseError("give exactly one of tensors and regions")
+        if tensors is not None:
+            if num_blocks is not None:
+                raise MisuseError("num_blocks comes from the tensors' leading dimension")
+            regions, num_blocks, keep = self._regions_of(list(tensors))
+        else:
+            if num_blocks is None:
+                raise MisuseError("raw regions need num_blocks")
+            keep = []
+        self._native.register_regions(
+            [tuple(int(x) for x in r) for r in regions],
+            int(num_blocks),
+            layout,
+            int(total_kv_heads),
+            int(block_tokens),
+            int(head_bytes),
+            int(first_region),
+        )
+        self._memory.extend(keep)
+
+    @staticmethod
+    def _regions_of(tensors: list) -> "tuple[list, int, list]":
+        if not tensors:
+            raise MisuseError("no tensors to register")
+        found = [_tensor_region(t) for t in tensors]
+        blocks = {b for _, _, b, _ in found}
+        if len(blocks) != 1:
+            raise MisuseError(f"every KV tensor needs as many blocks; got {sorted(blocks)}")
+        (num_blocks,) = blocks
+        regions = []
+        for addr, nbytes, b, _ in found:
+            if b <= 0 or nbytes % b:
+                raise MisuseError(f"{nbytes} bytes do not split into {b} blocks")
+            regions.append((addr, nbytes // b, nbytes // b))
+        return regions, num_blocks, [k for _, _, _, k in found]
+
+    # -- requests ------------------------------------------------------
+
+    def _named(self, transfer_id: TransferRef) -> None:
+        if isinstance(transfer_id, str):
+            self._names[self._native.transfer_id_of(transfer_id)] = transfer_id
+
+    def sender(self, transfer_id: TransferRef) -> Sender:
+        """The prefill side of ``transfer_id`` (an int, or a string
+        request id of up to :data:`REQUEST_ID_MAX_BYTES` bytes)."""
+        tx = Sender(self, self._native.sender(transfer_id), transfer_id)
+        self._named(transfer_id)
+        return tx
+
+    def receiver(
+        self,
+        transfer_id: TransferRef,
+        *,
+        prefill_engine_id: Optional[str] = None,
+        bootstrap: Optional[str] = None,
+        prefill_dp_rank: int = 0,
+        side_channels: Optional[Sequence[str]] = None,
+        prefill_tp_size: int = 1,
+        prefill_pp_size: int = 1,
+    ) -> Receiver:
+        """The decode side of ``transfer_id``, from the prefill engine
+        ``prefill_engine_id`` (at data-parallel rank ``prefill_dp_rank``)
+        as the bootstrap service ``bootstrap`` lists it (default: this
+        node's), or from the ranks at ``side_channels`` (stage by stage,
+        ``prefill_tp_size`` per stage)."""
+        rx = self._native.receiver(
+            transfer_id,
+            prefill_engine_id,
+            bootstrap,
+            prefill_dp_rank,
+            None if side_channels is None else list(side_channels),
+            prefill_tp_size,
+            prefill_pp_size,
+        )
+        self._named(transfer_id)
+        return Receiver(self, rx, transfer_id)
+
+    def transfer_id_of(self, request_id: str) -> int:
+        """The transfer id every node computes for ``request_id``."""
+        return self._native.transfer_id_of(request_id)
+
+    def get_finished(self) -> "tuple[set, set]":
+        """vLLM-style: the transfers that ended since the last call, as
+        ``(finished sending, finished receiving)``, by the ids they were
+        opened with."""
+        sent, received = self._native.get_finished()
+        name = lambda t: self._names.pop(t, t)  # noqa: E731
+        return {name(t) for t in sent}, {name(t) for t in received}
+
+    def block_ids_with_load_errors(self) -> "set[int]":
+        """Destination blocks whose load failed since the last call."""
+        return set(self._native.block_ids_with_load_errors())
+
+    def stats(self) -> "dict[str, int]":
+        """The node's counters by name (``ok``, ``failed``, ``bytes``...)."""
+        return dict(self._native.stats())
+
+    # -- the node ------------------------------------------------------
+
+    @property
+    def role(self) -> str:
+        return self._native.role
+
+    @property
+    def side_channel_addr(self) -> str:
+        """Where peers reach this node's side channel (empty on decode)."""
+        return self._native.side_channel_addr
+
+    @property
+    def endpoint(self) -> str:
+        """The data-plane endpoint."""
+        return self._native.endpoint
+
+    @property
+    def bootstrap_addr(self) -> Optional[str]:
+        """The bootstrap service this node registers at or serves."""
+        return self._native.bootstrap_addr
+
+    def shutdown(self, grace_s: float = 0.2) -> None:
+        """Stops the node; live requests get ``grace_s`` seconds to tell
+        their peers. The registered tensors are released after it."""
+        self._native.shutdown(float(grace_s))
+        self._memory.clear()
+
+    def __del__(self) -> None:
+        # Stop the node before its memory goes: nothing may touch the
+        # tensors once they are released.
+        native = getattr(self, "_native", None)
+        if native is not None:
+            native.shutdown(0.05)
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"kvferry.Node(role={self.role!r}, endpoint={self.endpoint!r})"

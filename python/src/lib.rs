@@ -1,0 +1,437 @@
+//! `kvferry._native`: the node, its handles and its errors for Python.
+//!
+//! The Python package (`kvferry/__init__.py`) wraps these classes: it turns
+//! tensors into regions, phases into `kvferry.Phase` and string request ids
+//! back into strings. Every call that can wait releases the GIL, and
+//! `wait` checks for signals between slices of at most [`WAIT_SLICE`], so
+//! Ctrl-C interrupts it promptly.
+
+use std::time::{Duration, Instant};
+
+use kvferry::node::{NodeSettings, PrefillTarget};
+use kvferry::{BlockId, BlockLists, LayoutKind, ModelSpec, NodeError, Phase, Region, TransferId};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyInt, PyString};
+
+create_exception!(_native, Error, PyException, "Base of every kvferry error.");
+create_exception!(
+    _native,
+    MisuseError,
+    Error,
+    "The caller used kvferry wrongly: a bad argument, configuration or call order."
+);
+create_exception!(
+    _native,
+    PeerError,
+    Error,
+    "A peer misbehaved or refused (another protocol version, a colliding request id)."
+);
+create_exception!(
+    _native,
+    TransportError,
+    Error,
+    "The data plane, the side channel or the bootstrap service failed."
+);
+create_exception!(_native, TimeoutError, Error, "A bounded wait ran out.");
+create_exception!(
+    _native,
+    BusyError,
+    Error,
+    "Back-pressure: the node holds its maximum of requests; collect finished ones and retry."
+);
+
+/// Longest stretch `wait` holds without checking for signals.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+/// Longest wait or grace accepted, in seconds (a year: "forever", but a
+/// `Duration` that cannot overflow an `Instant`).
+const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// The exception of a node error, with the blame kept apart.
+fn node_err(e: NodeError) -> PyErr {
+    let text = e.to_string();
+    match e {
+        NodeError::Misuse(_) => MisuseError::new_err(text),
+        NodeError::IdCollision(_) => PeerError::new_err(text),
+        NodeError::Busy(_) => BusyError::new_err(text),
+        NodeError::Timeout(_) => TimeoutError::new_err(text),
+        NodeError::DataPlane(_)
+        | NodeError::SideChannel { .. }
+        | NodeError::Http(_)
+        | NodeError::Bootstrap(_) => TransportError::new_err(text),
+        _ => Error::new_err(text),
+    }
+}
+
+fn misuse(text: impl Into<String>) -> PyErr {
+    MisuseError::new_err(text.into())
+}
+
+/// A non-negative, finite number of seconds.
+fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+    if !(0.0..=MAX_SECONDS).contains(&s) {
+        return Err(misuse(format!(
+            "{what} must be between 0 and {MAX_SECONDS} seconds, not {s}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+/// A transfer as Python names it: a number it owns, or a string request id.
+enum TransferRef {
+    Number(TransferId),
+    Name(String),
+}
+
+impl TransferRef {
+    fn from_py(id: &Bound<'_, PyAny>) -> PyResult<TransferRef> {
+        if let Ok(s) = id.cast::<PyString>() {
+            return Ok(TransferRef::Name(s.to_str()?.to_owned()));
+        }
+        if id.is_instance_of::<PyInt>() {
+            let n: i128 = id.extract()?;
+            return u64::try_from(n)
+                .map(|n| TransferRef::Number(TransferId(n)))
+                .map_err(|_| misuse(format!("transfer id {n} is not in 0..2**64")));
+        }
+        Err(PyTypeError::new_err(format!(
+            "a transfer id is an int or a str, not {}",
+            id.get_type().name()?
+        )))
+    }
+}
+
+/// Block ids per KV-cache group: a list of ints (one group) or a list of
+/// lists of ints.
+fn block_lists(blocks: &Bound<'_, PyAny>) -> PyResult<BlockLists> {
+    let groups: Vec<Bound<'_, PyAny>> = blocks.extract()?;
+    let one_group = groups.first().is_none_or(|g| g.is_instance_of::<PyInt>());
+    if one_group {
+        return Ok(vec![block_ids(blocks)?]);
+    }
+    groups.iter().map(block_ids).collect()
+}
+
+fn block_ids(list: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
+    let ids: Vec<i64> = list.extract()?;
+    ids.into_iter()
+        .map(|b| {
+            u32::try_from(b)
+                .map(BlockId)
+                .map_err(|_| misuse(format!("block id {b} is not in 0..2**32")))
+        })
+        .collect()
+}
+
+/// `(phase name, failure reason)`, the names of the Rust phases.
+fn phase_pair(p: Phase) -> (&'static str, Option<String>) {
+    match p {
+        Phase::Bootstrapping => ("Bootstrapping", None),
+        Phase::WaitingForInput => ("WaitingForInput", None),
+        Phase::Transferring => ("Transferring", None),
+        Phase::Success => ("Success", None),
+        Phase::Failed(why) => ("Failed", Some(format!("{why:?}"))),
+        Phase::Expired => ("Expired", None),
+    }
+}
+
+/// Waits for `poll` to turn terminal, up to `timeout_s`, in slices that
+/// release the GIL and check for signals in between.
+fn wait_phase(
+    py: Python<'_>,
+    timeout_s: f64,
+    wait: impl Fn(Duration) -> Phase + Sync,
+) -> PyResult<(&'static str, Option<String>)> {
+    let deadline = Instant::now() + seconds("timeout_s", timeout_s)?;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let p = py.detach(|| wait(left.min(WAIT_SLICE)));
+        if p.is_terminal() || Instant::now() >= deadline {
+            return Ok(phase_pair(p));
+        }
+        py.check_signals()?;
+    }
+}
+
+fn layout_kind(name: &str) -> PyResult<LayoutKind> {
+    match name.to_ascii_lowercase().as_str() {
+        "hnd" => Ok(LayoutKind::Hnd),
+        "nhd" => Ok(LayoutKind::Nhd),
+        "mla" => Ok(LayoutKind::Mla),
+        _ => Err(misuse(format!(
+            "layout is \"hnd\", \"nhd\" or \"mla\", not {name:?}"
+        ))),
+    }
+}
+
+/// One prefill or decode rank (`kvferry.Node` wraps it).
+#[pyclass(module = "kvferry._native", frozen)]
+struct Node {
+    node: kvferry::Node,
+}
+
+#[pymethods]
+impl Node {
+    /// Starts a node from its settings, as JSON (the schema of
+    /// `kvferry::node::NodeSettings`, `docs/config.md`).
+    #[new]
+    fn new(py: Python<'_>, settings: &str) -> PyResult<Node> {
+        let config = NodeSettings::from_json(settings)
+            .and_then(|s| s.build())
+            .map_err(|e| misuse(e.to_string()))?;
+        let node = py
+            .detach(|| kvferry::Node::start(config))
+            .map_err(node_err)?;
+        Ok(Node { node })
+    }
+
+    /// Registers raw regions `(base, block_len, kv_block_len)` of
+    /// `num_blocks` blocks each. The caller keeps the memory alive until
+    /// the node is shut down (the Python wrapper holds the tensors).
+    #[pyo3(signature = (regions, num_blocks, layout, total_kv_heads, block_tokens, head_bytes, first_region=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn register_regions(
+        &self,
+        py: Python<'_>,
+        regions: Vec<(u64, u64, u64)>,
+        num_blocks: u64,
+        layout: &str,
+        total_kv_heads: u32,
+        block_tokens: u32,
+        head_bytes: u64,
+        first_region: u32,
+    ) -> PyResult<()> {
+        let layout = kvferry::KvLayout {
+            model: ModelSpec {
+                layout: layout_kind(layout)?,
+                total_kv_heads,
+                block_tokens,
+                head_bytes,
+            },
+            num_blocks,
+            regions: regions
+                .into_iter()
+                .map(|(base, block_len, kv_block_len)| Region {
+                    base,
+                    block_len,
+                    kv_block_len,
+                })
+                .collect(),
+            first_region,
+        };
+        // SAFETY: the wrapper keeps the tensors (or the caller the memory
+        // behind raw regions, as documented) alive until `shutdown`, and
+        // the regions were checked to lie inside them.
+        py.detach(|| unsafe { self.node.register_kv_caches(layout) })
+            .map_err(node_err)
+    }
+
+    /// The handle of a send (prefill), by number or string request id.
+    fn sender(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<Sender> {
+        let tx = match TransferRef::from_py(transfer_id)? {
+            TransferRef::Number(tid) => self.node.sender(tid),
+            TransferRef::Name(name) => self.node.sender_named(&name),
+        };
+        tx.map(|tx| Sender { tx }).map_err(node_err)
+    }
+
+    /// The handle of a receive (decode) from the prefill engine named by
+    /// `prefill_engine_id` at the bootstrap service `bootstrap`, or by the
+    /// side channels of its ranks.
+    #[pyo3(signature = (transfer_id, prefill_engine_id=None, bootstrap=None, prefill_dp_rank=0, side_channels=None, prefill_tp_size=1, prefill_pp_size=1))]
+    #[allow(clippy::too_many_arguments)]
+    fn receiver(
+        &self,
+        transfer_id: &Bound<'_, PyAny>,
+        prefill_engine_id: Option<String>,
+        bootstrap: Option<String>,
+        prefill_dp_rank: u32,
+        side_channels: Option<Vec<String>>,
+        prefill_tp_size: u32,
+        prefill_pp_size: u32,
+    ) -> PyResult<Receiver> {
+        let target = match (prefill_engine_id, side_channels) {
+            (Some(engine_id), None) => PrefillTarget::Bootstrap {
+                addr: bootstrap
+                    .or_else(|| self.node.bootstrap_addr())
+                    .ok_or_else(|| misuse("prefill_engine_id needs a bootstrap address"))?,
+                engine_id,
+                dp_rank: prefill_dp_rank,
+            },
+            (None, Some(side_channels)) => PrefillTarget::Direct {
+                tp_size: prefill_tp_size,
+                pp_size: prefill_pp_size,
+                side_channels,
+            },
+            _ => {
+                return Err(misuse(
+                    "name the prefill engine by prefill_engine_id or by side_channels (one of them)",
+                ))
+            }
+        };
+        let rx = match TransferRef::from_py(transfer_id)? {
+            TransferRef::Number(tid) => self.node.receiver(tid, &target),
+            TransferRef::Name(name) => self.node.receiver_named(&name, &target),
+        };
+        rx.map(|rx| Receiver { rx }).map_err(node_err)
+    }
+
+    /// The transfer id every node computes for string request id `name`.
+    fn transfer_id_of(&self, name: &str) -> PyResult<u64> {
+        self.node.transfer_id_of(name).map(|t| t.0).map_err(node_err)
+    }
+
+    /// `(finished sending, finished receiving)` transfer ids since the
+    /// last call.
+    fn get_finished(&self) -> (Vec<u64>, Vec<u64>) {
+        let (sent, received) = self.node.get_finished();
+        let ids = |v: Vec<TransferId>| v.into_iter().map(|t| t.0).collect();
+        (ids(sent), ids(received))
+    }
+
+    /// Destination blocks whose load failed since the last call.
+    fn block_ids_with_load_errors(&self) -> Vec<u32> {
+        let ids = self.node.block_ids_with_load_errors();
+        ids.into_iter().map(|b| b.0).collect()
+    }
+
+    /// The node's counters, by name.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (name, value) in self.node.stats().fields() {
+            d.set_item(name, value)?;
+        }
+        Ok(d)
+    }
+
+    /// Stops the node; live requests get `grace_s` to tell their peers.
+    #[pyo3(signature = (grace_s=0.2))]
+    fn shutdown(&self, py: Python<'_>, grace_s: f64) -> PyResult<()> {
+        let grace = seconds("grace_s", grace_s)?;
+        py.detach(|| self.node.shutdown(grace));
+        Ok(())
+    }
+
+    /// `"prefill"`, `"decode"` or `"both"`.
+    #[getter]
+    fn role(&self) -> &'static str {
+        match self.node.role() {
+            kvferry::Role::Prefill => "prefill",
+            kvferry::Role::Decode => "decode",
+            kvferry::Role::Both => "both",
+        }
+    }
+
+    /// The side channel peers connect to (`tcp://host:port`; empty on a
+    /// decode node).
+    #[getter]
+    fn side_channel_addr(&self) -> String {
+        self.node.side_channel_addr()
+    }
+
+    /// The data-plane endpoint.
+    #[getter]
+    fn endpoint(&self) -> String {
+        self.node.endpoint()
+    }
+
+    /// The bootstrap service this node registers at or serves, if any.
+    #[getter]
+    fn bootstrap_addr(&self) -> Option<String> {
+        self.node.bootstrap_addr()
+    }
+}
+
+/// The prefill side of one transfer.
+#[pyclass(module = "kvferry._native", frozen)]
+struct Sender {
+    tx: kvferry::Sender,
+}
+
+#[pymethods]
+impl Sender {
+    /// Hands the KV of `block_ids` (one group's ids, or a list per group)
+    /// to the transfer; `is_last` on the request's last chunk.
+    #[pyo3(signature = (block_ids, is_last=true))]
+    fn send(&self, block_ids: &Bound<'_, PyAny>, is_last: bool) -> PyResult<()> {
+        let blocks = block_lists(block_ids)?;
+        self.tx.send(blocks, is_last).map_err(node_err)
+    }
+
+    fn poll(&self) -> (&'static str, Option<String>) {
+        phase_pair(self.tx.poll())
+    }
+
+    fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(&'static str, Option<String>)> {
+        wait_phase(py, timeout_s, |d| self.tx.wait(d))
+    }
+
+    fn abort(&self) -> PyResult<()> {
+        self.tx.abort().map_err(node_err)
+    }
+
+    #[getter]
+    fn transfer_id(&self) -> u64 {
+        self.tx.transfer_id().0
+    }
+}
+
+/// The decode side of one transfer.
+#[pyclass(module = "kvferry._native", frozen)]
+struct Receiver {
+    rx: kvferry::Receiver,
+}
+
+#[pymethods]
+impl Receiver {
+    /// Asks the prefill ranks for the KV, into `block_ids` (one group's
+    /// ids, or a list per group); `prefix_blocks`: per group, how many of
+    /// the prefill side's leading blocks this rank holds already.
+    #[pyo3(signature = (block_ids, prefix_blocks=None))]
+    fn request(
+        &self,
+        block_ids: &Bound<'_, PyAny>,
+        prefix_blocks: Option<Vec<u32>>,
+    ) -> PyResult<()> {
+        let blocks = block_lists(block_ids)?;
+        let r = match prefix_blocks {
+            Some(p) => self.rx.request_with_prefix(blocks, p),
+            None => self.rx.request(blocks),
+        };
+        r.map_err(node_err)
+    }
+
+    fn poll(&self) -> (&'static str, Option<String>) {
+        phase_pair(self.rx.poll())
+    }
+
+    fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(&'static str, Option<String>)> {
+        wait_phase(py, timeout_s, |d| self.rx.wait(d))
+    }
+
+    fn abort(&self) -> PyResult<()> {
+        self.rx.abort().map_err(node_err)
+    }
+
+    #[getter]
+    fn transfer_id(&self) -> u64 {
+        self.rx.transfer_id().0
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Node>()?;
+    m.add_class::<Sender>()?;
+    m.add_class::<Receiver>()?;
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("MisuseError", py.get_type::<MisuseError>())?;
+    m.add("PeerError", py.get_type::<PeerError>())?;
+    m.add("TransportError", py.get_type::<TransportError>())?;
+    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("BusyError", py.get_type::<BusyError>())?;
+    m.add("REQUEST_ID_MAX_BYTES", kvferry::REQUEST_ID_MAX_BYTES)?;
+    Ok(())
+}

@@ -1,0 +1,239 @@
+"""kvferry from Python: real nodes on 127.0.0.1, tcp data plane, every
+byte compared."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvferry
+from kvferry import Phase
+
+HEADS, TOKENS, HEAD_BYTES, LAYERS, BLOCKS = 4, 4, 32, 2, 16
+MODEL = dict(layout="hnd", total_kv_heads=HEADS, block_tokens=TOKENS, head_bytes=HEAD_BYTES)
+WAIT = 10.0
+
+
+def kv(tp_size=1, fill=False, seed=0):
+    """One rank's KV: K and V of every layer, blocks first (HND: heads,
+    then tokens, then bytes, within a block)."""
+    shape = (BLOCKS, HEADS // tp_size, TOKENS, HEAD_BYTES)
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(0, 256, shape, dtype=np.uint8) if fill else np.zeros(shape, np.uint8)
+        for _ in range(2 * LAYERS)
+    ]
+
+
+def node(role, name, mode="push", **kw):
+    return kvferry.Node(role=role, engine_id=name, mode=mode, heartbeat_interval_ms=100, **kw)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_request_moves_every_byte(mode):
+    with node("prefill", "p", mode) as p, node("decode", "d", mode) as d:
+        pk, dk = kv(fill=True), kv()
+        p.register_kv_caches(pk, **MODEL)
+        d.register_kv_caches(dk, **MODEL)
+        rx = d.receiver(7, side_channels=[p.side_channel_addr])
+        rx.request([3, 4, 5])
+        tx = p.sender(7)
+        tx.send([0, 1, 2])
+        assert rx.wait(WAIT) is Phase.Success, rx.failure
+        assert tx.wait(WAIT) is Phase.Success
+        for src, dst in zip(pk, dk):
+            np.testing.assert_array_equal(dst[3:6], src[0:3])
+        assert not dk[0][6:].any(), "no byte lands outside the requested blocks"
+        assert d.get_finished() == (set(), {7})
+        assert p.get_finished() == ({7}, set())
+        assert d.stats()["ok"] == 1 and p.stats()["ok"] == 1
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_heterogeneous_tp_moves_each_head_to_its_rank(p_tp, d_tp):
+    ps = [node("prefill", "p", tp_size=p_tp, tp_rank=r) for r in range(p_tp)]
+    ds = [node("decode", "d", tp_size=d_tp, tp_rank=r) for r in range(d_tp)]
+    pks = [kv(p_tp, fill=True, seed=r) for r in range(p_tp)]
+    dks = [kv(d_tp) for _ in range(d_tp)]
+    try:
+        for n, k in zip(ps + ds, pks + dks):
+            n.register_kv_caches(k, **MODEL)
+        channels = [p.side_channel_addr for p in ps]
+        rxs = [d.receiver("cmpl-tp", side_channels=channels, prefill_tp_size=p_tp) for d in ds]
+        for rx in rxs:
+            rx.request([8, 9])
+        txs = [p.sender("cmpl-tp") for p in ps]
+        for tx in txs:
+            tx.send([1, 2])
+        assert [rx.wait(WAIT) for rx in rxs] == [Phase.Success] * d_tp
+        assert [tx.wait(WAIT) for tx in txs] == [Phase.Success] * p_tp
+        # The model's heads, in order, as prefill holds them and as decode got them.
+        for region in range(2 * LAYERS):
+            sent = np.concatenate([k[region][1:3] for k in pks], axis=1)
+            got = np.concatenate([k[region][8:10] for k in dks], axis=1)
+            np.testing.assert_array_equal(got, sent)
+        assert all(d.get_finished() == (set(), {"cmpl-tp"}) for d in ds)
+        assert all(p.get_finished() == ({"cmpl-tp"}, set()) for p in ps)
+    finally:
+        for n in ds + ps:
+            n.shutdown()
+
+
+def test_an_abort_on_decode_ends_both_sides():
+    with node("prefill", "p") as p, node("decode", "d") as d:
+        pk, dk = kv(fill=True), kv()
+        p.register_kv_caches(pk, **MODEL)
+        d.register_kv_caches(dk, **MODEL)
+        rx = d.receiver(11, side_channels=[p.side_channel_addr])
+        rx.request([0, 1])
+        tx = p.sender(11)
+        rx.abort()
+        assert rx.wait(WAIT) is Phase.Failed
+        assert rx.failure == "Aborted(Engine)"
+        assert tx.wait(WAIT) is Phase.Failed
+        assert not any(k.any() for k in dk)
+
+
+def test_a_dead_prefill_fails_the_request_fast():
+    with node("decode", "d", heartbeat_misses=2) as d:
+        d.register_kv_caches(kv(), **MODEL)
+        p = node("prefill", "p")
+        p.register_kv_caches(kv(fill=True), **MODEL)
+        channel = p.side_channel_addr
+        p.shutdown()
+        rx = d.receiver(3, side_channels=[channel])
+        rx.request([0])
+        started = time.monotonic()
+        assert rx.wait(WAIT) in (Phase.Failed, Phase.Expired)
+        assert time.monotonic() - started < WAIT
+
+
+def test_bad_arguments_raise_and_never_crash():
+    with node("prefill", "p") as p:
+        with pytest.raises(kvferry.MisuseError, match="leas_ms"):
+            node("decode", "d", leas_ms=5)
+        with pytest.raises(kvferry.MisuseError):
+            p.register_kv_caches(kv(), regions=[(0, 1, 1)], num_blocks=1, **MODEL)
+        with pytest.raises(kvferry.MisuseError):
+            p.register_kv_caches([np.zeros((4, 8), np.uint8)[:, ::2]], **MODEL)
+        with pytest.raises(TypeError):
+            p.register_kv_caches([object()], **MODEL)
+        with pytest.raises(kvferry.MisuseError):
+            p.sender(1)  # before register_kv_caches
+        p.register_kv_caches(kv(), **MODEL)
+        with pytest.raises(kvferry.MisuseError, match="not in 0..2"):
+            p.sender(-1)
+        with pytest.raises(TypeError):
+            p.sender(1.5)
+        tx = p.sender(2)
+        with pytest.raises(kvferry.MisuseError, match="block id -3"):
+            tx.send([-3])
+        with pytest.raises(TypeError):
+            tx.send(["a"])
+        with pytest.raises(kvferry.MisuseError):
+            tx.wait(-1.0)
+        with pytest.raises(kvferry.MisuseError):
+            p.receiver(4, side_channels=[p.side_channel_addr])  # a prefill node does not receive
+        with pytest.raises(kvferry.MisuseError):
+            p.sender("x" * (kvferry.REQUEST_ID_MAX_BYTES + 1))
+        assert isinstance(kvferry.MisuseError("x"), kvferry.Error)
+
+
+def test_wait_releases_the_gil():
+    with node("prefill", "p") as p, node("decode", "d") as d:
+        p.register_kv_caches(kv(), **MODEL)
+        d.register_kv_caches(kv(), **MODEL)
+        rx = d.receiver(5, side_channels=[p.side_channel_addr])
+        rx.request([0])
+        counts, stop = [0], threading.Event()
+
+        def count():
+            while not stop.is_set():
+                counts[0] += 1
+
+        t = threading.Thread(target=count)
+        t.start()
+        try:
+            assert rx.wait(0.5) is not Phase.Success  # nothing was sent
+            during = counts[0]
+        finally:
+            stop.set()
+            t.join()
+        assert during > 1000, f"the other thread counted {during} during the wait"
+
+
+def test_ctrl_c_interrupts_a_long_wait():
+    with node("prefill", "p") as p, node("decode", "d") as d:
+        p.register_kv_caches(kv(), **MODEL)
+        d.register_kv_caches(kv(), **MODEL)
+        rx = d.receiver(6, side_channels=[p.side_channel_addr])
+        rx.request([0])
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            rx.wait(60.0)
+        assert time.monotonic() - started < 1.2
+        timer.join()
+
+
+PREFILL_PROCESS = textwrap.dedent(
+    """
+    import sys, numpy as np, kvferry
+    p = kvferry.Node(role="prefill", engine_id="p")
+    k = [np.full((16, 4, 4, 32), i + 1, np.uint8) for i in range(4)]
+    p.register_kv_caches(k, layout="hnd", total_kv_heads=4, block_tokens=4, head_bytes=32)
+    print(p.side_channel_addr, flush=True)
+    tx = p.sender("cross-process")
+    tx.send([5, 6])
+    phase = tx.wait(20.0)
+    print(phase.name, flush=True)
+    p.shutdown()
+    """
+)
+
+
+def test_two_processes():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PREFILL_PROCESS], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        channel = proc.stdout.readline().strip()
+        with node("decode", "d") as d:
+            dk = kv()
+            d.register_kv_caches(dk, **MODEL)
+            rx = d.receiver("cross-process", side_channels=[channel])
+            rx.request([0, 1])
+            assert rx.wait(WAIT) is Phase.Success, rx.failure
+            for i, k in enumerate(dk):
+                assert (k[0:2] == i + 1).all()
+            # Prefill's own word, while decode's node still answers.
+            assert proc.stdout.readline().strip() == "Success"
+    finally:
+        proc.wait(timeout=20)
+    assert proc.returncode == 0
+
+
+def test_both_role_sends_and_receives():
+    with node("both", "a") as a, node("both", "b") as b:
+        ak, bk = kv(fill=True, seed=1), kv(fill=True, seed=2)
+        a.register_kv_caches(ak, **MODEL)
+        b.register_kv_caches(bk, **MODEL)
+        ab = b.receiver("a-to-b", side_channels=[a.side_channel_addr])
+        ba = a.receiver("b-to-a", side_channels=[b.side_channel_addr])
+        ab.request([10, 11])
+        ba.request([12, 13])
+        txs = [a.sender("a-to-b"), b.sender("b-to-a")]
+        txs[0].send([0, 1])
+        txs[1].send([2, 3])
+        assert (ab.wait(WAIT), ba.wait(WAIT)) == (Phase.Success, Phase.Success)
+        assert [tx.wait(WAIT) for tx in txs] == [Phase.Success] * 2
+        src_a = [k[0:2].copy() for k in ak]
+        np.testing.assert_array_equal(bk[0][10:12], src_a[0])
+        assert a.get_finished() == ({"a-to-b"}, {"b-to-a"})
