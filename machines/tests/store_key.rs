@@ -255,6 +255,47 @@ fn input() -> impl Strategy<Value = Input> {
     )
 }
 
+/// One field of an input changed.
+#[derive(Clone, Debug)]
+enum Edit {
+    Model(String),
+    Lora(Option<String>),
+    Extra(Vec<String>),
+    Group(u32),
+    Hash(Vec<u8>),
+    Ranks(u32, u32),
+}
+
+fn edit() -> impl Strategy<Value = Edit> {
+    prop_oneof![
+        text().prop_map(|s| Edit::Model(format!("m{s}"))),
+        proptest::option::of(text().prop_map(|s| format!("l{s}"))).prop_map(Edit::Lora),
+        proptest::collection::vec(text(), 0..3).prop_map(Edit::Extra),
+        (0u32..3).prop_map(Edit::Group),
+        proptest::collection::vec(prop::sample::select(vec![0u8, 1, 0x10]), 1..3)
+            .prop_map(Edit::Hash),
+        (0u32..4, 0u32..3).prop_map(|(t, p)| Edit::Ranks(t, p)),
+    ]
+}
+
+impl Edit {
+    fn apply(self, base: &Input) -> Input {
+        let mut i = base.clone();
+        match self {
+            Edit::Model(m) => i.name = m,
+            Edit::Lora(l) => i.lora = l,
+            Edit::Extra(e) => i.extra = e,
+            Edit::Group(g) => i.group = g % i.block_tokens.len() as u32,
+            Edit::Hash(h) => i.hash = h,
+            Edit::Ranks(t, p) => {
+                i.tp_rank = t % i.tp;
+                i.pp_rank = p % i.pp;
+            }
+        }
+        i
+    }
+}
+
 /// The key of `i` and the tuple it is qualified by.
 fn key_of(i: &Input) -> (String, Tuple) {
     let ks = Keyspace::new(&KeyspaceSpec {
@@ -304,9 +345,18 @@ fn key_of(i: &Input) -> (String, Tuple) {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
-    /// Two inputs share a key exactly when they share every qualifier.
+    /// Two inputs share a key exactly when they share every qualifier:
+    /// over random inputs, and over variants of one input that differ in
+    /// one field (so near misses, `:` against `%3A` say, are common).
     #[test]
-    fn keys_are_injective(inputs in proptest::collection::vec(input(), 2..24)) {
+    fn keys_are_injective(
+        random in proptest::collection::vec(input(), 1..8),
+        base in input(),
+        edits in proptest::collection::vec(edit(), 1..24),
+    ) {
+        let mut inputs = random;
+        inputs.push(base.clone());
+        inputs.extend(edits.into_iter().map(|e| e.apply(&base)));
         let mut by_key: BTreeMap<String, Tuple> = BTreeMap::new();
         let mut tuples = BTreeSet::new();
         for i in &inputs {
