@@ -72,6 +72,7 @@ fn items(n: u32) -> Vec<StoreItem> {
             group: i % 2,
             index: i / 2,
             block: BlockId(100 + i),
+            hash: BlockHash::from_u64(u64::from(i)),
             value_bytes: if i % 2 == 0 { 1000 } else { 3000 },
         })
         .collect()

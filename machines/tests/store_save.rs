@@ -70,6 +70,7 @@ fn items(first: u64, n: u32) -> Vec<StoreItem> {
             group: 0,
             index: i,
             block: BlockId(100 + i),
+            hash: BlockHash::from_u64(first + u64::from(i)),
             value_bytes: 4096,
         })
         .collect()

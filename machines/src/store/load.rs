@@ -218,6 +218,7 @@ pub fn plan_load(
                 group: g,
                 index,
                 block,
+                hash: *hash,
                 value_bytes: blocks.value_bytes,
             });
         }

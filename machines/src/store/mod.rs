@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use crate::common::{BlockId, InputError};
 
+pub mod events;
 pub mod key;
 pub mod load;
 pub mod lookup;
@@ -109,6 +110,8 @@ pub struct StoreItem {
     pub index: u32,
     /// The engine's block.
     pub block: BlockId,
+    /// The engine's hash of the block (what KV events name).
+    pub hash: BlockHash,
     /// Bytes of the value: this rank's bytes of the block, all its regions.
     pub value_bytes: u64,
 }

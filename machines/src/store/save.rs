@@ -200,11 +200,13 @@ pub fn plan_save(
         for (i, stored) in store_mask(spec, lcm, tokens).into_iter().enumerate() {
             let index = i as u32;
             if stored && replica.stores(g, index) {
+                let hash = blocks.hashes[i];
                 items.push(StoreItem {
-                    key: keyspace.key(shard, scope, g, &blocks.hashes[i])?,
+                    key: keyspace.key(shard, scope, g, &hash)?,
                     group: g,
                     index,
                     block: blocks.block_ids[i],
+                    hash,
                     value_bytes: blocks.value_bytes,
                 });
             }
