@@ -111,6 +111,19 @@ fn a_sliding_window_group_needs_only_its_window() {
     assert_eq!((hit.tokens, hit.load), (16, vec![0..4, 3..4]));
 }
 
+#[test]
+fn a_128k_token_request_is_one_question_within_the_default_bound() {
+    let ks = keyspace(LayoutKind::Hnd, 8, 8, 1, vec![full(16)]);
+    let scope = ks.scope(None, &[]).unwrap();
+    let max = kvferry_machines::store::StoreConfig::default().max_lookup_keys;
+    let l = Lookup::new(&ks, &scope, 131_072, &hashes(&ks, &[8192]), max).unwrap();
+    assert_eq!(l.keys().len(), 8192 * 8);
+    let mut exists = vec![true; l.keys().len()];
+    assert_eq!(l.resolve(&exists).unwrap().tokens, 131_072);
+    exists[8 * 4096 + 3] = false;
+    assert_eq!(l.resolve(&exists).unwrap().tokens, 4096 * 16);
+}
+
 /// The naive model: the largest multiple of the block sizes' LCM whose
 /// needed blocks have every rank's key in `stored`, checked block by block.
 fn naive_hit(

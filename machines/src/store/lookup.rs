@@ -69,11 +69,16 @@ pub fn blocks_needed(group: &GroupSpec, tokens: u32) -> Range<u32> {
 pub fn store_mask(group: &GroupSpec, lcm: u32, tokens: u32) -> Vec<bool> {
     let end = tokens / group.block_tokens;
     let mut mask = vec![false; end as usize];
+    // Both ends of `blocks_needed` grow with the hit length, so each hit
+    // marks only what lies past the previous one: linear in the blocks.
+    let mut marked_to = 0;
     let mut hit = lcm;
     while hit <= tokens && lcm > 0 {
-        for i in blocks_needed(group, hit) {
+        let needed = blocks_needed(group, hit);
+        for i in needed.start.max(marked_to)..needed.end {
             mask[i as usize] = true;
         }
+        marked_to = marked_to.max(needed.end);
         hit = match hit.checked_add(lcm) {
             Some(h) => h,
             None => break,

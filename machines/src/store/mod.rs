@@ -14,6 +14,7 @@
 //!   [`crate::Machine`], with the same phases, deadlines and abort rules as
 //!   the transfer machines.
 //! * [`Pressure`]: the per-connector memory of a full store.
+//! * [`events`]: KV events of the store tier, collected per step.
 //!
 //! The driver's contract with a store backend, which bounds when a save
 //! may give its blocks back: a call posted at `t` touches no engine memory
