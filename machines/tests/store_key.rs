@@ -100,6 +100,36 @@ fn fewer_heads_than_ranks_make_replica_sets() {
 }
 
 #[test]
+fn a_rank_layout_names_its_shard_and_value_size() {
+    use kvferry_machines::layout::{RankLayout, Region, Stage};
+    use kvferry_machines::store::value_bytes;
+    let ks = Keyspace::new(&spec("m", LayoutKind::Hnd, 8, 2, 2)).unwrap();
+    let region = Region {
+        base: 0,
+        block_len: 8192,
+        kv_block_len: 4096,
+    };
+    let mut layout = RankLayout {
+        tp_size: 2,
+        tp_rank: 1,
+        num_blocks: 10,
+        regions: vec![region; 3],
+        stage: Stage {
+            pp_size: 2,
+            pp_rank: 1,
+            first_region: 3,
+        },
+    };
+    assert_eq!(ks.shard_of_layout(&layout), ks.shard_of(1, 1));
+    assert_eq!(value_bytes(&layout), 3 * 4096);
+    layout.tp_size = 4;
+    assert!(matches!(
+        ks.shard_of_layout(&layout),
+        Err(KeyError::BadShape(_))
+    ));
+}
+
+#[test]
 fn bad_qualifiers_are_typed_errors() {
     let long = "x".repeat(NAME_BYTES_MAX + 1);
     assert!(matches!(
@@ -122,6 +152,8 @@ fn bad_qualifiers_are_typed_errors() {
     s.dtype = "BF16".into();
     assert_eq!(Keyspace::new(&s), Err(KeyError::BadDtype));
     s.dtype = "bf16".into();
+    s.groups[1].window_tokens = Some(0);
+    assert_eq!(Keyspace::new(&s), Err(KeyError::BadGroups));
     s.groups.clear();
     assert_eq!(Keyspace::new(&s), Err(KeyError::BadGroups));
     let ks = Keyspace::new(&spec("m", LayoutKind::Hnd, 8, 2, 1)).unwrap();

@@ -49,7 +49,7 @@
 
 use std::fmt::Write as _;
 
-use crate::layout::{LayoutKind, ModelSpec};
+use crate::layout::{LayoutKind, ModelSpec, RankLayout};
 
 /// Version of the key format, written as the `kvf1` field.
 pub const KEY_FORMAT_VERSION: u32 = 1;
@@ -102,8 +102,9 @@ pub enum KeyError {
     /// range, heads and TP size that do not divide one another).
     #[error("parallel shape does not fit the model: {0}")]
     BadShape(&'static str),
-    /// No group, more than [`GROUPS_MAX`], or one of zero block tokens.
-    #[error("groups must be 1 to {GROUPS_MAX}, each of at least one block token")]
+    /// No group, more than [`GROUPS_MAX`], or one of zero block tokens or
+    /// of a sliding window of zero tokens.
+    #[error("groups must be 1 to {GROUPS_MAX}, each of at least one block token and window token")]
     BadGroups,
     /// A group index past the keyspace's groups.
     #[error("no KV-cache group {group}")]
@@ -318,7 +319,7 @@ impl Keyspace {
         }
         if spec.groups.is_empty()
             || spec.groups.len() > GROUPS_MAX
-            || spec.groups.iter().any(|g| g.block_tokens == 0)
+            || (spec.groups.iter()).any(|g| g.block_tokens == 0 || g.window_tokens == Some(0))
         {
             return Err(KeyError::BadGroups);
         }
@@ -409,6 +410,17 @@ impl Keyspace {
             }
         };
         Ok((Shard { heads, pp_rank }, replica))
+    }
+
+    /// [`Keyspace::shard_of`] for a rank described by its layout, which
+    /// must belong to this engine's TP and PP sizes.
+    pub fn shard_of_layout(&self, layout: &RankLayout) -> Result<(Shard, Replica), KeyError> {
+        if layout.tp_size != self.tp_size || layout.stage.pp_size != self.pp_size {
+            return Err(KeyError::BadShape(
+                "the rank's TP or PP size is not the keyspace's",
+            ));
+        }
+        self.shard_of(layout.tp_rank, layout.stage.pp_rank)
     }
 
     /// Every distinct shard of the engine, in rank order: what a lookup

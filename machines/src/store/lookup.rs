@@ -128,9 +128,6 @@ impl Lookup {
                 want: groups.len(),
             });
         }
-        if groups.iter().any(|g| g.window_tokens == Some(0)) {
-            return Err(PlanError::BadWindow);
-        }
         let lcm = lcm_block_tokens(&groups)?;
         let covered = (groups.iter().zip(hashes))
             .map(|(g, h)| u64::from(g.block_tokens).saturating_mul(h.len() as u64))

@@ -25,6 +25,7 @@
 use std::time::Duration;
 
 use crate::common::{BlockId, InputError};
+use crate::layout::RankLayout;
 
 pub mod events;
 pub mod key;
@@ -125,8 +126,14 @@ pub struct GroupBlocks {
     pub hashes: Vec<BlockHash>,
     /// The engine's blocks.
     pub block_ids: Vec<BlockId>,
-    /// Bytes of one block's value on this rank.
+    /// Bytes of one block's value on this rank ([`value_bytes`]).
     pub value_bytes: u64,
+}
+
+/// Bytes of one block's value on a rank: its bytes of the block in every
+/// region it registered (`kv_block_len` summed), saturating.
+pub fn value_bytes(layout: &RankLayout) -> u64 {
+    (layout.regions.iter()).fold(0u64, |sum, r| sum.saturating_add(r.kv_block_len))
 }
 
 /// Why a whole store call failed (no per-key answer came back).
@@ -167,9 +174,6 @@ pub enum PlanError {
     /// The least common multiple of the groups' block sizes overflows.
     #[error("the groups' block sizes have no common multiple below 2^32")]
     BlockSizes,
-    /// A group's window of no tokens.
-    #[error("a sliding window must be at least one token")]
-    BadWindow,
     /// More keys than the bound allows.
     #[error("{count} keys exceed the limit of {max}")]
     TooManyKeys {

@@ -66,21 +66,17 @@ impl Pressure {
     /// under pressure; a save that stored a value without meeting a full
     /// store clears the pressure for every request.
     pub fn handle_report(&mut self, request: TransferId, report: &SaveReport) {
-        match report.end {
-            SaveEnd::StoreFull => {
-                self.stats.full_saves += 1;
-                if !self.skipped.contains(&request) {
-                    if self.skipped.len() >= self.max_requests {
-                        self.skipped.pop_front();
-                    }
-                    self.skipped.push_back(request);
+        if report.end == SaveEnd::StoreFull {
+            self.stats.full_saves += 1;
+            if !self.skipped.contains(&request) {
+                if self.skipped.len() >= self.max_requests {
+                    self.skipped.pop_front();
                 }
+                self.skipped.push_back(request);
             }
-            _ if report.stored() > 0 && self.is_active() => {
-                self.stats.clears += 1;
-                self.skipped.clear();
-            }
-            _ => {}
+        } else if report.stored() > 0 && self.is_active() {
+            self.stats.clears += 1;
+            self.skipped.clear();
         }
     }
 

@@ -419,7 +419,9 @@ impl Machine for SaveMachine {
             (State::Putting { .. }, Event::ExistsDone { .. }) => {
                 Err(InputError::Misuse("existence answered twice"))
             }
-            (_, Event::PutDone { batch, answer }) => self.handle_put(now, batch, answer),
+            (State::Checking { .. } | State::Putting { .. }, Event::PutDone { batch, answer }) => {
+                self.handle_put(now, batch, answer)
+            }
         }
     }
 
