@@ -27,6 +27,7 @@ mod machine;
 pub mod planner;
 pub mod recv;
 pub mod send;
+pub mod store;
 pub mod wire;
 
 pub use common::{AbortReason, FailReason, InputError, Phase, TransferId};
