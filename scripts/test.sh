@@ -42,6 +42,9 @@ cargo test --workspace
 step "the embedding example moves a request and checks its bytes"
 cargo run --quiet --example embed
 
+step "the Python package: pip install ./python into a fresh venv, pytest, stubtest"
+bash scripts/test-python.sh
+
 step "glommio's own tests of the patched code (vendor/glommio.md)"
 # Its own manifest, lock file and target dir: glommio is a workspace of its
 # own, so its dev-dependencies stay out of kvferry's tree. One test at a

@@ -264,11 +264,9 @@ impl Node {
                 pp_size: prefill_pp_size,
                 side_channels,
             },
-            _ => {
-                return Err(misuse(
-                    "name the prefill engine by prefill_engine_id or by side_channels (one of them)",
-                ))
-            }
+            _ => return Err(misuse(
+                "name the prefill engine by prefill_engine_id or by side_channels (one of them)",
+            )),
         };
         let rx = match TransferRef::from_py(transfer_id)? {
             TransferRef::Number(tid) => self.node.receiver(tid, &target),
@@ -279,7 +277,10 @@ impl Node {
 
     /// The transfer id every node computes for string request id `name`.
     fn transfer_id_of(&self, name: &str) -> PyResult<u64> {
-        self.node.transfer_id_of(name).map(|t| t.0).map_err(node_err)
+        self.node
+            .transfer_id_of(name)
+            .map(|t| t.0)
+            .map_err(node_err)
     }
 
     /// `(finished sending, finished receiving)` transfer ids since the

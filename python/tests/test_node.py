@@ -237,3 +237,48 @@ def test_both_role_sends_and_receives():
         src_a = [k[0:2].copy() for k in ak]
         np.testing.assert_array_equal(bk[0][10:12], src_a[0])
         assert a.get_finished() == ({"a-to-b"}, {"b-to-a"})
+
+
+# Hypothesis: whatever an engine passes, a call raises a typed exception or
+# works; it never takes the interpreter down.
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+ids = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.text(max_size=300),
+    st.floats(),
+    st.none(),
+    st.lists(st.integers(), max_size=3),
+)
+block_lists = st.one_of(
+    st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=8),
+    st.lists(st.lists(st.integers(min_value=-5, max_value=2**33), max_size=4), max_size=3),
+    st.text(max_size=5),
+    st.integers(),
+)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    with node("prefill", "fuzz") as p:
+        p.register_kv_caches(kv(), **MODEL)
+        yield p
+
+
+@settings(max_examples=300, deadline=None)
+@given(transfer_id=ids, blocks=block_lists, timeout=st.floats(allow_nan=True))
+def test_any_argument_raises_a_typed_error_or_works(prefill, transfer_id, blocks, timeout):
+    try:
+        tx = prefill.sender(transfer_id)
+    except (kvferry.Error, TypeError, ValueError):
+        return
+    try:
+        tx.send(blocks)
+    except (kvferry.Error, TypeError, ValueError):
+        pass
+    try:
+        phase = tx.wait(min(abs(timeout), 0.01) if timeout == timeout else timeout)
+        assert isinstance(phase, Phase)
+    except kvferry.MisuseError:
+        pass
+    tx.abort()
