@@ -291,6 +291,9 @@ pub struct Resolver {
     timeout: Duration,
     lookup: Arc<LookupFn>,
     in_flight: Arc<AtomicUsize>,
+    /// Called when a lookup of [`Resolver::start`] has its answer (see
+    /// [`Resolver::notifying`]).
+    notify: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 impl fmt::Debug for Resolver {
@@ -322,6 +325,7 @@ impl Resolver {
             timeout,
             lookup: Arc::new(system_lookup),
             in_flight: IN_FLIGHT.get_or_init(Arc::default).clone(),
+            notify: None,
         }
     }
 
@@ -335,6 +339,7 @@ impl Resolver {
             timeout,
             lookup: Arc::new(lookup),
             in_flight: Arc::default(),
+            notify: None,
         }
     }
 
@@ -346,9 +351,19 @@ impl Resolver {
                 timeout,
                 lookup: l.0.clone(),
                 in_flight: Arc::default(),
+                notify: None,
             },
             None => Resolver::system(timeout),
         }
+    }
+
+    /// This resolver, calling `notify` whenever a lookup it
+    /// [started](Resolver::start) has its answer, so that whoever polls the
+    /// [`Lookup`] (the node's bridge, between its socket reads) is woken
+    /// instead of polling on a timer.
+    pub fn notifying(mut self, notify: impl Fn() + Send + Sync + 'static) -> Resolver {
+        self.notify = Some(Arc::new(notify));
+        self
     }
 
     /// How long a lookup is waited for.
@@ -391,6 +406,7 @@ impl Resolver {
         }
         let (tx, rx) = mpsc::sync_channel(1);
         let (lookup, in_flight, port) = (self.lookup.clone(), self.in_flight.clone(), addr.port);
+        let notify = self.notify.clone();
         let host = name.clone();
         let spawned = std::thread::Builder::new()
             .name("kvferry-resolve".into())
@@ -399,6 +415,9 @@ impl Resolver {
                 in_flight.fetch_sub(1, Ordering::AcqRel);
                 // The caller may have given up (timed out): nobody listens.
                 let _ = tx.send(answer);
+                if let Some(n) = notify {
+                    n();
+                }
             });
         if spawned.is_err() {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);

@@ -298,3 +298,72 @@ fn a_prefill_rank_that_moved_is_reached_again_by_its_name() {
     assert!(lookups.load(Ordering::SeqCst) > before, "looked up again");
     assert_eq!(transfer(&p2, &d, &target, TransferId(2)), Phase::Success);
 }
+
+#[test]
+fn a_slow_lookup_holds_up_no_other_peer() {
+    // "slow.kvferry.svc" answers only when the test says so; everything
+    // else resolves as usual.
+    let (answer, asked) = std::sync::mpsc::channel::<SocketAddr>();
+    let asked = Mutex::new(asked);
+    let lookup = HostLookup::new(move |host, port| {
+        if host != "slow.kvferry.svc" {
+            return Resolver::default()
+                .resolve_str(&format!("{host}:{port}"))
+                .map(|a| vec![a])
+                .map_err(std::io::Error::other);
+        }
+        let a = asked
+            .lock()
+            .unwrap()
+            .recv()
+            .map_err(std::io::Error::other)?;
+        Ok(vec![a])
+    });
+    let mut pc = config(Role::Prefill, "p");
+    pc.host = "127.0.0.1".into();
+    let (p1, p2) = (engine(pc.clone()), engine(pc));
+    let mut dc = config(Role::Decode, "d");
+    dc.timeouts = demo_timeouts(60_000);
+    dc.resolve_timeout = Duration::from_secs(30);
+    dc.lookup = Some(lookup);
+    let d = engine(dc);
+    let slow = PrefillTarget::Direct {
+        tp_size: 1,
+        pp_size: 1,
+        side_channels: vec!["tcp://slow.kvferry.svc:1".into()],
+    };
+    let rx = d.node.receiver(TransferId(1), &slow).unwrap();
+    rx.request(vec![vec![BlockId(1)]]).unwrap();
+    // While that name is being looked up, a request to another prefill
+    // engine goes through: the lookup runs off the bridge thread.
+    let direct = PrefillTarget::Direct {
+        tp_size: 1,
+        pp_size: 1,
+        side_channels: vec![p2.node.side_channel_addr()],
+    };
+    let (src, dst) = ([3u32, 4], [11u32, 12]);
+    let phase = p2.send_one(
+        &d,
+        &direct,
+        TransferId(2),
+        (&src, &dst),
+        Duration::from_secs(3),
+    );
+    assert_eq!(phase, Phase::Success);
+    assert_eq!(
+        rx.poll(),
+        Phase::Bootstrapping,
+        "still waiting for its name"
+    );
+    // The name resolves late, to the first prefill engine: its request
+    // goes through too.
+    let at = p1.node.side_channel_addr();
+    answer
+        .send(at.strip_prefix("tcp://").unwrap().parse().unwrap())
+        .unwrap();
+    p1.kv.fill(TransferId(1), &[5], 0);
+    let tx = p1.node.sender(TransferId(1)).unwrap();
+    tx.send(vec![vec![BlockId(5)]], true).unwrap();
+    assert_eq!(rx.wait(Duration::from_secs(20)), Phase::Success);
+    assert_eq!(d.kv.verify(TransferId(1), &[1], 0), Ok(()));
+}

@@ -146,7 +146,11 @@ impl BridgeThread {
         let bridge = Bridge {
             liveness: Liveness::new(silence_max),
             refused_ids: names::RefusedIds::default(),
-            resolver: shared.config.resolver(),
+            resolver: {
+                let waker = shared.waker.clone();
+                shared.config.resolver().notifying(move || waker.wake())
+            },
+            resolving: HashSet::new(),
             heartbeat: Every::new(heartbeat, now),
             probe: Every::new(probe, now),
             shared,
@@ -210,9 +214,15 @@ struct Slot {
     addr: String,
     /// The resolved `tcp://ip:port` our DEALER is connected to.
     connected: String,
-    /// A lookup of `addr`'s name under way (a probe of a dead or silent
-    /// peer started it).
+    /// A lookup of `addr`'s name under way (the first connection, or a
+    /// probe of a dead or silent peer, started it).
     lookup: Option<crate::resolve::Lookup>,
+    /// The latest lookup of `addr`'s name failed before the dealer was
+    /// ever connected: requests to it fail at once until a probe's lookup
+    /// answers.
+    unresolved: bool,
+    /// A hello waiting for the lookup of the data-plane endpoint it names.
+    hello_lookup: Option<(Hello, crate::resolve::Lookup)>,
     ready: bool,
     /// The protocol version of a peer that refused our frames (decode
     /// side); cleared by its next hello.
@@ -228,6 +238,8 @@ impl Slot {
             addr,
             connected: String::new(),
             lookup: None,
+            unresolved: false,
+            hello_lookup: None,
             ready: false,
             refused: None,
             transfers: HashSet::new(),
@@ -282,8 +294,11 @@ struct Bridge {
     liveness: Liveness,
     /// Prefill: pulls refused for an id collision (see `names`).
     refused_ids: names::RefusedIds,
-    /// Looks up the names in side-channel addresses and peers' hellos.
+    /// Looks up the names in side-channel addresses and peers' hellos, on
+    /// threads of its own; an answer wakes the bridge.
     resolver: crate::resolve::Resolver,
+    /// Slots with a lookup under way (`Slot::lookup`, `Slot::hello_lookup`).
+    resolving: HashSet<u32>,
     /// When decode heartbeats its ready peers.
     heartbeat: Every,
     /// When decode probes (says hello again to) its dead or silent peers.
@@ -371,6 +386,9 @@ impl Bridge {
             // Commands first: they include our own sends, which keeps
             // request latency low under inbound load.
             self.drain_commands();
+            if !self.resolving.is_empty() {
+                self.poll_lookups();
+            }
             for s in readable {
                 self.read(s);
             }
@@ -650,12 +668,57 @@ impl Bridge {
         })
     }
 
+    /// A peer's hello: its data-plane endpoint is looked up first when it
+    /// names a host (a lookup on another thread: the bridge goes on, and
+    /// [`Bridge::poll_lookups`] finishes the hello with the answer). A name
+    /// is looked up again at every hello (and decode says hello again to a
+    /// peer whose connection failed), so a peer that moved is reached at
+    /// its new address.
     fn handle_hello(&mut self, peer: u32, h: Hello) {
-        let Some(local) = self.shared.local.get() else {
+        if self.shared.local.get().is_none() {
             // Not registered yet: the peer retries its hello every tick.
             return;
-        };
-        let Some(direction) = self.direction(peer) else {
+        }
+        let named = h.endpoint.strip_prefix("tcp://").and_then(|rest| {
+            crate::resolve::HostPort::parse(rest)
+                .ok()
+                .filter(|hp| hp.is_name())
+        });
+        if let (Some(host), Some(slot)) = (named, self.slots.get_mut(peer as usize)) {
+            match self.resolver.start(&host) {
+                Ok(lookup) => {
+                    slot.hello_lookup = Some((h, lookup));
+                    self.resolving.insert(peer);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(peer, %e, "peer's data-plane endpoint not looked up");
+                    return self.complete_hello(peer, (h, None));
+                }
+            }
+        }
+        let endpoint = EndpointAddr::resolve(&h.endpoint, &self.resolver)
+            .inspect_err(|e| tracing::warn!(peer, %e, "peer's data-plane endpoint unusable"))
+            .ok();
+        self.complete_hello(peer, (h, endpoint));
+    }
+
+    /// The hello of slot `i` whose endpoint lookup has its answer, if any.
+    fn take_hello_answer(&mut self, i: usize) -> Option<(Hello, Option<EndpointAddr>)> {
+        let slot = self.slots.get_mut(i)?;
+        let answer = slot.hello_lookup.as_mut()?.1.poll()?;
+        let (h, _) = slot.hello_lookup.take()?;
+        let endpoint = answer
+            .inspect_err(|e| tracing::warn!(peer = i, %e, "peer's data-plane endpoint unusable"))
+            .ok()
+            .map(EndpointAddr::Tcp);
+        Some((h, endpoint))
+    }
+
+    /// Pairs with the peer of `h` (at data-plane `endpoint`, if usable)
+    /// and answers its hello.
+    fn complete_hello(&mut self, peer: u32, (h, endpoint): (Hello, Option<EndpointAddr>)) {
+        let (Some(local), Some(direction)) = (self.shared.local.get(), self.direction(peer)) else {
             return;
         };
         let pair = if h.mode != self.shared.config.mode {
@@ -675,12 +738,6 @@ impl Bridge {
         if let Err(e) = &pair {
             tracing::warn!(peer, %e, "peer layout does not fit; its transfers will fail");
         }
-        // A name is looked up again at every hello (and decode says hello
-        // again to a peer whose connection failed), so a peer that moved
-        // is reached at its new address.
-        let endpoint = EndpointAddr::resolve(&h.endpoint, &self.resolver)
-            .inspect_err(|e| tracing::warn!(peer, %e, "peer's data-plane endpoint unusable"))
-            .ok();
         let data = Arc::new(PeerData {
             hello: h,
             pair,
@@ -818,9 +875,11 @@ impl Bridge {
                 if !(self.slots[i].ready && live) {
                     self.reresolve(i, probe);
                 }
+                // A dealer whose name was never resolved has nowhere to send.
+                let connected = !self.slots[i].connected.is_empty();
                 let frame = match (&hello, self.slots[i].ready && live) {
                     (_, true) if beat => Some(Frame::Heartbeat { seq }),
-                    (Some(h), false) if probe => Some(Frame::Hello(h.clone())),
+                    (Some(h), false) if probe && connected => Some(Frame::Hello(h.clone())),
                     _ => None,
                 };
                 if let Some(f) = frame {

@@ -2,7 +2,7 @@
 //! marks (from the liveness table) and refusals, and what a death does.
 
 use super::*;
-use crate::resolve::{HostPort, ResolveError, Resolver};
+use crate::resolve::{HostPort, ResolveError};
 
 impl Bridge {
     /// Answers a frame of another protocol version with the frozen
@@ -99,6 +99,7 @@ impl Bridge {
             return id;
         };
         self.routes_changed(Some(i as u32));
+        self.resolving.remove(&(i as u32));
         let old = std::mem::replace(&mut self.slots[i], slot);
         match &old.route {
             Route::Identity(id) => self.by_identity.remove(id),
@@ -110,12 +111,20 @@ impl Bridge {
         i as u32
     }
 
-    /// The slot for prefill side channel `addr`, connecting a DEALER and
-    /// saying hello the first time.
+    /// The slot for prefill side channel `addr`, making a DEALER the first
+    /// time: connected and saying hello at once for an IP address; for a
+    /// name, once its lookup (started here, answered on another thread)
+    /// has an answer, so the bridge never waits for a lookup. `None` when
+    /// there is no room, or when the address is malformed or its latest
+    /// lookup failed: the request fails at once. A probe looks a failed
+    /// name up again.
     pub(super) fn dealer_for(&mut self, addr: &str) -> Option<u32> {
         if let Some(&p) = self.by_addr.get(addr) {
-            return Some(p);
+            return (!self.slots[p as usize].unresolved).then_some(p);
         }
+        let host = side_channel_host(addr)
+            .inspect_err(|e| tracing::warn!(addr, %e, "cannot connect to prefill side channel"))
+            .ok()?;
         // Prefill ranks that restart come back at new addresses: when the
         // table is full, reuse the slot of a dead one that no transfer
         // refers to any more.
@@ -131,15 +140,24 @@ impl Bridge {
                 .fetch_add(1, Ordering::Relaxed);
             return None;
         };
-        let connected = match side_channel_endpoint(addr, &self.resolver) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(addr, %e, "cannot connect to prefill side channel");
-                return None;
-            }
-        };
+        let (s, monitor) = self.new_dealer(addr)?;
+        let id = self.install(at, Slot::new(Route::Dealer(s), monitor, addr.to_string()));
+        self.by_addr.insert(addr.to_string(), id);
+        match host.literal() {
+            Some(ip) => self.connect_dealer(id as usize, format!("tcp://{ip}")),
+            None => self.start_lookup(id as usize, &host),
+        }
+        (!self.slots[id as usize].unresolved).then_some(id)
+    }
+
+    /// A DEALER for side channel `addr`, with its monitor attached before
+    /// it connects, so no event is missed.
+    fn new_dealer(&mut self, addr: &str) -> Option<(zmq::Socket, Option<zmq::Socket>)> {
         let s = self.ctx.socket(zmq::DEALER).ok()?;
-        // The monitor is attached before connecting, so no event is missed.
+        if let Err(e) = configure(&s, &self.shared.config) {
+            tracing::warn!(addr, %e, "cannot set up a prefill side-channel socket");
+            return None;
+        }
         self.monitors += 1;
         let endpoint = format!("inproc://kvferry-node-monitor-{}", self.monitors);
         let monitor = s
@@ -158,58 +176,105 @@ impl Bridge {
                 None
             }
         };
-        if let Err(e) = configure(&s, &self.shared.config).and_then(|()| s.connect(&connected)) {
-            tracing::warn!(addr, %e, "cannot connect to prefill side channel");
-            return None;
-        }
-        let mut slot = Slot::new(Route::Dealer(s), monitor, addr.to_string());
-        slot.connected = connected;
-        let id = self.install(at, slot);
-        self.by_addr.insert(addr.to_string(), id);
-        if let Some(h) = self.own_hello() {
-            self.send_frame(id, &Frame::Hello(h));
-        }
-        Some(id)
+        Some((s, monitor))
     }
 
-    /// Decode, for dealer `i` whose peer is dead or silent: on a probe,
-    /// starts looking its name up again; once the answer is in, moves the
-    /// DEALER to the new address if the name moved (a prefill pod that
-    /// restarted elsewhere). The bridge never waits for it.
-    pub(super) fn reresolve(&mut self, i: usize, probe: bool) {
+    /// Connects dealer `i` to `endpoint` (`tcp://ip:port`), leaving the
+    /// one it was connected to (a name that moved); the first time, says
+    /// hello.
+    pub(super) fn connect_dealer(&mut self, i: usize, endpoint: String) {
+        let hello = self.own_hello();
         let slot = &mut self.slots[i];
         let Route::Dealer(socket) = &slot.route else {
             return;
         };
-        let Some(lookup) = &mut slot.lookup else {
-            let named = side_channel_host(&slot.addr).is_ok_and(|h| h.is_name());
-            if probe && named {
-                let h = side_channel_host(&slot.addr).expect("parsed above");
-                slot.lookup = self.resolver.start(&h).ok();
-            }
-            return;
-        };
-        let Some(answer) = lookup.poll() else {
-            return;
-        };
-        slot.lookup = None;
-        let now = match answer {
-            Ok(a) => format!("tcp://{a}"),
-            Err(e) => {
-                tracing::debug!(addr = %slot.addr, %e, "prefill side channel not resolved again");
-                return;
-            }
-        };
-        if now == slot.connected {
+        if endpoint == slot.connected {
+            slot.unresolved = false;
             return;
         }
-        tracing::info!(addr = %slot.addr, from = %slot.connected, to = %now, "prefill side channel moved");
-        let _ = socket.disconnect(&slot.connected);
-        match socket.connect(&now) {
-            Ok(()) => slot.connected = now,
-            Err(e) => {
-                tracing::warn!(addr = %slot.addr, %e, "cannot connect to the moved side channel")
+        let first = slot.connected.is_empty();
+        if !first {
+            tracing::info!(addr = %slot.addr, from = %slot.connected, to = %endpoint, "prefill side channel moved");
+            let _ = socket.disconnect(&slot.connected);
+        }
+        match socket.connect(&endpoint) {
+            Ok(()) => {
+                slot.connected = endpoint;
+                slot.unresolved = false;
             }
+            Err(e) => {
+                tracing::warn!(addr = %slot.addr, %e, "cannot connect to prefill side channel");
+                slot.unresolved = slot.connected.is_empty();
+                return;
+            }
+        }
+        if let (true, Some(h)) = (first, hello) {
+            self.send_frame(i as u32, &Frame::Hello(h));
+        }
+    }
+
+    /// Starts looking up dealer `i`'s side-channel name; the answer wakes
+    /// the bridge, which polls it in [`Bridge::poll_lookups`].
+    fn start_lookup(&mut self, i: usize, host: &HostPort) {
+        match self.resolver.start(host) {
+            Ok(l) => {
+                self.slots[i].lookup = Some(l);
+                self.resolving.insert(i as u32);
+            }
+            Err(e) => {
+                let slot = &mut self.slots[i];
+                tracing::warn!(addr = %slot.addr, %e, "prefill side channel not looked up");
+                slot.unresolved = slot.connected.is_empty();
+            }
+        }
+    }
+
+    /// Decode, for dealer `i` whose peer is dead or silent: on a probe,
+    /// looks its side channel's name up again, so a rank that moved (a
+    /// restarted pod) is reached at its new address.
+    pub(super) fn reresolve(&mut self, i: usize, probe: bool) {
+        let slot = &self.slots[i];
+        if !probe || slot.lookup.is_some() || !matches!(slot.route, Route::Dealer(_)) {
+            return;
+        }
+        if let Some(h) = side_channel_host(&slot.addr).ok().filter(HostPort::is_name) {
+            self.start_lookup(i, &h);
+        }
+    }
+
+    /// Takes the answers of the lookups under way (side-channel names and
+    /// the data-plane endpoints of hellos): connects the dealers whose name
+    /// resolved, finishes the hellos, and lets waiting requests go on (or
+    /// fail, for a name that did not resolve).
+    pub(super) fn poll_lookups(&mut self) {
+        let mut changed = false;
+        let waiting: Vec<u32> = self.resolving.iter().copied().collect();
+        for i in waiting {
+            let i = i as usize;
+            let side_channel = self.slots[i].lookup.as_mut().and_then(|l| l.poll());
+            if let Some(answer) = side_channel {
+                self.slots[i].lookup = None;
+                changed = true;
+                match answer {
+                    Ok(a) => self.connect_dealer(i, format!("tcp://{a}")),
+                    Err(e) => {
+                        let slot = &mut self.slots[i];
+                        tracing::warn!(addr = %slot.addr, %e, "prefill side channel not resolved");
+                        slot.unresolved = slot.connected.is_empty();
+                    }
+                }
+            }
+            if let Some(hello) = self.take_hello_answer(i) {
+                changed = true;
+                self.complete_hello(i as u32, hello);
+            }
+            let slot = &self.slots[i];
+            if slot.lookup.is_none() && slot.hello_lookup.is_none() {
+                self.resolving.remove(&(i as u32));
+            }
+        }
+        if changed {
+            self.retry_pending();
         }
     }
 
@@ -271,15 +336,4 @@ impl Bridge {
 /// The host and port of side-channel address `addr` (`tcp://host:port`).
 fn side_channel_host(addr: &str) -> Result<HostPort, ResolveError> {
     HostPort::parse(addr.strip_prefix("tcp://").unwrap_or(addr))
-}
-
-/// The endpoint a DEALER connects to for side channel `addr`, its name
-/// resolved first (within `resolve_timeout`, on the bridge thread).
-/// ZeroMQ would take the name itself, but it looks it up with no bound,
-/// on its I/O thread (stalling every socket of the node) and in
-/// `connect`; resolving here gives a typed error within the bound, and
-/// `reresolve` follows a name that moved.
-fn side_channel_endpoint(addr: &str, resolver: &Resolver) -> Result<String, ResolveError> {
-    let hp = side_channel_host(addr)?;
-    Ok(format!("tcp://{}", resolver.resolve(&hp)?))
 }
