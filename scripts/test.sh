@@ -45,6 +45,9 @@ cargo run --quiet --example embed
 step "the Python package: pip install ./python into a fresh venv, pytest, stubtest"
 bash scripts/test-python.sh
 
+step "vLLM's scheduler drives the vLLM connector (vLLM 0.33 from PyPI, CPU)"
+bash scripts/test-vllm.sh
+
 step "glommio's own tests of the patched code (vendor/glommio.md)"
 # Its own manifest, lock file and target dir: glommio is a workspace of its
 # own, so its dev-dependencies stay out of kvferry's tree. One test at a

@@ -34,7 +34,9 @@ from ._native import (
     REQUEST_ID_MAX_BYTES,
     BusyError,
     Error,
+    LoadMeta,
     MisuseError,
+    ParamsError,
     PeerError,
     TimeoutError,
     TransportError,
@@ -45,7 +47,10 @@ __all__ = [
     "Sender",
     "Receiver",
     "Phase",
+    "Scheduler",
+    "LoadMeta",
     "Error",
+    "ParamsError",
     "MisuseError",
     "PeerError",
     "TransportError",
@@ -155,6 +160,99 @@ def _tensor_region(t: Any) -> "tuple[int, int, int, Any]":
     # long as the node may touch it.
     anchor = (ctypes.c_char * view.nbytes).from_buffer(view)
     return ctypes.addressof(anchor), view.nbytes, int(view.shape[0]), (t, view, anchor)
+
+
+class Scheduler:
+    """The scheduler half of a vLLM connector: what each request needs
+    loaded or sent, handed to the worker's :meth:`Node.start_load_kv` once
+    per step. Pure bookkeeping, no IO. ``kv_role`` is vLLM's
+    (``"kv_producer"``, ``"kv_consumer"``, ``"kv_both"``); ``params`` are a
+    request's ``kv_transfer_params`` as the router sent them."""
+
+    def __init__(
+        self,
+        kv_role: str,
+        engine_id: str,
+        bootstrap_addr: str = "",
+        block_size: int = 16,
+        *,
+        dp_rank: int = 0,
+        window_tokens: Optional[Sequence[int]] = None,
+        max_tracked_requests: Optional[int] = None,
+    ) -> None:
+        self._native = _native.Scheduler(
+            kv_role,
+            engine_id,
+            bootstrap_addr,
+            block_size,
+            dp_rank,
+            None if window_tokens is None else list(window_tokens),
+            max_tracked_requests,
+        )
+
+    @staticmethod
+    def _json(params: Optional[dict]) -> Optional[str]:
+        return None if params is None else json.dumps(params)
+
+    def get_num_new_matched_tokens(
+        self, request_id: str, prompt_len: int, computed_len: int, params: Optional[dict]
+    ) -> "tuple[int, bool]":
+        """``(tokens the remote prefill provides, loaded asynchronously)``."""
+        return self._native.get_num_new_matched_tokens(
+            request_id, prompt_len, computed_len, self._json(params)
+        )
+
+    def update_state_after_alloc(
+        self,
+        request_id: str,
+        prompt_len: int,
+        computed_len: int,
+        block_ids: BlockIds,
+        params: Optional[dict],
+        num_external_tokens: int,
+    ) -> None:
+        """Records what the request's blocks (per group, token order) need."""
+        self._native.update_state_after_alloc(
+            request_id, prompt_len, computed_len, block_ids, self._json(params), num_external_tokens
+        )
+
+    def request_finished(
+        self,
+        request_id: str,
+        prompt_len: int,
+        computed_len: int,
+        block_ids: BlockIds,
+        params: Optional[dict],
+        status: str,
+    ) -> "tuple[bool, Optional[dict]]":
+        """``(keep the blocks until reported finished, params for the
+        decode engine)``; ``status`` is ``"length_capped"``, ``"stopped"``,
+        ``"aborted"``, ``"ignored"`` or ``"error"``."""
+        delay, out = self._native.request_finished(
+            request_id, prompt_len, computed_len, block_ids, self._json(params), status
+        )
+        return delay, None if out is None else json.loads(out)
+
+    def build_connector_meta(self) -> LoadMeta:
+        """Everything recorded since the last call, for the worker."""
+        return self._native.build_connector_meta()
+
+    def handle_finished(
+        self, sent: Iterable[int], received: Iterable[int]
+    ) -> "tuple[list[str], list[str], list[str]]":
+        """The node's finished transfer ids as ``(finished_sending,
+        finished_recving, freed)`` request ids."""
+        return self._native.handle_finished(list(sent), list(received))
+
+    def poll_abort(self) -> Optional[int]:
+        """The next transfer worth aborting (its request ended mid-load)."""
+        return self._native.poll_abort()
+
+    def request_id_of(self, transfer_id: int) -> Optional[str]:
+        return self._native.request_id_of(transfer_id)
+
+    def transfer_id_of(self, request_id: str) -> Optional[int]:
+        return self._native.transfer_id_of(request_id)
 
 
 class Node:
@@ -279,6 +377,15 @@ class Node:
     def transfer_id_of(self, request_id: str) -> int:
         """The transfer id every node computes for ``request_id``."""
         return self._native.transfer_id_of(request_id)
+
+    def start_load_kv(self, meta: LoadMeta) -> None:
+        """vLLM-style: starts every load (decode) and send (prefill) of
+        one step's ``meta`` (:meth:`Scheduler.build_connector_meta`)."""
+        self._native.start_load_kv(meta)
+
+    def abort(self, transfer_id: int) -> None:
+        """Aborts the transfer ``transfer_id`` (a number), either direction."""
+        self._native.abort(transfer_id)
 
     def get_finished(self) -> "tuple[set, set]":
         """vLLM-style: the transfers that ended since the last call, as

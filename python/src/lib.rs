@@ -15,6 +15,8 @@ use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString};
 
+mod sched;
+
 create_exception!(_native, Error, PyException, "Base of every kvferry error.");
 create_exception!(
     _native,
@@ -35,6 +37,12 @@ create_exception!(
     "The data plane, the side channel or the bootstrap service failed."
 );
 create_exception!(_native, TimeoutError, Error, "A bounded wait ran out.");
+create_exception!(
+    _native,
+    ParamsError,
+    Error,
+    "A request's kv_transfer_params (from the router) are malformed."
+);
 create_exception!(
     _native,
     BusyError,
@@ -275,6 +283,18 @@ impl Node {
         rx.map(|rx| Receiver { rx }).map_err(node_err)
     }
 
+    /// Starts every load and send of one step's `meta`
+    /// (`Scheduler.build_connector_meta`).
+    fn start_load_kv(&self, py: Python<'_>, meta: &sched::LoadMeta) -> PyResult<()> {
+        py.detach(|| self.node.start_load_kv(&meta.meta))
+            .map_err(node_err)
+    }
+
+    /// Aborts `transfer_id` (either direction).
+    fn abort(&self, transfer_id: u64) -> PyResult<()> {
+        self.node.abort(TransferId(transfer_id)).map_err(node_err)
+    }
+
     /// The transfer id every node computes for string request id `name`.
     fn transfer_id_of(&self, name: &str) -> PyResult<u64> {
         self.node
@@ -427,12 +447,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Node>()?;
     m.add_class::<Sender>()?;
     m.add_class::<Receiver>()?;
+    m.add_class::<sched::Scheduler>()?;
+    m.add_class::<sched::LoadMeta>()?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("MisuseError", py.get_type::<MisuseError>())?;
     m.add("PeerError", py.get_type::<PeerError>())?;
     m.add("TransportError", py.get_type::<TransportError>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
     m.add("BusyError", py.get_type::<BusyError>())?;
+    m.add("ParamsError", py.get_type::<ParamsError>())?;
     m.add("REQUEST_ID_MAX_BYTES", kvferry::REQUEST_ID_MAX_BYTES)?;
     Ok(())
 }

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# vLLM's own scheduler drives kvferry's connector (python/tests/test_vllm.py):
+# installs vLLM 0.33 from PyPI into a virtual environment (about 10 GB; one
+# whose vLLM is already that version is reused), installs python/ there, and
+# runs the test on the CPU (VLLM_TARGET_DEVICE=cpu, a local model config, no
+# weights). scripts/test.sh runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VLLM_VERSION=0.33.0
+venv=${KVFERRY_VLLM_VENV:-target/vllm-venv}
+have=$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || true)
+if [ "$have" != "$VLLM_VERSION" ]; then
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --upgrade pip
+  "$venv/bin/pip" install --quiet "vllm==$VLLM_VERSION" pytest
+fi
+CARGO_TARGET_DIR="$PWD/target" "$venv/bin/pip" install --quiet --force-reinstall --no-deps ./python
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q -p no:logging python/tests/test_vllm.py
