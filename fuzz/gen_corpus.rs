@@ -5,7 +5,9 @@
 
 use kvferry::transport::wire as tw;
 use kvferry_machines::common::{BlockId, Mode, Msg, TransferId};
-use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout, Region};
+use kvferry_machines::layout::{
+    LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region,
+};
 use kvferry_machines::wire::{self, Frame, Hello, Limits, Refuse, RefuseReason, VERSION};
 use std::fs;
 use std::path::Path;
@@ -54,6 +56,24 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
             },
         ],
         stage: kvferry_machines::layout::Stage::SINGLE,
+        pools: Vec::new(),
+    }
+}
+
+/// `layout` with an aux pool and a state pool, so the hello seed covers
+/// pools too.
+fn with_pools(layout: RankLayout) -> RankLayout {
+    let pool = |kind, base, item_len| Pool {
+        kind,
+        items: 4,
+        regions: vec![PoolRegion { base, item_len }],
+    };
+    RankLayout {
+        pools: vec![
+            pool(PoolKind::Aux, 0x90_0000, 24),
+            pool(PoolKind::State, 0xa0_0000, 4096),
+        ],
+        ..layout
     }
 }
 
@@ -73,7 +93,7 @@ fn frames() -> Vec<Frame> {
             engine_id: "d0".into(),
             mode: Mode::Push,
             model: model(),
-            layout: rank(2, 1, 0x10000),
+            layout: with_pools(rank(2, 1, 0x10000)),
             endpoint: "tcp://127.0.0.1:7000".into(),
         }),
         transfer(Msg::Pull {
