@@ -1,4 +1,5 @@
-//! The block fence: which KV blocks of this endpoint may be touched now.
+//! The block fence: which KV blocks (and items of the aux and state
+//! pools, keyed apart from blocks) of this endpoint may be touched now.
 //!
 //! The machines decide when a request's blocks are handed back to the
 //! engine; from then on no byte of them may be written (decode) or read
