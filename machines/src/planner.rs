@@ -811,6 +811,8 @@ impl PairLayout {
             };
             check_disjoint(side, num_blocks, scratch)?;
         }
+        // Cleared even without pools: one scratch serves every pair.
+        scratch.pool_runs.clear();
         if !self.pools.is_empty() {
             pools::build_runs(&self.pools, prefill_pools, decode_pools, kv, scratch)?;
         }

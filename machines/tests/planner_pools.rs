@@ -483,3 +483,47 @@ proptest! {
         }
     }
 }
+
+/// One plan (and its scratch) serves every pair of a node: a request of a
+/// pair without pools after one with pools plans its KV only, and a
+/// failed plan leaves nothing behind.
+#[test]
+fn one_plan_serves_pairs_with_and_without_pools() {
+    let m = model(LayoutKind::Hnd);
+    let state = [(STATE, 4, &[(0x20_000u64, 16u64)][..])];
+    let with = PairLayout::new(
+        &m,
+        &rank(&m, 1, 0, 0x1000, &state),
+        &rank(&m, 1, 0, 0x9000, &state),
+    )
+    .unwrap();
+    let without = PairLayout::new(
+        &m,
+        &rank(&m, 1, 0, 0x1000, &[]),
+        &rank(&m, 1, 0, 0x9000, &[]),
+    )
+    .unwrap();
+    let limits = BatchLimits::default();
+    let mut out = Plan::default();
+    with.plan_into(&[vec![1], vec![2]], &[vec![3], vec![0]], &limits, &mut out)
+        .unwrap();
+    assert_eq!(out.descriptors.len(), 2);
+    let err = with.plan_into(
+        &[vec![1], vec![2, 3]],
+        &[vec![3], vec![0, 9]],
+        &limits,
+        &mut out,
+    );
+    assert!(
+        matches!(err, Err(PlanError::PoolIndexOutOfRange { .. })),
+        "{err:?}"
+    );
+    assert!(out.descriptors.is_empty() && out.batches.is_empty());
+    with.plan_into(&[vec![1], vec![2]], &[vec![3], vec![0]], &limits, &mut out)
+        .unwrap();
+    without
+        .plan_into(&[vec![1]], &[vec![3]], &limits, &mut out)
+        .unwrap();
+    let kv = kv_len(&m, 1);
+    assert_eq!(out.descriptors, vec![d(0x1000 + kv, 0x9000 + 3 * kv, kv)]);
+}

@@ -172,7 +172,8 @@ pub(super) fn pair(
 
 /// Checks the index lists of the pools (prefill's and decode's, one per
 /// pool; the first is list `first_list` of the request) and appends the
-/// runs of the pools this pair moves to `scratch.pool_runs`, tagged with
+/// runs of the pools this pair moves to `scratch.pool_runs` (empty on
+/// entry), tagged with
 /// their pool. Prefill's last `len(decode)` indices pair with decode's,
 /// as in a KV group.
 pub(super) fn build_runs<P: AsRef<[u64]>, D: AsRef<[u64]>>(
@@ -182,7 +183,6 @@ pub(super) fn build_runs<P: AsRef<[u64]>, D: AsRef<[u64]>>(
     first_list: usize,
     scratch: &mut Scratch,
 ) -> Result<(), PlanError> {
-    scratch.pool_runs.clear();
     for (i, ((map, p), d)) in maps.iter().zip(prefill).zip(decode).enumerate() {
         let (p, d) = (p.as_ref(), d.as_ref());
         if p.len() < d.len() {
@@ -254,6 +254,9 @@ pub(super) fn estimate(maps: &[PoolMap], runs: &[(usize, Run)]) -> usize {
 }
 
 /// Writes the copies of every pool run, buffer by buffer, into `sink`.
+// Out of line: the KV emission it follows is the planner's hot path, and
+// a few copies per request need no inlining into it.
+#[inline(never)]
 pub(super) fn emit(
     maps: &[PoolMap],
     runs: &[(usize, Run)],
