@@ -54,6 +54,7 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
             })
             .collect(),
         stage: kvferry::machines::layout::Stage::SINGLE,
+        pools: Vec::new(),
     }
 }
 

@@ -47,6 +47,7 @@ impl Kv {
         KvLayout {
             model: MODEL,
             first_region: 0,
+            pools: Vec::new(),
             num_blocks: BLOCKS,
             regions: self
                 .regions

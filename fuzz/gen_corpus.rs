@@ -5,7 +5,9 @@
 
 use kvferry::transport::wire as tw;
 use kvferry_machines::common::{BlockId, Mode, Msg, TransferId};
-use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout, Region};
+use kvferry_machines::layout::{
+    LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region,
+};
 use kvferry_machines::wire::{self, Frame, Hello, Limits, Refuse, RefuseReason, VERSION};
 use std::fs;
 use std::path::Path;
@@ -54,6 +56,24 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
             },
         ],
         stage: kvferry_machines::layout::Stage::SINGLE,
+        pools: Vec::new(),
+    }
+}
+
+/// `layout` with an aux pool and a state pool, so the hello seed covers
+/// pools too.
+fn with_pools(layout: RankLayout) -> RankLayout {
+    let pool = |kind, base, item_len| Pool {
+        kind,
+        items: 4,
+        regions: vec![PoolRegion { base, item_len }],
+    };
+    RankLayout {
+        pools: vec![
+            pool(PoolKind::Aux, 0x90_0000, 24),
+            pool(PoolKind::State, 0xa0_0000, 4096),
+        ],
+        ..layout
     }
 }
 
@@ -73,7 +93,7 @@ fn frames() -> Vec<Frame> {
             engine_id: "d0".into(),
             mode: Mode::Push,
             model: model(),
-            layout: rank(2, 1, 0x10000),
+            layout: with_pools(rank(2, 1, 0x10000)),
             endpoint: "tcp://127.0.0.1:7000".into(),
         }),
         transfer(Msg::Pull {
@@ -231,10 +251,28 @@ fn spec_seeds() {
   "decode_blocks": [[2, 3], [0]],
   "descriptors_max": 100
 }"#;
+    // Equal TP with an aux pool (two buffers) and a state pool: the last
+    // two lists are their indices.
+    let pools = r#"{
+  "model": {"layout": "hnd", "total_kv_heads": 2, "block_tokens": 2, "head_bytes": 8},
+  "prefill": {"tp_size": 1, "tp_rank": 0, "num_blocks": 8,
+              "regions": [{"base": 4096, "block_len": 32, "kv_block_len": 32}],
+              "pools": [{"kind": "aux", "items": 4, "regions": [{"base": 65536, "item_len": 8},
+                                                                {"base": 69632, "item_len": 12}]},
+                        {"kind": "state", "items": 4, "regions": [{"base": 73728, "item_len": 64}]}]},
+  "decode": {"tp_size": 1, "tp_rank": 0, "num_blocks": 8,
+             "regions": [{"base": 1048576, "block_len": 32, "kv_block_len": 32}],
+             "pools": [{"kind": "aux", "items": 4, "regions": [{"base": 2097152, "item_len": 8},
+                                                               {"base": 2101248, "item_len": 12}]},
+                       {"kind": "state", "items": 4, "regions": [{"base": 2105344, "item_len": 64}]}]},
+  "prefill_blocks": [[0, 1], [2], [1, 2]],
+  "decode_blocks": [[5, 6], [0], [3, 0]]
+}"#;
     for (name, text) in [
         ("hetero_hnd.json", hetero),
         ("hetero_nhd.json", &nhd),
         ("mla.json", mla),
+        ("aux_state_pools.json", pools),
     ] {
         let plan = kvferry::plan::plan_from_json(text).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(plan.is_transfer(), "{name} plans nothing");

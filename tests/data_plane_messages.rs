@@ -37,6 +37,7 @@ fn kv_memory() -> (Box<[u8]>, KvLayout) {
     let layout = KvLayout {
         model: MODEL,
         first_region: 0,
+        pools: Vec::new(),
         num_blocks: BLOCKS,
         regions: vec![Region {
             base: mem.as_mut_ptr() as u64,

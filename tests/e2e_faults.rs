@@ -282,6 +282,7 @@ fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
             num_blocks: 32,
             regions: d.kv.kv_layout().regions,
             stage: kvferry::machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         },
         endpoint: "tcp://127.0.0.1:1".into(),
     });
@@ -556,6 +557,7 @@ fn a_failed_data_plane_connection_marks_the_peer_dead_until_it_answers() {
             num_blocks: 8,
             regions,
             stage: kvferry::machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         },
         endpoint,
     });

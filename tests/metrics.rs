@@ -82,6 +82,7 @@ fn hello(kv: &SynthKv) -> Frame {
             num_blocks: 16,
             regions: kv.kv_layout().regions,
             stage: kvferry::machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         },
         endpoint: "tcp://127.0.0.1:1".into(),
     })

@@ -37,6 +37,7 @@ fn node(mut config: NodeConfig) -> (Node, Box<[u8]>) {
     let layout = KvLayout {
         model: MODEL,
         first_region: 0,
+        pools: Vec::new(),
         num_blocks: BLOCKS,
         regions: vec![Region {
             base: mem.as_mut_ptr() as u64,

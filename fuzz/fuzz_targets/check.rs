@@ -3,7 +3,9 @@
 //! every descriptor must read only bytes of a requested prefill block and
 //! write only bytes of a requested decode block, inside the `kv_block_len`
 //! bytes of one region's block, because the transport copies exactly what
-//! the plan says.
+//! the plan says. A copy of a pool item (aux or state, whose indices are
+//! the last block lists, one per pool) must stay inside requested items of
+//! one buffer of that pool.
 
 use kvferry_machines::layout::{BatchLimits, RankLayout};
 use kvferry_machines::planner::Plan;
@@ -13,10 +15,14 @@ use kvferry_machines::planner::Plan;
 /// and is touched only in its first `kv_block_len` bytes. A descriptor may
 /// span several blocks: the planner coalesces consecutive blocks when their
 /// KV bytes are contiguous.
-fn assert_inside(side: &str, rank: &RankLayout, blocks: &[Vec<u64>], addr: u64, len: u64) {
+fn assert_inside(side: &str, rank: &RankLayout, lists: &[Vec<u64>], addr: u64, len: u64) {
     let end = addr
         .checked_add(len)
         .unwrap_or_else(|| panic!("{side}: {addr:#x}+{len} overflows"));
+    let (blocks, items) = lists.split_at(lists.len().saturating_sub(rank.pools.len()));
+    if inside_items(rank, items, addr, end) {
+        return;
+    }
     let requested = |b: u64| blocks.iter().flatten().any(|&x| x == b);
     let hit = rank.regions.iter().any(|r| {
         if addr < r.base || r.block_len == 0 {
@@ -50,6 +56,21 @@ fn assert_inside(side: &str, rank: &RankLayout, blocks: &[Vec<u64>], addr: u64, 
         hit,
         "{side}: descriptor [{addr:#x}, {end:#x}) is outside every requested block's KV bytes"
     );
+}
+
+/// True if `[addr, end)` lies inside one buffer of a pool of `rank` and
+/// covers only items its list in `items` (one per pool) requests.
+fn inside_items(rank: &RankLayout, items: &[Vec<u64>], addr: u64, end: u64) -> bool {
+    rank.pools.iter().zip(items).any(|(pool, wanted)| {
+        pool.regions.iter().any(|r| {
+            if addr < r.base || r.item_len == 0 {
+                return false;
+            }
+            let first = (addr - r.base) / r.item_len;
+            let last = (end - 1 - r.base) / r.item_len;
+            last < pool.items && (first..=last).all(|i| wanted.contains(&i))
+        })
+    })
 }
 
 /// Checks `plan` against the inputs it was planned from.

@@ -69,6 +69,7 @@ fn rank(
         num_blocks,
         regions: out,
         stage: kvferry_machines::layout::Stage::SINGLE,
+        pools: Vec::new(),
     })
 }
 

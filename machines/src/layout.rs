@@ -125,6 +125,58 @@ pub struct RankLayout {
     /// The pipeline stage, and which of the model's regions it holds.
     #[serde(default)]
     pub stage: Stage,
+    /// Buffers that move beside the KV, indexed per request rather than
+    /// per block (SGLang's aux data and state buffers), in the order both
+    /// sides declare them. A request's block lists end with one index list
+    /// per pool, in this order (`docs/design.md` §4, "Aux and state
+    /// pools"). At most [`POOLS_MAX`].
+    #[serde(default, deserialize_with = "crate::wire::bounded::pools")]
+    pub pools: Vec<Pool>,
+}
+
+/// Most pools one rank declares: SGLang has one aux pool and a few state
+/// types (Mamba, SWA, DSA, ...). Each pool's index list also counts among
+/// a request's groups (`Config::max_groups`, `wire::Limits::max_groups`).
+pub const POOLS_MAX: usize = 16;
+
+/// What a pool holds, which decides how it moves under tensor parallelism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PoolKind {
+    /// Per-request data identical on every TP rank (SGLang's aux buffers:
+    /// the first output token, metadata): each decode rank copies it whole
+    /// from its first prefill source.
+    Aux,
+    /// Per-request state (SGLang's Mamba conv/temporal state, SWA or DSA
+    /// pages): each rank holds its TP slice, so it moves rank to rank and
+    /// needs equal TP sizes (slicing across TP sizes is not implemented).
+    State,
+}
+
+/// One buffer of a pool: `items` items of `item_len` bytes from `base`
+/// (item `i` at `base + i·item_len`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolRegion {
+    /// Address of item 0.
+    pub base: u64,
+    /// Bytes of one item; also the stride between items.
+    pub item_len: u64,
+}
+
+/// A pool of per-request items: one or more buffers indexed alike (SGLang
+/// passes one list of `(ptr, item_len)` per aux pool or state type).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pool {
+    /// How it moves under tensor parallelism.
+    pub kind: PoolKind,
+    /// Items per buffer; indices must be below this.
+    pub items: u64,
+    /// The buffers, each copied at the same indices; at most
+    /// `wire::Limits::max_regions` (the planner's `REGIONS_MAX`).
+    #[serde(deserialize_with = "crate::wire::bounded::pool_regions")]
+    pub regions: Vec<PoolRegion>,
 }
 
 /// Which side of a transfer a layout or block list belongs to. Errors carry

@@ -14,6 +14,7 @@
 //!     tp_size: 1, tp_rank: 0, num_blocks: 64,
 //!     regions: vec![Region { base, block_len: kv, kv_block_len: kv }],
 //!     stage: Stage::SINGLE,
+//!     pools: Vec::new(),
 //! };
 //! // Validated once per peer: bad metadata is an error here, never a panic later.
 //! let pair = PairLayout::new(&model, &layout(0x1000_0000), &layout(0x9000_0000)).unwrap();
@@ -30,6 +31,8 @@
 
 use crate::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side, Stage};
 use std::ops::Range;
+
+mod pools;
 
 /// Most regions one side may register. Real models register one region per
 /// layer and K/V (a few hundred); the bound keeps the pairwise overlap check
@@ -220,6 +223,83 @@ pub enum PlanError {
         /// The bound that was hit.
         max: usize,
     },
+    /// A pool of one side is unusable: more than
+    /// [`POOLS_MAX`](crate::layout::POOLS_MAX) pools, no
+    /// items, a buffer with a zero `item_len`, past the 64-bit address
+    /// space, or sharing bytes with another buffer or a KV region.
+    #[error("{side} pool {pool}: {why}")]
+    BadPool {
+        /// Side of the pool.
+        side: Side,
+        /// Index of the pool.
+        pool: usize,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The two sides declare pools that do not pair: another count, kind
+    /// or number of buffers.
+    #[error("pool {pool}: {why} differs between prefill and decode")]
+    PoolMismatch {
+        /// Index of the pool (the count when the pool counts differ).
+        pool: usize,
+        /// What differs.
+        why: &'static str,
+    },
+    /// A buffer's `item_len` differs between the sides, so an item of one
+    /// would not fill (or would overflow) the other's.
+    #[error("pool {pool} buffer {region}: item_len differs (prefill {prefill}, decode {decode})")]
+    PoolItemLen {
+        /// Index of the pool.
+        pool: usize,
+        /// Index of the buffer in the pool.
+        region: usize,
+        /// Prefill's item length.
+        prefill: u64,
+        /// Decode's item length.
+        decode: u64,
+    },
+    /// A request's block lists lack the index lists of the layout's pools
+    /// (one per pool after the KV groups).
+    #[error("{lists} block lists cannot hold the index lists of {pools} pools")]
+    MissingPoolLists {
+        /// Lists given.
+        lists: usize,
+        /// Pools declared.
+        pools: usize,
+    },
+    /// A pool index is not below the pool's `items`.
+    #[error("{side} pool {pool}: index {index} is not below items {items}")]
+    PoolIndexOutOfRange {
+        /// Side of the index list.
+        side: Side,
+        /// Index of the pool.
+        pool: usize,
+        /// The index.
+        index: u64,
+        /// The pool's item count.
+        items: u64,
+    },
+    /// A pool index appears twice in one request's list for that pool.
+    #[error("{side} pool {pool}: index {index} appears more than once")]
+    DuplicatePoolIndex {
+        /// Side of the index list.
+        side: Side,
+        /// Index of the pool.
+        pool: usize,
+        /// The repeated index.
+        index: u64,
+    },
+    /// The pair needs a rule kvferry does not implement: a state pool
+    /// under different TP sizes (SGLang slices Mamba state by TP and
+    /// refuses SWA/DSA state), or a pool under pipeline parallelism. Never
+    /// planned approximately: the pair moves nothing.
+    #[error("pool {pool}: unsupported: {why}")]
+    Unsupported {
+        /// Index of the pool.
+        pool: usize,
+        /// What is not implemented.
+        why: &'static str,
+    },
 }
 
 impl PlanError {
@@ -235,7 +315,10 @@ impl PlanError {
             | PlanError::RegionOverflow { side, .. }
             | PlanError::RegionsOverlap { side, .. }
             | PlanError::BlockOutOfRange { side, .. }
-            | PlanError::DuplicateBlock { side, .. } => Some(*side),
+            | PlanError::DuplicateBlock { side, .. }
+            | PlanError::BadPool { side, .. }
+            | PlanError::PoolIndexOutOfRange { side, .. }
+            | PlanError::DuplicatePoolIndex { side, .. } => Some(*side),
             PlanError::Model(_)
             | PlanError::RegionCount { .. }
             | PlanError::StageMismatch { .. }
@@ -243,8 +326,19 @@ impl PlanError {
             | PlanError::GroupCount { .. }
             | PlanError::FewerPrefillBlocks { .. }
             | PlanError::ZeroBatchLimit
-            | PlanError::TooManyDescriptors { .. } => None,
+            | PlanError::TooManyDescriptors { .. }
+            | PlanError::PoolMismatch { .. }
+            | PlanError::PoolItemLen { .. }
+            | PlanError::MissingPoolLists { .. }
+            | PlanError::Unsupported { .. } => None,
         }
+    }
+
+    /// True for a pair kvferry refuses because it does not implement the
+    /// rule it needs ([`PlanError::Unsupported`]), as opposed to metadata
+    /// that is wrong.
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, PlanError::Unsupported { .. })
     }
 }
 
@@ -527,6 +621,10 @@ pub struct Scratch {
     spans: Vec<(u64, u64)>,
     /// One bit per block id, all zero between calls.
     seen: Vec<u64>,
+    /// Runs of pool indices, tagged with their pool.
+    pool_runs: Vec<(usize, Run)>,
+    /// Pool indices, sorted to find duplicates.
+    pool_ids: Vec<u64>,
 }
 
 /// A plan: descriptors in posting order and the batches covering them.
@@ -579,6 +677,9 @@ pub struct PairLayout {
     share: Option<Share>,
     /// Empty when this pair transfers nothing.
     regions: Vec<RegionMap>,
+    /// One per pool of the layouts; a request's last `pools.len()` block
+    /// lists are their indices.
+    pools: Vec<pools::PoolMap>,
 }
 
 impl PairLayout {
@@ -591,6 +692,8 @@ impl PairLayout {
         let tp = TpPair::new(model, prefill.tp_size, decode.tp_size)?;
         validate_side(model, prefill, Side::Prefill)?;
         validate_side(model, decode, Side::Decode)?;
+        let share = tp.share(prefill.tp_rank, decode.tp_rank);
+        let pools = pools::pair(&tp, prefill, decode, share)?;
         // Decode's regions that pair with prefill's, region for region;
         // `None`: another stage's layers, nothing to move between the two.
         let Some(offset) = stage_offset(prefill, decode)? else {
@@ -599,6 +702,7 @@ impl PairLayout {
                 decode_num_blocks: decode.num_blocks,
                 share: None,
                 regions: Vec::new(),
+                pools,
             });
         };
         let decode_regions = &decode.regions[offset..offset + prefill.regions.len()];
@@ -613,7 +717,6 @@ impl PairLayout {
                 }
             }
         }
-        let share = tp.share(prefill.tp_rank, decode.tp_rank);
         let regions = match share {
             None => Vec::new(),
             Some(share) => prefill
@@ -628,6 +731,7 @@ impl PairLayout {
             decode_num_blocks: decode.num_blocks,
             share,
             regions,
+            pools,
         })
     }
 
@@ -696,6 +800,9 @@ impl PairLayout {
         if limits.batch_descriptors_max == 0 || limits.batch_bytes_max == 0 {
             return Err(PlanError::ZeroBatchLimit);
         }
+        let kv = self.kv_lists(prefill_blocks.len(), decode_blocks.len())?;
+        let (prefill_blocks, prefill_pools) = prefill_blocks.split_at(kv);
+        let (decode_blocks, decode_pools) = decode_blocks.split_at(kv);
         self.build_runs(prefill_blocks, decode_blocks, &mut scratch.runs)?;
         for side in [Side::Prefill, Side::Decode] {
             let num_blocks = match side {
@@ -704,11 +811,32 @@ impl PairLayout {
             };
             check_disjoint(side, num_blocks, scratch)?;
         }
-        if self.regions.is_empty() || scratch.runs.is_empty() {
+        // Cleared even without pools: one scratch serves every pair.
+        scratch.pool_runs.clear();
+        if !self.pools.is_empty() {
+            pools::build_runs(&self.pools, prefill_pools, decode_pools, kv, scratch)?;
+        }
+        let kv_moves = !self.regions.is_empty() && !scratch.runs.is_empty();
+        if !kv_moves && scratch.pool_runs.is_empty() {
             return Ok(());
         }
-        self.reserve(&scratch.runs, limits, out)?;
-        self.emit_regions(&scratch.runs, limits, out, batches)
+        self.reserve(&scratch.runs, &scratch.pool_runs, limits, out)?;
+        self.emit_regions(&scratch.runs, &scratch.pool_runs, limits, out, batches)
+    }
+
+    /// How many of a request's block lists are KV groups: all but the
+    /// last one per pool.
+    fn kv_lists(&self, prefill: usize, decode: usize) -> Result<usize, PlanError> {
+        if prefill != decode {
+            return Err(PlanError::GroupCount { prefill, decode });
+        }
+        let pools = self.pools.len();
+        prefill
+            .checked_sub(pools)
+            .ok_or(PlanError::MissingPoolLists {
+                lists: prefill,
+                pools,
+            })
     }
 
     /// Counts what the plan needs before byte splitting: a lower bound, so
@@ -717,11 +845,12 @@ impl PairLayout {
     fn reserve(
         &self,
         runs: &[Run],
+        pool_runs: &[(usize, Run)],
         limits: &BatchLimits,
         out: &mut Vec<Descriptor>,
     ) -> Result<(), PlanError> {
         let blocks: u64 = runs.iter().map(|r| r.len).sum();
-        let mut estimate = 0usize;
+        let mut estimate = pools::estimate(&self.pools, pool_runs);
         for map in &self.regions {
             let per_region = if map.whole_blocks {
                 runs.len() as u64
@@ -748,6 +877,7 @@ impl PairLayout {
     fn emit_regions(
         &self,
         runs: &[Run],
+        pool_runs: &[(usize, Run)],
         limits: &BatchLimits,
         out: &mut Vec<Descriptor>,
         batches: Option<&mut Vec<Batch>>,
@@ -778,6 +908,9 @@ impl PairLayout {
             } else {
                 emit_region_by_run(&mut sink, map, runs, limits)?;
             }
+        }
+        if !pool_runs.is_empty() {
+            pools::emit(&self.pools, pool_runs, &mut sink, limits)?;
         }
         sink.finish_batches();
         Ok(())
@@ -1401,7 +1534,8 @@ fn validate_side(model: &ModelSpec, layout: &RankLayout, side: Side) -> Result<(
             return Err(PlanError::RegionOverflow { side, region: i });
         }
     }
-    check_regions_disjoint(&layout.regions, layout.num_blocks, side)
+    check_regions_disjoint(&layout.regions, layout.num_blocks, side)?;
+    pools::validate(layout, side)
 }
 
 /// Rejects two regions of one side that share a byte. Regions that start

@@ -85,6 +85,13 @@ pub enum Event {
         /// The peer, as the driver names it.
         peer: PeerId,
     },
+    /// The layouts of `peer` pair only by a rule kvferry does not
+    /// implement (`PlanError::Unsupported`): the transfer fails
+    /// [`FailReason::Unsupported`].
+    Unsupported {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+    },
 }
 
 /// Outputs of a [`RecvMachine`].
@@ -256,14 +263,18 @@ impl Active {
                     Ok(Next::Stay)
                 }
             }
-            Event::PlanFailed { peer } => {
-                if self.peers.iter().any(|p| p.id == peer) {
-                    Ok(Next::End(End::Fail(FailReason::BadMetadata)))
-                } else {
-                    Ok(Next::Stay)
-                }
-            }
+            Event::PlanFailed { peer } => Ok(self.handle_verdict(peer, FailReason::BadMetadata)),
+            Event::Unsupported { peer } => Ok(self.handle_verdict(peer, FailReason::Unsupported)),
             Event::Msg { peer, msg } => self.handle_msg(cx, peer, msg),
+        }
+    }
+
+    /// The driver's verdict on the layouts of `peer`.
+    fn handle_verdict(&self, peer: PeerId, reason: FailReason) -> Next {
+        if self.peers.iter().any(|p| p.id == peer) {
+            Next::End(End::Fail(reason))
+        } else {
+            Next::Stay
         }
     }
 
@@ -896,7 +907,9 @@ impl Machine for RecvMachine {
                 Event::ReadDone { .. } => Err(InputError::Misuse(
                     "completion of a read that is not in flight",
                 )),
-                Event::PeerDead { .. } | Event::PlanFailed { .. } => Ok(()),
+                Event::PeerDead { .. } | Event::PlanFailed { .. } | Event::Unsupported { .. } => {
+                    Ok(())
+                }
             },
             State::Active(active) => {
                 let next = active.handle_event(&mut cx, event)?;
@@ -910,7 +923,8 @@ impl Machine for RecvMachine {
                     // The outcome is decided; none of these frees the blocks sooner.
                     Event::PeersResolved { .. }
                     | Event::PeerDead { .. }
-                    | Event::PlanFailed { .. } => {}
+                    | Event::PlanFailed { .. }
+                    | Event::Unsupported { .. } => {}
                 }
                 self.advance_drain(now);
                 Ok(())

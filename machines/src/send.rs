@@ -78,12 +78,17 @@ pub enum Event {
         peer: PeerId,
     },
     /// `peer` sent a `Pull`, but by the layouts the driver knows it reads
-    /// nothing from this P rank: the machine refuses it (`NotPaired`) and
-    /// fails the transfer with `BadMetadata`. The driver turns such a
-    /// `Pull` into this event instead of [`Event::Msg`].
+    /// nothing from this P rank, or the pair needs a rule kvferry does not
+    /// implement: the machine refuses it (`NotPaired`) and fails the
+    /// transfer with `reason`. The driver turns such a `Pull` into this
+    /// event instead of [`Event::Msg`].
     UnpairedPull {
         /// The peer, as the driver names it.
         peer: PeerId,
+        /// [`FailReason::BadMetadata`] when the layouts pair but read
+        /// nothing from each other, [`FailReason::Unsupported`] when they
+        /// pair only by an unimplemented rule.
+        reason: FailReason,
     },
     /// Push mode: `peer` granted a lease answering a ticket this node sent
     /// it at `sent_at` (see [`crate::common::TICKET_BIT`]); the driver
@@ -337,7 +342,7 @@ impl Live {
             Event::WriteDone { peer, chunk, ok } => self.handle_write_done(peer, chunk, ok),
             Event::PeerDead { peer } => Ok(self.handle_verdict(peer, FailReason::PeerDead)),
             Event::PlanFailed { peer } => Ok(self.handle_verdict(peer, FailReason::BadMetadata)),
-            Event::UnpairedPull { peer } => Ok(self.handle_unpaired_pull(cx, peer)),
+            Event::UnpairedPull { peer, reason } => Ok(self.handle_unpaired_pull(cx, peer, reason)),
             Event::TicketGrant {
                 peer,
                 sent_at,
@@ -486,14 +491,14 @@ impl Live {
     }
 
     /// `peer`'s `Pull` is not ours to serve: refuse it and fail.
-    fn handle_unpaired_pull(&mut self, cx: &mut Cx, peer: PeerId) -> Next {
+    fn handle_unpaired_pull(&mut self, cx: &mut Cx, peer: PeerId, reason: FailReason) -> Next {
         if self.peers.iter().any(|p| p.id == peer) {
             // Its first `Pull` was taken, so the layouts changed under
             // us (a new hello): settle it like any peer whose plan failed.
-            return self.handle_verdict(peer, FailReason::BadMetadata);
+            return self.handle_verdict(peer, reason);
         }
         cx.send(peer, Msg::NotPaired);
-        Next::End(End::Fail(FailReason::BadMetadata))
+        Next::End(End::Fail(reason))
     }
 
     /// The driver's verdict on `peer` (dead, or its plan rejected).
@@ -1207,7 +1212,7 @@ impl Machine for SendMachine {
                     Event::WriteDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
                     Event::Msg { peer, msg } => drain.handle_msg(peer, &msg),
                     // Refused as when live; the outcome is decided already.
-                    Event::UnpairedPull { peer } => self.actions.push_back(Action::Send {
+                    Event::UnpairedPull { peer, .. } => self.actions.push_back(Action::Send {
                         peer,
                         msg: Msg::NotPaired,
                     }),

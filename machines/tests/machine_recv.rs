@@ -1090,3 +1090,28 @@ fn unneeded_is_told_again_when_the_request_ends() {
     let out = ev(&mut m, t0 + ms(10), msg(P0, Msg::Status { ok: true }));
     assert_eq!(out, vec![resend(P1, Msg::Unneeded), Action::Received]);
 }
+
+/// Layouts that pair only by a rule kvferry lacks: the request fails
+/// `Unsupported`; in push mode the lease granted to the peer waits for its
+/// `NotPaired` (a lease return) or for lease plus fence.
+#[test]
+fn unsupported_layouts_fail_the_request_as_unsupported() {
+    let t0 = Instant::now();
+    let mut m = machine(t0, Mode::Push, &[5], 0);
+    ev(&mut m, t0, resolved(&[P0]));
+    ev(&mut m, t0, msg(P0, Msg::LeaseRequest { seq: 0 }));
+    assert_eq!(
+        ev(&mut m, t0, Event::Unsupported { peer: P0 }),
+        vec![send(P0, Msg::Abort)]
+    );
+    assert_eq!(m.phase(), Phase::Transferring);
+    assert_eq!(
+        ev(&mut m, t0, msg(P0, Msg::NotPaired)),
+        vec![load_failed(&[5])]
+    );
+    assert_eq!(m.phase(), Phase::Failed(FailReason::Unsupported));
+    // Before any peer is known the verdict changes nothing.
+    let mut m = machine(t0, Mode::Pull, &[5], 0);
+    assert_eq!(ev(&mut m, t0, Event::Unsupported { peer: P0 }), vec![]);
+    assert_eq!(m.phase(), Phase::Bootstrapping);
+}

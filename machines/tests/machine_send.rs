@@ -1453,3 +1453,21 @@ fn the_last_ready_is_resent_until_done_comes() {
     assert_eq!(out, vec![release(Phase::Success)]);
     assert_eq!(m.poll_timeout(), None);
 }
+
+#[test]
+fn an_unpaired_pull_is_refused_with_the_drivers_reason() {
+    for reason in [FailReason::BadMetadata, FailReason::Unsupported] {
+        let t0 = Instant::now();
+        let mut m = push_machine(t0);
+        let out = ev(&mut m, t0, Event::UnpairedPull { peer: D0, reason });
+        assert_eq!(
+            out,
+            vec![send(D0, Msg::NotPaired), release(Phase::Failed(reason))]
+        );
+        // Terminal at once (nothing was written or granted): a resent
+        // `Pull` is absorbed; the node's late answer repeats `NotPaired`.
+        let out = ev(&mut m, t0, Event::UnpairedPull { peer: D0, reason });
+        assert_eq!(out, vec![]);
+        assert_eq!(m.phase(), Phase::Failed(reason));
+    }
+}

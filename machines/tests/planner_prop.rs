@@ -340,6 +340,7 @@ fn case() -> impl Strategy<Value = Case> {
                     num_blocks: nb_p,
                     regions: regions(&mut rng, nregions, &kv_p, nb_p, inter_p, top),
                     stage: kvferry_machines::layout::Stage::SINGLE,
+                    pools: Vec::new(),
                 };
                 let decode = RankLayout {
                     tp_size: tp_d,
@@ -347,6 +348,7 @@ fn case() -> impl Strategy<Value = Case> {
                     num_blocks: nb_d,
                     regions: regions(&mut rng, nregions, &kv_d, nb_d, inter_d, false),
                     stage: kvferry_machines::layout::Stage::SINGLE,
+                    pools: Vec::new(),
                 };
                 // Decode asks for up to all its blocks; prefill has those
                 // plus a prefix decode already holds (a partial hit).
@@ -459,6 +461,7 @@ proptest! {
                 .map(|i| Region { base: base + i * (1 << 32), block_len: kv, kv_block_len: kv })
                 .collect(),
             stage: kvferry_machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         };
         let p = side(0, p0 + n);
         let d = side(1 << 48, d0 + n);
@@ -486,6 +489,7 @@ proptest! {
             tp_size: 1, tp_rank: 0, num_blocks,
             regions: vec![Region { base, block_len: 8, kv_block_len: 8 }],
             stage: kvferry_machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         };
         // Prefill gets decode's length plus a prefix, so trimming happens.
         let pb: Vec<Vec<u64>> = groups.iter().map(|(p, d)| {
@@ -534,6 +538,7 @@ proptest! {
             tp_size, tp_rank: tp_rank % tp_size.max(1).saturating_add(1), num_blocks,
             regions: rs.iter().map(|&(base, block_len, kv_block_len)| Region { base, block_len, kv_block_len }).collect(),
             stage: kvferry_machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         };
         let p = mk(tps.0, tps.1, nbs.0);
         let d = mk(tps.2, tps.3, nbs.1);

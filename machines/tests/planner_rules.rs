@@ -34,6 +34,7 @@ fn rank(tp_size: u32, tp_rank: u32, num_blocks: u64, kv: u64, bases: &[u64]) -> 
             })
             .collect(),
         stage: kvferry_machines::layout::Stage::SINGLE,
+        pools: Vec::new(),
     }
 }
 
@@ -105,6 +106,7 @@ fn padded_blocks_are_not_coalesced_across_blocks() {
         num_blocks: 4,
         regions: vec![region(0)],
         stage: kvferry_machines::layout::Stage::SINGLE,
+        pools: Vec::new(),
     };
     let dd = RankLayout {
         regions: vec![region(4096)],
@@ -324,6 +326,7 @@ fn kv_pair_in_one_block_is_two_interleaved_regions() {
             },
         ],
         stage: kvferry_machines::layout::Stage::SINGLE,
+        pools: Vec::new(),
     };
     let out = plan(
         &m,

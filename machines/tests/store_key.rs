@@ -119,6 +119,7 @@ fn a_rank_layout_names_its_shard_and_value_size() {
             pp_rank: 1,
             first_region: 3,
         },
+        pools: Vec::new(),
     };
     assert_eq!(ks.shard_of_layout(&layout), ks.shard_of(1, 1));
     assert_eq!(value_bytes(&layout), 3 * 4096);

@@ -228,6 +228,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                     num_blocks,
                     regions,
                     stage: kvferry_machines::layout::Stage::SINGLE,
+                    pools: Vec::new(),
                 },
                 endpoint,
             },
@@ -500,6 +501,7 @@ fn round_trip_edge_cases() {
                     REGIONS_MAX
                 ],
                 stage: kvferry_machines::layout::Stage::SINGLE,
+                pools: Vec::new(),
             },
             endpoint: "x".repeat(l.max_string_bytes),
         }),
@@ -523,6 +525,7 @@ fn round_trip_edge_cases() {
                     kv_block_len: 0,
                 }],
                 stage: kvferry_machines::layout::Stage::SINGLE,
+                pools: Vec::new(),
             },
             endpoint: String::new(),
         }),
@@ -1109,6 +1112,7 @@ fn hello_with(engine_id: String, endpoint: String, regions: usize) -> Frame {
                 regions
             ],
             stage: kvferry_machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         },
         endpoint,
     })
@@ -1414,6 +1418,7 @@ fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
                 regions
             ],
             stage: kvferry_machines::layout::Stage::SINGLE,
+            pools: Vec::new(),
         };
         Frame::Hello(h)
     };
@@ -1932,4 +1937,50 @@ fn the_request_id_hash_is_fnv1a_64() {
         TransferId::of_request_id("cmpl-a"),
         TransferId::of_request_id("cmpl-b")
     );
+}
+
+/// `hello_with(.., 1)` declaring `pools` aux pools of `buffers` buffers.
+fn hello_with_pools(pools: usize, buffers: usize) -> Frame {
+    let Frame::Hello(mut h) = hello_with("p".into(), "e".into(), 1) else {
+        unreachable!()
+    };
+    let pool = kvferry_machines::layout::Pool {
+        kind: kvferry_machines::layout::PoolKind::Aux,
+        items: 64,
+        regions: vec![
+            kvferry_machines::layout::PoolRegion {
+                base: 0x7e00_0000_0000,
+                item_len: 24,
+            };
+            buffers
+        ],
+    };
+    h.layout.pools = vec![pool; pools];
+    Frame::Hello(h)
+}
+
+/// A hello's pools round-trip; more than `POOLS_MAX` pools, or a pool of
+/// more buffers than `max_regions`, are refused from their length
+/// prefixes, by the decoder and by `check_limits` alike.
+#[test]
+fn hello_pools_are_bounded_exactly() {
+    use kvferry_machines::layout::POOLS_MAX;
+    let l = Limits::default();
+    let at = hello_with_pools(POOLS_MAX, 3);
+    assert_eq!(decode(&encode(&at), &l), Ok(at.clone()));
+    assert_eq!(at.check_limits(&l), Ok(()));
+    let over = hello_with_pools(POOLS_MAX + 1, 1);
+    let want = limit_error("pools", POOLS_MAX + 1, POOLS_MAX);
+    assert_eq!(decode(&encode(&over), &l), Err(want.clone()));
+    assert_eq!(over.check_limits(&l), Err(want));
+    let small = Limits {
+        max_regions: 2,
+        ..l
+    };
+    let within = hello_with_pools(1, 2);
+    assert_eq!(decode(&encode(&within), &small), Ok(within));
+    let over = hello_with_pools(1, 3);
+    let want = limit_error("pool regions", 3, 2);
+    assert_eq!(decode(&encode(&over), &small), Err(want.clone()));
+    assert_eq!(over.check_limits(&small), Err(want));
 }

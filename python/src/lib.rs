@@ -227,6 +227,7 @@ impl Node {
                 })
                 .collect(),
             first_region,
+            pools: Vec::new(),
         };
         // SAFETY: the wrapper keeps the tensors (or the caller the memory
         // behind raw regions, as documented) alive until `shutdown`, and

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvferry_machines::common::{Config as Timeouts, Mode, Phase, TransferId};
-use kvferry_machines::layout::{BatchLimits, ModelSpec, Region};
+use kvferry_machines::layout::{BatchLimits, ModelSpec, Pool, Region};
 use kvferry_machines::wire;
 use kvferry_reactor::ReactorConfig;
 
@@ -335,4 +335,9 @@ pub struct KvLayout {
     /// (0 without pipeline parallelism; with it, the regions of the layers
     /// before this stage's first).
     pub first_region: u32,
+    /// Aux and state buffers that move beside the KV (SGLang's aux data,
+    /// Mamba/SWA/DSA state), indexed per request: a request's block lists
+    /// end with one index list per pool, in this order. Both sides declare
+    /// the same pools. Empty for a KV-only engine.
+    pub pools: Vec<Pool>,
 }

@@ -207,3 +207,12 @@ pub enum PeerUnfit {
     #[error("layouts do not fit: {0}")]
     Layout(#[source] PlanError),
 }
+
+impl PeerUnfit {
+    /// True when the layouts pair only by a rule kvferry does not
+    /// implement ([`PlanError::Unsupported`]): the peer's transfers fail
+    /// `FailReason::Unsupported` on both sides.
+    pub fn is_unsupported(&self) -> bool {
+        matches!(self, PeerUnfit::Layout(e) if e.is_unsupported())
+    }
+}

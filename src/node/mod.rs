@@ -69,6 +69,7 @@ use kvferry_reactor::{Outcome, Reactor, ReactorHandle, ShutdownPolicy, SubmitErr
 
 use crate::stats::Counters;
 pub use crate::stats::NodeStats;
+use crate::transport::fence::FencePool;
 pub use batch::{LoadMeta, LoadRequest, SendRequest};
 use bridge::BridgeCmd;
 pub use config::{
@@ -391,7 +392,8 @@ impl Node {
     ///
     /// # Safety
     ///
-    /// Every region must point at `num_blocks × block_len` bytes that stay
+    /// Every region must point at `num_blocks × block_len` bytes, and every
+    /// buffer of a pool at `items × item_len` bytes, that stay
     /// allocated until the node is shut down (or dropped), and that peers
     /// may write (decode, push mode) or read (prefill) whenever the protocol
     /// lets them: the engine must not hold Rust references into them while a
@@ -411,6 +413,7 @@ impl Node {
                 pp_rank: s.config.pp_rank,
                 first_region: layout.first_region,
             },
+            pools: layout.pools.clone(),
         };
         // Checked now so a bad layout is the caller's error, not every
         // peer's: a pair with itself exercises the same validation.
@@ -434,6 +437,12 @@ impl Node {
         let kv = sink::KvMemory {
             regions: rank.regions.iter().map(|r| (r.base, r.block_len)).collect(),
             num_blocks: layout.num_blocks,
+            pools: (rank.pools.iter())
+                .map(|p| FencePool {
+                    buffers: p.regions.iter().map(|r| (r.base, r.item_len)).collect(),
+                    items: p.items,
+                })
+                .collect(),
             fenced: !(s.config.timeouts.unsafe_disable_fence
                 || s.config.timeouts.unsafe_ignore_in_flight),
         };

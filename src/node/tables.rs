@@ -22,7 +22,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvferry_machines::common::{
-    blocks_fingerprint, BlockId, BlockLists, Mode, Msg, PeerId, Phase, TransferId,
+    blocks_fingerprint, BlockId, BlockLists, FailReason, Mode, Msg, PeerId, Phase, TransferId,
 };
 use kvferry_machines::duplex::{Direction, Duplex};
 use kvferry_machines::layout::{ModelSpec, RankLayout};
@@ -203,12 +203,18 @@ impl Shared {
             .cloned()
     }
 
-    /// Prefill: true when decode peer `id`'s layouts pair with ours but its
-    /// rank reads nothing from this one, so a `Pull` from it is refused.
-    /// Layouts that do not fit at all fail when the transfer is planned.
-    pub(crate) fn is_unpaired(&self, id: u32) -> bool {
-        self.peer(id)
-            .is_some_and(|d| d.pair.as_ref().is_ok_and(|p| p.share().is_none()))
+    /// Prefill: why a `Pull` from decode peer `id` is refused at once, if
+    /// it is: its rank reads nothing from ours (`BadMetadata`), or the
+    /// layouts pair only by a rule kvferry does not implement
+    /// (`Unsupported`). Other layouts that do not fit fail when the
+    /// transfer is planned.
+    pub(crate) fn refusal(&self, id: u32) -> Option<FailReason> {
+        let d = self.peer(id)?;
+        match &d.pair {
+            Ok(p) if p.share().is_none() => Some(FailReason::BadMetadata),
+            Err(unfit) if unfit.is_unsupported() => Some(FailReason::Unsupported),
+            Ok(_) | Err(_) => None,
+        }
     }
 
     /// Prefill: creates the send machine of `tid` under the create lock,

@@ -1,4 +1,5 @@
-//! The block fence: which KV blocks of this endpoint may be touched now.
+//! The block fence: which KV blocks (and items of the aux and state
+//! pools, keyed apart from blocks) of this endpoint may be touched now.
 //!
 //! The machines decide when a request's blocks are handed back to the
 //! engine; from then on no byte of them may be written (decode) or read
@@ -14,64 +15,153 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
-/// One KV region: `num_blocks` blocks of `block_len` bytes from `base`.
+/// What the fence counts opens of: a KV block (one id names that block in
+/// every KV region) or one item of a pool (aux or state buffers, indexed
+/// per request; the index names that item in every buffer of the pool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FenceKey {
+    /// KV block `id`.
+    Block(u32),
+    /// Item `index` of pool `pool`.
+    Item {
+        /// The pool, in the layout's order.
+        pool: u32,
+        /// The item.
+        index: u32,
+    },
+}
+
+impl From<u32> for FenceKey {
+    fn from(id: u32) -> FenceKey {
+        FenceKey::Block(id)
+    }
+}
+
+/// What a fenced range of memory is made of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Space {
+    Kv,
+    Pool(u32),
+}
+
+/// One fenced region: `count` slots of `stride` bytes from `base`, each
+/// slot a KV block or a pool item.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct FenceRegion {
     base: u64,
-    block_len: u64,
+    stride: u64,
+    count: u64,
+    space: Space,
 }
 
-/// Per-block open counts over the KV regions of one endpoint.
+impl FenceRegion {
+    fn key(&self, slot: u32) -> FenceKey {
+        match self.space {
+            Space::Kv => FenceKey::Block(slot),
+            Space::Pool(pool) => FenceKey::Item { pool, index: slot },
+        }
+    }
+}
+
+/// The buffers of one pool as the fence sees them: `(base, item_len)`
+/// each, and the item count they share.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FencePool {
+    /// `(base, item_len)` per buffer.
+    pub buffers: Vec<(u64, u64)>,
+    /// Items per buffer.
+    pub items: u64,
+}
+
+/// Per-slot open counts over the KV regions and pool buffers of one
+/// endpoint.
 #[derive(Debug)]
 pub struct BlockFence {
-    /// Sorted by base address.
+    /// Sorted by base address; they never share bytes (the planner's
+    /// layout validation refuses that).
     regions: Vec<FenceRegion>,
-    num_blocks: u64,
-    /// Open count per open block; a block absent is closed. A map rather
-    /// than a table of `num_blocks` counts: its size follows the blocks of
-    /// the live transfers, whatever `num_blocks` the engine registered.
-    open: RefCell<HashMap<u32, u32>>,
+    /// Open count per open slot; a slot absent is closed. A map rather
+    /// than a table of counts: its size follows the slots of the live
+    /// transfers, whatever sizes the engine registered.
+    open: RefCell<HashMap<FenceKey, u32>>,
+    /// Slots per space: `[0]` KV blocks, `[1 + p]` items of pool `p`.
+    counts: Vec<u64>,
     /// Bumped on every close, so a guard re-checks only after one.
     closes: Cell<u64>,
 }
 
 impl BlockFence {
-    /// A fence over `regions` (`(base, block_len)` each), `num_blocks` blocks
-    /// in each; every block starts closed.
+    /// A fence over KV `regions` (`(base, block_len)` each), `num_blocks`
+    /// blocks in each; every block starts closed.
     pub fn new(regions: &[(u64, u64)], num_blocks: u64) -> BlockFence {
-        let mut regions: Vec<FenceRegion> = regions
-            .iter()
-            .map(|&(base, block_len)| FenceRegion { base, block_len })
-            .collect();
+        BlockFence::with_pools(regions, num_blocks, &[])
+    }
+
+    /// Like [`BlockFence::new`], with the buffers of `pools` fenced per
+    /// item beside the KV blocks.
+    pub fn with_pools(regions: &[(u64, u64)], num_blocks: u64, pools: &[FencePool]) -> BlockFence {
+        let kv = regions.iter().map(|&(base, stride)| FenceRegion {
+            base,
+            stride,
+            count: num_blocks,
+            space: Space::Kv,
+        });
+        let items = pools.iter().enumerate().flat_map(|(p, pool)| {
+            pool.buffers.iter().map(move |&(base, stride)| FenceRegion {
+                base,
+                stride,
+                count: pool.items,
+                space: Space::Pool(p as u32),
+            })
+        });
+        let mut regions: Vec<FenceRegion> = kv.chain(items).collect();
         regions.sort_by_key(|r| r.base);
+        let counts = std::iter::once(num_blocks)
+            .chain(pools.iter().map(|p| p.items))
+            .collect();
         BlockFence {
             regions,
-            num_blocks,
             open: RefCell::new(HashMap::new()),
+            counts,
             closes: Cell::new(0),
         }
     }
 
-    /// Opens `blocks` (counted: a block opened twice needs two closes).
-    /// Ids past the end are ignored: nothing can address them.
-    pub fn open(&self, blocks: impl IntoIterator<Item = u32>) {
+    /// Slots of the space `key` names, 0 for a pool that does not exist.
+    fn count_of(&self, key: FenceKey) -> (u64, u64) {
+        let (space, slot) = match key {
+            FenceKey::Block(id) => (0, id),
+            FenceKey::Item { pool, index } => (pool as usize + 1, index),
+        };
+        (
+            self.counts.get(space).copied().unwrap_or(0),
+            u64::from(slot),
+        )
+    }
+
+    /// Opens `keys` (counted: a slot opened twice needs two closes).
+    /// Slots past the end are ignored: nothing can address them.
+    pub fn open<K: Into<FenceKey>>(&self, keys: impl IntoIterator<Item = K>) {
         let mut open = self.open.borrow_mut();
-        for b in blocks {
-            if u64::from(b) < self.num_blocks {
-                let n = open.entry(b).or_insert(0);
+        for k in keys {
+            let k = k.into();
+            let (count, slot) = self.count_of(k);
+            if slot < count {
+                let n = open.entry(k).or_insert(0);
                 *n = n.saturating_add(1);
             }
         }
     }
 
-    /// Closes `blocks` once each.
-    pub fn close(&self, blocks: impl IntoIterator<Item = u32>) {
+    /// Closes `keys` once each.
+    pub fn close<K: Into<FenceKey>>(&self, keys: impl IntoIterator<Item = K>) {
         let mut open = self.open.borrow_mut();
-        for b in blocks {
-            if let Some(n) = open.get_mut(&b) {
+        for k in keys {
+            let k = k.into();
+            if let Some(n) = open.get_mut(&k) {
                 *n -= 1;
                 if *n == 0 {
-                    open.remove(&b);
+                    open.remove(&k);
                 }
             }
         }
@@ -83,8 +173,8 @@ impl BlockFence {
         self.closes.get()
     }
 
-    /// True if every KV block that `[addr, addr + len)` touches is open.
-    /// Bytes outside the KV regions are not fenced.
+    /// True if every KV block and pool item that `[addr, addr + len)`
+    /// touches is open. Bytes outside the fenced regions are not fenced.
     pub fn allows(&self, addr: u64, len: u64) -> bool {
         if len == 0 {
             return true;
@@ -93,15 +183,15 @@ impl BlockFence {
         let Some(r) = i.checked_sub(1).map(|i| self.regions[i]) else {
             return true;
         };
-        let span = r.block_len.saturating_mul(self.num_blocks);
+        let span = r.stride.saturating_mul(r.count);
         let off = addr - r.base;
-        if r.block_len == 0 || off >= span {
+        if r.stride == 0 || off >= span {
             return true;
         }
-        let first = off / r.block_len;
-        let last = (off.saturating_add(len - 1) / r.block_len).min(self.num_blocks - 1);
+        let first = off / r.stride;
+        let last = (off.saturating_add(len - 1) / r.stride).min(r.count - 1);
         let open = self.open.borrow();
-        (first..=last).all(|b| u32::try_from(b).is_ok_and(|b| open.contains_key(&b)))
+        (first..=last).all(|b| u32::try_from(b).is_ok_and(|b| open.contains_key(&r.key(b))))
     }
 
     /// True if every `(addr, len)` range is allowed.
@@ -175,6 +265,42 @@ mod tests {
         f.close([u32::MAX]);
         assert!(!f.allows(u64::from(u32::MAX) * 16, 16));
         assert!(f.open.borrow().is_empty());
+    }
+
+    #[test]
+    fn pool_items_are_fenced_apart_from_blocks_of_the_same_id() {
+        // KV: 4 blocks of 100 bytes at 1000; pool 0: two buffers of 3
+        // items of 8 bytes; pool 1: one buffer of 2 items of 50 bytes.
+        let pools = [
+            FencePool {
+                buffers: vec![(5_000, 8), (6_000, 8)],
+                items: 3,
+            },
+            FencePool {
+                buffers: vec![(7_000, 50)],
+                items: 2,
+            },
+        ];
+        let f = BlockFence::with_pools(&[(1_000, 100)], 4, &pools);
+        f.open([1]);
+        assert!(f.allows(1_100, 100), "KV block 1");
+        assert!(!f.allows(5_008, 8), "item 1 of pool 0 is not block 1");
+        f.open([FenceKey::Item { pool: 0, index: 1 }]);
+        assert!(
+            f.allows(5_008, 8) && f.allows(6_008, 8),
+            "item 1 in both buffers"
+        );
+        assert!(!f.allows(5_008, 9), "spills into item 2");
+        assert!(!f.allows(7_050, 1), "pool 1 is another space");
+        assert!(f.allows(5_024, 100), "past the buffer: not fenced");
+        f.open([
+            FenceKey::Item { pool: 1, index: 2 },
+            FenceKey::Item { pool: 9, index: 0 },
+        ]);
+        assert_eq!(f.open.borrow().len(), 2, "slots past the end are ignored");
+        f.close([FenceKey::Item { pool: 0, index: 1 }]);
+        assert!(!f.allows(5_008, 8));
+        assert!(f.allows(1_100, 100), "the block stays open");
     }
 
     #[test]

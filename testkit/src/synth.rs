@@ -13,7 +13,7 @@
 //! `head` is 0 and `byte` runs over the latent of one token.
 
 use kvferry_machines::common::TransferId;
-use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout};
+use kvferry_machines::layout::{LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout};
 
 /// Where one rank's KV lives and how it is shaped, as the pattern needs it.
 #[derive(Clone, Debug)]
@@ -34,6 +34,23 @@ pub struct VerifyError {
     pub position: u64,
     /// Offset of the byte in the block.
     pub offset: u64,
+    /// Expected value.
+    pub expected: u8,
+    /// Value found.
+    pub found: u8,
+}
+
+/// A mismatch found by [`SynthKv::verify_pool`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolVerifyError {
+    /// The pool.
+    pub pool: usize,
+    /// The buffer of the pool.
+    pub buffer: usize,
+    /// Position of the item in the request's list for the pool.
+    pub position: usize,
+    /// Offset of the first bad byte in the item.
+    pub offset: usize,
     /// Expected value.
     pub expected: u8,
     /// Value found.
@@ -285,6 +302,7 @@ mod tests {
                     kv_block_len: kv,
                 }],
                 stage: kvferry_machines::layout::Stage::SINGLE,
+                pools: Vec::new(),
             },
         }
     }
@@ -432,6 +450,7 @@ impl SynthKv {
                     num_blocks,
                     regions,
                     stage,
+                    pools: Vec::new(),
                 },
             },
         }
@@ -444,6 +463,123 @@ impl SynthKv {
             num_blocks: self.layout.rank.num_blocks,
             regions: self.layout.rank.regions.clone(),
             first_region: self.layout.rank.stage.first_region,
+            pools: self.layout.rank.pools.clone(),
+        }
+    }
+
+    /// Adds a pool of `kind` with `items` items per buffer, one buffer per
+    /// entry of `item_lens` (its item length), zeroed. Pools are declared
+    /// in the order they are added.
+    pub fn with_pool(mut self, kind: PoolKind, items: u64, item_lens: &[u64]) -> SynthKv {
+        let mut regions = Vec::new();
+        for &item_len in item_lens {
+            let b: Box<[u8]> = vec![0u8; (item_len * items).max(1) as usize].into_boxed_slice();
+            let n = b.len();
+            let p = Box::into_raw(b) as *mut u8;
+            self.bufs.push((p, n));
+            regions.push(PoolRegion {
+                base: p as u64,
+                item_len,
+            });
+        }
+        self.layout.rank.pools.push(Pool {
+            kind,
+            items,
+            regions,
+        });
+        self
+    }
+
+    /// The seed of item `position` of a request's list for pool `pool`,
+    /// buffer `buffer`. A state pool holds each rank's TP slice, so its
+    /// pattern also depends on the TP rank; an aux pool is the same on
+    /// every rank.
+    fn item_seed(&self, transfer: TransferId, pool: usize, buffer: usize, position: u64) -> u64 {
+        let slice = match self.layout.rank.pools[pool].kind {
+            PoolKind::Aux => u64::MAX,
+            PoolKind::State => u64::from(self.layout.rank.tp_rank),
+        };
+        let a = mix(transfer.0 ^ 0x706f_6f6c_6974_656d);
+        let b = mix(a ^ ((pool as u64) << 32 | buffer as u64));
+        mix(mix(b ^ position) ^ slice)
+    }
+
+    /// Item `index` of buffer `buffer` of pool `pool`, as a raw slice.
+    fn item(&self, pool: usize, buffer: usize, index: u32) -> (*mut u8, usize) {
+        let p = &self.layout.rank.pools[pool];
+        assert!(u64::from(index) < p.items, "pool index out of range");
+        let r = p.regions[buffer];
+        let at = r.base + u64::from(index) * r.item_len;
+        (at as usize as *mut u8, r.item_len as usize)
+    }
+
+    /// Fills the items `indices` of pool `pool` (a request's list for that
+    /// pool, position `k` at `indices[k]`) in every buffer with the pattern
+    /// of `transfer`. The caller must own the items. Panics on an index
+    /// out of range.
+    pub fn fill_pool(&self, transfer: TransferId, pool: usize, indices: &[u32]) {
+        for buffer in 0..self.layout.rank.pools[pool].regions.len() {
+            for (k, &i) in indices.iter().enumerate() {
+                let (at, len) = self.item(pool, buffer, i);
+                // SAFETY: the item lies in a buffer this rank allocated and
+                // owns; the caller guarantees no transfer touches it now.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(at, len) };
+                fill_row(bytes, self.item_seed(transfer, pool, buffer, k as u64));
+            }
+        }
+    }
+
+    /// Checks that the items `indices` of pool `pool` hold what
+    /// [`SynthKv::fill_pool`] wrote for `transfer` on the rank that sent
+    /// them (the same TP rank for a state pool).
+    pub fn verify_pool(
+        &self,
+        transfer: TransferId,
+        pool: usize,
+        indices: &[u32],
+    ) -> Result<(), PoolVerifyError> {
+        for buffer in 0..self.layout.rank.pools[pool].regions.len() {
+            for (k, &i) in indices.iter().enumerate() {
+                let (at, len) = self.item(pool, buffer, i);
+                // SAFETY: as in `fill_pool`, for reads.
+                let bytes = unsafe { std::slice::from_raw_parts(at, len) };
+                let seed = self.item_seed(transfer, pool, buffer, k as u64);
+                if let Some((offset, expected, found)) = check_row(bytes, seed) {
+                    return Err(PoolVerifyError {
+                        pool,
+                        buffer,
+                        position: k,
+                        offset,
+                        expected,
+                        found,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// True when every byte of the items `indices` of pool `pool` is zero
+    /// (the caller must know no transfer touches them meanwhile).
+    pub fn pool_untouched(&self, pool: usize, indices: &[u32]) -> bool {
+        (0..self.layout.rank.pools[pool].regions.len()).all(|buffer| {
+            indices.iter().all(|&i| {
+                let (at, len) = self.item(pool, buffer, i);
+                // SAFETY: as in `fill_pool`, for reads.
+                let bytes = unsafe { std::slice::from_raw_parts(at, len) };
+                bytes.iter().all(|&b| b == 0)
+            })
+        })
+    }
+
+    /// Zeroes the items `indices` of pool `pool` in every buffer.
+    pub fn clear_pool(&self, pool: usize, indices: &[u32]) {
+        for buffer in 0..self.layout.rank.pools[pool].regions.len() {
+            for &i in indices {
+                let (at, len) = self.item(pool, buffer, i);
+                // SAFETY: as in `fill_pool`.
+                unsafe { std::ptr::write_bytes(at, 0, len) };
+            }
         }
     }
 

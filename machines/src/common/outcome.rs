@@ -54,6 +54,10 @@ pub enum FailReason {
     /// Layouts or block lists do not fit together (the planner rejected
     /// them, or P has more blocks than D's destination list can take).
     BadMetadata,
+    /// The layouts pair only by a rule kvferry does not implement (a state
+    /// pool between different TP sizes, `PlanError::Unsupported`): both
+    /// sides refuse the transfer rather than move bytes sliced wrongly.
+    Unsupported,
 }
 
 /// Why the local side aborted a request.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Deserializer};
 
 use super::{Frame, Limits, WireError};
 use crate::common::{BlockId, REQUEST_ID_MAX_BYTES};
-use crate::layout::Region;
+use crate::layout::{Pool, PoolRegion, Region, POOLS_MAX};
 
 thread_local! {
     static ACTIVE: Cell<Option<Limits>> = const { Cell::new(None) };
@@ -178,6 +178,17 @@ where
 /// A rank's regions, at most `max_regions`.
 pub(crate) fn regions<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Region>, D::Error> {
     seq(d, "regions", active_limits().max_regions)
+}
+
+/// A rank's pools, at most [`POOLS_MAX`] (a protocol constant: both sides
+/// must declare the same pools).
+pub(crate) fn pools<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Pool>, D::Error> {
+    seq(d, "pools", POOLS_MAX)
+}
+
+/// The buffers of one pool, at most `max_regions`.
+pub(crate) fn pool_regions<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<PoolRegion>, D::Error> {
+    seq(d, "pool regions", active_limits().max_regions)
 }
 
 /// One value per KV-cache group (prefix lengths, chunk start positions).

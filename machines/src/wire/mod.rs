@@ -55,13 +55,13 @@ pub use notify::{
 use serde::{Deserialize, Serialize};
 
 use crate::common::{Mode, Msg, TransferId, REQUEST_ID_MAX_BYTES};
-use crate::layout::{ModelSpec, RankLayout};
+use crate::layout::{ModelSpec, RankLayout, POOLS_MAX};
 use crate::planner::REGIONS_MAX;
 
 /// First two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"KF";
 /// The protocol version this build speaks (see the module docs).
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Length of the magic + version header.
 pub const HEADER_LEN: usize = 4;
 
@@ -274,7 +274,12 @@ impl Frame {
             Frame::Hello(h) => {
                 check("string", h.engine_id.len(), limits.max_string_bytes)?;
                 check("string", h.endpoint.len(), limits.max_string_bytes)?;
-                check("regions", h.layout.regions.len(), limits.max_regions)
+                check("regions", h.layout.regions.len(), limits.max_regions)?;
+                check("pools", h.layout.pools.len(), POOLS_MAX)?;
+                for pool in &h.layout.pools {
+                    check("pool regions", pool.regions.len(), limits.max_regions)?;
+                }
+                Ok(())
             }
             Frame::NamedTransfer {
                 request_id, msg, ..

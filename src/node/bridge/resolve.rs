@@ -208,6 +208,7 @@ impl Bridge {
             unneeded: Vec::new(),
             dead: Vec::new(),
             refused: Vec::new(),
+            unsupported: Vec::new(),
             waiting: false,
             stale: false,
         };
@@ -261,6 +262,9 @@ impl Bridge {
                 // registering) must not let decode read only some layers.
                 let s = d.hello.layout.stage;
                 ranks.stale |= s.pp_size != pp || s.pp_rank != stage;
+                if d.pair.as_ref().is_err_and(|e| e.is_unsupported()) {
+                    ranks.unsupported.push(peer);
+                }
             }
             let receivers = pair.targets_of(rank).count() as u16;
             let lease_ticket = self.shared.routes().fresh_ticket(peer, &self.shared.config);
@@ -276,6 +280,11 @@ impl Bridge {
     /// Caches the route of a target whose ranks are all fine, or forgets
     /// the directory's answer for one that has a dead or refused rank.
     fn remember_route(&mut self, p: &Pending, ranks: &RankPeers) {
+        if !ranks.unsupported.is_empty() {
+            // No cached route: a request resolved on the engine's thread
+            // would not be told why its transfer cannot be planned.
+            return;
+        }
         if ranks.dead.is_empty() && ranks.refused.is_empty() {
             // Every rank connected and alive: later requests for this
             // target resolve on the engine's thread until something changes.
@@ -348,6 +357,12 @@ impl Bridge {
                 let unfit = recv::Event::PlanFailed { peer: PeerId(r) };
                 let _ = h.send_event(tid, to_recv(unfit));
             }
+            // The `Pull` went out, so the prefill rank refuses the transfer
+            // too (`NotPaired`), for the same reason.
+            for u in ranks.unsupported {
+                let unsupported = recv::Event::Unsupported { peer: PeerId(u) };
+                let _ = h.send_event(tid, to_recv(unsupported));
+            }
         }
     }
 }
@@ -361,6 +376,9 @@ struct RankPeers {
     dead: Vec<u32>,
     /// Ranks whose peer refused our hello.
     refused: Vec<u32>,
+    /// Ranks whose layouts pair with ours only by a rule kvferry does not
+    /// implement (`PlanError::Unsupported`).
+    unsupported: Vec<u32>,
     /// Some rank is connected but has not said hello yet.
     waiting: bool,
     /// Some rank's hello names another stage or PP size than the

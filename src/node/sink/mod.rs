@@ -22,7 +22,7 @@ use kvferry_reactor::{ActionSink, EventPoster};
 use super::bridge::BridgeCmd;
 use super::tables::Written;
 use super::{DataPlaneError, PeerUnfit, Shared, TransportKind};
-use crate::transport::fence::BlockFence;
+use crate::transport::fence::{BlockFence, FenceKey, FencePool};
 use crate::transport::local::LocalTransport;
 use crate::transport::tcp::{TcpConfig, TcpTransport};
 use crate::transport::wire::RejectReason;
@@ -253,6 +253,8 @@ pub(crate) struct KvMemory {
     /// `(base, block_len)` per region.
     pub regions: Vec<(u64, u64)>,
     pub num_blocks: u64,
+    /// The aux and state pools' buffers, fenced per item.
+    pub pools: Vec<FencePool>,
     /// False only when a self-test switched the machines' own protection
     /// off to show what it catches; the block fence would hide that.
     pub fenced: bool,
@@ -267,11 +269,18 @@ pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPl
     // The local transport copies on the initiator's thread, outside any
     // fence of ours; only tcp endpoints get one.
     if let (true, AnyTransport::Tcp(tcp)) = (kv.fenced, &*t) {
-        tcp.set_fence(Some(Rc::new(BlockFence::new(&kv.regions, kv.num_blocks))));
+        let fence = BlockFence::with_pools(&kv.regions, kv.num_blocks, &kv.pools);
+        tcp.set_fence(Some(Rc::new(fence)));
     }
-    for &(base, block_len) in &kv.regions {
+    let blocks = kv
+        .regions
+        .iter()
+        .map(|&(base, len)| (base, len, kv.num_blocks));
+    let items =
+        (kv.pools.iter()).flat_map(|p| p.buffers.iter().map(|&(base, len)| (base, len, p.items)));
+    for (base, stride, count) in blocks.chain(items) {
         // `register_kv_caches` checked that the product fits in 64 bits.
-        let len = kv.num_blocks.saturating_mul(block_len);
+        let len = count.saturating_mul(stride);
         let len = usize::try_from(len).map_err(|_| DataPlaneError::RegionTooLong)?;
         // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
         // promised the memory stays valid and shareable with peers.
@@ -304,13 +313,17 @@ pub(crate) fn inbound(
 }
 
 /// A decode peer's message to a send machine: a lease ticket's grant and a
-/// `Pull` from a rank paired with nothing here have events of their own.
+/// `Pull` this rank refuses at once (see `Shared::refusal`) have events of
+/// their own.
 fn to_send_event(shared: &Shared, peer: PeerId, msg: Msg) -> send::Event {
     match msg {
         Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
             shared.ticket_event(peer.0, seq & !TICKET_BIT, duration_ms)
         }
-        Msg::Pull { .. } if shared.is_unpaired(peer.0) => send::Event::UnpairedPull { peer },
+        Msg::Pull { .. } => match shared.refusal(peer.0) {
+            Some(reason) => send::Event::UnpairedPull { peer, reason },
+            None => send::Event::Msg { peer, msg },
+        },
         msg => send::Event::Msg { peer, msg },
     }
 }
@@ -356,7 +369,7 @@ pub(crate) struct Sink {
     lanes: Lanes,
     /// Local blocks each live transfer opened in the block fence; closed in
     /// the turn that reports the transfer terminal.
-    opened: HashMap<TransferId, Vec<u32>>,
+    opened: HashMap<TransferId, Vec<FenceKey>>,
     /// Push-mode prefill: per live transfer, each peer and the fingerprint
     /// of the blocks written to it so far (`blocks_fingerprint`), kept with
     /// the record of a success so a late `Pull` can be told apart from a
@@ -439,9 +452,10 @@ impl Sink {
         let Some(fence) = self.fence() else {
             return;
         };
-        let ids = blocks.iter().flatten().map(|b| b.0);
-        fence.open(ids.clone());
-        self.opened.entry(tid).or_default().extend(ids);
+        let pools = self.shared.local.get().map_or(0, |l| l.layout.pools.len());
+        let keys = fence_keys(blocks, pools);
+        fence.open(keys.clone());
+        self.opened.entry(tid).or_default().extend(keys);
     }
 
     /// Posts `events` to the machine from a local task (`execute` cannot wait).
@@ -649,6 +663,22 @@ impl Sink {
         self.shared
             .on_terminal(tid, direction, phase, latency, written);
     }
+}
+
+/// The fence keys of a request's block lists: the KV groups' block ids,
+/// then one list of item indices per pool of the layout (the last `pools`
+/// lists, in the layout's order).
+fn fence_keys(lists: &BlockLists, pools: usize) -> impl Iterator<Item = FenceKey> + Clone + '_ {
+    let kv = lists.len().saturating_sub(pools);
+    lists.iter().enumerate().flat_map(move |(i, list)| {
+        list.iter().map(move |b| match i.checked_sub(kv) {
+            None => FenceKey::Block(b.0),
+            Some(pool) => FenceKey::Item {
+                pool: pool as u32,
+                index: b.0,
+            },
+        })
+    })
 }
 
 fn fill_u64(out: &mut Vec<Vec<u64>>, lists: &BlockLists) {
