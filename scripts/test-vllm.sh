@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# vLLM's own scheduler drives kvferry's connector (python/tests/test_vllm.py):
+# vLLM's own scheduler drives kvferry's connector (python/tests/test_vllm.py),
+# SGLang's base classes and plugin hook drive its backend (test_sglang.py),
+# and the package's own suite runs again with CPU torch tensors:
 # installs vLLM 0.33 from PyPI into a virtual environment (about 10 GB; one
 # whose vLLM is already that version is reused), installs python/ there, and
 # runs the test on the CPU (VLLM_TARGET_DEVICE=cpu, a local model config, no
@@ -8,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VLLM_VERSION=0.33.0
+SGLANG_VERSION=0.5.23
 venv=${KVFERRY_VLLM_VENV:-target/vllm-venv}
 have=$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || true)
 if [ "$have" != "$VLLM_VERSION" ]; then
@@ -17,4 +20,10 @@ if [ "$have" != "$VLLM_VERSION" ]; then
   "$venv/bin/pip" install --quiet "vllm==$VLLM_VERSION" pytest
 fi
 CARGO_TARGET_DIR="$PWD/target" "$venv/bin/pip" install --quiet --force-reinstall --no-deps ./python
-VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q -p no:logging python/tests/test_vllm.py
+# SGLang without its dependencies, and the two modules its disaggregation
+# package imports beyond vLLM's: enough to drive the backend through its
+# base classes and plugin hook.
+"$venv/bin/pip" install --quiet --no-deps "sglang==$SGLANG_VERSION"
+"$venv/bin/pip" install --quiet IPython gguf hypothesis
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q -p no:logging \
+  python/tests/test_vllm.py python/tests/test_sglang.py python/tests/test_node.py

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from . import _native
 from ._native import (
     REQUEST_ID_MAX_BYTES,
+    BootstrapServer,
     BusyError,
     Error,
     LoadMeta,
@@ -49,6 +50,7 @@ __all__ = [
     "Phase",
     "Scheduler",
     "LoadMeta",
+    "BootstrapServer",
     "Error",
     "ParamsError",
     "MisuseError",
@@ -290,12 +292,19 @@ class Node:
         block_tokens: int,
         head_bytes: int,
         first_region: int = 0,
+        pools: Optional[Sequence["tuple[str, int, Sequence[tuple[int, int]]]"]] = None,
     ) -> None:
         """Registers the KV cache: exactly one of ``tensors`` (one region
         per tensor, leading dimension the block, all with as many blocks)
         or raw ``regions`` ``[(base_address, block_len, kv_block_len)]``
         of ``num_blocks`` blocks each. Raw addresses must stay valid until
-        :meth:`shutdown`; tensors are kept alive by the node."""
+        :meth:`shutdown`; tensors are kept alive by the node.
+
+        ``pools``: per-request items beside the KV (SGLang's aux and state
+        buffers), each ``(kind, items, [(base_address, item_len)])`` with
+        ``kind`` ``"aux"`` (copied whole to every decode rank) or
+        ``"state"`` (rank to rank, equal TP only). A request's block lists
+        then end with one index list per pool, in this order."""
         if (tensors is None) == (regions is None):
             raise MisuseError("give exactly one of tensors and regions")
         if tensors is not None:
@@ -314,6 +323,7 @@ class Node:
             int(block_tokens),
             int(head_bytes),
             int(first_region),
+            None if pools is None else [(k, int(n), [tuple(r) for r in rs]) for k, n, rs in pools],
         )
         self._memory.extend(keep)
 

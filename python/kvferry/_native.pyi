@@ -15,6 +15,7 @@ __all__ = [
     "ParamsError",
     "Scheduler",
     "LoadMeta",
+    "BootstrapServer",
     "REQUEST_ID_MAX_BYTES",
 ]
 
@@ -43,6 +44,7 @@ class Node:
         block_tokens: int,
         head_bytes: int,
         first_region: int = 0,
+        pools: Optional[Sequence[tuple[str, int, Sequence[tuple[int, int]]]]] = None,
     ) -> None: ...
     def sender(self, transfer_id: Union[int, str]) -> "Sender": ...
     def receiver(
@@ -137,3 +139,10 @@ class Scheduler:
     def poll_abort(self) -> Optional[int]: ...
     def request_id_of(self, transfer_id: int) -> Optional[str]: ...
     def transfer_id_of(self, request_id: str) -> Optional[int]: ...
+
+@final
+class BootstrapServer:
+    def __new__(cls, addr: str) -> "BootstrapServer": ...
+    @property
+    def addr(self) -> str: ...
+    def stop(self) -> None: ...

@@ -173,6 +173,31 @@ fn layout_kind(name: &str) -> PyResult<LayoutKind> {
     }
 }
 
+/// `(kind, items, [(base, item_len)])`: a pool of per-request items beside
+/// the KV (SGLang's aux and state buffers).
+type PoolSpec = (String, u64, Vec<(u64, u64)>);
+
+fn pool((kind, items, regions): PoolSpec) -> PyResult<kvferry::node::Pool> {
+    let kind = match kind.as_str() {
+        "aux" => kvferry::node::PoolKind::Aux,
+        "state" => kvferry::node::PoolKind::State,
+        _ => {
+            return Err(misuse(format!(
+                "a pool is \"aux\" or \"state\", not {kind:?}"
+            )))
+        }
+    };
+    let regions = regions
+        .into_iter()
+        .map(|(base, item_len)| kvferry::node::PoolRegion { base, item_len })
+        .collect();
+    Ok(kvferry::node::Pool {
+        kind,
+        items,
+        regions,
+    })
+}
+
 /// One prefill or decode rank (`kvferry.Node` wraps it).
 #[pyclass(module = "kvferry._native", frozen)]
 struct Node {
@@ -197,7 +222,7 @@ impl Node {
     /// Registers raw regions `(base, block_len, kv_block_len)` of
     /// `num_blocks` blocks each. The caller keeps the memory alive until
     /// the node is shut down (the Python wrapper holds the tensors).
-    #[pyo3(signature = (regions, num_blocks, layout, total_kv_heads, block_tokens, head_bytes, first_region=0))]
+    #[pyo3(signature = (regions, num_blocks, layout, total_kv_heads, block_tokens, head_bytes, first_region=0, pools=None))]
     #[allow(clippy::too_many_arguments)]
     fn register_regions(
         &self,
@@ -209,7 +234,13 @@ impl Node {
         block_tokens: u32,
         head_bytes: u64,
         first_region: u32,
+        pools: Option<Vec<PoolSpec>>,
     ) -> PyResult<()> {
+        let pools = pools
+            .unwrap_or_default()
+            .into_iter()
+            .map(pool)
+            .collect::<PyResult<_>>()?;
         let layout = kvferry::KvLayout {
             model: ModelSpec {
                 layout: layout_kind(layout)?,
@@ -227,7 +258,7 @@ impl Node {
                 })
                 .collect(),
             first_region,
-            pools: Vec::new(),
+            pools,
         };
         // SAFETY: the wrapper keeps the tensors (or the caller the memory
         // behind raw regions, as documented) alive until `shutdown`, and
@@ -442,6 +473,42 @@ impl Receiver {
     }
 }
 
+/// A standalone bootstrap service (vLLM's routes): where the ranks of
+/// prefill engines register and decode ranks look them up.
+#[pyclass(module = "kvferry._native", frozen)]
+struct BootstrapServer {
+    server: std::sync::Mutex<Option<kvferry::bootstrap::BootstrapServer>>,
+    addr: String,
+}
+
+#[pymethods]
+impl BootstrapServer {
+    /// Serves on `addr` (`host:port`; port 0 picks one).
+    #[new]
+    fn new(py: Python<'_>, addr: &str) -> PyResult<BootstrapServer> {
+        let server = py
+            .detach(|| kvferry::bootstrap::BootstrapServer::start(addr))
+            .map_err(|e| TransportError::new_err(e.to_string()))?;
+        let addr = server.local_addr().to_string();
+        Ok(BootstrapServer {
+            server: std::sync::Mutex::new(Some(server)),
+            addr,
+        })
+    }
+
+    /// The address it serves on (`ip:port`).
+    #[getter]
+    fn addr(&self) -> String {
+        self.addr.clone()
+    }
+
+    /// Stops serving.
+    fn stop(&self, py: Python<'_>) {
+        let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
+        py.detach(|| drop(server));
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -450,6 +517,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Receiver>()?;
     m.add_class::<sched::Scheduler>()?;
     m.add_class::<sched::LoadMeta>()?;
+    m.add_class::<BootstrapServer>()?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("MisuseError", py.get_type::<MisuseError>())?;
     m.add("PeerError", py.get_type::<PeerError>())?;

@@ -282,3 +282,21 @@ def test_any_argument_raises_a_typed_error_or_works(prefill, transfer_id, blocks
     except kvferry.MisuseError:
         pass
     tx.abort()
+
+
+def test_cpu_torch_tensors_are_registered_as_they_are():
+    torch = pytest.importorskip("torch")
+    shape = (BLOCKS, HEADS, TOKENS, HEAD_BYTES // 2)  # fp16: two bytes an element
+    with node("prefill", "p") as p, node("decode", "d") as d:
+        pk = [torch.randn(shape, dtype=torch.float16) for _ in range(2 * LAYERS)]
+        dk = [torch.zeros(shape, dtype=torch.float16) for _ in range(2 * LAYERS)]
+        p.register_kv_caches(pk, **MODEL)
+        d.register_kv_caches(dk, **MODEL)
+        rx = d.receiver("torch-1", side_channels=[p.side_channel_addr])
+        rx.request([12, 13])
+        p.sender("torch-1").send([2, 3])
+        assert rx.wait(WAIT) is Phase.Success, rx.failure
+        for src, dst in zip(pk, dk):
+            assert torch.equal(dst[12:14], src[2:4])
+        with pytest.raises(kvferry.MisuseError):
+            d.register_kv_caches([torch.zeros(shape).transpose(1, 2)], **MODEL)

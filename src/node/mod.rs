@@ -61,7 +61,9 @@ pub use kvferry_machines::common::{
     AbortReason, BlockId, BlockLists, Config as Timeouts, FailReason, Mode, Phase, TransferId,
 };
 use kvferry_machines::duplex::{self, Direction, Duplex};
-pub use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Stage};
+pub use kvferry_machines::layout::{
+    BatchLimits, LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region, Stage,
+};
 use kvferry_machines::planner::PairLayout;
 use kvferry_machines::recv::RecvMachine;
 use kvferry_machines::send;
