@@ -24,9 +24,13 @@ fault they are: :class:`MisuseError` (the caller), :class:`PeerError`,
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import json
+import logging
+import os
+import threading
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _native
@@ -60,6 +64,50 @@ __all__ = [
     "BusyError",
     "REQUEST_ID_MAX_BYTES",
 ]
+
+_log_pump_pid: Optional[int] = None
+_log_pump: Optional[threading.Thread] = None
+_log_stop = threading.Event()
+
+
+def _pump_logs() -> None:
+    """Hands kvferry's `tracing` events (filtered by ``KVFERRY_LOG``,
+    ``warn`` by default) to the ``kvferry.*`` loggers of Python's
+    ``logging``: ``kvferry::node::bridge`` logs as ``kvferry.node.bridge``."""
+    dropped_before = 0
+    while not _log_stop.is_set():
+        records, dropped = _native._next_logs(1.0)
+        for level, target, message in records:
+            if level:  # 0: the wake-up of `_stop_log_pump`
+                logging.getLogger(target.replace("::", ".")).log(level, "%s", message)
+        if dropped > dropped_before:
+            logging.getLogger("kvferry").warning(
+                "%d kvferry log records dropped: Python took them too slowly",
+                dropped - dropped_before,
+            )
+            dropped_before = dropped
+
+
+def _ensure_log_pump() -> None:
+    """Starts the log thread of this process (again in a forked child)."""
+    global _log_pump_pid, _log_pump
+    if _log_pump_pid != os.getpid():
+        _log_pump_pid = os.getpid()
+        _log_pump = threading.Thread(target=_pump_logs, name="kvferry-logs", daemon=True)
+        _log_pump.start()
+
+
+@atexit.register
+def _stop_log_pump() -> None:
+    # Before the interpreter finalizes: a daemon thread it ends inside a
+    # native call would abort the process.
+    _log_stop.set()
+    _native._wake_logs()
+    if _log_pump is not None and _log_pump_pid == os.getpid():
+        _log_pump.join(5.0)
+
+
+_ensure_log_pump()
 
 TransferRef = Union[int, str]
 BlockIds = Union[Sequence[int], Sequence[Sequence[int]]]
@@ -270,6 +318,7 @@ class Node:
     """
 
     def __init__(self, *, role: str, engine_id: str, **settings: Any) -> None:
+        _ensure_log_pump()
         config = {"role": role, "engine_id": engine_id}
         config.update({k: v for k, v in settings.items() if v is not None})
         self._native = _native.Node(json.dumps(config))

@@ -17,6 +17,8 @@ __all__ = [
     "LoadMeta",
     "BootstrapServer",
     "REQUEST_ID_MAX_BYTES",
+    "_next_logs",
+    "_wake_logs",
 ]
 
 REQUEST_ID_MAX_BYTES: int
@@ -146,3 +148,6 @@ class BootstrapServer:
     @property
     def addr(self) -> str: ...
     def stop(self) -> None: ...
+
+def _next_logs(timeout_s: float) -> tuple[list[tuple[int, str, str]], int]: ...
+def _wake_logs() -> None: ...

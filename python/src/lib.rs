@@ -15,6 +15,7 @@ use pyo3::exceptions::{PyException, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString};
 
+mod logs;
 mod sched;
 
 create_exception!(_native, Error, PyException, "Base of every kvferry error.");
@@ -202,6 +203,29 @@ fn pool((kind, items, regions): PoolSpec) -> PyResult<kvferry::node::Pool> {
 #[pyclass(module = "kvferry._native", frozen)]
 struct Node {
     node: kvferry::Node,
+    /// The process that started it (see [`same_process`]).
+    pid: u32,
+}
+
+/// A node's executors and bridge are threads of the process that started
+/// it; after `fork()` the child has none of them (vLLM forks its workers:
+/// nodes start in the workers). A call from the child is refused.
+fn same_process(pid: u32) -> PyResult<()> {
+    let here = std::process::id();
+    if here == pid {
+        return Ok(());
+    }
+    Err(misuse(format!(
+        "this kvferry node was started in process {pid} and is used in process {here} \
+         after fork(): its threads do not exist here; start nodes in the process that uses them"
+    )))
+}
+
+impl Node {
+    fn live(&self) -> PyResult<&kvferry::Node> {
+        same_process(self.pid)?;
+        Ok(&self.node)
+    }
 }
 
 #[pymethods]
@@ -216,7 +240,10 @@ impl Node {
         let node = py
             .detach(|| kvferry::Node::start(config))
             .map_err(node_err)?;
-        Ok(Node { node })
+        Ok(Node {
+            node,
+            pid: std::process::id(),
+        })
     }
 
     /// Registers raw regions `(base, block_len, kv_block_len)` of
@@ -263,17 +290,18 @@ impl Node {
         // SAFETY: the wrapper keeps the tensors (or the caller the memory
         // behind raw regions, as documented) alive until `shutdown`, and
         // the regions were checked to lie inside them.
-        py.detach(|| unsafe { self.node.register_kv_caches(layout) })
+        let node = self.live()?;
+        py.detach(|| unsafe { node.register_kv_caches(layout) })
             .map_err(node_err)
     }
 
     /// The handle of a send (prefill), by number or string request id.
     fn sender(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<Sender> {
         let tx = match TransferRef::from_py(transfer_id)? {
-            TransferRef::Number(tid) => self.node.sender(tid),
-            TransferRef::Name(name) => self.node.sender_named(&name),
+            TransferRef::Number(tid) => self.live()?.sender(tid),
+            TransferRef::Name(name) => self.live()?.sender_named(&name),
         };
-        tx.map(|tx| Sender { tx }).map_err(node_err)
+        tx.map(|tx| Sender { tx, pid: self.pid }).map_err(node_err)
     }
 
     /// The handle of a receive (decode) from the prefill engine named by
@@ -309,27 +337,31 @@ impl Node {
             )),
         };
         let rx = match TransferRef::from_py(transfer_id)? {
-            TransferRef::Number(tid) => self.node.receiver(tid, &target),
-            TransferRef::Name(name) => self.node.receiver_named(&name, &target),
+            TransferRef::Number(tid) => self.live()?.receiver(tid, &target),
+            TransferRef::Name(name) => self.live()?.receiver_named(&name, &target),
         };
-        rx.map(|rx| Receiver { rx }).map_err(node_err)
+        rx.map(|rx| Receiver { rx, pid: self.pid })
+            .map_err(node_err)
     }
 
     /// Starts every load and send of one step's `meta`
     /// (`Scheduler.build_connector_meta`).
     fn start_load_kv(&self, py: Python<'_>, meta: &sched::LoadMeta) -> PyResult<()> {
-        py.detach(|| self.node.start_load_kv(&meta.meta))
+        let node = self.live()?;
+        py.detach(|| node.start_load_kv(&meta.meta))
             .map_err(node_err)
     }
 
     /// Aborts `transfer_id` (either direction).
     fn abort(&self, transfer_id: u64) -> PyResult<()> {
-        self.node.abort(TransferId(transfer_id)).map_err(node_err)
+        self.live()?
+            .abort(TransferId(transfer_id))
+            .map_err(node_err)
     }
 
     /// The transfer id every node computes for string request id `name`.
     fn transfer_id_of(&self, name: &str) -> PyResult<u64> {
-        self.node
+        self.live()?
             .transfer_id_of(name)
             .map(|t| t.0)
             .map_err(node_err)
@@ -337,22 +369,22 @@ impl Node {
 
     /// `(finished sending, finished receiving)` transfer ids since the
     /// last call.
-    fn get_finished(&self) -> (Vec<u64>, Vec<u64>) {
-        let (sent, received) = self.node.get_finished();
+    fn get_finished(&self) -> PyResult<(Vec<u64>, Vec<u64>)> {
+        let (sent, received) = self.live()?.get_finished();
         let ids = |v: Vec<TransferId>| v.into_iter().map(|t| t.0).collect();
-        (ids(sent), ids(received))
+        Ok((ids(sent), ids(received)))
     }
 
     /// Destination blocks whose load failed since the last call.
-    fn block_ids_with_load_errors(&self) -> Vec<u32> {
-        let ids = self.node.block_ids_with_load_errors();
-        ids.into_iter().map(|b| b.0).collect()
+    fn block_ids_with_load_errors(&self) -> PyResult<Vec<u32>> {
+        let ids = self.live()?.block_ids_with_load_errors();
+        Ok(ids.into_iter().map(|b| b.0).collect())
     }
 
     /// The node's counters, by name.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        for (name, value) in self.node.stats().fields() {
+        for (name, value) in self.live()?.stats().fields() {
             d.set_item(name, value)?;
         }
         Ok(d)
@@ -362,7 +394,11 @@ impl Node {
     #[pyo3(signature = (grace_s=0.2))]
     fn shutdown(&self, py: Python<'_>, grace_s: f64) -> PyResult<()> {
         let grace = seconds("grace_s", grace_s)?;
-        py.detach(|| self.node.shutdown(grace));
+        // In a forked child there is nothing to stop (its threads are the
+        // parent's); only the parent's node may be stopped.
+        if std::process::id() == self.pid {
+            py.detach(|| self.node.shutdown(grace));
+        }
         Ok(())
     }
 
@@ -400,6 +436,7 @@ impl Node {
 #[pyclass(module = "kvferry._native", frozen)]
 struct Sender {
     tx: kvferry::Sender,
+    pid: u32,
 }
 
 #[pymethods]
@@ -408,19 +445,23 @@ impl Sender {
     /// to the transfer; `is_last` on the request's last chunk.
     #[pyo3(signature = (block_ids, is_last=true))]
     fn send(&self, block_ids: &Bound<'_, PyAny>, is_last: bool) -> PyResult<()> {
+        same_process(self.pid)?;
         let blocks = block_lists(block_ids)?;
         self.tx.send(blocks, is_last).map_err(node_err)
     }
 
-    fn poll(&self) -> (&'static str, Option<String>) {
-        phase_pair(self.tx.poll())
+    fn poll(&self) -> PyResult<(&'static str, Option<String>)> {
+        same_process(self.pid)?;
+        Ok(phase_pair(self.tx.poll()))
     }
 
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(&'static str, Option<String>)> {
+        same_process(self.pid)?;
         wait_phase(py, timeout_s, |d| self.tx.wait(d))
     }
 
     fn abort(&self) -> PyResult<()> {
+        same_process(self.pid)?;
         self.tx.abort().map_err(node_err)
     }
 
@@ -434,6 +475,7 @@ impl Sender {
 #[pyclass(module = "kvferry._native", frozen)]
 struct Receiver {
     rx: kvferry::Receiver,
+    pid: u32,
 }
 
 #[pymethods]
@@ -447,6 +489,7 @@ impl Receiver {
         block_ids: &Bound<'_, PyAny>,
         prefix_blocks: Option<Vec<u32>>,
     ) -> PyResult<()> {
+        same_process(self.pid)?;
         let blocks = block_lists(block_ids)?;
         let r = match prefix_blocks {
             Some(p) => self.rx.request_with_prefix(blocks, p),
@@ -455,15 +498,18 @@ impl Receiver {
         r.map_err(node_err)
     }
 
-    fn poll(&self) -> (&'static str, Option<String>) {
-        phase_pair(self.rx.poll())
+    fn poll(&self) -> PyResult<(&'static str, Option<String>)> {
+        same_process(self.pid)?;
+        Ok(phase_pair(self.rx.poll()))
     }
 
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(&'static str, Option<String>)> {
+        same_process(self.pid)?;
         wait_phase(py, timeout_s, |d| self.rx.wait(d))
     }
 
     fn abort(&self) -> PyResult<()> {
+        same_process(self.pid)?;
         self.rx.abort().map_err(node_err)
     }
 
@@ -526,5 +572,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BusyError", py.get_type::<BusyError>())?;
     m.add("ParamsError", py.get_type::<ParamsError>())?;
     m.add("REQUEST_ID_MAX_BYTES", kvferry::REQUEST_ID_MAX_BYTES)?;
+    m.add_function(wrap_pyfunction!(logs::_next_logs, m)?)?;
+    m.add_function(wrap_pyfunction!(logs::_wake_logs, m)?)?;
+    logs::install();
     Ok(())
 }

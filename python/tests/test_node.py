@@ -1,6 +1,7 @@
 """kvferry from Python: real nodes on 127.0.0.1, tcp data plane, every
 byte compared."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -300,3 +301,65 @@ def test_cpu_torch_tensors_are_registered_as_they_are():
             assert torch.equal(dst[12:14], src[2:4])
         with pytest.raises(kvferry.MisuseError):
             d.register_kv_caches([torch.zeros(shape).transpose(1, 2)], **MODEL)
+
+
+def test_kvferrys_warnings_reach_python_logging(caplog):
+    caplog.set_level(logging.WARNING, logger="kvferry")
+    with node("decode", "d") as d:
+        d.register_kv_caches(kv(), **MODEL)
+        rx = d.receiver(41, side_channels=["tcp://kvferry-nowhere.invalid:5600"])
+        rx.request([0])
+        assert rx.wait(WAIT) is Phase.Failed
+        deadline = time.monotonic() + WAIT
+        while not any("kvferry-nowhere.invalid" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.01)
+        r = next(r for r in caplog.records if "kvferry-nowhere.invalid" in r.getMessage())
+        assert r.name.startswith("kvferry.") and r.levelno == logging.WARNING
+
+
+def test_a_node_used_after_fork_raises_in_the_child():
+    with node("prefill", "p") as p:
+        p.register_kv_caches(kv(), **MODEL)
+        tx = p.sender(3)
+        pid = os.fork()
+        if pid == 0:  # the child: report by exit status only
+            code = 1
+            try:
+                p.sender(4)
+            except kvferry.MisuseError as e:
+                code = 0 if "after fork()" in str(e) else 2
+            try:
+                tx.poll()
+                code = 3
+            except kvferry.MisuseError:
+                pass
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert tx.poll() is not Phase.Failed  # the parent's node is unharmed
+
+
+def test_the_interpreter_exits_cleanly_with_nodes_running():
+    # The log thread stops before the interpreter finalizes: a thread the
+    # interpreter ends inside a native call would abort the process. An
+    # object slow to finalize keeps finalization going past the thread's
+    # wait, which makes that abort certain if the thread were still there.
+    script = textwrap.dedent(
+        """
+        import time, numpy as np, kvferry
+        d = kvferry.Node(role="decode", engine_id="d")
+        d.register_kv_caches([np.zeros((4, 64), np.uint8) for _ in range(2)], layout="hnd",
+                             total_kv_heads=1, block_tokens=4, head_bytes=16)
+        rx = d.receiver(1, side_channels=["tcp://127.0.0.1:9"])
+        rx.request([0])
+        class SlowToFinalize:
+            def __del__(self):
+                time.sleep(1.5)
+        keep = SlowToFinalize()
+        print("started", flush=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "started"

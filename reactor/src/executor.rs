@@ -37,6 +37,19 @@ pub enum ReactorError {
         /// glommio's error.
         message: String,
     },
+    /// The process may lock less memory than io_uring's rings need, so no
+    /// executor can start; the message says how to raise the limit.
+    #[error(
+        "the locked-memory limit (RLIMIT_MEMLOCK) is {have} bytes, and io_uring needs at least \
+         {need}: raise it (`ulimit -l unlimited`; Docker `--ulimit memlock=-1`; systemd \
+         `LimitMEMLOCK=infinity`; in Kubernetes, the container runtime's memlock default)"
+    )]
+    MemLock {
+        /// The process's soft limit, in bytes.
+        have: u64,
+        /// What glommio requires, [`MIN_MEMLOCK_BYTES`].
+        need: u64,
+    },
     /// An executor thread panicked or returned an error when joined.
     #[error("executor {executor} failed: {message}")]
     Join {
@@ -45,6 +58,33 @@ pub enum ReactorError {
         /// The panic or error.
         message: String,
     },
+}
+
+/// Locked memory glommio requires before it sets up an executor's io_uring
+/// (its `MIN_MEMLOCK_LIMIT`); below it every executor fails to start.
+pub const MIN_MEMLOCK_BYTES: u64 = 512 * 1024;
+
+/// Refuses to start below [`MIN_MEMLOCK_BYTES`] of locked memory, with a
+/// typed error that says how to fix it, instead of glommio's error from
+/// inside the executor thread.
+fn check_memlock() -> Result<(), ReactorError> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `rlimit` through a valid pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
+        // Unknown: glommio checks again and reports its own error.
+        return Ok(());
+    }
+    let have = limit.rlim_cur;
+    if have != libc::RLIM_INFINITY && have < MIN_MEMLOCK_BYTES {
+        return Err(ReactorError::MemLock {
+            have,
+            need: MIN_MEMLOCK_BYTES,
+        });
+    }
+    Ok(())
 }
 
 /// What one executor did during shutdown.
@@ -398,6 +438,7 @@ where
         F: Fn(ExecutorContext<M>) -> S + Send + Sync + 'static,
     {
         config.validate()?;
+        check_memlock()?;
         let executors = config.executors.len();
         let (shared, receivers) = Shared::new(&config);
         let mut reactor = Reactor {

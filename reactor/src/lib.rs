@@ -99,7 +99,9 @@ pub use driver::{
     round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome,
     RejectReason,
 };
-pub use executor::{ExecutorReport, Reactor, ReactorError, ReactorHandle, ShutdownReport};
+pub use executor::{
+    ExecutorReport, Reactor, ReactorError, ReactorHandle, ShutdownReport, MIN_MEMLOCK_BYTES,
+};
 pub use latch::{LatchGuard, ShutdownLatch};
 pub use mailbox::{
     Command, EventPoster, ExecutorContext, PostError, Refused, SpawnFn, SubmitError,
