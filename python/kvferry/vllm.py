@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
 import kvferry
@@ -60,6 +61,26 @@ def _check_version() -> None:
             f"kvferry.vllm supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}, "
             f"not {vllm.__version__}"
         )
+
+
+class KvferryStats(KVConnectorStats):
+    """The node's counters (`Node.stats()`: requests ok, failed, bytes,
+    resends, ...) added up since the last report, summed across workers.
+    Every counter is also on the node's `/metrics` (`metrics_listen`)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvferryStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> "dict[str, int | float]":
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 class KvferryMetadata(KVConnectorMetadata):
@@ -154,6 +175,15 @@ class KvferryConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> "set[int]":
         assert self._worker is not None
         return self._worker.node.block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self._worker is None:
+            return None
+        return self._worker.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> KVConnectorStats:
+        return KvferryStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -263,6 +293,8 @@ class _WorkerSide:
         #: vLLM request id of each transfer started, until it is reported.
         self.names: "dict[int, str]" = {}
         self.tensors: list = []
+        #: The counters at the last stats report.
+        self.reported: "dict[str, int]" = {}
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
         regions, num_blocks, kind, heads, head_bytes = [], None, None, None, None
@@ -292,6 +324,16 @@ class _WorkerSide:
                 pass  # ended meanwhile
         if len(meta.meta):
             self.node.start_load_kv(meta.meta)
+
+    def stats(self) -> Optional[KvferryStats]:
+        """What the counters grew by since the last report (`dead_now` as
+        it is now), or None when nothing changed."""
+        now = self.node.stats()
+        delta = {k: v - self.reported.get(k, 0) for k, v in now.items() if k != "dead_now"}
+        delta["dead_now"] = now.get("dead_now", 0)
+        self.reported = now
+        stats = KvferryStats(data=delta)
+        return None if stats.is_empty() else stats
 
     def get_finished(self):
         sent, received = self.node._native.get_finished()

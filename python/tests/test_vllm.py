@@ -76,7 +76,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def config(model_dir, kv_role, engine_id, extra, tp=1):
+def config(model_dir, kv_role, engine_id, extra, tp=1, load_failure="fail"):
     mc = ModelConfig(
         model=model_dir,
         tokenizer=None,
@@ -99,6 +99,7 @@ def config(model_dir, kv_role, engine_id, extra, tp=1):
         kv_role=kv_role,
         engine_id=engine_id,
         kv_connector_extra_config=extra,
+        kv_load_failure_policy=load_failure,
     )
     vc = VllmConfig(
         scheduler_config=sc,
@@ -156,6 +157,7 @@ class Engine:
         finished transfers every worker reported (vLLM's aggregator waits
         for all of them)."""
         out = self.sched.schedule()
+        invalid = set()
         for w in self.workers:
             w.bind_connector_metadata(out.kv_connector_metadata)
             w.start_load_kv(None)
@@ -163,6 +165,7 @@ class Engine:
             for seen, ids in zip(self.reported, w.get_finished(out.finished_req_ids)):
                 for rid in ids or ():
                     seen[rid] = seen.get(rid, 0) + 1
+            invalid |= w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
         # As vLLM's KVOutputAggregator: finished once every worker said so.
         sent, recvd = (
@@ -179,7 +182,9 @@ class Engine:
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=[[7] for _ in ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sent or None, finished_recving=recvd or None
+                finished_sending=sent or None,
+                finished_recving=recvd or None,
+                invalid_block_ids=invalid,
             ),
         )
         self.sched.update_from_output(out, mro)
@@ -268,6 +273,15 @@ def test_vllm_schedulers_move_a_request_prefill_to_decode(model_dir, p_tp, d_tp)
             got = torch.cat([caches[name][:, db] for caches in d.kv], dim=2)
             assert torch.equal(sent, got), (name, pb, db)
             assert sent.abs().sum() > 0
+    # The workers' counters, as vLLM's stats loggers get them, summed over
+    # prefill's TP workers.
+    stats = [w.get_kv_connector_stats() for w in p.workers]
+    total = stats[0]
+    for other in stats[1:]:
+        total = total.aggregate(other)
+    rebuilt = KvferryConnector.build_kv_connector_stats(total.to_dict())
+    assert rebuilt.reduce()["ok"] == p_tp and rebuilt.reduce()["bytes"] > 0
+    assert all(w.get_kv_connector_stats() is None for w in p.workers)  # nothing new
     for w in p.workers + d.workers:
         w.shutdown()
 
@@ -289,5 +303,33 @@ def test_an_aborted_decode_request_frees_both_sides(model_dir):
     d.sched.add_request(request("d-2", 20, d_params, 4))
     d.sched.finish_requests(["d-2"], RequestStatus.FINISHED_ABORTED)
     run_until([p, d], lambda: "p-2" not in p.sched.requests and "d-2" not in d.sched.requests)
+    for w in p.workers + d.workers:
+        w.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_load_follows_the_load_failure_policy(model_dir, policy):
+    # A prefill engine that never ran the request: decode's load fails when
+    # its waiting timeout passes, and vLLM applies kv_load_failure_policy to
+    # the blocks the connector reports.
+    bootstrap = f"127.0.0.1:{free_port()}"
+    p = Prefill(config(model_dir, "kv_producer", "p", {"bootstrap": bootstrap}))
+    quick = {"waiting_timeout_ms": 500, "bootstrap_timeout_ms": 1000, "claim_timeout_ms": 500}
+    d = Engine(config(model_dir, "kv_consumer", "d", quick, load_failure=policy))
+    d_params = {
+        "do_remote_prefill": True,
+        "transfer_id": "never-prefilled",
+        "remote_engine_id": "p",
+        "remote_bootstrap_addr": bootstrap,
+    }
+    d.sched.add_request(request("d-3", 40, d_params, 1000))
+    d.step()
+    assert d.sched.requests["d-3"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    if policy == "fail":
+        run_until([p, d], lambda: "d-3" not in d.sched.requests)
+    else:
+        # Recomputed locally: scheduled for its whole prompt.
+        run_until([p, d], lambda: running(d, "d-3"))
+        assert d.sched.requests["d-3"].num_computed_tokens >= 40
     for w in p.workers + d.workers:
         w.shutdown()
