@@ -214,6 +214,7 @@ fn prefixes_saved_with_dedup_load_back_byte_for_byte() {
     assert_eq!(stats.saved_keys, 16);
     assert_eq!(stats.dedup_skipped, 12);
     assert_eq!(store.stats().stored, 16);
+    assert_eq!(store.stats().put_keys, 16, "stored keys are not put again");
     let stored_events: usize = (c.get_kv_events().iter())
         .map(|e| match e {
             KvEvent::BlockStored(s) => s.block_hashes.len(),

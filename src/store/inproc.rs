@@ -63,6 +63,8 @@ pub struct InprocStats {
     pub get_calls: u64,
     /// `remove` calls.
     pub remove_calls: u64,
+    /// Keys asked to be put.
+    pub put_keys: u64,
     /// Values stored by puts.
     pub stored: u64,
     /// Puts refused for want of room.
@@ -327,7 +329,11 @@ impl StoreBackend for InprocStore {
     }
 
     fn put(&mut self, items: &[PutItem], deadline: Instant) -> Answers<PutOutcome> {
-        self.lock().stats.put_calls += 1;
+        {
+            let mut inner = self.lock();
+            inner.stats.put_calls += 1;
+            inner.stats.put_keys += items.len() as u64;
+        }
         each(items, deadline, |it| self.put_one(it))
     }
 

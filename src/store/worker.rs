@@ -3,6 +3,7 @@
 //! thread nor a glommio executor ever waits on the store itself; they post
 //! and collect (a glommio task with flume's `recv_async`).
 
+use std::cell::Cell;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -90,13 +91,19 @@ pub enum PostError {
     Gone,
 }
 
-/// A backend on its own thread. Dropping it lets the thread finish the
-/// calls queued and joins it.
+/// A backend on its own thread. Dropping it closes the queue and waits
+/// for the thread until the last deadline of the calls posted: past it no
+/// call touches engine memory (the backend contract), so a backend stuck
+/// in a call cannot hang the engine on drop.
 #[derive(Debug)]
 pub struct BackendWorker {
     name: &'static str,
     tx: Option<flume::Sender<Call>>,
     capacity: usize,
+    /// Disconnected when the thread ends.
+    ended: flume::Receiver<()>,
+    /// The latest deadline of a call posted.
+    last_deadline: Cell<Option<Instant>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -106,13 +113,19 @@ impl BackendWorker {
         let name = backend.name();
         let capacity = capacity.max(1);
         let (tx, rx) = flume::bounded::<Call>(capacity);
+        let (end_tx, ended) = flume::bounded::<()>(0);
         let thread = std::thread::Builder::new()
             .name(format!("kvferry-store-{name}"))
-            .spawn(move || serve(backend, rx))?;
+            .spawn(move || {
+                let _end = end_tx;
+                serve(backend, rx)
+            })?;
         Ok(BackendWorker {
             name,
             tx: Some(tx),
             capacity,
+            ended,
+            last_deadline: Cell::new(None),
             thread: Some(thread),
         })
     }
@@ -125,6 +138,11 @@ impl BackendWorker {
     /// Queues `call`; never waits.
     pub fn post(&self, call: Call) -> Result<(), PostError> {
         let tx = self.tx.as_ref().ok_or(PostError::Gone)?;
+        let latest = self
+            .last_deadline
+            .get()
+            .map_or(call.deadline, |d| d.max(call.deadline));
+        self.last_deadline.set(Some(latest));
         tx.try_send(call).map_err(|e| match e {
             flume::TrySendError::Full(_) => PostError::QueueFull {
                 capacity: self.capacity,
@@ -137,8 +155,19 @@ impl BackendWorker {
 impl Drop for BackendWorker {
     fn drop(&mut self) {
         self.tx = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let ended = match self.last_deadline.get() {
+            Some(d) => self.ended.recv_deadline(d) != Err(flume::RecvTimeoutError::Timeout),
+            None => {
+                let _ = self.ended.recv();
+                true
+            }
+        };
+        match self.thread.take() {
+            Some(t) if ended => {
+                let _ = t.join();
+            }
+            // Stuck past every deadline: it touches no memory anymore.
+            _ => tracing::warn!("store backend {} still in a call; left behind", self.name),
         }
     }
 }
