@@ -122,7 +122,9 @@ impl StoreConnector {
         let key_prefix = key_prefix(&keyspace)?;
         let queue = cfg.limits.backend_queue(&cfg.store);
         let worker = BackendWorker::spawn(backend, queue).map_err(ConnectorError::Spawn)?;
-        let (done_tx, done_rx) = flume::unbounded();
+        // Each call out sends one answer, and no more calls than the queue
+        // holds plus the one running are out: this bound is never reached.
+        let (done_tx, done_rx) = flume::bounded(queue.saturating_add(1));
         Ok(StoreConnector {
             pressure: Pressure::new(cfg.limits.max_pressure_requests),
             events: EventLog::new(cfg.limits.max_events),

@@ -354,3 +354,113 @@ impl StoreBackend for InprocStore {
         inner.removed.drain(..n).collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::backend::{Scatter, Segment};
+    use kvferry_machines::store::BlockHash;
+    use std::time::Duration;
+
+    fn key(i: u64) -> ChunkKey {
+        // Any keyspace will do: the store treats keys as opaque.
+        let spec = kvferry_machines::store::KeyspaceSpec {
+            model_name: "m".into(),
+            model: kvferry_machines::layout::ModelSpec {
+                layout: kvferry_machines::layout::LayoutKind::Hnd,
+                total_kv_heads: 1,
+                block_tokens: 1,
+                head_bytes: 1,
+            },
+            dtype: "bf16".into(),
+            tp_size: 1,
+            pp_size: 1,
+            groups: vec![kvferry_machines::store::GroupSpec {
+                block_tokens: 1,
+                window_tokens: None,
+            }],
+        };
+        let ks = kvferry_machines::store::Keyspace::new(&spec).unwrap();
+        let scope = ks.scope(None, &[]).unwrap();
+        ks.key(&ks.shards()[0], &scope, 0, &BlockHash::from_u64(i))
+            .unwrap()
+    }
+
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(60)
+    }
+
+    fn store(capacity_bytes: u64, evict: bool) -> InprocStore {
+        InprocStore::new(InprocConfig {
+            capacity_bytes,
+            evict,
+            ..InprocConfig::default()
+        })
+    }
+
+    #[test]
+    fn a_reserved_put_is_invisible_until_committed() {
+        let mut s = store(64, true);
+        s.lock().reserve(&key(1), 8).unwrap();
+        assert_eq!(s.exists(&[key(1)], far()).unwrap(), vec![false]);
+        assert_eq!(s.insert(key(1), &[0; 8]), Err(ItemError::Busy));
+        let mut buf = [0u8; 8];
+        // SAFETY: `buf` outlives the call and nothing else touches it.
+        let into = unsafe {
+            Scatter::from_raw(vec![Segment {
+                addr: buf.as_mut_ptr() as u64,
+                len: 8,
+            }])
+        };
+        let item = GetItem { key: key(1), into };
+        let got = s.get(std::slice::from_ref(&item), far()).unwrap();
+        assert_eq!(got, vec![Err(ItemError::NotFound)]);
+        s.lock().commit(key(1), Arc::from(&[7u8; 8][..]));
+        assert_eq!(s.exists(&[key(1)], far()).unwrap(), vec![true]);
+        assert_eq!(s.get(&[item], far()).unwrap(), vec![Ok(())]);
+        assert_eq!(buf, [7; 8]);
+    }
+
+    #[test]
+    fn the_least_recently_used_value_goes_first() {
+        let mut s = store(24, true);
+        for i in 1..=3 {
+            s.insert(key(i), &[i as u8; 8]).unwrap();
+        }
+        let mut buf = [0u8; 8];
+        // SAFETY: as above.
+        let into = unsafe {
+            Scatter::from_raw(vec![Segment {
+                addr: buf.as_mut_ptr() as u64,
+                len: 8,
+            }])
+        };
+        assert_eq!(
+            s.get(&[GetItem { key: key(1), into }], far()).unwrap(),
+            vec![Ok(())]
+        );
+        s.insert(key(4), &[4; 8]).unwrap();
+        let held = s.exists(&[key(1), key(2), key(3), key(4)], far()).unwrap();
+        assert_eq!(held, vec![true, false, true, true]);
+        assert_eq!(s.take_removed(16), vec![key(2)]);
+        assert_eq!(s.stats().evictions, 1);
+        assert_eq!(s.stats().used_bytes, 24);
+    }
+
+    #[test]
+    fn full_and_too_large_are_told_apart() {
+        let s = store(16, false);
+        assert_eq!(s.insert(key(1), &[0; 17]), Err(ItemError::TooLarge));
+        s.insert(key(1), &[0; 12]).unwrap();
+        assert_eq!(s.insert(key(2), &[0; 8]), Err(ItemError::Full));
+        assert_eq!(s.insert(key(1), &[0; 8]), Ok(PutOutcome::Exists));
+        assert_eq!(s.stats().full, 1);
+        let small = InprocStore::new(InprocConfig {
+            max_entries: 1,
+            evict: false,
+            ..InprocConfig::default()
+        });
+        small.insert(key(1), &[0; 1]).unwrap();
+        assert_eq!(small.insert(key(2), &[0; 1]), Err(ItemError::Full));
+    }
+}
