@@ -13,10 +13,13 @@
 //! * [`StoreConnector`]: `register_kv_caches`, `lookup`, `start_save`,
 //!   `start_load_kv`, `wait_for_save`, `get_finished`,
 //!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
+//! * [`StoreDemo`]: a synthetic engine's save, drop, lookup, load and
+//!   verify, for `kvferry demo --store`.
 
 pub mod backend;
 mod config;
 mod connector;
+pub mod demo;
 pub mod inproc;
 pub mod memory;
 pub mod worker;
@@ -29,6 +32,7 @@ pub use config::{
     StoreRequest,
 };
 pub use connector::StoreConnector;
+pub use demo::{StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use memory::{MemoryError, RegisteredMemory};
 
