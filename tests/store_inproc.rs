@@ -539,3 +539,60 @@ fn the_demo_verifies_every_byte_it_loads() {
     assert_eq!(report.loaded_blocks, 4 * 5);
     assert_eq!((report.load_errors, report.verify_errors), (0, 0));
 }
+
+#[test]
+fn calls_past_their_deadline_touch_no_memory_and_fail_their_requests() {
+    let mut engine = Engine::new();
+    let store = InprocStore::new(InprocConfig::default());
+    let cfg = StoreConfig {
+        op_bound: Duration::from_secs(1),
+        ..StoreConfig::default()
+    };
+    let mut c = connector(cfg, store.clone(), &engine);
+    let hashes: Vec<u64> = (1..=3).collect();
+    for (b, h) in (0..3).zip(&hashes) {
+        engine.fill(b, *h);
+    }
+    save(&mut c, 1, &hashes, &[0, 1, 2]);
+    let _ = c.get_finished();
+    engine.drop_all();
+    let scope = c.keyspace().scope(None, &[]).unwrap();
+    let hit = (c.lookup_hit(&scope, 3 * BLOCK_TOKENS, &hashes_of(&c, &hashes))).unwrap();
+    let before = store.stats();
+    // Posted "five seconds ago": every call is past its bound on arrival.
+    let long_ago = Instant::now().checked_sub(Duration::from_secs(5)).unwrap();
+    let meta = LoadMeta {
+        request: request(2, &hashes, &[5, 6, 7]),
+        hit,
+        local_tokens: 0,
+    };
+    c.start_load_kv(long_ago, meta).unwrap();
+    let save_meta = SaveMeta {
+        request: request(3, &[9], &[9]),
+        token_len: BLOCK_TOKENS,
+        token_ids: None,
+    };
+    c.start_save(long_ago, save_meta).unwrap();
+    c.wait_for_load();
+    c.wait_for_save();
+    let (saved, loaded) = c.get_finished_reports();
+    assert!(matches!(
+        saved[0].1.end,
+        SaveEnd::Fault(kvferry::machines::store::StoreFault::Timeout)
+    ));
+    assert!(matches!(
+        loaded[0].1.end,
+        LoadEnd::Fault(kvferry::machines::store::StoreFault::Timeout)
+    ));
+    assert_eq!(
+        c.block_ids_with_load_errors(),
+        vec![BlockId(5), BlockId(6), BlockId(7)]
+    );
+    assert!((5..8).all(|b| engine.untouched(b)));
+    let after = store.stats();
+    assert_eq!(
+        after.get_calls, before.get_calls,
+        "the backend was not called"
+    );
+    assert_eq!(after.exists_calls, before.exists_calls);
+}
