@@ -231,3 +231,44 @@ fn checked(reply: Reply, keys: usize) -> Reply {
         Reply::Remove(_) => Reply::Remove(Err(e)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::inproc::{InprocConfig, InprocStore};
+    use std::time::Duration;
+
+    #[test]
+    fn a_glommio_task_collects_answers_without_blocking_its_executor() {
+        let store = InprocStore::new(InprocConfig::default());
+        let worker = BackendWorker::spawn(store.clone(), 4).unwrap();
+        let answer = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
+            .make()
+            .unwrap()
+            .run(async move {
+                let (tx, rx) = flume::bounded(1);
+                let call = Call {
+                    id: 7,
+                    op: Op::Exists(Vec::new()),
+                    deadline: Instant::now() + Duration::from_secs(60),
+                    reply: tx,
+                };
+                worker.post(call).unwrap();
+                // Another task runs while this one waits for the store.
+                let other = glommio::spawn_local(async { 1 + 1 });
+                let done = rx.recv_async().await.unwrap();
+                assert_eq!(other.await, 2);
+                (done.id, done.reply)
+            });
+        assert_eq!(answer, (7, Reply::Exists(Ok(Vec::new()))));
+        assert_eq!(store.stats().exists_calls, 1);
+    }
+
+    #[test]
+    fn an_answer_for_another_number_of_keys_is_a_refused_call() {
+        let reply = checked(Reply::Exists(Ok(vec![true])), 2);
+        assert_eq!(reply, Reply::Exists(Err(CallError::Refused)));
+        let reply = checked(Reply::Get(Ok(vec![Ok(())])), 1);
+        assert_eq!(reply, Reply::Get(Ok(vec![Ok(())])));
+    }
+}
