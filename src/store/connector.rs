@@ -24,7 +24,8 @@ use kvferry_machines::store::load::{self, plan_load, LoadMachine, LoadReport};
 use kvferry_machines::store::lookup::{Lookup, LookupHit};
 use kvferry_machines::store::save::{self, plan_save, SaveMachine, SaveReport};
 use kvferry_machines::store::{
-    BlockHash, ChunkKey, GroupBlocks, Keyspace, Pressure, RequestScope, Shard,
+    BlockHash, ChunkKey, GroupBlocks, Keyspace, Pressure, RequestScope, Shard, StoreFault,
+    StoreItem,
 };
 use kvferry_machines::Machine;
 
@@ -223,10 +224,10 @@ impl StoreConnector {
                 match done.reply {
                     Reply::Exists(Ok(e)) => return Ok(e),
                     Reply::Exists(Err(e)) => e.into(),
-                    _ => kvferry_machines::store::StoreFault::Refused,
+                    _ => StoreFault::Refused,
                 }
             }
-            Err(_) => kvferry_machines::store::StoreFault::Timeout,
+            Err(_) => StoreFault::Timeout,
         };
         Err(ConnectorError::Lookup(fault))
     }
@@ -513,21 +514,27 @@ impl StoreConnector {
             let failed = match action {
                 save::Action::Exists { keys } => {
                     self.stats.exists_calls += 1;
-                    let op = Op::Exists(keys);
-                    let posted = self.calls.post(now, bound, op, CallFor::SaveExists(id));
-                    posted.err().map(|_| save::Event::ExistsDone {
-                        answer: Err(kvferry_machines::store::StoreFault::Transport),
+                    let to = CallFor::SaveExists(id);
+                    let posted = self.calls.post(now, bound, Op::Exists(keys), to);
+                    posted.err().map(|e| {
+                        not_posted(&e.into());
+                        save::Event::ExistsDone {
+                            answer: Err(StoreFault::Transport),
+                        }
                     })
                 }
                 save::Action::Put { batch, items } => {
                     self.stats.put_calls += 1;
                     let posted = self.put_items(&items).and_then(|items| {
                         let to = CallFor::Put(id, batch);
-                        (self.calls.post(now, bound, Op::Put(items), to)).map_err(|_| ())
+                        Ok(self.calls.post(now, bound, Op::Put(items), to)?)
                     });
-                    posted.err().map(|_| save::Event::PutDone {
-                        batch,
-                        answer: Err(kvferry_machines::store::StoreFault::Transport),
+                    posted.err().map(|e| {
+                        not_posted(&e);
+                        save::Event::PutDone {
+                            batch,
+                            answer: Err(StoreFault::Transport),
+                        }
                     })
                 }
                 save::Action::Release { report } => {
@@ -553,11 +560,12 @@ impl StoreConnector {
                     self.stats.get_calls += 1;
                     let posted = self.get_items(&items).and_then(|items| {
                         let to = CallFor::Get(id, batch);
-                        (self.calls.post(now, bound, Op::Get(items), to)).map_err(|_| ())
+                        Ok(self.calls.post(now, bound, Op::Get(items), to)?)
                     });
-                    if posted.is_err() {
+                    if let Err(e) = posted {
+                        not_posted(&e);
                         self.stats.post_failures += 1;
-                        let answer = Err(kvferry_machines::store::StoreFault::Transport);
+                        let answer = Err(StoreFault::Transport);
                         if let Some(m) = self.loads.get_mut(&id) {
                             let _ = m.handle_event(now, load::Event::GetDone { batch, answer });
                         }
@@ -574,11 +582,11 @@ impl StoreConnector {
 
     /// Scatter lists of a put; every block was checked when the request
     /// started, so an error here means a machine named a foreign block.
-    fn put_items(&self, items: &[kvferry_machines::store::StoreItem]) -> Result<Vec<PutItem>, ()> {
-        let (memory, _, _) = self.memory.as_ref().ok_or(())?;
+    fn put_items(&self, items: &[StoreItem]) -> Result<Vec<PutItem>, ConnectorError> {
+        let (memory, _, _) = self.memory.as_ref().ok_or(ConnectorError::NotRegistered)?;
         (items.iter())
             .map(|it| {
-                let from = memory.scatter(it.block).map_err(|_| ())?;
+                let from = memory.scatter(it.block)?;
                 Ok(PutItem {
                     key: it.key.clone(),
                     from,
@@ -588,11 +596,11 @@ impl StoreConnector {
     }
 
     /// Scatter lists of a get (see `put_items`).
-    fn get_items(&self, items: &[kvferry_machines::store::StoreItem]) -> Result<Vec<GetItem>, ()> {
-        let (memory, _, _) = self.memory.as_ref().ok_or(())?;
+    fn get_items(&self, items: &[StoreItem]) -> Result<Vec<GetItem>, ConnectorError> {
+        let (memory, _, _) = self.memory.as_ref().ok_or(ConnectorError::NotRegistered)?;
         (items.iter())
             .map(|it| {
-                let into = memory.scatter(it.block).map_err(|_| ())?;
+                let into = memory.scatter(it.block)?;
                 Ok(GetItem {
                     key: it.key.clone(),
                     into,
@@ -663,6 +671,12 @@ impl StoreConnector {
                     }),
             );
     }
+}
+
+/// A call that could not be posted fails at once as a transport fault of
+/// its machine; the reason goes to the log.
+fn not_posted(e: &ConnectorError) {
+    tracing::warn!("store call not posted: {e}");
 }
 
 /// The first five fields of this keyspace's keys, from a key of it (the
