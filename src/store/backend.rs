@@ -7,9 +7,9 @@
 //! glommio executor; [`super::worker::BackendWorker`] owns it on a
 //! dedicated thread and takes calls over a bounded flume channel, so the
 //! connector (and any glommio task, through flume's async receive) only
-//! ever posts and collects. The two backends that follow fit this shape
-//! as they are: a Redis client pipelines one batch on its socket and waits
-//! for the replies; Mooncake's C API (`mooncake_store_batch_put_from`,
+//! ever posts and collects. The planned Redis and Mooncake backends fit
+//! this shape as they are: a Redis client pipelines one batch on its
+//! socket and waits for the replies; Mooncake's C API (`mooncake_store_batch_put_from`,
 //! `mooncake_store_batch_get_into`, `mooncake_store_batch_is_exist`)
 //! blocks the calling thread. An async trait on glommio would fit neither
 //! without a thread of its own anyway.
