@@ -16,6 +16,7 @@ pub mod plan;
 pub mod resolve;
 pub mod scheduler;
 pub mod stats;
+pub mod store;
 pub mod transport;
 
 pub use kvferry_machines as machines;

@@ -1,0 +1,45 @@
+//! Store offload, the IO half (docs/design.md, "Store"): the
+//! [`StoreBackend`] trait, the in-process store, and the vLLM-shaped
+//! [`StoreConnector`] that drives the pure save and load machines of
+//! [`kvferry_machines::store`] against a backend.
+//!
+//! * [`backend`]: the trait every store implements, scatter lists and
+//!   typed per-key and per-call errors.
+//! * [`worker`]: the thread each backend runs on, so neither the engine's
+//!   thread nor a glommio executor waits on a store.
+//! * [`memory`]: the registered engine memory; every scatter list is
+//!   checked against it.
+//! * [`inproc`]: a bounded RAM store with LRU eviction.
+//! * [`StoreConnector`]: `register_kv_caches`, `lookup`, `start_save`,
+//!   `start_load_kv`, `wait_for_save`, `get_finished`,
+//!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
+//! * [`StoreDemo`]: a synthetic engine's save, drop, lookup, load and
+//!   verify, for `kvferry demo --store`.
+
+pub mod backend;
+mod config;
+mod connector;
+pub mod demo;
+pub mod inproc;
+pub mod memory;
+pub mod worker;
+
+pub use backend::{
+    Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, Segment, StoreBackend,
+};
+pub use config::{
+    ConnectorConfig, ConnectorError, ConnectorLimits, ConnectorStats, LoadMeta, SaveMeta,
+    StoreRequest,
+};
+pub use connector::StoreConnector;
+pub use demo::{StoreDemo, StoreDemoReport};
+pub use inproc::{InprocConfig, InprocStats, InprocStore};
+pub use memory::{MemoryError, RegisteredMemory};
+
+use std::time::{Duration, Instant};
+
+/// `now + d`, or a time too far to matter when that overflows.
+pub(crate) fn after(now: Instant, d: Duration) -> Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+}
