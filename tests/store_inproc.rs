@@ -55,6 +55,7 @@ impl Engine {
                 })
                 .collect(),
             stage: Stage::SINGLE,
+            pools: Vec::new(),
         }
     }
 

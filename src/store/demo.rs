@@ -97,6 +97,7 @@ impl Memory {
                 })
                 .collect(),
             stage: Stage::SINGLE,
+            pools: Vec::new(),
         }
     }
 

@@ -145,6 +145,7 @@ mod tests {
             num_blocks,
             regions,
             stage: Stage::SINGLE,
+            pools: Vec::new(),
         }
     }
 
