@@ -39,6 +39,11 @@ pub struct DemoOnlyArgs {
     #[arg(long, value_name = "PPM", conflicts_with = "soak",
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     drop_control_ppm: Option<u32>,
+    /// Instead of moving KV between engines: save requests that share
+    /// prefixes to this store, look them up, load the hits and verify every
+    /// byte (stores: inproc).
+    #[arg(long, value_name = "STORE", conflicts_with = "soak")]
+    store: Option<String>,
 }
 
 /// Most request ids a report lists in `failed_request_ids`.
@@ -493,6 +498,9 @@ impl Demo<'_> {
 
 /// `kvferry demo`.
 pub fn main(a: &DemoArgs) -> ExitCode {
+    if let Some(store) = &a.demo.store {
+        return crate::store_demo::main(store, a.demo.requests, a.json);
+    }
     let mut o = a.shape.apply(DemoOptions::default());
     o.requests = a.demo.requests.unwrap_or(o.requests);
     o.groups = a.demo.groups.unwrap_or(o.groups);

@@ -13,6 +13,7 @@ mod plan;
 mod prefill;
 mod shape;
 mod soak;
+mod store_demo;
 mod sweep;
 
 use std::process::ExitCode;

@@ -114,3 +114,19 @@ fn demo_moves_several_groups_and_only_the_windows_blocks() {
     let (a, b) = (one["bytes"].as_u64().unwrap(), j["bytes"].as_u64().unwrap());
     assert_eq!(b * 4, a * 10, "{one} {j}");
 }
+
+#[test]
+fn demo_with_a_store_saves_dedups_looks_up_loads_and_verifies() {
+    let (code, r) = demo(&["--store", "inproc", "--requests", "6", "--json"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["requests"], 6);
+    assert_eq!(r["verify_errors"], 0);
+    assert_eq!(r["load_errors"], 0);
+    // The requests share a prefix: stored once, found stored after.
+    assert!(r["saved_blocks"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["dedup_skipped"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["loaded_blocks"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["lookup_hit_tokens"].as_u64().unwrap() > 0, "{r}");
+    let (code, _) = demo(&["--store", "redis://127.0.0.1:6379"]);
+    assert_eq!(code, 2);
+}
