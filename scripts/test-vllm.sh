@@ -25,5 +25,5 @@ CARGO_TARGET_DIR="$PWD/target" "$venv/bin/pip" install --quiet --force-reinstall
 # base classes and plugin hook.
 "$venv/bin/pip" install --quiet --no-deps "sglang==$SGLANG_VERSION"
 "$venv/bin/pip" install --quiet IPython gguf hypothesis
-VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q -p no:logging \
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_sglang.py python/tests/test_node.py
