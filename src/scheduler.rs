@@ -117,8 +117,11 @@
 //!
 //! # Not covered
 //!
-//! Sliding-window clipping of hybrid (HMA) groups: every group here holds
-//! the request's whole prompt with one block size.
+//! KV-cache groups of different block sizes: every group here uses one.
+//! A sliding-window group moves only its window's blocks
+//! ([`SchedulerConfig::window_tokens`]); its blocks before the window are
+//! never looked at beyond their count (vLLM's hybrid allocator leaves its
+//! null block there).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -1191,11 +1194,14 @@ impl Scheduler {
                 });
             }
         }
-        // Groups share one block pool, so a block id may appear once in the
-        // whole request: a repeat would make two positions land in one block.
+        // Groups share one block pool, so a block id that moves may appear
+        // once in the whole request: a repeat would make two positions land
+        // in one block. A sliding-window group's blocks before its window do
+        // not move (vLLM leaves its null block there, once per position).
         let mut seen = HashSet::with_capacity(need * req.block_ids.len());
-        for g in req.block_ids {
-            for b in &g[..need] {
+        for (group, g) in req.block_ids.iter().enumerate() {
+            let start = self.window_start(group, n) as usize;
+            for b in &g[start..need] {
                 if !seen.insert(*b) {
                     return Err(SchedError::DuplicateBlock {
                         request_id: req.request_id.to_string(),

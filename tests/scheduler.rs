@@ -1358,3 +1358,48 @@ fn e2e_a_sliding_window_group_moves_only_its_window() {
         assert!(before.is_empty() || untouched.is_err(), "request {tid}");
     }
 }
+
+/// vLLM's hybrid allocator leaves its null block (id 0) at every position
+/// of a sliding-window group before the window: those blocks do not move,
+/// so they may repeat; a repeat among the blocks that move is refused.
+#[test]
+fn blocks_before_a_window_may_repeat_and_moving_ones_may_not() {
+    let prefill = || {
+        let mut cfg = SchedulerConfig::new(KvRole::Producer, "p", ADDR, BS);
+        cfg.num_groups = 2;
+        cfg.window_tokens = vec![0, u64::from(2 * BS)]; // 3 blocks move
+        Scheduler::new(cfg).unwrap()
+    };
+    let pp = p_params(9);
+    let prompt = 7 * u64::from(BS);
+    let null_first = [ids(&[1, 2, 3, 4, 5, 6, 7]), ids(&[0, 0, 0, 0, 11, 12, 13])];
+    let mut p = prefill();
+    let r = req("r", prompt, 0, &null_first, &pp);
+    p.update_state_after_alloc(&r, 0).unwrap();
+    assert!(
+        p.request_finished(&r, FinishStatus::LengthCapped)
+            .unwrap()
+            .delay_free
+    );
+    let sends = p.build_connector_meta().sends;
+    assert_eq!(sends[0].src_blocks[1], ids(&[11, 12, 13]));
+    let in_window = [ids(&[1, 2, 3, 4, 5, 6, 7]), ids(&[0, 0, 0, 0, 11, 11, 13])];
+    let mut p = prefill();
+    let e = p
+        .update_state_after_alloc(&req("r", prompt, 0, &in_window, &pp), 0)
+        .and_then(|()| {
+            p.request_finished(
+                &req("r", prompt, 0, &in_window, &pp),
+                FinishStatus::LengthCapped,
+            )
+            .map(|_| ())
+        })
+        .unwrap_err();
+    assert_eq!(
+        e,
+        SchedError::DuplicateBlock {
+            request_id: "r".into(),
+            block: BlockId(11)
+        }
+    );
+}

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
@@ -93,9 +94,12 @@ class KvferryMetadata(KVConnectorMetadata):
         self.aborts = aborts
 
 
-class KvferryConnector(KVConnectorBase_V1):
+class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
     """The scheduler role drives :class:`kvferry.Scheduler`; the worker
-    role a :class:`kvferry.Node` per TP rank."""
+    role a :class:`kvferry.Node` per TP rank. Several KV-cache groups
+    (vLLM's hybrid allocator) move together: every group's blocks in every
+    layer's memory (groups alias the same bytes, a block belonging to one
+    group at a time), sliding-window groups only their window's blocks."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         _check_version()
@@ -105,7 +109,7 @@ class KvferryConnector(KVConnectorBase_V1):
         self._sched: Optional[_SchedulerSide] = None
         self._worker: Optional[_WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _SchedulerSide(vllm_config, extra)
+            self._sched = _SchedulerSide(vllm_config, extra, kv_cache_config)
         else:
             self._worker = _WorkerSide(vllm_config, extra)
 
@@ -140,6 +144,10 @@ class KvferryConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: "list[int]"):
         assert self._sched is not None
         return self._sched.request_finished(request, [block_ids])
+
+    def request_finished_all_groups(self, request: Any, block_ids: "tuple[list[int], ...]"):
+        assert self._sched is not None
+        return self._sched.request_finished(request, [list(g) for g in block_ids])
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._sched is not None:
@@ -190,15 +198,33 @@ class KvferryConnector(KVConnectorBase_V1):
             self._worker.node.shutdown()
 
 
+def _windows(kv_cache_config: Any, block_size: int) -> "list[int]":
+    """Per KV-cache group, its sliding window in tokens (0: full attention);
+    every group must use the engine's block size."""
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    windows = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if getattr(spec, "block_size", block_size) != block_size:
+            raise kvferry.MisuseError(
+                f"KV-cache group {g.layer_names[:1]} has blocks of {spec.block_size} tokens, "
+                f"the engine {block_size}: kvferry needs one block size"
+            )
+        windows.append(int(getattr(spec, "sliding_window", None) or 0))
+    return windows or [0]
+
+
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, extra: dict):
+    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
         kt = vllm_config.kv_transfer_config
+        block_size = vllm_config.cache_config.block_size
         self._sched = kvferry.Scheduler(
             kt.kv_role,
             kt.engine_id,
             extra.get("bootstrap", ""),
-            vllm_config.cache_config.block_size,
+            block_size,
             dp_rank=vllm_config.parallel_config.data_parallel_rank,
+            window_tokens=_windows(kv_cache_config, block_size),
         )
         #: Local prefix tokens of each waiting request, from
         #: `get_num_new_matched_tokens` to `update_state_after_alloc`.
@@ -298,7 +324,14 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
         regions, num_blocks, kind, heads, head_bytes = [], None, None, None, None
+        seen = set()
         for name, t in kv_caches.items():
+            # Layers of different KV-cache groups share their tensor: its
+            # memory is registered once, and every group's blocks index it.
+            view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if view in seen:
+                continue
+            seen.add(view)
             r, n, k, h, hb = kv_regions(t, self.block_size)
             if num_blocks not in (None, n) or kind not in (None, k):
                 raise kvferry.MisuseError(f"layer {name}: its KV cache differs from the others'")

@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -113,25 +114,34 @@ def config(model_dir, kv_role, engine_id, extra, tp=1, load_failure="fail"):
     return vc
 
 
-def kv_cache_config():
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16
-    )
-    return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([f"layers.{i}" for i in range(LAYERS)], spec)],
-    )
+#: The sliding window of the hybrid model's second group, in tokens.
+WINDOW = 32
+
+
+def kv_cache_config(hybrid=False):
+    """One full-attention group of every layer; or (`hybrid`) layer 0 full
+    attention and layer 1 a sliding window, two groups as vLLM's hybrid
+    allocator makes them."""
+    args = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+    if not hybrid:
+        groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(LAYERS)], FullAttentionSpec(**args))]
+    else:
+        groups = [
+            KVCacheGroupSpec(["layers.0"], FullAttentionSpec(**args)),
+            KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(**args, sliding_window=WINDOW)),
+        ]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 class Engine:
     """One engine: vLLM's scheduler, and per TP rank a worker connector
     with its KV tensors (FlashAttention's logical shape, HND in memory)."""
 
-    def __init__(self, vc, tp=1):
+    def __init__(self, vc, tp=1, hybrid=False):
+        self.hybrid = hybrid
         self.sched = Scheduler(
             vllm_config=vc,
-            kv_cache_config=kv_cache_config(),
+            kv_cache_config=kv_cache_config(hybrid),
             log_stats=True,
             structured_output_manager=StructuredOutputManager(vc),
             block_size=BLOCK,
@@ -142,11 +152,15 @@ class Engine:
         heads = HEADS // tp
         for rank in range(tp):
             wc = config_for_rank(vc, rank)
-            w = KvferryConnector(wc, KVConnectorRole.WORKER, kv_cache_config())
+            w = KvferryConnector(wc, KVConnectorRole.WORKER, kv_cache_config(hybrid))
             caches = {}
             for layer in range(LAYERS):
                 hnd = torch.zeros(2, NUM_BLOCKS, heads, BLOCK, HEAD_SIZE, dtype=torch.float16)
                 caches[f"layers.{layer}"] = hnd.permute(0, 1, 3, 2, 4)
+            if hybrid:
+                # The groups' layers share one tensor: a block belongs to
+                # one group at a time (vLLM's KVCacheTensor aliasing).
+                caches["layers.1"] = caches["layers.0"]
             w.register_kv_caches(caches)
             self.workers.append(w)
             self.kv.append(caches)
@@ -193,16 +207,19 @@ class Engine:
     def on_forward(self, rid, out):
         """The forward pass of a prefill writes the request's KV."""
 
-    def blocks(self, rid):
-        return self.sched.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+    def blocks(self, rid, group=0):
+        return self.sched.kv_cache_manager.get_blocks(rid).get_block_ids()[group]
 
 
 class Prefill(Engine):
     def on_forward(self, rid, out):
+        groups = 2 if self.hybrid else 1
         for rank, caches in enumerate(self.kv):
             for name, t in caches.items():
-                for b in self.blocks(rid):
-                    t[:, b] = float((b * 7 + rank + len(name)) % 61)
+                for g in range(groups):
+                    for b in self.blocks(rid, g):
+                        if b:  # 0: vLLM's null block (outside a window)
+                            t[:, b] = float((b * 7 + rank + 13 * g + len(name)) % 61)
 
 
 def config_for_rank(vc, rank):
@@ -331,5 +348,35 @@ def test_a_failed_load_follows_the_load_failure_policy(model_dir, policy):
         # Recomputed locally: scheduled for its whole prompt.
         run_until([p, d], lambda: running(d, "d-3"))
         assert d.sched.requests["d-3"].num_computed_tokens >= 40
+    for w in p.workers + d.workers:
+        w.shutdown()
+
+
+def test_hybrid_groups_move_every_full_block_and_the_windows_blocks(model_dir):
+    # Two KV-cache groups (full attention, and a 32-token sliding window):
+    # vLLM's hybrid allocator hands the connector a block list per group.
+    bootstrap = f"127.0.0.1:{free_port()}"
+    p = Prefill(config(model_dir, "kv_producer", "p", {"bootstrap": bootstrap}), hybrid=True)
+    d = Engine(config(model_dir, "kv_consumer", "d", {}), hybrid=True)
+    prompt = 100  # 7 blocks; the window needs the last ceil(32/16) + 1 = 3
+    p.sched.add_request(request("p-h", prompt, {"do_remote_decode": True, "transfer_id": "h-1"}, 1))
+    run_until([p], lambda: not running(p, "p-h"))
+    p_full, p_window = p.blocks("p-h", 0), p.blocks("p-h", 1)
+    d_params = {
+        "do_remote_prefill": True,
+        "transfer_id": "h-1",
+        "remote_engine_id": "p",
+        "remote_bootstrap_addr": bootstrap,
+    }
+    d.sched.add_request(request("d-h", prompt, d_params, 1000))
+    d.step()
+    d_full, d_window = d.blocks("d-h", 0), d.blocks("d-h", 1)
+    run_until([p, d], lambda: running(d, "d-h") and "p-h" not in p.sched.requests)
+    t_p, t_d = p.kv[0]["layers.0"], d.kv[0]["layers.0"]
+    for pb, db in zip(p_full[:7], d_full[:7]):
+        assert torch.equal(t_p[:, pb], t_d[:, db]), ("full", pb, db)
+    for pb, db in list(zip(p_window[:7], d_window[:7]))[-3:]:
+        assert pb and db and torch.equal(t_p[:, pb], t_d[:, db]), ("window", pb, db)
+        assert t_p[:, pb].abs().sum() > 0
     for w in p.workers + d.workers:
         w.shutdown()
