@@ -176,7 +176,10 @@ class Engine:
             w.bind_connector_metadata(out.kv_connector_metadata)
             w.start_load_kv(None)
             w.wait_for_save()
-            for seen, ids in zip(self.reported, w.get_finished(out.finished_req_ids)):
+            # What vLLM's model runner calls (the base class wraps
+            # get_finished).
+            done = w.get_transfer_results(out.finished_req_ids)
+            for seen, ids in zip(self.reported, (done.finished_sending, done.finished_recving)):
                 for rid in ids or ():
                     seen[rid] = seen.get(rid, 0) + 1
             invalid |= w.get_block_ids_with_load_errors()
