@@ -185,6 +185,28 @@ pub(crate) struct Routes {
     pub(crate) tickets: HashMap<u32, (u64, Instant)>,
 }
 
+/// See [`Shared::peers_at`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PeersAt {
+    send: Option<u32>,
+    recv: Option<u32>,
+}
+
+impl PeersAt {
+    /// The slot of the peer this rank moves KV with in `direction`.
+    pub(crate) fn get(&self, direction: Direction) -> Option<u32> {
+        match direction {
+            Direction::Send => self.send,
+            Direction::Recv => self.recv,
+        }
+    }
+
+    /// True when no peer named that endpoint.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.send.is_none() && self.recv.is_none()
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct Peers {
     pub(crate) by_slot: HashMap<u32, Arc<PeerData>>,
@@ -358,24 +380,16 @@ impl Shared {
         }
     }
 
-    /// The side-channel slot of the peer whose hello named data-plane
-    /// endpoint `endpoint`, among the peers this rank moves KV with in
-    /// `direction`.
-    pub(crate) fn peer_at(&self, endpoint: &EndpointAddr, direction: Direction) -> Option<u32> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_endpoint
-            .get(&(*endpoint, direction))
-            .copied()
-    }
-
-    /// True when some peer's hello named data-plane endpoint `endpoint`.
-    pub(crate) fn knows_endpoint(&self, endpoint: &EndpointAddr) -> bool {
+    /// The side-channel slots of the peers whose hello named data-plane
+    /// endpoint `endpoint`: the one this rank sends to and the one it
+    /// receives from (a node of [`Role::Both`] can be both), under one lock.
+    pub(crate) fn peers_at(&self, endpoint: &EndpointAddr) -> PeersAt {
         let p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        [Direction::Send, Direction::Recv]
-            .iter()
-            .any(|d| p.by_endpoint.contains_key(&(*endpoint, *d)))
+        let slot = |d| p.by_endpoint.get(&(*endpoint, d)).copied();
+        PeersAt {
+            send: slot(Direction::Send),
+            recv: slot(Direction::Recv),
+        }
     }
 
     /// Records the hello of the peer in slot `id`.

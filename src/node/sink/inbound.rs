@@ -35,17 +35,18 @@ pub(super) fn notify_handler(
             tracing::debug!(sender, "data-plane notification names no endpoint");
             return false;
         };
-        if !shared.knows_endpoint(&endpoint) {
+        let peers = shared.peers_at(&endpoint);
+        if peers.is_empty() {
             tracing::debug!(sender, "data-plane notification from an unknown endpoint");
             return false;
         }
+        let mode = shared.config.mode;
         for f in frames {
             match wire::decode(f, &limits) {
                 Ok(Frame::Transfer { transfer_id, msg }) => {
                     // Which of the sender's peer slots: the one it is a
                     // decode peer in, or the one it is a prefill peer in.
-                    let mode = shared.config.mode;
-                    let peer = toward(&msg, mode).and_then(|d| shared.peer_at(&endpoint, d));
+                    let peer = toward(&msg, mode).and_then(|d| peers.get(d));
                     match peer {
                         Some(peer) => router.route(peer, transfer_id, msg),
                         None => {
