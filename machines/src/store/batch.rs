@@ -19,6 +19,16 @@ pub(crate) struct Flight {
     pub(crate) deadline: Instant,
 }
 
+impl Flight {
+    /// Gives every item of this flight `result` (a call that failed as a
+    /// whole: its fault, or past its bound).
+    pub(crate) fn fail<R: Copy>(&self, results: &mut [R], result: R) {
+        for &i in &self.items {
+            results[i] = result;
+        }
+    }
+}
+
 /// What became of an answer's batch id.
 pub(crate) enum Answer {
     /// The batch was in flight; here it is.

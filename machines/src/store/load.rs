@@ -30,7 +30,7 @@ use std::time::Instant;
 use crate::common::{after, earliest, AbortReason, BlockId, FailReason, InputError, Phase};
 use crate::machine::Machine;
 
-use super::batch::{Answer, Batches, Flight};
+use super::batch::{Answer, Batches};
 use super::key::{ChunkKey, Keyspace, RequestScope, Shard};
 use super::lookup::LookupHit;
 use super::{GroupBlocks, PlanError, StoreConfig, StoreFault, StoreItem};
@@ -330,7 +330,7 @@ impl LoadMachine {
                 }
             }
             Err(fault) => {
-                fail_flight(&mut self.results, &flight);
+                flight.fail(&mut self.results, LoadKeyResult::Failed);
                 end.get_or_insert(LoadEnd::Fault(fault));
             }
         }
@@ -369,13 +369,6 @@ impl LoadMachine {
     }
 }
 
-/// Marks the keys of a flight that failed as a whole.
-fn fail_flight(results: &mut [LoadKeyResult], flight: &Flight) {
-    for &i in &flight.items {
-        results[i] = LoadKeyResult::Failed;
-    }
-}
-
 impl Machine for LoadMachine {
     type Event = Event;
     type Action = Action;
@@ -395,7 +388,7 @@ impl Machine for LoadMachine {
             end.get_or_insert(LoadEnd::Fault(StoreFault::Timeout));
         }
         for f in &gone {
-            fail_flight(&mut self.results, f);
+            f.fail(&mut self.results, LoadKeyResult::Failed);
         }
         self.progress(now);
     }

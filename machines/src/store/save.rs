@@ -31,7 +31,7 @@ use std::time::Instant;
 use crate::common::{after, earliest, AbortReason, FailReason, InputError, Phase, TransferId};
 use crate::machine::Machine;
 
-use super::batch::{Answer, Batches, Flight};
+use super::batch::{Answer, Batches};
 use super::key::{ChunkKey, Keyspace, Replica, RequestScope, Shard};
 use super::lookup::{lcm_block_tokens, store_mask};
 use super::{GroupBlocks, PlanError, Pressure, StoreConfig, StoreFault, StoreItem};
@@ -365,7 +365,7 @@ impl SaveMachine {
                 }
             }
             Err(fault) => {
-                fail_flight(&mut self.results, &flight);
+                flight.fail(&mut self.results, SaveKeyResult::Failed);
                 end.get_or_insert(SaveEnd::Fault(fault));
             }
         }
@@ -396,13 +396,6 @@ impl SaveMachine {
         if batches.is_done() {
             self.finish(SaveEnd::Done);
         }
-    }
-}
-
-/// Marks the keys of a flight that failed as a whole.
-fn fail_flight(results: &mut [SaveKeyResult], flight: &Flight) {
-    for &i in &flight.items {
-        results[i] = SaveKeyResult::Failed;
     }
 }
 
@@ -440,7 +433,7 @@ impl Machine for SaveMachine {
                     end.get_or_insert(SaveEnd::Fault(StoreFault::Timeout));
                 }
                 for f in &gone {
-                    fail_flight(&mut self.results, f);
+                    f.fail(&mut self.results, SaveKeyResult::Failed);
                 }
                 self.progress(now);
             }
