@@ -8,12 +8,13 @@
 
 use std::time::Duration;
 
-use kvferry::machines::common::{Config, Mode};
+use kvferry::machines::common::Mode;
 use kvferry::machines::layout::{LayoutKind, ModelSpec, PoolKind};
 use kvferry::machines::planner::PlanError;
 use kvferry::machines::Phase;
 use kvferry::node::{NodeConfig, PrefillTarget, Role, TransportKind};
 use kvferry::{BlockId, FailReason, Misuse, NodeError, TransferId};
+use kvferry_testkit::e2e_timeouts;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -25,21 +26,6 @@ const MODEL: ModelSpec = ModelSpec {
     block_tokens: 4,
     head_bytes: 32,
 };
-
-fn timeouts() -> Config {
-    Config {
-        bootstrap_timeout: Duration::from_secs(30),
-        waiting_timeout: Duration::from_secs(5),
-        claim_timeout: Duration::from_secs(5),
-        lease: Duration::from_millis(2000),
-        hold_limit: Duration::from_secs(10),
-        transfer_bound: Duration::from_secs(2),
-        fence_margin: Duration::from_millis(100),
-        heartbeat_interval: Duration::from_millis(100),
-        heartbeat_misses: 3,
-        ..Config::default()
-    }
-}
 
 /// A rank's KV and pools: an aux pool of two buffers (4 and 61 bytes per
 /// item); with `state`, then a Mamba-like state pool (one index per
@@ -64,7 +50,7 @@ fn start(role: Role, mode: Mode, tp: (u32, u32), state: bool) -> Rank {
     );
     c.mode = mode;
     c.transport = TransportKind::Tcp;
-    c.timeouts = timeouts();
+    c.timeouts = e2e_timeouts();
     (c.tp_size, c.tp_rank) = tp;
     Rank::start(c, memory(tp, state)).expect("rank starts")
 }

@@ -3,29 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{Config, Mode};
+use kvferry::machines::common::Mode;
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::TransportKind;
 use kvferry::TransferId;
+use kvferry_testkit::e2e_timeouts;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
-
-fn timeouts() -> Config {
-    Config {
-        // Longer than any wait below: a prefill rank that is never told it
-        // is not needed fails the test instead of expiring within it.
-        bootstrap_timeout: Duration::from_secs(30),
-        waiting_timeout: Duration::from_secs(5),
-        claim_timeout: Duration::from_secs(5),
-        lease: Duration::from_millis(2000),
-        hold_limit: Duration::from_secs(10),
-        transfer_bound: Duration::from_secs(2),
-        fence_margin: Duration::from_millis(100),
-        heartbeat_interval: Duration::from_millis(100),
-        heartbeat_misses: 3,
-        ..Config::default()
-    }
-}
 
 fn spec(
     kind: LayoutKind,
@@ -50,7 +34,7 @@ fn spec(
         decode_pp: 1,
         mode,
         transport,
-        timeouts: timeouts(),
+        timeouts: e2e_timeouts(),
         bootstrap: None,
         spin: None,
         data_plane_messages: true,

@@ -5,29 +5,15 @@
 
 use std::time::Duration;
 
-use kvferry::machines::common::{Config, Mode};
+use kvferry::machines::common::Mode;
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::Phase;
 use kvferry::node::TransportKind;
 use kvferry::{AbortReason, BlockId, FailReason, IdCollision, NodeError, TransferId};
+use kvferry_testkit::e2e_timeouts;
 use kvferry_testkit::synth::{Cluster, ClusterSpec, Rank};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-fn timeouts() -> Config {
-    Config {
-        bootstrap_timeout: Duration::from_secs(30),
-        waiting_timeout: Duration::from_secs(5),
-        claim_timeout: Duration::from_secs(5),
-        lease: Duration::from_millis(2000),
-        hold_limit: Duration::from_secs(10),
-        transfer_bound: Duration::from_secs(2),
-        fence_margin: Duration::from_millis(100),
-        heartbeat_interval: Duration::from_millis(100),
-        heartbeat_misses: 3,
-        ..Config::default()
-    }
-}
 
 fn spec(mode: Mode) -> ClusterSpec {
     ClusterSpec {
@@ -46,7 +32,7 @@ fn spec(mode: Mode) -> ClusterSpec {
         decode_pp: 1,
         mode,
         transport: TransportKind::Tcp,
-        timeouts: timeouts(),
+        timeouts: e2e_timeouts(),
         bootstrap: None,
         spin: None,
         data_plane_messages: true,

@@ -31,6 +31,25 @@ pub fn demo_timeouts(timeout_ms: u64) -> Config {
     }
 }
 
+/// The timeouts of the end-to-end tests on real nodes: a bootstrap timeout
+/// longer than any wait of a test (a prefill rank that is never told it is
+/// not needed fails the test instead of expiring within it), seconds for
+/// the rest, a 100 ms heartbeat so dead peers show quickly.
+pub fn e2e_timeouts() -> Config {
+    Config {
+        bootstrap_timeout: Duration::from_secs(30),
+        waiting_timeout: Duration::from_secs(5),
+        claim_timeout: Duration::from_secs(5),
+        lease: Duration::from_millis(2000),
+        hold_limit: Duration::from_secs(10),
+        transfer_bound: Duration::from_secs(2),
+        fence_margin: Duration::from_millis(100),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_misses: 3,
+        ..Config::default()
+    }
+}
+
 /// Logs go to stderr; `RUST_LOG` selects the level (default: warn).
 pub fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
