@@ -10,17 +10,19 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use kvferry_machines::common::BlockId;
-use kvferry_machines::layout::{LayoutKind, ModelSpec};
+use kvferry_machines::layout::LayoutKind;
 use kvferry_machines::store::load::{
     plan_load, Action, Event, GetResult, LoadEnd, LoadKeyResult, LoadMachine, LoadReport,
 };
 use kvferry_machines::store::lookup::Lookup;
 use kvferry_machines::store::save::{self, plan_save, PutResult, SaveMachine};
 use kvferry_machines::store::{
-    BlockHash, ChunkKey, GroupBlocks, GroupSpec, Keyspace, KeyspaceSpec, Pressure, StoreConfig,
-    StoreFault, StoreItem,
+    BlockHash, ChunkKey, GroupBlocks, GroupSpec, Pressure, StoreConfig, StoreFault, StoreItem,
 };
 use kvferry_machines::{AbortReason, FailReason, Machine, Phase, TransferId};
+
+mod store_common;
+use store_common::keyspace;
 
 fn cfg(budget: Option<u64>) -> StoreConfig {
     StoreConfig {
@@ -35,23 +37,6 @@ fn cfg(budget: Option<u64>) -> StoreConfig {
 
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
-}
-
-fn keyspace(layout: LayoutKind, heads: u32, tp: u32, pp: u32, groups: Vec<GroupSpec>) -> Keyspace {
-    Keyspace::new(&KeyspaceSpec {
-        model_name: "m".into(),
-        model: ModelSpec {
-            layout,
-            total_kv_heads: heads,
-            block_tokens: 16,
-            head_bytes: 128,
-        },
-        dtype: "bf16".into(),
-        tp_size: tp,
-        pp_size: pp,
-        groups,
-    })
-    .unwrap()
 }
 
 /// `n` items, alternating between a group of 1000-byte and one of

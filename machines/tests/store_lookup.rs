@@ -7,12 +7,15 @@ use std::collections::HashSet;
 use proptest::prelude::*;
 
 use kvferry_machines::common::BlockId;
-use kvferry_machines::layout::{LayoutKind, ModelSpec};
+use kvferry_machines::layout::LayoutKind;
 use kvferry_machines::store::lookup::{blocks_needed, lcm_block_tokens, store_mask, Lookup};
 use kvferry_machines::store::save::plan_save;
 use kvferry_machines::store::{
-    BlockHash, GroupBlocks, GroupSpec, Keyspace, KeyspaceSpec, PlanError, RequestScope,
+    BlockHash, GroupBlocks, GroupSpec, Keyspace, PlanError, RequestScope,
 };
+
+mod store_common;
+use store_common::keyspace;
 
 fn full(b: u32) -> GroupSpec {
     GroupSpec {
@@ -26,23 +29,6 @@ fn window(b: u32, w: u32) -> GroupSpec {
         block_tokens: b,
         window_tokens: Some(w),
     }
-}
-
-fn keyspace(layout: LayoutKind, heads: u32, tp: u32, pp: u32, groups: Vec<GroupSpec>) -> Keyspace {
-    Keyspace::new(&KeyspaceSpec {
-        model_name: "m".into(),
-        model: ModelSpec {
-            layout,
-            total_kv_heads: heads,
-            block_tokens: 16,
-            head_bytes: 128,
-        },
-        dtype: "bf16".into(),
-        tp_size: tp,
-        pp_size: pp,
-        groups,
-    })
-    .unwrap()
 }
 
 fn hashes(ks: &Keyspace, n: &[usize]) -> Vec<Vec<BlockHash>> {
