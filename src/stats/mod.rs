@@ -9,7 +9,7 @@
 //! each other, and updating one from any thread costs one uncontended add.
 
 mod latency;
-mod serve;
+pub(crate) mod serve;
 
 pub use latency::{Latency, LATENCY_BUCKETS_S};
 pub(crate) use serve::MetricsServer;

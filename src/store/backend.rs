@@ -35,6 +35,7 @@
 
 use std::time::Instant;
 
+use kvferry_machines::layout::RankLayout;
 use kvferry_machines::store::load::GetResult;
 use kvferry_machines::store::save::PutResult;
 use kvferry_machines::store::{ChunkKey, StoreFault};
@@ -224,6 +225,15 @@ pub type Answers<T> = Result<Vec<Result<T, ItemError>>, CallError>;
 pub trait StoreBackend: Send + 'static {
     /// A short name for logs and stats (`inproc`, `redis`, `mooncake`).
     fn name(&self) -> &'static str;
+
+    /// The engine's KV memory, once, before any put or get names it: a
+    /// backend that moves bytes itself registers it with its transport
+    /// (kvferry's server, Mooncake's `register_buffer`); one that copies
+    /// through its client needs nothing.
+    fn register(&mut self, layout: &RankLayout) -> Result<(), CallError> {
+        let _ = layout;
+        Ok(())
+    }
 
     /// Per key, whether a committed value exists.
     fn exists(&mut self, keys: &[ChunkKey], deadline: Instant) -> Result<Vec<bool>, CallError>;

@@ -153,6 +153,9 @@ pub enum ConnectorError {
     /// A call could not be posted to the backend thread.
     #[error(transparent)]
     Post(#[from] PostError),
+    /// The backend refused the engine's memory.
+    #[error("the backend did not take the KV memory: {0:?}")]
+    Register(StoreFault),
     /// A lookup's existence call failed as a whole.
     #[error("the lookup's store call failed: {0:?}")]
     Lookup(StoreFault),

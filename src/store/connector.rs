@@ -164,8 +164,35 @@ impl StoreConnector {
         }
         let (shard, replica) = self.keyspace.shard_of_layout(&layout)?;
         let memory = RegisteredMemory::new(layout)?;
+        self.register_with_backend(memory.layout())?;
         self.memory = Some((memory, shard, replica));
         Ok(())
+    }
+
+    /// Hands the layout to the backend ([`StoreBackend::register`]) and
+    /// waits for its answer, at most `op_bound`.
+    fn register_with_backend(&mut self, layout: &RankLayout) -> Result<(), ConnectorError> {
+        let (tx, rx) = flume::bounded(1);
+        let deadline = after(Instant::now(), self.cfg.store.op_bound);
+        self.calls.worker.post(Call {
+            id: u64::MAX,
+            op: Op::Register(Box::new(layout.clone())),
+            deadline,
+            reply: tx,
+        })?;
+        let fault = match rx.recv_deadline(deadline) {
+            Ok(Done {
+                reply: Reply::Register(Ok(())),
+                ..
+            }) => return Ok(()),
+            Ok(Done {
+                reply: Reply::Register(Err(e)),
+                ..
+            }) => e.into(),
+            Ok(_) => StoreFault::Refused,
+            Err(_) => StoreFault::Timeout,
+        };
+        Err(ConnectorError::Register(fault))
     }
 
     /// The keyspace the connector's keys are made in.

@@ -22,6 +22,9 @@ mod connector;
 pub mod demo;
 pub mod inproc;
 pub mod memory;
+pub mod proto;
+pub mod remote;
+pub mod server;
 pub mod worker;
 
 pub use backend::{
@@ -35,6 +38,8 @@ pub use connector::StoreConnector;
 pub use demo::{StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use memory::{MemoryError, RegisteredMemory};
+pub use remote::{RemoteConfig, RemoteError, RemoteStore};
+pub use server::{ServeConfig, ServeError, ServerStats, StoreServer};
 
 use std::time::{Duration, Instant};
 

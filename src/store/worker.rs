@@ -7,6 +7,7 @@ use std::cell::Cell;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use kvferry_machines::layout::RankLayout;
 use kvferry_machines::store::ChunkKey;
 
 use super::backend::{Answers, CallError, GetItem, PutItem, PutOutcome, StoreBackend};
@@ -25,6 +26,8 @@ pub enum Op {
     Get(Vec<GetItem>),
     /// [`StoreBackend::remove`].
     Remove(Vec<ChunkKey>),
+    /// [`StoreBackend::register`].
+    Register(Box<RankLayout>),
 }
 
 impl Op {
@@ -33,6 +36,7 @@ impl Op {
             Op::Exists(k) | Op::Remove(k) => k.len(),
             Op::Put(i) => i.len(),
             Op::Get(i) => i.len(),
+            Op::Register(_) => 0,
         }
     }
 }
@@ -48,6 +52,8 @@ pub enum Reply {
     Get(Answers<()>),
     /// To [`Op::Remove`].
     Remove(Answers<()>),
+    /// To [`Op::Register`].
+    Register(Result<(), CallError>),
 }
 
 /// One call to the backend thread.
@@ -197,6 +203,7 @@ fn run<B: StoreBackend>(backend: &mut B, op: Op, deadline: Instant) -> Reply {
         Op::Put(items) => Reply::Put(backend.put(&items, deadline)),
         Op::Get(items) => Reply::Get(backend.get(&items, deadline)),
         Op::Remove(keys) => Reply::Remove(backend.remove(&keys, deadline)),
+        Op::Register(layout) => Reply::Register(backend.register(&layout)),
     }
 }
 
@@ -207,6 +214,7 @@ fn timed_out(op: &Op) -> Reply {
         Op::Put(_) => Reply::Put(Err(e)),
         Op::Get(_) => Reply::Get(Err(e)),
         Op::Remove(_) => Reply::Remove(Err(e)),
+        Op::Register(_) => Reply::Register(Err(e)),
     }
 }
 
@@ -219,6 +227,7 @@ fn checked(reply: Reply, keys: usize) -> Reply {
         Reply::Exists(r) => len(r),
         Reply::Put(r) => len(r),
         Reply::Get(r) | Reply::Remove(r) => len(r),
+        Reply::Register(_) => None,
     };
     if got.is_none_or(|n| n == keys) {
         return reply;
@@ -229,6 +238,7 @@ fn checked(reply: Reply, keys: usize) -> Reply {
         Reply::Put(_) => Reply::Put(Err(e)),
         Reply::Get(_) => Reply::Get(Err(e)),
         Reply::Remove(_) => Reply::Remove(Err(e)),
+        Reply::Register(r) => Reply::Register(r),
     }
 }
 

@@ -173,25 +173,46 @@ impl BlockFence {
         self.closes.get()
     }
 
-    /// True if every KV block and pool item that `[addr, addr + len)`
-    /// touches is open. Bytes outside the fenced regions are not fenced.
-    pub fn allows(&self, addr: u64, len: u64) -> bool {
+    /// The fenced region `[addr, addr + len)` starts in, and the first and
+    /// last of its slots the range touches; `None` for bytes outside
+    /// every fenced region.
+    fn slots(&self, addr: u64, len: u64) -> Option<(FenceRegion, u64, u64)> {
         if len == 0 {
-            return true;
+            return None;
         }
         let i = self.regions.partition_point(|r| r.base <= addr);
-        let Some(r) = i.checked_sub(1).map(|i| self.regions[i]) else {
-            return true;
-        };
+        let r = i.checked_sub(1).map(|i| self.regions[i])?;
         let span = r.stride.saturating_mul(r.count);
         let off = addr - r.base;
         if r.stride == 0 || off >= span {
-            return true;
+            return None;
         }
         let first = off / r.stride;
         let last = (off.saturating_add(len - 1) / r.stride).min(r.count - 1);
+        Some((r, first, last))
+    }
+
+    /// True if every KV block and pool item that `[addr, addr + len)`
+    /// touches is open. Bytes outside the fenced regions are not fenced.
+    pub fn allows(&self, addr: u64, len: u64) -> bool {
+        let Some((r, first, last)) = self.slots(addr, len) else {
+            return true;
+        };
         let open = self.open.borrow();
         (first..=last).all(|b| u32::try_from(b).is_ok_and(|b| open.contains_key(&r.key(b))))
+    }
+
+    /// The KV blocks and pool items `[addr, addr + len)` touches (none
+    /// for bytes outside the fenced regions): what to open for a transfer
+    /// known by its memory rather than its block ids.
+    pub fn keys_in(&self, addr: u64, len: u64) -> Vec<FenceKey> {
+        let Some((r, first, last)) = self.slots(addr, len) else {
+            return Vec::new();
+        };
+        (first..=last)
+            .filter_map(|b| u32::try_from(b).ok())
+            .map(|b| r.key(b))
+            .collect()
     }
 
     /// True if every `(addr, len)` range is allowed.
@@ -254,6 +275,18 @@ mod tests {
         assert!(!f.allows(1_200, 1));
         f.open([99]);
         f.close([99]);
+    }
+
+    #[test]
+    fn keys_in_names_the_blocks_a_range_touches() {
+        let f = BlockFence::new(&[(10_000, 100), (1_000, 100)], 4);
+        let k = |ids: &[u32]| ids.iter().map(|&i| FenceKey::Block(i)).collect::<Vec<_>>();
+        assert_eq!(f.keys_in(1_150, 100), k(&[1, 2]));
+        assert_eq!(f.keys_in(10_300, 500), k(&[3]), "cut at the region's end");
+        assert_eq!(f.keys_in(500, 10), k(&[]), "not fenced");
+        assert_eq!(f.keys_in(1_000, 0), k(&[]));
+        f.open(f.keys_in(1_150, 100));
+        assert!(f.allows(1_150, 100));
     }
 
     #[test]

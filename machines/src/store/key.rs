@@ -106,6 +106,13 @@ pub enum KeyError {
     /// of a sliding window of zero tokens.
     #[error("groups must be 1 to {GROUPS_MAX}, each of at least one block token and window token")]
     BadGroups,
+    /// A key from a store that is empty, over [`KEY_BYTES_MAX`] or not
+    /// printable ASCII.
+    #[error("a stored key of {len_bytes} bytes is not a key")]
+    BadStoredKey {
+        /// Its length.
+        len_bytes: usize,
+    },
     /// A group index past the keyspace's groups.
     #[error("no KV-cache group {group}")]
     UnknownGroup {
@@ -254,6 +261,20 @@ impl ChunkKey {
     /// The key's text.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// A key a store handed back (a removed or listed key): 1 to
+    /// [`KEY_BYTES_MAX`] bytes of printable ASCII without spaces, the
+    /// alphabet of every key [`Keyspace::key`] makes. Whether it is one of
+    /// this keyspace's keys is the caller's to check.
+    pub fn from_stored(text: String) -> Result<ChunkKey, KeyError> {
+        let printable = text.bytes().all(|b| b.is_ascii_graphic());
+        if text.is_empty() || text.len() > KEY_BYTES_MAX || !printable {
+            return Err(KeyError::BadStoredKey {
+                len_bytes: text.len(),
+            });
+        }
+        Ok(ChunkKey(text))
     }
 }
 

@@ -1,0 +1,428 @@
+//! The control protocol between an engine and `kvferry store serve`
+//! (docs/store.md, "The store server"): existence checks, puts, gets and
+//! removes of keys. Only control rides it; a value's bytes move over the
+//! tcp data plane, driven by the server (it reads the engine's blocks for
+//! a put and writes them for a get), so neither side copies a value
+//! through this protocol.
+//!
+//! # Frames
+//!
+//! Every message is one frame: a 12-byte header, then a postcard body.
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..4 | magic `KVFS` |
+//! | 4..6 | protocol version, little-endian ([`VERSION`]) |
+//! | 6..8 | zero |
+//! | 8..12 | body length, little-endian, at most [`BODY_BYTES_MAX`] |
+//!
+//! An engine sends a [`Request`], the server answers each with one
+//! [`Reply`] carrying the request's id, in order. Both sides check every
+//! count against the bounds below while decoding ([`ProtoError`]), so a
+//! hostile peer can neither make the other allocate past them nor panic it.
+
+use serde::{Deserialize, Serialize};
+
+/// The frame header's first bytes.
+pub const MAGIC: [u8; 4] = *b"KVFS";
+/// The protocol version this build speaks; a frame of another is refused.
+pub const VERSION: u16 = 1;
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 12;
+/// Most bytes of a frame's body.
+pub const BODY_BYTES_MAX: u32 = 32 << 20;
+/// Most keys in one request (and answers in one reply).
+pub const KEYS_PER_CALL_MAX: usize = 1 << 16;
+/// Most segments of one value (a block's bytes in each registered region).
+pub const SEGMENTS_PER_VALUE_MAX: usize = 4096;
+/// Most removed keys one reply carries; the rest wait for the next.
+pub const REMOVED_PER_REPLY_MAX: usize = 4096;
+/// Most bytes of an endpoint address in a hello.
+pub const ENDPOINT_BYTES_MAX: usize = 256;
+
+/// One contiguous piece of the engine's registered memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    /// Its first byte, in the engine's address space.
+    pub addr: u64,
+    /// Its length; zero is refused.
+    pub len: u64,
+}
+
+/// One key of a put or get, and where its value is in the engine.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Item {
+    /// The key ([`kvferry_machines::store::ChunkKey`]'s text).
+    pub key: String,
+    /// The value's pieces, in value order.
+    pub segments: Vec<Span>,
+}
+
+/// What an engine asks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// The first message of a connection: where the engine's data-plane
+    /// endpoint listens (`tcp://IP:PORT`), for the server to read and
+    /// write the engine's blocks through.
+    Hello {
+        /// The endpoint.
+        endpoint: String,
+    },
+    /// Per key, whether a committed value exists.
+    Exists {
+        /// The keys.
+        keys: Vec<String>,
+    },
+    /// Store each item's value, read from the engine's memory by the server.
+    Put {
+        /// Milliseconds the engine waits for the answer; the server moves
+        /// no byte after it.
+        budget_ms: u32,
+        /// The items.
+        items: Vec<Item>,
+    },
+    /// Write each item's value into the engine's memory.
+    Get {
+        /// As for `Put`.
+        budget_ms: u32,
+        /// The items.
+        items: Vec<Item>,
+    },
+    /// Remove the keys.
+    Remove {
+        /// The keys.
+        keys: Vec<String>,
+    },
+}
+
+/// What happened to one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KeyAnswer {
+    /// Done (stored, loaded, removed).
+    Done,
+    /// A put's key was stored already; its value is left as it was.
+    Exists,
+    /// No committed value.
+    NotFound,
+    /// No room even after evicting every value not in use.
+    Full,
+    /// Larger than the whole store.
+    TooLarge,
+    /// The stored value has another length than the get's segments.
+    WrongSize {
+        /// The stored value's length.
+        got_bytes: u64,
+    },
+    /// Another put of the key, or a get of it, is under way.
+    Busy,
+    /// A segment lies outside the regions the engine's endpoint announced.
+    OutOfBounds,
+    /// The bytes did not move (the engine's endpoint failed or fenced them).
+    Transport,
+    /// The bytes did not move within the request's budget.
+    Timeout,
+}
+
+/// Why a whole request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Refusal {
+    /// A put or get before a hello, or a hello naming no endpoint.
+    NoHello,
+    /// The hello's endpoint could not be reached.
+    EndpointUnreachable,
+    /// The request broke a bound or the protocol.
+    Malformed,
+}
+
+/// The answer to one request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    /// To `Hello`.
+    Hello {
+        /// The store's capacity.
+        capacity_bytes: u64,
+    },
+    /// To `Exists`, one per key.
+    Exists(Vec<bool>),
+    /// To `Put`, `Get` or `Remove`, one per key.
+    Keys(Vec<KeyAnswer>),
+    /// The request as a whole.
+    Refused(Refusal),
+}
+
+/// A server's frame: the answer, and keys that left the store.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    /// The answer.
+    pub answer: Answer,
+    /// Keys evicted or removed since the previous reply on this
+    /// connection, at most [`REMOVED_PER_REPLY_MAX`] (for `BlockRemoved`
+    /// events).
+    pub removed: Vec<String>,
+    /// Removed keys this connection will never be told of (they fell out
+    /// of the server's bounded log before it asked).
+    pub removed_lost: u64,
+}
+
+/// Why bytes are not a frame of this protocol.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    /// Fewer bytes than a header.
+    #[error("a frame header is {HEADER_LEN} bytes, got {got}")]
+    ShortHeader {
+        /// Bytes given.
+        got: usize,
+    },
+    /// Not `KVFS`.
+    #[error("not a kvferry store frame (bad magic)")]
+    BadMagic,
+    /// Another protocol version.
+    #[error("protocol version {got}, this build speaks {VERSION}")]
+    Version {
+        /// The frame's version.
+        got: u16,
+    },
+    /// A body longer than [`BODY_BYTES_MAX`], or other than announced.
+    #[error("a body of {len} bytes (at most {BODY_BYTES_MAX}, as announced)")]
+    BodyLength {
+        /// The length.
+        len: u64,
+    },
+    /// The body does not decode.
+    #[error("malformed body: {0}")]
+    Body(String),
+    /// A decoded message breaks a bound.
+    #[error("{what}: {got} over the limit of {max}")]
+    Bound {
+        /// What is counted.
+        what: &'static str,
+        /// The count.
+        got: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A zero-length segment, or one whose end overflows.
+    #[error("a segment is empty or wraps around")]
+    BadSegment,
+}
+
+/// The header of a frame with a body of `len` bytes.
+pub fn header(len: u32) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..4].copy_from_slice(&MAGIC);
+    h[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// The body length a header announces, checked.
+pub fn decode_header(h: &[u8]) -> Result<u32, ProtoError> {
+    if h.len() < HEADER_LEN {
+        return Err(ProtoError::ShortHeader { got: h.len() });
+    }
+    if h[..4] != MAGIC {
+        return Err(ProtoError::BadMagic);
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if version != VERSION {
+        return Err(ProtoError::Version { got: version });
+    }
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+    if len > BODY_BYTES_MAX || h[6..8] != [0, 0] {
+        return Err(ProtoError::BodyLength { len: len.into() });
+    }
+    Ok(len)
+}
+
+/// A whole frame (header and body) of `msg`.
+pub fn encode<T: Serialize>(id: u64, msg: &T) -> Result<Vec<u8>, ProtoError> {
+    let mut out = postcard::to_extend(&(id, msg), vec![0u8; HEADER_LEN])
+        .map_err(|e| ProtoError::Body(e.to_string()))?;
+    let len = out.len() - HEADER_LEN;
+    let len32 = u32::try_from(len)
+        .ok()
+        .filter(|&l| l <= BODY_BYTES_MAX)
+        .ok_or(ProtoError::BodyLength { len: len as u64 })?;
+    out[..HEADER_LEN].copy_from_slice(&header(len32));
+    Ok(out)
+}
+
+/// A request's id and the request, from a frame's body.
+pub fn decode_request(body: &[u8]) -> Result<(u64, Request), ProtoError> {
+    let (id, req): (u64, Request) = decode_body(body)?;
+    check_request(&req)?;
+    Ok((id, req))
+}
+
+/// A reply's id and the reply, from a frame's body.
+pub fn decode_reply(body: &[u8]) -> Result<(u64, Reply), ProtoError> {
+    let (id, reply): (u64, Reply) = decode_body(body)?;
+    check_reply(&reply)?;
+    Ok((id, reply))
+}
+
+fn decode_body<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ProtoError> {
+    if body.len() > BODY_BYTES_MAX as usize {
+        return Err(ProtoError::BodyLength {
+            len: body.len() as u64,
+        });
+    }
+    let (msg, rest) =
+        postcard::take_from_bytes::<T>(body).map_err(|e| ProtoError::Body(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(ProtoError::Body(format!(
+            "{} bytes after the message",
+            rest.len()
+        )));
+    }
+    Ok(msg)
+}
+
+fn bound(what: &'static str, got: usize, max: usize) -> Result<(), ProtoError> {
+    if got > max {
+        return Err(ProtoError::Bound { what, got, max });
+    }
+    Ok(())
+}
+
+fn check_keys(keys: &[String]) -> Result<(), ProtoError> {
+    bound("keys", keys.len(), KEYS_PER_CALL_MAX)?;
+    let max = kvferry_machines::store::key::KEY_BYTES_MAX;
+    let longest = keys.iter().map(String::len).max().unwrap_or(0);
+    bound("key bytes", longest, max)
+}
+
+fn check_items(items: &[Item]) -> Result<(), ProtoError> {
+    bound("items", items.len(), KEYS_PER_CALL_MAX)?;
+    for it in items {
+        bound(
+            "key bytes",
+            it.key.len(),
+            kvferry_machines::store::key::KEY_BYTES_MAX,
+        )?;
+        bound("segments", it.segments.len(), SEGMENTS_PER_VALUE_MAX)?;
+        for s in &it.segments {
+            if s.len == 0 || s.addr.checked_add(s.len).is_none() {
+                return Err(ProtoError::BadSegment);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_request(req: &Request) -> Result<(), ProtoError> {
+    match req {
+        Request::Hello { endpoint } => bound("endpoint bytes", endpoint.len(), ENDPOINT_BYTES_MAX),
+        Request::Exists { keys } | Request::Remove { keys } => check_keys(keys),
+        Request::Put { items, .. } | Request::Get { items, .. } => check_items(items),
+    }
+}
+
+fn check_reply(reply: &Reply) -> Result<(), ProtoError> {
+    match &reply.answer {
+        Answer::Exists(v) => bound("answers", v.len(), KEYS_PER_CALL_MAX)?,
+        Answer::Keys(v) => bound("answers", v.len(), KEYS_PER_CALL_MAX)?,
+        Answer::Hello { .. } | Answer::Refused(_) => {}
+    }
+    bound("removed keys", reply.removed.len(), REMOVED_PER_REPLY_MAX)?;
+    check_keys(&reply.removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(frame: &[u8]) -> &[u8] {
+        let len = decode_header(frame).unwrap() as usize;
+        assert_eq!(frame.len(), HEADER_LEN + len);
+        &frame[HEADER_LEN..]
+    }
+
+    #[test]
+    fn requests_and_replies_round_trip() {
+        let req = Request::Put {
+            budget_ms: 250,
+            items: vec![Item {
+                key: "kvf1:m:k".into(),
+                segments: vec![Span {
+                    addr: 4096,
+                    len: 64,
+                }],
+            }],
+        };
+        let frame = encode(7, &req).unwrap();
+        assert_eq!(decode_request(body(&frame)).unwrap(), (7, req));
+        let reply = Reply {
+            answer: Answer::Keys(vec![KeyAnswer::Done, KeyAnswer::WrongSize { got_bytes: 3 }]),
+            removed: vec!["kvf1:x".into()],
+            removed_lost: 2,
+        };
+        let frame = encode(8, &reply).unwrap();
+        assert_eq!(decode_reply(body(&frame)).unwrap(), (8, reply));
+    }
+
+    #[test]
+    fn headers_of_another_protocol_or_size_are_refused() {
+        let good = header(10);
+        assert_eq!(decode_header(&good), Ok(10));
+        assert_eq!(
+            decode_header(&good[..5]),
+            Err(ProtoError::ShortHeader { got: 5 })
+        );
+        let mut bad = good;
+        bad[0] = b'X';
+        assert_eq!(decode_header(&bad), Err(ProtoError::BadMagic));
+        let mut bad = good;
+        bad[4] = 9;
+        assert_eq!(decode_header(&bad), Err(ProtoError::Version { got: 9 }));
+        let big = header(BODY_BYTES_MAX + 1);
+        assert!(matches!(
+            decode_header(&big),
+            Err(ProtoError::BodyLength { .. })
+        ));
+    }
+
+    #[test]
+    fn bodies_breaking_a_bound_are_refused() {
+        let empty_seg = Request::Get {
+            budget_ms: 1,
+            items: vec![Item {
+                key: "k".into(),
+                segments: vec![Span { addr: 1, len: 0 }],
+            }],
+        };
+        let f = encode(1, &empty_seg).unwrap();
+        assert_eq!(decode_request(body(&f)), Err(ProtoError::BadSegment));
+        let long_key = Request::Exists {
+            keys: vec!["k".repeat(kvferry_machines::store::key::KEY_BYTES_MAX + 1)],
+        };
+        let f = encode(1, &long_key).unwrap();
+        assert!(matches!(
+            decode_request(body(&f)),
+            Err(ProtoError::Bound {
+                what: "key bytes",
+                ..
+            })
+        ));
+        let f = encode(1, &Request::Remove { keys: vec![] }).unwrap();
+        let mut trailing = body(&f).to_vec();
+        trailing.push(0);
+        assert!(matches!(
+            decode_request(&trailing),
+            Err(ProtoError::Body(_))
+        ));
+    }
+
+    #[test]
+    fn every_prefix_of_a_frame_fails_cleanly() {
+        let req = Request::Hello {
+            endpoint: "tcp://127.0.0.1:1".into(),
+        };
+        let f = encode(3, &req).unwrap();
+        let b = body(&f);
+        for n in 0..b.len() {
+            assert!(decode_request(&b[..n]).is_err(), "prefix of {n} bytes");
+        }
+    }
+}

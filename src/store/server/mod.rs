@@ -1,0 +1,799 @@
+//! `kvferry store serve`: a RAM store several engines share (docs/store.md,
+//! "The store server").
+//!
+//! One glommio executor serves everything: the control connections
+//! ([`super::proto`]), and a tcp data-plane endpoint through which the
+//! server itself moves the bytes: for a put it reads the engine's blocks
+//! into its arena ([`Op::Read`]), for a get it writes the arena into the
+//! engine's blocks ([`Op::Write`]). Each descriptor is checked by the
+//! server against the regions the engine's endpoint announced, by the
+//! server's transport against its own arena, and by the engine's
+//! endpoint against its registered regions and its fence. A put is
+//! committed (visible) only once the whole batch landed.
+
+mod space;
+
+use std::alloc::Layout;
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use glommio::net::{TcpListener, TcpStream};
+use glommio::{LocalExecutorBuilder, Placement};
+
+use super::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX};
+use crate::stats::serve::MetricsServer;
+use crate::transport::registry::check_remote;
+use crate::transport::tcp::{TcpConfig, TcpSession, TcpTransport};
+use crate::transport::{Desc, EndpointAddr, Op, Session, Transport, TransportError};
+pub use space::{Space, SpaceStats, REMOVED_LOG_MAX};
+
+/// How a store server runs.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Where engines connect (port 0: any free port).
+    pub listen: SocketAddr,
+    /// Bytes of RAM for values; allocated at start.
+    pub capacity_bytes: u64,
+    /// Where `/metrics` and `/health` are served, if anywhere.
+    pub metrics_listen: Option<String>,
+    /// The data-plane endpoint's settings.
+    pub tcp: TcpConfig,
+    /// Most engine connections served at once; more are closed at once.
+    pub max_connections: usize,
+    /// The longest budget a request may ask for.
+    pub budget_max: Duration,
+    /// The core the executor is pinned to, if any.
+    pub core: Option<usize>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            capacity_bytes: 1 << 30,
+            metrics_listen: None,
+            tcp: TcpConfig::default(),
+            max_connections: 256,
+            budget_max: Duration::from_secs(60),
+            core: None,
+        }
+    }
+}
+
+/// Why a server did not start.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A setting is out of range.
+    #[error("bad configuration: {0}")]
+    Config(String),
+    /// The listen address could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The arena could not be allocated.
+    #[error("allocating {bytes} bytes of store memory failed")]
+    Alloc {
+        /// Its size.
+        bytes: u64,
+    },
+    /// The data-plane endpoint could not start.
+    #[error("data plane: {0}")]
+    Transport(#[from] TransportError),
+    /// The metrics endpoint could not start.
+    #[error("metrics endpoint: {0}")]
+    Metrics(String),
+    /// The executor thread could not start or ended early.
+    #[error("executor: {0}")]
+    Executor(String),
+}
+
+/// What a server counts, shared with the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct ServerCounters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    evictions: AtomicU64,
+    removals: AtomicU64,
+    commits: AtomicU64,
+    full: AtomicU64,
+    stored_bytes: AtomicU64,
+    used_bytes: AtomicU64,
+    values: AtomicU64,
+    capacity_bytes: AtomicU64,
+    bytes_in: AtomicU64,
+    bytes_out: AtomicU64,
+    requests: AtomicU64,
+    refused: AtomicU64,
+    connections: AtomicU64,
+    transfer_failures: AtomicU64,
+}
+
+/// A snapshot of [`ServerCounters`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ServerStats {
+    /// Gets of a stored value.
+    pub hits: u64,
+    /// Gets of a key not stored.
+    pub misses: u64,
+    /// Values evicted to make room.
+    pub evictions: u64,
+    /// Values removed on request.
+    pub removals: u64,
+    /// Puts committed.
+    pub commits: u64,
+    /// Puts refused for want of room.
+    pub full: u64,
+    /// Bytes of stored values.
+    pub stored_bytes: u64,
+    /// Bytes stored or being written.
+    pub used_bytes: u64,
+    /// Values stored.
+    pub values: u64,
+    /// The arena's size.
+    pub capacity_bytes: u64,
+    /// Bytes read from engines (puts).
+    pub bytes_in: u64,
+    /// Bytes written to engines (gets).
+    pub bytes_out: u64,
+    /// Requests answered.
+    pub requests: u64,
+    /// Requests refused as a whole (malformed, no hello, unreachable).
+    pub refused: u64,
+    /// Engine connections open now.
+    pub connections: u64,
+    /// Batches whose bytes did not move (engine gone, fenced, timeout).
+    pub transfer_failures: u64,
+}
+
+impl ServerCounters {
+    fn load(&self) -> ServerStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ServerStats {
+            hits: g(&self.hits),
+            misses: g(&self.misses),
+            evictions: g(&self.evictions),
+            removals: g(&self.removals),
+            commits: g(&self.commits),
+            full: g(&self.full),
+            stored_bytes: g(&self.stored_bytes),
+            used_bytes: g(&self.used_bytes),
+            values: g(&self.values),
+            capacity_bytes: g(&self.capacity_bytes),
+            bytes_in: g(&self.bytes_in),
+            bytes_out: g(&self.bytes_out),
+            requests: g(&self.requests),
+            refused: g(&self.refused),
+            connections: g(&self.connections),
+            transfer_failures: g(&self.transfer_failures),
+        }
+    }
+
+    fn publish(&self, s: &SpaceStats) {
+        let p = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
+        p(&self.hits, s.hits);
+        p(&self.misses, s.misses);
+        p(&self.evictions, s.evictions);
+        p(&self.removals, s.removals);
+        p(&self.commits, s.commits);
+        p(&self.full, s.full);
+        p(&self.stored_bytes, s.stored_bytes);
+        p(&self.used_bytes, s.used_bytes);
+        p(&self.values, s.values);
+    }
+
+    fn add(a: &AtomicU64, n: u64) {
+        a.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// The Prometheus text of a server's stats.
+pub fn metrics_text(s: &ServerStats) -> String {
+    let rows: [(&str, &str, &str, u64); 16] = [
+        ("hits_total", "counter", "gets of a stored value", s.hits),
+        (
+            "misses_total",
+            "counter",
+            "gets of a key not stored",
+            s.misses,
+        ),
+        (
+            "evictions_total",
+            "counter",
+            "values evicted to make room",
+            s.evictions,
+        ),
+        (
+            "removals_total",
+            "counter",
+            "values removed on request",
+            s.removals,
+        ),
+        ("commits_total", "counter", "puts committed", s.commits),
+        (
+            "full_total",
+            "counter",
+            "puts refused for want of room",
+            s.full,
+        ),
+        (
+            "stored_bytes",
+            "gauge",
+            "bytes of stored values",
+            s.stored_bytes,
+        ),
+        (
+            "used_bytes",
+            "gauge",
+            "bytes stored or being written",
+            s.used_bytes,
+        ),
+        ("values", "gauge", "values stored", s.values),
+        (
+            "capacity_bytes",
+            "gauge",
+            "bytes of the arena",
+            s.capacity_bytes,
+        ),
+        (
+            "read_bytes_total",
+            "counter",
+            "bytes read from engines",
+            s.bytes_in,
+        ),
+        (
+            "written_bytes_total",
+            "counter",
+            "bytes written to engines",
+            s.bytes_out,
+        ),
+        ("requests_total", "counter", "requests answered", s.requests),
+        (
+            "refused_total",
+            "counter",
+            "requests refused as a whole",
+            s.refused,
+        ),
+        (
+            "connections",
+            "gauge",
+            "engine connections open",
+            s.connections,
+        ),
+        (
+            "transfer_failures_total",
+            "counter",
+            "batches whose bytes did not move",
+            s.transfer_failures,
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, v) in rows {
+        let name = format!("kvferry_store_{name}");
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+        ));
+    }
+    out
+}
+
+/// A running store server; dropping it stops it.
+pub struct StoreServer {
+    local_addr: SocketAddr,
+    counters: Arc<ServerCounters>,
+    metrics: Option<MetricsServer>,
+    stop: Option<flume::Sender<()>>,
+    join: Option<glommio::ExecutorJoinHandle<()>>,
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreServer")
+            .field("local_addr", &self.local_addr)
+            .finish()
+    }
+}
+
+impl StoreServer {
+    /// Allocates the arena, binds `cfg.listen` and starts serving.
+    pub fn start(cfg: ServeConfig) -> Result<StoreServer, ServeError> {
+        validate(&cfg)?;
+        let std_listener =
+            std::net::TcpListener::bind(cfg.listen).map_err(|source| ServeError::Bind {
+                addr: cfg.listen,
+                source,
+            })?;
+        let local_addr = (std_listener.local_addr()).map_err(|source| ServeError::Bind {
+            addr: cfg.listen,
+            source,
+        })?;
+        let counters = Arc::new(ServerCounters::default());
+        counters
+            .capacity_bytes
+            .store(cfg.capacity_bytes, Ordering::Relaxed);
+        let metrics = match &cfg.metrics_listen {
+            Some(addr) => {
+                let c = Arc::clone(&counters);
+                let source: crate::bootstrap::MetricsSource =
+                    Arc::new(move || metrics_text(&c.load()));
+                let m = MetricsServer::start(addr, source)
+                    .map_err(|e| ServeError::Metrics(e.to_string()))?;
+                Some(m)
+            }
+            None => None,
+        };
+        let (stop, stop_rx) = flume::bounded::<()>(1);
+        let (ready_tx, ready_rx) = flume::bounded::<Result<(), ServeError>>(1);
+        let c = Arc::clone(&counters);
+        let placement = cfg.core.map_or(Placement::Unbound, Placement::Fixed);
+        let join = LocalExecutorBuilder::new(placement)
+            .name("kvferry-store-serve")
+            .spawn(move || async move {
+                match Server::new(&cfg, c) {
+                    Ok(server) => {
+                        let _ = ready_tx.send(Ok(()));
+                        serve(Rc::new(server), std_listener, stop_rx).await;
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|e| ServeError::Executor(e.to_string()))?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(ServeError::Executor("ended while starting".into())),
+        }
+        Ok(StoreServer {
+            local_addr,
+            counters,
+            metrics,
+            stop: Some(stop),
+            join: Some(join),
+        })
+    }
+
+    /// Where engines connect.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Where `/metrics` is served, if it is.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(MetricsServer::local_addr)
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> ServerStats {
+        self.counters.load()
+    }
+
+    /// Serves until the process ends.
+    pub fn wait(mut self) {
+        if let Some(j) = self.join.take() {
+            let _ = j.join();
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(j) = self.join.take() {
+            let _ = j.join();
+        }
+    }
+}
+
+fn validate(cfg: &ServeConfig) -> Result<(), ServeError> {
+    let bad = |s: &str| Err(ServeError::Config(s.into()));
+    if cfg.capacity_bytes == 0 || usize::try_from(cfg.capacity_bytes).is_err() {
+        return bad("capacity_bytes must be positive and addressable");
+    }
+    if cfg.max_connections == 0 || cfg.budget_max.is_zero() {
+        return bad("max_connections and budget_max must be positive");
+    }
+    cfg.tcp
+        .validate()
+        .map_err(|e| ServeError::Config(e.to_string()))
+}
+
+/// The arena: zeroed pages from the allocator, touched only by the
+/// transport (registered with it) while the server lives.
+struct Arena {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+impl Arena {
+    fn new(bytes: u64) -> Result<Arena, ServeError> {
+        let alloc = || ServeError::Alloc { bytes };
+        let size = usize::try_from(bytes).map_err(|_| alloc())?;
+        let layout = Layout::from_size_align(size, 4096).map_err(|_| alloc())?;
+        // SAFETY: a layout of non-zero size (validated).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(alloc());
+        }
+        Ok(Arena { ptr, layout })
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout; the transport that
+        // used it is dropped first (field order of `Server`).
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// Everything the executor's tasks share.
+struct Server {
+    /// Dropped before `arena`: it may touch the arena until then.
+    transport: TcpTransport,
+    arena: Arena,
+    space: RefCell<Space>,
+    counters: Arc<ServerCounters>,
+    budget_max: Duration,
+    max_connections: usize,
+    /// The sockets of the connections served now.
+    conns: RefCell<slab::Slab<std::os::fd::RawFd>>,
+    /// Set once the server stops: a failed accept ends the loop.
+    stopping: std::cell::Cell<bool>,
+}
+
+impl Server {
+    fn new(cfg: &ServeConfig, counters: Arc<ServerCounters>) -> Result<Server, ServeError> {
+        let arena = Arena::new(cfg.capacity_bytes)?;
+        let data_addr = SocketAddr::new(cfg.listen.ip(), 0);
+        let transport = TcpTransport::bind(data_addr, cfg.tcp.clone())?;
+        // SAFETY: the arena outlives the transport (`Server`'s field order)
+        // and only the transport touches it.
+        unsafe { transport.register(arena.ptr, cfg.capacity_bytes as usize)? };
+        Ok(Server {
+            transport,
+            arena,
+            space: RefCell::new(Space::new(cfg.capacity_bytes)),
+            counters,
+            budget_max: cfg.budget_max,
+            max_connections: cfg.max_connections,
+            conns: RefCell::new(slab::Slab::new()),
+            stopping: std::cell::Cell::new(false),
+        })
+    }
+
+    fn base(&self) -> u64 {
+        self.arena.ptr as u64
+    }
+
+    /// Shuts every engine connection down (the tasks holding the sockets
+    /// end with the executor).
+    fn hang_up_all(&self) {
+        for (_, &fd) in self.conns.borrow().iter() {
+            // SAFETY: a socket a live connection task owns; shutting it
+            // down does not close it, so the fd is not reused under it.
+            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+        }
+    }
+
+    fn publish(&self) {
+        self.counters.publish(&self.space.borrow().stats());
+    }
+}
+
+/// Serves until `stop` says so, then shuts the listener and every
+/// connection down, so the port is free again at once and engines see the
+/// server gone now rather than at their calls' deadlines.
+async fn serve(server: Rc<Server>, std_listener: std::net::TcpListener, stop: flume::Receiver<()>) {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    let listener_fd = std_listener.into_raw_fd();
+    // SAFETY: a bound, listening socket we own, handed over to glommio.
+    let listener = unsafe { TcpListener::from_raw_fd(listener_fd) };
+    let acceptor = glommio::spawn_local(accept_loop(Rc::clone(&server), listener));
+    let _ = stop.recv_async().await;
+    server.stopping.set(true);
+    // Shut down while the accept is pending, so it fails and the loop
+    // ends; the fd stays open until the loop drops the listener.
+    // SAFETY: shutting down a socket we own, not closing it.
+    unsafe { libc::shutdown(listener_fd, libc::SHUT_RDWR) };
+    server.hang_up_all();
+    acceptor.await;
+}
+
+async fn accept_loop(server: Rc<Server>, listener: TcpListener) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok(s) => s,
+            Err(_) if server.stopping.get() => return,
+            Err(e) => {
+                tracing::warn!("store server: accept failed: {e}");
+                continue;
+            }
+        };
+        let open = server.counters.connections.load(Ordering::Relaxed);
+        if open >= server.max_connections as u64 {
+            tracing::warn!("store server: {open} connections open; one more refused");
+            continue;
+        }
+        let _ = stream.set_nodelay(true);
+        ServerCounters::add(&server.counters.connections, 1);
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
+        let slot = server.conns.borrow_mut().insert(fd);
+        let s = Rc::clone(&server);
+        glommio::spawn_local(async move {
+            Conn::new(&s).serve(&s, stream).await;
+            s.conns.borrow_mut().remove(slot);
+            s.counters.connections.fetch_sub(1, Ordering::Relaxed);
+        })
+        .detach();
+    }
+}
+
+/// One engine's connection.
+struct Conn {
+    endpoint: Option<EndpointAddr>,
+    session: Option<TcpSession>,
+    /// The next removed key to tell this engine of.
+    removed_at: u64,
+}
+
+/// Why a connection stops reading.
+enum ReadEnd {
+    Closed,
+    Malformed(proto::ProtoError),
+}
+
+impl Conn {
+    fn new(server: &Server) -> Conn {
+        Conn {
+            endpoint: None,
+            session: None,
+            removed_at: server.space.borrow().removed_end(),
+        }
+    }
+
+    async fn serve(mut self, server: &Server, mut stream: TcpStream) {
+        loop {
+            let (id, req) = match read_request(&mut stream).await {
+                Ok(r) => r,
+                Err(ReadEnd::Closed) => return,
+                Err(ReadEnd::Malformed(e)) => {
+                    tracing::warn!("store server: malformed request: {e}");
+                    let refused = Answer::Refused(Refusal::Malformed);
+                    let _ = self.answer(server, &mut stream, 0, refused).await;
+                    return;
+                }
+            };
+            let answer = self.handle(server, req).await;
+            if self.answer(server, &mut stream, id, answer).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    async fn answer(
+        &mut self,
+        server: &Server,
+        stream: &mut TcpStream,
+        id: u64,
+        answer: Answer,
+    ) -> std::io::Result<()> {
+        if matches!(answer, Answer::Refused(_)) {
+            ServerCounters::add(&server.counters.refused, 1);
+        }
+        ServerCounters::add(&server.counters.requests, 1);
+        server.publish();
+        let (removed, removed_lost, next) =
+            (server.space.borrow()).removed_since(self.removed_at, REMOVED_PER_REPLY_MAX);
+        self.removed_at = next;
+        let reply = Reply {
+            answer,
+            removed,
+            removed_lost,
+        };
+        let frame = proto::encode(id, &reply)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        stream.write_all(&frame).await
+    }
+
+    async fn handle(&mut self, server: &Server, req: Request) -> Answer {
+        match req {
+            Request::Hello { endpoint } => match endpoint.parse::<EndpointAddr>() {
+                Ok(ep @ EndpointAddr::Tcp(_)) => {
+                    self.endpoint = Some(ep);
+                    self.session = None;
+                    Answer::Hello {
+                        capacity_bytes: server.space.borrow().capacity(),
+                    }
+                }
+                _ => Answer::Refused(Refusal::NoHello),
+            },
+            Request::Exists { keys } => {
+                let space = server.space.borrow();
+                Answer::Exists(keys.iter().map(|k| space.exists(k)).collect())
+            }
+            Request::Remove { keys } => {
+                let mut space = server.space.borrow_mut();
+                Answer::Keys(keys.iter().map(|k| space.remove(k)).collect())
+            }
+            Request::Put { budget_ms, items } => self.put(server, budget_ms, &items).await,
+            Request::Get { budget_ms, items } => self.get(server, budget_ms, &items).await,
+        }
+    }
+
+    /// The session to the engine's endpoint, opened on first use.
+    async fn session(&mut self, server: &Server) -> Result<TcpSession, Refusal> {
+        if let Some(s) = &self.session {
+            return Ok(s.clone());
+        }
+        let ep = self.endpoint.ok_or(Refusal::NoHello)?;
+        match server.transport.open(&ep).await {
+            Ok(s) => {
+                self.session = Some(s.clone());
+                Ok(s)
+            }
+            Err(e) => {
+                tracing::warn!("store server: engine endpoint {ep}: {e}");
+                Err(Refusal::EndpointUnreachable)
+            }
+        }
+    }
+
+    async fn put(&mut self, server: &Server, budget_ms: u32, items: &[Item]) -> Answer {
+        let session = match self.session(server).await {
+            Ok(s) => s,
+            Err(r) => return Answer::Refused(r),
+        };
+        let regions = session.remote_regions();
+        let mut answers = vec![KeyAnswer::Done; items.len()];
+        let mut moving = Vec::new();
+        let mut descs = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let reserved = value_len(&regions, it)
+                .and_then(|len| server.space.borrow_mut().reserve(&it.key, len));
+            match reserved {
+                Ok(off) => {
+                    moving.push(i);
+                    push_descs(&mut descs, server.base() + off, it);
+                }
+                Err(a) => answers[i] = a,
+            }
+        }
+        let moved = self
+            .transfer(server, &session, Op::Read, budget_ms, &descs)
+            .await;
+        let mut space = server.space.borrow_mut();
+        for &i in &moving {
+            match moved {
+                Ok(()) => space.commit(&items[i].key),
+                Err(a) => {
+                    space.abort(&items[i].key);
+                    answers[i] = a;
+                }
+            }
+        }
+        if moved.is_ok() {
+            ServerCounters::add(&server.counters.bytes_in, total_bytes(&descs));
+        }
+        Answer::Keys(answers)
+    }
+
+    async fn get(&mut self, server: &Server, budget_ms: u32, items: &[Item]) -> Answer {
+        let session = match self.session(server).await {
+            Ok(s) => s,
+            Err(r) => return Answer::Refused(r),
+        };
+        let regions = session.remote_regions();
+        let mut answers = vec![KeyAnswer::Done; items.len()];
+        let mut pinned = Vec::new();
+        let mut descs = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let found =
+                value_len(&regions, it).and_then(|len| server.space.borrow_mut().pin(&it.key, len));
+            match found {
+                Ok(off) => {
+                    pinned.push(i);
+                    push_descs(&mut descs, server.base() + off, it);
+                }
+                Err(a) => answers[i] = a,
+            }
+        }
+        let moved = self
+            .transfer(server, &session, Op::Write, budget_ms, &descs)
+            .await;
+        let mut space = server.space.borrow_mut();
+        for &i in &pinned {
+            space.unpin(&items[i].key);
+            if let Err(a) = moved {
+                answers[i] = a;
+            }
+        }
+        if moved.is_ok() {
+            ServerCounters::add(&server.counters.bytes_out, total_bytes(&descs));
+        }
+        Answer::Keys(answers)
+    }
+
+    /// Moves one batch within the request's budget; a failed batch drops
+    /// the session, so the next one re-learns the engine's regions.
+    async fn transfer(
+        &mut self,
+        server: &Server,
+        session: &TcpSession,
+        op: Op,
+        budget_ms: u32,
+        descs: &[Desc],
+    ) -> Result<(), KeyAnswer> {
+        if descs.is_empty() {
+            return Ok(());
+        }
+        let budget = Duration::from_millis(budget_ms.into()).min(server.budget_max);
+        let deadline = Instant::now() + budget;
+        match session.transfer_until(op, descs, None, deadline).await {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::debug!("store server: {op:?} batch of {} failed: {e}", descs.len());
+                ServerCounters::add(&server.counters.transfer_failures, 1);
+                self.session = None;
+                Err(match e {
+                    TransportError::Timeout { .. } => KeyAnswer::Timeout,
+                    _ => KeyAnswer::Transport,
+                })
+            }
+        }
+    }
+}
+
+/// The value's length, once every segment is inside the engine's regions.
+fn value_len(regions: &[crate::transport::RegionInfo], it: &Item) -> Result<u64, KeyAnswer> {
+    let spans = it.segments.iter().map(|s| (s.addr, s.len));
+    check_remote(regions, spans).map_err(|_| KeyAnswer::OutOfBounds)?;
+    (it.segments.iter())
+        .try_fold(0u64, |sum, s| sum.checked_add(s.len))
+        .ok_or(KeyAnswer::OutOfBounds)
+}
+
+/// One descriptor per engine segment, the value laid out in order from
+/// `local` in the arena.
+fn push_descs(descs: &mut Vec<Desc>, local: u64, it: &Item) {
+    let mut at = local;
+    for s in &it.segments {
+        descs.push(Desc {
+            local_addr: at,
+            remote_addr: s.addr,
+            len_bytes: s.len,
+        });
+        at += s.len;
+    }
+}
+
+fn total_bytes(descs: &[Desc]) -> u64 {
+    descs.iter().map(|d| d.len_bytes).sum()
+}
+
+/// The next request of a connection: a header, then its body.
+async fn read_request(stream: &mut TcpStream) -> Result<(u64, Request), ReadEnd> {
+    let mut header = [0u8; proto::HEADER_LEN];
+    if stream.read_exact(&mut header).await.is_err() {
+        return Err(ReadEnd::Closed);
+    }
+    let len = proto::decode_header(&header).map_err(ReadEnd::Malformed)?;
+    let mut body = vec![0u8; len as usize];
+    if stream.read_exact(&mut body).await.is_err() {
+        return Err(ReadEnd::Closed);
+    }
+    proto::decode_request(&body).map_err(ReadEnd::Malformed)
+}

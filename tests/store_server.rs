@@ -1,0 +1,280 @@
+//! `kvferry store serve` in this process: engines' connectors over the
+//! `kvferry://` backend, the server moving every byte over the tcp data
+//! plane into and out of the engines' registered memory.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use kvferry::machines::layout::{RankLayout, Region, Stage};
+use kvferry::machines::store::ChunkKey;
+use kvferry::store::proto::{self, Answer, Refusal, Request};
+use kvferry::store::{
+    CallError, GetItem, ItemError, PutItem, PutOutcome, RemoteConfig, RemoteStore, Scatter,
+    Segment, ServeConfig, StoreBackend, StoreDemo, StoreServer,
+};
+
+fn server(capacity_bytes: u64) -> StoreServer {
+    StoreServer::start(ServeConfig {
+        capacity_bytes,
+        metrics_listen: Some("127.0.0.1:0".into()),
+        ..ServeConfig::default()
+    })
+    .unwrap()
+}
+
+fn remote(server: &StoreServer) -> RemoteStore {
+    let url = format!("kvferry://{}", server.local_addr());
+    RemoteStore::connect(RemoteConfig::from_url(&url)).unwrap()
+}
+
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+#[test]
+fn the_demo_over_the_server_verifies_every_byte() {
+    let srv = server(256 << 20);
+    let report = StoreDemo::default().run(remote(&srv)).unwrap();
+    assert_eq!(report.verify_errors, 0);
+    assert_eq!(report.load_errors, 0);
+    assert!(report.loaded_blocks > 0 && report.dedup_skipped > 0);
+    let stats = srv.stats();
+    assert_eq!(stats.commits, report.saved_blocks);
+    assert!(stats.hits >= report.loaded_blocks);
+    assert!(stats.bytes_in > 0 && stats.bytes_out > 0);
+}
+
+/// One heap buffer as an engine's whole KV cache: `blocks` blocks of
+/// `block` bytes.
+struct Buffer {
+    bytes: Vec<u8>,
+    block: u64,
+}
+
+impl Buffer {
+    fn new(blocks: u64, block: u64, fill: u8) -> Buffer {
+        Buffer {
+            bytes: vec![fill; (blocks * block) as usize],
+            block,
+        }
+    }
+
+    fn layout(&self) -> RankLayout {
+        RankLayout {
+            tp_size: 1,
+            tp_rank: 0,
+            num_blocks: self.bytes.len() as u64 / self.block,
+            regions: vec![Region {
+                base: self.bytes.as_ptr() as u64,
+                block_len: self.block,
+                kv_block_len: self.block,
+            }],
+            stage: Stage::SINGLE,
+            pools: Vec::new(),
+        }
+    }
+
+    fn scatter(&self, block: u64) -> Scatter {
+        let addr = self.bytes.as_ptr() as u64 + block * self.block;
+        // SAFETY: inside `bytes`, which outlives every call of the test.
+        unsafe {
+            Scatter::from_raw(vec![Segment {
+                addr,
+                len: self.block,
+            }])
+        }
+    }
+}
+
+fn key(s: &str) -> ChunkKey {
+    ChunkKey::from_stored(s.to_string()).unwrap()
+}
+
+#[test]
+fn a_segment_outside_the_engines_registered_memory_moves_no_byte() {
+    let srv = server(1 << 20);
+    let mut engine = remote(&srv);
+    let kv = Buffer::new(4, 256, 7);
+    engine.register(&kv.layout()).unwrap();
+    // Memory the engine never registered.
+    let outside = Buffer::new(1, 256, 9);
+    let items = [
+        PutItem {
+            key: key("in"),
+            from: kv.scatter(1),
+        },
+        PutItem {
+            key: key("out"),
+            from: outside.scatter(0),
+        },
+    ];
+    let answers = engine.put(&items, far()).unwrap();
+    assert_eq!(answers[0], Ok(PutOutcome::Stored));
+    assert_eq!(answers[1], Err(ItemError::Transport));
+    assert_eq!(
+        engine.exists(&[key("in"), key("out")], far()).unwrap(),
+        [true, false]
+    );
+    assert_eq!(
+        srv.stats().bytes_in,
+        256,
+        "only the registered block was read"
+    );
+}
+
+#[test]
+fn gets_check_the_stored_length_and_write_only_their_blocks() {
+    let srv = server(1 << 20);
+    let mut engine = remote(&srv);
+    let mut kv = Buffer::new(4, 256, 0);
+    for (i, b) in kv.bytes.iter_mut().enumerate() {
+        *b = (i / 256) as u8 + 1;
+    }
+    engine.register(&kv.layout()).unwrap();
+    let put = [PutItem {
+        key: key("b2"),
+        from: kv.scatter(2),
+    }];
+    assert_eq!(engine.put(&put, far()).unwrap(), [Ok(PutOutcome::Stored)]);
+    assert_eq!(engine.put(&put, far()).unwrap(), [Ok(PutOutcome::Exists)]);
+    // Load block 2's value into block 0; block 1 gets a wrong-size ask.
+    let half = {
+        let addr = kv.bytes.as_ptr() as u64 + 256;
+        // SAFETY: the first half of block 1, inside `kv`.
+        unsafe { Scatter::from_raw(vec![Segment { addr, len: 128 }]) }
+    };
+    let gets = [
+        GetItem {
+            key: key("b2"),
+            into: kv.scatter(0),
+        },
+        GetItem {
+            key: key("b2"),
+            into: half,
+        },
+        GetItem {
+            key: key("none"),
+            into: kv.scatter(3),
+        },
+    ];
+    let answers = engine.get(&gets, far()).unwrap();
+    assert_eq!(answers[0], Ok(()));
+    assert_eq!(
+        answers[1],
+        Err(ItemError::WrongSize {
+            got_bytes: 256,
+            want_bytes: 128
+        })
+    );
+    assert_eq!(answers[2], Err(ItemError::NotFound));
+    assert!(
+        kv.bytes[..256].iter().all(|&b| b == 3),
+        "block 0 holds block 2's bytes"
+    );
+    assert!(
+        kv.bytes[256..512].iter().all(|&b| b == 2),
+        "block 1 untouched"
+    );
+    assert!(kv.bytes[768..].iter().all(|&b| b == 4), "block 3 untouched");
+}
+
+#[test]
+fn evictions_reach_the_engine_as_removed_keys() {
+    // Room for two values of 256 bytes.
+    let srv = server(512);
+    let mut engine = remote(&srv);
+    let kv = Buffer::new(4, 256, 1);
+    engine.register(&kv.layout()).unwrap();
+    for (i, k) in ["a", "b", "c"].iter().enumerate() {
+        let put = [PutItem {
+            key: key(k),
+            from: kv.scatter(i as u64),
+        }];
+        assert_eq!(engine.put(&put, far()).unwrap(), [Ok(PutOutcome::Stored)]);
+    }
+    assert_eq!(engine.take_removed(16), [key("a")]);
+    assert_eq!(srv.stats().evictions, 1);
+    let too_big = Buffer::new(1, 1024, 1);
+    engine.register(&too_big.layout()).unwrap();
+    let put = [PutItem {
+        key: key("big"),
+        from: too_big.scatter(0),
+    }];
+    assert_eq!(engine.put(&put, far()).unwrap(), [Err(ItemError::TooLarge)]);
+}
+
+#[test]
+fn a_call_to_a_server_that_is_gone_fails_and_a_new_server_is_picked_up() {
+    let srv = server(1 << 20);
+    let addr = srv.local_addr();
+    let mut engine = remote(&srv);
+    let kv = Buffer::new(2, 256, 5);
+    engine.register(&kv.layout()).unwrap();
+    assert_eq!(engine.exists(&[key("x")], far()).unwrap(), [false]);
+    drop(srv);
+    assert_eq!(engine.exists(&[key("x")], far()), Err(CallError::Transport));
+    let again = StoreServer::start(ServeConfig {
+        listen: addr,
+        capacity_bytes: 1 << 20,
+        ..ServeConfig::default()
+    })
+    .expect("the port is free again at once");
+    let put = [PutItem {
+        key: key("x"),
+        from: kv.scatter(0),
+    }];
+    assert_eq!(engine.put(&put, far()).unwrap(), [Ok(PutOutcome::Stored)]);
+    assert_eq!(again.stats().commits, 1);
+}
+
+fn raw_call(stream: &mut std::net::TcpStream, frame: &[u8]) -> Answer {
+    stream.write_all(frame).unwrap();
+    let mut header = [0u8; proto::HEADER_LEN];
+    stream.read_exact(&mut header).unwrap();
+    let len = proto::decode_header(&header).unwrap();
+    let mut body = vec![0u8; len as usize];
+    stream.read_exact(&mut body).unwrap();
+    proto::decode_reply(&body).unwrap().1.answer
+}
+
+#[test]
+fn malformed_and_out_of_order_requests_are_refused_and_others_served() {
+    let srv = server(1 << 20);
+    let mut a = std::net::TcpStream::connect(srv.local_addr()).unwrap();
+    let put = Request::Put {
+        budget_ms: 100,
+        items: Vec::new(),
+    };
+    let answer = raw_call(&mut a, &proto::encode(1, &put).unwrap());
+    assert_eq!(answer, Answer::Refused(Refusal::NoHello));
+    let mut garbage = proto::header(3).to_vec();
+    garbage.extend_from_slice(&[0xFF, 0xFF, 0xFF]);
+    assert_eq!(
+        raw_call(&mut a, &garbage),
+        Answer::Refused(Refusal::Malformed)
+    );
+    let mut rest = Vec::new();
+    assert_eq!(a.read_to_end(&mut rest).unwrap(), 0, "the server hung up");
+    // Another engine is served as ever.
+    let mut engine = remote(&srv);
+    assert_eq!(engine.exists(&[key("k")], far()).unwrap(), [false]);
+    assert_eq!(srv.stats().refused, 2);
+}
+
+#[test]
+fn metrics_are_served_in_prometheus_text() {
+    let srv = server(1 << 20);
+    let mut engine = remote(&srv);
+    assert_eq!(engine.exists(&[key("k")], far()).unwrap(), [false]);
+    let addr = srv.metrics_addr().unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    assert!(
+        text.contains("kvferry_store_capacity_bytes 1048576"),
+        "{text}"
+    );
+    assert!(text.contains("kvferry_store_requests_total "), "{text}");
+}
