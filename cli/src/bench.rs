@@ -30,6 +30,8 @@ pub enum BenchCommand {
     /// Transport throughput and latency on loopback, next to memcpy.
     #[command(allow_negative_numbers = true)]
     Transport(TransportArgs),
+    /// Store put and get throughput of fresh keys, every byte verified.
+    Store(crate::store_bench::StoreBenchArgs),
 }
 
 /// The options of `kvferry bench transport`.

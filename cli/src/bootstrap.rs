@@ -46,12 +46,12 @@ pub fn main(a: &BootstrapArgs) -> ExitCode {
 
 /// SIGINT and SIGTERM, blocked in this thread (and so in every thread it
 /// spawns afterwards), to be received synchronously with `sigwait`.
-struct ShutdownSignals {
+pub(crate) struct ShutdownSignals {
     set: libc::sigset_t,
 }
 
 impl ShutdownSignals {
-    fn block() -> std::io::Result<ShutdownSignals> {
+    pub(crate) fn block() -> std::io::Result<ShutdownSignals> {
         // SAFETY: sigset_t is plain data that sigemptyset initialises; the
         // calls only read and write the set we own and this thread's mask.
         unsafe {
@@ -68,7 +68,7 @@ impl ShutdownSignals {
     }
 
     /// Blocks until SIGINT or SIGTERM arrives; returns its number.
-    fn wait(&self) -> i32 {
+    pub(crate) fn wait(&self) -> i32 {
         loop {
             let mut sig: libc::c_int = 0;
             // SAFETY: `self.set` was initialised in `block`; `sig` is a valid

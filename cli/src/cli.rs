@@ -9,7 +9,7 @@ use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 
 use crate::shape::ShapeArgs;
-use crate::{bench, bootstrap, decode, demo, plan, prefill, soak};
+use crate::{bench, bootstrap, decode, demo, plan, prefill, soak, store_bench, store_serve};
 
 /// kvferry: move KV caches from prefill to decode engines.
 #[derive(Debug, Parser)]
@@ -40,6 +40,9 @@ enum Command {
     /// One decode rank pulling K requests, JSON summary.
     #[command(allow_negative_numbers = true)]
     Decode(decode::DecodeArgs),
+    /// The KV store engines offload to.
+    #[command(subcommand, arg_required_else_help = true)]
+    Store(store_serve::StoreCommand),
 }
 
 /// `kvferry demo` and `kvferry demo --soak`: one request shape, the options
@@ -89,11 +92,13 @@ pub fn run(argv: impl IntoIterator<Item = OsString>) -> ExitCode {
     match cli.command {
         Command::Plan(a) => plan::main(&a),
         Command::Bench(bench::BenchCommand::Transport(a)) => bench::main(&a),
+        Command::Bench(bench::BenchCommand::Store(a)) => store_bench::main(&a),
         Command::Bootstrap(a) => bootstrap::main(&a),
         Command::Demo(a) if a.soak.soak.is_some() => soak::main(&a),
         Command::Demo(a) => demo::main(&a),
         Command::Prefill(a) => prefill::main(&a),
         Command::Decode(a) => decode::main(&a),
+        Command::Store(c) => store_serve::main(&c),
     }
 }
 

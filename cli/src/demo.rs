@@ -41,7 +41,7 @@ pub struct DemoOnlyArgs {
     drop_control_ppm: Option<u32>,
     /// Instead of moving KV between engines: save requests that share
     /// prefixes to this store, look them up, load the hits and verify every
-    /// byte (stores: inproc).
+    /// byte (stores: inproc, kvferry://HOST:PORT).
     #[arg(long, value_name = "STORE", conflicts_with = "soak")]
     store: Option<String>,
 }

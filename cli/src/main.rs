@@ -13,7 +13,9 @@ mod plan;
 mod prefill;
 mod shape;
 mod soak;
+mod store_bench;
 mod store_demo;
+mod store_serve;
 mod sweep;
 
 use std::process::ExitCode;

@@ -6,9 +6,10 @@ use std::process::ExitCode;
 
 use kvferry::store::demo::StoreDemo;
 use kvferry::store::inproc::{InprocConfig, InprocStore};
+use kvferry::store::{RemoteConfig, RemoteStore};
 
 /// The stores `--store` names.
-pub const STORES: &str = "inproc";
+pub const STORES: &str = "inproc, kvferry://HOST:PORT";
 
 /// Runs the store demo against `store` with `requests` requests (the
 /// demo's default when `None`); exit status 1 on any verify or load error.
@@ -26,17 +27,24 @@ pub fn main(store: &str, requests: Option<u64>, json: bool) -> ExitCode {
             }
         }
     }
-    let backend = match store {
-        "inproc" => InprocStore::new(InprocConfig::default()),
-        other => {
-            eprintln!(
-                "kvferry demo: --store {other}: the stores are {STORES} \
-                 (kvferry://, redis:// and mooncake:// are not built yet)"
-            );
-            return ExitCode::from(2);
+    let report = if store == "inproc" {
+        demo.run(InprocStore::new(InprocConfig::default()))
+    } else if store.starts_with("kvferry://") {
+        match RemoteStore::connect(RemoteConfig::from_url(store)) {
+            Ok(remote) => demo.run(remote),
+            Err(e) => {
+                eprintln!("kvferry demo: --store {store}: {e}");
+                return ExitCode::from(1);
+            }
         }
+    } else {
+        eprintln!(
+            "kvferry demo: --store {store}: the stores are {STORES} \
+             (redis:// and mooncake:// are not built yet)"
+        );
+        return ExitCode::from(2);
     };
-    let report = match demo.run(backend) {
+    let report = match report {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvferry demo: store: {e}");

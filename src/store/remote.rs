@@ -65,7 +65,7 @@ impl RemoteConfig {
         RemoteConfig {
             server: url.strip_prefix("kvferry://").unwrap_or(url).to_string(),
             data_ip: None,
-            tcp: TcpConfig::default(),
+            tcp: super::server::parked(),
             connect_timeout: Duration::from_secs(2),
         }
     }

@@ -57,11 +57,21 @@ impl Default for ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             capacity_bytes: 1 << 30,
             metrics_listen: None,
-            tcp: TcpConfig::default(),
+            tcp: parked(),
             max_connections: 256,
             budget_max: Duration::from_secs(60),
             core: None,
         }
+    }
+}
+
+/// The data plane's settings for a store: parked waits, since a store
+/// shares its cores with engines and other servers (spinning starves
+/// them; see `kvferry_reactor::PollPolicy`).
+pub(crate) fn parked() -> TcpConfig {
+    TcpConfig {
+        poll: crate::transport::PollPolicy::Park,
+        ..TcpConfig::default()
     }
 }
 

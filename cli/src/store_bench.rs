@@ -1,0 +1,264 @@
+//! `kvferry bench store`: put and get throughput of fresh keys through a
+//! store backend, in the shape of Mooncake Store's own benchmark
+//! (`../shared/bench/mooncake_store_baseline.sh`): per iteration one timed
+//! batched put of fresh keys, one timed batched get of them into other
+//! memory, then (untimed) every byte compared and the keys removed.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use kvferry::machines::layout::{RankLayout, Region, Stage};
+use kvferry::machines::store::ChunkKey;
+use kvferry::store::{
+    GetItem, InprocConfig, InprocStore, PutItem, RemoteConfig, RemoteStore, Scatter, Segment,
+    StoreBackend,
+};
+
+use crate::cli::usage_error;
+
+/// The options of `kvferry bench store`.
+#[derive(Clone, Debug, Args)]
+pub struct StoreBenchArgs {
+    /// The store: `inproc` or `kvferry://HOST:PORT`.
+    #[arg(long, value_name = "URL")]
+    store: String,
+    /// Bytes of each value.
+    #[arg(long, value_name = "N", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u64).range(1..=(1 << 30)))]
+    value_bytes: u64,
+    /// Keys per batched put and get.
+    #[arg(long, value_name = "N", default_value_t = 32,
+          value_parser = clap::value_parser!(u64).range(1..=4096))]
+    batch: u64,
+    /// Seconds of timed iterations, in (0, 3600].
+    #[arg(long, value_name = "S", default_value_t = 5.0)]
+    seconds: f64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What the benchmark measured (GB = 10^9 bytes).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct StoreBenchReport {
+    /// The store measured.
+    pub store: String,
+    /// Bytes of each value.
+    pub value_bytes: u64,
+    /// Keys per batch.
+    pub batch: u64,
+    /// Iterations (one put and one get batch each).
+    pub iters: u64,
+    /// Put throughput.
+    pub put_gbps: f64,
+    /// Get throughput.
+    pub get_gbps: f64,
+    /// Median milliseconds of one put batch.
+    pub put_ms_p50: f64,
+    /// Median milliseconds of one get batch.
+    pub get_ms_p50: f64,
+    /// Values whose bytes came back other than put (must be 0).
+    pub verify_errors: u64,
+    /// Keys a put or get answered with an error.
+    pub key_errors: u64,
+}
+
+/// Runs `kvferry bench store`.
+pub fn main(a: &StoreBenchArgs) -> ExitCode {
+    const CMD: &str = "kvferry bench store";
+    if !(a.seconds > 0.0 && a.seconds <= 3600.0) {
+        return usage_error(CMD, "--seconds must be in (0, 3600]");
+    }
+    let result = if a.store == "inproc" {
+        let capacity = a.value_bytes * a.batch * 2;
+        let cfg = InprocConfig {
+            capacity_bytes: capacity,
+            ..InprocConfig::default()
+        };
+        run(a, InprocStore::new(cfg))
+    } else if a.store.starts_with("kvferry://") {
+        match RemoteStore::connect(RemoteConfig::from_url(&a.store)) {
+            Ok(r) => run(a, r),
+            Err(e) => Err(e.to_string()),
+        }
+    } else {
+        return usage_error(CMD, "--store must be inproc or kvferry://HOST:PORT");
+    };
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{CMD}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    print_report(&report, a.json);
+    if report.verify_errors > 0 || report.key_errors > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+fn print_report(r: &StoreBenchReport, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).unwrap_or_default());
+        return;
+    }
+    println!(
+        "store {}: {} iterations of {} x {} B; put {:.2} GB/s (p50 {:.2} ms/batch), \
+         get {:.2} GB/s (p50 {:.2} ms/batch); {} verify errors, {} key errors",
+        r.store,
+        r.iters,
+        r.batch,
+        r.value_bytes,
+        r.put_gbps,
+        r.put_ms_p50,
+        r.get_gbps,
+        r.get_ms_p50,
+        r.verify_errors,
+        r.key_errors
+    );
+}
+
+/// The engine memory: `batch` values to put from and as many to get into.
+struct Buffers {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    value: u64,
+    batch: u64,
+}
+
+impl Buffers {
+    fn layout(&self) -> RankLayout {
+        let region = |base: &Vec<u8>| Region {
+            base: base.as_ptr() as u64,
+            block_len: self.value,
+            kv_block_len: self.value,
+        };
+        RankLayout {
+            tp_size: 1,
+            tp_rank: 0,
+            num_blocks: self.batch,
+            regions: vec![region(&self.src), region(&self.dst)],
+            stage: Stage::SINGLE,
+            pools: Vec::new(),
+        }
+    }
+
+    fn scatter(&self, buf: &[u8], i: u64) -> Scatter {
+        let addr = buf.as_ptr() as u64 + i * self.value;
+        // SAFETY: value `i` of a buffer that outlives every call (the
+        // backend is dropped before the buffers, in `run`).
+        unsafe {
+            Scatter::from_raw(vec![Segment {
+                addr,
+                len: self.value,
+            }])
+        }
+    }
+
+    /// Fresh bytes for iteration `iter`, so a get of stale keys shows.
+    fn fill(&mut self, iter: u64) {
+        for (i, chunk) in self.src.chunks_mut(8).enumerate() {
+            let v = (iter << 40) ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let b = v.to_le_bytes();
+            chunk.copy_from_slice(&b[..chunk.len()]);
+        }
+        self.dst.fill(0);
+    }
+}
+
+fn run<B: StoreBackend>(a: &StoreBenchArgs, mut backend: B) -> Result<StoreBenchReport, String> {
+    let len = (a.value_bytes * a.batch) as usize;
+    let mut bufs = Buffers {
+        src: vec![0; len],
+        dst: vec![0; len],
+        value: a.value_bytes,
+        batch: a.batch,
+    };
+    backend
+        .register(&bufs.layout())
+        .map_err(|e| format!("registering memory: {e}"))?;
+    let mut r = StoreBenchReport {
+        store: a.store.clone(),
+        value_bytes: a.value_bytes,
+        batch: a.batch,
+        ..StoreBenchReport::default()
+    };
+    let (mut put_t, mut get_t) = (Vec::new(), Vec::new());
+    let run_id = std::process::id();
+    let until = Instant::now() + Duration::from_secs_f64(a.seconds);
+    while Instant::now() < until {
+        bufs.fill(r.iters);
+        let keys: Vec<ChunkKey> = (0..a.batch)
+            .map(|i| ChunkKey::from_stored(format!("bench:{run_id}:{}:{i}", r.iters)))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())?;
+        let (p, g) = iteration(&mut backend, &bufs, &keys, &mut r)?;
+        put_t.push(p);
+        get_t.push(g);
+        if bufs.src != bufs.dst {
+            r.verify_errors += (0..a.batch)
+                .filter(|&i| {
+                    let s = (i * a.value_bytes) as usize..((i + 1) * a.value_bytes) as usize;
+                    bufs.src[s.clone()] != bufs.dst[s]
+                })
+                .count() as u64;
+        }
+        r.iters += 1;
+    }
+    drop(backend);
+    let bytes = (r.iters * a.batch * a.value_bytes) as f64;
+    let secs = |t: &[Duration]| t.iter().map(Duration::as_secs_f64).sum::<f64>();
+    r.put_gbps = bytes / secs(&put_t).max(1e-9) / 1e9;
+    r.get_gbps = bytes / secs(&get_t).max(1e-9) / 1e9;
+    r.put_ms_p50 = median_ms(&mut put_t);
+    r.get_ms_p50 = median_ms(&mut get_t);
+    Ok(r)
+}
+
+/// One timed put and one timed get of `keys`, then their removal.
+fn iteration<B: StoreBackend>(
+    backend: &mut B,
+    bufs: &Buffers,
+    keys: &[ChunkKey],
+    r: &mut StoreBenchReport,
+) -> Result<(Duration, Duration), String> {
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    let puts: Vec<PutItem> = (keys.iter().enumerate())
+        .map(|(i, k)| PutItem {
+            key: k.clone(),
+            from: bufs.scatter(&bufs.src, i as u64),
+        })
+        .collect();
+    let gets: Vec<GetItem> = (keys.iter().enumerate())
+        .map(|(i, k)| GetItem {
+            key: k.clone(),
+            into: bufs.scatter(&bufs.dst, i as u64),
+        })
+        .collect();
+    let t = Instant::now();
+    let put = backend
+        .put(&puts, deadline())
+        .map_err(|e| format!("put: {e}"))?;
+    let put_time = t.elapsed();
+    let t = Instant::now();
+    let got = backend
+        .get(&gets, deadline())
+        .map_err(|e| format!("get: {e}"))?;
+    let get_time = t.elapsed();
+    r.key_errors += put.iter().filter(|a| a.is_err()).count() as u64;
+    r.key_errors += got.iter().filter(|a| a.is_err()).count() as u64;
+    let _ = backend.remove(keys, deadline());
+    let _ = backend.take_removed(usize::MAX);
+    Ok((put_time, get_time))
+}
+
+fn median_ms(t: &mut [Duration]) -> f64 {
+    if t.is_empty() {
+        return 0.0;
+    }
+    t.sort_unstable();
+    t[t.len() / 2].as_secs_f64() * 1e3
+}

@@ -1,0 +1,84 @@
+//! `kvferry store serve`: the RAM store engines share over `kvferry://`
+//! (`kvferry::store::server`), until SIGTERM or SIGINT.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use kvferry::store::{ServeConfig, StoreServer};
+
+use crate::bootstrap::ShutdownSignals;
+use crate::cli::usage_error;
+
+/// `kvferry store ...`.
+#[derive(Clone, Debug, Subcommand)]
+pub enum StoreCommand {
+    /// Serve a RAM store with LRU eviction to engines (`kvferry://ADDR`).
+    Serve(ServeArgs),
+}
+
+/// The options of `kvferry store serve`.
+#[derive(Clone, Debug, Args)]
+pub struct ServeArgs {
+    /// Where engines connect (IP:PORT; port 0 picks one).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7600")]
+    listen: SocketAddr,
+    /// Bytes of RAM for values, allocated at start.
+    #[arg(long, value_name = "N", default_value_t = 1 << 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    capacity_bytes: u64,
+    /// Serve `/metrics` and `/health` here (IP:PORT).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+    /// Pin the server's executor to this core.
+    #[arg(long, value_name = "CORE")]
+    core: Option<usize>,
+}
+
+/// Runs `kvferry store ...`.
+pub fn main(c: &StoreCommand) -> ExitCode {
+    match c {
+        StoreCommand::Serve(a) => serve(a),
+    }
+}
+
+fn serve(a: &ServeArgs) -> ExitCode {
+    // Blocked before the server's threads start, so they inherit the mask
+    // and the signal reaches this thread's `sigwait`.
+    let signals = match ShutdownSignals::block() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvferry store serve: blocking signals: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let cfg = ServeConfig {
+        listen: a.listen,
+        capacity_bytes: a.capacity_bytes,
+        metrics_listen: a.metrics_listen.clone(),
+        core: a.core,
+        ..ServeConfig::default()
+    };
+    let server = match StoreServer::start(cfg) {
+        Ok(s) => s,
+        Err(e @ kvferry::store::ServeError::Config(_)) => {
+            return usage_error("kvferry store serve", &e.to_string())
+        }
+        Err(e) => {
+            eprintln!("kvferry store serve: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    // The address line is what scripts and tests wait for.
+    println!("listening on kvferry://{}", server.local_addr());
+    if let Some(m) = server.metrics_addr() {
+        println!("metrics on http://{m}/metrics");
+    }
+    let signal = signals.wait();
+    eprintln!(
+        "kvferry store serve: signal {signal}, stopping: {:?}",
+        server.stats()
+    );
+    drop(server);
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,307 @@
+//! `kvferry store serve` killed with SIGKILL while an engine loads from it
+//! and while it saves to it: every request ends by its deadline, a block
+//! is either loaded with exactly its bytes or named among the load errors
+//! (and then untouched), and saves resume once a server is back.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvferry::machines::common::{BlockId, TransferId};
+use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry::machines::store::events::Medium;
+use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::store::{
+    ConnectorConfig, ConnectorLimits, LoadMeta, RemoteConfig, RemoteStore, SaveMeta,
+    StoreConnector, StoreRequest,
+};
+
+const BLOCK_TOKENS: u32 = 16;
+const HEADS: u32 = 8;
+const HEAD_BYTES: u64 = 256;
+const KV_BLOCK: u64 = HEADS as u64 * BLOCK_TOKENS as u64 * HEAD_BYTES;
+const REGIONS: usize = 2;
+const REQUESTS: u32 = 48;
+const BLOCKS_PER_REQUEST: u32 = 8;
+const NUM_BLOCKS: u64 = (REQUESTS * BLOCKS_PER_REQUEST) as u64;
+const SENTINEL: u8 = 0xEE;
+/// Bound on one store call, and so on how long a dead server is waited for.
+const OP_BOUND: Duration = Duration::from_secs(3);
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(listen: &str) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["store", "serve", "--listen", listen])
+            .args(["--capacity-bytes", &(256u64 << 20).to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvferry store serve");
+        let mut line = String::new();
+        let out = child.stdout.take().expect("piped stdout");
+        BufReader::new(out)
+            .read_line(&mut line)
+            .expect("its first line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on kvferry://")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_string();
+        Server { child, addr }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+struct Engine {
+    regions: Vec<Vec<u8>>,
+}
+
+impl Engine {
+    fn new() -> Engine {
+        let len = (NUM_BLOCKS * KV_BLOCK) as usize;
+        Engine {
+            regions: (0..REGIONS).map(|_| vec![SENTINEL; len]).collect(),
+        }
+    }
+
+    fn layout(&self) -> RankLayout {
+        RankLayout {
+            tp_size: 1,
+            tp_rank: 0,
+            num_blocks: NUM_BLOCKS,
+            regions: (self.regions.iter())
+                .map(|r| Region {
+                    base: r.as_ptr() as u64,
+                    block_len: KV_BLOCK,
+                    kv_block_len: KV_BLOCK,
+                })
+                .collect(),
+            stage: Stage::SINGLE,
+            pools: Vec::new(),
+        }
+    }
+
+    fn block(&self, r: usize, b: u32) -> &[u8] {
+        let s = (u64::from(b) * KV_BLOCK) as usize;
+        &self.regions[r][s..s + KV_BLOCK as usize]
+    }
+
+    fn fill(&mut self, b: u32) {
+        for r in 0..REGIONS {
+            let s = (u64::from(b) * KV_BLOCK) as usize;
+            for (i, x) in self.regions[r][s..s + KV_BLOCK as usize]
+                .iter_mut()
+                .enumerate()
+            {
+                *x = pattern(b, r, i);
+            }
+        }
+    }
+
+    fn holds_own(&self, b: u32) -> bool {
+        (0..REGIONS)
+            .all(|r| (self.block(r, b).iter().enumerate()).all(|(i, x)| *x == pattern(b, r, i)))
+    }
+
+    fn untouched(&self, b: u32) -> bool {
+        (0..REGIONS).all(|r| self.block(r, b).iter().all(|x| *x == SENTINEL))
+    }
+}
+
+/// Block `b`'s bytes: its hash is `b` itself, so a block holds its own.
+fn pattern(b: u32, region: usize, i: usize) -> u8 {
+    let x = u64::from(b).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((region as u64) << 40 | i as u64);
+    (x ^ (x >> 31)) as u8
+}
+
+fn connector(server: &str, engine: &Engine) -> StoreConnector {
+    let cfg = ConnectorConfig {
+        store: StoreConfig {
+            max_keys_per_batch: 4,
+            op_bound: OP_BOUND,
+            request_timeout: Duration::from_secs(20),
+            ..StoreConfig::default()
+        },
+        keyspace: KeyspaceSpec {
+            model_name: "kill/model".into(),
+            model: ModelSpec {
+                layout: LayoutKind::Hnd,
+                total_kv_heads: HEADS,
+                block_tokens: BLOCK_TOKENS,
+                head_bytes: HEAD_BYTES,
+            },
+            dtype: "bf16".into(),
+            tp_size: 1,
+            pp_size: 1,
+            groups: vec![GroupSpec {
+                block_tokens: BLOCK_TOKENS,
+                window_tokens: None,
+            }],
+        },
+        medium: Medium::Cpu,
+        limits: ConnectorLimits::default(),
+    };
+    let remote = RemoteStore::connect(RemoteConfig::from_url(server)).unwrap();
+    let mut c = StoreConnector::new(cfg, remote).unwrap();
+    // SAFETY: the engine outlives the connector in each test and touches
+    // no block while a save or load holds it.
+    unsafe { c.register_kv_caches(engine.layout()).unwrap() };
+    c
+}
+
+fn blocks(r: u32) -> Vec<u32> {
+    (r * BLOCKS_PER_REQUEST..(r + 1) * BLOCKS_PER_REQUEST).collect()
+}
+
+fn request(r: u32, offset: u64) -> StoreRequest {
+    let ids = blocks(r);
+    StoreRequest {
+        id: TransferId(u64::from(r) + offset),
+        block_hashes: vec![ids.iter().map(|&b| BlockHash::from_u64(b.into())).collect()],
+        block_ids: vec![ids.into_iter().map(BlockId).collect()],
+        lora: None,
+        extra_keys: Vec::new(),
+    }
+}
+
+fn save_meta(r: u32, offset: u64) -> SaveMeta {
+    SaveMeta {
+        request: request(r, offset),
+        token_len: BLOCKS_PER_REQUEST * BLOCK_TOKENS,
+        token_ids: None,
+    }
+}
+
+/// What `get_finished` answers: the saved, then the loaded.
+type Finished = (Vec<TransferId>, Vec<TransferId>);
+
+/// Drives `c` until `want` requests are finished (saved or loaded, as
+/// `pick` chooses), calling `on_first` once the first one is; returns them
+/// and the time the last one took after `on_first`.
+fn drive(
+    c: &mut StoreConnector,
+    want: usize,
+    pick: fn(Finished) -> Vec<TransferId>,
+    mut on_first: impl FnMut(),
+) -> (Vec<TransferId>, Duration) {
+    let mut done = Vec::new();
+    let mut fired_at = None;
+    let give_up = Instant::now() + Duration::from_secs(60);
+    while done.len() < want {
+        assert!(
+            Instant::now() < give_up,
+            "requests hang: {} of {want} ended",
+            done.len()
+        );
+        c.poll_wait(Instant::now() + Duration::from_millis(50));
+        done.extend(pick(c.get_finished()));
+        if !done.is_empty() && fired_at.is_none() {
+            on_first();
+            fired_at = Some(Instant::now());
+        }
+    }
+    (done, fired_at.map_or(Duration::ZERO, |t| t.elapsed()))
+}
+
+#[test]
+fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
+    let mut server = Server::start("127.0.0.1:0");
+    let mut engine = Engine::new();
+    (0..NUM_BLOCKS as u32).for_each(|b| engine.fill(b));
+    let mut c = connector(&server.addr, &engine);
+    for r in 0..REQUESTS {
+        c.start_save(Instant::now(), save_meta(r, 0)).unwrap();
+    }
+    c.wait_for_save();
+    let (saved, _) = c.get_finished();
+    assert_eq!(saved.len(), REQUESTS as usize);
+    assert_eq!(c.stats().saved_keys, NUM_BLOCKS);
+    for r in &mut engine.regions {
+        r.fill(SENTINEL);
+    }
+    for r in 0..REQUESTS {
+        let req = request(r, 1000);
+        let scope = c.keyspace().scope(None, &[]).unwrap();
+        let tokens = BLOCKS_PER_REQUEST * BLOCK_TOKENS;
+        let hit = c.lookup_hit(&scope, tokens, &req.block_hashes).unwrap();
+        assert_eq!(hit.tokens, tokens);
+        let meta = LoadMeta {
+            request: req,
+            hit,
+            local_tokens: 0,
+        };
+        c.start_load_kv(Instant::now(), meta).unwrap();
+    }
+    // Killed once the first load finished: the rest are queued or moving.
+    let (loaded, after_kill) = drive(&mut c, REQUESTS as usize, |f| f.1, || server.kill());
+    assert_eq!(loaded.len(), REQUESTS as usize, "every load ends once");
+    assert!(
+        after_kill < OP_BOUND * 2,
+        "ended {after_kill:?} after the kill"
+    );
+    let errors = c.block_ids_with_load_errors();
+    for b in 0..NUM_BLOCKS as u32 {
+        if errors.contains(&BlockId(b)) {
+            assert!(
+                engine.untouched(b) || engine.holds_own(b),
+                "block {b} half-written"
+            );
+        } else {
+            assert!(engine.holds_own(b), "block {b} reported loaded but wrong");
+        }
+    }
+    let stats = c.stats();
+    assert!(stats.loaded_keys > 0, "some loads landed before the kill");
+    assert!(!errors.is_empty(), "the kill cut some loads");
+    assert_eq!(stats.loaded_keys + errors.len() as u64, NUM_BLOCKS);
+}
+
+#[test]
+fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
+    let mut server = Server::start("127.0.0.1:0");
+    let addr = server.addr.clone();
+    let mut engine = Engine::new();
+    (0..NUM_BLOCKS as u32).for_each(|b| engine.fill(b));
+    let mut c = connector(&addr, &engine);
+    for r in 0..REQUESTS {
+        c.start_save(Instant::now(), save_meta(r, 0)).unwrap();
+    }
+    let (saved, after_kill) = drive(&mut c, REQUESTS as usize, |f| f.0, || server.kill());
+    assert_eq!(saved.len(), REQUESTS as usize, "every save ends once");
+    assert!(
+        after_kill < OP_BOUND * 2,
+        "ended {after_kill:?} after the kill"
+    );
+    let cut = c.stats().save_failed_keys;
+    assert!(cut > 0, "the kill cut some saves");
+    assert!(
+        (0..NUM_BLOCKS as u32).all(|b| engine.holds_own(b)),
+        "saves never write blocks"
+    );
+    // A new server on the same address: the same connector saves again.
+    let _again = Server::start(&addr);
+    let before = c.stats().saved_keys;
+    for r in 0..REQUESTS {
+        c.start_save(Instant::now(), save_meta(r, 1000)).unwrap();
+    }
+    c.wait_for_save();
+    let (saved, _) = c.get_finished();
+    assert_eq!(saved.len(), REQUESTS as usize);
+    let stored = c.stats().saved_keys - before;
+    assert_eq!(stored, NUM_BLOCKS, "the new server took every block");
+}
