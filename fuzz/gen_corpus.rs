@@ -286,5 +286,87 @@ fn main() {
     reset("tcp_header_decode");
     tcp_seeds();
     spec_seeds();
+    store_proto_seeds();
     println!("seeds written under fuzz/seeds/");
+}
+
+/// One frame of each request and answer kind of the store server.
+fn store_proto_seeds() {
+    use kvferry::store::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, Span};
+    reset("store_proto_decode");
+    let item = |key: &str| Item {
+        key: key.into(),
+        segments: vec![
+            Span {
+                addr: 0x10_0000,
+                len: 4096,
+            },
+            Span {
+                addr: 0x20_0000,
+                len: 4096,
+            },
+        ],
+    };
+    let keys = vec!["kvf1:m:hnd:bf16:d8:h0+2:pp0of1::g0:b16:0a".to_string()];
+    let requests = [
+        (
+            "hello",
+            Request::Hello {
+                endpoint: "tcp://127.0.0.1:7600".into(),
+            },
+        ),
+        ("exists", Request::Exists { keys: keys.clone() }),
+        (
+            "put",
+            Request::Put {
+                budget_ms: 500,
+                items: vec![item("a"), item("b")],
+            },
+        ),
+        (
+            "get",
+            Request::Get {
+                budget_ms: 500,
+                items: vec![item("a")],
+            },
+        ),
+        ("remove", Request::Remove { keys: keys.clone() }),
+    ];
+    for (i, (name, r)) in requests.iter().enumerate() {
+        write(
+            "store_proto_decode",
+            &format!("request_{name}"),
+            &proto::encode(i as u64, r).unwrap(),
+        );
+    }
+    let reply = |answer| Reply {
+        answer,
+        removed: keys.clone(),
+        removed_lost: 1,
+    };
+    let replies = [
+        (
+            "hello",
+            reply(Answer::Hello {
+                capacity_bytes: 1 << 30,
+            }),
+        ),
+        ("exists", reply(Answer::Exists(vec![true, false]))),
+        (
+            "keys",
+            reply(Answer::Keys(vec![
+                KeyAnswer::Done,
+                KeyAnswer::WrongSize { got_bytes: 9 },
+                KeyAnswer::Full,
+            ])),
+        ),
+        ("refused", reply(Answer::Refused(Refusal::NoHello))),
+    ];
+    for (i, (name, r)) in replies.iter().enumerate() {
+        write(
+            "store_proto_decode",
+            &format!("reply_{name}"),
+            &proto::encode(i as u64, r).unwrap(),
+        );
+    }
 }

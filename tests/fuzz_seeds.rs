@@ -1,6 +1,6 @@
 //! Replays the inputs of the fuzz targets over the node's own decoders
 //! through the same properties the fuzzer checks (`fuzz/fuzz_targets/
-//! {tcp_header,plan_spec}_oracle.rs`), so the ordinary test command
+//! {tcp_header,plan_spec,store_proto}_oracle.rs`), so the ordinary test command
 //! exercises them: every committed seed under `fuzz/seeds/` must decode
 //! (a header) or plan (a spec), and a sample of a local `fuzz/corpus/`
 //! (ignored by git; skipped when absent) must keep every property. The wire
@@ -14,6 +14,9 @@ mod tcp_header_oracle;
 
 #[path = "../fuzz/fuzz_targets/plan_spec_oracle.rs"]
 mod plan_spec_oracle;
+
+#[path = "../fuzz/fuzz_targets/store_proto_oracle.rs"]
+mod store_proto_oracle;
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
@@ -74,6 +77,17 @@ fn plan_spec_seeds_plan_a_transfer() {
     }
 }
 
+#[test]
+fn store_proto_seeds_decode() {
+    for (path, bytes) in seeds("store_proto_decode") {
+        let decoded = store_proto_oracle::check_frame(&bytes)
+            .unwrap_or_else(|| panic!("{} does not decode", path.display()));
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let is_request = matches!(decoded, store_proto_oracle::Decoded::Request(..));
+        assert_eq!(is_request, name.starts_with("request_"), "{name}");
+    }
+}
+
 /// A target's oracle; it panics on a broken property.
 type Check = fn(&[u8]);
 
@@ -86,7 +100,10 @@ fn corpus_sample_keeps_the_properties() {
     if !corpus.exists() {
         return;
     }
-    let targets: [(&str, Check); 2] = [
+    let targets: [(&str, Check); 3] = [
+        ("store_proto_decode", |b| {
+            let _ = store_proto_oracle::check_frame(b);
+        }),
         ("tcp_header_decode", |b| {
             let _ = tcp_header_oracle::check_header(b);
         }),
