@@ -22,6 +22,7 @@ mod connector;
 pub mod demo;
 pub mod inproc;
 pub mod memory;
+pub mod publish;
 pub mod worker;
 
 pub use backend::{
@@ -35,6 +36,9 @@ pub use connector::StoreConnector;
 pub use demo::{StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use memory::{MemoryError, RegisteredMemory};
+pub use publish::{
+    EncodeError, HashEncoding, KvEventBatch, KvEventPublisher, PublishError, PublisherConfig,
+};
 
 use std::time::{Duration, Instant};
 
