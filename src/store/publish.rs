@@ -330,6 +330,14 @@ pub enum PublishError {
     /// A configuration value out of range.
     #[error("bad publisher configuration: {0}")]
     Config(&'static str),
+    /// An endpoint could not be bound.
+    #[error("binding {endpoint}: {source}")]
+    Bind {
+        /// The endpoint.
+        endpoint: String,
+        /// ZeroMQ's error.
+        source: zmq::Error,
+    },
     /// A socket could not be set up or used.
     #[error("zmq {what}: {source}")]
     Zmq {
@@ -405,7 +413,10 @@ fn check(config: &PublisherConfig) -> Result<(), PublishError> {
 
 /// Binds `s` to `endpoint`; returns the endpoint it is bound at.
 fn bind(s: &zmq::Socket, endpoint: &str) -> Result<String, PublishError> {
-    s.bind(endpoint).map_err(zerr("bind"))?;
+    s.bind(endpoint).map_err(|source| PublishError::Bind {
+        endpoint: endpoint.to_owned(),
+        source,
+    })?;
     let bound = s.get_last_endpoint().map_err(zerr("bound endpoint"))?;
     Ok(bound.unwrap_or_else(|_| endpoint.to_owned()))
 }
@@ -422,14 +433,7 @@ impl KvEventPublisher {
         let endpoint = bind(&publ, &config.endpoint)?;
         let (replay, replay_endpoint) = match &config.replay_endpoint {
             Some(ep) => {
-                let r = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
-                r.set_linger(0).map_err(zerr("linger"))?;
-                // vLLM's bound: a whole replay and its end marker fit, even
-                // with ZeroMQ acknowledging reads only every HWM/2 messages.
-                let hwm = 2 * (config.replay_batches + 1);
-                r.set_sndhwm(i32::try_from(hwm).unwrap_or(i32::MAX))
-                    .map_err(zerr("replay hwm"))?;
-                let bound = bind(&r, ep)?;
+                let (r, bound) = replay_socket(&ctx, ep, config.replay_batches)?;
                 (Some(r), Some(bound))
             }
             None => (None, None),
@@ -481,6 +485,16 @@ impl KvEventPublisher {
     /// Batches dropped so far (queue full or thread stopped).
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+
+    /// [`KvEventPublisher::publish`] stamped with the current time, as
+    /// vLLM stamps its batches (`time.time()`). A clock before the epoch
+    /// stamps 0.
+    pub fn publish_now(&mut self, events: &[KvEvent]) -> Result<u64, PublishError> {
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.publish(ts, events)
     }
 
     /// Publishes `events` as one batch stamped `ts` (seconds since the
@@ -535,6 +549,24 @@ impl Drop for KvEventPublisher {
             Err(e) => tracing::warn!("kv events publisher thread not stopped: {e}"),
         }
     }
+}
+
+/// The replay ROUTER, bound at `endpoint`, and the endpoint as bound.
+fn replay_socket(
+    ctx: &zmq::Context,
+    endpoint: &str,
+    batches: usize,
+) -> Result<(zmq::Socket, String), PublishError> {
+    let r = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
+    r.set_linger(0).map_err(zerr("linger"))?;
+    // vLLM's bound: a whole replay and its end marker fit, even with
+    // ZeroMQ acknowledging reads only every HWM/2 messages. Past it the
+    // ROUTER drops (it never waits).
+    let hwm = 2 * (batches + 1);
+    r.set_sndhwm(i32::try_from(hwm).unwrap_or(i32::MAX))
+        .map_err(zerr("replay hwm"))?;
+    let bound = bind(&r, endpoint)?;
+    Ok((r, bound))
 }
 
 /// The two ends of the bounded queue to the publisher's thread.
@@ -609,6 +641,8 @@ impl Worker {
                     return false;
                 }
             };
+            // Every batch's frame starts with its 8-byte sequence number;
+            // the stop is an empty frame.
             let Some((seq, payload)) = frame.split_first_chunk::<8>() else {
                 return false;
             };
@@ -628,15 +662,16 @@ impl Worker {
         }
     }
 
-    /// Answers every waiting replay request (see the module docs).
+    /// Answers one waiting replay request (see the module docs); the
+    /// loop comes back for the next after draining the queue again.
     fn serve_replay(&mut self) {
         let Some(replay) = &self.replay else {
             return;
         };
-        while let Ok(request) = replay.recv_multipart(zmq::DONTWAIT) {
+        if let Ok(request) = replay.recv_multipart(zmq::DONTWAIT) {
             let [client, _, start] = request.as_slice() else {
                 tracing::warn!("replay request of {} frames ignored", request.len());
-                continue;
+                return;
             };
             let start = start_seq(start);
             for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
