@@ -541,6 +541,10 @@ impl Drop for KvEventPublisher {
         let Some(thread) = self.thread.take() else {
             return;
         };
+        if thread.is_finished() {
+            let _ = thread.join();
+            return;
+        }
         let _ = self.queue.set_sndtimeo(SHUTDOWN_WAIT.as_millis() as i32);
         match self.queue.send(Vec::new(), 0) {
             Ok(()) => {
