@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # vLLM's own scheduler drives kvferry's connector (python/tests/test_vllm.py),
 # SGLang's base classes and plugin hook drive its backend (test_sglang.py),
-# and the package's own suite runs again with CPU torch tensors:
+# the package's own suite runs again with CPU torch tensors, and vLLM's KV
+# event structs decode what kvferry's event publisher sends
+# (tests/store_kv_events.rs, vllm_decodes_published_batches):
 # installs vLLM 0.33 from PyPI into a virtual environment (about 10 GB; one
 # whose vLLM is already that version is reused), installs python/ there, and
 # runs the test on the CPU (VLLM_TARGET_DEVICE=cpu, a local model config, no
@@ -27,3 +29,4 @@ CARGO_TARGET_DIR="$PWD/target" "$venv/bin/pip" install --quiet --force-reinstall
 "$venv/bin/pip" install --quiet IPython gguf hypothesis
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_sglang.py python/tests/test_node.py
+KVFERRY_VLLM_VENV="$(cd "$venv" && pwd)" cargo test --test store_kv_events -- --ignored

@@ -23,6 +23,7 @@ pub mod demo;
 pub mod inproc;
 pub mod memory;
 pub mod proto;
+pub mod publish;
 pub mod remote;
 pub mod server;
 pub mod worker;
@@ -38,6 +39,9 @@ pub use connector::StoreConnector;
 pub use demo::{StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use memory::{MemoryError, RegisteredMemory};
+pub use publish::{
+    EncodeError, HashEncoding, KvEventBatch, KvEventPublisher, PublishError, PublisherConfig,
+};
 pub use remote::{RemoteConfig, RemoteError, RemoteStore};
 pub use server::{ServeConfig, ServeError, ServerStats, StoreServer};
 
