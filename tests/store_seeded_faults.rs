@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use kvferry::machines::common::{BlockId, TransferId};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::machines::store::events::Medium;
+use kvferry::machines::store::events::{KvEvent, Medium};
 use kvferry::machines::store::load::LoadReport;
 use kvferry::machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
 use kvferry::machines::store::{
@@ -760,6 +760,21 @@ fn keyspace() -> KeyspaceSpec {
     }
 }
 
+fn connector_config() -> ConnectorConfig {
+    ConnectorConfig {
+        store: StoreConfig {
+            max_keys_per_batch: 3,
+            max_batches_in_flight: 2,
+            op_bound: OP_BOUND,
+            request_timeout: REQUEST_TIMEOUT,
+            ..StoreConfig::default()
+        },
+        keyspace: keyspace(),
+        medium: Medium::Cpu,
+        limits: ConnectorLimits::default(),
+    }
+}
+
 impl World {
     fn new(seed: u64) -> World {
         let engine = Engine::new();
@@ -775,19 +790,7 @@ impl World {
             attempts: HashMap::new(),
             blocks: engine.block_map(),
         };
-        let cfg = ConnectorConfig {
-            store: StoreConfig {
-                max_keys_per_batch: 3,
-                max_batches_in_flight: 2,
-                op_bound: OP_BOUND,
-                request_timeout: REQUEST_TIMEOUT,
-                ..StoreConfig::default()
-            },
-            keyspace: keyspace(),
-            medium: Medium::Cpu,
-            limits: ConnectorLimits::default(),
-        };
-        let mut c = StoreConnector::new(cfg, backend).unwrap();
+        let mut c = StoreConnector::new(connector_config(), backend).unwrap();
         // SAFETY: the engine's buffers outlive the connector (dropped
         // first, see `World`) and the test touches a block only while no
         // save or load holds it.
@@ -1111,6 +1114,29 @@ fn start_loads(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) -> Vec<Plan
     loads
 }
 
+/// The backend's get records of the load wave, by block: each into a
+/// planned block, under that block's key, once.
+fn gets_by_block(w: &World, planned: &HashMap<u32, (usize, u64)>) -> HashMap<u32, KeyRec<()>> {
+    let seed = w.seed;
+    let (_, _, gets) = w.take_records();
+    let mut got: HashMap<u32, KeyRec<()>> = HashMap::new();
+    for g in gets {
+        let Some(&(group, hash)) = planned.get(&g.block) else {
+            panic!(
+                "seed {seed}: a get into block {}, in no load's plan",
+                g.block
+            );
+        };
+        assert_eq!(g.key, w.key(group, hash), "seed {seed}: a get's key");
+        let block = g.block;
+        assert!(
+            got.insert(block, g).is_none(),
+            "seed {seed}: block {block} gotten twice"
+        );
+    }
+    got
+}
+
 fn load_phase(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) {
     let loads = start_loads(w, reqs, rng);
     let ids: Vec<TransferId> = loads.iter().map(|l| l.id).collect();
@@ -1128,22 +1154,7 @@ fn load_phase(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) {
     let planned: HashMap<u32, (usize, u64)> = (loads.iter())
         .flat_map(|l| l.blocks.iter().map(|(b, gh)| (*b, *gh)))
         .collect();
-    let (_, _, gets) = w.take_records();
-    let mut got: HashMap<u32, KeyRec<()>> = HashMap::new();
-    for g in gets {
-        let Some(&(group, hash)) = planned.get(&g.block) else {
-            panic!(
-                "seed {seed}: a get into block {}, in no load's plan",
-                g.block
-            );
-        };
-        assert_eq!(g.key, w.key(group, hash), "seed {seed}: a get's key");
-        let block = g.block;
-        assert!(
-            got.insert(block, g).is_none(),
-            "seed {seed}: block {block} gotten twice"
-        );
-    }
+    let got = gets_by_block(w, &planned);
     for (&b, &(_, hash)) in &planned {
         let loaded = !errors.contains(&b);
         match got.get(&b).map(|r| (r.answer.is_ok(), r.sure)) {
@@ -1270,4 +1281,105 @@ fn seeded_store_faults_keep_reports_bytes_dedup_and_pressure_true() {
             assert!(n > 0, "no {what} in {SEEDS} seeds");
         }
     }
+}
+
+/// The in-process store whose existence calls, once `hold` is set, wait
+/// for the test's go: an answer that comes after its deadline, on cue.
+struct HeldExists {
+    inner: InprocStore,
+    hold: Arc<std::sync::atomic::AtomicBool>,
+    go: flume::Receiver<()>,
+}
+
+impl StoreBackend for HeldExists {
+    fn name(&self) -> &'static str {
+        "held"
+    }
+    fn exists(&mut self, keys: &[ChunkKey], d: Instant) -> Result<Vec<bool>, CallError> {
+        if self.hold.load(std::sync::atomic::Ordering::SeqCst) {
+            self.go.recv().map_err(|_| CallError::Transport)?;
+        }
+        self.inner.exists(keys, d)
+    }
+    fn put(&mut self, items: &[PutItem], d: Instant) -> Answers<PutOutcome> {
+        self.inner.put(items, d)
+    }
+    fn get(&mut self, items: &[GetItem], d: Instant) -> Answers<()> {
+        self.inner.get(items, d)
+    }
+    fn remove(&mut self, keys: &[ChunkKey], d: Instant) -> Answers<()> {
+        self.inner.remove(keys, d)
+    }
+    fn take_removed(&mut self, max: usize) -> Vec<ChunkKey> {
+        self.inner.take_removed(max)
+    }
+}
+
+#[test]
+#[ignore = "keys removed before a lookup's existence call that answers past its deadline never become BlockRemoved events: exists_now drops the late Done, and its removed keys with it"]
+fn keys_removed_before_a_late_lookup_still_become_block_removed_events() {
+    let mut engine = Engine::new();
+    let store = InprocStore::new(InprocConfig::default());
+    let hold = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (go, go_rx) = flume::unbounded();
+    let backend = HeldExists {
+        inner: store.clone(),
+        hold: hold.clone(),
+        go: go_rx,
+    };
+    let mut c = StoreConnector::new(connector_config(), backend).unwrap();
+    // SAFETY: `engine` outlives `c` (declared before it), and is touched
+    // only while no save or load holds its blocks.
+    unsafe { c.register_kv_caches(engine.layout()).unwrap() };
+    let req = Req {
+        id: 1,
+        tokens: 2 * BLOCK_TOKENS,
+        hashes: vec![vec![1, 2], vec![3]],
+    };
+    let blocks = vec![vec![0, 1], vec![2]];
+    for (bs, hs) in blocks.iter().zip(&req.hashes) {
+        for (&b, &h) in bs.iter().zip(hs) {
+            engine.fill(b, h);
+        }
+    }
+    let meta = SaveMeta {
+        request: request(1, &req, &blocks),
+        token_len: req.tokens,
+        token_ids: None,
+    };
+    c.start_save(Instant::now(), meta).unwrap();
+    c.wait_for_save();
+    let (saved, _) = c.get_finished_reports();
+    assert!(saved[0].1.is_complete());
+    let _ = c.get_kv_events();
+    // Another rank sharing the store removes block 1's key.
+    let ks = c.keyspace();
+    let gone = ks
+        .key(
+            &ks.shards()[0],
+            &ks.scope(None, &[]).unwrap(),
+            0,
+            &BlockHash::from_u64(1),
+        )
+        .unwrap();
+    let mut handle = store.clone();
+    let far = Instant::now() + Duration::from_secs(60);
+    assert_eq!(handle.remove(&[gone], far).unwrap(), vec![Ok(())]);
+    // The next call of this connector's backend thread is a lookup that
+    // answers after its deadline.
+    hold.store(true, std::sync::atomic::Ordering::SeqCst);
+    let hashes = block_hashes(&req);
+    assert!(c.lookup(req.tokens, &hashes).is_err(), "past its deadline");
+    hold.store(false, std::sync::atomic::Ordering::SeqCst);
+    go.send(()).unwrap();
+    // Queued behind the late one: when it answers, the late one did too.
+    assert_eq!(c.lookup(req.tokens, &hashes).unwrap(), 0);
+    let removed: Vec<BlockHash> = (c.get_kv_events().into_iter())
+        .flat_map(|e| match e {
+            KvEvent::BlockRemoved { block_hashes, .. } => block_hashes,
+            _ => Vec::new(),
+        })
+        .collect();
+    assert_eq!(removed, vec![BlockHash::from_u64(1)]);
+    drop(c);
 }
