@@ -1,12 +1,14 @@
 //! Seeded faults on the store path. A backend wrapping the in-process
-//! store answers each call, by a seeded draw, normally, fails it whole
-//! (`Transport`, `Refused`, before or after doing the work), fails single
-//! keys (`Transport`, `Full`, `Timeout`), answers it late (the work done
-//! in time, the answer after the deadline) or drops it (nothing done,
-//! `Timeout` after the deadline). Saves, then loads, run through a real
-//! `StoreConnector`; a model made from what the backend answered checks
-//! every report, every byte of the engine and of the store, dedup and the
-//! pressure path.
+//! store answers each call, by a seeded draw, normally (at once or a
+//! little later), fails it whole (`Transport`, `Refused`, before or after
+//! doing the work), fails single keys (`Transport`, `Full`, `Timeout`),
+//! answers it late (the work done in time, the answer after the deadline)
+//! or drops it (nothing done, `Timeout` after the deadline). Saves, one at
+//! a time, then loads, all at once, run through a real `StoreConnector`,
+//! some aborted midway, some expiring; a model made from what the backend
+//! answered checks every report, every byte of the engine and of the
+//! store, that no call touched a block no save or load held, dedup and
+//! the pressure path.
 //!
 //! The backend contract (src/store/backend.rs) bounds what may be
 //! checked: a call touches no memory after its deadline, and an answer
@@ -24,10 +26,10 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{BlockId, TransferId};
+use kvferry::machines::common::{AbortReason, BlockId, TransferId};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::machines::store::events::{KvEvent, Medium};
-use kvferry::machines::store::load::LoadReport;
+use kvferry::machines::store::load::{LoadEnd, LoadReport};
 use kvferry::machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
 use kvferry::machines::store::{
     BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, PressureStats, StoreConfig,
@@ -53,6 +55,15 @@ const LATE_BY: Duration = Duration::from_millis(6);
 /// Most late or dropped calls of one seed (they cost real time).
 const LATE_MAX: u32 = 2;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// The request timeout of every seventh seed, whose slow calls may make
+/// a request expire.
+const SHORT_REQUEST_TIMEOUT: Duration = Duration::from_millis(10);
+/// How much later than at once a slow call answers (still in time).
+const SLOW_BY: Duration = Duration::from_millis(4);
+
+fn short_timeout(seed: u64) -> bool {
+    seed % 7 == 3
+}
 /// Time the test's driver loop may take on top of a request's deadline.
 const DRIVER_SLACK: Duration = Duration::from_secs(2);
 
@@ -215,6 +226,8 @@ struct Profile {
     key: f64,
     late: f64,
     drop: f64,
+    /// Calls answered normally but [`SLOW_BY`] late, in time.
+    slow: f64,
 }
 
 impl Profile {
@@ -226,6 +239,7 @@ impl Profile {
                 key: 0.0,
                 late: 0.0,
                 drop: 0.0,
+                slow: 0.0,
             };
         }
         let mut rng = fastrand::Rng::with_seed(seed ^ 0x5EED_FA17);
@@ -234,6 +248,7 @@ impl Profile {
             key: rng.f64() * 0.15,
             late: rng.f64() * 0.08,
             drop: rng.f64() * 0.08,
+            slow: if short_timeout(seed) { 0.3 } else { 0.0 },
         }
     }
 }
@@ -247,6 +262,8 @@ struct KeyRec<T> {
     /// Answered normally with [`SURE_LEFT`] to spare: the connector takes
     /// the answer. Otherwise it may or may not.
     sure: bool,
+    /// When the connector posted the call.
+    posted: Instant,
 }
 
 #[derive(Clone, Debug)]
@@ -254,6 +271,14 @@ struct ExistsRec {
     keys: Vec<ChunkKey>,
     answer: Vec<bool>,
     sure: bool,
+    posted: Instant,
+}
+
+/// When a call with this deadline was posted.
+fn posted(deadline: Instant) -> Instant {
+    deadline
+        .checked_sub(OP_BOUND)
+        .expect("a deadline after the start")
 }
 
 /// Counts of what the backend did, over a run.
@@ -266,6 +291,7 @@ struct Counts {
     failed_after_work: u64,
     late: u64,
     dropped: u64,
+    slow: u64,
     key_faults: u64,
     full_keys: u64,
 }
@@ -323,17 +349,19 @@ impl FaultyBackend {
 
     /// The draw of one call: its plan and the generator for its keys. A
     /// call that starts too close to its deadline is `None` (refused).
+    /// The draw of one call: its plan and the generator for its keys,
+    /// from the seed, the op, its first key and how often that key was
+    /// asked (so a retry draws anew, whatever the timing). A call that
+    /// starts too close to its deadline is `None` (refused).
     fn plan(
         &mut self,
         op: u8,
         first: Option<&ChunkKey>,
         deadline: Instant,
     ) -> Option<(Plan, fastrand::Rng)> {
-        let mut counts = lock(&self.log).counts;
-        counts.calls += 1;
+        lock(&self.log).counts.calls += 1;
         if left(deadline) < START_GUARD {
-            counts.refused_late_start += 1;
-            lock(&self.log).counts = counts;
+            lock(&self.log).counts.refused_late_start += 1;
             return None;
         }
         let mut h = DefaultHasher::new();
@@ -344,9 +372,33 @@ impl FaultyBackend {
             n.hash(&mut h);
         }
         let mut rng = fastrand::Rng::with_seed(h.finish());
+        let plan = self.draw(&mut rng);
+        let slow = plan == Plan::Normal && rng.f64() < self.profile.slow;
+        let mut log = lock(&self.log);
+        let counts = &mut log.counts;
+        match plan {
+            Plan::Normal => counts.normal += 1,
+            Plan::Fail { after_work, .. } => {
+                counts.failed += 1;
+                counts.failed_after_work += u64::from(after_work);
+            }
+            Plan::Late => counts.late += 1,
+            Plan::Drop => counts.dropped += 1,
+        }
+        counts.slow += u64::from(slow);
+        drop(log);
+        if slow {
+            std::thread::sleep(SLOW_BY);
+        }
+        Some((plan, rng))
+    }
+
+    /// A plan by the seed's rates; late and dropped calls only while the
+    /// seed's budget of them lasts.
+    fn draw(&mut self, rng: &mut fastrand::Rng) -> Plan {
         let p = self.profile;
         let x = rng.f64();
-        let mut plan = if x < p.fail {
+        let plan = if x < p.fail {
             let err = [CallError::Transport, CallError::Refused][rng.usize(..2)];
             Plan::Fail {
                 err,
@@ -361,22 +413,11 @@ impl FaultyBackend {
         };
         if matches!(plan, Plan::Late | Plan::Drop) {
             if self.late_left == 0 {
-                plan = Plan::Normal;
-            } else {
-                self.late_left -= 1;
+                return Plan::Normal;
             }
+            self.late_left -= 1;
         }
-        match plan {
-            Plan::Normal => counts.normal += 1,
-            Plan::Fail { after_work, .. } => {
-                counts.failed += 1;
-                counts.failed_after_work += u64::from(after_work);
-            }
-            Plan::Late => counts.late += 1,
-            Plan::Drop => counts.dropped += 1,
-        }
-        lock(&self.log).counts = counts;
-        Some((plan, rng))
+        plan
     }
 
     fn touched(&self, s: &Scatter) {
@@ -445,12 +486,14 @@ impl FaultyBackend {
         keys: impl Iterator<Item = (ChunkKey, u32)>,
         answers: &[Result<T, ItemError>],
         in_time: bool,
+        deadline: Instant,
     ) -> Vec<KeyRec<T>> {
         keys.zip(answers)
             .map(|((key, block), answer)| KeyRec {
                 key,
                 block,
                 sure: in_time,
+                posted: posted(deadline),
                 answer: answer.clone(),
             })
             .collect()
@@ -481,6 +524,7 @@ impl StoreBackend for FaultyBackend {
         let late = plan == Plan::Late;
         lock(&self.log).exists.push(ExistsRec {
             keys: keys.to_vec(),
+            posted: posted(deadline),
             answer: answer.clone(),
             sure: !late && left(deadline) >= SURE_LEFT,
         });
@@ -503,7 +547,7 @@ impl StoreBackend for FaultyBackend {
         let failed = |err: CallError| {
             let answers = vec![Err(ItemError::Transport); items.len()];
             let in_time = left(deadline) >= SURE_LEFT;
-            let recs = FaultyBackend::records(keys(), &answers, in_time);
+            let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
             lock(&log).puts.extend(recs);
             Err(err)
         };
@@ -523,7 +567,7 @@ impl StoreBackend for FaultyBackend {
             return failed(err);
         }
         let in_time = plan == Plan::Normal && left(deadline) >= SURE_LEFT;
-        let recs = FaultyBackend::records(keys(), &answers, in_time);
+        let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
         lock(&self.log).puts.extend(recs);
         if plan == Plan::Late {
             sleep_past(deadline);
@@ -544,7 +588,7 @@ impl StoreBackend for FaultyBackend {
         let failed = |err: CallError| {
             let answers = vec![Err(ItemError::Transport); items.len()];
             let in_time = left(deadline) >= SURE_LEFT;
-            let recs = FaultyBackend::records(keys(), &answers, in_time);
+            let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
             lock(&log).gets.extend(recs);
             Err(err)
         };
@@ -564,7 +608,7 @@ impl StoreBackend for FaultyBackend {
             return failed(err);
         }
         let in_time = plan == Plan::Normal && left(deadline) >= SURE_LEFT;
-        let recs = FaultyBackend::records(keys(), &answers, in_time);
+        let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
         lock(&self.log).gets.extend(recs);
         if plan == Plan::Late {
             sleep_past(deadline);
@@ -697,6 +741,8 @@ struct Totals {
     deduped_keys: u64,
     pressure: PressureStats,
     loads: u64,
+    aborted: u64,
+    expired: u64,
     loaded_blocks: u64,
     error_blocks: u64,
     either_blocks: u64,
@@ -712,6 +758,7 @@ impl Totals {
         a.failed_after_work += b.failed_after_work;
         a.late += b.late;
         a.dropped += b.dropped;
+        a.slow += b.slow;
         a.key_faults += b.key_faults;
         a.full_keys += b.full_keys;
         self.seeds += t.seeds;
@@ -722,6 +769,8 @@ impl Totals {
         self.pressure.skipped_saves += t.pressure.skipped_saves;
         self.pressure.clears += t.pressure.clears;
         self.loads += t.loads;
+        self.aborted += t.aborted;
+        self.expired += t.expired;
         self.loaded_blocks += t.loaded_blocks;
         self.error_blocks += t.error_blocks;
         self.either_blocks += t.either_blocks;
@@ -741,6 +790,9 @@ struct World {
     /// Per block, the times a save or load held it: from its start until
     /// `get_finished` named it.
     held: HashMap<u32, Vec<(Instant, Instant)>>,
+    request_timeout: Duration,
+    /// Which saves and loads are aborted, and when.
+    rng: fastrand::Rng,
     totals: Totals,
 }
 
@@ -760,13 +812,13 @@ fn keyspace() -> KeyspaceSpec {
     }
 }
 
-fn connector_config() -> ConnectorConfig {
+fn connector_config(request_timeout: Duration) -> ConnectorConfig {
     ConnectorConfig {
         store: StoreConfig {
             max_keys_per_batch: 3,
             max_batches_in_flight: 2,
             op_bound: OP_BOUND,
-            request_timeout: REQUEST_TIMEOUT,
+            request_timeout,
             ..StoreConfig::default()
         },
         keyspace: keyspace(),
@@ -790,7 +842,12 @@ impl World {
             attempts: HashMap::new(),
             blocks: engine.block_map(),
         };
-        let mut c = StoreConnector::new(connector_config(), backend).unwrap();
+        let request_timeout = if short_timeout(seed) {
+            SHORT_REQUEST_TIMEOUT
+        } else {
+            REQUEST_TIMEOUT
+        };
+        let mut c = StoreConnector::new(connector_config(request_timeout), backend).unwrap();
         // SAFETY: the engine's buffers outlive the connector (dropped
         // first, see `World`) and the test touches a block only while no
         // save or load holds it.
@@ -803,6 +860,8 @@ impl World {
             engine,
             pressure: PressureModel::default(),
             held: HashMap::new(),
+            request_timeout,
+            rng: fastrand::Rng::with_seed(seed ^ 0xAB0B7),
             totals: Totals {
                 seeds: 1,
                 ..Totals::default()
@@ -822,31 +881,44 @@ impl World {
         .unwrap()
     }
 
-    /// The backend's records since the last call.
-    fn take_records(&self) -> (Vec<ExistsRec>, Vec<KeyRec<PutOutcome>>, Vec<KeyRec<()>>) {
+    /// The backend's records of the calls posted from `since` on (those
+    /// of earlier saves and loads, which the connector gave up on, go:
+    /// none touched memory late, or the touch check says so).
+    #[allow(clippy::type_complexity)]
+    fn take_records(
+        &self,
+        since: Instant,
+    ) -> (Vec<ExistsRec>, Vec<KeyRec<PutOutcome>>, Vec<KeyRec<()>>) {
         let mut log = lock(&self.log);
-        (
-            std::mem::take(&mut log.exists),
-            std::mem::take(&mut log.puts),
-            std::mem::take(&mut log.gets),
-        )
+        let mut exists = std::mem::take(&mut log.exists);
+        let mut puts = std::mem::take(&mut log.puts);
+        let mut gets = std::mem::take(&mut log.gets);
+        exists.retain(|r| r.posted >= since);
+        puts.retain(|r| r.posted >= since);
+        gets.retain(|r| r.posted >= since);
+        (exists, puts, gets)
     }
 
     /// Drives the connector until `get_finished` named every save and
-    /// load in `saves` and `loads` (each once), each by its deadline.
+    /// load in `saves` and `loads` (each once), each by its deadline;
+    /// aborts each of `aborts` at its step of the loop.
     #[allow(clippy::type_complexity)]
     fn drive(
         &mut self,
         saves: &[TransferId],
         loads: &[TransferId],
         last_start: Instant,
+        aborts: &[(TransferId, u32)],
     ) -> (
         Vec<(TransferId, SaveReport, Instant)>,
         Vec<(TransferId, LoadReport, Instant)>,
     ) {
-        let bound = last_start + REQUEST_TIMEOUT + OP_BOUND + DRIVER_SLACK;
+        let bound = last_start + self.request_timeout + OP_BOUND + DRIVER_SLACK;
         let (mut saved, mut loaded) = (Vec::new(), Vec::new());
-        loop {
+        for step in 0u32.. {
+            for &(id, _) in aborts.iter().filter(|(_, at)| *at == step) {
+                self.c.abort(Instant::now(), id, AbortReason::Engine);
+            }
             let (s, l) = self.c.get_finished_reports();
             let seen = Instant::now();
             saved.extend(s.into_iter().map(|(id, r)| (id, r, seen)));
@@ -885,30 +957,36 @@ impl World {
 /// One save run to its end, checked against the backend's records and
 /// the pressure rule.
 fn save_checked(w: &mut World, req: &Req, blocks: &[Vec<u32>]) -> SaveReport {
-    let _ = w.take_records();
     let id = TransferId(req.id);
-    let calls = lock(&w.log).counts.calls;
+    let posts = |c: &StoreConnector| (c.stats().exists_calls, c.stats().put_calls);
+    let before = posts(&w.c);
     let admitted = w.pressure.admit(id);
     let meta = SaveMeta {
         request: request(req.id, req, blocks),
         token_len: req.tokens,
         token_ids: None,
     };
+    let abort = (w.rng.u8(..8) == 0).then(|| (id, w.rng.u32(0..4)));
     let start = Instant::now();
     w.c.start_save(start, meta).unwrap();
-    let (mut saved, _) = w.drive(&[id], &[], start);
+    let (mut saved, _) = w.drive(&[id], &[], start, abort.as_slice());
     let (_, report, seen) = saved.pop().unwrap();
     for &b in blocks.iter().flatten() {
         w.held.entry(b).or_default().push((start, seen));
     }
     let ctx = format!("seed {}, save of request {}", w.seed, req.id);
+    if let SaveEnd::Aborted(_) = report.end {
+        assert!(abort.is_some(), "{ctx}: aborted, never asked to");
+        w.totals.aborted += 1;
+    }
+    w.totals.expired += u64::from(report.end == SaveEnd::Expired);
     if admitted {
         assert_ne!(report.end, SaveEnd::Skipped, "{ctx}: admitted");
-        check_save(w, req, blocks, &report, &ctx);
+        let (since, aborted) = (start, abort.is_some());
+        check_save(w, req, blocks, &report, (since, aborted), &ctx);
     } else {
         assert_eq!(report.end, SaveEnd::Skipped, "{ctx}: under pressure");
-        let now = lock(&w.log).counts.calls;
-        assert_eq!(now, calls, "{ctx}: a skipped save asks nothing");
+        assert_eq!(posts(&w.c), before, "{ctx}: a skipped save asks nothing");
     }
     w.pressure.report(id, &report);
     assert_eq!(w.c.stats().pressure, w.pressure.stats, "{ctx}: pressure");
@@ -918,8 +996,15 @@ fn save_checked(w: &mut World, req: &Req, blocks: &[Vec<u32>]) -> SaveReport {
     report
 }
 
-fn check_save(w: &World, req: &Req, blocks: &[Vec<u32>], report: &SaveReport, ctx: &str) {
-    let (exists, puts, _) = w.take_records();
+fn check_save(
+    w: &World,
+    req: &Req,
+    blocks: &[Vec<u32>],
+    report: &SaveReport,
+    (since, aborted): (Instant, bool),
+    ctx: &str,
+) {
+    let (exists, puts, _) = w.take_records(since);
     // The plan: blocks of the request, each under its own key.
     let mut at: HashMap<ChunkKey, (u32, u64)> = HashMap::new();
     for it in &report.items {
@@ -944,7 +1029,9 @@ fn check_save(w: &World, req: &Req, blocks: &[Vec<u32>], report: &SaveReport, ct
         assert!(put_of.insert(key, p).is_none(), "{ctx}: a key put twice");
     }
     for (i, (it, res)) in report.items.iter().zip(&report.results).enumerate() {
-        let said = exists.first().map(|e| (e.answer[i], e.sure));
+        // An abort while the existence check is out releases at once:
+        // its answer, however early, may come too late.
+        let said = exists.first().map(|e| (e.answer[i], e.sure && !aborted));
         let put = put_of.get(&it.key).map(|p| (p.answer, p.sure));
         check_save_key(*res, said, put, ctx);
         if matches!(res, SaveKeyResult::Stored | SaveKeyResult::Deduped) {
@@ -1103,7 +1190,6 @@ fn start_loads(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) -> Vec<Plan
             meta,
         ));
     }
-    let _ = w.take_records();
     lock(&w.log).faults = true;
     let mut loads = Vec::new();
     for (mut plan, meta) in metas {
@@ -1116,9 +1202,13 @@ fn start_loads(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) -> Vec<Plan
 
 /// The backend's get records of the load wave, by block: each into a
 /// planned block, under that block's key, once.
-fn gets_by_block(w: &World, planned: &HashMap<u32, (usize, u64)>) -> HashMap<u32, KeyRec<()>> {
+fn gets_by_block(
+    w: &World,
+    planned: &HashMap<u32, (usize, u64)>,
+    since: Instant,
+) -> HashMap<u32, KeyRec<()>> {
     let seed = w.seed;
-    let (_, _, gets) = w.take_records();
+    let (_, _, gets) = w.take_records(since);
     let mut got: HashMap<u32, KeyRec<()>> = HashMap::new();
     for g in gets {
         let Some(&(group, hash)) = planned.get(&g.block) else {
@@ -1140,8 +1230,22 @@ fn gets_by_block(w: &World, planned: &HashMap<u32, (usize, u64)>) -> HashMap<u32
 fn load_phase(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) {
     let loads = start_loads(w, reqs, rng);
     let ids: Vec<TransferId> = loads.iter().map(|l| l.id).collect();
-    let (_, loaded) = w.drive(&[], &ids, Instant::now());
+    let mut aborts: Vec<(TransferId, u32)> = Vec::new();
+    for &id in &ids {
+        if rng.u8(..8) == 0 {
+            aborts.push((id, rng.u32(0..6)));
+        }
+    }
+    let (_, loaded) = w.drive(&[], &ids, Instant::now(), &aborts);
     let seed = w.seed;
+    for (id, report, _) in &loaded {
+        if let LoadEnd::Aborted(_) = report.end {
+            let asked = aborts.iter().any(|(a, _)| a == id);
+            assert!(asked, "seed {seed}: load {id:?} aborted, never asked to");
+            w.totals.aborted += 1;
+        }
+        w.totals.expired += u64::from(report.end == LoadEnd::Expired);
+    }
     let seen: HashMap<TransferId, Instant> = loaded.iter().map(|(id, _, t)| (*id, *t)).collect();
     for l in &loads {
         for &b in &l.all {
@@ -1154,7 +1258,8 @@ fn load_phase(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) {
     let planned: HashMap<u32, (usize, u64)> = (loads.iter())
         .flat_map(|l| l.blocks.iter().map(|(b, gh)| (*b, *gh)))
         .collect();
-    let got = gets_by_block(w, &planned);
+    let since = loads.iter().map(|l| l.start).min();
+    let got = gets_by_block(w, &planned, since.unwrap_or_else(Instant::now));
     for (&b, &(_, hash)) in &planned {
         let loaded = !errors.contains(&b);
         match got.get(&b).map(|r| (r.answer.is_ok(), r.sure)) {
@@ -1274,6 +1379,9 @@ fn seeded_store_faults_keep_reports_bytes_dedup_and_pressure_true() {
             ("full saves", totals.pressure.full_saves),
             ("skipped saves", totals.pressure.skipped_saves),
             ("pressure clears", totals.pressure.clears),
+            ("aborted saves and loads", totals.aborted),
+            ("expired saves and loads", totals.expired),
+            ("slow calls", c.slow),
             ("blocks loaded", totals.loaded_blocks),
             ("load error blocks", totals.error_blocks),
         ];
@@ -1327,7 +1435,7 @@ fn keys_removed_before_a_late_lookup_still_become_block_removed_events() {
         hold: hold.clone(),
         go: go_rx,
     };
-    let mut c = StoreConnector::new(connector_config(), backend).unwrap();
+    let mut c = StoreConnector::new(connector_config(REQUEST_TIMEOUT), backend).unwrap();
     // SAFETY: `engine` outlives `c` (declared before it), and is touched
     // only while no save or load holds its blocks.
     unsafe { c.register_kv_caches(engine.layout()).unwrap() };
