@@ -1492,30 +1492,27 @@ fn keys_removed_before_a_late_lookup_still_become_block_removed_events() {
     drop(c);
 }
 
-/// The in-process store whose gets the test scripts: the first does its
-/// work at once and answers on `answer`'s go; later ones do nothing
-/// before `work`'s go, and nothing at all once past their deadline.
-struct ScriptedGets {
+/// The in-process store whose puts (`on_puts`) or gets the test
+/// scripts: the first does its work at once and answers on `answer`'s
+/// go; later ones do nothing before `work`'s go, and nothing at all once
+/// past their deadline.
+struct Scripted {
     inner: InprocStore,
-    gets: u32,
+    on_puts: bool,
+    calls: u32,
     answer: flume::Receiver<()>,
     work: flume::Receiver<()>,
 }
 
-impl StoreBackend for ScriptedGets {
-    fn name(&self) -> &'static str {
-        "scripted"
-    }
-    fn exists(&mut self, keys: &[ChunkKey], d: Instant) -> Result<Vec<bool>, CallError> {
-        self.inner.exists(keys, d)
-    }
-    fn put(&mut self, items: &[PutItem], d: Instant) -> Answers<PutOutcome> {
-        self.inner.put(items, d)
-    }
-    fn get(&mut self, items: &[GetItem], d: Instant) -> Answers<()> {
-        self.gets += 1;
-        if self.gets == 1 {
-            let answers = self.inner.get(items, d);
+impl Scripted {
+    fn script<T>(
+        &mut self,
+        d: Instant,
+        call: impl FnOnce(&mut InprocStore) -> Answers<T>,
+    ) -> Answers<T> {
+        self.calls += 1;
+        if self.calls == 1 {
+            let answers = call(&mut self.inner);
             self.answer.recv().map_err(|_| CallError::Transport)?;
             return answers;
         }
@@ -1523,11 +1520,54 @@ impl StoreBackend for ScriptedGets {
         if Instant::now() >= d {
             return Err(CallError::Timeout);
         }
-        self.inner.get(items, d)
+        call(&mut self.inner)
+    }
+}
+
+impl StoreBackend for Scripted {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    fn exists(&mut self, keys: &[ChunkKey], d: Instant) -> Result<Vec<bool>, CallError> {
+        self.inner.exists(keys, d)
+    }
+    fn put(&mut self, items: &[PutItem], d: Instant) -> Answers<PutOutcome> {
+        if !self.on_puts {
+            return self.inner.put(items, d);
+        }
+        self.script(d, |s| s.put(items, d))
+    }
+    fn get(&mut self, items: &[GetItem], d: Instant) -> Answers<()> {
+        if self.on_puts {
+            return self.inner.get(items, d);
+        }
+        self.script(d, |s| s.get(items, d))
     }
     fn remove(&mut self, keys: &[ChunkKey], d: Instant) -> Answers<()> {
         self.inner.remove(keys, d)
     }
+}
+
+/// A connector over a [`Scripted`] store, with its two gates.
+fn scripted(
+    engine: &Engine,
+    store: &InprocStore,
+    on_puts: bool,
+) -> (StoreConnector, flume::Sender<()>, flume::Sender<()>) {
+    let (answer_tx, answer) = flume::unbounded();
+    let (work_tx, work) = flume::unbounded();
+    let backend = Scripted {
+        inner: store.clone(),
+        on_puts,
+        calls: 0,
+        answer,
+        work,
+    };
+    let mut c = StoreConnector::new(connector_config(REQUEST_TIMEOUT), backend).unwrap();
+    // SAFETY: every caller declares `engine` before the connector, so it
+    // outlives it, and touches a block only while no save or load holds it.
+    unsafe { c.register_kv_caches(engine.layout()).unwrap() };
+    (c, answer_tx, work_tx)
 }
 
 /// Drives `c` until `get_finished` names load `id`; its error blocks.
@@ -1550,18 +1590,7 @@ fn load_errors_of(c: &mut StoreConnector, id: TransferId) -> Vec<BlockId> {
 fn a_late_answer_to_an_earlier_load_of_a_request_is_not_taken_for_a_later_one() {
     let engine = Engine::new();
     let store = InprocStore::new(InprocConfig::default());
-    let (answer_tx, answer) = flume::unbounded();
-    let (work_tx, work) = flume::unbounded();
-    let backend = ScriptedGets {
-        inner: store.clone(),
-        gets: 0,
-        answer,
-        work,
-    };
-    let mut c = StoreConnector::new(connector_config(REQUEST_TIMEOUT), backend).unwrap();
-    // SAFETY: `engine` outlives `c` (declared before it), and is touched
-    // only while no save or load holds its blocks.
-    unsafe { c.register_kv_caches(engine.layout()).unwrap() };
+    let (mut c, answer_tx, work_tx) = scripted(&engine, &store, false);
     let req = Req {
         id: 7,
         tokens: 2 * BLOCK_TOKENS,
@@ -1603,6 +1632,77 @@ fn a_late_answer_to_an_earlier_load_of_a_request_is_not_taken_for_a_later_one() 
     }
     assert_eq!(second, [20, 21, 22].map(BlockId));
     // Past its deadline, the new get touches nothing.
+    work_tx.send(()).unwrap();
+    drop(c);
+}
+
+/// Drives `c` until `get_finished` names save `id`; its report.
+fn save_report_of(c: &mut StoreConnector, id: TransferId) -> SaveReport {
+    let bound = Instant::now() + REQUEST_TIMEOUT + OP_BOUND + DRIVER_SLACK;
+    loop {
+        let (mut saved, _) = c.get_finished_reports();
+        if let Some((got, report)) = saved.pop() {
+            assert_eq!(got, id);
+            return report;
+        }
+        let now = Instant::now();
+        assert!(now < bound, "save {id:?} never ended");
+        c.poll_wait((now + OP_BOUND / 4).min(bound));
+    }
+}
+
+/// The save side of the load test above: a save begins with its
+/// existence check, which the backend thread answers after every call
+/// posted before it, so the old answer finds the new save checking.
+#[test]
+fn a_late_answer_to_an_earlier_save_of_a_request_is_not_taken_for_a_later_one() {
+    let mut engine = Engine::new();
+    let store = InprocStore::new(InprocConfig::default());
+    let (mut c, answer_tx, work_tx) = scripted(&engine, &store, true);
+    // Four 16-token blocks in group 0, two 32-token blocks in group 1.
+    let req = Req {
+        id: 7,
+        tokens: 4 * BLOCK_TOKENS,
+        hashes: vec![vec![1, 2, 3, 4], vec![5, 6]],
+    };
+    let blocks = vec![vec![0, 1, 2, 3], vec![4, 5]];
+    for (bs, hs) in blocks.iter().zip(&req.hashes) {
+        for (&b, &h) in bs.iter().zip(hs) {
+            engine.fill(b, h);
+        }
+    }
+    let id = TransferId(req.id);
+    let save = |c: &mut StoreConnector, tokens: u32| {
+        let meta = SaveMeta {
+            request: request(req.id, &req, &blocks),
+            token_len: tokens,
+            token_ids: None,
+        };
+        c.start_save(Instant::now(), meta).unwrap();
+    };
+    // The first save (32 tokens: three keys, one put) stores in time but
+    // answers after its deadline: the save fails.
+    save(&mut c, 2 * BLOCK_TOKENS);
+    let first = save_report_of(&mut c, id);
+    assert_eq!(first.items.len(), 3);
+    assert_eq!(first.stored(), 0, "{first:?}");
+    // The request saves on (64 tokens): its three new keys go in one put,
+    // which waits, untouched, past its deadline while the old answer
+    // comes in.
+    save(&mut c, 4 * BLOCK_TOKENS);
+    answer_tx.send(()).unwrap();
+    let second = save_report_of(&mut c, id);
+    for (it, r) in second.items.iter().zip(&second.results) {
+        if *r == SaveKeyResult::Stored {
+            let held = store.value(&it.key);
+            assert!(
+                held.is_some(),
+                "{:?} reported stored, not in the store",
+                it.key
+            );
+        }
+    }
+    assert_eq!(second.stored(), 0, "{second:?}");
     work_tx.send(()).unwrap();
     drop(c);
 }
