@@ -83,8 +83,13 @@ fn store_proto_seeds_decode() {
         let decoded = store_proto_oracle::check_frame(&bytes)
             .unwrap_or_else(|| panic!("{} does not decode", path.display()));
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        let is_request = matches!(decoded, store_proto_oracle::Decoded::Request(..));
-        assert_eq!(is_request, name.starts_with("request_"), "{name}");
+        // Each seed is named after what it holds.
+        let kind = match decoded {
+            store_proto_oracle::Decoded::Request(r) => format!("request_{r:?}"),
+            store_proto_oracle::Decoded::Reply(r) => format!("reply_{:?}", r.answer),
+        };
+        let kind = kind.to_lowercase();
+        assert!(kind.starts_with(&name), "{name} holds {kind}");
     }
 }
 

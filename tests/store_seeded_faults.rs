@@ -1428,7 +1428,6 @@ impl StoreBackend for HeldExists {
 }
 
 #[test]
-#[ignore = "keys removed before a lookup's existence call that answers past its deadline never become BlockRemoved events: exists_now drops the late Done, and its removed keys with it"]
 fn keys_removed_before_a_late_lookup_still_become_block_removed_events() {
     let mut engine = Engine::new();
     let store = InprocStore::new(InprocConfig::default());
@@ -1590,7 +1589,6 @@ fn load_errors_of(c: &mut StoreConnector, id: TransferId) -> Vec<BlockId> {
 }
 
 #[test]
-#[ignore = "a late answer to a load's get is taken for the get of the same batch of a later load of the same request: the connector routes answers by (request, batch) and keeps the given-up call in its map"]
 fn a_late_answer_to_an_earlier_load_of_a_request_is_not_taken_for_a_later_one() {
     let engine = Engine::new();
     let store = InprocStore::new(InprocConfig::default());

@@ -10,9 +10,9 @@ use kvferry::store::proto::{self, Reply, Request};
 #[derive(Debug)]
 pub enum Decoded {
     /// An engine's request.
-    Request(u64, Request),
+    Request(Request),
     /// A server's reply.
-    Reply(u64, Reply),
+    Reply(Reply),
 }
 
 /// Decodes `bytes` as one frame; panics on a broken property.
@@ -23,13 +23,13 @@ pub fn check_frame(bytes: &[u8]) -> Option<Decoded> {
         let again = proto::encode(id, &req).expect("a decoded request encodes");
         let back = proto::decode_request(&again[proto::HEADER_LEN..]).expect("and decodes");
         assert_eq!(back, (id, req.clone()), "request round trip");
-        return Some(Decoded::Request(id, req));
+        return Some(Decoded::Request(req));
     }
     if let Ok((id, reply)) = proto::decode_reply(body) {
         let again = proto::encode(id, &reply).expect("a decoded reply encodes");
         let back = proto::decode_reply(&again[proto::HEADER_LEN..]).expect("and decodes");
         assert_eq!(back, (id, reply.clone()), "reply round trip");
-        return Some(Decoded::Reply(id, reply));
+        return Some(Decoded::Reply(reply));
     }
     None
 }

@@ -40,14 +40,27 @@ use super::worker::{BackendWorker, Call, Done, Op, Reply};
 /// Which machine a posted call answers to.
 #[derive(Clone, Copy, Debug)]
 enum CallFor {
-    SaveExists(TransferId),
-    Put(TransferId, u32),
-    Get(TransferId, u32),
+    SaveExists(TransferId, Run),
+    Put(TransferId, Run, u32),
+    Get(TransferId, Run, u32),
+}
+
+/// Which save or load of a request a call belongs to: a request id can
+/// save (or load) again after its previous run ended, while a call of
+/// that run is still out, and its late answer must not feed the new run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Run(u64);
+
+/// A running load.
+struct LoadSlot {
+    machine: LoadMachine,
+    run: Run,
 }
 
 /// A running save and what its events need.
 struct SaveSlot {
     machine: SaveMachine,
+    run: Run,
     hashes: Vec<Vec<BlockHash>>,
     token_ids: Option<Vec<u32>>,
     lora: Option<String>,
@@ -94,7 +107,8 @@ pub struct StoreConnector {
     memory: Option<(RegisteredMemory, Shard, Replica)>,
     calls: Calls,
     saves: HashMap<TransferId, SaveSlot>,
-    loads: HashMap<TransferId, LoadMachine>,
+    loads: HashMap<TransferId, LoadSlot>,
+    next_run: u64,
     saved: Vec<(TransferId, SaveReport)>,
     loaded: Vec<(TransferId, LoadReport)>,
     load_errors: BTreeSet<BlockId>,
@@ -141,6 +155,7 @@ impl StoreConnector {
             },
             saves: HashMap::new(),
             loads: HashMap::new(),
+            next_run: 0,
             saved: Vec::new(),
             loaded: Vec::new(),
             load_errors: BTreeSet::new(),
@@ -311,6 +326,7 @@ impl StoreConnector {
         self.stats.saves_started += 1;
         let slot = SaveSlot {
             machine,
+            run: self.run(),
             hashes: meta.request.block_hashes,
             token_ids: meta.token_ids,
             lora: meta.request.lora,
@@ -347,7 +363,8 @@ impl StoreConnector {
         )?;
         let machine = LoadMachine::new(now, &self.cfg.store, items)?;
         self.stats.loads_started += 1;
-        self.loads.insert(id, machine);
+        let run = self.run();
+        self.loads.insert(id, LoadSlot { machine, run });
         self.drive_load(now, id);
         Ok(())
     }
@@ -359,8 +376,8 @@ impl StoreConnector {
             slot.machine.abort(now, reason);
             self.drive_save(now, id);
         }
-        if let Some(m) = self.loads.get_mut(&id) {
-            m.abort(now, reason);
+        if let Some(l) = self.loads.get_mut(&id) {
+            l.machine.abort(now, reason);
             self.drive_load(now, id);
         }
     }
@@ -387,12 +404,12 @@ impl StoreConnector {
             self.drive_save(now, id);
         }
         let due_loads: Vec<TransferId> = (self.loads.iter())
-            .filter(|(_, m)| m.poll_timeout().is_some_and(|t| t <= now))
+            .filter(|(_, l)| l.machine.poll_timeout().is_some_and(|t| t <= now))
             .map(|(id, _)| *id)
             .collect();
         for id in due_loads {
-            if let Some(m) = self.loads.get_mut(&id) {
-                m.handle_timeout(now);
+            if let Some(l) = self.loads.get_mut(&id) {
+                l.machine.handle_timeout(now);
             }
             self.drive_load(now, id);
         }
@@ -422,7 +439,7 @@ impl StoreConnector {
         self.poll(Instant::now());
         while !done(self) {
             let next = (self.saves.values().map(|s| s.machine.poll_timeout()))
-                .chain(self.loads.values().map(|m| m.poll_timeout()))
+                .chain(self.loads.values().map(|l| l.machine.poll_timeout()))
                 .flatten()
                 .min()
                 .unwrap_or_else(|| after(Instant::now(), self.cfg.store.op_bound));
@@ -480,18 +497,18 @@ impl StoreConnector {
             return;
         };
         let result = match (to, done.reply) {
-            (CallFor::SaveExists(id), Reply::Exists(r)) => {
+            (CallFor::SaveExists(id, run), Reply::Exists(r)) => {
                 let answer = r.map_err(Into::into);
                 let ev = save::Event::ExistsDone { answer };
-                self.feed_save(now, id, ev)
+                self.feed_save(now, id, run, ev)
             }
-            (CallFor::Put(id, batch), Reply::Put(r)) => {
+            (CallFor::Put(id, run, batch), Reply::Put(r)) => {
                 let answer = (r.map(|v| v.iter().map(put_result).collect())).map_err(Into::into);
-                self.feed_save(now, id, save::Event::PutDone { batch, answer })
+                self.feed_save(now, id, run, save::Event::PutDone { batch, answer })
             }
-            (CallFor::Get(id, batch), Reply::Get(r)) => {
+            (CallFor::Get(id, run, batch), Reply::Get(r)) => {
                 let answer = (r.map(|v| v.iter().map(get_result).collect())).map_err(Into::into);
-                self.feed_load(now, id, load::Event::GetDone { batch, answer })
+                self.feed_load(now, id, run, load::Event::GetDone { batch, answer })
             }
             // The worker answers each op with its own kind.
             _ => Ok(()),
@@ -505,10 +522,12 @@ impl StoreConnector {
         &mut self,
         now: Instant,
         id: TransferId,
+        run: Run,
         ev: save::Event,
     ) -> Result<(), kvferry_machines::InputError> {
-        // A request already released absorbs its late answers.
-        let Some(slot) = self.saves.get_mut(&id) else {
+        // A request already released, or saving again, absorbs the late
+        // answers of its earlier run.
+        let Some(slot) = self.saves.get_mut(&id).filter(|s| s.run == run) else {
             return Ok(());
         };
         let r = slot.machine.handle_event(now, ev);
@@ -520,12 +539,13 @@ impl StoreConnector {
         &mut self,
         now: Instant,
         id: TransferId,
+        run: Run,
         ev: load::Event,
     ) -> Result<(), kvferry_machines::InputError> {
-        let Some(m) = self.loads.get_mut(&id) else {
+        let Some(l) = self.loads.get_mut(&id).filter(|l| l.run == run) else {
             return Ok(());
         };
-        let r = m.handle_event(now, ev);
+        let r = l.machine.handle_event(now, ev);
         self.drive_load(now, id);
         r
     }
@@ -533,15 +553,15 @@ impl StoreConnector {
     /// Carries out a save's actions until it has none.
     fn drive_save(&mut self, now: Instant, id: TransferId) {
         let bound = self.cfg.store.op_bound;
-        while let Some(action) = self
+        while let Some((action, run)) = self
             .saves
             .get_mut(&id)
-            .and_then(|s| s.machine.poll_action())
+            .and_then(|s| Some((s.machine.poll_action()?, s.run)))
         {
             let failed = match action {
                 save::Action::Exists { keys } => {
                     self.stats.exists_calls += 1;
-                    let to = CallFor::SaveExists(id);
+                    let to = CallFor::SaveExists(id, run);
                     let posted = self.calls.post(now, bound, Op::Exists(keys), to);
                     posted.err().map(|e| {
                         not_posted(&e.into());
@@ -553,7 +573,7 @@ impl StoreConnector {
                 save::Action::Put { batch, items } => {
                     self.stats.put_calls += 1;
                     let posted = self.put_items(&items).and_then(|items| {
-                        let to = CallFor::Put(id, batch);
+                        let to = CallFor::Put(id, run, batch);
                         Ok(self.calls.post(now, bound, Op::Put(items), to)?)
                     });
                     posted.err().map(|e| {
@@ -581,20 +601,23 @@ impl StoreConnector {
     /// Carries out a load's actions until it has none.
     fn drive_load(&mut self, now: Instant, id: TransferId) {
         let bound = self.cfg.store.op_bound;
-        while let Some(action) = self.loads.get_mut(&id).and_then(|m| m.poll_action()) {
+        while let Some((action, run)) =
+            (self.loads.get_mut(&id)).and_then(|l| Some((l.machine.poll_action()?, l.run)))
+        {
             match action {
                 load::Action::Get { batch, items, .. } => {
                     self.stats.get_calls += 1;
                     let posted = self.get_items(&items).and_then(|items| {
-                        let to = CallFor::Get(id, batch);
+                        let to = CallFor::Get(id, run, batch);
                         Ok(self.calls.post(now, bound, Op::Get(items), to)?)
                     });
                     if let Err(e) = posted {
                         not_posted(&e);
                         self.stats.post_failures += 1;
                         let answer = Err(StoreFault::Transport);
-                        if let Some(m) = self.loads.get_mut(&id) {
-                            let _ = m.handle_event(now, load::Event::GetDone { batch, answer });
+                        if let Some(l) = self.loads.get_mut(&id) {
+                            let ev = load::Event::GetDone { batch, answer };
+                            let _ = l.machine.handle_event(now, ev);
                         }
                     }
                 }
@@ -605,6 +628,12 @@ impl StoreConnector {
                 }
             }
         }
+    }
+
+    /// A new run number.
+    fn run(&mut self) -> Run {
+        self.next_run += 1;
+        Run(self.next_run)
     }
 
     /// Scatter lists of a put; every block was checked when the request

@@ -179,6 +179,9 @@ impl Drop for BackendWorker {
 }
 
 fn serve<B: StoreBackend>(mut backend: B, rx: flume::Receiver<Call>) {
+    // Removed keys of an answer nobody took (a caller that stopped waiting
+    // at its deadline): they ride the next answer instead of being lost.
+    let mut untold: Vec<ChunkKey> = Vec::new();
     for call in rx.iter() {
         let keys = call.op.keys();
         let reply = if Instant::now() >= call.deadline {
@@ -187,13 +190,19 @@ fn serve<B: StoreBackend>(mut backend: B, rx: flume::Receiver<Call>) {
             run(&mut backend, call.op, call.deadline)
         };
         let reply = checked(reply, keys);
-        let removed = backend.take_removed(REMOVED_PER_CALL_MAX);
-        // The caller may be gone (a dropped connector): nothing to tell.
-        let _ = call.reply.send(Done {
+        let room = REMOVED_PER_CALL_MAX.saturating_sub(untold.len());
+        let mut removed = std::mem::take(&mut untold);
+        removed.extend(backend.take_removed(room));
+        let done = Done {
             id: call.id,
             reply,
             removed,
-        });
+        };
+        // The caller may be gone for good (a dropped connector): then the
+        // keys are kept for nobody, within the bound.
+        if let Err(flume::SendError(done)) = call.reply.send(done) {
+            untold = done.removed;
+        }
     }
 }
 
