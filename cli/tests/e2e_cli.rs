@@ -130,3 +130,37 @@ fn demo_with_a_store_saves_dedups_looks_up_loads_and_verifies() {
     let (code, _) = demo(&["--store", "redis://127.0.0.1:6379"]);
     assert_eq!(code, 2);
 }
+
+#[test]
+fn demo_against_a_store_server_process_verifies_every_byte() {
+    use std::io::{BufRead, BufReader};
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["store", "serve", "--listen", "127.0.0.1:0"])
+        .args(["--capacity-bytes", "268435456"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry store serve");
+    let mut line = String::new();
+    let out = server.stdout.take().expect("piped stdout");
+    BufReader::new(out)
+        .read_line(&mut line)
+        .expect("its first line");
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_default()
+        .to_string();
+    let (code, r) = demo(&["--store", &url, "--requests", "6", "--json"]);
+    // Signals end it cleanly (its stats on stderr); kill as a fallback.
+    // SAFETY: a child process we spawned and have not reaped.
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let status = server.wait().expect("the server exits");
+    assert_eq!(code, 0, "{url}: {r}");
+    assert_eq!(r["verify_errors"], 0);
+    assert_eq!(r["load_errors"], 0);
+    assert!(r["loaded_blocks"].as_u64().unwrap() > 0, "{r}");
+    assert!(
+        status.success(),
+        "SIGTERM stops the server cleanly: {status}"
+    );
+}
