@@ -8,8 +8,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::layout::{RankLayout, Region, Stage};
-use kvferry::machines::store::ChunkKey;
+use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry::machines::store::lookup::Lookup;
+use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
 use kvferry::store::{
     GetItem, InprocConfig, InprocStore, PutItem, RemoteConfig, RemoteStore, Scatter, Segment,
     StoreBackend,
@@ -34,6 +35,15 @@ pub struct StoreBenchArgs {
     /// Seconds of timed iterations, in (0, 3600].
     #[arg(long, value_name = "S", default_value_t = 5.0)]
     seconds: f64,
+    /// Hashes of the lookup measured after the timed part (8192: a
+    /// 128k-token request of 16-token blocks); 0 skips it.
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    lookup_hashes: u32,
+    /// TP size of the lookup's engine: every rank's key of every block is
+    /// asked about.
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    lookup_tp: u32,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -62,6 +72,15 @@ pub struct StoreBenchReport {
     pub verify_errors: u64,
     /// Keys a put or get answered with an error.
     pub key_errors: u64,
+    /// Keys one lookup asked about (hashes × TP ranks).
+    pub lookup_keys: u64,
+    /// Tokens the lookup found stored (the first half of its blocks is).
+    pub lookup_hit_tokens: u64,
+    /// Median milliseconds of one lookup.
+    pub lookup_ms_p50: f64,
+    /// Requests to the store per lookup (1: one batched round trip;
+    /// 0 where the store counts none, as the in-process one).
+    pub lookup_round_trips: f64,
 }
 
 /// Runs `kvferry bench store`.
@@ -76,10 +95,10 @@ pub fn main(a: &StoreBenchArgs) -> ExitCode {
             capacity_bytes: capacity,
             ..InprocConfig::default()
         };
-        run(a, InprocStore::new(cfg))
+        run(a, InprocStore::new(cfg), |_| 0)
     } else if a.store.starts_with("kvferry://") {
         match RemoteStore::connect(RemoteConfig::from_url(&a.store)) {
-            Ok(r) => run(a, r),
+            Ok(r) => run(a, r, RemoteStore::round_trips),
             Err(e) => Err(e.to_string()),
         }
     } else {
@@ -119,6 +138,12 @@ fn print_report(r: &StoreBenchReport, json: bool) {
         r.verify_errors,
         r.key_errors
     );
+    if r.lookup_keys > 0 {
+        println!(
+            "lookup of {} keys: p50 {:.2} ms, {} round trip(s) each, {} tokens hit",
+            r.lookup_keys, r.lookup_ms_p50, r.lookup_round_trips, r.lookup_hit_tokens
+        );
+    }
 }
 
 /// The engine memory: `batch` values to put from and as many to get into.
@@ -158,6 +183,19 @@ impl Buffers {
         }
     }
 
+    /// A small value (the lookup's stored keys need only exist): the
+    /// first bytes of the source buffer.
+    fn small(&self) -> Scatter {
+        let len = self.value.min(64);
+        // SAFETY: as for `scatter`.
+        unsafe {
+            Scatter::from_raw(vec![Segment {
+                addr: self.src.as_ptr() as u64,
+                len,
+            }])
+        }
+    }
+
     /// Fresh bytes for iteration `iter`, so a get of stale keys shows.
     fn fill(&mut self, iter: u64) {
         for (i, chunk) in self.src.chunks_mut(8).enumerate() {
@@ -169,7 +207,11 @@ impl Buffers {
     }
 }
 
-fn run<B: StoreBackend>(a: &StoreBenchArgs, mut backend: B) -> Result<StoreBenchReport, String> {
+fn run<B: StoreBackend>(
+    a: &StoreBenchArgs,
+    mut backend: B,
+    round_trips: fn(&B) -> u64,
+) -> Result<StoreBenchReport, String> {
     let len = (a.value_bytes * a.batch) as usize;
     let mut bufs = Buffers {
         src: vec![0; len],
@@ -207,6 +249,9 @@ fn run<B: StoreBackend>(a: &StoreBenchArgs, mut backend: B) -> Result<StoreBench
                 .count() as u64;
         }
         r.iters += 1;
+    }
+    if a.lookup_hashes > 0 {
+        lookup(a, &mut backend, &bufs, round_trips, &mut r)?;
     }
     drop(backend);
     let bytes = (r.iters * a.batch * a.value_bytes) as f64;
@@ -261,4 +306,74 @@ fn median_ms(t: &mut [Duration]) -> f64 {
     }
     t.sort_unstable();
     t[t.len() / 2].as_secs_f64() * 1e3
+}
+
+/// Times the lookup of one long request at TP `lookup_tp` (every rank's
+/// key of every block, one batched existence call) with the first half
+/// of its blocks stored for every rank.
+fn lookup<B: StoreBackend>(
+    a: &StoreBenchArgs,
+    backend: &mut B,
+    bufs: &Buffers,
+    round_trips: fn(&B) -> u64,
+    r: &mut StoreBenchReport,
+) -> Result<(), String> {
+    const BLOCK_TOKENS: u32 = 16;
+    const REPS: usize = 9;
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let keyspace = Keyspace::new(&KeyspaceSpec {
+        model_name: "bench/lookup".into(),
+        model: ModelSpec {
+            layout: LayoutKind::Hnd,
+            total_kv_heads: a.lookup_tp,
+            block_tokens: BLOCK_TOKENS,
+            head_bytes: 256,
+        },
+        dtype: "bf16".into(),
+        tp_size: a.lookup_tp,
+        pp_size: 1,
+        groups: vec![GroupSpec {
+            block_tokens: BLOCK_TOKENS,
+            window_tokens: None,
+        }],
+    })
+    .map_err(|x| e(&x))?;
+    let scope = keyspace.scope(None, &[]).map_err(|x| e(&x))?;
+    let hashes: Vec<BlockHash> = (0..a.lookup_hashes)
+        .map(|i| BlockHash::from_u64(u64::from(i) ^ u64::from(std::process::id()) << 32))
+        .collect();
+    let tokens = a.lookup_hashes * BLOCK_TOKENS;
+    let plan = Lookup::new(&keyspace, &scope, tokens, &[hashes], usize::MAX).map_err(|x| e(&x))?;
+    let keys = plan.keys();
+    let stored = &keys[..keys.len() / 2];
+    for chunk in stored.chunks(4096) {
+        let items: Vec<PutItem> = (chunk.iter())
+            .map(|k| PutItem {
+                key: k.clone(),
+                from: bufs.small(),
+            })
+            .collect();
+        backend
+            .put(&items, Instant::now() + Duration::from_secs(30))
+            .map_err(|x| format!("lookup setup: {x}"))?;
+    }
+    let mut times = Vec::with_capacity(REPS);
+    let trips_before = round_trips(backend);
+    let mut hit = 0;
+    for _ in 0..REPS {
+        let t = Instant::now();
+        let exists = (backend.exists(keys, Instant::now() + Duration::from_secs(30)))
+            .map_err(|x| format!("lookup: {x}"))?;
+        times.push(t.elapsed());
+        hit = plan.resolve(&exists).map_err(|x| e(&x))?.tokens;
+    }
+    r.lookup_round_trips = (round_trips(backend) - trips_before) as f64 / REPS as f64;
+    r.lookup_keys = keys.len() as u64;
+    r.lookup_hit_tokens = u64::from(hit);
+    r.lookup_ms_p50 = median_ms(&mut times);
+    for chunk in stored.chunks(4096) {
+        let _ = backend.remove(chunk, Instant::now() + Duration::from_secs(30));
+    }
+    let _ = backend.take_removed(usize::MAX);
+    Ok(())
 }

@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// Serve `/metrics` and `/health` here (IP:PORT).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
+    /// TCP streams per engine for the data plane (1..=64).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    streams: usize,
     /// Pin the server's executor to this core.
     #[arg(long, value_name = "CORE")]
     core: Option<usize>,
@@ -52,13 +55,18 @@ fn serve(a: &ServeArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let cfg = ServeConfig {
+    let mut cfg = ServeConfig {
         listen: a.listen,
         capacity_bytes: a.capacity_bytes,
         metrics_listen: a.metrics_listen.clone(),
         core: a.core,
         ..ServeConfig::default()
     };
+    cfg.tcp.streams = a.streams;
+    cfg.tcp.inflight_max_bytes = cfg
+        .tcp
+        .inflight_max_bytes
+        .max(cfg.tcp.frame_max_bytes * a.streams as u64);
     let server = match StoreServer::start(cfg) {
         Ok(s) => s,
         Err(e @ kvferry::store::ServeError::Config(_)) => {

@@ -28,6 +28,8 @@
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_lite::{AsyncReadExt, AsyncWriteExt};
@@ -106,6 +108,8 @@ enum Job {
 /// The `kvferry://` backend. See the module docs.
 pub struct RemoteStore {
     jobs: Option<flume::Sender<Job>>,
+    /// Requests sent to the server (hellos included).
+    round_trips: Arc<AtomicU64>,
     join: Option<glommio::ExecutorJoinHandle<()>>,
     removed: Vec<ChunkKey>,
     removed_dropped: u64,
@@ -131,6 +135,8 @@ impl RemoteStore {
             })?,
         };
         let (jobs, rx) = flume::bounded::<Job>(1);
+        let round_trips = Arc::new(AtomicU64::new(0));
+        let trips = Arc::clone(&round_trips);
         let (ready_tx, ready_rx) = flume::bounded::<Result<(), String>>(1);
         let join = LocalExecutorBuilder::new(Placement::Unbound)
             .name("kvferry-store-remote")
@@ -144,7 +150,7 @@ impl RemoteStore {
                     }
                 };
                 let _ = ready_tx.send(Ok(()));
-                let mut engine = Engine::new(transport, server, cfg.connect_timeout);
+                let mut engine = Engine::new(transport, server, cfg.connect_timeout, trips);
                 while let Ok(job) = rx.recv_async().await {
                     engine.run(job).await;
                 }
@@ -157,11 +163,18 @@ impl RemoteStore {
         }
         Ok(RemoteStore {
             jobs: Some(jobs),
+            round_trips,
             join: Some(join),
             removed: Vec::new(),
             removed_dropped: 0,
             removed_lost: 0,
         })
+    }
+
+    /// Requests sent to the server so far, hellos included: one per call
+    /// (a lookup of any size is one).
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::Relaxed)
     }
 
     /// Removed keys dropped here for want of room, and those the server
@@ -384,10 +397,16 @@ struct Engine {
     connect_timeout: Duration,
     control: Option<TcpStream>,
     next_id: u64,
+    round_trips: Arc<AtomicU64>,
 }
 
 impl Engine {
-    fn new(transport: TcpTransport, server: SocketAddr, connect_timeout: Duration) -> Engine {
+    fn new(
+        transport: TcpTransport,
+        server: SocketAddr,
+        connect_timeout: Duration,
+        round_trips: Arc<AtomicU64>,
+    ) -> Engine {
         Engine {
             transport,
             fence: None,
@@ -396,6 +415,7 @@ impl Engine {
             connect_timeout,
             control: None,
             next_id: 1,
+            round_trips,
         }
     }
 
@@ -484,6 +504,7 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
         let stream = self.control.as_mut().ok_or(CallError::Transport)?;
         send(stream, id, &request).await?;
         let (got, reply) = receive(stream).await?;
@@ -501,6 +522,7 @@ impl Engine {
         let endpoint = self.transport.endpoint_addr().to_string();
         let id = self.next_id;
         self.next_id += 1;
+        self.round_trips.fetch_add(1, Ordering::Relaxed);
         send(&mut stream, id, &Request::Hello { endpoint }).await?;
         match receive(&mut stream).await? {
             (
