@@ -1,8 +1,8 @@
 //! Replays the inputs of the fuzz targets over the node's own decoders
 //! through the same properties the fuzzer checks (`fuzz/fuzz_targets/
-//! {tcp_header,plan_spec}_oracle.rs`), so the ordinary test command
+//! {tcp_header,plan_spec,lookup_msg}_oracle.rs`), so the ordinary test command
 //! exercises them: every committed seed under `fuzz/seeds/` must decode
-//! (a header) or plan (a spec), and a sample of a local `fuzz/corpus/`
+//! (a header or a lookup message) or plan (a spec), and a sample of a local `fuzz/corpus/`
 //! (ignored by git; skipped when absent) must keep every property. The wire
 //! seeds are replayed by `machines/tests/fuzz_seeds.rs`.
 
@@ -14,6 +14,9 @@ mod tcp_header_oracle;
 
 #[path = "../fuzz/fuzz_targets/plan_spec_oracle.rs"]
 mod plan_spec_oracle;
+
+#[path = "../fuzz/fuzz_targets/lookup_msg_oracle.rs"]
+mod lookup_msg_oracle;
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
@@ -74,6 +77,28 @@ fn plan_spec_seeds_plan_a_transfer() {
     }
 }
 
+#[test]
+fn lookup_msg_seeds_decode() {
+    use lookup_msg_oracle::Decoded;
+    for (path, bytes) in seeds("lookup_msg_decode") {
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let want = if name.starts_with("query") {
+            Decoded::Query
+        } else {
+            Decoded::Reply
+        };
+        assert_eq!(
+            lookup_msg_oracle::check_lookup_msg(&bytes),
+            want,
+            "{}",
+            path.display()
+        );
+    }
+}
+
 /// A target's oracle; it panics on a broken property.
 type Check = fn(&[u8]);
 
@@ -86,12 +111,15 @@ fn corpus_sample_keeps_the_properties() {
     if !corpus.exists() {
         return;
     }
-    let targets: [(&str, Check); 2] = [
+    let targets: [(&str, Check); 3] = [
         ("tcp_header_decode", |b| {
             let _ = tcp_header_oracle::check_header(b);
         }),
         ("plan_spec", |b| {
             let _ = plan_spec_oracle::check_spec(b);
+        }),
+        ("lookup_msg_decode", |b| {
+            let _ = lookup_msg_oracle::check_lookup_msg(b);
         }),
     ];
     for (target, check) in targets {

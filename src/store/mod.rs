@@ -21,7 +21,9 @@ mod config;
 mod connector;
 pub mod demo;
 pub mod inproc;
+pub mod lookup_server;
 pub mod memory;
+pub mod scheduler;
 pub mod worker;
 
 pub use backend::{
@@ -34,7 +36,9 @@ pub use config::{
 pub use connector::StoreConnector;
 pub use demo::{StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
+pub use lookup_server::{LookupClient, LookupServer};
 pub use memory::{MemoryError, RegisteredMemory};
+pub use scheduler::{PrefixLookup, StoreMeta, StoreScheduler, StoreSchedulerConfig};
 
 use std::time::{Duration, Instant};
 
