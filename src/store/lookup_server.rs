@@ -440,7 +440,8 @@ impl LookupServer {
 
 impl Drop for LookupServer {
     fn drop(&mut self) {
-        if self.stop.send(&[][..], 0).is_err() {
+        // Not waiting: a thread that ended has no peer to take it.
+        if self.stop.send(&[][..], zmq::DONTWAIT).is_err() {
             tracing::warn!("lookup server could not be told to stop");
         }
         if let Some(t) = self.thread.take() {
