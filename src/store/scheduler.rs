@@ -309,6 +309,8 @@ pub struct StoreSchedStats {
     pub delayed_frees: u64,
     /// Requests preempted with their state dropped.
     pub preempted: u64,
+    /// Scheduled requests not tracked, run without the store.
+    pub untracked_scheduled: u64,
 }
 
 /// The scheduler side of store offload. See the module docs.
@@ -528,19 +530,18 @@ impl StoreScheduler {
 
     /// vLLM's `build_connector_meta`: records the step's scheduled
     /// requests and hands over every load planned, the saves of prefixes
-    /// that grew, and the notices since the last call. Validates the whole
-    /// step first: on an error nothing changed.
+    /// that grew, and the notices since the last call. A request not
+    /// tracked (refused when it was matched) runs without the store and
+    /// is counted. Validates the whole step first: on an error nothing
+    /// changed.
     pub fn build_connector_meta(
         &mut self,
         step: &[Scheduled<'_>],
     ) -> Result<StoreMeta, StoreSchedError> {
         let want = self.cfg.groups.len();
-        for s in step {
-            if s.new_block_ids.len() != want {
-                let got = s.new_block_ids.len();
-                return Err(StoreSchedError::GroupCount { got, want });
-            }
-            self.get_mut(s.request_id)?;
+        if let Some(s) = step.iter().find(|s| s.new_block_ids.len() != want) {
+            let got = s.new_block_ids.len();
+            return Err(StoreSchedError::GroupCount { got, want });
         }
         let mut meta = StoreMeta {
             preempted: std::mem::take(&mut self.preempted),
@@ -548,6 +549,10 @@ impl StoreScheduler {
             ..StoreMeta::default()
         };
         for s in step {
+            if self.get_mut(s.request_id).is_err() {
+                self.stats.untracked_scheduled += 1;
+                continue;
+            }
             let id = TransferId::of_request_id(s.request_id);
             if let Some(save) = self.schedule(id, s) {
                 meta.saves.push(save);
@@ -1074,12 +1079,24 @@ mod tests {
                 new_block_ids: &new,
             },
             Scheduled {
-                request_id: "c",
+                request_id: "b",
                 num_scheduled_tokens: 64,
-                new_block_ids: &new,
+                new_block_ids: &[],
             },
         ];
-        assert!(s.build_connector_meta(&bad_step).is_err());
+        let refused = s.build_connector_meta(&bad_step);
+        assert!(matches!(
+            refused,
+            Err(StoreSchedError::GroupCount { got: 0, want: 1 })
+        ));
+        // A request refused when matched runs without the store.
+        let untracked = [Scheduled {
+            request_id: "c",
+            num_scheduled_tokens: 64,
+            new_block_ids: &new,
+        }];
+        assert!(s.build_connector_meta(&untracked).unwrap().is_empty());
+        assert_eq!(s.stats().untracked_scheduled, 1);
         // Nothing of the refused step was recorded.
         assert_eq!(step(&mut s, "a", 16, 0..0).saves[0].token_len, 16);
         let again = s.get_num_new_matched_tokens(
