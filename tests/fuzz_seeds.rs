@@ -1,10 +1,11 @@
 //! Replays the inputs of the fuzz targets over the node's own decoders
 //! through the same properties the fuzzer checks (`fuzz/fuzz_targets/
-//! {tcp_header,plan_spec,lookup_msg}_oracle.rs`), so the ordinary test command
-//! exercises them: every committed seed under `fuzz/seeds/` must decode
-//! (a header or a lookup message) or plan (a spec), and a sample of a local `fuzz/corpus/`
-//! (ignored by git; skipped when absent) must keep every property. The wire
-//! seeds are replayed by `machines/tests/fuzz_seeds.rs`.
+//! {tcp_header,plan_spec,lookup_msg}_oracle.rs`), so the ordinary test
+//! command exercises them: every committed seed under `fuzz/seeds/` must
+//! decode (a header or a lookup message) or plan (a spec), and a sample of
+//! a local `fuzz/corpus/` (ignored by git; skipped when absent) must keep
+//! every property. The wire seeds are replayed by
+//! `machines/tests/fuzz_seeds.rs`.
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -1070,6 +1070,36 @@ mod tests {
             unknown,
             Err(StoreSchedError::UnknownRequest { .. })
         ));
+        let again = s.get_num_new_matched_tokens(
+            &StoreReq {
+                request_id: "b",
+                ..req
+            },
+            0,
+            &mut store(0),
+        );
+        assert!(
+            again.is_ok(),
+            "a request may be asked about again before allocation"
+        );
+        s.update_state_after_alloc("a", &blocks(0..4), 0).unwrap();
+        let again = s.get_num_new_matched_tokens(
+            &StoreReq {
+                request_id: "a",
+                ..req
+            },
+            0,
+            &mut store(0),
+        );
+        assert!(matches!(again, Err(StoreSchedError::WrongState { .. })));
+        assert!(StoreScheduler::new(cfg(0)).is_err());
+    }
+
+    #[test]
+    fn a_refused_step_records_nothing_and_untracked_requests_run_without_the_store() {
+        let mut s = sched();
+        matched(&mut s, "a", 64, 0, 0);
+        matched(&mut s, "b", 64, 0, 0);
         s.update_state_after_alloc("a", &blocks(0..4), 0).unwrap();
         let new = blocks(0..0);
         let bad_step = [
@@ -1099,16 +1129,6 @@ mod tests {
         assert_eq!(s.stats().untracked_scheduled, 1);
         // Nothing of the refused step was recorded.
         assert_eq!(step(&mut s, "a", 16, 0..0).saves[0].token_len, 16);
-        let again = s.get_num_new_matched_tokens(
-            &StoreReq {
-                request_id: "a",
-                ..req
-            },
-            0,
-            &mut store(0),
-        );
-        assert!(matches!(again, Err(StoreSchedError::WrongState { .. })));
-        assert!(StoreScheduler::new(cfg(0)).is_err());
     }
 
     #[test]
