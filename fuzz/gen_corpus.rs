@@ -280,6 +280,48 @@ fn spec_seeds() {
     }
 }
 
+/// Store lookup requests and replies (`kvferry::store::lookup_server`).
+fn lookup_seeds() {
+    use kvferry::store::lookup_server::{encode_query, encode_reply, ServerFault};
+    use kvferry::store::scheduler::LookupQuery;
+    use kvferry_machines::store::lookup::LookupHit;
+    use kvferry_machines::store::BlockHash;
+
+    let target = "lookup_msg_decode";
+    reset(target);
+    let one = LookupQuery {
+        token_len: 63,
+        block_hashes: vec![(0..4).map(BlockHash::from_u64).collect()],
+        lora: None,
+        extra_keys: Vec::new(),
+    };
+    let two = LookupQuery {
+        token_len: 127,
+        block_hashes: vec![
+            (0..8).map(BlockHash::from_u64).collect(),
+            vec![BlockHash::from_bytes(&[0xab; 32]).expect("a 32-byte hash")],
+        ],
+        lora: Some("adapter".into()),
+        extra_keys: vec!["mm:0".into()],
+    };
+    let hit = LookupHit {
+        tokens: 48,
+        load: vec![0..3, 1..3],
+    };
+    let seeds = [
+        ("query_one_group", encode_query(1, &one)),
+        ("query_two_groups_lora", encode_query(2, &two)),
+        ("reply_hit", encode_reply(1, &Ok(hit))),
+        (
+            "reply_failed",
+            encode_reply(2, &Err(ServerFault::StoreTimeout)),
+        ),
+    ];
+    for (name, bytes) in seeds {
+        write(target, name, &bytes.expect("a seed within the bounds"));
+    }
+}
+
 fn main() {
     wire_seeds();
     reset("node_proto_decode");
@@ -287,6 +329,7 @@ fn main() {
     tcp_seeds();
     spec_seeds();
     store_proto_seeds();
+    lookup_seeds();
     println!("seeds written under fuzz/seeds/");
 }
 

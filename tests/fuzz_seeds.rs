@@ -1,10 +1,11 @@
 //! Replays the inputs of the fuzz targets over the node's own decoders
 //! through the same properties the fuzzer checks (`fuzz/fuzz_targets/
-//! {tcp_header,plan_spec,store_proto}_oracle.rs`), so the ordinary test command
-//! exercises them: every committed seed under `fuzz/seeds/` must decode
-//! (a header) or plan (a spec), and a sample of a local `fuzz/corpus/`
-//! (ignored by git; skipped when absent) must keep every property. The wire
-//! seeds are replayed by `machines/tests/fuzz_seeds.rs`.
+//! {tcp_header,plan_spec,store_proto,lookup_msg}_oracle.rs`), so the
+//! ordinary test command exercises them: every committed seed under
+//! `fuzz/seeds/` must decode (a header, a store frame or a lookup message)
+//! or plan (a spec), and a sample of a local `fuzz/corpus/` (ignored by
+//! git; skipped when absent) must keep every property. The wire seeds are
+//! replayed by `machines/tests/fuzz_seeds.rs`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -15,6 +16,8 @@ mod tcp_header_oracle;
 #[path = "../fuzz/fuzz_targets/plan_spec_oracle.rs"]
 mod plan_spec_oracle;
 
+#[path = "../fuzz/fuzz_targets/lookup_msg_oracle.rs"]
+mod lookup_msg_oracle;
 #[path = "../fuzz/fuzz_targets/store_proto_oracle.rs"]
 mod store_proto_oracle;
 
@@ -93,6 +96,28 @@ fn store_proto_seeds_decode() {
     }
 }
 
+#[test]
+fn lookup_msg_seeds_decode() {
+    use lookup_msg_oracle::Decoded;
+    for (path, bytes) in seeds("lookup_msg_decode") {
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let want = if name.starts_with("query") {
+            Decoded::Query
+        } else {
+            Decoded::Reply
+        };
+        assert_eq!(
+            lookup_msg_oracle::check_lookup_msg(&bytes),
+            want,
+            "{}",
+            path.display()
+        );
+    }
+}
+
 /// A target's oracle; it panics on a broken property.
 type Check = fn(&[u8]);
 
@@ -105,7 +130,7 @@ fn corpus_sample_keeps_the_properties() {
     if !corpus.exists() {
         return;
     }
-    let targets: [(&str, Check); 3] = [
+    let targets: [(&str, Check); 4] = [
         ("store_proto_decode", |b| {
             let _ = store_proto_oracle::check_frame(b);
         }),
@@ -114,6 +139,9 @@ fn corpus_sample_keeps_the_properties() {
         }),
         ("plan_spec", |b| {
             let _ = plan_spec_oracle::check_spec(b);
+        }),
+        ("lookup_msg_decode", |b| {
+            let _ = lookup_msg_oracle::check_lookup_msg(b);
         }),
     ];
     for (target, check) in targets {

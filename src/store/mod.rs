@@ -21,10 +21,12 @@ mod config;
 mod connector;
 pub mod demo;
 pub mod inproc;
+pub mod lookup_server;
 pub mod memory;
 pub mod proto;
 pub mod publish;
 pub mod remote;
+pub mod scheduler;
 pub mod server;
 pub mod worker;
 
@@ -38,11 +40,13 @@ pub use config::{
 pub use connector::StoreConnector;
 pub use demo::{StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
+pub use lookup_server::{LookupClient, LookupServer};
 pub use memory::{MemoryError, RegisteredMemory};
 pub use publish::{
     EncodeError, HashEncoding, KvEventBatch, KvEventPublisher, PublishError, PublisherConfig,
 };
 pub use remote::{RemoteConfig, RemoteError, RemoteStore};
+pub use scheduler::{PrefixLookup, StoreMeta, StoreScheduler, StoreSchedulerConfig};
 pub use server::{ServeConfig, ServeError, ServerStats, StoreServer};
 
 use std::time::{Duration, Instant};
