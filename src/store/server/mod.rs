@@ -67,13 +67,19 @@ impl Default for ServeConfig {
 
 /// The data plane's settings for a store: parked waits, since a store
 /// shares its cores with engines and other servers (spinning starves
-/// them; see `kvferry_reactor::PollPolicy`).
+/// them; see `kvferry_reactor::PollPolicy`), and four streams per engine,
+/// the best of 2, 4 and 8 for batches of 32 values of 1 MiB on loopback
+/// (docs/performance.md, "Store").
 pub(crate) fn parked() -> TcpConfig {
     TcpConfig {
         poll: crate::transport::PollPolicy::Park,
+        streams: STORE_STREAMS,
         ..TcpConfig::default()
     }
 }
+
+/// TCP streams per engine of a store's data plane.
+pub const STORE_STREAMS: usize = 4;
 
 /// Why a server did not start.
 #[non_exhaustive]
@@ -438,7 +444,19 @@ impl Arena {
         if ptr.is_null() {
             return Err(alloc());
         }
+        prefault(ptr, size);
         Ok(Arena { ptr, layout })
+    }
+}
+
+/// Touches every page of the arena once, so a store holds its capacity
+/// from the start and its first puts do not stall on page faults.
+fn prefault(ptr: *mut u8, size: usize) {
+    const PAGE: usize = 4096;
+    for off in (0..size).step_by(PAGE) {
+        // SAFETY: inside the allocation of `size` bytes; a volatile write
+        // of the zero already there, so the page is really mapped.
+        unsafe { ptr.add(off).write_volatile(0) };
     }
 }
 
