@@ -278,3 +278,111 @@ fn metrics_are_served_in_prometheus_text() {
     );
     assert!(text.contains("kvferry_store_requests_total "), "{text}");
 }
+
+mod through_the_connector {
+    //! The connector's paths over the server: pressure, and a long lookup
+    //! in one round trip.
+
+    use super::*;
+    use kvferry::machines::common::{BlockId, TransferId};
+    use kvferry::machines::layout::{LayoutKind, ModelSpec};
+    use kvferry::machines::store::events::Medium;
+    use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+    use kvferry::store::{
+        ConnectorConfig, ConnectorLimits, SaveMeta, StoreConnector, StoreRequest,
+    };
+
+    const BLOCK_TOKENS: u32 = 16;
+
+    fn config(tp_size: u32, max_keys_per_batch: usize) -> ConnectorConfig {
+        ConnectorConfig {
+            store: StoreConfig {
+                max_keys_per_batch,
+                ..StoreConfig::default()
+            },
+            keyspace: KeyspaceSpec {
+                model_name: "server/model".into(),
+                model: ModelSpec {
+                    layout: LayoutKind::Hnd,
+                    total_kv_heads: 8,
+                    block_tokens: BLOCK_TOKENS,
+                    head_bytes: 16,
+                },
+                dtype: "bf16".into(),
+                tp_size,
+                pp_size: 1,
+                groups: vec![GroupSpec {
+                    block_tokens: BLOCK_TOKENS,
+                    window_tokens: None,
+                }],
+            },
+            medium: Medium::Cpu,
+            limits: ConnectorLimits::default(),
+        }
+    }
+
+    fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
+        let ids: Vec<u32> = blocks.collect();
+        let meta = SaveMeta {
+            request: StoreRequest {
+                id: TransferId(id),
+                block_hashes: vec![ids.iter().map(|&b| BlockHash::from_u64(b.into())).collect()],
+                block_ids: vec![ids.iter().map(|&b| BlockId(b)).collect()],
+                lora: None,
+                extra_keys: Vec::new(),
+            },
+            token_len: ids.len() as u32 * BLOCK_TOKENS,
+            token_ids: None,
+        };
+        c.start_save(Instant::now(), meta).unwrap();
+        c.wait_for_save();
+        assert_eq!(c.get_finished().0, [TransferId(id)]);
+    }
+
+    #[test]
+    fn a_server_smaller_than_a_batch_takes_the_pressure_path_until_a_save_succeeds() {
+        // One block is 8 heads x 16 tokens x 16 bytes = 2 KiB: room for 3.
+        let kv = Buffer::new(16, 2048, 4);
+        let srv = server(3 * 2048);
+        let mut c = StoreConnector::new(config(1, 8), remote(&srv)).unwrap();
+        // SAFETY: `kv` outlives the connector and is not touched meanwhile.
+        unsafe { c.register_kv_caches(kv.layout()).unwrap() };
+        // 8 puts in one batch: the 4th finds every byte reserved.
+        save(&mut c, 1, 0..8);
+        let s = c.stats();
+        assert_eq!(s.pressure.full_saves, 1, "{s:?}");
+        assert!(s.save_failed_keys >= 5, "{s:?}");
+        assert!(srv.stats().full > 0);
+        // A save that fits clears it.
+        save(&mut c, 2, 8..10);
+        let s = c.stats();
+        assert_eq!(s.pressure.clears, 1, "{s:?}");
+        assert_eq!(s.saved_keys, 3 + 2, "{s:?}");
+    }
+
+    #[test]
+    fn a_128k_token_lookup_at_tp_8_is_one_round_trip() {
+        let kv = Buffer::new(16, 256, 0);
+        let srv = server(1 << 20);
+        let mut c = StoreConnector::new(config(8, 128), remote(&srv)).unwrap();
+        let mut layout = kv.layout();
+        layout.tp_size = 8;
+        layout.regions[0].kv_block_len = 256;
+        // SAFETY: as above.
+        unsafe { c.register_kv_caches(layout).unwrap() };
+        let hashes: Vec<BlockHash> = (0..8192u64).map(BlockHash::from_u64).collect();
+        assert_eq!(c.lookup(8192 * BLOCK_TOKENS, &[hashes.clone()]).unwrap(), 0);
+        let before = srv.stats().requests;
+        assert_eq!(c.lookup(8192 * BLOCK_TOKENS, &[hashes]).unwrap(), 0);
+        assert_eq!(
+            srv.stats().requests - before,
+            1,
+            "one request to the server"
+        );
+        assert_eq!(
+            c.stats().lookup_keys,
+            2 * 8192 * 8,
+            "every rank's key of every block"
+        );
+    }
+}

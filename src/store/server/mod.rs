@@ -43,6 +43,9 @@ pub struct ServeConfig {
     pub metrics_listen: Option<String>,
     /// The data-plane endpoint's settings.
     pub tcp: TcpConfig,
+    /// Most values held at once, whatever their sizes (the index's bound);
+    /// past it the least recently used make room, as for bytes.
+    pub max_values: usize,
     /// Most engine connections served at once; more are closed at once.
     pub max_connections: usize,
     /// The longest budget a request may ask for.
@@ -58,6 +61,7 @@ impl Default for ServeConfig {
             capacity_bytes: 1 << 30,
             metrics_listen: None,
             tcp: parked(),
+            max_values: 1 << 22,
             max_connections: 256,
             budget_max: Duration::from_secs(60),
             core: None,
@@ -419,8 +423,8 @@ fn validate(cfg: &ServeConfig) -> Result<(), ServeError> {
     if cfg.capacity_bytes == 0 || usize::try_from(cfg.capacity_bytes).is_err() {
         return bad("capacity_bytes must be positive and addressable");
     }
-    if cfg.max_connections == 0 || cfg.budget_max.is_zero() {
-        return bad("max_connections and budget_max must be positive");
+    if cfg.max_connections == 0 || cfg.max_values == 0 || cfg.budget_max.is_zero() {
+        return bad("max_connections, max_values and budget_max must be positive");
     }
     cfg.tcp
         .validate()
@@ -494,7 +498,7 @@ impl Server {
         Ok(Server {
             transport,
             arena,
-            space: RefCell::new(Space::new(cfg.capacity_bytes)),
+            space: RefCell::new(Space::new(cfg.capacity_bytes, cfg.max_values)),
             counters,
             budget_max: cfg.budget_max,
             max_connections: cfg.max_connections,

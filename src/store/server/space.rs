@@ -106,6 +106,9 @@ pub struct SpaceStats {
 #[derive(Debug)]
 pub struct Space {
     capacity: u64,
+    /// Most values (reserved or committed) at once: the index's bound,
+    /// whatever their sizes.
+    max_values: usize,
     free: Extents,
     entries: HashMap<Rc<str>, Entry>,
     /// Every entry by its tick, oldest first.
@@ -118,14 +121,15 @@ pub struct Space {
 }
 
 impl Space {
-    /// An empty space of `capacity` bytes.
-    pub fn new(capacity: u64) -> Space {
+    /// An empty space of `capacity` bytes holding at most `max_values`.
+    pub fn new(capacity: u64, max_values: usize) -> Space {
         let mut free = Extents::default();
         if capacity > 0 {
             free.insert(0, capacity);
         }
         Space {
             capacity,
+            max_values,
             free,
             entries: HashMap::new(),
             lru: BTreeMap::new(),
@@ -163,6 +167,12 @@ impl Space {
         }
         if len > self.capacity || len == 0 {
             return Err(KeyAnswer::TooLarge);
+        }
+        while self.entries.len() >= self.max_values {
+            if !self.evict_one() {
+                self.stats.full += 1;
+                return Err(KeyAnswer::Full);
+            }
         }
         let off = loop {
             if let Some(off) = self.free.alloc(len) {
@@ -322,7 +332,7 @@ mod tests {
 
     #[test]
     fn a_reserved_value_is_invisible_until_committed() {
-        let mut s = Space::new(100);
+        let mut s = Space::new(100, 1000);
         assert_eq!(s.reserve("a", 10), Ok(0));
         assert!(!s.exists("a"));
         assert_eq!(s.pin("a", 10), Err(KeyAnswer::NotFound));
@@ -336,7 +346,7 @@ mod tests {
 
     #[test]
     fn eviction_takes_the_least_recently_used_value_nobody_reads() {
-        let mut s = Space::new(30);
+        let mut s = Space::new(30, 1000);
         for k in ["a", "b", "c"] {
             s.reserve(k, 10).unwrap();
             s.commit(k);
@@ -357,7 +367,7 @@ mod tests {
 
     #[test]
     fn the_removed_log_is_bounded_and_counts_what_fell_out() {
-        let mut s = Space::new(1);
+        let mut s = Space::new(1, 1000);
         for i in 0..REMOVED_LOG_MAX + 3 {
             let k = format!("k{i}");
             s.reserve(&k, 1).unwrap();
@@ -368,6 +378,27 @@ mod tests {
         assert_eq!((keys, lost), (vec!["k3".to_string(), "k4".to_string()], 3));
         assert_eq!(next, 5);
         assert_eq!(s.removed_end(), REMOVED_LOG_MAX as u64 + 3);
+    }
+
+    #[test]
+    fn the_index_is_bounded_by_max_values() {
+        let mut s = Space::new(100, 2);
+        for k in ["a", "b"] {
+            s.reserve(k, 1).unwrap();
+        }
+        assert_eq!(
+            s.reserve("c", 1),
+            Err(KeyAnswer::Full),
+            "both still writing"
+        );
+        s.commit("a");
+        assert_eq!(
+            s.reserve("c", 1),
+            Ok(0),
+            "in the room of a, the oldest committed"
+        );
+        assert!(!s.exists("a"));
+        assert_eq!(s.stats().evictions, 1);
     }
 
     #[derive(Clone, Debug)]
@@ -398,7 +429,7 @@ mod tests {
         /// evicted or removed.
         #[test]
         fn extents_never_overlap_and_pins_hold(steps in proptest::collection::vec(step(), 1..200)) {
-            let mut s = Space::new(100);
+            let mut s = Space::new(100, 1000);
             let mut lens = HashMap::new();
             let mut pins: HashMap<u8, u32> = HashMap::new();
             for st in steps {
