@@ -371,7 +371,11 @@ mod through_the_connector {
         // SAFETY: as above.
         unsafe { c.register_kv_caches(layout).unwrap() };
         let hashes: Vec<BlockHash> = (0..8192u64).map(BlockHash::from_u64).collect();
-        assert_eq!(c.lookup(8192 * BLOCK_TOKENS, &[hashes.clone()]).unwrap(), 0);
+        assert_eq!(
+            c.lookup(8192 * BLOCK_TOKENS, std::slice::from_ref(&hashes))
+                .unwrap(),
+            0
+        );
         let before = srv.stats().requests;
         assert_eq!(c.lookup(8192 * BLOCK_TOKENS, &[hashes]).unwrap(), 0);
         assert_eq!(
