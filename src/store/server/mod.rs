@@ -217,88 +217,54 @@ impl ServerCounters {
     }
 }
 
-/// The Prometheus text of a server's stats.
-pub fn metrics_text(s: &ServerStats) -> String {
-    let rows: [(&str, &str, &str, u64); 16] = [
-        ("hits_total", "counter", "gets of a stored value", s.hits),
-        (
-            "misses_total",
-            "counter",
-            "gets of a key not stored",
-            s.misses,
-        ),
+/// Name (after `kvferry_store_`), type, help and value of each metric.
+fn metric_rows(s: &ServerStats) -> [(&'static str, &'static str, &'static str, u64); 16] {
+    let c = "counter";
+    let g = "gauge";
+    [
+        ("hits_total", c, "gets of a stored value", s.hits),
+        ("misses_total", c, "gets of a key not stored", s.misses),
         (
             "evictions_total",
-            "counter",
+            c,
             "values evicted to make room",
             s.evictions,
         ),
-        (
-            "removals_total",
-            "counter",
-            "values removed on request",
-            s.removals,
-        ),
-        ("commits_total", "counter", "puts committed", s.commits),
-        (
-            "full_total",
-            "counter",
-            "puts refused for want of room",
-            s.full,
-        ),
-        (
-            "stored_bytes",
-            "gauge",
-            "bytes of stored values",
-            s.stored_bytes,
-        ),
+        ("removals_total", c, "values removed on request", s.removals),
+        ("commits_total", c, "puts committed", s.commits),
+        ("full_total", c, "puts refused for want of room", s.full),
+        ("stored_bytes", g, "bytes of stored values", s.stored_bytes),
         (
             "used_bytes",
-            "gauge",
+            g,
             "bytes stored or being written",
             s.used_bytes,
         ),
-        ("values", "gauge", "values stored", s.values),
-        (
-            "capacity_bytes",
-            "gauge",
-            "bytes of the arena",
-            s.capacity_bytes,
-        ),
-        (
-            "read_bytes_total",
-            "counter",
-            "bytes read from engines",
-            s.bytes_in,
-        ),
+        ("values", g, "values stored", s.values),
+        ("capacity_bytes", g, "bytes of the arena", s.capacity_bytes),
+        ("read_bytes_total", c, "bytes read from engines", s.bytes_in),
         (
             "written_bytes_total",
-            "counter",
+            c,
             "bytes written to engines",
             s.bytes_out,
         ),
-        ("requests_total", "counter", "requests answered", s.requests),
-        (
-            "refused_total",
-            "counter",
-            "requests refused as a whole",
-            s.refused,
-        ),
-        (
-            "connections",
-            "gauge",
-            "engine connections open",
-            s.connections,
-        ),
+        ("requests_total", c, "requests answered", s.requests),
+        ("refused_total", c, "requests refused as a whole", s.refused),
+        ("connections", g, "engine connections open", s.connections),
         (
             "transfer_failures_total",
-            "counter",
+            c,
             "batches whose bytes did not move",
             s.transfer_failures,
         ),
-    ];
+    ]
+}
+
+/// The Prometheus text of a server's stats.
+pub fn metrics_text(s: &ServerStats) -> String {
     let mut out = String::new();
-    for (name, kind, help, v) in rows {
+    for (name, kind, help, v) in metric_rows(s) {
         let name = format!("kvferry_store_{name}");
         out.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
