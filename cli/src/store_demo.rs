@@ -6,7 +6,10 @@ use std::process::ExitCode;
 
 use kvferry::store::demo::StoreDemo;
 use kvferry::store::inproc::{InprocConfig, InprocStore};
-use kvferry::store::{RemoteConfig, RemoteStore};
+use kvferry::store::{
+    ConnectorError, DemoProgress, RemoteConfig, RemoteStore, StoreBackend, StoreDemoReport,
+};
+use std::io::IsTerminal;
 
 /// The stores `--store` names.
 pub const STORES: &str = "inproc, kvferry://HOST:PORT";
@@ -28,10 +31,10 @@ pub fn main(store: &str, requests: Option<u64>, json: bool) -> ExitCode {
         }
     }
     let report = if store == "inproc" {
-        demo.run(InprocStore::new(InprocConfig::default()))
+        run(&demo, InprocStore::new(InprocConfig::default()), json)
     } else if store.starts_with("kvferry://") {
         match RemoteStore::connect(RemoteConfig::from_url(store)) {
-            Ok(remote) => demo.run(remote),
+            Ok(remote) => run(&demo, remote, json),
             Err(e) => {
                 eprintln!("kvferry demo: --store {store}: {e}");
                 return ExitCode::from(1);
@@ -76,4 +79,34 @@ pub fn main(store: &str, requests: Option<u64>, json: bool) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// Runs the demo, with a progress bar on stderr when it is a terminal and
+/// the output is not JSON.
+fn run<B: StoreBackend>(
+    demo: &StoreDemo,
+    backend: B,
+    json: bool,
+) -> Result<StoreDemoReport, ConnectorError> {
+    let bar = !json && std::io::stderr().is_terminal();
+    let mut draw = |p: DemoProgress| {
+        if !bar {
+            return;
+        }
+        let (what, done, of) = match p {
+            DemoProgress::Saved { done, of } => ("saved ", done, of),
+            DemoProgress::Loaded { done, of } => ("loaded", done, of),
+        };
+        const WIDTH: u32 = 40;
+        let filled = (done * WIDTH / of.max(1)) as usize;
+        eprint!(
+            "\r{what} [{}{}] {done}/{of}",
+            "#".repeat(filled),
+            " ".repeat(WIDTH as usize - filled)
+        );
+        if matches!(p, DemoProgress::Loaded { .. }) && done == of {
+            eprintln!();
+        }
+    };
+    demo.run_observed(backend, &mut draw)
 }

@@ -49,6 +49,25 @@ impl Default for StoreDemo {
     }
 }
 
+/// How far a [`StoreDemo::run_observed`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DemoProgress {
+    /// `done` of `of` requests saved.
+    Saved {
+        /// Requests saved so far.
+        done: u32,
+        /// Requests in all.
+        of: u32,
+    },
+    /// `done` of `of` requests looked up, loaded and verified.
+    Loaded {
+        /// Requests loaded so far.
+        done: u32,
+        /// Requests in all.
+        of: u32,
+    },
+}
+
 /// What the demo found; field names as `kvferry demo --json` prints them.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct StoreDemoReport {
@@ -180,6 +199,16 @@ impl StoreDemo {
 
     /// Runs the demo against `backend`.
     pub fn run<B: StoreBackend>(&self, backend: B) -> Result<StoreDemoReport, ConnectorError> {
+        self.run_observed(backend, &mut |_| {})
+    }
+
+    /// [`StoreDemo::run`], telling `progress` after each request's save
+    /// and each request's load (for a progress bar).
+    pub fn run_observed<B: StoreBackend>(
+        &self,
+        backend: B,
+        progress: &mut dyn FnMut(DemoProgress),
+    ) -> Result<StoreDemoReport, ConnectorError> {
         let per = self.blocks_per_request();
         let kv_block = u64::from(self.kv_heads) * u64::from(self.block_tokens) * self.head_bytes;
         // Saves use the first half of the blocks, loads the second.
@@ -214,6 +243,10 @@ impl StoreDemo {
             c.start_save(Instant::now(), meta)?;
             // One save at a time, so later ones find the shared prefix.
             c.wait_for_save();
+            progress(DemoProgress::Saved {
+                done: r + 1,
+                of: self.requests,
+            });
         }
         let put_time = started.elapsed();
         let _ = c.get_finished();
@@ -224,7 +257,7 @@ impl StoreDemo {
         for r in &mut mem.regions {
             r.fill(0);
         }
-        let latencies = self.load_all(&mut c, &mut mem, &mut report)?;
+        let latencies = self.load_all(&mut c, &mut mem, &mut report, progress)?;
         report.p50_ms = percentile(&latencies, 0.50);
         report.p99_ms = percentile(&latencies, 0.99);
         report.get_gbps = gbps(
@@ -240,6 +273,7 @@ impl StoreDemo {
         c: &mut StoreConnector,
         mem: &mut Memory,
         report: &mut StoreDemoReport,
+        progress: &mut dyn FnMut(DemoProgress),
     ) -> Result<Vec<Duration>, ConnectorError> {
         let per = self.blocks_per_request();
         let half = self.requests * per;
@@ -273,6 +307,10 @@ impl StoreDemo {
                     report.verify_errors += 1;
                 }
             }
+            progress(DemoProgress::Loaded {
+                done: r + 1,
+                of: self.requests,
+            });
         }
         Ok(latencies)
     }

@@ -38,7 +38,7 @@ pub use config::{
     StoreRequest,
 };
 pub use connector::StoreConnector;
-pub use demo::{StoreDemo, StoreDemoReport};
+pub use demo::{DemoProgress, StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use lookup_server::{LookupClient, LookupServer};
 pub use memory::{MemoryError, RegisteredMemory};
