@@ -356,6 +356,7 @@ fn store_proto_seeds() {
             "hello",
             Request::Hello {
                 endpoint: "tcp://127.0.0.1:7600".into(),
+                removed_from: Some(12),
             },
         ),
         ("exists", Request::Exists { keys: keys.clone() }),
@@ -386,6 +387,7 @@ fn store_proto_seeds() {
         answer,
         removed: keys.clone(),
         removed_lost: 1,
+        removed_next: 40,
     };
     let replies = [
         (

@@ -390,3 +390,43 @@ mod through_the_connector {
         );
     }
 }
+
+#[test]
+fn a_hello_naming_an_endpoint_at_another_ip_is_refused() {
+    let srv = server(1 << 20);
+    let mut a = std::net::TcpStream::connect(srv.local_addr()).unwrap();
+    for endpoint in ["tcp://127.0.0.2:7000", "tcp://[::1]:7000", "local://1"] {
+        let hello = Request::Hello {
+            endpoint: endpoint.into(),
+            removed_from: None,
+        };
+        let answer = raw_call(&mut a, &proto::encode(1, &hello).unwrap());
+        assert_eq!(answer, Answer::Refused(Refusal::NoHello), "{endpoint}");
+    }
+}
+
+#[test]
+fn removals_while_an_engine_was_disconnected_are_told_when_it_comes_back() {
+    let srv = server(512);
+    let kv = Buffer::new(4, 256, 1);
+    let mut a = remote(&srv);
+    let mut b = remote(&srv);
+    a.register(&kv.layout()).unwrap();
+    b.register(&kv.layout()).unwrap();
+    let put = |e: &mut RemoteStore, k: &str, block: u64| {
+        let items = [PutItem {
+            key: key(k),
+            from: kv.scatter(block),
+        }];
+        assert_eq!(e.put(&items, far()).unwrap(), [Ok(PutOutcome::Stored)]);
+    };
+    put(&mut a, "a1", 0);
+    // Registering again drops a's connection; b's puts evict a1 meanwhile.
+    a.register(&kv.layout()).unwrap();
+    put(&mut b, "b1", 1);
+    put(&mut b, "b2", 2);
+    assert!(b.take_removed(16).contains(&key("a1")));
+    // a's next call reconnects from where it left off in the log.
+    assert_eq!(a.exists(&[key("a1")], far()).unwrap(), [false]);
+    assert_eq!(a.take_removed(16), [key("a1")]);
+}

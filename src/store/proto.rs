@@ -1,5 +1,5 @@
 //! The control protocol between an engine and `kvferry store serve`
-//! (docs/store.md, "The store server"): existence checks, puts, gets and
+//! (docs/design.md §13, "The store server"): existence checks, puts, gets and
 //! removes of keys. Only control rides it; a value's bytes move over the
 //! tcp data plane, driven by the server (it reads the engine's blocks for
 //! a put and writes them for a get), so neither side copies a value
@@ -29,8 +29,10 @@ pub const MAGIC: [u8; 4] = *b"KVFS";
 pub const VERSION: u16 = 1;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 12;
-/// Most bytes of a frame's body.
-pub const BODY_BYTES_MAX: u32 = 32 << 20;
+/// Most bytes of a frame's body (a lookup of 65 536 keys of about 90
+/// bytes fits six times over). Decoding can take up to eight times it
+/// in memory (a 2-byte segment is a 16-byte `Span`), per connection.
+pub const BODY_BYTES_MAX: u32 = 16 << 20;
 /// Most keys in one request (and answers in one reply).
 pub const KEYS_PER_CALL_MAX: usize = 1 << 16;
 /// Most segments of one value (a block's bytes in each registered region).
@@ -55,6 +57,7 @@ pub struct Item {
     /// The key ([`kvferry_machines::store::ChunkKey`]'s text).
     pub key: String,
     /// The value's pieces, in value order.
+    #[serde(deserialize_with = "bounded::segments")]
     pub segments: Vec<Span>,
 }
 
@@ -65,12 +68,17 @@ pub enum Request {
     /// endpoint listens (`tcp://IP:PORT`), for the server to read and
     /// write the engine's blocks through.
     Hello {
-        /// The endpoint.
+        /// The endpoint; its IP must be the control connection's.
         endpoint: String,
+        /// Where the engine's last connection left off in the server's
+        /// log of removed keys ([`Reply::removed_next`]), so removals
+        /// between two connections are told too; `None` on a first one.
+        removed_from: Option<u64>,
     },
     /// Per key, whether a committed value exists.
     Exists {
         /// The keys.
+        #[serde(deserialize_with = "bounded::keys")]
         keys: Vec<String>,
     },
     /// Store each item's value, read from the engine's memory by the server.
@@ -79,6 +87,7 @@ pub enum Request {
         /// no byte after it.
         budget_ms: u32,
         /// The items.
+        #[serde(deserialize_with = "bounded::items")]
         items: Vec<Item>,
     },
     /// Write each item's value into the engine's memory.
@@ -86,11 +95,13 @@ pub enum Request {
         /// As for `Put`.
         budget_ms: u32,
         /// The items.
+        #[serde(deserialize_with = "bounded::items")]
         items: Vec<Item>,
     },
     /// Remove the keys.
     Remove {
         /// The keys.
+        #[serde(deserialize_with = "bounded::keys")]
         keys: Vec<String>,
     },
 }
@@ -143,9 +154,9 @@ pub enum Answer {
         capacity_bytes: u64,
     },
     /// To `Exists`, one per key.
-    Exists(Vec<bool>),
+    Exists(#[serde(deserialize_with = "bounded::answers")] Vec<bool>),
     /// To `Put`, `Get` or `Remove`, one per key.
-    Keys(Vec<KeyAnswer>),
+    Keys(#[serde(deserialize_with = "bounded::answers")] Vec<KeyAnswer>),
     /// The request as a whole.
     Refused(Refusal),
 }
@@ -158,10 +169,75 @@ pub struct Reply {
     /// Keys evicted or removed since the previous reply on this
     /// connection, at most [`REMOVED_PER_REPLY_MAX`] (for `BlockRemoved`
     /// events).
+    #[serde(deserialize_with = "bounded::removed")]
     pub removed: Vec<String>,
     /// Removed keys this connection will never be told of (they fell out
     /// of the server's bounded log before it asked).
     pub removed_lost: u64,
+    /// The log position after `removed`: the next hello's `removed_from`.
+    pub removed_next: u64,
+}
+
+/// Deserializers that refuse a sequence longer than its bound before
+/// allocating it, so a hostile frame costs at most its bound in memory.
+mod bounded {
+    use std::fmt;
+    use std::marker::PhantomData;
+
+    use serde::de::{self, Deserialize, Deserializer, SeqAccess, Visitor};
+
+    struct Bounded<T, const MAX: usize>(PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>, const MAX: usize> Visitor<'de> for Bounded<T, MAX> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "at most {MAX} elements")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let claimed = seq.size_hint().unwrap_or(0);
+            if claimed > MAX {
+                return Err(de::Error::invalid_length(claimed, &self));
+            }
+            let mut out = Vec::with_capacity(claimed);
+            while let Some(x) = seq.next_element()? {
+                if out.len() == MAX {
+                    return Err(de::Error::invalid_length(MAX + 1, &self));
+                }
+                out.push(x);
+            }
+            Ok(out)
+        }
+    }
+
+    fn vec<'de, D: Deserializer<'de>, T: Deserialize<'de>, const MAX: usize>(
+        d: D,
+    ) -> Result<Vec<T>, D::Error> {
+        d.deserialize_seq(Bounded::<T, MAX>(PhantomData))
+    }
+
+    pub(super) fn keys<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        vec::<_, _, { super::KEYS_PER_CALL_MAX }>(d)
+    }
+
+    pub(super) fn items<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<super::Item>, D::Error> {
+        vec::<_, _, { super::KEYS_PER_CALL_MAX }>(d)
+    }
+
+    pub(super) fn segments<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<super::Span>, D::Error> {
+        vec::<_, _, { super::SEGMENTS_PER_VALUE_MAX }>(d)
+    }
+
+    pub(super) fn answers<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        d: D,
+    ) -> Result<Vec<T>, D::Error> {
+        vec::<_, _, { super::KEYS_PER_CALL_MAX }>(d)
+    }
+
+    pub(super) fn removed<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        vec::<_, _, { super::REMOVED_PER_REPLY_MAX }>(d)
+    }
 }
 
 /// Why bytes are not a frame of this protocol.
@@ -313,7 +389,9 @@ fn check_items(items: &[Item]) -> Result<(), ProtoError> {
 
 fn check_request(req: &Request) -> Result<(), ProtoError> {
     match req {
-        Request::Hello { endpoint } => bound("endpoint bytes", endpoint.len(), ENDPOINT_BYTES_MAX),
+        Request::Hello { endpoint, .. } => {
+            bound("endpoint bytes", endpoint.len(), ENDPOINT_BYTES_MAX)
+        }
         Request::Exists { keys } | Request::Remove { keys } => check_keys(keys),
         Request::Put { items, .. } | Request::Get { items, .. } => check_items(items),
     }
@@ -357,6 +435,7 @@ mod tests {
             answer: Answer::Keys(vec![KeyAnswer::Done, KeyAnswer::WrongSize { got_bytes: 3 }]),
             removed: vec!["kvf1:x".into()],
             removed_lost: 2,
+            removed_next: 9,
         };
         let frame = encode(8, &reply).unwrap();
         assert_eq!(decode_reply(body(&frame)).unwrap(), (8, reply));
@@ -415,9 +494,28 @@ mod tests {
     }
 
     #[test]
+    fn a_sequence_past_its_bound_is_refused_before_it_is_allocated() {
+        // A body claiming 2^20 keys of which it holds none.
+        let mut body = postcard::to_allocvec(&(1u64, 1u32)).unwrap(); // id, Exists
+        body.extend_from_slice(&[0x80, 0x80, 0x40]); // varint 2^20
+        let e = decode_request(&body).unwrap_err();
+        assert!(matches!(e, ProtoError::Body(_)), "{e:?}");
+        let keys = Request::Exists {
+            keys: vec![String::new(); KEYS_PER_CALL_MAX + 1],
+        };
+        let f = encode(1, &keys).unwrap();
+        assert!(decode_request(body_of(&f)).is_err());
+    }
+
+    fn body_of(frame: &[u8]) -> &[u8] {
+        &frame[HEADER_LEN..]
+    }
+
+    #[test]
     fn every_prefix_of_a_frame_fails_cleanly() {
         let req = Request::Hello {
             endpoint: "tcp://127.0.0.1:1".into(),
+            removed_from: Some(3),
         };
         let f = encode(3, &req).unwrap();
         let b = body(&f);

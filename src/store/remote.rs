@@ -1,5 +1,5 @@
 //! The `kvferry://HOST:PORT` backend: an engine's side of `kvferry store
-//! serve` (docs/store.md, "The store server").
+//! serve` (docs/design.md §13, "The store server").
 //!
 //! The engine copies no value: it registers its KV memory with a tcp
 //! data-plane endpoint of its own, tells the server where that endpoint
@@ -13,8 +13,9 @@
 //! thread of this backend. The backend's calls (on the connector's backend
 //! thread) hand each request to it and wait for its answer. For each call
 //! the executor opens the engine's block fence for exactly the blocks of
-//! the call's segments, and closes it when the answer arrives or the
-//! call's deadline passes, *before* it answers; the endpoint checks the
+//! the call's segments, and closes it when the answer arrives or, at the
+//! latest, [`fence_margin`] before the call's deadline, *before* it
+//! answers; the endpoint checks the
 //! fence right before every socket call that touches engine memory, on
 //! the same thread. So the server can touch an engine block only while a
 //! call naming it is out, never after the connector was told the call
@@ -47,6 +48,21 @@ use crate::transport::{RegionId, Transport, TransportError};
 /// Most removed keys held for `take_removed`; more are dropped and counted.
 pub const REMOVED_HELD_MAX: usize = 1 << 16;
 
+/// Bound on connecting to the server, by default.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The least time before a call's deadline at which its fence closes.
+pub const FENCE_MARGIN_MIN: Duration = Duration::from_millis(5);
+
+/// How long before its deadline a call gives up and closes its fence: a
+/// twentieth of the time it has, at least [`FENCE_MARGIN_MIN`], at most
+/// half. The connector hands the blocks back at the deadline; the
+/// executor may be inside one frame's receive when the timer is due, so
+/// the close must come early enough for that frame to end first.
+pub fn fence_margin(left: Duration) -> Duration {
+    (left / 20).max(FENCE_MARGIN_MIN).min(left / 2)
+}
+
 /// How a [`RemoteStore`] runs.
 #[derive(Clone, Debug)]
 pub struct RemoteConfig {
@@ -68,7 +84,7 @@ impl RemoteConfig {
             server: url.strip_prefix("kvferry://").unwrap_or(url).to_string(),
             data_ip: None,
             tcp: super::server::parked(),
-            connect_timeout: Duration::from_secs(2),
+            connect_timeout: CONNECT_TIMEOUT,
         }
     }
 }
@@ -206,7 +222,10 @@ impl RemoteStore {
         let reply = rx.recv().map_err(|_| CallError::Transport)??;
         self.keep_removed(reply.removed, reply.removed_lost);
         match reply.answer {
-            Answer::Refused(_) => Err(CallError::Refused),
+            Answer::Refused(why) => {
+                tracing::warn!("store: the server refused a request: {why:?}");
+                Err(CallError::Refused)
+            }
             a => Ok(a),
         }
     }
@@ -231,9 +250,11 @@ impl Drop for RemoteStore {
     }
 }
 
+/// The server's budget for a call: the time until its fence closes.
 fn budget_ms(deadline: Instant) -> u32 {
     let left = deadline.saturating_duration_since(Instant::now());
-    u32::try_from(left.as_millis()).unwrap_or(u32::MAX)
+    let until_close = left.saturating_sub(fence_margin(left));
+    u32::try_from(until_close.as_millis()).unwrap_or(u32::MAX)
 }
 
 fn items_of<'a>(
@@ -398,6 +419,9 @@ struct Engine {
     control: Option<TcpStream>,
     next_id: u64,
     round_trips: Arc<AtomicU64>,
+    /// The server's log position after its last reply, for the next
+    /// hello: removals between two connections are told too.
+    removed_next: Option<u64>,
 }
 
 impl Engine {
@@ -416,6 +440,7 @@ impl Engine {
             control: None,
             next_id: 1,
             round_trips,
+            removed_next: None,
         }
     }
 
@@ -437,35 +462,46 @@ impl Engine {
 
     /// Registers the KV regions and puts them under a fence, every block
     /// closed; the next call says hello again so the server re-learns
-    /// the regions.
+    /// the regions. The old regions go first and the new fence is set
+    /// before any new region is registered, so no registered byte is
+    /// ever outside the fence (bytes outside it are not fenced).
     fn register(&mut self, layout: &RankLayout) -> Result<(), CallError> {
-        for id in self.regions.drain(..) {
-            let _ = self.transport.unregister(id);
-        }
-        for r in &layout.regions {
-            let len = r.block_len.saturating_mul(layout.num_blocks);
-            let len = usize::try_from(len).map_err(|_| CallError::Refused)?;
-            // SAFETY: the connector's `register_kv_caches` contract: the
-            // memory stays valid while the connector (and so this
-            // backend) lives; the fence keeps the server off every block
-            // no call names.
-            match unsafe { self.transport.register(r.base as *mut u8, len) } {
-                Ok(id) => self.regions.push(id),
-                Err(e) => {
-                    tracing::warn!("store: registering engine memory: {e}");
-                    return Err(CallError::Refused);
-                }
+        self.control = None;
+        while let Some(&id) = self.regions.last() {
+            if let Err(e) = self.transport.unregister(id) {
+                tracing::warn!("store: engine memory still in use: {e}");
+                return Err(CallError::Refused);
             }
+            self.regions.pop();
         }
-        let spans: Vec<(u64, u64)> = layout
-            .regions
-            .iter()
+        let spans: Vec<(u64, u64)> = (layout.regions.iter())
             .map(|r| (r.base, r.block_len))
             .collect();
         let fence = Rc::new(BlockFence::new(&spans, layout.num_blocks));
         self.transport.set_fence(Some(Rc::clone(&fence)));
         self.fence = Some(fence);
-        self.control = None;
+        for r in &layout.regions {
+            let len = usize::try_from(r.block_len.saturating_mul(layout.num_blocks));
+            // SAFETY: the connector's `register_kv_caches` contract: the
+            // memory stays valid while the connector (and so this
+            // backend) lives; the fence keeps the server off every block
+            // no call names.
+            let done = len
+                .map_err(|_| "region too large".to_string())
+                .and_then(|len| unsafe {
+                    (self.transport.register(r.base as *mut u8, len)).map_err(|e| e.to_string())
+                });
+            match done {
+                Ok(id) => self.regions.push(id),
+                Err(e) => {
+                    tracing::warn!("store: registering engine memory: {e}");
+                    for id in self.regions.drain(..) {
+                        let _ = self.transport.unregister(id);
+                    }
+                    return Err(CallError::Refused);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -483,16 +519,30 @@ impl Engine {
             f.open(keys.iter().copied());
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        let answered = futures_lite::future::or(self.exchange(request), async {
-            glommio::timer::Timer::new(left).await;
+        let close_in = left.saturating_sub(fence_margin(left));
+        let answered = if close_in.is_zero() {
             Err(CallError::Timeout)
-        })
-        .await;
+        } else {
+            futures_lite::future::or(self.exchange(request), async {
+                glommio::timer::Timer::new(close_in).await;
+                Err(CallError::Timeout)
+            })
+            .await
+        };
         // Closed before the answer leaves this thread (module docs).
         if let Some(f) = &self.fence {
             f.close(keys.iter().copied());
         }
-        if answered.is_err() {
+        // After a failure, a late reply would answer the next call; after
+        // a refusal, the server may have closed its side.
+        let refused = matches!(
+            &answered,
+            Ok(Reply {
+                answer: Answer::Refused(_),
+                ..
+            })
+        );
+        if answered.is_err() || refused {
             self.control = None;
         }
         answered
@@ -511,6 +561,7 @@ impl Engine {
         if got != id {
             return Err(CallError::Refused);
         }
+        self.removed_next = Some(reply.removed_next);
         Ok(reply)
     }
 
@@ -523,7 +574,11 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         self.round_trips.fetch_add(1, Ordering::Relaxed);
-        send(&mut stream, id, &Request::Hello { endpoint }).await?;
+        let hello = Request::Hello {
+            endpoint,
+            removed_from: self.removed_next,
+        };
+        send(&mut stream, id, &hello).await?;
         match receive(&mut stream).await? {
             (
                 got,
@@ -563,5 +618,19 @@ async fn receive(stream: &mut TcpStream) -> Result<(u64, Reply), CallError> {
 impl From<TransportError> for RemoteError {
     fn from(e: TransportError) -> RemoteError {
         RemoteError::Endpoint(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fence_closes_a_twentieth_early_within_its_bounds() {
+        let ms = Duration::from_millis;
+        assert_eq!(fence_margin(Duration::from_secs(10)), ms(500));
+        assert_eq!(fence_margin(ms(40)), FENCE_MARGIN_MIN);
+        assert_eq!(fence_margin(ms(6)), ms(3), "at most half");
+        assert_eq!(fence_margin(Duration::ZERO), Duration::ZERO);
     }
 }

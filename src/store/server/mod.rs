@@ -1,5 +1,5 @@
-//! `kvferry store serve`: a RAM store several engines share (docs/store.md,
-//! "The store server").
+//! `kvferry store serve`: a RAM store several engines share (docs/design.md
+//! §13, "The store server").
 //!
 //! One glommio executor serves everything: the control connections
 //! ([`super::proto`]), and a tcp data-plane endpoint through which the
@@ -50,6 +50,9 @@ pub struct ServeConfig {
     pub max_connections: usize,
     /// The longest budget a request may ask for.
     pub budget_max: Duration,
+    /// A connection with no request for this long is closed (its engine
+    /// reconnects on its next call).
+    pub idle_max: Duration,
     /// The core the executor is pinned to, if any.
     pub core: Option<usize>,
 }
@@ -64,6 +67,7 @@ impl Default for ServeConfig {
             max_values: 1 << 22,
             max_connections: 256,
             budget_max: Duration::from_secs(60),
+            idle_max: Duration::from_secs(600),
             core: None,
         }
     }
@@ -389,13 +393,20 @@ fn validate(cfg: &ServeConfig) -> Result<(), ServeError> {
     if cfg.capacity_bytes == 0 || usize::try_from(cfg.capacity_bytes).is_err() {
         return bad("capacity_bytes must be positive and addressable");
     }
-    if cfg.max_connections == 0 || cfg.max_values == 0 || cfg.budget_max.is_zero() {
-        return bad("max_connections, max_values and budget_max must be positive");
+    if cfg.max_connections == 0
+        || cfg.max_values == 0
+        || cfg.budget_max.is_zero()
+        || cfg.idle_max.is_zero()
+    {
+        return bad("max_connections, max_values, budget_max and idle_max must be positive");
     }
     cfg.tcp
         .validate()
         .map_err(|e| ServeError::Config(e.to_string()))
 }
+
+/// The arena's alignment, and the stride its pages are faulted in at.
+const PAGE_BYTES: usize = 4096;
 
 /// The arena: zeroed pages from the allocator, touched only by the
 /// transport (registered with it) while the server lives.
@@ -408,7 +419,7 @@ impl Arena {
     fn new(bytes: u64) -> Result<Arena, ServeError> {
         let alloc = || ServeError::Alloc { bytes };
         let size = usize::try_from(bytes).map_err(|_| alloc())?;
-        let layout = Layout::from_size_align(size, 4096).map_err(|_| alloc())?;
+        let layout = Layout::from_size_align(size, PAGE_BYTES).map_err(|_| alloc())?;
         // SAFETY: a layout of non-zero size (validated).
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
@@ -422,8 +433,7 @@ impl Arena {
 /// Touches every page of the arena once, so a store holds its capacity
 /// from the start and its first puts do not stall on page faults.
 fn prefault(ptr: *mut u8, size: usize) {
-    const PAGE: usize = 4096;
-    for off in (0..size).step_by(PAGE) {
+    for off in (0..size).step_by(PAGE_BYTES) {
         // SAFETY: inside the allocation of `size` bytes; a volatile write
         // of the zero already there, so the page is really mapped.
         unsafe { ptr.add(off).write_volatile(0) };
@@ -446,6 +456,7 @@ struct Server {
     space: RefCell<Space>,
     counters: Arc<ServerCounters>,
     budget_max: Duration,
+    idle_max: Duration,
     max_connections: usize,
     /// The sockets of the connections served now.
     conns: RefCell<slab::Slab<std::os::fd::RawFd>>,
@@ -467,6 +478,7 @@ impl Server {
             space: RefCell::new(Space::new(cfg.capacity_bytes, cfg.max_values)),
             counters,
             budget_max: cfg.budget_max,
+            idle_max: cfg.idle_max,
             max_connections: cfg.max_connections,
             conns: RefCell::new(slab::Slab::new()),
             stopping: std::cell::Cell::new(false),
@@ -532,7 +544,7 @@ async fn accept_loop(server: Rc<Server>, listener: TcpListener) {
         let slot = server.conns.borrow_mut().insert(fd);
         let s = Rc::clone(&server);
         glommio::spawn_local(async move {
-            Conn::new(&s).serve(&s, stream).await;
+            Conn::new(&s, &stream).serve(&s, stream).await;
             s.conns.borrow_mut().remove(slot);
             s.counters.connections.fetch_sub(1, Ordering::Relaxed);
         })
@@ -542,6 +554,9 @@ async fn accept_loop(server: Rc<Server>, listener: TcpListener) {
 
 /// One engine's connection.
 struct Conn {
+    /// The engine's address on this connection: a hello must name an
+    /// endpoint at this IP.
+    peer: Option<std::net::IpAddr>,
     endpoint: Option<EndpointAddr>,
     session: Option<TcpSession>,
     /// The next removed key to tell this engine of.
@@ -555,8 +570,9 @@ enum ReadEnd {
 }
 
 impl Conn {
-    fn new(server: &Server) -> Conn {
+    fn new(server: &Server, stream: &TcpStream) -> Conn {
         Conn {
+            peer: stream.peer_addr().ok().map(|a| a.ip()),
             endpoint: None,
             session: None,
             removed_at: server.space.borrow().removed_end(),
@@ -565,7 +581,13 @@ impl Conn {
 
     async fn serve(mut self, server: &Server, mut stream: TcpStream) {
         loop {
-            let (id, req) = match read_request(&mut stream).await {
+            // Idle past the bound: a crashed engine's half-open
+            // connection gives its slot back; a live one reconnects.
+            let idle = async {
+                glommio::timer::Timer::new(server.idle_max).await;
+                Err(ReadEnd::Closed)
+            };
+            let (id, req) = match futures_lite::future::or(read_request(&mut stream), idle).await {
                 Ok(r) => r,
                 Err(ReadEnd::Closed) => return,
                 Err(ReadEnd::Malformed(e)) => {
@@ -594,13 +616,20 @@ impl Conn {
         }
         ServerCounters::add(&server.counters.requests, 1);
         server.publish();
+        // A hello's answer tells none: the engine takes removed keys from
+        // the answers to its calls only.
+        let max = match answer {
+            Answer::Hello { .. } => 0,
+            _ => REMOVED_PER_REPLY_MAX,
+        };
         let (removed, removed_lost, next) =
-            (server.space.borrow()).removed_since(self.removed_at, REMOVED_PER_REPLY_MAX);
+            (server.space.borrow()).removed_since(self.removed_at, max);
         self.removed_at = next;
         let reply = Reply {
             answer,
             removed,
             removed_lost,
+            removed_next: next,
         };
         let frame = proto::encode(id, &reply)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
@@ -609,16 +638,10 @@ impl Conn {
 
     async fn handle(&mut self, server: &Server, req: Request) -> Answer {
         match req {
-            Request::Hello { endpoint } => match endpoint.parse::<EndpointAddr>() {
-                Ok(ep @ EndpointAddr::Tcp(_)) => {
-                    self.endpoint = Some(ep);
-                    self.session = None;
-                    Answer::Hello {
-                        capacity_bytes: server.space.borrow().capacity(),
-                    }
-                }
-                _ => Answer::Refused(Refusal::NoHello),
-            },
+            Request::Hello {
+                endpoint,
+                removed_from,
+            } => self.hello(server, &endpoint, removed_from),
             Request::Exists { keys } => {
                 let space = server.space.borrow();
                 Answer::Exists(keys.iter().map(|k| space.exists(k)).collect())
@@ -627,18 +650,49 @@ impl Conn {
                 let mut space = server.space.borrow_mut();
                 Answer::Keys(keys.iter().map(|k| space.remove(k)).collect())
             }
-            Request::Put { budget_ms, items } => self.put(server, budget_ms, &items).await,
-            Request::Get { budget_ms, items } => self.get(server, budget_ms, &items).await,
+            Request::Put { budget_ms, items } => {
+                self.moved(server, Op::Read, budget_ms, &items).await
+            }
+            Request::Get { budget_ms, items } => {
+                self.moved(server, Op::Write, budget_ms, &items).await
+            }
         }
     }
 
-    /// The session to the engine's endpoint, opened on first use.
-    async fn session(&mut self, server: &Server) -> Result<TcpSession, Refusal> {
+    /// Takes the engine's endpoint: only one at the IP this connection
+    /// comes from, and never the server's own, so a client can point the
+    /// server's reads and writes neither at another engine nor at the
+    /// arena itself.
+    fn hello(&mut self, server: &Server, endpoint: &str, removed_from: Option<u64>) -> Answer {
+        let own = server.transport.endpoint_addr();
+        match endpoint.parse::<EndpointAddr>() {
+            Ok(ep @ EndpointAddr::Tcp(addr)) if Some(addr.ip()) == self.peer && ep != own => {
+                self.endpoint = Some(ep);
+                self.session = None;
+                let space = server.space.borrow();
+                if let Some(from) = removed_from {
+                    // A later position than the log's end is no position.
+                    self.removed_at = from.min(space.removed_end());
+                }
+                Answer::Hello {
+                    capacity_bytes: space.capacity(),
+                }
+            }
+            _ => {
+                tracing::warn!("store server: hello naming {endpoint:?} refused");
+                Answer::Refused(Refusal::NoHello)
+            }
+        }
+    }
+
+    /// The session to the engine's endpoint, opened on first use within
+    /// `bound` (an endpoint that accepts and never answers costs no more).
+    async fn session(&mut self, server: &Server, bound: Duration) -> Result<TcpSession, Refusal> {
         if let Some(s) = &self.session {
             return Ok(s.clone());
         }
         let ep = self.endpoint.ok_or(Refusal::NoHello)?;
-        match server.transport.open(&ep).await {
+        match crate::transport::within(bound, server.transport.open(&ep)).await {
             Ok(s) => {
                 self.session = Some(s.clone());
                 Ok(s)
@@ -650,77 +704,56 @@ impl Conn {
         }
     }
 
-    async fn put(&mut self, server: &Server, budget_ms: u32, items: &[Item]) -> Answer {
-        let session = match self.session(server).await {
+    /// A put (`Op::Read`: the engine's blocks into reserved extents) or a
+    /// get (`Op::Write`: pinned values into the engine's blocks): claim
+    /// each item's extent, move every claimed item's bytes in one batch,
+    /// then settle the claims (commit or abort; unpin).
+    async fn moved(&mut self, server: &Server, op: Op, budget_ms: u32, items: &[Item]) -> Answer {
+        let deadline = Instant::now() + budget(server, budget_ms);
+        let left = deadline.saturating_duration_since(Instant::now());
+        let session = match self.session(server, left).await {
             Ok(s) => s,
             Err(r) => return Answer::Refused(r),
         };
         let regions = session.remote_regions();
         let mut answers = vec![KeyAnswer::Done; items.len()];
-        let mut moving = Vec::new();
+        let mut claimed = Vec::new();
         let mut descs = Vec::new();
         for (i, it) in items.iter().enumerate() {
-            let reserved = value_len(&regions, it)
-                .and_then(|len| server.space.borrow_mut().reserve(&it.key, len));
-            match reserved {
+            let claim = value_len(&regions, it).and_then(|len| {
+                let mut space = server.space.borrow_mut();
+                match op {
+                    Op::Read => space.reserve(&it.key, len),
+                    Op::Write => space.pin(&it.key, len),
+                }
+            });
+            match claim {
                 Ok(off) => {
-                    moving.push(i);
+                    claimed.push(i);
                     push_descs(&mut descs, server.base() + off, it);
                 }
                 Err(a) => answers[i] = a,
             }
         }
-        let moved = self
-            .transfer(server, &session, Op::Read, budget_ms, &descs)
-            .await;
+        let result = self.transfer(server, &session, op, deadline, &descs).await;
         let mut space = server.space.borrow_mut();
-        for &i in &moving {
-            match moved {
-                Ok(()) => space.commit(&items[i].key),
-                Err(a) => {
-                    space.abort(&items[i].key);
-                    answers[i] = a;
-                }
+        for &i in &claimed {
+            let key = &items[i].key;
+            match (op, result) {
+                (Op::Read, Ok(())) => space.commit(key),
+                (Op::Read, Err(_)) => space.abort(key),
+                (Op::Write, _) => space.unpin(key),
             }
-        }
-        if moved.is_ok() {
-            ServerCounters::add(&server.counters.bytes_in, total_bytes(&descs));
-        }
-        Answer::Keys(answers)
-    }
-
-    async fn get(&mut self, server: &Server, budget_ms: u32, items: &[Item]) -> Answer {
-        let session = match self.session(server).await {
-            Ok(s) => s,
-            Err(r) => return Answer::Refused(r),
-        };
-        let regions = session.remote_regions();
-        let mut answers = vec![KeyAnswer::Done; items.len()];
-        let mut pinned = Vec::new();
-        let mut descs = Vec::new();
-        for (i, it) in items.iter().enumerate() {
-            let found =
-                value_len(&regions, it).and_then(|len| server.space.borrow_mut().pin(&it.key, len));
-            match found {
-                Ok(off) => {
-                    pinned.push(i);
-                    push_descs(&mut descs, server.base() + off, it);
-                }
-                Err(a) => answers[i] = a,
-            }
-        }
-        let moved = self
-            .transfer(server, &session, Op::Write, budget_ms, &descs)
-            .await;
-        let mut space = server.space.borrow_mut();
-        for &i in &pinned {
-            space.unpin(&items[i].key);
-            if let Err(a) = moved {
+            if let Err(a) = result {
                 answers[i] = a;
             }
         }
-        if moved.is_ok() {
-            ServerCounters::add(&server.counters.bytes_out, total_bytes(&descs));
+        if result.is_ok() {
+            let counter = match op {
+                Op::Read => &server.counters.bytes_in,
+                Op::Write => &server.counters.bytes_out,
+            };
+            ServerCounters::add(counter, total_bytes(&descs));
         }
         Answer::Keys(answers)
     }
@@ -732,14 +765,12 @@ impl Conn {
         server: &Server,
         session: &TcpSession,
         op: Op,
-        budget_ms: u32,
+        deadline: Instant,
         descs: &[Desc],
     ) -> Result<(), KeyAnswer> {
         if descs.is_empty() {
             return Ok(());
         }
-        let budget = Duration::from_millis(budget_ms.into()).min(server.budget_max);
-        let deadline = Instant::now() + budget;
         match session.transfer_until(op, descs, None, deadline).await {
             Ok(_) => Ok(()),
             Err(e) => {
@@ -753,6 +784,11 @@ impl Conn {
             }
         }
     }
+}
+
+/// A request's budget, cut to the server's bound.
+fn budget(server: &Server, budget_ms: u32) -> Duration {
+    Duration::from_millis(budget_ms.into()).min(server.budget_max)
 }
 
 /// The value's length, once every segment is inside the engine's regions.

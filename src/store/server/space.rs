@@ -75,8 +75,9 @@ struct Entry {
     state: State,
     /// Gets moving its bytes out now.
     readers: u32,
-    /// Its place in the LRU order.
-    tick: u64,
+    /// Its place in the LRU order while it may be evicted (committed,
+    /// nobody reading); `None` otherwise.
+    tick: Option<u64>,
 }
 
 /// Counters of a [`Space`].
@@ -111,7 +112,9 @@ pub struct Space {
     max_values: usize,
     free: Extents,
     entries: HashMap<Rc<str>, Entry>,
-    /// Every entry by its tick, oldest first.
+    /// The entries that may be evicted, by tick, least recently used
+    /// first: eviction takes the first, never scanning past entries in
+    /// use.
     lru: BTreeMap<u64, Rc<str>>,
     next_tick: u64,
     removed: VecDeque<Rc<str>>,
@@ -183,32 +186,34 @@ impl Space {
                 return Err(KeyAnswer::Full);
             }
         };
-        let key: Rc<str> = key.into();
-        let tick = self.tick(&key);
-        self.entries.insert(
-            key,
-            Entry {
-                off,
-                len,
-                state: State::Writing,
-                readers: 0,
-                tick,
-            },
-        );
+        let entry = Entry {
+            off,
+            len,
+            state: State::Writing,
+            readers: 0,
+            tick: None,
+        };
+        self.entries.insert(key.into(), entry);
         self.stats.used_bytes += len;
         Ok(off)
     }
 
     /// Makes a reserved value visible: all its bytes landed.
     pub fn commit(&mut self, key: &str) {
-        if let Some(e) = self.entries.get_mut(key) {
-            if e.state == State::Writing {
-                e.state = State::Committed;
-                self.stats.commits += 1;
-                self.stats.values += 1;
-                self.stats.stored_bytes += e.len;
-            }
+        let Some((key, e)) = self.entries.get_key_value(key) else {
+            return;
+        };
+        if e.state != State::Writing {
+            return;
         }
+        let (key, len) = (Rc::clone(key), e.len);
+        let tick = self.tick(&key);
+        let e = self.entries.get_mut(&key).expect("looked up above");
+        e.state = State::Committed;
+        e.tick = Some(tick);
+        self.stats.commits += 1;
+        self.stats.values += 1;
+        self.stats.stored_bytes += len;
     }
 
     /// Gives a reservation's bytes back: its put failed.
@@ -235,22 +240,33 @@ impl Space {
         if e.len != want {
             return Err(KeyAnswer::WrongSize { got_bytes: e.len });
         }
-        let (old, key) = (e.tick, self.lru.remove(&e.tick));
-        let key = key.expect("every entry is in the LRU order");
-        debug_assert!(old < self.next_tick);
-        let tick = self.tick(&key);
-        let e = self.entries.get_mut(&key).expect("looked up above");
+        // Read now: out of the eviction order until the last reader is
+        // done (`unpin` puts it back as the most recently used).
+        if let Some(t) = e.tick {
+            self.lru.remove(&t);
+        }
+        let e = self.entries.get_mut(key).expect("looked up above");
+        e.tick = None;
         e.readers += 1;
-        e.tick = tick;
         self.stats.hits += 1;
         Ok(e.off)
     }
 
     /// Releases a pin of [`Space::pin`].
     pub fn unpin(&mut self, key: &str) {
-        if let Some(e) = self.entries.get_mut(key) {
-            e.readers = e.readers.saturating_sub(1);
+        let Some((key, e)) = self.entries.get_key_value(key) else {
+            return;
+        };
+        let (key, readers) = (Rc::clone(key), e.readers);
+        if readers != 1 {
+            let e = self.entries.get_mut(&key).expect("looked up above");
+            e.readers = readers.saturating_sub(1);
+            return;
         }
+        let tick = self.tick(&key);
+        let e = self.entries.get_mut(&key).expect("looked up above");
+        e.readers = 0;
+        e.tick = Some(tick);
     }
 
     /// Removes a committed value not in use.
@@ -294,13 +310,9 @@ impl Space {
 
     /// Evicts the least recently used committed value nobody reads.
     fn evict_one(&mut self) -> bool {
-        let victim = (self.lru.values())
-            .find(|k| {
-                let e = &self.entries[&***k];
-                e.state == State::Committed && e.readers == 0
-            })
-            .cloned();
-        let Some(key) = victim else { return false };
+        let Some((_, key)) = self.lru.pop_first() else {
+            return false;
+        };
         self.drop_entry(&key);
         self.stats.evictions += 1;
         true
@@ -310,7 +322,9 @@ impl Space {
         let Some((key, e)) = self.entries.remove_entry(key) else {
             return;
         };
-        self.lru.remove(&e.tick);
+        if let Some(t) = e.tick {
+            self.lru.remove(&t);
+        }
         self.free.insert(e.off, e.len);
         self.stats.used_bytes -= e.len;
         if e.state == State::Committed {
