@@ -324,6 +324,29 @@ pub fn encode<T: Serialize>(id: u64, msg: &T) -> Result<Vec<u8>, ProtoError> {
     Ok(out)
 }
 
+/// Why [`read_body`] returned no body.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The stream ended or failed.
+    Closed,
+    /// The header is not one of this protocol.
+    Malformed(ProtoError),
+}
+
+/// The body of the next frame on `stream`: its header read and checked
+/// first, so no more than [`BODY_BYTES_MAX`] is ever allocated.
+pub async fn read_body<R: futures_lite::AsyncRead + Unpin>(
+    stream: &mut R,
+) -> Result<Vec<u8>, ReadError> {
+    use futures_lite::AsyncReadExt;
+    let mut header = [0u8; HEADER_LEN];
+    (stream.read_exact(&mut header).await).map_err(|_| ReadError::Closed)?;
+    let len = decode_header(&header).map_err(ReadError::Malformed)?;
+    let mut body = vec![0u8; len as usize];
+    (stream.read_exact(&mut body).await).map_err(|_| ReadError::Closed)?;
+    Ok(body)
+}
+
 /// A request's id and the request, from a frame's body.
 pub fn decode_request(body: &[u8]) -> Result<(u64, Request), ProtoError> {
     let (id, req): (u64, Request) = decode_body(body)?;

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use futures_lite::AsyncWriteExt;
 use glommio::net::TcpStream;
 use glommio::{LocalExecutorBuilder, Placement};
 use kvferry_machines::layout::RankLayout;
@@ -601,17 +601,10 @@ async fn send(stream: &mut TcpStream, id: u64, request: &Request) -> Result<(), 
 }
 
 async fn receive(stream: &mut TcpStream) -> Result<(u64, Reply), CallError> {
-    let mut header = [0u8; proto::HEADER_LEN];
-    stream
-        .read_exact(&mut header)
-        .await
-        .map_err(|_| CallError::Transport)?;
-    let len = proto::decode_header(&header).map_err(|_| CallError::Refused)?;
-    let mut body = vec![0u8; len as usize];
-    stream
-        .read_exact(&mut body)
-        .await
-        .map_err(|_| CallError::Transport)?;
+    let body = proto::read_body(stream).await.map_err(|e| match e {
+        proto::ReadError::Closed => CallError::Transport,
+        proto::ReadError::Malformed(_) => CallError::Refused,
+    })?;
     proto::decode_reply(&body).map_err(|_| CallError::Refused)
 }
 

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_lite::{AsyncReadExt, AsyncWriteExt};
+use futures_lite::AsyncWriteExt;
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
 
@@ -818,16 +818,11 @@ fn total_bytes(descs: &[Desc]) -> u64 {
     descs.iter().map(|d| d.len_bytes).sum()
 }
 
-/// The next request of a connection: a header, then its body.
+/// The next request of a connection.
 async fn read_request(stream: &mut TcpStream) -> Result<(u64, Request), ReadEnd> {
-    let mut header = [0u8; proto::HEADER_LEN];
-    if stream.read_exact(&mut header).await.is_err() {
-        return Err(ReadEnd::Closed);
+    match proto::read_body(stream).await {
+        Ok(body) => proto::decode_request(&body).map_err(ReadEnd::Malformed),
+        Err(proto::ReadError::Closed) => Err(ReadEnd::Closed),
+        Err(proto::ReadError::Malformed(e)) => Err(ReadEnd::Malformed(e)),
     }
-    let len = proto::decode_header(&header).map_err(ReadEnd::Malformed)?;
-    let mut body = vec![0u8; len as usize];
-    if stream.read_exact(&mut body).await.is_err() {
-        return Err(ReadEnd::Closed);
-    }
-    proto::decode_request(&body).map_err(ReadEnd::Malformed)
 }
