@@ -330,7 +330,7 @@ mod through_the_connector {
     use kvferry::machines::store::events::Medium;
     use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
     use kvferry::store::{
-        ConnectorConfig, ConnectorLimits, SaveMeta, StoreConnector, StoreRequest,
+        ConnectorConfig, ConnectorLimits, LoadMeta, SaveMeta, StoreConnector, StoreRequest,
     };
 
     const BLOCK_TOKENS: u32 = 16;
@@ -364,16 +364,23 @@ mod through_the_connector {
         }
     }
 
+    /// Block `b` of the request holds hash `b`'s KV.
+    fn request(id: u64, hashes: &[u32], blocks: &[u32]) -> StoreRequest {
+        StoreRequest {
+            id: TransferId(id),
+            block_hashes: vec![(hashes.iter())
+                .map(|&h| BlockHash::from_u64(h.into()))
+                .collect()],
+            block_ids: vec![blocks.iter().map(|&b| BlockId(b)).collect()],
+            lora: None,
+            extra_keys: Vec::new(),
+        }
+    }
+
     fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
         let ids: Vec<u32> = blocks.collect();
         let meta = SaveMeta {
-            request: StoreRequest {
-                id: TransferId(id),
-                block_hashes: vec![ids.iter().map(|&b| BlockHash::from_u64(b.into())).collect()],
-                block_ids: vec![ids.iter().map(|&b| BlockId(b)).collect()],
-                lora: None,
-                extra_keys: Vec::new(),
-            },
+            request: request(id, &ids, &ids),
             token_len: ids.len() as u32 * BLOCK_TOKENS,
             token_ids: None,
         };
@@ -399,5 +406,58 @@ mod through_the_connector {
         save(&mut c, 2, 32..34);
         let s = c.stats();
         assert_eq!(s.pressure.clears, 1, "{s:?}");
+    }
+
+    #[test]
+    fn a_value_corrupted_in_redis_is_a_load_error_for_exactly_its_block() {
+        let srv = Redis::start(&[]);
+        let mut kv = Buffer::new(8, 8 * BLOCK_TOKENS as u64 * HEAD_BYTES, 0xEE);
+        for b in 0..4 {
+            let at = (b * kv.block) as usize;
+            kv.bytes[at..at + kv.block as usize].fill(b as u8 + 1);
+        }
+        let mut c = StoreConnector::new(config(), srv.store()).unwrap();
+        // SAFETY: `kv` outlives the connector and is not touched meanwhile.
+        unsafe { c.register_kv_caches(kv.layout()).unwrap() };
+        save(&mut c, 1, 0..4);
+        // Flip one payload byte of block 2's value, behind kvferry's back.
+        let mut raw = srv.client();
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut raw).unwrap();
+        assert_eq!(keys.len(), 4);
+        let block_2 = (keys.iter())
+            .find(|k| {
+                let v: Vec<u8> = redis::cmd("GET").arg(*k).query(&mut raw).unwrap();
+                v.get(kvferry::store::redis::HEADER_BYTES) == Some(&3)
+            })
+            .unwrap();
+        let mut v: Vec<u8> = redis::cmd("GET").arg(block_2).query(&mut raw).unwrap();
+        *v.last_mut().unwrap() ^= 1;
+        redis::cmd("SET")
+            .arg(block_2)
+            .arg(v)
+            .exec(&mut raw)
+            .unwrap();
+        // Load hashes 0..4 into blocks 4..8.
+        let hashes = [0, 1, 2, 3];
+        let ask = vec![(hashes.iter())
+            .map(|&h| BlockHash::from_u64(h))
+            .collect::<Vec<_>>()];
+        let hit = {
+            let scope = c.keyspace().scope(None, &[]).unwrap();
+            c.lookup_hit(&scope, 4 * BLOCK_TOKENS, &ask).unwrap()
+        };
+        assert_eq!(hit.tokens, 4 * BLOCK_TOKENS);
+        let meta = LoadMeta {
+            request: request(2, &[0, 1, 2, 3], &[4, 5, 6, 7]),
+            hit,
+            local_tokens: 0,
+        };
+        c.start_load_kv(Instant::now(), meta).unwrap();
+        c.wait_for_load();
+        assert_eq!(c.get_finished().1, [TransferId(2)]);
+        assert_eq!(c.block_ids_with_load_errors(), [BlockId(6)]);
+        for (b, fill) in [(4, 1), (5, 2), (6, 0xEE), (7, 4)] {
+            assert!(kv.block(b).iter().all(|&x| x == fill), "block {b}");
+        }
     }
 }
