@@ -321,6 +321,47 @@ fn a_server_that_never_answers_times_the_call_out_at_its_deadline() {
     drop(silent);
 }
 
+/// A fake server that answers every connection's first read with `reply`
+/// and then keeps it open until the test ends.
+fn hostile(reply: &'static [u8]) -> (RedisStore, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", l.local_addr().unwrap());
+    let t = std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let mut buf = [0u8; 4096];
+        let _ = s.read(&mut buf);
+        let _ = s.write_all(reply);
+        // Until the client hangs up.
+        let _ = s.read(&mut buf);
+    });
+    (RedisStore::new(RedisConfig::from_url(&url).unwrap()), t)
+}
+
+#[test]
+fn replies_no_redis_command_gives_are_refused_calls_not_panics() {
+    let kv = Buffer::new(1, 256, 5);
+    let cases: [(&[u8], CallError); 7] = [
+        (b"*1\r\n:1\r\n", CallError::Refused),
+        (b":7\r\n", CallError::Refused),
+        (b"$99999999999\r\n", CallError::Refused),
+        (b"$-7\r\n", CallError::Refused),
+        (b"$3\r\nabcXY", CallError::Refused),
+        (b"%\xff\r\n", CallError::Refused),
+        // Half a line, then silence: the deadline ends the call.
+        (b"+OK", CallError::Timeout),
+    ];
+    for (reply, want) in cases {
+        let (mut store, t) = hostile(reply);
+        let deadline = Instant::now() + Duration::from_millis(500);
+        let got = store.get(&[kv.get("a", 0)], deadline);
+        assert_eq!(got, Err(want), "{:?}", String::from_utf8_lossy(reply));
+        drop(store);
+        t.join().unwrap();
+    }
+    assert!(kv.block(0).iter().all(|&b| b == 5), "nothing written");
+}
+
 mod through_the_connector {
     //! The connector's pressure path over a Redis with `noeviction`.
 

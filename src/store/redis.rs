@@ -19,15 +19,21 @@
 //!   server is picked up by itself.
 //!
 //! The `redis` crate (no default features: no async runtime) encodes the
-//! commands and parses the replies; its parser bounds nesting depth, and
-//! a reply is buffered only as far as the server actually sends it.
+//! commands. The replies are read here, not by the crate's connection:
+//! its connection waits the socket timeout once per missing reply of a
+//! pipeline, so a silent server would hold a batch of N keys for N
+//! timeouts. The reader takes only the reply kinds these commands give
+//! (`+OK`, `-ERR`, `:N`, `$N`, nil), each line within [`LINE_BYTES_MAX`]
+//! and each bulk within [`BULK_BYTES_MAX`]; anything else is
+//! [`CallError::Refused`] and drops the connection. A bulk reply is read
+//! into one buffer kept by the connection, checked, and copied into the
+//! block: one copy on the way in.
 
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use kvferry_machines::store::ChunkKey;
-use redis::Value;
 
 use super::backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, StoreBackend,
@@ -40,6 +46,14 @@ pub const VERSION: u32 = 1;
 /// Bytes of the header: magic, version (u32 LE), payload length (u64 LE),
 /// CRC-32 of the payload (u32 LE).
 pub const HEADER_BYTES: usize = 20;
+/// Bytes read from the socket at most per system call.
+pub const READ_BUFFER_BYTES: usize = 1 << 20;
+/// Longest reply line read (status, error, integer, bulk length): past it
+/// the server is not speaking RESP to us.
+pub const LINE_BYTES_MAX: usize = 64 << 10;
+/// Largest bulk reply read, Redis's own `proto-max-bulk-len` default
+/// (512 MiB); a longer one is refused before any of it is buffered.
+pub const BULK_BYTES_MAX: usize = 512 << 20;
 /// Environment variable naming a file whose first line is the password
 /// (so it never has to be on a command line).
 pub const PASSWORD_FILE_ENV: &str = "KVFERRY_REDIS_PASSWORD_FILE";
@@ -186,14 +200,16 @@ impl RedisStore {
         self.stats.round_trips
     }
 
-    /// Sends `packed` (`count` commands) and reads their `count` replies,
-    /// all by `deadline`; any failure drops the connection.
-    fn pipeline(
+    /// Sends `packed` (`count` commands) and hands each reply to `one`
+    /// as it arrives, all by `deadline`; any failure, or a reply `one`
+    /// does not expect (`None`), drops the connection.
+    fn pipeline<T>(
         &mut self,
         packed: &[u8],
         count: usize,
         deadline: Instant,
-    ) -> Result<Vec<Value>, CallError> {
+        one: impl FnMut(usize, Reply<'_>) -> Option<Result<T, ItemError>>,
+    ) -> Answers<T> {
         if Instant::now() >= deadline {
             return Err(CallError::Timeout);
         }
@@ -204,19 +220,35 @@ impl RedisStore {
         }
         let conn = self.conn.as_mut().ok_or(CallError::Transport)?;
         self.stats.round_trips += 1;
-        let replies = conn.exchange(packed, count, deadline);
-        if replies.is_err() {
+        let answers = conn.exchange(packed, count, deadline, one);
+        if answers.is_err() {
             self.conn = None;
         }
-        replies
+        answers
     }
 }
 
-/// One connection: the socket, the deadline its reads and writes keep, and
-/// the reply parser (which holds bytes read ahead).
+/// One reply, of the kinds `EXISTS`, `SET`, `GET`, `DEL` and `AUTH` give.
+#[derive(Debug)]
+enum Reply<'a> {
+    /// `+OK`.
+    Ok,
+    /// `$-1` or `_`.
+    Nil,
+    /// `:N`.
+    Int(i64),
+    /// `$N`: the bytes.
+    Bulk(&'a [u8]),
+    /// `-CODE detail`: the code.
+    Error(&'a str),
+}
+
+/// One connection: the socket, the deadline its reads and writes keep, its
+/// read buffer, and the buffer the current bulk reply is read into.
 struct Conn {
-    io: DeadlineStream,
-    parser: redis::Parser,
+    io: io::BufReader<DeadlineStream>,
+    line: Vec<u8>,
+    bulk: Vec<u8>,
 }
 
 impl Conn {
@@ -229,9 +261,11 @@ impl Conn {
         }
         let stream = TcpStream::connect_timeout(&addr, wait).map_err(io_error)?;
         let _ = stream.set_nodelay(true);
+        let io = DeadlineStream { stream, deadline };
         let mut conn = Conn {
-            io: DeadlineStream { stream, deadline },
-            parser: redis::Parser::new(),
+            io: io::BufReader::with_capacity(READ_BUFFER_BYTES, io),
+            line: Vec::new(),
+            bulk: Vec::new(),
         };
         if let Some(password) = &cfg.password {
             let mut auth = redis::cmd("AUTH");
@@ -239,38 +273,81 @@ impl Conn {
                 auth.arg(user);
             }
             auth.arg(password);
-            match conn
-                .exchange(&auth.get_packed_command(), 1, deadline)?
-                .pop()
-            {
-                Some(Value::Okay) => {}
-                _ => return Err(CallError::Refused),
+            let ok = conn.exchange(&auth.get_packed_command(), 1, deadline, |_, r| {
+                Some(match r {
+                    Reply::Ok => Ok(()),
+                    _ => Err(ItemError::Transport),
+                })
+            })?;
+            if ok != [Ok(())] {
+                return Err(CallError::Refused);
             }
         }
         Ok(conn)
     }
 
-    fn exchange(
+    fn exchange<T>(
         &mut self,
         packed: &[u8],
         count: usize,
         deadline: Instant,
-    ) -> Result<Vec<Value>, CallError> {
-        self.io.deadline = deadline;
-        self.io.write_all(packed).map_err(io_error)?;
-        let mut replies = Vec::with_capacity(count);
-        while replies.len() < count {
-            match self.parser.parse_value(&mut self.io) {
-                // RESP3 pushes are not replies; RESP2 (the default) has none.
-                Ok(Value::Push { .. }) => {}
-                Ok(v) => replies.push(v),
-                Err(e) => return Err(redis_error(&e)),
-            }
+        mut one: impl FnMut(usize, Reply<'_>) -> Option<Result<T, ItemError>>,
+    ) -> Answers<T> {
+        self.io.get_mut().deadline = deadline;
+        self.io.get_mut().write_all(packed).map_err(io_error)?;
+        let mut answers = Vec::with_capacity(count);
+        for i in 0..count {
+            let reply = self.read_reply()?;
+            let answer = match reply {
+                Reply::Error(code) => Some(Err(server_error(code))),
+                r => one(i, r),
+            };
+            answers.push(answer.ok_or(CallError::Refused)?);
         }
-        Ok(replies)
+        Ok(answers)
+    }
+
+    /// Reads one reply; a kind our commands never get, or a line or bulk
+    /// past its bound, is `Refused`.
+    fn read_reply(&mut self) -> Result<Reply<'_>, CallError> {
+        self.line.clear();
+        let mut limited = (&mut self.io).take(LINE_BYTES_MAX as u64);
+        limited
+            .read_until(b'\n', &mut self.line)
+            .map_err(io_error)?;
+        let Some(body) = self.line.strip_suffix(b"\r\n") else {
+            // EOF, or a line past its bound.
+            return Err(if self.line.is_empty() {
+                CallError::Transport
+            } else {
+                CallError::Refused
+            });
+        };
+        let (kind, rest) = body.split_first().ok_or(CallError::Refused)?;
+        let text = std::str::from_utf8(rest).map_err(|_| CallError::Refused)?;
+        let int = || text.parse::<i64>().map_err(|_| CallError::Refused);
+        match kind {
+            b'+' if text == "OK" => Ok(Reply::Ok),
+            b'-' => Ok(Reply::Error(text.split(' ').next().unwrap_or(""))),
+            b':' => Ok(Reply::Int(int()?)),
+            b'_' => Ok(Reply::Nil),
+            b'$' => match int()? {
+                -1 => Ok(Reply::Nil),
+                n if (0..=BULK_BYTES_MAX as i64).contains(&n) => {
+                    self.bulk.clear();
+                    self.bulk.resize(n as usize + 2, 0);
+                    self.io.read_exact(&mut self.bulk).map_err(io_error)?;
+                    match self.bulk.strip_suffix(b"\r\n") {
+                        Some(bytes) => Ok(Reply::Bulk(bytes)),
+                        None => Err(CallError::Refused),
+                    }
+                }
+                _ => Err(CallError::Refused),
+            },
+            _ => Err(CallError::Refused),
+        }
     }
 }
-
 /// A socket whose every read and write waits at most until `deadline`.
 struct DeadlineStream {
     stream: TcpStream,
@@ -314,17 +391,6 @@ fn io_error(e: io::Error) -> CallError {
     match e.kind() {
         io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => CallError::Timeout,
         _ => CallError::Transport,
-    }
-}
-
-fn redis_error(e: &redis::RedisError) -> CallError {
-    if e.is_timeout() {
-        CallError::Timeout
-    } else if e.is_io_error() {
-        CallError::Transport
-    } else {
-        // A reply that does not parse: the server speaks something else.
-        CallError::Refused
     }
 }
 
@@ -410,31 +476,12 @@ pub fn payload(value: &[u8], want_bytes: u64) -> Result<&[u8], ItemError> {
 
 /// A key's error reply: `OOM` is the pressure path; any other is this
 /// key's failure.
-fn server_error(e: &redis::ServerError) -> ItemError {
-    match e.code() {
+fn server_error(code: &str) -> ItemError {
+    match code {
         "OOM" => ItemError::Full,
         "WRONGTYPE" => ItemError::Corrupt,
         _ => ItemError::Transport,
     }
-}
-
-/// Checks the reply count, then maps each reply; a reply of a shape the
-/// command never gives is the whole call refused.
-fn answers<T>(
-    replies: Vec<Value>,
-    want: usize,
-    mut one: impl FnMut(usize, Value) -> Option<Result<T, ItemError>>,
-) -> Answers<T> {
-    if replies.len() != want {
-        return Err(CallError::Refused);
-    }
-    (replies.into_iter().enumerate())
-        .map(|(i, v)| match v {
-            Value::ServerError(e) => Some(Err(server_error(&e))),
-            v => one(i, v),
-        })
-        .collect::<Option<Vec<_>>>()
-        .ok_or(CallError::Refused)
 }
 
 fn write_value(into: &Scatter, value: &[u8], deadline: Instant) -> Result<(), ItemError> {
@@ -454,35 +501,30 @@ impl StoreBackend for RedisStore {
 
     fn exists(&mut self, keys: &[ChunkKey], deadline: Instant) -> Result<Vec<bool>, CallError> {
         let (buf, n) = packed("EXISTS", keys.iter().map(ChunkKey::as_str));
-        let replies = self.pipeline(&buf, n, deadline)?;
-        let found = answers(replies, n, |_, v| match v {
-            Value::Int(0) => Some(Ok(false)),
-            Value::Int(1) => Some(Ok(true)),
+        let found = self.pipeline(&buf, n, deadline, |_, r| match r {
+            Reply::Int(0) => Some(Ok(false)),
+            Reply::Int(1) => Some(Ok(true)),
             _ => None,
         })?;
-        found
-            .into_iter()
+        (found.into_iter())
             .map(|r| r.map_err(|_| CallError::Refused))
             .collect()
     }
 
     fn put(&mut self, items: &[PutItem], deadline: Instant) -> Answers<PutOutcome> {
         let buf = packed_puts(items, deadline)?;
-        let replies = self.pipeline(&buf, items.len(), deadline)?;
-        answers(replies, items.len(), |_, v| match v {
-            Value::Okay => Some(Ok(PutOutcome::Stored)),
-            Value::SimpleString(s) if s == "OK" => Some(Ok(PutOutcome::Stored)),
-            Value::Nil => Some(Ok(PutOutcome::Exists)),
+        self.pipeline(&buf, items.len(), deadline, |_, r| match r {
+            Reply::Ok => Some(Ok(PutOutcome::Stored)),
+            Reply::Nil => Some(Ok(PutOutcome::Exists)),
             _ => None,
         })
     }
 
     fn get(&mut self, items: &[GetItem], deadline: Instant) -> Answers<()> {
         let (buf, n) = packed("GET", items.iter().map(|it| it.key.as_str()));
-        let replies = self.pipeline(&buf, n, deadline)?;
-        let got = answers(replies, n, |i, v| match v {
-            Value::Nil => Some(Err(ItemError::NotFound)),
-            Value::BulkString(bytes) => Some(write_value(&items[i].into, &bytes, deadline)),
+        let got = self.pipeline(&buf, n, deadline, |i, r| match r {
+            Reply::Nil => Some(Err(ItemError::NotFound)),
+            Reply::Bulk(bytes) => Some(write_value(&items.get(i)?.into, bytes, deadline)),
             _ => None,
         })?;
         let corrupt = got
@@ -495,10 +537,9 @@ impl StoreBackend for RedisStore {
 
     fn remove(&mut self, keys: &[ChunkKey], deadline: Instant) -> Answers<()> {
         let (buf, n) = packed("DEL", keys.iter().map(ChunkKey::as_str));
-        let replies = self.pipeline(&buf, n, deadline)?;
-        answers(replies, n, |_, v| match v {
-            Value::Int(1) => Some(Ok(())),
-            Value::Int(0) => Some(Err(ItemError::NotFound)),
+        self.pipeline(&buf, n, deadline, |_, r| match r {
+            Reply::Int(1) => Some(Ok(())),
+            Reply::Int(0) => Some(Err(ItemError::NotFound)),
             _ => None,
         })
     }
