@@ -49,8 +49,11 @@ impl Redis {
             let pong = redis::Client::open(self.url())
                 .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c));
-            if pong.is_ok() {
-                return;
+            // Any answer from Redis (`NOAUTH` included) means it is up.
+            match pong {
+                Ok(_) => return,
+                Err(e) if !e.is_io_error() => return,
+                Err(_) => {}
             }
             assert!(Instant::now() < until, "redis-server answered no PING");
             // Between attempts to connect to a server still starting.
@@ -319,6 +322,23 @@ fn a_server_that_never_answers_times_the_call_out_at_its_deadline() {
     // Returned by the deadline, give or take the scheduler.
     assert!(Instant::now() < deadline + Duration::from_secs(2));
     drop(silent);
+}
+
+#[test]
+fn a_password_in_the_url_is_sent_with_auth_and_a_wrong_one_is_refused() {
+    let srv = Redis::start(&["--requirepass", "s3cret"]);
+    let kv = Buffer::new(2, 256, 9);
+    let url = |pw: &str| format!("redis://:{pw}@127.0.0.1:{}", srv.port);
+    let mut store = RedisStore::new(RedisConfig::from_url(&url("s3cret")).unwrap());
+    assert_eq!(
+        store.put(&[kv.put("a", 0)], far()),
+        Ok(vec![Ok(PutOutcome::Stored)])
+    );
+    assert_eq!(store.get(&[kv.get("a", 1)], far()), Ok(vec![Ok(())]));
+    let mut wrong = RedisStore::new(RedisConfig::from_url(&url("nope")).unwrap());
+    assert_eq!(wrong.exists(&[key("a")], far()), Err(CallError::Refused));
+    let mut none = srv.store();
+    assert_eq!(none.exists(&[key("a")], far()), Err(CallError::Refused));
 }
 
 /// A fake server that answers every connection's first read with `reply`
