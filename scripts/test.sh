@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README "Run the tests"; .ci/run runs exactly this).
 # Everything it needs is built from crates.io: libzmq is compiled from source by
-# the zmq crate, so no system package is required.
+# the zmq crate; the one system package, redis-server (for tests/store_redis.rs),
+# is installed by the step below when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,6 +36,9 @@ fi
 step "vendor/glommio is glommio 0.9.0 with vendor/glommio.patch"
 bash scripts/check_vendor.sh --self-test
 bash scripts/check_vendor.sh
+
+step "redis-server for the Redis backend's tests"
+command -v redis-server || (apt-get update -qq && apt-get install -y -qq redis-server)
 
 step "unit, property and integration tests"
 cargo test --workspace

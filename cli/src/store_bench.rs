@@ -12,8 +12,8 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage
 use kvferry::machines::store::lookup::Lookup;
 use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
 use kvferry::store::{
-    GetItem, InprocConfig, InprocStore, PutItem, RemoteConfig, RemoteStore, Scatter, Segment,
-    StoreBackend,
+    GetItem, InprocConfig, InprocStore, PutItem, RedisConfig, RedisStore, RemoteConfig,
+    RemoteStore, Scatter, Segment, StoreBackend,
 };
 
 use crate::cli::usage_error;
@@ -21,7 +21,8 @@ use crate::cli::usage_error;
 /// The options of `kvferry bench store`.
 #[derive(Clone, Debug, Args)]
 pub struct StoreBenchArgs {
-    /// The store: `inproc` or `kvferry://HOST:PORT`.
+    /// The store: `inproc`, `kvferry://HOST:PORT` or
+    /// `redis://[user:password@]HOST:PORT`.
     #[arg(long, value_name = "URL")]
     store: String,
     /// Bytes of each value.
@@ -101,8 +102,16 @@ pub fn main(a: &StoreBenchArgs) -> ExitCode {
             Ok(r) => run(a, r, RemoteStore::round_trips),
             Err(e) => Err(e.to_string()),
         }
+    } else if a.store.starts_with("redis://") {
+        match RedisConfig::from_url(&a.store) {
+            Ok(cfg) => run(a, RedisStore::new(cfg), RedisStore::round_trips),
+            Err(e) => Err(e.to_string()),
+        }
     } else {
-        return usage_error(CMD, "--store must be inproc or kvferry://HOST:PORT");
+        return usage_error(
+            CMD,
+            "--store must be inproc, kvferry://HOST:PORT or redis://HOST:PORT",
+        );
     };
     let report = match result {
         Ok(r) => r,

@@ -171,6 +171,11 @@ pub enum ItemError {
         /// The length the get asked for.
         want_bytes: u64,
     },
+    /// The stored value is not one this store wrote whole (a foreign,
+    /// truncated or corrupt value: its header or checksum does not
+    /// match); nothing was written.
+    #[error("stored value is corrupt, truncated or foreign")]
+    Corrupt,
     /// A put of the key by another writer is under way.
     #[error("another put of the key is under way")]
     Busy,
@@ -278,6 +283,7 @@ pub(crate) fn get_result(r: &Result<(), ItemError>) -> GetResult {
         Err(ItemError::WrongSize { got_bytes, .. }) => GetResult::WrongSize {
             got_bytes: *got_bytes,
         },
+        Err(ItemError::Corrupt) => GetResult::Failed,
         Err(_) => GetResult::Failed,
     }
 }

@@ -25,11 +25,13 @@ pub mod lookup_server;
 pub mod memory;
 pub mod proto;
 pub mod publish;
+pub mod redis;
 pub mod remote;
 pub mod scheduler;
 pub mod server;
 pub mod worker;
 
+pub use self::redis::{RedisConfig, RedisError, RedisStats, RedisStore};
 pub use backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, Segment, StoreBackend,
 };
