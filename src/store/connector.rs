@@ -187,27 +187,34 @@ impl StoreConnector {
     /// Hands the layout to the backend ([`StoreBackend::register`]) and
     /// waits for its answer, at most `op_bound`.
     fn register_with_backend(&mut self, layout: &RankLayout) -> Result<(), ConnectorError> {
+        let fault = match self.call_now(Op::Register(Box::new(layout.clone())))? {
+            Ok(Reply::Register(Ok(()))) => return Ok(()),
+            Ok(Reply::Register(Err(e))) => e.into(),
+            Ok(_) => StoreFault::Refused,
+            Err(fault) => fault,
+        };
+        Err(ConnectorError::Register(fault))
+    }
+
+    /// Posts `op` outside the machines and waits for its answer, at most
+    /// `op_bound`; the keys the answer says left the store become events
+    /// as with every answer. `Err(Timeout)` when none came in time.
+    fn call_now(&mut self, op: Op) -> Result<Result<Reply, StoreFault>, ConnectorError> {
         let (tx, rx) = flume::bounded(1);
         let deadline = after(Instant::now(), self.cfg.store.op_bound);
         self.calls.worker.post(Call {
             id: u64::MAX,
-            op: Op::Register(Box::new(layout.clone())),
+            op,
             deadline,
             reply: tx,
         })?;
-        let fault = match rx.recv_deadline(deadline) {
-            Ok(Done {
-                reply: Reply::Register(Ok(())),
-                ..
-            }) => return Ok(()),
-            Ok(Done {
-                reply: Reply::Register(Err(e)),
-                ..
-            }) => e.into(),
-            Ok(_) => StoreFault::Refused,
-            Err(_) => StoreFault::Timeout,
-        };
-        Err(ConnectorError::Register(fault))
+        Ok(match rx.recv_deadline(deadline) {
+            Ok(done) => {
+                self.take_removed(done.removed);
+                Ok(done.reply)
+            }
+            Err(_) => Err(StoreFault::Timeout),
+        })
     }
 
     /// The keyspace the connector's keys are made in.
@@ -252,24 +259,11 @@ impl StoreConnector {
 
     /// One existence call, waited for on a channel of its own.
     fn exists_now(&mut self, keys: Vec<ChunkKey>) -> Result<Vec<bool>, ConnectorError> {
-        let (tx, rx) = flume::bounded(1);
-        let deadline = after(Instant::now(), self.cfg.store.op_bound);
-        self.calls.worker.post(Call {
-            id: u64::MAX,
-            op: Op::Exists(keys),
-            deadline,
-            reply: tx,
-        })?;
-        let fault = match rx.recv_deadline(deadline) {
-            Ok(done) => {
-                self.take_removed(done.removed);
-                match done.reply {
-                    Reply::Exists(Ok(e)) => return Ok(e),
-                    Reply::Exists(Err(e)) => e.into(),
-                    _ => StoreFault::Refused,
-                }
-            }
-            Err(_) => StoreFault::Timeout,
+        let fault = match self.call_now(Op::Exists(keys))? {
+            Ok(Reply::Exists(Ok(e))) => return Ok(e),
+            Ok(Reply::Exists(Err(e))) => e.into(),
+            Ok(_) => StoreFault::Refused,
+            Err(fault) => fault,
         };
         Err(ConnectorError::Lookup(fault))
     }
