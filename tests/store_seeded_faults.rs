@@ -441,6 +441,55 @@ impl FaultyBackend {
         Some(e)
     }
 
+    /// One put or get under its seeded plan: dropped, failed before or
+    /// after its work, answered late or normally; the answers of its
+    /// `keys` (key, block) go to the log list `records` picks.
+    fn faulty_call<T: Clone>(
+        &mut self,
+        op: u8,
+        keys: Vec<(ChunkKey, u32)>,
+        deadline: Instant,
+        records: fn(&mut Log) -> &mut Vec<KeyRec<T>>,
+        work: impl FnOnce(&mut Self, &mut fastrand::Rng) -> Vec<Result<T, ItemError>>,
+    ) -> Answers<T> {
+        let Some((plan, mut rng)) = self.plan(op, keys.first().map(|(k, _)| k), deadline) else {
+            return Err(CallError::Timeout);
+        };
+        let log = self.log.clone();
+        let record = |answers: &[Result<T, ItemError>], in_time: bool| {
+            let recs = FaultyBackend::records(keys.iter().cloned(), answers, in_time, deadline);
+            records(&mut lock(&log)).extend(recs);
+        };
+        let failed = |err: CallError| {
+            let answers = vec![Err(ItemError::Transport); keys.len()];
+            record(&answers, left(deadline) >= SURE_LEFT);
+            Err(err)
+        };
+        match plan {
+            Plan::Drop => {
+                sleep_past(deadline);
+                return Err(CallError::Timeout);
+            }
+            Plan::Fail {
+                err,
+                after_work: false,
+            } => return failed(err),
+            _ => {}
+        }
+        let answers = work(self, &mut rng);
+        if let Plan::Fail { err, .. } = plan {
+            return failed(err);
+        }
+        record(
+            &answers,
+            plan == Plan::Normal && left(deadline) >= SURE_LEFT,
+        );
+        if plan == Plan::Late {
+            sleep_past(deadline);
+        }
+        Ok(answers)
+    }
+
     fn put_work(
         &mut self,
         items: &[PutItem],
@@ -542,82 +591,32 @@ impl StoreBackend for FaultyBackend {
         if !self.faults() {
             return self.inner.put(items, deadline);
         }
-        let Some((plan, mut rng)) = self.plan(OP_PUT, items.first().map(|i| &i.key), deadline)
-        else {
-            return Err(CallError::Timeout);
-        };
-        let (blocks, log) = (self.blocks, self.log.clone());
-        let keys = || (items.iter()).map(|it| (it.key.clone(), blocks.block(&it.from)));
-        let failed = |err: CallError| {
-            let answers = vec![Err(ItemError::Transport); items.len()];
-            let in_time = left(deadline) >= SURE_LEFT;
-            let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
-            lock(&log).puts.extend(recs);
-            Err(err)
-        };
-        match plan {
-            Plan::Drop => {
-                sleep_past(deadline);
-                return Err(CallError::Timeout);
-            }
-            Plan::Fail {
-                err,
-                after_work: false,
-            } => return failed(err),
-            _ => {}
-        }
-        let answers = self.put_work(items, deadline, &mut rng);
-        if let Plan::Fail { err, .. } = plan {
-            return failed(err);
-        }
-        let in_time = plan == Plan::Normal && left(deadline) >= SURE_LEFT;
-        let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
-        lock(&self.log).puts.extend(recs);
-        if plan == Plan::Late {
-            sleep_past(deadline);
-        }
-        Ok(answers)
+        let keys = (items.iter())
+            .map(|it| (it.key.clone(), self.blocks.block(&it.from)))
+            .collect();
+        self.faulty_call(
+            OP_PUT,
+            keys,
+            deadline,
+            |l| &mut l.puts,
+            |b, rng| b.put_work(items, deadline, rng),
+        )
     }
 
     fn get(&mut self, items: &[GetItem], deadline: Instant) -> Answers<()> {
         if !self.faults() {
             return self.inner.get(items, deadline);
         }
-        let Some((plan, mut rng)) = self.plan(OP_GET, items.first().map(|i| &i.key), deadline)
-        else {
-            return Err(CallError::Timeout);
-        };
-        let (blocks, log) = (self.blocks, self.log.clone());
-        let keys = || (items.iter()).map(|it| (it.key.clone(), blocks.block(&it.into)));
-        let failed = |err: CallError| {
-            let answers = vec![Err(ItemError::Transport); items.len()];
-            let in_time = left(deadline) >= SURE_LEFT;
-            let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
-            lock(&log).gets.extend(recs);
-            Err(err)
-        };
-        match plan {
-            Plan::Drop => {
-                sleep_past(deadline);
-                return Err(CallError::Timeout);
-            }
-            Plan::Fail {
-                err,
-                after_work: false,
-            } => return failed(err),
-            _ => {}
-        }
-        let answers = self.get_work(items, deadline, &mut rng);
-        if let Plan::Fail { err, .. } = plan {
-            return failed(err);
-        }
-        let in_time = plan == Plan::Normal && left(deadline) >= SURE_LEFT;
-        let recs = FaultyBackend::records(keys(), &answers, in_time, deadline);
-        lock(&self.log).gets.extend(recs);
-        if plan == Plan::Late {
-            sleep_past(deadline);
-        }
-        Ok(answers)
+        let keys = (items.iter())
+            .map(|it| (it.key.clone(), self.blocks.block(&it.into)))
+            .collect();
+        self.faulty_call(
+            OP_GET,
+            keys,
+            deadline,
+            |l| &mut l.gets,
+            |b, rng| b.get_work(items, deadline, rng),
+        )
     }
 
     fn remove(&mut self, keys: &[ChunkKey], deadline: Instant) -> Answers<()> {
