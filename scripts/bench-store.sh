@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# kvferry store serve against Mooncake Store on this machine, in the same
-# sitting: ROUNDS pairs, each a `kvferry bench store` run (1 MiB values in
+# kvferry store serve against Mooncake Store on this machine, alternated in
+# one run: ROUNDS pairs, each a `kvferry bench store` run (1 MiB values in
 # batches of 32, fresh keys, every byte verified) against a server process
 # on 127.0.0.1, then ../shared/bench/mooncake_store_baseline.sh (the same
 # shape through Mooncake's own store, installed from PyPI). Prints each
