@@ -5,12 +5,13 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvferry::machines::layout::{RankLayout, Region, Stage};
-use kvferry::machines::store::ChunkKey;
+mod store_buffer;
+
 use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RedisConfig, RedisStore, Scatter, Segment,
     StoreBackend, StoreDemo,
 };
+use store_buffer::{far, key, Buffer};
 
 /// A `redis-server` of this test's own, killed when dropped.
 struct Redis {
@@ -91,55 +92,8 @@ impl Drop for Redis {
     }
 }
 
-fn far() -> Instant {
-    Instant::now() + Duration::from_secs(30)
-}
-
-fn key(s: &str) -> ChunkKey {
-    ChunkKey::from_stored(s.to_string()).unwrap()
-}
-
-/// One heap buffer as an engine's whole KV cache: `blocks` blocks of
-/// `block` bytes.
-struct Buffer {
-    bytes: Vec<u8>,
-    block: u64,
-}
-
+/// What the Redis tests also ask of a buffer.
 impl Buffer {
-    fn new(blocks: u64, block: u64, fill: u8) -> Buffer {
-        Buffer {
-            bytes: vec![fill; (blocks * block) as usize],
-            block,
-        }
-    }
-
-    fn layout(&self) -> RankLayout {
-        RankLayout {
-            tp_size: 1,
-            tp_rank: 0,
-            num_blocks: self.bytes.len() as u64 / self.block,
-            regions: vec![Region {
-                base: self.bytes.as_ptr() as u64,
-                block_len: self.block,
-                kv_block_len: self.block,
-            }],
-            stage: Stage::SINGLE,
-            pools: Vec::new(),
-        }
-    }
-
-    fn scatter(&self, block: u64) -> Scatter {
-        let addr = self.bytes.as_ptr() as u64 + block * self.block;
-        // SAFETY: inside `bytes`, which outlives every call of the test.
-        unsafe {
-            Scatter::from_raw(vec![Segment {
-                addr,
-                len: self.block,
-            }])
-        }
-    }
-
     fn block(&self, b: u64) -> &[u8] {
         &self.bytes[(b * self.block) as usize..((b + 1) * self.block) as usize]
     }

@@ -3,15 +3,16 @@
 //! plane into and out of the engines' registered memory.
 
 use std::io::{Read, Write};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvferry::machines::layout::{RankLayout, Region, Stage};
-use kvferry::machines::store::ChunkKey;
+mod store_buffer;
+
 use kvferry::store::proto::{self, Answer, Refusal, Request};
 use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RemoteConfig, RemoteStore, Scatter,
     Segment, ServeConfig, StoreBackend, StoreDemo, StoreServer,
 };
+use store_buffer::{far, key, Buffer};
 
 fn server(capacity_bytes: u64) -> StoreServer {
     StoreServer::start(ServeConfig {
@@ -27,10 +28,6 @@ fn remote(server: &StoreServer) -> RemoteStore {
     RemoteStore::connect(RemoteConfig::from_url(&url)).unwrap()
 }
 
-fn far() -> Instant {
-    Instant::now() + Duration::from_secs(30)
-}
-
 #[test]
 fn the_demo_over_the_server_verifies_every_byte() {
     let srv = server(256 << 20);
@@ -42,52 +39,6 @@ fn the_demo_over_the_server_verifies_every_byte() {
     assert_eq!(stats.commits, report.saved_blocks);
     assert!(stats.hits >= report.loaded_blocks);
     assert!(stats.bytes_in > 0 && stats.bytes_out > 0);
-}
-
-/// One heap buffer as an engine's whole KV cache: `blocks` blocks of
-/// `block` bytes.
-struct Buffer {
-    bytes: Vec<u8>,
-    block: u64,
-}
-
-impl Buffer {
-    fn new(blocks: u64, block: u64, fill: u8) -> Buffer {
-        Buffer {
-            bytes: vec![fill; (blocks * block) as usize],
-            block,
-        }
-    }
-
-    fn layout(&self) -> RankLayout {
-        RankLayout {
-            tp_size: 1,
-            tp_rank: 0,
-            num_blocks: self.bytes.len() as u64 / self.block,
-            regions: vec![Region {
-                base: self.bytes.as_ptr() as u64,
-                block_len: self.block,
-                kv_block_len: self.block,
-            }],
-            stage: Stage::SINGLE,
-            pools: Vec::new(),
-        }
-    }
-
-    fn scatter(&self, block: u64) -> Scatter {
-        let addr = self.bytes.as_ptr() as u64 + block * self.block;
-        // SAFETY: inside `bytes`, which outlives every call of the test.
-        unsafe {
-            Scatter::from_raw(vec![Segment {
-                addr,
-                len: self.block,
-            }])
-        }
-    }
-}
-
-fn key(s: &str) -> ChunkKey {
-    ChunkKey::from_stored(s.to_string()).unwrap()
 }
 
 #[test]

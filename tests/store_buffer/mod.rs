@@ -1,0 +1,60 @@
+//! One heap buffer standing for an engine's whole KV cache, for the
+//! store tests that call a backend directly (`mod store_buffer;`).
+
+use std::time::{Duration, Instant};
+
+use kvferry::machines::layout::{RankLayout, Region, Stage};
+use kvferry::machines::store::ChunkKey;
+use kvferry::store::{Scatter, Segment};
+
+/// One heap buffer as an engine's whole KV cache: `blocks` blocks of
+/// `block` bytes.
+pub struct Buffer {
+    pub bytes: Vec<u8>,
+    pub block: u64,
+}
+
+impl Buffer {
+    pub fn new(blocks: u64, block: u64, fill: u8) -> Buffer {
+        Buffer {
+            bytes: vec![fill; (blocks * block) as usize],
+            block,
+        }
+    }
+
+    pub fn layout(&self) -> RankLayout {
+        RankLayout {
+            tp_size: 1,
+            tp_rank: 0,
+            num_blocks: self.bytes.len() as u64 / self.block,
+            regions: vec![Region {
+                base: self.bytes.as_ptr() as u64,
+                block_len: self.block,
+                kv_block_len: self.block,
+            }],
+            stage: Stage::SINGLE,
+            pools: Vec::new(),
+        }
+    }
+
+    pub fn scatter(&self, block: u64) -> Scatter {
+        let addr = self.bytes.as_ptr() as u64 + block * self.block;
+        // SAFETY: inside `bytes`, which outlives every call of the test.
+        unsafe {
+            Scatter::from_raw(vec![Segment {
+                addr,
+                len: self.block,
+            }])
+        }
+    }
+}
+
+/// A key of any text a store takes.
+pub fn key(s: &str) -> ChunkKey {
+    ChunkKey::from_stored(s.to_string()).unwrap()
+}
+
+/// A deadline no call of a test reaches.
+pub fn far() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
