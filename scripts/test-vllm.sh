@@ -10,6 +10,8 @@
 # weights). scripts/test.sh runs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's cache would keep a second copy of every wheel (several GB).
+export PIP_NO_CACHE_DIR=1
 
 VLLM_VERSION=0.33.0
 SGLANG_VERSION=0.5.23

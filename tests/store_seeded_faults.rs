@@ -263,11 +263,15 @@ struct KeyRec<T> {
     key: ChunkKey,
     block: u32,
     answer: Result<T, ItemError>,
-    /// Answered normally with [`SURE_LEFT`] to spare: the connector takes
-    /// the answer. Otherwise it may or may not.
+    /// Answered normally with [`SURE_LEFT`] to spare of the call's
+    /// deadline: the connector takes the answer, unless the request's own
+    /// deadline came first (see [`World::sure`]). Otherwise it may or may
+    /// not.
     sure: bool,
     /// When the connector posted the call.
     posted: Instant,
+    /// When the backend answered.
+    answered: Instant,
 }
 
 #[derive(Clone, Debug)]
@@ -276,6 +280,7 @@ struct ExistsRec {
     answer: Vec<bool>,
     sure: bool,
     posted: Instant,
+    answered: Instant,
 }
 
 /// When a call with this deadline was posted.
@@ -547,6 +552,7 @@ impl FaultyBackend {
                 block,
                 sure: in_time,
                 posted: posted(deadline),
+                answered: Instant::now(),
                 answer: answer.clone(),
             })
             .collect()
@@ -578,6 +584,7 @@ impl StoreBackend for FaultyBackend {
         lock(&self.log).exists.push(ExistsRec {
             keys: keys.to_vec(),
             posted: posted(deadline),
+            answered: Instant::now(),
             answer: answer.clone(),
             sure: !late && left(deadline) >= SURE_LEFT,
         });
@@ -884,6 +891,15 @@ impl World {
         .unwrap()
     }
 
+    /// Whether the connector must have taken an answer given `answered`,
+    /// `in_time` for its call's deadline, to a request started at
+    /// `start`: a request deadline that passes first expires the request
+    /// with the answer still out, however early the call's own deadline
+    /// made it.
+    fn sure(&self, in_time: bool, answered: Instant, start: Instant) -> bool {
+        in_time && answered + SURE_LEFT <= start + self.request_timeout
+    }
+
     /// The backend's records of the calls posted from `since` on (those
     /// of earlier saves and loads, which the connector gave up on, go:
     /// none touched memory late, or the touch check says so).
@@ -1034,8 +1050,9 @@ fn check_save(
     for (i, (it, res)) in report.items.iter().zip(&report.results).enumerate() {
         // An abort while the existence check is out releases at once:
         // its answer, however early, may come too late.
-        let said = exists.first().map(|e| (e.answer[i], e.sure && !aborted));
-        let put = put_of.get(&it.key).map(|p| (p.answer, p.sure));
+        let said =
+            (exists.first()).map(|e| (e.answer[i], w.sure(e.sure, e.answered, since) && !aborted));
+        let put = (put_of.get(&it.key)).map(|p| (p.answer, w.sure(p.sure, p.answered, since)));
         check_save_key(*res, said, put, ctx);
         if matches!(res, SaveKeyResult::Stored | SaveKeyResult::Deduped) {
             let held = w.store.value(&it.key);
@@ -1263,9 +1280,13 @@ fn load_phase(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) {
         .collect();
     let since = loads.iter().map(|l| l.start).min();
     let got = gets_by_block(w, &planned, since.unwrap_or_else(Instant::now));
+    let started: HashMap<u32, Instant> = (loads.iter())
+        .flat_map(|l| l.blocks.iter().map(|(b, _)| (*b, l.start)))
+        .collect();
     for (&b, &(_, hash)) in &planned {
         let loaded = !errors.contains(&b);
-        match got.get(&b).map(|r| (r.answer.is_ok(), r.sure)) {
+        let sure = |r: &KeyRec<()>| w.sure(r.sure, r.answered, started[&b]);
+        match got.get(&b).map(|r| (r.answer.is_ok(), sure(r))) {
             Some((true, true)) => assert!(loaded, "seed {seed}: block {b} got in time, not loaded"),
             Some((true, false)) => w.totals.either_blocks += 1,
             other => assert!(
