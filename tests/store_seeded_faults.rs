@@ -1281,7 +1281,7 @@ fn load_phase(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) {
     let since = loads.iter().map(|l| l.start).min();
     let got = gets_by_block(w, &planned, since.unwrap_or_else(Instant::now));
     let started: HashMap<u32, Instant> = (loads.iter())
-        .flat_map(|l| l.blocks.iter().map(|(b, _)| (*b, l.start)))
+        .flat_map(|l| l.blocks.keys().map(|b| (*b, l.start)))
         .collect();
     for (&b, &(_, hash)) in &planned {
         let loaded = !errors.contains(&b);

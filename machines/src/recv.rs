@@ -376,7 +376,7 @@ impl Active {
                     self.waiting_deadline = cx.waiting_deadline();
                     Ok(Next::Progress)
                 } else {
-                    Ok(Next::End(End::PeerFailed(p.id)))
+                    Ok(Next::End(End::PeerFailed(p.id, FailReason::PeerReported)))
                 }
             }
             Role::Toucher { .. } => Err(InputError::Peer("Status in pull mode")),

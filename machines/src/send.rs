@@ -90,6 +90,18 @@ pub enum Event {
         /// pair only by an unimplemented rule.
         reason: FailReason,
     },
+    /// `peer`, whose `Pull` the driver would refuse with `reason` (see
+    /// [`Event::UnpairedPull`]), reports a failure (`Done { ok: false }`):
+    /// settled like that `Done`, but the transfer fails with `reason`, not
+    /// [`FailReason::PeerReported`], so P and D end alike whichever of
+    /// their two refusals came first. The driver turns such a `Done` into
+    /// this event instead of [`Event::Msg`].
+    UnpairedDone {
+        /// The peer, as the driver names it.
+        peer: PeerId,
+        /// Why the driver refuses the peer.
+        reason: FailReason,
+    },
     /// Push mode: `peer` granted a lease answering a ticket this node sent
     /// it at `sent_at` (see [`crate::common::TICKET_BIT`]); the driver
     /// turns the `LeaseGrant` naming that ticket into this event.
@@ -343,6 +355,7 @@ impl Live {
             Event::PeerDead { peer } => Ok(self.handle_verdict(peer, FailReason::PeerDead)),
             Event::PlanFailed { peer } => Ok(self.handle_verdict(peer, FailReason::BadMetadata)),
             Event::UnpairedPull { peer, reason } => Ok(self.handle_unpaired_pull(cx, peer, reason)),
+            Event::UnpairedDone { peer, reason } => self.handle_done(cx, peer, Err(reason)),
             Event::TicketGrant {
                 peer,
                 sent_at,
@@ -381,7 +394,14 @@ impl Live {
                 self.handle_lease_grant(cx, peer, seq, duration_ms)
             }
             Msg::LeaseRequest { seq } => self.handle_lease_request(cx, peer, seq),
-            Msg::Done { ok } => self.handle_done(cx, peer, ok),
+            Msg::Done { ok } => {
+                let done = if ok {
+                    Ok(())
+                } else {
+                    Err(FailReason::PeerReported)
+                };
+                self.handle_done(cx, peer, done)
+            }
             Msg::Abort => Ok(self.handle_abort(peer)),
             Msg::AbortAck => Err(InputError::Peer("AbortAck while nothing was aborted")),
             Msg::Unneeded => self.handle_unneeded(),
@@ -754,8 +774,19 @@ impl Live {
         Ok(Next::Stay)
     }
 
-    /// Pull mode: D rank `peer` returns its lease; its reads are over.
-    fn handle_done(&mut self, cx: &mut Cx, peer: PeerId, ok: bool) -> Result<Next, InputError> {
+    /// Pull mode: D rank `peer` returns its lease; its reads are over,
+    /// done, or failed (with the reason this request then fails for).
+    fn handle_done(
+        &mut self,
+        cx: &mut Cx,
+        peer: PeerId,
+        done: Result<(), FailReason>,
+    ) -> Result<Next, InputError> {
+        // `why` matters only when `done` failed.
+        let (ok, why) = match done {
+            Ok(()) => (true, FailReason::PeerReported),
+            Err(reason) => (false, reason),
+        };
         let chunks = self.chunks.len() as u32;
         let last_seen = self.last_seen;
         let Some(p) = self.peer_mut(peer) else {
@@ -764,7 +795,7 @@ impl Live {
             }
             // A D rank that failed before its `Pull` reached us (or
             // whose `Pull` was lost): the request is gone.
-            return Ok(Next::End(End::PeerFailed(peer)));
+            return Ok(Next::End(End::PeerFailed(peer, why)));
         };
         match &mut p.role {
             Role::Toucher { .. } => Err(InputError::Peer("Done in push mode")),
@@ -783,7 +814,7 @@ impl Live {
                     p.resend.stop();
                     Ok(Next::Progress)
                 } else {
-                    Ok(Next::End(End::PeerFailed(peer)))
+                    Ok(Next::End(End::PeerFailed(peer, why)))
                 }
             }
         }
@@ -1212,6 +1243,9 @@ impl Machine for SendMachine {
                     Event::WriteDone { peer, chunk, .. } => drain.handle_completion(peer, chunk),
                     Event::Msg { peer, msg } => drain.handle_msg(peer, &msg),
                     // Refused as when live; the outcome is decided already.
+                    Event::UnpairedDone { peer, .. } => {
+                        drain.handle_msg(peer, &Msg::Done { ok: false })
+                    }
                     Event::UnpairedPull { peer, .. } => self.actions.push_back(Action::Send {
                         peer,
                         msg: Msg::NotPaired,

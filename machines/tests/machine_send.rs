@@ -1024,6 +1024,26 @@ fn pull_done_failure_is_peer_reported() {
 }
 
 #[test]
+fn pull_done_failure_of_an_unpaired_peer_fails_for_the_drivers_reason() {
+    let t0 = Instant::now();
+    let reason = FailReason::Unsupported;
+    let mut m = pull_machine(t0);
+    ev(&mut m, t0, msg(D0, pull(2, &[], 0, Some(0))));
+    ev(&mut m, t0, msg(D1, pull(2, &[], 0, Some(0))));
+    ev(&mut m, t0, chunk(&[1], true));
+    // Settled like its `Done { ok: false }`: D0 owes nothing more, D1 is
+    // told, and the reason is the driver's, not `PeerReported`.
+    let out = ev(&mut m, t0, Event::UnpairedDone { peer: D0, reason });
+    assert_eq!(out, vec![send(D1, Msg::Abort)]);
+    let out = ev(&mut m, t0, Event::UnpairedDone { peer: D1, reason });
+    assert_eq!(out, vec![release(Phase::Failed(reason))]);
+    // From a D rank whose `Pull` never came, too.
+    let mut m = pull_machine(t0);
+    let out = ev(&mut m, t0, Event::UnpairedDone { peer: D1, reason });
+    assert_eq!(out, vec![release(Phase::Failed(reason))]);
+}
+
+#[test]
 fn abort_from_unknown_d_rank_ends_the_request() {
     let t0 = Instant::now();
     let mut m = pull_machine(t0);

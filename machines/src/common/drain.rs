@@ -122,8 +122,11 @@ pub(crate) enum End {
     Expire,
     /// The peer aborted: it gets an `AbortAck`, the others an abort.
     PeerAbort(PeerId),
-    /// The peer returned its lease while failing (`Status`/`Done` with `ok: false`).
-    PeerFailed(PeerId),
+    /// The peer returned its lease while failing (`Status`/`Done` with
+    /// `ok: false`). The reason is `PeerReported`, or the one this side
+    /// refuses the peer for when it knows it (both sides then end alike,
+    /// whichever side's refusal came first).
+    PeerFailed(PeerId, FailReason),
     /// The peer refused the transfer (`NotPaired`) before touching
     /// anything or granting a lease: settled like a lease return.
     PeerRefused(PeerId),
@@ -136,7 +139,7 @@ impl End {
             End::Fail(r) => Phase::Failed(r),
             End::Expire => Phase::Expired,
             End::PeerAbort(_) => Phase::Failed(FailReason::PeerAborted),
-            End::PeerFailed(_) => Phase::Failed(FailReason::PeerReported),
+            End::PeerFailed(_, reason) => Phase::Failed(reason),
             End::PeerRefused(_) => Phase::Failed(FailReason::BadMetadata),
         }
     }
@@ -171,7 +174,7 @@ impl End {
         cfg: &Config,
     ) -> Option<Msg> {
         let aborter = matches!(self, End::PeerAbort(a) if a == peer);
-        let failer = matches!(self, End::PeerFailed(a) | End::PeerRefused(a) if a == peer);
+        let failer = matches!(self, End::PeerFailed(a, _) | End::PeerRefused(a) if a == peer);
         match granted {
             None => {
                 let msg = match self {
@@ -180,7 +183,7 @@ impl End {
                     End::Fail(_)
                     | End::Expire
                     | End::PeerAbort(_)
-                    | End::PeerFailed(_)
+                    | End::PeerFailed(..)
                     | End::PeerRefused(_) => failure_return,
                 };
                 drain.returns.push((peer, msg));

@@ -312,9 +312,9 @@ pub(crate) fn inbound(
     }
 }
 
-/// A decode peer's message to a send machine: a lease ticket's grant and a
-/// `Pull` this rank refuses at once (see `Shared::refusal`) have events of
-/// their own.
+/// A decode peer's message to a send machine: a lease ticket's grant, and a
+/// `Pull` or failing `Done` from a peer this rank refuses (see
+/// `Shared::refusal`), have events of their own.
 fn to_send_event(shared: &Shared, peer: PeerId, msg: Msg) -> send::Event {
     match msg {
         Msg::LeaseGrant { seq, duration_ms } if seq & TICKET_BIT != 0 => {
@@ -322,6 +322,10 @@ fn to_send_event(shared: &Shared, peer: PeerId, msg: Msg) -> send::Event {
         }
         Msg::Pull { .. } => match shared.refusal(peer.0) {
             Some(reason) => send::Event::UnpairedPull { peer, reason },
+            None => send::Event::Msg { peer, msg },
+        },
+        Msg::Done { ok: false } => match shared.refusal(peer.0) {
+            Some(reason) => send::Event::UnpairedDone { peer, reason },
             None => send::Event::Msg { peer, msg },
         },
         msg => send::Event::Msg { peer, msg },
