@@ -1,0 +1,145 @@
+//! A fake `libtransfer_engine.so` for tests (`csrc/fake_te.c`): the C
+//! surface with memcpy between the engines of one process, every range
+//! checked against registered memory, injectable faults, and counters.
+//! [`build`] compiles it with the system C compiler into a real shared
+//! object, loaded by path through [`crate::TE_LIB_ENV`] exactly as the real
+//! library is.
+
+use std::ffi::c_int;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const FAKE_TE_C: &str = include_str!("../csrc/fake_te.c");
+const TE_HEADER: &str = include_str!("../include/transfer_engine_c.h");
+
+/// A fault the fake library applies to the next `count` submits or tasks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// `submitTransfer` fails; nothing moves.
+    SubmitFail,
+    /// The task ends `STATUS_FAILED`; nothing moves.
+    TaskFailed,
+    /// The task ends `STATUS_TIMEOUT`; nothing moves.
+    TaskTimeout,
+    /// The task stays pending for this many status polls, then moves its
+    /// bytes (at that poll) and completes.
+    Late(i64),
+    /// The task stays pending until [`Control::finish_never`].
+    Never,
+    /// The bytes move; `transferred_bytes` says one less.
+    WrongBytes,
+}
+
+impl Fault {
+    fn code(self) -> (c_int, i64) {
+        match self {
+            Fault::SubmitFail => (1, 0),
+            Fault::TaskFailed => (2, 0),
+            Fault::TaskTimeout => (3, 0),
+            Fault::Late(polls) => (4, polls),
+            Fault::Never => (5, 0),
+            Fault::WrongBytes => (6, 0),
+        }
+    }
+}
+
+/// The fake library's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// `allocateBatchID` calls that returned a batch.
+    pub allocated: i64,
+    /// `freeBatchID` calls that freed one.
+    pub freed: i64,
+    /// Submits refused because a local range was not registered.
+    pub submits_refused: i64,
+    /// Tasks refused because the remote range was not registered.
+    pub tasks_refused: i64,
+    /// Tasks started.
+    pub tasks: i64,
+}
+
+/// Compiles the fake library into `dir` (created if missing) and returns
+/// its path. `CC` names the compiler (default `cc`).
+pub fn build(dir: &Path) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("fake_te.c"), FAKE_TE_C)?;
+    std::fs::write(dir.join("transfer_engine_c.h"), TE_HEADER)?;
+    let out = dir.join("libfake_transfer_engine.so");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args(["-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-o"])
+        .arg(&out)
+        .arg(dir.join("fake_te.c"))
+        .arg(format!("-I{}", dir.display()))
+        .arg("-lpthread")
+        .status()?;
+    if !status.success() {
+        return Err(std::io::Error::other(format!("{cc} failed: {status}")));
+    }
+    Ok(out)
+}
+
+type FaultFn = unsafe extern "C" fn(c_int, c_int, i64);
+type StatsFn = unsafe extern "C" fn(*mut i64);
+type FinishFn = unsafe extern "C" fn();
+
+/// The fake library's test controls (the same library the engines use:
+/// opening a path twice gives the same loaded object).
+pub struct Control {
+    fault: FaultFn,
+    stats: StatsFn,
+    finish_never: FinishFn,
+    _lib: libloading::Library,
+}
+
+impl Control {
+    /// Opens the controls of the fake library at `path`.
+    pub fn open(path: &Path) -> Result<Control, libloading::Error> {
+        // SAFETY: the fake library's initialisers are none; the symbols'
+        // types are those `csrc/fake_te.c` defines.
+        unsafe {
+            let lib = libloading::Library::new(path)?;
+            Ok(Control {
+                fault: *lib.get::<FaultFn>(b"fake_te_fault\0")?,
+                stats: *lib.get::<StatsFn>(b"fake_te_stats\0")?,
+                finish_never: *lib.get::<FinishFn>(b"fake_te_finish_never\0")?,
+                _lib: lib,
+            })
+        }
+    }
+
+    /// Arms `fault` for the next `count` submits or tasks (replacing any
+    /// armed before).
+    pub fn arm(&self, fault: Fault, count: u32) {
+        let (kind, arg) = fault.code();
+        let count = c_int::try_from(count).unwrap_or(c_int::MAX);
+        // SAFETY: plain values.
+        unsafe { (self.fault)(kind, count, arg) }
+    }
+
+    /// Disarms any fault.
+    pub fn disarm(&self) {
+        // SAFETY: plain values.
+        unsafe { (self.fault)(0, 0, 0) }
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> Stats {
+        let mut v = [0i64; 5];
+        // SAFETY: the function writes five values.
+        unsafe { (self.stats)(v.as_mut_ptr()) };
+        Stats {
+            allocated: v[0],
+            freed: v[1],
+            submits_refused: v[2],
+            tasks_refused: v[3],
+            tasks: v[4],
+        }
+    }
+
+    /// Ends every [`Fault::Never`] task started so far as failed.
+    pub fn finish_never(&self) {
+        // SAFETY: no arguments.
+        unsafe { (self.finish_never)() }
+    }
+}
