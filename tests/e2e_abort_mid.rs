@@ -90,6 +90,7 @@ fn timeouts() -> Config {
 
 fn spec(mode: Mode, timeouts: Config) -> ClusterSpec {
     ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: LayoutKind::Hnd,
             total_kv_heads: 2,

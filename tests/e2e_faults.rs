@@ -27,6 +27,7 @@ fn timeouts() -> Config {
 
 fn spec(mode: Mode) -> ClusterSpec {
     ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: LayoutKind::Hnd,
             total_kv_heads: 2,

@@ -21,6 +21,7 @@ const WAVES: u32 = 20;
 
 fn spec(mode: Mode, p_tp: u32, d_tp: u32) -> ClusterSpec {
     ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: LayoutKind::Hnd,
             total_kv_heads: 4,

@@ -17,6 +17,7 @@ const LAYERS: u32 = 4;
 
 fn spec(mode: Mode, (p_tp, p_pp): (u32, u32), (d_tp, d_pp): (u32, u32)) -> ClusterSpec {
     ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: LayoutKind::Hnd,
             total_kv_heads: 4,

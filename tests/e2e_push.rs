@@ -19,6 +19,7 @@ fn spec(
     transport: TransportKind,
 ) -> ClusterSpec {
     ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: kind,
             total_kv_heads: 4,

@@ -115,6 +115,7 @@ fn round(c: &Cluster, base: u64) {
 #[test]
 fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
     let spec = ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: LayoutKind::Hnd,
             total_kv_heads: 2,

@@ -17,6 +17,7 @@ const WAIT: Duration = Duration::from_secs(10);
 
 fn spec(mode: Mode) -> ClusterSpec {
     ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: LayoutKind::Hnd,
             total_kv_heads: 4,

@@ -904,6 +904,7 @@ proptest! {
 
 fn e2e_spec() -> ClusterSpec {
     ClusterSpec {
+        mooncake: Default::default(),
         model: ModelSpec {
             layout: LayoutKind::Hnd,
             total_kv_heads: 4,

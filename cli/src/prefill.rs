@@ -89,6 +89,7 @@ impl RankArgs {
         c.pp_rank = self.pp_rank;
         c.mode = o.mode;
         c.transport = o.transport;
+        c.mooncake = o.mooncake();
         c.timeouts = demo_timeouts(o.timeout_ms);
         if let Some(h) = &self.host {
             c.host = h.clone();

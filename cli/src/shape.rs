@@ -13,6 +13,7 @@ use clap::{Args, ValueEnum};
 use kvferry::machines::common::Mode;
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
+use kvferry::transport::mooncake::MooncakeConfig;
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::ClusterSpec;
 
@@ -43,6 +44,9 @@ pub enum TransportArg {
     Tcp,
     /// memcpy within one process.
     Local,
+    /// Mooncake's Transfer Engine (`MOONCAKE_TE_LIB`), its protocol by
+    /// `--mooncake-protocol`.
+    Mooncake,
 }
 
 /// The name a value has on the command line.
@@ -112,6 +116,7 @@ impl From<TransportArg> for TransportKind {
         match v {
             TransportArg::Tcp => TransportKind::Tcp,
             TransportArg::Local => TransportKind::Local,
+            TransportArg::Mooncake => TransportKind::Mooncake,
         }
     }
 }
@@ -121,6 +126,7 @@ impl From<TransportKind> for TransportArg {
         match v {
             TransportKind::Tcp => TransportArg::Tcp,
             TransportKind::Local => TransportArg::Local,
+            TransportKind::Mooncake => TransportArg::Mooncake,
         }
     }
 }
@@ -153,6 +159,10 @@ pub struct ModelArgs {
     mode: Option<ModeArg>,
     #[arg(long, help = with_default("Data plane", |o| TransportArg::from(o.transport)))]
     transport: Option<TransportArg>,
+    #[arg(long, value_name = "P",
+          help = with_default("Mooncake's protocol with --transport mooncake (tcp, rdma, nvlink, nvlink_intra, efa, ...)",
+                              |o| o.mooncake_protocol.clone()))]
+    mooncake_protocol: Option<String>,
     #[arg(long, value_name = "MS",
           help = with_default("Per-request deadline (bootstrap, waiting, claim)", |o| o.timeout_ms))]
     timeout_ms: Option<u64>,
@@ -169,6 +179,7 @@ impl ModelArgs {
             layout: self.layout.map_or(d.layout, LayoutKind::from),
             mode: self.mode.map_or(d.mode, Mode::from),
             transport: self.transport.map_or(d.transport, TransportKind::from),
+            mooncake_protocol: (self.mooncake_protocol.clone()).unwrap_or(d.mooncake_protocol),
             timeout_ms: self.timeout_ms.unwrap_or(d.timeout_ms),
             ..d
         }
@@ -244,6 +255,8 @@ pub struct DemoOptions {
     pub mode: Mode,
     /// Data plane.
     pub transport: TransportKind,
+    /// Mooncake's protocol, with [`TransportKind::Mooncake`].
+    pub mooncake_protocol: String,
     /// Per-request deadline (bootstrap, waiting, claim).
     pub timeout_ms: u64,
     /// Executors spin this long before parking (0: park at once).
@@ -276,6 +289,7 @@ impl Default for DemoOptions {
             layout: LayoutKind::Hnd,
             mode: Mode::Push,
             transport: TransportKind::Tcp,
+            mooncake_protocol: "tcp".into(),
             timeout_ms: 10_000,
             spin_us: 0,
             zmq_only: false,
@@ -287,6 +301,14 @@ impl Default for DemoOptions {
 }
 
 impl DemoOptions {
+    /// The Mooncake engine's settings of these options.
+    pub fn mooncake(&self) -> MooncakeConfig {
+        MooncakeConfig {
+            protocol: self.mooncake_protocol.clone(),
+            ..MooncakeConfig::default()
+        }
+    }
+
     /// The model of these options.
     pub fn model(&self) -> ModelSpec {
         ModelSpec {
@@ -309,6 +331,7 @@ pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> 
         .filter(|&b| b <= u64::from(u32::MAX))
         .ok_or("concurrency × blocks-per-request is too large")?;
     Ok(ClusterSpec {
+        mooncake: o.mooncake(),
         model: o.model(),
         layers: o.layers,
         prefill_blocks: blocks,

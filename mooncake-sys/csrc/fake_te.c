@@ -17,8 +17,9 @@
  *   FAKE_SUBMIT_FAIL  submitTransfer returns an error, nothing moves
  *   FAKE_TASK_FAILED  the task ends STATUS_FAILED, nothing moves
  *   FAKE_TASK_TIMEOUT the task ends STATUS_TIMEOUT, nothing moves
- *   FAKE_LATE         the task stays PENDING for `arg` status polls, then
- *                     moves its bytes (late: at that poll) and completes
+ *   FAKE_LATE         the task stays PENDING until `arg` ms after its submit,
+ *                     then moves its bytes (late: at the first status poll
+ *                     after that) and completes
  *   FAKE_NEVER        the task stays PENDING until fake_te_finish_never()
  *   FAKE_WRONG_BYTES  the bytes move, transferred_bytes says one less
  * freeBatchID refuses a batch with an unfinished task (kBatchBusy = 4).
@@ -29,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "transfer_engine_c.h"
 
@@ -51,7 +53,7 @@ struct engine {
 struct task {
     int status;           /* STATUS_* */
     int fault;            /* FAKE_LATE / FAKE_NEVER while pending */
-    int64_t polls_left;   /* FAKE_LATE */
+    int64_t due_ns;       /* FAKE_LATE: when it moves its bytes */
     int64_t generation;   /* FAKE_NEVER: fake_te_finish_never() ends it */
     uint64_t transferred;
     struct transfer_request req;
@@ -71,6 +73,12 @@ static int64_t n_alloc, n_free, n_submit_refused, n_task_refused, n_tasks;
 static int64_t never_generation;
 
 static int engine_index(transfer_engine_t e) { return (int)(intptr_t)e - 1; }
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 static int inside(const struct engine *e, uint64_t addr, uint64_t len) {
     for (int i = 0; i < e->nregions; i++) {
@@ -215,7 +223,9 @@ static void start(struct task *t) {
     switch (f) {
     case FAKE_TASK_FAILED: t->status = STATUS_FAILED; break;
     case FAKE_TASK_TIMEOUT: t->status = STATUS_TIMEOUT; break;
-    case FAKE_LATE: t->status = STATUS_PENDING; t->fault = f; t->polls_left = fault_arg; break;
+    case FAKE_LATE:
+        t->status = STATUS_PENDING; t->fault = f; t->due_ns = now_ns() + fault_arg * 1000000;
+        break;
     case FAKE_NEVER:
         t->status = STATUS_PENDING; t->fault = f; t->generation = never_generation;
         break;
@@ -274,7 +284,7 @@ int getTransferStatus(transfer_engine_t e, batch_id_t id, size_t task, struct tr
         return CODE_INVALID_ARGUMENT;
     }
     struct task *t = &b->tasks[task];
-    if (t->status == STATUS_PENDING && t->fault == FAKE_LATE && --t->polls_left <= 0) {
+    if (t->status == STATUS_PENDING && t->fault == FAKE_LATE && now_ns() >= t->due_ns) {
         t->fault = FAKE_NONE;
         move(t);
     }

@@ -21,8 +21,9 @@ pub enum Fault {
     TaskFailed,
     /// The task ends `STATUS_TIMEOUT`; nothing moves.
     TaskTimeout,
-    /// The task stays pending for this many status polls, then moves its
-    /// bytes (at that poll) and completes.
+    /// The task stays pending until this many milliseconds after its
+    /// submit, then moves its bytes (at the next status poll) and
+    /// completes.
     Late(i64),
     /// The task stays pending until [`Control::finish_never`].
     Never,
@@ -36,7 +37,7 @@ impl Fault {
             Fault::SubmitFail => (1, 0),
             Fault::TaskFailed => (2, 0),
             Fault::TaskTimeout => (3, 0),
-            Fault::Late(polls) => (4, polls),
+            Fault::Late(ms) => (4, ms),
             Fault::Never => (5, 0),
             Fault::WrongBytes => (6, 0),
         }

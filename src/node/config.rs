@@ -41,6 +41,9 @@ pub enum TransportKind {
     Local,
     /// TCP sockets (glommio), works across processes and hosts.
     Tcp,
+    /// Mooncake's Transfer Engine (RDMA, NVLink, TCP), loaded at run time;
+    /// set up by [`NodeConfig::mooncake`].
+    Mooncake,
 }
 
 /// Where a decode rank finds the prefill ranks of a request.
@@ -172,6 +175,9 @@ pub struct NodeConfig {
     /// 2 cores against 1.0 ms parked, because the spinning executors starved
     /// the ZeroMQ threads on the same cores. Spin only with cores to spare.
     pub tcp_poll: crate::transport::PollPolicy,
+    /// The Mooncake engine's settings, used with [`TransportKind::Mooncake`].
+    /// Its `linger` must be shorter than `timeouts.transfer_bound`.
+    pub mooncake: crate::transport::mooncake::MooncakeConfig,
     /// Send the messages on a request's critical path (push: decode's
     /// `Pull` and lease ticket, prefill's `Status`; pull: decode's `Pull`
     /// and `Done`, prefill's `Ready`)
@@ -314,6 +320,7 @@ impl NodeConfig {
             max_bootstrap_targets: 256,
             max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
+            mooncake: crate::transport::mooncake::MooncakeConfig::default(),
             data_plane_messages: true,
             drop_control_ppm: 0,
             events: None,

@@ -4,15 +4,18 @@
 use std::time::Instant;
 
 use super::local::{LocalSession, LocalTransport};
+use super::mooncake::{MooncakeSession, MooncakeTransport};
 use super::tcp::{TcpSession, TcpTransport};
 use super::{Desc, EndpointAddr, Op, RegionId, RegionInfo, Session, Transport, TransportError};
 
-/// Either transport.
+/// Any of the transports.
 pub enum AnyTransport {
     /// In-process memcpy.
     Local(LocalTransport),
     /// TCP sockets.
     Tcp(TcpTransport),
+    /// Mooncake's transfer engine.
+    Mooncake(MooncakeTransport),
 }
 
 /// A session of an [`AnyTransport`].
@@ -21,6 +24,8 @@ pub enum AnySession {
     Local(LocalSession),
     /// TCP sockets.
     Tcp(TcpSession),
+    /// Mooncake's transfer engine.
+    Mooncake(MooncakeSession),
 }
 
 impl Transport for AnyTransport {
@@ -32,6 +37,7 @@ impl Transport for AnyTransport {
             match self {
                 AnyTransport::Local(t) => t.register(addr, len_bytes),
                 AnyTransport::Tcp(t) => t.register(addr, len_bytes),
+                AnyTransport::Mooncake(t) => t.register(addr, len_bytes),
             }
         }
     }
@@ -40,6 +46,7 @@ impl Transport for AnyTransport {
         match self {
             AnyTransport::Local(t) => t.unregister(id),
             AnyTransport::Tcp(t) => t.unregister(id),
+            AnyTransport::Mooncake(t) => t.unregister(id),
         }
     }
 
@@ -47,6 +54,7 @@ impl Transport for AnyTransport {
         match self {
             AnyTransport::Local(t) => t.regions(),
             AnyTransport::Tcp(t) => t.regions(),
+            AnyTransport::Mooncake(t) => t.regions(),
         }
     }
 
@@ -54,6 +62,7 @@ impl Transport for AnyTransport {
         match self {
             AnyTransport::Local(t) => t.endpoint_addr(),
             AnyTransport::Tcp(t) => t.endpoint_addr(),
+            AnyTransport::Mooncake(t) => t.endpoint_addr(),
         }
     }
 
@@ -61,13 +70,23 @@ impl Transport for AnyTransport {
         Ok(match self {
             AnyTransport::Local(t) => AnySession::Local(t.open(peer).await?),
             AnyTransport::Tcp(t) => AnySession::Tcp(t.open(peer).await?),
+            AnyTransport::Mooncake(t) => AnySession::Mooncake(t.open(peer).await?),
         })
+    }
+
+    fn stops_on_drop(&self) -> bool {
+        match self {
+            AnyTransport::Local(t) => t.stops_on_drop(),
+            AnyTransport::Tcp(t) => t.stops_on_drop(),
+            AnyTransport::Mooncake(t) => t.stops_on_drop(),
+        }
     }
 
     fn coalesce_small_batches(&self) -> bool {
         match self {
             AnyTransport::Local(t) => t.coalesce_small_batches(),
             AnyTransport::Tcp(t) => t.coalesce_small_batches(),
+            AnyTransport::Mooncake(t) => t.coalesce_small_batches(),
         }
     }
 }
@@ -77,6 +96,7 @@ impl Session for AnySession {
         match self {
             AnySession::Local(s) => s.transfer(op, descs).await,
             AnySession::Tcp(s) => s.transfer(op, descs).await,
+            AnySession::Mooncake(s) => s.transfer(op, descs).await,
         }
     }
 
@@ -90,6 +110,7 @@ impl Session for AnySession {
         match self {
             AnySession::Local(s) => s.transfer_until(op, descs, trailer, deadline).await,
             AnySession::Tcp(s) => s.transfer_until(op, descs, trailer, deadline).await,
+            AnySession::Mooncake(s) => s.transfer_until(op, descs, trailer, deadline).await,
         }
     }
 
@@ -97,6 +118,7 @@ impl Session for AnySession {
         match self {
             AnySession::Local(s) => s.close().await,
             AnySession::Tcp(s) => s.close().await,
+            AnySession::Mooncake(s) => s.close().await,
         }
     }
 }

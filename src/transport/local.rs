@@ -144,7 +144,9 @@ impl Transport for LocalTransport {
     async fn open(&self, peer: &EndpointAddr) -> Result<LocalSession, TransportError> {
         match peer {
             EndpointAddr::Local(id) => self.open_local(*id),
-            EndpointAddr::Tcp(_) => Err(MisuseError::UnreachableEndpoint(peer.to_string()).into()),
+            EndpointAddr::Tcp(_) | EndpointAddr::Mooncake(_) => {
+                Err(MisuseError::UnreachableEndpoint(peer.to_string()).into())
+            }
         }
     }
 }

@@ -35,6 +35,7 @@ pub mod any;
 mod fdio;
 pub mod fence;
 pub mod local;
+pub mod mooncake;
 pub mod registry;
 pub mod tcp;
 mod turns;
@@ -88,6 +89,9 @@ pub enum EndpointAddr {
     Tcp(SocketAddr),
     /// A [`local::LocalTransport`] in this process, by its id.
     Local(u64),
+    /// A [`mooncake::MooncakeTransport`]: its engine's segment name under
+    /// `P2PHANDSHAKE` (`IP:PORT`).
+    Mooncake(SocketAddr),
 }
 
 impl fmt::Display for EndpointAddr {
@@ -95,6 +99,7 @@ impl fmt::Display for EndpointAddr {
         match self {
             EndpointAddr::Tcp(addr) => write!(f, "tcp://{addr}"),
             EndpointAddr::Local(id) => write!(f, "local://{id}"),
+            EndpointAddr::Mooncake(addr) => write!(f, "mooncake://{addr}"),
         }
     }
 }
@@ -107,6 +112,8 @@ impl FromStr for EndpointAddr {
             rest.parse().map(EndpointAddr::Tcp).map_err(|_| bad())
         } else if let Some(rest) = s.strip_prefix("local://") {
             rest.parse().map(EndpointAddr::Local).map_err(|_| bad())
+        } else if let Some(rest) = s.strip_prefix("mooncake://") {
+            rest.parse().map(EndpointAddr::Mooncake).map_err(|_| bad())
         } else {
             Err(bad())
         }
@@ -197,6 +204,16 @@ pub enum TransportError {
         /// What the endpoint was doing.
         during: &'static str,
     },
+    /// A call into a data-plane library (Mooncake's transfer engine)
+    /// failed, or the library reported a task failed.
+    #[error("{during}: {source}")]
+    Library {
+        /// What the endpoint was doing.
+        during: &'static str,
+        /// The library's error.
+        #[source]
+        source: mooncake_sys::Error,
+    },
     /// The batch did not complete within the configured bound.
     #[error("batch did not complete within {after_ms} ms")]
     Timeout {
@@ -273,7 +290,9 @@ pub enum MisuseError {
         pins: u64,
     },
     /// An endpoint address that does not parse.
-    #[error("bad endpoint address {0:?} (expected tcp://IP:PORT or local://ID)")]
+    #[error(
+        "bad endpoint address {0:?} (expected tcp://IP:PORT, mooncake://IP:PORT or local://ID)"
+    )]
     BadEndpointAddr(String),
     /// Opening a session to an address of another transport kind, or to a
     /// local endpoint that no longer exists.
@@ -349,6 +368,14 @@ pub trait Transport {
     /// false where a batch is a copy in this process (the default).
     fn coalesce_small_batches(&self) -> bool {
         false
+    }
+
+    /// Whether dropping a batch's future stops every operation on its
+    /// memory at once (true for tcp and local). False where a library
+    /// moves the bytes and cannot be cancelled (Mooncake): callers then
+    /// wait for every batch instead of dropping the others when one fails.
+    fn stops_on_drop(&self) -> bool {
+        true
     }
 }
 

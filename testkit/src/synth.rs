@@ -694,6 +694,8 @@ pub struct ClusterSpec {
     pub mode: kvferry_machines::common::Mode,
     /// Data plane.
     pub transport: kvferry::node::TransportKind,
+    /// The Mooncake engine's settings ([`kvferry::node::NodeConfig::mooncake`]).
+    pub mooncake: kvferry::transport::mooncake::MooncakeConfig,
     /// Timeouts of every node.
     pub timeouts: kvferry_machines::common::Config,
     /// Serve an embedded bootstrap service from prefill rank 0 on this
@@ -754,6 +756,7 @@ impl Rank {
         let mut c = kvferry::node::NodeConfig::new(kvferry::node::Role::Decode, name);
         c.mode = spec.mode;
         c.transport = spec.transport;
+        c.mooncake = spec.mooncake.clone();
         c.timeouts = spec.timeouts;
         let kv = SynthKv::new(spec.model, 1, 0, spec.layers, spec.decode_blocks);
         Rank::start(c, kv).expect("decode node starts")
@@ -822,6 +825,7 @@ fn node_config(
     c.pp_rank = pp_rank;
     c.mode = spec.mode;
     c.transport = spec.transport;
+    c.mooncake = spec.mooncake.clone();
     c.timeouts = spec.timeouts;
     c.events = Some(kvferry::node::EventSink {
         tag: pp_rank * tp_size + tp_rank,

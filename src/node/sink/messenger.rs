@@ -326,6 +326,7 @@ async fn send_notes(
                 }
             }
         }
-        Some(AnySession::Local(_)) | None => false,
+        // Neither carries messages: the side channel does.
+        Some(AnySession::Local(_) | AnySession::Mooncake(_)) | None => false,
     }
 }

@@ -24,10 +24,12 @@ use super::tables::Written;
 use super::{DataPlaneError, PeerUnfit, Shared, TransportKind};
 use crate::transport::fence::{BlockFence, FenceKey, FencePool};
 use crate::transport::local::LocalTransport;
+use crate::transport::mooncake::MooncakeTransport;
 use crate::transport::tcp::{TcpConfig, TcpTransport};
 use crate::transport::wire::RejectReason;
 use crate::transport::{
-    AnySession, AnyTransport, Desc, EndpointAddr, Op, PeerError, Session, Transport, TransportError,
+    AnySession, AnyTransport, Desc, EndpointAddr, Op, PeerError, RegionInfo, Session, Transport,
+    TransportError,
 };
 use kvferry_machines::wire::{self, Frame};
 
@@ -128,6 +130,21 @@ fn tcp_transport(
     // `Node::start` resolved the host: no lookup on the executor.
     let addr = std::net::SocketAddr::new(bind_ip, config.data_plane_port);
     Ok(AnyTransport::Tcp(TcpTransport::bind(addr, tcp)?))
+}
+
+/// The node's Mooncake engine, reachable at its host.
+fn mooncake_transport(
+    config: &super::NodeConfig,
+    bind_ip: std::net::IpAddr,
+) -> Result<AnyTransport, DataPlaneError> {
+    let mc = config.mooncake.clone();
+    if mc.linger >= config.timeouts.transfer_bound {
+        let why = "mooncake.linger must be shorter than the transfer bound".to_string();
+        return Err(DataPlaneError::Transport(
+            crate::transport::MisuseError::BadConfig(why).into(),
+        ));
+    }
+    Ok(AnyTransport::Mooncake(MooncakeTransport::new(bind_ip, mc)?))
 }
 
 /// Counts a finished move and returns whether it succeeded; first tells
@@ -258,6 +275,22 @@ pub(crate) struct KvMemory {
     /// False only when a self-test switched the machines' own protection
     /// off to show what it catches; the block fence would hide that.
     pub fenced: bool,
+}
+
+/// The memory a rank with `layout` registers with its endpoint (what
+/// [`register_regions`] registers): each KV region's blocks, each pool
+/// buffer's items.
+fn registered_ranges(layout: &kvferry_machines::layout::RankLayout) -> Vec<RegionInfo> {
+    let blocks = (layout.regions.iter()).map(|r| (r.base, r.block_len, layout.num_blocks));
+    let items =
+        (layout.pools.iter()).flat_map(|p| p.regions.iter().map(|r| (r.base, r.item_len, p.items)));
+    blocks
+        .chain(items)
+        .map(|(addr, stride, count)| RegionInfo {
+            addr,
+            len_bytes: count.saturating_mul(stride),
+        })
+        .collect()
 }
 
 /// Registers the regions of `kv` with the node's endpoint and puts them
@@ -401,6 +434,7 @@ impl Sink {
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
             TransportKind::Tcp => tcp_transport(&shared.config, shared.bind_ip),
+            TransportKind::Mooncake => mooncake_transport(&shared.config, shared.bind_ip),
         };
         let started: Live = Rc::new(RefCell::new(HashMap::new()));
         let transport = match made {
@@ -446,7 +480,9 @@ impl Sink {
     fn fence(&self) -> Option<Rc<BlockFence>> {
         match self.msgr.transport.as_deref() {
             Some(AnyTransport::Tcp(tcp)) => tcp.fence(),
-            Some(AnyTransport::Local(_)) | None => None,
+            // Their targets' bytes move without this node's CPU seeing them
+            // (local: the initiator's memcpy; Mooncake: one-sided RDMA).
+            Some(AnyTransport::Local(_) | AnyTransport::Mooncake(_)) | None => None,
         }
     }
 
@@ -618,6 +654,9 @@ impl Sink {
             .as_ref()
             .map_err(|e| MoveError::Unfit(e.clone()))?;
         let endpoint = data.endpoint.ok_or(MoveError::NoEndpoint)?;
+        if let Some(AnyTransport::Mooncake(mc)) = self.msgr.transport.as_deref() {
+            mc.learn_peer(&endpoint, registered_ranges(&data.hello.layout));
+        }
         fill_u64(&mut self.src, src);
         fill_u64(&mut self.dst, dst);
         pair.plan_into(

@@ -77,8 +77,15 @@ impl Route<'_> {
         let moves = batches
             .iter()
             .map(|b| session.transfer_until(op, &descs[b.clone()], trailer, deadline));
-        let result = futures::future::try_join_all(moves)
-            .await
+        let result = if self.transport.stops_on_drop() {
+            futures::future::try_join_all(moves).await
+        } else {
+            // Dropping the others on the first failure would not stop
+            // them, and this op's blocks would be released under them.
+            let all = futures::future::join_all(moves).await;
+            all.into_iter().collect::<Result<Vec<bool>, _>>()
+        };
+        let result = result
             .map(|delivered| delivered.contains(&true))
             .map_err(MoveError::from);
         if result.is_err() {

@@ -310,7 +310,7 @@ impl Transport for TcpTransport {
     async fn open(&self, peer: &EndpointAddr) -> Result<TcpSession, TransportError> {
         match peer {
             EndpointAddr::Tcp(addr) => self.open_tcp(*addr).await,
-            EndpointAddr::Local(_) => {
+            EndpointAddr::Local(_) | EndpointAddr::Mooncake(_) => {
                 Err(MisuseError::UnreachableEndpoint(peer.to_string()).into())
             }
         }
