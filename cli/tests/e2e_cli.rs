@@ -164,3 +164,65 @@ fn demo_against_a_store_server_process_verifies_every_byte() {
         "SIGTERM stops the server cleanly: {status}"
     );
 }
+
+/// `--transport mooncake` with the library from `MOONCAKE_TE_LIB` (the fake
+/// engine here: its batches are memcpy within the demo's process), push and
+/// pull, every byte verified; a missing library is a clear error.
+#[test]
+fn demo_over_the_mooncake_transport_verifies_every_byte() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mooncake-fake-cli");
+    let lib = mooncake_sys::fake::build(&dir).expect("the fake library builds");
+    for mode in ["push", "pull"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args([
+                "demo",
+                "--transport",
+                "mooncake",
+                "--mooncake-protocol",
+                "tcp",
+            ])
+            .args([
+                "--mode",
+                mode,
+                "--requests",
+                "40",
+                "--prefill-tp",
+                "2",
+                "--json",
+            ])
+            .env(mooncake_sys::TE_LIB_ENV, &lib)
+            .output()
+            .expect("run kvferry demo");
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        assert!(
+            out.status.success(),
+            "{mode}: {j} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(j["ok"], j["requests"], "{mode}: {j}");
+        assert_eq!(j["verify_errors"], 0, "{mode}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args([
+            "demo",
+            "--transport",
+            "mooncake",
+            "--requests",
+            "1",
+            "--json",
+        ])
+        .env(
+            mooncake_sys::TE_LIB_ENV,
+            "/nonexistent/libtransfer_engine.so",
+        )
+        .output()
+        .expect("run kvferry demo");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(
+            "no Mooncake library could be loaded; tried: /nonexistent/libtransfer_engine.so"
+        ),
+        "{stderr}"
+    );
+}

@@ -36,8 +36,15 @@ pub struct NodeSettings {
     pub pp_rank: Option<u32>,
     /// `"push"` or `"pull"`.
     pub mode: Option<ModeSetting>,
-    /// `"tcp"` or `"local"`.
+    /// `"tcp"`, `"local"` or `"mooncake"`.
     pub transport: Option<TransportSetting>,
+    /// Mooncake's protocol with `"transport": "mooncake"` (`MooncakeConfig::protocol`).
+    pub mooncake_protocol: Option<String>,
+    /// Where the KV lives for Mooncake's registration (`MooncakeConfig::location`:
+    /// `cpu:0`, `cuda:0`, `*`).
+    pub mooncake_location: Option<String>,
+    /// `MooncakeConfig::linger`.
+    pub mooncake_linger_ms: Option<u64>,
     /// [`NodeConfig::host`].
     pub host: Option<String>,
     /// [`NodeConfig::side_channel_port`].
@@ -129,6 +136,8 @@ pub enum TransportSetting {
     Tcp,
     /// [`TransportKind::Local`].
     Local,
+    /// [`TransportKind::Mooncake`].
+    Mooncake,
 }
 
 /// Why settings could not be read or built.
@@ -279,7 +288,13 @@ impl NodeSettings {
             c.transport = match t {
                 TransportSetting::Tcp => TransportKind::Tcp,
                 TransportSetting::Local => TransportKind::Local,
+                TransportSetting::Mooncake => TransportKind::Mooncake,
             };
+        }
+        set(&mut c.mooncake.protocol, self.mooncake_protocol.clone());
+        set(&mut c.mooncake.location, self.mooncake_location.clone());
+        if let Some(ms) = self.mooncake_linger_ms {
+            c.mooncake.linger = Duration::from_millis(ms);
         }
         set(&mut c.host, self.host.clone());
         set(&mut c.side_channel_port, self.side_channel_port);
@@ -385,6 +400,9 @@ const KEYS: &[(&str, Kind)] = &[
     ("pp_rank", Kind::Number),
     ("mode", Kind::Text),
     ("transport", Kind::Text),
+    ("mooncake_protocol", Kind::Text),
+    ("mooncake_location", Kind::Text),
+    ("mooncake_linger_ms", Kind::Number),
     ("host", Kind::Text),
     ("side_channel_port", Kind::Number),
     ("data_plane_port", Kind::Number),
