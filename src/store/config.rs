@@ -40,6 +40,12 @@ pub struct ConnectorLimits {
     pub max_events: usize,
     /// Requests the pressure path remembers.
     pub max_pressure_requests: usize,
+    /// Longest wait for the backend to take the engine's KV layout, once,
+    /// at `register_kv_caches` ([`super::StoreBackend::register`]): longer
+    /// than one op's bound, as a backend may pin and map the whole KV
+    /// then (Mooncake's `register_buffer`), and the backend's thread may
+    /// still be starting.
+    pub max_register_wait: std::time::Duration,
 }
 
 impl Default for ConnectorLimits {
@@ -50,6 +56,7 @@ impl Default for ConnectorLimits {
             max_load_error_blocks: 1 << 20,
             max_events: 1 << 16,
             max_pressure_requests: 4096,
+            max_register_wait: std::time::Duration::from_secs(60),
         }
     }
 }

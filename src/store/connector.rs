@@ -185,9 +185,10 @@ impl StoreConnector {
     }
 
     /// Hands the layout to the backend ([`StoreBackend::register`]) and
-    /// waits for its answer, at most `op_bound`.
+    /// waits for its answer, at most `max_register_wait`.
     fn register_with_backend(&mut self, layout: &RankLayout) -> Result<(), ConnectorError> {
-        let fault = match self.call_now(Op::Register(Box::new(layout.clone())))? {
+        let wait = self.cfg.limits.max_register_wait;
+        let fault = match self.call_now(Op::Register(Box::new(layout.clone())), wait)? {
             Ok(Reply::Register(Ok(()))) => return Ok(()),
             Ok(Reply::Register(Err(e))) => e.into(),
             Ok(_) => StoreFault::Refused,
@@ -197,11 +198,15 @@ impl StoreConnector {
     }
 
     /// Posts `op` outside the machines and waits for its answer, at most
-    /// `op_bound`; the keys the answer says left the store become events
-    /// as with every answer. `Err(Timeout)` when none came in time.
-    fn call_now(&mut self, op: Op) -> Result<Result<Reply, StoreFault>, ConnectorError> {
+    /// `bound`; the keys the answer says left the store become events as
+    /// with every answer. `Err(Timeout)` when none came in time.
+    fn call_now(
+        &mut self,
+        op: Op,
+        bound: std::time::Duration,
+    ) -> Result<Result<Reply, StoreFault>, ConnectorError> {
         let (tx, rx) = flume::bounded(1);
-        let deadline = after(Instant::now(), self.cfg.store.op_bound);
+        let deadline = after(Instant::now(), bound);
         self.calls.worker.post(Call {
             id: u64::MAX,
             op,
@@ -259,7 +264,7 @@ impl StoreConnector {
 
     /// One existence call, waited for on a channel of its own.
     fn exists_now(&mut self, keys: Vec<ChunkKey>) -> Result<Vec<bool>, ConnectorError> {
-        let fault = match self.call_now(Op::Exists(keys))? {
+        let fault = match self.call_now(Op::Exists(keys), self.cfg.store.op_bound)? {
             Ok(Reply::Exists(Ok(e))) => return Ok(e),
             Ok(Reply::Exists(Err(e))) => e.into(),
             Ok(_) => StoreFault::Refused,
