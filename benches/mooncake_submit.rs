@@ -8,7 +8,7 @@
 //!
 //! `cargo bench --bench mooncake_submit` (prints one line per case).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,7 +33,7 @@ fn best(mut f: impl FnMut() -> Duration) -> f64 {
     t.as_nanos() as f64 / DESCS as f64
 }
 
-fn raw(lib: &PathBuf, src: &mut [u8], dst: &mut [u8]) -> f64 {
+fn raw(lib: &Path, src: &mut [u8], dst: &mut [u8]) -> f64 {
     let lib = Arc::new(TeLib::open(lib).unwrap());
     let cfg = EngineConfig {
         metadata: "P2PHANDSHAKE".into(),
@@ -42,7 +42,10 @@ fn raw(lib: &PathBuf, src: &mut [u8], dst: &mut [u8]) -> f64 {
         rpc_port: 0,
         protocol: "tcp".into(),
     };
-    let (a, b) = (Engine::new(lib.clone(), &cfg).unwrap(), Engine::new(lib, &cfg).unwrap());
+    let (a, b) = (
+        Engine::new(lib.clone(), &cfg).unwrap(),
+        Engine::new(lib, &cfg).unwrap(),
+    );
     // SAFETY: the buffers outlive the registrations (dropped at return).
     let _ra = unsafe { a.register(src.as_mut_ptr(), src.len(), "cpu:0") }.unwrap();
     let _rb = unsafe { b.register(dst.as_mut_ptr(), dst.len(), "cpu:0") }.unwrap();
@@ -62,16 +65,19 @@ fn raw(lib: &PathBuf, src: &mut [u8], dst: &mut [u8]) -> f64 {
         // SAFETY: registered ranges that outlive the batch.
         unsafe { batch.submit(&reqs) }.unwrap();
         for t in 0..reqs.len() {
-            assert!(matches!(batch.status(t).unwrap(), TaskState::Completed { .. }));
+            assert!(matches!(
+                batch.status(t).unwrap(),
+                TaskState::Completed { .. }
+            ));
         }
         drop(batch);
         start.elapsed()
     })
 }
 
-fn kvferry(lib: &PathBuf, src: &mut [u8], dst: &mut [u8]) -> f64 {
+fn kvferry(lib: &Path, src: &mut [u8], dst: &mut [u8]) -> f64 {
     let cfg = MooncakeConfig {
-        library: Some(lib.clone()),
+        library: Some(lib.to_path_buf()),
         max_descs: DESCS as usize,
         ..MooncakeConfig::default()
     };
@@ -106,7 +112,9 @@ fn kvferry(lib: &PathBuf, src: &mut [u8], dst: &mut [u8]) -> f64 {
             for _ in 0..ROUNDS {
                 let deadline = Instant::now() + Duration::from_secs(60);
                 let start = Instant::now();
-                s.transfer_until(Op::Write, &descs, None, deadline).await.unwrap();
+                s.transfer_until(Op::Write, &descs, None, deadline)
+                    .await
+                    .unwrap();
                 times.push(start.elapsed());
             }
             let t = times.into_iter().min().unwrap();
@@ -124,5 +132,8 @@ fn main() {
     println!("mooncake submit+poll, {DESCS} descriptors of {LEN} B, fake engine library:");
     println!("  C API directly        {raw_ns:8.1} ns/descriptor");
     println!("  MooncakeTransport     {kv_ns:8.1} ns/descriptor");
-    println!("  kvferry's own         {:8.1} ns/descriptor", kv_ns - raw_ns);
+    println!(
+        "  kvferry's own         {:8.1} ns/descriptor",
+        kv_ns - raw_ns
+    );
 }

@@ -1,9 +1,10 @@
-//! A fake `libtransfer_engine.so` for tests (`csrc/fake_te.c`): the C
-//! surface with memcpy between the engines of one process, every range
-//! checked against registered memory, injectable faults, and counters.
-//! [`build`] compiles it with the system C compiler into a real shared
-//! object, loaded by path through [`crate::TE_LIB_ENV`] exactly as the real
-//! library is.
+//! Fake `libtransfer_engine.so` and `libmooncake_store.so` for tests
+//! (`csrc/fake_te.c`, `csrc/fake_store.c`): the C surfaces with memcpy
+//! inside one process, every range checked against registered memory,
+//! injectable faults, and counters. [`build`] and [`build_store`] compile
+//! them with the system C compiler into real shared objects, loaded by path
+//! through [`crate::TE_LIB_ENV`] / [`crate::STORE_LIB_ENV`] exactly as the
+//! real libraries are.
 
 use std::ffi::c_int;
 use std::path::{Path, PathBuf};
@@ -11,6 +12,8 @@ use std::process::Command;
 
 const FAKE_TE_C: &str = include_str!("../csrc/fake_te.c");
 const TE_HEADER: &str = include_str!("../include/transfer_engine_c.h");
+const FAKE_STORE_C: &str = include_str!("../csrc/fake_store.c");
+const STORE_HEADER: &str = include_str!("../include/store_c.h");
 
 /// A fault the fake library applies to the next `count` submits or tasks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,18 +62,42 @@ pub struct Stats {
     pub tasks: i64,
 }
 
-/// Compiles the fake library into `dir` (created if missing) and returns
-/// its path. `CC` names the compiler (default `cc`).
+/// Compiles the fake transfer engine into `dir` (created if missing) and
+/// returns its path. `CC` names the compiler (default `cc`).
 pub fn build(dir: &Path) -> std::io::Result<PathBuf> {
+    compile(
+        dir,
+        ("fake_te.c", FAKE_TE_C),
+        ("transfer_engine_c.h", TE_HEADER),
+        "libfake_transfer_engine.so",
+    )
+}
+
+/// Compiles the fake store into `dir` and returns its path.
+pub fn build_store(dir: &Path) -> std::io::Result<PathBuf> {
+    compile(
+        dir,
+        ("fake_store.c", FAKE_STORE_C),
+        ("store_c.h", STORE_HEADER),
+        "libfake_mooncake_store.so",
+    )
+}
+
+fn compile(
+    dir: &Path,
+    (c_name, c_text): (&str, &str),
+    (h_name, h_text): (&str, &str),
+    so: &str,
+) -> std::io::Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
-    std::fs::write(dir.join("fake_te.c"), FAKE_TE_C)?;
-    std::fs::write(dir.join("transfer_engine_c.h"), TE_HEADER)?;
-    let out = dir.join("libfake_transfer_engine.so");
+    std::fs::write(dir.join(c_name), c_text)?;
+    std::fs::write(dir.join(h_name), h_text)?;
+    let out = dir.join(so);
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let status = Command::new(&cc)
         .args(["-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-o"])
         .arg(&out)
-        .arg(dir.join("fake_te.c"))
+        .arg(dir.join(c_name))
         .arg(format!("-I{}", dir.display()))
         .arg("-lpthread")
         .status()?;
@@ -142,5 +169,89 @@ impl Control {
     pub fn finish_never(&self) {
         // SAFETY: no arguments.
         unsafe { (self.finish_never)() }
+    }
+}
+
+type CapacityFn = unsafe extern "C" fn(u64);
+type CorruptFn = unsafe extern "C" fn(*const std::ffi::c_char) -> c_int;
+type ClearFn = unsafe extern "C" fn();
+type CorruptStartingFn = unsafe extern "C" fn(c_int) -> c_int;
+
+/// The fake store's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Values stored.
+    pub puts: i64,
+    /// Values read.
+    pub gets: i64,
+    /// Puts and gets that named memory not registered with the client.
+    pub unregistered: i64,
+}
+
+/// The fake store's test controls.
+pub struct StoreControl {
+    capacity: CapacityFn,
+    corrupt: CorruptFn,
+    corrupt_starting: CorruptStartingFn,
+    clear: ClearFn,
+    stats: StatsFn,
+    _lib: libloading::Library,
+}
+
+impl StoreControl {
+    /// Opens the controls of the fake store at `path`.
+    pub fn open(path: &Path) -> Result<StoreControl, libloading::Error> {
+        // SAFETY: the symbols' types are those `csrc/fake_store.c` defines.
+        unsafe {
+            let lib = libloading::Library::new(path)?;
+            Ok(StoreControl {
+                capacity: *lib.get::<CapacityFn>(b"fake_store_capacity\0")?,
+                corrupt: *lib.get::<CorruptFn>(b"fake_store_corrupt\0")?,
+                corrupt_starting: *lib
+                    .get::<CorruptStartingFn>(b"fake_store_corrupt_starting_with\0")?,
+                clear: *lib.get::<ClearFn>(b"fake_store_clear\0")?,
+                stats: *lib.get::<StatsFn>(b"fake_store_stats\0")?,
+                _lib: lib,
+            })
+        }
+    }
+
+    /// Bytes the store may hold; a put past them is `NO_AVAILABLE_HANDLE`.
+    pub fn set_capacity(&self, bytes: u64) {
+        // SAFETY: a plain value.
+        unsafe { (self.capacity)(bytes) }
+    }
+
+    /// Flips a byte of `key`'s stored value; false if it is not stored.
+    pub fn corrupt(&self, key: &str) -> bool {
+        let k = std::ffi::CString::new(key).expect("a key without NUL");
+        // SAFETY: a NUL-terminated key.
+        unsafe { (self.corrupt)(k.as_ptr()) == 0 }
+    }
+
+    /// Flips the first byte of every stored value whose first byte is
+    /// `first`; how many.
+    pub fn corrupt_starting_with(&self, first: u8) -> usize {
+        // SAFETY: a plain value.
+        let n = unsafe { (self.corrupt_starting)(c_int::from(first)) };
+        usize::try_from(n).unwrap_or(0)
+    }
+
+    /// Drops every value.
+    pub fn clear(&self) {
+        // SAFETY: no arguments.
+        unsafe { (self.clear)() }
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> StoreStats {
+        let mut v = [0i64; 5];
+        // SAFETY: the function writes three values.
+        unsafe { (self.stats)(v.as_mut_ptr()) };
+        StoreStats {
+            puts: v[0],
+            gets: v[1],
+            unregistered: v[2],
+        }
     }
 }

@@ -45,6 +45,22 @@ pub const STATUS_FAILED: c_int = 6;
 /// of the engine's `Status`, 0 for success).
 pub const CODE_BATCH_BUSY: c_int = 4;
 
+/// The store's per-key error codes (`mooncake::ErrorCode` in the store's
+/// `types.h`) that kvferry tells apart; any other negative value is a
+/// failure of the key's transfer.
+pub mod store_code {
+    /// `NO_AVAILABLE_HANDLE`: no space left (the pressure path).
+    pub const NO_AVAILABLE_HANDLE: i64 = -200;
+    /// `INVALID_PARAMS`.
+    pub const INVALID_PARAMS: i64 = -600;
+    /// `OBJECT_NOT_FOUND`.
+    pub const OBJECT_NOT_FOUND: i64 = -704;
+    /// `OBJECT_ALREADY_EXISTS`.
+    pub const OBJECT_ALREADY_EXISTS: i64 = -705;
+    /// `CHECKSUM_MISMATCH`: the stored bytes are not those put.
+    pub const CHECKSUM_MISMATCH: i64 = -801;
+}
+
 /// `struct transfer_request`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

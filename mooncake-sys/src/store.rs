@@ -1,8 +1,14 @@
-//! The Mooncake Store client (`store_c.h`), wrapped: one [`Store`] per
-//! thread (the same rule as [`crate::Engine`]).
+//! The Mooncake Store client (`store_c.h`), wrapped.
+//!
+//! A [`Store`] has one owner and owns the buffers registered with it
+//! (unregistered when it drops, before the client is destroyed). It is
+//! `Send`, not `Sync`: kvferry creates it and then calls it from one
+//! backend thread. Moving it between threads is sound because the client
+//! keeps no thread-local state: `store_c.cpp` forwards each call to a
+//! `mooncake::Client`, which Mooncake's own Python binding calls from any
+//! thread (its methods release the GIL).
 
 use std::ffi::{c_char, c_int, c_void, CString};
-use std::rc::Rc;
 use std::sync::Arc;
 
 use crate::error::Error;
@@ -29,21 +35,27 @@ pub struct StoreConfig {
     pub master_server_addr: String,
 }
 
-struct Inner {
+/// A store client, set up, and the buffers registered with it.
+pub struct Store {
     lib: Arc<StoreLib>,
     handle: StoreHandle,
+    buffers: Vec<*mut u8>,
 }
 
-impl Drop for Inner {
+// SAFETY: see the module docs: the client is not tied to a thread, and a
+// `Store` has one owner (no `Clone`, no `Sync`).
+unsafe impl Send for Store {}
+
+impl Drop for Store {
     fn drop(&mut self) {
+        for b in std::mem::take(&mut self.buffers) {
+            // SAFETY: registered with this live store.
+            unsafe { (self.lib.unregister_buffer)(self.handle, b.cast()) };
+        }
         // SAFETY: a live store used by nothing else any more.
         unsafe { (self.lib.destroy)(self.handle) };
     }
 }
-
-/// A store client, set up.
-#[derive(Clone)]
-pub struct Store(Rc<Inner>);
 
 fn c_string(what: &'static str, s: &str) -> Result<CString, Error> {
     CString::new(s).map_err(|_| Error::Nul { what })
@@ -79,7 +91,11 @@ impl Store {
                 code: -1,
             });
         }
-        let store = Store(Rc::new(Inner { lib, handle }));
+        let store = Store {
+            lib,
+            handle,
+            buffers: Vec::new(),
+        };
         let host = c_string("local_hostname", &cfg.local_hostname)?;
         let meta = c_string("metadata_server", &cfg.metadata_server)?;
         let proto = c_string("protocol", &cfg.protocol)?;
@@ -87,7 +103,7 @@ impl Store {
         let master = c_string("master_server_addr", &cfg.master_server_addr)?;
         // SAFETY: a live store; strings outlive the call.
         let rc = unsafe {
-            (store.0.lib.setup)(
+            (store.lib.setup)(
                 handle,
                 host.as_ptr(),
                 meta.as_ptr(),
@@ -102,33 +118,27 @@ impl Store {
         Ok(store)
     }
 
-    /// Registers `len` bytes at `addr` for zero-copy puts and gets.
+    /// Registers `len` bytes at `addr` for zero-copy puts and gets, until
+    /// the store drops.
     ///
     /// # Safety
     ///
-    /// The memory must stay allocated until the registration drops.
-    pub unsafe fn register_buffer(&self, addr: *mut u8, len: usize) -> Result<Buffer, Error> {
+    /// The memory must stay allocated until the store drops.
+    pub unsafe fn register_buffer(&mut self, addr: *mut u8, len: usize) -> Result<(), Error> {
         // SAFETY: a live store; the caller vouches for the memory.
-        let rc = unsafe { (self.0.lib.register_buffer)(self.0.handle, addr.cast(), len) };
+        let rc = unsafe { (self.lib.register_buffer)(self.handle, addr.cast(), len) };
         Error::check("mooncake_store_register_buffer", rc)?;
-        Ok(Buffer {
-            store: self.clone(),
-            addr,
-        })
+        self.buffers.push(addr);
+        Ok(())
     }
 
     /// Which of `keys` exist: per key 1 (yes), 0 (no) or a negative error.
-    pub fn batch_exists(&self, keys: &[&str]) -> Result<Vec<c_int>, Error> {
+    pub fn batch_exists(&mut self, keys: &[&str]) -> Result<Vec<c_int>, Error> {
         let k = Keys::new(keys.iter().copied())?;
         let mut out = vec![0 as c_int; keys.len()];
         // SAFETY: a live store; arrays of the length passed.
         let rc = unsafe {
-            (self.0.lib.batch_is_exist)(
-                self.0.handle,
-                k.ptrs.as_ptr(),
-                keys.len(),
-                out.as_mut_ptr(),
-            )
+            (self.lib.batch_is_exist)(self.handle, k.ptrs.as_ptr(), keys.len(), out.as_mut_ptr())
         };
         Error::check("mooncake_store_batch_is_exist", rc)?;
         Ok(out)
@@ -142,7 +152,7 @@ impl Store {
     /// Every buffer must lie in memory registered with
     /// [`Store::register_buffer`] and stay valid during the call.
     pub unsafe fn batch_put_from(
-        &self,
+        &mut self,
         items: &[(&str, *mut u8, usize)],
         config: &ReplicateConfig,
     ) -> Result<Vec<c_int>, Error> {
@@ -153,8 +163,8 @@ impl Store {
         // SAFETY: a live store, arrays of the length passed; the caller
         // vouches for the buffers.
         let rc = unsafe {
-            (self.0.lib.batch_put_from)(
-                self.0.handle,
+            (self.lib.batch_put_from)(
+                self.handle,
                 k.ptrs.as_ptr(),
                 bufs.as_ptr(),
                 sizes.as_ptr(),
@@ -184,8 +194,8 @@ impl Store {
         let mut out = vec![0i64; items.len()];
         // SAFETY: as in `batch_put_from`.
         let rc = unsafe {
-            (self.0.lib.batch_get_into)(
-                self.0.handle,
+            (self.lib.batch_get_into)(
+                self.handle,
                 k.ptrs.as_ptr(),
                 bufs.as_ptr(),
                 sizes.as_ptr(),
@@ -198,23 +208,10 @@ impl Store {
     }
 
     /// Removes `key`.
-    pub fn remove(&self, key: &str) -> Result<(), Error> {
+    pub fn remove(&mut self, key: &str) -> Result<(), Error> {
         let k = c_string("key", key)?;
         // SAFETY: a live store and a NUL-terminated key.
-        let rc = unsafe { (self.0.lib.remove)(self.0.handle, k.as_ptr(), 0) };
+        let rc = unsafe { (self.lib.remove)(self.handle, k.as_ptr(), 0) };
         Error::check("mooncake_store_remove", rc)
-    }
-}
-
-/// A buffer registered with a [`Store`]; unregistered when dropped.
-pub struct Buffer {
-    store: Store,
-    addr: *mut u8,
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: registered with this live store.
-        unsafe { (self.store.0.lib.unregister_buffer)(self.store.0.handle, self.addr.cast()) };
     }
 }

@@ -23,6 +23,7 @@ pub mod demo;
 pub mod inproc;
 pub mod lookup_server;
 pub mod memory;
+pub mod mooncake;
 pub mod proto;
 pub mod publish;
 pub mod redis;
@@ -44,6 +45,7 @@ pub use demo::{DemoProgress, StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use lookup_server::{LookupClient, LookupServer};
 pub use memory::{MemoryError, RegisteredMemory};
+pub use mooncake::{MooncakeStore, MooncakeStoreConfig, MooncakeStoreError};
 pub use publish::{
     EncodeError, HashEncoding, KvEventBatch, KvEventPublisher, PublishError, PublisherConfig,
 };
