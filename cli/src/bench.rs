@@ -15,6 +15,7 @@ use glommio::{LocalExecutorBuilder, Placement};
 
 use clap::{Args, Subcommand, ValueEnum};
 use kvferry::transport::local::LocalTransport;
+use kvferry::transport::mooncake::{MooncakeConfig, MooncakeTransport};
 use kvferry::transport::tcp::{TcpConfig, TcpTransport};
 use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
 
@@ -60,6 +61,10 @@ pub struct TransportArgs {
     /// Push or pull.
     #[arg(long, default_value_t = OpArg::Write)]
     op: OpArg,
+    /// Mooncake's protocol with `--transport mooncake` (the library from
+    /// `MOONCAKE_TE_LIB`).
+    #[arg(long, value_name = "P", default_value = "tcp")]
+    mooncake_protocol: String,
     /// Do not pin the executors to cores.
     #[arg(long)]
     no_pin: bool,
@@ -144,6 +149,8 @@ pub(crate) struct Params {
     pub(crate) keep_samples: bool,
     /// Every descriptor moves block 0.
     pub(crate) reuse_block: bool,
+    /// Mooncake's protocol, for `--transport mooncake`.
+    pub(crate) mooncake_protocol: String,
 }
 
 /// What was measured.
@@ -222,6 +229,7 @@ pub(crate) fn measure(p: &Params) -> Result<Measured, String> {
 
     let measured = match p.transport.as_str() {
         "tcp" => run_tcp(p, src_addr, dst_addr),
+        "mooncake" => run_mooncake(p, src_addr, dst_addr),
         _ => run_local(p, src_addr, dst_addr),
     };
     drop((src, dst));
@@ -273,6 +281,7 @@ fn params(a: &TransportArgs) -> Result<(Params, u64), UsageError> {
         pin,
         keep_samples: false,
         reuse_block: a.reuse_block,
+        mooncake_protocol: a.mooncake_protocol.clone(),
     };
     Ok((p, total))
 }
@@ -463,6 +472,45 @@ fn run_local(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, Strin
         .map_err(|e| format!("starting the executor: {e}"))?
         .join()
         .map_err(|e| format!("local executor: {e}"))?
+}
+
+/// Two Mooncake engines on one executor (the library from
+/// `MOONCAKE_TE_LIB`, protocol `--mooncake-protocol`): the bytes cross the
+/// engine's transport (loopback for `tcp`) between them.
+fn run_mooncake(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, String> {
+    let total = buffer_bytes(p) as usize;
+    let p2 = p.clone();
+    let cfg = MooncakeConfig {
+        protocol: p.mooncake_protocol.clone(),
+        max_descs: p.batch as usize,
+        ..MooncakeConfig::default()
+    };
+    LocalExecutorBuilder::new(placement(p.pin, 0))
+        .name("bench-mooncake")
+        .spawn(move || async move {
+            let ip = std::net::IpAddr::from([127, 0, 0, 1]);
+            let a = MooncakeTransport::new(ip, cfg.clone()).map_err(|e| e.to_string())?;
+            let b = MooncakeTransport::new(ip, cfg).map_err(|e| e.to_string())?;
+            // SAFETY: both buffers outlive this thread and only the
+            // transport touches them meanwhile.
+            unsafe {
+                a.register(src_addr as usize as *mut u8, total)
+                    .map_err(|e| e.to_string())?;
+                b.register(dst_addr as usize as *mut u8, total)
+                    .map_err(|e| e.to_string())?;
+            }
+            a.learn_peer(&b.endpoint_addr(), b.regions());
+            let session = a
+                .open(&b.endpoint_addr())
+                .await
+                .map_err(|e| e.to_string())?;
+            let batch = descs(&p2, src_addr, dst_addr);
+            let m = drive(&p2, &session, &batch).await;
+            m.map(|m| verify_and_memcpy(&p2, m, src_addr, dst_addr))
+        })
+        .map_err(|e| format!("starting the executor: {e}"))?
+        .join()
+        .map_err(|e| format!("mooncake executor: {e}"))?
 }
 
 /// Checks that the transfers left both buffers equal, then measures memcpy
