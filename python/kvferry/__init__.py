@@ -311,7 +311,8 @@ class Node:
     Keywords are the node's settings (``docs/config.md``): ``role``
     (``"prefill"``, ``"decode"``, ``"both"``), ``engine_id``, ``tp_size``,
     ``tp_rank``, ``dp_rank``, ``pp_size``, ``pp_rank``, ``mode`` (``"push"``
-    or ``"pull"``), ``transport`` (``"tcp"`` or ``"local"``), ``host``,
+    or ``"pull"``), ``transport`` (``"tcp"``, ``"local"`` or ``"mooncake"``
+    with ``mooncake_protocol``), ``host``,
     ``bootstrap`` (``"HOST:PORT"`` to register at or ask), ``serve_bootstrap``
     and every other key, timeouts as ``*_ms``. An unknown key raises
     :class:`MisuseError`.
