@@ -131,7 +131,9 @@ struct Shared {
 /// A Mooncake Transfer Engine endpoint.
 pub struct MooncakeTransport {
     shared: Rc<Shared>,
-    registrations: RefCell<HashMap<RegionId, Registration>>,
+    /// Each region's registration with the engine; the regions of one
+    /// [`MooncakeTransport::register_batch`] share theirs.
+    registrations: RefCell<HashMap<RegionId, Rc<Registration>>>,
     addr: SocketAddr,
 }
 
@@ -182,6 +184,54 @@ impl MooncakeTransport {
         }
     }
 
+    /// Registers every `(addr, len)` like [`Transport::register`], with one
+    /// `registerLocalMemoryBatch` call; all or none. The engine lets go of
+    /// them together, once the last of them is unregistered, so they must
+    /// stay valid until then (the node unregisters its KV as a whole).
+    ///
+    /// # Safety
+    ///
+    /// As [`Transport::register`], for every region, until the last of
+    /// them is unregistered.
+    pub unsafe fn register_batch(
+        &self,
+        regions: &[(*mut u8, usize)],
+    ) -> Result<Vec<RegionId>, TransportError> {
+        let mut ids = Vec::with_capacity(regions.len());
+        for &(addr, len) in regions {
+            match self.shared.registry.insert(addr as u64, len as u64) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    self.forget(&ids);
+                    return Err(e.into());
+                }
+            }
+        }
+        let loc = &self.shared.cfg.location;
+        // SAFETY: the caller's promise, as for `register`.
+        match unsafe { self.shared.engine.register_batch(regions, loc) } {
+            Ok(r) => {
+                let r = Rc::new(r);
+                let mut regs = self.registrations.borrow_mut();
+                regs.extend(ids.iter().map(|&id| (id, r.clone())));
+                Ok(ids)
+            }
+            Err(source) => {
+                self.forget(&ids);
+                Err(TransportError::Library {
+                    during: "registering memory",
+                    source,
+                })
+            }
+        }
+    }
+
+    fn forget(&self, ids: &[RegionId]) {
+        for &id in ids {
+            let _ = self.shared.registry.remove(id);
+        }
+    }
+
     /// Batches still unfinished at their deadline (see the module docs).
     pub fn overdue_batches(&self) -> u64 {
         self.shared.overdue.get()
@@ -203,7 +253,7 @@ impl Transport for MooncakeTransport {
         // `unregister`) is what the engine needs.
         match unsafe { self.shared.engine.register(addr, len_bytes, loc) } {
             Ok(r) => {
-                self.registrations.borrow_mut().insert(id, r);
+                self.registrations.borrow_mut().insert(id, Rc::new(r));
                 Ok(id)
             }
             Err(source) => {

@@ -311,13 +311,27 @@ pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPl
         .map(|&(base, len)| (base, len, kv.num_blocks));
     let items =
         (kv.pools.iter()).flat_map(|p| p.buffers.iter().map(|&(base, len)| (base, len, p.items)));
+    let mut all = Vec::new();
     for (base, stride, count) in blocks.chain(items) {
         // `register_kv_caches` checked that the product fits in 64 bits.
         let len = count.saturating_mul(stride);
         let len = usize::try_from(len).map_err(|_| DataPlaneError::RegionTooLong)?;
-        // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
-        // promised the memory stays valid and shareable with peers.
-        unsafe { t.register(base as usize as *mut u8, len) }?;
+        all.push((base as usize as *mut u8, len));
+    }
+    // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
+    // promised the memory stays valid and shareable with peers.
+    unsafe {
+        match &*t {
+            // One call for every region: Mooncake registers them in
+            // parallel (`registerLocalMemoryBatch`), which matters when
+            // RDMA pins and maps a large KV.
+            AnyTransport::Mooncake(mc) => drop(mc.register_batch(&all)?),
+            _ => {
+                for &(addr, len) in &all {
+                    t.register(addr, len)?;
+                }
+            }
+        }
     }
     Ok(())
 }
