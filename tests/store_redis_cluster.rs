@@ -549,3 +549,57 @@ fn a_value_corrupted_on_its_node_is_a_load_error_for_exactly_its_block() {
         assert!(kv.block(b).iter().all(|&x| x == fill), "block {b}");
     }
 }
+
+/// A fake node that answers its first read with `reply`, then keeps the
+/// connection open until the client hangs up.
+fn hostile(reply: &'static [u8]) -> (RedisClusterStore, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis+cluster://{}", l.local_addr().unwrap());
+    let t = std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let mut buf = [0u8; 4096];
+        let _ = s.read(&mut buf);
+        let _ = s.write_all(reply);
+        let _ = s.read(&mut buf);
+    });
+    (
+        RedisClusterStore::new(ClusterConfig::from_url(&url).unwrap()),
+        t,
+    )
+}
+
+#[test]
+fn slot_maps_past_their_bounds_are_refused_and_a_silent_node_ends_by_the_deadline() {
+    use kvferry::store::CallError;
+    let cases: [(&[u8], CallError); 5] = [
+        // A map of one node whose entry nests past ARRAY_DEPTH_MAX.
+        (
+            b"*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:1\r\n*1\r\n*1\r\n:1\r\n",
+            CallError::Refused,
+        ),
+        // Longer than ARRAY_LEN_MAX.
+        (b"*99999999\r\n", CallError::Refused),
+        // A range past the last slot.
+        (
+            b"*1\r\n*3\r\n:0\r\n:16384\r\n*2\r\n$9\r\n127.0.0.1\r\n:1\r\n",
+            CallError::Refused,
+        ),
+        (
+            b"-ERR This instance has cluster support disabled\r\n",
+            CallError::Refused,
+        ),
+        // Half a reply, then silence.
+        (b"*1\r\n*3\r\n:0\r\n", CallError::Timeout),
+    ];
+    for (reply, want) in cases {
+        let (mut store, t) = hostile(reply);
+        let deadline = Instant::now() + Duration::from_millis(500);
+        let got = store.exists(&[key("a")], deadline);
+        assert_eq!(got, Err(want), "{:?}", String::from_utf8_lossy(reply));
+        // Returned by the deadline, give or take the scheduler.
+        assert!(Instant::now() < deadline + Duration::from_secs(2));
+        drop(store);
+        t.join().unwrap();
+    }
+}
