@@ -9,8 +9,13 @@ use std::time::{Duration, Instant};
 use super::RedisConfig;
 use crate::store::backend::{CallError, ItemError};
 
-/// Bytes read from the socket at most per system call.
-pub const READ_BUFFER_BYTES: usize = 1 << 20;
+/// Bytes of the connection's read buffer: what one system call reads at
+/// most into it. Lines and small replies are parsed from it; a bulk is
+/// copied out of it only for the part already buffered, the rest read
+/// straight into the bulk's buffer. Kept small for that: a buffer of a
+/// whole value (1 MiB) filled behind each reply's first line copied most
+/// of every value twice.
+pub const READ_BUFFER_BYTES: usize = 64 << 10;
 /// Longest reply line read (status, error, integer, bulk or array
 /// length): past it the server is not speaking RESP to us.
 pub const LINE_BYTES_MAX: usize = 64 << 10;

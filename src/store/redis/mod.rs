@@ -67,6 +67,10 @@ pub const HEADER_BYTES: usize = 20;
 /// Environment variable naming a file whose first line is the password
 /// (so it never has to be on a command line).
 pub const PASSWORD_FILE_ENV: &str = "KVFERRY_REDIS_PASSWORD_FILE";
+/// Capacity of the pipeline buffer a backend keeps between calls, at most:
+/// a buffer allocated afresh for each batch of 32 MiB of puts costs a page
+/// fault per page on every call; a larger one is let go after its call.
+pub const PACKED_KEEP_BYTES: usize = 64 << 20;
 
 /// How a [`RedisStore`] reaches its server.
 #[derive(Clone)]
@@ -212,6 +216,8 @@ pub struct RedisStats {
 pub struct RedisStore {
     cfg: RedisConfig,
     conn: Option<Conn>,
+    /// The pipeline's buffer, kept (see [`PACKED_KEEP_BYTES`]).
+    packed: Vec<u8>,
     stats: RedisStats,
 }
 
@@ -231,6 +237,7 @@ impl RedisStore {
         RedisStore {
             cfg,
             conn: None,
+            packed: Vec::new(),
             stats: RedisStats::default(),
         }
     }
@@ -252,9 +259,9 @@ impl RedisStore {
         if Instant::now() >= deadline {
             return Err(CallError::Timeout);
         }
-        let mut packed = Vec::with_capacity(batch.packed_bytes());
+        let mut packed = Packed::take(&mut self.packed, batch.packed_bytes());
         for i in 0..batch.len() {
-            batch.pack(i, &mut packed, deadline)?;
+            batch.pack(i, &mut packed.0, deadline)?;
         }
         if self.conn.is_none() {
             self.conn = Some(Conn::open(&self.cfg, deadline)?);
@@ -263,14 +270,35 @@ impl RedisStore {
         }
         let conn = self.conn.as_mut().ok_or(CallError::Transport)?;
         self.stats.round_trips += 1;
-        let answers = conn.exchange(&packed, batch.len(), deadline, |i, r| match r {
+        let answers = conn.exchange(&packed.0, batch.len(), deadline, |i, r| match r {
             Reply::Error(text) => Some(Err(server_error(error_code(text)))),
             r => batch.answer(i, r, deadline),
         });
         if answers.is_err() {
             self.conn = None;
         }
+        packed.keep(&mut self.packed);
         answers
+    }
+}
+
+/// A pipeline buffer taken from its keeper for one call.
+pub(crate) struct Packed(pub(crate) Vec<u8>);
+
+impl Packed {
+    /// The kept buffer, emptied, with room for `bytes`.
+    pub(crate) fn take(kept: &mut Vec<u8>, bytes: usize) -> Packed {
+        let mut buf = std::mem::take(kept);
+        buf.clear();
+        buf.reserve(bytes);
+        Packed(buf)
+    }
+
+    /// Hands the buffer back unless it grew past [`PACKED_KEEP_BYTES`].
+    pub(crate) fn keep(self, kept: &mut Vec<u8>) {
+        if self.0.capacity() <= PACKED_KEEP_BYTES {
+            *kept = self.0;
+        }
     }
 }
 
@@ -318,10 +346,7 @@ impl<T> Batch for KeyBatch<'_, T> {
         self.keys[i].as_str()
     }
     fn pack(&self, i: usize, buf: &mut Vec<u8>, _: Instant) -> Result<(), CallError> {
-        redis::cmd(self.name)
-            .arg(self.key(i))
-            .write_packed_command(buf);
-        Ok(())
+        pack_key_command(buf, self.name, self.key(i))
     }
     fn answer(&self, _: usize, r: Reply<'_>, _: Instant) -> Option<Result<T, ItemError>> {
         match r {
@@ -329,6 +354,19 @@ impl<T> Batch for KeyBatch<'_, T> {
             _ => None,
         }
     }
+}
+
+/// `NAME key` in RESP, written straight into `buf`: what the `redis`
+/// crate's `Cmd` packs, without its allocations per command (a lookup
+/// packs some 65 536).
+fn pack_key_command(buf: &mut Vec<u8>, name: &str, key: &str) -> Result<(), CallError> {
+    write!(
+        buf,
+        "*2\r\n${}\r\n{name}\r\n${}\r\n{key}\r\n",
+        name.len(),
+        key.len()
+    )
+    .map_err(|_| CallError::Refused)
 }
 
 fn exists_batch(keys: &[ChunkKey]) -> KeyBatch<'_, bool> {
@@ -415,8 +453,7 @@ impl Batch for GetBatch<'_> {
         self.0[i].key.as_str()
     }
     fn pack(&self, i: usize, buf: &mut Vec<u8>, _: Instant) -> Result<(), CallError> {
-        redis::cmd("GET").arg(self.key(i)).write_packed_command(buf);
-        Ok(())
+        pack_key_command(buf, "GET", self.key(i))
     }
     fn answer(&self, i: usize, r: Reply<'_>, deadline: Instant) -> Option<Result<(), ItemError>> {
         match r {
@@ -545,6 +582,14 @@ mod tests {
         bad = value.clone();
         bad[4] = 9;
         assert_eq!(payload(&bad, body.len() as u64), Err(ItemError::Corrupt));
+    }
+
+    #[test]
+    fn key_commands_pack_as_the_redis_crate_packs_them() {
+        let mut buf = Vec::new();
+        pack_key_command(&mut buf, "EXISTS", "a:key/1").unwrap();
+        let want = redis::cmd("EXISTS").arg("a:key/1").get_packed_command();
+        assert_eq!(buf, want);
     }
 
     #[test]
