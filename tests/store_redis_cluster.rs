@@ -603,3 +603,47 @@ fn slot_maps_past_their_bounds_are_refused_and_a_silent_node_ends_by_the_deadlin
         t.join().unwrap();
     }
 }
+
+/// A fake node that answers its connection's reads in turn with the
+/// replies `script` gives for its port, then keeps it open until the
+/// client hangs up.
+fn scripted(script: impl FnOnce(u16) -> Vec<Vec<u8>>) -> (u16, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let replies = script(port);
+    let t = std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let mut buf = [0u8; 4096];
+        for reply in replies {
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(&reply);
+        }
+        let _ = s.read(&mut buf);
+    });
+    (port, t)
+}
+
+#[test]
+fn a_node_that_failed_is_asked_for_the_slot_map_after_the_others() {
+    use kvferry::store::CallError;
+    // Takes connections (the kernel's backlog) and never answers.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    // Answers `CLUSTER SLOTS` with itself as the one master, then EXISTS.
+    let (good, t) = scripted(|port| {
+        let map = format!("*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:{port}\r\n");
+        vec![map.into_bytes(), b":1\r\n".to_vec()]
+    });
+    let url = format!(
+        "redis+cluster://{},127.0.0.1:{good}",
+        silent.local_addr().unwrap()
+    );
+    let mut store = RedisClusterStore::new(ClusterConfig::from_url(&url).unwrap());
+    let soon = || Instant::now() + Duration::from_millis(1000);
+    // The silent seed is asked first and holds the call to its deadline.
+    assert_eq!(store.exists(&[key("a")], soon()), Err(CallError::Timeout));
+    // Then last: the other seed gives the map and the answer at once.
+    assert_eq!(store.exists(&[key("a")], soon()), Ok(vec![true]));
+    drop(store);
+    t.join().unwrap();
+}

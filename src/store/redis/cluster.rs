@@ -306,6 +306,10 @@ pub struct RedisClusterStore {
     map: Option<SlotMap>,
     stale: bool,
     conns: HashMap<String, Conn>,
+    /// Nodes that failed since they last gave a slot map (at most
+    /// [`CONNS_MAX`]): asked for the map last, so a dead master that
+    /// takes its whole connect timeout to fail is not the first asked.
+    suspects: Vec<String>,
     /// The buffer each node's pipeline is packed into in turn, kept (see
     /// [`super::PACKED_KEEP_BYTES`]).
     packed: Vec<u8>,
@@ -330,6 +334,7 @@ impl RedisClusterStore {
             map: None,
             stale: true,
             conns: HashMap::new(),
+            suspects: Vec::new(),
             packed: Vec::new(),
             stats: ClusterStats::default(),
         }
@@ -369,7 +374,7 @@ impl RedisClusterStore {
     }
 
     /// Reads the slot map from the first node that gives one: the known
-    /// masters, then the seeds.
+    /// masters, then the seeds, the nodes that failed last of all.
     fn refresh(&mut self, deadline: Instant) -> Result<(), CallError> {
         let mut ask: Vec<String> = (self.map.iter())
             .flat_map(|m| m.nodes.iter().cloned())
@@ -379,6 +384,8 @@ impl RedisClusterStore {
                 ask.push(seed.clone());
             }
         }
+        // Stable: the order above holds among the healthy and the suspect.
+        ask.sort_by_key(|n| self.suspects.contains(n));
         let query = redis::cmd("CLUSTER").arg("SLOTS").get_packed_command();
         let mut failed = CallError::Transport;
         for node in ask {
@@ -390,6 +397,7 @@ impl RedisClusterStore {
                 (self.conn(&node, &[], deadline)).and_then(|c| c.query_tree(&query, deadline));
             match reply.map(|r| SlotMap::parse(&r, &node)) {
                 Ok(Some(map)) => {
+                    self.suspects.retain(|s| *s != node);
                     self.map = Some(map);
                     self.stale = false;
                     self.stats.refreshes += 1;
@@ -398,6 +406,7 @@ impl RedisClusterStore {
                 Ok(None) => failed = CallError::Refused,
                 Err(e) => {
                     self.conns.remove(&node);
+                    self.suspect(&node);
                     if e != CallError::Transport || failed == CallError::Transport {
                         failed = e;
                     }
@@ -607,6 +616,13 @@ impl RedisClusterStore {
         again
     }
 
+    /// `node` is asked for the map after the others until it gives one.
+    fn suspect(&mut self, node: &str) {
+        if !self.suspects.iter().any(|s| s == node) && self.suspects.len() < CONNS_MAX {
+            self.suspects.push(node.to_string());
+        }
+    }
+
     /// `node` failed: its connection dropped, its keys answered `e`'s
     /// per-key error, the map asked again at the next call.
     fn node_failed<T>(
@@ -617,6 +633,7 @@ impl RedisClusterStore {
         answers: &mut [Option<Result<T, ItemError>>],
     ) {
         self.conns.remove(node);
+        self.suspect(node);
         self.stale = true;
         self.stats.node_failures += 1;
         for p in keys {
