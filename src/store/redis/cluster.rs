@@ -574,19 +574,31 @@ impl RedisClusterStore {
                 return Vec::new();
             }
         };
+        self.follow(n.keys, heard, answers)
+    }
+
+    /// Each key's reply: its answer, or its redirect to follow (handed
+    /// back while it has redirects left).
+    fn follow<T>(
+        &mut self,
+        keys: Vec<Pending>,
+        heard: Vec<Heard<T>>,
+        answers: &mut [Option<Result<T, ItemError>>],
+    ) -> Vec<Pending> {
         let mut again = Vec::new();
-        let mut keys = n.keys.into_iter();
-        for h in heard {
-            let (next, ask) = match h {
+        let mut down = false;
+        // One reply per key in the order sent, `ASKING`'s aside.
+        let per_key = heard.into_iter().filter(|h| !matches!(h, Heard::Asking));
+        for (h, key) in per_key.zip(keys) {
+            let ask = match h {
                 Heard::Asking => continue,
                 Heard::Done(r) => {
-                    answers[next_key(&mut keys).i] = Some(r);
+                    answers[key.i] = Some(r);
                     continue;
                 }
                 Heard::Down => {
-                    self.stats.node_failures += 1;
-                    self.stale = true;
-                    answers[next_key(&mut keys).i] = Some(Err(ItemError::Transport));
+                    down = true;
+                    answers[key.i] = Some(Err(ItemError::Transport));
                     continue;
                 }
                 Heard::Moved(slot, to) => {
@@ -595,23 +607,27 @@ impl RedisClusterStore {
                     if let Some(m) = self.map.as_mut() {
                         m.set_owner(slot, &to);
                     }
-                    (next_key(&mut keys), None)
+                    None
                 }
                 Heard::Ask(to) => {
                     self.stats.asked += 1;
-                    (next_key(&mut keys), Some(to))
+                    Some(to)
                 }
             };
-            if next.redirects >= REDIRECTS_MAX {
+            if key.redirects >= REDIRECTS_MAX {
                 self.stats.redirects_exhausted += 1;
-                answers[next.i] = Some(Err(ItemError::Transport));
+                answers[key.i] = Some(Err(ItemError::Transport));
             } else {
                 again.push(Pending {
-                    i: next.i,
+                    i: key.i,
                     ask,
-                    redirects: next.redirects + 1,
+                    redirects: key.redirects + 1,
                 });
             }
+        }
+        if down {
+            self.stats.node_failures += 1;
+            self.stale = true;
         }
         again
     }
@@ -640,16 +656,6 @@ impl RedisClusterStore {
             answers[p.i] = Some(Err(item_error(e)));
         }
     }
-}
-
-/// The next key of a node's pipeline: replies come in the order sent, one
-/// per key (`ASKING`'s skipped), so there always is one.
-fn next_key(keys: &mut std::vec::IntoIter<Pending>) -> Pending {
-    keys.next().unwrap_or(Pending {
-        i: usize::MAX,
-        ask: None,
-        redirects: REDIRECTS_MAX,
-    })
 }
 
 /// A key's error reply from `node`: a redirect, the node down, or the
