@@ -92,27 +92,6 @@ impl Drop for Redis {
     }
 }
 
-/// What the Redis tests also ask of a buffer.
-impl Buffer {
-    fn block(&self, b: u64) -> &[u8] {
-        &self.bytes[(b * self.block) as usize..((b + 1) * self.block) as usize]
-    }
-
-    fn put(&self, k: &str, b: u64) -> PutItem {
-        PutItem {
-            key: key(k),
-            from: self.scatter(b),
-        }
-    }
-
-    fn get(&self, k: &str, b: u64) -> GetItem {
-        GetItem {
-            key: key(k),
-            into: self.scatter(b),
-        }
-    }
-}
-
 #[test]
 fn the_demo_over_redis_verifies_every_byte() {
     let srv = Redis::start(&[]);
@@ -339,70 +318,11 @@ fn replies_no_redis_command_gives_are_refused_calls_not_panics() {
 mod through_the_connector {
     //! The connector's pressure path over a Redis with `noeviction`.
 
+    use super::store_buffer::connector::{config, request, save, BLOCK_TOKENS, HEAD_BYTES};
     use super::*;
     use kvferry::machines::common::{BlockId, TransferId};
-    use kvferry::machines::layout::{LayoutKind, ModelSpec};
-    use kvferry::machines::store::events::Medium;
-    use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-    use kvferry::store::{
-        ConnectorConfig, ConnectorLimits, LoadMeta, SaveMeta, StoreConnector, StoreRequest,
-    };
-
-    const BLOCK_TOKENS: u32 = 16;
-    /// 8 heads x 16 tokens x 2 KiB: 256 KiB blocks.
-    const HEAD_BYTES: u64 = 2048;
-
-    fn config() -> ConnectorConfig {
-        ConnectorConfig {
-            store: StoreConfig {
-                max_keys_per_batch: 32,
-                ..StoreConfig::default()
-            },
-            keyspace: KeyspaceSpec {
-                model_name: "redis/model".into(),
-                model: ModelSpec {
-                    layout: LayoutKind::Hnd,
-                    total_kv_heads: 8,
-                    block_tokens: BLOCK_TOKENS,
-                    head_bytes: HEAD_BYTES,
-                },
-                dtype: "bf16".into(),
-                tp_size: 1,
-                pp_size: 1,
-                groups: vec![GroupSpec {
-                    block_tokens: BLOCK_TOKENS,
-                    window_tokens: None,
-                }],
-            },
-            medium: Medium::Cpu,
-            limits: ConnectorLimits::default(),
-        }
-    }
-
-    /// Block `b` of the request holds hash `b`'s KV.
-    fn request(id: u64, hashes: &[u32], blocks: &[u32]) -> StoreRequest {
-        StoreRequest {
-            id: TransferId(id),
-            block_hashes: vec![(hashes.iter())
-                .map(|&h| BlockHash::from_u64(h.into()))
-                .collect()],
-            block_ids: vec![blocks.iter().map(|&b| BlockId(b)).collect()],
-            lora: None,
-            extra_keys: Vec::new(),
-        }
-    }
-
-    fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
-        let ids: Vec<u32> = blocks.collect();
-        let meta = SaveMeta {
-            request: request(id, &ids, &ids),
-            token_len: ids.len() as u32 * BLOCK_TOKENS,
-            token_ids: None,
-        };
-        c.start_save(Instant::now(), meta).unwrap();
-        c.wait_for_save();
-        assert_eq!(c.get_finished().0, [TransferId(id)]);
-    }
+    use kvferry::machines::store::BlockHash;
+    use kvferry::store::{LoadMeta, StoreConnector};
 
     #[test]
     fn a_full_redis_takes_the_pressure_path_until_a_save_succeeds() {

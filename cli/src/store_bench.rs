@@ -12,8 +12,8 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage
 use kvferry::machines::store::lookup::Lookup;
 use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
 use kvferry::store::{
-    GetItem, InprocConfig, InprocStore, PutItem, RedisConfig, RedisStore, RemoteConfig,
-    RemoteStore, Scatter, Segment, StoreBackend,
+    ClusterConfig, GetItem, InprocConfig, InprocStore, PutItem, RedisClusterStore, RedisConfig,
+    RedisStore, RemoteConfig, RemoteStore, Scatter, Segment, StoreBackend,
 };
 
 use crate::cli::usage_error;
@@ -21,8 +21,9 @@ use crate::cli::usage_error;
 /// The options of `kvferry bench store`.
 #[derive(Clone, Debug, Args)]
 pub struct StoreBenchArgs {
-    /// The store: `inproc`, `kvferry://HOST:PORT` or
-    /// `redis://[user:password@]HOST:PORT`.
+    /// The store: `inproc`, `kvferry://HOST:PORT`,
+    /// `redis://[user:password@]HOST:PORT` or
+    /// `redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...]`.
     #[arg(long, value_name = "URL")]
     store: String,
     /// Bytes of each value.
@@ -107,10 +108,20 @@ pub fn main(a: &StoreBenchArgs) -> ExitCode {
             Ok(cfg) => run(a, RedisStore::new(cfg), RedisStore::round_trips),
             Err(e) => Err(e.to_string()),
         }
+    } else if a.store.starts_with("redis+cluster://") {
+        match ClusterConfig::from_url(&a.store) {
+            Ok(cfg) => run(
+                a,
+                RedisClusterStore::new(cfg),
+                RedisClusterStore::round_trips,
+            ),
+            Err(e) => Err(e.to_string()),
+        }
     } else {
         return usage_error(
             CMD,
-            "--store must be inproc, kvferry://HOST:PORT or redis://HOST:PORT",
+            "--store must be inproc, kvferry://HOST:PORT, redis://HOST:PORT \
+             or redis+cluster://HOST:PORT[,HOST:PORT...]",
         );
     };
     let report = match result {

@@ -127,7 +127,7 @@ fn demo_with_a_store_saves_dedups_looks_up_loads_and_verifies() {
     assert!(r["dedup_skipped"].as_u64().unwrap() > 0, "{r}");
     assert!(r["loaded_blocks"].as_u64().unwrap() > 0, "{r}");
     assert!(r["lookup_hit_tokens"].as_u64().unwrap() > 0, "{r}");
-    let (code, _) = demo(&["--store", "redis+cluster://127.0.0.1:6379"]);
+    let (code, _) = demo(&["--store", "nosuch://127.0.0.1:6379"]);
     assert_eq!(code, 2);
 }
 

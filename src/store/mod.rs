@@ -32,7 +32,9 @@ pub mod scheduler;
 pub mod server;
 pub mod worker;
 
-pub use self::redis::{RedisConfig, RedisError, RedisStats, RedisStore};
+pub use self::redis::{
+    ClusterConfig, ClusterStats, RedisClusterStore, RedisConfig, RedisError, RedisStats, RedisStore,
+};
 pub use backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, Segment, StoreBackend,
 };

@@ -1,11 +1,15 @@
 //! One heap buffer standing for an engine's whole KV cache, for the
-//! store tests that call a backend directly (`mod store_buffer;`).
+//! store tests that call a backend directly (`mod store_buffer;`), and
+//! a connector over it ([`connector`]).
+
+#[allow(dead_code)] // Only the tests that go through a connector use it.
+pub mod connector;
 
 use std::time::{Duration, Instant};
 
 use kvferry::machines::layout::{RankLayout, Region, Stage};
 use kvferry::machines::store::ChunkKey;
-use kvferry::store::{Scatter, Segment};
+use kvferry::store::{GetItem, PutItem, Scatter, Segment};
 
 /// One heap buffer as an engine's whole KV cache: `blocks` blocks of
 /// `block` bytes.
@@ -45,6 +49,28 @@ impl Buffer {
                 addr,
                 len: self.block,
             }])
+        }
+    }
+}
+
+/// What the tests that call a backend's put and get ask of a buffer.
+#[allow(dead_code)] // Not every store test puts and gets through these.
+impl Buffer {
+    pub fn block(&self, b: u64) -> &[u8] {
+        &self.bytes[(b * self.block) as usize..((b + 1) * self.block) as usize]
+    }
+
+    pub fn put(&self, k: &str, b: u64) -> PutItem {
+        PutItem {
+            key: key(k),
+            from: self.scatter(b),
+        }
+    }
+
+    pub fn get(&self, k: &str, b: u64) -> GetItem {
+        GetItem {
+            key: key(k),
+            into: self.scatter(b),
         }
     }
 }

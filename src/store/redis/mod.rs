@@ -1,5 +1,9 @@
-//! The `redis://[user:password@]HOST:PORT` backend: one Redis server
-//! (docs/design.md, "Backends", "Redis").
+//! The `redis://[user:password@]HOST:PORT` backend, one Redis server, and
+//! the `redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...]` one, a
+//! Redis Cluster ([`RedisClusterStore`], in `cluster.rs`); docs/design.md,
+//! "Backends", "Redis". Both share the value format, the commands
+//! (`Batch`: how a key's command is packed and its reply read) and the
+//! connection (`conn.rs`).
 //!
 //! * Keys are the store connector's [`ChunkKey`] text, as they are.
 //! * A value is a [`HEADER_BYTES`]-byte header (magic `KVFR`, version,
@@ -23,20 +27,34 @@
 //! its connection waits the socket timeout once per missing reply of a
 //! pipeline, so a silent server would hold a batch of N keys for N
 //! timeouts. The reader takes only the reply kinds these commands give
-//! (`+OK`, `-ERR`, `:N`, `$N`, nil), each line within [`LINE_BYTES_MAX`]
-//! and each bulk within [`BULK_BYTES_MAX`]; anything else is
+//! (`+OK`, `-ERR`, `:N`, `$N`, nil, and arrays where `CLUSTER SLOTS`
+//! gives one), each line within [`LINE_BYTES_MAX`], each bulk within
+//! [`BULK_BYTES_MAX`], arrays within [`ARRAY_LEN_MAX`],
+//! [`ARRAY_DEPTH_MAX`] and [`TREE_REPLIES_MAX`]; anything else is
 //! [`CallError::Refused`] and drops the connection. A bulk reply is read
 //! into one buffer kept by the connection, checked, and copied into the
 //! block: one copy on the way in.
 
-use std::io::{self, BufRead, Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+mod cluster;
+mod conn;
+
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use kvferry_machines::store::ChunkKey;
 
 use super::backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, StoreBackend,
+};
+use conn::{error_code, Conn, Reply};
+
+pub use cluster::{
+    hash_slot, ClusterConfig, ClusterStats, RedisClusterStore, CONNS_MAX, REDIRECTS_MAX, SEEDS_MAX,
+    SLOTS,
+};
+pub use conn::{
+    ARRAY_DEPTH_MAX, ARRAY_LEN_MAX, BULK_BYTES_MAX, LINE_BYTES_MAX, READ_BUFFER_BYTES,
+    TREE_REPLIES_MAX,
 };
 
 /// The first four bytes of every value this backend stores.
@@ -46,17 +64,13 @@ pub const VERSION: u32 = 1;
 /// Bytes of the header: magic, version (u32 LE), payload length (u64 LE),
 /// CRC-32 of the payload (u32 LE).
 pub const HEADER_BYTES: usize = 20;
-/// Bytes read from the socket at most per system call.
-pub const READ_BUFFER_BYTES: usize = 1 << 20;
-/// Longest reply line read (status, error, integer, bulk length): past it
-/// the server is not speaking RESP to us.
-pub const LINE_BYTES_MAX: usize = 64 << 10;
-/// Largest bulk reply read, Redis's own `proto-max-bulk-len` default
-/// (512 MiB); a longer one is refused before any of it is buffered.
-pub const BULK_BYTES_MAX: usize = 512 << 20;
 /// Environment variable naming a file whose first line is the password
 /// (so it never has to be on a command line).
 pub const PASSWORD_FILE_ENV: &str = "KVFERRY_REDIS_PASSWORD_FILE";
+/// Capacity of the pipeline buffer a backend keeps between calls, at most:
+/// a buffer allocated afresh for each batch of 32 MiB of puts costs a page
+/// fault per page on every call; a larger one is let go after its call.
+pub const PACKED_KEEP_BYTES: usize = 64 << 20;
 
 /// How a [`RedisStore`] reaches its server.
 #[derive(Clone)]
@@ -108,40 +122,75 @@ impl RedisConfig {
     /// The settings for `redis://[user:password@]HOST:PORT`; a password
     /// in [`PASSWORD_FILE_ENV`] wins over one in the URL.
     pub fn from_url(url: &str) -> Result<RedisConfig, RedisError> {
-        let bad = |reason| RedisError::Url {
-            url: url.split('@').next_back().unwrap_or("").to_string(),
-            reason,
-        };
-        let rest = url
-            .strip_prefix("redis://")
-            .ok_or_else(|| bad("not redis://"))?;
-        let rest = rest.strip_suffix('/').unwrap_or(rest);
-        let (auth, server) = match rest.rsplit_once('@') {
-            Some((a, s)) => (Some(a), s),
-            None => (None, rest),
-        };
+        let (mut cfg, servers) = parse_url(url, "redis://")?;
+        match <[String; 1]>::try_from(servers) {
+            Ok([server]) => {
+                cfg.server = server;
+                Ok(cfg)
+            }
+            Err(_) => Err(url_error(
+                url,
+                "one HOST:PORT (redis+cluster:// takes several)",
+            )),
+        }
+    }
+
+    /// The same credentials and timeout for another server.
+    pub(crate) fn for_server(&self, server: &str) -> RedisConfig {
+        RedisConfig {
+            server: server.to_string(),
+            ..self.clone()
+        }
+    }
+}
+
+fn url_error(url: &str, reason: &'static str) -> RedisError {
+    RedisError::Url {
+        url: url.split('@').next_back().unwrap_or("").to_string(),
+        reason,
+    }
+}
+
+/// `SCHEME[user:password@]HOST:PORT[,HOST:PORT...]`: the credentials (a
+/// server left empty) and the servers, at most [`SEEDS_MAX`].
+fn parse_url(url: &str, scheme: &str) -> Result<(RedisConfig, Vec<String>), RedisError> {
+    let bad = |reason| url_error(url, reason);
+    let rest = url
+        .strip_prefix(scheme)
+        .ok_or_else(|| bad("not the URL's scheme"))?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let (auth, list) = match rest.rsplit_once('@') {
+        Some((a, s)) => (Some(a), s),
+        None => (None, rest),
+    };
+    let servers: Vec<String> = list.split(',').map(str::to_string).collect();
+    if servers.len() > SEEDS_MAX {
+        return Err(bad("too many HOST:PORT"));
+    }
+    for server in &servers {
         let (host, port) = server.rsplit_once(':').ok_or_else(|| bad("no :PORT"))?;
         if host.is_empty() || port.parse::<u16>().is_err() || server.contains('/') {
             return Err(bad("not HOST:PORT"));
         }
-        let (user, password) = match auth {
-            None => (None, None),
-            Some(a) => match a.split_once(':') {
-                Some((u, p)) => ((!u.is_empty()).then(|| u.to_string()), Some(p.to_string())),
-                None => return Err(bad("credentials are user:password@")),
-            },
-        };
-        let password = match std::env::var_os(PASSWORD_FILE_ENV) {
-            Some(path) => Some(read_password(&path.to_string_lossy())?),
-            None => password,
-        };
-        Ok(RedisConfig {
-            server: server.to_string(),
-            user,
-            password,
-            connect_timeout: Duration::from_secs(2),
-        })
     }
+    let (user, password) = match auth {
+        None => (None, None),
+        Some(a) => match a.split_once(':') {
+            Some((u, p)) => ((!u.is_empty()).then(|| u.to_string()), Some(p.to_string())),
+            None => return Err(bad("credentials are user:password@")),
+        },
+    };
+    let password = match std::env::var_os(PASSWORD_FILE_ENV) {
+        Some(path) => Some(read_password(&path.to_string_lossy())?),
+        None => password,
+    };
+    let cfg = RedisConfig {
+        server: String::new(),
+        user,
+        password,
+        connect_timeout: Duration::from_secs(2),
+    };
+    Ok((cfg, servers))
 }
 
 fn read_password(path: &str) -> Result<String, RedisError> {
@@ -167,6 +216,8 @@ pub struct RedisStats {
 pub struct RedisStore {
     cfg: RedisConfig,
     conn: Option<Conn>,
+    /// The pipeline's buffer, kept (see [`PACKED_KEEP_BYTES`]).
+    packed: Vec<u8>,
     stats: RedisStats,
 }
 
@@ -186,6 +237,7 @@ impl RedisStore {
         RedisStore {
             cfg,
             conn: None,
+            packed: Vec::new(),
             stats: RedisStats::default(),
         }
     }
@@ -200,18 +252,16 @@ impl RedisStore {
         self.stats.round_trips
     }
 
-    /// Sends `packed` (`count` commands) and hands each reply to `one`
-    /// as it arrives, all by `deadline`; any failure, or a reply `one`
-    /// does not expect (`None`), drops the connection.
-    fn pipeline<T>(
-        &mut self,
-        packed: &[u8],
-        count: usize,
-        deadline: Instant,
-        one: impl FnMut(usize, Reply<'_>) -> Option<Result<T, ItemError>>,
-    ) -> Answers<T> {
+    /// Sends the batch's commands in one pipeline and reads each reply as
+    /// it arrives, all by `deadline`; any failure, or a reply the command
+    /// never gives, drops the connection.
+    fn pipeline<B: Batch>(&mut self, batch: &B, deadline: Instant) -> Answers<B::Out> {
         if Instant::now() >= deadline {
             return Err(CallError::Timeout);
+        }
+        let mut packed = Packed::take(&mut self.packed, batch.packed_bytes());
+        for i in 0..batch.len() {
+            batch.pack(i, &mut packed.0, deadline)?;
         }
         if self.conn.is_none() {
             self.conn = Some(Conn::open(&self.cfg, deadline)?);
@@ -220,202 +270,148 @@ impl RedisStore {
         }
         let conn = self.conn.as_mut().ok_or(CallError::Transport)?;
         self.stats.round_trips += 1;
-        let answers = conn.exchange(packed, count, deadline, one);
+        let answers = conn.exchange(&packed.0, batch.len(), deadline, |i, r| match r {
+            Reply::Error(text) => Some(Err(server_error(error_code(text)))),
+            r => batch.answer(i, r, deadline),
+        });
         if answers.is_err() {
             self.conn = None;
         }
+        packed.keep(&mut self.packed);
         answers
     }
 }
 
-/// One reply, of the kinds `EXISTS`, `SET`, `GET`, `DEL` and `AUTH` give.
-#[derive(Debug)]
-enum Reply<'a> {
-    /// `+OK`.
-    Ok,
-    /// `$-1` or `_`.
-    Nil,
-    /// `:N`.
-    Int(i64),
-    /// `$N`: the bytes.
-    Bulk(&'a [u8]),
-    /// `-CODE detail`: the code.
-    Error(&'a str),
-}
+/// A pipeline buffer taken from its keeper for one call.
+pub(crate) struct Packed(pub(crate) Vec<u8>);
 
-/// One connection: the socket, the deadline its reads and writes keep, its
-/// read buffer, and the buffer the current bulk reply is read into.
-struct Conn {
-    io: io::BufReader<DeadlineStream>,
-    line: Vec<u8>,
-    bulk: Vec<u8>,
-}
-
-impl Conn {
-    fn open(cfg: &RedisConfig, deadline: Instant) -> Result<Conn, CallError> {
-        let addr = resolve(&cfg.server)?;
-        let left = deadline.saturating_duration_since(Instant::now());
-        let wait = left.min(cfg.connect_timeout);
-        if wait.is_zero() {
-            return Err(CallError::Timeout);
-        }
-        let stream = TcpStream::connect_timeout(&addr, wait).map_err(io_error)?;
-        let _ = stream.set_nodelay(true);
-        let io = DeadlineStream { stream, deadline };
-        let mut conn = Conn {
-            io: io::BufReader::with_capacity(READ_BUFFER_BYTES, io),
-            line: Vec::new(),
-            bulk: Vec::new(),
-        };
-        if let Some(password) = &cfg.password {
-            let mut auth = redis::cmd("AUTH");
-            if let Some(user) = &cfg.user {
-                auth.arg(user);
-            }
-            auth.arg(password);
-            let ok = conn.exchange(&auth.get_packed_command(), 1, deadline, |_, r| {
-                Some(match r {
-                    Reply::Ok => Ok(()),
-                    _ => Err(ItemError::Transport),
-                })
-            })?;
-            if ok != [Ok(())] {
-                return Err(CallError::Refused);
-            }
-        }
-        Ok(conn)
+impl Packed {
+    /// The kept buffer, emptied, with room for `bytes`.
+    pub(crate) fn take(kept: &mut Vec<u8>, bytes: usize) -> Packed {
+        let mut buf = std::mem::take(kept);
+        buf.clear();
+        buf.reserve(bytes);
+        Packed(buf)
     }
 
-    fn exchange<T>(
-        &mut self,
-        packed: &[u8],
-        count: usize,
+    /// Hands the buffer back unless it grew past [`PACKED_KEEP_BYTES`].
+    pub(crate) fn keep(self, kept: &mut Vec<u8>) {
+        if self.0.capacity() <= PACKED_KEEP_BYTES {
+            *kept = self.0;
+        }
+    }
+}
+
+/// One batched command, one per key: how a key's command is packed and
+/// how its reply reads. One place for both the single server and the
+/// cluster (which packs each node's keys apart).
+pub(crate) trait Batch {
+    /// A key's answer.
+    type Out;
+    /// Keys in the batch.
+    fn len(&self) -> usize;
+    /// Key `i`'s text.
+    fn key(&self, i: usize) -> &str;
+    /// About how many bytes the whole batch packs into.
+    fn packed_bytes(&self) -> usize {
+        (0..self.len()).map(|i| self.key(i).len() + 32).sum()
+    }
+    /// Appends key `i`'s command to `buf` (engine memory is read here only,
+    /// never past `deadline`).
+    fn pack(&self, i: usize, buf: &mut Vec<u8>, deadline: Instant) -> Result<(), CallError>;
+    /// Key `i`'s answer from a reply that is not an error; `None` for a
+    /// reply the command never gives.
+    fn answer(
+        &self,
+        i: usize,
+        r: Reply<'_>,
         deadline: Instant,
-        mut one: impl FnMut(usize, Reply<'_>) -> Option<Result<T, ItemError>>,
-    ) -> Answers<T> {
-        self.io.get_mut().deadline = deadline;
-        self.io.get_mut().write_all(packed).map_err(io_error)?;
-        let mut answers = Vec::with_capacity(count);
-        for i in 0..count {
-            let reply = self.read_reply()?;
-            let answer = match reply {
-                Reply::Error(code) => Some(Err(server_error(code))),
-                r => one(i, r),
-            };
-            answers.push(answer.ok_or(CallError::Refused)?);
-        }
-        Ok(answers)
-    }
+    ) -> Option<Result<Self::Out, ItemError>>;
+}
 
-    /// Reads one reply; a kind our commands never get, or a line or bulk
-    /// past its bound, is `Refused`.
-    fn read_reply(&mut self) -> Result<Reply<'_>, CallError> {
-        self.line.clear();
-        let mut limited = (&mut self.io).take(LINE_BYTES_MAX as u64);
-        limited
-            .read_until(b'\n', &mut self.line)
-            .map_err(io_error)?;
-        let Some(body) = self.line.strip_suffix(b"\r\n") else {
-            // EOF, or a line past its bound.
-            return Err(if self.line.is_empty() {
-                CallError::Transport
-            } else {
-                CallError::Refused
-            });
-        };
-        let (kind, rest) = body.split_first().ok_or(CallError::Refused)?;
-        let text = std::str::from_utf8(rest).map_err(|_| CallError::Refused)?;
-        let int = || text.parse::<i64>().map_err(|_| CallError::Refused);
-        match kind {
-            b'+' if text == "OK" => Ok(Reply::Ok),
-            b'-' => Ok(Reply::Error(text.split(' ').next().unwrap_or(""))),
-            b':' => Ok(Reply::Int(int()?)),
-            b'_' => Ok(Reply::Nil),
-            b'$' => match int()? {
-                -1 => Ok(Reply::Nil),
-                n if (0..=BULK_BYTES_MAX as i64).contains(&n) => {
-                    self.bulk.clear();
-                    self.bulk.resize(n as usize + 2, 0);
-                    self.io.read_exact(&mut self.bulk).map_err(io_error)?;
-                    match self.bulk.strip_suffix(b"\r\n") {
-                        Some(bytes) => Ok(Reply::Bulk(bytes)),
-                        None => Err(CallError::Refused),
-                    }
-                }
-                _ => Err(CallError::Refused),
-            },
-            _ => Err(CallError::Refused),
+/// `NAME key` for every key (`EXISTS`, `DEL`), its integer reply read by
+/// `answer`.
+pub(crate) struct KeyBatch<'a, T> {
+    name: &'static str,
+    keys: &'a [ChunkKey],
+    answer: fn(i64) -> Option<Result<T, ItemError>>,
+}
+
+impl<T> Batch for KeyBatch<'_, T> {
+    type Out = T;
+    fn len(&self) -> usize {
+        self.keys.len()
+    }
+    fn key(&self, i: usize) -> &str {
+        self.keys[i].as_str()
+    }
+    fn pack(&self, i: usize, buf: &mut Vec<u8>, _: Instant) -> Result<(), CallError> {
+        pack_key_command(buf, self.name, self.key(i))
+    }
+    fn answer(&self, _: usize, r: Reply<'_>, _: Instant) -> Option<Result<T, ItemError>> {
+        match r {
+            Reply::Int(n) => (self.answer)(n),
+            _ => None,
         }
     }
 }
-/// A socket whose every read and write waits at most until `deadline`.
-struct DeadlineStream {
-    stream: TcpStream,
-    deadline: Instant,
+
+/// `NAME key` in RESP, written straight into `buf`: what the `redis`
+/// crate's `Cmd` packs, without its allocations per command (a lookup
+/// packs some 65 536).
+fn pack_key_command(buf: &mut Vec<u8>, name: &str, key: &str) -> Result<(), CallError> {
+    write!(
+        buf,
+        "*2\r\n${}\r\n{name}\r\n${}\r\n{key}\r\n",
+        name.len(),
+        key.len()
+    )
+    .map_err(|_| CallError::Refused)
 }
 
-impl DeadlineStream {
-    fn left(&self) -> io::Result<Duration> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        Ok(left)
+fn exists_batch(keys: &[ChunkKey]) -> KeyBatch<'_, bool> {
+    KeyBatch {
+        name: "EXISTS",
+        keys,
+        answer: |n| match n {
+            0 => Some(Ok(false)),
+            1 => Some(Ok(true)),
+            _ => None,
+        },
     }
 }
 
-impl Read for DeadlineStream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.stream.set_read_timeout(Some(self.left()?))?;
-        self.stream.read(buf)
+fn del_batch(keys: &[ChunkKey]) -> KeyBatch<'_, ()> {
+    KeyBatch {
+        name: "DEL",
+        keys,
+        answer: |n| match n {
+            1 => Some(Ok(())),
+            0 => Some(Err(ItemError::NotFound)),
+            _ => None,
+        },
     }
-}
-
-impl Write for DeadlineStream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.stream.set_write_timeout(Some(self.left()?))?;
-        self.stream.write(buf)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.stream.flush()
-    }
-}
-
-fn resolve(server: &str) -> Result<SocketAddr, CallError> {
-    let mut addrs = server.to_socket_addrs().map_err(|_| CallError::Transport)?;
-    addrs.next().ok_or(CallError::Transport)
-}
-
-fn io_error(e: io::Error) -> CallError {
-    match e.kind() {
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => CallError::Timeout,
-        _ => CallError::Transport,
-    }
-}
-
-/// One command per key, packed into one pipeline.
-fn packed(name: &str, keys: impl Iterator<Item = impl AsRef<str>>) -> (Vec<u8>, usize) {
-    let mut buf = Vec::new();
-    let mut n = 0;
-    for key in keys {
-        redis::cmd(name)
-            .arg(key.as_ref())
-            .write_packed_command(&mut buf);
-        n += 1;
-    }
-    (buf, n)
 }
 
 /// `SET key <header><value> NX` per item, the value read from engine
-/// memory straight into the pipeline's buffer (the one copy). Items the
-/// deadline leaves no time for are not sent (`None`).
-fn packed_puts(items: &[PutItem], deadline: Instant) -> Result<Vec<u8>, CallError> {
-    let total: usize = (items.iter())
-        .map(|it| it.key.as_str().len() + it.from.len() as usize + HEADER_BYTES + 64)
-        .sum();
-    let mut buf = Vec::with_capacity(total);
-    for it in items {
+/// memory straight into the pipeline's buffer (the one copy).
+pub(crate) struct PutBatch<'a>(&'a [PutItem]);
+
+impl Batch for PutBatch<'_> {
+    type Out = PutOutcome;
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn key(&self, i: usize) -> &str {
+        self.0[i].key.as_str()
+    }
+    fn packed_bytes(&self) -> usize {
+        (self.0.iter())
+            .map(|it| it.key.as_str().len() + it.from.len() as usize + HEADER_BYTES + 64)
+            .sum()
+    }
+    fn pack(&self, i: usize, buf: &mut Vec<u8>, deadline: Instant) -> Result<(), CallError> {
+        let it = &self.0[i];
         // Engine memory is read here only: check the deadline first.
         if Instant::now() >= deadline {
             return Err(CallError::Timeout);
@@ -434,8 +430,45 @@ fn packed_puts(items: &[PutItem], deadline: Instant) -> Result<Vec<u8>, CallErro
         it.from.read_into(payload);
         head.copy_from_slice(&header(payload));
         buf.extend_from_slice(b"\r\n$2\r\nNX\r\n");
+        Ok(())
     }
-    Ok(buf)
+    fn answer(&self, _: usize, r: Reply<'_>, _: Instant) -> Option<Result<PutOutcome, ItemError>> {
+        match r {
+            Reply::Ok => Some(Ok(PutOutcome::Stored)),
+            Reply::Nil => Some(Ok(PutOutcome::Exists)),
+            _ => None,
+        }
+    }
+}
+
+/// `GET key` per item; a value is checked, then copied into its block.
+pub(crate) struct GetBatch<'a>(&'a [GetItem]);
+
+impl Batch for GetBatch<'_> {
+    type Out = ();
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn key(&self, i: usize) -> &str {
+        self.0[i].key.as_str()
+    }
+    fn pack(&self, i: usize, buf: &mut Vec<u8>, _: Instant) -> Result<(), CallError> {
+        pack_key_command(buf, "GET", self.key(i))
+    }
+    fn answer(&self, i: usize, r: Reply<'_>, deadline: Instant) -> Option<Result<(), ItemError>> {
+        match r {
+            Reply::Nil => Some(Err(ItemError::NotFound)),
+            Reply::Bulk(bytes) => Some(write_value(&self.0.get(i)?.into, bytes, deadline)),
+            _ => None,
+        }
+    }
+}
+
+/// Gets found corrupt, truncated or foreign.
+fn corrupt_count(got: &[Result<(), ItemError>]) -> u64 {
+    got.iter()
+        .filter(|r| **r == Err(ItemError::Corrupt))
+        .count() as u64
 }
 
 /// The header of a value whose payload is `payload`.
@@ -500,48 +533,24 @@ impl StoreBackend for RedisStore {
     }
 
     fn exists(&mut self, keys: &[ChunkKey], deadline: Instant) -> Result<Vec<bool>, CallError> {
-        let (buf, n) = packed("EXISTS", keys.iter().map(ChunkKey::as_str));
-        let found = self.pipeline(&buf, n, deadline, |_, r| match r {
-            Reply::Int(0) => Some(Ok(false)),
-            Reply::Int(1) => Some(Ok(true)),
-            _ => None,
-        })?;
+        let found = self.pipeline(&exists_batch(keys), deadline)?;
         (found.into_iter())
             .map(|r| r.map_err(|_| CallError::Refused))
             .collect()
     }
 
     fn put(&mut self, items: &[PutItem], deadline: Instant) -> Answers<PutOutcome> {
-        let buf = packed_puts(items, deadline)?;
-        self.pipeline(&buf, items.len(), deadline, |_, r| match r {
-            Reply::Ok => Some(Ok(PutOutcome::Stored)),
-            Reply::Nil => Some(Ok(PutOutcome::Exists)),
-            _ => None,
-        })
+        self.pipeline(&PutBatch(items), deadline)
     }
 
     fn get(&mut self, items: &[GetItem], deadline: Instant) -> Answers<()> {
-        let (buf, n) = packed("GET", items.iter().map(|it| it.key.as_str()));
-        let got = self.pipeline(&buf, n, deadline, |i, r| match r {
-            Reply::Nil => Some(Err(ItemError::NotFound)),
-            Reply::Bulk(bytes) => Some(write_value(&items.get(i)?.into, bytes, deadline)),
-            _ => None,
-        })?;
-        let corrupt = got
-            .iter()
-            .filter(|r| **r == Err(ItemError::Corrupt))
-            .count();
-        self.stats.corrupt += corrupt as u64;
+        let got = self.pipeline(&GetBatch(items), deadline)?;
+        self.stats.corrupt += corrupt_count(&got);
         Ok(got)
     }
 
     fn remove(&mut self, keys: &[ChunkKey], deadline: Instant) -> Answers<()> {
-        let (buf, n) = packed("DEL", keys.iter().map(ChunkKey::as_str));
-        self.pipeline(&buf, n, deadline, |_, r| match r {
-            Reply::Int(1) => Some(Ok(())),
-            Reply::Int(0) => Some(Err(ItemError::NotFound)),
-            _ => None,
-        })
+        self.pipeline(&del_batch(keys), deadline)
     }
 }
 
@@ -573,6 +582,14 @@ mod tests {
         bad = value.clone();
         bad[4] = 9;
         assert_eq!(payload(&bad, body.len() as u64), Err(ItemError::Corrupt));
+    }
+
+    #[test]
+    fn key_commands_pack_as_the_redis_crate_packs_them() {
+        let mut buf = Vec::new();
+        pack_key_command(&mut buf, "EXISTS", "a:key/1").unwrap();
+        let want = redis::cmd("EXISTS").arg("a:key/1").get_packed_command();
+        assert_eq!(buf, want);
     }
 
     #[test]

@@ -1,0 +1,74 @@
+//! A connector over one [`super::Buffer`] of 256 KiB blocks, for the
+//! store tests that go through `StoreConnector`.
+
+use std::time::Instant;
+
+use kvferry::machines::common::{BlockId, TransferId};
+use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::store::events::Medium;
+use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::store::{ConnectorConfig, ConnectorLimits, SaveMeta, StoreConnector, StoreRequest};
+
+pub const BLOCK_TOKENS: u32 = 16;
+/// 8 heads x 16 tokens x 2 KiB: 256 KiB blocks.
+pub const HEAD_BYTES: u64 = 2048;
+/// Bytes of one block.
+pub const BLOCK_BYTES: u64 = 8 * BLOCK_TOKENS as u64 * HEAD_BYTES;
+
+pub fn config() -> ConnectorConfig {
+    ConnectorConfig {
+        store: StoreConfig {
+            max_keys_per_batch: 32,
+            ..StoreConfig::default()
+        },
+        keyspace: KeyspaceSpec {
+            model_name: "redis/model".into(),
+            model: ModelSpec {
+                layout: LayoutKind::Hnd,
+                total_kv_heads: 8,
+                block_tokens: BLOCK_TOKENS,
+                head_bytes: HEAD_BYTES,
+            },
+            dtype: "bf16".into(),
+            tp_size: 1,
+            pp_size: 1,
+            groups: vec![GroupSpec {
+                block_tokens: BLOCK_TOKENS,
+                window_tokens: None,
+            }],
+        },
+        medium: Medium::Cpu,
+        limits: ConnectorLimits::default(),
+    }
+}
+
+/// Block `blocks[i]` of the request holds hash `hashes[i]`'s KV.
+pub fn request(id: u64, hashes: &[u32], blocks: &[u32]) -> StoreRequest {
+    StoreRequest {
+        id: TransferId(id),
+        block_hashes: vec![(hashes.iter())
+            .map(|&h| BlockHash::from_u64(h.into()))
+            .collect()],
+        block_ids: vec![blocks.iter().map(|&b| BlockId(b)).collect()],
+        lora: None,
+        extra_keys: Vec::new(),
+    }
+}
+
+/// Saves hash `b`'s KV from block `b` for each `b` of `blocks`.
+pub fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
+    let ids: Vec<u32> = blocks.collect();
+    save_as(c, id, &ids, &ids);
+}
+
+/// Saves hash `hashes[i]`'s KV from block `blocks[i]`, and waits for it.
+pub fn save_as(c: &mut StoreConnector, id: u64, hashes: &[u32], blocks: &[u32]) {
+    let meta = SaveMeta {
+        request: request(id, hashes, blocks),
+        token_len: blocks.len() as u32 * BLOCK_TOKENS,
+        token_ids: None,
+    };
+    c.start_save(Instant::now(), meta).unwrap();
+    c.wait_for_save();
+    assert_eq!(c.get_finished().0, [TransferId(id)]);
+}
