@@ -12,8 +12,9 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage
 use kvferry::machines::store::lookup::Lookup;
 use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
 use kvferry::store::{
-    ClusterConfig, GetItem, InprocConfig, InprocStore, PutItem, RedisClusterStore, RedisConfig,
-    RedisStore, RemoteConfig, RemoteStore, Scatter, Segment, StoreBackend,
+    ClusterConfig, GetItem, InprocConfig, InprocStore, MooncakeStore, MooncakeStoreConfig, PutItem,
+    RedisClusterStore, RedisConfig, RedisStore, RemoteConfig, RemoteStore, Scatter, Segment,
+    StoreBackend,
 };
 
 use crate::cli::usage_error;
@@ -117,11 +118,19 @@ pub fn main(a: &StoreBenchArgs) -> ExitCode {
             ),
             Err(e) => Err(e.to_string()),
         }
+    } else if a.store.starts_with("mooncake://") {
+        match MooncakeStoreConfig::from_url(&a.store) {
+            Ok(cfg) => match MooncakeStore::connect(&cfg) {
+                Ok(s) => run(a, s, MooncakeStore::round_trips),
+                Err(e) => Err(e.to_string()),
+            },
+            Err(e) => Err(e.to_string()),
+        }
     } else {
         return usage_error(
             CMD,
-            "--store must be inproc, kvferry://HOST:PORT, redis://HOST:PORT \
-             or redis+cluster://HOST:PORT[,HOST:PORT...]",
+            "--store must be inproc, kvferry://HOST:PORT, redis://HOST:PORT, \
+             redis+cluster://HOST:PORT[,HOST:PORT...] or mooncake://HOST:PORT",
         );
     };
     let report = match result {

@@ -7,14 +7,16 @@ use std::process::ExitCode;
 use kvferry::store::demo::StoreDemo;
 use kvferry::store::inproc::{InprocConfig, InprocStore};
 use kvferry::store::{
-    ClusterConfig, ConnectorError, DemoProgress, RedisClusterStore, RedisConfig, RedisStore,
-    RemoteConfig, RemoteStore, StoreBackend, StoreDemoReport,
+    ClusterConfig, ConnectorError, DemoProgress, MooncakeStore, MooncakeStoreConfig,
+    RedisClusterStore, RedisConfig, RedisStore, RemoteConfig, RemoteStore, StoreBackend,
+    StoreDemoReport,
 };
 use std::io::IsTerminal;
 
 /// The stores `--store` names.
 pub const STORES: &str = "inproc, kvferry://HOST:PORT, redis://[user:password@]HOST:PORT, \
-                          redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...]";
+                          redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...], \
+                          mooncake://MASTER_HOST:PORT[?protocol=P&segment_mb=N]";
 
 /// Runs the store demo against `store` with `requests` requests (the
 /// demo's default when `None`); exit status 1 on any verify or load error.
@@ -58,11 +60,23 @@ pub fn main(store: &str, requests: Option<u64>, json: bool) -> ExitCode {
                 return ExitCode::from(2);
             }
         }
+    } else if store.starts_with("mooncake://") {
+        let cfg = match MooncakeStoreConfig::from_url(store) {
+            Ok(cfg) => cfg,
+            Err(e) => {
+                eprintln!("kvferry demo: --store {e}");
+                return ExitCode::from(2);
+            }
+        };
+        match MooncakeStore::connect(&cfg) {
+            Ok(s) => run(&demo, s, json),
+            Err(e) => {
+                eprintln!("kvferry demo: --store {store}: {e}");
+                return ExitCode::from(1);
+            }
+        }
     } else {
-        eprintln!(
-            "kvferry demo: --store {store}: the stores are {STORES} \
-             (mooncake:// is not built yet)"
-        );
+        eprintln!("kvferry demo: --store {store}: the stores are {STORES}");
         return ExitCode::from(2);
     };
     let report = match report {

@@ -226,3 +226,35 @@ fn demo_over_the_mooncake_transport_verifies_every_byte() {
         "{stderr}"
     );
 }
+
+/// `--store mooncake://MASTER` with the store library from
+/// `MOONCAKE_STORE_LIB` (the fake store here: a table in the demo's
+/// process): saves, dedup, lookup hits, loads, every byte verified; an
+/// unreachable master is exit status 1 with the library's error.
+#[test]
+fn demo_with_a_mooncake_store_verifies_every_byte() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mooncake-fake-cli-store");
+    let lib = mooncake_sys::fake::build_store(&dir).expect("the fake store builds");
+    let run = |url: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvferry"))
+            .args(["demo", "--store", url, "--requests", "6", "--json"])
+            .env(mooncake_sys::STORE_LIB_ENV, &lib)
+            .output()
+            .expect("run kvferry demo")
+    };
+    let out = run("mooncake://127.0.0.1:50051");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "{r} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(r["verify_errors"], 0, "{r}");
+    assert_eq!(r["load_errors"], 0, "{r}");
+    assert!(r["dedup_skipped"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["loaded_blocks"].as_u64().unwrap() > 0, "{r}");
+    let out = run("mooncake://unreachable:1");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("mooncake_store_setup failed"), "{stderr}");
+}

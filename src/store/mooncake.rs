@@ -118,6 +118,8 @@ pub struct MooncakeStore {
     /// Gathered values on their way in and out; registered with the store.
     staging: Vec<u8>,
     replicas: usize,
+    /// Batch calls into the library so far.
+    calls: u64,
 }
 
 impl MooncakeStore {
@@ -147,6 +149,7 @@ impl MooncakeStore {
             store,
             staging,
             replicas: cfg.replicas.max(1),
+            calls: 0,
         })
     }
 
@@ -215,6 +218,7 @@ impl StoreBackend for MooncakeStore {
             return Err(CallError::Timeout);
         }
         let ks: Vec<&str> = keys.iter().map(ChunkKey::as_str).collect();
+        self.calls += 1;
         let answers = self
             .store
             .batch_exists(&ks)
@@ -246,6 +250,7 @@ impl StoreBackend for MooncakeStore {
             let rc = self.replicate();
             // SAFETY: the buffers lie in registered memory and stay valid
             // during the call.
+            self.calls += 1;
             let codes = unsafe { self.store.batch_put_from(&batch, &rc) };
             match codes {
                 Ok(c) => out.extend(c.into_iter().map(put_answer)),
@@ -274,6 +279,7 @@ impl StoreBackend for MooncakeStore {
                 .map(|(it, &(at, n))| (it.key.as_str(), unsafe { base.add(at) }, n))
                 .collect();
             // SAFETY: as in `put`; the library writes at most each slice.
+            self.calls += 1;
             let got = match unsafe { self.store.batch_get_into(&batch) } {
                 Ok(g) => g,
                 Err(_) => {
@@ -320,6 +326,12 @@ impl StoreBackend for MooncakeStore {
 }
 
 impl MooncakeStore {
+    /// Batch calls made into the library (each one request to the store
+    /// for existence; puts and gets also move the values).
+    pub fn round_trips(&self) -> u64 {
+        self.calls
+    }
+
     /// Where the store keeps each value: `replicas` copies, no pins.
     fn replicate(&self) -> ReplicateConfig {
         ReplicateConfig {
