@@ -40,4 +40,4 @@ pub mod store;
 
 pub use engine::{Batch, Engine, EngineConfig, Registration, Segment, TaskState};
 pub use error::Error;
-pub use lib_te::{StoreLib, TeLib, STORE_LIB_ENV, TE_LIB_ENV};
+pub use lib_te::{StoreLib, TeLib, STORE_LIB_ENV, STORE_LIB_NAME, TE_LIB_ENV, TE_LIB_NAME};
