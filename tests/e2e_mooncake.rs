@@ -7,7 +7,6 @@
 //! task that never finishes ends its request at the transfer bound.
 
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvferry::machines::common::{Config, FailReason, Mode};
@@ -27,25 +26,10 @@ const LINGER: Duration = Duration::from_secs(2);
 /// LINGER`), well before the bound.
 const LATE_MS: i64 = 1_500;
 
-struct Fake {
-    path: PathBuf,
-    control: Control,
-}
+type Fake = fake::Shared;
 
-/// The fake library, built once; its faults and counters are process-wide,
-/// so each test holds the lock for its whole run.
-fn fake() -> (&'static Fake, MutexGuard<'static, ()>) {
-    static FAKE: OnceLock<Fake> = OnceLock::new();
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let f = FAKE.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mooncake-fake-e2e");
-        let path = fake::build(&dir).expect("the fake library builds");
-        let control = Control::open(&path).unwrap();
-        Fake { path, control }
-    });
-    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    f.control.disarm();
-    (f, guard)
+fn fake() -> (&'static Fake, std::sync::MutexGuard<'static, ()>) {
+    fake::shared(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mooncake-fake-e2e"))
 }
 
 fn timeouts() -> Config {

@@ -12,13 +12,10 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use kvferry::machines::common::{BlockId, TransferId};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
-use kvferry::machines::store::events::Medium;
-use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::store::BlockHash;
 use kvferry::store::{
-    ConnectorConfig, ConnectorLimits, GetItem, ItemError, LoadMeta, MooncakeStore,
-    MooncakeStoreConfig, MooncakeStoreError, PutItem, PutOutcome, SaveMeta, Scatter, Segment,
-    StoreBackend, StoreConnector, StoreRequest,
+    GetItem, ItemError, LoadMeta, MooncakeStore, MooncakeStoreConfig, MooncakeStoreError, PutItem,
+    PutOutcome, Scatter, Segment, StoreBackend, StoreConnector,
 };
 use mooncake_sys::fake::{self, StoreControl};
 use store_buffer::{far, key, Buffer};
@@ -49,11 +46,6 @@ fn config(f: &Fake, staging_bytes: usize) -> MooncakeStoreConfig {
         staging_bytes,
         ..MooncakeStoreConfig::from_url("mooncake://127.0.0.1:50051").unwrap()
     }
-}
-
-fn block(kv: &Buffer, b: u64) -> &[u8] {
-    let at = (b * kv.block) as usize;
-    &kv.bytes[at..at + kv.block as usize]
 }
 
 /// Block `b` as two segments (its halves), as a value spread over two
@@ -189,10 +181,10 @@ fn values_go_through_staging_both_ways_with_per_key_answers() {
         got[6]
     );
     for b in [0u64, 1, 2, 4] {
-        assert_eq!(block(&kv, 8 + b), block(&kv, b), "block {b} loaded");
+        assert_eq!(kv.block(8 + b), kv.block(b), "block {b} loaded");
     }
     for b in [11u64, 14, 15] {
-        assert!(block(&kv, b).iter().all(|&x| x == 0), "block {b} untouched");
+        assert!(kv.block(b).iter().all(|&x| x == 0), "block {b} untouched");
     }
     assert_eq!(
         f.control.stats().unregistered,
@@ -257,72 +249,18 @@ mod connector {
     //! The connector over the fake store: pressure, and a corrupt value.
 
     use super::*;
-
-    const BLOCK_TOKENS: u32 = 16;
-    const HEAD_BYTES: u64 = 256;
-    const BLOCK: u64 = 8 * BLOCK_TOKENS as u64 * HEAD_BYTES;
-
-    fn connector_config() -> ConnectorConfig {
-        ConnectorConfig {
-            store: StoreConfig {
-                max_keys_per_batch: 8,
-                ..StoreConfig::default()
-            },
-            keyspace: KeyspaceSpec {
-                model_name: "mooncake/model".into(),
-                model: ModelSpec {
-                    layout: LayoutKind::Hnd,
-                    total_kv_heads: 8,
-                    block_tokens: BLOCK_TOKENS,
-                    head_bytes: HEAD_BYTES,
-                },
-                dtype: "bf16".into(),
-                tp_size: 1,
-                pp_size: 1,
-                groups: vec![GroupSpec {
-                    block_tokens: BLOCK_TOKENS,
-                    window_tokens: None,
-                }],
-            },
-            medium: Medium::Cpu,
-            limits: ConnectorLimits::default(),
-        }
-    }
-
-    fn request(id: u64, hashes: &[u32], blocks: &[u32]) -> StoreRequest {
-        StoreRequest {
-            id: TransferId(id),
-            block_hashes: vec![hashes
-                .iter()
-                .map(|&h| BlockHash::from_u64(h.into()))
-                .collect()],
-            block_ids: vec![blocks.iter().map(|&b| BlockId(b)).collect()],
-            lora: None,
-            extra_keys: Vec::new(),
-        }
-    }
-
-    fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
-        let ids: Vec<u32> = blocks.collect();
-        let meta = SaveMeta {
-            request: request(id, &ids, &ids),
-            token_len: ids.len() as u32 * BLOCK_TOKENS,
-            token_ids: None,
-        };
-        c.start_save(Instant::now(), meta).unwrap();
-        c.wait_for_save();
-        assert_eq!(c.get_finished().0, [TransferId(id)]);
-    }
+    use store_buffer::connector::BLOCK_TOKENS;
+    use store_buffer::connector::{config as connector_config, request, save, BLOCK_BYTES};
 
     #[test]
     fn a_full_store_takes_the_pressure_path_until_a_save_succeeds() {
         let (f, _one) = fake();
-        let kv = Buffer::new(16, BLOCK, 4);
+        let kv = Buffer::new(40, BLOCK_BYTES, 4);
         let store = MooncakeStore::connect(&config(f, 1 << 20)).unwrap();
         let mut c = StoreConnector::new(connector_config(), store).unwrap();
         // SAFETY: `kv` outlives the connector and is not touched meanwhile.
         unsafe { c.register_kv_caches(kv.layout()).unwrap() };
-        f.control.set_capacity(3 * BLOCK);
+        f.control.set_capacity(3 * BLOCK_BYTES);
         save(&mut c, 1, 0..8);
         let s = c.stats();
         assert_eq!(s.pressure.full_saves, 1, "{s:?}");
@@ -334,7 +272,7 @@ mod connector {
     #[test]
     fn a_corrupt_value_is_a_load_error_for_exactly_its_block() {
         let (f, _one) = fake();
-        let mut kv = Buffer::new(8, BLOCK, 0xEE);
+        let mut kv = Buffer::new(8, BLOCK_BYTES, 0xEE);
         for b in 0..4 {
             let at = (b * kv.block) as usize;
             kv.bytes[at..at + kv.block as usize].fill(b as u8 + 1);
@@ -360,7 +298,7 @@ mod connector {
         assert_eq!(c.get_finished().1, [TransferId(2)]);
         assert_eq!(c.block_ids_with_load_errors(), [BlockId(6)]);
         for (b, fill) in [(4, 1), (5, 2), (6, 0xEE), (7, 4)] {
-            assert!(block(&kv, b).iter().all(|&x| x == fill), "block {b}");
+            assert!(kv.block(b).iter().all(|&x| x == fill), "block {b}");
         }
     }
 }

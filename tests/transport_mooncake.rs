@@ -7,7 +7,6 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
@@ -15,7 +14,7 @@ use kvferry::transport::mooncake::{MooncakeConfig, MooncakeTransport};
 use kvferry::transport::{
     Desc, MisuseError, Op, RangeFault, RegionInfo, Session, Transport, TransportError,
 };
-use mooncake_sys::fake::{self, Control};
+use mooncake_sys::fake;
 
 /// Counts allocations of this test binary.
 struct Counting;
@@ -38,23 +37,10 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-struct Fake {
-    path: PathBuf,
-    control: Control,
-}
+type Fake = fake::Shared;
 
-fn fake() -> (&'static Fake, MutexGuard<'static, ()>) {
-    static FAKE: OnceLock<Fake> = OnceLock::new();
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let f = FAKE.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mooncake-fake-transport");
-        let path = fake::build(&dir).expect("the fake library builds");
-        let control = Control::open(&path).unwrap();
-        Fake { path, control }
-    });
-    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    f.control.disarm();
-    (f, guard)
+fn fake() -> (&'static Fake, std::sync::MutexGuard<'static, ()>) {
+    fake::shared(&PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("mooncake-fake-transport"))
 }
 
 fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {

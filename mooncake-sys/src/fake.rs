@@ -255,3 +255,29 @@ impl StoreControl {
         }
     }
 }
+
+/// The fake transfer engine of a test process: built once, its path and
+/// its controls.
+pub struct Shared {
+    /// Where the library is.
+    pub path: PathBuf,
+    /// Its controls.
+    pub control: Control,
+}
+
+/// The fake transfer engine, built into `dir` once per process, and a lock
+/// held for a test's whole run: its faults and counters are process-wide,
+/// so tests that arm faults or compare counters run one at a time. Any
+/// armed fault is cleared before it returns.
+pub fn shared(dir: &Path) -> (&'static Shared, std::sync::MutexGuard<'static, ()>) {
+    static BUILT: std::sync::OnceLock<Shared> = std::sync::OnceLock::new();
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let s = BUILT.get_or_init(|| {
+        let path = build(dir).expect("the fake engine library builds");
+        let control = Control::open(&path).expect("the fake library's controls");
+        Shared { path, control }
+    });
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    s.control.disarm();
+    (s, guard)
+}
