@@ -15,7 +15,7 @@ use glommio::{LocalExecutorBuilder, Placement};
 
 use clap::{Args, Subcommand, ValueEnum};
 use kvferry::transport::local::LocalTransport;
-use kvferry::transport::mooncake::{MooncakeConfig, MooncakeTransport};
+use kvferry::transport::mooncake::{Cadence, MooncakeConfig, MooncakeTransport};
 use kvferry::transport::tcp::{TcpConfig, TcpTransport};
 use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
 
@@ -65,6 +65,10 @@ pub struct TransportArgs {
     /// `MOONCAKE_TE_LIB`).
     #[arg(long, value_name = "P", default_value = "tcp")]
     mooncake_protocol: String,
+    /// With `--transport mooncake`: microseconds between two status polls
+    /// of a batch (0: yield to the executor between polls).
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    mooncake_poll_us: u64,
     /// Do not pin the executors to cores.
     #[arg(long)]
     no_pin: bool,
@@ -151,6 +155,8 @@ pub(crate) struct Params {
     pub(crate) reuse_block: bool,
     /// Mooncake's protocol, for `--transport mooncake`.
     pub(crate) mooncake_protocol: String,
+    /// How `--transport mooncake` polls a batch.
+    pub(crate) mooncake_cadence: Cadence,
 }
 
 /// What was measured.
@@ -282,6 +288,10 @@ fn params(a: &TransportArgs) -> Result<(Params, u64), UsageError> {
         keep_samples: false,
         reuse_block: a.reuse_block,
         mooncake_protocol: a.mooncake_protocol.clone(),
+        mooncake_cadence: match a.mooncake_poll_us {
+            0 => Cadence::Yield,
+            us => Cadence::Timer(Duration::from_micros(us)),
+        },
     };
     Ok((p, total))
 }
@@ -483,6 +493,7 @@ fn run_mooncake(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, St
     let cfg = MooncakeConfig {
         protocol: p.mooncake_protocol.clone(),
         max_descs: p.batch as usize,
+        cadence: p.mooncake_cadence,
         ..MooncakeConfig::default()
     };
     LocalExecutorBuilder::new(placement(p.pin, 0))
