@@ -66,9 +66,10 @@ pub struct TransportArgs {
     #[arg(long, value_name = "P", default_value = "tcp")]
     mooncake_protocol: String,
     /// With `--transport mooncake`: microseconds between two status polls
-    /// of a batch (0: yield to the executor between polls).
-    #[arg(long, value_name = "US", default_value_t = 0)]
-    mooncake_poll_us: u64,
+    /// of a batch (0: yield to the executor between polls) [default: the
+    /// transport's backoff, 20 us doubling to 1 ms].
+    #[arg(long, value_name = "US")]
+    mooncake_poll_us: Option<u64>,
     /// Do not pin the executors to cores.
     #[arg(long)]
     no_pin: bool,
@@ -289,8 +290,9 @@ fn params(a: &TransportArgs) -> Result<(Params, u64), UsageError> {
         reuse_block: a.reuse_block,
         mooncake_protocol: a.mooncake_protocol.clone(),
         mooncake_cadence: match a.mooncake_poll_us {
-            0 => Cadence::Yield,
-            us => Cadence::Timer(Duration::from_micros(us)),
+            None => MooncakeConfig::default().cadence,
+            Some(0) => Cadence::Yield,
+            Some(us) => Cadence::Timer(Duration::from_micros(us)),
         },
     };
     Ok((p, total))

@@ -51,10 +51,34 @@ use super::{
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cadence {
     /// Yield to the executor's other tasks, then poll again: the lowest
-    /// latency, at the cost of a busy executor while batches are out.
+    /// latency, but a busy executor while batches are out, which takes
+    /// CPU from the engine's own threads where cores are few (docs/performance.md).
     Yield,
     /// Sleep this long between polls.
     Timer(Duration),
+    /// Sleep `first` after the first poll, twice as long after each next
+    /// one, at most `max`: a small batch is seen done within tens of
+    /// microseconds, a large one costs a poll per `max`.
+    Backoff {
+        /// The first pause.
+        first: Duration,
+        /// The longest pause.
+        max: Duration,
+    },
+}
+
+impl Cadence {
+    /// The pause after `polls` unfinished polls of a batch.
+    fn pause(self, polls: u32) -> Option<Duration> {
+        match self {
+            Cadence::Yield => None,
+            Cadence::Timer(t) => Some(t),
+            Cadence::Backoff { first, max } => {
+                let doubled = first.saturating_mul(1u32 << polls.min(16));
+                Some(doubled.min(max))
+            }
+        }
+    }
 }
 
 /// How a [`MooncakeTransport`] is set up.
@@ -90,7 +114,10 @@ impl Default for MooncakeConfig {
             library: None,
             max_descs: 1 << 16,
             linger: Duration::from_secs(2),
-            cadence: Cadence::Yield,
+            cadence: Cadence::Backoff {
+                first: Duration::from_micros(20),
+                max: Duration::from_millis(1),
+            },
         }
     }
 }
@@ -369,6 +396,7 @@ impl MooncakeSession {
         let after_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
         let timeout = || TransportError::Timeout { after_ms };
         let mut next = 0;
+        let mut polls = 0u32;
         let mut failed: Option<TransportError> = None;
         loop {
             while next < descs.len() {
@@ -392,10 +420,11 @@ impl MooncakeSession {
                 self.overdue(descs.len() - next);
                 return Err(timeout());
             }
-            match self.shared.cfg.cadence {
-                Cadence::Yield => futures_lite::future::yield_now().await,
-                Cadence::Timer(t) => drop(glommio::timer::Timer::new(t).await),
+            match self.shared.cfg.cadence.pause(polls) {
+                None => futures_lite::future::yield_now().await,
+                Some(t) => drop(glommio::timer::Timer::new(t).await),
             }
+            polls = polls.saturating_add(1);
         }
     }
 
