@@ -11,10 +11,8 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
-use kvferry::machines::common::{BlockId, TransferId};
-use kvferry::machines::store::BlockHash;
 use kvferry::store::{
-    GetItem, ItemError, LoadMeta, MooncakeStore, MooncakeStoreConfig, MooncakeStoreError, PutItem,
+    GetItem, ItemError, MooncakeStore, MooncakeStoreConfig, MooncakeStoreError, PutItem,
     PutOutcome, Scatter, Segment, StoreBackend, StoreConnector,
 };
 use mooncake_sys::fake::{self, StoreControl};
@@ -249,8 +247,9 @@ mod connector {
     //! The connector over the fake store: pressure, and a corrupt value.
 
     use super::*;
-    use store_buffer::connector::BLOCK_TOKENS;
-    use store_buffer::connector::{config as connector_config, request, save, BLOCK_BYTES};
+    use store_buffer::connector::{
+        config as connector_config, load_with_block_6_spoilt, save, BLOCK_BYTES,
+    };
 
     #[test]
     fn a_full_store_takes_the_pressure_path_until_a_save_succeeds() {
@@ -284,21 +283,6 @@ mod connector {
         save(&mut c, 1, 0..4);
         // Block 2's value, behind kvferry's back.
         assert_eq!(f.control.corrupt_starting_with(3), 1);
-        let scope = c.keyspace().scope(None, &[]).unwrap();
-        let hashes: Vec<BlockHash> = (0..4).map(BlockHash::from_u64).collect();
-        let hit = c.lookup_hit(&scope, 4 * BLOCK_TOKENS, &[hashes]).unwrap();
-        assert_eq!(hit.tokens, 4 * BLOCK_TOKENS);
-        let meta = LoadMeta {
-            request: request(2, &[0, 1, 2, 3], &[4, 5, 6, 7]),
-            hit,
-            local_tokens: 0,
-        };
-        c.start_load_kv(Instant::now(), meta).unwrap();
-        c.wait_for_load();
-        assert_eq!(c.get_finished().1, [TransferId(2)]);
-        assert_eq!(c.block_ids_with_load_errors(), [BlockId(6)]);
-        for (b, fill) in [(4, 1), (5, 2), (6, 0xEE), (7, 4)] {
-            assert!(kv.block(b).iter().all(|&x| x == fill), "block {b}");
-        }
+        load_with_block_6_spoilt(&mut c, &kv);
     }
 }

@@ -318,11 +318,9 @@ fn replies_no_redis_command_gives_are_refused_calls_not_panics() {
 mod through_the_connector {
     //! The connector's pressure path over a Redis with `noeviction`.
 
-    use super::store_buffer::connector::{config, request, save, BLOCK_TOKENS, HEAD_BYTES};
+    use super::store_buffer::connector::{self, config, save, BLOCK_TOKENS, HEAD_BYTES};
     use super::*;
-    use kvferry::machines::common::{BlockId, TransferId};
-    use kvferry::machines::store::BlockHash;
-    use kvferry::store::{LoadMeta, StoreConnector};
+    use kvferry::store::StoreConnector;
 
     #[test]
     fn a_full_redis_takes_the_pressure_path_until_a_save_succeeds() {
@@ -372,27 +370,6 @@ mod through_the_connector {
             .arg(v)
             .exec(&mut raw)
             .unwrap();
-        // Load hashes 0..4 into blocks 4..8.
-        let hashes = [0, 1, 2, 3];
-        let ask = vec![(hashes.iter())
-            .map(|&h| BlockHash::from_u64(h))
-            .collect::<Vec<_>>()];
-        let hit = {
-            let scope = c.keyspace().scope(None, &[]).unwrap();
-            c.lookup_hit(&scope, 4 * BLOCK_TOKENS, &ask).unwrap()
-        };
-        assert_eq!(hit.tokens, 4 * BLOCK_TOKENS);
-        let meta = LoadMeta {
-            request: request(2, &[0, 1, 2, 3], &[4, 5, 6, 7]),
-            hit,
-            local_tokens: 0,
-        };
-        c.start_load_kv(Instant::now(), meta).unwrap();
-        c.wait_for_load();
-        assert_eq!(c.get_finished().1, [TransferId(2)]);
-        assert_eq!(c.block_ids_with_load_errors(), [BlockId(6)]);
-        for (b, fill) in [(4, 1), (5, 2), (6, 0xEE), (7, 4)] {
-            assert!(kv.block(b).iter().all(|&x| x == fill), "block {b}");
-        }
+        connector::load_with_block_6_spoilt(&mut c, &kv);
     }
 }

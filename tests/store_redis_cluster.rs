@@ -12,14 +12,12 @@ use std::time::{Duration, Instant};
 
 mod store_buffer;
 
-use kvferry::machines::common::{BlockId, TransferId};
-use kvferry::machines::store::BlockHash;
 use kvferry::store::redis::{hash_slot, HEADER_BYTES, REDIRECTS_MAX};
 use kvferry::store::{
-    ClusterConfig, ItemError, LoadMeta, PutOutcome, RedisClusterStore, StoreBackend,
-    StoreConnector, StoreDemo,
+    ClusterConfig, ItemError, PutOutcome, RedisClusterStore, StoreBackend, StoreConnector,
+    StoreDemo,
 };
-use store_buffer::connector::{config, request, save, save_as, BLOCK_BYTES, BLOCK_TOKENS};
+use store_buffer::connector::{self, config, save, save_as, BLOCK_BYTES};
 use store_buffer::{far, key, Buffer};
 
 /// One cluster at a time: six servers with a 1 s node timeout on a
@@ -530,24 +528,7 @@ fn a_value_corrupted_on_its_node_is_a_load_error_for_exactly_its_block() {
         .status()
         .unwrap();
     assert!(set.success());
-    let ask = vec![(0..4).map(BlockHash::from_u64).collect::<Vec<_>>()];
-    let hit = {
-        let scope = c.keyspace().scope(None, &[]).unwrap();
-        c.lookup_hit(&scope, 4 * BLOCK_TOKENS, &ask).unwrap()
-    };
-    assert_eq!(hit.tokens, 4 * BLOCK_TOKENS);
-    let meta = LoadMeta {
-        request: request(2, &[0, 1, 2, 3], &[4, 5, 6, 7]),
-        hit,
-        local_tokens: 0,
-    };
-    c.start_load_kv(Instant::now(), meta).unwrap();
-    c.wait_for_load();
-    assert_eq!(c.get_finished().1, [TransferId(2)]);
-    assert_eq!(c.block_ids_with_load_errors(), [BlockId(6)]);
-    for (b, fill) in [(4, 1), (5, 2), (6, 0xEE), (7, 4)] {
-        assert!(kv.block(b).iter().all(|&x| x == fill), "block {b}");
-    }
+    connector::load_with_block_6_spoilt(&mut c, &kv);
 }
 
 /// A fake node that answers its first read with `reply`, then keeps the

@@ -7,7 +7,9 @@ use kvferry::machines::common::{BlockId, TransferId};
 use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::store::events::Medium;
 use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry::store::{ConnectorConfig, ConnectorLimits, SaveMeta, StoreConnector, StoreRequest};
+use kvferry::store::{
+    ConnectorConfig, ConnectorLimits, LoadMeta, SaveMeta, StoreConnector, StoreRequest,
+};
 
 pub const BLOCK_TOKENS: u32 = 16;
 /// 8 heads x 16 tokens x 2 KiB: 256 KiB blocks.
@@ -71,4 +73,30 @@ pub fn save_as(c: &mut StoreConnector, id: u64, hashes: &[u32], blocks: &[u32]) 
     c.start_save(Instant::now(), meta).unwrap();
     c.wait_for_save();
     assert_eq!(c.get_finished().0, [TransferId(id)]);
+}
+
+/// The corrupt-value check of every backend: hashes 0..4 were saved from
+/// blocks 0..4 (block `b` filled with `b + 1`), then the value of hash 2
+/// was spoilt in the store. Looked up (all four hit) and loaded into
+/// blocks 4..8 (filled with 0xEE): the load reports exactly block 6, which
+/// keeps its 0xEE, and the other three hold their bytes.
+pub fn load_with_block_6_spoilt(c: &mut StoreConnector, kv: &super::Buffer) {
+    let ask = vec![(0..4).map(BlockHash::from_u64).collect::<Vec<_>>()];
+    let hit = {
+        let scope = c.keyspace().scope(None, &[]).unwrap();
+        c.lookup_hit(&scope, 4 * BLOCK_TOKENS, &ask).unwrap()
+    };
+    assert_eq!(hit.tokens, 4 * BLOCK_TOKENS);
+    let meta = LoadMeta {
+        request: request(2, &[0, 1, 2, 3], &[4, 5, 6, 7]),
+        hit,
+        local_tokens: 0,
+    };
+    c.start_load_kv(Instant::now(), meta).unwrap();
+    c.wait_for_load();
+    assert_eq!(c.get_finished().1, [TransferId(2)]);
+    assert_eq!(c.block_ids_with_load_errors(), [BlockId(6)]);
+    for (b, fill) in [(4, 1), (5, 2), (6, 0xEE), (7, 4)] {
+        assert!(kv.block(b).iter().all(|&x| x == fill), "block {b}");
+    }
 }
