@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use mooncake_sys::fake::{self, Control, Fault, Stats};
 use mooncake_sys::ffi::{TransferRequest, OPCODE_READ, OPCODE_WRITE};
-use mooncake_sys::{Engine, EngineConfig, Error, TaskState, TeLib};
+use mooncake_sys::{Engine, EngineConfig, Error, Registration, Segment, TaskState, TeLib};
 
 const LEN: usize = 64 << 10;
 
@@ -53,11 +53,15 @@ fn pattern(seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// Two engines, each with one registered buffer, and a request from the
-/// first to the second.
+/// Two engines, each with one registered buffer, the second's segment
+/// open on the first, and requests from the first to the second. Fields
+/// drop in order: the segment and registrations before the buffers.
 struct Pair {
+    seg: Segment,
+    _regs: [Registration; 2],
     a: Engine,
-    b: Engine,
+    /// Kept alive for its segment (the registrations hold it too).
+    _b: Engine,
     abuf: Vec<u8>,
     bbuf: Vec<u8>,
 }
@@ -65,19 +69,31 @@ struct Pair {
 impl Pair {
     fn new(f: &Fake) -> Pair {
         let (a, b) = (engine(f), engine(f));
+        let (mut abuf, mut bbuf) = (pattern(1), vec![0; LEN]);
+        // SAFETY: the buffers outlive the registrations (see the fields'
+        // order); moving a `Vec` does not move its heap buffer.
+        let regs = unsafe {
+            [
+                a.register(abuf.as_mut_ptr(), LEN, "cpu:0").unwrap(),
+                b.register(bbuf.as_mut_ptr(), LEN, "cpu:0").unwrap(),
+            ]
+        };
+        let seg = a.open_segment(&b.local_addr().unwrap()).unwrap();
         Pair {
+            seg,
+            _regs: regs,
             a,
-            b,
-            abuf: pattern(1),
-            bbuf: vec![0; LEN],
+            _b: b,
+            abuf,
+            bbuf,
         }
     }
 
-    fn request(&self, opcode: i32, seg: i32) -> TransferRequest {
+    fn request(&self, opcode: i32) -> TransferRequest {
         TransferRequest {
             opcode,
             source: self.abuf.as_ptr() as *mut _,
-            target_id: seg,
+            target_id: self.seg.id(),
             target_offset: self.bbuf.as_ptr() as u64,
             length: LEN as u64,
         }
@@ -110,13 +126,9 @@ fn a_write_and_a_read_move_every_byte() {
     let (f, _one) = fake();
     let before = f.control.stats();
     let mut p = Pair::new(f);
-    // SAFETY: the buffers outlive the registrations (dropped first below).
-    let ra = unsafe { p.a.register(p.abuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let rb = unsafe { p.b.register(p.bbuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let seg = p.a.open_segment(&p.b.local_addr().unwrap()).unwrap();
     let mut w = p.a.batch(1).unwrap();
     // SAFETY: both ranges are registered and outlive the batch.
-    unsafe { w.submit(&[p.request(OPCODE_WRITE, seg.id())]) }.unwrap();
+    unsafe { w.submit(&[p.request(OPCODE_WRITE)]) }.unwrap();
     let done = finish(&w, 1);
     assert_eq!(done, TaskState::Completed { bytes: LEN as u64 });
     w.try_free().map_err(|(_, e)| e).unwrap();
@@ -125,11 +137,11 @@ fn a_write_and_a_read_move_every_byte() {
     p.abuf.fill(0);
     let mut r = p.a.batch(1).unwrap();
     // SAFETY: as above.
-    unsafe { r.submit(&[p.request(OPCODE_READ, seg.id())]) }.unwrap();
+    unsafe { r.submit(&[p.request(OPCODE_READ)]) }.unwrap();
     assert_eq!(finish(&r, 1), TaskState::Completed { bytes: LEN as u64 });
     drop(r);
     assert_eq!(p.abuf, pattern(1), "the read landed");
-    drop((seg, ra, rb));
+    drop(p);
     balanced(&f.control, before);
     assert_eq!(f.control.stats().submits_refused, before.submits_refused);
 }
@@ -138,16 +150,12 @@ fn a_write_and_a_read_move_every_byte() {
 fn faults_end_tasks_as_the_library_reports_them() {
     let (f, _one) = fake();
     let before = f.control.stats();
-    let mut p = Pair::new(f);
-    // SAFETY: the buffers outlive the registrations.
-    let _ra = unsafe { p.a.register(p.abuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let _rb = unsafe { p.b.register(p.bbuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let seg = p.a.open_segment(&p.b.local_addr().unwrap()).unwrap();
+    let p = Pair::new(f);
     let run = |fault: Fault| {
         f.control.arm(fault, 1);
         let mut b = p.a.batch(1).unwrap();
         // SAFETY: registered ranges that outlive the batch.
-        let submitted = unsafe { b.submit(&[p.request(OPCODE_WRITE, seg.id())]) };
+        let submitted = unsafe { b.submit(&[p.request(OPCODE_WRITE)]) };
         submitted.map(|()| finish(&b, 4))
     };
     assert!(matches!(
@@ -168,7 +176,7 @@ fn faults_end_tasks_as_the_library_reports_them() {
     f.control.arm(Fault::Late(1), 1);
     let mut b = p.a.batch(1).unwrap();
     // SAFETY: registered ranges that outlive the batch.
-    unsafe { b.submit(&[p.request(OPCODE_WRITE, seg.id())]) }.unwrap();
+    unsafe { b.submit(&[p.request(OPCODE_WRITE)]) }.unwrap();
     let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let mut state = b.status(0).unwrap();
     while !state.is_finished() && std::time::Instant::now() < until {
@@ -188,15 +196,11 @@ fn faults_end_tasks_as_the_library_reports_them() {
 fn a_batch_dropped_unfinished_is_freed_once_its_task_finishes() {
     let (f, _one) = fake();
     let before = f.control.stats();
-    let mut p = Pair::new(f);
-    // SAFETY: the buffers outlive the registrations.
-    let _ra = unsafe { p.a.register(p.abuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let _rb = unsafe { p.b.register(p.bbuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let seg = p.a.open_segment(&p.b.local_addr().unwrap()).unwrap();
+    let p = Pair::new(f);
     f.control.arm(Fault::Never, 1);
     let mut b = p.a.batch(1).unwrap();
     // SAFETY: registered ranges that outlive the batch.
-    unsafe { b.submit(&[p.request(OPCODE_WRITE, seg.id())]) }.unwrap();
+    unsafe { b.submit(&[p.request(OPCODE_WRITE)]) }.unwrap();
     assert_eq!(b.status(0).unwrap(), TaskState::Pending);
     let (b, e) = b.try_free().expect_err("an unfinished batch is not freed");
     assert_eq!(e, Error::BatchBusy);
@@ -213,13 +217,9 @@ fn a_batch_dropped_unfinished_is_freed_once_its_task_finishes() {
 fn a_batch_takes_no_more_tasks_than_it_was_allocated_for() {
     let (f, _one) = fake();
     let before = f.control.stats();
-    let mut p = Pair::new(f);
-    // SAFETY: the buffers outlive the registrations.
-    let _ra = unsafe { p.a.register(p.abuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let _rb = unsafe { p.b.register(p.bbuf.as_mut_ptr(), LEN, "cpu:0") }.unwrap();
-    let seg = p.a.open_segment(&p.b.local_addr().unwrap()).unwrap();
+    let p = Pair::new(f);
     let mut b = p.a.batch(1).unwrap();
-    let req = p.request(OPCODE_WRITE, seg.id());
+    let req = p.request(OPCODE_WRITE);
     // SAFETY: registered ranges that outlive the batch.
     let over = unsafe { b.submit(&[req, req]) };
     assert_eq!(
