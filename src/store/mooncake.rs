@@ -175,6 +175,34 @@ impl MooncakeStore {
     }
 }
 
+impl MooncakeStore {
+    /// Why a staging round is answered without a call: the deadline
+    /// passed, or its first value (a round of its own when it is larger
+    /// than the staging buffer, see `rounds`) does not fit.
+    fn refused(&self, first_len: u64, deadline: Instant) -> Option<ItemError> {
+        if Instant::now() >= deadline {
+            Some(ItemError::Timeout)
+        } else if first_len > self.staging.len() as u64 {
+            Some(ItemError::TooLarge)
+        } else {
+            None
+        }
+    }
+
+    /// The C requests of a round: each key with its staging slice.
+    fn requests<'k>(
+        &mut self,
+        keys: impl Iterator<Item = &'k ChunkKey>,
+        slices: &[(usize, usize)],
+    ) -> Vec<(&'k str, *mut u8, usize)> {
+        let base = self.staging.as_mut_ptr();
+        (keys.zip(slices))
+            // SAFETY: `layout` placed every slice inside the staging buffer.
+            .map(|(k, &(at, n))| (k.as_str(), unsafe { base.add(at) }, n))
+            .collect()
+    }
+}
+
 /// The staging slices of a round: `(offset, len)` per item.
 fn layout(lens: impl Iterator<Item = u64>) -> Vec<(usize, usize)> {
     let mut at = 0usize;
@@ -230,23 +258,15 @@ impl StoreBackend for MooncakeStore {
         let mut out = Vec::with_capacity(items.len());
         for round in self.rounds(items.iter().map(|i| i.from.len())) {
             let its = &items[round];
-            if Instant::now() >= deadline {
-                out.extend(its.iter().map(|_| Err(ItemError::Timeout)));
-                continue;
-            }
-            if its[0].from.len() > self.staging.len() as u64 {
-                out.push(Err(ItemError::TooLarge));
+            if let Some(e) = self.refused(its[0].from.len(), deadline) {
+                out.extend(its.iter().map(|_| Err(e)));
                 continue;
             }
             let slices = layout(its.iter().map(|i| i.from.len()));
-            let base = self.staging.as_mut_ptr();
             for (it, &(at, n)) in its.iter().zip(&slices) {
                 it.from.read_into(&mut self.staging[at..at + n]);
             }
-            // SAFETY: each slice lies in the registered staging buffer.
-            let batch: Vec<(&str, *mut u8, usize)> = (its.iter().zip(&slices))
-                .map(|(it, &(at, n))| (it.key.as_str(), unsafe { base.add(at) }, n))
-                .collect();
+            let batch = self.requests(its.iter().map(|i| &i.key), &slices);
             let rc = self.replicate();
             // SAFETY: the buffers lie in registered memory and stay valid
             // during the call.
@@ -264,20 +284,12 @@ impl StoreBackend for MooncakeStore {
         let mut out = Vec::with_capacity(items.len());
         for round in self.rounds(items.iter().map(|i| i.into.len())) {
             let its = &items[round];
-            if Instant::now() >= deadline {
-                out.extend(its.iter().map(|_| Err(ItemError::Timeout)));
-                continue;
-            }
-            if its[0].into.len() > self.staging.len() as u64 {
-                out.push(Err(ItemError::TooLarge));
+            if let Some(e) = self.refused(its[0].into.len(), deadline) {
+                out.extend(its.iter().map(|_| Err(e)));
                 continue;
             }
             let slices = layout(its.iter().map(|i| i.into.len()));
-            let base = self.staging.as_mut_ptr();
-            // SAFETY: each slice lies in the registered staging buffer.
-            let batch: Vec<(&str, *mut u8, usize)> = (its.iter().zip(&slices))
-                .map(|(it, &(at, n))| (it.key.as_str(), unsafe { base.add(at) }, n))
-                .collect();
+            let batch = self.requests(its.iter().map(|i| &i.key), &slices);
             // SAFETY: as in `put`; the library writes at most each slice.
             self.calls += 1;
             let got = match unsafe { self.store.batch_get_into(&batch) } {
