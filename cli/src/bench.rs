@@ -463,23 +463,11 @@ fn run_local(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, Strin
     LocalExecutorBuilder::new(placement(p.pin, 0))
         .name("bench-local")
         .spawn(move || async move {
-            let a = LocalTransport::default();
-            let b = LocalTransport::default();
+            let (a, b) = (LocalTransport::default(), LocalTransport::default());
             // SAFETY: both buffers outlive this thread and only the
             // transport touches them meanwhile.
-            unsafe {
-                a.register(src_addr as usize as *mut u8, total)
-                    .map_err(|e| e.to_string())?;
-                b.register(dst_addr as usize as *mut u8, total)
-                    .map_err(|e| e.to_string())?;
-            }
-            let session = a
-                .open(&b.endpoint_addr())
-                .await
-                .map_err(|e| e.to_string())?;
-            let batch = descs(&p2, src_addr, dst_addr);
-            let m = drive(&p2, &session, &batch).await;
-            m.map(|m| verify_and_memcpy(&p2, m, src_addr, dst_addr))
+            unsafe { register_pair(&a, &b, (src_addr, dst_addr), total) }?;
+            drive_pair(&p2, &a, &b, (src_addr, dst_addr)).await
         })
         .map_err(|e| format!("starting the executor: {e}"))?
         .join()
@@ -506,24 +494,52 @@ fn run_mooncake(p: &Params, src_addr: u64, dst_addr: u64) -> Result<Measured, St
             let b = MooncakeTransport::new(ip, cfg).map_err(|e| e.to_string())?;
             // SAFETY: both buffers outlive this thread and only the
             // transport touches them meanwhile.
-            unsafe {
-                a.register(src_addr as usize as *mut u8, total)
-                    .map_err(|e| e.to_string())?;
-                b.register(dst_addr as usize as *mut u8, total)
-                    .map_err(|e| e.to_string())?;
-            }
+            unsafe { register_pair(&a, &b, (src_addr, dst_addr), total) }?;
+            // What `b`'s hello would tell a node.
             a.learn_peer(&b.endpoint_addr(), b.regions());
-            let session = a
-                .open(&b.endpoint_addr())
-                .await
-                .map_err(|e| e.to_string())?;
-            let batch = descs(&p2, src_addr, dst_addr);
-            let m = drive(&p2, &session, &batch).await;
-            m.map(|m| verify_and_memcpy(&p2, m, src_addr, dst_addr))
+            drive_pair(&p2, &a, &b, (src_addr, dst_addr)).await
         })
         .map_err(|e| format!("starting the executor: {e}"))?
         .join()
         .map_err(|e| format!("mooncake executor: {e}"))?
+}
+
+/// Registers `src` with `a` and `dst` with `b`, `total` bytes each.
+///
+/// # Safety
+///
+/// Both buffers must outlive the endpoints, and only they touch them.
+unsafe fn register_pair(
+    a: &impl Transport,
+    b: &impl Transport,
+    (src, dst): (u64, u64),
+    total: usize,
+) -> Result<(), String> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        a.register(src as usize as *mut u8, total)
+            .map_err(|e| e.to_string())?;
+        b.register(dst as usize as *mut u8, total)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Opens a session from `a` to `b`, drives the batches over it and
+/// checks and measures the buffers ([`verify_and_memcpy`]).
+async fn drive_pair<T: Transport>(
+    p: &Params,
+    a: &T,
+    b: &T,
+    (src, dst): (u64, u64),
+) -> Result<Measured, String> {
+    let session = a
+        .open(&b.endpoint_addr())
+        .await
+        .map_err(|e| e.to_string())?;
+    let batch = descs(p, src, dst);
+    let m = drive(p, &session, &batch).await;
+    m.map(|m| verify_and_memcpy(p, m, src, dst))
 }
 
 /// Checks that the transfers left both buffers equal, then measures memcpy
