@@ -35,13 +35,7 @@ fn best(mut f: impl FnMut() -> Duration) -> f64 {
 
 fn raw(lib: &Path, src: &mut [u8], dst: &mut [u8]) -> f64 {
     let lib = Arc::new(TeLib::open(lib).unwrap());
-    let cfg = EngineConfig {
-        metadata: "P2PHANDSHAKE".into(),
-        local_server_name: "127.0.0.1".into(),
-        ip_or_host: "127.0.0.1".into(),
-        rpc_port: 0,
-        protocol: "tcp".into(),
-    };
+    let cfg = EngineConfig::p2p("127.0.0.1", "tcp");
     let (a, b) = (
         Engine::new(lib.clone(), &cfg).unwrap(),
         Engine::new(lib, &cfg).unwrap(),

@@ -44,6 +44,20 @@ pub struct EngineConfig {
     pub protocol: String,
 }
 
+impl EngineConfig {
+    /// An engine under `P2PHANDSHAKE` (no metadata service) reachable at
+    /// `host`, the engine picking its handshake port, with `protocol`.
+    pub fn p2p(host: &str, protocol: &str) -> EngineConfig {
+        EngineConfig {
+            metadata: "P2PHANDSHAKE".into(),
+            local_server_name: host.into(),
+            ip_or_host: host.into(),
+            rpc_port: 0,
+            protocol: protocol.into(),
+        }
+    }
+}
+
 struct Inner {
     lib: Arc<TeLib>,
     handle: EngineHandle,

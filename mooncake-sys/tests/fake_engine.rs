@@ -37,13 +37,7 @@ fn fake() -> (&'static Fake, MutexGuard<'static, ()>) {
 }
 
 fn engine(f: &Fake) -> Engine {
-    let cfg = EngineConfig {
-        metadata: "P2PHANDSHAKE".into(),
-        local_server_name: "127.0.0.1".into(),
-        ip_or_host: "127.0.0.1".into(),
-        rpc_port: 0,
-        protocol: "tcp".into(),
-    };
+    let cfg = EngineConfig::p2p("127.0.0.1", "tcp");
     Engine::new(f.lib.clone(), &cfg).unwrap()
 }
 

@@ -171,10 +171,7 @@ impl MooncakeTransport {
         let lib = library(cfg.library.as_ref())?;
         let ec = EngineConfig {
             metadata: cfg.metadata.clone(),
-            local_server_name: ip.to_string(),
-            ip_or_host: ip.to_string(),
-            rpc_port: 0,
-            protocol: cfg.protocol.clone(),
+            ..EngineConfig::p2p(&ip.to_string(), &cfg.protocol)
         };
         let engine = Engine::new(lib, &ec).map_err(lib_err("creating the engine"))?;
         let name = engine.local_addr().map_err(lib_err("naming the engine"))?;
