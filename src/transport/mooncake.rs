@@ -147,7 +147,7 @@ struct Shared {
     engine: Engine,
     registry: Arc<Registry>,
     /// The KV regions of each peer, from its `Hello`, sorted by address.
-    peers: RefCell<HashMap<SocketAddr, Rc<Vec<RegionInfo>>>>,
+    peers: RefCell<HashMap<SocketAddr, Vec<RegionInfo>>>,
     /// Requests of the batch being submitted: reused, so the submit path
     /// allocates nothing per descriptor once warm.
     scratch: RefCell<Vec<TransferRequest>>,
@@ -202,10 +202,13 @@ impl MooncakeTransport {
             return;
         };
         regions.sort_by_key(|r| r.addr);
-        let mut peers = self.shared.peers.borrow_mut();
-        if peers.get(addr).is_none_or(|known| **known != regions) {
-            peers.insert(*addr, Rc::new(regions));
-        }
+        self.shared.peers.borrow_mut().insert(*addr, regions);
+    }
+
+    /// Forgets every peer's memory (the caller bounds what it taught: a
+    /// peer not taught again has all its ranges refused).
+    pub fn forget_peers(&self) {
+        self.shared.peers.borrow_mut().clear();
     }
 
     /// Registers every `(addr, len)` like [`Transport::register`], with one

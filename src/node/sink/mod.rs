@@ -418,6 +418,11 @@ pub(crate) struct Sink {
     msgr: Messenger,
     /// Small transfers waiting to share a batch, per peer endpoint.
     lanes: Lanes,
+    /// Mooncake: the peer data whose registered memory the transport was
+    /// taught, per endpoint, so it learns each hello once, not per
+    /// transfer; at most `max_data_sessions` (cleared when full, with what
+    /// the transport learnt).
+    taught: HashMap<EndpointAddr, Arc<super::tables::PeerData>>,
     /// Local blocks each live transfer opened in the block fence; closed in
     /// the turn that reports the transfer terminal.
     opened: HashMap<TransferId, Vec<FenceKey>>,
@@ -476,6 +481,7 @@ impl Sink {
             plan: Plan::default(),
             src: Vec::new(),
             dst: Vec::new(),
+            taught: HashMap::new(),
             started,
             msgr: Messenger {
                 shared,
@@ -654,6 +660,27 @@ impl Sink {
         })
     }
 
+    /// Mooncake: hands the transport the memory `data`'s hello announced
+    /// for `endpoint`, once per hello.
+    fn teach_peer(&mut self, endpoint: EndpointAddr, data: &Arc<super::tables::PeerData>) {
+        let Some(AnyTransport::Mooncake(mc)) = self.msgr.transport.as_deref() else {
+            return;
+        };
+        if self
+            .taught
+            .get(&endpoint)
+            .is_some_and(|t| Arc::ptr_eq(t, data))
+        {
+            return;
+        }
+        if self.taught.len() >= self.shared.config.max_data_sessions {
+            self.taught.clear();
+            mc.forget_peers();
+        }
+        mc.learn_peer(&endpoint, registered_ranges(&data.hello.layout));
+        self.taught.insert(endpoint, data.clone());
+    }
+
     #[allow(clippy::type_complexity)]
     fn plan_descs(
         &mut self,
@@ -668,9 +695,7 @@ impl Sink {
             .as_ref()
             .map_err(|e| MoveError::Unfit(e.clone()))?;
         let endpoint = data.endpoint.ok_or(MoveError::NoEndpoint)?;
-        if let Some(AnyTransport::Mooncake(mc)) = self.msgr.transport.as_deref() {
-            mc.learn_peer(&endpoint, registered_ranges(&data.hello.layout));
-        }
+        self.teach_peer(endpoint, &data);
         fill_u64(&mut self.src, src);
         fill_u64(&mut self.dst, dst);
         pair.plan_into(
