@@ -456,6 +456,8 @@ fn failed_task(status: i32) -> TransportError {
 }
 
 impl Session for MooncakeSession {
+    /// Without a caller's deadline (the node always gives one): `linger`
+    /// to succeed, and `linger` more for the library to let go.
     async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError> {
         let bound = self.shared.cfg.linger.saturating_mul(2);
         self.transfer_until(op, descs, None, Instant::now() + bound)
