@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 # pip's cache would keep a second copy of every wheel (several GB).
 export PIP_NO_CACHE_DIR=1
 
-VLLM_VERSION=0.33.0
+VLLM_VERSION=0.34.0
 SGLANG_VERSION=0.5.23
 venv=${KVFERRY_VLLM_VENV:-target/vllm-venv}
 have=$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || true)

@@ -443,6 +443,15 @@ class Node:
         one step's ``meta`` (:meth:`Scheduler.build_connector_meta`)."""
         self._native.start_load_kv(meta)
 
+    def start_load_kv_each(
+        self, meta: LoadMeta, kernel_blocks_per_block: int = 1
+    ) -> "tuple[list[tuple[int, str]], list[tuple[int, str]]]":
+        """Like :meth:`start_load_kv`, but one failing request does not stop
+        the others: returns ``(failed loads, failed sends)`` as ``(transfer
+        id, reason)``. ``kernel_blocks_per_block``: the registered blocks
+        are that many times smaller than ``meta``'s (vLLM's kernel blocks)."""
+        return self._native.start_load_kv_each(meta, int(kernel_blocks_per_block))
+
     def abort(self, transfer_id: int) -> None:
         """Aborts the transfer ``transfer_id`` (a number), either direction."""
         self._native.abort(transfer_id)
@@ -454,6 +463,11 @@ class Node:
         sent, received = self._native.get_finished()
         name = lambda t: self._names.pop(t, t)  # noqa: E731
         return {name(t) for t in sent}, {name(t) for t in received}
+
+    def get_finished_loads(self) -> "tuple[list[int], list[int], list[int]]":
+        """The transfer ids that ended since the last call, as ``(finished
+        sending, loads that succeeded, loads that failed)``."""
+        return self._native.get_finished_loads()
 
     def block_ids_with_load_errors(self) -> "set[int]":
         """Destination blocks whose load failed since the last call."""

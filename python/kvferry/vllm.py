@@ -1,4 +1,4 @@
-"""kvferry as a vLLM KV connector (P/D disaggregation), for vLLM 0.33.x.
+"""kvferry as a vLLM KV connector (P/D disaggregation), for vLLM 0.32–0.34.
 
 Load it with::
 
@@ -16,11 +16,18 @@ Requests carry the ``kv_transfer_params`` a MooncakeConnector deployment's
 router sends (``do_remote_decode`` on prefill; ``do_remote_prefill``,
 ``transfer_id``, ``remote_engine_id``, ``remote_bootstrap_addr`` on
 decode), so the proxy needs no change.
+
+A request fails, never the engine: parameters kvferry cannot serve, or a
+transfer it cannot start, log a warning and the request is computed
+locally (or, once its blocks wait for a load, reported to vLLM as a failed
+load, which vLLM's ``kv_load_failure_policy`` handles).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -31,19 +38,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 from vllm.v1.request import RequestStatus
 
 import kvferry
 
 logger = logging.getLogger(__name__)
 
-#: The vLLM releases this connector is written for.
-SUPPORTED_VLLM = ("0.33.",)
+#: The vLLM releases (major, minor) this connector is tested on.
+TESTED_VLLM = ((0, 32), (0, 33), (0, 34))
+
+#: Set to ``1`` to load the connector on an untested vLLM release; the
+#: interface it needs is still probed.
+ANY_VERSION_ENV = "KVFERRY_VLLM_ANY_VERSION"
 
 #: Keys of ``kv_connector_extra_config`` the connector reads itself; every
 #: other key is a node setting.
 _CONNECTOR_KEYS = {"bootstrap", "tp_rank"}
+
+#: MooncakeConnector keys an operator brings along that mean nothing to
+#: kvferry: accepted, logged once.
+_MOONCAKE_ONLY_KEYS = {"num_workers", "mooncake_protocol", "bootstrap_server_address"}
 
 _STATUS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length_capped",
@@ -55,19 +79,52 @@ _STATUS = {
 
 _NODE_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
+try:  # vLLM 0.32+: failed loads per request.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - probed in _check_version
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+
+def _release(version: str) -> "tuple[int, int] | None":
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
 
 def _check_version() -> None:
-    if not vllm.__version__.startswith(SUPPORTED_VLLM):
+    """Refuses an untested vLLM unless ``KVFERRY_VLLM_ANY_VERSION=1``, and
+    any vLLM that lacks what the connector calls."""
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_VLLM)
+    if _release(vllm.__version__) not in TESTED_VLLM and os.environ.get(ANY_VERSION_ENV) != "1":
         raise RuntimeError(
-            f"kvferry.vllm supports vLLM {', '.join(v + 'x' for v in SUPPORTED_VLLM)}, "
-            f"not {vllm.__version__}"
+            f"kvferry.vllm is tested on vLLM {tested}, not {vllm.__version__}; "
+            f"set {ANY_VERSION_ENV}=1 to try it anyway"
         )
+    missing = [
+        name
+        for name, present in (
+            ("KVConnectorTransferResults", KVConnectorTransferResults is not None),
+            ("KVConnectorBase_V1.get_transfer_results", hasattr(KVConnectorBase_V1, "get_transfer_results")),
+            ("KVCacheConfig.transfer_group_ids", _has_transfer_groups()),
+        )
+        if not present
+    ]
+    if missing:
+        raise RuntimeError(
+            f"vLLM {vllm.__version__} lacks {', '.join(missing)}, which kvferry.vllm needs "
+            f"(tested on vLLM {tested})"
+        )
+
+
+def _has_transfer_groups() -> bool:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    return hasattr(KVCacheConfig, "transfer_group_ids")
 
 
 class KvferryStats(KVConnectorStats):
     """The node's counters (`Node.stats()`: requests ok, failed, bytes,
-    resends, ...) added up since the last report, summed across workers.
-    Every counter is also on the node's `/metrics` (`metrics_listen`)."""
+    resends, ...) added up since the last report, summed across workers,
+    and the scheduler's count of requests computed locally instead."""
 
     def reset(self) -> None:
         self.data = {}
@@ -84,14 +141,57 @@ class KvferryStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-class KvferryMetadata(KVConnectorMetadata):
-    """One step's loads and sends, the vLLM request id of each transfer,
-    and the transfers worth aborting."""
+class KvferryPromMetrics(KVConnectorPromMetrics):
+    """Every counter of :class:`KvferryStats` as ``vllm:kvferry_<name>``
+    (``dead_now`` a gauge), per engine. vLLM's ``MultiConnector`` requires
+    Prometheus metrics of a child that reports stats."""
 
-    def __init__(self, meta: kvferry.LoadMeta, names: "dict[int, str]", aborts: "list[int]"):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._metrics: "dict[tuple[str, int], Any]" = {}
+
+    def _metric(self, name: str, engine_idx: int) -> Any:
+        key = (name, engine_idx)
+        if key not in self._metrics:
+            gauge = name == "dead_now"
+            cls = self._gauge_cls if gauge else self._counter_cls
+            family = self._metrics.get((name, -1))
+            if family is None:
+                family = cls(
+                    name=f"vllm:kvferry_{name}",
+                    documentation=f"kvferry node counter {name} (docs/observability.md)",
+                    labelnames=self._labelnames,
+                )
+                self._metrics[(name, -1)] = family
+            self._metrics[key] = family.labels(*self.per_engine_labelvalues[engine_idx])
+        return self._metrics[key]
+
+    def observe(self, transfer_stats_data: "dict[str, Any]", engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            metric = self._metric(name, engine_idx)
+            if name == "dead_now":
+                metric.set(value)
+            elif value > 0:
+                metric.inc(value)
+
+
+class KvferryMetadata(KVConnectorMetadata):
+    """One step's loads and sends (pickled as their compact encoding: vLLM's
+    multiprocess executor pickles it to every worker), the vLLM request id
+    of each transfer, the transfers worth aborting, and the requests that
+    wait for a load that will never come (reported as failed loads)."""
+
+    def __init__(
+        self,
+        meta: kvferry.LoadMeta,
+        names: "dict[int, str]",
+        aborts: "list[int]",
+        failed: "list[str]",
+    ):
         self.meta = meta
         self.names = names
         self.aborts = aborts
+        self.failed = failed
 
 
 class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
@@ -105,22 +205,24 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         _check_version()
         super().__init__(vllm_config, role, kv_cache_config)
         kt = vllm_config.kv_transfer_config
-        extra = dict(kt.kv_connector_extra_config or {})
+        extra = _settings(dict(kt.kv_connector_extra_config or {}))
+        self._kv_config = kv_cache_config
         self._sched: Optional[_SchedulerSide] = None
         self._worker: Optional[_WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _SchedulerSide(vllm_config, extra, kv_cache_config)
         else:
-            self._worker = _WorkerSide(vllm_config, extra)
+            self._worker = _WorkerSide(vllm_config, extra, kv_cache_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
-        # Heads outermost in a block: a TP rank's heads are one contiguous
-        # run, so heterogeneous TP moves runs, not scattered rows.
+        # Heads outermost in a block, layers outermost in the buffer: a TP
+        # rank's heads are one contiguous run and a layer's blocks one
+        # region, so heterogeneous TP moves runs, not scattered rows.
         mc = vllm_config.model_config
         if mc is not None and mc.use_mla:
             return None
-        return "HND"
+        return "LBHNC"
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -153,6 +255,11 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None:
             self._sched.update_connector_output(connector_output)
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> "tuple[int, ...]":
+        # A P/D load restores every group the transfer moves, not only the
+        # prefix-cacheable ones (the base class's default).
+        return tuple(self._kv_config.transfer_group_ids)
+
     # -- worker side -----------------------------------------------------
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
@@ -177,40 +284,98 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def get_finished(self, finished_req_ids: "set[str]"):
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: "set[str]") -> Any:
         assert self._worker is not None
-        return self._worker.get_finished()
+        sent, received, failed = self._worker.transfer_results()
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received | failed, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> "set[int]":
-        assert self._worker is not None
-        return self._worker.node.block_ids_with_load_errors()
+        # Failed loads are reported per request (`failed_recving`): block
+        # ids are ambiguous with several KV-cache groups, and the node's
+        # are kernel blocks.
+        return set()
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
-        if self._worker is None:
-            return None
-        return self._worker.stats()
+        if self._worker is not None:
+            return self._worker.stats()
+        assert self._sched is not None
+        return self._sched.stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> KVConnectorStats:
         return KvferryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: "list[str]",
+        per_engine_labelvalues: "dict[int, list[object]]",
+    ) -> KVConnectorPromMetrics:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.node.shutdown()
 
 
+def _settings(extra: dict) -> dict:
+    """``kv_connector_extra_config`` as node settings: MooncakeConnector
+    keys that mean nothing to kvferry dropped, unknown keys warned about
+    and dropped (a typo must not take the engine down)."""
+    known = set(kvferry._native.SETTING_KEYS) | _CONNECTOR_KEYS
+    out = {}
+    for key, value in extra.items():
+        if key in _MOONCAKE_ONLY_KEYS and key not in known:
+            logger.info("kvferry: MooncakeConnector setting %s=%r means nothing here; ignored", key, value)
+        elif key == "mooncake_protocol" and extra.get("transport") != "mooncake":
+            logger.info("kvferry: mooncake_protocol=%r applies to transport 'mooncake' only; ignored", value)
+        elif key not in known:
+            logger.warning("kvferry: unknown setting %s=%r ignored (docs/config.md lists them)", key, value)
+        else:
+            out[key] = value
+    return out
+
+
+def _spec_of(kv_cache_config: Any, layer: str) -> "tuple[int, Any]":
+    """The KV-cache group index and spec of ``layer``."""
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        if layer in group.layer_names:
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                spec = spec.kv_cache_specs[layer]
+            return gid, spec
+    raise kvferry.MisuseError(f"layer {layer} is in no KV-cache group")
+
+
 def _windows(kv_cache_config: Any, block_size: int) -> "list[int]":
-    """Per KV-cache group, its sliding window in tokens (0: full attention);
-    every group must use the engine's block size."""
-    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    """Per transferred KV-cache group, its sliding window in tokens (0: every
+    block moves). Only sliding-window specs are clipped: with the hybrid
+    allocator off, vLLM merges full and sliding-window layers into one
+    full-attention spec that records the window, and those full-attention
+    layers need every block."""
+    if kv_cache_config is None:
+        return [0]
     windows = []
-    for g in groups:
-        spec = g.kv_cache_spec
+    for gid in kv_cache_config.transfer_group_ids:
+        group = kv_cache_config.kv_cache_groups[gid]
+        spec = group.kv_cache_spec
         if getattr(spec, "block_size", block_size) != block_size:
             raise kvferry.MisuseError(
-                f"KV-cache group {g.layer_names[:1]} has blocks of {spec.block_size} tokens, "
+                f"KV-cache group {group.layer_names[:1]} has blocks of {spec.block_size} tokens, "
                 f"the engine {block_size}: kvferry needs one block size"
             )
-        windows.append(int(getattr(spec, "sliding_window", None) or 0))
+        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if specs and all(isinstance(s, SlidingWindowSpec) for s in specs):
+            windows.append(max(int(s.sliding_window) for s in specs))
+        else:
+            windows.append(0)
     return windows or [0]
 
 
@@ -226,33 +391,72 @@ class _SchedulerSide:
             dp_rank=vllm_config.parallel_config.data_parallel_rank,
             window_tokens=_windows(kv_cache_config, block_size),
         )
+        self._groups = kv_cache_config
         #: Local prefix tokens of each waiting request, from
         #: `get_num_new_matched_tokens` to `update_state_after_alloc`.
         self._computed: "dict[str, int]" = {}
+        #: Requests computed locally although they carry transfer params
+        #: (params kvferry could not serve), until they finish.
+        self._local: "set[str]" = set()
+        #: Requests whose blocks wait for a load that will not come; the
+        #: workers report them as failed loads.
+        self._failed: "list[str]" = []
+        #: Requests served locally instead of transferring, since the last
+        #: stats report.
+        self.fallbacks = 0
+
+    def _fall_back(self, request: Any, err: Exception, what: str) -> None:
+        logger.warning(
+            "kvferry: request %s: %s failed (%s: %s); it is computed locally",
+            request.request_id,
+            what,
+            type(err).__name__,
+            err,
+        )
+        self._local.add(request.request_id)
+        self.fallbacks += 1
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         params = request.kv_transfer_params
-        if not params:
+        if not params or request.request_id in self._local:
+            return 0, False
+        try:
+            found = self._sched.get_num_new_matched_tokens(
+                request.request_id, request.num_prompt_tokens, num_computed_tokens, params
+            )
+        except kvferry.Error as err:
+            self._fall_back(request, err, "matching its kv_transfer_params")
             return 0, False
         self._computed[request.request_id] = num_computed_tokens
-        return self._sched.get_num_new_matched_tokens(
-            request.request_id, request.num_prompt_tokens, num_computed_tokens, params
-        )
+        return found
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         params = request.kv_transfer_params
-        if not params:
+        if not params or request.request_id in self._local:
             return
         computed = self._computed.pop(request.request_id, request.num_computed_tokens)
-        block_ids = [list(g) for g in blocks.get_block_ids()]
-        self._sched.update_state_after_alloc(
-            request.request_id,
-            request.num_prompt_tokens,
-            computed,
-            block_ids,
-            params,
-            num_external_tokens,
-        )
+        block_ids = self._transfer_blocks(blocks.get_block_ids())
+        try:
+            self._sched.update_state_after_alloc(
+                request.request_id,
+                request.num_prompt_tokens,
+                computed,
+                block_ids,
+                params,
+                num_external_tokens,
+            )
+        except kvferry.Error as err:
+            self._fall_back(request, err, "planning its transfer")
+            if num_external_tokens > 0:
+                # vLLM holds the request for a load: end that wait as a
+                # failed load, which its kv_load_failure_policy handles.
+                self._failed.append(request.request_id)
+
+    def _transfer_blocks(self, block_ids: Any) -> "list[list[int]]":
+        groups = [list(g) for g in block_ids]
+        if self._groups is not None and len(groups) == len(self._groups.kv_cache_groups):
+            groups = [list(g) for g in self._groups.select_transfer_block_ids(groups)]
+        return groups
 
     def build_connector_meta(self) -> KvferryMetadata:
         meta = self._sched.build_connector_meta()
@@ -267,17 +471,45 @@ class _SchedulerSide:
         aborts = []
         while (t := self._sched.poll_abort()) is not None:
             aborts.append(t)
-        return KvferryMetadata(meta, names, aborts)
+        failed, self._failed = self._failed, []
+        return KvferryMetadata(meta, names, aborts, failed)
 
     def request_finished(self, request: Any, block_ids: "list[list[int]]"):
         self._computed.pop(request.request_id, None)
         params = request.kv_transfer_params
+        if request.request_id in self._local:
+            self._local.discard(request.request_id)
+            return False, None
         if not params:
             return False, None
         status = _STATUS.get(request.status, "error")
-        return self._sched.request_finished(
-            request.request_id, request.num_prompt_tokens, 0, block_ids, params, status
-        )
+        try:
+            return self._sched.request_finished(
+                request.request_id,
+                request.num_prompt_tokens,
+                0,
+                self._transfer_blocks(block_ids),
+                params,
+                status,
+            )
+        except kvferry.Error as err:
+            logger.warning(
+                "kvferry: request %s: its KV is not sent (%s: %s); the decode side "
+                "computes it or fails it per its kv_load_failure_policy",
+                request.request_id,
+                type(err).__name__,
+                err,
+            )
+            self.fallbacks += 1
+            return False, None
+
+    def stats(self) -> Optional[KvferryStats]:
+        """Requests computed locally instead of transferred since the last
+        report (``local_fallbacks``), or None."""
+        if not self.fallbacks:
+            return None
+        stats, self.fallbacks = KvferryStats(data={"local_fallbacks": self.fallbacks}), 0
+        return stats
 
     def update_connector_output(self, out: Any) -> None:
         tid = self._sched.transfer_id_of
@@ -288,25 +520,30 @@ class _SchedulerSide:
 
 
 class _WorkerSide:
-    def __init__(self, vllm_config: Any, extra: dict):
+    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
         from vllm.distributed import parallel_state as ps
 
         kt = vllm_config.kv_transfer_config
         pc = vllm_config.parallel_config
         if ps.model_parallel_is_initialized():
-            tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            tp_size = ps.get_tensor_model_parallel_world_size()
+            pp_rank = ps.get_pp_group().rank_in_group
         else:
             # Outside vLLM's worker processes (tests): the rank is given.
-            tp_rank, tp_size = int(extra.get("tp_rank", 0)), pc.tensor_parallel_size
+            tp_rank, tp_size, pp_rank = int(extra.get("tp_rank", 0)), pc.tensor_parallel_size, 0
         self.model = vllm_config.model_config
-        self.block_size = vllm_config.cache_config.block_size
-        self.tp_size = tp_size
+        self.cache = vllm_config.cache_config
+        self.kv_cache_config = kv_cache_config
+        self.pp_size = pc.pipeline_parallel_size
         settings = {k: v for k, v in extra.items() if k not in _CONNECTOR_KEYS}
+        settings.setdefault("pp_size", self.pp_size)
+        settings.setdefault("pp_rank", pp_rank)
         role = _NODE_ROLE[kt.kv_role]
         bootstrap = extra.get("bootstrap")
         if bootstrap and role != "decode":
             settings["bootstrap"] = bootstrap
-            if tp_rank == 0 and pc.data_parallel_rank == 0:
+            if tp_rank == 0 and pc.data_parallel_rank == 0 and pp_rank == 0:
                 settings["serve_bootstrap"] = bootstrap
         self.node = kvferry.Node(
             role=role,
@@ -318,45 +555,62 @@ class _WorkerSide:
         )
         #: vLLM request id of each transfer started, until it is reported.
         self.names: "dict[int, str]" = {}
-        self.tensors: list = []
+        #: Registered kernel blocks per scheduler block.
+        self.ratio = 1
+        #: Requests whose send could not start: their blocks are released.
+        self.unsent: "set[str]" = set()
+        #: Requests whose load failed or could not start.
+        self.failed: "set[str]" = set()
         #: The counters at the last stats report.
         self.reported: "dict[str, int]" = {}
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
-        regions, num_blocks, kind, heads, head_bytes = [], None, None, None, None
-        seen = set()
-        for name, t in kv_caches.items():
-            # Layers of different KV-cache groups share their tensor: its
-            # memory is registered once, and every group's blocks index it.
-            view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if view in seen:
-                continue
-            seen.add(view)
-            r, n, k, h, hb = kv_regions(t, self.block_size)
-            if num_blocks not in (None, n) or kind not in (None, k):
-                raise kvferry.MisuseError(f"layer {name}: its KV cache differs from the others'")
-            regions += r
-            num_blocks, kind, heads, head_bytes = n, k, h, hb
-            self.tensors.append(t)
-        total = 1 if kind == "mla" else self.model.get_total_num_kv_heads()
+        cache = register_plan(kv_caches, self.kv_cache_config, self.model, self.cache, self.pp_size)
+        self.ratio = cache.ratio
         self.node.register_kv_caches(
-            regions=regions,
-            num_blocks=num_blocks,
-            layout=kind,
-            total_kv_heads=total,
-            block_tokens=self.block_size,
-            head_bytes=head_bytes,
+            regions=cache.regions,
+            num_blocks=cache.num_blocks,
+            layout=cache.layout,
+            total_kv_heads=cache.total_kv_heads,
+            block_tokens=cache.block_tokens,
+            head_bytes=cache.head_bytes,
+            first_region=cache.first_region,
         )
+        # The views keep vLLM's buffer alive as long as the node.
+        self.node._memory.extend(kv_caches.values())
 
     def start_load_kv(self, meta: KvferryMetadata) -> None:
         self.names.update(meta.names)
+        self.failed.update(meta.failed)
         for t in meta.aborts:
             try:
                 self.node.abort(t)
             except kvferry.MisuseError:
                 pass  # ended meanwhile
-        if len(meta.meta):
-            self.node.start_load_kv(meta.meta)
+        if not len(meta.meta):
+            return
+        loads, sends = self.node.start_load_kv_each(meta.meta, self.ratio)
+        for ids, into, what in ((loads, self.failed, "load"), (sends, self.unsent, "send")):
+            for t, why in ids:
+                rid = self.names.pop(t, None)
+                logger.warning("kvferry: request %s: its %s could not start: %s", rid or t, what, why)
+                if rid is not None:
+                    into.add(rid)
+
+    def transfer_results(self) -> "tuple[set[str], set[str], set[str]]":
+        """``(finished sending, loaded, failed loads)`` request ids since
+        the last call."""
+        sent, received, failed = self.node.get_finished_loads()
+        # The node also lists the failed loads' blocks; vLLM hears of them
+        # per request.
+        self.node.block_ids_with_load_errors()
+
+        def names(ids: "list[int]") -> "set[str]":
+            return {r for t in ids if (r := self.names.pop(t, None)) is not None}
+
+        out_sent, self.unsent = names(sent) | self.unsent, set()
+        out_failed, self.failed = names(failed) | self.failed, set()
+        return out_sent, names(received) - out_failed, out_failed
 
     def stats(self) -> Optional[KvferryStats]:
         """What the counters grew by since the last report (`dead_now` as
@@ -368,51 +622,135 @@ class _WorkerSide:
         stats = KvferryStats(data=delta)
         return None if stats.is_empty() else stats
 
-    def get_finished(self):
-        sent, received = self.node._native.get_finished()
-        names = lambda ids: {r for t in ids if (r := self.names.pop(t, None)) is not None}  # noqa: E731
-        s, r = names(sent), names(received)
-        return (s or None), (r or None)
+
+class KvCachePlan:
+    """What the node registers for vLLM's KV cache: one region per layer
+    (``(base, block stride, page bytes)``), in the node's block and
+    layout terms."""
+
+    def __init__(self) -> None:
+        self.regions: "list[tuple[int, int, int]]" = []
+        self.num_blocks = 0
+        self.ratio = 1
+        self.layout = ""
+        self.total_kv_heads = 0
+        self.block_tokens = 0
+        self.head_bytes = 0
+        self.first_region = 0
 
 
-def kv_regions(t: torch.Tensor, block_size: int):
-    """The regions of one layer's KV cache tensor: ``([(base, block_len,
-    kv_block_len)], num_blocks, layout, heads per rank, head bytes)``.
+def register_plan(
+    kv_caches: "dict[str, torch.Tensor]",
+    kv_cache_config: Any,
+    model_config: Any,
+    cache_config: Any,
+    pp_size: int = 1,
+) -> KvCachePlan:
+    """Reads the per-layer views vLLM hands ``register_kv_caches``
+    (``[B, H, N, C]``: kernel blocks, KV heads, tokens, and a head's K and
+    V side by side in ``C``, strided per vLLM's ``KVCacheLayout``) against
+    each layer's KV-cache spec. A layer's page must be dense: heads then
+    tokens (``LBHNC``, ``BLHNC``: node layout ``hnd``) or tokens then
+    heads (``LBNHC``, ``BLNHC``: ``nhd``); MLA (one latent "head") is
+    ``mla``. Groups that overlay the same bytes register them once."""
+    if kv_cache_config is None:
+        raise kvferry.MisuseError("registering the KV cache needs vLLM's kv_cache_config")
+    layout_name = getattr(cache_config, "kv_cache_layout", None) or "?"
+    transfer = {
+        name
+        for gid in kv_cache_config.transfer_group_ids
+        for name in kv_cache_config.kv_cache_groups[gid].layer_names
+    }
+    plan, seen, layers = KvCachePlan(), set(), []
+    shape: "tuple | None" = None
+    for name, t in kv_caches.items():
+        if name not in transfer:
+            continue
+        _, spec = _spec_of(kv_cache_config, name)
+        page = _layer_page(name, t, spec, kv_cache_config.num_blocks, layout_name)
+        if shape not in (None, page.shape):
+            raise kvferry.MisuseError(
+                f"layer {name}: its KV cache ({page.shape}) differs from the other layers' "
+                f"({shape}); kvferry moves one page shape"
+            )
+        shape = page.shape
+        key = (t.data_ptr(), page.region[1], page.region[2])
+        if key in seen:
+            continue  # another group's view of the same bytes
+        seen.add(key)
+        plan.regions.append(page.region)
+        layers.append(name)
+    if shape is None:
+        raise kvferry.MisuseError("vLLM handed over no KV cache of a transferred group")
+    plan.layout, plan.num_blocks, plan.block_tokens, plan.head_bytes, plan.ratio = shape
+    plan.total_kv_heads = 1 if plan.layout == "mla" else model_config.get_total_num_kv_heads()
+    plan.first_region = _first_region(layers, len(kv_caches), pp_size)
+    return plan
 
-    K/V split tensors (a dimension of 2 first, or right after the blocks,
-    as FlashAttention's ``(2, num_blocks, block_size, heads, head_size)``)
-    give a K and a V region per layer; MLA's ``(num_blocks, block_size,
-    dim)`` one. Whether a block holds its heads outermost (HND) or its
-    tokens (NHD) is read from the strides; the bytes of one block's K (or
-    V) must be dense."""
+
+class _Page:
+    def __init__(self, region: "tuple[int, int, int]", shape: tuple):
+        self.region = region
+        #: (node layout, kernel blocks, tokens per kernel block, bytes per
+        #: head and token, kernel blocks per scheduler block)
+        self.shape = shape
+
+
+def _layer_page(name: str, t: torch.Tensor, spec: Any, num_blocks: int, layout_name: str) -> _Page:
     if t.device.type != "cpu":
-        raise kvferry.MisuseError(f"only CPU tensors can be registered, not {t.device}")
+        raise kvferry.MisuseError(
+            f"layer {name}: its KV cache is in {t.device} memory; kvferry's transports "
+            "(tcp, local, mooncake over tcp) move host memory only, so device memory "
+            "cannot be registered"
+        )
+    if not isinstance(spec, AttentionSpec):
+        raise kvferry.MisuseError(
+            f"layer {name}: KV-cache spec {type(spec).__name__} is not attention KV; "
+            "kvferry moves attention KV caches only"
+        )
+    if t.dim() != 4:
+        raise kvferry.MisuseError(
+            f"layer {name}: a KV cache view of shape {tuple(t.shape)} is not vLLM's "
+            "[blocks, heads, tokens, K|V] (vLLM 0.32-0.34)"
+        )
     es = t.element_size()
-    if t.dim() == 3:
-        nb, bs, dim = t.shape
-        if bs != block_size or t.stride(2) != 1 or t.stride(1) != dim:
-            raise kvferry.MisuseError(f"an MLA cache of shape {tuple(t.shape)} is not dense per block")
-        return [(t.data_ptr(), t.stride(0) * es, bs * dim * es)], nb, "mla", 1, dim * es
-    if t.dim() != 5 or 2 not in (t.shape[0], t.shape[1]):
-        raise kvferry.MisuseError(f"unrecognised KV cache shape {tuple(t.shape)}")
-    kv_dim, block_dim = (0, 1) if t.shape[0] == 2 else (1, 0)
-    nb = t.shape[block_dim]
-    inner = [2, 3, 4]
-    # Which inner dimension holds the tokens: the one of block_size (the
-    # FlashAttention order, tokens before heads, when both are equal).
-    tokens_dim = 2 if t.shape[2] == block_size else 3
-    heads_dim = 5 - tokens_dim
-    if t.stride(4) != 1:
-        raise kvferry.MisuseError("head_size must be the innermost dimension")
-    heads, hd = t.shape[heads_dim], t.shape[4]
-    by_stride = sorted(inner, key=lambda d: -t.stride(d))
-    dense = t.stride(by_stride[1]) == hd and t.stride(by_stride[0]) == hd * t.shape[by_stride[1]]
-    if not dense:
-        raise kvferry.MisuseError(f"a block's KV of shape {tuple(t.shape)} is not dense")
-    layout = "hnd" if by_stride[0] == heads_dim else "nhd"
-    kv_block_len = heads * block_size * hd * es
-    regions = [
-        (t.data_ptr() + i * t.stride(kv_dim) * es, t.stride(block_dim) * es, kv_block_len)
-        for i in (0, 1)
-    ]
-    return regions, nb, layout, heads, hd * es
+    blocks, heads, tokens, content = t.shape
+    cb = content * es
+    s_block, s_head, s_tok, s_c = (s * es for s in t.stride())
+    if s_c != es or blocks % num_blocks or heads != spec.num_heads:
+        raise kvferry.MisuseError(
+            f"layer {name}: view {tuple(t.shape)} strides {tuple(t.stride())} does not match "
+            f"its spec ({spec.num_heads} heads, {num_blocks} blocks)"
+        )
+    ratio = blocks // num_blocks
+    if tokens * ratio != spec.block_size:
+        raise kvferry.MisuseError(
+            f"layer {name}: {ratio} kernel blocks of {tokens} tokens are not one block of {spec.block_size}"
+        )
+    if s_tok == cb and s_head == tokens * cb:
+        kind = "hnd"
+    elif s_head == cb and s_tok == heads * cb:
+        kind = "nhd"
+    else:
+        raise kvferry.MisuseError(
+            f"layer {name}: KV cache layout {layout_name} does not keep a layer's block in one "
+            "dense page; kvferry moves LBHNC, LBNHC, BLHNC and BLNHC (set VLLM_KV_CACHE_LAYOUT=LBHNC)"
+        )
+    if isinstance(spec, MLAAttentionSpec):
+        kind = "mla"
+    page = heads * tokens * cb
+    return _Page((t.data_ptr(), s_block, page), (kind, blocks, tokens, cb, ratio))
+
+
+def _first_region(layers: "list[str]", num_views: int, pp_size: int) -> int:
+    """This stage's first region among every stage's: the index of its
+    first layer, when every layer has a region of its own."""
+    if pp_size == 1:
+        return 0
+    if len(layers) != num_views:
+        raise kvferry.MisuseError(
+            "pipeline parallelism with KV-cache groups sharing memory is not supported"
+        )
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return min(extract_layer_index(n) for n in layers)

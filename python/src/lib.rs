@@ -352,6 +352,30 @@ impl Node {
             .map_err(node_err)
     }
 
+    /// Starts every load and send of `meta` that it can: one refused
+    /// request does not keep the others from starting. Returns the refused
+    /// ones as `(loads, sends)`, each a list of `(transfer_id, why)`.
+    /// `kernel_blocks_per_block`: the engine registered kernel blocks, each
+    /// of its scheduler's blocks that many (`LoadMeta::in_kernel_blocks`).
+    #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (meta, kernel_blocks_per_block=1))]
+    fn start_load_kv_each(
+        &self,
+        py: Python<'_>,
+        meta: &sched::LoadMeta,
+        kernel_blocks_per_block: u32,
+    ) -> PyResult<(Vec<(u64, String)>, Vec<(u64, String)>)> {
+        let node = self.live()?;
+        let failed = py.detach(|| match kernel_blocks_per_block {
+            1 => node.start_load_kv_each(&meta.meta),
+            n => node.start_load_kv_each(&meta.meta.in_kernel_blocks(n)),
+        });
+        let texts = |v: Vec<(TransferId, NodeError)>| {
+            v.into_iter().map(|(t, e)| (t.0, e.to_string())).collect()
+        };
+        Ok((texts(failed.loads), texts(failed.sends)))
+    }
+
     /// Aborts `transfer_id` (either direction).
     fn abort(&self, transfer_id: u64) -> PyResult<()> {
         self.live()?
@@ -373,6 +397,14 @@ impl Node {
         let (sent, received) = self.live()?.get_finished();
         let ids = |v: Vec<TransferId>| v.into_iter().map(|t| t.0).collect();
         Ok((ids(sent), ids(received)))
+    }
+
+    /// `(finished sending, loads that succeeded, loads that failed)`
+    /// transfer ids since the last call; each ended transfer in one list.
+    fn get_finished_loads(&self) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
+        let f = self.live()?.get_finished_loads();
+        let ids = |v: Vec<TransferId>| v.into_iter().map(|t| t.0).collect();
+        Ok((ids(f.sent), ids(f.received), ids(f.failed_loads)))
     }
 
     /// Destination blocks whose load failed since the last call.
@@ -572,6 +604,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BusyError", py.get_type::<BusyError>())?;
     m.add("ParamsError", py.get_type::<ParamsError>())?;
     m.add("REQUEST_ID_MAX_BYTES", kvferry::REQUEST_ID_MAX_BYTES)?;
+    m.add(
+        "SETTING_KEYS",
+        kvferry::node::setting_keys().collect::<Vec<_>>(),
+    )?;
     m.add_function(wrap_pyfunction!(logs::_next_logs, m)?)?;
     m.add_function(wrap_pyfunction!(logs::_wake_logs, m)?)?;
     logs::install();

@@ -8,6 +8,7 @@ use kvferry::scheduler::{
 };
 use kvferry::TransferId;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use crate::{block_lists, misuse, BusyError, ParamsError};
 
@@ -71,6 +72,29 @@ impl LoadMeta {
 
     fn __len__(&self) -> usize {
         self.meta.loads.len() + self.meta.sends.len()
+    }
+
+    /// Compact bytes (postcard) that `from_bytes` turns back into this.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.meta.encode())
+    }
+
+    /// The `LoadMeta` of `to_bytes`; bytes that are not one, or over the
+    /// size bound, raise `MisuseError`.
+    #[staticmethod]
+    fn from_bytes(data: &[u8]) -> PyResult<LoadMeta> {
+        kvferry::LoadMeta::decode(data)
+            .map(|meta| LoadMeta { meta })
+            .map_err(|e| misuse(e.to_string()))
+    }
+
+    /// Pickles as its bytes: vLLM's multiprocess executor pickles the
+    /// connector metadata to its worker processes.
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
+        let from_bytes = slf.get_type().getattr("from_bytes")?;
+        Ok((from_bytes, (slf.get().to_bytes(slf.py()),)))
     }
 }
 

@@ -47,7 +47,7 @@ pub enum TransportKind {
 }
 
 /// Where a decode rank finds the prefill ranks of a request.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum PrefillTarget {
     /// Ask a bootstrap service for the ranks of engine `engine_id` at data
     /// parallel rank `dp_rank` (vLLM: `remote_engine_id` and the prefill

@@ -72,7 +72,9 @@ use kvferry_reactor::{Outcome, Reactor, ReactorHandle, ShutdownPolicy, SubmitErr
 use crate::stats::Counters;
 pub use crate::stats::NodeStats;
 use crate::transport::fence::FencePool;
-pub use batch::{LoadMeta, LoadRequest, SendRequest};
+pub use batch::{
+    FinishedLoads, LoadMeta, LoadRequest, MetaDecodeError, SendRequest, StartFailures,
+};
 use bridge::BridgeCmd;
 pub use config::{
     Event, EventKind, EventSink, KvLayout, NodeConfig, PrefillTarget, Role, TransportKind,

@@ -67,8 +67,9 @@ pub(crate) struct Records {
     /// Final phase by transfer, for handles polled after collection.
     pub(crate) done: HashMap<TransferId, Phase>,
     pub(crate) order: VecDeque<TransferId>,
-    /// Ended since the engine last asked (`get_finished`), and which way.
-    pub(crate) finished: VecDeque<(TransferId, Direction)>,
+    /// Ended since the engine last asked (`get_finished`), which way, and
+    /// whether it succeeded.
+    pub(crate) finished: VecDeque<(TransferId, Direction, bool)>,
     pub(crate) load_errors: Vec<BlockId>,
     /// The string request id of each transfer opened by one (here or by a
     /// decode rank's `Pull`), live or among the records in `order`, so a
@@ -631,7 +632,8 @@ impl Shared {
         if r.done.insert(tid, phase).is_none() {
             r.order.push_back(tid);
         }
-        r.finished.push_back((tid, direction));
+        r.finished
+            .push_back((tid, direction, phase == Phase::Success));
     }
 
     /// A request of this node reached `phase`, `latency` after its first
