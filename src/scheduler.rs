@@ -671,8 +671,11 @@ impl Scheduler {
             return Ok((0, false));
         }
         // Validated now, so a request whose load could not be recorded
-        // later is never promised tokens (the engine computes it locally).
-        self.decode_plan(req, params)?;
+        // later is never promised tokens (the engine computes it locally):
+        // its parameters, a transfer id another request holds (vLLM's
+        // `n > 1` children share one), a full table.
+        let plan = self.decode_plan(req, params)?;
+        self.check_new(req.request_id, plan.transfer_id)?;
         let tokens = req
             .prompt_len_tokens
             .saturating_sub(req.computed_len_tokens);
@@ -1363,6 +1366,13 @@ mod tests {
             block_ids: &blocks,
             params: Some(&params[2]),
         };
+        // Refused before any token is promised, and when allocated.
+        assert_eq!(
+            s.get_num_new_matched_tokens(&r).unwrap_err(),
+            SchedError::Full {
+                max_tracked_requests: 2
+            }
+        );
         let e = s.update_state_after_alloc(&r, 8).unwrap_err();
         assert_eq!(
             e,

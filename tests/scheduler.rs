@@ -347,6 +347,11 @@ fn decode_misuse_is_refused_and_records_nothing() {
         }
     );
     let other = [ids(&[7, 8])];
+    // Refused before any token is promised: the engine computes it.
+    let e = s
+        .get_num_new_matched_tokens(&req("q", 8, 0, &other, &p))
+        .unwrap_err();
+    assert!(matches!(e, SchedError::DuplicateTransfer { .. }), "{e}");
     let e = s
         .update_state_after_alloc(&req("q", 8, 0, &other, &p), 8)
         .unwrap_err();

@@ -563,6 +563,8 @@ class _WorkerSide:
         self.failed: "set[str]" = set()
         #: The counters at the last stats report.
         self.reported: "dict[str, int]" = {}
+        #: Loads and sends that could not start, since the last report.
+        self.not_started = {"loads_not_started": 0, "sends_not_started": 0}
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
         cache = register_plan(kv_caches, self.kv_cache_config, self.model, self.cache, self.pp_size)
@@ -590,6 +592,8 @@ class _WorkerSide:
         if not len(meta.meta):
             return
         loads, sends = self.node.start_load_kv_each(meta.meta, self.ratio)
+        self.not_started["loads_not_started"] += len(loads)
+        self.not_started["sends_not_started"] += len(sends)
         for ids, into, what in ((loads, self.failed, "load"), (sends, self.unsent, "send")):
             for t, why in ids:
                 rid = self.names.pop(t, None)
@@ -614,10 +618,13 @@ class _WorkerSide:
 
     def stats(self) -> Optional[KvferryStats]:
         """What the counters grew by since the last report (`dead_now` as
-        it is now), or None when nothing changed."""
+        it is now) and the loads and sends that could not start, or None
+        when nothing changed."""
         now = self.node.stats()
         delta = {k: v - self.reported.get(k, 0) for k, v in now.items() if k != "dead_now"}
         delta["dead_now"] = now.get("dead_now", 0)
+        delta.update(self.not_started)
+        self.not_started = dict.fromkeys(self.not_started, 0)
         self.reported = now
         stats = KvferryStats(data=delta)
         return None if stats.is_empty() else stats
