@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python package's checks (scripts/test.sh runs this): builds and
 # installs python/ into a fresh virtual environment with pip, as a user
-# would, and runs its pytest suite and the stub check there.
+# would (the wheel scripts/build-wheel.sh made), and runs its pytest suite
+# and the stub check there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +17,7 @@ rm -rf "$venv"
 python3 -m venv "$venv"
 "$venv/bin/pip" install --quiet --upgrade pip
 "$venv/bin/pip" install --quiet pytest numpy hypothesis mypy
-"$venv/bin/pip" install --quiet ./python
+"$venv/bin/pip" install --quiet target/wheels/kvferry-*.whl
 # From the repository root, so `import kvferry` finds the installed package
 # and not the sources under python/.
 "$venv/bin/python" -m pytest -q python/tests

