@@ -121,12 +121,13 @@ class Pair:
         p_cores: str = "0",
         d_cores: str = "1",
         policy: str = "fail",
+        extra: "dict[str, Any] | None" = None,
     ) -> None:
         self.bootstrap_port = free_port()
         self.bootstrap = f"http://{HOST}:{self.bootstrap_port}"
-        p_extra = {"bootstrap": f"{HOST}:{self.bootstrap_port}"}
+        p_extra = {"bootstrap": f"{HOST}:{self.bootstrap_port}", **(extra or {})}
         # A dead prefill engine is given up on within seconds, not minutes.
-        d_extra = {"resolve_timeout_ms": 4000, "bootstrap_timeout_ms": 4000}
+        d_extra = {"resolve_timeout_ms": 4000, "bootstrap_timeout_ms": 4000, **(extra or {})}
         self.prefill = Engine(
             model,
             cores=p_cores,
@@ -393,6 +394,10 @@ def test_heterogeneous_tp_moves_each_ranks_heads(model, p_tp, d_tp):
         d_args=(*off, "--tensor-parallel-size", str(d_tp)),
         p_cores=cores[p_tp],
         d_cores=cores[d_tp] if d_tp == 2 else "1",
+        # Three engine ranks share two cores here (vLLM's CPU threads spin
+        # while they wait): a peer is declared dead after 30 s of silence,
+        # not the default 10.
+        extra={"heartbeat_misses": 6},
     ) as tp:
         for key in ("len129", "len700", "len1500"):
             local = output_ids(completion(tp.decode.port, PROMPTS[key], MAX_TOKENS))
