@@ -527,17 +527,28 @@ fn gone(host: &str) -> ResolveError {
 }
 
 /// What a node advertises for an endpoint it bound: the host the operator
-/// configured when it is a name (peers resolve it, and re-resolve it
-/// after a restart moved the node), else the bound address itself, so
-/// an IP-configured node advertises exactly what it did before.
+/// configured, with the bound port. A name stays a name (peers resolve
+/// it, and re-resolve it after a restart moved the node); an address is
+/// advertised as configured even when the node listens elsewhere
+/// (`NodeConfig::listen`, e.g. `0.0.0.0`); an unspecified address
+/// (`0.0.0.0`, `::`) names no host, so the bound address is advertised.
 /// `bound` is `scheme://ip:port`, as the transports and ZeroMQ report it.
 pub fn advertised(configured_host: &str, bound: &str) -> String {
     let Some((scheme, rest)) = bound.split_once("://") else {
         return bound.to_string();
     };
-    match (HostPort::new(configured_host, 0), HostPort::parse(rest)) {
-        (Ok(h), Ok(b)) if h.is_name() => format!("{scheme}://{}:{}", h.host(), b.port()),
-        _ => bound.to_string(),
+    let Ok(b) = HostPort::parse(rest) else {
+        return bound.to_string();
+    };
+    match HostPort::new(configured_host, 0) {
+        Ok(h) if h.is_name() => format!("{scheme}://{}:{}", h.host(), b.port()),
+        Ok(_) => match configured_host.parse::<std::net::IpAddr>() {
+            Ok(ip) if !ip.is_unspecified() => {
+                format!("{scheme}://{}", std::net::SocketAddr::new(ip, b.port()))
+            }
+            _ => bound.to_string(),
+        },
+        Err(_) => bound.to_string(),
     }
 }
 
@@ -670,5 +681,15 @@ mod tests {
             "tcp://127.0.0.1:5600"
         );
         assert_eq!(advertised("localhost", "local://3"), "local://3");
+        // Listening on every interface, advertising the configured address.
+        assert_eq!(
+            advertised("10.1.2.3", "tcp://0.0.0.0:5600"),
+            "tcp://10.1.2.3:5600"
+        );
+        assert_eq!(advertised("::1", "tcp://[::]:5600"), "tcp://[::1]:5600");
+        assert_eq!(
+            advertised("0.0.0.0", "tcp://0.0.0.0:5600"),
+            "tcp://0.0.0.0:5600"
+        );
     }
 }

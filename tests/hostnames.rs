@@ -367,3 +367,37 @@ fn a_slow_lookup_holds_up_no_other_peer() {
     assert_eq!(rx.wait(Duration::from_secs(20)), Phase::Success);
     assert_eq!(d.kv.verify(TransferId(1), &[1], 0), Ok(()));
 }
+
+#[test]
+fn listening_apart_from_the_advertised_host() {
+    // Listening on every interface while advertising loopback: peers
+    // reach it at what it advertises.
+    let mut pc = config(Role::Prefill, "p");
+    pc.host = "127.0.0.1".into();
+    pc.listen = Some("0.0.0.0".into());
+    let p = engine(pc);
+    assert!(p.node.side_channel_addr().starts_with("tcp://127.0.0.1:"));
+    let d = engine(config(Role::Decode, "d"));
+    let direct = PrefillTarget::Direct {
+        tp_size: 1,
+        pp_size: 1,
+        side_channels: vec![p.node.side_channel_addr()],
+    };
+    assert_eq!(transfer(&p, &d, &direct, TransferId(1)), Phase::Success);
+
+    // Advertising an address other hosts reach while listening on loopback
+    // only: the node refuses to start, naming both.
+    let mut c = config(Role::Prefill, "unreachable");
+    c.host = "192.0.2.7".into(); // TEST-NET-1 (RFC 5737): never this host's
+    c.listen = Some("127.0.0.1".into());
+    let e = Node::start(c)
+        .err()
+        .expect("a node nobody can reach started");
+    assert!(
+        matches!(
+            &e,
+            NodeError::Misuse(kvferry::node::Misuse::UnreachableHost { host, .. }) if host == "192.0.2.7"
+        ),
+        "{e}"
+    );
+}

@@ -343,6 +343,34 @@ def _settings(extra: dict) -> dict:
     return out
 
 
+def _host_settings(settings: dict) -> None:
+    """The advertised ``host``, when not configured, as vLLM's ``get_ip()``
+    finds it: ``VLLM_HOST_IP``, else the address of the outbound route.
+    A detected host does not widen where the node listens: ``listen``
+    stays on loopback unless configured, and a node that would advertise
+    another host's reachable address while listening on loopback refuses
+    to start, naming both."""
+    if "host" in settings:
+        return
+    settings["host"] = os.environ.get("VLLM_HOST_IP") or _outbound_ip()
+    settings.setdefault("listen", "127.0.0.1")
+
+
+def _outbound_ip() -> str:
+    """The local address of the default route: a UDP socket's connect picks
+    the route and sends nothing. Loopback when there is no route."""
+    import socket
+
+    for family, peer in ((socket.AF_INET, ("8.8.8.8", 80)), (socket.AF_INET6, ("2001:4860:4860::8888", 80))):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(peer)
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
 def _spec_of(kv_cache_config: Any, layer: str) -> "tuple[int, Any]":
     """The KV-cache group index and spec of ``layer``."""
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -537,6 +565,7 @@ class _WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.pp_size = pc.pipeline_parallel_size
         settings = {k: v for k, v in extra.items() if k not in _CONNECTOR_KEYS}
+        _host_settings(settings)
         settings.setdefault("pp_size", self.pp_size)
         settings.setdefault("pp_rank", pp_rank)
         role = _NODE_ROLE[kt.kv_role]

@@ -102,6 +102,12 @@ pub struct NodeConfig {
     /// (in the hello and the bootstrap registration), so peers resolve it
     /// themselves and find the node again after a restart moved it.
     pub host: String,
+    /// Where the side channel and the TCP transport listen, when it is not
+    /// the advertised `host` (`0.0.0.0`, an interface's address; `None`:
+    /// `host` itself). A node that advertises a non-loopback `host` while
+    /// listening on loopback refuses to start
+    /// ([`Misuse::UnreachableHost`](super::Misuse::UnreachableHost)).
+    pub listen: Option<String>,
     /// Side-channel port of a prefill rank; 0 picks a free one.
     pub side_channel_port: u16,
     /// Port the tcp data plane listens on; 0 picks a free one.
@@ -297,6 +303,7 @@ impl NodeConfig {
             mode: Mode::Push,
             transport: TransportKind::Tcp,
             host: "127.0.0.1".into(),
+            listen: None,
             side_channel_port: 0,
             data_plane_port: 0,
             tcp_streams: 0,

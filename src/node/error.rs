@@ -118,6 +118,18 @@ pub enum Misuse {
         /// The most accepted.
         max: std::time::Duration,
     },
+    /// The node would advertise an address peers reach on other hosts
+    /// while listening on loopback only: nobody could connect.
+    #[error(
+        "host {host:?} is advertised but the node listens on {listen} (loopback): \
+         set `listen` (e.g. 0.0.0.0) or a loopback `host`"
+    )]
+    UnreachableHost {
+        /// The advertised host.
+        host: String,
+        /// The loopback address it would listen on.
+        listen: std::net::IpAddr,
+    },
     /// `register_kv_caches` was called a second time.
     #[error("register_kv_caches called twice")]
     RegisteredTwice,

@@ -227,19 +227,30 @@ fn in_range(
     .into())
 }
 
-/// The address the node binds: its `host`, resolved once here (on the
-/// caller's thread, not on the executor, which binds the data plane).
+/// The address the node binds: `listen`, else its `host`, resolved once
+/// here (on the caller's thread, not on the executor, which binds the data
+/// plane). Listening on loopback only suits a loopback `host`.
 fn bind_ip(config: &NodeConfig) -> Result<std::net::IpAddr, NodeError> {
-    config
-        .resolver()
-        .resolve_host(&config.host)
-        .map_err(|source| {
-            DataPlaneError::BadHost {
-                host: config.host.clone(),
+    let resolve = |host: &str| {
+        config.resolver().resolve_host(host).map_err(|source| {
+            NodeError::from(DataPlaneError::BadHost {
+                host: host.to_string(),
                 source,
-            }
-            .into()
+            })
         })
+    };
+    let Some(listen) = &config.listen else {
+        return resolve(&config.host);
+    };
+    let ip = resolve(listen)?;
+    if ip.is_loopback() && !resolve(&config.host)?.is_loopback() {
+        return Err(Misuse::UnreachableHost {
+            host: config.host.clone(),
+            listen: ip,
+        }
+        .into());
+    }
+    Ok(ip)
 }
 
 /// The state the engine threads, the executor and the bridge share.

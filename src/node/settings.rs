@@ -47,6 +47,8 @@ pub struct NodeSettings {
     pub mooncake_linger_ms: Option<u64>,
     /// [`NodeConfig::host`].
     pub host: Option<String>,
+    /// [`NodeConfig::listen`].
+    pub listen: Option<String>,
     /// [`NodeConfig::side_channel_port`].
     pub side_channel_port: Option<u16>,
     /// [`NodeConfig::data_plane_port`].
@@ -297,6 +299,9 @@ impl NodeSettings {
             c.mooncake.linger = Duration::from_millis(ms);
         }
         set(&mut c.host, self.host.clone());
+        if self.listen.is_some() {
+            c.listen = self.listen.clone();
+        }
         set(&mut c.side_channel_port, self.side_channel_port);
         set(&mut c.data_plane_port, self.data_plane_port);
         set(&mut c.tcp_streams, self.tcp_streams);
@@ -404,6 +409,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("mooncake_location", Kind::Text),
     ("mooncake_linger_ms", Kind::Number),
     ("host", Kind::Text),
+    ("listen", Kind::Text),
     ("side_channel_port", Kind::Number),
     ("data_plane_port", Kind::Number),
     ("tcp_streams", Kind::Number),
