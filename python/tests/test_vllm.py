@@ -650,12 +650,14 @@ def test_a_merged_sliding_window_spec_moves_every_block(pd):
     assert_rest_zero(e.d, "d-1")
 
 
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
-def test_heterogeneous_tp_moves_each_heads_bytes(pd, p_tp, d_tp):
+def test_heterogeneous_tp_moves_each_heads_bytes(pd, p_tp, d_tp, layout):
     # [B, H, N, K|V]: a rank holds HEADS / tp heads, K and V of a head side
-    # by side per token. Decode's heads, concatenated over its ranks, must
-    # equal prefill's concatenated over its ranks.
-    e = pd(p_tp=p_tp, d_tp=d_tp)
+    # by side per token (BLNHC: tokens outside heads, layers inside
+    # blocks). Decode's heads, concatenated over its ranks, must equal
+    # prefill's concatenated over its ranks.
+    e = pd(p_tp=p_tp, d_tp=d_tp, layout=layout)
     assert e.p.ranks[0].caches[LAYER_NAMES[0]].shape[1] == HEADS // p_tp
     assert e.d.ranks[0].caches[LAYER_NAMES[0]].shape[1] == HEADS // d_tp
     prompt = 40
