@@ -522,9 +522,12 @@ class _SchedulerSide:
             )
         except kvferry.Error as err:
             logger.warning(
-                "kvferry: request %s: its KV is not sent (%s: %s); the decode side "
-                "computes it or fails it per its kv_load_failure_policy",
+                "kvferry: request %s (%s, %d prompt tokens, blocks per group %s): "
+                "ending its transfer failed (%s: %s)",
                 request.request_id,
+                status,
+                request.num_prompt_tokens,
+                [len(g) for g in block_ids],
                 type(err).__name__,
                 err,
             )
