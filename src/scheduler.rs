@@ -832,8 +832,11 @@ impl Scheduler {
         };
         if params.do_remote_prefill {
             // Ended before its blocks were allocated: the prefill side
-            // holds the KV and waits for us; tell it to free.
-            let plan = self.decode_plan(req, params)?;
+            // holds the KV and waits for us; tell it to free. The request
+            // may be a stand-in that only carries the parameters (vLLM
+            // finishes a rejected request as a one-token prompt), so the
+            // prefill side's block count comes from the parameters.
+            let plan = self.release_plan(req, params)?;
             self.check_pending_room()?;
             self.pending
                 .push_back(Pending::Release(self.release_load(&plan)));
@@ -931,6 +934,28 @@ impl Scheduler {
     }
 
     // ---- decode helpers ----
+
+    /// [`Scheduler::decode_plan`] for a release only: what the prefill
+    /// side holds is `remote_block_ids` when the parameters list them (the
+    /// most blocks of any group), whatever the request's own prompt.
+    fn release_plan(
+        &self,
+        req: &SchedRequest<'_>,
+        params: &KvTransferParams,
+    ) -> Result<DecodePlan, SchedError> {
+        let Some(remote) = &params.remote_block_ids else {
+            return self.decode_plan(req, params);
+        };
+        let held = remote.iter().map(Vec::len).max().unwrap_or(0);
+        let held = u32::try_from(held).map_err(|_| invalid(req, "remote_block_ids too long"))?;
+        let prompt_len_tokens = u64::from(held.max(1)) * u64::from(self.cfg.block_size_tokens);
+        let stand_in = SchedRequest {
+            prompt_len_tokens,
+            computed_len_tokens: 0,
+            ..*req
+        };
+        self.decode_plan(&stand_in, params)
+    }
 
     /// Validates a decode request and computes where its load comes from
     /// and how many leading blocks it already holds.

@@ -255,6 +255,30 @@ fn finished_before_the_step_ends_frees_now_and_releases() {
 }
 
 #[test]
+fn a_one_token_stand_in_releases_what_the_prefill_side_holds() {
+    // vLLM finishes a request it rejected as a one-token prompt without
+    // blocks, only to hand the connector its parameters: the release names
+    // the prefill side's blocks from `remote_block_ids`.
+    let mut s = decode();
+    let mut p = d_params(15);
+    p.remote_block_ids = Some(vec![ids(&[3, 4, 5])]);
+    let none = [Vec::new()];
+    let stand_in = req("rejected", 1, 0, &none, &p);
+    let d = s
+        .request_finished(&stand_in, FinishStatus::Aborted)
+        .unwrap();
+    assert!(!d.delay_free);
+    let meta = s.build_connector_meta();
+    assert_eq!(meta.loads.len(), 1);
+    assert_eq!(meta.loads[0].transfer_id, TransferId(15));
+    assert_eq!(meta.loads[0].dst_blocks, vec![Vec::<BlockId>::new()]);
+    assert_eq!(meta.loads[0].prefix_blocks, vec![3]);
+    // A load is still checked against its own prompt.
+    let e = s.get_num_new_matched_tokens(&stand_in).unwrap_err();
+    assert!(matches!(e, SchedError::InvalidParams { .. }), "{e}");
+}
+
+#[test]
 fn finished_during_the_load_holds_the_blocks_until_it_ends() {
     let mut s = decode();
     let p = d_params(14);
