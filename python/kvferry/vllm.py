@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 import vllm
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -78,6 +79,16 @@ _STATUS = {
 }
 
 _NODE_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+# vLLM's MultiConnector rebuilds each child's stats from the child's class
+# name (`KVConnectorFactory.get_connector_class_by_name`), which finds
+# registered connectors only: this one, loaded by module path, registers
+# its name too, or MultiConnector's stat logging raises once kvferry
+# reports a counter.
+try:
+    KVConnectorFactory.register_connector("KvferryConnector", __name__, "KvferryConnector")
+except ValueError:  # registered already
+    pass
 
 try:  # vLLM 0.32+: failed loads per request.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults

@@ -78,7 +78,8 @@ pub struct FencePool {
 #[derive(Debug)]
 pub struct BlockFence {
     /// Sorted by base address; they never share bytes (the planner's
-    /// layout validation refuses that).
+    /// layout validation refuses that), but for KV regions that interleave
+    /// (block-outermost layouts), kept as the first of them.
     regions: Vec<FenceRegion>,
     /// Open count per open slot; a slot absent is closed. A map rather
     /// than a table of counts: its size follows the slots of the live
@@ -114,8 +115,26 @@ impl BlockFence {
                 space: Space::Pool(p as u32),
             })
         });
-        let mut regions: Vec<FenceRegion> = kv.chain(items).collect();
-        regions.sort_by_key(|r| r.base);
+        let mut regions: Vec<FenceRegion> = Vec::new();
+        let mut all: Vec<FenceRegion> = kv.chain(items).collect();
+        all.sort_by_key(|r| r.base);
+        for r in all {
+            // KV regions of a block-outermost layout interleave: region
+            // `r`'s page of block b lies in block b of the region before
+            // it, so that region fences it (a block id names the same
+            // block in every KV region).
+            let inside = regions.last().is_some_and(|m: &FenceRegion| {
+                m.space == Space::Kv
+                    && r.space == Space::Kv
+                    && m.stride == r.stride
+                    && m.count == r.count
+                    && r.base - m.base < m.stride
+                    && r.base - m.base < m.stride.saturating_mul(m.count)
+            });
+            if !inside {
+                regions.push(r);
+            }
+        }
         let counts = std::iter::once(num_blocks)
             .chain(pools.iter().map(|p| p.items))
             .collect();
@@ -287,6 +306,24 @@ mod tests {
         assert_eq!(f.keys_in(1_000, 0), k(&[]));
         f.open(f.keys_in(1_150, 100));
         assert!(f.allows(1_150, 100));
+    }
+
+    #[test]
+    fn interleaved_regions_fence_each_block_of_every_layer() {
+        // Block-outermost (vLLM's BLHNC): 3 layers' pages of 100 bytes
+        // per 300-byte block, 4 blocks at 1000.
+        let f = BlockFence::new(&[(1_000, 300), (1_100, 300), (1_200, 300)], 4);
+        f.open([2]);
+        for layer in 0..3 {
+            let page = 1_000 + 2 * 300 + layer * 100;
+            assert!(f.allows(page, 100), "layer {layer}'s page of block 2");
+            assert!(
+                !f.allows(page - 300, 100),
+                "layer {layer}'s page of block 1"
+            );
+        }
+        assert_eq!(f.keys_in(1_700, 100), vec![FenceKey::Block(2)]);
+        assert!(!f.allows(1_000 + 3 * 300 + 150, 10), "block 3 is closed");
     }
 
     #[test]

@@ -284,13 +284,31 @@ fn registered_ranges(layout: &kvferry_machines::layout::RankLayout) -> Vec<Regio
     let blocks = (layout.regions.iter()).map(|r| (r.base, r.block_len, layout.num_blocks));
     let items =
         (layout.pools.iter()).flat_map(|p| p.regions.iter().map(|r| (r.base, r.item_len, p.items)));
-    blocks
+    let ranges = blocks
         .chain(items)
-        .map(|(addr, stride, count)| RegionInfo {
-            addr,
-            len_bytes: count.saturating_mul(stride),
-        })
+        .map(|(addr, stride, count)| (addr, count.saturating_mul(stride)))
+        .collect();
+    merge_ranges(ranges)
+        .into_iter()
+        .map(|(addr, len_bytes)| RegionInfo { addr, len_bytes })
         .collect()
+}
+
+/// `(addr, len)` ranges, those that share bytes merged into one: the KV
+/// regions of a block-outermost layout (vLLM's BLHNC and BLNHC) interleave,
+/// every layer's page of a block inside one block stride, so the ranges
+/// their blocks span overlap although their pages never do.
+fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (addr, len) in ranges {
+        let end = addr.saturating_add(len);
+        match out.last_mut() {
+            Some((a, l)) if addr < a.saturating_add(*l) => *l = (*l).max(end - *a),
+            _ => out.push((addr, len)),
+        }
+    }
+    out
 }
 
 /// Registers the regions of `kv` with the node's endpoint and puts them
@@ -311,10 +329,12 @@ pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPl
         .map(|&(base, len)| (base, len, kv.num_blocks));
     let items =
         (kv.pools.iter()).flat_map(|p| p.buffers.iter().map(|&(base, len)| (base, len, p.items)));
+    // `register_kv_caches` checked that the products fit in 64 bits.
+    let ranges = (blocks.chain(items))
+        .map(|(base, stride, count)| (base, count.saturating_mul(stride)))
+        .collect();
     let mut all = Vec::new();
-    for (base, stride, count) in blocks.chain(items) {
-        // `register_kv_caches` checked that the product fits in 64 bits.
-        let len = count.saturating_mul(stride);
+    for (base, len) in merge_ranges(ranges) {
         let len = usize::try_from(len).map_err(|_| DataPlaneError::RegionTooLong)?;
         all.push((base as usize as *mut u8, len));
     }
