@@ -5,13 +5,17 @@ Load it with::
     --kv-transfer-config '{"kv_connector": "KvferryConnector",
                            "kv_connector_module_path": "kvferry.vllm",
                            "kv_role": "kv_producer",
-                           "kv_connector_extra_config": {"bootstrap": "10.0.0.1:8998"}}'
+                           "kv_connector_extra_config": {"bootstrap": "10.0.0.1:8998",
+                                                         "listen": "0.0.0.0"}}'
 
 ``kv_role`` is ``kv_producer`` (prefill), ``kv_consumer`` (decode) or
 ``kv_both``. ``kv_connector_extra_config`` holds the node's settings
 (``docs/config.md``: ``mode``, ``host``, timeouts as ``*_ms``, ...); on a
 prefill engine ``bootstrap`` is the ``host:port`` of its bootstrap
 service, which TP rank 0 of DP rank 0 serves and every rank registers at.
+Without ``host`` the node advertises what vLLM's ``get_ip()`` finds and
+listens on loopback unless ``listen`` says where (``0.0.0.0``: everywhere);
+a non-loopback ``host`` over a loopback ``listen`` refuses to start.
 Requests carry the ``kv_transfer_params`` a MooncakeConnector deployment's
 router sends (``do_remote_decode`` on prefill; ``do_remote_prefill``,
 ``transfer_id``, ``remote_engine_id``, ``remote_bootstrap_addr`` on
