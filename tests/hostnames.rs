@@ -390,9 +390,9 @@ fn listening_apart_from_the_advertised_host() {
     let mut c = config(Role::Prefill, "unreachable");
     c.host = "192.0.2.7".into(); // TEST-NET-1 (RFC 5737): never this host's
     c.listen = Some("127.0.0.1".into());
-    let e = Node::start(c)
-        .err()
-        .expect("a node nobody can reach started");
+    let Err(e) = Node::start(c) else {
+        panic!("a node nobody can reach started");
+    };
     assert!(
         matches!(
             &e,
