@@ -37,12 +37,13 @@ wheel=$(ls "$wheels"/*.whl)
 "$venv/bin/python" - "$wheel" "$TORCH" >"$wheels/req.txt" <<'PY'
 import sys, zipfile
 from packaging.requirements import Requirement
-# CUDA kernels and media codecs: nothing a CPU run imports.
+# CUDA kernels and NVIDIA's video codec: nothing a CPU run imports (torch's
+# media packages stay: SGLang imports torchvision).
 GPU_ONLY = {
     "flashinfer-python", "pynvvideocodec", "tilelang", "apache-tvm-ffi",
     "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "instanttensor",
     "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla", "humming-kernels",
-    "torchcodec", "torchaudio", "torchvision", "xformers",
+    "xformers",
 }
 wheel, torch = sys.argv[1], sys.argv[2]
 with zipfile.ZipFile(wheel) as z:
