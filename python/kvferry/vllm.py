@@ -444,6 +444,9 @@ class _SchedulerSide:
         #: Requests whose blocks wait for a load that will not come; the
         #: workers report them as failed loads.
         self._failed: "list[str]" = []
+        #: Requests allocated without external tokens: their transfers
+        #: (releases only) are not reported to vLLM.
+        self._unreported: "set[str]" = set()
         #: Requests served locally instead of transferring, since the last
         #: stats report.
         self.fallbacks = 0
@@ -478,6 +481,11 @@ class _SchedulerSide:
         if not params or request.request_id in self._local:
             return
         computed = self._computed.pop(request.request_id, request.num_computed_tokens)
+        if num_external_tokens == 0:
+            # Nothing loads: the scheduler queues at most a release of the
+            # prefill side's blocks, whose end vLLM must not hear of (it
+            # asserts that a request reported loaded waited for a load).
+            self._unreported.add(request.request_id)
         block_ids = self._transfer_blocks(blocks.get_block_ids())
         try:
             self._sched.update_state_after_alloc(
@@ -508,9 +516,10 @@ class _SchedulerSide:
         for t in loads + sends:
             rid = self._sched.request_id_of(t)
             # Release-only loads and cancelled sends belong to no request
-            # vLLM still knows: their ends are not reported.
-            if rid is not None:
+            # vLLM waits on: their ends are not reported.
+            if rid is not None and rid not in self._unreported:
                 names[t] = rid
+        self._unreported.clear()
         aborts = []
         while (t := self._sched.poll_abort()) is not None:
             aborts.append(t)

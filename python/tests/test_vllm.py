@@ -919,6 +919,31 @@ def test_n_children_sharing_a_transfer_id_one_loads_the_others_compute(pd):
     assert_moved(e.p, e.d, list(zip(p_blocks[0][:3], d_blocks[:3])), LAYER_NAMES)
 
 
+def test_a_decode_request_allocated_without_external_tokens_is_not_reported_loaded(pd):
+    # vLLM allocates a decode request with no external tokens when the
+    # connector offers none: kvferry only releases the prefill side's
+    # blocks, and vLLM must not hear of that release as the request's load
+    # (its scheduler asserts a request reported loaded waited for a load).
+    e = pd()
+    prompt = 40
+    e.prefill("p-1", prompt, "xfer-none")
+    sched = e.d.sched.connector._sched._sched
+    offer = sched.get_num_new_matched_tokens
+    sched.get_num_new_matched_tokens = lambda *a: (0, False)
+    try:
+        e.d.sched.add_request(request("d-1", prompt, decode_params("xfer-none", e.bootstrap), 4))
+        e.d.step()
+    finally:
+        sched.get_num_new_matched_tokens = offer
+    run_until(
+        [e.p, e.d],
+        lambda: "d-1" in e.d.finished and "p-1" not in e.p.sched.requests,
+        "the decode request finishes and the prefill side frees its blocks",
+    )
+    assert e.d.finished["d-1"] == FinishReason.LENGTH
+    assert "d-1" not in e.d.loaded and not e.d.failed_loads
+
+
 def lose_a_load(e, prompt, how):
     """Adds decode request `d-lost`, whose load fails: `times-out` (no
     prefill engine runs at its bootstrap address), or `refused-at-start`
