@@ -540,15 +540,9 @@ pub fn advertised(configured_host: &str, bound: &str) -> String {
     let Ok(b) = HostPort::parse(rest) else {
         return bound.to_string();
     };
-    match HostPort::new(configured_host, 0) {
-        Ok(h) if h.is_name() => format!("{scheme}://{}:{}", h.host(), b.port()),
-        Ok(_) => match configured_host.parse::<std::net::IpAddr>() {
-            Ok(ip) if !ip.is_unspecified() => {
-                format!("{scheme}://{}", std::net::SocketAddr::new(ip, b.port()))
-            }
-            _ => bound.to_string(),
-        },
-        Err(_) => bound.to_string(),
+    match HostPort::new(configured_host, b.port()) {
+        Ok(h) if !h.literal().is_some_and(|a| a.ip().is_unspecified()) => format!("{scheme}://{h}"),
+        _ => bound.to_string(),
     }
 }
 
