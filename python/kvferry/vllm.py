@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
+    KVCacheConfig,
     MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
@@ -71,8 +72,9 @@ ANY_VERSION_ENV = "KVFERRY_VLLM_ANY_VERSION"
 _CONNECTOR_KEYS = {"bootstrap", "tp_rank"}
 
 #: MooncakeConnector keys an operator brings along that mean nothing to
-#: kvferry: accepted, logged once.
-_MOONCAKE_ONLY_KEYS = {"num_workers", "mooncake_protocol", "bootstrap_server_address"}
+#: kvferry: accepted, logged once (``mooncake_protocol`` too, unless the
+#: transport is ``mooncake``).
+_MOONCAKE_ONLY_KEYS = {"num_workers", "bootstrap_server_address"}
 
 _STATUS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length_capped",
@@ -119,7 +121,7 @@ def _check_version() -> None:
         for name, present in (
             ("KVConnectorTransferResults", KVConnectorTransferResults is not None),
             ("KVConnectorBase_V1.get_transfer_results", hasattr(KVConnectorBase_V1, "get_transfer_results")),
-            ("KVCacheConfig.transfer_group_ids", _has_transfer_groups()),
+            ("KVCacheConfig.transfer_group_ids", hasattr(KVCacheConfig, "transfer_group_ids")),
         )
         if not present
     ]
@@ -128,12 +130,6 @@ def _check_version() -> None:
             f"vLLM {vllm.__version__} lacks {', '.join(missing)}, which kvferry.vllm needs "
             f"(tested on vLLM {tested})"
         )
-
-
-def _has_transfer_groups() -> bool:
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    return hasattr(KVCacheConfig, "transfer_group_ids")
 
 
 class KvferryStats(KVConnectorStats):
@@ -163,23 +159,22 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._metrics: "dict[tuple[str, int], Any]" = {}
+        #: Each metric by name, and its child per (name, engine).
+        self._families: "dict[str, Any]" = {}
+        self._children: "dict[tuple[str, int], Any]" = {}
 
     def _metric(self, name: str, engine_idx: int) -> Any:
         key = (name, engine_idx)
-        if key not in self._metrics:
-            gauge = name == "dead_now"
-            cls = self._gauge_cls if gauge else self._counter_cls
-            family = self._metrics.get((name, -1))
-            if family is None:
-                family = cls(
+        if key not in self._children:
+            if name not in self._families:
+                cls = self._gauge_cls if name == "dead_now" else self._counter_cls
+                self._families[name] = cls(
                     name=f"vllm:kvferry_{name}",
-                    documentation=f"kvferry node counter {name} (docs/observability.md)",
+                    documentation=f"kvferry counter {name} (docs/design.md, Stats and metrics)",
                     labelnames=self._labelnames,
                 )
-                self._metrics[(name, -1)] = family
-            self._metrics[key] = family.labels(*self.per_engine_labelvalues[engine_idx])
-        return self._metrics[key]
+            self._children[key] = self._families[name].labels(*self.per_engine_labelvalues[engine_idx])
+        return self._children[key]
 
     def observe(self, transfer_stats_data: "dict[str, Any]", engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
@@ -347,7 +342,7 @@ def _settings(extra: dict) -> dict:
     known = set(kvferry._native.SETTING_KEYS) | _CONNECTOR_KEYS
     out = {}
     for key, value in extra.items():
-        if key in _MOONCAKE_ONLY_KEYS and key not in known:
+        if key in _MOONCAKE_ONLY_KEYS:
             logger.info("kvferry: MooncakeConnector setting %s=%r means nothing here; ignored", key, value)
         elif key == "mooncake_protocol" and extra.get("transport") != "mooncake":
             logger.info("kvferry: mooncake_protocol=%r applies to transport 'mooncake' only; ignored", value)
@@ -386,14 +381,14 @@ def _outbound_ip() -> str:
     return "127.0.0.1"
 
 
-def _spec_of(kv_cache_config: Any, layer: str) -> "tuple[int, Any]":
-    """The KV-cache group index and spec of ``layer``."""
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+def _spec_of(kv_cache_config: Any, layer: str) -> Any:
+    """The KV-cache spec of ``layer``."""
+    for group in kv_cache_config.kv_cache_groups:
         if layer in group.layer_names:
             spec = group.kv_cache_spec
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = spec.kv_cache_specs[layer]
-            return gid, spec
+            return spec
     raise kvferry.MisuseError(f"layer {layer} is in no KV-cache group")
 
 
@@ -729,7 +724,7 @@ def register_plan(
     for name, t in kv_caches.items():
         if name not in transfer:
             continue
-        _, spec = _spec_of(kv_cache_config, name)
+        spec = _spec_of(kv_cache_config, name)
         page = _layer_page(name, t, spec, kv_cache_config.num_blocks, layout_name)
         if shape not in (None, page.shape):
             raise kvferry.MisuseError(

@@ -7,12 +7,12 @@ Skipped where SGLang is not installed."""
 
 import importlib.metadata
 import os
-import socket
 import time
 import types
 
 import numpy as np
 import pytest
+from engines import free_port
 
 pytest.importorskip("sglang.srt.disaggregation.base.conn")
 
@@ -33,12 +33,6 @@ from kvferry.sglang import (  # noqa: E402
 PAGE, HEADS, HEAD_DIM, LAYERS, PAGES = 4, 2, 8, 2, 32
 ITEM = PAGE * HEADS * HEAD_DIM * 2  # fp16 bytes of one page of one layer's K
 AUX_ITEM, STATE_ITEM, ROWS = 16, 64, 8
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def buffers(fill, seed):

@@ -30,11 +30,11 @@ import functools
 import json
 import os
 import pickle
-import socket
 import time
 import zlib
 
 import pytest
+from engines import free_port
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -129,12 +129,6 @@ def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-opt")
     (d / "config.json").write_text(json.dumps(MODEL))
     return str(d)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -563,14 +557,20 @@ def transfer(pd_, prompt, *, rid="1"):
 # -- layouts --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
-def test_a_request_moves_in_every_dense_layout(pd, layout):
-    e = pd(layout=layout)
-    prompt = 40  # 3 blocks, the last one partial
+def assert_prompt_moved(e, prompt):
+    """Moves a `prompt`-token request through `e` (one KV-cache group):
+    every block holding the prompt landed, and nothing else was written."""
     (p_full,), (d_full,) = transfer(e, prompt)
     n = -(-prompt // BLOCK)
     assert_moved(e.p, e.d, list(zip(p_full[:n], d_full[:n])), LAYER_NAMES)
     assert_rest_zero(e.d, "d-1")
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_a_request_moves_in_every_dense_layout(pd, layout):
+    e = pd(layout=layout)
+    prompt = 40  # 3 blocks, the last one partial
+    assert_prompt_moved(e, prompt)
 
 
 @pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
@@ -589,10 +589,7 @@ def test_kernel_blocks_half_the_block_size_move(pd, layout):
     e = pd(layout=layout, kernel_block_sizes=[BLOCK // 2])
     assert e.d.ranks[0].caches[LAYER_NAMES[0]].shape[:3] == (2 * NUM_BLOCKS, HEADS, BLOCK // 2)
     prompt = 40
-    (p_full,), (d_full,) = transfer(e, prompt)
-    n = -(-prompt // BLOCK)
-    assert_moved(e.p, e.d, list(zip(p_full[:n], d_full[:n])), LAYER_NAMES)
-    assert_rest_zero(e.d, "d-1")
+    assert_prompt_moved(e, prompt)
 
 
 def test_mla_moves_its_latent_cache(pd):
@@ -601,10 +598,7 @@ def test_mla_moves_its_latent_cache(pd):
     assert isinstance(spec, MLAAttentionSpec)
     assert e.d.ranks[0].caches[LAYER_NAMES[0]].shape[1:] == (1, BLOCK, MLA_HEAD_SIZE)
     prompt = 40
-    (p_full,), (d_full,) = transfer(e, prompt)
-    n = -(-prompt // BLOCK)
-    assert_moved(e.p, e.d, list(zip(p_full[:n], d_full[:n])), LAYER_NAMES)
-    assert_rest_zero(e.d, "d-1")
+    assert_prompt_moved(e, prompt)
 
 
 def window_positions(prompt):
@@ -642,10 +636,7 @@ def test_a_merged_sliding_window_spec_moves_every_block(pd):
         assert type(group.kv_cache_spec) is FullAttentionSpec
         assert group.kv_cache_spec.sliding_window == WINDOW
     prompt = 100
-    (p_full,), (d_full,) = transfer(e, prompt)
-    n = -(-prompt // BLOCK)
-    assert_moved(e.p, e.d, list(zip(p_full[:n], d_full[:n])), LAYER_NAMES)
-    assert_rest_zero(e.d, "d-1")
+    assert_prompt_moved(e, prompt)
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
@@ -659,10 +650,7 @@ def test_heterogeneous_tp_moves_each_heads_bytes(pd, p_tp, d_tp, layout):
     assert e.p.ranks[0].caches[LAYER_NAMES[0]].shape[1] == HEADS // p_tp
     assert e.d.ranks[0].caches[LAYER_NAMES[0]].shape[1] == HEADS // d_tp
     prompt = 40
-    (p_full,), (d_full,) = transfer(e, prompt)
-    n = -(-prompt // BLOCK)
-    assert_moved(e.p, e.d, list(zip(p_full[:n], d_full[:n])), LAYER_NAMES)
-    assert_rest_zero(e.d, "d-1")
+    assert_prompt_moved(e, prompt)
     # The prefill workers' counters as vLLM's scheduler stats carry them,
     # summed over the TP workers by vLLM's aggregator.
     rebuilt = [KvferryConnector.build_kv_connector_stats(s).reduce() for s in e.p.stats]

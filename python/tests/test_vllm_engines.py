@@ -21,9 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import signal
 import socket
-import threading
 import time
 from typing import Any
 
