@@ -524,6 +524,7 @@ fn an_abort_mid_save_releases_once_after_the_put_in_flight_lands() {
 fn the_demo_verifies_every_byte_it_loads() {
     let demo = StoreDemo {
         requests: 4,
+        concurrency: 2,
         shared_blocks: 3,
         own_blocks: 2,
         layers: 2,

@@ -154,6 +154,14 @@ impl Cluster {
             .expect("redis-cli (scripts/test.sh installs it with redis-server)");
         assert!(status.success(), "redis-cli --cluster create");
         c.wait_ok();
+        // Every node learns the replicas by gossip, after `create` returns:
+        // wait until each lists one replica per master.
+        for n in &c.nodes {
+            wait_for("every node lists the three replicas", || {
+                let nodes = cluster_nodes(n.port);
+                nodes.iter().filter(|x| !x.2 && x.3 != "-").count() == 3
+            });
+        }
         // A replica that never synced does not take over (its data would
         // be too old): wait for every link.
         for port in c.replicas() {
@@ -298,7 +306,12 @@ fn saves_load_every_byte_dedup_and_spread_over_all_masters() {
     assert_eq!(s.pipelines, 3 * 3, "{s:?}");
     let removed = store.remove(&[key("k0"), key("k0")], far()).unwrap();
     assert_eq!(removed, [Ok(()), Err(ItemError::NotFound)]);
-    let report = StoreDemo::default().run(cluster.store()).unwrap();
+    let report = StoreDemo {
+        requests: 64,
+        ..StoreDemo::default()
+    }
+    .run(cluster.store())
+    .unwrap();
     assert_eq!((report.verify_errors, report.load_errors), (0, 0));
     assert!(report.loaded_blocks > 0 && report.dedup_skipped > 0);
 }

@@ -31,7 +31,12 @@ fn remote(server: &StoreServer) -> RemoteStore {
 #[test]
 fn the_demo_over_the_server_verifies_every_byte() {
     let srv = server(256 << 20);
-    let report = StoreDemo::default().run(remote(&srv)).unwrap();
+    let report = StoreDemo {
+        requests: 64,
+        ..StoreDemo::default()
+    }
+    .run(remote(&srv))
+    .unwrap();
     assert_eq!(report.verify_errors, 0);
     assert_eq!(report.load_errors, 0);
     assert!(report.loaded_blocks > 0 && report.dedup_skipped > 0);

@@ -41,7 +41,9 @@ pub struct DemoOnlyArgs {
     drop_control_ppm: Option<u32>,
     /// Instead of moving KV between engines: save requests that share
     /// prefixes to this store, look them up, load the hits and verify every
-    /// byte (stores: inproc, kvferry://HOST:PORT).
+    /// byte, from a fixed pool of blocks with --concurrency requests in
+    /// flight (stores: inproc, kvferry://HOST:PORT, redis://HOST:PORT,
+    /// redis+cluster://HOST:PORT, mooncake://HOST:PORT).
     #[arg(long, value_name = "STORE", conflicts_with = "soak")]
     store: Option<String>,
 }
@@ -499,7 +501,7 @@ impl Demo<'_> {
 /// `kvferry demo`.
 pub fn main(a: &DemoArgs) -> ExitCode {
     if let Some(store) = &a.demo.store {
-        return crate::store_demo::main(store, a.demo.requests, a.json);
+        return crate::store_demo::main(store, a.demo.requests, a.shape.concurrency(), a.json);
     }
     let mut o = a.shape.apply(DemoOptions::default());
     o.requests = a.demo.requests.unwrap_or(o.requests);

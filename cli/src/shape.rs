@@ -193,7 +193,9 @@ pub struct ShapeArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[arg(long, value_name = "C", value_parser = clap::value_parser!(u64).range(1..),
-          help = with_default("Requests in flight", |o| o.concurrency))]
+          help = with_default(&format!("Requests in flight ({} with --store)",
+                                       kvferry::store::StoreDemo::default().concurrency),
+                              |o| o.concurrency))]
     concurrency: Option<u64>,
     #[arg(long, value_name = "B", value_parser = clap::value_parser!(u32).range(1..),
           help = with_default("KV blocks per request", |o| o.blocks_per_request))]
@@ -213,6 +215,11 @@ pub struct ShapeArgs {
 }
 
 impl ShapeArgs {
+    /// `--concurrency`, if given.
+    pub fn concurrency(&self) -> Option<u64> {
+        self.concurrency
+    }
+
     /// `d` with the options given here in place of its fields.
     pub fn apply(&self, d: DemoOptions) -> DemoOptions {
         let d = self.model.apply(d);

@@ -13,15 +13,29 @@ use kvferry::store::{
 };
 use std::io::IsTerminal;
 
+/// Most requests in flight with `--store`: the pool is this many requests'
+/// blocks (6 MiB each).
+const MAX_CONCURRENCY: u32 = 256;
+
 /// The stores `--store` names.
 pub const STORES: &str = "inproc, kvferry://HOST:PORT, redis://[user:password@]HOST:PORT, \
                           redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...], \
                           mooncake://MASTER_HOST:PORT[?protocol=P&segment_mb=N]";
 
-/// Runs the store demo against `store` with `requests` requests (the
-/// demo's default when `None`); exit status 1 on any verify or load error.
-pub fn main(store: &str, requests: Option<u64>, json: bool) -> ExitCode {
+/// Runs the store demo against `store` with `requests` requests and
+/// `concurrency` in flight (the demo's defaults when `None`); exit status 1
+/// when a block was lost or wrong ([`StoreDemoReport::has_errors`]).
+pub fn main(store: &str, requests: Option<u64>, concurrency: Option<u64>, json: bool) -> ExitCode {
     let mut demo = StoreDemo::default();
+    if let Some(n) = concurrency {
+        match u32::try_from(n) {
+            Ok(n) if n > 0 && n <= MAX_CONCURRENCY => demo.concurrency = n,
+            _ => {
+                eprintln!("kvferry demo: --concurrency {n}: 1 to {MAX_CONCURRENCY} with --store");
+                return ExitCode::from(2);
+            }
+        }
+    }
     if let Some(n) = requests {
         match u32::try_from(n) {
             Ok(n) if n > 0 => demo.requests = n,
@@ -89,28 +103,39 @@ pub fn main(store: &str, requests: Option<u64>, json: bool) -> ExitCode {
     if json {
         println!("{}", serde_json::to_string(&report).unwrap_or_default());
     } else {
-        println!(
-            "store {store}: {} requests, {} blocks saved ({} found stored already), \
-             {} tokens hit on lookup, {} blocks loaded, {} load errors, {} verify errors; \
-             put {:.2} GB/s, get {:.2} GB/s, lookup and load p50 {:.3} ms p99 {:.3} ms",
-            report.requests,
-            report.saved_blocks,
-            report.dedup_skipped,
-            report.lookup_hit_tokens,
-            report.loaded_blocks,
-            report.load_errors,
-            report.verify_errors,
-            report.put_gbps,
-            report.get_gbps,
-            report.p50_ms,
-            report.p99_ms,
-        );
+        print_report(store, &report);
     }
-    if report.verify_errors > 0 || report.load_errors > 0 {
+    if report.has_errors() {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
     }
+}
+
+fn print_report(store: &str, r: &StoreDemoReport) {
+    println!(
+        "store {store}: {} requests, {} in flight, {:.1} MiB KV pool, {:.2} s",
+        r.requests,
+        r.concurrency,
+        r.pool_bytes as f64 / f64::from(1 << 20),
+        r.elapsed_s,
+    );
+    println!(
+        "saves: {} blocks stored, {} found stored already, {} refused for room, {} errors",
+        r.saved_blocks, r.dedup_skipped, r.save_refused_blocks, r.save_errors,
+    );
+    println!(
+        "lookups: {} tokens hit, {} blocks missed, {} errors",
+        r.lookup_hit_tokens, r.lookup_miss_blocks, r.lookup_errors,
+    );
+    println!(
+        "loads: {} blocks loaded, {} evicted before their load, {} errors, {} verify errors",
+        r.loaded_blocks, r.evicted_blocks, r.load_errors, r.verify_errors,
+    );
+    println!(
+        "put {:.2} GB/s, get {:.2} GB/s, lookup and load p50 {:.3} ms p99 {:.3} ms",
+        r.put_gbps, r.get_gbps, r.p50_ms, r.p99_ms,
+    );
 }
 
 /// Runs the demo, with a progress bar on stderr when it is a terminal and
@@ -121,22 +146,23 @@ fn run<B: StoreBackend>(
     json: bool,
 ) -> Result<StoreDemoReport, ConnectorError> {
     let bar = !json && std::io::stderr().is_terminal();
+    let mut last = 0;
     let mut draw = |p: DemoProgress| {
-        if !bar {
+        if !bar || (p.loaded == last && p.loaded < p.of) {
             return;
         }
-        let (what, done, of) = match p {
-            DemoProgress::Saved { done, of } => ("saved ", done, of),
-            DemoProgress::Loaded { done, of } => ("loaded", done, of),
-        };
+        last = p.loaded;
         const WIDTH: u32 = 40;
-        let filled = (done * WIDTH / of.max(1)) as usize;
+        let filled = (u64::from(p.loaded) * u64::from(WIDTH) / u64::from(p.of.max(1))) as usize;
         eprint!(
-            "\r{what} [{}{}] {done}/{of}",
+            "\rloaded [{}{}] {}/{} (saved {})",
             "#".repeat(filled),
-            " ".repeat(WIDTH as usize - filled)
+            " ".repeat(WIDTH as usize - filled),
+            p.loaded,
+            p.of,
+            p.saved,
         );
-        if matches!(p, DemoProgress::Loaded { .. }) && done == of {
+        if p.loaded == p.of {
             eprintln!();
         }
     };

@@ -131,6 +131,49 @@ fn demo_with_a_store_saves_dedups_looks_up_loads_and_verifies() {
     assert_eq!(code, 2);
 }
 
+/// 3 000 requests store 6 GB of blocks of their own through the in-process
+/// store's 1 GiB: the run's peak RSS is its pool and that store, not its
+/// requests.
+#[test]
+// Reaped by `wait4`, which also gives the child's own peak RSS.
+#[allow(clippy::zombie_processes)]
+fn the_store_demo_runs_in_a_fixed_pool_whatever_the_number_of_requests() {
+    let requests = 3000u64;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["demo", "--store", "inproc", "--json"])
+        .args(["--requests", &requests.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn kvferry demo");
+    let mut out = String::new();
+    let stdout = child.stdout.take().expect("piped stdout");
+    std::io::Read::read_to_string(&mut std::io::BufReader::new(stdout), &mut out).unwrap();
+    // SAFETY: all zeroes is a valid `rusage` (integers and timevals).
+    let mut usage = unsafe { std::mem::zeroed::<libc::rusage>() };
+    let mut status = 0;
+    // SAFETY: our own child, reaped here once, into valid out-pointers.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "{r}"
+    );
+    assert_eq!(r["verify_errors"], 0, "{r}");
+    assert_eq!(
+        r["loaded_blocks"],
+        requests * 24,
+        "every block came back: {r}"
+    );
+    let pool = r["pool_bytes"].as_u64().unwrap();
+    let peak = usage.ru_maxrss as u64 * 1024;
+    assert!(peak < 2 << 30, "peak RSS {peak} over 2 GiB");
+    assert!(
+        peak < pool + (1 << 30) + (256 << 20),
+        "peak RSS {peak} over the pool ({pool}), the store's 1 GiB and 256 MiB"
+    );
+}
+
 #[test]
 fn demo_against_a_store_server_process_verifies_every_byte() {
     use std::io::{BufRead, BufReader};

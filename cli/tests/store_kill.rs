@@ -1,7 +1,8 @@
 //! `kvferry store serve` killed with SIGKILL while an engine loads from it
 //! and while it saves to it: every request ends by its deadline, a block
 //! is either loaded with exactly its bytes or named among the load errors
-//! (and then untouched), and saves resume once a server is back.
+//! (and then untouched), and saves resume once a server is back. The
+//! store demo outlives a store server or a Redis killed mid-run.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -273,7 +274,9 @@ fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
 
 #[test]
 fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
-    let mut server = Server::start("127.0.0.1:0");
+    // Started again on the same port below.
+    let port = kvferry_testkit::server_port();
+    let mut server = Server::start(&format!("127.0.0.1:{port}"));
     let addr = server.addr.clone();
     let mut engine = Engine::new();
     (0..NUM_BLOCKS as u32).for_each(|b| engine.fill(b));
@@ -304,4 +307,132 @@ fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
     assert_eq!(saved.len(), REQUESTS as usize);
     let stored = c.stats().saved_keys - before;
     assert_eq!(stored, NUM_BLOCKS, "the new server took every block");
+}
+
+/// Requests of a demo run whose store is killed mid-run.
+const DEMO_REQUESTS: u64 = 4000;
+
+/// Runs `kvferry demo --store URL` over 4 000 requests, SIGKILLs its store
+/// with `kill` once `mid_run` holds, and checks the run: it ends within
+/// 60 s of the kill, exit status 1, no byte wrong, and the failures counted
+/// in the `*_errors` fields. Returns the report.
+fn demo_outlives_its_store(
+    url: &str,
+    mid_run: impl Fn() -> bool,
+    kill: impl FnOnce(),
+) -> serde_json::Value {
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["demo", "--store", url, "--json"])
+        .args(["--requests", &DEMO_REQUESTS.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvferry demo");
+    let pid = demo.id() as i32;
+    let stdout = demo.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut out = String::new();
+        let _ = std::io::Read::read_to_string(&mut BufReader::new(stdout), &mut out);
+        let _ = tx.send((demo.wait().expect("the demo is reaped"), out));
+    });
+    let give_up = Instant::now() + Duration::from_secs(120);
+    while !mid_run() {
+        assert!(Instant::now() < give_up, "the run never got mid-way");
+        assert!(rx.try_recv().is_err(), "the run ended before the kill");
+        // Between looks at the store's own counters.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    kill();
+    let Ok((status, out)) = rx.recv_timeout(Duration::from_secs(60)) else {
+        // SAFETY: our own child, not yet reaped (its reaper is waiting).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        panic!("the demo did not end within 60 s of the kill");
+    };
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+    assert_eq!(status.code(), Some(1), "errors counted: {out}");
+    assert_eq!(r["requests"], DEMO_REQUESTS, "{r}");
+    assert_eq!(r["verify_errors"], 0, "no wrong byte: {r}");
+    assert!(r["loaded_blocks"].as_u64().unwrap() > 0, "{r}");
+    let errors: u64 = ["save_errors", "lookup_errors", "load_errors"]
+        .iter()
+        .map(|f| r[f].as_u64().unwrap())
+        .sum();
+    assert!(errors > 0, "the kill failed calls, counted: {r}");
+    r
+}
+
+/// A counter of a `/metrics` page, 0 when it cannot be read.
+fn metric(addr: &str, name: &str) -> u64 {
+    use std::io::Write;
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return 0;
+    };
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
+    let mut page = String::new();
+    let _ = std::io::Read::read_to_string(&mut s, &mut page);
+    (page.lines())
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn the_store_demo_outlives_a_store_server_killed_mid_run() {
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvferry"))
+        .args(["store", "serve", "--listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .args(["--capacity-bytes", &(256u64 << 20).to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvferry store serve");
+    let mut lines = BufReader::new(server.stdout.take().expect("piped stdout")).lines();
+    let mut line = || lines.next().and_then(Result::ok).unwrap_or_default();
+    let url = line()
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap()
+        .to_string();
+    let metrics = line();
+    let metrics = (metrics.trim().strip_prefix("metrics on http://"))
+        .and_then(|m| m.strip_suffix("/metrics"))
+        .unwrap()
+        .to_string();
+    // 2 000 puts committed: about a fifth of the run's.
+    let mid_run = || metric(&metrics, "kvferry_store_commits_total") >= 2000;
+    let r = demo_outlives_its_store(&url, mid_run, || {
+        let _ = server.kill();
+        let _ = server.wait();
+    });
+    assert!(r["lookup_errors"].as_u64().unwrap() > 0, "{r}");
+}
+
+#[test]
+fn the_store_demo_outlives_a_redis_killed_mid_run() {
+    let port = kvferry_testkit::server_port().to_string();
+    let mut redis = Command::new("redis-server")
+        .args(["--port", &port, "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .args(["--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("redis-server (scripts/test.sh installs it)");
+    let cli = |cmd: &str| {
+        let out = Command::new("redis-cli").args(["-p", &port, cmd]).output();
+        out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while cli("ping") != "PONG" {
+        assert!(Instant::now() < give_up, "redis-server answered no PING");
+        // Between attempts to reach a server still starting.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // 500 values stored: about a fifth of the run's that fit.
+    let mid_run = || cli("dbsize").parse::<u64>().unwrap_or(0) >= 500;
+    let url = format!("redis://127.0.0.1:{port}");
+    demo_outlives_its_store(&url, mid_run, || {
+        let _ = redis.kill();
+        let _ = redis.wait();
+    });
 }

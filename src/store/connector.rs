@@ -437,13 +437,19 @@ impl StoreConnector {
     fn wait_until(&mut self, done: impl Fn(&StoreConnector) -> bool) {
         self.poll(Instant::now());
         while !done(self) {
-            let next = (self.saves.values().map(|s| s.machine.poll_timeout()))
-                .chain(self.loads.values().map(|l| l.machine.poll_timeout()))
-                .flatten()
-                .min()
+            let next = (self.poll_timeout())
                 .unwrap_or_else(|| after(Instant::now(), self.cfg.store.op_bound));
             self.poll_wait(next);
         }
+    }
+
+    /// The earliest time a running save or load times out: when a driver
+    /// loop must call [`StoreConnector::poll`] even if no answer came.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        (self.saves.values().map(|s| s.machine.poll_timeout()))
+            .chain(self.loads.values().map(|l| l.machine.poll_timeout()))
+            .flatten()
+            .min()
     }
 
     /// The requests whose saves released their blocks and whose loads

@@ -59,3 +59,35 @@ pub fn init_tracing() {
         .with_writer(std::io::stderr)
         .try_init();
 }
+
+/// A free 127.0.0.1 port below the kernel's ephemeral range, for a server
+/// a test kills and starts again on the same port.
+///
+/// A port from the ephemeral range (what binding port 0 gives) may be
+/// handed to an outgoing connection while the server is down, and a client
+/// reconnecting to it may get that very port as its own: TCP connects it
+/// to itself, and it reads its own request back as the answer.
+pub fn server_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768)
+        .clamp(12_000, 65_536);
+    let span = low - 10_000;
+    // Test binaries run one after another and their tests as threads:
+    // the process id spreads binaries, the counter spreads threads.
+    let start = std::process::id().wrapping_mul(7919);
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 10_000 + start.wrapping_add(n.wrapping_mul(31)) % span;
+        let Ok(port) = u16::try_from(port) else {
+            continue;
+        };
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free 127.0.0.1 port between 10000 and {low}");
+}
