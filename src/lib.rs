@@ -2,25 +2,33 @@
 //! kvferry moves the KV cache of LLM requests from a prefill engine to a
 //! decode engine (disaggregated serving).
 //!
-//! Crates: `kvferry-machines` holds the pure state machines, the planner and
-//! the wire codec, `kvferry-reactor` the glommio executors that drive them,
-//! and this crate the transports, the control plane and the public API,
-//! re-exported here: a [`Node`] per rank with its per-request
-//! [`Sender`]/[`Receiver`] handles, or the vLLM-style step loop of a
-//! [`Scheduler`] feeding [`Node::start_load_kv`]. `examples/embed.rs` shows
-//! both.
+//! Crates, each depending only on those before it:
+//!
+//! * `kvferry-machines`: the pure state machines, the planner, the wire
+//!   codec and the store's keys and save/load machines (no IO, no clock);
+//! * `kvferry-reactor`: the glommio executors that drive them;
+//! * `kvferry-transport` ([`transport`]): the data plane (tcp, in-process,
+//!   Mooncake), registered regions, the block fence, name resolution;
+//! * `kvferry-metrics`: the latency histogram and the `/metrics` endpoint;
+//! * `kvferry-store` ([`store`]): store offload, its connector, scheduler
+//!   side, lookup server, KV events and backends;
+//! * `kvferry-store-server`: `kvferry store serve`;
+//! * this crate: the control plane and the public API, re-exported here:
+//!   a [`Node`] per rank with its per-request [`Sender`]/[`Receiver`]
+//!   handles, or the vLLM-style step loop of a [`Scheduler`] feeding
+//!   [`Node::start_load_kv`]. `examples/embed.rs` shows both.
 
 pub mod bootstrap;
 pub mod node;
 pub mod plan;
-pub mod resolve;
 pub mod scheduler;
 pub mod stats;
-pub mod store;
-pub mod transport;
 
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
+pub use kvferry_store as store;
+pub use kvferry_transport as transport;
+pub use kvferry_transport::resolve;
 
 pub use kvferry_machines::common::{
     AbortReason, BlockId, BlockLists, FailReason, Mode, TransferId, REQUEST_ID_MAX_BYTES,

@@ -29,7 +29,7 @@
 //! landed in D's blocks after D reported the transfer done (the transport's
 //! timers started after the machine's op deadline, and D's TCP target kept
 //! serving frames P had abandoned). The node's block fence
-//! (`src/transport/fence.rs`) fixed it: blocks are closed in the executor
+//! (`transport/src/fence.rs`) fixed it: blocks are closed in the executor
 //! turn that reports the transfer terminal, and both transport ends check
 //! the fence before every system call that touches registered memory. The
 //! self-tests above switch the block fence off together with the machines'
@@ -677,6 +677,9 @@ fn abort_while_transfers_outlive_their_bound(mode: Mode) {
         expect_late_writes: false,
         lenient_phases: true,
     };
+    // P ends the warm-up after D: its outcome must be counted before the
+    // first round reads P's counters.
+    rounds.notes.wait_prefill(&c, warm, Duration::from_secs(5));
     for seed in 0..2 * ROUNDS {
         rounds.round(seed);
     }

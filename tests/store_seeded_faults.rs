@@ -10,7 +10,7 @@
 //! store, that no call touched a block no save or load held, dedup and
 //! the pressure path.
 //!
-//! The backend contract (src/store/backend.rs) bounds what may be
+//! The backend contract (store/src/backend.rs) bounds what may be
 //! checked: a call touches no memory after its deadline, and an answer
 //! that arrives after it may or may not be taken. So an answer given with
 //! [`SURE_LEFT`] to spare must be taken, a late one may go either way, and

@@ -10,8 +10,9 @@ mod store_buffer;
 use kvferry::store::proto::{self, Answer, Refusal, Request};
 use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RemoteConfig, RemoteStore, Scatter,
-    Segment, ServeConfig, StoreBackend, StoreDemo, StoreServer,
+    Segment, StoreBackend, StoreDemo,
 };
+use kvferry_store_server::{ServeConfig, StoreServer};
 use store_buffer::{far, key, Buffer};
 
 fn server(capacity_bytes: u64) -> StoreServer {

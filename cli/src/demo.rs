@@ -20,7 +20,9 @@ use crate::shape::{cluster_spec, slot_blocks, with_default, DemoOptions};
 #[derive(Clone, Debug, Args)]
 pub struct DemoOnlyArgs {
     #[arg(long, value_name = "N", conflicts_with = "soak",
-          help = with_default("Requests to run", |o| o.requests))]
+          help = with_default(&format!("Requests to run ({} with --store)",
+                                       kvferry::store::StoreDemo::default().requests),
+                              |o| o.requests))]
     requests: Option<u64>,
     /// Also time a bare 256-byte ZeroMQ DEALER/ROUTER round trip, same run.
     #[arg(long, conflicts_with = "soak")]

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand};
-use kvferry::store::{ServeConfig, StoreServer};
+use kvferry_store_server::{ServeConfig, StoreServer};
 
 use crate::bootstrap::ShutdownSignals;
 use crate::cli::usage_error;
@@ -31,7 +31,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
     /// TCP streams per engine for the data plane (1..=64).
-    #[arg(long, value_name = "N", default_value_t = kvferry::store::server::STORE_STREAMS)]
+    #[arg(long, value_name = "N", default_value_t = kvferry::store::proto::STORE_STREAMS)]
     streams: usize,
     /// Pin the server's executor to this core.
     #[arg(long, value_name = "CORE")]
@@ -69,7 +69,7 @@ fn serve(a: &ServeArgs) -> ExitCode {
         .max(cfg.tcp.frame_max_bytes * a.streams as u64);
     let server = match StoreServer::start(cfg) {
         Ok(s) => s,
-        Err(e @ kvferry::store::ServeError::Config(_)) => {
+        Err(e @ kvferry_store_server::ServeError::Config(_)) => {
             return usage_error("kvferry store serve", &e.to_string())
         }
         Err(e) => {

@@ -41,8 +41,8 @@ fn help_shows_the_defaults() {
     let out = kvferry(&["demo", "--help"]);
     let help = String::from_utf8_lossy(&out.stdout);
     for default in [
-        "Requests to run [default: 2000]",
-        "Requests in flight [default: 64]",
+        "Requests to run (1000 with --store) [default: 2000]",
+        "Requests in flight (16 with --store) [default: 64]",
         "KV layout [default: hnd]",
         "--concurrency 2000 --layers 2",
     ] {

@@ -21,14 +21,8 @@ use serde::{Deserialize, Serialize};
 
 pub use client::{BootstrapClient, ClientError, RetryPolicy};
 
-/// Renders a node's metrics for `GET /metrics`.
-pub type MetricsSource = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
-
-/// The content type of `/metrics` (OpenMetrics text, which Prometheus
-/// scrapes).
-pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-pub(crate) use server::bind;
-pub use server::{BootstrapServer, ServerConfig, ServerError};
+pub use kvferry_metrics::http::{MetricsSource, ServerError, METRICS_CONTENT_TYPE};
+pub use server::{BootstrapServer, ServerConfig};
 
 /// Default port of the bootstrap service (the one vLLM uses).
 pub const DEFAULT_PORT: u16 = 8998;

@@ -6,6 +6,7 @@
 //! are all it needs, and it must not bring a second async runtime next to
 //! glommio.
 
+use kvferry_reactor::sync::lock;
 use std::io::Read;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use tiny_http::{Header, Method, Request, Response, StatusCode};
+
+use kvferry_metrics::http::{bind, ServerError};
 
 use super::{MetricsSource, RegisterError, RegisterRequest, Registry, RegistryLimits};
 
@@ -36,32 +39,6 @@ impl Default for ServerConfig {
             workers: 2,
         }
     }
-}
-
-/// Why the server could not start.
-#[non_exhaustive]
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    /// The listen address does not parse or resolve.
-    #[error("bad listen address {addr:?}: {source}")]
-    BadAddress {
-        /// The address asked for.
-        addr: String,
-        /// Why.
-        #[source]
-        source: crate::resolve::ResolveError,
-    },
-    /// Binding the listening socket failed (port in use, permissions...).
-    #[error("cannot listen on {addr}: {reason}")]
-    Bind {
-        /// The address asked for.
-        addr: String,
-        /// Why it failed.
-        reason: String,
-    },
-    /// The OS refused to start a thread.
-    #[error("cannot spawn server thread: {0}")]
-    Spawn(#[from] std::io::Error),
 }
 
 struct Shared {
@@ -132,11 +109,7 @@ impl BootstrapServer {
 
     /// Workers registered so far.
     pub fn registered(&self) -> usize {
-        self.shared
-            .registry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .len()
+        lock(&self.shared.registry).len()
     }
 
     /// Stops accepting requests and joins the worker threads. Requests being
@@ -158,28 +131,6 @@ impl BootstrapServer {
             }
         }
     }
-}
-
-/// Binds an HTTP server to `addr` (port 0: any free port); returns it and
-/// the address it got.
-pub(crate) fn bind(addr: &str) -> Result<(tiny_http::Server, SocketAddr), ServerError> {
-    // The caller's thread waits (bounded) for a name: a node binds its
-    // servers in `Node::start`, the CLI before it serves.
-    let resolved = crate::resolve::Resolver::default()
-        .resolve_str(addr)
-        .map_err(|source| ServerError::BadAddress {
-            addr: addr.to_string(),
-            source,
-        })?;
-    let server = tiny_http::Server::http(resolved).map_err(|e| ServerError::Bind {
-        addr: addr.to_string(),
-        reason: e.to_string(),
-    })?;
-    let local_addr = server
-        .server_addr()
-        .to_ip()
-        .expect("a server bound to an IP address reports an IP address");
-    Ok((server, local_addr))
 }
 
 impl Drop for BootstrapServer {
@@ -293,11 +244,7 @@ fn register(request: &mut Request, shared: &Shared) -> Reply {
         "engine {} dp {} tp {} pp {} at {}",
         req.engine_id, req.dp_rank, req.tp_rank, req.pp_rank, req.addr
     );
-    let result = shared
-        .registry
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .register(req);
+    let result = lock(&shared.registry).register(req);
     match result {
         Ok(resp) => {
             tracing::info!(replaced = resp.replaced, "registered {summary}");
@@ -328,11 +275,7 @@ fn query_route(query: &str, shared: &Shared) -> Reply {
             _ => return Reply::error(400, format!("unknown query parameter {pair:?}")),
         }
     }
-    let result = shared
-        .registry
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .query(engine_id.as_deref());
+    let result = lock(&shared.registry).query(engine_id.as_deref());
     Reply::json(
         200,
         serde_json::to_string(&result).expect("registry serializes"),

@@ -2,6 +2,7 @@
 //! [`LoadMeta`] each step, the worker starts it and collects what finished.
 
 use kvferry_machines::common::{BlockId, BlockLists, TransferId};
+use kvferry_reactor::sync::lock;
 
 use kvferry_machines::duplex::Direction;
 use serde::{Deserialize, Serialize};
@@ -226,12 +227,7 @@ impl Node {
     /// per request (vLLM's `failed_recving`), not only by block.
     pub fn get_finished_loads(&self) -> FinishedLoads {
         self.collect();
-        let mut r = self
-            .inner
-            .shared
-            .records
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(&self.inner.shared.records);
         let mut out = FinishedLoads::default();
         for (tid, direction, ok) in r.finished.drain(..) {
             match (direction, ok) {
@@ -245,12 +241,7 @@ impl Node {
 
     /// vLLM-style: destination blocks whose load failed since the last call.
     pub fn block_ids_with_load_errors(&self) -> Vec<BlockId> {
-        let mut r = self
-            .inner
-            .shared
-            .records
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(&self.inner.shared.records);
         std::mem::take(&mut r.load_errors)
     }
 }

@@ -1,6 +1,7 @@
 //! Per-request handles: a [`Sender`] on a prefill node, a [`Receiver`] on
 //! a decode node.
 
+use kvferry_reactor::sync::lock;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,13 +16,13 @@ fn wait_terminal(node: &Node, tid: TransferId, timeout: Duration, before: Phase)
     let deadline = Instant::now() + timeout;
     let s = &node.inner.shared;
     loop {
-        let seen = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner()).seq;
+        let seen = lock(&s.terminal_seq).seq;
         let p = node.phase(tid).unwrap_or(before);
         let now = Instant::now();
         if p.is_terminal() || now >= deadline {
             return p;
         }
-        let mut guard = s.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = lock(&s.terminal_seq);
         if guard.seq == seen {
             // Counted under the lock the notifier bumps `seq` under: it
             // either sees us waiting or we see its bump.

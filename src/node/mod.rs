@@ -51,6 +51,7 @@ mod sink;
 mod tables;
 mod waker;
 
+use kvferry_reactor::sync::lock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -113,27 +114,17 @@ impl Drop for Inner {
 
 impl Inner {
     fn stop(&self, grace: Duration) {
-        let engine = self.engine.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let engine = lock(&self.engine).take();
         if let Some(r) = engine {
             drop(r.shutdown(ShutdownPolicy::Abort { grace }));
         }
-        if let Some(b) = self.bridge.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(b) = lock(&self.bridge).take() {
             b.stop(&self.shared);
         }
-        if let Some(s) = self
-            .bootstrap_server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(s) = lock(&self.bootstrap_server).take() {
             s.stop();
         }
-        drop(
-            self.metrics_server
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take(),
-        );
+        drop(lock(&self.metrics_server).take());
     }
 }
 
@@ -372,10 +363,7 @@ impl Node {
         if let Some(b) = &c.bootstrap {
             return Some(b.clone());
         }
-        self.inner
-            .bootstrap_server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner.bootstrap_server)
             .as_ref()
             .map(|s| s.addr())
     }
@@ -747,12 +735,7 @@ impl Node {
         }
         self.collect();
         let done = {
-            let r = self
-                .inner
-                .shared
-                .records
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let r = lock(&self.inner.shared.records);
             r.done.get(&tid).copied()
         };
         // A transfer may leave the board between the two looks.
@@ -805,11 +788,7 @@ impl Node {
 
     /// Where `/metrics` and `/health` are served (`NodeConfig::metrics_listen`).
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        let m = self
-            .inner
-            .metrics_server
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let m = lock(&self.inner.metrics_server);
         m.as_ref().map(|m| m.local_addr())
     }
 

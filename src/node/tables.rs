@@ -16,6 +16,7 @@
 //! | `records` (final phases) | executor | engine threads (`poll`, `get_finished`) |
 //! | `records.names` (string request ids) | engine threads, bridge | executor (`Pull`s), bridge |
 
+use kvferry_reactor::sync::lock;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -218,12 +219,7 @@ pub(crate) struct Peers {
 
 impl Shared {
     pub(crate) fn peer(&self, id: u32) -> Option<Arc<PeerData>> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_slot
-            .get(&id)
-            .cloned()
+        lock(&self.peers).by_slot.get(&id).cloned()
     }
 
     /// Prefill: why a `Pull` from decode peer `id` is refused at once, if
@@ -254,7 +250,7 @@ impl Shared {
         }
         let m = SendMachine::new(Instant::now(), &self.config.timeouts, tid, self.config.mode);
         let created = {
-            let _order = self.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _order = lock(&self.create_lock);
             h.create(0, tid, Duplex::Send(m))
         };
         match created {
@@ -297,7 +293,7 @@ impl Shared {
     }
 
     fn lock_receiving(&self) -> std::sync::MutexGuard<'_, HashSet<TransferId>> {
-        self.receiving.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.receiving)
     }
 
     /// The transfer id of string request id `id` (see [`Shared::id_hash`]).
@@ -312,7 +308,7 @@ impl Shared {
     /// [`Shared::release_name`] if the transfer does not start). A
     /// transfer opened by number holds no string and takes any.
     pub(crate) fn claim_name(&self, tid: TransferId, id: &str) -> Result<bool, IdCollision> {
-        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(&self.records);
         match r.names.get(&tid) {
             Some(held) if &**held == id => Ok(false),
             Some(held) => {
@@ -348,7 +344,7 @@ impl Shared {
 
     /// Unties a request id whose transfer did not start.
     pub(crate) fn release_name(&self, tid: TransferId) {
-        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(&self.records);
         if !r.done.contains_key(&tid) {
             r.names.remove(&tid);
         }
@@ -359,7 +355,7 @@ impl Shared {
         if !self.any_named.load(Ordering::Relaxed) {
             return None;
         }
-        let r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let r = lock(&self.records);
         r.names.get(&tid).cloned()
     }
 
@@ -385,7 +381,7 @@ impl Shared {
     /// endpoint `endpoint`: the one this rank sends to and the one it
     /// receives from (a node of [`Role::Both`] can be both), under one lock.
     pub(crate) fn peers_at(&self, endpoint: &EndpointAddr) -> PeersAt {
-        let p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let p = lock(&self.peers);
         let slot = |d| p.by_endpoint.get(&(*endpoint, d)).copied();
         PeersAt {
             send: slot(Direction::Send),
@@ -395,7 +391,7 @@ impl Shared {
 
     /// Records the hello of the peer in slot `id`.
     pub(crate) fn set_peer(&self, id: u32, data: Arc<PeerData>) {
-        let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = lock(&self.peers);
         if let Some(e) = data.endpoint {
             p.by_endpoint.insert((e, data.direction), id);
         }
@@ -406,21 +402,18 @@ impl Shared {
 
     /// Forgets the peer in slot `id` (its slot goes to a newcomer).
     pub(crate) fn remove_peer(&self, id: u32) {
-        let mut p = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = lock(&self.peers);
         if let Some(old) = p.by_slot.remove(&id) {
             forget_endpoint(&mut p, id, &old);
         }
         drop(p);
-        self.tickets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        lock(&self.tickets).remove(&id);
     }
 
     /// Remembers that heartbeat ack `seq` went to `peer` at `at`; the
     /// oldest beyond `kept` are forgotten.
     pub(crate) fn ack_sent(&self, peer: u32, seq: u64, at: Instant, kept: usize) {
-        let mut t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = lock(&self.tickets);
         let acks = t.entry(peer).or_default();
         if acks.len() >= kept {
             acks.pop_front();
@@ -431,7 +424,7 @@ impl Shared {
     /// When the heartbeat ack `ticket` went to `peer` (the first time, if
     /// twice), if it is still remembered.
     pub(crate) fn ticket_sent_at(&self, peer: u32, ticket: u64) -> Option<Instant> {
-        let t = self.tickets.lock().unwrap_or_else(|e| e.into_inner());
+        let t = lock(&self.tickets);
         t.get(&peer)?
             .iter()
             .filter(|(q, _)| *q == ticket)
@@ -462,7 +455,7 @@ impl Shared {
     /// bridge's queue, past which the peer's death is left to the
     /// machines' own timeouts.
     pub(crate) fn track(&self, peer: u32, tid: TransferId) {
-        let mut t = self.tracked.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = lock(&self.tracked);
         if t.len() < self.config.bridge_queue_capacity {
             t.push((peer, tid));
             // An otherwise idle bridge only turns once per heartbeat
@@ -483,11 +476,11 @@ impl Shared {
 
     /// Takes what [`Shared::track`] queued.
     pub(crate) fn take_tracked(&self) -> Vec<(u32, TransferId)> {
-        std::mem::take(&mut *self.tracked.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *lock(&self.tracked))
     }
 
     pub(crate) fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {
-        self.routes.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.routes)
     }
 
     /// The `PeersResolved` of a new decode request for `target`, from the routes the
@@ -562,16 +555,11 @@ impl Shared {
 
     /// The recorded final phase of a transfer that ended here.
     pub(crate) fn finished_phase(&self, tid: TransferId) -> Option<Phase> {
-        self.records
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .done
-            .get(&tid)
-            .copied()
+        lock(&self.records).done.get(&tid).copied()
     }
 
     pub(crate) fn add_load_errors(&self, blocks: &[BlockId]) {
-        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(&self.records);
         let room = self
             .config
             .max_load_error_blocks
@@ -590,7 +578,7 @@ impl Shared {
     /// True when `peer`'s blocks `dst_blocks` are what the ended transfer
     /// `tid` wrote to it (see [`Records::written`]).
     pub(crate) fn wrote(&self, tid: TransferId, peer: PeerId, dst_blocks: &BlockLists) -> bool {
-        let r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let r = lock(&self.records);
         let fp = blocks_fingerprint(peer, dst_blocks);
         (r.written.get(&tid)).is_some_and(|w| w.has(peer, fp))
     }
@@ -604,7 +592,7 @@ impl Shared {
         phase: Phase,
         written: Option<Written>,
     ) {
-        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let mut r = lock(&self.records);
         if let (Some(w), Phase::Success) = (written, phase) {
             r.written.insert(tid, w);
         }
@@ -666,7 +654,7 @@ impl Shared {
             });
         }
         let waiters = {
-            let mut t = self.terminal_seq.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = lock(&self.terminal_seq);
             t.seq += 1;
             t.waiters
         };

@@ -8,12 +8,10 @@
 //! for reporting, no decision depends on two of them being consistent with
 //! each other, and updating one from any thread costs one uncontended add.
 
-mod latency;
-pub(crate) mod serve;
+pub use kvferry_metrics::http::MetricsServer;
+pub use kvferry_metrics::{Latency, LATENCY_BUCKETS_S};
 
-pub use latency::{Latency, LATENCY_BUCKETS_S};
-pub(crate) use serve::MetricsServer;
-
+use kvferry_reactor::sync::lock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -205,7 +203,7 @@ impl Counters {
         match phase {
             Phase::Success => {
                 self.ok.fetch_add(1, Relaxed);
-                let mut l = self.latency.lock().unwrap_or_else(|e| e.into_inner());
+                let mut l = lock(&self.latency);
                 l.record(latency);
             }
             Phase::Failed(FailReason::Aborted(_) | FailReason::PeerAborted) => {
@@ -223,10 +221,7 @@ impl Counters {
 
     /// A copy of the latency histogram of successful requests.
     pub fn latency(&self) -> Latency {
-        self.latency
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        lock(&self.latency).clone()
     }
 
     fn add(counter: &AtomicU64, n: u64) {

@@ -10,6 +10,7 @@
 //! requests to it fail fast, and any later frame from it (the periodic
 //! probe is answered) clears the mark.
 
+use kvferry_reactor::sync::lock;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -906,7 +907,7 @@ impl Bridge {
 
 /// Runs `f` under the node's create lock (see `Shared::create_lock`).
 fn with_lock<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
-    let _order = shared.create_lock.lock().unwrap_or_else(|e| e.into_inner());
+    let _order = lock(&shared.create_lock);
     f()
 }
 

@@ -12,11 +12,11 @@ use slab::Slab;
 
 use super::inbuf::InBuf;
 use super::{conv, protocol, FenceCell, NotifyHandler, TcpConfig};
-use crate::transport::fdio::{self, iov, Conn, IoFail};
-use crate::transport::fence::Guard;
-use crate::transport::registry::{self, Registry};
-use crate::transport::wire::{self, Header, RejectReason};
-use crate::transport::{Op, PollPolicy, TransportError};
+use crate::fdio::{self, iov, Conn, IoFail};
+use crate::fence::Guard;
+use crate::registry::{self, Registry};
+use crate::wire::{self, Header, RejectReason};
+use crate::{Op, PollPolicy, TransportError};
 
 /// State shared by the acceptor and the connection tasks of one endpoint.
 pub(super) struct Target {

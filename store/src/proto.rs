@@ -23,6 +23,24 @@
 
 use serde::{Deserialize, Serialize};
 
+use kvferry_transport::tcp::TcpConfig;
+
+/// The data plane's settings for a store: parked waits, since a store
+/// shares its cores with engines and other servers (spinning starves
+/// them; see `kvferry_reactor::PollPolicy`), and four streams per engine,
+/// the best of 2, 4 and 8 for batches of 32 values of 1 MiB on loopback
+/// (docs/performance.md, "Store").
+pub fn data_plane() -> TcpConfig {
+    TcpConfig {
+        poll: kvferry_transport::PollPolicy::Park,
+        streams: STORE_STREAMS,
+        ..TcpConfig::default()
+    }
+}
+
+/// TCP streams per engine of a store's data plane.
+pub const STORE_STREAMS: usize = 4;
+
 /// The frame header's first bytes.
 pub const MAGIC: [u8; 4] = *b"KVFS";
 /// The protocol version this build speaks; a frame of another is refused.

@@ -254,7 +254,7 @@ fn checked(reply: Reply, keys: usize) -> Reply {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::inproc::{InprocConfig, InprocStore};
+    use crate::inproc::{InprocConfig, InprocStore};
     use std::time::Duration;
 
     #[test]

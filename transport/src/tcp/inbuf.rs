@@ -2,8 +2,8 @@
 
 use std::os::fd::RawFd;
 
-use crate::transport::fdio::{self, iov, Conn, IoFail};
-use crate::transport::PollPolicy;
+use crate::fdio::{self, iov, Conn, IoFail};
+use crate::PollPolicy;
 
 /// What a served connection reads at a time when it reads for itself: 8 KiB,
 /// so that a one-descriptor WRITE of 4 KiB (header, table entry and payload)

@@ -19,6 +19,7 @@
 //! Handles are cheap clones sharing one store, so several connectors (the
 //! ranks of one process) share it, each on its own backend thread.
 
+use kvferry_reactor::sync::lock;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -141,7 +142,7 @@ impl InprocStore {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic elsewhere while holding the lock leaves consistent maps:
         // every update below is completed before the guard drops.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.inner)
     }
 
     /// The counters so far.
@@ -358,7 +359,7 @@ impl StoreBackend for InprocStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::backend::{Scatter, Segment};
+    use crate::backend::{Scatter, Segment};
     use kvferry_machines::store::BlockHash;
     use std::time::Duration;
 

@@ -17,7 +17,7 @@
 //! not register, whatever it sends.
 //!
 //! ```no_run
-//! # use kvferry::transport::*;
+//! # use kvferry_transport::*;
 //! # async fn demo(peer: EndpointAddr) -> Result<(), TransportError> {
 //! let ep = tcp::TcpTransport::bind("127.0.0.1:0".parse().unwrap(), tcp::TcpConfig::default())?;
 //! let mut buf = vec![0u8; 1 << 20];
@@ -37,6 +37,7 @@ pub mod fence;
 pub mod local;
 pub mod mooncake;
 pub mod registry;
+pub mod resolve;
 pub mod tcp;
 mod turns;
 pub mod wire;
@@ -424,7 +425,7 @@ pub trait Session {
 /// Runs `work` for at most `bound`, then fails it with
 /// [`TransportError::Timeout`]; dropping it stops every socket operation or
 /// copy on its memory at once.
-pub(crate) async fn within<T>(
+pub async fn within<T>(
     bound: Duration,
     work: impl Future<Output = Result<T, TransportError>>,
 ) -> Result<T, TransportError> {

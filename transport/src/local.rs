@@ -5,6 +5,7 @@
 //! endpoint id (one entry per live endpoint, removed on drop). Registries are
 //! thread-safe, so a session may connect endpoints on different executors.
 
+use kvferry_reactor::sync::lock;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -38,18 +39,13 @@ impl LocalTransport {
     pub fn new(max_regions: usize) -> LocalTransport {
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let registry = Registry::new(max_regions);
-        DIRECTORY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, Arc::downgrade(&registry));
+        lock(&DIRECTORY).insert(id, Arc::downgrade(&registry));
         LocalTransport { id, registry }
     }
 
     /// Opens a session to another local endpoint.
     pub fn open_local(&self, peer_id: u64) -> Result<LocalSession, TransportError> {
-        let peer = DIRECTORY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let peer = lock(&DIRECTORY)
             .get(&peer_id)
             .and_then(Weak::upgrade)
             .ok_or_else(|| {
@@ -64,10 +60,7 @@ impl LocalTransport {
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
-        DIRECTORY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
+        lock(&DIRECTORY).remove(&self.id);
     }
 }
 

@@ -5,6 +5,7 @@
 //! touches, so a region cannot be unregistered (and its memory freed) while a
 //! copy into or out of it is still running.
 
+use kvferry_reactor::sync::lock;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -88,7 +89,7 @@ impl Registry {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding this lock cannot leave the maps inconsistent
         // (every mutation is a single insert/remove), so poisoning is ignored.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner)
     }
 
     /// Adds a region. The caller's safety promise lives on

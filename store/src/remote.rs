@@ -41,9 +41,9 @@ use kvferry_machines::store::ChunkKey;
 
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
 use super::proto::{self, Answer, Item, KeyAnswer, Reply, Request, Span};
-use crate::transport::fence::BlockFence;
-use crate::transport::tcp::{TcpConfig, TcpTransport};
-use crate::transport::{RegionId, Transport, TransportError};
+use kvferry_transport::fence::BlockFence;
+use kvferry_transport::tcp::{TcpConfig, TcpTransport};
+use kvferry_transport::{RegionId, Transport, TransportError};
 
 /// Most removed keys held for `take_removed`; more are dropped and counted.
 pub const REMOVED_HELD_MAX: usize = 1 << 16;
@@ -83,7 +83,7 @@ impl RemoteConfig {
         RemoteConfig {
             server: url.strip_prefix("kvferry://").unwrap_or(url).to_string(),
             data_ip: None,
-            tcp: super::server::parked(),
+            tcp: proto::data_plane(),
             connect_timeout: CONNECT_TIMEOUT,
         }
     }

@@ -2,7 +2,7 @@
 //! §13, "The store server").
 //!
 //! One glommio executor serves everything: the control connections
-//! ([`super::proto`]), and a tcp data-plane endpoint through which the
+//! ([`kvferry_store::proto`], the protocol client and server share), and a tcp data-plane endpoint through which the
 //! server itself moves the bytes: for a put it reads the engine's blocks
 //! into its arena ([`Op::Read`]), for a get it writes the arena into the
 //! engine's blocks ([`Op::Write`]). Each descriptor is checked by the
@@ -25,11 +25,13 @@ use futures_lite::AsyncWriteExt;
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
 
-use super::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX};
-use crate::stats::serve::MetricsServer;
-use crate::transport::registry::check_remote;
-use crate::transport::tcp::{TcpConfig, TcpSession, TcpTransport};
-use crate::transport::{Desc, EndpointAddr, Op, Session, Transport, TransportError};
+use kvferry_metrics::http::MetricsServer;
+use kvferry_store::proto::{
+    self, Answer, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX,
+};
+use kvferry_transport::registry::check_remote;
+use kvferry_transport::tcp::{TcpConfig, TcpSession, TcpTransport};
+use kvferry_transport::{Desc, EndpointAddr, Op, Session, Transport, TransportError};
 pub use space::{Space, SpaceStats, REMOVED_LOG_MAX};
 
 /// How a store server runs.
@@ -63,7 +65,7 @@ impl Default for ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             capacity_bytes: 1 << 30,
             metrics_listen: None,
-            tcp: parked(),
+            tcp: kvferry_store::proto::data_plane(),
             max_values: 1 << 22,
             max_connections: 256,
             budget_max: Duration::from_secs(60),
@@ -72,22 +74,6 @@ impl Default for ServeConfig {
         }
     }
 }
-
-/// The data plane's settings for a store: parked waits, since a store
-/// shares its cores with engines and other servers (spinning starves
-/// them; see `kvferry_reactor::PollPolicy`), and four streams per engine,
-/// the best of 2, 4 and 8 for batches of 32 values of 1 MiB on loopback
-/// (docs/performance.md, "Store").
-pub(crate) fn parked() -> TcpConfig {
-    TcpConfig {
-        poll: crate::transport::PollPolicy::Park,
-        streams: STORE_STREAMS,
-        ..TcpConfig::default()
-    }
-}
-
-/// TCP streams per engine of a store's data plane.
-pub const STORE_STREAMS: usize = 4;
 
 /// Why a server did not start.
 #[non_exhaustive]
@@ -314,7 +300,7 @@ impl StoreServer {
         let metrics = match &cfg.metrics_listen {
             Some(addr) => {
                 let c = Arc::clone(&counters);
-                let source: crate::bootstrap::MetricsSource =
+                let source: kvferry_metrics::http::MetricsSource =
                     Arc::new(move || metrics_text(&c.load()));
                 let m = MetricsServer::start(addr, source)
                     .map_err(|e| ServeError::Metrics(e.to_string()))?;
@@ -692,7 +678,7 @@ impl Conn {
             return Ok(s.clone());
         }
         let ep = self.endpoint.ok_or(Refusal::NoHello)?;
-        match crate::transport::within(bound, server.transport.open(&ep)).await {
+        match kvferry_transport::within(bound, server.transport.open(&ep)).await {
             Ok(s) => {
                 self.session = Some(s.clone());
                 Ok(s)
@@ -792,7 +778,7 @@ fn budget(server: &Server, budget_ms: u32) -> Duration {
 }
 
 /// The value's length, once every segment is inside the engine's regions.
-fn value_len(regions: &[crate::transport::RegionInfo], it: &Item) -> Result<u64, KeyAnswer> {
+fn value_len(regions: &[kvferry_transport::RegionInfo], it: &Item) -> Result<u64, KeyAnswer> {
     let spans = it.segments.iter().map(|s| (s.addr, s.len));
     check_remote(regions, spans).map_err(|_| KeyAnswer::OutOfBounds)?;
     (it.segments.iter())

@@ -29,7 +29,7 @@ use kvferry_machines::store::{BlockHash, GroupSpec, KeyspaceSpec, RequestScope, 
 use super::backend::StoreBackend;
 use super::config::{ConnectorConfig, ConnectorError, ConnectorLimits, LoadMeta, SaveMeta};
 use super::{StoreConnector, StoreRequest};
-use crate::stats::Latency;
+use kvferry_metrics::Latency;
 
 /// The synthetic workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -33,9 +33,7 @@ use super::{
     corrupt_count, del_batch, exists_batch, parse_url, server_error, url_error, Batch, GetBatch,
     Packed, PutBatch, RedisConfig, RedisError,
 };
-use crate::store::backend::{
-    Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend,
-};
+use crate::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
 
 /// Hash slots of a Redis Cluster.
 pub const SLOTS: usize = 16384;

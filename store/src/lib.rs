@@ -29,7 +29,6 @@ pub mod publish;
 pub mod redis;
 pub mod remote;
 pub mod scheduler;
-pub mod server;
 pub mod worker;
 
 pub use self::redis::{
@@ -53,7 +52,6 @@ pub use publish::{
 };
 pub use remote::{RemoteConfig, RemoteError, RemoteStore};
 pub use scheduler::{PrefixLookup, StoreMeta, StoreScheduler, StoreSchedulerConfig};
-pub use server::{ServeConfig, ServeError, ServerStats, StoreServer};
 
 use std::time::{Duration, Instant};
 

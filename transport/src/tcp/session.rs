@@ -15,12 +15,12 @@ use glommio::sync::Semaphore;
 
 use super::plan::{plan, FrameSpec, Plan};
 use super::{conv, notification_answer, protocol, FenceCell, TcpConfig, TcpTransport};
-use crate::transport::fdio::{self, iov, Conn};
-use crate::transport::fence::{BlockFence, Guard};
-use crate::transport::registry::{self, Registry};
-use crate::transport::turns::Turns;
-use crate::transport::wire::{self, Header, RejectReason};
-use crate::transport::{
+use crate::fdio::{self, iov, Conn};
+use crate::fence::{BlockFence, Guard};
+use crate::registry::{self, Registry};
+use crate::turns::Turns;
+use crate::wire::{self, Header, RejectReason};
+use crate::{
     within, Desc, MisuseError, Op, PeerError, PollPolicy, RegionInfo, Session, TransportError,
 };
 

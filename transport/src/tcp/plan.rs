@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 
 use super::TcpConfig;
-use crate::transport::Desc;
+use crate::Desc;
 
 /// One frame of a batch: descriptors `start..end` of the (split) batch.
 #[derive(Clone, Copy, Debug)]

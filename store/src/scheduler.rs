@@ -4,7 +4,7 @@
 //! its computed prefix they must save, handed over once per step as a
 //! [`StoreMeta`].
 //!
-//! Pure like [`crate::scheduler`]: no IO, no clock, no threads. The one
+//! Pure like the P2P scheduler (`kvferry::Scheduler`): no IO, no clock, no threads. The one
 //! outside call is the prefix lookup, made through a [`PrefixLookup`]:
 //! a [`StoreConnector`] asked directly, a [`super::LookupClient`] asking
 //! the rank-0 worker's [`super::LookupServer`], or any closure.

@@ -26,7 +26,7 @@
 //! [`ResolveError`] before any lookup, never a panic.
 //!
 //! ```
-//! use kvferry::resolve::{HostPort, Resolver, ResolveError};
+//! use kvferry_transport::resolve::{HostPort, Resolver, ResolveError};
 //! let r = Resolver::system(std::time::Duration::from_secs(2));
 //! assert_eq!(r.resolve_str("127.0.0.1:8998").unwrap().port(), 8998);
 //! assert!(matches!(HostPort::parse("prefill-0:"), Err(ResolveError::MissingPort(_))));
@@ -51,7 +51,7 @@ const MAX_LABEL_BYTES: usize = 63;
 /// attempt.
 pub const MAX_CONCURRENT_LOOKUPS: usize = 16;
 
-/// [`NodeConfig::resolve_timeout`](crate::node::NodeConfig::resolve_timeout)'s
+/// `kvferry::NodeConfig::resolve_timeout`'s
 /// default: glibc's own per-server timeout is 5 s, but a lookup on the
 /// bridge thread holds every side-channel socket, so a node gives up sooner
 /// and tries again at the next connection attempt or probe.
@@ -264,7 +264,7 @@ fn parse_host(host: &str) -> Result<Host, ResolveError> {
 pub type LookupFn = dyn Fn(&str, u16) -> io::Result<Vec<SocketAddr>> + Send + Sync;
 
 /// A [`LookupFn`] a node is configured with
-/// ([`NodeConfig::lookup`](crate::node::NodeConfig::lookup)) instead of the
+/// (`kvferry::NodeConfig::lookup`) instead of the
 /// system's resolver: a test moves a name between two addresses with it.
 #[derive(Clone)]
 pub struct HostLookup(Arc<LookupFn>);

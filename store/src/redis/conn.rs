@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use super::RedisConfig;
-use crate::store::backend::{CallError, ItemError};
+use crate::backend::{CallError, ItemError};
 
 /// Bytes of the connection's read buffer: what one system call reads at
 /// most into it. Lines and small replies are parsed from it; a bulk is

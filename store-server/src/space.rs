@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::rc::Rc;
 
-use super::super::proto::KeyAnswer;
+use kvferry_store::proto::KeyAnswer;
 
 /// Most removed keys the log keeps for connections that have not been
 /// told of them yet.

@@ -1,0 +1,11 @@
+//! What kvferry measures and how it shows it: the one latency histogram
+//! ([`Latency`]: the demo, the soak, the benches and `/metrics` record into
+//! it and read quantiles by one rule) and the `/metrics` HTTP endpoint
+//! ([`http::MetricsServer`]) of nodes and the store server.
+
+#![warn(missing_docs)]
+
+pub mod http;
+mod latency;
+
+pub use latency::{Latency, LATENCY_BUCKETS_S};
