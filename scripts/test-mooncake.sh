@@ -3,7 +3,7 @@
 # a private network namespace with only `lo` up (Mooncake's engine listens
 # on every interface). Needs root (unshare -n).
 #
-#   1. cli/tests/e2e_mooncake_real.rs: a `kvferry prefill` and a `kvferry
+#   1. cli/tests/it/e2e_mooncake_real.rs: a `kvferry prefill` and a `kvferry
 #      decode` process over Mooncake's tcp, push and pull, every byte
 #      verified (MOONCAKE_TE_LIB=PREFIX/lib/libtransfer_engine.so);
 #   2. `kvferry demo --store mooncake://…` against a mooncake_master from
@@ -20,7 +20,7 @@ te="$prefix/lib/libtransfer_engine.so" store="$prefix/lib/libmooncake_store.so"
 master="$prefix/bin/mooncake_master"
 for f in "$te" "$store" "$master"; do [ -e "$f" ] || { echo "missing $f" >&2; exit 2; }; done
 # Build outside the namespace (crates.io is not reachable inside it).
-cargo test -p kvferry-cli --test e2e_mooncake_real --no-run
+cargo test -p kvferry-cli --test it --no-run
 cargo build --release -p kvferry-cli
 exec unshare -n bash -s "$te" "$store" "$master" <<'INNER'
 set -euo pipefail
@@ -28,7 +28,7 @@ te=$1 store=$2 master=$3
 ip link set lo up
 export MC_TCP_BIND_ADDRESS=127.0.0.1
 echo "==> prefill and decode processes over the real transfer engine"
-MOONCAKE_TE_LIB="$te" cargo test --offline -p kvferry-cli --test e2e_mooncake_real -- --nocapture
+MOONCAKE_TE_LIB="$te" cargo test --offline -p kvferry-cli --test it e2e_mooncake_real -- --nocapture
 
 echo "==> kvferry demo --store mooncake:// against mooncake_master"
 rpc=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README "Run the tests"; .ci/run runs exactly this).
 # Everything it needs is built from crates.io: libzmq is compiled from source by
-# the zmq crate; the one system package, redis-server (for tests/store_redis.rs),
+# the zmq crate; the one system package, redis-server (for tests/it/store_redis.rs),
 # is installed by the step below when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +46,17 @@ step "redis-server for the Redis backend's tests"
 command -v redis-server || (apt-get update -qq && apt-get install -y -qq redis-server)
 
 step "unit, property and integration tests"
-cargo test --workspace
+# One integration-test binary per crate (tests/it/), and the few that must
+# run alone; each binary's time is printed after the run.
+cargo_log="$(mktemp)"
+cargo test --workspace 2>&1 | tee "$cargo_log"
+echo "test binaries, slowest first:"
+# A package's unit tests run first: their binary names the package.
+awk '/^ *Running unittests/{pkg=$4; sub(/.*deps\//, "", pkg); sub(/-[0-9a-f]+\)$/, "", pkg); if ($3 == "src/main.rs") pkg = pkg "-cli"}
+     /^ *Running /{name=pkg " " $2} /^ *Doc-tests /{name="doctests " $2}
+     /^test result:/{sub(/s$/, "", $NF); printf "%8.2f s  %s\n", $NF, name}' "$cargo_log" |
+  sort -rn | head -n 12
+rm -f "$cargo_log"
 
 step "the embedding example moves a request and checks its bytes"
 cargo run --quiet --example embed

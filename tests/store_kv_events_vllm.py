@@ -6,7 +6,7 @@ block hashes as hex bytes and `int_hashes` saying whether vLLM, for
 that data, would publish them as ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
 Fails on any difference: each field of the decoded `KVEventBatch`
 against the batch vLLM builds from the same data, and the payload's
-bytes against vLLM's encoding of that batch. tests/store_kv_events.rs
+bytes against vLLM's encoding of that batch. tests/it/store_kv_events.rs
 runs it.
 """
 

@@ -1,6 +1,6 @@
 //! The properties the `lookup_msg_decode` target checks on every input,
 //! shared with the test that replays its seeds and corpus
-//! (`tests/fuzz_seeds.rs`). Every property failure panics.
+//! (`tests/it/fuzz_seeds.rs`). Every property failure panics.
 
 use kvferry::store::lookup_server::{
     decode_query, decode_reply, encode_query, encode_reply, WireError, LOOKUP_HASHES_MAX,

@@ -1,5 +1,5 @@
 //! The properties the `plan_spec` target checks on every input, shared with
-//! the test that replays its seeds and corpus (`tests/fuzz_seeds.rs`).
+//! the test that replays its seeds and corpus (`tests/it/fuzz_seeds.rs`).
 //! Every property failure panics.
 
 use kvferry_machines::planner::Plan;

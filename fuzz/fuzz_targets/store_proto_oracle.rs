@@ -1,6 +1,6 @@
 //! The properties of the store server's control protocol
 //! (`kvferry::store::proto`) on arbitrary bytes, shared by the fuzz target
-//! and the seed replay in `tests/fuzz_seeds.rs`: a frame is a header and
+//! and the seed replay in `tests/it/fuzz_seeds.rs`: a frame is a header and
 //! a body; whatever decodes (as a request or as a reply) re-encodes to a
 //! frame that decodes to the same message, and nothing panics.
 

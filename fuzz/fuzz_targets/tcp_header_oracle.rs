@@ -1,6 +1,6 @@
 //! The properties the `tcp_header_decode` target checks on every input,
 //! shared with the test that replays its seeds and corpus
-//! (`tests/fuzz_seeds.rs`). Every property failure panics.
+//! (`tests/it/fuzz_seeds.rs`). Every property failure panics.
 
 use kvferry::transport::wire::{
     decode_entry, encode_entry, Header, RejectReason, ENTRY_LEN, HEADER_LEN, MAX_FRAME_DESCS,

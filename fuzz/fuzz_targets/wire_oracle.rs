@@ -1,6 +1,6 @@
 //! The properties the wire fuzz targets check on every input
 //! (`kvferry_machines::wire`), shared with the tests that replay the seeds
-//! and corpora (`machines/tests/fuzz_seeds.rs`), so a replay checks exactly
+//! and corpora (`machines/tests/it/fuzz_seeds.rs`), so a replay checks exactly
 //! what the fuzzer does. Every property failure panics.
 
 use kvferry_machines::wire::{self, Frame, Limits, WireError, MAX_NOTIFY_FRAMES};

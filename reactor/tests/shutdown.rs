@@ -1,6 +1,7 @@
 //! Shutdown policies and thread hygiene. One test function on purpose: it
 //! counts the threads of this process, which parallel tests would disturb.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};

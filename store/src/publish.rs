@@ -706,7 +706,7 @@ fn start_seq(b: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     //! Payloads against msgpack derived by hand from vLLM's structs (the
-    //! module docs give the rules); `tests/store_kv_events.rs` checks them
+    //! module docs give the rules); `tests/it/store_kv_events.rs` checks them
     //! against vLLM's own decoder and encoder.
     use super::*;
 

@@ -30,7 +30,7 @@
 //! and two uppercase hex digits, so no escaped field holds a `:` or a `,`
 //! and `%` itself is escaped: splitting a key on `:` gives back the twelve
 //! fields, and each field decodes to one value. Two different qualifier
-//! tuples therefore never give the same key (`machines/tests/store_key.rs`
+//! tuples therefore never give the same key (`machines/tests/it/store_key.rs`
 //! checks it by proptest). A key is at most [`KEY_BYTES_MAX`] bytes; a
 //! [`Keyspace`] or [`RequestScope`] that could exceed it is refused when it
 //! is made, so building a key afterwards cannot fail on length.

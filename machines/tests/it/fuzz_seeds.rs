@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use kvferry_machines::wire::{self, Frame, Limits};
 
-#[path = "../../fuzz/fuzz_targets/wire_oracle.rs"]
+#[path = "../../../fuzz/fuzz_targets/wire_oracle.rs"]
 mod wire_oracle;
 
 fn fuzz_dir() -> PathBuf {

@@ -5,20 +5,20 @@
 //! `fuzz/seeds/` must decode (a header, a store frame or a lookup message)
 //! or plan (a spec), and a sample of a local `fuzz/corpus/` (ignored by
 //! git; skipped when absent) must keep every property. The wire seeds are
-//! replayed by `machines/tests/fuzz_seeds.rs`.
+//! replayed by `machines/tests/it/fuzz_seeds.rs`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-#[path = "../fuzz/fuzz_targets/tcp_header_oracle.rs"]
+#[path = "../../fuzz/fuzz_targets/tcp_header_oracle.rs"]
 mod tcp_header_oracle;
 
-#[path = "../fuzz/fuzz_targets/plan_spec_oracle.rs"]
+#[path = "../../fuzz/fuzz_targets/plan_spec_oracle.rs"]
 mod plan_spec_oracle;
 
-#[path = "../fuzz/fuzz_targets/lookup_msg_oracle.rs"]
+#[path = "../../fuzz/fuzz_targets/lookup_msg_oracle.rs"]
 mod lookup_msg_oracle;
-#[path = "../fuzz/fuzz_targets/store_proto_oracle.rs"]
+#[path = "../../fuzz/fuzz_targets/store_proto_oracle.rs"]
 mod store_proto_oracle;
 
 fn fuzz_dir() -> PathBuf {

@@ -21,7 +21,7 @@ use kvferry_machines::store::{
 };
 use kvferry_machines::{AbortReason, FailReason, Machine, Phase, TransferId};
 
-mod store_common;
+use crate::store_common;
 use store_common::keyspace;
 
 fn cfg(budget: Option<u64>) -> StoreConfig {

@@ -14,7 +14,7 @@ use kvferry_machines::store::{
     BlockHash, GroupBlocks, GroupSpec, Keyspace, PlanError, RequestScope,
 };
 
-mod store_common;
+use crate::store_common;
 use store_common::keyspace;
 
 fn full(b: u32) -> GroupSpec {

@@ -5,7 +5,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-mod store_buffer;
+use crate::store_buffer;
 
 use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RedisConfig, RedisStore, Scatter, Segment,

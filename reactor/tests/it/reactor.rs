@@ -1,6 +1,6 @@
 //! The glommio reactor end to end: executors, mailboxes, board, timers.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -88,7 +88,7 @@ pub fn run_seed(seed: u64, switches: Switches, trace: bool) -> (Scenario, RunRes
 
 /// The command that replays `seed` with the event trace printed.
 pub fn replay_command(seed: u64) -> String {
-    format!("KVFERRY_SIM_SEED={seed} cargo test -p kvferry-machines --test sim sim_replay -- --nocapture")
+    format!("KVFERRY_SIM_SEED={seed} cargo test -p kvferry-machines --test it sim_replay -- --nocapture")
 }
 
 /// A report for a failing seed: the violation, how to replay it, the

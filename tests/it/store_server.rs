@@ -5,7 +5,7 @@
 use std::io::{Read, Write};
 use std::time::Instant;
 
-mod store_buffer;
+use crate::store_buffer;
 
 use kvferry::store::proto::{self, Answer, Refusal, Request};
 use kvferry::store::{

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
-mod store_buffer;
+use crate::store_buffer;
 
 use kvferry::store::redis::{hash_slot, HEADER_BYTES, REDIRECTS_MAX};
 use kvferry::store::{

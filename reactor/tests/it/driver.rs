@@ -1,6 +1,6 @@
 //! The executor-agnostic driver, with a virtual clock.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

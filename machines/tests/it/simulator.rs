@@ -9,11 +9,10 @@
 //! * `sim_teeth_*` switch one safeguard off and assert the simulator notices.
 //!
 //! Long campaign:
-//! `KVFERRY_SIM_SEEDS=100000 KVFERRY_SIM_JOBS=8 cargo test --release -p kvferry-machines --test sim sim_campaign -- --nocapture`
+//! `KVFERRY_SIM_SEEDS=100000 KVFERRY_SIM_JOBS=8 cargo test --release -p kvferry-machines --test it sim_campaign -- --nocapture`
 //! (or `KVFERRY_SIM_SEEDS=100000 cargo test --release sim` for every simulator test).
 
-#[path = "sim/mod.rs"]
-mod sim;
+use crate::sim;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;

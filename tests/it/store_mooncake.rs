@@ -5,7 +5,7 @@
 //! corrupt), and the store connector's pressure path and load errors on
 //! it. The fake's table is process-wide: one test at a time.
 
-mod store_buffer;
+use crate::store_buffer;
 
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};

@@ -144,7 +144,7 @@ fn every_schema_key_is_a_field_and_every_field_a_key() {
 
 /// The `pub` fields of `NodeConfig`, read from its source.
 fn node_config_fields() -> Vec<String> {
-    let src = include_str!("../src/node/config.rs");
+    let src = include_str!("../../src/node/config.rs");
     let body = src
         .split("pub struct NodeConfig {")
         .nth(1)
@@ -159,7 +159,7 @@ fn node_config_fields() -> Vec<String> {
 
 #[test]
 fn docs_config_has_a_row_for_every_field_and_key() {
-    let doc = include_str!("../docs/config.md");
+    let doc = include_str!("../../docs/config.md");
     let rows: Vec<&str> = doc.lines().filter(|l| l.starts_with('|')).collect();
     let has_row = |name: &str| {
         let cell = format!("`{name}`");

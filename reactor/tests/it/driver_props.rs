@@ -1,6 +1,6 @@
 //! Property tests of the driver against random input sequences.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -1,0 +1,35 @@
+//! The integration tests of kvferry, one binary (each module was a test
+//! binary of its own; one link instead of many).
+
+mod bootstrap;
+mod data_plane_messages;
+mod e2e_abort_mid;
+mod e2e_aux_state;
+mod e2e_both;
+mod e2e_faults;
+mod e2e_lossy;
+mod e2e_mooncake;
+mod e2e_pp;
+mod e2e_push;
+mod e2e_ranks;
+mod e2e_string_ids;
+mod fuzz_seeds;
+mod hostnames;
+mod metrics;
+mod node_limits;
+mod probe_interval;
+mod scheduler;
+mod settings;
+mod store_buffer;
+mod store_inproc;
+mod store_kv_events;
+mod store_mooncake;
+mod store_redis;
+mod store_redis_cluster;
+mod store_scheduler;
+mod store_seeded_faults;
+mod store_server;
+mod transport_local;
+mod transport_mooncake;
+mod transport_tcp;
+mod transport_tcp_spin;
