@@ -26,79 +26,20 @@ pub const STORES: &str = "inproc, kvferry://HOST:PORT, redis://[user:password@]H
 /// `concurrency` in flight (the demo's defaults when `None`); exit status 1
 /// when a block was lost or wrong ([`StoreDemoReport::has_errors`]).
 pub fn main(store: &str, requests: Option<u64>, concurrency: Option<u64>, json: bool) -> ExitCode {
-    let mut demo = StoreDemo::default();
-    if let Some(n) = concurrency {
-        match u32::try_from(n) {
-            Ok(n) if n > 0 && n <= MAX_CONCURRENCY => demo.concurrency = n,
-            _ => {
-                eprintln!("kvferry demo: --concurrency {n}: 1 to {MAX_CONCURRENCY} with --store");
-                return ExitCode::from(2);
-            }
+    let demo = match shape(requests, concurrency) {
+        Ok(demo) => demo,
+        Err(reason) => {
+            eprintln!("kvferry demo: {reason}");
+            return ExitCode::from(2);
         }
-    }
-    if let Some(n) = requests {
-        match u32::try_from(n) {
-            Ok(n) if n > 0 => demo.requests = n,
-            _ => {
-                eprintln!(
-                    "kvferry demo: --requests {n}: 1 to {} with --store",
-                    u32::MAX
-                );
-                return ExitCode::from(2);
-            }
-        }
-    }
-    let report = if store == "inproc" {
-        run(&demo, InprocStore::new(InprocConfig::default()), json)
-    } else if store.starts_with("kvferry://") {
-        match RemoteStore::connect(RemoteConfig::from_url(store)) {
-            Ok(remote) => run(&demo, remote, json),
-            Err(e) => {
-                eprintln!("kvferry demo: --store {store}: {e}");
-                return ExitCode::from(1);
-            }
-        }
-    } else if store.starts_with("redis://") {
-        match RedisConfig::from_url(store) {
-            Ok(cfg) => run(&demo, RedisStore::new(cfg), json),
-            Err(e) => {
-                eprintln!("kvferry demo: --store {e}");
-                return ExitCode::from(2);
-            }
-        }
-    } else if store.starts_with("redis+cluster://") {
-        match ClusterConfig::from_url(store) {
-            Ok(cfg) => run(&demo, RedisClusterStore::new(cfg), json),
-            Err(e) => {
-                eprintln!("kvferry demo: --store {e}");
-                return ExitCode::from(2);
-            }
-        }
-    } else if store.starts_with("mooncake://") {
-        let cfg = match MooncakeStoreConfig::from_url(store) {
-            Ok(cfg) => cfg,
-            Err(e) => {
-                eprintln!("kvferry demo: --store {e}");
-                return ExitCode::from(2);
-            }
-        };
-        match MooncakeStore::connect(&cfg) {
-            Ok(s) => run(&demo, s, json),
-            Err(e) => {
-                eprintln!("kvferry demo: --store {store}: {e}");
-                return ExitCode::from(1);
-            }
-        }
-    } else {
-        eprintln!("kvferry demo: --store {store}: the stores are {STORES}");
-        return ExitCode::from(2);
     };
-    let report = match report {
-        Ok(r) => r,
-        Err(e) => {
+    let report = match open_and_run(store, &demo, json) {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
             eprintln!("kvferry demo: store: {e}");
             return ExitCode::from(1);
         }
+        Err(code) => return code,
     };
     if json {
         println!("{}", serde_json::to_string(&report).unwrap_or_default());
@@ -110,6 +51,59 @@ pub fn main(store: &str, requests: Option<u64>, concurrency: Option<u64>, json: 
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// The demo with `--requests` and `--concurrency` applied, or why not.
+fn shape(requests: Option<u64>, concurrency: Option<u64>) -> Result<StoreDemo, String> {
+    let mut demo = StoreDemo::default();
+    if let Some(n) = concurrency {
+        demo.concurrency = (u32::try_from(n).ok())
+            .filter(|n| (1..=MAX_CONCURRENCY).contains(n))
+            .ok_or_else(|| format!("--concurrency {n}: 1 to {MAX_CONCURRENCY} with --store"))?;
+    }
+    if let Some(n) = requests {
+        demo.requests = (u32::try_from(n).ok())
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("--requests {n}: 1 to {} with --store", u32::MAX))?;
+    }
+    Ok(demo)
+}
+
+/// Opens the store `store` names and runs the demo on it; `Err` is the
+/// exit status of a store that could not be opened (2: a bad URL, 1: an
+/// unreachable store), with its line printed.
+fn open_and_run(
+    store: &str,
+    demo: &StoreDemo,
+    json: bool,
+) -> Result<Result<StoreDemoReport, ConnectorError>, ExitCode> {
+    let unreachable = |e: &dyn std::fmt::Display| {
+        eprintln!("kvferry demo: --store {store}: {e}");
+        ExitCode::from(1)
+    };
+    let bad_url = |e: &dyn std::fmt::Display| {
+        eprintln!("kvferry demo: --store {e}");
+        ExitCode::from(2)
+    };
+    Ok(if store == "inproc" {
+        run(demo, InprocStore::new(InprocConfig::default()), json)
+    } else if store.starts_with("kvferry://") {
+        let remote = RemoteStore::connect(RemoteConfig::from_url(store));
+        run(demo, remote.map_err(|e| unreachable(&e))?, json)
+    } else if store.starts_with("redis://") {
+        let cfg = RedisConfig::from_url(store).map_err(|e| bad_url(&e))?;
+        run(demo, RedisStore::new(cfg), json)
+    } else if store.starts_with("redis+cluster://") {
+        let cfg = ClusterConfig::from_url(store).map_err(|e| bad_url(&e))?;
+        run(demo, RedisClusterStore::new(cfg), json)
+    } else if store.starts_with("mooncake://") {
+        let cfg = MooncakeStoreConfig::from_url(store).map_err(|e| bad_url(&e))?;
+        let s = MooncakeStore::connect(&cfg).map_err(|e| unreachable(&e))?;
+        run(demo, s, json)
+    } else {
+        eprintln!("kvferry demo: --store {store}: the stores are {STORES}");
+        return Err(ExitCode::from(2));
+    })
 }
 
 fn print_report(store: &str, r: &StoreDemoReport) {

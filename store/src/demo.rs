@@ -233,6 +233,12 @@ impl StoreDemo {
         (0..u64::from(self.shared_blocks)).chain(own).collect()
     }
 
+    /// Requests in flight at most: `concurrency`, or fewer when the run
+    /// has fewer requests; the pool holds this many requests' blocks.
+    fn slots(&self) -> u32 {
+        self.concurrency.min(self.requests).max(1)
+    }
+
     fn blocks_per_request(&self) -> u32 {
         self.shared_blocks + self.own_blocks
     }
@@ -258,8 +264,8 @@ impl StoreDemo {
             },
             medium: Medium::Cpu,
             limits: ConnectorLimits {
-                max_saves: self.concurrency as usize,
-                max_loads: self.concurrency as usize,
+                max_saves: self.slots() as usize,
+                max_loads: self.slots() as usize,
                 ..ConnectorLimits::default()
             },
         }
@@ -284,7 +290,7 @@ impl StoreDemo {
             return Err(too_large());
         }
         let block_words = usize::try_from(kv_block / 8).map_err(|_| too_large())?;
-        let pool = (self.concurrency.max(1))
+        let pool = (self.slots())
             .checked_mul(self.blocks_per_request())
             .ok_or_else(too_large)?;
         let mem = Memory::new(2 * self.layers, block_words, pool);
@@ -399,7 +405,7 @@ impl<'d> Run<'d> {
     /// save started.
     fn admit(&mut self) {
         let per = self.demo.blocks_per_request();
-        while self.live.len() < self.demo.concurrency as usize && self.next < self.demo.requests {
+        while self.live.len() < self.demo.slots() as usize && self.next < self.demo.requests {
             let r = self.next;
             self.next += 1;
             let hashes = self.demo.hashes(r);

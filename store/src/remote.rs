@@ -93,17 +93,22 @@ impl RemoteConfig {
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
 pub enum RemoteError {
-    /// `HOST:PORT` does not resolve.
-    #[error("store server {server:?}: {reason}")]
+    /// `HOST:PORT` does not resolve, or no route leads to it.
+    #[error("store server {server:?}: {source}")]
     Address {
         /// The address as given.
         server: String,
         /// Why.
-        reason: String,
+        #[source]
+        source: std::io::Error,
     },
     /// The data-plane endpoint could not start.
     #[error("the engine's data-plane endpoint: {0}")]
-    Endpoint(String),
+    Endpoint(#[from] TransportError),
+    /// The endpoint's executor thread could not start, or ended while
+    /// starting.
+    #[error("the engine's data-plane executor: {0}")]
+    Executor(#[source] std::io::Error),
 }
 
 /// What the executor thread is asked.
@@ -145,15 +150,15 @@ impl RemoteStore {
         let server = resolve(&cfg.server)?;
         let data_ip = match cfg.data_ip {
             Some(ip) => ip,
-            None => route_ip(server).map_err(|reason| RemoteError::Address {
+            None => route_ip(server).map_err(|source| RemoteError::Address {
                 server: cfg.server.clone(),
-                reason,
+                source,
             })?,
         };
         let (jobs, rx) = flume::bounded::<Job>(1);
         let round_trips = Arc::new(AtomicU64::new(0));
         let trips = Arc::clone(&round_trips);
-        let (ready_tx, ready_rx) = flume::bounded::<Result<(), String>>(1);
+        let (ready_tx, ready_rx) = flume::bounded::<Result<(), TransportError>>(1);
         let join = LocalExecutorBuilder::new(Placement::Unbound)
             .name("kvferry-store-remote")
             .spawn(move || async move {
@@ -161,7 +166,7 @@ impl RemoteStore {
                 let transport = match bound {
                     Ok(t) => t,
                     Err(e) => {
-                        let _ = ready_tx.send(Err(e.to_string()));
+                        let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
@@ -171,11 +176,14 @@ impl RemoteStore {
                     engine.run(job).await;
                 }
             })
-            .map_err(|e| RemoteError::Endpoint(e.to_string()))?;
+            .map_err(|e| RemoteError::Executor(e.into()))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(RemoteError::Endpoint(e)),
-            Err(_) => return Err(RemoteError::Endpoint("ended while starting".into())),
+            Err(_) => {
+                let gone = std::io::Error::other("ended while starting");
+                return Err(RemoteError::Executor(gone));
+            }
         }
         Ok(RemoteStore {
             jobs: Some(jobs),
@@ -388,24 +396,25 @@ impl StoreBackend for RemoteStore {
 }
 
 fn resolve(server: &str) -> Result<SocketAddr, RemoteError> {
-    let fail = |reason: String| RemoteError::Address {
+    let fail = |source: std::io::Error| RemoteError::Address {
         server: server.to_string(),
-        reason,
+        source,
     };
-    let mut addrs = server.to_socket_addrs().map_err(|e| fail(e.to_string()))?;
-    addrs.next().ok_or_else(|| fail("no address".into()))
+    let mut addrs = server.to_socket_addrs().map_err(fail)?;
+    let none = || std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
+    addrs.next().ok_or_else(|| fail(none()))
 }
 
 /// The local address of the route to `server` (a UDP socket's connect
 /// sends nothing).
-fn route_ip(server: SocketAddr) -> Result<IpAddr, String> {
+fn route_ip(server: SocketAddr) -> std::io::Result<IpAddr> {
     let any: SocketAddr = match server {
         SocketAddr::V4(_) => SocketAddr::from(([0, 0, 0, 0], 0)),
         SocketAddr::V6(_) => SocketAddr::from(([0u16; 8], 0)),
     };
-    let s = UdpSocket::bind(any).map_err(|e| e.to_string())?;
-    s.connect(server).map_err(|e| e.to_string())?;
-    Ok(s.local_addr().map_err(|e| e.to_string())?.ip())
+    let s = UdpSocket::bind(any)?;
+    s.connect(server)?;
+    Ok(s.local_addr()?.ip())
 }
 
 /// The executor's side: the endpoint, its fence and the control
@@ -606,12 +615,6 @@ async fn receive(stream: &mut TcpStream) -> Result<(u64, Reply), CallError> {
         proto::ReadError::Malformed(_) => CallError::Refused,
     })?;
     proto::decode_reply(&body).map_err(|_| CallError::Refused)
-}
-
-impl From<TransportError> for RemoteError {
-    fn from(e: TransportError) -> RemoteError {
-        RemoteError::Endpoint(e.to_string())
-    }
 }
 
 #[cfg(test)]

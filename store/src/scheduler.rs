@@ -1229,6 +1229,50 @@ mod tests {
     const NAMES: [&str; 4] = ["r0", "r1", "r2", "r3"];
     const PROMPT: [u32; 4] = [100, 64, 17, 130];
 
+    /// One step of the allocated requests among `reqs`: the metadata
+    /// round-trips, no block is saved twice, no request loads twice.
+    fn step_keeps_the_invariants(
+        s: &mut StoreScheduler,
+        lives: &mut [Option<Life>; 4],
+        reqs: &[(usize, u32)],
+    ) -> Result<(), TestCaseError> {
+        let none = blocks(0..0);
+        let mut seen = std::collections::HashSet::new();
+        let step: Vec<Scheduled> = (reqs.iter())
+            .filter(|(r, _)| lives[*r].as_ref().is_some_and(|l| l.allocated))
+            .filter(|(r, _)| seen.insert(*r))
+            .map(|(r, t)| Scheduled {
+                request_id: NAMES[*r],
+                num_scheduled_tokens: *t,
+                new_block_ids: &none,
+            })
+            .collect();
+        let meta = s.build_connector_meta(&step).unwrap();
+        prop_assert_eq!(StoreMeta::decode(&meta.encode()).unwrap(), meta.clone());
+        for save in &meta.saves {
+            let i = NAMES
+                .iter()
+                .position(|n| *n == save.request.request_id)
+                .unwrap();
+            let l = lives[i].as_mut().unwrap();
+            prop_assert_eq!(save.token_len % BT, 0);
+            prop_assert!(save.token_len <= l.prompt);
+            prop_assert!(save.token_len > l.last_save, "a block saved twice");
+            l.last_save = save.token_len;
+        }
+        for load in &meta.loads {
+            let i = NAMES
+                .iter()
+                .position(|n| *n == load.request.request_id)
+                .unwrap();
+            let l = lives[i].as_mut().unwrap();
+            l.loads += 1;
+            prop_assert_eq!(l.loads, 1, "loaded twice");
+            prop_assert!(load.hit.tokens > load.local_tokens);
+        }
+        Ok(())
+    }
+
     proptest! {
         #[test]
         fn random_calls_keep_the_invariants(ops in proptest::collection::vec(op(), 1..60)) {
@@ -1258,32 +1302,7 @@ mod tests {
                             Err(_) => prop_assert!(lives[req].is_none()),
                         }
                     }
-                    Op::Step { reqs } => {
-                        let none = blocks(0..0);
-                        let step: Vec<Scheduled> = reqs.iter()
-                            .filter(|(r, _)| lives[*r].as_ref().is_some_and(|l| l.allocated))
-                            .map(|(r, t)| Scheduled { request_id: NAMES[*r], num_scheduled_tokens: *t, new_block_ids: &none })
-                            .collect();
-                        let mut seen = std::collections::HashSet::new();
-                        let step: Vec<Scheduled> = step.into_iter().filter(|s| seen.insert(s.request_id)).collect();
-                        let meta = s.build_connector_meta(&step).unwrap();
-                        prop_assert_eq!(StoreMeta::decode(&meta.encode()).unwrap(), meta.clone());
-                        for save in &meta.saves {
-                            let i = NAMES.iter().position(|n| *n == save.request.request_id).unwrap();
-                            let l = lives[i].as_mut().unwrap();
-                            prop_assert_eq!(save.token_len % BT, 0);
-                            prop_assert!(save.token_len <= l.prompt);
-                            prop_assert!(save.token_len > l.last_save, "a block saved twice");
-                            l.last_save = save.token_len;
-                        }
-                        for load in &meta.loads {
-                            let i = NAMES.iter().position(|n| *n == load.request.request_id).unwrap();
-                            let l = lives[i].as_mut().unwrap();
-                            l.loads += 1;
-                            prop_assert_eq!(l.loads, 1, "loaded twice");
-                            prop_assert!(load.hit.tokens > load.local_tokens);
-                        }
-                    }
+                    Op::Step { reqs } => step_keeps_the_invariants(&mut s, &mut lives, &reqs)?,
                     Op::LoadsDone { req } => s.loads_finished(&[NAMES[req]]),
                     Op::Finish { req } => {
                         let b = blocks(0..1);

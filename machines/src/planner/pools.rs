@@ -8,7 +8,7 @@
 //! `ptr + item_len·index` per aux or state buffer.
 
 use super::{PlanError, Run, Scratch, Share, Sink, TpPair};
-use crate::layout::{BatchLimits, PoolKind, RankLayout, Side, POOLS_MAX};
+use crate::layout::{BatchLimits, Pool, PoolKind, RankLayout, Side, POOLS_MAX};
 
 /// How one pool of prefill maps onto the same pool of decode for one pair.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -121,28 +121,7 @@ pub(super) fn pair(
     let first_source = tp.sources_of(decode.tp_rank).next().map(|(r, _)| r);
     let mut maps = Vec::with_capacity(pp.len());
     for (i, (p, d)) in pp.iter().zip(dp).enumerate() {
-        if p.kind != d.kind {
-            return Err(PlanError::PoolMismatch {
-                pool: i,
-                why: "the kind",
-            });
-        }
-        if p.regions.len() != d.regions.len() {
-            return Err(PlanError::PoolMismatch {
-                pool: i,
-                why: "the buffer count",
-            });
-        }
-        for (r, (a, b)) in p.regions.iter().zip(&d.regions).enumerate() {
-            if a.item_len != b.item_len {
-                return Err(PlanError::PoolItemLen {
-                    pool: i,
-                    region: r,
-                    prefill: a.item_len,
-                    decode: b.item_len,
-                });
-            }
-        }
+        check_pool_pair(i, p, d)?;
         let moves = match p.kind {
             PoolKind::Aux => share.is_some() && first_source == Some(prefill.tp_rank),
             PoolKind::State if prefill.tp_size != decode.tp_size => {
@@ -168,6 +147,34 @@ pub(super) fn pair(
         });
     }
     Ok(maps)
+}
+
+/// Pool `i` of prefill (`p`) and of decode (`d`) must agree on their kind,
+/// their buffer count and each buffer's item length.
+fn check_pool_pair(i: usize, p: &Pool, d: &Pool) -> Result<(), PlanError> {
+    if p.kind != d.kind {
+        return Err(PlanError::PoolMismatch {
+            pool: i,
+            why: "the kind",
+        });
+    }
+    if p.regions.len() != d.regions.len() {
+        return Err(PlanError::PoolMismatch {
+            pool: i,
+            why: "the buffer count",
+        });
+    }
+    for (r, (a, b)) in p.regions.iter().zip(&d.regions).enumerate() {
+        if a.item_len != b.item_len {
+            return Err(PlanError::PoolItemLen {
+                pool: i,
+                region: r,
+                prefill: a.item_len,
+                decode: b.item_len,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Checks the index lists of the pools (prefill's and decode's, one per
