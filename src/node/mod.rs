@@ -252,6 +252,7 @@ fn new_shared(
 ) -> Result<Arc<Shared>, NodeError> {
     let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
     let node_id = NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed);
+    let (tracked_tx, tracked_rx) = flume::bounded(config.bridge_queue_capacity);
     Ok(Arc::new(Shared {
         role: config.role,
         node_id,
@@ -261,7 +262,8 @@ fn new_shared(
         endpoint: OnceLock::new(),
         peers: Mutex::new(Peers::default()),
         tickets: Mutex::new(HashMap::new()),
-        tracked: Mutex::new(Vec::new()),
+        tracked_tx,
+        tracked_rx,
         routes: Mutex::new(Routes::default()),
         counters: Arc::new(Counters::default()),
         records: Mutex::new(Records::default()),

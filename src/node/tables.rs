@@ -11,10 +11,12 @@
 //! |---|---|---|
 //! | `peers` (hellos by slot and by endpoint) | bridge | executor (planning), bridge |
 //! | `tickets` (heartbeat acks sent, prefill) | bridge | executor (grants over the data plane) |
-//! | `tracked` (transfers to tie to peers) | executor, engine threads | bridge (drains it) |
 //! | `routes` (resolved prefill ranks, decode) | bridge | engine threads (new requests) |
 //! | `records` (final phases) | executor | engine threads (`poll`, `get_finished`) |
 //! | `records.names` (string request ids) | engine threads, bridge | executor (`Pull`s), bridge |
+//!
+//! `tracked` (transfers to tie to their peers) is not a table but a
+//! bounded queue: the executor and engine threads send, the bridge drains.
 
 use kvferry_reactor::sync::lock;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -134,8 +136,10 @@ pub(crate) struct Shared {
     pub(crate) tickets: Mutex<HashMap<u32, VecDeque<(u64, Instant)>>>,
     /// Transfers whose messages went over the data plane, by peer slot, for
     /// the bridge to tie to that peer (so the peer's death fails them fast)
-    /// on its next turn.
-    pub(crate) tracked: Mutex<Vec<(u32, TransferId)>>,
+    /// on its next turn: a queue bounded by `bridge_queue_capacity`, which
+    /// the executor and engine threads send to and the bridge drains.
+    pub(crate) tracked_tx: flume::Sender<(u32, TransferId)>,
+    pub(crate) tracked_rx: flume::Receiver<(u32, TransferId)>,
     /// Decode side: the prefill ranks of each target the bridge resolved,
     /// while all of them are connected and alive, so an engine thread can
     /// hand a new request its peers without a trip through the bridge.
@@ -455,28 +459,26 @@ impl Shared {
     /// bridge's queue, past which the peer's death is left to the
     /// machines' own timeouts.
     pub(crate) fn track(&self, peer: u32, tid: TransferId) {
-        let mut t = lock(&self.tracked);
-        if t.len() < self.config.bridge_queue_capacity {
-            t.push((peer, tid));
+        match self.tracked_tx.try_send((peer, tid)) {
             // An otherwise idle bridge only turns once per heartbeat
             // interval; under load, wake it to take the queue now and then
             // (one eventfd write per `TRACK_WAKE_EVERY` entries).
-            if t.len().is_multiple_of(TRACK_WAKE_EVERY) {
-                drop(t);
-                self.waker.wake();
+            Ok(()) if self.tracked_tx.len().is_multiple_of(TRACK_WAKE_EVERY) => self.waker.wake(),
+            Ok(()) => {}
+            // Full (the receiver lives in `Shared` as long as the senders).
+            Err(_) => {
+                self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    limit = self.config.bridge_queue_capacity,
+                    "transfer not tied to its peer: bridge_queue_capacity reached"
+                );
             }
-        } else {
-            self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(
-                limit = self.config.bridge_queue_capacity,
-                "transfer not tied to its peer: bridge_queue_capacity reached"
-            );
         }
     }
 
     /// Takes what [`Shared::track`] queued.
     pub(crate) fn take_tracked(&self) -> Vec<(u32, TransferId)> {
-        std::mem::take(&mut *lock(&self.tracked))
+        self.tracked_rx.drain().collect()
     }
 
     pub(crate) fn routes(&self) -> std::sync::MutexGuard<'_, Routes> {

@@ -114,6 +114,14 @@ impl Session for AnySession {
         }
     }
 
+    async fn notify_peer(&self, payload: &[u8]) -> Result<bool, TransportError> {
+        match self {
+            AnySession::Local(s) => s.notify_peer(payload).await,
+            AnySession::Tcp(s) => s.notify_peer(payload).await,
+            AnySession::Mooncake(s) => s.notify_peer(payload).await,
+        }
+    }
+
     async fn close(self) {
         match self {
             AnySession::Local(s) => s.close().await,

@@ -417,6 +417,15 @@ pub trait Session {
         .await
     }
 
+    /// Hands `payload` to the peer's notification handler, apart from any
+    /// batch: `Ok(true)` once the handler took it, `Ok(false)` when this
+    /// transport carries no notifications and the caller delivers the
+    /// message its own way. The default carries none.
+    async fn notify_peer(&self, payload: &[u8]) -> Result<bool, TransportError> {
+        let _ = payload;
+        Ok(false)
+    }
+
     /// Closes the session's connections. In-flight batches on other clones
     /// fail with [`MisuseError::SessionClosed`] on their next use.
     async fn close(self);

@@ -302,31 +302,28 @@ async fn send_notes(
         Some(slot) => slot.lock().await.clone(),
         None => None,
     };
-    match session.as_deref() {
-        Some(AnySession::Tcp(s)) => {
-            let payload = wire::encode_notify(sender, batch.iter().map(|(_, _, f)| &f[..]));
-            match s.notify(&payload).await {
-                Ok(()) => true,
-                Err(e) => {
-                    if let TransportError::Peer(PeerError::Rejected {
-                        reason: RejectReason::Undeliverable,
-                        ..
-                    }) = e
-                    {
-                        tracing::info!(%endpoint, "peer takes no data-plane messages; using the side channel for it");
-                        let mut r = msgr.refusing.borrow_mut();
-                        if r.len() >= msgr.shared.config.max_data_sessions {
-                            r.clear();
-                        }
-                        r.insert(endpoint);
-                    } else {
-                        tracing::debug!(%endpoint, %e, "data-plane notification not taken; using the side channel");
-                    }
-                    false
-                }
+    let Some(s) = session.as_deref() else {
+        return false;
+    };
+    let payload = wire::encode_notify(sender, batch.iter().map(|(_, _, f)| &f[..]));
+    match s.notify_peer(&payload).await {
+        // `false`: the transport carries no messages; the side channel does.
+        Ok(taken) => taken,
+        Err(TransportError::Peer(PeerError::Rejected {
+            reason: RejectReason::Undeliverable,
+            ..
+        })) => {
+            tracing::info!(%endpoint, "peer takes no data-plane messages; using the side channel for it");
+            let mut r = msgr.refusing.borrow_mut();
+            if r.len() >= msgr.shared.config.max_data_sessions {
+                r.clear();
             }
+            r.insert(endpoint);
+            false
         }
-        // Neither carries messages: the side channel does.
-        Some(AnySession::Local(_) | AnySession::Mooncake(_)) | None => false,
+        Err(e) => {
+            tracing::debug!(%endpoint, %e, "data-plane notification not taken; using the side channel");
+            false
+        }
     }
 }

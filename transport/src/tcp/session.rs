@@ -603,6 +603,11 @@ struct Stream {
 }
 
 impl Session for TcpSession {
+    /// Notifications have a connection of their own ([`TcpSession::notify`]).
+    async fn notify_peer(&self, payload: &[u8]) -> Result<bool, TransportError> {
+        self.notify(payload).await.map(|()| true)
+    }
+
     async fn transfer(&self, op: Op, descs: &[Desc]) -> Result<(), TransportError> {
         let bound = self.inner.config.batch_timeout;
         self.inner
