@@ -21,7 +21,7 @@ use crate::shape::{cluster_spec, slot_blocks, with_default, DemoOptions};
 pub struct DemoOnlyArgs {
     #[arg(long, value_name = "N", conflicts_with = "soak",
           help = with_default(&format!("Requests to run ({} with --store)",
-                                       kvferry::store::StoreDemo::default().requests),
+                                       crate::store_demo::StoreDemo::default().requests),
                               |o| o.requests))]
     requests: Option<u64>,
     /// Also time a bare 256-byte ZeroMQ DEALER/ROUTER round trip, same run.

@@ -194,7 +194,7 @@ pub struct ShapeArgs {
     model: ModelArgs,
     #[arg(long, value_name = "C", value_parser = clap::value_parser!(u64).range(1..),
           help = with_default(&format!("Requests in flight ({} with --store)",
-                                       kvferry::store::StoreDemo::default().concurrency),
+                                       crate::store_demo::StoreDemo::default().concurrency),
                               |o| o.concurrency))]
     concurrency: Option<u64>,
     #[arg(long, value_name = "B", value_parser = clap::value_parser!(u32).range(1..),

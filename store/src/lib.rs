@@ -13,13 +13,10 @@
 //! * [`StoreConnector`]: `register_kv_caches`, `lookup`, `start_save`,
 //!   `start_load_kv`, `wait_for_save`, `get_finished`,
 //!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
-//! * [`StoreDemo`]: a synthetic engine's save, drop, lookup, load and
-//!   verify, for `kvferry demo --store`.
 
 pub mod backend;
 mod config;
 mod connector;
-pub mod demo;
 pub mod inproc;
 pub mod lookup_server;
 pub mod memory;
@@ -42,7 +39,6 @@ pub use config::{
     StoreRequest,
 };
 pub use connector::StoreConnector;
-pub use demo::{DemoProgress, StoreDemo, StoreDemoReport};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use lookup_server::{LookupClient, LookupServer};
 pub use memory::{MemoryError, RegisteredMemory};

@@ -12,7 +12,7 @@ use kvferry::machines::store::save::{SaveEnd, SaveKeyResult};
 use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
-    LoadMeta, PutItem, PutOutcome, SaveMeta, StoreBackend, StoreConnector, StoreDemo, StoreRequest,
+    LoadMeta, PutItem, PutOutcome, SaveMeta, StoreBackend, StoreConnector, StoreRequest,
 };
 
 const BLOCK_TOKENS: u32 = 16;
@@ -518,28 +518,6 @@ fn an_abort_mid_save_releases_once_after_the_put_in_flight_lands() {
     assert_eq!(c.get_finished(), (vec![], vec![]));
     assert!(entered.try_recv().is_err(), "no put after the abort");
     assert_eq!(store.stats().put_calls, 1);
-}
-
-#[test]
-fn the_demo_verifies_every_byte_it_loads() {
-    let demo = StoreDemo {
-        requests: 4,
-        concurrency: 2,
-        shared_blocks: 3,
-        own_blocks: 2,
-        layers: 2,
-        kv_heads: 2,
-        block_tokens: 4,
-        head_bytes: 16,
-        store: StoreConfig::default(),
-    };
-    let report = demo.run(InprocStore::new(InprocConfig::default())).unwrap();
-    assert_eq!(report.requests, 4);
-    assert_eq!(report.saved_blocks, 3 + 4 * 2);
-    assert_eq!(report.dedup_skipped, 3 * 3);
-    assert_eq!(report.lookup_hit_tokens, 4 * 5 * 4);
-    assert_eq!(report.loaded_blocks, 4 * 5);
-    assert_eq!((report.load_errors, report.verify_errors), (0, 0));
 }
 
 #[test]

@@ -9,7 +9,7 @@ use crate::store_buffer;
 
 use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RedisConfig, RedisStore, Scatter, Segment,
-    StoreBackend, StoreDemo,
+    StoreBackend,
 };
 use store_buffer::{far, key, Buffer};
 
@@ -88,22 +88,6 @@ impl Drop for Redis {
     fn drop(&mut self) {
         self.kill();
     }
-}
-
-#[test]
-fn the_demo_over_redis_verifies_every_byte() {
-    let srv = Redis::start(&[]);
-    let report = StoreDemo {
-        requests: 64,
-        ..StoreDemo::default()
-    }
-    .run(srv.store())
-    .unwrap();
-    assert_eq!(report.verify_errors, 0);
-    assert_eq!(report.load_errors, 0);
-    assert!(report.loaded_blocks > 0 && report.dedup_skipped > 0);
-    let keys: u64 = redis::cmd("DBSIZE").query(&mut srv.client()).unwrap();
-    assert_eq!(keys, report.saved_blocks);
 }
 
 #[test]

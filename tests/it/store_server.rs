@@ -10,7 +10,7 @@ use crate::store_buffer;
 use kvferry::store::proto::{self, Answer, Refusal, Request};
 use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RemoteConfig, RemoteStore, Scatter,
-    Segment, StoreBackend, StoreDemo,
+    Segment, StoreBackend,
 };
 use kvferry_store_server::{ServeConfig, StoreServer};
 use store_buffer::{far, key, Buffer};
@@ -27,24 +27,6 @@ fn server(capacity_bytes: u64) -> StoreServer {
 fn remote(server: &StoreServer) -> RemoteStore {
     let url = format!("kvferry://{}", server.local_addr());
     RemoteStore::connect(RemoteConfig::from_url(&url)).unwrap()
-}
-
-#[test]
-fn the_demo_over_the_server_verifies_every_byte() {
-    let srv = server(256 << 20);
-    let report = StoreDemo {
-        requests: 64,
-        ..StoreDemo::default()
-    }
-    .run(remote(&srv))
-    .unwrap();
-    assert_eq!(report.verify_errors, 0);
-    assert_eq!(report.load_errors, 0);
-    assert!(report.loaded_blocks > 0 && report.dedup_skipped > 0);
-    let stats = srv.stats();
-    assert_eq!(stats.commits, report.saved_blocks);
-    assert!(stats.hits >= report.loaded_blocks);
-    assert!(stats.bytes_in > 0 && stats.bytes_out > 0);
 }
 
 #[test]

@@ -179,21 +179,26 @@ fn demo_against_a_store_server_process_verifies_every_byte() {
     use std::io::{BufRead, BufReader};
     let mut server = Command::new(env!("CARGO_BIN_EXE_kvferry"))
         .args(["store", "serve", "--listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
         .args(["--capacity-bytes", "268435456"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("spawn kvferry store serve");
-    let mut line = String::new();
     let out = server.stdout.take().expect("piped stdout");
-    BufReader::new(out)
-        .read_line(&mut line)
-        .expect("its first line");
-    let url = line
+    let mut lines = BufReader::new(out).lines();
+    let mut line = || lines.next().and_then(Result::ok).unwrap_or_default();
+    let url = line()
         .trim()
         .strip_prefix("listening on ")
         .unwrap_or_default()
         .to_string();
-    let (code, r) = demo(&["--store", &url, "--requests", "6", "--json"]);
+    let metrics = line();
+    let metrics = (metrics.trim().strip_prefix("metrics on http://"))
+        .and_then(|m| m.strip_suffix("/metrics"))
+        .unwrap_or_default()
+        .to_string();
+    let (code, r) = demo(&["--store", &url, "--requests", "64", "--json"]);
+    let commits = crate::store_kill::metric(&metrics, "kvferry_store_commits_total");
     // Signals end it cleanly (its stats on stderr); kill as a fallback.
     // SAFETY: a child process we spawned and have not reaped.
     unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
@@ -202,10 +207,54 @@ fn demo_against_a_store_server_process_verifies_every_byte() {
     assert_eq!(r["verify_errors"], 0);
     assert_eq!(r["load_errors"], 0);
     assert!(r["loaded_blocks"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(
+        r["saved_blocks"], commits,
+        "each block the demo stored, committed once"
+    );
     assert!(
         status.success(),
         "SIGTERM stops the server cleanly: {status}"
     );
+}
+
+/// `--store redis://` against a `redis-server` of the test's own: every
+/// block the demo says it stored is one key in Redis.
+#[test]
+fn demo_against_redis_verifies_every_byte() {
+    let port = kvferry_testkit::server_port().to_string();
+    let mut redis = Command::new("redis-server")
+        .args(["--port", &port, "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server (scripts/test.sh installs it)");
+    let cli = |cmd: &str| {
+        let out = Command::new("redis-cli").args(["-p", &port, cmd]).output();
+        out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while cli("ping") != "PONG" {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "redis-server answered no PING"
+        );
+        // Between attempts to reach a server still starting.
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let url = format!("redis://127.0.0.1:{port}");
+    let (code, r) = demo(&["--store", &url, "--requests", "64", "--json"]);
+    let keys: u64 = cli("dbsize").parse().unwrap_or(0);
+    let _ = redis.kill();
+    let _ = redis.wait();
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(
+        (&r["verify_errors"], &r["load_errors"]),
+        (&0.into(), &0.into()),
+        "{r}"
+    );
+    assert!(r["dedup_skipped"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["saved_blocks"], keys, "each stored block is one key: {r}");
 }
 
 /// `--transport mooncake` with the library from `MOONCAKE_TE_LIB` (the fake

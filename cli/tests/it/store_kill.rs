@@ -363,7 +363,7 @@ fn demo_outlives_its_store(
 }
 
 /// A counter of a `/metrics` page, 0 when it cannot be read.
-fn metric(addr: &str, name: &str) -> u64 {
+pub(crate) fn metric(addr: &str, name: &str) -> u64 {
     use std::io::Write;
     let Ok(mut s) = std::net::TcpStream::connect(addr) else {
         return 0;

@@ -1,16 +1,18 @@
 //! `kvferry demo --store STORE`: a synthetic engine saves the KV of
 //! requests that share prefixes to a store, drops its copy, looks them up
-//! again, loads the hits and verifies every byte (`kvferry::store::demo`).
+//! again, loads the hits and verifies every byte ([`engine`]).
 
 use std::process::ExitCode;
 
-use kvferry::store::demo::StoreDemo;
 use kvferry::store::inproc::{InprocConfig, InprocStore};
 use kvferry::store::{
-    ClusterConfig, ConnectorError, DemoProgress, MooncakeStore, MooncakeStoreConfig,
-    RedisClusterStore, RedisConfig, RedisStore, RemoteConfig, RemoteStore, StoreBackend,
-    StoreDemoReport,
+    ClusterConfig, ConnectorError, MooncakeStore, MooncakeStoreConfig, RedisClusterStore,
+    RedisConfig, RedisStore, RemoteConfig, RemoteStore, StoreBackend,
 };
+
+mod engine;
+
+pub use engine::{DemoProgress, StoreDemo, StoreDemoReport};
 use std::io::IsTerminal;
 
 /// Most requests in flight with `--store`: the pool is this many requests'

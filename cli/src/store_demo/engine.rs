@@ -19,17 +19,17 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, TransferId};
-use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry_machines::store::events::Medium;
-use kvferry_machines::store::load::{LoadEnd, LoadKeyResult, LoadReport};
-use kvferry_machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
-use kvferry_machines::store::{BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig};
-
-use super::backend::StoreBackend;
-use super::config::{ConnectorConfig, ConnectorError, ConnectorLimits, LoadMeta, SaveMeta};
-use super::{StoreConnector, StoreRequest};
-use kvferry_metrics::Latency;
+use kvferry::machines::common::{BlockId, TransferId};
+use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry::machines::store::events::Medium;
+use kvferry::machines::store::load::{LoadEnd, LoadKeyResult, LoadReport};
+use kvferry::machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
+use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig};
+use kvferry::store::{
+    ConnectorConfig, ConnectorError, ConnectorLimits, LoadMeta, SaveMeta, StoreBackend,
+    StoreConnector, StoreRequest,
+};
+use kvferry::Latency;
 
 /// The synthetic workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,14 +271,10 @@ impl StoreDemo {
         }
     }
 
-    /// Runs the demo against `backend`.
-    pub fn run<B: StoreBackend>(&self, backend: B) -> Result<StoreDemoReport, ConnectorError> {
-        self.run_observed(backend, &mut |_| {})
-    }
-
-    /// [`StoreDemo::run`], telling `progress` each time a request's save
-    /// or load ends (for a progress bar). Errors only when the connector
-    /// cannot start: a store failing midway is counted in the report.
+    /// Runs the demo against `backend`, telling `progress` each time a
+    /// request's save or load ends (for a progress bar). Errors only when
+    /// the connector cannot start: a store failing midway is counted in
+    /// the report.
     pub fn run_observed<B: StoreBackend>(
         &self,
         backend: B,
@@ -312,7 +308,7 @@ impl StoreDemo {
 /// A shape whose pool cannot be addressed, or whose blocks are not whole
 /// words.
 fn too_large() -> ConnectorError {
-    ConnectorError::Config(kvferry_machines::common::InputError::Misuse(
+    ConnectorError::Config(kvferry::machines::common::InputError::Misuse(
         "the demo's blocks must be whole 8-byte words and its pool addressable",
     ))
 }
@@ -607,5 +603,34 @@ fn gbps(bytes: u64, time: Duration) -> f64 {
         bytes as f64 / s / 1e9
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvferry::store::inproc::{InprocConfig, InprocStore};
+
+    #[test]
+    fn the_demo_verifies_every_byte_it_loads() {
+        let demo = StoreDemo {
+            requests: 4,
+            concurrency: 2,
+            shared_blocks: 3,
+            own_blocks: 2,
+            layers: 2,
+            kv_heads: 2,
+            block_tokens: 4,
+            head_bytes: 16,
+            store: StoreConfig::default(),
+        };
+        let store = InprocStore::new(InprocConfig::default());
+        let report = demo.run_observed(store, &mut |_| {}).unwrap();
+        assert_eq!(report.requests, 4);
+        assert_eq!(report.saved_blocks, 3 + 4 * 2);
+        assert_eq!(report.dedup_skipped, 3 * 3);
+        assert_eq!(report.lookup_hit_tokens, 4 * 5 * 4);
+        assert_eq!(report.loaded_blocks, 4 * 5);
+        assert_eq!((report.load_errors, report.verify_errors), (0, 0));
     }
 }
