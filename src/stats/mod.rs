@@ -16,12 +16,10 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use prometheus_client::collector::Collector;
+use kvferry_metrics::{Family, Kind};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Registry;
 
 use kvferry_machines::{FailReason, Phase};
 
@@ -89,9 +87,9 @@ macro_rules! counters {
                 ]
             }
 
-            /// `(family, help, value)` of every plain counter.
-            fn plain(&self) -> Vec<(&'static str, &'static str, u64)> {
-                vec![$(($family, $help, self.$field),)*]
+            /// Every plain counter as a metric family.
+            fn plain(&self) -> Vec<Family> {
+                vec![$(Family { name: $family, help: $help, kind: Kind::Counter, value: self.$field },)*]
             }
         }
 
@@ -236,61 +234,48 @@ impl Counters {
 
 /// Renders `counters` as OpenMetrics text (which Prometheus scrapes).
 pub(crate) fn render(counters: &std::sync::Arc<Counters>) -> String {
-    let mut registry = Registry::default();
-    registry.register_collector(Box::new(Scrape(counters.clone())));
-    let mut out = String::with_capacity(4096);
-    // Writing to a String cannot fail, and the collector only fails when
-    // the writer does.
-    let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
-    out
+    let counters = counters.clone();
+    kvferry_metrics::render(move |encoder| scrape(&counters, encoder))
 }
 
-/// Reads the counters at scrape time.
-#[derive(Debug)]
-struct Scrape(std::sync::Arc<Counters>);
-
-impl Collector for Scrape {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let s = self.0.snapshot();
-        let by_outcome = [
-            ("ok", s.ok),
-            ("failed", s.failed - s.aborted),
-            ("aborted", s.aborted),
-            ("expired", s.expired),
-        ];
-        let mut family = encoder.encode_descriptor(
-            "kvferry_transfers",
-            "Requests finished, by outcome.",
-            None,
-            MetricType::Counter,
-        )?;
-        for (outcome, n) in by_outcome {
-            let labels = [("outcome", outcome)];
-            ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
-        }
-        for (name, help, value) in s.plain() {
-            let c = ConstCounter::new(value);
-            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
-        }
-        let g = ConstGauge::new(s.dead_now as i64);
-        g.encode(encoder.encode_descriptor(
-            "kvferry_peers_dead",
-            "Peers marked dead now.",
-            None,
-            g.metric_type(),
-        )?)?;
-        let latency = self.0.latency();
-        let buckets = latency.buckets();
-        let bounds = LATENCY_BUCKETS_S.iter().copied().chain([f64::MAX]);
-        let pairs: Vec<(f64, u64)> = bounds.zip(buckets).collect();
-        let m = encoder.encode_descriptor(
-            "kvferry_transfer_duration_seconds",
-            "Latency of successful requests, first report to completion.",
-            None,
-            MetricType::Histogram,
-        )?;
-        encode_histogram(m, latency.sum().as_secs_f64(), latency.count(), &pairs)
+/// Encodes the counters, read at scrape time.
+fn scrape(counters: &Counters, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let s = counters.snapshot();
+    let by_outcome = [
+        ("ok", s.ok),
+        ("failed", s.failed - s.aborted),
+        ("aborted", s.aborted),
+        ("expired", s.expired),
+    ];
+    let mut family = encoder.encode_descriptor(
+        "kvferry_transfers",
+        "Requests finished, by outcome.",
+        None,
+        MetricType::Counter,
+    )?;
+    for (outcome, n) in by_outcome {
+        let labels = [("outcome", outcome)];
+        ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
     }
+    kvferry_metrics::encode_families(encoder, &s.plain())?;
+    let dead_now = Family {
+        name: "kvferry_peers_dead",
+        help: "Peers marked dead now.",
+        kind: Kind::Gauge,
+        value: s.dead_now,
+    };
+    kvferry_metrics::encode_families(encoder, &[dead_now])?;
+    let latency = counters.latency();
+    let buckets = latency.buckets();
+    let bounds = LATENCY_BUCKETS_S.iter().copied().chain([f64::MAX]);
+    let pairs: Vec<(f64, u64)> = bounds.zip(buckets).collect();
+    let m = encoder.encode_descriptor(
+        "kvferry_transfer_duration_seconds",
+        "Latency of successful requests, first report to completion.",
+        None,
+        MetricType::Histogram,
+    )?;
+    encode_histogram(m, latency.sum().as_secs_f64(), latency.count(), &pairs)
 }
 
 fn encode_histogram(
@@ -358,9 +343,9 @@ mod tests {
         assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
         check_exposition(&text);
         // One TYPE line per family, every plain counter among them.
-        for (family, _, _) in s.plain() {
-            let declared = format!("# TYPE {family} counter");
-            assert_eq!(text.matches(&declared).count(), 1, "{family}\n{text}");
+        for family in s.plain() {
+            let declared = format!("# TYPE {} counter", family.name);
+            assert_eq!(text.matches(&declared).count(), 1, "{declared}\n{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");
     }

@@ -108,87 +108,48 @@ pub enum ServeError {
     Executor(String),
 }
 
-/// What a server counts, shared with the metrics endpoint.
-#[derive(Debug, Default)]
-pub struct ServerCounters {
-    hits: AtomicU64,
-    misses: AtomicU64,
-    evictions: AtomicU64,
-    removals: AtomicU64,
-    commits: AtomicU64,
-    full: AtomicU64,
-    stored_bytes: AtomicU64,
-    used_bytes: AtomicU64,
-    values: AtomicU64,
-    capacity_bytes: AtomicU64,
-    bytes_in: AtomicU64,
-    bytes_out: AtomicU64,
-    requests: AtomicU64,
-    refused: AtomicU64,
-    connections: AtomicU64,
-    transfer_failures: AtomicU64,
-}
-
-/// A snapshot of [`ServerCounters`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct ServerStats {
+kvferry_metrics::counter_set! {
+    /// What a server counts, shared with the metrics endpoint.
+    #[derive(Debug, Default)]
+    pub struct ServerCounters;
+    /// A snapshot of [`ServerCounters`].
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+    pub struct ServerStats;
     /// Gets of a stored value.
-    pub hits: u64,
+    hits: Counter "kvferry_store_hits", "gets of a stored value";
     /// Gets of a key not stored.
-    pub misses: u64,
+    misses: Counter "kvferry_store_misses", "gets of a key not stored";
     /// Values evicted to make room.
-    pub evictions: u64,
+    evictions: Counter "kvferry_store_evictions", "values evicted to make room";
     /// Values removed on request.
-    pub removals: u64,
+    removals: Counter "kvferry_store_removals", "values removed on request";
     /// Puts committed.
-    pub commits: u64,
+    commits: Counter "kvferry_store_commits", "puts committed";
     /// Puts refused for want of room.
-    pub full: u64,
+    full: Counter "kvferry_store_full", "puts refused for want of room";
     /// Bytes of stored values.
-    pub stored_bytes: u64,
+    stored_bytes: Gauge "kvferry_store_stored_bytes", "bytes of stored values";
     /// Bytes stored or being written.
-    pub used_bytes: u64,
+    used_bytes: Gauge "kvferry_store_used_bytes", "bytes stored or being written";
     /// Values stored.
-    pub values: u64,
+    values: Gauge "kvferry_store_values", "values stored";
     /// The arena's size.
-    pub capacity_bytes: u64,
+    capacity_bytes: Gauge "kvferry_store_capacity_bytes", "bytes of the arena";
     /// Bytes read from engines (puts).
-    pub bytes_in: u64,
+    bytes_in: Counter "kvferry_store_read_bytes", "bytes read from engines";
     /// Bytes written to engines (gets).
-    pub bytes_out: u64,
+    bytes_out: Counter "kvferry_store_written_bytes", "bytes written to engines";
     /// Requests answered.
-    pub requests: u64,
+    requests: Counter "kvferry_store_requests", "requests answered";
     /// Requests refused as a whole (malformed, no hello, unreachable).
-    pub refused: u64,
+    refused: Counter "kvferry_store_refused", "requests refused as a whole";
     /// Engine connections open now.
-    pub connections: u64,
+    connections: Gauge "kvferry_store_connections", "engine connections open";
     /// Batches whose bytes did not move (engine gone, fenced, timeout).
-    pub transfer_failures: u64,
+    transfer_failures: Counter "kvferry_store_transfer_failures", "batches whose bytes did not move";
 }
 
 impl ServerCounters {
-    fn load(&self) -> ServerStats {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        ServerStats {
-            hits: g(&self.hits),
-            misses: g(&self.misses),
-            evictions: g(&self.evictions),
-            removals: g(&self.removals),
-            commits: g(&self.commits),
-            full: g(&self.full),
-            stored_bytes: g(&self.stored_bytes),
-            used_bytes: g(&self.used_bytes),
-            values: g(&self.values),
-            capacity_bytes: g(&self.capacity_bytes),
-            bytes_in: g(&self.bytes_in),
-            bytes_out: g(&self.bytes_out),
-            requests: g(&self.requests),
-            refused: g(&self.refused),
-            connections: g(&self.connections),
-            transfer_failures: g(&self.transfer_failures),
-        }
-    }
-
     fn publish(&self, s: &SpaceStats) {
         let p = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
         p(&self.hits, s.hits);
@@ -207,60 +168,10 @@ impl ServerCounters {
     }
 }
 
-/// Name (after `kvferry_store_`), type, help and value of each metric.
-fn metric_rows(s: &ServerStats) -> [(&'static str, &'static str, &'static str, u64); 16] {
-    let c = "counter";
-    let g = "gauge";
-    [
-        ("hits_total", c, "gets of a stored value", s.hits),
-        ("misses_total", c, "gets of a key not stored", s.misses),
-        (
-            "evictions_total",
-            c,
-            "values evicted to make room",
-            s.evictions,
-        ),
-        ("removals_total", c, "values removed on request", s.removals),
-        ("commits_total", c, "puts committed", s.commits),
-        ("full_total", c, "puts refused for want of room", s.full),
-        ("stored_bytes", g, "bytes of stored values", s.stored_bytes),
-        (
-            "used_bytes",
-            g,
-            "bytes stored or being written",
-            s.used_bytes,
-        ),
-        ("values", g, "values stored", s.values),
-        ("capacity_bytes", g, "bytes of the arena", s.capacity_bytes),
-        ("read_bytes_total", c, "bytes read from engines", s.bytes_in),
-        (
-            "written_bytes_total",
-            c,
-            "bytes written to engines",
-            s.bytes_out,
-        ),
-        ("requests_total", c, "requests answered", s.requests),
-        ("refused_total", c, "requests refused as a whole", s.refused),
-        ("connections", g, "engine connections open", s.connections),
-        (
-            "transfer_failures_total",
-            c,
-            "batches whose bytes did not move",
-            s.transfer_failures,
-        ),
-    ]
-}
-
-/// The Prometheus text of a server's stats.
+/// The OpenMetrics text of a server's stats.
 pub fn metrics_text(s: &ServerStats) -> String {
-    let mut out = String::new();
-    for (name, kind, help, v) in metric_rows(s) {
-        let name = format!("kvferry_store_{name}");
-        out.push_str(&format!(
-            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
-        ));
-    }
-    out
+    let families = s.families();
+    kvferry_metrics::render(move |encoder| kvferry_metrics::encode_families(encoder, &families))
 }
 
 /// A running store server; dropping it stops it.
