@@ -20,7 +20,7 @@ use crate::cli::UsageError;
 
 /// `--baseline`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BaselineArg {
+pub(crate) enum BaselineArg {
     /// iperf3 over loopback (must be on PATH); the ratio is of throughput.
     Iperf3,
     /// Two threads (pinned like the executors) busy-polling one blocking

@@ -27,7 +27,7 @@ use crate::sweep::{self, SweepArgs};
 
 /// `kvferry bench ...`.
 #[derive(Clone, Debug, Subcommand)]
-pub enum BenchCommand {
+pub(crate) enum BenchCommand {
     /// Transport throughput and latency on loopback, next to memcpy.
     #[command(allow_negative_numbers = true)]
     Transport(TransportArgs),
@@ -37,7 +37,7 @@ pub enum BenchCommand {
 
 /// The options of `kvferry bench transport`.
 #[derive(Clone, Debug, Args)]
-pub struct TransportArgs {
+pub(crate) struct TransportArgs {
     /// Transport to measure.
     #[arg(long, default_value_t = TransportArg::Tcp)]
     transport: TransportArg,
@@ -125,7 +125,7 @@ impl std::fmt::Display for OpArg {
 }
 
 /// Entry point of `kvferry bench transport`.
-pub fn main(a: &TransportArgs) -> ExitCode {
+pub(crate) fn main(a: &TransportArgs) -> ExitCode {
     let run = if a.sweep.sweep {
         params(a).and_then(|(p, _)| sweep::main(&p, &a.sweep))
     } else {

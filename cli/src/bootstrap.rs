@@ -10,7 +10,7 @@ use kvferry::bootstrap::{BootstrapServer, DEFAULT_PORT};
 
 /// The options of `kvferry bootstrap`.
 #[derive(Clone, Debug, Args)]
-pub struct BootstrapArgs {
+pub(crate) struct BootstrapArgs {
     /// Address to listen on (0.0.0.0:PORT serves every interface; the host
     /// may be a name, bound at its address).
     #[arg(long, value_name = "ADDR", default_value_t = format!("127.0.0.1:{DEFAULT_PORT}"))]
@@ -18,7 +18,7 @@ pub struct BootstrapArgs {
 }
 
 /// Entry point of `kvferry bootstrap`.
-pub fn main(a: &BootstrapArgs) -> ExitCode {
+pub(crate) fn main(a: &BootstrapArgs) -> ExitCode {
     let listen = a.listen.as_str();
     // Block the signals before any thread exists so every thread inherits the
     // mask and only `sigwait` below ever sees them: no handler runs inside

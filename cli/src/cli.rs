@@ -48,7 +48,7 @@ enum Command {
 /// `kvferry demo` and `kvferry demo --soak`: one request shape, the options
 /// of either run.
 #[derive(Debug, Args)]
-pub struct DemoArgs {
+pub(crate) struct DemoArgs {
     #[command(flatten)]
     pub shape: ShapeArgs,
     #[command(flatten)]
@@ -63,7 +63,7 @@ pub struct DemoArgs {
 /// A usage error found after parsing (a value out of range given the
 /// others), printed as one line before exiting with status 2.
 #[derive(Debug)]
-pub struct UsageError(pub String);
+pub(crate) struct UsageError(pub String);
 
 impl std::fmt::Display for UsageError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -73,7 +73,7 @@ impl std::fmt::Display for UsageError {
 
 /// Prints `reason` as exactly one line after `command` and returns the
 /// usage-error status.
-pub fn usage_error(command: &str, reason: &str) -> ExitCode {
+pub(crate) fn usage_error(command: &str, reason: &str) -> ExitCode {
     let line: String = reason
         .chars()
         .map(|c| if c.is_control() { ' ' } else { c })
@@ -83,7 +83,7 @@ pub fn usage_error(command: &str, reason: &str) -> ExitCode {
 }
 
 /// Parses `argv` (with the program name first) and runs the command.
-pub fn run(argv: impl IntoIterator<Item = OsString>) -> ExitCode {
+pub(crate) fn run(argv: impl IntoIterator<Item = OsString>) -> ExitCode {
     let argv: Vec<OsString> = argv.into_iter().collect();
     let cli = match Cli::try_parse_from(&argv) {
         Ok(cli) => cli,

@@ -22,7 +22,7 @@ use crate::shape::{slot_blocks, DemoOptions, ModelArgs};
 
 /// The options of `kvferry decode`.
 #[derive(Clone, Debug, Args)]
-pub struct DecodeArgs {
+pub(crate) struct DecodeArgs {
     #[command(flatten)]
     rank: RankArgs,
     /// This decode engine's own id [default: decode-PID].
@@ -264,7 +264,7 @@ impl Pull<'_> {
 }
 
 /// `kvferry decode`.
-pub fn main(a: &DecodeArgs) -> ExitCode {
+pub(crate) fn main(a: &DecodeArgs) -> ExitCode {
     match run(a) {
         Ok(r) => {
             print_report(&r, a.json);

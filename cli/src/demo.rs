@@ -18,7 +18,7 @@ use crate::shape::{cluster_spec, slot_blocks, with_default, DemoOptions};
 
 /// The options of `kvferry demo` that the soak does not take.
 #[derive(Clone, Debug, Args)]
-pub struct DemoOnlyArgs {
+pub(crate) struct DemoOnlyArgs {
     #[arg(long, value_name = "N", conflicts_with = "soak",
           help = with_default(&format!("Requests to run ({} with --store)",
                                        crate::store_demo::StoreDemo::default().requests),
@@ -51,11 +51,11 @@ pub struct DemoOnlyArgs {
 }
 
 /// Most request ids a report lists in `failed_request_ids`.
-pub const MAX_FAILED_IDS: usize = 64;
+pub(crate) const MAX_FAILED_IDS: usize = 64;
 
 /// What the demo measured.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct DemoReport {
+pub(crate) struct DemoReport {
     /// Requests run.
     pub requests: u64,
     /// Ended in `Success` on every decode rank.
@@ -110,7 +110,7 @@ pub struct DemoReport {
 /// Control messages dropped by fault injection and resent, per channel,
 /// summed over the nodes of a run.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct ControlReport {
+pub(crate) struct ControlReport {
     /// Dropped instead of sent over the side channel (ZeroMQ).
     pub dropped_sidechannel: u64,
     /// Dropped instead of sent in a data-plane notification.
@@ -143,7 +143,7 @@ impl ControlReport {
 /// How the prefill ranks ended their requests, one outcome per prefill
 /// rank and request.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct PrefillReport {
+pub(crate) struct PrefillReport {
     /// Ended in `Success`.
     pub ok: u64,
     /// Ended `Failed`.
@@ -197,7 +197,7 @@ impl PrefillReport {
 /// loopback: the yardstick for the control plane's added latency. With
 /// `two_contexts` the DEALER has its own context (its own I/O thread), as
 /// when the two ends live in different processes.
-pub fn zmq_baseline(n: usize, two_contexts: bool) -> Result<(f64, f64), String> {
+pub(crate) fn zmq_baseline(n: usize, two_contexts: bool) -> Result<(f64, f64), String> {
     let e = |e: zmq::Error| e.to_string();
     let ctx = zmq::Context::new();
     let router = ctx.socket(zmq::ROUTER).map_err(e)?;
@@ -243,7 +243,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Runs the demo. `progress` draws a progress bar on stderr.
-pub fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
+pub(crate) fn run_demo(o: &DemoOptions, progress: bool) -> Result<DemoReport, String> {
     let slots = o.concurrency.min(o.requests.max(1));
     let spec = cluster_spec(o, slots)?;
     let c = Cluster::start(&spec).map_err(|e| e.to_string())?;
@@ -501,7 +501,7 @@ impl Demo<'_> {
 }
 
 /// `kvferry demo`.
-pub fn main(a: &DemoArgs) -> ExitCode {
+pub(crate) fn main(a: &DemoArgs) -> ExitCode {
     if let Some(store) = &a.demo.store {
         return crate::store_demo::main(store, a.demo.requests, a.shape.concurrency(), a.json);
     }
@@ -547,7 +547,7 @@ pub fn main(a: &DemoArgs) -> ExitCode {
 }
 
 /// Prints the summary (one JSON object with `--json`).
-pub fn print_report(r: &DemoReport, json: bool) {
+pub(crate) fn print_report(r: &DemoReport, json: bool) {
     if json {
         println!("{}", serde_json::to_string(r).unwrap_or_default());
     } else {

@@ -13,14 +13,14 @@ use crate::cli::usage_error;
 
 /// The options of `kvferry plan`.
 #[derive(Clone, Debug, Args)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// The JSON spec (- reads it from stdin).
     #[arg(long, value_name = "FILE")]
     spec: PathBuf,
 }
 
 /// Entry point of `kvferry plan`.
-pub fn main(a: &PlanArgs) -> ExitCode {
+pub(crate) fn main(a: &PlanArgs) -> ExitCode {
     let path = a.spec.as_path();
     let text = match read_spec(path) {
         Ok(text) => text,

@@ -24,7 +24,7 @@ use crate::shape::{DemoOptions, ModelArgs};
 
 /// The options of `kvferry prefill`.
 #[derive(Clone, Debug, Args)]
-pub struct PrefillArgs {
+pub(crate) struct PrefillArgs {
     #[command(flatten)]
     rank: RankArgs,
     /// Serve the bootstrap service at --bootstrap instead of using one there.
@@ -50,7 +50,7 @@ pub struct PrefillArgs {
 /// Where a rank finds the bootstrap service and which TP rank it is: the
 /// options `prefill` and `decode` share.
 #[derive(Clone, Debug, Args)]
-pub struct RankArgs {
+pub(crate) struct RankArgs {
     /// Address of the bootstrap service (HOST:PORT; the host may be a
     /// name, looked up again at every attempt).
     #[arg(long, value_name = "ADDR")]
@@ -80,7 +80,7 @@ pub struct RankArgs {
 impl RankArgs {
     /// A node config of `role` for this rank, with the model options' mode,
     /// transport and deadlines.
-    pub fn node_config(&self, role: Role, engine_id: String, o: &DemoOptions) -> NodeConfig {
+    pub(crate) fn node_config(&self, role: Role, engine_id: String, o: &DemoOptions) -> NodeConfig {
         let mut c = NodeConfig::new(role, engine_id);
         c.tp_size = self.tp_size;
         c.tp_rank = self.tp_rank;
@@ -267,7 +267,7 @@ impl Serve<'_> {
 }
 
 /// `kvferry prefill`.
-pub fn main(a: &PrefillArgs) -> ExitCode {
+pub(crate) fn main(a: &PrefillArgs) -> ExitCode {
     match run(a) {
         Ok(code) => code,
         Err(e) => {

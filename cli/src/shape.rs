@@ -133,14 +133,14 @@ impl From<TransportKind> for TransportArg {
 
 /// `text` followed by the default of the field `f` picks from
 /// [`DemoOptions::default`], as clap prints a default.
-pub fn with_default<T: Display>(text: &str, f: impl Fn(&DemoOptions) -> T) -> String {
+pub(crate) fn with_default<T: Display>(text: &str, f: impl Fn(&DemoOptions) -> T) -> String {
     format!("{text} [default: {}]", f(&DemoOptions::default()))
 }
 
 /// The model, the node's mode and transport, and the deadlines: the options
 /// of every command that runs a node.
 #[derive(Clone, Debug, Default, Args)]
-pub struct ModelArgs {
+pub(crate) struct ModelArgs {
     #[arg(long, value_name = "L", value_parser = clap::value_parser!(u32).range(1..),
           help = with_default("Layers", |o| o.layers))]
     layers: Option<u32>,
@@ -170,7 +170,7 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     /// `d` with the options given here in place of its fields.
-    pub fn apply(&self, d: DemoOptions) -> DemoOptions {
+    pub(crate) fn apply(&self, d: DemoOptions) -> DemoOptions {
         DemoOptions {
             layers: self.layers.unwrap_or(d.layers),
             block_tokens: self.block_tokens.unwrap_or(d.block_tokens),
@@ -189,7 +189,7 @@ impl ModelArgs {
 /// The options shared by the demo and the soak: request shape, cluster and
 /// timeouts.
 #[derive(Clone, Debug, Default, Args)]
-pub struct ShapeArgs {
+pub(crate) struct ShapeArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[arg(long, value_name = "C", value_parser = clap::value_parser!(u64).range(1..),
@@ -216,12 +216,12 @@ pub struct ShapeArgs {
 
 impl ShapeArgs {
     /// `--concurrency`, if given.
-    pub fn concurrency(&self) -> Option<u64> {
+    pub(crate) fn concurrency(&self) -> Option<u64> {
         self.concurrency
     }
 
     /// `d` with the options given here in place of its fields.
-    pub fn apply(&self, d: DemoOptions) -> DemoOptions {
+    pub(crate) fn apply(&self, d: DemoOptions) -> DemoOptions {
         let d = self.model.apply(d);
         DemoOptions {
             concurrency: self.concurrency.unwrap_or(d.concurrency),
@@ -237,7 +237,7 @@ impl ShapeArgs {
 
 /// The settings of a demo-style run.
 #[derive(Clone, Debug)]
-pub struct DemoOptions {
+pub(crate) struct DemoOptions {
     /// Requests to run (the demo; the soak runs for a time instead).
     pub requests: u64,
     /// Requests in flight at once.
@@ -309,7 +309,7 @@ impl Default for DemoOptions {
 
 impl DemoOptions {
     /// The Mooncake engine's settings of these options.
-    pub fn mooncake(&self) -> MooncakeConfig {
+    pub(crate) fn mooncake(&self) -> MooncakeConfig {
         MooncakeConfig {
             protocol: self.mooncake_protocol.clone(),
             ..MooncakeConfig::default()
@@ -317,7 +317,7 @@ impl DemoOptions {
     }
 
     /// The model of these options.
-    pub fn model(&self) -> ModelSpec {
+    pub(crate) fn model(&self) -> ModelSpec {
         ModelSpec {
             layout: self.layout,
             total_kv_heads: match self.layout {
@@ -332,7 +332,7 @@ impl DemoOptions {
 
 /// The cluster of a demo-style run with `slots` request slots of
 /// `blocks_per_request` blocks on every rank.
-pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> {
+pub(crate) fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> {
     let blocks = slots
         .checked_mul(u64::from(o.blocks_per_request) * u64::from(o.groups.max(1)))
         .filter(|&b| b <= u64::from(u32::MAX))
@@ -359,7 +359,7 @@ pub fn cluster_spec(o: &DemoOptions, slots: u64) -> Result<ClusterSpec, String> 
 
 /// Per group, the blocks of request slot `slot` (the same ids on both
 /// sides): `groups` runs of `per_group` blocks.
-pub fn slot_blocks(per_group: u32, groups: usize, slot: u64) -> Vec<Vec<u32>> {
+pub(crate) fn slot_blocks(per_group: u32, groups: usize, slot: u64) -> Vec<Vec<u32>> {
     let (b, groups) = (u64::from(per_group), groups as u64);
     (0..groups)
         .map(|g| {

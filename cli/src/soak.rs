@@ -37,7 +37,7 @@ use crate::shape::{cluster_spec, DemoOptions};
 
 /// The options of `kvferry demo --soak` that the demo does not take.
 #[derive(Clone, Debug, Args)]
-pub struct SoakArgs {
+pub(crate) struct SoakArgs {
     /// Soak: keep --concurrency requests in flight for SECONDS with random
     /// aborts; checks every byte, that nothing stays live and that RSS stays
     /// flat.
@@ -84,7 +84,7 @@ fn parse_ratio(s: &str) -> Result<f64, String> {
 
 /// What `kvferry demo --help` says of the soak's defaults, from
 /// [`soak_shape`].
-pub fn defaults_help() -> String {
+pub(crate) fn defaults_help() -> String {
     let d = soak_shape();
     format!(
         "\
@@ -115,16 +115,16 @@ requests ended and is flat after: to judge the plateau, put --warmup-s past that
 /// that many requests ended and is flat after. With the old default of
 /// 2^20 records a soak whose warm-up ended before a million requests
 /// reported that growth (`rss_flat: false`); the default is now 65 536.
-pub const RSS_GROWTH_FLOOR_KIB: u64 = 8 * 1024;
+pub(crate) const RSS_GROWTH_FLOOR_KIB: u64 = 8 * 1024;
 /// See [`RSS_GROWTH_FLOOR_KIB`].
-pub const RSS_GROWTH_FRACTION: f64 = 0.05;
+pub(crate) const RSS_GROWTH_FRACTION: f64 = 0.05;
 /// Share of the soak's duration treated as warm-up (buffers first touched,
 /// connections opened, allocator caches filled): at least one second.
-pub const WARMUP_FRACTION: f64 = 0.10;
+pub(crate) const WARMUP_FRACTION: f64 = 0.10;
 
 /// The soak's settings.
 #[derive(Clone, Debug)]
-pub struct SoakOptions {
+pub(crate) struct SoakOptions {
     /// Request shape, cluster and timeouts; `requests` is ignored.
     pub demo: DemoOptions,
     /// How long new requests are started.
@@ -170,7 +170,7 @@ fn soak_shape() -> DemoOptions {
 
 /// Counters of one role, summed over its ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct RoleStats {
+pub(crate) struct RoleStats {
     /// Machines the soak created on this role's ranks.
     pub machines_created: u64,
     /// Terminal phases the ranks counted (`ok + failed + expired`).
@@ -212,7 +212,7 @@ impl RoleStats {
 
 /// When and from where the soak aborted requests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct AbortStats {
+pub(crate) struct AbortStats {
     /// Aborts issued (one per aborted request, whatever the sides).
     pub issued: u64,
     /// Issued through the decode side only ([`Receiver::abort`]).
@@ -248,7 +248,7 @@ pub struct AbortStats {
 /// A count per abort plan: side, and whether the abort was planned before
 /// the prefill side's KV was ready or after (while moving or too late).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct AbortPlanCounts {
+pub(crate) struct AbortPlanCounts {
     /// Decode side, before the KV was ready.
     pub decode_before_kv: u64,
     /// Decode side, after the send.
@@ -279,7 +279,7 @@ impl AbortPlanCounts {
 
 /// Where stray terminal notifications came from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct StrayStats {
+pub(crate) struct StrayStats {
     /// Strays from prefill ranks.
     pub prefill: u64,
     /// Strays from decode ranks.
@@ -295,7 +295,7 @@ pub struct StrayStats {
 
 /// One RSS sample.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
-pub struct RssSample {
+pub(crate) struct RssSample {
     /// Seconds since the load started.
     pub t_s: f64,
     /// Resident set size.
@@ -306,7 +306,7 @@ pub struct RssSample {
 
 /// Whether RSS stayed flat, from the samples of one run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
-pub struct RssVerdict {
+pub(crate) struct RssVerdict {
     /// First sample.
     pub rss_start_kib: u64,
     /// First sample at or after the end of warm-up.
@@ -334,7 +334,7 @@ pub struct RssVerdict {
 /// Judges RSS flatness. `samples` are in time order; those with `t_s >
 /// load_s` were taken while draining (they count for the maximum and the
 /// end, not for the slope).
-pub fn rss_verdict(samples: &[RssSample], warmup_s: f64, load_s: f64) -> RssVerdict {
+pub(crate) fn rss_verdict(samples: &[RssSample], warmup_s: f64, load_s: f64) -> RssVerdict {
     let Some(first) = samples.first() else {
         return RssVerdict::default();
     };
@@ -407,7 +407,7 @@ fn least_squares_slope(points: impl Iterator<Item = (f64, f64)> + Clone) -> f64 
 
 /// What the soak measured. `--json` prints it as one object.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct SoakReport {
+pub(crate) struct SoakReport {
     /// Seconds new requests were started.
     pub seconds: f64,
     /// Seconds of warm-up before the RSS baseline.
@@ -477,7 +477,7 @@ pub struct SoakReport {
 
 impl SoakReport {
     /// Everything that makes the soak fail, as sentences; empty if it passed.
-    pub fn problems(&self) -> Vec<String> {
+    pub(crate) fn problems(&self) -> Vec<String> {
         let mut p = Vec::new();
         if self.verify_errors > 0 {
             p.push(format!("{} requests had wrong bytes", self.verify_errors));
@@ -521,7 +521,7 @@ impl SoakReport {
 }
 
 /// Resident set size of this process, from `/proc/self/statm`.
-pub fn rss_kib() -> Option<u64> {
+pub(crate) fn rss_kib() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
     // SAFETY: sysconf has no preconditions.
@@ -1264,7 +1264,7 @@ fn count_nodes(report: &mut SoakReport, c: &Cluster, last_tid: u64) {
 }
 
 /// Runs the soak. `progress` draws a status line on stderr.
-pub fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
+pub(crate) fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, String> {
     if o.demo.prefill_tp > 64 || o.demo.decode_tp > 64 {
         return Err("the soak tracks at most 64 ranks per side".into());
     }
@@ -1313,7 +1313,7 @@ fn options(a: &DemoArgs) -> Result<SoakOptions, UsageError> {
 }
 
 /// `kvferry demo --soak SECONDS ...`.
-pub fn main(a: &DemoArgs) -> ExitCode {
+pub(crate) fn main(a: &DemoArgs) -> ExitCode {
     let o = match options(a) {
         Ok(o) => o,
         Err(e) => return usage_error("kvferry demo --soak", &e.0),

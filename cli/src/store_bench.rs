@@ -21,7 +21,7 @@ use crate::cli::usage_error;
 
 /// The options of `kvferry bench store`.
 #[derive(Clone, Debug, Args)]
-pub struct StoreBenchArgs {
+pub(crate) struct StoreBenchArgs {
     /// The store: `inproc`, `kvferry://HOST:PORT`,
     /// `redis://[user:password@]HOST:PORT` or
     /// `redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...]`.
@@ -54,7 +54,7 @@ pub struct StoreBenchArgs {
 
 /// What the benchmark measured (GB = 10^9 bytes).
 #[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct StoreBenchReport {
+pub(crate) struct StoreBenchReport {
     /// The store measured.
     pub store: String,
     /// Bytes of each value.
@@ -87,7 +87,7 @@ pub struct StoreBenchReport {
 }
 
 /// Runs `kvferry bench store`.
-pub fn main(a: &StoreBenchArgs) -> ExitCode {
+pub(crate) fn main(a: &StoreBenchArgs) -> ExitCode {
     const CMD: &str = "kvferry bench store";
     if !(a.seconds > 0.0 && a.seconds <= 3600.0) {
         return usage_error(CMD, "--seconds must be in (0, 3600]");

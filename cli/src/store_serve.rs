@@ -12,14 +12,14 @@ use crate::cli::usage_error;
 
 /// `kvferry store ...`.
 #[derive(Clone, Debug, Subcommand)]
-pub enum StoreCommand {
+pub(crate) enum StoreCommand {
     /// Serve a RAM store with LRU eviction to engines (`kvferry://ADDR`).
     Serve(ServeArgs),
 }
 
 /// The options of `kvferry store serve`.
 #[derive(Clone, Debug, Args)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     /// Where engines connect (IP:PORT; port 0 picks one).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7600")]
     listen: SocketAddr,
@@ -39,7 +39,7 @@ pub struct ServeArgs {
 }
 
 /// Runs `kvferry store ...`.
-pub fn main(c: &StoreCommand) -> ExitCode {
+pub(crate) fn main(c: &StoreCommand) -> ExitCode {
     match c {
         StoreCommand::Serve(a) => serve(a),
     }

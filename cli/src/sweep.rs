@@ -34,7 +34,7 @@ const MAX_SAMPLES: usize = 100_000;
 
 /// The options of `--sweep`.
 #[derive(Clone, Debug, Args)]
-pub struct SweepArgs {
+pub(crate) struct SweepArgs {
     /// Measure tcp and local, and the iperf3 (when on PATH) and memcpy
     /// baselines, at block sizes 4 KiB..64 MiB (`--batch` descriptors per
     /// batch, at most 256 MiB), then 4 KiB single-descriptor batches;

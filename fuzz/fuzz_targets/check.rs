@@ -74,7 +74,7 @@ fn inside_items(rank: &RankLayout, items: &[Vec<u64>], addr: u64, end: u64) -> b
 }
 
 /// Checks `plan` against the inputs it was planned from.
-pub fn check_plan(
+pub(super) fn check_plan(
     plan: &Plan,
     prefill: &RankLayout,
     decode: &RankLayout,

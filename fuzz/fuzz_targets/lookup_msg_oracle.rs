@@ -9,7 +9,7 @@ use kvferry::store::lookup_server::{
 
 /// What the bytes decoded as.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Decoded {
+pub(super) enum Decoded {
     /// A lookup request.
     Query,
     /// A lookup reply.
@@ -21,7 +21,7 @@ pub enum Decoded {
 /// Both decoders on `data`: neither panics, a message longer than the
 /// bound is refused as such, and what decodes is within the bounds and
 /// decodes to itself again once re-encoded.
-pub fn check_lookup_msg(data: &[u8]) -> Decoded {
+pub(super) fn check_lookup_msg(data: &[u8]) -> Decoded {
     let query = decode_query(data);
     let reply = decode_reply(data);
     if data.len() > LOOKUP_MESSAGE_MAX_BYTES {

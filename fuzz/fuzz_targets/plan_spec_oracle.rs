@@ -12,7 +12,7 @@ mod check;
 /// stays inside the requested blocks (see `check.rs`) and that
 /// `write_plan_json` turns into valid JSON; `plan_from_json` and
 /// `PlanSpec::plan` agree. Returns the plan when one is made.
-pub fn check_spec(data: &[u8]) -> Option<Plan> {
+pub(super) fn check_spec(data: &[u8]) -> Option<Plan> {
     let text = std::str::from_utf8(data).ok()?;
     let parsed = kvferry::plan::parse_spec(text);
     let planned = kvferry::plan::plan_from_json(text);

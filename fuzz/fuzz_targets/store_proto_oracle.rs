@@ -8,7 +8,7 @@ use kvferry::store::proto::{self, Reply, Request};
 
 /// What a frame decoded to.
 #[derive(Debug)]
-pub enum Decoded {
+pub(super) enum Decoded {
     /// An engine's request.
     Request(Request),
     /// A server's reply.
@@ -16,7 +16,7 @@ pub enum Decoded {
 }
 
 /// Decodes `bytes` as one frame; panics on a broken property.
-pub fn check_frame(bytes: &[u8]) -> Option<Decoded> {
+pub(super) fn check_frame(bytes: &[u8]) -> Option<Decoded> {
     let len = proto::decode_header(bytes).ok()? as usize;
     let body = bytes.get(proto::HEADER_LEN..proto::HEADER_LEN + len)?;
     if let Ok((id, req)) = proto::decode_request(body) {

@@ -12,7 +12,7 @@ use kvferry::transport::wire::{
 /// `RejectReason`'s status byte mapping. The header format has no slack, so
 /// a header that decodes must re-encode to the very same bytes. Returns the
 /// header when one decodes.
-pub fn check_header(data: &[u8]) -> Option<Header> {
+pub(super) fn check_header(data: &[u8]) -> Option<Header> {
     let (hb, rest) = data.split_first_chunk::<HEADER_LEN>()?;
     let h = match Header::decode(hb) {
         Ok(h) => h,

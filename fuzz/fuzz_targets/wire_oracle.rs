@@ -6,7 +6,7 @@
 use kvferry_machines::wire::{self, Frame, Limits, WireError, MAX_NOTIFY_FRAMES};
 
 /// Small enough that short fuzz inputs hit every bound.
-pub const TIGHT: Limits = Limits {
+pub(super) const TIGHT: Limits = Limits {
     max_frame_bytes: 512,
     max_groups: 3,
     max_blocks_per_group: 5,
@@ -22,7 +22,7 @@ pub const TIGHT: Limits = Limits {
 /// tight limits agrees with `check_limits` under them, so the two
 /// implementations of the bounds cannot drift apart; tighter limits never
 /// accept more. Returns the decode under the default limits.
-pub fn check_frame(bytes: &[u8]) -> Result<Frame, WireError> {
+pub(super) fn check_frame(bytes: &[u8]) -> Result<Frame, WireError> {
     let default = Limits::default();
     let tight = wire::decode(bytes, &TIGHT);
     let frame = match wire::decode(bytes, &default) {
@@ -79,7 +79,7 @@ pub fn check_frame(bytes: &[u8]) -> Result<Frame, WireError> {
 /// limits and re-packs to the same bytes (the format has one encoding); what
 /// it refuses is a typed `Invalid`; each frame it unpacks goes through
 /// [`check_frame`]. Returns the unpacking under the default limits.
-pub fn check_notify(bytes: &[u8]) -> Result<(&str, Vec<&[u8]>), WireError> {
+pub(super) fn check_notify(bytes: &[u8]) -> Result<(&str, Vec<&[u8]>), WireError> {
     let tight = Limits {
         max_frame_bytes: 16,
         ..TIGHT

@@ -59,7 +59,7 @@ macro_rules! counters {
 
         impl Counters {
             /// Reads every counter.
-            pub fn snapshot(&self) -> NodeStats {
+            pub(crate) fn snapshot(&self) -> NodeStats {
                 let aborted = self.aborted.load(Relaxed);
                 NodeStats {
                     ok: self.ok.load(Relaxed),
@@ -197,7 +197,7 @@ impl Counters {
     /// first report. Only successes enter the latency histogram: failed and
     /// expired requests end at deadlines, and mixing them in would hide the
     /// latency of the requests that worked.
-    pub fn record_terminal(&self, phase: Phase, latency: Duration) {
+    pub(crate) fn record_terminal(&self, phase: Phase, latency: Duration) {
         match phase {
             Phase::Success => {
                 self.ok.fetch_add(1, Relaxed);
@@ -218,7 +218,7 @@ impl Counters {
     }
 
     /// A copy of the latency histogram of successful requests.
-    pub fn latency(&self) -> Latency {
+    pub(crate) fn latency(&self) -> Latency {
         lock(&self.latency).clone()
     }
 
@@ -227,7 +227,7 @@ impl Counters {
     }
 
     /// Adds one to `counter` (a field of this set).
-    pub fn inc(counter: &AtomicU64) {
+    pub(crate) fn inc(counter: &AtomicU64) {
         Self::add(counter, 1);
     }
 }

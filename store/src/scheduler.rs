@@ -823,14 +823,16 @@ impl<'de> Deserialize<'de> for WireHash {
 mod wire_hashes {
     use super::*;
 
-    pub fn serialize<S: Serializer>(h: &[Vec<BlockHash>], s: S) -> Result<S::Ok, S::Error> {
+    pub(super) fn serialize<S: Serializer>(h: &[Vec<BlockHash>], s: S) -> Result<S::Ok, S::Error> {
         let wire: Vec<Vec<WireHash>> = (h.iter())
             .map(|g| g.iter().map(|h| WireHash(*h)).collect())
             .collect();
         wire.serialize(s)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<BlockHash>>, D::Error> {
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Vec<Vec<BlockHash>>, D::Error> {
         let wire = Vec::<Vec<WireHash>>::deserialize(d)?;
         Ok((wire.into_iter())
             .map(|g| g.into_iter().map(|h| h.0).collect())
@@ -842,11 +844,11 @@ mod wire_hashes {
 pub(crate) mod wire_hit {
     use super::*;
 
-    pub fn serialize<S: Serializer>(h: &LookupHit, s: S) -> Result<S::Ok, S::Error> {
+    pub(crate) fn serialize<S: Serializer>(h: &LookupHit, s: S) -> Result<S::Ok, S::Error> {
         (h.tokens, &h.load).serialize(s)
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<LookupHit, D::Error> {
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<LookupHit, D::Error> {
         let (tokens, load) = <(u32, Vec<Range<u32>>)>::deserialize(d)?;
         Ok(LookupHit { tokens, load })
     }

@@ -36,7 +36,7 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub fn new(stream: TcpStream) -> Conn {
+    pub(crate) fn new(stream: TcpStream) -> Conn {
         use std::os::fd::AsRawFd;
         let fd = stream.as_raw_fd();
         let (rd, wr) = stream.split();
@@ -45,7 +45,7 @@ impl Conn {
 
     /// True if the peer has closed (or reset) the connection, or sent bytes
     /// nobody asked for; such a connection must not carry a new batch.
-    pub fn is_stale(&self) -> bool {
+    pub(crate) fn is_stale(&self) -> bool {
         let mut byte = 0u8;
         // SAFETY: `fd` is this connection's open socket and `byte` is a valid
         // one-byte buffer; MSG_PEEK leaves the data in the socket.

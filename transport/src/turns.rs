@@ -29,18 +29,18 @@ struct State {
 
 /// A FIFO counting semaphore (single-threaded; clones share it).
 #[derive(Clone)]
-pub struct Turns {
+pub(crate) struct Turns {
     state: Rc<RefCell<State>>,
 }
 
 /// Units held; given back on drop.
-pub struct TurnGuard {
+pub(crate) struct TurnGuard {
     turns: Turns,
     units: usize,
 }
 
 /// Waits for `units`, in arrival order.
-pub struct Acquire {
+pub(crate) struct Acquire {
     turns: Turns,
     place: Option<Rc<Place>>,
     units: usize,
@@ -48,7 +48,7 @@ pub struct Acquire {
 
 impl Turns {
     /// A semaphore with `units` available.
-    pub fn new(units: usize) -> Turns {
+    pub(crate) fn new(units: usize) -> Turns {
         Turns {
             state: Rc::new(RefCell::new(State {
                 avail: units,
@@ -59,18 +59,18 @@ impl Turns {
 
     /// Units neither held nor handed to a waiter.
     #[cfg(test)]
-    pub fn available(&self) -> usize {
+    pub(crate) fn available(&self) -> usize {
         self.state.borrow().avail
     }
 
     /// Waiters in the queue.
     #[cfg(test)]
-    pub fn waiting(&self) -> usize {
+    pub(crate) fn waiting(&self) -> usize {
         self.state.borrow().queue.len()
     }
 
     /// Waits until `units` are ours, after every earlier caller was served.
-    pub fn acquire(&self, units: usize) -> Acquire {
+    pub(crate) fn acquire(&self, units: usize) -> Acquire {
         Acquire {
             turns: self.clone(),
             place: None,

@@ -33,7 +33,7 @@ use kvferry::Latency;
 
 /// The synthetic workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StoreDemo {
+pub(crate) struct StoreDemo {
     /// Requests saved, then loaded.
     pub requests: u32,
     /// Requests in flight at once; the pool holds this many requests'
@@ -73,7 +73,7 @@ impl Default for StoreDemo {
 
 /// How far a [`StoreDemo::run_observed`] is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DemoProgress {
+pub(crate) struct DemoProgress {
     /// Requests whose save ended.
     pub saved: u32,
     /// Requests looked up, loaded and verified.
@@ -84,7 +84,7 @@ pub struct DemoProgress {
 
 /// What the demo found; field names as `kvferry demo --json` prints them.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct StoreDemoReport {
+pub(crate) struct StoreDemoReport {
     /// Requests saved and loaded.
     pub requests: u32,
     /// Requests in flight at once.
@@ -129,7 +129,7 @@ pub struct StoreDemoReport {
 
 impl StoreDemoReport {
     /// True when a block was lost or wrong: any `*_errors` field non-zero.
-    pub fn has_errors(&self) -> bool {
+    pub(crate) fn has_errors(&self) -> bool {
         self.save_errors + self.lookup_errors + self.load_errors + self.verify_errors > 0
     }
 }
@@ -275,7 +275,7 @@ impl StoreDemo {
     /// request's save or load ends (for a progress bar). Errors only when
     /// the connector cannot start: a store failing midway is counted in
     /// the report.
-    pub fn run_observed<B: StoreBackend>(
+    pub(crate) fn run_observed<B: StoreBackend>(
         &self,
         backend: B,
         progress: &mut dyn FnMut(DemoProgress),

@@ -12,7 +12,7 @@ use kvferry::store::{
 
 mod engine;
 
-pub use engine::{DemoProgress, StoreDemo, StoreDemoReport};
+pub(crate) use engine::{DemoProgress, StoreDemo, StoreDemoReport};
 use std::io::IsTerminal;
 
 /// Most requests in flight with `--store`: the pool is this many requests'
@@ -20,14 +20,19 @@ use std::io::IsTerminal;
 const MAX_CONCURRENCY: u32 = 256;
 
 /// The stores `--store` names.
-pub const STORES: &str = "inproc, kvferry://HOST:PORT, redis://[user:password@]HOST:PORT, \
+pub(crate) const STORES: &str = "inproc, kvferry://HOST:PORT, redis://[user:password@]HOST:PORT, \
                           redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...], \
                           mooncake://MASTER_HOST:PORT[?protocol=P&segment_mb=N]";
 
 /// Runs the store demo against `store` with `requests` requests and
 /// `concurrency` in flight (the demo's defaults when `None`); exit status 1
 /// when a block was lost or wrong ([`StoreDemoReport::has_errors`]).
-pub fn main(store: &str, requests: Option<u64>, concurrency: Option<u64>, json: bool) -> ExitCode {
+pub(crate) fn main(
+    store: &str,
+    requests: Option<u64>,
+    concurrency: Option<u64>,
+    json: bool,
+) -> ExitCode {
     let demo = match shape(requests, concurrency) {
         Ok(demo) => demo,
         Err(reason) => {

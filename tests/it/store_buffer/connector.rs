@@ -11,13 +11,13 @@ use kvferry::store::{
     ConnectorConfig, ConnectorLimits, LoadMeta, SaveMeta, StoreConnector, StoreRequest,
 };
 
-pub const BLOCK_TOKENS: u32 = 16;
+pub(crate) const BLOCK_TOKENS: u32 = 16;
 /// 8 heads x 16 tokens x 2 KiB: 256 KiB blocks.
-pub const HEAD_BYTES: u64 = 2048;
+pub(crate) const HEAD_BYTES: u64 = 2048;
 /// Bytes of one block.
-pub const BLOCK_BYTES: u64 = 8 * BLOCK_TOKENS as u64 * HEAD_BYTES;
+pub(crate) const BLOCK_BYTES: u64 = 8 * BLOCK_TOKENS as u64 * HEAD_BYTES;
 
-pub fn config() -> ConnectorConfig {
+pub(crate) fn config() -> ConnectorConfig {
     ConnectorConfig {
         store: StoreConfig {
             max_keys_per_batch: 32,
@@ -45,7 +45,7 @@ pub fn config() -> ConnectorConfig {
 }
 
 /// Block `blocks[i]` of the request holds hash `hashes[i]`'s KV.
-pub fn request(id: u64, hashes: &[u32], blocks: &[u32]) -> StoreRequest {
+pub(crate) fn request(id: u64, hashes: &[u32], blocks: &[u32]) -> StoreRequest {
     StoreRequest {
         id: TransferId(id),
         block_hashes: vec![(hashes.iter())
@@ -58,13 +58,13 @@ pub fn request(id: u64, hashes: &[u32], blocks: &[u32]) -> StoreRequest {
 }
 
 /// Saves hash `b`'s KV from block `b` for each `b` of `blocks`.
-pub fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
+pub(crate) fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
     let ids: Vec<u32> = blocks.collect();
     save_as(c, id, &ids, &ids);
 }
 
 /// Saves hash `hashes[i]`'s KV from block `blocks[i]`, and waits for it.
-pub fn save_as(c: &mut StoreConnector, id: u64, hashes: &[u32], blocks: &[u32]) {
+pub(crate) fn save_as(c: &mut StoreConnector, id: u64, hashes: &[u32], blocks: &[u32]) {
     let meta = SaveMeta {
         request: request(id, hashes, blocks),
         token_len: blocks.len() as u32 * BLOCK_TOKENS,
@@ -80,7 +80,7 @@ pub fn save_as(c: &mut StoreConnector, id: u64, hashes: &[u32], blocks: &[u32]) 
 /// was spoilt in the store. Looked up (all four hit) and loaded into
 /// blocks 4..8 (filled with 0xEE): the load reports exactly block 6, which
 /// keeps its 0xEE, and the other three hold their bytes.
-pub fn load_with_block_6_spoilt(c: &mut StoreConnector, kv: &super::Buffer) {
+pub(crate) fn load_with_block_6_spoilt(c: &mut StoreConnector, kv: &super::Buffer) {
     let ask = vec![(0..4).map(BlockHash::from_u64).collect::<Vec<_>>()];
     let hit = {
         let scope = c.keyspace().scope(None, &[]).unwrap();

@@ -3,7 +3,7 @@
 //! a connector over it ([`connector`]).
 
 #[allow(dead_code)] // Only the tests that go through a connector use it.
-pub mod connector;
+pub(crate) mod connector;
 
 use std::time::{Duration, Instant};
 
@@ -13,20 +13,20 @@ use kvferry::store::{GetItem, PutItem, Scatter, Segment};
 
 /// One heap buffer as an engine's whole KV cache: `blocks` blocks of
 /// `block` bytes.
-pub struct Buffer {
+pub(crate) struct Buffer {
     pub bytes: Vec<u8>,
     pub block: u64,
 }
 
 impl Buffer {
-    pub fn new(blocks: u64, block: u64, fill: u8) -> Buffer {
+    pub(crate) fn new(blocks: u64, block: u64, fill: u8) -> Buffer {
         Buffer {
             bytes: vec![fill; (blocks * block) as usize],
             block,
         }
     }
 
-    pub fn layout(&self) -> RankLayout {
+    pub(crate) fn layout(&self) -> RankLayout {
         RankLayout {
             tp_size: 1,
             tp_rank: 0,
@@ -41,7 +41,7 @@ impl Buffer {
         }
     }
 
-    pub fn scatter(&self, block: u64) -> Scatter {
+    pub(crate) fn scatter(&self, block: u64) -> Scatter {
         let addr = self.bytes.as_ptr() as u64 + block * self.block;
         // SAFETY: inside `bytes`, which outlives every call of the test.
         unsafe {
@@ -56,18 +56,18 @@ impl Buffer {
 /// What the tests that call a backend's put and get ask of a buffer.
 #[allow(dead_code)] // Not every store test puts and gets through these.
 impl Buffer {
-    pub fn block(&self, b: u64) -> &[u8] {
+    pub(crate) fn block(&self, b: u64) -> &[u8] {
         &self.bytes[(b * self.block) as usize..((b + 1) * self.block) as usize]
     }
 
-    pub fn put(&self, k: &str, b: u64) -> PutItem {
+    pub(crate) fn put(&self, k: &str, b: u64) -> PutItem {
         PutItem {
             key: key(k),
             from: self.scatter(b),
         }
     }
 
-    pub fn get(&self, k: &str, b: u64) -> GetItem {
+    pub(crate) fn get(&self, k: &str, b: u64) -> GetItem {
         GetItem {
             key: key(k),
             into: self.scatter(b),
@@ -76,11 +76,11 @@ impl Buffer {
 }
 
 /// A key of any text a store takes.
-pub fn key(s: &str) -> ChunkKey {
+pub(crate) fn key(s: &str) -> ChunkKey {
     ChunkKey::from_stored(s.to_string()).unwrap()
 }
 
 /// A deadline no call of a test reaches.
-pub fn far() -> Instant {
+pub(crate) fn far() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }

@@ -16,7 +16,7 @@ use super::scenario::T;
 
 /// Which invariant broke.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Kind {
+pub(crate) enum Kind {
     /// A machine released or reported twice.
     ExactlyOnce,
     /// Phase and release disagree (terminal without release, or the reverse,
@@ -52,7 +52,7 @@ pub enum Kind {
 }
 
 #[derive(Clone, Debug)]
-pub struct Violation {
+pub(crate) struct Violation {
     pub at: T,
     pub kind: Kind,
     pub detail: String,
@@ -73,7 +73,7 @@ impl fmt::Display for Violation {
 
 /// Counters of one run, summed over a campaign.
 #[derive(Clone, Debug)]
-pub struct Stats {
+pub(crate) struct Stats {
     pub runs: u64,
     pub calm_runs: u64,
     pub jittery_runs: u64,
@@ -199,11 +199,11 @@ impl Default for Stats {
 
 impl Stats {
     /// Share of the judged requests that succeeded on every rank.
-    pub fn goodput(&self) -> f64 {
+    pub(crate) fn goodput(&self) -> f64 {
         self.requests_ok as f64 / self.requests_judged.max(1) as f64
     }
 
-    pub fn add(&mut self, o: &Stats) {
+    pub(crate) fn add(&mut self, o: &Stats) {
         self.runs += o.runs;
         self.calm_runs += o.calm_runs;
         self.jittery_runs += o.jittery_runs;
@@ -325,27 +325,27 @@ impl fmt::Display for Stats {
 /// P must be released by its creation plus the hold limit plus the fence:
 /// the hold counts from creation, every grant is capped by it, and every
 /// write it posted ends within the transfer bound (part of the fence).
-pub fn p_bound(cfg: &Config, created: T) -> T {
+pub(crate) fn p_bound(cfg: &Config, created: T) -> T {
     created + us(cfg.hold_limit) + us(cfg.fence())
 }
 
 /// D must report by the end of its waiting (renewed by each progress) plus
 /// one lease plus the fence; before the P ranks are resolved, by the end of
 /// the bootstrap timeout.
-pub fn d_bound(cfg: &Config, created: T, resolved: Option<T>, last_progress: T) -> T {
+pub(crate) fn d_bound(cfg: &Config, created: T, resolved: Option<T>, last_progress: T) -> T {
     match resolved {
         None => created + us(cfg.bootstrap_timeout),
         Some(r) => r.max(last_progress) + us(cfg.waiting_timeout) + us(cfg.lease) + us(cfg.fence()),
     }
 }
 
-pub fn us(d: std::time::Duration) -> T {
+pub(crate) fn us(d: std::time::Duration) -> T {
     d.as_micros() as T
 }
 
 /// The phase must be terminal exactly when the machine released, and equal
 /// to the outcome it released with.
-pub fn phase_consistent(phase: Phase, released: Option<Phase>) -> Result<(), String> {
+pub(crate) fn phase_consistent(phase: Phase, released: Option<Phase>) -> Result<(), String> {
     match released {
         Some(outcome) if phase == outcome => Ok(()),
         Some(outcome) => Err(format!(

@@ -13,20 +13,20 @@ use kvferry_machines::common::BlockId;
 use kvferry_machines::TransferId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Owner {
+pub(crate) enum Owner {
     Free,
     Lent(TransferId),
     Engine(TransferId),
 }
 
 #[derive(Clone, Debug)]
-pub struct Memory {
+pub(crate) struct Memory {
     owner: Vec<Owner>,
     free: Vec<u32>,
 }
 
 impl Memory {
-    pub fn new(blocks: u32) -> Self {
+    pub(crate) fn new(blocks: u32) -> Self {
         Memory {
             owner: vec![Owner::Free; blocks as usize],
             free: (0..blocks).rev().collect(),
@@ -35,13 +35,13 @@ impl Memory {
 
     /// The node crashed: its memory is gone, the restarted engine starts
     /// with every block free.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         let n = self.owner.len() as u32;
         *self = Memory::new(n);
     }
 
     /// Allocates `n` blocks to `transfer`, or nothing when the pool is short.
-    pub fn alloc(&mut self, n: usize, transfer: TransferId) -> Option<Vec<BlockId>> {
+    pub(crate) fn alloc(&mut self, n: usize, transfer: TransferId) -> Option<Vec<BlockId>> {
         if self.free.len() < n {
             return None;
         }
@@ -54,12 +54,17 @@ impl Memory {
         Some(out)
     }
 
-    pub fn owner(&self, b: BlockId) -> Option<Owner> {
+    pub(crate) fn owner(&self, b: BlockId) -> Option<Owner> {
         self.owner.get(b.0 as usize).copied()
     }
 
     /// The machine gave `b` back: it goes to the engine (`keep`) or to the pool.
-    pub fn release(&mut self, b: BlockId, transfer: TransferId, keep: bool) -> Result<(), String> {
+    pub(crate) fn release(
+        &mut self,
+        b: BlockId,
+        transfer: TransferId,
+        keep: bool,
+    ) -> Result<(), String> {
         match self.owner(b) {
             Some(Owner::Lent(t)) if t == transfer => {
                 if keep {
@@ -78,7 +83,7 @@ impl Memory {
     }
 
     /// The engine finished decoding from `b`.
-    pub fn engine_free(&mut self, b: BlockId, transfer: TransferId) -> Result<(), String> {
+    pub(crate) fn engine_free(&mut self, b: BlockId, transfer: TransferId) -> Result<(), String> {
         match self.owner(b) {
             Some(Owner::Engine(t)) if t == transfer => {
                 self.owner[b.0 as usize] = Owner::Free;
@@ -93,7 +98,7 @@ impl Memory {
     }
 
     /// Blocks not back in the pool, with their owner.
-    pub fn leaked(&self) -> Vec<(u32, Owner)> {
+    pub(crate) fn leaked(&self) -> Vec<(u32, Owner)> {
         self.owner
             .iter()
             .enumerate()

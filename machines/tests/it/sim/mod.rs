@@ -68,32 +68,32 @@
 //! (P: creation + hold limit + fence; D: last progress + waiting + lease +
 //! fence), every block back in its pool exactly once.
 
-pub mod checker;
-pub mod memory;
-pub mod network;
-pub mod rng;
-pub mod scenario;
-pub mod world;
+pub(crate) mod checker;
+pub(crate) mod memory;
+pub(crate) mod network;
+pub(crate) mod rng;
+pub(crate) mod scenario;
+pub(crate) mod world;
 
 use checker::Violation;
 use scenario::{Scenario, Switches};
 use world::RunResult;
 
 /// Runs one seed.
-pub fn run_seed(seed: u64, switches: Switches, trace: bool) -> (Scenario, RunResult) {
+pub(crate) fn run_seed(seed: u64, switches: Switches, trace: bool) -> (Scenario, RunResult) {
     let sc = Scenario::generate(seed, switches);
     let r = world::run(&sc, trace);
     (sc, r)
 }
 
 /// The command that replays `seed` with the event trace printed.
-pub fn replay_command(seed: u64) -> String {
+pub(crate) fn replay_command(seed: u64) -> String {
     format!("KVFERRY_SIM_SEED={seed} cargo test -p kvferry-machines --test it sim_replay -- --nocapture")
 }
 
 /// A report for a failing seed: the violation, how to replay it, the
 /// scenario and the end of the event trace (the run is replayed with tracing on).
-pub fn explain(seed: u64, switches: Switches, v: &Violation) -> String {
+pub(crate) fn explain(seed: u64, switches: Switches, v: &Violation) -> String {
     let (sc, traced) = run_seed(seed, switches, true);
     // The history of the transfer the violation names, with the faults
     // around it: far easier to read than the whole cluster's trace.
@@ -155,7 +155,7 @@ fn transfer_named(detail: &str) -> Option<u64> {
 ///
 /// The result is a scenario, not a seed (dropping a request shifts every
 /// later random draw); print it with `{:#?}` and run it with `world::run`.
-pub fn shrink(sc: &Scenario, kind: checker::Kind) -> (Scenario, Violation, usize) {
+pub(crate) fn shrink(sc: &Scenario, kind: checker::Kind) -> (Scenario, Violation, usize) {
     let fails = |c: &Scenario| world::run(c, false).violation.filter(|v| v.kind == kind);
     let mut best = sc.clone();
     let mut violation = fails(&best).expect("shrink needs a failing scenario");
@@ -232,7 +232,7 @@ pub fn shrink(sc: &Scenario, kind: checker::Kind) -> (Scenario, Violation, usize
 }
 
 /// `explain` plus the shrunk scenario: what a failing campaign prints.
-pub fn report_failure(seed: u64, switches: Switches, v: &Violation) -> String {
+pub(crate) fn report_failure(seed: u64, switches: Switches, v: &Violation) -> String {
     let mut out = explain(seed, switches, v);
     let (small, sv, runs) = shrink(&Scenario::generate(seed, switches), v.kind);
     out.push_str(&format!(
@@ -245,7 +245,7 @@ pub fn report_failure(seed: u64, switches: Switches, v: &Violation) -> String {
 }
 
 /// `name` from the environment as a number, or `default`.
-pub fn env_u64(name: &str, default: u64) -> u64 {
+pub(crate) fn env_u64(name: &str, default: u64) -> u64 {
     match std::env::var(name) {
         Ok(v) => v
             .trim()

@@ -18,7 +18,7 @@ use super::scenario::{NetParams, T};
 /// What the node's wire envelope carries around a machine message: the
 /// transfer and the sender's rank (which becomes the receiver's `PeerId`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Envelope {
+pub(crate) struct Envelope {
     pub transfer: TransferId,
     pub from: PeerId,
     pub msg: Msg,
@@ -26,7 +26,7 @@ pub struct Envelope {
 
 /// A partition with side `mask` loses what crosses it; a one-way one only
 /// what leaves the masked side.
-pub fn cut(mask: u64, one_way: bool, from: usize, to: usize) -> bool {
+pub(crate) fn cut(mask: u64, one_way: bool, from: usize, to: usize) -> bool {
     let (f, t) = ((mask >> from) & 1 == 1, (mask >> to) & 1 == 1);
     if one_way {
         f && !t
@@ -37,7 +37,7 @@ pub fn cut(mask: u64, one_way: bool, from: usize, to: usize) -> bool {
 
 /// The frame as the node's bridge sends it, behind the sender's rank (which
 /// the real side channel knows from the socket, not from the frame).
-pub fn encode(env: &Envelope) -> Vec<u8> {
+pub(crate) fn encode(env: &Envelope) -> Vec<u8> {
     let mut out = env.from.0.to_le_bytes().to_vec();
     out.extend(wire::encode(&Frame::Transfer {
         transfer_id: env.transfer,
@@ -47,7 +47,7 @@ pub fn encode(env: &Envelope) -> Vec<u8> {
 }
 
 /// Decodes what [`encode`] made, through the node's own frame decoder.
-pub fn decode(bytes: &[u8]) -> Result<Envelope, String> {
+pub(crate) fn decode(bytes: &[u8]) -> Result<Envelope, String> {
     if bytes.len() < 4 {
         return Err("no sender".into());
     }
@@ -65,7 +65,7 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, String> {
 }
 
 #[derive(Clone, Debug, Default)]
-pub struct NetStats {
+pub(crate) struct NetStats {
     pub sent: u64,
     pub dropped: u64,
     pub duplicated: u64,
@@ -74,7 +74,7 @@ pub struct NetStats {
 }
 
 #[derive(Clone, Debug)]
-pub struct Network {
+pub(crate) struct Network {
     params: NetParams,
     /// Partitions in force: id, side mask, one-way.
     active: Vec<(usize, u64, bool)>,
@@ -84,7 +84,7 @@ pub struct Network {
 }
 
 impl Network {
-    pub fn new(params: NetParams) -> Self {
+    pub(crate) fn new(params: NetParams) -> Self {
         Network {
             params,
             active: Vec::new(),
@@ -93,16 +93,16 @@ impl Network {
         }
     }
 
-    pub fn partition(&mut self, id: usize, side_mask: u64, one_way: bool) {
+    pub(crate) fn partition(&mut self, id: usize, side_mask: u64, one_way: bool) {
         self.active.push((id, side_mask, one_way));
     }
 
-    pub fn heal(&mut self, id: usize) {
+    pub(crate) fn heal(&mut self, id: usize) {
         self.active.retain(|(i, _, _)| *i != id);
     }
 
     /// True when a partition in force loses messages from `from` to `to`.
-    pub fn blocked(&self, from: usize, to: usize) -> bool {
+    pub(crate) fn blocked(&self, from: usize, to: usize) -> bool {
         self.active
             .iter()
             .any(|&(_, m, one_way)| cut(m, one_way, from, to))
@@ -113,7 +113,14 @@ impl Network {
     /// so copies and later messages overtake each other, unless links are
     /// FIFO (as a TCP connection is): then nothing overtakes what was sent
     /// before it on the same link.
-    pub fn plan(&mut self, rng: &mut Rng, now: T, from: usize, to: usize, len: usize) -> Vec<T> {
+    pub(crate) fn plan(
+        &mut self,
+        rng: &mut Rng,
+        now: T,
+        from: usize,
+        to: usize,
+        len: usize,
+    ) -> Vec<T> {
         self.stats.sent += 1;
         self.stats.bytes += len as u64;
         if self.blocked(from, to) {

@@ -14,18 +14,18 @@ use super::checker::us;
 use super::rng::Rng;
 
 /// Simulated time: microseconds since the start of the run.
-pub type T = u64;
+pub(crate) type T = u64;
 
-pub const MS: T = 1_000;
+pub(crate) const MS: T = 1_000;
 
-pub fn ms(m: u64) -> Duration {
+pub(crate) fn ms(m: u64) -> Duration {
     Duration::from_millis(m)
 }
 
 /// Safeguards the self-tests switch off to show the checker catches what
 /// they prevent. All off in every normal run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Switches {
+pub(crate) struct Switches {
     /// Breaks the transport contract: a transfer may touch memory up to
     /// three transfer bounds after it was posted, although the machines
     /// were promised one.
@@ -49,7 +49,7 @@ pub struct Switches {
 
 /// Faults of the control network, per message.
 #[derive(Clone, Debug)]
-pub struct NetParams {
+pub(crate) struct NetParams {
     pub drop_ppm: u32,
     pub dup_ppm: u32,
     pub delay_min: T,
@@ -63,7 +63,7 @@ pub struct NetParams {
 
 /// Faults of the data plane, per posted write or read.
 #[derive(Clone, Debug)]
-pub struct TransportParams {
+pub(crate) struct TransportParams {
     /// The transfer completes with an error (and may have landed partly).
     pub fail_ppm: u32,
     /// The transfer never reports; it stops touching memory at the bound.
@@ -71,14 +71,14 @@ pub struct TransportParams {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Side {
+pub(crate) enum Side {
     P,
     D,
 }
 
 /// An engine-side abort or a client disconnect of one rank's machine.
 #[derive(Clone, Debug)]
-pub struct AbortSpec {
+pub(crate) struct AbortSpec {
     pub side: Side,
     pub rank: usize,
     /// Offset from the request's arrival.
@@ -89,7 +89,7 @@ pub struct AbortSpec {
 /// One request: which ranks take part, how its KV is laid out and chunked,
 /// and when the engines act on it.
 #[derive(Clone, Debug)]
-pub struct RequestSpec {
+pub(crate) struct RequestSpec {
     pub id: TransferId,
     pub arrive: T,
     pub mode: Mode,
@@ -129,25 +129,25 @@ pub struct RequestSpec {
 
 impl RequestSpec {
     /// How many D ranks contact P rank `p`.
-    pub fn receivers_expected(&self, p: usize) -> u16 {
+    pub(crate) fn receivers_expected(&self, p: usize) -> u16 {
         self.pairs.iter().filter(|ps| ps.contains(&p)).count() as u16
     }
 
     /// D ranks that contact P rank `p`.
-    pub fn d_ranks_of(&self, p: usize) -> Vec<usize> {
+    pub(crate) fn d_ranks_of(&self, p: usize) -> Vec<usize> {
         (0..self.d_nodes.len())
             .filter(|&j| self.pairs[j].contains(&p))
             .collect()
     }
 
     /// D's destination blocks per group.
-    pub fn dst_len(&self, g: usize) -> u32 {
+    pub(crate) fn dst_len(&self, g: usize) -> u32 {
         self.total[g] - self.prefix[g]
     }
 }
 
 #[derive(Clone, Debug)]
-pub struct CrashSpec {
+pub(crate) struct CrashSpec {
     pub node: usize,
     pub at: T,
     pub down_for: T,
@@ -156,7 +156,7 @@ pub struct CrashSpec {
 /// Nodes whose bit is set are cut off from the others (one way: they
 /// still hear the others, but nobody hears them).
 #[derive(Clone, Debug)]
-pub struct PartitionSpec {
+pub(crate) struct PartitionSpec {
     pub side_mask: u64,
     pub one_way: bool,
     pub at: T,
@@ -164,7 +164,7 @@ pub struct PartitionSpec {
 }
 
 #[derive(Clone, Debug)]
-pub struct Scenario {
+pub(crate) struct Scenario {
     pub seed: u64,
     pub cfg: Config,
     /// P ranks live on nodes `0..n_p`, D ranks on `n_p..n_p + n_d`.
@@ -201,23 +201,23 @@ pub struct Scenario {
 }
 
 impl Scenario {
-    pub fn nodes(&self) -> usize {
+    pub(crate) fn nodes(&self) -> usize {
         self.n_p + self.n_d
     }
 
-    pub fn is_p_node(&self, node: usize) -> bool {
+    pub(crate) fn is_p_node(&self, node: usize) -> bool {
         node < self.n_p
     }
 
     /// Draws the scenario of `seed`.
-    pub fn generate(seed: u64, switches: Switches) -> Scenario {
+    pub(crate) fn generate(seed: u64, switches: Switches) -> Scenario {
         Scenario::draw(seed, switches, None)
     }
 
     /// The goodput profile: no fault but `drop_ppm` of the control
     /// messages lost, with the node's drivers (machines created on the
     /// first `Pull`, late messages answered as the node does).
-    pub fn lossy(seed: u64, drop_ppm: u32) -> Scenario {
+    pub(crate) fn lossy(seed: u64, drop_ppm: u32) -> Scenario {
         Scenario::draw(seed, Switches::default(), Some(drop_ppm))
     }
 

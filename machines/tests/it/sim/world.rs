@@ -238,13 +238,13 @@ enum Act {
 }
 
 /// Result of one seed.
-pub struct RunResult {
+pub(crate) struct RunResult {
     pub stats: Stats,
     pub violation: Option<Violation>,
     pub trace: Vec<String>,
 }
 
-pub struct World<'a> {
+pub(crate) struct World<'a> {
     sc: &'a Scenario,
     cfg: Config,
     rng: Rng,
@@ -271,7 +271,7 @@ pub struct World<'a> {
     trace: Option<Vec<String>>,
 }
 
-pub fn run(sc: &Scenario, trace: bool) -> RunResult {
+pub(crate) fn run(sc: &Scenario, trace: bool) -> RunResult {
     let mut w = World::new(sc, trace);
     w.start();
     let mut steps = 0u64;

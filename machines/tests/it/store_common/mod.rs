@@ -5,7 +5,7 @@ use kvferry_machines::store::{GroupSpec, Keyspace, KeyspaceSpec};
 
 /// The keyspace of model "m" (bf16, 16-token blocks, 128-byte heads) with
 /// `heads` KV heads over TP `tp` and PP `pp`, and `groups`.
-pub fn keyspace(
+pub(crate) fn keyspace(
     layout: LayoutKind,
     heads: u32,
     tp: u32,

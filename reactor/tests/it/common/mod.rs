@@ -9,7 +9,7 @@ use kvferry_machines::{AbortReason, FailReason, InputError, Machine, Phase};
 
 /// Inputs of [`TestMachine`].
 #[derive(Clone, Debug)]
-pub enum TestEvent {
+pub(crate) enum TestEvent {
     /// Move the deadline (re-arms the driver's timer for this machine).
     SetDeadline(Instant),
     /// Start "transferring": emits one action per unit of `actions`.
@@ -22,7 +22,7 @@ pub enum TestEvent {
 
 /// Outputs of [`TestMachine`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TestAction {
+pub(crate) enum TestAction {
     Work(u32),
     Expired { deadline: Instant, now: Instant },
     Aborted(AbortReason),
@@ -33,7 +33,7 @@ pub enum TestAction {
 /// before it has nothing left to do (like a D machine waiting before block
 /// reuse).
 #[derive(Debug)]
-pub struct TestMachine {
+pub(crate) struct TestMachine {
     deadline: Option<Instant>,
     fence: Duration,
     fence_until: Option<Instant>,
@@ -42,11 +42,11 @@ pub struct TestMachine {
 }
 
 impl TestMachine {
-    pub fn new(deadline: Option<Instant>) -> Self {
+    pub(crate) fn new(deadline: Option<Instant>) -> Self {
         Self::with_fence(deadline, Duration::ZERO)
     }
 
-    pub fn with_fence(deadline: Option<Instant>, fence: Duration) -> Self {
+    pub(crate) fn with_fence(deadline: Option<Instant>, fence: Duration) -> Self {
         Self {
             deadline,
             fence,
@@ -130,7 +130,7 @@ impl Machine for TestMachine {
 
 /// Collects actions with the transfer that emitted them.
 #[derive(Debug, Default)]
-pub struct VecSink {
+pub(crate) struct VecSink {
     pub actions: Vec<(kvferry_machines::TransferId, TestAction)>,
     pub phases: Vec<(kvferry_machines::TransferId, Phase)>,
 }
@@ -153,7 +153,7 @@ impl kvferry_reactor::ActionSink<TestMachine> for VecSink {
 
 impl TestMachine {
     /// The phase, without going through the trait (for assertions).
-    pub fn phase_for_test(&self) -> Phase {
+    pub(crate) fn phase_for_test(&self) -> Phase {
         self.phase
     }
 }
