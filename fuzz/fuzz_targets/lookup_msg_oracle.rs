@@ -3,7 +3,7 @@
 //! (`tests/it/fuzz_seeds.rs`). Every property failure panics.
 
 use kvferry::store::lookup_server::{
-    decode_query, decode_reply, encode_query, encode_reply, WireError, LOOKUP_HASHES_MAX,
+    decode_query, decode_reply, encode_query, encode_reply, LookupWireError, LOOKUP_HASHES_MAX,
     LOOKUP_MESSAGE_MAX_BYTES,
 };
 
@@ -25,7 +25,7 @@ pub(super) fn check_lookup_msg(data: &[u8]) -> Decoded {
     let query = decode_query(data);
     let reply = decode_reply(data);
     if data.len() > LOOKUP_MESSAGE_MAX_BYTES {
-        let too_large = WireError::TooLarge { len: data.len() };
+        let too_large = LookupWireError::TooLarge { len: data.len() };
         assert_eq!(query.as_ref().err(), Some(&too_large));
         assert_eq!(reply.as_ref().err(), Some(&too_large));
     }

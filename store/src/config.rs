@@ -5,7 +5,7 @@ use kvferry_machines::common::{BlockLists, InputError, TransferId};
 use kvferry_machines::store::events::Medium;
 use kvferry_machines::store::lookup::LookupHit;
 use kvferry_machines::store::{
-    BlockHash, KeyError, KeyspaceSpec, PlanError, PressureStats, StoreConfig, StoreFault,
+    BlockHash, KeyError, KeyspaceSpec, PressureStats, StoreConfig, StoreFault, StorePlanError,
 };
 
 use super::memory::MemoryError;
@@ -93,7 +93,7 @@ pub struct StoreRequest {
 
 /// What `start_save` saves: the first `token_len` tokens of a request.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SaveMeta {
+pub struct StoreSaveMeta {
     /// The request.
     pub request: StoreRequest,
     /// Tokens to save (aligned down to the groups' common block multiple).
@@ -105,7 +105,7 @@ pub struct SaveMeta {
 
 /// What `start_load_kv` loads: a lookup's hit, less what the engine holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LoadMeta {
+pub struct StoreLoadMeta {
     /// The request.
     pub request: StoreRequest,
     /// The scheduler's lookup hit (its load masks).
@@ -126,7 +126,7 @@ pub enum ConnectorError {
     Key(#[from] KeyError),
     /// A lookup, save or load could not be planned.
     #[error(transparent)]
-    Plan(#[from] PlanError),
+    Plan(#[from] StorePlanError),
     /// Registered memory refused a layout or a block.
     #[error(transparent)]
     Memory(#[from] MemoryError),

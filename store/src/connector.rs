@@ -32,10 +32,10 @@ use kvferry_machines::Machine;
 use super::after;
 use super::backend::{get_result, put_result, GetItem, PutItem, StoreBackend};
 use super::config::{
-    ConnectorConfig, ConnectorError, ConnectorStats, LoadMeta, SaveMeta, StoreRequest,
+    ConnectorConfig, ConnectorError, ConnectorStats, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };
 use super::memory::RegisteredMemory;
-use super::worker::{BackendWorker, Call, Done, Op, Reply};
+use super::worker::{BackendOp, BackendReply, BackendWorker, Call, Done};
 
 /// Which machine a posted call answers to.
 #[derive(Clone, Copy, Debug)]
@@ -81,7 +81,7 @@ impl Calls {
         &mut self,
         now: Instant,
         op_bound: std::time::Duration,
-        op: Op,
+        op: BackendOp,
         to: CallFor,
     ) -> Result<(), super::worker::PostError> {
         let id = self.next_id;
@@ -188,9 +188,9 @@ impl StoreConnector {
     /// waits for its answer, at most `max_register_wait`.
     fn register_with_backend(&mut self, layout: &RankLayout) -> Result<(), ConnectorError> {
         let wait = self.cfg.limits.max_register_wait;
-        let fault = match self.call_now(Op::Register(Box::new(layout.clone())), wait)? {
-            Ok(Reply::Register(Ok(()))) => return Ok(()),
-            Ok(Reply::Register(Err(e))) => e.into(),
+        let fault = match self.call_now(BackendOp::Register(Box::new(layout.clone())), wait)? {
+            Ok(BackendReply::Register(Ok(()))) => return Ok(()),
+            Ok(BackendReply::Register(Err(e))) => e.into(),
             Ok(_) => StoreFault::Refused,
             Err(fault) => fault,
         };
@@ -202,9 +202,9 @@ impl StoreConnector {
     /// with every answer. `Err(Timeout)` when none came in time.
     fn call_now(
         &mut self,
-        op: Op,
+        op: BackendOp,
         bound: std::time::Duration,
-    ) -> Result<Result<Reply, StoreFault>, ConnectorError> {
+    ) -> Result<Result<BackendReply, StoreFault>, ConnectorError> {
         let (tx, rx) = flume::bounded(1);
         let deadline = after(Instant::now(), bound);
         self.calls.worker.post(Call {
@@ -264,9 +264,9 @@ impl StoreConnector {
 
     /// One existence call, waited for on a channel of its own.
     fn exists_now(&mut self, keys: Vec<ChunkKey>) -> Result<Vec<bool>, ConnectorError> {
-        let fault = match self.call_now(Op::Exists(keys), self.cfg.store.op_bound)? {
-            Ok(Reply::Exists(Ok(e))) => return Ok(e),
-            Ok(Reply::Exists(Err(e))) => e.into(),
+        let fault = match self.call_now(BackendOp::Exists(keys), self.cfg.store.op_bound)? {
+            Ok(BackendReply::Exists(Ok(e))) => return Ok(e),
+            Ok(BackendReply::Exists(Err(e))) => e.into(),
             Ok(_) => StoreFault::Refused,
             Err(fault) => fault,
         };
@@ -300,7 +300,7 @@ impl StoreConnector {
     /// reference does in `wait_for_save`, but without waiting): dedup
     /// first, then bounded batches of puts. The blocks are the connector's
     /// until `get_finished` names the request among the saved.
-    pub fn start_save(&mut self, now: Instant, meta: SaveMeta) -> Result<(), ConnectorError> {
+    pub fn start_save(&mut self, now: Instant, meta: StoreSaveMeta) -> Result<(), ConnectorError> {
         let id = meta.request.id;
         if self.saves.contains_key(&id) || self.saved.iter().any(|(r, _)| *r == id) {
             return Err(ConnectorError::DuplicateRequest(id));
@@ -339,7 +339,11 @@ impl StoreConnector {
     /// are the connector's until `get_finished` names the request among
     /// the loaded; then `block_ids_with_load_errors` names those that
     /// did not load.
-    pub fn start_load_kv(&mut self, now: Instant, meta: LoadMeta) -> Result<(), ConnectorError> {
+    pub fn start_load_kv(
+        &mut self,
+        now: Instant,
+        meta: StoreLoadMeta,
+    ) -> Result<(), ConnectorError> {
         let id = meta.request.id;
         if self.loads.contains_key(&id) || self.loaded.iter().any(|(r, _)| *r == id) {
             return Err(ConnectorError::DuplicateRequest(id));
@@ -502,16 +506,16 @@ impl StoreConnector {
             return;
         };
         let result = match (to, done.reply) {
-            (CallFor::SaveExists(id, run), Reply::Exists(r)) => {
+            (CallFor::SaveExists(id, run), BackendReply::Exists(r)) => {
                 let answer = r.map_err(Into::into);
                 let ev = save::Event::ExistsDone { answer };
                 self.feed_save(now, id, run, ev)
             }
-            (CallFor::Put(id, run, batch), Reply::Put(r)) => {
+            (CallFor::Put(id, run, batch), BackendReply::Put(r)) => {
                 let answer = (r.map(|v| v.iter().map(put_result).collect())).map_err(Into::into);
                 self.feed_save(now, id, run, save::Event::PutDone { batch, answer })
             }
-            (CallFor::Get(id, run, batch), Reply::Get(r)) => {
+            (CallFor::Get(id, run, batch), BackendReply::Get(r)) => {
                 let answer = (r.map(|v| v.iter().map(get_result).collect())).map_err(Into::into);
                 self.feed_load(now, id, run, load::Event::GetDone { batch, answer })
             }
@@ -567,7 +571,7 @@ impl StoreConnector {
                 save::Action::Exists { keys } => {
                     self.stats.exists_calls += 1;
                     let to = CallFor::SaveExists(id, run);
-                    let posted = self.calls.post(now, bound, Op::Exists(keys), to);
+                    let posted = self.calls.post(now, bound, BackendOp::Exists(keys), to);
                     posted.err().map(|e| {
                         not_posted(&e.into());
                         save::Event::ExistsDone {
@@ -579,7 +583,7 @@ impl StoreConnector {
                     self.stats.put_calls += 1;
                     let posted = self.put_items(&items).and_then(|items| {
                         let to = CallFor::Put(id, run, batch);
-                        Ok(self.calls.post(now, bound, Op::Put(items), to)?)
+                        Ok(self.calls.post(now, bound, BackendOp::Put(items), to)?)
                     });
                     posted.err().map(|e| {
                         not_posted(&e);
@@ -614,7 +618,7 @@ impl StoreConnector {
                     self.stats.get_calls += 1;
                     let posted = self.get_items(&items).and_then(|items| {
                         let to = CallFor::Get(id, run, batch);
-                        Ok(self.calls.post(now, bound, Op::Get(items), to)?)
+                        Ok(self.calls.post(now, bound, BackendOp::Get(items), to)?)
                     });
                     if let Err(e) = posted {
                         not_posted(&e);

@@ -35,8 +35,8 @@ pub use backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, Segment, StoreBackend,
 };
 pub use config::{
-    ConnectorConfig, ConnectorError, ConnectorLimits, ConnectorStats, LoadMeta, SaveMeta,
-    StoreRequest,
+    ConnectorConfig, ConnectorError, ConnectorLimits, ConnectorStats, StoreLoadMeta, StoreRequest,
+    StoreSaveMeta,
 };
 pub use connector::StoreConnector;
 pub use inproc::{InprocConfig, InprocStats, InprocStore};

@@ -25,7 +25,7 @@
 //!
 //! A message is at most [`LOOKUP_MESSAGE_MAX_BYTES`], a request names at
 //! most [`LOOKUP_HASHES_MAX`] hashes and [`GROUPS_MAX`] groups; the
-//! decoders answer a typed [`WireError`] for anything else and never
+//! decoders answer a typed [`LookupWireError`] for anything else and never
 //! panic, whatever the bytes (`fuzz/fuzz_targets/lookup_msg_decode.rs`).
 
 use std::ops::Range;
@@ -57,7 +57,7 @@ pub const LOOKUP_HASHES_MAX: usize = 1 << 14;
 /// Why a message was not decoded (or not encoded).
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum WireError {
+pub enum LookupWireError {
     /// Longer than [`LOOKUP_MESSAGE_MAX_BYTES`].
     #[error("a lookup message of {len} bytes, at most {LOOKUP_MESSAGE_MAX_BYTES}")]
     TooLarge {
@@ -174,31 +174,32 @@ struct ReplyWire {
 pub type LookupAnswer = Result<LookupHit, ServerFault>;
 
 /// Checks the length and the version, then decodes all of `bytes`.
-fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, WireError> {
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, LookupWireError> {
     if bytes.len() > LOOKUP_MESSAGE_MAX_BYTES {
-        return Err(WireError::TooLarge { len: bytes.len() });
+        return Err(LookupWireError::TooLarge { len: bytes.len() });
     }
-    let (version, _) = postcard::take_from_bytes::<u16>(bytes).map_err(|_| WireError::Malformed)?;
+    let (version, _) =
+        postcard::take_from_bytes::<u16>(bytes).map_err(|_| LookupWireError::Malformed)?;
     if version != LOOKUP_WIRE_VERSION {
-        return Err(WireError::Version { got: version });
+        return Err(LookupWireError::Version { got: version });
     }
     match postcard::take_from_bytes::<T>(bytes) {
         Ok((msg, [])) => Ok(msg),
-        Ok((_, rest)) => Err(WireError::TrailingBytes { extra: rest.len() }),
-        Err(_) => Err(WireError::Malformed),
+        Ok((_, rest)) => Err(LookupWireError::TrailingBytes { extra: rest.len() }),
+        Err(_) => Err(LookupWireError::Malformed),
     }
 }
 
-fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, WireError> {
-    let bytes = postcard::to_allocvec(msg).map_err(|_| WireError::Malformed)?;
+fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, LookupWireError> {
+    let bytes = postcard::to_allocvec(msg).map_err(|_| LookupWireError::Malformed)?;
     if bytes.len() > LOOKUP_MESSAGE_MAX_BYTES {
-        return Err(WireError::TooLarge { len: bytes.len() });
+        return Err(LookupWireError::TooLarge { len: bytes.len() });
     }
     Ok(bytes)
 }
 
 /// A request's bytes, checked against the bounds the server checks.
-pub fn encode_query(seq: u64, q: &LookupQuery) -> Result<Vec<u8>, WireError> {
+pub fn encode_query(seq: u64, q: &LookupQuery) -> Result<Vec<u8>, LookupWireError> {
     let count: usize = q.block_hashes.iter().map(Vec::len).sum();
     check_shape(q.block_hashes.len(), count)?;
     encode(&QueryWire {
@@ -214,24 +215,24 @@ pub fn encode_query(seq: u64, q: &LookupQuery) -> Result<Vec<u8>, WireError> {
     })
 }
 
-fn check_shape(groups: usize, hashes: usize) -> Result<(), WireError> {
+fn check_shape(groups: usize, hashes: usize) -> Result<(), LookupWireError> {
     if groups > GROUPS_MAX {
-        return Err(WireError::TooManyGroups { count: groups });
+        return Err(LookupWireError::TooManyGroups { count: groups });
     }
     if hashes > LOOKUP_HASHES_MAX {
-        return Err(WireError::TooManyHashes { count: hashes });
+        return Err(LookupWireError::TooManyHashes { count: hashes });
     }
     Ok(())
 }
 
 /// A request from its bytes: its sequence number and query.
-pub fn decode_query(bytes: &[u8]) -> Result<(u64, LookupQuery), WireError> {
+pub fn decode_query(bytes: &[u8]) -> Result<(u64, LookupQuery), LookupWireError> {
     let w: QueryWire = decode(bytes)?;
     check_shape(w.group_lens.len(), w.hashes.len())?;
     let sum = (w.group_lens.iter()).fold(0usize, |s, &n| s.saturating_add(n as usize));
     if sum != w.hashes.len() {
         let hashes = w.hashes.len();
-        return Err(WireError::GroupLengths { sum, hashes });
+        return Err(LookupWireError::GroupLengths { sum, hashes });
     }
     let mut hashes = w.hashes.into_iter().map(|h| h.0);
     let block_hashes = (w.group_lens.iter())
@@ -247,7 +248,7 @@ pub fn decode_query(bytes: &[u8]) -> Result<(u64, LookupQuery), WireError> {
 }
 
 /// A reply's bytes.
-pub fn encode_reply(seq: u64, answer: &LookupAnswer) -> Result<Vec<u8>, WireError> {
+pub fn encode_reply(seq: u64, answer: &LookupAnswer) -> Result<Vec<u8>, LookupWireError> {
     let answer = match answer {
         Ok(hit) => {
             check_shape(hit.load.len(), 0)?;
@@ -266,7 +267,7 @@ pub fn encode_reply(seq: u64, answer: &LookupAnswer) -> Result<Vec<u8>, WireErro
 }
 
 /// A reply from its bytes: its sequence number and answer.
-pub fn decode_reply(bytes: &[u8]) -> Result<(u64, LookupAnswer), WireError> {
+pub fn decode_reply(bytes: &[u8]) -> Result<(u64, LookupAnswer), LookupWireError> {
     let w: ReplyWire = decode(bytes)?;
     let answer = match w.answer {
         AnswerWire::Hit { tokens, load } => {
@@ -490,7 +491,7 @@ fn serve<L: PrefixLookup>(rep: zmq::Socket, stop: zmq::Socket, mut lookup: L, c:
 fn answer<L: PrefixLookup>(frames: &[Vec<u8>], lookup: &mut L, c: &ServerCounters) -> Vec<u8> {
     let decoded = match frames {
         [one] => decode_query(one),
-        _ => Err(WireError::Frames {
+        _ => Err(LookupWireError::Frames {
             frames: frames.len(),
         }),
     };
@@ -599,7 +600,7 @@ impl LookupClient {
         self.stats.round_trips += 1;
         match <[Vec<u8>; 1]>::try_from(frames) {
             Ok([one]) => Ok(one),
-            Err(f) => Err(WireError::Frames { frames: f.len() }.into()),
+            Err(f) => Err(LookupWireError::Frames { frames: f.len() }.into()),
         }
     }
 
@@ -610,7 +611,7 @@ impl LookupClient {
         let reply = self.round_trip(&request)?;
         let (got, answer) = decode_reply(&reply)?;
         if got != want {
-            return Err(WireError::WrongSeq { got, want }.into());
+            return Err(LookupWireError::WrongSeq { got, want }.into());
         }
         answer.map_err(LookupFailure::Server)
     }
@@ -671,7 +672,7 @@ mod tests {
         let too_many = query(1, LOOKUP_HASHES_MAX as u32 + 1);
         assert_eq!(
             encode_query(1, &too_many),
-            Err(WireError::TooManyHashes {
+            Err(LookupWireError::TooManyHashes {
                 count: LOOKUP_HASHES_MAX + 1
             })
         );
@@ -690,7 +691,7 @@ mod tests {
         let bytes = postcard::to_allocvec(&wire).unwrap();
         assert_eq!(
             decode_query(&bytes),
-            Err(WireError::TooManyHashes {
+            Err(LookupWireError::TooManyHashes {
                 count: LOOKUP_HASHES_MAX + 1
             })
         );
@@ -702,23 +703,26 @@ mod tests {
         let bytes = postcard::to_allocvec(&wire).unwrap();
         assert_eq!(
             decode_query(&bytes),
-            Err(WireError::GroupLengths { sum: 2, hashes: 1 })
+            Err(LookupWireError::GroupLengths { sum: 2, hashes: 1 })
         );
         let mut good = encode_query(1, &query(1, 2)).unwrap();
         good.push(0);
         assert_eq!(
             decode_query(&good),
-            Err(WireError::TrailingBytes { extra: 1 })
+            Err(LookupWireError::TrailingBytes { extra: 1 })
         );
         let mut other = encode_query(1, &query(1, 2)).unwrap();
         other[0] = 2;
-        assert_eq!(decode_query(&other), Err(WireError::Version { got: 2 }));
+        assert_eq!(
+            decode_query(&other),
+            Err(LookupWireError::Version { got: 2 })
+        );
         let big = vec![1u8; LOOKUP_MESSAGE_MAX_BYTES + 1];
         assert_eq!(
             decode_reply(&big),
-            Err(WireError::TooLarge { len: big.len() })
+            Err(LookupWireError::TooLarge { len: big.len() })
         );
-        assert_eq!(decode_reply(&[]), Err(WireError::Malformed));
+        assert_eq!(decode_reply(&[]), Err(LookupWireError::Malformed));
     }
 
     proptest! {

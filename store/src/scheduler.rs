@@ -51,9 +51,9 @@ use kvferry_machines::common::{BlockId, BlockLists, TransferId};
 use kvferry_machines::store::lookup::{lcm_block_tokens, LookupHit};
 use kvferry_machines::store::{BlockHash, GroupSpec};
 
-use super::config::{ConnectorError, LoadMeta, SaveMeta, StoreRequest};
+use super::config::{ConnectorError, StoreLoadMeta, StoreRequest, StoreSaveMeta};
 use super::connector::StoreConnector;
-use super::lookup_server::{ServerFault, WireError};
+use super::lookup_server::{LookupWireError, ServerFault};
 
 /// How a [`StoreScheduler`] runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -140,7 +140,7 @@ pub enum LookupFailure {
     Transport(#[from] zmq::Error),
     /// An answer that does not decode, or answers another question.
     #[error(transparent)]
-    Wire(#[from] WireError),
+    Wire(#[from] LookupWireError),
     /// The lookup server could not answer.
     #[error("the lookup server failed: {0:?}")]
     Server(ServerFault),
@@ -725,9 +725,9 @@ pub struct PlannedLoad {
 }
 
 impl PlannedLoad {
-    /// The connector's [`LoadMeta`].
-    pub fn load_meta(&self) -> LoadMeta {
-        LoadMeta {
+    /// The connector's [`StoreLoadMeta`].
+    pub fn load_meta(&self) -> StoreLoadMeta {
+        StoreLoadMeta {
             request: self.request.store_request(),
             hit: self.hit.clone(),
             local_tokens: self.local_tokens,
@@ -745,9 +745,9 @@ pub struct PlannedSave {
 }
 
 impl PlannedSave {
-    /// The connector's [`SaveMeta`] (no token ids for events).
-    pub fn save_meta(&self) -> SaveMeta {
-        SaveMeta {
+    /// The connector's [`StoreSaveMeta`] (no token ids for events).
+    pub fn save_meta(&self) -> StoreSaveMeta {
+        StoreSaveMeta {
             request: self.request.store_request(),
             token_len: self.token_len,
             token_ids: None,

@@ -17,7 +17,7 @@ pub const REMOVED_PER_CALL_MAX: usize = 4096;
 
 /// What a call asks the backend.
 #[derive(Debug)]
-pub enum Op {
+pub enum BackendOp {
     /// [`StoreBackend::exists`].
     Exists(Vec<ChunkKey>),
     /// [`StoreBackend::put`].
@@ -30,29 +30,29 @@ pub enum Op {
     Register(Box<RankLayout>),
 }
 
-impl Op {
+impl BackendOp {
     fn keys(&self) -> usize {
         match self {
-            Op::Exists(k) | Op::Remove(k) => k.len(),
-            Op::Put(i) => i.len(),
-            Op::Get(i) => i.len(),
-            Op::Register(_) => 0,
+            BackendOp::Exists(k) | BackendOp::Remove(k) => k.len(),
+            BackendOp::Put(i) => i.len(),
+            BackendOp::Get(i) => i.len(),
+            BackendOp::Register(_) => 0,
         }
     }
 }
 
-/// The backend's answer to an [`Op`], of the same kind.
+/// The backend's answer to an [`BackendOp`], of the same kind.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Reply {
-    /// To [`Op::Exists`].
+pub enum BackendReply {
+    /// To [`BackendOp::Exists`].
     Exists(Result<Vec<bool>, CallError>),
-    /// To [`Op::Put`].
+    /// To [`BackendOp::Put`].
     Put(Answers<PutOutcome>),
-    /// To [`Op::Get`].
+    /// To [`BackendOp::Get`].
     Get(Answers<()>),
-    /// To [`Op::Remove`].
+    /// To [`BackendOp::Remove`].
     Remove(Answers<()>),
-    /// To [`Op::Register`].
+    /// To [`BackendOp::Register`].
     Register(Result<(), CallError>),
 }
 
@@ -62,7 +62,7 @@ pub struct Call {
     /// The caller's id for it, given back in [`Done::id`].
     pub id: u64,
     /// What to do.
-    pub op: Op,
+    pub op: BackendOp,
     /// Posted time plus `op_bound`: a call not started by then is answered
     /// [`CallError::Timeout`] without touching memory.
     pub deadline: Instant,
@@ -77,7 +77,7 @@ pub struct Done {
     pub id: u64,
     /// The backend's answer; one of another length than the call's keys
     /// is turned into [`CallError::Refused`].
-    pub reply: Reply,
+    pub reply: BackendReply,
     /// Keys that left the store since the previous call (for events).
     pub removed: Vec<ChunkKey>,
 }
@@ -206,48 +206,48 @@ fn serve<B: StoreBackend>(mut backend: B, rx: flume::Receiver<Call>) {
     }
 }
 
-fn run<B: StoreBackend>(backend: &mut B, op: Op, deadline: Instant) -> Reply {
+fn run<B: StoreBackend>(backend: &mut B, op: BackendOp, deadline: Instant) -> BackendReply {
     match op {
-        Op::Exists(keys) => Reply::Exists(backend.exists(&keys, deadline)),
-        Op::Put(items) => Reply::Put(backend.put(&items, deadline)),
-        Op::Get(items) => Reply::Get(backend.get(&items, deadline)),
-        Op::Remove(keys) => Reply::Remove(backend.remove(&keys, deadline)),
-        Op::Register(layout) => Reply::Register(backend.register(&layout)),
+        BackendOp::Exists(keys) => BackendReply::Exists(backend.exists(&keys, deadline)),
+        BackendOp::Put(items) => BackendReply::Put(backend.put(&items, deadline)),
+        BackendOp::Get(items) => BackendReply::Get(backend.get(&items, deadline)),
+        BackendOp::Remove(keys) => BackendReply::Remove(backend.remove(&keys, deadline)),
+        BackendOp::Register(layout) => BackendReply::Register(backend.register(&layout)),
     }
 }
 
-fn timed_out(op: &Op) -> Reply {
+fn timed_out(op: &BackendOp) -> BackendReply {
     let e = CallError::Timeout;
     match op {
-        Op::Exists(_) => Reply::Exists(Err(e)),
-        Op::Put(_) => Reply::Put(Err(e)),
-        Op::Get(_) => Reply::Get(Err(e)),
-        Op::Remove(_) => Reply::Remove(Err(e)),
-        Op::Register(_) => Reply::Register(Err(e)),
+        BackendOp::Exists(_) => BackendReply::Exists(Err(e)),
+        BackendOp::Put(_) => BackendReply::Put(Err(e)),
+        BackendOp::Get(_) => BackendReply::Get(Err(e)),
+        BackendOp::Remove(_) => BackendReply::Remove(Err(e)),
+        BackendOp::Register(_) => BackendReply::Register(Err(e)),
     }
 }
 
 /// An answer for another number of keys than asked is a refused call.
-fn checked(reply: Reply, keys: usize) -> Reply {
+fn checked(reply: BackendReply, keys: usize) -> BackendReply {
     fn len<T, E>(r: &Result<Vec<T>, E>) -> Option<usize> {
         r.as_ref().ok().map(Vec::len)
     }
     let got = match &reply {
-        Reply::Exists(r) => len(r),
-        Reply::Put(r) => len(r),
-        Reply::Get(r) | Reply::Remove(r) => len(r),
-        Reply::Register(_) => None,
+        BackendReply::Exists(r) => len(r),
+        BackendReply::Put(r) => len(r),
+        BackendReply::Get(r) | BackendReply::Remove(r) => len(r),
+        BackendReply::Register(_) => None,
     };
     if got.is_none_or(|n| n == keys) {
         return reply;
     }
     let e = CallError::Refused;
     match reply {
-        Reply::Exists(_) => Reply::Exists(Err(e)),
-        Reply::Put(_) => Reply::Put(Err(e)),
-        Reply::Get(_) => Reply::Get(Err(e)),
-        Reply::Remove(_) => Reply::Remove(Err(e)),
-        Reply::Register(r) => Reply::Register(r),
+        BackendReply::Exists(_) => BackendReply::Exists(Err(e)),
+        BackendReply::Put(_) => BackendReply::Put(Err(e)),
+        BackendReply::Get(_) => BackendReply::Get(Err(e)),
+        BackendReply::Remove(_) => BackendReply::Remove(Err(e)),
+        BackendReply::Register(r) => BackendReply::Register(r),
     }
 }
 
@@ -268,7 +268,7 @@ mod tests {
                 let (tx, rx) = flume::bounded(1);
                 let call = Call {
                     id: 7,
-                    op: Op::Exists(Vec::new()),
+                    op: BackendOp::Exists(Vec::new()),
                     deadline: Instant::now() + Duration::from_secs(60),
                     reply: tx,
                 };
@@ -279,15 +279,15 @@ mod tests {
                 assert_eq!(other.await, 2);
                 (done.id, done.reply)
             });
-        assert_eq!(answer, (7, Reply::Exists(Ok(Vec::new()))));
+        assert_eq!(answer, (7, BackendReply::Exists(Ok(Vec::new()))));
         assert_eq!(store.stats().exists_calls, 1);
     }
 
     #[test]
     fn an_answer_for_another_number_of_keys_is_a_refused_call() {
-        let reply = checked(Reply::Exists(Ok(vec![true])), 2);
-        assert_eq!(reply, Reply::Exists(Err(CallError::Refused)));
-        let reply = checked(Reply::Get(Ok(vec![Ok(())])), 1);
-        assert_eq!(reply, Reply::Get(Ok(vec![Ok(())])));
+        let reply = checked(BackendReply::Exists(Ok(vec![true])), 2);
+        assert_eq!(reply, BackendReply::Exists(Err(CallError::Refused)));
+        let reply = checked(BackendReply::Get(Ok(vec![Ok(())])), 1);
+        assert_eq!(reply, BackendReply::Get(Ok(vec![Ok(())])));
     }
 }

@@ -12,7 +12,7 @@ use kvferry::machines::store::save::{SaveEnd, SaveKeyResult};
 use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
-    LoadMeta, PutItem, PutOutcome, SaveMeta, StoreBackend, StoreConnector, StoreRequest,
+    PutItem, PutOutcome, StoreBackend, StoreConnector, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };
 
 const BLOCK_TOKENS: u32 = 16;
@@ -161,7 +161,7 @@ fn request(id: u64, hashes: &[u64], blocks: &[u32]) -> StoreRequest {
 }
 
 fn save(c: &mut StoreConnector, id: u64, hashes: &[u64], blocks: &[u32]) {
-    let meta = SaveMeta {
+    let meta = StoreSaveMeta {
         request: request(id, hashes, blocks),
         token_len: hashes.len() as u32 * BLOCK_TOKENS,
         token_ids: None,
@@ -247,7 +247,7 @@ fn prefixes_saved_with_dedup_load_back_byte_for_byte() {
     assert_eq!(tokens, 2 * BLOCK_TOKENS);
 
     let blocks: Vec<u32> = (40..49).collect();
-    let meta = LoadMeta {
+    let meta = StoreLoadMeta {
         request: request(9, &ask, &blocks),
         hit,
         local_tokens: 0,
@@ -353,7 +353,7 @@ fn a_value_of_the_wrong_length_is_a_load_error_for_its_block_only() {
     };
     assert_eq!(hit.tokens, 4 * BLOCK_TOKENS);
     let into: Vec<u32> = (10..14).collect();
-    let meta = LoadMeta {
+    let meta = StoreLoadMeta {
         request: request(2, &hashes, &into),
         hit,
         local_tokens: 0,
@@ -399,7 +399,7 @@ fn a_staging_budget_below_one_value_fails_the_load_with_its_blocks() {
     let scope = c.keyspace().scope(None, &[]).unwrap();
     let hit = (c.lookup_hit(&scope, 3 * BLOCK_TOKENS, &hashes_of(&c, &hashes))).unwrap();
     let gets = store.stats().get_calls;
-    let meta = LoadMeta {
+    let meta = StoreLoadMeta {
         request: request(2, &hashes, &[5, 6, 7]),
         hit,
         local_tokens: 0,
@@ -495,7 +495,7 @@ fn an_abort_mid_save_releases_once_after_the_put_in_flight_lands() {
     for (b, h) in (0..6).zip(&hashes) {
         engine.fill(b, *h);
     }
-    let meta = SaveMeta {
+    let meta = StoreSaveMeta {
         request: request(1, &hashes, &[0, 1, 2, 3, 4, 5]),
         token_len: 6 * BLOCK_TOKENS,
         token_ids: None,
@@ -541,13 +541,13 @@ fn calls_past_their_deadline_touch_no_memory_and_fail_their_requests() {
     let before = store.stats();
     // Posted "five seconds ago": every call is past its bound on arrival.
     let long_ago = Instant::now().checked_sub(Duration::from_secs(5)).unwrap();
-    let meta = LoadMeta {
+    let meta = StoreLoadMeta {
         request: request(2, &hashes, &[5, 6, 7]),
         hit,
         local_tokens: 0,
     };
     c.start_load_kv(long_ago, meta).unwrap();
-    let save_meta = SaveMeta {
+    let save_meta = StoreSaveMeta {
         request: request(3, &[9], &[9]),
         token_len: BLOCK_TOKENS,
         token_ids: None,

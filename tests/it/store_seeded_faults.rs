@@ -40,8 +40,8 @@ use kvferry::machines::store::{
 };
 use kvferry::store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
-    ItemError, LoadMeta, PutItem, PutOutcome, SaveMeta, Scatter, StoreBackend, StoreConnector,
-    StoreRequest,
+    ItemError, PutItem, PutOutcome, Scatter, StoreBackend, StoreConnector, StoreLoadMeta,
+    StoreRequest, StoreSaveMeta,
 };
 
 /// Seeds of a full run.
@@ -980,7 +980,7 @@ fn save_checked(w: &mut World, req: &Req, blocks: &[Vec<u32>]) -> SaveReport {
     let posts = |c: &StoreConnector| (c.stats().exists_calls, c.stats().put_calls);
     let before = posts(&w.c);
     let admitted = w.pressure.admit(id);
-    let meta = SaveMeta {
+    let meta = StoreSaveMeta {
         request: request(req.id, req, blocks),
         token_len: req.tokens,
         token_ids: None,
@@ -1193,7 +1193,7 @@ fn start_loads(w: &mut World, reqs: &[Req], rng: &mut fastrand::Rng) -> Vec<Plan
             }
         }
         let id = TransferId(1000 + req.id);
-        let meta = LoadMeta {
+        let meta = StoreLoadMeta {
             request: request(id.0, req, d),
             hit,
             local_tokens: local,
@@ -1473,7 +1473,7 @@ fn keys_removed_before_a_late_lookup_still_become_block_removed_events() {
             engine.fill(b, h);
         }
     }
-    let meta = SaveMeta {
+    let meta = StoreSaveMeta {
         request: request(1, &req, &blocks),
         token_len: req.tokens,
         token_ids: None,
@@ -1630,7 +1630,7 @@ fn a_late_answer_to_an_earlier_load_of_a_request_is_not_taken_for_a_later_one() 
     assert_eq!(hit.tokens, req.tokens);
     let id = TransferId(req.id);
     let load = |c: &mut StoreConnector, blocks: &[Vec<u32>]| {
-        let meta = LoadMeta {
+        let meta = StoreLoadMeta {
             request: request(req.id, &req, blocks),
             hit: hit.clone(),
             local_tokens: 0,
@@ -1695,7 +1695,7 @@ fn a_late_answer_to_an_earlier_save_of_a_request_is_not_taken_for_a_later_one() 
     }
     let id = TransferId(req.id);
     let save = |c: &mut StoreConnector, tokens: u32| {
-        let meta = SaveMeta {
+        let meta = StoreSaveMeta {
             request: request(req.id, &req, &blocks),
             token_len: tokens,
             token_ids: None,

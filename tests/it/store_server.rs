@@ -228,7 +228,7 @@ mod through_the_connector {
     use kvferry::machines::store::events::Medium;
     use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
     use kvferry::store::{
-        ConnectorConfig, ConnectorLimits, SaveMeta, StoreConnector, StoreRequest,
+        ConnectorConfig, ConnectorLimits, StoreConnector, StoreRequest, StoreSaveMeta,
     };
 
     const BLOCK_TOKENS: u32 = 16;
@@ -262,7 +262,7 @@ mod through_the_connector {
 
     fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>) {
         let ids: Vec<u32> = blocks.collect();
-        let meta = SaveMeta {
+        let meta = StoreSaveMeta {
             request: StoreRequest {
                 id: TransferId(id),
                 block_hashes: vec![ids.iter().map(|&b| BlockHash::from_u64(b.into())).collect()],

@@ -26,8 +26,8 @@ use kvferry::machines::store::load::{LoadEnd, LoadKeyResult, LoadReport};
 use kvferry::machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
 use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig};
 use kvferry::store::{
-    ConnectorConfig, ConnectorError, ConnectorLimits, LoadMeta, SaveMeta, StoreBackend,
-    StoreConnector, StoreRequest,
+    ConnectorConfig, ConnectorError, ConnectorLimits, StoreBackend, StoreConnector, StoreLoadMeta,
+    StoreRequest, StoreSaveMeta,
 };
 use kvferry::Latency;
 
@@ -409,7 +409,7 @@ impl<'d> Run<'d> {
             for (b, h) in blocks.iter().zip(&hashes) {
                 self.mem.fill(*b, *h);
             }
-            let meta = SaveMeta {
+            let meta = StoreSaveMeta {
                 request: self.request(save_id(r), &hashes, &blocks),
                 token_len: per * self.demo.block_tokens,
                 token_ids: None,
@@ -503,7 +503,7 @@ impl<'d> Run<'d> {
         for b in &blocks[..hit_blocks as usize] {
             self.mem.poison(*b);
         }
-        let meta = LoadMeta {
+        let meta = StoreLoadMeta {
             request: self.request(load_id(r), &hashes, &blocks),
             hit,
             local_tokens: 0,

@@ -13,8 +13,8 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage
 use kvferry::machines::store::events::Medium;
 use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::store::{
-    ConnectorConfig, ConnectorLimits, LoadMeta, RemoteConfig, RemoteStore, SaveMeta,
-    StoreConnector, StoreRequest,
+    ConnectorConfig, ConnectorLimits, RemoteConfig, RemoteStore, StoreConnector, StoreLoadMeta,
+    StoreRequest, StoreSaveMeta,
 };
 
 const BLOCK_TOKENS: u32 = 16;
@@ -180,8 +180,8 @@ fn request(r: u32, offset: u64) -> StoreRequest {
     }
 }
 
-fn save_meta(r: u32, offset: u64) -> SaveMeta {
-    SaveMeta {
+fn save_meta(r: u32, offset: u64) -> StoreSaveMeta {
+    StoreSaveMeta {
         request: request(r, offset),
         token_len: BLOCKS_PER_REQUEST * BLOCK_TOKENS,
         token_ids: None,
@@ -241,7 +241,7 @@ fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
         let tokens = BLOCKS_PER_REQUEST * BLOCK_TOKENS;
         let hit = c.lookup_hit(&scope, tokens, &req.block_hashes).unwrap();
         assert_eq!(hit.tokens, tokens);
-        let meta = LoadMeta {
+        let meta = StoreLoadMeta {
             request: req,
             hit,
             local_tokens: 0,

@@ -33,7 +33,7 @@ use crate::machine::Machine;
 use super::batch::{Answer, Batches};
 use super::key::{ChunkKey, Keyspace, RequestScope, Shard};
 use super::lookup::LookupHit;
-use super::{GroupBlocks, PlanError, StoreConfig, StoreFault, StoreItem};
+use super::{GroupBlocks, StoreConfig, StoreFault, StoreItem, StorePlanError};
 
 /// What the store answered for one key of a get.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,10 +196,10 @@ pub fn plan_load(
     groups: &[GroupBlocks],
     hit: &LookupHit,
     local_tokens: u32,
-) -> Result<Vec<StoreItem>, PlanError> {
+) -> Result<Vec<StoreItem>, StorePlanError> {
     let specs = keyspace.groups();
     if groups.len() != specs.len() || hit.load.len() != specs.len() {
-        return Err(PlanError::GroupCount {
+        return Err(StorePlanError::GroupCount {
             got: groups.len().min(hit.load.len()),
             want: specs.len(),
         });
@@ -211,7 +211,7 @@ pub fn plan_load(
         for index in range.start.max(local)..range.end {
             let i = index as usize;
             let (Some(hash), Some(&block)) = (blocks.hashes.get(i), blocks.block_ids.get(i)) else {
-                return Err(PlanError::MissingBlock { group: g, index });
+                return Err(StorePlanError::MissingBlock { group: g, index });
             };
             items.push(StoreItem {
                 key: keyspace.key(shard, scope, g, hash)?,

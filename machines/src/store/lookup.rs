@@ -22,20 +22,20 @@
 use std::ops::Range;
 
 use super::key::{BlockHash, ChunkKey, GroupSpec, Keyspace, RequestScope};
-use super::PlanError;
+use super::StorePlanError;
 
 /// The least common multiple of the groups' block sizes: hit lengths are
 /// multiples of it.
-pub fn lcm_block_tokens(groups: &[GroupSpec]) -> Result<u32, PlanError> {
+pub fn lcm_block_tokens(groups: &[GroupSpec]) -> Result<u32, StorePlanError> {
     let mut lcm: u64 = 1;
     for g in groups {
         let b = u64::from(g.block_tokens);
         if b == 0 {
-            return Err(PlanError::BlockSizes);
+            return Err(StorePlanError::BlockSizes);
         }
         lcm = lcm / gcd(lcm, b) * b;
         if lcm > u64::from(u32::MAX) {
-            return Err(PlanError::BlockSizes);
+            return Err(StorePlanError::BlockSizes);
         }
     }
     Ok(lcm as u32)
@@ -120,10 +120,10 @@ impl Lookup {
         token_len: u32,
         hashes: &[Vec<BlockHash>],
         max_keys: usize,
-    ) -> Result<Lookup, PlanError> {
+    ) -> Result<Lookup, StorePlanError> {
         let groups = keyspace.groups().to_vec();
         if hashes.len() != groups.len() {
-            return Err(PlanError::GroupCount {
+            return Err(StorePlanError::GroupCount {
                 got: hashes.len(),
                 want: groups.len(),
             });
@@ -140,7 +140,7 @@ impl Lookup {
             .map(|&b| b as usize * shards.len())
             .sum::<usize>();
         if count > max_keys {
-            return Err(PlanError::TooManyKeys {
+            return Err(StorePlanError::TooManyKeys {
                 count,
                 max: max_keys,
             });
@@ -169,9 +169,9 @@ impl Lookup {
     }
 
     /// The hit, from the store's answer: `exists[i]` for `keys()[i]`.
-    pub fn resolve(&self, exists: &[bool]) -> Result<LookupHit, PlanError> {
+    pub fn resolve(&self, exists: &[bool]) -> Result<LookupHit, StorePlanError> {
         if exists.len() != self.keys.len() {
-            return Err(PlanError::AnswerLength {
+            return Err(StorePlanError::AnswerLength {
                 got: exists.len(),
                 want: self.keys.len(),
             });

@@ -151,7 +151,7 @@ pub enum StoreFault {
 /// Why a lookup, save or load could not be planned from its inputs.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum PlanError {
+pub enum StorePlanError {
     /// A key could not be built.
     #[error(transparent)]
     Key(#[from] KeyError),

@@ -34,7 +34,7 @@ use crate::machine::Machine;
 use super::batch::{Answer, Batches};
 use super::key::{ChunkKey, Keyspace, Replica, RequestScope, Shard};
 use super::lookup::{lcm_block_tokens, store_mask};
-use super::{GroupBlocks, PlanError, Pressure, StoreConfig, StoreFault, StoreItem};
+use super::{GroupBlocks, Pressure, StoreConfig, StoreFault, StoreItem, StorePlanError};
 
 /// What the store answered for one key of a put.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,10 +181,10 @@ pub fn plan_save(
     scope: &RequestScope,
     token_len: u32,
     groups: &[GroupBlocks],
-) -> Result<Vec<StoreItem>, PlanError> {
+) -> Result<Vec<StoreItem>, StorePlanError> {
     let specs = keyspace.groups();
     if groups.len() != specs.len() {
-        return Err(PlanError::GroupCount {
+        return Err(StorePlanError::GroupCount {
             got: groups.len(),
             want: specs.len(),
         });

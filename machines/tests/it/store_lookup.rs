@@ -11,7 +11,7 @@ use kvferry_machines::layout::LayoutKind;
 use kvferry_machines::store::lookup::{blocks_needed, lcm_block_tokens, store_mask, Lookup};
 use kvferry_machines::store::save::plan_save;
 use kvferry_machines::store::{
-    BlockHash, GroupBlocks, GroupSpec, Keyspace, PlanError, RequestScope,
+    BlockHash, GroupBlocks, GroupSpec, Keyspace, RequestScope, StorePlanError,
 };
 
 use crate::store_common;
@@ -46,7 +46,7 @@ fn lcm_and_masks() {
     assert_eq!(lcm_block_tokens(&[full(16), full(24)]), Ok(48));
     assert_eq!(
         lcm_block_tokens(&[full(65521), full(65519), full(65497)]),
-        Err(PlanError::BlockSizes)
+        Err(StorePlanError::BlockSizes)
     );
     // Window of 20 tokens, blocks of 8: at a hit of 32 tokens the next
     // token attends back to token 13, in block 1.
@@ -78,11 +78,11 @@ fn one_missing_shard_cuts_the_prefix() {
     );
     assert_eq!(
         l.resolve(&exists[1..]),
-        Err(PlanError::AnswerLength { got: 7, want: 8 })
+        Err(StorePlanError::AnswerLength { got: 7, want: 8 })
     );
     assert!(matches!(
         Lookup::new(&ks, &scope, 17, &hashes(&ks, &[5]), 7),
-        Err(PlanError::TooManyKeys { count: 8, max: 7 })
+        Err(StorePlanError::TooManyKeys { count: 8, max: 7 })
     ));
 }
 

@@ -8,7 +8,7 @@ use kvferry::machines::layout::{LayoutKind, ModelSpec};
 use kvferry::machines::store::events::Medium;
 use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::store::{
-    ConnectorConfig, ConnectorLimits, LoadMeta, SaveMeta, StoreConnector, StoreRequest,
+    ConnectorConfig, ConnectorLimits, StoreConnector, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };
 
 pub(crate) const BLOCK_TOKENS: u32 = 16;
@@ -65,7 +65,7 @@ pub(crate) fn save(c: &mut StoreConnector, id: u64, blocks: std::ops::Range<u32>
 
 /// Saves hash `hashes[i]`'s KV from block `blocks[i]`, and waits for it.
 pub(crate) fn save_as(c: &mut StoreConnector, id: u64, hashes: &[u32], blocks: &[u32]) {
-    let meta = SaveMeta {
+    let meta = StoreSaveMeta {
         request: request(id, hashes, blocks),
         token_len: blocks.len() as u32 * BLOCK_TOKENS,
         token_ids: None,
@@ -87,7 +87,7 @@ pub(crate) fn load_with_block_6_spoilt(c: &mut StoreConnector, kv: &super::Buffe
         c.lookup_hit(&scope, 4 * BLOCK_TOKENS, &ask).unwrap()
     };
     assert_eq!(hit.tokens, 4 * BLOCK_TOKENS);
-    let meta = LoadMeta {
+    let meta = StoreLoadMeta {
         request: request(2, &[0, 1, 2, 3], &[4, 5, 6, 7]),
         hit,
         local_tokens: 0,
