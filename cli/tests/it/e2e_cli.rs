@@ -176,34 +176,14 @@ fn the_store_demo_runs_in_a_fixed_pool_whatever_the_number_of_requests() {
 
 #[test]
 fn demo_against_a_store_server_process_verifies_every_byte() {
-    use std::io::{BufRead, BufReader};
-    let mut server = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["store", "serve", "--listen", "127.0.0.1:0"])
-        .args(["--metrics-listen", "127.0.0.1:0"])
-        .args(["--capacity-bytes", "268435456"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn kvferry store serve");
-    let out = server.stdout.take().expect("piped stdout");
-    let mut lines = BufReader::new(out).lines();
-    let mut line = || lines.next().and_then(Result::ok).unwrap_or_default();
-    let url = line()
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_default()
-        .to_string();
-    let metrics = line();
-    let metrics = (metrics.trim().strip_prefix("metrics on http://"))
-        .and_then(|m| m.strip_suffix("/metrics"))
-        .unwrap_or_default()
-        .to_string();
-    let (code, r) = demo(&["--store", &url, "--requests", "64", "--json"]);
-    let commits = crate::store_kill::metric(&metrics, "kvferry_store_commits_total");
-    // Signals end it cleanly (its stats on stderr); kill as a fallback.
+    let mut server = crate::stores::StoreServe::start(256 << 20);
+    let (code, r) = demo(&["--store", &server.url, "--requests", "64", "--json"]);
+    let commits = server.metric("kvferry_store_commits_total");
+    // Signals end it cleanly (its stats on stderr); the drop kills it else.
     // SAFETY: a child process we spawned and have not reaped.
-    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
-    let status = server.wait().expect("the server exits");
-    assert_eq!(code, 0, "{url}: {r}");
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    let status = server.child.wait().expect("the server exits");
+    assert_eq!(code, 0, "{}: {r}", server.url);
     assert_eq!(r["verify_errors"], 0);
     assert_eq!(r["load_errors"], 0);
     assert!(r["loaded_blocks"].as_u64().unwrap() > 0, "{r}");
@@ -221,32 +201,9 @@ fn demo_against_a_store_server_process_verifies_every_byte() {
 /// block the demo says it stored is one key in Redis.
 #[test]
 fn demo_against_redis_verifies_every_byte() {
-    let port = kvferry_testkit::server_port().to_string();
-    let mut redis = Command::new("redis-server")
-        .args(["--port", &port, "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server (scripts/test.sh installs it)");
-    let cli = |cmd: &str| {
-        let out = Command::new("redis-cli").args(["-p", &port, cmd]).output();
-        out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_default()
-    };
-    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while cli("ping") != "PONG" {
-        assert!(
-            std::time::Instant::now() < give_up,
-            "redis-server answered no PING"
-        );
-        // Between attempts to reach a server still starting.
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    let url = format!("redis://127.0.0.1:{port}");
-    let (code, r) = demo(&["--store", &url, "--requests", "64", "--json"]);
-    let keys: u64 = cli("dbsize").parse().unwrap_or(0);
-    let _ = redis.kill();
-    let _ = redis.wait();
+    let redis = crate::stores::Redis::start(&[]);
+    let (code, r) = demo(&["--store", &redis.url(), "--requests", "64", "--json"]);
+    let keys: u64 = redis.cli("dbsize").parse().unwrap_or(0);
     assert_eq!(code, 0, "{r}");
     assert_eq!(
         (&r["verify_errors"], &r["load_errors"]),

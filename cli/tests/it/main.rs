@@ -12,3 +12,4 @@ mod e2e_ranks;
 mod e2e_soak;
 mod plan_cli;
 mod store_kill;
+mod stores;

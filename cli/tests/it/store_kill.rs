@@ -8,6 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::stores::{self, Redis, StoreServe};
 use kvferry::machines::common::{BlockId, TransferId};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::machines::store::events::Medium;
@@ -362,77 +363,26 @@ fn demo_outlives_its_store(
     r
 }
 
-/// A counter of a `/metrics` page, 0 when it cannot be read.
-pub(crate) fn metric(addr: &str, name: &str) -> u64 {
-    use std::io::Write;
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return 0;
-    };
-    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
-    let mut page = String::new();
-    let _ = std::io::Read::read_to_string(&mut s, &mut page);
-    (page.lines())
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0)
-}
-
 #[test]
 fn the_store_demo_outlives_a_store_server_killed_mid_run() {
-    let mut server = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-        .args(["store", "serve", "--listen", "127.0.0.1:0"])
-        .args(["--metrics-listen", "127.0.0.1:0"])
-        .args(["--capacity-bytes", &(256u64 << 20).to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvferry store serve");
-    let mut lines = BufReader::new(server.stdout.take().expect("piped stdout")).lines();
-    let mut line = || lines.next().and_then(Result::ok).unwrap_or_default();
-    let url = line()
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap()
-        .to_string();
-    let metrics = line();
-    let metrics = (metrics.trim().strip_prefix("metrics on http://"))
-        .and_then(|m| m.strip_suffix("/metrics"))
-        .unwrap()
-        .to_string();
+    let mut server = StoreServe::start(256 << 20);
+    let (url, metrics) = (server.url.clone(), server.metrics.clone());
     // 2 000 puts committed: about a fifth of the run's.
-    let mid_run = || metric(&metrics, "kvferry_store_commits_total") >= 2000;
-    let r = demo_outlives_its_store(&url, mid_run, || {
-        let _ = server.kill();
-        let _ = server.wait();
-    });
+    let mid_run = || stores::metric(&metrics, "kvferry_store_commits_total") >= 2000;
+    let r = demo_outlives_its_store(&url, mid_run, || server.kill());
     assert!(r["lookup_errors"].as_u64().unwrap() > 0, "{r}");
 }
 
 #[test]
 fn the_store_demo_outlives_a_redis_killed_mid_run() {
-    let port = kvferry_testkit::server_port().to_string();
-    let mut redis = Command::new("redis-server")
-        .args(["--port", &port, "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .args(["--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"])
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server (scripts/test.sh installs it)");
-    let cli = |cmd: &str| {
-        let out = Command::new("redis-cli").args(["-p", &port, cmd]).output();
-        out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_default()
-    };
-    let give_up = Instant::now() + Duration::from_secs(20);
-    while cli("ping") != "PONG" {
-        assert!(Instant::now() < give_up, "redis-server answered no PING");
-        // Between attempts to reach a server still starting.
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let mut redis = Redis::start(&["--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"]);
+    let (url, port) = (redis.url(), redis.port.clone());
     // 500 values stored: about a fifth of the run's that fit.
-    let mid_run = || cli("dbsize").parse::<u64>().unwrap_or(0) >= 500;
-    let url = format!("redis://127.0.0.1:{port}");
-    demo_outlives_its_store(&url, mid_run, || {
-        let _ = redis.kill();
-        let _ = redis.wait();
-    });
+    let mid_run = || {
+        stores::redis_cli(&port, "dbsize")
+            .parse::<u64>()
+            .unwrap_or(0)
+            >= 500
+    };
+    demo_outlives_its_store(&url, mid_run, || redis.kill());
 }
