@@ -958,7 +958,11 @@ def test_a_failed_load_ends_its_request_per_policy_and_spares_the_others(pd, how
     # worker reports it per request (failed_recving, which vLLM requires
     # with several KV-cache groups) and vLLM's kv_load_failure_policy
     # decides its fate; the other request loads and finishes.
-    e = pd(kind=kind, policy=policy, d_extra=QUICK)
+    # Short decode timeouts only where a load is to time out: elsewhere a
+    # busy machine could let the release of `p-lost` expire on decode
+    # before it reaches prefill, which then holds its blocks for its whole
+    # claim timeout (30 s, this test's bound).
+    e = pd(kind=kind, policy=policy, d_extra=QUICK if how == "times-out" else None)
     prompt = 40
     p_blocks = e.prefill("p-ok", prompt, "xfer-ok")
     lose_a_load(e, prompt, how)
