@@ -237,8 +237,8 @@ pub(crate) fn zmq_baseline(n: usize, two_contexts: bool) -> Result<(f64, f64), S
     Ok((ms(rtt.quantile(0.5)), ms(rtt.quantile(0.99))))
 }
 
-/// Milliseconds, as the report prints them.
-fn ms(d: Duration) -> f64 {
+/// Milliseconds, as the reports print them.
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
@@ -465,12 +465,9 @@ impl Demo<'_> {
         }
         self.last_draw = Instant::now();
         let (finished, requests, report) = (self.finished, self.o.requests, &self.report);
-        let width = 40u64;
-        let done = finished * width / requests.max(1);
         eprint!(
-            "\r[{}{}] {finished}/{} ok {} failed {} expired {}",
-            "#".repeat(done as usize),
-            " ".repeat((width - done) as usize),
+            "\r{} {finished}/{} ok {} failed {} expired {}",
+            bar(finished, requests),
             requests,
             report.ok,
             report.failed,
@@ -498,6 +495,17 @@ impl Demo<'_> {
         report.p99_ms = ms(self.latencies.quantile(0.99));
         report
     }
+}
+
+/// A 40-character progress bar, `[####    ]`, `done` of `of` filled.
+pub(crate) fn bar(done: u64, of: u64) -> String {
+    const WIDTH: u64 = 40;
+    let filled = (done.min(of) * WIDTH / of.max(1)) as usize;
+    format!(
+        "[{}{}]",
+        "#".repeat(filled),
+        " ".repeat(WIDTH as usize - filled)
+    )
 }
 
 /// `kvferry demo`.

@@ -31,6 +31,8 @@ use kvferry::store::{
 };
 use kvferry::Latency;
 
+use crate::demo::ms;
+
 /// The synthetic workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct StoreDemo {
@@ -482,11 +484,13 @@ impl<'d> Run<'d> {
     /// load.
     fn start_load(&mut self, r: u32, blocks: Vec<u32>) {
         let per = self.demo.blocks_per_request();
-        let hashes = self.demo.hashes(r);
+        let request = self.request(load_id(r), &self.demo.hashes(r), &blocks);
         let started = Instant::now();
-        let wanted = vec![hashes.iter().map(|&h| BlockHash::from_u64(h)).collect()];
         let tokens = per * self.demo.block_tokens;
-        let hit = match self.c.lookup_hit(&self.scope, tokens, &wanted) {
+        let hit = match self
+            .c
+            .lookup_hit(&self.scope, tokens, &request.block_hashes)
+        {
             Ok(hit) => hit,
             Err(e) => {
                 warn_first(self.report.lookup_errors, r, &e, "lookup failed");
@@ -504,7 +508,7 @@ impl<'d> Run<'d> {
             self.mem.poison(*b);
         }
         let meta = StoreLoadMeta {
-            request: self.request(load_id(r), &hashes, &blocks),
+            request,
             hit,
             local_tokens: 0,
         };
@@ -591,10 +595,6 @@ fn warn_first(so_far: u64, request: u32, error: &ConnectorError, what: &str) {
     } else {
         tracing::debug!(request, %error, "{what}");
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 fn gbps(bytes: u64, time: Duration) -> f64 {

@@ -2,7 +2,9 @@
 //! requests that share prefixes to a store, drops its copy, looks them up
 //! again, loads the hits and verifies every byte ([`engine`]).
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use kvferry::store::inproc::{InprocConfig, InprocStore};
 use kvferry::store::{
@@ -13,7 +15,6 @@ use kvferry::store::{
 mod engine;
 
 pub(crate) use engine::{DemoProgress, StoreDemo, StoreDemoReport};
-use std::io::IsTerminal;
 
 /// Most requests in flight with `--store`: the pool is this many requests'
 /// blocks (6 MiB each).
@@ -146,23 +147,17 @@ fn run<B: StoreBackend>(
     backend: B,
     json: bool,
 ) -> Result<StoreDemoReport, ConnectorError> {
-    let bar = !json && std::io::stderr().is_terminal();
-    let mut last = 0;
+    let shown = !json && std::io::stderr().is_terminal();
+    let mut last_draw: Option<Instant> = None;
+    // At most every 100 ms, and once at the end.
     let mut draw = |p: DemoProgress| {
-        if !bar || (p.loaded == last && p.loaded < p.of) {
+        let due = last_draw.is_none_or(|t| t.elapsed() > Duration::from_millis(100));
+        if !shown || !(due || p.loaded == p.of) {
             return;
         }
-        last = p.loaded;
-        const WIDTH: u32 = 40;
-        let filled = (u64::from(p.loaded) * u64::from(WIDTH) / u64::from(p.of.max(1))) as usize;
-        eprint!(
-            "\rloaded [{}{}] {}/{} (saved {})",
-            "#".repeat(filled),
-            " ".repeat(WIDTH as usize - filled),
-            p.loaded,
-            p.of,
-            p.saved,
-        );
+        last_draw = Some(Instant::now());
+        let bar = crate::demo::bar(p.loaded.into(), p.of.into());
+        eprint!("\rloaded {bar} {}/{} (saved {})", p.loaded, p.of, p.saved);
         if p.loaded == p.of {
             eprintln!();
         }
