@@ -89,6 +89,14 @@ impl Transport for AnyTransport {
             AnyTransport::Mooncake(t) => t.coalesce_small_batches(),
         }
     }
+
+    fn carries_notifications(&self) -> bool {
+        match self {
+            AnyTransport::Local(t) => t.carries_notifications(),
+            AnyTransport::Tcp(t) => t.carries_notifications(),
+            AnyTransport::Mooncake(t) => t.carries_notifications(),
+        }
+    }
 }
 
 impl Session for AnySession {

@@ -371,6 +371,12 @@ pub trait Transport {
         false
     }
 
+    /// Whether its sessions carry notifications
+    /// ([`Session::notify_peer`]); false by default.
+    fn carries_notifications(&self) -> bool {
+        false
+    }
+
     /// Whether dropping a batch's future stops every operation on its
     /// memory at once (true for tcp and local). False where a library
     /// moves the bytes and cannot be cancelled (Mooncake): callers then

@@ -188,12 +188,13 @@ impl Messenger {
         self.carries(msg) && !self.refusing.borrow().contains(endpoint)
     }
 
-    /// Whether this node sends `msg` over the data plane at all: tcp,
-    /// data-plane messages on, and [`over_data_plane`].
+    /// Whether this node sends `msg` over the data plane at all: a
+    /// transport that carries notifications, data-plane messages on, and
+    /// [`over_data_plane`].
     pub(super) fn carries(&self, msg: &Msg) -> bool {
         self.shared.config.data_plane_messages
             && over_data_plane(msg)
-            && matches!(self.transport.as_deref(), Some(AnyTransport::Tcp(_)))
+            && (self.transport.as_deref()).is_some_and(Transport::carries_notifications)
     }
 
     /// Opens a session to `endpoint` in the background, unless one is open

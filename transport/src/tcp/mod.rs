@@ -307,6 +307,10 @@ impl Transport for TcpTransport {
         true
     }
 
+    fn carries_notifications(&self) -> bool {
+        true
+    }
+
     async fn open(&self, peer: &EndpointAddr) -> Result<TcpSession, TransportError> {
         match peer {
             EndpointAddr::Tcp(addr) => self.open_tcp(*addr).await,
