@@ -4,8 +4,8 @@
 //! (and then untouched), and saves resume once a server is back. The
 //! store demo outlives a store server or a Redis killed mid-run.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::io::BufReader;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::stores::{self, Redis, StoreServe};
@@ -29,45 +29,6 @@ const NUM_BLOCKS: u64 = (REQUESTS * BLOCKS_PER_REQUEST) as u64;
 const SENTINEL: u8 = 0xEE;
 /// Bound on one store call, and so on how long a dead server is waited for.
 const OP_BOUND: Duration = Duration::from_secs(3);
-
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Server {
-    fn start(listen: &str) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["store", "serve", "--listen", listen])
-            .args(["--capacity-bytes", &(256u64 << 20).to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn kvferry store serve");
-        let mut line = String::new();
-        let out = child.stdout.take().expect("piped stdout");
-        BufReader::new(out)
-            .read_line(&mut line)
-            .expect("its first line");
-        let addr = line
-            .trim()
-            .strip_prefix("listening on kvferry://")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
-        Server { child, addr }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 struct Engine {
     regions: Vec<Vec<u8>>,
@@ -222,10 +183,10 @@ fn drive(
 
 #[test]
 fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
-    let mut server = Server::start("127.0.0.1:0");
+    let mut server = StoreServe::start(256 << 20);
     let mut engine = Engine::new();
     (0..NUM_BLOCKS as u32).for_each(|b| engine.fill(b));
-    let mut c = connector(&server.addr, &engine);
+    let mut c = connector(&server.url, &engine);
     for r in 0..REQUESTS {
         c.start_save(Instant::now(), save_meta(r, 0)).unwrap();
     }
@@ -277,8 +238,8 @@ fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
 fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
     // Started again on the same port below.
     let port = kvferry_testkit::server_port();
-    let mut server = Server::start(&format!("127.0.0.1:{port}"));
-    let addr = server.addr.clone();
+    let mut server = StoreServe::start_on(&format!("127.0.0.1:{port}"), 256 << 20);
+    let addr = server.addr().to_string();
     let mut engine = Engine::new();
     (0..NUM_BLOCKS as u32).for_each(|b| engine.fill(b));
     let mut c = connector(&addr, &engine);
@@ -298,7 +259,7 @@ fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
         "saves never write blocks"
     );
     // A new server on the same address: the same connector saves again.
-    let _again = Server::start(&addr);
+    let _again = StoreServe::start_on(&addr, 256 << 20);
     let before = c.stats().saved_keys;
     for r in 0..REQUESTS {
         c.start_save(Instant::now(), save_meta(r, 1000)).unwrap();

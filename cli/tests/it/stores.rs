@@ -16,10 +16,17 @@ pub(crate) struct StoreServe {
 }
 
 impl StoreServe {
-    /// Starts one with `capacity` bytes and waits for its address lines.
+    /// Starts one on a free port with `capacity` bytes and waits for its
+    /// address lines.
     pub(crate) fn start(capacity: u64) -> StoreServe {
+        StoreServe::start_on("127.0.0.1:0", capacity)
+    }
+
+    /// Starts one listening on `listen` (an address a killed one had, to
+    /// start it again).
+    pub(crate) fn start_on(listen: &str, capacity: u64) -> StoreServe {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvferry"))
-            .args(["store", "serve", "--listen", "127.0.0.1:0"])
+            .args(["store", "serve", "--listen", listen])
             .args(["--metrics-listen", "127.0.0.1:0"])
             .args(["--capacity-bytes", &capacity.to_string()])
             .stdout(Stdio::piped())
@@ -43,6 +50,11 @@ impl StoreServe {
             url,
             metrics,
         }
+    }
+
+    /// `HOST:PORT` it listens on.
+    pub(crate) fn addr(&self) -> &str {
+        self.url.strip_prefix("kvferry://").unwrap_or(&self.url)
     }
 
     /// Its counter or gauge `name` now (0 when unreadable).
