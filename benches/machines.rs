@@ -1,6 +1,6 @@
 //! State-machine event throughput: one P machine and one D machine driven
 //! through a full request lifecycle (bootstrap, lease, chunks, transfers,
-//! completion) with instant delivery, in push and pull mode. Criterion's
+//! completion) with instant delivery, in push and pull mode. The reported
 //! throughput is in events (inputs fed to either machine) per second.
 //!
 //! Run: `cargo bench --bench machines`
@@ -9,12 +9,11 @@ use std::collections::VecDeque;
 use std::hint::black_box;
 use std::time::Instant;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-
 use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
 use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
 use kvferry_machines::send::{self, SendMachine};
 use kvferry_machines::{Machine, Phase, TransferId};
+use kvferry_testkit::bench::{self, Throughput};
 
 const P: PeerId = PeerId(1);
 const D: PeerId = PeerId(2);
@@ -107,36 +106,32 @@ fn lifecycle(mode: Mode, chunks: u32, blocks_per_chunk: u32, cfg: &Config, now: 
     events
 }
 
-fn bench_lifecycle(c: &mut Criterion) {
+fn bench_lifecycle() {
     let cfg = Config::default();
     let now = Instant::now();
-    let mut group = c.benchmark_group("machines_lifecycle");
+    let mut group = bench::group("machines_lifecycle");
     for mode in [Mode::Push, Mode::Pull] {
         for (chunks, blocks) in [(1u32, 64u32), (16, 4)] {
             let events = lifecycle(mode, chunks, blocks, &cfg, now);
             group.throughput(Throughput::Elements(events));
-            let id = BenchmarkId::new(
-                format!("{mode:?}"),
-                format!("{chunks}chunks_x{blocks}blocks_{events}events"),
-            );
-            group.bench_function(id, |b| {
+            let id = format!("{mode:?}/{chunks}chunks_x{blocks}blocks_{events}events");
+            group.bench(&id, |b| {
                 b.iter(|| lifecycle(mode, black_box(chunks), blocks, &cfg, now))
             });
         }
     }
-    group.finish();
 }
 
 /// Steady-state lease renewal: the per-transfer heartbeat a driver feeds to
 /// thousands of idle transfers.
-fn bench_renewal(c: &mut Criterion) {
+fn bench_renewal() {
     // No hold limit in practice: the machine must stay live for every iteration.
     let cfg = Config {
         hold_limit: std::time::Duration::from_secs(1 << 40),
         ..Config::default()
     };
     let t0 = Instant::now();
-    let mut group = c.benchmark_group("machines_renewal");
+    let mut group = bench::group("machines_renewal");
     group.throughput(Throughput::Elements(2));
     let mut p = SendMachine::new(t0, &cfg, TransferId(1), Mode::Push);
     p.handle_event(
@@ -154,7 +149,7 @@ fn bench_renewal(c: &mut Criterion) {
     .unwrap();
     while p.poll_action().is_some() {}
     let mut now = t0;
-    group.bench_function("push_timeout_plus_grant", |b| {
+    group.bench("push_timeout_plus_grant", |b| {
         b.iter(|| {
             now += cfg.heartbeat_interval;
             p.handle_timeout(now);
@@ -183,8 +178,9 @@ fn bench_renewal(c: &mut Criterion) {
         !p.phase().is_terminal(),
         "the renewal bench ran into a deadline"
     );
-    group.finish();
 }
 
-criterion_group!(benches, bench_lifecycle, bench_renewal);
-criterion_main!(benches);
+fn main() {
+    bench_lifecycle();
+    bench_renewal();
+}

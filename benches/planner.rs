@@ -6,16 +6,18 @@
 //!    `scripts/py_planner_ref.py`, so both planners see identical input).
 //! 2. Heterogeneous TP 4→2, NHD, 8k tokens (512 blocks): per-token slices.
 //!
-//! After the criterion groups, `vs_python` runs the incumbent algorithm
+//! After the timed groups, `vs_python` runs the incumbent algorithm
 //! (vLLM's Python grouping and per-region loops) on the same inputs, when
 //! `python3` with numpy is available, and prints Rust/Python ratios measured
 //! in the same run.
 //!
 //! Run: `cargo bench --bench planner`.
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use std::hint::black_box;
+
 use kvferry::machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
 use kvferry::machines::planner::{plan, PairLayout, Plan};
+use kvferry_testkit::bench;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -95,12 +97,12 @@ fn cases_128k() -> Vec<Case> {
     ]
 }
 
-fn bench_128k(c: &mut Criterion) {
+fn bench_128k() {
     let m = model(LayoutKind::Hnd);
     let (p, d) = (rank(1, 0, P_BASE), rank(1, 0, D_BASE));
     let limits = BatchLimits::default();
     let pair = PairLayout::new(&m, &p, &d).expect("valid layout");
-    let mut group = c.benchmark_group("plan_128k_hnd");
+    let mut group = bench::group("plan_128k_hnd");
     group
         .sample_size(20)
         .measurement_time(Duration::from_secs(4));
@@ -108,7 +110,7 @@ fn bench_128k(c: &mut Criterion) {
         // Per request, layouts validated once per peer, output reused: the
         // hot path of a running node.
         let mut out = Plan::default();
-        group.bench_function(format!("{}/plan_into", case.name), |b| {
+        group.bench(&format!("{}/plan_into", case.name), |b| {
             b.iter(|| {
                 pair.plan_into(&case.prefill, &case.decode, &limits, &mut out)
                     .expect("plan");
@@ -116,17 +118,16 @@ fn bench_128k(c: &mut Criterion) {
             })
         });
         // Everything from scratch: validate 128 regions per side, fresh output.
-        group.bench_function(format!("{}/plan_fresh", case.name), |b| {
+        group.bench(&format!("{}/plan_fresh", case.name), |b| {
             b.iter(|| {
                 let out = plan(&m, &p, &d, &case.prefill, &case.decode, &limits).expect("plan");
                 black_box(out.descriptors.len())
             })
         });
     }
-    group.finish();
 }
 
-fn bench_hetero_nhd(c: &mut Criterion) {
+fn bench_hetero_nhd() {
     // Prefill rank 1 of 4 holds heads 2..4; decode rank 0 of 2 holds 0..4.
     let m = model(LayoutKind::Nhd);
     let (p, d) = (rank(4, 1, P_BASE), rank(2, 0, D_BASE));
@@ -136,17 +137,16 @@ fn bench_hetero_nhd(c: &mut Criterion) {
     let pb = vec![(100..100 + blocks).collect::<Vec<u64>>()];
     let db = vec![(5000..5000 + blocks).collect::<Vec<u64>>()];
     let mut out = Plan::default();
-    let mut group = c.benchmark_group("plan_8k_nhd_tp4to2");
+    let mut group = bench::group("plan_8k_nhd_tp4to2");
     group
         .sample_size(20)
         .measurement_time(Duration::from_secs(4));
-    group.bench_function("plan_into", |b| {
+    group.bench("plan_into", |b| {
         b.iter(|| {
             pair.plan_into(&pb, &db, &limits, &mut out).expect("plan");
             black_box(out.descriptors.len())
         })
     });
-    group.finish();
     eprintln!(
         "plan_8k_nhd_tp4to2: {} descriptors, {} batches",
         out.descriptors.len(),
@@ -167,7 +167,7 @@ fn median_of(runs: usize, mut f: impl FnMut()) -> Duration {
     times[times.len() / 2]
 }
 
-fn vs_python(_c: &mut Criterion) {
+fn vs_python() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/py_planner_ref.py");
     let output = match Command::new("python3").args([script, "--json"]).output() {
         Ok(o) if o.status.success() => o,
@@ -228,5 +228,8 @@ fn vs_python(_c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench_128k, bench_hetero_nhd, vs_python);
-criterion_main!(benches);
+fn main() {
+    bench_128k();
+    bench_hetero_nhd();
+    vs_python();
+}

@@ -4,11 +4,11 @@
 
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use glommio::{LocalExecutor, LocalExecutorBuilder, Placement};
 use kvferry::transport::local::LocalTransport;
 use kvferry::transport::tcp::{TcpConfig, TcpTransport};
 use kvferry::transport::{Desc, Op, Session, Transport};
+use kvferry_testkit::bench::{self, Throughput};
 
 const BLOCK: u64 = 4096;
 const MAX_DESCS: u64 = 64;
@@ -38,16 +38,16 @@ async fn time_batches(session: &impl Session, descs: &[Desc], iters: u64) -> Dur
     start.elapsed()
 }
 
-fn bench_transport(c: &mut Criterion) {
+fn main() {
     let mut src = vec![7u8; (BLOCK * MAX_DESCS) as usize];
     let mut dst = vec![0u8; (BLOCK * MAX_DESCS) as usize];
     let (s, d) = (src.as_mut_ptr(), dst.as_mut_ptr());
     let ex = executor();
-    let mut group = c.benchmark_group("transport_4k");
+    let mut group = bench::group("transport_4k");
     for n in [1, MAX_DESCS] {
         group.throughput(Throughput::Bytes(n * BLOCK));
         let descs = batch(s as u64, d as u64, n);
-        group.bench_function(format!("local/{n}x4KiB"), |b| {
+        group.bench(&format!("local/{n}x4KiB"), |b| {
             b.iter_custom(|iters| {
                 ex.run(async {
                     let a = LocalTransport::default();
@@ -63,7 +63,7 @@ fn bench_transport(c: &mut Criterion) {
                 })
             })
         });
-        group.bench_function(format!("tcp/{n}x4KiB"), |b| {
+        group.bench(&format!("tcp/{n}x4KiB"), |b| {
             b.iter_custom(|iters| {
                 ex.run(async {
                     let config = TcpConfig {
@@ -87,9 +87,5 @@ fn bench_transport(c: &mut Criterion) {
             })
         });
     }
-    group.finish();
     assert!(dst.iter().all(|&x| x == 7));
 }
-
-criterion_group!(benches, bench_transport);
-criterion_main!(benches);

@@ -5,6 +5,7 @@
 
 #![warn(missing_docs)]
 
+pub mod bench;
 pub mod synth;
 
 use std::time::Duration;
@@ -50,13 +51,20 @@ pub fn e2e_timeouts() -> Config {
     }
 }
 
-/// Logs go to stderr; `RUST_LOG` selects the level (default: warn).
+/// Logs go to stderr; `RUST_LOG` selects the levels, as a default level
+/// and `target=level` pairs (`warn`, `kvferry=debug,warn`); default: warn.
 pub fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|s| s.parse::<Targets>().ok())
+        .unwrap_or_else(|| Targets::new().with_default(LevelFilter::WARN));
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .finish()
+        .with(filter)
         .try_init();
 }
 

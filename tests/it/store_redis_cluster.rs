@@ -182,6 +182,9 @@ impl Cluster {
             .arg("--dir")
             .arg(&self.dir)
             .args(["--save", "", "--appendonly", "no"])
+            // A replica's first sync starts at once, not after the 5 s
+            // Redis waits by default for more replicas to share it.
+            .args(["--repl-diskless-sync-delay", "0"])
             .args(extra)
             .stdout(Stdio::null())
             .spawn()
