@@ -267,7 +267,7 @@ fn scrape(counters: &Counters, encoder: &mut DescriptorEncoder) -> Result<(), st
     kvferry_metrics::encode_families(encoder, &[dead_now])?;
     let latency = counters.latency();
     let buckets = latency.buckets();
-    let bounds = LATENCY_BUCKETS_S.iter().copied().chain([f64::MAX]);
+    let bounds = LATENCY_BUCKETS_S.iter().copied().chain([f64::INFINITY]);
     let pairs: Vec<(f64, u64)> = bounds.zip(buckets).collect();
     let m = encoder.encode_descriptor(
         "kvferry_transfer_duration_seconds",
