@@ -280,10 +280,10 @@ fn spec_seeds() {
     }
 }
 
-/// Store lookup requests and replies (`kvferry::store::lookup_server`).
+/// Store lookup requests and replies (`kvferry::store::lookup::wire`).
 fn lookup_seeds() {
-    use kvferry::store::lookup_server::{encode_query, encode_reply, ServerFault};
-    use kvferry::store::scheduler::LookupQuery;
+    use kvferry::store::lookup::wire::{encode_query, encode_reply, ServerFault};
+    use kvferry::store::LookupQuery;
     use kvferry_machines::store::lookup::LookupHit;
     use kvferry_machines::store::BlockHash;
 

@@ -18,7 +18,7 @@ pub mod backend;
 mod config;
 mod connector;
 pub mod inproc;
-pub mod lookup_server;
+pub mod lookup;
 pub mod memory;
 pub mod mooncake;
 pub mod proto;
@@ -40,14 +40,14 @@ pub use config::{
 };
 pub use connector::StoreConnector;
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
-pub use lookup_server::{LookupClient, LookupServer};
+pub use lookup::{LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup};
 pub use memory::{MemoryError, RegisteredMemory};
 pub use mooncake::{MooncakeStore, MooncakeStoreConfig, MooncakeStoreError};
 pub use publish::{
     EncodeError, HashEncoding, KvEventBatch, KvEventPublisher, PublishError, PublisherConfig,
 };
 pub use remote::{RemoteConfig, RemoteError, RemoteStore};
-pub use scheduler::{PrefixLookup, StoreMeta, StoreScheduler, StoreSchedulerConfig};
+pub use scheduler::{StoreMeta, StoreScheduler, StoreSchedulerConfig};
 
 use std::time::{Duration, Instant};
 

@@ -1,13 +1,14 @@
 //! The scheduler side of store offload (docs/design.md, "Store: the
-//! scheduler side"): per request, what the workers' [`StoreConnector`]s
+//! scheduler side"): per request, what the workers' [`super::StoreConnector`]s
 //! must load from the store before the request computes, and which of
 //! its computed prefix they must save, handed over once per step as a
 //! [`StoreMeta`].
 //!
 //! Pure like the P2P scheduler (`kvferry::Scheduler`): no IO, no clock, no threads. The one
 //! outside call is the prefix lookup, made through a [`PrefixLookup`]:
-//! a [`StoreConnector`] asked directly, a [`super::LookupClient`] asking
-//! the rank-0 worker's [`super::LookupServer`], or any closure.
+//! a [`super::StoreConnector`] asked directly, a [`super::LookupClient`]
+//! asking the rank-0 worker's [`super::LookupServer`], or any closure
+//! (the [`super::lookup`] module).
 //!
 //! ```text
 //!  engine scheduler                 StoreScheduler                 workers
@@ -43,17 +44,16 @@
 //! nothing.
 
 use std::collections::HashMap;
-use std::ops::Range;
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
 use kvferry_machines::common::{BlockId, BlockLists, TransferId};
 use kvferry_machines::store::lookup::{lcm_block_tokens, LookupHit};
 use kvferry_machines::store::{BlockHash, GroupSpec};
 
-use super::config::{ConnectorError, StoreLoadMeta, StoreRequest, StoreSaveMeta};
-use super::connector::StoreConnector;
-use super::lookup_server::{LookupWireError, ServerFault};
+use super::config::{StoreLoadMeta, StoreRequest, StoreSaveMeta};
+use super::lookup::wire::{wire_hashes, wire_hit};
+use super::lookup::{LookupQuery, PrefixLookup};
 
 /// How a [`StoreScheduler`] runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,68 +109,6 @@ pub struct Scheduled<'a> {
     /// Per group, blocks allocated to it in this step, appended to its
     /// blocks (empty lists when none).
     pub new_block_ids: &'a [Vec<BlockId>],
-}
-
-/// What a prefix lookup is asked: the first `token_len` tokens of a
-/// request. Also the lookup server's request body.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LookupQuery {
-    /// Tokens to look up (the prompt less one token).
-    pub token_len: u32,
-    /// Per group, the request's block hashes.
-    pub block_hashes: Vec<Vec<BlockHash>>,
-    /// The LoRA adapter, if any.
-    pub lora: Option<String>,
-    /// The engine's extra hash inputs.
-    pub extra_keys: Vec<String>,
-}
-
-/// Why a lookup gave no answer; the scheduler counts it and takes a miss.
-#[non_exhaustive]
-#[derive(Debug, thiserror::Error)]
-pub enum LookupFailure {
-    /// The connector could not look up (bad inputs, store call failed).
-    #[error(transparent)]
-    Connector(#[from] ConnectorError),
-    /// No answer within the client's timeout.
-    #[error("no lookup answer within {0:?}")]
-    Timeout(std::time::Duration),
-    /// The socket failed.
-    #[error("lookup socket: {0}")]
-    Transport(#[from] zmq::Error),
-    /// An answer that does not decode, or answers another question.
-    #[error(transparent)]
-    Wire(#[from] LookupWireError),
-    /// The lookup server could not answer.
-    #[error("the lookup server failed: {0:?}")]
-    Server(ServerFault),
-}
-
-/// Answers prefix lookups: how many leading tokens are stored, with the
-/// load masks.
-pub trait PrefixLookup {
-    /// Looks `query` up.
-    fn lookup(&mut self, query: &LookupQuery) -> Result<LookupHit, LookupFailure>;
-}
-
-impl<F> PrefixLookup for F
-where
-    F: FnMut(&LookupQuery) -> Result<LookupHit, LookupFailure>,
-{
-    fn lookup(&mut self, query: &LookupQuery) -> Result<LookupHit, LookupFailure> {
-        self(query)
-    }
-}
-
-/// Directly against the store, in one batched existence call (blocks the
-/// caller up to the connector's `op_bound`).
-impl PrefixLookup for StoreConnector {
-    fn lookup(&mut self, q: &LookupQuery) -> Result<LookupHit, LookupFailure> {
-        let extra: Vec<&str> = q.extra_keys.iter().map(String::as_str).collect();
-        let scope =
-            (self.keyspace().scope(q.lora.as_deref(), &extra)).map_err(ConnectorError::from)?;
-        Ok(self.lookup_hit(&scope, q.token_len, &q.block_hashes)?)
-    }
 }
 
 /// Why a scheduler call was refused; a refused call changes nothing.
@@ -794,70 +732,12 @@ impl StoreMeta {
     }
 }
 
-/// A block hash as its bytes on the wire, checked when decoded.
-pub(crate) struct WireHash(pub(crate) BlockHash);
-
-impl Serialize for WireHash {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_bytes(self.0.as_bytes())
-    }
-}
-
-impl<'de> Deserialize<'de> for WireHash {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<WireHash, D::Error> {
-        struct Bytes;
-        impl serde::de::Visitor<'_> for Bytes {
-            type Value = WireHash;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("1 to 32 bytes of a block hash")
-            }
-            fn visit_bytes<E: serde::de::Error>(self, b: &[u8]) -> Result<WireHash, E> {
-                BlockHash::from_bytes(b).map(WireHash).map_err(E::custom)
-            }
-        }
-        d.deserialize_bytes(Bytes)
-    }
-}
-
-/// `Vec<Vec<BlockHash>>` as lists of [`WireHash`].
-mod wire_hashes {
-    use super::*;
-
-    pub(super) fn serialize<S: Serializer>(h: &[Vec<BlockHash>], s: S) -> Result<S::Ok, S::Error> {
-        let wire: Vec<Vec<WireHash>> = (h.iter())
-            .map(|g| g.iter().map(|h| WireHash(*h)).collect())
-            .collect();
-        wire.serialize(s)
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
-        d: D,
-    ) -> Result<Vec<Vec<BlockHash>>, D::Error> {
-        let wire = Vec::<Vec<WireHash>>::deserialize(d)?;
-        Ok((wire.into_iter())
-            .map(|g| g.into_iter().map(|h| h.0).collect())
-            .collect())
-    }
-}
-
-/// [`LookupHit`] as its tokens and load ranges.
-pub(crate) mod wire_hit {
-    use super::*;
-
-    pub(crate) fn serialize<S: Serializer>(h: &LookupHit, s: S) -> Result<S::Ok, S::Error> {
-        (h.tokens, &h.load).serialize(s)
-    }
-
-    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<LookupHit, D::Error> {
-        let (tokens, load) = <(u32, Vec<Range<u32>>)>::deserialize(d)?;
-        Ok(LookupHit { tokens, load })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lookup::LookupFailure;
     use proptest::prelude::*;
+    use std::ops::Range;
 
     const BT: u32 = 16;
 
