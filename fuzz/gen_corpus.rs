@@ -12,6 +12,10 @@ use kvferry_machines::wire::{self, Frame, Hello, Limits, Refuse, RefuseReason, V
 use std::fs;
 use std::path::Path;
 
+#[allow(dead_code)]
+#[path = "../cli/src/plan/spec.rs"]
+mod spec;
+
 /// Empties `seeds/<target>/`, so seeds of a renamed variant do not linger.
 fn reset(target: &str) {
     let dir = Path::new("seeds").join(target);
@@ -274,7 +278,7 @@ fn spec_seeds() {
         ("mla.json", mla),
         ("aux_state_pools.json", pools),
     ] {
-        let plan = kvferry::plan::plan_from_json(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let plan = spec::plan_from_json(text).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(plan.is_transfer(), "{name} plans nothing");
         write("plan_spec", name, text.as_bytes());
     }

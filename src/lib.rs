@@ -20,7 +20,6 @@
 
 pub mod bootstrap;
 pub mod node;
-pub mod plan;
 pub mod scheduler;
 pub mod stats;
 

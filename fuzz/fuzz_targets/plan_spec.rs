@@ -1,4 +1,4 @@
-//! `kvferry::plan::parse_spec` and `plan_from_json` on arbitrary text, as
+//! `parse_spec` (`cli/src/plan/spec.rs`) and `plan_from_json` on arbitrary text, as
 //! `kvferry plan` reads a spec file: never panics, and the properties of
 //! `plan_spec_oracle::check_spec` hold (the plan stays inside the requested
 //! blocks, see `check.rs`, and `write_plan_json` emits valid JSON).

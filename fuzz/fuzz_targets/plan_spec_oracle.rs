@@ -7,15 +7,21 @@ use kvferry_machines::planner::Plan;
 #[path = "check.rs"]
 mod check;
 
-/// `kvferry::plan::parse_spec` and `plan_from_json` on `data`, as
+// `kvferry plan`'s spec, compiled here as the CLI compiles it; the CLI's
+// own file error is never built from here.
+#[allow(dead_code)]
+#[path = "../../cli/src/plan/spec.rs"]
+mod spec;
+
+/// `parse_spec` and `plan_from_json` on `data`, as
 /// `kvferry plan` reads a spec file. A spec that plans yields a plan that
 /// stays inside the requested blocks (see `check.rs`) and that
 /// `write_plan_json` turns into valid JSON; `plan_from_json` and
 /// `PlanSpec::plan` agree. Returns the plan when one is made.
 pub(super) fn check_spec(data: &[u8]) -> Option<Plan> {
     let text = std::str::from_utf8(data).ok()?;
-    let parsed = kvferry::plan::parse_spec(text);
-    let planned = kvferry::plan::plan_from_json(text);
+    let parsed = spec::parse_spec(text);
+    let planned = spec::plan_from_json(text);
     let spec = match parsed {
         Ok(spec) => spec,
         Err(_) => {
@@ -45,7 +51,7 @@ pub(super) fn check_spec(data: &[u8]) -> Option<Plan> {
         &spec.limits(),
     );
     let mut out = Vec::new();
-    kvferry::plan::write_plan_json(&plan, &mut out).expect("writing to a Vec cannot fail");
+    spec::write_plan_json(&plan, &mut out).expect("writing to a Vec cannot fail");
     let v: serde_json::Value = serde_json::from_slice(&out).expect("write_plan_json emits JSON");
     assert_eq!(
         v["descriptors"].as_array().map(Vec::len),

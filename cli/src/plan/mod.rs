@@ -6,10 +6,12 @@ use std::io::{self, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use self::spec::{plan_from_json, write_plan_json, SpecError};
 use clap::Args;
-use kvferry::plan::{plan_from_json, write_plan_json, SpecError};
 
 use crate::cli::usage_error;
+
+pub(crate) mod spec;
 
 /// The options of `kvferry plan`.
 #[derive(Clone, Debug, Args)]

@@ -1,4 +1,7 @@
-//! `kvferry plan`: a JSON spec in, the planner's descriptors out.
+//! The spec `kvferry plan` reads: a JSON spec in, the planner's
+//! descriptors out. The fuzz target `plan_spec` and the tests that replay
+//! its inputs compile this file too (`#[path]`), so it names only the
+//! planner, serde and thiserror.
 //!
 //! The spec names both ranks' layouts, the block ids of one request and the
 //! batch limits (see `examples/specs/`). Everything in it is untrusted: a
@@ -13,26 +16,26 @@ use std::io::{self, Write};
 /// A planner spec, as read from JSON.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct PlanSpec {
+pub(crate) struct PlanSpec {
     /// Model-wide parameters.
-    pub model: ModelSpec,
+    pub(crate) model: ModelSpec,
     /// The sending rank.
-    pub prefill: RankLayout,
+    pub(crate) prefill: RankLayout,
     /// The receiving rank.
-    pub decode: RankLayout,
+    pub(crate) decode: RankLayout,
     /// Prefill block ids, one list per KV-cache group.
-    pub prefill_blocks: Vec<Vec<u64>>,
+    pub(crate) prefill_blocks: Vec<Vec<u64>>,
     /// Decode block ids, one list per KV-cache group.
-    pub decode_blocks: Vec<Vec<u64>>,
+    pub(crate) decode_blocks: Vec<Vec<u64>>,
     /// Most descriptors per batch (default 128).
     #[serde(default = "default_batch_descriptors_max")]
-    pub batch_descriptors_max: usize,
+    pub(crate) batch_descriptors_max: usize,
     /// Most bytes per batch (default 128 MiB).
     #[serde(default = "default_batch_bytes_max")]
-    pub batch_bytes_max: u64,
+    pub(crate) batch_bytes_max: u64,
     /// Most descriptors in the whole plan (default 16 Mi).
     #[serde(default = "default_descriptors_max")]
-    pub descriptors_max: usize,
+    pub(crate) descriptors_max: usize,
 }
 
 fn default_batch_descriptors_max() -> usize {
@@ -49,7 +52,7 @@ fn default_descriptors_max() -> usize {
 
 impl PlanSpec {
     /// The spec's batch limits.
-    pub fn limits(&self) -> BatchLimits {
+    pub(crate) fn limits(&self) -> BatchLimits {
         BatchLimits {
             batch_descriptors_max: self.batch_descriptors_max,
             batch_bytes_max: self.batch_bytes_max,
@@ -58,7 +61,7 @@ impl PlanSpec {
     }
 
     /// Validates the spec and plans it.
-    pub fn plan(&self) -> Result<Plan, PlanError> {
+    pub(crate) fn plan(&self) -> Result<Plan, PlanError> {
         let pair = PairLayout::new(&self.model, &self.prefill, &self.decode)?;
         let mut plan = Plan::default();
         pair.plan_into(
@@ -74,7 +77,7 @@ impl PlanSpec {
 /// Why a spec could not be planned. Every message is one line.
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]
-pub enum SpecError {
+pub(crate) enum SpecError {
     /// The spec file could not be read.
     #[error("cannot read spec: {0}")]
     Io(#[from] io::Error),
@@ -87,19 +90,19 @@ pub enum SpecError {
 }
 
 /// Parses a spec from JSON text.
-pub fn parse_spec(text: &str) -> Result<PlanSpec, SpecError> {
+pub(crate) fn parse_spec(text: &str) -> Result<PlanSpec, SpecError> {
     Ok(serde_json::from_str(text)?)
 }
 
 /// Parses, validates and plans a spec given as JSON text.
-pub fn plan_from_json(text: &str) -> Result<Plan, SpecError> {
+pub(crate) fn plan_from_json(text: &str) -> Result<Plan, SpecError> {
     Ok(parse_spec(text)?.plan()?)
 }
 
 /// Writes `{"transfer": bool, "descriptors": [[src, dst, len], ...],
 /// "batches": [[first, count], ...]}`, one descriptor per line so a person
 /// can read it and `jq` can still parse it.
-pub fn write_plan_json<W: Write>(plan: &Plan, w: &mut W) -> io::Result<()> {
+pub(crate) fn write_plan_json<W: Write>(plan: &Plan, w: &mut W) -> io::Result<()> {
     write!(
         w,
         "{{\"transfer\": {},\n \"descriptors\": [",
