@@ -204,6 +204,11 @@ impl<M: Machine> Driver<M> {
         self.slots.len()
     }
 
+    /// True when `transfer_id` has a machine here.
+    pub fn contains(&self, transfer_id: TransferId) -> bool {
+        self.index.contains_key(&transfer_id)
+    }
+
     /// True when no machine is alive.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()

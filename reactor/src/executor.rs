@@ -809,6 +809,46 @@ struct Executor<'a, M: Machine, S> {
     max_inputs_per_turn: usize,
     mailbox_capacity: usize,
     yield_after_ends_below: usize,
+    early: Early<M::Event>,
+}
+
+/// Events that came before their machine: a transfer is on the board from
+/// the moment its creation is accepted, before its `Create` is in the
+/// mailbox, so another thread that sees it there can queue an event ahead
+/// of the `Create`. Such an event waits here and is handed to the machine
+/// right after it is created, in the order the events came; one whose
+/// creation was taken back (the board no longer names it for this
+/// executor) is dropped as a late event. At most `max` wait.
+struct Early<E> {
+    waiting: Vec<(TransferId, E)>,
+    max: usize,
+}
+
+impl<E> Early<E> {
+    /// True when `transfer_id` is on the board for `executor`, not ended,
+    /// with no machine yet: its `Create` is on its way.
+    fn is_coming<M: Machine>(
+        board: &CompletionBoard,
+        driver: &Driver<M>,
+        executor: usize,
+        transfer_id: TransferId,
+    ) -> bool {
+        !driver.contains(transfer_id)
+            && board.executor_of(transfer_id) == Some(executor)
+            && board.phase(transfer_id).is_some_and(|p| !p.is_terminal())
+    }
+
+    /// Takes the events waiting for `transfer_id`, oldest first.
+    fn take(&mut self, transfer_id: TransferId) -> Vec<E> {
+        if self.waiting.is_empty() {
+            return Vec::new();
+        }
+        let (mine, rest) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|(id, _)| *id == transfer_id);
+        self.waiting = rest;
+        mine.into_iter().map(|(_, e)| e).collect()
+    }
 }
 
 /// The driver loop of one executor (see the crate docs for its shape).
@@ -854,6 +894,10 @@ where
         max_inputs_per_turn,
         mailbox_capacity,
         yield_after_ends_below,
+        early: Early {
+            waiting: Vec::new(),
+            max: mailbox_capacity,
+        },
     };
     let _ = ready.send(index);
     drop(ready);
@@ -900,8 +944,11 @@ impl<M: Machine, S: ActionSink<M>> Executor<'_, M, S> {
             ended: 0,
         };
         let mut run = Turn {
+            index: self.index,
             driver: &mut self.driver,
             sink: &mut sink,
+            board: &self.shared.board,
+            early: &mut self.early,
             stats: &self.shared.stats,
             stage: self.stage,
         };
@@ -922,6 +969,7 @@ impl<M: Machine, S: ActionSink<M>> Executor<'_, M, S> {
             Wake::Timer => alarm.fired(now, &self.shared.stats),
         }
         run.handle_queued(now, inputs, self.max_inputs_per_turn);
+        run.drop_stale_early();
         run.driver.drive_pending(now, run.sink);
         run.driver.handle_timers(now, run.sink);
         run.advance_stage(now, &mut self.report);
@@ -983,14 +1031,25 @@ impl<M: Machine, S: ActionSink<M>> Executor<'_, M, S> {
 
 /// One turn's borrowed view, so command handling reads as one method.
 struct Turn<'a, 'b, M: Machine, S> {
+    index: usize,
     driver: &'a mut Driver<M>,
     sink: &'a mut BoardSink<'b, S>,
+    board: &'a CompletionBoard,
+    early: &'a mut Early<M::Event>,
     stats: &'a Stats,
     stage: Stage,
 }
 
 impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
     fn handle_event(&mut self, now: Instant, transfer_id: TransferId, event: M::Event) {
+        if Early::<M::Event>::is_coming(self.board, self.driver, self.index, transfer_id) {
+            if self.early.waiting.len() < self.early.max {
+                self.early.waiting.push((transfer_id, event));
+            } else {
+                self.stats.add_late_event();
+            }
+            return;
+        }
         match self.driver.handle_event(now, transfer_id, event, self.sink) {
             Ok(()) => {}
             Err(DriverError::Unknown(_)) => self.stats.add_late_event(),
@@ -1011,7 +1070,12 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
                 machine,
             } => match self.stage {
                 Stage::Running => match self.driver.insert(now, transfer_id, machine, self.sink) {
-                    Ok(()) => self.stats.add_created(),
+                    Ok(()) => {
+                        self.stats.add_created();
+                        for event in self.early.take(transfer_id) {
+                            self.handle_event(now, transfer_id, event);
+                        }
+                    }
                     Err(error) => {
                         tracing::error!(?transfer_id, %error, "create refused by driver despite board admission");
                         self.driver_reject(transfer_id, RejectReason::Refused);
@@ -1113,7 +1177,25 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
     }
 
     fn driver_reject(&mut self, transfer_id: TransferId, reason: RejectReason) {
+        for _ in self.early.take(transfer_id) {
+            self.stats.add_late_event();
+        }
         self.driver.push_rejection(transfer_id, reason);
+    }
+
+    /// Drops the waiting events whose `Create` will not come (the creation
+    /// was taken back after a full mailbox, or the transfer ended).
+    fn drop_stale_early(&mut self) {
+        if self.early.waiting.is_empty() {
+            return;
+        }
+        let (board, driver, index) = (self.board, &*self.driver, self.index);
+        let before = self.early.waiting.len();
+        (self.early.waiting)
+            .retain(|(id, _)| Early::<M::Event>::is_coming(board, driver, index, *id));
+        for _ in self.early.waiting.len()..before {
+            self.stats.add_late_event();
+        }
     }
 }
 
@@ -1147,5 +1229,137 @@ fn flush_completions<M: Machine>(driver: &mut Driver<M>, shared: &Shared<M>) {
                 error.into_inner()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ExecutorConfig;
+    use crate::driver::{ActionSink, Outcome};
+    use kvferry_machines::InputError;
+
+    /// Records its events; event 0 ends it.
+    struct Recorder {
+        seen: Vec<u32>,
+        done: bool,
+    }
+
+    impl Machine for Recorder {
+        type Event = u32;
+        type Action = Vec<u32>;
+
+        fn handle_event(&mut self, _: Instant, e: u32) -> Result<(), InputError> {
+            self.seen.push(e);
+            self.done |= e == 0;
+            Ok(())
+        }
+        fn handle_timeout(&mut self, _: Instant) {}
+        fn abort(&mut self, _: Instant, _: AbortReason) {}
+        fn poll_action(&mut self) -> Option<Vec<u32>> {
+            (self.done && !self.seen.is_empty()).then(|| std::mem::take(&mut self.seen))
+        }
+        fn poll_timeout(&self) -> Option<Instant> {
+            None
+        }
+        fn phase(&self) -> Phase {
+            match self.done {
+                true => Phase::Success,
+                false => Phase::WaitingForInput,
+            }
+        }
+    }
+
+    /// Sends what the machines saw to the test.
+    struct Seen(flume::Sender<Vec<u32>>);
+
+    impl ActionSink<Recorder> for Seen {
+        fn execute(&mut self, _: TransferId, seen: Vec<u32>) {
+            let _ = self.0.send(seen);
+        }
+    }
+
+    fn reactor() -> (Reactor<Recorder>, flume::Receiver<Vec<u32>>) {
+        let (tx, rx) = flume::unbounded();
+        let config = ReactorConfig {
+            executors: vec![ExecutorConfig::unpinned("early-events")],
+            ..ReactorConfig::default()
+        };
+        let reactor = Reactor::start(config, move |_| Seen(tx.clone())).expect("reactor");
+        (reactor, rx)
+    }
+
+    fn create_command(id: TransferId) -> Command<Recorder> {
+        Command::Create {
+            transfer_id: id,
+            machine: Recorder {
+                seen: Vec::new(),
+                done: false,
+            },
+        }
+    }
+
+    const WAIT: Duration = Duration::from_secs(20);
+
+    #[test]
+    fn events_queued_before_their_create_reach_the_machine_in_order() {
+        let (reactor, seen) = reactor();
+        let h = reactor.handle();
+        let id = TransferId(7);
+        // What another thread can do between an engine's reservation and
+        // its `Create` reaching the mailbox: see the transfer on the board
+        // and queue events for it.
+        h.shared.board.reserve(id, 0).unwrap();
+        for e in [3, 2, 1] {
+            h.send_event(id, e).unwrap();
+        }
+        h.shared.post(0, create_command(id)).unwrap();
+        h.send_event(id, 0).unwrap();
+        assert_eq!(seen.recv_timeout(WAIT).unwrap(), vec![3, 2, 1, 0]);
+        let done = h.recv_finished(WAIT).expect("a completion");
+        assert!(matches!(
+            done.outcome,
+            Outcome::Finished {
+                phase: Phase::Success,
+                ..
+            }
+        ));
+        assert_eq!(h.stats().late_events, 0);
+        reactor
+            .shutdown(ShutdownPolicy::Abort {
+                grace: Duration::ZERO,
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn events_for_a_creation_taken_back_are_dropped_as_late() {
+        let (reactor, _seen) = reactor();
+        let h = reactor.handle();
+        let (gone, live) = (TransferId(8), TransferId(9));
+        h.shared.board.reserve(gone, 0).unwrap();
+        h.send_event(gone, 5).unwrap();
+        // The creation fails after all (a full mailbox): the board forgets
+        // the transfer, and its waiting event goes at the next turn.
+        h.shared.board.remove(gone);
+        h.create(
+            0,
+            live,
+            Recorder {
+                seen: vec![],
+                done: false,
+            },
+        )
+        .map_err(|r| r.error)
+        .unwrap();
+        h.send_event(live, 0).unwrap();
+        let done = h.recv_finished(WAIT).expect("a completion");
+        assert_eq!(done.transfer_id, live);
+        assert_eq!(h.stats().late_events, 1);
+        reactor
+            .shutdown(ShutdownPolicy::Abort {
+                grace: Duration::ZERO,
+            })
+            .unwrap();
     }
 }

@@ -269,7 +269,6 @@ fn new_shared(
         records: Mutex::new(Records::default()),
         bridge_tx,
         waker,
-        create_lock: Mutex::new(()),
         // Any nonzero seed; distinct per node.
         fault_dice: AtomicU64::new(0x9E37_79B9_7F4A_7C15 ^ node_id),
         terminal_seq: Mutex::new(TerminalSeq::default()),

@@ -149,12 +149,6 @@ pub(crate) struct Shared {
     pub bridge_tx: flume::Sender<BridgeCmd>,
     pub waker: Arc<waker::Waker>,
     /// Prometheus counters; the embedded bootstrap service serves them.
-    /// Held while a prefill machine is created and while the bridge hands
-    /// a message to a prefill machine. The reactor makes a transfer visible
-    /// (board) before its `Create` is in the mailbox; without this lock the
-    /// bridge could queue a `Pull` ahead of the engine's `Create`, and the
-    /// executor would drop it as a message for an unknown transfer.
-    pub create_lock: Mutex<()>,
     /// Bumped on every terminal phase, and signalled when a `wait` is
     /// waiting (a wake-up with nobody to wake is a system call per request).
     /// State of the fault-injection dice (`NodeConfig::drop_control_ppm`).
@@ -240,8 +234,8 @@ impl Shared {
         }
     }
 
-    /// Prefill: creates the send machine of `tid` under the create lock,
-    /// unless there is one already (the engine's `sender` and decode's
+    /// Prefill: creates the send machine of `tid`, unless there is one
+    /// already (the engine's `sender` and decode's
     /// first message may come in either order).
     pub(crate) fn create_sender(
         &self,
@@ -253,11 +247,10 @@ impl Shared {
             return Err(SubmitError::DuplicateTransfer(tid));
         }
         let m = SendMachine::new(Instant::now(), &self.config.timeouts, tid, self.config.mode);
-        let created = {
-            let _order = lock(&self.create_lock);
-            h.create(0, tid, Duplex::Send(m))
-        };
-        match created {
+        // The bridge may see the transfer and queue decode's `Pull` before
+        // this `Create` reaches the mailbox: the executor holds such events
+        // until the machine exists (kvferry_reactor, "Early").
+        match h.create(0, tid, Duplex::Send(m)) {
             Ok(()) => Ok(()),
             Err(r) if r.error == SubmitError::DuplicateTransfer(tid) => Ok(()),
             Err(r) => Err(r.error),

@@ -10,7 +10,6 @@
 //! requests to it fail fast, and any later frame from it (the periodic
 //! probe is answered) clears the mark.
 
-use kvferry_reactor::sync::lock;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -905,12 +904,6 @@ impl Bridge {
     }
 }
 
-/// Runs `f` under the node's create lock (see `Shared::create_lock`).
-fn with_lock<T>(shared: &Shared, f: impl FnOnce() -> T) -> T {
-    let _order = lock(&shared.create_lock);
-    f()
-}
-
 /// What became of a message handed to the machine of its transfer.
 enum Delivery {
     /// A live machine took it.
@@ -944,7 +937,7 @@ fn to_sender(
         return Delivery::Answer(Msg::Abort);
     }
     let event = inbound(shared, Direction::Send, peer, msg);
-    match with_lock(shared, || h.send_event(tid, event)) {
+    match h.send_event(tid, event) {
         Ok(()) => Delivery::Taken,
         Err(r) => match (r.error, unwrap_send(r.value)) {
             // The first words of a transfer that already ended here (and
