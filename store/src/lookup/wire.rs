@@ -14,7 +14,7 @@
 //! decoders answer a typed [`LookupWireError`] for anything else and never
 //! panic, whatever the bytes (`fuzz/fuzz_targets/lookup_msg_decode.rs`).
 //!
-//! [`WireHash`] and the `wire_hashes`/`wire_hit` serde helpers are the
+//! `WireHash` and the `wire_hashes`/`wire_hit` serde helpers are the
 //! block hashes and hits as every store message carries them
 //! ([`super::super::StoreMeta`] too).
 
