@@ -59,7 +59,8 @@ awk '/^ *Running unittests/{pkg=$4; sub(/.*deps\//, "", pkg); sub(/-[0-9a-f]+\)$
 rm -f "$cargo_log"
 
 step "the embedding example moves a request and checks its bytes"
-cargo run --quiet --example embed
+# The test profile: `cargo test` built the example and the library with it.
+cargo run --quiet --profile test --example embed
 
 step "the Python wheel, built once (python/Cargo.lock enforced)"
 bash scripts/build-wheel.sh

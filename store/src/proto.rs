@@ -23,6 +23,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use kvferry_machines::wire::envelope::{decode_whole, encode_into, EnvelopeError};
 use kvferry_transport::tcp::TcpConfig;
 
 /// The data plane's settings for a store: parked waits, since a store
@@ -285,7 +286,7 @@ pub enum ProtoError {
     },
     /// The body does not decode.
     #[error("malformed body: {0}")]
-    Body(String),
+    Body(EnvelopeError),
     /// A decoded message breaks a bound.
     #[error("{what}: {got} over the limit of {max}")]
     Bound {
@@ -331,14 +332,10 @@ pub fn decode_header(h: &[u8]) -> Result<u32, ProtoError> {
 
 /// A whole frame (header and body) of `msg`.
 pub fn encode<T: Serialize>(id: u64, msg: &T) -> Result<Vec<u8>, ProtoError> {
-    let mut out = postcard::to_extend(&(id, msg), vec![0u8; HEADER_LEN])
-        .map_err(|e| ProtoError::Body(e.to_string()))?;
-    let len = out.len() - HEADER_LEN;
-    let len32 = u32::try_from(len)
-        .ok()
-        .filter(|&l| l <= BODY_BYTES_MAX)
-        .ok_or(ProtoError::BodyLength { len: len as u64 })?;
-    out[..HEADER_LEN].copy_from_slice(&header(len32));
+    let max = BODY_BYTES_MAX as usize;
+    let mut out = encode_into(&(id, msg), vec![0u8; HEADER_LEN], max).map_err(body_error)?;
+    let len = (out.len() - HEADER_LEN) as u32; // at most BODY_BYTES_MAX
+    out[..HEADER_LEN].copy_from_slice(&header(len));
     Ok(out)
 }
 
@@ -380,20 +377,14 @@ pub fn decode_reply(body: &[u8]) -> Result<(u64, Reply), ProtoError> {
 }
 
 fn decode_body<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ProtoError> {
-    if body.len() > BODY_BYTES_MAX as usize {
-        return Err(ProtoError::BodyLength {
-            len: body.len() as u64,
-        });
+    decode_whole(body, BODY_BYTES_MAX as usize).map_err(body_error)
+}
+
+fn body_error(e: EnvelopeError) -> ProtoError {
+    match e {
+        EnvelopeError::TooLarge { len, .. } => ProtoError::BodyLength { len: len as u64 },
+        other => ProtoError::Body(other),
     }
-    let (msg, rest) =
-        postcard::take_from_bytes::<T>(body).map_err(|e| ProtoError::Body(e.to_string()))?;
-    if !rest.is_empty() {
-        return Err(ProtoError::Body(format!(
-            "{} bytes after the message",
-            rest.len()
-        )));
-    }
-    Ok(msg)
 }
 
 fn bound(what: &'static str, got: usize, max: usize) -> Result<(), ProtoError> {

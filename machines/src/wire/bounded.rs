@@ -14,6 +14,7 @@ use std::fmt;
 use serde::de::{self, DeserializeSeed, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
+use super::envelope::{decode_whole, EnvelopeError};
 use super::{Frame, Limits, WireError};
 use crate::common::{BlockId, REQUEST_ID_MAX_BYTES};
 use crate::layout::{Pool, PoolRegion, Region, POOLS_MAX};
@@ -47,19 +48,17 @@ impl Drop for LimitScope {
 /// Decodes a body of the current version under `limits`.
 pub(super) fn decode_body(body: &[u8], limits: &Limits) -> Result<Frame, WireError> {
     let _scope = LimitScope::enter(*limits);
-    match postcard::take_from_bytes::<Frame>(body) {
-        Ok((frame, [])) => Ok(frame),
-        Ok((_, rest)) => Err(WireError::TrailingBytes { count: rest.len() }),
-        Err(err) => {
-            if let Some(violation) = VIOLATION.with(Cell::take) {
-                return Err(violation);
-            }
-            Err(match err {
-                postcard::Error::DeserializeUnexpectedEnd => WireError::Truncated,
-                other => WireError::Malformed(other.to_string()),
-            })
+    // The frame's length was bounded with its header (`max_frame_bytes`).
+    decode_whole::<Frame>(body, usize::MAX).map_err(|e| {
+        if let Some(violation) = VIOLATION.with(Cell::take) {
+            return violation;
         }
-    }
+        match e {
+            EnvelopeError::Trailing { extra } => WireError::TrailingBytes { count: extra },
+            EnvelopeError::Truncated => WireError::Truncated,
+            other => WireError::Malformed(other.to_string()),
+        }
+    })
 }
 
 fn active_limits() -> Limits {

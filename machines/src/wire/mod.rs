@@ -46,6 +46,7 @@
 //! ```
 
 pub(crate) mod bounded;
+pub mod envelope;
 mod notify;
 
 pub use notify::{

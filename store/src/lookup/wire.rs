@@ -25,6 +25,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use kvferry_machines::store::key::GROUPS_MAX;
 use kvferry_machines::store::lookup::LookupHit;
 use kvferry_machines::store::{BlockHash, StoreFault};
+use kvferry_machines::wire::envelope::{decode_whole, encode_into, EnvelopeError};
 
 use super::{LookupFailure, LookupQuery};
 use crate::config::ConnectorError;
@@ -158,6 +159,8 @@ pub type LookupAnswer = Result<LookupHit, ServerFault>;
 
 /// Checks the length and the version, then decodes all of `bytes`.
 fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, LookupWireError> {
+    // The length, then the version (a message of another version may have
+    // another shape), then the whole message.
     if bytes.len() > LOOKUP_MESSAGE_MAX_BYTES {
         return Err(LookupWireError::TooLarge { len: bytes.len() });
     }
@@ -166,19 +169,19 @@ fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, LookupWireError>
     if version != LOOKUP_WIRE_VERSION {
         return Err(LookupWireError::Version { got: version });
     }
-    match postcard::take_from_bytes::<T>(bytes) {
-        Ok((msg, [])) => Ok(msg),
-        Ok((_, rest)) => Err(LookupWireError::TrailingBytes { extra: rest.len() }),
-        Err(_) => Err(LookupWireError::Malformed),
-    }
+    decode_whole(bytes, LOOKUP_MESSAGE_MAX_BYTES).map_err(envelope_error)
 }
 
 fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, LookupWireError> {
-    let bytes = postcard::to_allocvec(msg).map_err(|_| LookupWireError::Malformed)?;
-    if bytes.len() > LOOKUP_MESSAGE_MAX_BYTES {
-        return Err(LookupWireError::TooLarge { len: bytes.len() });
+    encode_into(msg, Vec::new(), LOOKUP_MESSAGE_MAX_BYTES).map_err(envelope_error)
+}
+
+fn envelope_error(e: EnvelopeError) -> LookupWireError {
+    match e {
+        EnvelopeError::TooLarge { len, .. } => LookupWireError::TooLarge { len },
+        EnvelopeError::Trailing { extra } => LookupWireError::TrailingBytes { extra },
+        _ => LookupWireError::Malformed,
     }
-    Ok(bytes)
 }
 
 /// A request's bytes, checked against the bounds the server checks.
