@@ -17,6 +17,41 @@
 //!   a [`Node`] per rank with its per-request [`Sender`]/[`Receiver`]
 //!   handles, or the vLLM-style step loop of a [`Scheduler`] feeding
 //!   [`Node::start_load_kv`]. `examples/embed.rs` shows both.
+//!
+//! # The threads of one node
+//!
+//! ```text
+//!  engine threads (yours)        executor (glommio, pinned)          peers
+//!  Node / Sender / Receiver ──▶  mailbox ─▶ machines (Driver) ─▶ data plane ◀─▶ tcp,
+//!  poll, get_finished      ◀──  completion board                   local, mooncake
+//!                                  ▲ events    │ control messages
+//!                                  │           ▼
+//!                               bridge thread: ZeroMQ sockets, peer table,
+//!                               liveness ◀──────────────────────▶ peers' bridges
+//!  metrics thread (/metrics)     bootstrap service (HTTP, prefill or standalone)
+//! ```
+//!
+//! Engine threads never block on the node: every call queues a command or
+//! reads the board. The executor owns the machines and the data plane; the
+//! bridge owns every socket of the control plane.
+//!
+//! # The two engine loops
+//!
+//! Per request, with handles (an engine of its own):
+//!
+//! ```text
+//!  prefill: tx = node.sender(id)      tx.send(blocks, last) ...  tx.poll() → Success
+//!  decode:  rx = node.receiver(id, &target)  rx.request(blocks)  rx.poll() → Success
+//! ```
+//!
+//! Per step, as vLLM's connector does: the scheduler process plans, the
+//! worker moves.
+//!
+//! ```text
+//!  scheduler: get_num_new_matched_tokens → update_state_after_alloc
+//!             → build_connector_meta → LoadMeta (bytes to the workers)
+//!  worker:    node.start_load_kv(meta) → node.get_finished() → (sent, received)
+//! ```
 
 pub mod bootstrap;
 pub mod node;
