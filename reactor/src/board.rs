@@ -137,6 +137,15 @@ impl CompletionBoard {
             .map(|e| e.executor)
     }
 
+    /// True when `transfer_id` is on the board for `executor` and has not
+    /// ended (one look, under one lock).
+    pub fn is_live_on(&self, transfer_id: TransferId, executor: usize) -> bool {
+        lock(&self.inner)
+            .entries
+            .get(&transfer_id)
+            .is_some_and(|e| e.executor == executor && !e.phase.is_terminal())
+    }
+
     /// Takes a transfer off the board (its completion was collected, or its
     /// creation was never delivered). Returns its last phase.
     pub fn remove(&self, transfer_id: TransferId) -> Option<Phase> {

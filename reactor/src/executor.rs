@@ -824,20 +824,18 @@ struct Early<E> {
     max: usize,
 }
 
-impl<E> Early<E> {
-    /// True when `transfer_id` is on the board for `executor`, not ended,
-    /// with no machine yet: its `Create` is on its way.
-    fn is_coming<M: Machine>(
-        board: &CompletionBoard,
-        driver: &Driver<M>,
-        executor: usize,
-        transfer_id: TransferId,
-    ) -> bool {
-        !driver.contains(transfer_id)
-            && board.executor_of(transfer_id) == Some(executor)
-            && board.phase(transfer_id).is_some_and(|p| !p.is_terminal())
-    }
+/// True when the `Create` of `transfer_id` is on its way to `executor`: the
+/// board names the transfer for it, not ended, and it has no machine yet.
+fn create_coming<M: Machine>(
+    board: &CompletionBoard,
+    driver: &Driver<M>,
+    executor: usize,
+    transfer_id: TransferId,
+) -> bool {
+    !driver.contains(transfer_id) && board.is_live_on(transfer_id, executor)
+}
 
+impl<E> Early<E> {
     /// Takes the events waiting for `transfer_id`, oldest first.
     fn take(&mut self, transfer_id: TransferId) -> Vec<E> {
         if self.waiting.is_empty() {
@@ -1042,7 +1040,7 @@ struct Turn<'a, 'b, M: Machine, S> {
 
 impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
     fn handle_event(&mut self, now: Instant, transfer_id: TransferId, event: M::Event) {
-        if Early::<M::Event>::is_coming(self.board, self.driver, self.index, transfer_id) {
+        if create_coming(self.board, self.driver, self.index, transfer_id) {
             if self.early.waiting.len() < self.early.max {
                 self.early.waiting.push((transfer_id, event));
             } else {
@@ -1191,8 +1189,7 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
         }
         let (board, driver, index) = (self.board, &*self.driver, self.index);
         let before = self.early.waiting.len();
-        (self.early.waiting)
-            .retain(|(id, _)| Early::<M::Event>::is_coming(board, driver, index, *id));
+        (self.early.waiting).retain(|(id, _)| create_coming(board, driver, index, *id));
         for _ in self.early.waiting.len()..before {
             self.stats.add_late_event();
         }
@@ -1289,13 +1286,10 @@ mod tests {
         (reactor, rx)
     }
 
-    fn create_command(id: TransferId) -> Command<Recorder> {
-        Command::Create {
-            transfer_id: id,
-            machine: Recorder {
-                seen: Vec::new(),
-                done: false,
-            },
+    fn recorder() -> Recorder {
+        Recorder {
+            seen: Vec::new(),
+            done: false,
         }
     }
 
@@ -1313,7 +1307,11 @@ mod tests {
         for e in [3, 2, 1] {
             h.send_event(id, e).unwrap();
         }
-        h.shared.post(0, create_command(id)).unwrap();
+        let create = Command::Create {
+            transfer_id: id,
+            machine: recorder(),
+        };
+        h.shared.post(0, create).unwrap();
         h.send_event(id, 0).unwrap();
         assert_eq!(seen.recv_timeout(WAIT).unwrap(), vec![3, 2, 1, 0]);
         let done = h.recv_finished(WAIT).expect("a completion");
@@ -1342,16 +1340,7 @@ mod tests {
         // The creation fails after all (a full mailbox): the board forgets
         // the transfer, and its waiting event goes at the next turn.
         h.shared.board.remove(gone);
-        h.create(
-            0,
-            live,
-            Recorder {
-                seen: vec![],
-                done: false,
-            },
-        )
-        .map_err(|r| r.error)
-        .unwrap();
+        h.create(0, live, recorder()).map_err(|r| r.error).unwrap();
         h.send_event(live, 0).unwrap();
         let done = h.recv_finished(WAIT).expect("a completion");
         assert_eq!(done.transfer_id, live);

@@ -144,15 +144,15 @@ pub(crate) struct Shared {
     /// while all of them are connected and alive, so an engine thread can
     /// hand a new request its peers without a trip through the bridge.
     pub(crate) routes: Mutex<Routes>,
+    /// Prometheus counters; the embedded bootstrap service serves them.
     pub counters: Arc<Counters>,
     pub(crate) records: Mutex<Records>,
     pub bridge_tx: flume::Sender<BridgeCmd>,
     pub waker: Arc<waker::Waker>,
-    /// Prometheus counters; the embedded bootstrap service serves them.
-    /// Bumped on every terminal phase, and signalled when a `wait` is
-    /// waiting (a wake-up with nobody to wake is a system call per request).
     /// State of the fault-injection dice (`NodeConfig::drop_control_ppm`).
     pub(crate) fault_dice: AtomicU64,
+    /// Bumped on every terminal phase, and signalled when a `wait` is
+    /// waiting (a wake-up with nobody to wake is a system call per request).
     pub(crate) terminal_seq: Mutex<TerminalSeq>,
     pub(crate) terminal_cv: Condvar,
     /// True once any transfer was opened by string request id: until then
@@ -235,8 +235,8 @@ impl Shared {
     }
 
     /// Prefill: creates the send machine of `tid`, unless there is one
-    /// already (the engine's `sender` and decode's
-    /// first message may come in either order).
+    /// already (the engine's `sender` and decode's first message may come
+    /// in either order).
     pub(crate) fn create_sender(
         &self,
         h: &ReactorHandle<Duplex>,
