@@ -11,8 +11,6 @@
 //! endpoint against its registered regions and its fence. A put is
 //! committed (visible) only once the whole batch landed.
 
-mod space;
-
 use std::alloc::Layout;
 use std::cell::RefCell;
 use std::net::SocketAddr;
@@ -29,10 +27,10 @@ use kvferry_metrics::http::MetricsServer;
 use kvferry_store::proto::{
     self, Answer, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX,
 };
+pub use kvferry_store::space::{Space, SpaceStats, REMOVED_LOG_MAX};
 use kvferry_transport::registry::check_remote;
 use kvferry_transport::tcp::{TcpConfig, TcpSession, TcpTransport};
 use kvferry_transport::{Desc, EndpointAddr, Op, Session, Transport, TransportError};
-pub use space::{Space, SpaceStats, REMOVED_LOG_MAX};
 
 /// How a store server runs.
 #[derive(Clone, Debug)]

@@ -1,44 +1,53 @@
 //! The in-process store: bounded RAM inside the engine's process, for
 //! one-process setups and tests.
 //!
+//! The store server's RAM, in the engine's process: a [`Space`] keeps the
+//! index of one arena of `capacity_bytes`, so both stores share its rules.
+//!
 //! * Capacity in bytes and in entries; a value larger than the capacity is
 //!   [`ItemError::TooLarge`].
-//! * With eviction on, the least recently used committed values make room
-//!   (a get or put counts as a use); with it off, or when only puts under
-//!   way hold the space, a put is [`ItemError::Full`]: the pressure path.
-//! * A put first reserves its room as a pending entry, copies the bytes
-//!   without holding the lock, then commits: `exists` and `get` see a value
-//!   only once all its bytes are in, and a second writer of a pending key
-//!   is [`ItemError::Busy`].
+//! * With eviction on, the least recently used committed values nobody is
+//!   reading make room (a get or put counts as a use); with it off, or
+//!   when only puts under way and reads hold the space, a put is
+//!   [`ItemError::Full`]: the pressure path.
+//! * A put first reserves its extent, copies the bytes into it without
+//!   holding the lock, then commits: `exists` and `get` see a value only
+//!   once all its bytes are in, and a second writer of a pending key is
+//!   [`ItemError::Busy`]. A get pins the value while it copies it out.
 //! * A get of a value of another length than its scatter list writes
 //!   nothing ([`ItemError::WrongSize`]).
-//! * Keys that leave (evicted or removed) queue for
-//!   [`StoreBackend::take_removed`], bounded by `max_removed`; overflow is
-//!   counted.
+//! * Keys that leave (evicted or removed) go to the space's removed log,
+//!   bounded by `max_removed`; each handle reads it from where it last
+//!   stopped ([`StoreBackend::take_removed`]), and what fell out of the
+//!   log before it read it is counted.
 //!
 //! Handles are cheap clones sharing one store, so several connectors (the
 //! ranks of one process) share it, each on its own backend thread.
 
-use kvferry_reactor::sync::lock;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::alloc::Layout;
+use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kvferry_machines::store::ChunkKey;
+use kvferry_reactor::sync::lock;
 
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
+use super::proto::KeyAnswer;
+use super::space::Space;
 
 /// Bounds of an [`InprocStore`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct InprocConfig {
-    /// Most bytes of values held (committed and pending).
+    /// Most bytes of values held (committed and pending): the arena's
+    /// size, allocated zeroed (pages are the kernel's until written).
     pub capacity_bytes: u64,
     /// Most values held.
     pub max_entries: usize,
     /// Evict least recently used values to make room; `false`: a full
     /// store refuses puts.
     pub evict: bool,
-    /// Most removed keys queued for `take_removed`.
+    /// Most removed keys the log keeps for `take_removed`.
     pub max_removed: usize,
 }
 
@@ -76,7 +85,7 @@ pub struct InprocStats {
     pub misses: u64,
     /// Values evicted to make room.
     pub evictions: u64,
-    /// Removed keys dropped because the queue was full.
+    /// Removed keys that fell out of the log before a handle read them.
     pub removed_dropped: u64,
     /// Bytes held now (committed and pending).
     pub used_bytes: u64,
@@ -84,36 +93,92 @@ pub struct InprocStats {
     pub entries: u64,
 }
 
-enum Entry {
-    /// Room reserved; the bytes are being copied in.
-    Pending { bytes: u64 },
-    /// Visible to lookups and gets.
-    Committed { value: Arc<[u8]>, tick: u64 },
+/// The values' bytes. The [`Space`] hands each extent to one put (while
+/// reserved) or to readers (while pinned), never both, so the copies run
+/// without the lock.
+struct Arena {
+    ptr: NonNull<u8>,
+    len: usize,
 }
 
-impl Entry {
-    fn bytes(&self) -> u64 {
-        match self {
-            Entry::Pending { bytes } => *bytes,
-            Entry::Committed { value, .. } => value.len() as u64,
+// SAFETY: the arena is plain bytes; who may touch which extent is decided
+// under the store's lock (see `Arena`).
+unsafe impl Send for Arena {}
+// SAFETY: as above.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    fn new(len: u64) -> Arena {
+        let len = usize::try_from(len).unwrap_or(isize::MAX as usize);
+        let layout = Layout::array::<u8>(len).unwrap_or(Layout::new::<u8>());
+        if layout.size() == 0 {
+            return Arena {
+                ptr: NonNull::dangling(),
+                len: 0,
+            };
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Arena {
+            ptr,
+            len: layout.size(),
+        }
+    }
+
+    /// The extent `[off, off + len)`.
+    ///
+    /// # Safety
+    ///
+    /// The space gave the extent to the caller alone (a reservation it
+    /// holds), inside the arena.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn extent_mut(&self, off: u64, len: u64) -> &mut [u8] {
+        debug_assert!(off + len <= self.len as u64);
+        // SAFETY: in bounds and unshared, by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off as usize), len as usize) }
+    }
+
+    /// The extent `[off, off + len)`.
+    ///
+    /// # Safety
+    ///
+    /// The space keeps the extent from writers while the slice lives (a
+    /// pin the caller holds, or its lock), inside the arena.
+    unsafe fn extent(&self, off: u64, len: u64) -> &[u8] {
+        debug_assert!(off + len <= self.len as u64);
+        // SAFETY: in bounds and not written, by the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off as usize), len as usize) }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            let layout = Layout::array::<u8>(self.len).expect("made from this layout");
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
         }
     }
 }
 
+/// The index and the call counters, under one lock.
 struct Inner {
-    cfg: InprocConfig,
-    entries: HashMap<ChunkKey, Entry>,
-    /// Committed keys by last use, oldest first.
-    lru: BTreeMap<u64, ChunkKey>,
-    tick: u64,
-    removed: VecDeque<ChunkKey>,
-    stats: InprocStats,
+    space: Space,
+    calls: InprocStats,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    arena: Arena,
 }
 
 /// A handle on an in-process store. See the module docs.
 #[derive(Clone)]
 pub struct InprocStore {
-    inner: Arc<Mutex<Inner>>,
+    shared: Arc<Shared>,
+    /// This handle's place in the removed log.
+    removed_at: u64,
 }
 
 impl std::fmt::Debug for InprocStore {
@@ -127,173 +192,106 @@ impl std::fmt::Debug for InprocStore {
 impl InprocStore {
     /// An empty store.
     pub fn new(cfg: InprocConfig) -> InprocStore {
+        let mut space = Space::new(cfg.capacity_bytes, cfg.max_entries);
+        space = space.with_removed_log(cfg.max_removed);
+        if !cfg.evict {
+            space = space.without_eviction();
+        }
+        let inner = Inner {
+            space,
+            calls: InprocStats::default(),
+        };
         InprocStore {
-            inner: Arc::new(Mutex::new(Inner {
-                cfg,
-                entries: HashMap::new(),
-                lru: BTreeMap::new(),
-                tick: 0,
-                removed: VecDeque::new(),
-                stats: InprocStats::default(),
-            })),
+            shared: Arc::new(Shared {
+                inner: Mutex::new(inner),
+                arena: Arena::new(cfg.capacity_bytes),
+            }),
+            removed_at: 0,
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic elsewhere while holding the lock leaves consistent maps:
-        // every update below is completed before the guard drops.
-        lock(&self.inner)
+        // A panic elsewhere while holding the lock leaves a consistent
+        // index: every update of the space completes before it returns.
+        lock(&self.shared.inner)
     }
 
     /// The counters so far.
     pub fn stats(&self) -> InprocStats {
-        self.lock().stats
+        let inner = self.lock();
+        let s = inner.space.stats();
+        InprocStats {
+            stored: s.commits,
+            full: s.full,
+            hits: s.hits,
+            misses: s.misses,
+            evictions: s.evictions,
+            used_bytes: s.used_bytes,
+            entries: inner.space.len() as u64,
+            ..inner.calls
+        }
     }
 
     /// Stores `value` under `key` as a put would, from a buffer (tools and
     /// tests: a value of another length, a store filled beforehand).
     pub fn insert(&self, key: ChunkKey, value: &[u8]) -> Result<PutOutcome, ItemError> {
-        let mut inner = self.lock();
-        if let Some(outcome) = inner.reserve(&key, value.len() as u64)? {
-            return Ok(outcome);
-        }
-        inner.commit(key, Arc::from(value));
-        Ok(PutOutcome::Stored)
+        self.put_with(&key, value.len() as u64, |room| room.copy_from_slice(value))
     }
 
     /// The committed value of `key`, if any (tools and tests).
     pub fn value(&self, key: &ChunkKey) -> Option<Vec<u8>> {
-        match self.lock().entries.get(key) {
-            Some(Entry::Committed { value, .. }) => Some(value.to_vec()),
-            _ => None,
-        }
+        let inner = self.lock();
+        let (off, len) = inner.space.committed_extent(key.as_str())?;
+        // SAFETY: the lock keeps the extent from being reused while read.
+        Some(unsafe { self.shared.arena.extent(off, len) }.to_vec())
     }
 
-    fn put_one(&self, item: &PutItem) -> Result<PutOutcome, ItemError> {
-        let bytes = item.from.len();
-        if let Some(outcome) = self.lock().reserve(&item.key, bytes)? {
-            return Ok(outcome);
-        }
-        // The room is ours; copy without holding the lock.
-        let mut value = vec![0u8; bytes as usize];
-        item.from.read_into(&mut value);
-        self.lock().commit(item.key.clone(), Arc::from(value));
+    /// Reserves `len` bytes for `key`, fills them with `fill` outside the
+    /// lock, and commits.
+    fn put_with(
+        &self,
+        key: &ChunkKey,
+        len: u64,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<PutOutcome, ItemError> {
+        let off = match self.lock().space.reserve(key.as_str(), len) {
+            Ok(off) => off,
+            Err(KeyAnswer::Exists) => return Ok(PutOutcome::Exists),
+            Err(answer) => return Err(item_error(answer, len)),
+        };
+        // SAFETY: the reservation is this put's alone until it commits.
+        fill(unsafe { self.shared.arena.extent_mut(off, len) });
+        self.lock().space.commit(key.as_str());
         Ok(PutOutcome::Stored)
     }
 
+    fn put_one(&self, item: &PutItem) -> Result<PutOutcome, ItemError> {
+        self.put_with(&item.key, item.from.len(), |room| item.from.read_into(room))
+    }
+
     fn get_one(&self, item: &GetItem) -> Result<(), ItemError> {
-        let value = {
-            let mut inner = self.lock();
-            match inner.touch(&item.key) {
-                Some(v) => v,
-                None => {
-                    inner.stats.misses += 1;
-                    return Err(ItemError::NotFound);
-                }
-            }
-        };
-        let want_bytes = item.into.len();
-        if value.len() as u64 != want_bytes {
-            return Err(ItemError::WrongSize {
-                got_bytes: value.len() as u64,
-                want_bytes,
-            });
-        }
-        item.into.write_from(&value);
-        self.lock().stats.hits += 1;
+        let want = item.into.len();
+        let off = (self.lock().space.pin(item.key.as_str(), want))
+            .map_err(|answer| item_error(answer, want))?;
+        // SAFETY: the pin keeps writers and eviction off the extent.
+        item.into
+            .write_from(unsafe { self.shared.arena.extent(off, want) });
+        self.lock().space.unpin(item.key.as_str());
         Ok(())
     }
 }
 
-impl Inner {
-    /// Reserves room for a put of `key`: `Some(Exists)` when it is stored
-    /// already, `None` when a pending entry now holds the room.
-    fn reserve(&mut self, key: &ChunkKey, bytes: u64) -> Result<Option<PutOutcome>, ItemError> {
-        match self.entries.get(key) {
-            Some(Entry::Committed { .. }) => return Ok(Some(PutOutcome::Exists)),
-            Some(Entry::Pending { .. }) => return Err(ItemError::Busy),
-            None => {}
-        }
-        if bytes > self.cfg.capacity_bytes {
-            return Err(ItemError::TooLarge);
-        }
-        while self.stats.used_bytes + bytes > self.cfg.capacity_bytes
-            || self.entries.len() >= self.cfg.max_entries
-        {
-            if !self.cfg.evict || !self.evict_oldest() {
-                self.stats.full += 1;
-                return Err(ItemError::Full);
-            }
-        }
-        self.entries.insert(key.clone(), Entry::Pending { bytes });
-        self.stats.used_bytes += bytes;
-        self.stats.entries = self.entries.len() as u64;
-        Ok(None)
-    }
-
-    /// Makes a reserved key's value visible.
-    fn commit(&mut self, key: ChunkKey, value: Arc<[u8]>) {
-        self.tick += 1;
-        self.lru.insert(self.tick, key.clone());
-        self.entries.insert(
-            key,
-            Entry::Committed {
-                value,
-                tick: self.tick,
-            },
-        );
-        self.stats.stored += 1;
-    }
-
-    /// The committed value of `key`, now the most recently used.
-    fn touch(&mut self, key: &ChunkKey) -> Option<Arc<[u8]>> {
-        let next = self.tick + 1;
-        let Some(Entry::Committed { value, tick }) = self.entries.get_mut(key) else {
-            return None;
-        };
-        let old = std::mem::replace(tick, next);
-        let value = value.clone();
-        self.tick = next;
-        self.lru.remove(&old);
-        self.lru.insert(next, key.clone());
-        Some(value)
-    }
-
-    /// Evicts the least recently used committed value; false if none.
-    fn evict_oldest(&mut self) -> bool {
-        let Some((_, key)) = self.lru.pop_first() else {
-            return false;
-        };
-        self.drop_entry(&key);
-        self.stats.evictions += 1;
-        true
-    }
-
-    /// Forgets `key`'s entry and queues it as removed.
-    fn drop_entry(&mut self, key: &ChunkKey) {
-        if let Some(e) = self.entries.remove(key) {
-            self.stats.used_bytes -= e.bytes();
-            self.stats.entries = self.entries.len() as u64;
-            if let Entry::Committed { tick, .. } = e {
-                self.lru.remove(&tick);
-            }
-        }
-        if self.removed.len() < self.cfg.max_removed {
-            self.removed.push_back(key.clone());
-        } else {
-            self.stats.removed_dropped += 1;
-        }
-    }
-
-    fn remove_one(&mut self, key: &ChunkKey) -> Result<(), ItemError> {
-        match self.entries.get(key) {
-            Some(Entry::Committed { .. }) => {
-                self.drop_entry(key);
-                Ok(())
-            }
-            Some(Entry::Pending { .. }) => Err(ItemError::Busy),
-            None => Err(ItemError::NotFound),
-        }
+/// The space's answer for one key as a backend's per-key error.
+fn item_error(answer: KeyAnswer, want_bytes: u64) -> ItemError {
+    match answer {
+        KeyAnswer::Busy => ItemError::Busy,
+        KeyAnswer::Full => ItemError::Full,
+        KeyAnswer::TooLarge => ItemError::TooLarge,
+        KeyAnswer::WrongSize { got_bytes } => ItemError::WrongSize {
+            got_bytes,
+            want_bytes,
+        },
+        _ => ItemError::NotFound,
     }
 }
 
@@ -323,36 +321,49 @@ impl StoreBackend for InprocStore {
 
     fn exists(&mut self, keys: &[ChunkKey], _deadline: Instant) -> Result<Vec<bool>, CallError> {
         let mut inner = self.lock();
-        inner.stats.exists_calls += 1;
+        inner.calls.exists_calls += 1;
         Ok((keys.iter())
-            .map(|k| matches!(inner.entries.get(k), Some(Entry::Committed { .. })))
+            .map(|k| inner.space.exists(k.as_str()))
             .collect())
     }
 
     fn put(&mut self, items: &[PutItem], deadline: Instant) -> Answers<PutOutcome> {
         {
             let mut inner = self.lock();
-            inner.stats.put_calls += 1;
-            inner.stats.put_keys += items.len() as u64;
+            inner.calls.put_calls += 1;
+            inner.calls.put_keys += items.len() as u64;
         }
         each(items, deadline, |it| self.put_one(it))
     }
 
     fn get(&mut self, items: &[GetItem], deadline: Instant) -> Answers<()> {
-        self.lock().stats.get_calls += 1;
+        self.lock().calls.get_calls += 1;
         each(items, deadline, |it| self.get_one(it))
     }
 
     fn remove(&mut self, keys: &[ChunkKey], _deadline: Instant) -> Answers<()> {
         let mut inner = self.lock();
-        inner.stats.remove_calls += 1;
-        Ok(keys.iter().map(|k| inner.remove_one(k)).collect())
+        inner.calls.remove_calls += 1;
+        Ok((keys.iter())
+            .map(|k| match inner.space.remove(k.as_str()) {
+                KeyAnswer::Done => Ok(()),
+                answer => Err(item_error(answer, 0)),
+            })
+            .collect())
     }
 
     fn take_removed(&mut self, max: usize) -> Vec<ChunkKey> {
-        let mut inner = self.lock();
-        let n = max.min(inner.removed.len());
-        inner.removed.drain(..n).collect()
+        let (keys, _, next) = {
+            let mut inner = lock(&self.shared.inner);
+            let read = inner.space.removed_since(self.removed_at, max);
+            inner.calls.removed_dropped += read.1;
+            read
+        };
+        self.removed_at = next;
+        // Every key in the log was a `ChunkKey`'s text.
+        keys.into_iter()
+            .filter_map(|k| ChunkKey::from_stored(k).ok())
+            .collect()
     }
 }
 
@@ -402,7 +413,7 @@ mod tests {
     #[test]
     fn a_reserved_put_is_invisible_until_committed() {
         let mut s = store(64, true);
-        s.lock().reserve(&key(1), 8).unwrap();
+        let off = s.lock().space.reserve(key(1).as_str(), 8).unwrap();
         assert_eq!(s.exists(&[key(1)], far()).unwrap(), vec![false]);
         assert_eq!(s.insert(key(1), &[0; 8]), Err(ItemError::Busy));
         let mut buf = [0u8; 8];
@@ -416,7 +427,9 @@ mod tests {
         let item = GetItem { key: key(1), into };
         let got = s.get(std::slice::from_ref(&item), far()).unwrap();
         assert_eq!(got, vec![Err(ItemError::NotFound)]);
-        s.lock().commit(key(1), Arc::from(&[7u8; 8][..]));
+        // SAFETY: the reservation above is this test's alone.
+        unsafe { s.shared.arena.extent_mut(off, 8) }.fill(7);
+        s.lock().space.commit(key(1).as_str());
         assert_eq!(s.exists(&[key(1)], far()).unwrap(), vec![true]);
         assert_eq!(s.get(&[item], far()).unwrap(), vec![Ok(())]);
         assert_eq!(buf, [7; 8]);

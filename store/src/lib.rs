@@ -9,7 +9,11 @@
 //!   thread nor a glommio executor waits on a store.
 //! * [`memory`]: the registered engine memory; every scatter list is
 //!   checked against it.
-//! * [`inproc`]: a bounded RAM store with LRU eviction.
+//! * [`space`]: the RAM of a store, IO-free: extents of one arena, LRU
+//!   eviction, the removed log; the store server's and the in-process
+//!   store's.
+//! * [`inproc`]: a bounded RAM store in the engine's process, a
+//!   [`space::Space`] over an arena of its own.
 //! * [`StoreConnector`]: `register_kv_caches`, `lookup`, `start_save`,
 //!   `start_load_kv`, `wait_for_save`, `get_finished`,
 //!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
@@ -26,6 +30,7 @@ pub mod publish;
 pub mod redis;
 pub mod remote;
 pub mod scheduler;
+pub mod space;
 pub mod worker;
 
 pub use self::redis::{

@@ -37,6 +37,12 @@ unsafe impl GlobalAlloc for Counting {
         // SAFETY: forwarded.
         unsafe { System.alloc(layout) }
     }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCS.try_with(|a| a.set(a.get() + 1));
+        // SAFETY: forwarded. The system's zeroed allocation leaves large
+        // blocks' pages untouched until written (the stores' arenas).
+        unsafe { System.alloc_zeroed(layout) }
+    }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: forwarded.
         unsafe { System.dealloc(ptr, layout) }

@@ -1,9 +1,12 @@
-//! The server's RAM, IO-free: an arena of `capacity_bytes` cut into
+//! The store's RAM, IO-free: an arena of `capacity_bytes` cut into
 //! extents, the index of keys, least-recently-used eviction and the log of
-//! removed keys.
+//! removed keys. One type serves both RAM stores: the store server's
+//! arena (`kvferry store serve`) and the in-process store
+//! ([`crate::inproc`]); each owns the arena's bytes and asks the space
+//! where a value lives.
 //!
-//! A value lives in one contiguous extent of the arena (the data plane
-//! moves it with one descriptor per engine segment). A put first
+//! A value lives in one contiguous extent of the arena (the server's data
+//! plane moves it with one descriptor per engine segment). A put first
 //! *reserves* its extent (the key is `Writing`: invisible to `exists` and
 //! `get`, a second put of it is `Busy`), the bytes land, then it is
 //! *committed* or *aborted*; so a reader never sees a half-written value.
@@ -12,12 +15,12 @@
 //! is ever reused.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::rc::Rc;
+use std::sync::Arc;
 
-use kvferry_store::proto::KeyAnswer;
+use crate::proto::KeyAnswer;
 
-/// Most removed keys the log keeps for connections that have not been
-/// told of them yet.
+/// Most removed keys the log keeps for readers that have not been told
+/// of them yet, unless [`Space::with_removed_log`] says otherwise.
 pub const REMOVED_LOG_MAX: usize = 1 << 16;
 
 /// Free extents, found by address (to merge neighbours) and by size (best
@@ -111,15 +114,19 @@ pub struct Space {
     /// whatever their sizes.
     max_values: usize,
     free: Extents,
-    entries: HashMap<Rc<str>, Entry>,
+    entries: HashMap<Arc<str>, Entry>,
     /// The entries that may be evicted, by tick, least recently used
     /// first: eviction takes the first, never scanning past entries in
     /// use.
-    lru: BTreeMap<u64, Rc<str>>,
+    lru: BTreeMap<u64, Arc<str>>,
     next_tick: u64,
-    removed: VecDeque<Rc<str>>,
+    removed: VecDeque<Arc<str>>,
     /// Sequence number of `removed[0]`.
     removed_first: u64,
+    /// Most keys `removed` holds.
+    removed_max: usize,
+    /// Whether making room may evict.
+    evict: bool,
     stats: SpaceStats,
 }
 
@@ -139,8 +146,41 @@ impl Space {
             next_tick: 0,
             removed: VecDeque::new(),
             removed_first: 0,
+            removed_max: REMOVED_LOG_MAX,
+            evict: true,
             stats: SpaceStats::default(),
         }
+    }
+
+    /// The same space, refusing puts that need room ([`KeyAnswer::Full`])
+    /// instead of evicting: the engine's pressure path.
+    pub fn without_eviction(mut self) -> Space {
+        self.evict = false;
+        self
+    }
+
+    /// The same space, its removed log holding at most `max` keys.
+    pub fn with_removed_log(mut self, max: usize) -> Space {
+        self.removed_max = max;
+        self
+    }
+
+    /// Values held, reserved or committed.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no value is held.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Where the committed value of `key` lives: `(offset, length)`. The
+    /// extent stays the value's only while the caller keeps the space from
+    /// changing (tools and tests read it under their lock).
+    pub fn committed_extent(&self, key: &str) -> Option<(u64, u64)> {
+        let e = self.entries.get(key)?;
+        (e.state == State::Committed).then_some((e.off, e.len))
     }
 
     /// The arena's size.
@@ -206,7 +246,7 @@ impl Space {
         if e.state != State::Writing {
             return;
         }
-        let (key, len) = (Rc::clone(key), e.len);
+        let (key, len) = (Arc::clone(key), e.len);
         let tick = self.tick(&key);
         let e = self.entries.get_mut(&key).expect("looked up above");
         e.state = State::Committed;
@@ -257,7 +297,7 @@ impl Space {
         let Some((key, e)) = self.entries.get_key_value(key) else {
             return;
         };
-        let (key, readers) = (Rc::clone(key), e.readers);
+        let (key, readers) = (Arc::clone(key), e.readers);
         if readers != 1 {
             let e = self.entries.get_mut(&key).expect("looked up above");
             e.readers = readers.saturating_sub(1);
@@ -301,15 +341,18 @@ impl Space {
         (keys, lost, next)
     }
 
-    fn tick(&mut self, key: &Rc<str>) -> u64 {
+    fn tick(&mut self, key: &Arc<str>) -> u64 {
         let t = self.next_tick;
         self.next_tick += 1;
-        self.lru.insert(t, Rc::clone(key));
+        self.lru.insert(t, Arc::clone(key));
         t
     }
 
     /// Evicts the least recently used committed value nobody reads.
     fn evict_one(&mut self) -> bool {
+        if !self.evict {
+            return false;
+        }
         let Some((_, key)) = self.lru.pop_first() else {
             return false;
         };
@@ -330,7 +373,11 @@ impl Space {
         if e.state == State::Committed {
             self.stats.stored_bytes -= e.len;
             self.stats.values -= 1;
-            if self.removed.len() == REMOVED_LOG_MAX {
+            if self.removed_max == 0 {
+                self.removed_first += 1;
+                return;
+            }
+            if self.removed.len() == self.removed_max {
                 self.removed.pop_front();
                 self.removed_first += 1;
             }
