@@ -15,6 +15,15 @@
 //! | `records` (final phases) | executor | engine threads (`poll`, `get_finished`) |
 //! | `records.names` (string request ids) | engine threads, bridge | executor (`Pull`s), bridge |
 //!
+//! `records.names` keeps two writers: a string id is claimed where the
+//! transfer is opened (an engine thread's `start_*`, or the bridge for a
+//! decode rank's `Pull`), so a collision is refused to that caller at once,
+//! before any machine exists; a single writer would put the hand-off above
+//! on every open by string id. Both claim (and give back a claim whose
+//! transfer did not start) through `Shared::claim_name` and
+//! `Shared::release_name` under the `records` lock; the executor drops a
+//! name only with the record it evicts.
+//!
 //! `tracked` (transfers to tie to their peers) is not a table but a
 //! bounded queue: the executor and engine threads send, the bridge drains.
 
