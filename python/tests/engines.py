@@ -507,7 +507,7 @@ def kv_config(role: str, engine_id: str, extra: Mapping[str, Any] | None = None,
         "engine_id": engine_id,
         "kv_connector_extra_config": dict(extra or {}),
     }
-    if connector == "KvferryConnector":
+    if connector.startswith("Kvferry"):
         cfg["kv_connector_module_path"] = "kvferry.vllm"
     cfg.update(fields)
     return json.dumps(cfg)

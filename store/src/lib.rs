@@ -18,6 +18,7 @@
 //!   `start_load_kv`, `wait_for_save`, `get_finished`,
 //!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
 
+pub mod any;
 pub mod backend;
 mod config;
 mod connector;
@@ -36,6 +37,7 @@ pub mod worker;
 pub use self::redis::{
     ClusterConfig, ClusterStats, RedisClusterStore, RedisConfig, RedisError, RedisStats, RedisStore,
 };
+pub use any::{AnyStore, OpenError, STORE_URLS};
 pub use backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, Segment, StoreBackend,
 };

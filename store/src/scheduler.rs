@@ -43,7 +43,7 @@
 //! that would pass it fails with [`StoreSchedError::Full`] and changes
 //! nothing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -249,6 +249,8 @@ pub struct StoreSchedStats {
     pub preempted: u64,
     /// Scheduled requests not tracked, run without the store.
     pub untracked_scheduled: u64,
+    /// Loads the engine reported failed.
+    pub loads_failed: u64,
 }
 
 /// The scheduler side of store offload. See the module docs.
@@ -260,6 +262,9 @@ pub struct StoreScheduler {
     requests: HashMap<TransferId, Tracked>,
     preempted: Vec<PlannedRef>,
     delayed_free: Vec<PlannedRef>,
+    /// Requests whose load failed: their next lookup is a miss (bounded
+    /// by `max_requests`, the oldest forgotten first).
+    no_lookup: VecDeque<TransferId>,
     stats: StoreSchedStats,
 }
 
@@ -282,6 +287,7 @@ impl StoreScheduler {
             requests: HashMap::new(),
             preempted: Vec::new(),
             delayed_free: Vec::new(),
+            no_lookup: VecDeque::new(),
             stats: StoreSchedStats::default(),
         })
     }
@@ -380,22 +386,39 @@ impl StoreScheduler {
         }
     }
 
-    /// The store's hit for the prompt less one token; a miss when loads
-    /// are off, the lookup fails, or its answer does not fit the question.
+    /// The question [`StoreScheduler::get_num_new_matched_tokens`] asks
+    /// the store about `req`: the prompt less one token. `None` when it
+    /// asks nothing (loads off, a one-token prompt, a request whose load
+    /// just failed): a caller that looks up ahead of the call (off the
+    /// scheduler's thread) asks exactly this.
+    pub fn lookup_query(&self, req: &StoreReq<'_>) -> Option<LookupQuery> {
+        let id = TransferId::of_request_id(req.request_id);
+        if !self.cfg.load || req.prompt_len_tokens <= 1 || self.no_lookup.contains(&id) {
+            return None;
+        }
+        Some(LookupQuery {
+            token_len: req.prompt_len_tokens - 1,
+            block_hashes: req.block_hashes.to_vec(),
+            lora: req.lora.map(str::to_owned),
+            extra_keys: req.extra_keys.to_vec(),
+        })
+    }
+
+    /// The store's hit for [`StoreScheduler::lookup_query`]; a miss when
+    /// there is none, the lookup fails, or its answer does not fit.
     fn look_up(&mut self, req: &StoreReq<'_>, lookup: &mut dyn PrefixLookup) -> LookupHit {
         let groups = self.cfg.groups.len();
         let miss = LookupHit {
             tokens: 0,
             load: vec![0..0; groups],
         };
-        if !self.cfg.load || req.prompt_len_tokens <= 1 {
+        let id = TransferId::of_request_id(req.request_id);
+        if let Some(at) = self.no_lookup.iter().position(|n| *n == id) {
+            self.no_lookup.remove(at);
             return miss;
         }
-        let query = LookupQuery {
-            token_len: req.prompt_len_tokens - 1,
-            block_hashes: req.block_hashes.to_vec(),
-            lora: req.lora.map(str::to_owned),
-            extra_keys: req.extra_keys.to_vec(),
+        let Some(query) = self.lookup_query(req) else {
+            return miss;
         };
         self.stats.lookups += 1;
         match lookup.lookup(&query) {
@@ -560,10 +583,31 @@ impl StoreScheduler {
         let Ok(t) = self.get_mut(request_id) else {
             return Ok(false);
         };
-        let busy = t.saves > 0 || t.load == Load::InFlight;
-        let delay = busy && block_ids.iter().any(|b| !b.is_empty());
+        // Only saves hold blocks past the end: vLLM itself keeps the blocks
+        // of a request whose load is in flight until the workers report it
+        // (`finished_recving`), and a second report of it as sent would be
+        // one too many.
+        let delay = t.saves > 0 && block_ids.iter().any(|b| !b.is_empty());
         self.notice(request_id, delay, false)?;
         Ok(delay)
+    }
+
+    /// vLLM's `failed_recving`: the request's load failed and the engine
+    /// computes it again from the start. Forgets it (the load ended, no
+    /// notice), and its next lookup is a miss without asking the store, so
+    /// a load that failed is not tried again at once.
+    pub fn load_failed(&mut self, request_id: &str) {
+        let Ok(t) = self.get_mut(request_id) else {
+            return;
+        };
+        t.load = Load::Done;
+        let id = TransferId::of_request_id(request_id);
+        self.requests.remove(&id);
+        if self.no_lookup.len() >= self.cfg.max_requests {
+            self.no_lookup.pop_front();
+        }
+        self.no_lookup.push_back(id);
+        self.stats.loads_failed += 1;
     }
 
     /// The request was preempted (its blocks freed; vLLM recomputes it and
@@ -915,6 +959,50 @@ mod tests {
         assert!(!s.request_finished("b", &blocks(0..4)).unwrap());
         assert_eq!(s.tracked(), 0);
         assert!(!s.request_finished("never-seen", &[]).unwrap());
+    }
+
+    #[test]
+    fn a_request_ended_during_its_load_is_not_held_for_it() {
+        // vLLM holds the blocks of a request whose load is in flight until
+        // the workers report it loaded; a delayed free would report it a
+        // second time.
+        let mut s = sched();
+        assert_eq!(matched(&mut s, "a", 64, 0, 3), (48, true));
+        s.update_state_after_alloc("a", &blocks(0..4), 48).unwrap();
+        assert_eq!(s.build_connector_meta(&[]).unwrap().loads.len(), 1);
+        assert!(!s.request_finished("a", &blocks(0..4)).unwrap());
+        assert!(s.build_connector_meta(&[]).unwrap().delayed_free.is_empty());
+    }
+
+    #[test]
+    fn after_a_failed_load_the_request_computes_without_asking_the_store() {
+        let mut s = sched();
+        assert_eq!(matched(&mut s, "a", 64, 0, 3), (48, true));
+        s.update_state_after_alloc("a", &blocks(0..4), 48).unwrap();
+        s.build_connector_meta(&[]).unwrap();
+        s.load_failed("a");
+        assert!(!s.is_tracked("a"));
+        assert_eq!(s.stats().loads_failed, 1);
+        let h = hashes(64);
+        let req = StoreReq {
+            request_id: "a",
+            prompt_len_tokens: 64,
+            block_hashes: &h,
+            lora: None,
+            extra_keys: &[],
+        };
+        assert_eq!(s.lookup_query(&req), None);
+        let mut asked = false;
+        let mut ask = |q: &LookupQuery| {
+            asked = true;
+            store(3)(q)
+        };
+        assert_eq!(s.get_num_new_matched_tokens(&req, 0, &mut ask), Ok((0, false)));
+        assert!(!asked, "the store was asked again");
+        // Only that once: a later life of the id asks again.
+        s.request_finished("a", &blocks(0..4)).unwrap();
+        assert!(s.lookup_query(&req).is_some());
+        assert_eq!(matched(&mut s, "a", 64, 0, 3), (48, true));
     }
 
     #[test]

