@@ -259,6 +259,14 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM hands a preempted request's blocks to others in this very
+        # step: no save of it may still read them.
+        assert self._worker is not None
+        if isinstance(kv_connector_metadata, KvferryStoreMetadata):
+            if not self._worker.native.preempt(kv_connector_metadata.data):
+                logger.warning("kvferry store: a preempted request's save outlived its bound")
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()

