@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,7 +98,8 @@ def wait_port(port: int, within_s: float = 30.0) -> None:
 
 
 class Server:
-    """A store server process on 127.0.0.1, its log in `dir`."""
+    """A store server process listening on 127.0.0.1:`port`, its output in
+    `log`."""
 
     def __init__(self, cmd: "list[str]", port: int, log: Path) -> None:
         with open(log, "ab") as out:
@@ -162,9 +164,11 @@ class Setup:
                     for s in "ab"]
         else:
             cfgs = [None, None]
+        for s in "ab":
+            (self.dir / f"cwd-{s}").mkdir()
         self.a, self.b = (
             Engine(model, cores=core, args=("--kv-transfer-config", cfg) if cfg else (), env=env,
-                   pythonpath=pythonpath, log_path=self.dir / f"engine-{s}.log")
+                   pythonpath=pythonpath, cwd=self.dir / f"cwd-{s}", log_path=self.dir / f"engine-{s}.log")
             for s, core, cfg in zip("ab", "01", cfgs)
         )
 
@@ -175,7 +179,7 @@ class Setup:
             self.a.wait_ready()
             self.b.wait_ready()
         except BaseException:
-            self.__exit__()
+            self.__exit__(*sys.exc_info())
             raise
         return self
 
@@ -184,6 +188,8 @@ class Setup:
         self.b.stop()
         if self.server is not None:
             self.server.stop()
+        if not exc or exc[0] is None:
+            shutil.rmtree(self.dir, ignore_errors=True)  # the logs stay after a failure
 
     def saved(self) -> float:
         """What A's connector reports stored so far: kvferry's saved keys,

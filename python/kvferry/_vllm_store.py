@@ -36,12 +36,19 @@ import tempfile
 from typing import Any, Optional, Sequence
 
 import torch
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVConnectorKVEvents,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 import kvferry
 from kvferry import _native
@@ -58,6 +65,10 @@ logger = logging.getLogger("kvferry.vllm")
 
 #: Where the chain of block hashes starts; part of every key.
 CHAIN_TAG = b"kvferry-chain-v1\0"
+
+#: Blocks some but not every shard reported stored, kept for later
+#: reports (the oldest forgotten first).
+_EVENT_COUNTS_MAX = 1 << 16
 
 #: ``kv_connector_extra_config`` keys of the store connector.
 _STORE_KEYS = {
@@ -191,6 +202,89 @@ class KvferryStoreMetadata(KVConnectorMetadata):
         self.data = data
 
 
+class KvferryStoreKVEvents(KVConnectorKVEvents):
+    """One step's KV events of the workers (``StoreWorker.take_events``
+    records), concatenated by vLLM's output aggregator; the scheduler side
+    counts them across shards (:class:`_EventQuorum`)."""
+
+    def __init__(self, records: "list[tuple]", shards: int, workers: int = 1):
+        self.records = list(records)
+        self.shards = shards
+        self.workers = workers
+
+    def add_events(self, events: "list[Any]") -> None:
+        self.records.extend(events)
+
+    def aggregate(self) -> "KvferryStoreKVEvents":
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.workers += count
+
+    def get_all_events(self) -> "list[Any]":
+        return list(self.records)
+
+    def get_number_of_workers(self) -> int:
+        return self.workers
+
+    def clear_events(self) -> None:
+        self.records = []
+
+
+class _EventQuorum:
+    """vLLM events of the store tier: a block is stored once every shard
+    reported it (each shard stores its own value); removals and clears
+    pass at once, each block once per step. Hashes are kvferry's chain
+    (:func:`chain_hashes`), the same on every engine."""
+
+    def __init__(self) -> None:
+        self.counts: "dict[tuple[int, bytes], int]" = {}
+        self.ready: "list[Any]" = []
+        self.dropped = 0
+
+    def take(self, batch: KvferryStoreKVEvents) -> None:
+        removed: "set[tuple[Optional[int], bytes]]" = set()
+        for kind, group, hashes, parent, size, tokens, lora, medium in batch.records:
+            if kind == "stored":
+                for i, h in enumerate(hashes):
+                    if self._count((group, h), batch.shards):
+                        self.ready.append(BlockStored(
+                            block_hashes=[maybe_convert_block_hash(h)],
+                            parent_block_hash=_parent(parent if i == 0 else hashes[i - 1]),
+                            token_ids=list(tokens[i * size:(i + 1) * size]),
+                            block_size=size, lora_id=None, medium=medium, lora_name=lora,
+                            group_idx=group,
+                        ))
+            elif kind == "removed":
+                fresh = [h for h in hashes if (group, h) not in removed]
+                removed.update((group, h) for h in fresh)
+                if fresh:
+                    self.ready.append(BlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(h) for h in fresh], medium=medium,
+                        group_idx=group,
+                    ))
+            elif kind == "cleared":
+                self.ready.append(AllBlocksCleared())
+
+    def _count(self, key: "tuple[int, bytes]", shards: int) -> bool:
+        n = self.counts.pop(key, 0) + 1
+        if n >= shards:
+            return True
+        if len(self.counts) >= _EVENT_COUNTS_MAX:
+            self.counts.pop(next(iter(self.counts)))
+            self.dropped += 1
+        self.counts[key] = n
+        return False
+
+    def drain(self) -> "list[Any]":
+        out, self.ready = self.ready, []
+        return out
+
+
+def _parent(h: "Optional[bytes]") -> Any:
+    return None if h is None else maybe_convert_block_hash(h)
+
+
 class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docs: the scheduler role looks prefixes up and plans
     loads and saves; the worker role (one per TP and PP rank) runs them."""
@@ -253,6 +347,11 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_loaded_kv_cache_group_ids(self, request: Any) -> "tuple[int, ...]":
         return tuple(self._kv_config.transfer_group_ids)
 
+    def take_events(self) -> Any:
+        if self._sched is None:
+            return ()
+        return self._sched.events.drain()
+
     # -- worker side -----------------------------------------------------
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
@@ -302,6 +401,11 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> "set[int]":
         return set()  # failed loads are reported per request
 
+    def get_kv_connector_kv_cache_events(self) -> Optional[KvferryStoreKVEvents]:
+        assert self._worker is not None
+        records, shards = self._worker.native.take_events()
+        return KvferryStoreKVEvents(records, shards) if records else None
+
     def get_kv_connector_stats(self) -> Any:
         side = self._worker or self._sched
         assert side is not None
@@ -334,6 +438,7 @@ class _SchedulerSide:
         self._hashes: "dict[str, list[bytes]]" = {}
         self._reported: "dict[str, int]" = {}
         self.fallbacks = 0
+        self.events = _EventQuorum()
 
     def _fall_back(self, rid: str, err: Exception, what: str) -> None:
         logger.warning("kvferry store: request %s: %s failed (%s: %s); computed without the store",
@@ -403,10 +508,14 @@ class _SchedulerSide:
         self._native.loads_finished(
             list(out.finished_recving or ()), list(getattr(out, "failed_recving", None) or ())
         )
+        events = getattr(out, "kv_cache_events", None)
+        if isinstance(events, KvferryStoreKVEvents):
+            self.events.take(events)
 
     def stats(self) -> Optional[KvferryStats]:
         now = dict(self._native.stats())
         now["store_fallbacks"] = self.fallbacks
+        now["store_events_unmatched_dropped"] = self.events.dropped
         delta = {f"store_{k}" if not k.startswith("store_") else k: v - self._reported.get(k, 0)
                  for k, v in now.items() if k != "lookups_out"}
         self._reported = now

@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvferry::machines::layout::{RankLayout, Region, Stage};
-use kvferry::machines::store::events::Medium;
+use kvferry::machines::store::events::{KvEvent, Medium};
 use kvferry::machines::store::lookup::LookupHit;
 use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::reactor::sync::lock;
@@ -447,13 +447,62 @@ struct WorkerState {
     received: Vec<String>,
     failed: Vec<String>,
     not_started: u64,
+    /// KV events not yet taken, at most [`EVENTS_MAX`].
+    events: VecDeque<KvEvent>,
+    events_dropped: u64,
 }
+
+/// KV events a worker holds for the scheduler: a few steps' worth.
+const EVENTS_MAX: usize = 1 << 16;
 
 /// The worker half of the store connector, one per TP and PP rank.
 #[pyclass(module = "kvferry._native", frozen)]
 pub(crate) struct StoreWorker {
     state: Mutex<WorkerState>,
     pid: u32,
+}
+
+/// A KV event for Python (see `StoreWorker::take_events`).
+type EventTuple = (
+    &'static str,
+    Option<u32>,
+    Vec<Vec<u8>>,
+    Option<Vec<u8>>,
+    u32,
+    Vec<u32>,
+    Option<String>,
+    &'static str,
+);
+
+fn event_tuple(e: KvEvent) -> EventTuple {
+    let bytes = |h: &[BlockHash]| h.iter().map(|h| h.as_bytes().to_vec()).collect();
+    match e {
+        KvEvent::BlockStored(b) => (
+            "stored",
+            Some(b.group),
+            bytes(&b.block_hashes),
+            b.parent_block_hash.map(|h| h.as_bytes().to_vec()),
+            b.block_size,
+            b.token_ids,
+            b.lora_name,
+            b.medium.as_str(),
+        ),
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+            group,
+        } => (
+            "removed",
+            group,
+            bytes(&block_hashes),
+            None,
+            0,
+            Vec::new(),
+            None,
+            medium.as_str(),
+        ),
+        KvEvent::AllBlocksCleared => ("cleared", None, Vec::new(), None, 0, Vec::new(), None, ""),
+    }
 }
 
 fn connector_config(s: &StoreSettings, model: ModelSpec) -> ConnectorConfig {
@@ -533,7 +582,13 @@ impl WorkerState {
         c.poll(Instant::now());
         let (saved, loaded) = c.get_finished_reports();
         let _ = c.block_ids_with_load_errors();
-        let _ = c.get_kv_events();
+        for e in c.get_kv_events() {
+            if self.events.len() >= EVENTS_MAX {
+                self.events_dropped += 1;
+            } else {
+                self.events.push_back(e);
+            }
+        }
         for (id, report) in loaded {
             self.loading.remove(&id);
             let Some(rid) = self.names.remove(&id) else {
@@ -592,6 +647,8 @@ impl StoreWorker {
                 received: Vec::new(),
                 failed: Vec::new(),
                 not_started: 0,
+                events: VecDeque::new(),
+                events_dropped: 0,
             }),
             pid: std::process::id(),
         })
@@ -772,6 +829,19 @@ impl StoreWorker {
         ))
     }
 
+    /// The KV events since the last call, one tuple each: `(kind, group,
+    /// hashes, parent, block_size, token_ids, lora, medium)`, `kind` one of
+    /// `stored`, `removed`, `cleared`; and how many shards store each
+    /// block (a block is stored once every shard reported it).
+    #[allow(clippy::type_complexity)]
+    fn take_events(&self) -> PyResult<(Vec<EventTuple>, usize)> {
+        let mut st = self.state()?;
+        st.collect();
+        let shards = (st.connector.as_ref()).map_or(1, |c| c.keyspace().shards().len());
+        let events = st.events.drain(..).map(event_tuple).collect();
+        Ok((events, shards))
+    }
+
     /// Waits until no save or load runs, at most `timeout_s` (shutdown).
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         let until = Instant::now() + crate::seconds("timeout_s", timeout_s)?;
@@ -795,6 +865,7 @@ impl StoreWorker {
         let st = self.state()?;
         let d = PyDict::new(py);
         d.set_item("saves_not_started", st.not_started)?;
+        d.set_item("events_dropped", st.events_dropped)?;
         if let Some(c) = &st.connector {
             let s = c.stats();
             for (k, v) in [

@@ -632,3 +632,34 @@ class Router:
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def stream_completion(port: int, prompt_token_ids: Sequence[int], max_tokens: int,
+                      kv_transfer_params: Mapping[str, Any] | None = None,
+                      timeout: float = REQUEST_TIMEOUT_S) -> tuple[float, list[int]]:
+    """A streamed greedy completion: seconds to the first token, and the
+    tokens."""
+    body = completion_body(prompt_token_ids, max_tokens, kv_transfer_params, stream=True)
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise HttpError(resp.status, resp.read().decode(errors="replace"))
+        ttft, tokens = None, []
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", ()):
+                new = choice.get("token_ids") or []
+                if new and ttft is None:
+                    ttft = time.perf_counter() - t0
+                tokens.extend(new)
+        if ttft is None:
+            raise RuntimeError("no token streamed")
+        return ttft, tokens
+    finally:
+        conn.close()

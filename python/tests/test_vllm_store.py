@@ -18,6 +18,7 @@ store that is down (the request computes), and the connector's refusals
 import array
 import os
 import time
+import types
 import uuid
 import zlib
 
@@ -28,6 +29,8 @@ vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
+from vllm.distributed.kv_events import BlockStored  # noqa: E402
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from engines import free_port  # noqa: E402
 from test_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
@@ -202,6 +205,36 @@ def test_preempted_requests_never_store_another_requests_bytes(model_dir, store)
     finally:
         a.shutdown()
         b.shutdown()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_events_name_each_stored_block_once_every_shard_stored_it(model_dir, store, tp):
+    """vLLM's scheduler publishes the store tier's events: one
+    `BlockStored` per saved block, after every TP shard stored its part,
+    chained by kvferry's hashes; a save the store already held publishes
+    nothing."""
+    vc = config(model_dir, "kv_both", "a", {}, tp=tp, policy="recompute",
+                connector=store_connector(store))
+    a = Engine(vc, writes=True)
+    published = []
+    a.sched.kv_event_publisher = types.SimpleNamespace(
+        publish=lambda batch: published.extend(batch.events), shutdown=lambda: None)
+    try:
+        save_on(a, "r1", PROMPT)
+        model = os.path.basename(vc.model_config.model.rstrip("/"))
+        chain = chain_hashes(chain_root(model, BLOCK), list(range(3, 3 + PROMPT)), BLOCK)
+        # As vLLM publishes hashes (bytes, or ints with its default
+        # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+        want = [maybe_convert_block_hash(h) for h in chain]
+        stored = [e for e in published if isinstance(e, BlockStored)]
+        assert [e.block_hashes for e in stored] == [[h] for h in want]
+        assert [e.parent_block_hash for e in stored] == [None, *want[:-1]]
+        assert {(e.block_size, e.medium, e.group_idx) for e in stored} == {(BLOCK, "CPU", 0)}
+        published.clear()
+        save_on(a, "r2", PROMPT)
+        assert not [e for e in published if isinstance(e, BlockStored)]
+    finally:
+        a.shutdown()
 
 
 def test_a_store_that_is_down_is_a_miss_and_the_request_computes(model_dir):

@@ -7,7 +7,8 @@ store: ``kvferry store serve`` or a ``redis-server``. Engine A computes a
 set of prompts and saves their prefixes; engine B, started apart, then
 serves the same prompts: its greedy outputs must equal A's, and vLLM's own
 ``prompt_tokens_by_source`` metric must count every whole block of each
-prompt (less the last token) as ``external_kv_transfer``.
+prompt (less the last token) as ``external_kv_transfer``, and B's time to
+first token for a stored 1500-token prompt must be below recomputing one.
 
 A store server killed while B serves makes B compute locally, with the
 same outputs and the engine alive; a server started again on the port
@@ -23,6 +24,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -41,6 +43,7 @@ from engines import (
     output_ids,
     prompt_tokens_by_source,
     random_prompt,
+    stream_completion,
 )
 
 
@@ -216,6 +219,7 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
     try:
         expected = save_all(a, PROMPTS)
         assert_loaded(b, PROMPTS, expected)
+        assert_faster_than_recomputing(a, b)
 
         # The server dies: both engines compute, nothing fails.
         server.kill()
@@ -235,6 +239,20 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
         a.stop()
         b.stop()
         server.kill()
+
+
+def assert_faster_than_recomputing(a: Engine, b: Engine) -> None:
+    """B's time to first token for a stored 1500-token prompt against a
+    fresh one it computes, alternating, medians of three."""
+    stored = [random_prompt(1500, seed=800 + i) for i in range(3)]
+    fresh = [random_prompt(1500, seed=900 + i) for i in range(3)]
+    save_all(a, {f"ttft{i}": ids for i, ids in enumerate(stored)})
+    hit, miss = [], []
+    for s, f in zip(stored, fresh):
+        hit.append(stream_completion(b.port, s, 1)[0])
+        miss.append(stream_completion(b.port, f, 1)[0])
+    assert statistics.median(hit) < statistics.median(miss), \
+        f"TTFT with the stored prefix {hit} is not below recomputing {miss}"
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
