@@ -74,7 +74,7 @@ _EVENT_COUNTS_MAX = 1 << 16
 _STORE_KEYS = {
     "store", "model_name", "lookup_endpoint", "lookup_timeout_ms", "lookup_wait_ms",
     "op_bound_ms", "request_timeout_ms", "max_requests", "save", "load", "shutdown_drain_ms",
-    "tp_rank",
+    "save_decode_cache", "tp_rank",
 }
 #: Mooncake store connector keys an operator brings along: accepted, logged.
 _MOONCAKE_STORE_KEYS = {"load_async", "lookup_async", "enable_lookup", "lookup_rpc_port"}
@@ -185,6 +185,7 @@ def _settings(vllm_config: Any, extra: dict, kv_cache_config: Any) -> dict:
         "groups": groups,
         "load": bool(extra.get("load", kt.kv_role in ("kv_consumer", "kv_both"))),
         "save": bool(extra.get("save", kt.kv_role in ("kv_producer", "kv_both"))),
+        "save_decode": bool(extra.get("save_decode_cache", False)),
         "model_name": str(extra.get("model_name") or os.path.basename(str(mc.model).rstrip("/"))),
         "dtype": dtype,
     }
@@ -436,6 +437,9 @@ class _SchedulerSide:
         self._wait_s = float(extra.get("lookup_wait_ms", 2)) / 1000.0
         #: Each waiting request's block hashes, until it is allocated.
         self._hashes: "dict[str, list[bytes]]" = {}
+        #: With decode saves, each tracked request and its chain so far.
+        self._save_decode = bool(settings["save_decode"])
+        self._growing: "dict[str, tuple[Any, list[bytes]]]" = {}
         self._reported: "dict[str, int]" = {}
         self.fallbacks = 0
         self.events = _EventQuorum()
@@ -473,7 +477,9 @@ class _SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         rid = request.request_id
-        self._hashes.pop(rid, None)
+        hashes = self._hashes.pop(rid, None)
+        if self._save_decode and hashes is not None:
+            self._growing[rid] = (request, hashes)
         ids = blocks.get_block_ids()
         try:
             self._native.update_state_after_alloc(rid, [list(ids[g]) for g in self._transfer],
@@ -481,8 +487,29 @@ class _SchedulerSide:
         except kvferry.Error as e:
             self._fall_back(rid, e, "tracking its blocks")
 
+    def _grow(self, rid: str) -> None:
+        """With decode saves: the request's chain over every token it holds
+        now, handed to the scheduler when a block filled."""
+        request, hashes = self._growing.get(rid, (None, None))
+        if request is None:
+            return
+        tokens = request.all_token_ids
+        if len(tokens) // self._block <= len(hashes):
+            return
+        grown = chain_hashes(self._root, tokens, self._block,
+                             _extras(request, len(tokens) // self._block, self._block))
+        try:
+            self._native.extend_hashes(rid, [grown] * self._groups)
+            self._growing[rid] = (request, grown)
+        except kvferry.Error as e:
+            self._growing.pop(rid, None)
+            self._fall_back(rid, e, "extending its hashes")
+
     def build_connector_meta(self, so: Any) -> KvferryStoreMetadata:
         none = [[] for _ in self._transfer]
+        if self._save_decode:
+            for rid in so.num_scheduled_tokens:
+                self._grow(rid)
         steps = [(r.req_id, so.num_scheduled_tokens[r.req_id], none) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
@@ -493,11 +520,14 @@ class _SchedulerSide:
             blocks = none if new is None or rid in resumed else [list(new[g]) for g in self._transfer]
             steps.append((rid, so.num_scheduled_tokens[rid], blocks))
         preempted = list(getattr(so, "preempted_req_ids", None) or ())
+        for rid in preempted:
+            self._growing.pop(rid, None)
         return KvferryStoreMetadata(self._native.build_connector_meta(steps, preempted))
 
     def request_finished(self, request: Any, block_ids: "list[list[int]]"):
         rid = request.request_id
         self._hashes.pop(rid, None)
+        self._growing.pop(rid, None)
         try:
             return self._native.request_finished(rid, [list(g) for g in block_ids]), None
         except kvferry.Error as e:

@@ -59,6 +59,8 @@ struct StoreSettings {
     load: bool,
     #[serde(default = "yes")]
     save: bool,
+    #[serde(default)]
+    save_decode: bool,
     #[serde(default = "default_lookup_timeout_ms")]
     lookup_timeout_ms: u64,
     #[serde(default = "default_down_backoff_ms")]
@@ -277,6 +279,7 @@ impl StoreSched {
         let mut cfg = StoreSchedulerConfig::new(s.groups());
         cfg.load = s.load;
         cfg.save = s.save;
+        cfg.save_decode = s.save_decode;
         cfg.max_requests = s.max_requests;
         let sched = StoreScheduler::new(cfg).map_err(sched_err)?;
         let lookups = Lookups::start(
@@ -346,6 +349,15 @@ impl StoreSched {
         let blocks = block_lists(block_ids);
         lock(&self.sched)
             .update_state_after_alloc(request_id, &blocks, num_external_tokens)
+            .map_err(sched_err)
+    }
+
+    /// The request's hashes per group, grown past its prompt (decode
+    /// saves); each list extends the one given before.
+    fn extend_hashes(&self, request_id: &str, block_hashes: Vec<Vec<Vec<u8>>>) -> PyResult<()> {
+        let hashes = hashes(block_hashes)?;
+        lock(&self.sched)
+            .extend_hashes(request_id, &hashes)
             .map_err(sched_err)
     }
 

@@ -36,6 +36,7 @@ from engines import free_port  # noqa: E402
 from test_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
     BLOCK,
     LAYER_NAMES,
+    TOKEN,
     WITHIN_S,
     Engine,
     config,
@@ -144,8 +145,9 @@ class TokenEngine(Engine):
         groups = rank.kv_cache_config.kv_cache_groups
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
-            end = min(req.num_computed_tokens, req.num_prompt_tokens)
-            start = req.num_computed_tokens - n
+            end = req.num_computed_tokens
+            start = end - n
+            tokens = list(req.all_token_ids)
             block_ids = self.sched.kv_cache_manager.get_blocks(rid).get_block_ids()
             for g, group in enumerate(groups):
                 for layer in group.layer_names:
@@ -153,7 +155,7 @@ class TokenEngine(Engine):
                     for tok in range(start, end):
                         b = block_ids[g][tok // BLOCK]
                         k, s = divmod(tok % BLOCK, t.shape[3])
-                        t[b, :, k, s] = token_kv(layer, req.prompt_token_ids[: tok + 1], t.shape[1], t.shape[4])
+                        t[b, :, k, s] = token_kv(layer, tokens[: tok + 1], t.shape[1], t.shape[4])
 
 
 def token_kv(layer, prefix, heads, width):
@@ -202,6 +204,34 @@ def test_preempted_requests_never_store_another_requests_bytes(model_dir, store)
                 for layer in LAYER_NAMES:
                     assert torch.equal(b.page(layer, blk), expected_page(b, layer, p, i)), \
                         f"{rid}: block {i} of {layer} holds bytes its tokens do not make"
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_decode_saves_let_the_next_turn_load_the_answer_too(model_dir, store):
+    """With `save_decode_cache`, A saves the blocks its decode filled; B,
+    given the next turn (A's prompt, A's answer, a new question), loads
+    them as well, each holding what its tokens make."""
+    vc = config(model_dir, "kv_both", "a", {}, policy="recompute",
+                connector=store_connector(store, save_decode_cache=True))
+    a = TokenEngine(vc, writes=True)
+    b = engine(model_dir, "b", store)
+    prompt = [20 + 3 * j % 700 for j in range(100)]
+    try:
+        a.sched.add_request(token_request("turn1", prompt, 40))
+        run_until([a], lambda: "turn1" not in a.sched.requests, "turn 1 finished and released")
+        # The stand-in model answers TOKEN at every step; A computed all
+        # but its last token: 139 tokens, 8 whole blocks.
+        turn2 = prompt + [TOKEN] * 40 + [5] * 10
+        b.sched.add_request(token_request("turn2", turn2, 2))
+        run_until([b], lambda: prompt_computed(b, "turn2"), "turn 2 prefilled on B")
+        assert "turn2" in b.loaded
+        assert stats(b, "store_promised_tokens") == 8 * BLOCK
+        for i, blk in enumerate(b.blocks("turn2")[:8]):
+            for layer in LAYER_NAMES:
+                assert torch.equal(b.page(layer, blk), expected_page(b, layer, turn2, i)), \
+                    f"block {i} of {layer} holds bytes its tokens do not make"
     finally:
         a.shutdown()
         b.shutdown()

@@ -64,6 +64,10 @@ pub struct StoreSchedulerConfig {
     pub load: bool,
     /// Save computed prefixes (vLLM's `kv_producer` and `kv_both`).
     pub save: bool,
+    /// Save past the prompt too, as decode tokens fill blocks (vLLM's
+    /// `save_decode_cache`); the engine extends each request's hashes
+    /// ([`StoreScheduler::extend_hashes`]).
+    pub save_decode: bool,
     /// Loads run while the request waits (vLLM's `load_async`).
     pub load_async: bool,
     /// Most requests tracked, and most notices waiting for the next meta.
@@ -77,6 +81,7 @@ impl StoreSchedulerConfig {
             groups,
             load: true,
             save: true,
+            save_decode: false,
             load_async: true,
             max_requests: 4096,
         }
@@ -545,7 +550,12 @@ impl StoreScheduler {
             blocks.extend_from_slice(new);
         }
         t.computed = t.computed.saturating_add(s.num_scheduled_tokens);
-        let prefix = t.computed.min(t.prompt_len) / unit * unit;
+        let limit = if self.cfg.save_decode {
+            u32::MAX
+        } else {
+            t.prompt_len
+        };
+        let prefix = t.computed.min(limit) / unit * unit;
         let covered = (self.cfg.groups.iter().zip(&t.block_ids).zip(&t.hashes))
             .all(|((g, b), h)| (prefix / g.block_tokens) as usize <= b.len().min(h.len()));
         if !save || prefix <= t.saved || !covered {
@@ -557,6 +567,32 @@ impl StoreScheduler {
             request: t.request(id),
             token_len: prefix,
         })
+    }
+
+    /// The request's hashes, per group, now that its tokens grew past the
+    /// prompt (decode saves): each list must start with the one the
+    /// scheduler holds. Refused, changing nothing, otherwise.
+    pub fn extend_hashes(
+        &mut self,
+        request_id: &str,
+        block_hashes: &[Vec<BlockHash>],
+    ) -> Result<(), StoreSchedError> {
+        let want = self.cfg.groups.len();
+        if block_hashes.len() != want {
+            let got = block_hashes.len();
+            return Err(StoreSchedError::GroupCount { got, want });
+        }
+        let t = self.get_mut(request_id)?;
+        let extends = (t.hashes.iter().zip(block_hashes)).all(|(old, new)| new.starts_with(old));
+        if !extends {
+            return Err(StoreSchedError::WrongState {
+                request_id: request_id.to_owned(),
+                call: "extend_hashes",
+                state: "hashes that do not extend the request's",
+            });
+        }
+        t.hashes = block_hashes.to_vec();
+        Ok(())
     }
 
     /// vLLM's `update_connector_output`, its `finished_recving`: these
@@ -997,12 +1033,49 @@ mod tests {
             asked = true;
             store(3)(q)
         };
-        assert_eq!(s.get_num_new_matched_tokens(&req, 0, &mut ask), Ok((0, false)));
+        assert_eq!(
+            s.get_num_new_matched_tokens(&req, 0, &mut ask),
+            Ok((0, false))
+        );
         assert!(!asked, "the store was asked again");
         // Only that once: a later life of the id asks again.
         s.request_finished("a", &blocks(0..4)).unwrap();
         assert!(s.lookup_query(&req).is_some());
         assert_eq!(matched(&mut s, "a", 64, 0, 3), (48, true));
+    }
+
+    #[test]
+    fn decode_saves_follow_the_computed_tokens_as_far_as_the_hashes_go() {
+        let save_decode = StoreSchedulerConfig {
+            save_decode: true,
+            ..cfg(8)
+        };
+        let mut s = StoreScheduler::new(save_decode).unwrap();
+        matched(&mut s, "a", 40, 0, 0);
+        s.update_state_after_alloc("a", &blocks(0..3), 0).unwrap();
+        assert_eq!(step(&mut s, "a", 40, 0..0).saves[0].token_len, 32);
+        // Decode: one token a step; the third block fills at 48 tokens.
+        for _ in 40..47 {
+            assert!(step(&mut s, "a", 1, 0..0).saves.is_empty());
+        }
+        assert_eq!(step(&mut s, "a", 1, 0..0).saves[0].token_len, 48);
+        // The fourth block fills, but its hash is not known yet.
+        for _ in 48..64 {
+            assert!(step(&mut s, "a", 1, 3..3).saves.is_empty());
+        }
+        let other = vec![vec![BlockHash::from_u64(99); 4]];
+        assert!(s.extend_hashes("a", &other).is_err(), "not an extension");
+        s.extend_hashes("a", &hashes(64)).unwrap();
+        let meta = step(&mut s, "a", 0, 3..4);
+        assert_eq!(meta.saves[0].token_len, 64);
+        assert_eq!(meta.saves[0].request.block_hashes, hashes(64));
+        // Without decode saves the prompt is the limit.
+        let mut s = sched();
+        matched(&mut s, "b", 40, 0, 0);
+        s.update_state_after_alloc("b", &blocks(0..3), 0).unwrap();
+        step(&mut s, "b", 40, 0..0);
+        s.extend_hashes("b", &hashes(64)).unwrap();
+        assert!(step(&mut s, "b", 24, 3..4).saves.is_empty());
     }
 
     #[test]
