@@ -197,10 +197,13 @@ def _settings(vllm_config: Any, extra: dict, kv_cache_config: Any) -> dict:
 
 class KvferryStoreMetadata(KVConnectorMetadata):
     """One step's loads, saves and notices: the scheduler's bytes (vLLM
-    pickles the metadata to every worker)."""
+    pickles the metadata to every worker), and the requests whose blocks
+    wait for a load that will not come (every worker reports them failed,
+    so vLLM's `kv_load_failure_policy` ends their wait)."""
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes, failed: "list[str] | None" = None):
         self.data = data
+        self.failed = list(failed or ())
 
 
 class KvferryStoreKVEvents(KVConnectorKVEvents):
@@ -371,6 +374,7 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvferryStoreMetadata)
+        self._worker.failed.update(meta.failed)
         self._worker.native.start_loads(meta.data)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -394,7 +398,8 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: "set[str]") -> Any:
         assert self._worker is not None
         sent, received, failed = self._worker.native.transfer_results()
-        failed = set(failed)
+        failed = set(failed) | self._worker.failed
+        self._worker.failed = set()
         return KVConnectorTransferResults(
             finished_sending=set(sent), finished_recving=set(received) | failed, failed_recving=failed
         )
@@ -443,6 +448,8 @@ class _SchedulerSide:
         self._reported: "dict[str, int]" = {}
         self.fallbacks = 0
         self.events = _EventQuorum()
+        #: Requests promised a load that will not start, until the next meta.
+        self._failed: "list[str]" = []
 
     def _fall_back(self, rid: str, err: Exception, what: str) -> None:
         logger.warning("kvferry store: request %s: %s failed (%s: %s); computed without the store",
@@ -486,6 +493,9 @@ class _SchedulerSide:
                                                   num_external_tokens)
         except kvferry.Error as e:
             self._fall_back(rid, e, "tracking its blocks")
+            if num_external_tokens > 0:
+                # vLLM waits for the load it was promised: end it as failed.
+                self._failed.append(rid)
 
     def _grow(self, rid: str) -> None:
         """With decode saves: the request's chain over every token it holds
@@ -522,7 +532,8 @@ class _SchedulerSide:
         preempted = list(getattr(so, "preempted_req_ids", None) or ())
         for rid in preempted:
             self._growing.pop(rid, None)
-        return KvferryStoreMetadata(self._native.build_connector_meta(steps, preempted))
+        failed, self._failed = self._failed, []
+        return KvferryStoreMetadata(self._native.build_connector_meta(steps, preempted), failed)
 
     def request_finished(self, request: Any, block_ids: "list[list[int]]"):
         rid = request.request_id
@@ -575,6 +586,8 @@ class _WorkerSide:
         self.drain_s = float(extra.get("shutdown_drain_ms", 5000)) / 1000.0
         #: vLLM's KV tensors, kept alive as long as the worker.
         self.memory: "list[torch.Tensor]" = []
+        #: Requests the scheduler could not give a load, to report failed.
+        self.failed: "set[str]" = set()
         self._reported: "dict[str, int]" = {}
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:

@@ -267,6 +267,36 @@ def test_kv_events_name_each_stored_block_once_every_shard_stored_it(model_dir, 
         a.shutdown()
 
 
+def test_a_load_the_scheduler_cannot_plan_fails_its_request_not_the_engine(model_dir, store):
+    """B is promised A's prefix, then its scheduler side refuses the
+    request's blocks (a full table): the request's wait for its load
+    ends as a failed load, vLLM recomputes it (`recompute`), and the engine
+    steps on."""
+    a = engine(model_dir, "a", store, writes=True)
+    b = engine(model_dir, "b", store)
+    try:
+        save_on(a, "r1", PROMPT)
+        side = b.sched.connector._sched
+        real = side._native
+
+        class Refusing:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def update_state_after_alloc(self, *args):
+                raise kvferry.BusyError("full")
+
+        side._native = Refusing()
+        b.sched.add_request(request("r2", PROMPT, None, 3))
+        run_until([b], lambda: "r2" in b.failed_loads, "r2 reported as a failed load")
+        side._native = real
+        run_until([b], lambda: "r2" in b.finished, "r2 recomputed and finished")
+        assert stats(b, "store_fallbacks") == 1
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_a_store_that_is_down_is_a_miss_and_the_request_computes(model_dir):
     """Nothing listens where the store should be: lookups and saves fail,
     the request computes locally and finishes, the engine steps on."""
