@@ -356,6 +356,12 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return ()
         return self._sched.events.drain()
 
+    def reset_cache(self) -> bool:
+        # vLLM's reset_prefix_cache(reset_connector=True), generation
+        # paused: this model's keys leave the store, other models' stay.
+        assert self._sched is not None
+        return self._sched.reset()
+
     # -- worker side -----------------------------------------------------
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
@@ -440,6 +446,7 @@ class _SchedulerSide:
         self._transfer = list(kv_cache_config.transfer_group_ids)
         self._root = chain_root(settings["model_name"], self._block)
         self._wait_s = float(extra.get("lookup_wait_ms", 2)) / 1000.0
+        self._reset_s = float(extra.get("op_bound_ms", 10000)) / 1000.0
         #: Each waiting request's block hashes, until it is allocated.
         self._hashes: "dict[str, list[bytes]]" = {}
         #: With decode saves, each tracked request and its chain so far.
@@ -534,6 +541,16 @@ class _SchedulerSide:
             self._growing.pop(rid, None)
         failed, self._failed = self._failed, []
         return KvferryStoreMetadata(self._native.build_connector_meta(steps, preempted), failed)
+
+    def reset(self) -> bool:
+        try:
+            removed = self._native.reset(self._reset_s)
+        except kvferry.Error as e:
+            logger.warning("kvferry store: reset failed (%s: %s)", type(e).__name__, e)
+            return False
+        logger.info("kvferry store: reset removed %d keys of this model", removed)
+        self.events.ready.append(AllBlocksCleared())
+        return True
 
     def request_finished(self, request: Any, block_ids: "list[list[int]]"):
         rid = request.request_id

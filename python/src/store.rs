@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use kvferry::machines::layout::{RankLayout, Region, Stage};
 use kvferry::machines::store::events::{KvEvent, Medium};
+use kvferry::machines::store::key::model_key_prefix;
 use kvferry::machines::store::lookup::LookupHit;
 use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::reactor::sync::lock;
@@ -28,8 +29,8 @@ use kvferry::store::lookup::{
 };
 use kvferry::store::scheduler::{Scheduled, StoreReq, StoreSchedError};
 use kvferry::store::{
-    AnyStore, ConnectorConfig, ConnectorLimits, StoreConnector, StoreMeta, StoreSaveMeta,
-    StoreScheduler, StoreSchedulerConfig,
+    AnyStore, ConnectorConfig, ConnectorLimits, StoreBackend, StoreConnector, StoreMeta,
+    StoreSaveMeta, StoreScheduler, StoreSchedulerConfig,
 };
 use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};
 use pyo3::prelude::*;
@@ -269,6 +270,11 @@ impl Lookups {
 pub(crate) struct StoreSched {
     sched: Mutex<StoreScheduler>,
     lookups: Lookups,
+    /// The store's URL and this model's key prefix, for `reset`.
+    store_url: String,
+    model_prefix: String,
+    /// A client of the store of its own, opened by the first `reset`.
+    store: Mutex<Option<AnyStore>>,
 }
 
 #[pymethods]
@@ -288,9 +294,13 @@ impl StoreSched {
             Duration::from_millis(s.down_backoff_ms),
             s.max_requests,
         )?;
+        let model_prefix = model_key_prefix(&s.model_name).map_err(|e| misuse(e.to_string()))?;
         Ok(StoreSched {
             sched: Mutex::new(sched),
             lookups,
+            store_url: s.store,
+            model_prefix,
+            store: Mutex::new(None),
         })
     }
 
@@ -410,6 +420,30 @@ impl StoreSched {
         lock(&self.sched)
             .request_finished(request_id, &blocks)
             .map_err(sched_err)
+    }
+
+    /// vLLM's `reset_cache`: removes this model's keys from the store
+    /// (every layout, dtype and shard; other models' stay), waiting at most
+    /// `timeout_s`. The count, or why not: a store that cannot list its
+    /// keys, one that is down, or `inproc` (a store of one process only).
+    fn reset(&self, py: Python<'_>, timeout_s: f64) -> PyResult<u64> {
+        if self.store_url == "inproc" {
+            return Err(misuse(
+                "an unnamed inproc store is not shared: nothing to reset",
+            ));
+        }
+        let deadline = Instant::now() + crate::seconds("timeout_s", timeout_s)?;
+        let (cell, url, prefix) = (&self.store, &self.store_url, &self.model_prefix);
+        py.detach(|| {
+            let mut store = lock(cell);
+            if store.is_none() {
+                *store = Some(AnyStore::open(url).map_err(|e| e.to_string())?);
+            }
+            let s = store.as_mut().ok_or("no store")?;
+            s.remove_prefix(prefix, deadline)
+                .map_err(|e| format!("{e:?}"))
+        })
+        .map_err(|e: String| TransportError::new_err(format!("store {url:?}: reset: {e}")))
     }
 
     /// Counters.

@@ -29,7 +29,7 @@ vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.distributed.kv_events import BlockStored  # noqa: E402
+from vllm.distributed.kv_events import AllBlocksCleared, BlockStored  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from engines import free_port  # noqa: E402
@@ -295,6 +295,40 @@ def test_a_load_the_scheduler_cannot_plan_fails_its_request_not_the_engine(model
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_reset_prefix_cache_forgets_this_models_keys_and_no_others(model_dir, store):
+    """vLLM's `reset_prefix_cache(reset_connector=True)` on A empties the
+    store of A's model: B (A's model) then misses, D (another model name
+    over the same store) still hits what C of its model saved."""
+    a = engine(model_dir, "a", store, writes=True)
+    c = engine(model_dir, "c", store, writes=True, model_name="other")
+    b = engine(model_dir, "b", store)
+    d = engine(model_dir, "d", store, model_name="other")
+    published = []
+    a.sched.kv_event_publisher = types.SimpleNamespace(
+        publish=lambda batch: published.extend(batch.events), shutdown=lambda: None)
+    try:
+        save_on(a, "r1", PROMPT)
+        save_on(c, "r1", PROMPT)
+        assert a.sched.reset_prefix_cache(reset_connector=True)
+        a.step()
+        assert any(isinstance(e, AllBlocksCleared) for e in published)
+        for e, want in ((b, 0), (d, 6 * BLOCK)):
+            e.sched.add_request(request("r2", PROMPT, None, 2))
+            run_until([e], lambda: "r2" in e.finished, "r2 finished")
+            assert stats(e, "store_promised_tokens") == want
+    finally:
+        for e in (a, b, c, d):
+            e.shutdown()
+
+
+def test_reset_of_an_unshared_store_says_it_did_not(model_dir):
+    a = engine(model_dir, "a", "inproc")
+    try:
+        assert not a.sched.connector.reset_cache()
+    finally:
+        a.shutdown()
 
 
 def test_a_store_that_is_down_is_a_miss_and_the_request_computes(model_dir):

@@ -545,6 +545,9 @@ impl Conn {
                 let mut space = server.space.borrow_mut();
                 Answer::Keys(keys.iter().map(|k| space.remove(k)).collect())
             }
+            Request::RemovePrefix { prefix } => {
+                Answer::Removed(server.space.borrow_mut().remove_prefix(&prefix))
+            }
             Request::Put { budget_ms, items } => {
                 self.moved(server, Op::Read, budget_ms, &items).await
             }

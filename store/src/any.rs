@@ -190,6 +190,10 @@ impl StoreBackend for AnyStore {
         self.inner().remove(keys, deadline)
     }
 
+    fn remove_prefix(&mut self, prefix: &str, deadline: Instant) -> Result<u64, CallError> {
+        self.inner().remove_prefix(prefix, deadline)
+    }
+
     fn take_removed(&mut self, max: usize) -> Vec<ChunkKey> {
         self.inner().take_removed(max)
     }

@@ -255,6 +255,14 @@ pub trait StoreBackend: Send + 'static {
     /// Removes the keys; a missing one is [`ItemError::NotFound`].
     fn remove(&mut self, keys: &[ChunkKey], deadline: Instant) -> Answers<()>;
 
+    /// Removes every key that starts with `prefix` (a model's keys:
+    /// vLLM's `reset_prefix_cache`); how many. A store that cannot list
+    /// its keys refuses ([`CallError::Refused`]).
+    fn remove_prefix(&mut self, prefix: &str, deadline: Instant) -> Result<u64, CallError> {
+        let _ = (prefix, deadline);
+        Err(CallError::Refused)
+    }
+
     /// Keys that left the store (evicted or removed) since the last call,
     /// at most `max` (the rest stay for the next call); for `BlockRemoved`
     /// events. A store that cannot tell answers none.

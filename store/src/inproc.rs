@@ -352,6 +352,10 @@ impl StoreBackend for InprocStore {
             .collect())
     }
 
+    fn remove_prefix(&mut self, prefix: &str, _deadline: Instant) -> Result<u64, CallError> {
+        Ok(self.lock().space.remove_prefix(prefix))
+    }
+
     fn take_removed(&mut self, max: usize) -> Vec<ChunkKey> {
         let (keys, _, next) = {
             let mut inner = lock(&self.shared.inner);

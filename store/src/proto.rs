@@ -123,6 +123,12 @@ pub enum Request {
         #[serde(deserialize_with = "bounded::keys")]
         keys: Vec<String>,
     },
+    /// Remove every key that starts with the prefix and nobody reads or
+    /// writes now (a model's keys).
+    RemovePrefix {
+        /// The prefix (at most a key's length).
+        prefix: String,
+    },
 }
 
 /// What happened to one key.
@@ -178,6 +184,8 @@ pub enum Answer {
     Keys(#[serde(deserialize_with = "bounded::answers")] Vec<KeyAnswer>),
     /// The request as a whole.
     Refused(Refusal),
+    /// To `RemovePrefix`: how many keys were removed.
+    Removed(u64),
 }
 
 /// A server's frame: the answer, and keys that left the store.
@@ -425,6 +433,11 @@ fn check_request(req: &Request) -> Result<(), ProtoError> {
             bound("endpoint bytes", endpoint.len(), ENDPOINT_BYTES_MAX)
         }
         Request::Exists { keys } | Request::Remove { keys } => check_keys(keys),
+        Request::RemovePrefix { prefix } => bound(
+            "prefix bytes",
+            prefix.len(),
+            kvferry_machines::store::key::KEY_BYTES_MAX,
+        ),
         Request::Put { items, .. } | Request::Get { items, .. } => check_items(items),
     }
 }
@@ -433,7 +446,7 @@ fn check_reply(reply: &Reply) -> Result<(), ProtoError> {
     match &reply.answer {
         Answer::Exists(v) => bound("answers", v.len(), KEYS_PER_CALL_MAX)?,
         Answer::Keys(v) => bound("answers", v.len(), KEYS_PER_CALL_MAX)?,
-        Answer::Hello { .. } | Answer::Refused(_) => {}
+        Answer::Hello { .. } | Answer::Refused(_) | Answer::Removed(_) => {}
     }
     bound("removed keys", reply.removed.len(), REMOVED_PER_REPLY_MAX)?;
     check_keys(&reply.removed)

@@ -389,6 +389,16 @@ impl StoreBackend for RemoteStore {
             .collect())
     }
 
+    fn remove_prefix(&mut self, prefix: &str, deadline: Instant) -> Result<u64, CallError> {
+        let request = Request::RemovePrefix {
+            prefix: prefix.to_owned(),
+        };
+        match self.call(request, Vec::new(), deadline)? {
+            Answer::Removed(n) => Ok(n),
+            _ => Err(CallError::Refused),
+        }
+    }
+
     fn take_removed(&mut self, max: usize) -> Vec<ChunkKey> {
         let n = max.min(self.removed.len());
         self.removed.drain(..n).collect()

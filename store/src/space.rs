@@ -322,6 +322,20 @@ impl Space {
         }
     }
 
+    /// Removes every committed value whose key starts with `prefix` and
+    /// that nobody reads; the count. Values being written or read stay.
+    pub fn remove_prefix(&mut self, prefix: &str) -> u64 {
+        let gone: Vec<Arc<str>> = (self.entries.iter())
+            .filter(|(k, e)| k.starts_with(prefix) && e.state == State::Committed && e.readers == 0)
+            .map(|(k, _)| Arc::clone(k))
+            .collect();
+        for k in &gone {
+            self.drop_entry(k);
+        }
+        self.stats.removals += gone.len() as u64;
+        gone.len() as u64
+    }
+
     /// The sequence number the next removed key gets: a connection's
     /// starting point in the log.
     pub fn removed_end(&self) -> u64 {

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::store_buffer::check_remove_prefix;
 use kvferry::machines::common::{AbortReason, BlockId, TransferId};
 use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::machines::store::events::{KvEvent, Medium};
@@ -575,4 +576,10 @@ fn calls_past_their_deadline_touch_no_memory_and_fail_their_requests() {
         "the backend was not called"
     );
     assert_eq!(after.exists_calls, before.exists_calls);
+}
+
+#[test]
+fn a_prefix_removes_its_keys_and_no_others() {
+    let kv = crate::store_buffer::Buffer::new(4, 64, 0);
+    check_remove_prefix(&mut InprocStore::new(InprocConfig::default()), &kv);
 }

@@ -11,7 +11,7 @@ use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RedisConfig, RedisStore, Scatter, Segment,
     StoreBackend,
 };
-use store_buffer::{far, key, Buffer};
+use store_buffer::{check_remove_prefix, far, key, Buffer};
 
 /// A `redis-server` of this test's own, killed when dropped.
 struct Redis {
@@ -114,6 +114,12 @@ fn a_second_put_of_a_key_is_exists_and_leaves_its_value() {
     assert!(kv.block(1).iter().all(|&b| b == 2), "block 1 untouched");
     let removed = store.remove(&[key("k"), key("k")], far()).unwrap();
     assert_eq!(removed, [Ok(()), Err(ItemError::NotFound)]);
+}
+
+#[test]
+fn a_prefix_removes_its_keys_and_no_others() {
+    let srv = Redis::start(&[]);
+    check_remove_prefix(&mut srv.store(), &Buffer::new(4, 64, 0));
 }
 
 #[test]

@@ -13,7 +13,7 @@ use kvferry::store::{
     Segment, StoreBackend,
 };
 use kvferry_store_server::{ServeConfig, StoreServer};
-use store_buffer::{far, key, Buffer};
+use store_buffer::{check_remove_prefix, far, key, Buffer};
 
 fn server(capacity_bytes: u64) -> StoreServer {
     StoreServer::start(ServeConfig {
@@ -368,4 +368,13 @@ fn removals_while_an_engine_was_disconnected_are_told_when_it_comes_back() {
     // a's next call reconnects from where it left off in the log.
     assert_eq!(a.exists(&[key("a1")], far()).unwrap(), [false]);
     assert_eq!(a.take_removed(16), [key("a1")]);
+}
+
+#[test]
+fn a_prefix_removes_its_keys_and_no_others() {
+    let srv = server(1 << 20);
+    let mut r = remote(&srv);
+    let kv = Buffer::new(4, 64, 0);
+    r.register(&kv.layout()).unwrap();
+    check_remove_prefix(&mut r, &kv);
 }

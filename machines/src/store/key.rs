@@ -301,6 +301,17 @@ fn escape(s: &str, out: &mut String) {
     }
 }
 
+/// What every key of the model `model_name` starts with, whatever its
+/// layout, dtype, shard or group: `kvf1:{escaped model}:`. A store cleared
+/// of the keys with this prefix forgets this model and no other.
+pub fn model_key_prefix(model_name: &str) -> Result<String, KeyError> {
+    check_name("model name", model_name)?;
+    let mut prefix = format!("kvf{KEY_FORMAT_VERSION}:");
+    escape(model_name, &mut prefix);
+    prefix.push(':');
+    Ok(prefix)
+}
+
 fn check_name(what: &'static str, s: &str) -> Result<(), KeyError> {
     if s.is_empty() || s.len() > NAME_BYTES_MAX {
         return Err(KeyError::BadName {

@@ -46,7 +46,7 @@ use kvferry_machines::store::ChunkKey;
 use super::backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, StoreBackend,
 };
-use conn::{error_code, Conn, Reply};
+use conn::{error_code, Conn, Reply, Tree};
 
 pub use cluster::{
     hash_slot, ClusterConfig, ClusterStats, RedisClusterStore, CONNS_MAX, REDIRECTS_MAX, SEEDS_MAX,
@@ -551,6 +551,89 @@ impl StoreBackend for RedisStore {
 
     fn remove(&mut self, keys: &[ChunkKey], deadline: Instant) -> Answers<()> {
         self.pipeline(&del_batch(keys), deadline)
+    }
+
+    fn remove_prefix(&mut self, prefix: &str, deadline: Instant) -> Result<u64, CallError> {
+        let r = self.scan_and_delete(prefix, deadline);
+        if r.is_err() {
+            self.conn = None;
+        }
+        r
+    }
+}
+
+/// `*` and the glob's other special bytes of `prefix` escaped for `MATCH`.
+fn glob_prefix(prefix: &str) -> String {
+    let mut out = String::with_capacity(prefix.len() + 1);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('*');
+    out
+}
+
+/// A command of bulk strings.
+fn pack_command(buf: &mut Vec<u8>, words: &[&str]) -> Result<(), CallError> {
+    write!(buf, "*{}\r\n", words.len()).map_err(|_| CallError::Refused)?;
+    for w in words {
+        write!(buf, "${}\r\n{w}\r\n", w.len()).map_err(|_| CallError::Refused)?;
+    }
+    Ok(())
+}
+
+impl RedisStore {
+    /// `SCAN … MATCH prefix*`, then `DEL` of each page's keys, until the
+    /// cursor comes back to 0 or the deadline passes.
+    fn scan_and_delete(&mut self, prefix: &str, deadline: Instant) -> Result<u64, CallError> {
+        let pattern = glob_prefix(prefix);
+        let (mut cursor, mut removed) = ("0".to_owned(), 0u64);
+        loop {
+            if Instant::now() >= deadline {
+                return Err(CallError::Timeout);
+            }
+            if self.conn.is_none() {
+                self.conn = Some(Conn::open(&self.cfg, deadline)?);
+                self.stats.connects += 1;
+            }
+            let conn = self.conn.as_mut().ok_or(CallError::Transport)?;
+            let mut packed = Vec::new();
+            pack_command(
+                &mut packed,
+                &["SCAN", &cursor, "MATCH", &pattern, "COUNT", "512"],
+            )?;
+            self.stats.round_trips += 1;
+            let Tree::Array(page) = conn.query_tree(&packed, deadline)? else {
+                return Err(CallError::Refused);
+            };
+            let (Some(Tree::Bulk(next)), Some(Tree::Array(keys))) = (page.first(), page.get(1))
+            else {
+                return Err(CallError::Refused);
+            };
+            let keys: Vec<String> = (keys.iter())
+                .filter_map(|k| match k {
+                    Tree::Bulk(b) => String::from_utf8(b.clone()).ok(),
+                    _ => None,
+                })
+                .collect();
+            if !keys.is_empty() {
+                let mut words = vec!["DEL"];
+                words.extend(keys.iter().map(String::as_str));
+                let mut packed = Vec::new();
+                pack_command(&mut packed, &words)?;
+                self.stats.round_trips += 1;
+                match conn.query_tree(&packed, deadline)? {
+                    Tree::Int(n) => removed += u64::try_from(n).unwrap_or(0),
+                    _ => return Err(CallError::Refused),
+                }
+            }
+            cursor = String::from_utf8(next.clone()).map_err(|_| CallError::Refused)?;
+            if cursor == "0" {
+                return Ok(removed);
+            }
+        }
     }
 }
 

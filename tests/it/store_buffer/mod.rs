@@ -84,3 +84,19 @@ pub(crate) fn key(s: &str) -> ChunkKey {
 pub(crate) fn far() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }
+
+/// `remove_prefix` of `store`: the keys under the prefix go, others stay,
+/// the glob bytes in the prefix matched as themselves (`mQx` would match
+/// `m*[x]` as a pattern). Values come from the first 4 blocks of `kv`.
+pub(crate) fn check_remove_prefix(store: &mut dyn kvferry::store::StoreBackend, kv: &Buffer) {
+    let names = ["kvf1:m*[x]:a", "kvf1:m*[x]:b", "kvf1:mQx:c", "kvf1:n:d"];
+    let items: Vec<PutItem> = (names.iter().zip(0..)).map(|(k, b)| kv.put(k, b)).collect();
+    assert!(store.put(&items, far()).unwrap().iter().all(Result::is_ok));
+    assert_eq!(store.remove_prefix("kvf1:m*[x]:", far()), Ok(2));
+    let keys: Vec<ChunkKey> = names.iter().map(|k| key(k)).collect();
+    assert_eq!(
+        store.exists(&keys, far()),
+        Ok(vec![false, false, true, true])
+    );
+    assert_eq!(store.remove_prefix("kvf1:m*[x]:", far()), Ok(0));
+}
