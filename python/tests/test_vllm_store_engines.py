@@ -27,6 +27,7 @@ import shutil
 import statistics
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,10 @@ BLOCK = 128
 REPO = Path(__file__).resolve().parents[2]
 LENGTHS = (100, 300, 700, 1500)
 PROMPTS = {f"len{n}": random_prompt(n, seed=500 + n) for n in LENGTHS}
-#: Prompts served while the store server is down, and after it is back.
-DOWN = {f"down{i}": random_prompt(400 + 50 * i, seed=600 + i) for i in range(3)}
-AFTER = random_prompt(600, seed=700)
+#: Prompts served while the store server is down, and after it is back
+#: (seeds apart from every other prompt's: a shared seed shares a prefix).
+DOWN = {f"down{i}": random_prompt(400 + 50 * i, seed=3000 + i) for i in range(3)}
+AFTER = random_prompt(600, seed=4000)
 
 
 def kvferry_bin() -> str:
@@ -82,17 +84,28 @@ class StoreServer:
 
     def __init__(self, port: int, log: Path) -> None:
         self.port, self.log = port, log
+        self.metrics_port = free_port()
         self.proc: "subprocess.Popen[bytes] | None" = None
 
     def start(self) -> "StoreServer":
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [kvferry_bin(), "store", "serve", "--listen", f"{HOST}:{self.port}",
-                 "--capacity-bytes", str(512 << 20)],
+                 "--capacity-bytes", str(512 << 20),
+                 "--metrics-listen", f"{HOST}:{self.metrics_port}"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         wait_port(self.port)
+        wait_port(self.metrics_port)
         return self
+
+    def stored(self) -> int:
+        """Values the server committed since it started."""
+        with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(("kvferry_store_commits_total ", "kvferry_store_commits ")):
+                    return int(float(line.rsplit(" ", 1)[1]))
+        return 0
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -119,6 +132,15 @@ class RedisServer:
         self.proc.kill()
         self.proc.wait()
 
+    def stored(self) -> int:
+        """Keys the server holds (`DBSIZE`)."""
+        import socket
+
+        with socket.create_connection((HOST, self.port), timeout=5) as c:
+            c.sendall(b"*1\r\n$6\r\nDBSIZE\r\n")
+            reply = c.recv(64)
+        return int(reply[1:].split(b"\r\n")[0])
+
     @property
     def url(self) -> str:
         return f"redis://{HOST}:{self.port}"
@@ -141,16 +163,6 @@ def store_engine(model: str, engine_id: str, store: str, cores: str) -> Engine:
     cfg = kv_config("kv_both", engine_id, {"store": store, "lookup_timeout_ms": 500},
                     connector="KvferryStoreConnector", kv_load_failure_policy="recompute")
     return Engine(model, cores=cores, args=("--kv-transfer-config", cfg))
-
-
-def counter(port: int, name: str) -> float:
-    """The engine's `vllm:kvferry_<name>` counter (0 before its first
-    report)."""
-    total = 0.0
-    for line in metrics(port).splitlines():
-        if line.startswith((f"vllm:kvferry_{name}_total{{", f"vllm:kvferry_{name}{{")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def eventually(what: str, check: Any, within_s: float = 60.0) -> Any:
@@ -193,12 +205,14 @@ def share(model: str, store: str) -> "tuple[Engine, Engine]":
     return a, b
 
 
-def save_all(a: Engine, prompts: "dict[str, list[int]]") -> "dict[str, list[int]]":
-    """A's outputs; returns once A's workers stored every whole block."""
-    before = counter(a.port, "store_saved_keys")
+def save_all(a: Engine, store: Any, prompts: "dict[str, list[int]]") -> "dict[str, list[int]]":
+    """A's outputs; returns once the store holds every whole block of them
+    (A's own metrics are shipped with its outputs: the last save's would
+    wait for a next request)."""
+    before = store.stored()
     out = {k: output_ids(completion(a.port, ids, MAX_TOKENS)) for k, ids in prompts.items()}
     want = before + sum(whole_blocks(len(ids)) for ids in prompts.values())
-    eventually("A's saves stored", lambda: counter(a.port, "store_saved_keys") >= want)
+    eventually("A's saves stored", lambda: store.stored() >= want)
     return out
 
 
@@ -217,9 +231,9 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
     server = StoreServer(free_port(), tmp_path / "store.log").start()
     a, b = share(model, server.url)
     try:
-        expected = save_all(a, PROMPTS)
+        expected = save_all(a, server, PROMPTS)
         assert_loaded(b, PROMPTS, expected)
-        assert_faster_than_recomputing(a, b)
+        assert_faster_than_recomputing(a, b, server)
 
         # The server dies: both engines compute, nothing fails.
         server.kill()
@@ -233,7 +247,7 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
 
         # Back on the same port: saves and hits again.
         server.start()
-        expected = save_all(a, {"after": AFTER})
+        expected = save_all(a, server, {"after": AFTER})
         assert_loaded(b, {"after": AFTER}, expected)
     finally:
         a.stop()
@@ -241,12 +255,12 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
         server.kill()
 
 
-def assert_faster_than_recomputing(a: Engine, b: Engine) -> None:
+def assert_faster_than_recomputing(a: Engine, b: Engine, store: Any) -> None:
     """B's time to first token for a stored 1500-token prompt against a
     fresh one it computes, alternating, medians of three."""
-    stored = [random_prompt(1500, seed=800 + i) for i in range(3)]
-    fresh = [random_prompt(1500, seed=900 + i) for i in range(3)]
-    save_all(a, {f"ttft{i}": ids for i, ids in enumerate(stored)})
+    stored = [random_prompt(1500, seed=5000 + i) for i in range(3)]
+    fresh = [random_prompt(1500, seed=6000 + i) for i in range(3)]
+    save_all(a, store, {f"ttft{i}": ids for i, ids in enumerate(stored)})
     hit, miss = [], []
     for s, f in zip(stored, fresh):
         hit.append(stream_completion(b.port, s, 1)[0])
@@ -260,7 +274,7 @@ def test_engines_share_prefixes_through_redis(model: str) -> None:
     redis = RedisServer(free_port())
     a, b = share(model, redis.url)
     try:
-        expected = save_all(a, PROMPTS)
+        expected = save_all(a, redis, PROMPTS)
         assert_loaded(b, PROMPTS, expected)
     finally:
         a.stop()
