@@ -16,8 +16,11 @@ __all__ = [
     "Scheduler",
     "LoadMeta",
     "BootstrapServer",
+    "StoreSched",
+    "StoreWorker",
     "REQUEST_ID_MAX_BYTES",
     "SETTING_KEYS",
+    "STORE_URLS",
     "_next_logs",
     "_wake_logs",
 ]
