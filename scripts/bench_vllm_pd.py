@@ -15,7 +15,6 @@ at concurrency 8. Every P/D output is checked against one engine's.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -34,7 +33,6 @@ from engines import (  # noqa: E402
     HOST,
     Engine,
     completion,
-    completion_body,
     decode_params,
     free_port,
     kv_config,
@@ -43,6 +41,7 @@ from engines import (  # noqa: E402
     output_ids,
     prefill_params,
     random_prompt,
+    stream_completion,
     transfer_id,
 )
 
@@ -86,36 +85,9 @@ class Pair:
         pre = completion(self.prefill.port, ids, 1, prefill_params(tid))
         params = decode_params(tid, self.engine_id, self.bootstrap, pre.get("kv_transfer_params"))
         t1 = time.perf_counter()
-        ttft, tokens = _stream(self.decode.port, completion_body(ids, OUT_TOKENS, params, stream=True))
+        ttft, tokens = stream_completion(self.decode.port, ids, OUT_TOKENS, params)
         t2 = time.perf_counter()
         return {"ttft": ttft, "e2e": t2 - t0, "prefill": t1 - t0, "tokens": tokens}
-
-
-def _stream(port: int, body: dict) -> "tuple[float, list[int]]":
-    """Streams a completion: seconds to the first token, and the tokens."""
-    conn = http.client.HTTPConnection(HOST, port, timeout=120)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-        ttft, tokens = None, []
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices", ()):
-                new = choice.get("token_ids") or []
-                if new and ttft is None:
-                    ttft = time.perf_counter() - t0
-                tokens.extend(new)
-        if ttft is None:
-            raise RuntimeError("no token streamed")
-        return ttft, tokens
-    finally:
-        conn.close()
 
 
 def pct(values: "list[float]", p: float) -> float:

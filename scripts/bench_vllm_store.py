@@ -42,13 +42,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python" / "tests"))
 
-from bench_vllm_pd import _stream, pct  # noqa: E402
+from bench_vllm_pd import pct  # noqa: E402
 from engines import (  # noqa: E402
     BASELINE_DIR,
     HOST,
     Engine,
     completion,
-    completion_body,
     free_port,
     kv_config,
     make_model,
@@ -56,6 +55,7 @@ from engines import (  # noqa: E402
     output_ids,
     prompt_tokens_by_source,
     random_prompt,
+    stream_completion,
 )
 
 OUT_TOKENS = 16
@@ -241,7 +241,7 @@ def run_round(model: str, config: str, prompts: "list[list[int]]", warm: "list[l
         out = []
         for ids, want in zip(prompts, ref):
             hit0 = external(s.b.port)
-            ttft, tokens = _stream(s.b.port, completion_body(ids, OUT_TOKENS, stream=True))
+            ttft, tokens = stream_completion(s.b.port, ids, OUT_TOKENS)
             out.append({
                 "len": len(ids),
                 "ttft": ttft,
