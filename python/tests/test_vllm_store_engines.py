@@ -165,6 +165,16 @@ def store_engine(model: str, engine_id: str, store: str, cores: str) -> Engine:
     return Engine(model, cores=cores, args=("--kv-transfer-config", cfg))
 
 
+def counter(port: int, name: str) -> float:
+    """The engine's `vllm:kvferry_<name>` counter, as its last output
+    shipped it."""
+    total = 0.0
+    for line in metrics(port).splitlines():
+        if line.startswith((f"vllm:kvferry_{name}_total{{", f"vllm:kvferry_{name}{{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def eventually(what: str, check: Any, within_s: float = 60.0) -> Any:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -235,14 +245,17 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
         assert_loaded(b, PROMPTS, expected)
         assert_faster_than_recomputing(a, b, server)
 
-        # The server dies: both engines compute, nothing fails.
+        # The server dies: both engines compute, nothing fails, B counts
+        # its misses.
         server.kill()
         ref = {k: output_ids(completion(a.port, ids, MAX_TOKENS)) for k, ids in DOWN.items()}
         before = prompt_tokens_by_source(metrics(b.port))
+        failures = counter(b.port, "store_lookup_failures")
         for k, ids in DOWN.items():
             assert output_ids(completion(b.port, ids, MAX_TOKENS)) == ref[k]
         after = prompt_tokens_by_source(metrics(b.port))
         assert after.get("external_kv_transfer", 0.0) == before.get("external_kv_transfer", 0.0)
+        assert counter(b.port, "store_lookup_failures") - failures == len(DOWN)
         assert a.alive() and b.alive()
 
         # Back on the same port: saves and hits again.
