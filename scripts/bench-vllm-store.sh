@@ -7,6 +7,11 @@
 # table and writes target/bench-vllm-store.json.
 #
 #   bash scripts/bench-vllm-store.sh [--rounds N] [--prompts N] [--lengths A,B,..] [--configs ..]
+#
+# --multi-turn adds a multi-turn load (conversations started on engine A and
+# continued on engine B, answers saved too); --no-ttft leaves out the TTFT
+# phase. --conversations, --concurrency, --turns, --first-tokens,
+# --user-tokens and --answer-tokens shape the load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1

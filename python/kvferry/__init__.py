@@ -36,6 +36,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from . import _native
 from ._native import (
     REQUEST_ID_MAX_BYTES,
+    STORE_URLS,
     BootstrapServer,
     BusyError,
     Error,
@@ -63,6 +64,7 @@ __all__ = [
     "TimeoutError",
     "BusyError",
     "REQUEST_ID_MAX_BYTES",
+    "STORE_URLS",
 ]
 
 _log_pump_pid: Optional[int] = None
