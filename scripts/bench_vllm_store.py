@@ -32,7 +32,7 @@ each conversation's turns in order, `--concurrency` conversations at once,
 streamed. So B has A's prefixes only through the store, and turns 3..T
 find turn k's blocks in B's own prefix cache. Measured on B: output tokens
 per second over its whole phase (first request sent -> last token), TTFT
-of every turn, and the share of its prompt tokens `prompt_tokens_by_source`
+of every turn (all turns together, and per turn), and the share of its prompt tokens `prompt_tokens_by_source`
 counts as `external_kv_transfer` (and as `local_cache_hit`). Every
 configuration's outputs of every turn are checked against recompute's.
 `--no-ttft` runs the multi-turn load alone.
@@ -361,6 +361,21 @@ def multi_turn_table(results: "dict[str, list]", not_run: "dict[str, str]") -> N
               f"| {local / prompt:.1%} | {equal} |")
     for name, why in not_run.items():
         print(f"| {name} | | {why} | | | | | |")
+    # Per turn: turn 2 is where B loads A's turn (or computes it), every
+    # conversation's turn 2 sent at once; later turns find the ones before
+    # in B's own prefix cache.
+    turns = sorted({q["turn"] for runs in results.values() for run in runs for q in run["requests"]})
+    print()
+    print("| configuration | " + " | ".join(f"turn {t} TTFT p50 / p90 ms" for t in turns) + " |")
+    print("|---|" + "---|" * len(turns))
+    for config, runs in results.items():
+        if not runs:
+            continue
+        cells = []
+        for t in turns:
+            x = [q["ttft"] for run in runs for q in run["requests"] if q["turn"] == t]
+            cells.append(f"{statistics.median(x) * 1000:.0f} / {pct(x, 90) * 1000:.0f}")
+        print(f"| {NAMES[config]} | " + " | ".join(cells) + " |")
     if ref is not None:
         same = all(run["outputs"] == ref for run in results["recompute"])
         print(f"recompute's outputs the same in every round: {'yes' if same else 'NO'}")
