@@ -75,6 +75,7 @@ from engines import (  # noqa: E402
     prompt_tokens_by_source,
     random_prompt,
     stream_completion,
+    wait_port,
 )
 
 OUT_TOKENS = 16
@@ -102,19 +103,6 @@ def kvferry_bin() -> str:
 
 def mooncake_master_bin() -> str:
     return os.environ.get("MOONCAKE_MASTER") or str(Path(sys.executable).parent / "mooncake_master")
-
-
-def wait_port(port: int, within_s: float = 30.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((HOST, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {HOST}:{port} after {within_s} s")
 
 
 class Server:

@@ -43,20 +43,16 @@ from vllm.distributed.kv_events import (
     KVConnectorKVEvents,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    SupportsHMA,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 import kvferry
 from kvferry import _native
 from kvferry.vllm import (
-    KvferryPromMetrics,
     KvferryStats,
-    KVConnectorTransferResults,
-    _check_version,
+    _KvferryConnectorBase,
     _windows,
     register_plan,
 )
@@ -289,67 +285,24 @@ def _parent(h: "Optional[bytes]") -> Any:
     return None if h is None else maybe_convert_block_hash(h)
 
 
-class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
+class KvferryStoreConnector(_KvferryConnectorBase):
     """See the module docs: the scheduler role looks prefixes up and plans
     loads and saves; the worker role (one per TP and PP rank) runs them."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
-        _check_version()
-        super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        self._kv_config = kv_cache_config
-        self._sched: Optional[_SchedulerSide] = None
-        self._worker: Optional[_WorkerSide] = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._sched = _SchedulerSide(vllm_config, extra, kv_cache_config)
-        else:
-            self._worker = _WorkerSide(vllm_config, extra, kv_cache_config)
+        super().__init__(vllm_config, role, kv_cache_config, _SchedulerSide, _WorkerSide, extra)
 
     @property
     def requires_kv_delivery(self) -> bool:
         # A cache: a preempted request's save may be dropped.
         return False
 
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
-        # Keys name the layout: every engine sharing a store uses one.
-        mc = vllm_config.model_config
-        if mc is not None and mc.use_mla:
-            return None
-        return "LBHNC"
-
-    @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        return False
-
     # -- scheduler side --------------------------------------------------
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        assert self._sched is not None
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
-        assert self._sched is not None
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
         return self._sched.build_connector_meta(scheduler_output)
-
-    def request_finished(self, request: Any, block_ids: "list[int]"):
-        assert self._sched is not None
-        return self._sched.request_finished(request, [block_ids])
-
-    def request_finished_all_groups(self, request: Any, block_ids: "tuple[list[int], ...]"):
-        assert self._sched is not None
-        return self._sched.request_finished(request, [list(g) for g in block_ids])
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        if self._sched is not None:
-            self._sched.update_connector_output(connector_output)
-
-    def get_loaded_kv_cache_group_ids(self, request: Any) -> "tuple[int, ...]":
-        return tuple(self._kv_config.transfer_group_ids)
 
     def take_events(self) -> Any:
         if self._sched is None:
@@ -363,10 +316,6 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched.reset()
 
     # -- worker side -----------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # vLLM hands a preempted request's blocks to others in this very
@@ -383,12 +332,6 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.failed.update(meta.failed)
         self._worker.native.start_loads(meta.data)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # loads land whole, between steps
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
-        pass  # saves start once the forward pass wrote every layer
-
     def wait_for_save(self) -> None:
         # Starts the step's saves without waiting: each holds its blocks
         # until the scheduler's delayed free is reported.
@@ -397,40 +340,10 @@ class KvferryStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KvferryStoreMetadata)
         self._worker.native.start_saves(meta.data)
 
-    def get_finished(self, finished_req_ids: "set[str]"):
-        results = self.get_transfer_results(finished_req_ids)
-        return (results.finished_sending or None), (results.finished_recving or None)
-
-    def get_transfer_results(self, finished_req_ids: "set[str]") -> Any:
-        assert self._worker is not None
-        sent, received, failed = self._worker.native.transfer_results()
-        failed = set(failed) | self._worker.failed
-        self._worker.failed = set()
-        return KVConnectorTransferResults(
-            finished_sending=set(sent), finished_recving=set(received) | failed, failed_recving=failed
-        )
-
-    def get_block_ids_with_load_errors(self) -> "set[int]":
-        return set()  # failed loads are reported per request
-
     def get_kv_connector_kv_cache_events(self) -> Optional[KvferryStoreKVEvents]:
         assert self._worker is not None
         records, shards = self._worker.native.take_events()
         return KvferryStoreKVEvents(records, shards) if records else None
-
-    def get_kv_connector_stats(self) -> Any:
-        side = self._worker or self._sched
-        assert side is not None
-        return side.stats()
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> Any:
-        return KvferryStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: "list[str]",
-                           per_engine_labelvalues: "dict[int, list[object]]") -> Any:
-        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -624,6 +537,14 @@ class _WorkerSide:
             first_region=plan.first_region,
         )
         self.memory.extend(kv_caches.values())
+
+    def transfer_results(self) -> "tuple[set[str], set[str], set[str]]":
+        """``(finished sending, loaded, failed loads)`` request ids since
+        the last call, the loads the scheduler could not plan among the
+        failed."""
+        sent, received, failed = self.native.transfer_results()
+        failed_all, self.failed = set(failed) | self.failed, set()
+        return set(sent), set(received), failed_all
 
     def stats(self) -> Optional[KvferryStats]:
         now = dict(self.native.stats())

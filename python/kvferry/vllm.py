@@ -204,31 +204,32 @@ class KvferryMetadata(KVConnectorMetadata):
         self.failed = failed
 
 
-class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
-    """The scheduler role drives :class:`kvferry.Scheduler`; the worker
-    role a :class:`kvferry.Node` per TP rank. Several KV-cache groups
-    (vLLM's hybrid allocator) move together: every group's blocks in every
-    layer's memory (groups alias the same bytes, a block belonging to one
-    group at a time), sliding-window groups only their window's blocks."""
+class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
+    """What kvferry's vLLM connectors share: a scheduler side (`_sched`) or
+    a worker side (`_worker`) per role, the hooks that only hand over to
+    them, the KV-cache layout, failures per request, and stats."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+    _sched: Any
+    _worker: Any
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
+                 sched_side: Any, worker_side: Any, extra: dict):
         _check_version()
         super().__init__(vllm_config, role, kv_cache_config)
-        kt = vllm_config.kv_transfer_config
-        extra = _settings(dict(kt.kv_connector_extra_config or {}))
         self._kv_config = kv_cache_config
-        self._sched: Optional[_SchedulerSide] = None
-        self._worker: Optional[_WorkerSide] = None
+        self._sched = None
+        self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = _SchedulerSide(vllm_config, extra, kv_cache_config)
+            self._sched = sched_side(vllm_config, extra, kv_cache_config)
         else:
-            self._worker = _WorkerSide(vllm_config, extra, kv_cache_config)
+            self._worker = worker_side(vllm_config, extra, kv_cache_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
         # Heads outermost in a block, layers outermost in the buffer: a TP
         # rank's heads are one contiguous run and a layer's blocks one
-        # region, so heterogeneous TP moves runs, not scattered rows.
+        # region, so heterogeneous TP moves runs, not scattered rows; and
+        # store keys name the layout, so engines sharing a store use one.
         mc = vllm_config.model_config
         if mc is not None and mc.use_mla:
             return None
@@ -249,10 +250,6 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._sched is not None
-        return self._sched.build_connector_meta()
-
     def request_finished(self, request: Any, block_ids: "list[int]"):
         assert self._sched is not None
         return self._sched.request_finished(request, [block_ids])
@@ -266,7 +263,7 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.update_connector_output(connector_output)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> "tuple[int, ...]":
-        # A P/D load restores every group the transfer moves, not only the
+        # A load restores every group kvferry moves, not only the
         # prefix-cacheable ones (the base class's default).
         return tuple(self._kv_config.transfer_group_ids)
 
@@ -276,21 +273,12 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvferryMetadata)
-        self._worker.start_load_kv(meta)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         # The KV of a request lands whole, between steps (async loads).
         pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
-        # Prefill sends the finished blocks; nothing is saved per layer.
-        pass
-
-    def wait_for_save(self) -> None:
+        # Nothing moves per layer: whole blocks move once a step wrote them.
         pass
 
     def get_finished(self, finished_req_ids: "set[str]"):
@@ -329,6 +317,31 @@ class KvferryConnector(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: "dict[int, list[object]]",
     ) -> KVConnectorPromMetrics:
         return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class KvferryConnector(_KvferryConnectorBase):
+    """The scheduler role drives :class:`kvferry.Scheduler`; the worker
+    role a :class:`kvferry.Node` per TP rank. Several KV-cache groups
+    (vLLM's hybrid allocator) move together: every group's blocks in every
+    layer's memory (groups alias the same bytes, a block belonging to one
+    group at a time), sliding-window groups only their window's blocks."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        extra = _settings(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+        super().__init__(vllm_config, role, kv_cache_config, _SchedulerSide, _WorkerSide, extra)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvferryMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_save(self) -> None:
+        pass  # prefill sends the finished blocks as its loads ask
 
     def shutdown(self) -> None:
         if self._worker is not None:

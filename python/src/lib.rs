@@ -175,6 +175,17 @@ fn layout_kind(name: &str) -> PyResult<LayoutKind> {
     }
 }
 
+/// Regions `(base, block_len, kv_block_len)` as Python hands them.
+fn regions_of(regions: Vec<(u64, u64, u64)>) -> Vec<Region> {
+    (regions.into_iter())
+        .map(|(base, block_len, kv_block_len)| Region {
+            base,
+            block_len,
+            kv_block_len,
+        })
+        .collect()
+}
+
 /// `(kind, items, [(base, item_len)])`: a pool of per-request items beside
 /// the KV (SGLang's aux and state buffers).
 type PoolSpec = (String, u64, Vec<(u64, u64)>);
@@ -277,14 +288,7 @@ impl Node {
                 head_bytes,
             },
             num_blocks,
-            regions: regions
-                .into_iter()
-                .map(|(base, block_len, kv_block_len)| Region {
-                    base,
-                    block_len,
-                    kv_block_len,
-                })
-                .collect(),
+            regions: regions_of(regions),
             first_region,
             pools,
         };

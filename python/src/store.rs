@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvferry::machines::layout::{RankLayout, Region, Stage};
+use kvferry::machines::layout::{RankLayout, Stage};
 use kvferry::machines::store::events::{KvEvent, Medium};
 use kvferry::machines::store::key::model_key_prefix;
 use kvferry::machines::store::lookup::LookupHit;
@@ -37,7 +37,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use serde::Deserialize;
 
-use crate::{layout_kind, misuse, same_process, BusyError, Error, TransportError};
+use crate::{layout_kind, misuse, regions_of, same_process, BusyError, Error, TransportError};
 
 /// A group as the settings name it.
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -735,13 +735,7 @@ impl StoreWorker {
             tp_size: s.tp_size,
             tp_rank: s.tp_rank,
             num_blocks,
-            regions: (regions.into_iter())
-                .map(|(base, block_len, kv_block_len)| Region {
-                    base,
-                    block_len,
-                    kv_block_len,
-                })
-                .collect(),
+            regions: regions_of(regions),
             stage: Stage {
                 pp_size: s.pp_size,
                 pp_rank: s.pp_rank,

