@@ -9,9 +9,9 @@ use std::collections::VecDeque;
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
-use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
-use kvferry_machines::send::{self, SendMachine};
+use kvferry_machines::internal::common::{BlockId, Config, Mode, Msg, PeerId};
+use kvferry_machines::internal::recv::{self, RecvMachine, ResolvedPeer};
+use kvferry_machines::internal::send::{self, SendMachine};
 use kvferry_machines::{Machine, Phase, TransferId};
 use kvferry_testkit::bench::{self, Throughput};
 

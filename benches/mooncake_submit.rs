@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry::transport::mooncake::{MooncakeConfig, MooncakeTransport};
 use kvferry::transport::{Desc, Op, RegionInfo, Session, Transport};
+use kvferry::transport::{MooncakeConfig, MooncakeTransport};
 use mooncake_sys::ffi::{TransferRequest, OPCODE_WRITE};
 use mooncake_sys::{Engine, EngineConfig, TaskState, TeLib};
 

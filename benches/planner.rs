@@ -15,8 +15,8 @@
 
 use std::hint::black_box;
 
-use kvferry::machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
-use kvferry::machines::planner::{plan, PairLayout, Plan};
+use kvferry::machines::internal::planner::{plan, PairLayout, Plan};
+use kvferry::machines::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
 use kvferry_testkit::bench;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -55,7 +55,7 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
                 kv_block_len: kv,
             })
             .collect(),
-        stage: kvferry::machines::layout::Stage::SINGLE,
+        stage: kvferry::machines::Stage::SINGLE,
         pools: Vec::new(),
     }
 }

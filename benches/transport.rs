@@ -5,9 +5,9 @@
 use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutor, LocalExecutorBuilder, Placement};
-use kvferry::transport::local::LocalTransport;
-use kvferry::transport::tcp::{TcpConfig, TcpTransport};
+use kvferry::transport::LocalTransport;
 use kvferry::transport::{Desc, Op, Session, Transport};
+use kvferry::transport::{TcpConfig, TcpTransport};
 use kvferry_testkit::bench::{self, Throughput};
 
 const BLOCK: u64 = 4096;

@@ -3,12 +3,12 @@
 //! from these, so it starts past the magic/version checks and the postcard
 //! enum tags instead of having to discover them byte by byte.
 
-use kvferry::transport::wire as tw;
-use kvferry_machines::common::{BlockId, Mode, Msg, TransferId};
-use kvferry_machines::layout::{
+use kvferry::transport::internal::wire as tw;
+use kvferry_machines::internal::common::{BlockId, Mode, Msg, TransferId};
+use kvferry_machines::{
     LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region,
 };
-use kvferry_machines::wire::{self, Frame, Hello, Limits, Refuse, RefuseReason, VERSION};
+use kvferry_machines::internal::wire::{self, Frame, Hello, Limits, Refuse, RefuseReason, VERSION};
 use std::fs;
 use std::path::Path;
 
@@ -59,7 +59,7 @@ fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {
                 kv_block_len: kv,
             },
         ],
-        stage: kvferry_machines::layout::Stage::SINGLE,
+        stage: kvferry_machines::Stage::SINGLE,
         pools: Vec::new(),
     }
 }
@@ -284,12 +284,12 @@ fn spec_seeds() {
     }
 }
 
-/// Store lookup requests and replies (`kvferry::store::lookup::wire`).
+/// Store lookup requests and replies (`kvferry::store::internal::lookup::wire`).
 fn lookup_seeds() {
-    use kvferry::store::lookup::wire::{encode_query, encode_reply, ServerFault};
+    use kvferry::store::internal::lookup::wire::{encode_query, encode_reply, ServerFault};
     use kvferry::store::LookupQuery;
-    use kvferry_machines::store::lookup::LookupHit;
-    use kvferry_machines::store::BlockHash;
+    use kvferry_machines::internal::store::lookup::LookupHit;
+    use kvferry_machines::internal::store::BlockHash;
 
     let target = "lookup_msg_decode";
     reset(target);
@@ -339,7 +339,7 @@ fn main() {
 
 /// One frame of each request and answer kind of the store server.
 fn store_proto_seeds() {
-    use kvferry::store::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, Span};
+    use kvferry::store::internal::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, Span};
     reset("store_proto_decode");
     let item = |key: &str| Item {
         key: key.into(),

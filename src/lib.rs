@@ -62,13 +62,13 @@ pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
 pub use kvferry_store as store;
 pub use kvferry_transport as transport;
-pub use kvferry_transport::resolve;
+pub use kvferry_transport::internal::resolve;
 
-pub use kvferry_machines::common::{
+pub use kvferry_machines::internal::common::{
     AbortReason, BlockId, BlockLists, FailReason, Mode, TransferId, REQUEST_ID_MAX_BYTES,
 };
-pub use kvferry_machines::layout::{LayoutKind, ModelSpec, Region};
 pub use kvferry_machines::Phase;
+pub use kvferry_machines::{LayoutKind, ModelSpec, Region};
 pub use node::{
     DataPlaneError, Event, EventKind, EventSink, IdCollision, KvLayout, LoadMeta, Misuse, Node,
     NodeConfig, NodeError, NodeStats, PrefillTarget, Receiver, Role, Sender, TransportKind,

@@ -4,9 +4,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use kvferry::machines::common::{BlockId, Config, Mode};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::{BlockId, Config, Mode};
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{LoadMeta, LoadRequest, SendRequest, TransportKind};
 use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};

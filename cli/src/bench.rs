@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use glommio::{LocalExecutorBuilder, Placement};
 
 use clap::{Args, Subcommand, ValueEnum};
-use kvferry::transport::local::LocalTransport;
-use kvferry::transport::mooncake::{Cadence, MooncakeConfig, MooncakeTransport};
-use kvferry::transport::tcp::{TcpConfig, TcpTransport};
+use kvferry::transport::LocalTransport;
+use kvferry::transport::{Cadence, MooncakeConfig, MooncakeTransport};
 use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
+use kvferry::transport::{TcpConfig, TcpTransport};
 
 use crate::baseline::{self, BaselineArg, BaselineRun};
 use crate::cli::{usage_error, UsageError};

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::common::BlockId;
+use kvferry::machines::internal::common::BlockId;
 use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, Role};
 use kvferry::TransferId;
 use kvferry_testkit::demo_timeouts;

@@ -10,10 +10,10 @@ use std::fmt::Display;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use kvferry::machines::common::Mode;
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::Mode;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
-use kvferry::transport::mooncake::MooncakeConfig;
+use kvferry::transport::MooncakeConfig;
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::ClusterSpec;
 

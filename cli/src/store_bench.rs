@@ -8,9 +8,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::machines::store::lookup::Lookup;
-use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
+use kvferry::machines::internal::store::lookup::Lookup;
+use kvferry::machines::internal::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
+use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};
 
 use crate::cli::usage_error;

@@ -31,7 +31,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
     /// TCP streams per engine for the data plane (1..=64).
-    #[arg(long, value_name = "N", default_value_t = kvferry::store::proto::STORE_STREAMS)]
+    #[arg(long, value_name = "N", default_value_t = kvferry::store::internal::proto::STORE_STREAMS)]
     streams: usize,
     /// Pin the server's executor to this core.
     #[arg(long, value_name = "CORE")]

@@ -7,8 +7,8 @@
 //! the last block lists, one per pool) must stay inside requested items of
 //! one buffer of that pool.
 
-use kvferry_machines::layout::{BatchLimits, RankLayout};
-use kvferry_machines::planner::Plan;
+use kvferry_machines::internal::planner::Plan;
+use kvferry_machines::{BatchLimits, RankLayout};
 
 /// Panics unless `[addr, addr + len)` lies inside one region of `rank` and
 /// every block it touches is below `num_blocks`, is in `blocks` (any group),

@@ -1,4 +1,4 @@
-//! `kvferry_machines::wire::decode_notify` (the side-channel frames a peer
+//! `kvferry_machines::internal::wire::decode_notify` (the side-channel frames a peer
 //! packs behind a data-plane write) on arbitrary bytes: never panics, what
 //! it accepts is within the limits and re-packs to the same bytes, and
 //! every frame it unpacks keeps the properties of `wire_decode` (see

@@ -2,7 +2,7 @@
 //! the test that replays its seeds and corpus (`tests/it/fuzz_seeds.rs`).
 //! Every property failure panics.
 
-use kvferry_machines::planner::Plan;
+use kvferry_machines::internal::planner::Plan;
 
 #[path = "check.rs"]
 mod check;

@@ -1,4 +1,4 @@
-//! `kvferry_machines::planner::plan` on structured input built with
+//! `kvferry_machines::internal::planner::plan` on structured input built with
 //! `arbitrary`: small numbers so that most inputs pass validation and reach
 //! the address arithmetic, plus raw `u64`s now and then for the overflow
 //! paths. Checks every plan with `check.rs` (descriptors stay inside the
@@ -7,7 +7,7 @@
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};
-use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
+use kvferry_machines::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
 use libfuzzer_sys::fuzz_target;
 
 #[path = "check.rs"]
@@ -68,7 +68,7 @@ fn rank(
         tp_rank,
         num_blocks,
         regions: out,
-        stage: kvferry_machines::layout::Stage::SINGLE,
+        stage: kvferry_machines::Stage::SINGLE,
         pools: Vec::new(),
     })
 }
@@ -156,7 +156,7 @@ fuzz_target!(|input: Input| {
         decode_blocks,
         limits,
     } = input;
-    let Ok(plan) = kvferry_machines::planner::plan(
+    let Ok(plan) = kvferry_machines::internal::planner::plan(
         &model,
         &prefill,
         &decode,

@@ -1,4 +1,4 @@
-//! The `tcp` transport's frame parsing (`kvferry::transport::wire`) on
+//! The `tcp` transport's frame parsing (`kvferry::transport::internal::wire`) on
 //! arbitrary bytes: the header, the descriptor table and the status byte
 //! mapping, with the properties of `tcp_header_oracle::check_header`.
 

@@ -2,7 +2,7 @@
 //! shared with the test that replays its seeds and corpus
 //! (`tests/it/fuzz_seeds.rs`). Every property failure panics.
 
-use kvferry::transport::wire::{
+use kvferry::transport::internal::wire::{
     decode_entry, encode_entry, Header, RejectReason, ENTRY_LEN, HEADER_LEN, MAX_FRAME_DESCS,
 };
 

@@ -1,4 +1,4 @@
-//! `kvferry_machines::wire::decode` on arbitrary bytes: never panics, and
+//! `kvferry_machines::internal::wire::decode` on arbitrary bytes: never panics, and
 //! the properties of `wire_oracle::check_frame` hold (round trip,
 //! `check_limits` agreement under default and tight limits, tighter limits
 //! never accept more).

@@ -1,9 +1,9 @@
 //! The properties the wire fuzz targets check on every input
-//! (`kvferry_machines::wire`), shared with the tests that replay the seeds
+//! (`kvferry_machines::internal::wire`), shared with the tests that replay the seeds
 //! and corpora (`machines/tests/it/fuzz_seeds.rs`), so a replay checks exactly
 //! what the fuzzer does. Every property failure panics.
 
-use kvferry_machines::wire::{self, Frame, Limits, WireError, MAX_NOTIFY_FRAMES};
+use kvferry_machines::internal::wire::{self, Frame, Limits, WireError, MAX_NOTIFY_FRAMES};
 
 /// Small enough that short fuzz inputs hit every bound.
 pub(super) const TIGHT: Limits = Limits {

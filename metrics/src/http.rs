@@ -30,7 +30,7 @@ pub enum ServerError {
         addr: String,
         /// Why.
         #[source]
-        source: kvferry_transport::resolve::ResolveError,
+        source: kvferry_transport::internal::resolve::ResolveError,
     },
     /// Binding the listening socket failed (port in use, permissions...).
     #[error("cannot listen on {addr}: {reason}")]
@@ -115,7 +115,7 @@ fn serve(server: &tiny_http::Server, stopping: &AtomicBool, source: &MetricsSour
 pub fn bind(addr: &str) -> Result<(tiny_http::Server, SocketAddr), ServerError> {
     // The caller's thread waits (bounded) for a name: a node binds its
     // servers in `Node::start`, the CLI before it serves.
-    let resolved = kvferry_transport::resolve::Resolver::default()
+    let resolved = kvferry_transport::internal::resolve::Resolver::default()
         .resolve_str(addr)
         .map_err(|source| ServerError::BadAddress {
             addr: addr.to_string(),

@@ -18,16 +18,16 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvferry::machines::layout::{RankLayout, Stage};
-use kvferry::machines::store::events::{KvEvent, Medium};
-use kvferry::machines::store::key::model_key_prefix;
-use kvferry::machines::store::lookup::LookupHit;
-use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry::reactor::sync::lock;
-use kvferry::store::lookup::{
+use kvferry::machines::internal::store::events::{KvEvent, Medium};
+use kvferry::machines::internal::store::key::model_key_prefix;
+use kvferry::machines::internal::store::lookup::LookupHit;
+use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::{RankLayout, Stage};
+use kvferry::reactor::lock;
+use kvferry::store::internal::lookup::{
     LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup,
 };
-use kvferry::store::scheduler::{Scheduled, StoreReq, StoreSchedError};
+use kvferry::store::internal::scheduler::{Scheduled, StoreReq, StoreSchedError};
 use kvferry::store::{
     AnyStore, ConnectorConfig, ConnectorLimits, StoreBackend, StoreConnector, StoreMeta,
     StoreSaveMeta, StoreScheduler, StoreSchedulerConfig,

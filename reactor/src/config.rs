@@ -32,7 +32,7 @@ impl ExecutorConfig {
 
 /// How something idle waits, the latency/CPU trade-off: an executor with
 /// nothing to do ([`ReactorConfig::poll_policy`]), or a data-plane endpoint
-/// waiting for a socket (`kvferry::transport::tcp::TcpConfig::poll`).
+/// waiting for a socket (`kvferry::transport::TcpConfig::poll`).
 ///
 /// Parking costs a thread wake-up per round trip (80-110 µs on small VMs);
 /// spinning costs a core but answers in ~20 µs.

@@ -113,7 +113,7 @@ pub fn release_held() {
 }
 
 /// Rings `doorbell` now, or when this thread's enclosing [`batch`] ends.
-pub fn ring_or_hold(doorbell: &Arc<Doorbell>) {
+pub(crate) fn ring_or_hold(doorbell: &Arc<Doorbell>) {
     let held = HELD.with(|h| match h.borrow_mut().as_mut() {
         Some(list) => {
             if !list.iter().any(|d| Arc::ptr_eq(d, doorbell)) {

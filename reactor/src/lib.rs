@@ -76,21 +76,21 @@
 //!
 //! Everything shared between threads outside the channels (the
 //! [`CompletionBoard`], the [`Stats`] counters and the [`ShutdownLatch`]) is
-//! written against [`sync`], which switches to `loom` under
+//! written against [`internal::sync`], which switches to `loom` under
 //! `--cfg kvferry_loom`; `reactor/tests/loom.rs` model-checks each of them.
 //!
 //! Every request runs inside a `tracing` span `transfer{transfer_id, executor}`;
 //! phase changes are logged at debug level.
 
-pub mod board;
-pub mod config;
-pub mod doorbell;
-pub mod driver;
-pub mod executor;
-pub mod latch;
-pub mod mailbox;
-pub mod stats;
-pub mod sync;
+mod board;
+mod config;
+mod doorbell;
+mod driver;
+mod executor;
+mod latch;
+mod mailbox;
+mod stats;
+mod sync;
 
 pub use board::{BoardError, CompletionBoard};
 pub use config::{ExecutorConfig, PollPolicy, ReactorConfig, ShutdownPolicy};
@@ -107,3 +107,13 @@ pub use mailbox::{
     Command, EventPoster, ExecutorContext, PostError, Refused, SpawnFn, SubmitError,
 };
 pub use stats::{Stats, StatsSnapshot};
+pub use sync::lock;
+
+/// Parts for this workspace's own tests, not an embedder's API.
+pub mod internal {
+    /// The std/loom switch: `--cfg kvferry_loom` swaps every lock, atomic
+    /// and thread here for loom's, so the model checks run the real code.
+    pub mod sync {
+        pub use crate::sync::*;
+    }
+}

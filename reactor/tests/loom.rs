@@ -7,7 +7,9 @@
 #![cfg(kvferry_loom)]
 
 use kvferry_machines::{Phase, TransferId};
-use kvferry_reactor::sync::{lock, thread, Arc, AtomicBool, AtomicUsize, Mutex, Ordering};
+use kvferry_reactor::internal::sync::{
+    lock, thread, Arc, AtomicBool, AtomicUsize, Mutex, Ordering,
+};
 use kvferry_reactor::{BoardError, CompletionBoard, Doorbell, ShutdownLatch, Stats};
 
 /// Two submitters race a closer. Once `close` returns, no submission is

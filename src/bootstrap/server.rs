@@ -6,7 +6,7 @@
 //! are all it needs, and it must not bring a second async runtime next to
 //! glommio.
 
-use kvferry_reactor::sync::lock;
+use kvferry_reactor::lock;
 use std::io::Read;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use kvferry_machines::common::{Config as Timeouts, Mode, Phase, TransferId};
-use kvferry_machines::layout::{BatchLimits, ModelSpec, Pool, Region};
-use kvferry_machines::wire;
+use kvferry_machines::internal::common::{Config as Timeouts, Mode, Phase, TransferId};
+use kvferry_machines::internal::wire;
+use kvferry_machines::{BatchLimits, ModelSpec, Pool, Region};
 use kvferry_reactor::ReactorConfig;
 
 /// Which side of disaggregated serving this node is.
@@ -183,7 +183,7 @@ pub struct NodeConfig {
     pub tcp_poll: crate::transport::PollPolicy,
     /// The Mooncake engine's settings, used with [`TransportKind::Mooncake`].
     /// Its `linger` must be shorter than `timeouts.transfer_bound`.
-    pub mooncake: crate::transport::mooncake::MooncakeConfig,
+    pub mooncake: crate::transport::MooncakeConfig,
     /// Send the messages on a request's critical path (push: decode's
     /// `Pull` and lease ticket, prefill's `Status`; pull: decode's `Pull`
     /// and `Done`, prefill's `Ready`)
@@ -327,7 +327,7 @@ impl NodeConfig {
             max_bootstrap_targets: 256,
             max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
-            mooncake: crate::transport::mooncake::MooncakeConfig::default(),
+            mooncake: crate::transport::MooncakeConfig::default(),
             data_plane_messages: true,
             drop_control_ppm: 0,
             events: None,

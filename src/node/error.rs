@@ -2,8 +2,8 @@
 //! ([`Misuse`]), back-pressure, the data plane, the side channel, the
 //! bootstrap service, time. Failures of a request are phases, not errors.
 
-use kvferry_machines::common::{InputError, RequestIdError, TransferId};
-use kvferry_machines::planner::PlanError;
+use kvferry_machines::internal::common::{InputError, RequestIdError, TransferId};
+use kvferry_machines::internal::planner::PlanError;
 use kvferry_machines::Phase;
 use kvferry_reactor::{ReactorError, SubmitError};
 
@@ -208,9 +208,9 @@ pub enum PeerUnfit {
     #[error("peer runs {theirs:?} mode, we run {ours:?}")]
     Mode {
         /// The peer's mode.
-        theirs: kvferry_machines::common::Mode,
+        theirs: kvferry_machines::internal::common::Mode,
         /// Ours.
-        ours: kvferry_machines::common::Mode,
+        ours: kvferry_machines::internal::common::Mode,
     },
     /// The peer's model facts differ from ours.
     #[error("peer's model spec differs from ours")]

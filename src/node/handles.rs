@@ -1,11 +1,11 @@
 //! Per-request handles: a [`Sender`] on a prefill node, a [`Receiver`] on
 //! a decode node.
 
-use kvferry_reactor::sync::lock;
+use kvferry_reactor::lock;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{AbortReason, BlockLists, FailReason, Phase, TransferId};
+use kvferry_machines::internal::common::{AbortReason, BlockLists, FailReason, Phase, TransferId};
 
 use super::{Node, NodeError, PrefillTarget};
 

@@ -11,7 +11,7 @@
 pub use kvferry_metrics::http::MetricsServer;
 pub use kvferry_metrics::{Latency, LATENCY_BUCKETS_S};
 
-use kvferry_reactor::sync::lock;
+use kvferry_reactor::lock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! §13, "The store server").
 //!
 //! One glommio executor serves everything: the control connections
-//! ([`kvferry_store::proto`], the protocol client and server share), and a tcp data-plane endpoint through which the
+//! ([`kvferry_store::internal::proto`], the protocol client and server share), and a tcp data-plane endpoint through which the
 //! server itself moves the bytes: for a put it reads the engine's blocks
 //! into its arena ([`Op::Read`]), for a get it writes the arena into the
 //! engine's blocks ([`Op::Write`]). Each descriptor is checked by the
@@ -24,13 +24,13 @@ use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
 
 use kvferry_metrics::http::MetricsServer;
-use kvferry_store::proto::{
+use kvferry_store::internal::proto::{
     self, Answer, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX,
 };
-pub use kvferry_store::space::{Space, SpaceStats, REMOVED_LOG_MAX};
-use kvferry_transport::registry::check_remote;
-use kvferry_transport::tcp::{TcpConfig, TcpSession, TcpTransport};
+pub use kvferry_store::internal::space::{Space, SpaceStats, REMOVED_LOG_MAX};
+use kvferry_transport::internal::registry::check_remote;
 use kvferry_transport::{Desc, EndpointAddr, Op, Session, Transport, TransportError};
+use kvferry_transport::{TcpConfig, TcpSession, TcpTransport};
 
 /// How a store server runs.
 #[derive(Clone, Debug)]
@@ -63,7 +63,7 @@ impl Default for ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             capacity_bytes: 1 << 30,
             metrics_listen: None,
-            tcp: kvferry_store::proto::data_plane(),
+            tcp: kvferry_store::internal::proto::data_plane(),
             max_values: 1 << 22,
             max_connections: 256,
             budget_max: Duration::from_secs(60),

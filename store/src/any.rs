@@ -11,9 +11,9 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-use kvferry_machines::layout::RankLayout;
-use kvferry_machines::store::ChunkKey;
-use kvferry_reactor::sync::lock;
+use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::RankLayout;
+use kvferry_reactor::lock;
 
 use crate::backend::{Answers, CallError, GetItem, PutItem, PutOutcome, StoreBackend};
 use crate::inproc::{InprocConfig, InprocStore};

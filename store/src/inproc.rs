@@ -29,8 +29,8 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvferry_machines::store::ChunkKey;
-use kvferry_reactor::sync::lock;
+use kvferry_machines::internal::store::ChunkKey;
+use kvferry_reactor::lock;
 
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
 use super::proto::KeyAnswer;
@@ -375,15 +375,15 @@ impl StoreBackend for InprocStore {
 mod tests {
     use super::*;
     use crate::backend::{Scatter, Segment};
-    use kvferry_machines::store::BlockHash;
+    use kvferry_machines::internal::store::BlockHash;
     use std::time::Duration;
 
     fn key(i: u64) -> ChunkKey {
         // Any keyspace will do: the store treats keys as opaque.
-        let spec = kvferry_machines::store::KeyspaceSpec {
+        let spec = kvferry_machines::internal::store::KeyspaceSpec {
             model_name: "m".into(),
-            model: kvferry_machines::layout::ModelSpec {
-                layout: kvferry_machines::layout::LayoutKind::Hnd,
+            model: kvferry_machines::ModelSpec {
+                layout: kvferry_machines::LayoutKind::Hnd,
                 total_kv_heads: 1,
                 block_tokens: 1,
                 head_bytes: 1,
@@ -391,12 +391,12 @@ mod tests {
             dtype: "bf16".into(),
             tp_size: 1,
             pp_size: 1,
-            groups: vec![kvferry_machines::store::GroupSpec {
+            groups: vec![kvferry_machines::internal::store::GroupSpec {
                 block_tokens: 1,
                 window_tokens: None,
             }],
         };
-        let ks = kvferry_machines::store::Keyspace::new(&spec).unwrap();
+        let ks = kvferry_machines::internal::store::Keyspace::new(&spec).unwrap();
         let scope = ks.scope(None, &[]).unwrap();
         ks.key(&ks.shards()[0], &scope, 0, &BlockHash::from_u64(i))
             .unwrap()

@@ -1,38 +1,38 @@
 //! Store offload, the IO half (docs/design.md, "Store"): the
 //! [`StoreBackend`] trait, the in-process store, and the vLLM-shaped
 //! [`StoreConnector`] that drives the pure save and load machines of
-//! [`kvferry_machines::store`] against a backend.
+//! [`kvferry_machines::internal::store`] against a backend.
 //!
-//! * [`backend`]: the trait every store implements, scatter lists and
+//! * [`StoreBackend`]: the trait every store implements, scatter lists and
 //!   typed per-key and per-call errors.
-//! * [`worker`]: the thread each backend runs on, so neither the engine's
-//!   thread nor a glommio executor waits on a store.
-//! * [`memory`]: the registered engine memory; every scatter list is
-//!   checked against it.
-//! * [`space`]: the RAM of a store, IO-free: extents of one arena, LRU
-//!   eviction, the removed log; the store server's and the in-process
-//!   store's.
-//! * [`inproc`]: a bounded RAM store in the engine's process, a
-//!   [`space::Space`] over an arena of its own.
+//! * [`internal::worker`]: the thread each backend runs on, so neither the
+//!   engine's thread nor a glommio executor waits on a store.
+//! * [`RegisteredMemory`]: the registered engine memory; every scatter list
+//!   is checked against it.
+//! * [`internal::space`]: the RAM of a store, IO-free: extents of one
+//!   arena, LRU eviction, the removed log; the store server's and the
+//!   in-process store's.
+//! * [`InprocStore`]: a bounded RAM store in the engine's process, a
+//!   `Space` over an arena of its own.
 //! * [`StoreConnector`]: `register_kv_caches`, `lookup`, `start_save`,
 //!   `start_load_kv`, `wait_for_save`, `get_finished`,
 //!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
 
-pub mod any;
-pub mod backend;
+mod any;
+mod backend;
 mod config;
 mod connector;
-pub mod inproc;
-pub mod lookup;
-pub mod memory;
-pub mod mooncake;
-pub mod proto;
-pub mod publish;
-pub mod redis;
-pub mod remote;
-pub mod scheduler;
-pub mod space;
-pub mod worker;
+mod inproc;
+mod lookup;
+mod memory;
+mod mooncake;
+mod proto;
+mod publish;
+mod redis;
+mod remote;
+mod scheduler;
+mod space;
+mod worker;
 
 pub use self::redis::{
     ClusterConfig, ClusterStats, RedisClusterStore, RedisConfig, RedisError, RedisStats, RedisStore,
@@ -55,6 +55,44 @@ pub use publish::{
 };
 pub use remote::{RemoteConfig, RemoteError, RemoteStore};
 pub use scheduler::{StoreMeta, StoreScheduler, StoreSchedulerConfig};
+
+/// The parts below the API: the store server's protocol and RAM, the
+/// lookup wire, backend threads and limits, for `kvferry-store-server`,
+/// the CLI and the tests.
+pub mod internal {
+    /// The in-process store's named registry and stats.
+    pub mod inproc {
+        pub use crate::inproc::*;
+    }
+    /// The lookup query, its wire and server.
+    pub mod lookup {
+        pub use crate::lookup::*;
+    }
+    /// The store server's protocol, shared by `RemoteStore` and the server.
+    pub mod proto {
+        pub use crate::proto::*;
+    }
+    /// The KV event publisher's wire constants.
+    pub mod publish {
+        pub use crate::publish::*;
+    }
+    /// The Redis value layout.
+    pub mod redis {
+        pub use crate::redis::*;
+    }
+    /// The pure scheduler side's parts.
+    pub mod scheduler {
+        pub use crate::scheduler::*;
+    }
+    /// The RAM of a store: extents, LRU eviction, the removed log.
+    pub mod space {
+        pub use crate::space::*;
+    }
+    /// The thread each backend runs on.
+    pub mod worker {
+        pub use crate::worker::*;
+    }
+}
 
 use std::time::{Duration, Instant};
 

@@ -2,8 +2,8 @@
 //! [`Scatter`]: every segment checked against the registered regions
 //! before any backend reads or writes it.
 
-use kvferry_machines::common::BlockId;
-use kvferry_machines::layout::RankLayout;
+use kvferry_machines::internal::common::BlockId;
+use kvferry_machines::RankLayout;
 
 use super::backend::{Scatter, Segment};
 
@@ -100,7 +100,7 @@ impl RegisteredMemory {
 
     /// Bytes of one block's value: its KV bytes in every region.
     pub fn value_bytes(&self) -> u64 {
-        kvferry_machines::store::value_bytes(&self.layout)
+        kvferry_machines::internal::store::value_bytes(&self.layout)
     }
 
     /// Checks that `block` is a registered block.
@@ -136,7 +136,7 @@ impl RegisteredMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvferry_machines::layout::{Region, Stage};
+    use kvferry_machines::{Region, Stage};
 
     fn layout(regions: Vec<Region>, num_blocks: u64) -> RankLayout {
         RankLayout {

@@ -36,30 +36,30 @@ use std::time::{Duration, Instant};
 use futures_lite::AsyncWriteExt;
 use glommio::net::TcpStream;
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry_machines::layout::RankLayout;
-use kvferry_machines::store::ChunkKey;
+use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::RankLayout;
 
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
 use super::proto::{self, Answer, Item, KeyAnswer, Reply, Request, Span};
-use kvferry_transport::fence::BlockFence;
-use kvferry_transport::tcp::{TcpConfig, TcpTransport};
+use kvferry_transport::BlockFence;
 use kvferry_transport::{RegionId, Transport, TransportError};
+use kvferry_transport::{TcpConfig, TcpTransport};
 
 /// Most removed keys held for `take_removed`; more are dropped and counted.
-pub const REMOVED_HELD_MAX: usize = 1 << 16;
+pub(crate) const REMOVED_HELD_MAX: usize = 1 << 16;
 
 /// Bound on connecting to the server, by default.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The least time before a call's deadline at which its fence closes.
-pub const FENCE_MARGIN_MIN: Duration = Duration::from_millis(5);
+pub(crate) const FENCE_MARGIN_MIN: Duration = Duration::from_millis(5);
 
 /// How long before its deadline a call gives up and closes its fence: a
 /// twentieth of the time it has, at least [`FENCE_MARGIN_MIN`], at most
 /// half. The connector hands the blocks back at the deadline; the
 /// executor may be inside one frame's receive when the timer is due, so
 /// the close must come early enough for that frame to end first.
-pub fn fence_margin(left: Duration) -> Duration {
+pub(crate) fn fence_margin(left: Duration) -> Duration {
     (left / 20).max(FENCE_MARGIN_MIN).min(left / 2)
 }
 

@@ -10,7 +10,7 @@ pub mod synth;
 
 use std::time::Duration;
 
-use kvferry_machines::common::Config;
+use kvferry_machines::internal::common::Config;
 
 /// Timeouts for demo-style runs: everything ends within `timeout_ms` plus
 /// the fence.

@@ -12,8 +12,8 @@
 //! For MLA the latent cache is the same on every rank and has no heads:
 //! `head` is 0 and `byte` runs over the latent of one token.
 
-use kvferry_machines::common::TransferId;
-use kvferry_machines::layout::{LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout};
+use kvferry_machines::internal::common::TransferId;
+use kvferry_machines::{LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout};
 
 /// Where one rank's KV lives and how it is shaped, as the pattern needs it.
 #[derive(Clone, Debug)]
@@ -276,7 +276,7 @@ pub unsafe fn clear_blocks(layout: &SynthLayout, blocks: &[u32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvferry_machines::layout::Region;
+    use kvferry_machines::Region;
 
     fn layout(kind: LayoutKind, tp: u32, rank: u32, buf: &mut [u8], blocks: u64) -> SynthLayout {
         let model = ModelSpec {
@@ -301,7 +301,7 @@ mod tests {
                     block_len: kv,
                     kv_block_len: kv,
                 }],
-                stage: kvferry_machines::layout::Stage::SINGLE,
+                stage: kvferry_machines::Stage::SINGLE,
                 pools: Vec::new(),
             },
         }
@@ -409,7 +409,7 @@ impl SynthKv {
             LayoutKind::Mla => 1,
             LayoutKind::Hnd | LayoutKind::Nhd => 2,
         };
-        let stage = kvferry_machines::layout::Stage {
+        let stage = kvferry_machines::Stage {
             pp_size,
             pp_rank,
             first_region: first_layer * per_layer,
@@ -434,7 +434,7 @@ impl SynthKv {
             let n = b.len();
             let p = Box::into_raw(b) as *mut u8;
             bufs.push((p, n));
-            regions.push(kvferry_machines::layout::Region {
+            regions.push(kvferry_machines::Region {
                 base: p as u64,
                 block_len: kv_block_len,
                 kv_block_len,
@@ -691,13 +691,13 @@ pub struct ClusterSpec {
     /// Decode PP size: 1 or `prefill_pp`.
     pub decode_pp: u32,
     /// Push or pull.
-    pub mode: kvferry_machines::common::Mode,
+    pub mode: kvferry_machines::internal::common::Mode,
     /// Data plane.
     pub transport: kvferry::node::TransportKind,
     /// The Mooncake engine's settings ([`kvferry::node::NodeConfig::mooncake`]).
-    pub mooncake: kvferry::transport::mooncake::MooncakeConfig,
+    pub mooncake: kvferry::transport::MooncakeConfig,
     /// Timeouts of every node.
-    pub timeouts: kvferry_machines::common::Config,
+    pub timeouts: kvferry_machines::internal::common::Config,
     /// Serve an embedded bootstrap service from prefill rank 0 on this
     /// address and let decode find the prefill ranks through it; `None`:
     /// decode gets the side-channel addresses directly.
@@ -775,7 +775,7 @@ impl Rank {
         (src, dst): (&[u32], &[u32]),
         timeout: std::time::Duration,
     ) -> kvferry_machines::Phase {
-        use kvferry_machines::common::BlockId;
+        use kvferry_machines::internal::common::BlockId;
         self.kv.fill(tid, src, 0);
         d.kv.clear(dst);
         let rx = d.node.receiver(tid, target).unwrap();
@@ -1000,7 +1000,7 @@ impl Cluster {
         dst_blocks: &[Vec<u32>],
         prefix: &[u32],
     ) -> Result<(), kvferry::node::NodeError> {
-        use kvferry_machines::common::BlockId;
+        use kvferry_machines::internal::common::BlockId;
         let ids = |lists: &[Vec<u32>]| -> Vec<Vec<BlockId>> {
             lists
                 .iter()

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use kvferry::machines::common::{BlockId, Config};
-use kvferry::machines::layout::{LayoutKind, ModelSpec, Region};
+use kvferry::machines::internal::common::{BlockId, Config};
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec, Region};
 use kvferry::node::{KvLayout, Node, NodeConfig, NodeStats, PrefillTarget, Role};
 use kvferry::TransferId;
 

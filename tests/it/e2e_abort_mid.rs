@@ -38,9 +38,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{BlockId, Config, Mode};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::{BlockId, Config, Mode};
 use kvferry::machines::{AbortReason, FailReason, Phase};
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
 use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec, SynthKv};

@@ -8,10 +8,10 @@
 
 use std::time::Duration;
 
-use kvferry::machines::common::Mode;
-use kvferry::machines::layout::{LayoutKind, ModelSpec, PoolKind};
-use kvferry::machines::planner::PlanError;
+use kvferry::machines::internal::common::Mode;
+use kvferry::machines::internal::planner::PlanError;
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec, PoolKind};
 use kvferry::node::{NodeConfig, PrefillTarget, Role, TransportKind};
 use kvferry::{BlockId, FailReason, Misuse, NodeError, TransferId};
 use kvferry_testkit::e2e_timeouts;

@@ -5,9 +5,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use kvferry::machines::common::{Config, Mode};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::{Config, Mode};
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{Misuse, NodeConfig, PrefillTarget, Receiver, Role, Sender, TransportKind};
 use kvferry::reactor::SubmitError;
 use kvferry::{BlockId, FailReason, NodeError, TransferId};

@@ -3,9 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{BlockId, Config, Mode};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::{BlockId, Config, Mode};
 use kvferry::machines::{FailReason, Phase};
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
 use kvferry::TransferId;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
@@ -173,7 +173,7 @@ fn dead_prefill_fails_requests_fast() {
 
 #[test]
 fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
-    use kvferry::machines::wire::{self, Frame};
+    use kvferry::machines::internal::wire::{self, Frame};
     let c = Cluster::start(&spec(Mode::Push)).unwrap();
     let p = &c.prefill[0];
     let ctx = zmq::Context::new();
@@ -200,7 +200,7 @@ fn junk_frames_at_a_live_prefill_are_rejected_and_it_keeps_serving() {
             // A well-formed frame from a peer that never said hello.
             _ => wire::encode(&Frame::Transfer {
                 transfer_id: kvferry::machines::TransferId(rng.u64(..)),
-                msg: kvferry::machines::common::Msg::LeaseRequest { seq: 1 },
+                msg: kvferry::machines::internal::common::Msg::LeaseRequest { seq: 1 },
             }),
         };
         // Multi-part frames are junk too.
@@ -267,7 +267,7 @@ fn recv_within(s: &zmq::Socket) -> Vec<Vec<u8>> {
 
 #[test]
 fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
-    use kvferry::machines::wire::{self, Frame, Refuse, RefuseReason};
+    use kvferry::machines::internal::wire::{self, Frame, Refuse, RefuseReason};
     let c = Cluster::start(&spec(Mode::Push)).unwrap();
     let p = &c.prefill[0];
     // A decode rank of a newer build: the hello of our model, under the next
@@ -277,12 +277,12 @@ fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
         engine_id: "future".into(),
         mode: Mode::Push,
         model: spec(Mode::Push).model,
-        layout: kvferry::machines::layout::RankLayout {
+        layout: kvferry::machines::RankLayout {
             tp_size: 1,
             tp_rank: 0,
             num_blocks: 32,
             regions: d.kv.kv_layout().regions,
-            stage: kvferry::machines::layout::Stage::SINGLE,
+            stage: kvferry::machines::Stage::SINGLE,
             pools: Vec::new(),
         },
         endpoint: "tcp://127.0.0.1:1".into(),
@@ -319,7 +319,7 @@ fn a_prefill_refuses_a_hello_of_a_future_version_and_keeps_serving() {
 
 #[test]
 fn a_decode_rank_refused_by_a_future_prefill_fails_its_request_at_once() {
-    use kvferry::machines::wire::{self, Frame, Refuse, RefuseReason};
+    use kvferry::machines::internal::wire::{self, Frame, Refuse, RefuseReason};
     use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
     use kvferry_testkit::synth::SynthKv;
     // A prefill rank of a newer build, played by a bare ROUTER.
@@ -501,9 +501,9 @@ fn pull_for_a_transfer_prefill_already_ended_fails_decode_at_once() {
 /// until `want` picks one; `(identity, picked)`.
 fn recv_until<T>(
     router: &zmq::Socket,
-    mut want: impl FnMut(kvferry::machines::wire::Frame) -> Option<T>,
+    mut want: impl FnMut(kvferry::machines::internal::wire::Frame) -> Option<T>,
 ) -> (Vec<u8>, T) {
-    use kvferry::machines::wire;
+    use kvferry::machines::internal::wire;
     loop {
         let parts = recv_within(router);
         let frame = wire::decode(&parts[1], &wire::Limits::default()).unwrap();
@@ -519,9 +519,9 @@ fn recv_until<T>(
 /// mark, and the recovery is counted.
 #[test]
 fn a_failed_data_plane_connection_marks_the_peer_dead_until_it_answers() {
-    use kvferry::machines::common::Msg;
-    use kvferry::machines::layout::{RankLayout, Region};
-    use kvferry::machines::wire::{self, Frame};
+    use kvferry::machines::internal::common::Msg;
+    use kvferry::machines::internal::wire::{self, Frame};
+    use kvferry::machines::{RankLayout, Region};
     use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
     use kvferry_testkit::synth::SynthKv;
     // A prefill rank played by a bare ROUTER whose hello names a
@@ -557,7 +557,7 @@ fn a_failed_data_plane_connection_marks_the_peer_dead_until_it_answers() {
             tp_rank: 0,
             num_blocks: 8,
             regions,
-            stage: kvferry::machines::layout::Stage::SINGLE,
+            stage: kvferry::machines::Stage::SINGLE,
             pools: Vec::new(),
         },
         endpoint,

@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use kvferry::machines::common::{Config, Mode};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::{Config, Mode};
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
 use kvferry::{NodeStats, TransferId};
 use kvferry_testkit::synth::{Cluster, ClusterSpec, Rank};

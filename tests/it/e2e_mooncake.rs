@@ -9,11 +9,11 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{Config, FailReason, Mode};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::{Config, FailReason, Mode};
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
-use kvferry::transport::mooncake::{Cadence, MooncakeConfig};
+use kvferry::transport::{Cadence, MooncakeConfig};
 use kvferry::TransferId;
 use kvferry_testkit::e2e_timeouts;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};

@@ -3,9 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::Mode;
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::Mode;
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
 use kvferry::TransferId;
 use kvferry_testkit::e2e_timeouts;
@@ -256,7 +256,7 @@ fn bootstrap_service_resolves_prefill_ranks() {
 fn chunked_sends_arrive_in_order() {
     for mode in [Mode::Push, Mode::Pull] {
         let c = Cluster::start(&spec(LayoutKind::Nhd, 1, 1, mode, TransportKind::Tcp)).unwrap();
-        use kvferry::machines::common::BlockId;
+        use kvferry::machines::internal::common::BlockId;
         let tid = 11;
         let src: Vec<u32> = (0..6).collect();
         let dst: Vec<u32> = (20..26).collect();

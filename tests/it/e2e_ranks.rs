@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{BlockId, NodeConfig, Phase, PrefillTarget, Role, TransferId};
 use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::{Rank, SynthKv};

@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use kvferry::machines::common::Mode;
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::Mode;
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
 use kvferry::{AbortReason, BlockId, FailReason, IdCollision, NodeError, TransferId};
 use kvferry_testkit::e2e_timeouts;

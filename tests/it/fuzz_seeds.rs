@@ -60,10 +60,10 @@ fn tcp_header_seeds_decode() {
         // A request's descriptor table is all there (the oracle pads a
         // short one with zeros, which would leave its entries untested).
         if h.status == 0 {
-            let table = h.count as usize * kvferry::transport::wire::ENTRY_LEN;
+            let table = h.count as usize * kvferry::transport::internal::wire::ENTRY_LEN;
             assert_eq!(
                 bytes.len(),
-                kvferry::transport::wire::HEADER_LEN + table,
+                kvferry::transport::internal::wire::HEADER_LEN + table,
                 "{}",
                 path.display()
             );

@@ -12,7 +12,7 @@ use std::time::Duration;
 use kvferry::bootstrap::{
     BootstrapClient, BootstrapServer, ClientError, RegisterRequest, RetryPolicy,
 };
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{
     AbortReason, BlockId, DataPlaneError, FailReason, Node, NodeConfig, NodeError, Phase,
     PrefillTarget, Role, TransferId,

@@ -6,10 +6,10 @@
 use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::BootstrapClient;
-use kvferry::machines::common::{BlockId, Config, Mode, Msg};
-use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout};
-use kvferry::machines::wire::{self, Frame};
+use kvferry::machines::internal::common::{BlockId, Config, Mode, Msg};
+use kvferry::machines::internal::wire::{self, Frame};
 use kvferry::machines::{FailReason, Phase, TransferId};
+use kvferry::machines::{LayoutKind, ModelSpec, RankLayout};
 use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
 use kvferry_testkit::synth::SynthKv;
 
@@ -86,7 +86,7 @@ fn hello(kv: &SynthKv) -> Frame {
             tp_rank: 0,
             num_blocks: 16,
             regions: kv.kv_layout().regions,
-            stage: kvferry::machines::layout::Stage::SINGLE,
+            stage: kvferry::machines::Stage::SINGLE,
             pools: Vec::new(),
         },
         endpoint: "tcp://127.0.0.1:1".into(),

@@ -5,9 +5,9 @@
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{AbortReason, BlockId, Config};
-use kvferry::machines::layout::{LayoutKind, ModelSpec, Region};
+use kvferry::machines::internal::common::{AbortReason, BlockId, Config};
 use kvferry::machines::{FailReason, Phase};
+use kvferry::machines::{LayoutKind, ModelSpec, Region};
 use kvferry::node::{KvLayout, Misuse, Node, NodeConfig, NodeError, PrefillTarget, Role};
 use kvferry::TransferId;
 

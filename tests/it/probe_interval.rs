@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{
     BlockId, Misuse, Node, NodeConfig, NodeError, NodeSettings, Phase, PrefillTarget, Role,
     TransferId,

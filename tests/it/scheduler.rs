@@ -6,8 +6,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{BlockId, Config, Mode};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::{BlockId, Config, Mode};
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{LoadMeta, PrefillTarget, TransportKind};
 use kvferry::scheduler::{
     Blame, FinishDecision, FinishStatus, KvRole, KvTransferParams, SchedError, SchedRequest,

@@ -1,4 +1,4 @@
-//! The store tier's KV events over ZeroMQ (`kvferry::store::publish`): a
+//! The store tier's KV events over ZeroMQ (`kvferry::store::internal::publish`): a
 //! real subscriber on 127.0.0.1 gets vLLM's three frames with consecutive
 //! sequence numbers, the replay socket answers from its bounded buffer,
 //! and vLLM's own definitions decode the payloads field for field
@@ -7,9 +7,9 @@
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 
-use kvferry::machines::store::events::{BlockStored, KvEvent, Medium};
-use kvferry::machines::store::BlockHash;
-use kvferry::store::publish::REPLAY_END_SEQ;
+use kvferry::machines::internal::store::events::{BlockStored, KvEvent, Medium};
+use kvferry::machines::internal::store::BlockHash;
+use kvferry::store::internal::publish::REPLAY_END_SEQ;
 use kvferry::store::{HashEncoding, KvEventBatch, KvEventPublisher, PublisherConfig};
 
 /// Publish attempts before a subscriber that never joined fails the test.

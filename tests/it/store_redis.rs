@@ -353,7 +353,7 @@ mod through_the_connector {
         let block_2 = (keys.iter())
             .find(|k| {
                 let v: Vec<u8> = redis::cmd("GET").arg(*k).query(&mut raw).unwrap();
-                v.get(kvferry::store::redis::HEADER_BYTES) == Some(&3)
+                v.get(kvferry::store::internal::redis::HEADER_BYTES) == Some(&3)
             })
             .unwrap();
         let mut v: Vec<u8> = redis::cmd("GET").arg(block_2).query(&mut raw).unwrap();

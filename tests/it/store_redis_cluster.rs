@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::store_buffer;
 
-use kvferry::store::redis::{hash_slot, HEADER_BYTES, REDIRECTS_MAX};
+use kvferry::store::internal::redis::{hash_slot, HEADER_BYTES, REDIRECTS_MAX};
 use kvferry::store::{
     ClusterConfig, ItemError, PutOutcome, RedisClusterStore, StoreBackend, StoreConnector,
 };

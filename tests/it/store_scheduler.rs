@@ -6,11 +6,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::BlockId;
-use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::machines::store::events::Medium;
-use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry::store::scheduler::{Scheduled, StoreReq};
+use kvferry::machines::internal::common::BlockId;
+use kvferry::machines::internal::store::events::Medium;
+use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry::store::internal::scheduler::{Scheduled, StoreReq};
 use kvferry::store::{
     ConnectorConfig, ConnectorLimits, InprocConfig, InprocStore, LookupClient, LookupServer,
     StoreConnector, StoreMeta, StoreScheduler, StoreSchedulerConfig,

@@ -30,14 +30,14 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{AbortReason, BlockId, TransferId};
-use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::machines::store::events::{KvEvent, Medium};
-use kvferry::machines::store::load::{LoadEnd, LoadReport};
-use kvferry::machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
-use kvferry::machines::store::{
+use kvferry::machines::internal::common::{AbortReason, BlockId, TransferId};
+use kvferry::machines::internal::store::events::{KvEvent, Medium};
+use kvferry::machines::internal::store::load::{LoadEnd, LoadReport};
+use kvferry::machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport};
+use kvferry::machines::internal::store::{
     BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, PressureStats, StoreConfig,
 };
+use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
     ItemError, PutItem, PutOutcome, Scatter, StoreBackend, StoreConnector, StoreLoadMeta,

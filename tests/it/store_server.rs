@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::store_buffer;
 
-use kvferry::store::proto::{self, Answer, Refusal, Request};
+use kvferry::store::internal::proto::{self, Answer, Refusal, Request};
 use kvferry::store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RemoteConfig, RemoteStore, Scatter,
     Segment, StoreBackend,
@@ -223,10 +223,10 @@ mod through_the_connector {
     //! in one round trip.
 
     use super::*;
-    use kvferry::machines::common::{BlockId, TransferId};
-    use kvferry::machines::layout::{LayoutKind, ModelSpec};
-    use kvferry::machines::store::events::Medium;
-    use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+    use kvferry::machines::internal::common::{BlockId, TransferId};
+    use kvferry::machines::internal::store::events::Medium;
+    use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+    use kvferry::machines::{LayoutKind, ModelSpec};
     use kvferry::store::{
         ConnectorConfig, ConnectorLimits, StoreConnector, StoreRequest, StoreSaveMeta,
     };

@@ -2,7 +2,7 @@
 //! in-process endpoints, with the same validation as `tcp`.
 
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry::transport::local::LocalTransport;
+use kvferry::transport::LocalTransport;
 use kvferry::transport::{
     AnyTransport, Desc, EndpointAddr, MisuseError, Op, RangeFault, Session, Transport,
     TransportError,

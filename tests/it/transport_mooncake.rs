@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry::transport::mooncake::{MooncakeConfig, MooncakeTransport};
 use kvferry::transport::{
     Desc, MisuseError, Op, RangeFault, RegionInfo, Session, Transport, TransportError,
 };
+use kvferry::transport::{MooncakeConfig, MooncakeTransport};
 use mooncake_sys::fake;
 
 /// Counts allocations, per thread.

@@ -11,12 +11,12 @@ use std::os::fd::AsRawFd;
 use futures::io::{AsyncReadExt, AsyncWriteExt};
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry::transport::tcp::{TcpConfig, TcpSession, TcpTransport};
-use kvferry::transport::wire::{self, Header, RejectReason};
+use kvferry::transport::internal::wire::{self, Header, RejectReason};
 use kvferry::transport::{
     Desc, EndpointAddr, MisuseError, Op, PeerError, PollPolicy, RangeFault, Session, Transport,
     TransportError,
 };
+use kvferry::transport::{TcpConfig, TcpSession, TcpTransport};
 
 fn block_on<T>(f: impl Future<Output = T>) -> T {
     LocalExecutorBuilder::new(Placement::Unbound)
@@ -1275,7 +1275,7 @@ fn notifications_reach_the_handler_or_come_back_undeliverable() {
 /// (frames on different streams land in no order the target can see).
 #[test]
 fn a_trailer_is_delivered_only_behind_writes_that_landed() {
-    use kvferry::transport::fence::BlockFence;
+    use kvferry::transport::BlockFence;
     use std::cell::RefCell;
     use std::rc::Rc;
     block_on(async {

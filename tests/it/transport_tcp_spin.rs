@@ -12,8 +12,8 @@
 use std::time::Duration;
 
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry::transport::tcp::{TcpConfig, TcpSession, TcpThreadStats, TcpTransport};
 use kvferry::transport::{Desc, Op, PollPolicy, Session, Transport};
+use kvferry::transport::{TcpConfig, TcpSession, TcpThreadStats, TcpTransport};
 
 const BLOCK: usize = 4096;
 const BATCHES: usize = 300;

@@ -19,7 +19,7 @@
 //! ```no_run
 //! # use kvferry_transport::*;
 //! # async fn demo(peer: EndpointAddr) -> Result<(), TransportError> {
-//! let ep = tcp::TcpTransport::bind("127.0.0.1:0".parse().unwrap(), tcp::TcpConfig::default())?;
+//! let ep = TcpTransport::bind("127.0.0.1:0".parse().unwrap(), TcpConfig::default())?;
 //! let mut buf = vec![0u8; 1 << 20];
 //! // SAFETY: `buf` outlives the registration; it is unregistered below.
 //! let region = unsafe { ep.register(buf.as_mut_ptr(), buf.len())? };
@@ -31,16 +31,16 @@
 //! # Ok(()) }
 //! ```
 
-pub mod any;
+mod any;
 mod fdio;
-pub mod fence;
-pub mod local;
-pub mod mooncake;
-pub mod registry;
-pub mod resolve;
-pub mod tcp;
+mod fence;
+mod local;
+mod mooncake;
+mod registry;
+mod resolve;
+mod tcp;
 mod turns;
-pub mod wire;
+mod wire;
 
 use std::fmt;
 use std::future::Future;
@@ -48,9 +48,30 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use crate::resolve::{ResolveError, Resolver};
 pub use any::{AnySession, AnyTransport};
-pub use registry::{RangeFault, RegionId, RegionInfo};
+pub use fence::{BlockFence, FenceKey, FencePool};
+pub use local::{LocalSession, LocalTransport};
+pub use mooncake::{Cadence, MooncakeConfig, MooncakeSession, MooncakeTransport};
+pub use registry::{Pins, RangeFault, RegionId, RegionInfo, Registry, DEFAULT_MAX_REGIONS};
+pub use resolve::{advertised, HostPort, ResolveError, Resolver};
+pub use tcp::{NotifyHandler, TcpConfig, TcpSession, TcpThreadStats, TcpTransport};
+
+/// The wire format and the resolver's knobs, for the node, the CLI's
+/// benchmarks and the tests; not an embedder's API.
+pub mod internal {
+    /// Name resolution: limits and the lookup hook tests replace.
+    pub mod resolve {
+        pub use crate::resolve::*;
+    }
+    /// The bounds check a peer's advertised regions go through.
+    pub mod registry {
+        pub use crate::registry::*;
+    }
+    /// The tcp transport's frames.
+    pub mod wire {
+        pub use crate::wire::*;
+    }
+}
 
 /// Direction of a batch, seen from the initiator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

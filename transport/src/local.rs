@@ -5,7 +5,7 @@
 //! endpoint id (one entry per live endpoint, removed on drop). Registries are
 //! thread-safe, so a session may connect endpoints on different executors.
 
-use kvferry_reactor::sync::lock;
+use kvferry_reactor::lock;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};

@@ -5,7 +5,7 @@
 //! touches, so a region cannot be unregistered (and its memory freed) while a
 //! copy into or out of it is still running.
 
-use kvferry_reactor::sync::lock;
+use kvferry_reactor::lock;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};

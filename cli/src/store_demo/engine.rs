@@ -19,12 +19,14 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::common::{BlockId, TransferId};
-use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::machines::store::events::Medium;
-use kvferry::machines::store::load::{LoadEnd, LoadKeyResult, LoadReport};
-use kvferry::machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
-use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig};
+use kvferry::machines::internal::common::{BlockId, TransferId};
+use kvferry::machines::internal::store::events::Medium;
+use kvferry::machines::internal::store::load::{LoadEnd, LoadKeyResult, LoadReport};
+use kvferry::machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport};
+use kvferry::machines::internal::store::{
+    BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig,
+};
+use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::store::{
     ConnectorConfig, ConnectorError, ConnectorLimits, StoreBackend, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
@@ -310,7 +312,7 @@ impl StoreDemo {
 /// A shape whose pool cannot be addressed, or whose blocks are not whole
 /// words.
 fn too_large() -> ConnectorError {
-    ConnectorError::Config(kvferry::machines::common::InputError::Misuse(
+    ConnectorError::Config(kvferry::machines::internal::common::InputError::Misuse(
         "the demo's blocks must be whole 8-byte words and its pool addressable",
     ))
 }
@@ -609,7 +611,7 @@ fn gbps(bytes: u64, time: Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvferry::store::inproc::{InprocConfig, InprocStore};
+    use kvferry::store::internal::inproc::{InprocConfig, InprocStore};
 
     #[test]
     fn the_demo_verifies_every_byte_it_loads() {

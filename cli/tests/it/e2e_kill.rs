@@ -7,9 +7,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
-use kvferry::machines::common::BlockId;
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
+use kvferry::machines::internal::common::BlockId;
 use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, PrefillTarget, Role};
 use kvferry::TransferId;
 use kvferry_testkit::demo_timeouts;
@@ -386,11 +386,11 @@ fn prefill_killed_fails_requests_at_once_by_connection_drop_not_silence() {
         client.wait_for_engine("prefill", 1, policy).unwrap();
         let mut c = NodeConfig::new(Role::Decode, "decode");
         c.mode = if mode == "push" {
-            kvferry::machines::common::Mode::Push
+            kvferry::machines::internal::common::Mode::Push
         } else {
-            kvferry::machines::common::Mode::Pull
+            kvferry::machines::internal::common::Mode::Pull
         };
-        c.timeouts = kvferry::machines::common::Config {
+        c.timeouts = kvferry::machines::internal::common::Config {
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_misses: 15,
             lease: Duration::from_secs(2),

@@ -9,10 +9,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::stores::{self, Redis, StoreServe};
-use kvferry::machines::common::{BlockId, TransferId};
-use kvferry::machines::layout::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::machines::store::events::Medium;
-use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::internal::common::{BlockId, TransferId};
+use kvferry::machines::internal::store::events::Medium;
+use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::store::{
     ConnectorConfig, ConnectorLimits, RemoteConfig, RemoteStore, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,

@@ -3,9 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId, Phase, TransferId};
-use kvferry_machines::duplex::{self, Direction, Duplex};
-use kvferry_machines::{recv, send, InputError, Machine, RecvMachine, SendMachine};
+use kvferry_machines::internal::common::{BlockId, Config, Mode, Msg, PeerId, Phase, TransferId};
+use kvferry_machines::internal::duplex::{self, Direction, Duplex};
+use kvferry_machines::internal::{recv, send};
+use kvferry_machines::{InputError, Machine, RecvMachine, SendMachine};
 
 fn pair(now: Instant) -> (Duplex, Duplex) {
     let cfg = Config::default();

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kvferry_machines::wire::{self, Frame, Limits};
+use kvferry_machines::internal::wire::{self, Frame, Limits};
 
 #[path = "../../../fuzz/fuzz_targets/wire_oracle.rs"]
 mod wire_oracle;

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::liveness::{DeathCause, Liveness};
+use kvferry_machines::{DeathCause, Liveness};
 use proptest::prelude::*;
 
 const SILENCE: Duration = Duration::from_millis(300);

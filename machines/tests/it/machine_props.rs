@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
-use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
-use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
-use kvferry_machines::send::{self, SendMachine};
+use kvferry_machines::internal::common::{BlockId, Config, Mode, Msg, PeerId};
+use kvferry_machines::internal::recv::{self, RecvMachine, ResolvedPeer};
+use kvferry_machines::internal::send::{self, SendMachine};
 use kvferry_machines::{AbortReason, Machine, Phase, TransferId};
 
 fn cfg() -> Config {

@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId, TICKET_BIT};
-use kvferry_machines::recv::{Action, Event, RecvMachine, ResolvedPeer};
+use kvferry_machines::internal::common::{BlockId, Config, Mode, Msg, PeerId, TICKET_BIT};
+use kvferry_machines::internal::recv::{Action, Event, RecvMachine, ResolvedPeer};
 use kvferry_machines::{AbortReason, FailReason, InputError, Machine, Phase, TransferId};
 
 const P0: PeerId = PeerId(20);

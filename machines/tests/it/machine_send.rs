@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
-use kvferry_machines::send::{Action, Event, SendMachine};
+use kvferry_machines::internal::common::{BlockId, Config, Mode, Msg, PeerId};
+use kvferry_machines::internal::send::{Action, Event, SendMachine};
 use kvferry_machines::{AbortReason, FailReason, InputError, Machine, Phase, TransferId};
 
 const D0: PeerId = PeerId(10);

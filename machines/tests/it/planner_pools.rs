@@ -1,10 +1,10 @@
 //! Aux and state pools in the planner: the rules worked out by hand, the
 //! refusals, and a property test against a byte model.
 
-use kvferry_machines::layout::{
+use kvferry_machines::internal::planner::{plan, Descriptor, PairLayout, Plan, PlanError};
+use kvferry_machines::{
     BatchLimits, LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region, Side, Stage,
 };
-use kvferry_machines::planner::{plan, Descriptor, PairLayout, Plan, PlanError};
 use proptest::prelude::*;
 
 const T: u32 = 4;

@@ -4,8 +4,10 @@
 //! blocks; partial prefix hits; tiny and large batch limits), plus the
 //! structural invariants of every plan and hostile inputs that must not panic.
 
-use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
-use kvferry_machines::planner::{plan, split_batches, Descriptor, Plan, PlanError, TpPair};
+use kvferry_machines::internal::planner::{
+    plan, split_batches, Descriptor, Plan, PlanError, TpPair,
+};
+use kvferry_machines::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
 use proptest::prelude::*;
 
 /// Deterministic xorshift so block lists derive from one proptest value.
@@ -339,7 +341,7 @@ fn case() -> impl Strategy<Value = Case> {
                     tp_rank: rp,
                     num_blocks: nb_p,
                     regions: regions(&mut rng, nregions, &kv_p, nb_p, inter_p, top),
-                    stage: kvferry_machines::layout::Stage::SINGLE,
+                    stage: kvferry_machines::Stage::SINGLE,
                     pools: Vec::new(),
                 };
                 let decode = RankLayout {
@@ -347,7 +349,7 @@ fn case() -> impl Strategy<Value = Case> {
                     tp_rank: rd,
                     num_blocks: nb_d,
                     regions: regions(&mut rng, nregions, &kv_d, nb_d, inter_d, false),
-                    stage: kvferry_machines::layout::Stage::SINGLE,
+                    stage: kvferry_machines::Stage::SINGLE,
                     pools: Vec::new(),
                 };
                 // Decode asks for up to all its blocks; prefill has those
@@ -460,7 +462,7 @@ proptest! {
             regions: (0..regions as u64)
                 .map(|i| Region { base: base + i * (1 << 32), block_len: kv, kv_block_len: kv })
                 .collect(),
-            stage: kvferry_machines::layout::Stage::SINGLE,
+            stage: kvferry_machines::Stage::SINGLE,
             pools: Vec::new(),
         };
         let p = side(0, p0 + n);
@@ -488,7 +490,7 @@ proptest! {
         let side = |base: u64| RankLayout {
             tp_size: 1, tp_rank: 0, num_blocks,
             regions: vec![Region { base, block_len: 8, kv_block_len: 8 }],
-            stage: kvferry_machines::layout::Stage::SINGLE,
+            stage: kvferry_machines::Stage::SINGLE,
             pools: Vec::new(),
         };
         // Prefill gets decode's length plus a prefix, so trimming happens.
@@ -537,7 +539,7 @@ proptest! {
         let mk = |tp_size, tp_rank, num_blocks| RankLayout {
             tp_size, tp_rank: tp_rank % tp_size.max(1).saturating_add(1), num_blocks,
             regions: rs.iter().map(|&(base, block_len, kv_block_len)| Region { base, block_len, kv_block_len }).collect(),
-            stage: kvferry_machines::layout::Stage::SINGLE,
+            stage: kvferry_machines::Stage::SINGLE,
             pools: Vec::new(),
         };
         let p = mk(tps.0, tps.1, nbs.0);

@@ -1,11 +1,11 @@
 //! One test per planner rule, with expected descriptors worked out by hand
 //! from the rule (not from the planner's output).
 
-use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
-use kvferry_machines::planner::{
+use kvferry_machines::internal::planner::{
     clip_to_window, plan, sliding_window_blocks, split_batches, Batch, Descriptor, PairLayout,
     Plan, PlanError, Share, TpPair,
 };
+use kvferry_machines::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
 
 const T: u32 = 4;
 const B: u64 = 8;
@@ -33,7 +33,7 @@ fn rank(tp_size: u32, tp_rank: u32, num_blocks: u64, kv: u64, bases: &[u64]) -> 
                 kv_block_len: kv,
             })
             .collect(),
-        stage: kvferry_machines::layout::Stage::SINGLE,
+        stage: kvferry_machines::Stage::SINGLE,
         pools: Vec::new(),
     }
 }
@@ -105,7 +105,7 @@ fn padded_blocks_are_not_coalesced_across_blocks() {
         tp_rank: 0,
         num_blocks: 4,
         regions: vec![region(0)],
-        stage: kvferry_machines::layout::Stage::SINGLE,
+        stage: kvferry_machines::Stage::SINGLE,
         pools: Vec::new(),
     };
     let dd = RankLayout {
@@ -325,7 +325,7 @@ fn kv_pair_in_one_block_is_two_interleaved_regions() {
                 kv_block_len: kv,
             },
         ],
-        stage: kvferry_machines::layout::Stage::SINGLE,
+        stage: kvferry_machines::Stage::SINGLE,
         pools: Vec::new(),
     };
     let out = plan(
@@ -769,7 +769,7 @@ fn errors_print_one_line_and_name_the_side() {
 // ---- pipeline stages ----
 
 fn staged(mut r: RankLayout, pp_size: u32, pp_rank: u32, first_region: u32) -> RankLayout {
-    r.stage = kvferry_machines::layout::Stage {
+    r.stage = kvferry_machines::Stage {
         pp_size,
         pp_rank,
         first_region,

@@ -321,7 +321,7 @@ fn sim_teeth_ticket_counted_from_arrival() {
 
 #[test]
 fn sim_memory_model_catches_misuse() {
-    use kvferry_machines::common::BlockId;
+    use kvferry_machines::internal::common::BlockId;
     use kvferry_machines::TransferId;
     use sim::memory::{Memory, Owner};
 
@@ -502,8 +502,8 @@ fn sim_teeth_ignore_in_flight() {
 fn sim_regression_abort_from_finished_peer_is_stale() {
     use std::time::{Duration, Instant};
 
-    use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
-    use kvferry_machines::recv::{Action, Event, RecvMachine, ResolvedPeer};
+    use kvferry_machines::internal::common::{BlockId, Config, Mode, Msg, PeerId};
+    use kvferry_machines::internal::recv::{Action, Event, RecvMachine, ResolvedPeer};
     use kvferry_machines::{Machine, Phase, TransferId};
 
     let (p3, p4) = (PeerId(3), PeerId(4));
@@ -681,8 +681,8 @@ fn sim_regression_abort_from_finished_peer_is_stale() {
 fn sim_regression_abort_from_finished_d_rank_is_stale() {
     use std::time::{Duration, Instant};
 
-    use kvferry_machines::common::{BlockId, Config, Mode, Msg, PeerId};
-    use kvferry_machines::send::{Action, Event, SendMachine};
+    use kvferry_machines::internal::common::{BlockId, Config, Mode, Msg, PeerId};
+    use kvferry_machines::internal::send::{Action, Event, SendMachine};
     use kvferry_machines::{Machine, Phase, TransferId};
 
     let (d4, d5) = (PeerId(4), PeerId(5));

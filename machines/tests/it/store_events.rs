@@ -4,11 +4,13 @@
 
 use proptest::prelude::*;
 
-use kvferry_machines::common::BlockId;
-use kvferry_machines::layout::{LayoutKind, ModelSpec};
-use kvferry_machines::store::events::{stored_events, EventLog, EventSource, KvEvent, Medium};
-use kvferry_machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
-use kvferry_machines::store::{BlockHash, GroupSpec, Keyspace, KeyspaceSpec, StoreItem};
+use kvferry_machines::internal::common::BlockId;
+use kvferry_machines::internal::store::events::{
+    stored_events, EventLog, EventSource, KvEvent, Medium,
+};
+use kvferry_machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport};
+use kvferry_machines::internal::store::{BlockHash, GroupSpec, Keyspace, KeyspaceSpec, StoreItem};
+use kvferry_machines::{LayoutKind, ModelSpec};
 
 fn groups() -> Vec<GroupSpec> {
     vec![

@@ -6,9 +6,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 
-use kvferry_machines::layout::{LayoutKind, ModelSpec};
-use kvferry_machines::store::key::{HeadSlice, KEY_BYTES_MAX, NAME_BYTES_MAX};
-use kvferry_machines::store::{BlockHash, GroupSpec, KeyError, Keyspace, KeyspaceSpec, Shard};
+use kvferry_machines::internal::store::key::{HeadSlice, KEY_BYTES_MAX, NAME_BYTES_MAX};
+use kvferry_machines::internal::store::{
+    BlockHash, GroupSpec, KeyError, Keyspace, KeyspaceSpec, Shard,
+};
+use kvferry_machines::{LayoutKind, ModelSpec};
 
 fn model(layout: LayoutKind, heads: u32) -> ModelSpec {
     ModelSpec {
@@ -101,8 +103,8 @@ fn fewer_heads_than_ranks_make_replica_sets() {
 
 #[test]
 fn a_rank_layout_names_its_shard_and_value_size() {
-    use kvferry_machines::layout::{RankLayout, Region, Stage};
-    use kvferry_machines::store::value_bytes;
+    use kvferry_machines::internal::store::value_bytes;
+    use kvferry_machines::{RankLayout, Region, Stage};
     let ks = Keyspace::new(&spec("m", LayoutKind::Hnd, 8, 2, 2)).unwrap();
     let region = Region {
         base: 0,

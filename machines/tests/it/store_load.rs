@@ -9,16 +9,16 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
-use kvferry_machines::common::BlockId;
-use kvferry_machines::layout::LayoutKind;
-use kvferry_machines::store::load::{
+use kvferry_machines::internal::common::BlockId;
+use kvferry_machines::internal::store::load::{
     plan_load, Action, Event, GetResult, LoadEnd, LoadKeyResult, LoadMachine, LoadReport,
 };
-use kvferry_machines::store::lookup::Lookup;
-use kvferry_machines::store::save::{self, plan_save, PutResult, SaveMachine};
-use kvferry_machines::store::{
+use kvferry_machines::internal::store::lookup::Lookup;
+use kvferry_machines::internal::store::save::{self, plan_save, PutResult, SaveMachine};
+use kvferry_machines::internal::store::{
     BlockHash, ChunkKey, GroupBlocks, GroupSpec, Pressure, StoreConfig, StoreFault, StoreItem,
 };
+use kvferry_machines::LayoutKind;
 use kvferry_machines::{AbortReason, FailReason, Machine, Phase, TransferId};
 
 use crate::store_common;

@@ -6,13 +6,15 @@ use std::collections::HashSet;
 
 use proptest::prelude::*;
 
-use kvferry_machines::common::BlockId;
-use kvferry_machines::layout::LayoutKind;
-use kvferry_machines::store::lookup::{blocks_needed, lcm_block_tokens, store_mask, Lookup};
-use kvferry_machines::store::save::plan_save;
-use kvferry_machines::store::{
+use kvferry_machines::internal::common::BlockId;
+use kvferry_machines::internal::store::lookup::{
+    blocks_needed, lcm_block_tokens, store_mask, Lookup,
+};
+use kvferry_machines::internal::store::save::plan_save;
+use kvferry_machines::internal::store::{
     BlockHash, GroupBlocks, GroupSpec, Keyspace, RequestScope, StorePlanError,
 };
+use kvferry_machines::LayoutKind;
 
 use crate::store_common;
 use store_common::keyspace;
@@ -101,7 +103,7 @@ fn a_sliding_window_group_needs_only_its_window() {
 fn a_128k_token_request_is_one_question_within_the_default_bound() {
     let ks = keyspace(LayoutKind::Hnd, 8, 8, 1, vec![full(16)]);
     let scope = ks.scope(None, &[]).unwrap();
-    let max = kvferry_machines::store::StoreConfig::default().max_lookup_keys;
+    let max = kvferry_machines::internal::store::StoreConfig::default().max_lookup_keys;
     let l = Lookup::new(&ks, &scope, 131_072, &hashes(&ks, &[8192]), max).unwrap();
     assert_eq!(l.keys().len(), 8192 * 8);
     let mut exists = vec![true; l.keys().len()];

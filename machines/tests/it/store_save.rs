@@ -8,16 +8,16 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
-use kvferry_machines::common::BlockId;
-use kvferry_machines::layout::{LayoutKind, ModelSpec};
-use kvferry_machines::store::save::{
+use kvferry_machines::internal::common::BlockId;
+use kvferry_machines::internal::store::save::{
     Action, Event, PutResult, SaveEnd, SaveKeyResult, SaveMachine, SaveReport,
 };
-use kvferry_machines::store::{
+use kvferry_machines::internal::store::{
     BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec, Pressure, StoreConfig, StoreFault,
     StoreItem,
 };
 use kvferry_machines::{AbortReason, FailReason, InputError, Machine, Phase, TransferId};
+use kvferry_machines::{LayoutKind, ModelSpec};
 
 const REQ: TransferId = TransferId(7);
 

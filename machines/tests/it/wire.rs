@@ -1,4 +1,4 @@
-//! The control protocol's codec (`kvferry_machines::wire`): round trips for
+//! The control protocol's codec (`kvferry_machines::internal::wire`): round trips for
 //! every `Frame` and `Msg` variant, hostile and mutated input never panics
 //! and gets the precise typed error, the `Limits` bounds are enforced
 //! exactly and before allocation, the version rule (another version is
@@ -8,13 +8,13 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{BlockId, Mode, Msg, TransferId, REQUEST_ID_MAX_BYTES};
-use kvferry_machines::layout::{LayoutKind, ModelSpec, RankLayout, Region};
-use kvferry_machines::planner::REGIONS_MAX;
-use kvferry_machines::wire::{
+use kvferry_machines::internal::common::{BlockId, Mode, Msg, TransferId, REQUEST_ID_MAX_BYTES};
+use kvferry_machines::internal::planner::REGIONS_MAX;
+use kvferry_machines::internal::wire::{
     self, decode, decode_notify, encode, encode_notify, encode_versioned, Frame, Hello, Limits,
     Refuse, RefuseReason, WireError, HEADER_LEN, MAGIC, MAX_NOTIFY_FRAMES, VERSION,
 };
+use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region};
 use proptest::collection::vec;
 use proptest::prelude::*;
 
@@ -227,7 +227,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                     tp_rank,
                     num_blocks,
                     regions,
-                    stage: kvferry_machines::layout::Stage::SINGLE,
+                    stage: kvferry_machines::Stage::SINGLE,
                     pools: Vec::new(),
                 },
                 endpoint,
@@ -500,7 +500,7 @@ fn round_trip_edge_cases() {
                     };
                     REGIONS_MAX
                 ],
-                stage: kvferry_machines::layout::Stage::SINGLE,
+                stage: kvferry_machines::Stage::SINGLE,
                 pools: Vec::new(),
             },
             endpoint: "x".repeat(l.max_string_bytes),
@@ -524,7 +524,7 @@ fn round_trip_edge_cases() {
                     block_len: 0,
                     kv_block_len: 0,
                 }],
-                stage: kvferry_machines::layout::Stage::SINGLE,
+                stage: kvferry_machines::Stage::SINGLE,
                 pools: Vec::new(),
             },
             endpoint: String::new(),
@@ -1111,7 +1111,7 @@ fn hello_with(engine_id: String, endpoint: String, regions: usize) -> Frame {
                 };
                 regions
             ],
-            stage: kvferry_machines::layout::Stage::SINGLE,
+            stage: kvferry_machines::Stage::SINGLE,
             pools: Vec::new(),
         },
         endpoint,
@@ -1417,7 +1417,7 @@ fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
                 };
                 regions
             ],
-            stage: kvferry_machines::layout::Stage::SINGLE,
+            stage: kvferry_machines::Stage::SINGLE,
             pools: Vec::new(),
         };
         Frame::Hello(h)
@@ -1944,11 +1944,11 @@ fn hello_with_pools(pools: usize, buffers: usize) -> Frame {
     let Frame::Hello(mut h) = hello_with("p".into(), "e".into(), 1) else {
         unreachable!()
     };
-    let pool = kvferry_machines::layout::Pool {
-        kind: kvferry_machines::layout::PoolKind::Aux,
+    let pool = kvferry_machines::Pool {
+        kind: kvferry_machines::PoolKind::Aux,
         items: 64,
         regions: vec![
-            kvferry_machines::layout::PoolRegion {
+            kvferry_machines::PoolRegion {
                 base: 0x7e00_0000_0000,
                 item_len: 24,
             };
@@ -1964,7 +1964,7 @@ fn hello_with_pools(pools: usize, buffers: usize) -> Frame {
 /// prefixes, by the decoder and by `check_limits` alike.
 #[test]
 fn hello_pools_are_bounded_exactly() {
-    use kvferry_machines::layout::POOLS_MAX;
+    use kvferry_machines::POOLS_MAX;
     let l = Limits::default();
     let at = hello_with_pools(POOLS_MAX, 3);
     assert_eq!(decode(&encode(&at), &l), Ok(at.clone()));

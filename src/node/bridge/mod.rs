@@ -16,11 +16,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{late_answer, Mode, Msg, PeerId, Phase};
-use kvferry_machines::duplex::{self, Direction};
-use kvferry_machines::planner::{PairLayout, TpPair};
-use kvferry_machines::recv::ResolvedPeer;
-use kvferry_machines::{recv, send, AbortReason, TransferId};
+use kvferry_machines::internal::common::{late_answer, Mode, Msg, PeerId, Phase};
+use kvferry_machines::internal::duplex::{self, Direction};
+use kvferry_machines::internal::planner::{PairLayout, TpPair};
+use kvferry_machines::internal::recv::ResolvedPeer;
+use kvferry_machines::internal::{recv, send};
+use kvferry_machines::{AbortReason, TransferId};
 use kvferry_reactor::SubmitError;
 
 use super::sink::inbound;
@@ -29,8 +30,8 @@ use super::{
 };
 use crate::bootstrap::{BootstrapClient, ClientError};
 use crate::transport::EndpointAddr;
-use kvferry_machines::liveness::{DeathCause, Liveness};
-use kvferry_machines::wire::{self, Frame, Hello};
+use kvferry_machines::internal::wire::{self, Frame, Hello};
+use kvferry_machines::{DeathCause, Liveness};
 
 /// Most frames read from one socket before looking at the others.
 mod names;

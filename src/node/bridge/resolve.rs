@@ -389,10 +389,7 @@ struct RankPeers {
 /// The prefill stages a decode rank at `stage` reads from, of an engine
 /// with `prefill_pp` stages: all of them without pipeline parallelism on
 /// decode, its own with the same PP size; `None` for other sizes.
-fn stages_read(
-    stage: kvferry_machines::layout::Stage,
-    prefill_pp: u32,
-) -> Option<std::ops::Range<u32>> {
+fn stages_read(stage: kvferry_machines::Stage, prefill_pp: u32) -> Option<std::ops::Range<u32>> {
     if stage.pp_size == 1 {
         Some(0..prefill_pp)
     } else if stage.pp_size == prefill_pp {

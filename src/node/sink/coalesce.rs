@@ -146,7 +146,7 @@ impl Io {
             let note_len = next.note.as_deref().map_or(0, wire::notify_frame_len);
             let notes_fit = next.note.is_none()
                 || (notes < wire::MAX_NOTIFY_FRAMES
-                    && note_bytes + note_len <= crate::transport::wire::MAX_NOTIFY_BYTES);
+                    && note_bytes + note_len <= crate::transport::internal::wire::MAX_NOTIFY_BYTES);
             let fits = jobs.is_empty()
                 || (jobs[0].op == next.op
                     && n + next.descs.len() <= SHARED_BATCH_MAX_DESCS

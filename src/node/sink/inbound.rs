@@ -13,7 +13,7 @@ pub(super) fn notify_handler(
     shared: Arc<Shared>,
     poster: EventPoster<Duplex>,
     live: Live,
-) -> crate::transport::tcp::NotifyHandler {
+) -> crate::transport::NotifyHandler {
     let router = Rc::new(NoteRouter {
         shared,
         poster,

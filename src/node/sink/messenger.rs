@@ -282,7 +282,7 @@ fn next_notes(
         .take(wire::MAX_NOTIFY_FRAMES)
         .take_while(|(_, _, f)| {
             bytes += wire::notify_frame_len(f);
-            bytes <= crate::transport::wire::MAX_NOTIFY_BYTES
+            bytes <= crate::transport::internal::wire::MAX_NOTIFY_BYTES
         })
         .count()
         .max(1);

@@ -13,25 +13,28 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_machines::common::{blocks_fingerprint, BlockLists, Mode, Msg, PeerId, TICKET_BIT};
-use kvferry_machines::duplex::{self, Direction, Duplex};
-use kvferry_machines::planner::{Plan, PlanError};
-use kvferry_machines::{recv, send, Phase, TransferId};
+use kvferry_machines::internal::common::{
+    blocks_fingerprint, BlockLists, Mode, Msg, PeerId, TICKET_BIT,
+};
+use kvferry_machines::internal::duplex::{self, Direction, Duplex};
+use kvferry_machines::internal::planner::{Plan, PlanError};
+use kvferry_machines::internal::{recv, send};
+use kvferry_machines::{Phase, TransferId};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
 use super::tables::Written;
 use super::{DataPlaneError, PeerUnfit, Shared, TransportKind};
-use crate::transport::fence::{BlockFence, FenceKey, FencePool};
-use crate::transport::local::LocalTransport;
-use crate::transport::mooncake::MooncakeTransport;
-use crate::transport::tcp::{TcpConfig, TcpTransport};
-use crate::transport::wire::RejectReason;
+use crate::transport::internal::wire::RejectReason;
+use crate::transport::LocalTransport;
+use crate::transport::MooncakeTransport;
 use crate::transport::{
     AnySession, AnyTransport, Desc, EndpointAddr, Op, PeerError, RegionInfo, Session, Transport,
     TransportError,
 };
-use kvferry_machines::wire::{self, Frame};
+use crate::transport::{BlockFence, FenceKey, FencePool};
+use crate::transport::{TcpConfig, TcpTransport};
+use kvferry_machines::internal::wire::{self, Frame};
 
 mod coalesce;
 mod inbound;
@@ -280,7 +283,7 @@ pub(crate) struct KvMemory {
 /// The memory a rank with `layout` registers with its endpoint (what
 /// [`register_regions`] registers): each KV region's blocks, each pool
 /// buffer's items.
-fn registered_ranges(layout: &kvferry_machines::layout::RankLayout) -> Vec<RegionInfo> {
+fn registered_ranges(layout: &kvferry_machines::RankLayout) -> Vec<RegionInfo> {
     let blocks = (layout.regions.iter()).map(|r| (r.base, r.block_len, layout.num_blocks));
     let items =
         (layout.pools.iter()).flat_map(|p| p.regions.iter().map(|r| (r.base, r.item_len, p.items)));

@@ -3,10 +3,10 @@
 
 use std::time::Instant;
 
-use kvferry::machines::common::{BlockId, TransferId};
-use kvferry::machines::layout::{LayoutKind, ModelSpec};
-use kvferry::machines::store::events::Medium;
-use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::internal::common::{BlockId, TransferId};
+use kvferry::machines::internal::store::events::Medium;
+use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::store::{
     ConnectorConfig, ConnectorLimits, StoreConnector, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };

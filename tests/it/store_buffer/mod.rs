@@ -7,8 +7,8 @@ pub(crate) mod connector;
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::layout::{RankLayout, Region, Stage};
-use kvferry::machines::store::ChunkKey;
+use kvferry::machines::internal::store::ChunkKey;
+use kvferry::machines::{RankLayout, Region, Stage};
 use kvferry::store::{GetItem, PutItem, Scatter, Segment};
 
 /// One heap buffer as an engine's whole KV cache: `blocks` blocks of

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use kvferry_machines::common::Config;
+use kvferry_machines::internal::common::Config;
 use kvferry_machines::Phase;
 
 use super::scenario::T;

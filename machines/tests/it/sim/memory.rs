@@ -9,7 +9,7 @@
 //! Freed blocks are reused last-in first-out, so that a late write lands in
 //! a block that already belongs to another request as often as possible.
 
-use kvferry_machines::common::BlockId;
+use kvferry_machines::internal::common::BlockId;
 use kvferry_machines::TransferId;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

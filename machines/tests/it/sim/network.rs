@@ -1,15 +1,15 @@
 //! Simulated control network: per-message delay (hence reordering), drop,
 //! duplication and a long tail, plus partitions that cut node sets apart.
 //! Messages travel as bytes in the node's real wire encoding: the side
-//! channel's `Frame::Transfer` (`kvferry_machines::wire`, the versioned `KF`
+//! channel's `Frame::Transfer` (`kvferry_machines::internal::wire`, the versioned `KF`
 //! postcard envelope the node uses), decoded with the default limits.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use kvferry_machines::common::{Msg, PeerId};
-use kvferry_machines::wire::{self, Frame, Limits};
+use kvferry_machines::internal::common::{Msg, PeerId};
+use kvferry_machines::internal::wire::{self, Frame, Limits};
 use kvferry_machines::TransferId;
 
 use super::rng::Rng;

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use kvferry_machines::common::{Config, Mode};
+use kvferry_machines::internal::common::{Config, Mode};
 use kvferry_machines::{AbortReason, TransferId};
 
 use super::checker::us;

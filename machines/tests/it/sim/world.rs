@@ -12,13 +12,13 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::common::{
+use kvferry_machines::internal::common::{
     late_answer, BlockId, BlockLists, Config, Mode, Msg, PeerId, TICKET_BIT,
 };
-use kvferry_machines::liveness::{DeathCause, Liveness};
-use kvferry_machines::recv::{self, RecvMachine, ResolvedPeer};
-use kvferry_machines::send::{self, SendMachine};
+use kvferry_machines::internal::recv::{self, RecvMachine, ResolvedPeer};
+use kvferry_machines::internal::send::{self, SendMachine};
 use kvferry_machines::{AbortReason, FailReason, Machine, Phase, TransferId};
+use kvferry_machines::{DeathCause, Liveness};
 
 use super::checker::{self, us, Kind, Stats, Violation};
 use super::memory::{Memory, Owner};

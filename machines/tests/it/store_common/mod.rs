@@ -1,7 +1,7 @@
 //! What the store tests share: a keyspace of a small model.
 
-use kvferry_machines::layout::{LayoutKind, ModelSpec};
-use kvferry_machines::store::{GroupSpec, Keyspace, KeyspaceSpec};
+use kvferry_machines::internal::store::{GroupSpec, Keyspace, KeyspaceSpec};
+use kvferry_machines::{LayoutKind, ModelSpec};
 
 /// The keyspace of model "m" (bf16, 16-token blocks, 128-byte heads) with
 /// `heads` KV heads over TP `tp` and PP `pp`, and `groups`.
