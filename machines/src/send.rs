@@ -36,7 +36,7 @@ use std::time::Instant;
 use crate::common::{
     after, align_chunk, check_lists, chunk_end, covers_exactly, earliest, is_empty_lists,
     AbortReason, BlockLists, Config, Drain, End, FailReason, GrantLease, InputError, Mode, Msg,
-    Next, Op, PeerId, Phase, Resend, TouchLease, TransferId,
+    Next, PeerId, Phase, Posted, Resend, TouchLease, TransferId,
 };
 use crate::machine::Machine;
 
@@ -258,7 +258,7 @@ struct Live {
     /// KV still ends: the blocks are allocated from the start.
     hold_deadline: Instant,
     /// Push mode: writes posted and not completed.
-    ops: Vec<Op>,
+    ops: Vec<Posted>,
     /// Push mode: ticket grants that overtook their peer's `Pull` (peer,
     /// ticket sent at, duration), applied when the `Pull` comes; at most
     /// `max_peers`. The two travel together but a node may route them
@@ -1002,7 +1002,7 @@ fn post_to_peer(
     p: &mut Peer,
     chunks: &[Chunk],
     last_seen: bool,
-    ops: &mut Vec<Op>,
+    ops: &mut Vec<Posted>,
     cx: &mut Cx,
 ) -> Result<(), BadMetadata> {
     let Role::Toucher {
@@ -1043,7 +1043,7 @@ fn post_to_peer(
             let last = last_seen && *next_chunk as usize + 1 == chunks.len();
             let status_after = last && !ops.iter().any(|op| op.peer == p.id);
             *closing |= status_after;
-            ops.push(Op {
+            ops.push(Posted {
                 peer: p.id,
                 chunk: *next_chunk,
                 deadline: after(cx.now, cx.cfg.transfer_bound),

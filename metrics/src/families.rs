@@ -104,6 +104,7 @@ impl Collector for Scrape {
 /// c.requests.fetch_add(2, std::sync::atomic::Ordering::Relaxed);
 /// assert_eq!(c.load().requests, 2);
 /// assert_eq!(c.load().families()[1].name, "x_connections");
+/// assert_eq!(c.load().fields()[0], ("requests", 2));
 /// ```
 #[macro_export]
 macro_rules! counter_set {
@@ -133,6 +134,12 @@ macro_rules! counter_set {
         }
 
         impl $stats {
+            /// `(field name, value)` of every field, in declaration order:
+            /// for reports by name (JSON, the Python package).
+            pub fn fields(&self) -> ::std::vec::Vec<(&'static str, u64)> {
+                ::std::vec![ $( (::std::stringify!($field), self.$field), )* ]
+            }
+
             /// Every field as a metric family, in declaration order.
             pub fn families(&self) -> ::std::vec::Vec<$crate::Family> {
                 ::std::vec![
@@ -143,6 +150,16 @@ macro_rules! counter_set {
                         value: self.$field,
                     }, )*
                 ]
+            }
+        }
+
+        /// Several sets (the ranks of a run, the servers of a cluster),
+        /// added up field by field.
+        impl ::std::iter::Sum for $stats {
+            fn sum<I: ::std::iter::Iterator<Item = $stats>>(sets: I) -> $stats {
+                sets.fold($stats::default(), |a, s| $stats {
+                    $( $field: a.$field + s.$field, )*
+                })
             }
         }
     };

@@ -162,19 +162,19 @@ fn handle(mut request: Request, shared: &Shared) {
     let reply = match (&method, path) {
         (Method::Post, "/register") => register(&mut request, shared),
         (Method::Get, "/query") => query_route(query, shared),
-        (Method::Get, "/health") => Reply::text(200, "ok\n".into()),
+        (Method::Get, "/health") => HttpReply::text(200, "ok\n".into()),
         (Method::Get, "/metrics") => match &shared.metrics {
-            Some(source) => Reply {
+            Some(source) => HttpReply {
                 status: 200,
                 content_type: super::METRICS_CONTENT_TYPE,
                 body: source(),
             },
-            None => Reply::error(404, "this service has no metrics".into()),
+            None => HttpReply::error(404, "this service has no metrics".into()),
         },
         (_, "/register" | "/query" | "/health" | "/metrics") => {
-            Reply::error(405, format!("method {method} not allowed on {path}"))
+            HttpReply::error(405, format!("method {method} not allowed on {path}"))
         }
-        _ => Reply::error(404, format!("no route {path}")),
+        _ => HttpReply::error(404, format!("no route {path}")),
     };
     if reply.status >= 400 {
         tracing::debug!(%method, path, status = reply.status, body = %reply.body, "bootstrap request refused");
@@ -189,23 +189,23 @@ fn handle(mut request: Request, shared: &Shared) {
     }
 }
 
-struct Reply {
+struct HttpReply {
     status: u16,
     content_type: &'static str,
     body: String,
 }
 
-impl Reply {
-    fn text(status: u16, body: String) -> Reply {
-        Reply {
+impl HttpReply {
+    fn text(status: u16, body: String) -> HttpReply {
+        HttpReply {
             status,
             content_type: "text/plain; charset=utf-8",
             body,
         }
     }
 
-    fn json(status: u16, body: String) -> Reply {
-        Reply {
+    fn json(status: u16, body: String) -> HttpReply {
+        HttpReply {
             status,
             content_type: "application/json",
             body,
@@ -213,15 +213,15 @@ impl Reply {
     }
 
     /// Errors are JSON too (`{"error": reason}`) so scripts can parse them.
-    fn error(status: u16, reason: String) -> Reply {
-        Reply::json(status, serde_json::json!({ "error": reason }).to_string())
+    fn error(status: u16, reason: String) -> HttpReply {
+        HttpReply::json(status, serde_json::json!({ "error": reason }).to_string())
     }
 }
 
-fn register(request: &mut Request, shared: &Shared) -> Reply {
+fn register(request: &mut Request, shared: &Shared) -> HttpReply {
     let max = shared.config.max_body_bytes;
     if request.body_length().is_some_and(|len| len > max) {
-        return Reply::error(413, format!("body larger than {max} bytes"));
+        return HttpReply::error(413, format!("body larger than {max} bytes"));
     }
     // The declared length may be absent (chunked) or a lie; read at most one
     // byte more than allowed to tell "too large" from "exactly the limit".
@@ -231,14 +231,14 @@ fn register(request: &mut Request, shared: &Shared) -> Reply {
         .take(max as u64 + 1)
         .read_to_end(&mut body)
     {
-        return Reply::error(400, format!("cannot read body: {err}"));
+        return HttpReply::error(400, format!("cannot read body: {err}"));
     }
     if body.len() > max {
-        return Reply::error(413, format!("body larger than {max} bytes"));
+        return HttpReply::error(413, format!("body larger than {max} bytes"));
     }
     let req: RegisterRequest = match serde_json::from_slice(&body) {
         Ok(req) => req,
-        Err(err) => return Reply::error(400, format!("malformed registration: {err}")),
+        Err(err) => return HttpReply::error(400, format!("malformed registration: {err}")),
     };
     let summary = format!(
         "engine {} dp {} tp {} pp {} at {}",
@@ -248,7 +248,7 @@ fn register(request: &mut Request, shared: &Shared) -> Reply {
     match result {
         Ok(resp) => {
             tracing::info!(replaced = resp.replaced, "registered {summary}");
-            Reply::json(
+            HttpReply::json(
                 200,
                 serde_json::to_string(&resp).expect("response serializes"),
             )
@@ -259,24 +259,26 @@ fn register(request: &mut Request, shared: &Shared) -> Reply {
                 RegisterError::EngineMismatch { .. } => 409,
                 RegisterError::Full { .. } => 503,
             };
-            Reply::error(status, err.to_string())
+            HttpReply::error(status, err.to_string())
         }
     }
 }
 
-fn query_route(query: &str, shared: &Shared) -> Reply {
+fn query_route(query: &str, shared: &Shared) -> HttpReply {
     let mut engine_id = None;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
             Some(("engine_id", value)) => match percent_decode(value) {
                 Some(v) => engine_id = Some(v),
-                None => return Reply::error(400, "engine_id is not valid percent-encoding".into()),
+                None => {
+                    return HttpReply::error(400, "engine_id is not valid percent-encoding".into())
+                }
             },
-            _ => return Reply::error(400, format!("unknown query parameter {pair:?}")),
+            _ => return HttpReply::error(400, format!("unknown query parameter {pair:?}")),
         }
     }
     let result = lock(&shared.registry).query(engine_id.as_deref());
-    Reply::json(
+    HttpReply::json(
         200,
         serde_json::to_string(&result).expect("registry serializes"),
     )

@@ -2,7 +2,8 @@
 //! snapshot for the embedder) and the Prometheus exposition of `/metrics`
 //! (rendered from the same counters at scrape time, through
 //! `prometheus-client`'s encoder). Every counter is declared once, in
-//! `counters!`: its field, its metric family and its help text.
+//! `kvferry_metrics::counter_set!`, the store server's macro too: its
+//! field, its metric family and its help text.
 //!
 //! Every field is an independent relaxed atomic: the counters are only read
 //! for reporting, no decision depends on two of them being consistent with
@@ -16,183 +17,137 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvferry_metrics::{Family, Kind};
+use kvferry_metrics::Family;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::MetricType;
 
 use kvferry_machines::{FailReason, Phase};
 
-/// Declares every plain counter once: `field => "metric family", "help"`.
-/// The family is rendered with a `_total` suffix.
-macro_rules! counters {
-    ($($(#[$doc:meta])* $field:ident => $family:literal, $help:literal;)*) => {
-        /// A snapshot of the node's counters (each read individually).
-        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-        pub struct NodeStats {
-            /// Requests that ended in `Success`.
-            pub ok: u64,
-            /// Requests that ended in `Failed` (aborts included).
-            pub failed: u64,
-            /// Of `failed`, those ended by an abort (local or the peer's).
-            pub aborted: u64,
-            /// Requests that ended in `Expired`.
-            pub expired: u64,
-            /// Peers marked dead now (not cumulative).
-            pub dead_now: u64,
-            $($(#[$doc])* pub $field: u64,)*
-        }
+/// The outcome counters share one family, labelled by outcome.
+const TRANSFERS: &str = "kvferry_transfers";
+const TRANSFERS_HELP: &str = "Requests finished, by outcome.";
 
-        /// The counters themselves; one per node.
-        #[derive(Debug, Default)]
-        pub(crate) struct Counters {
-            ok: AtomicU64,
-            failed_other: AtomicU64,
-            aborted: AtomicU64,
-            expired: AtomicU64,
-            /// Peers marked dead now (a gauge).
-            pub dead_now: AtomicU64,
-            /// Latency of successful requests, first report to terminal.
-            latency: Mutex<Latency>,
-            $(pub $field: AtomicU64,)*
-        }
-
-        impl Counters {
-            /// Reads every counter.
-            pub(crate) fn snapshot(&self) -> NodeStats {
-                let aborted = self.aborted.load(Relaxed);
-                NodeStats {
-                    ok: self.ok.load(Relaxed),
-                    failed: self.failed_other.load(Relaxed) + aborted,
-                    aborted,
-                    expired: self.expired.load(Relaxed),
-                    dead_now: self.dead_now.load(Relaxed),
-                    $($field: self.$field.load(Relaxed),)*
-                }
-            }
-        }
-
-        impl NodeStats {
-            /// `(field name, value)` of every counter, in declaration
-            /// order: for embedders that report counters by name (the
-            /// Python package's `Node.stats()`).
-            pub fn fields(&self) -> Vec<(&'static str, u64)> {
-                vec![
-                    ("ok", self.ok),
-                    ("failed", self.failed),
-                    ("aborted", self.aborted),
-                    ("expired", self.expired),
-                    ("dead_now", self.dead_now),
-                    $((stringify!($field), self.$field),)*
-                ]
-            }
-
-            /// Every plain counter as a metric family.
-            fn plain(&self) -> Vec<Family> {
-                vec![$(Family { name: $family, help: $help, kind: Kind::Counter, value: self.$field },)*]
-            }
-        }
-
-        /// The counters of several nodes (the ranks of a run), added up.
-        impl std::iter::Sum for NodeStats {
-            fn sum<I: Iterator<Item = NodeStats>>(stats: I) -> NodeStats {
-                stats.fold(NodeStats::default(), |a, s| NodeStats {
-                    ok: a.ok + s.ok,
-                    failed: a.failed + s.failed,
-                    aborted: a.aborted + s.aborted,
-                    expired: a.expired + s.expired,
-                    dead_now: a.dead_now + s.dead_now,
-                    $($field: a.$field + s.$field,)*
-                })
-            }
-        }
-    };
-}
-
-counters! {
+kvferry_metrics::counter_set! {
+    /// The node's counters, one set per node.
+    #[derive(Debug, Default)]
+    pub(crate) struct CounterSet;
+    /// A snapshot of the node's counters (each read individually).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct NodeStats;
+    /// Requests that ended in `Success`.
+    ok: Counter "kvferry_transfers", "Requests finished, by outcome.";
+    /// Requests that ended in `Failed` (aborts included).
+    failed: Counter "kvferry_transfers", "Requests finished, by outcome.";
+    /// Of `failed`, those ended by an abort (local or the peer's).
+    aborted: Counter "kvferry_transfers", "Requests finished, by outcome.";
+    /// Requests that ended in `Expired`.
+    expired: Counter "kvferry_transfers", "Requests finished, by outcome.";
+    /// Peers marked dead now (not cumulative).
+    dead_now: Gauge "kvferry_peers_dead", "Peers marked dead now.";
     /// Payload bytes this node moved (writes it posted or reads it made).
-    bytes => "kvferry_transfer_bytes", "Payload bytes moved by the data plane.";
+    bytes: Counter "kvferry_transfer_bytes", "Payload bytes moved by the data plane.";
     /// Descriptors posted.
-    descriptors => "kvferry_transfer_descriptors", "Descriptors posted to the data plane.";
+    descriptors: Counter "kvferry_transfer_descriptors", "Descriptors posted to the data plane.";
     /// Batches that failed in the transport.
-    transport_errors => "kvferry_transport_errors", "Data-plane batches that failed.";
+    transport_errors: Counter "kvferry_transport_errors", "Data-plane batches that failed.";
     /// Times a peer was marked dead.
-    peers_marked_dead => "kvferry_peers_marked_dead",
+    peers_marked_dead: Counter "kvferry_peers_marked_dead",
         "Peers marked dead after missed heartbeats or a dropped connection.";
     /// Times a peer marked dead answered again and its mark was cleared.
-    peer_recoveries => "kvferry_peer_recoveries",
+    peer_recoveries: Counter "kvferry_peer_recoveries",
         "Peers marked dead whose mark a later frame from them cleared.";
     /// Prefill: requests whose blocks were released because decode's claim
     /// or lease ran out (decode never came, or went silent).
-    expired_holds => "kvferry_expired_holds",
+    expired_holds: Counter "kvferry_expired_holds",
         "Block holds released because a claim or lease ran out.";
     /// Side-channel frames decoded and handled.
-    sidechannel_received => "kvferry_sidechannel_received",
+    sidechannel_received: Counter "kvferry_sidechannel_received",
         "Side-channel frames received and decoded.";
     /// Side-channel frames handed to ZeroMQ.
-    sidechannel_sent => "kvferry_sidechannel_sent", "Side-channel frames sent.";
+    sidechannel_sent: Counter "kvferry_sidechannel_sent", "Side-channel frames sent.";
     /// Side-channel frames rejected by the decoder.
-    bad_frames => "kvferry_sidechannel_decode_errors",
+    bad_frames: Counter "kvferry_sidechannel_decode_errors",
         "Side-channel frames rejected by the decoder.";
     /// Side-channel frames not sent: a queue was full, or the peer's slot
     /// is gone.
-    dropped_frames => "kvferry_sidechannel_send_failures",
+    dropped_frames: Counter "kvferry_sidechannel_send_failures",
         "Side-channel frames that could not be sent.";
     /// Times a configured limit of the node (see `NodeConfig`) refused or
     /// dropped something; each is also logged with the limit's name.
-    limit_hits => "kvferry_limit_hits", "Times a configured limit refused or dropped something.";
+    limit_hits: Counter "kvferry_limit_hits", "Times a configured limit refused or dropped something.";
     /// Side-channel messages this node sent over a data-plane session
     /// instead of ZeroMQ (the peer took them).
-    data_plane_messages => "kvferry_data_plane_messages",
+    data_plane_messages: Counter "kvferry_data_plane_messages",
         "Side-channel messages sent over a data-plane session.";
     /// Messages that were to go over the data plane but went over ZeroMQ
     /// after all (the peer refused them, or the session failed).
-    data_plane_fallbacks => "kvferry_data_plane_fallbacks",
+    data_plane_fallbacks: Counter "kvferry_data_plane_fallbacks",
         "Messages meant for the data plane that went over ZeroMQ after all.";
     /// Push mode: closing `Status` messages that rode behind their
     /// transfer's last write (also counted in `data_plane_messages`).
-    statuses_behind_writes => "kvferry_statuses_behind_writes",
+    statuses_behind_writes: Counter "kvferry_statuses_behind_writes",
         "Closing statuses that rode behind their transfer's last write.";
     /// Control messages the machines sent again because the answer they
     /// wait for may have been lost (`Timeouts::resend_after`), by channel:
     /// the side channel (ZeroMQ; this includes the second `Unneeded` each
     /// unpaired prefill rank is told when its request ends) ...
-    resent_sidechannel => "kvferry_control_resent_sidechannel",
+    resent_sidechannel: Counter "kvferry_control_resent_sidechannel",
         "Control messages resent over the side channel.";
     /// ... and a data-plane session. (A write's status trailer carries only
     /// a first `Status`, never a resent one.)
-    resent_data_plane => "kvferry_control_resent_data_plane",
+    resent_data_plane: Counter "kvferry_control_resent_data_plane",
         "Control messages resent over a data-plane session.";
     /// Answers to a message for a transfer that had ended here (or was
     /// unknown): its last words again after a success, else an `Abort`.
-    late_answers => "kvferry_late_answers",
+    late_answers: Counter "kvferry_late_answers",
         "Messages for ended or unknown transfers answered.";
     /// Fault injection (`NodeConfig::drop_control_ppm`): control messages
     /// dropped instead of sent, by channel: the side channel ...
-    dropped_sidechannel => "kvferry_control_dropped_sidechannel",
+    dropped_sidechannel: Counter "kvferry_control_dropped_sidechannel",
         "Control messages dropped by fault injection on the side channel.";
     /// ... a data-plane notification ...
-    dropped_data_plane => "kvferry_control_dropped_data_plane",
+    dropped_data_plane: Counter "kvferry_control_dropped_data_plane",
         "Control messages dropped by fault injection on a data-plane session.";
     /// ... and a write's status trailer.
-    dropped_trailer => "kvferry_control_dropped_trailer",
+    dropped_trailer: Counter "kvferry_control_dropped_trailer",
         "Closing statuses dropped by fault injection from behind their write.";
     /// String request ids refused because another request id holds their
     /// transfer id (the hashes collide): opened here, named by a decode
     /// rank's `Pull`, or refused by the prefill rank asked.
-    id_collisions => "kvferry_id_collisions",
+    id_collisions: Counter "kvferry_id_collisions",
         "Request ids refused because another request id holds their transfer id.";
     /// Frames of another protocol version this node refused (answered with
     /// a `Refuse`).
-    version_refusals_sent => "kvferry_version_refusals_sent",
+    version_refusals_sent: Counter "kvferry_version_refusals_sent",
         "Frames of another protocol version refused.";
     /// `Refuse` frames this node received: a peer of another protocol
     /// version will not read its frames.
-    version_refusals_received => "kvferry_version_refusals_received",
+    version_refusals_received: Counter "kvferry_version_refusals_received",
         "Refusals received from peers of another protocol version.";
 }
 
+/// The node's counter set and the latency histogram of its successes.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    set: CounterSet,
+    latency: Mutex<Latency>,
+}
+
+/// Every counter of the set reads as a field of the node's counters.
+impl std::ops::Deref for Counters {
+    type Target = CounterSet;
+    fn deref(&self) -> &CounterSet {
+        &self.set
+    }
+}
+
 impl Counters {
+    /// Reads every counter.
+    pub(crate) fn snapshot(&self) -> NodeStats {
+        self.set.load()
+    }
+
     /// Counts a request that reached `phase`, which took `latency` from its
     /// first report. Only successes enter the latency histogram: failed and
     /// expired requests end at deadlines, and mixing them in would hide the
@@ -205,10 +160,11 @@ impl Counters {
                 l.record(latency);
             }
             Phase::Failed(FailReason::Aborted(_) | FailReason::PeerAborted) => {
+                self.failed.fetch_add(1, Relaxed);
                 self.aborted.fetch_add(1, Relaxed);
             }
             Phase::Failed(_) => {
-                self.failed_other.fetch_add(1, Relaxed);
+                self.failed.fetch_add(1, Relaxed);
             }
             Phase::Expired => {
                 self.expired.fetch_add(1, Relaxed);
@@ -247,24 +203,13 @@ fn scrape(counters: &Counters, encoder: &mut DescriptorEncoder) -> Result<(), st
         ("aborted", s.aborted),
         ("expired", s.expired),
     ];
-    let mut family = encoder.encode_descriptor(
-        "kvferry_transfers",
-        "Requests finished, by outcome.",
-        None,
-        MetricType::Counter,
-    )?;
+    let mut family =
+        encoder.encode_descriptor(TRANSFERS, TRANSFERS_HELP, None, MetricType::Counter)?;
     for (outcome, n) in by_outcome {
         let labels = [("outcome", outcome)];
         ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
     }
     kvferry_metrics::encode_families(encoder, &s.plain())?;
-    let dead_now = Family {
-        name: "kvferry_peers_dead",
-        help: "Peers marked dead now.",
-        kind: Kind::Gauge,
-        value: s.dead_now,
-    };
-    kvferry_metrics::encode_families(encoder, &[dead_now])?;
     let latency = counters.latency();
     let buckets = latency.buckets();
     let bounds = LATENCY_BUCKETS_S.iter().copied().chain([f64::INFINITY]);
@@ -276,6 +221,16 @@ fn scrape(counters: &Counters, encoder: &mut DescriptorEncoder) -> Result<(), st
         MetricType::Histogram,
     )?;
     encode_histogram(m, latency.sum().as_secs_f64(), latency.count(), &pairs)
+}
+
+impl NodeStats {
+    /// Every family but the outcome counters, which render as one labelled
+    /// family.
+    fn plain(&self) -> Vec<Family> {
+        let mut families = self.families();
+        families.retain(|f| f.name != TRANSFERS);
+        families
+    }
 }
 
 fn encode_histogram(
@@ -290,6 +245,7 @@ fn encode_histogram(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvferry_metrics::Kind;
     use std::sync::Arc;
 
     #[test]
@@ -344,7 +300,11 @@ mod tests {
         check_exposition(&text);
         // One TYPE line per family, every plain counter among them.
         for family in s.plain() {
-            let declared = format!("# TYPE {} counter", family.name);
+            let kind = match family.kind {
+                Kind::Counter => "counter",
+                Kind::Gauge => "gauge",
+            };
+            let declared = format!("# TYPE {} {kind}", family.name);
             assert_eq!(text.matches(&declared).count(), 1, "{declared}\n{text}");
         }
         assert!(text.ends_with("# EOF\n"), "{text}");

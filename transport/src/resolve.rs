@@ -26,7 +26,7 @@
 //! [`ResolveError`] before any lookup, never a panic.
 //!
 //! ```
-//! use kvferry_transport::resolve::{HostPort, Resolver, ResolveError};
+//! use kvferry_transport::{HostPort, Resolver, ResolveError};
 //! let r = Resolver::system(std::time::Duration::from_secs(2));
 //! assert_eq!(r.resolve_str("127.0.0.1:8998").unwrap().port(), 8998);
 //! assert!(matches!(HostPort::parse("prefill-0:"), Err(ResolveError::MissingPort(_))));

@@ -8,7 +8,7 @@ use super::{after, earliest, Config, FailReason, GrantLease, Msg, PeerId, Phase}
 
 /// A write (push) or read (pull) the toucher posted and has not seen complete.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Op {
+pub(crate) struct Posted {
     pub(crate) peer: PeerId,
     pub(crate) chunk: u32,
     /// Posted time plus the transfer bound: after this the op can no longer touch memory.
@@ -26,7 +26,7 @@ pub(crate) struct Op {
 pub(crate) struct Drain {
     /// The terminal phase reported once the drain completes.
     pub(crate) outcome: Phase,
-    pub(crate) ops: Vec<Op>,
+    pub(crate) ops: Vec<Posted>,
     /// Messages to send once the peer has no op in flight.
     pub(crate) returns: Vec<(PeerId, Msg)>,
     /// Leases we granted and that were not returned yet.
@@ -145,7 +145,7 @@ impl End {
     }
 
     /// Starts the drain of a request that had `ops` in flight.
-    pub(crate) fn drain(self, mut ops: Vec<Op>, cfg: &Config) -> Drain {
+    pub(crate) fn drain(self, mut ops: Vec<Posted>, cfg: &Config) -> Drain {
         if cfg.unsafe_ignore_in_flight {
             ops.clear();
         }

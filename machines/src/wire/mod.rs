@@ -38,8 +38,9 @@
 //!   versions explicitly (decode per version); nothing is inferred.
 //!
 //! ```
-//! use kvferry_machines::common::{Msg, TransferId};
-//! use kvferry_machines::wire::{self, Frame, Limits};
+//! use kvferry_machines::internal::common::Msg;
+//! use kvferry_machines::internal::wire::{self, Frame, Limits};
+//! use kvferry_machines::TransferId;
 //! let frame = Frame::Transfer { transfer_id: TransferId(7), msg: Msg::Done { ok: true } };
 //! let bytes = wire::encode(&frame);
 //! assert_eq!(wire::decode(&bytes, &Limits::default()), Ok(frame));

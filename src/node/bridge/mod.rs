@@ -291,7 +291,7 @@ struct Bridge {
     /// Socket monitors made so far (names their inproc endpoints).
     monitors: u64,
     stop: bool,
-    /// Which peers are dead (see `kvferry_machines::liveness`).
+    /// Which peers are dead (see `kvferry_machines::Liveness`).
     liveness: Liveness,
     /// Prefill: pulls refused for an id collision (see `names`).
     refused_ids: names::RefusedIds,

@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use kvferry_machines::internal::store::ChunkKey;
 
-use super::conn::{error_code, item_error, Conn, Reply, Tree};
+use super::conn::{error_code, item_error, Conn, RespValue, Tree};
 use super::{
     corrupt_count, del_batch, exists_batch, parse_url, server_error, url_error, Batch, GetBatch,
     Packed, PutBatch, RedisConfig, RedisError,
@@ -558,10 +558,10 @@ impl RedisClusterStore {
         let heard = conn.receive(replies.len(), deadline, |j, r| {
             let Some(at) = replies[j] else {
                 // A failed `ASKING` shows in the command's own reply.
-                return matches!(r, Reply::Ok | Reply::Error(_)).then_some(Heard::Asking);
+                return matches!(r, RespValue::Ok | RespValue::Error(_)).then_some(Heard::Asking);
             };
             Some(match r {
-                Reply::Error(text) => heard_error(text, node),
+                RespValue::Error(text) => heard_error(text, node),
                 r => Heard::Done(batch.answer(keys[at].i, r, deadline)?),
             })
         });

@@ -35,7 +35,7 @@ pub const TREE_REPLIES_MAX: usize = 1 << 18;
 /// One reply, of the kinds `EXISTS`, `SET`, `GET`, `DEL`, `AUTH`,
 /// `ASKING` and `CLUSTER SLOTS` give.
 #[derive(Debug)]
-pub(crate) enum Reply<'a> {
+pub(crate) enum RespValue<'a> {
     /// `+OK`.
     Ok,
     /// `$-1`, `*-1` or `_`.
@@ -105,7 +105,7 @@ impl Conn {
             }
             auth.arg(password);
             let ok = conn.exchange(&auth.get_packed_command(), 1, deadline, |_, r| {
-                Some(matches!(r, Reply::Ok))
+                Some(matches!(r, RespValue::Ok))
             })?;
             if ok != [true] {
                 return Err(CallError::Refused);
@@ -121,7 +121,7 @@ impl Conn {
         packed: &[u8],
         count: usize,
         deadline: Instant,
-        one: impl FnMut(usize, Reply<'_>) -> Option<R>,
+        one: impl FnMut(usize, RespValue<'_>) -> Option<R>,
     ) -> Result<Vec<R>, CallError> {
         self.send(packed, deadline)?;
         self.receive(count, deadline, one)
@@ -138,7 +138,7 @@ impl Conn {
         &mut self,
         count: usize,
         deadline: Instant,
-        mut one: impl FnMut(usize, Reply<'_>) -> Option<R>,
+        mut one: impl FnMut(usize, RespValue<'_>) -> Option<R>,
     ) -> Result<Vec<R>, CallError> {
         self.io.get_mut().deadline = deadline;
         let mut answers = Vec::with_capacity(count);
@@ -165,13 +165,13 @@ impl Conn {
     fn read_tree(&mut self, depth: usize, budget: &mut usize) -> Result<Tree, CallError> {
         *budget = budget.checked_sub(1).ok_or(CallError::Refused)?;
         let len = match self.read_reply()? {
-            Reply::Array(n) => n,
-            Reply::Ok => return Ok(Tree::Ok),
-            Reply::Nil => return Ok(Tree::Nil),
-            Reply::Int(n) => return Ok(Tree::Int(n)),
-            Reply::Bulk(b) if b.len() <= LINE_BYTES_MAX => return Ok(Tree::Bulk(b.to_vec())),
-            Reply::Bulk(_) => return Err(CallError::Refused),
-            Reply::Error(e) => return Ok(Tree::Error(e.to_string())),
+            RespValue::Array(n) => n,
+            RespValue::Ok => return Ok(Tree::Ok),
+            RespValue::Nil => return Ok(Tree::Nil),
+            RespValue::Int(n) => return Ok(Tree::Int(n)),
+            RespValue::Bulk(b) if b.len() <= LINE_BYTES_MAX => return Ok(Tree::Bulk(b.to_vec())),
+            RespValue::Bulk(_) => return Err(CallError::Refused),
+            RespValue::Error(e) => return Ok(Tree::Error(e.to_string())),
         };
         if depth + 1 > ARRAY_DEPTH_MAX || len > *budget {
             return Err(CallError::Refused);
@@ -185,7 +185,7 @@ impl Conn {
 
     /// Reads one reply; a kind our commands never get, or a line, bulk or
     /// array past its bound, is `Refused`.
-    fn read_reply(&mut self) -> Result<Reply<'_>, CallError> {
+    fn read_reply(&mut self) -> Result<RespValue<'_>, CallError> {
         self.line.clear();
         let mut limited = (&mut self.io).take(LINE_BYTES_MAX as u64);
         limited
@@ -203,17 +203,17 @@ impl Conn {
         let text = std::str::from_utf8(rest).map_err(|_| CallError::Refused)?;
         let int = || text.parse::<i64>().map_err(|_| CallError::Refused);
         match kind {
-            b'+' if text == "OK" => Ok(Reply::Ok),
-            b'-' => Ok(Reply::Error(text)),
-            b':' => Ok(Reply::Int(int()?)),
-            b'_' => Ok(Reply::Nil),
+            b'+' if text == "OK" => Ok(RespValue::Ok),
+            b'-' => Ok(RespValue::Error(text)),
+            b':' => Ok(RespValue::Int(int()?)),
+            b'_' => Ok(RespValue::Nil),
             b'*' => match int()? {
-                -1 => Ok(Reply::Nil),
-                n if (0..=ARRAY_LEN_MAX as i64).contains(&n) => Ok(Reply::Array(n as usize)),
+                -1 => Ok(RespValue::Nil),
+                n if (0..=ARRAY_LEN_MAX as i64).contains(&n) => Ok(RespValue::Array(n as usize)),
                 _ => Err(CallError::Refused),
             },
             b'$' => match int()? {
-                -1 => Ok(Reply::Nil),
+                -1 => Ok(RespValue::Nil),
                 n if (0..=BULK_BYTES_MAX as i64).contains(&n) => {
                     read_bulk(&mut self.io, &mut self.bulk, n as usize)
                 }
@@ -231,14 +231,14 @@ fn read_bulk<'a>(
     io: &mut impl Read,
     bulk: &'a mut Vec<u8>,
     n: usize,
-) -> Result<Reply<'a>, CallError> {
+) -> Result<RespValue<'a>, CallError> {
     if bulk.len() < n + 2 {
         bulk.resize(n + 2, 0);
     }
     let bytes = &mut bulk[..n + 2];
     io.read_exact(bytes).map_err(io_error)?;
     match bytes.strip_suffix(b"\r\n") {
-        Some(bytes) => Ok(Reply::Bulk(bytes)),
+        Some(bytes) => Ok(RespValue::Bulk(bytes)),
         None => Err(CallError::Refused),
     }
 }

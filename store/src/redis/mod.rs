@@ -46,7 +46,7 @@ use kvferry_machines::internal::store::ChunkKey;
 use super::backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, StoreBackend,
 };
-use conn::{error_code, Conn, Reply, Tree};
+use conn::{error_code, Conn, RespValue, Tree};
 
 pub use cluster::{
     hash_slot, ClusterConfig, ClusterStats, RedisClusterStore, CONNS_MAX, REDIRECTS_MAX, SEEDS_MAX,
@@ -271,7 +271,7 @@ impl RedisStore {
         let conn = self.conn.as_mut().ok_or(CallError::Transport)?;
         self.stats.round_trips += 1;
         let answers = conn.exchange(&packed.0, batch.len(), deadline, |i, r| match r {
-            Reply::Error(text) => Some(Err(server_error(error_code(text)))),
+            RespValue::Error(text) => Some(Err(server_error(error_code(text)))),
             r => batch.answer(i, r, deadline),
         });
         if answers.is_err() {
@@ -324,7 +324,7 @@ pub(crate) trait Batch {
     fn answer(
         &self,
         i: usize,
-        r: Reply<'_>,
+        r: RespValue<'_>,
         deadline: Instant,
     ) -> Option<Result<Self::Out, ItemError>>;
 }
@@ -348,9 +348,9 @@ impl<T> Batch for KeyBatch<'_, T> {
     fn pack(&self, i: usize, buf: &mut Vec<u8>, _: Instant) -> Result<(), CallError> {
         pack_key_command(buf, self.name, self.key(i))
     }
-    fn answer(&self, _: usize, r: Reply<'_>, _: Instant) -> Option<Result<T, ItemError>> {
+    fn answer(&self, _: usize, r: RespValue<'_>, _: Instant) -> Option<Result<T, ItemError>> {
         match r {
-            Reply::Int(n) => (self.answer)(n),
+            RespValue::Int(n) => (self.answer)(n),
             _ => None,
         }
     }
@@ -432,10 +432,15 @@ impl Batch for PutBatch<'_> {
         buf.extend_from_slice(b"\r\n$2\r\nNX\r\n");
         Ok(())
     }
-    fn answer(&self, _: usize, r: Reply<'_>, _: Instant) -> Option<Result<PutOutcome, ItemError>> {
+    fn answer(
+        &self,
+        _: usize,
+        r: RespValue<'_>,
+        _: Instant,
+    ) -> Option<Result<PutOutcome, ItemError>> {
         match r {
-            Reply::Ok => Some(Ok(PutOutcome::Stored)),
-            Reply::Nil => Some(Ok(PutOutcome::Exists)),
+            RespValue::Ok => Some(Ok(PutOutcome::Stored)),
+            RespValue::Nil => Some(Ok(PutOutcome::Exists)),
             _ => None,
         }
     }
@@ -455,10 +460,15 @@ impl Batch for GetBatch<'_> {
     fn pack(&self, i: usize, buf: &mut Vec<u8>, _: Instant) -> Result<(), CallError> {
         pack_key_command(buf, "GET", self.key(i))
     }
-    fn answer(&self, i: usize, r: Reply<'_>, deadline: Instant) -> Option<Result<(), ItemError>> {
+    fn answer(
+        &self,
+        i: usize,
+        r: RespValue<'_>,
+        deadline: Instant,
+    ) -> Option<Result<(), ItemError>> {
         match r {
-            Reply::Nil => Some(Err(ItemError::NotFound)),
-            Reply::Bulk(bytes) => Some(write_value(&self.0.get(i)?.into, bytes, deadline)),
+            RespValue::Nil => Some(Err(ItemError::NotFound)),
+            RespValue::Bulk(bytes) => Some(write_value(&self.0.get(i)?.into, bytes, deadline)),
             _ => None,
         }
     }

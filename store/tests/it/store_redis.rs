@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::store_buffer;
 
-use kvferry::store::{
+use kvferry_store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RedisConfig, RedisStore, Scatter, Segment,
     StoreBackend,
 };
@@ -313,7 +313,7 @@ mod through_the_connector {
 
     use super::store_buffer::connector::{self, config, save, BLOCK_TOKENS, HEAD_BYTES};
     use super::*;
-    use kvferry::store::StoreConnector;
+    use kvferry_store::StoreConnector;
 
     #[test]
     fn a_full_redis_takes_the_pressure_path_until_a_save_succeeds() {
@@ -353,7 +353,7 @@ mod through_the_connector {
         let block_2 = (keys.iter())
             .find(|k| {
                 let v: Vec<u8> = redis::cmd("GET").arg(*k).query(&mut raw).unwrap();
-                v.get(kvferry::store::internal::redis::HEADER_BYTES) == Some(&3)
+                v.get(kvferry_store::internal::redis::HEADER_BYTES) == Some(&3)
             })
             .unwrap();
         let mut v: Vec<u8> = redis::cmd("GET").arg(block_2).query(&mut raw).unwrap();

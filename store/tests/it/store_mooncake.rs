@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
-use kvferry::store::{
+use kvferry_store::{
     GetItem, ItemError, MooncakeStore, MooncakeStoreConfig, MooncakeStoreError, PutItem,
     PutOutcome, Scatter, Segment, StoreBackend, StoreConnector,
 };

@@ -1,4 +1,4 @@
-//! The store tier's KV events over ZeroMQ (`kvferry::store::internal::publish`): a
+//! The store tier's KV events over ZeroMQ (`kvferry_store::internal::publish`): a
 //! real subscriber on 127.0.0.1 gets vLLM's three frames with consecutive
 //! sequence numbers, the replay socket answers from its bounded buffer,
 //! and vLLM's own definitions decode the payloads field for field
@@ -7,10 +7,10 @@
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 
-use kvferry::machines::internal::store::events::{BlockStored, KvEvent, Medium};
-use kvferry::machines::internal::store::BlockHash;
-use kvferry::store::internal::publish::REPLAY_END_SEQ;
-use kvferry::store::{HashEncoding, KvEventBatch, KvEventPublisher, PublisherConfig};
+use kvferry_machines::internal::store::events::{BlockStored, KvEvent, Medium};
+use kvferry_machines::internal::store::BlockHash;
+use kvferry_store::internal::publish::REPLAY_END_SEQ;
+use kvferry_store::{HashEncoding, KvEventBatch, KvEventPublisher, PublisherConfig};
 
 /// Publish attempts before a subscriber that never joined fails the test.
 const JOIN_ATTEMPTS: u32 = 2000;

@@ -30,15 +30,15 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvferry::machines::internal::common::{AbortReason, BlockId, TransferId};
-use kvferry::machines::internal::store::events::{KvEvent, Medium};
-use kvferry::machines::internal::store::load::{LoadEnd, LoadReport};
-use kvferry::machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport};
-use kvferry::machines::internal::store::{
+use kvferry_machines::internal::common::{AbortReason, BlockId, TransferId};
+use kvferry_machines::internal::store::events::{KvEvent, Medium};
+use kvferry_machines::internal::store::load::{LoadEnd, LoadReport};
+use kvferry_machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport};
+use kvferry_machines::internal::store::{
     BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, PressureStats, StoreConfig,
 };
-use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::store::{
+use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry_store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
     ItemError, PutItem, PutOutcome, Scatter, StoreBackend, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,

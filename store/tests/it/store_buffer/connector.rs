@@ -3,11 +3,11 @@
 
 use std::time::Instant;
 
-use kvferry::machines::internal::common::{BlockId, TransferId};
-use kvferry::machines::internal::store::events::Medium;
-use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::store::{
+use kvferry_machines::internal::common::{BlockId, TransferId};
+use kvferry_machines::internal::store::events::Medium;
+use kvferry_machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry_machines::{LayoutKind, ModelSpec};
+use kvferry_store::{
     ConnectorConfig, ConnectorLimits, StoreConnector, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };
 

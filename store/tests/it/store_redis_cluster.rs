@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use crate::store_buffer;
 
-use kvferry::store::internal::redis::{hash_slot, HEADER_BYTES, REDIRECTS_MAX};
-use kvferry::store::{
+use kvferry_store::internal::redis::{hash_slot, HEADER_BYTES, REDIRECTS_MAX};
+use kvferry_store::{
     ClusterConfig, ItemError, PutOutcome, RedisClusterStore, StoreBackend, StoreConnector,
 };
 use store_buffer::connector::{self, config, save, save_as, BLOCK_BYTES};
@@ -559,7 +559,7 @@ fn hostile(reply: &'static [u8]) -> (RedisClusterStore, std::thread::JoinHandle<
 
 #[test]
 fn slot_maps_past_their_bounds_are_refused_and_a_silent_node_ends_by_the_deadline() {
-    use kvferry::store::CallError;
+    use kvferry_store::CallError;
     let cases: [(&[u8], CallError); 5] = [
         // A map of one node whose entry nests past ARRAY_DEPTH_MAX.
         (
@@ -614,7 +614,7 @@ fn scripted(script: impl FnOnce(u16) -> Vec<Vec<u8>>) -> (u16, std::thread::Join
 
 #[test]
 fn a_node_that_failed_is_asked_for_the_slot_map_after_the_others() {
-    use kvferry::store::CallError;
+    use kvferry_store::CallError;
     // Takes connections (the kernel's backlog) and never answers.
     let silent = TcpListener::bind("127.0.0.1:0").unwrap();
     // Answers `CLUSTER SLOTS` with itself as the one master, then EXISTS.

@@ -7,9 +7,9 @@ pub(crate) mod connector;
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::internal::store::ChunkKey;
-use kvferry::machines::{RankLayout, Region, Stage};
-use kvferry::store::{GetItem, PutItem, Scatter, Segment};
+use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::{RankLayout, Region, Stage};
+use kvferry_store::{GetItem, PutItem, Scatter, Segment};
 
 /// One heap buffer as an engine's whole KV cache: `blocks` blocks of
 /// `block` bytes.
@@ -88,7 +88,7 @@ pub(crate) fn far() -> Instant {
 /// `remove_prefix` of `store`: the keys under the prefix go, others stay,
 /// the glob bytes in the prefix matched as themselves (`mQx` would match
 /// `m*[x]` as a pattern). Values come from the first 4 blocks of `kv`.
-pub(crate) fn check_remove_prefix(store: &mut dyn kvferry::store::StoreBackend, kv: &Buffer) {
+pub(crate) fn check_remove_prefix(store: &mut dyn kvferry_store::StoreBackend, kv: &Buffer) {
     let names = ["kvf1:m*[x]:a", "kvf1:m*[x]:b", "kvf1:mQx:c", "kvf1:n:d"];
     let items: Vec<PutItem> = (names.iter().zip(0..)).map(|(k, b)| kv.put(k, b)).collect();
     assert!(store.put(&items, far()).unwrap().iter().all(Result::is_ok));

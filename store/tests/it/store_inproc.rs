@@ -5,15 +5,15 @@
 use std::time::{Duration, Instant};
 
 use crate::store_buffer::check_remove_prefix;
-use kvferry::machines::internal::common::{AbortReason, BlockId, TransferId};
-use kvferry::machines::internal::store::events::{KvEvent, Medium};
-use kvferry::machines::internal::store::load::{LoadEnd, LoadKeyResult};
-use kvferry::machines::internal::store::save::{SaveEnd, SaveKeyResult};
-use kvferry::machines::internal::store::{
+use kvferry_machines::internal::common::{AbortReason, BlockId, TransferId};
+use kvferry_machines::internal::store::events::{KvEvent, Medium};
+use kvferry_machines::internal::store::load::{LoadEnd, LoadKeyResult};
+use kvferry_machines::internal::store::save::{SaveEnd, SaveKeyResult};
+use kvferry_machines::internal::store::{
     BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, StoreConfig,
 };
-use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::store::{
+use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry_store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
     PutItem, PutOutcome, StoreBackend, StoreConnector, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };
@@ -561,11 +561,11 @@ fn calls_past_their_deadline_touch_no_memory_and_fail_their_requests() {
     let (saved, loaded) = c.get_finished_reports();
     assert!(matches!(
         saved[0].1.end,
-        SaveEnd::Fault(kvferry::machines::internal::store::StoreFault::Timeout)
+        SaveEnd::Fault(kvferry_machines::internal::store::StoreFault::Timeout)
     ));
     assert!(matches!(
         loaded[0].1.end,
-        LoadEnd::Fault(kvferry::machines::internal::store::StoreFault::Timeout)
+        LoadEnd::Fault(kvferry_machines::internal::store::StoreFault::Timeout)
     ));
     assert_eq!(
         c.block_ids_with_load_errors(),

@@ -6,12 +6,12 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::internal::common::BlockId;
-use kvferry::machines::internal::store::events::Medium;
-use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::store::internal::scheduler::{Scheduled, StoreReq};
-use kvferry::store::{
+use kvferry_machines::internal::common::BlockId;
+use kvferry_machines::internal::store::events::Medium;
+use kvferry_machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry_store::internal::scheduler::{Scheduled, StoreReq};
+use kvferry_store::{
     ConnectorConfig, ConnectorLimits, InprocConfig, InprocStore, LookupClient, LookupServer,
     StoreConnector, StoreMeta, StoreScheduler, StoreSchedulerConfig,
 };

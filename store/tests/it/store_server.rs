@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use crate::store_buffer;
 
-use kvferry::store::internal::proto::{self, Answer, Refusal, Request};
-use kvferry::store::{
+use kvferry_store::internal::proto::{self, Answer, Refusal, Request};
+use kvferry_store::{
     CallError, GetItem, ItemError, PutItem, PutOutcome, RemoteConfig, RemoteStore, Scatter,
     Segment, StoreBackend,
 };
@@ -223,11 +223,11 @@ mod through_the_connector {
     //! in one round trip.
 
     use super::*;
-    use kvferry::machines::internal::common::{BlockId, TransferId};
-    use kvferry::machines::internal::store::events::Medium;
-    use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-    use kvferry::machines::{LayoutKind, ModelSpec};
-    use kvferry::store::{
+    use kvferry_machines::internal::common::{BlockId, TransferId};
+    use kvferry_machines::internal::store::events::Medium;
+    use kvferry_machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+    use kvferry_machines::{LayoutKind, ModelSpec};
+    use kvferry_store::{
         ConnectorConfig, ConnectorLimits, StoreConnector, StoreRequest, StoreSaveMeta,
     };
 
