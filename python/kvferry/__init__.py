@@ -317,7 +317,10 @@ class Node:
     with ``mooncake_protocol``), ``host``,
     ``bootstrap`` (``"HOST:PORT"`` to register at or ask), ``serve_bootstrap``
     and every other key, timeouts as ``*_ms``. An unknown key raises
-    :class:`MisuseError`.
+    :class:`MisuseError`. A key not given here is read from its
+    ``KVFERRY_<KEY>`` environment variable (``KVFERRY_HOST``,
+    ``KVFERRY_TRANSPORT``, ``KVFERRY_LEASE_MS``), else it keeps its
+    default; :attr:`settings` shows the outcome.
     """
 
     def __init__(self, *, role: str, engine_id: str, **settings: Any) -> None:
@@ -330,6 +333,12 @@ class Node:
         #: String request ids of transfers opened by one, by transfer id,
         #: until ``get_finished`` reports them.
         self._names: "dict[int, str]" = {}
+
+    @property
+    def settings(self) -> "dict[str, Any]":
+        """Every setting this node runs with: the keywords given, then
+        ``KVFERRY_*`` variables, then defaults (``docs/config.md``)."""
+        return json.loads(self._native.settings())
 
     # -- memory --------------------------------------------------------
 

@@ -43,6 +43,7 @@ _BlockIds = Union[Sequence[int], Sequence[Sequence[int]]]
 @final
 class Node:
     def __new__(cls, settings: str) -> "Node": ...
+    def settings(self) -> str: ...
     def register_regions(
         self,
         regions: Sequence[tuple[int, int, int]],

@@ -8,16 +8,28 @@ SGLang process the ``mooncake`` backend's classes are kvferry's::
     KVFERRY_SGLANG=1 python -m sglang.launch_server ... \\
         --disaggregation-mode prefill --disaggregation-transfer-backend mooncake
 
-Each rank is a :class:`kvferry.Node`; the prefill engine's bootstrap
-service is kvferry's (:class:`KvferryKVBootstrapServer`). A request's
-``bootstrap_room`` is its transfer id. KV pages are kvferry blocks (one
-region per K or V buffer of a layer, token-major pages: NHD), aux buffers
-one ``aux`` pool and each state type one ``state`` pool.
+Each attention-TP rank is a :class:`kvferry.Node`; the prefill engine's
+bootstrap service is kvferry's (:class:`KvferryKVBootstrapServer`). A
+request's ``bootstrap_room`` is its transfer id. KV pages are kvferry
+blocks (one region per layer's K and V buffer, token-major pages: NHD),
+aux buffers one ``aux`` pool and each state type one ``state`` pool.
+
+Settings: what SGLang knows (role, attention TP and DP ranks, PP stage,
+bootstrap address, ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and
+``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``) comes from SGLang; every other
+node setting from its ``KVFERRY_<KEY>`` variable (``docs/python.md``). The
+advertised host is the one SGLang's own backends advertise
+(``SGLANG_HOST_IP``, else the interface the default route leaves by)
+unless ``KVFERRY_HOST`` names one.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
+import json
 import os
+import urllib.request
 from typing import Any, List, Optional
 
 import numpy as np
@@ -40,6 +52,22 @@ from kvferry import Phase
 #: bootstrap service (SGLang runs one bootstrap service per prefill engine).
 ENGINE_ID = "sglang"
 
+#: The SGLang series this backend is written against; 0.5.23 is tested.
+#: A newer 0.5.x is accepted when it has every interface :func:`check_sglang`
+#: looks for.
+SGLANG_SERIES = "0.5."
+
+#: SGLang's own timeouts of a transfer, in seconds, and the node settings
+#: they become.
+SGLANG_TIMEOUTS = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "bootstrap_timeout_ms",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "waiting_timeout_ms",
+}
+
+#: How long ``try_ensure_parallel_info`` waits for the bootstrap service
+#: (SGLang calls it from its scheduler loop, once a second per address).
+QUERY_TIMEOUT_S = 0.5
+
 _POLL = {
     Phase.Bootstrapping: KVPoll.Bootstrapping,
     Phase.WaitingForInput: KVPoll.WaitingForInput,
@@ -50,11 +78,44 @@ _POLL = {
 }
 
 
+def check_sglang() -> None:
+    """Raises :class:`kvferry.Error` unless the installed SGLang is a 0.5.x
+    with every interface this backend uses."""
+    version = importlib.metadata.version("sglang")
+    missing = [name for name, ok in _features() if not ok]
+    if version.startswith(SGLANG_SERIES) and not missing:
+        return
+    raise kvferry.Error(
+        f"kvferry's SGLang backend needs SGLang 0.5.23 or a newer 0.5.x; found {version}"
+        + (f", which lacks {', '.join(missing)}" if missing else "")
+    )
+
+
+def _features() -> "list[tuple[str, bool]]":
+    from sglang.srt.disaggregation.common import conn as common
+
+    params = inspect.signature(BaseKVReceiver.send_metadata).parameters
+    try:
+        from sglang.srt.runtime_context import get_parallel  # noqa: F401
+
+        parallel = True
+    except ImportError:
+        parallel = False
+    return [
+        ("send_metadata(decode_prefix_len=)", "decode_prefix_len" in params),
+        ("BaseKVSender.should_send_kv_chunk", hasattr(BaseKVSender, "should_send_kv_chunk")),
+        ("common.conn.KVTransferError", hasattr(common, "KVTransferError")),
+        ("common.conn.PrefillServerInfo", hasattr(common, "PrefillServerInfo")),
+        ("runtime_context.get_parallel", parallel),
+    ]
+
+
 def plugin() -> None:
     """SGLang's plugin entry point: with ``KVFERRY_SGLANG=1``, the
     ``mooncake`` transfer backend's classes become kvferry's."""
     if os.environ.get("KVFERRY_SGLANG", "") not in ("1", "true", "yes"):
         return
+    check_sglang()
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(
@@ -86,6 +147,53 @@ class KvferryKVBootstrapServer(BaseKVBootstrapServer):
         self.server.stop()
 
 
+def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> dict:
+    """The node settings SGLang decides for one rank: the attention-TP
+    group is what pairs with the peer's (DP attention shrinks it below
+    ``tp_size``), the system DP rank owns a KV cache of its own, and the
+    PP stage is ``args.pp_rank``."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    prefill = mode == DisaggregationMode.PREFILL
+    settings = {
+        "role": "prefill" if prefill else "decode",
+        "engine_id": ENGINE_ID,
+        "tp_size": int(parallel.attn_tp_size),
+        "tp_rank": int(parallel.attn_tp_rank),
+        "dp_rank": int(getattr(args, "system_dp_rank", 0) or 0),
+        "pp_size": int(parallel.pp_size),
+        "pp_rank": int(getattr(args, "pp_rank", 0) or 0),
+    }
+    if prefill:
+        settings["bootstrap"] = f"{_reachable(server_args.host)}:{server_args.disaggregation_bootstrap_port}"
+    for var, key in SGLANG_TIMEOUTS.items():
+        if os.environ.get(var):
+            settings[key] = int(float(os.environ[var]) * 1000)
+    if not os.environ.get(kvferry_var("host")):
+        settings["host"] = advertised_host()
+    return settings
+
+
+def kvferry_var(key: str) -> str:
+    """The environment variable of node setting ``key``."""
+    return "KVFERRY_" + key.upper()
+
+
+def advertised_host() -> str:
+    """The address SGLang's own transfer backends advertise for this
+    machine (``SGLANG_HOST_IP``, a named interface, else the source
+    address of the default route: a route lookup, no packet sent)."""
+    from sglang.srt.utils.network import get_local_ip_auto
+
+    return get_local_ip_auto("127.0.0.1")
+
+
+def _reachable(host: str) -> str:
+    """Where a rank reaches a service that listens on ``host``."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
 def _pool(kind: str, ptrs: List[int], lens: List[int], item_lens: List[int]):
     items = {n // i for n, i in zip(lens, item_lens) if i}
     if len(items) != 1:
@@ -94,7 +202,8 @@ def _pool(kind: str, ptrs: List[int], lens: List[int], item_lens: List[int]):
 
 
 class KvferryKVManager(BaseKVManager):
-    """One rank's node, with its KV pages, aux and state buffers registered."""
+    """One attention-TP rank's node, with its KV pages, aux and state
+    buffers registered."""
 
     def __init__(
         self,
@@ -103,27 +212,32 @@ class KvferryKVManager(BaseKVManager):
         server_args: Any,
         is_mla_backend: Optional[bool] = False,
     ):
+        check_sglang()
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
-        prefill = disaggregation_mode == DisaggregationMode.PREFILL
-        settings = {}
-        if prefill:
-            host = getattr(server_args, "host", "127.0.0.1")
-            settings["bootstrap"] = f"{host}:{server_args.disaggregation_bootstrap_port}"
-        self.node = kvferry.Node(
-            role="prefill" if prefill else "decode",
-            engine_id=ENGINE_ID,
-            tp_size=server_args.tp_size,
-            tp_rank=args.engine_rank % server_args.tp_size,
-            dp_rank=getattr(args, "system_dp_rank", 0) or 0,
-            **settings,
-        )
-        self.pools = self._register(args, bool(is_mla_backend))
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        #: Decode: the prefill engines' topology by bootstrap address, as
+        #: SGLang's decode queue reads it (``try_ensure_parallel_info``).
+        self.prefill_info_table: "dict[str, Any]" = {}
+        self.node = kvferry.Node(**node_settings(args, disaggregation_mode, server_args))
+        try:
+            _refuse_device_memory(server_args, self.node.settings)
+            self.pools = self._register(args, self.is_mla_backend)
+        except BaseException:
+            self.node.shutdown()
+            raise
 
     def _register(self, a: KVArgs, mla: bool) -> "list[str]":
         item = a.kv_item_lens[0]
         num_blocks = min(n // i for n, i in zip(a.kv_data_lens, a.kv_item_lens))
-        regions = [(p, i, i) for p, i in zip(a.kv_data_ptrs, a.kv_item_lens)]
+        heads, total_heads = _heads(a, self.server_args, mla)
+        if item % (a.page_size * heads):
+            raise kvferry.MisuseError(
+                f"a KV page of {item} bytes does not split into {a.page_size} tokens "
+                f"of {heads} heads"
+            )
+        regions, first_region = _layer_major(a, mla)
         pools = []
         if getattr(a, "aux_data_ptrs", None):
             pools.append(_pool("aux", a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens))
@@ -134,21 +248,51 @@ class KvferryKVManager(BaseKVManager):
         )
         for ptrs, lens, items in states:
             pools.append(_pool("state", ptrs, lens, items))
-        heads = 1 if mla else a.kv_head_num
         self.node.register_kv_caches(
-            regions=regions,
+            regions=[(p, i, i) for p, i in regions],
             num_blocks=num_blocks,
             layout="mla" if mla else (getattr(a, "kv_layout", None) or "nhd"),
-            total_kv_heads=1 if mla else a.total_kv_head_num,
+            total_kv_heads=total_heads,
             block_tokens=a.page_size,
             head_bytes=item // (a.page_size * heads),
+            first_region=first_region,
             pools=pools,
         )
         return [k for k, _, _ in pools]
 
     def register_to_bootstrap(self) -> None:
-        # The node registers at its bootstrap service when it starts.
+        # The node registers at its bootstrap service when it starts, and
+        # again in the background until the service is up.
         pass
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode: learns the prefill engine's DP size from its bootstrap
+        service (SGLang retries a False once a second, 15 times)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        url = f"http://{bootstrap_addr}/query?engine_id={ENGINE_ID}"
+        try:
+            with urllib.request.urlopen(url, timeout=QUERY_TIMEOUT_S) as reply:
+                ranks = json.loads(reply.read())
+        except (OSError, ValueError):
+            return False
+        if not ranks:
+            return False
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        first = next(iter(ranks.values()))["worker_addr"]
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=len(first),
+            attn_cp_size=1,
+            dp_size=len(ranks),
+            pp_size=len(first.get("0", {})) or 1,
+            page_size=None,
+            kv_cache_dtype=None,
+            # A request goes to prefill DP rank `room % dp_size` unless the
+            # router named one (kvferry's receiver takes the rank it is given).
+            follow_bootstrap_room=True,
+        )
+        return True
 
     def pool_lists(self, aux_index: Optional[int], state_indices: Optional[List]) -> list:
         """The index lists of this rank's pools for one request: the aux
@@ -164,26 +308,108 @@ class KvferryKVManager(BaseKVManager):
         return out
 
 
+def _heads(a: KVArgs, server_args: Any, mla: bool) -> "tuple[int, int]":
+    """(KV heads of this rank, KV heads of the model). SGLang's prefill
+    queue sets both in the KV args; its decode queue sets neither, so the
+    decode side reads them from the model's config as SGLang does."""
+    if mla:
+        return 1, 1
+    heads, total = getattr(a, "kv_head_num", None), getattr(a, "total_kv_head_num", None)
+    if heads and total:
+        return int(heads), int(total)
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import get_parallel
+
+    model = ModelConfig.from_server_args(server_args)
+    return model.get_num_kv_heads(get_parallel().attn_tp_size), model.get_total_num_kv_heads()
+
+
+def _layer_major(a: KVArgs, mla: bool) -> "tuple[list[tuple[int, int]], int]":
+    """SGLang lists K of every layer, then V of every layer (MLA: one
+    buffer per layer), then any draft model's buffers. kvferry's regions
+    go layer by layer (K, V), so that a pipeline stage's layers are one
+    run of regions starting at ``first_region``."""
+    bufs = list(zip(a.kv_data_ptrs, a.kv_item_lens))
+    draft = int(getattr(a, "num_draft_entries", 0) or 0)
+    main, extra = (bufs[: len(bufs) - draft], bufs[len(bufs) - draft :]) if draft else (bufs, [])
+    start = int(getattr(a, "prefill_start_layer", 0) or 0)
+    if mla:
+        return main + extra, start
+    if len(main) % 2:
+        raise kvferry.MisuseError(f"{len(main)} KV buffers are not K and V of each layer")
+    layers = len(main) // 2
+    regions = [buf for layer in range(layers) for buf in (main[layer], main[layers + layer])]
+    return regions + extra, 2 * start
+
+
+def _refuse_device_memory(server_args: Any, settings: dict) -> None:
+    """SGLang hands device pointers unless it runs on the CPU; only the
+    Mooncake transport moves device memory."""
+    device = str(getattr(server_args, "device", None) or "cuda")
+    if device == "cpu" or settings.get("transport") == "mooncake":
+        return
+    raise kvferry.MisuseError(
+        f"SGLang runs on {device!r} and hands kvferry device memory, which the "
+        f"{settings.get('transport')!r} transport cannot move: kvferry's tcp and local "
+        "transports move host memory only. Use the mooncake transport "
+        "(KVFERRY_TRANSPORT=mooncake, KVFERRY_MOONCAKE_LOCATION=cuda:N), or run SGLang "
+        "with --device cpu."
+    )
+
+
 class _Transfer:
     """What a sender and a receiver share: poll, failure, abort."""
 
     handle: Any = None
+    #: Why this rank's transfer failed before or outside its handle.
+    failure: Optional[str] = None
 
-    def poll(self) -> int:
-        if self.handle is None:
-            return KVPoll.Bootstrapping
-        return _POLL[self.handle.poll()]
+    def own_phase(self) -> Optional[Phase]:
+        return None if self.handle is None else self.handle.poll()
+
+    def failed_here(self) -> bool:
+        return self.failure is not None or self.own_phase() in (Phase.Failed, Phase.Expired)
 
     def failure_exception(self):
-        reason = self.handle.failure if self.handle is not None else "not started"
-        raise kvferry.Error(f"KV transfer {self.room} failed: {reason}")
+        """Raises SGLang's ``KVTransferError``; a rank that did not fail
+        itself (SGLang polls the minimum over its ranks) says so, and
+        SGLang logs it at debug level."""
+        from sglang.srt.disaggregation.common.conn import KVTransferError
+
+        here = self.failed_here()
+        if self.failure is not None:
+            reason = self.failure
+        elif here:
+            reason = f"kvferry: {self.handle.failure or 'Expired'}"
+        else:
+            reason = "Failed due to an unknown reason from another rank"
+        raise KVTransferError(self.room, reason, is_from_another_rank=not here)
+
+    #: Whether the node knows the transfer (a receiver's only once it
+    #: asked for the KV).
+    started = True
 
     def abort(self) -> None:
-        if self.handle is not None:
-            self.handle.abort()
+        if self.handle is not None and self.started:
+            try:
+                self.handle.abort()
+                return
+            except kvferry.Error as e:
+                self.failure = f"kvferry: abort: {e}"
+        if self.failure is None:
+            self.failure = "Aborted by AbortReq."
+
+    def _start(self, make: Any) -> None:
+        try:
+            self.handle = make()
+        except kvferry.Error as e:
+            self.failure = f"kvferry: {e}"
 
 
 class KvferryKVSender(_Transfer, BaseKVSender):
+    """The prefill side of one request: ``Bootstrapping`` until the decode
+    rank's request arrives, ``WaitingForInput`` until the last chunk."""
+
     def __init__(
         self,
         mgr: KvferryKVManager,
@@ -191,34 +417,77 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         bootstrap_room: int,
         req_has_disagg_prefill_dp_rank: bool = False,
     ):
-        self.mgr, self.room = mgr, int(bootstrap_room)
-        self.handle = mgr.node.sender(self.room)
+        self.kv_mgr, self.room = mgr, int(bootstrap_room)
         self.total, self.sent, self.aux_index = None, 0, None
+        self._start(lambda: mgr.node.sender(self.room))
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         self.total, self.aux_index = int(num_kv_indices), aux_index
 
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # The last chunk goes even without pages: it carries aux and state.
+        return num_pages > 0 or last_chunk
+
     def send(self, kv_indices: Any, state_indices: Optional[List] = None, num_kv_tokens=None):
+        if self.handle is None:
+            return
         kv = [int(x) for x in kv_indices]
         self.sent += len(kv)
         last = self.total is None or self.sent >= self.total
-        pools = self.mgr.pool_lists(self.aux_index, state_indices) if last else [
-            [] for _ in self.mgr.pools
+        pools = self.kv_mgr.pool_lists(self.aux_index, state_indices) if last else [
+            [] for _ in self.kv_mgr.pools
         ]
-        self.handle.send([kv] + pools, is_last=last)
+        try:
+            self.handle.send([kv] + pools, is_last=last)
+        except kvferry.Error as e:
+            self.failure = f"kvferry: {e}"
+            self.abort()
+
+    def poll(self) -> int:
+        if self.failure is not None:
+            return KVPoll.Failed
+        return _POLL[self.own_phase()]
 
     def get_transfer_metric(self) -> KVTransferMetric:
         return KVTransferMetric()
 
 
 class KvferryKVReceiver(_Transfer, BaseKVReceiver):
-    def __init__(self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
-        self.mgr, self.bootstrap_addr = mgr, bootstrap_addr
+    """The decode side of one request: ``Bootstrapping`` until SGLang
+    resolved the prefill DP rank (``init``), then ``WaitingForInput`` while
+    kvferry finds the prefill ranks and until the KV moves."""
+
+    def __init__(
+        self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None
+    ):
+        self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
         self.room = int(bootstrap_room or 0)
-        self.dp_rank = 0
+        # Aborted before it asked, the prefill side is not told: its
+        # sender ends at its bootstrap timeout, as with nothing asked.
+        self.started = False
 
     def init(self, prefill_dp_rank: int):
-        self.dp_rank = int(prefill_dp_rank or 0)
+        if self.failure is not None:
+            return
+        self._start(
+            lambda: self.kv_mgr.node.receiver(
+                self.room,
+                prefill_engine_id=ENGINE_ID,
+                bootstrap=self.bootstrap_addr,
+                prefill_dp_rank=int(prefill_dp_rank or 0),
+            )
+        )
+
+    def poll(self) -> int:
+        if self.failure is not None:
+            return KVPoll.Failed
+        phase = self.own_phase()
+        if phase is None:
+            return KVPoll.Bootstrapping
+        state = _POLL[phase]
+        # SGLang's poll never goes back: once init ran it is at least
+        # WaitingForInput, whatever kvferry still resolves.
+        return state if state == KVPoll.Failed else max(state, KVPoll.WaitingForInput)
 
     def send_metadata(
         self,
@@ -227,12 +496,22 @@ class KvferryKVReceiver(_Transfer, BaseKVReceiver):
         state_indices: Optional[List] = None,
         decode_prefix_len: Optional[int] = None,
         destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        **_: Any,
     ):
-        self.handle = self.mgr.node.receiver(
-            self.room,
-            prefill_engine_id=ENGINE_ID,
-            bootstrap=self.bootstrap_addr,
-            prefill_dp_rank=self.dp_rank,
-        )
-        lists = [[int(x) for x in kv_indices]] + self.mgr.pool_lists(aux_index, state_indices)
-        self.handle.request(lists)
+        if self.handle is None or self.failure is not None:
+            return
+        page = int(self.kv_mgr.kv_args.page_size)
+        prefix = int(decode_prefix_len or 0)
+        if prefix % page:
+            self.failure = f"kvferry: a decode prefix of {prefix} tokens is not whole pages of {page}"
+            self.abort()
+            return
+        lists = [[int(x) for x in kv_indices]] + self.kv_mgr.pool_lists(aux_index, state_indices)
+        # Decode's radix cache holds the first pages: the prefill sends all
+        # of its pages and kvferry skips those.
+        try:
+            self.handle.request(lists, prefix_blocks=[prefix // page] + [0] * len(self.kv_mgr.pools))
+            self.started = True
+        except kvferry.Error as e:
+            self.failure = f"kvferry: {e}"
+            self.abort()

@@ -217,6 +217,8 @@ struct Node {
     node: kvferry::Node,
     /// The process that started it (see [`same_process`]).
     pid: u32,
+    /// Every setting it was started with (see [`Node::settings`]).
+    settings: NodeSettings,
 }
 
 /// A node's executors and bridge are threads of the process that started
@@ -243,19 +245,31 @@ impl Node {
 #[pymethods]
 impl Node {
     /// Starts a node from its settings, as JSON (the schema of
-    /// `kvferry::node::NodeSettings`, `docs/config.md`).
+    /// `kvferry::node::NodeSettings`, `docs/config.md`). A key the JSON
+    /// leaves out is taken from its `KVFERRY_<KEY>` variable, else its
+    /// default: engines that start nodes themselves (SGLang) pass only
+    /// what they know, and the rest is the deployment's environment.
     #[new]
     fn new(py: Python<'_>, settings: &str) -> PyResult<Node> {
-        let config = NodeSettings::from_json(settings)
+        let config = NodeSettings::from_env()
+            .and_then(|env| Ok(env.overridden_by(NodeSettings::from_json(settings)?)))
             .and_then(|s| s.build())
             .map_err(|e| misuse(e.to_string()))?;
+        let settings = NodeSettings::of(&config);
         let node = py
             .detach(|| kvferry::Node::start(config))
             .map_err(node_err)?;
         Ok(Node {
             node,
             pid: std::process::id(),
+            settings,
         })
+    }
+
+    /// Every setting the node runs with, as JSON: the explicit ones, then
+    /// `KVFERRY_*` variables, then defaults.
+    fn settings(&self) -> String {
+        serde_json::to_string(&self.settings).expect("settings serialize as JSON")
     }
 
     /// Registers raw regions `(base, block_len, kv_block_len)` of

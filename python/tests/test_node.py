@@ -115,6 +115,27 @@ def test_a_dead_prefill_fails_the_request_fast():
         assert time.monotonic() - started < WAIT
 
 
+def test_keywords_win_over_kvferry_variables_which_win_over_defaults(monkeypatch):
+    monkeypatch.setenv("KVFERRY_MAX_PEERS", "77")
+    monkeypatch.setenv("KVFERRY_HEARTBEAT_MISSES", "9")
+    monkeypatch.setenv("KVFERRY_TP_SIZE", "8")
+    monkeypatch.setenv("KVFERRY_SGLANG", "1")  # not a node setting: ignored
+    n = kvferry.Node(role="decode", engine_id="d", tp_size=1, host="127.0.0.1")
+    try:
+        s = n.settings
+        assert s["max_peers"] == 77, "from the environment"
+        assert s["heartbeat_misses"] == 9, "from the environment"
+        assert s["tp_size"] == 1, "the keyword wins"
+        assert s["host"] == "127.0.0.1"
+        assert s["bootstrap_timeout_ms"] > 0, "a default"
+        assert s["role"] == "decode" and s["engine_id"] == "d"
+    finally:
+        n.shutdown()
+    monkeypatch.setenv("KVFERRY_MAX_PEERS", "many")
+    with pytest.raises(kvferry.MisuseError, match="KVFERRY_MAX_PEERS"):
+        kvferry.Node(role="decode", engine_id="d")
+
+
 def test_bad_arguments_raise_and_never_crash():
     with node("prefill", "p") as p:
         with pytest.raises(kvferry.MisuseError, match="leas_ms"):

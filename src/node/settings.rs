@@ -274,6 +274,84 @@ impl NodeSettings {
         Ok(c)
     }
 
+    /// Every key of `c`'s plain data, set: what a node built from
+    /// settings runs with, defaults and the environment included (the
+    /// inverse of [`NodeSettings::build`] on the schema's keys).
+    pub fn of(c: &NodeConfig) -> NodeSettings {
+        let mut s = NodeSettings::placement_of(c);
+        s.timeouts_of(c);
+        s.bounds_of(c);
+        s
+    }
+
+    fn placement_of(c: &NodeConfig) -> NodeSettings {
+        NodeSettings {
+            role: Some(match c.role {
+                Role::Prefill => RoleSetting::Prefill,
+                Role::Decode => RoleSetting::Decode,
+                Role::Both => RoleSetting::Both,
+            }),
+            engine_id: Some(c.engine_id.clone()),
+            dp_rank: Some(c.dp_rank),
+            tp_size: Some(c.tp_size),
+            tp_rank: Some(c.tp_rank),
+            pp_size: Some(c.pp_size),
+            pp_rank: Some(c.pp_rank),
+            mode: Some(match c.mode {
+                Mode::Push => ModeSetting::Push,
+                Mode::Pull => ModeSetting::Pull,
+            }),
+            transport: Some(match c.transport {
+                TransportKind::Tcp => TransportSetting::Tcp,
+                TransportKind::Local => TransportSetting::Local,
+                TransportKind::Mooncake => TransportSetting::Mooncake,
+            }),
+            mooncake_protocol: Some(c.mooncake.protocol.clone()),
+            mooncake_location: Some(c.mooncake.location.clone()),
+            mooncake_linger_ms: Some(millis(c.mooncake.linger)),
+            host: Some(c.host.clone()),
+            listen: c.listen.clone(),
+            side_channel_port: Some(c.side_channel_port),
+            data_plane_port: Some(c.data_plane_port),
+            tcp_streams: Some(c.tcp_streams),
+            bootstrap: c.bootstrap.clone(),
+            serve_bootstrap: c.serve_bootstrap.clone(),
+            metrics_listen: c.metrics_listen.clone(),
+            ..NodeSettings::default()
+        }
+    }
+
+    fn timeouts_of(&mut self, c: &NodeConfig) {
+        let t = &c.timeouts;
+        self.bootstrap_timeout_ms = Some(millis(t.bootstrap_timeout));
+        self.waiting_timeout_ms = Some(millis(t.waiting_timeout));
+        self.claim_timeout_ms = Some(millis(t.claim_timeout));
+        self.lease_ms = Some(millis(t.lease));
+        self.hold_limit_ms = Some(millis(t.hold_limit));
+        self.transfer_bound_ms = Some(millis(t.transfer_bound));
+        self.fence_margin_ms = Some(millis(t.fence_margin));
+        self.heartbeat_interval_ms = Some(millis(t.heartbeat_interval));
+        self.heartbeat_misses = Some(t.heartbeat_misses);
+        self.resend_after_ms = Some(millis(t.resend_after));
+        self.max_resends = Some(t.max_resends);
+        self.probe_interval_ms = c.probe_interval.map(millis);
+        self.resolve_timeout_ms = Some(millis(c.resolve_timeout));
+    }
+
+    fn bounds_of(&mut self, c: &NodeConfig) {
+        self.max_peers = Some(c.max_peers);
+        self.max_finished_records = Some(c.max_finished_records);
+        self.max_load_error_blocks = Some(c.max_load_error_blocks);
+        self.bridge_queue_capacity = Some(c.bridge_queue_capacity);
+        self.max_bootstrap_targets = Some(c.max_bootstrap_targets);
+        self.max_data_sessions = Some(c.max_data_sessions);
+        self.data_plane_messages = Some(c.data_plane_messages);
+        self.tcp_spin_us = Some(match c.tcp_poll {
+            PollPolicy::Park => 0,
+            PollPolicy::Spin { spin } => u64::try_from(spin.as_micros()).unwrap_or(u64::MAX),
+        });
+    }
+
     fn apply_placement(&self, c: &mut NodeConfig) {
         set(&mut c.dp_rank, self.dp_rank);
         set(&mut c.tp_size, self.tp_size);
@@ -358,6 +436,11 @@ fn set<T>(field: &mut T, value: Option<T>) {
     if let Some(v) = value {
         *field = v;
     }
+}
+
+/// `d` in whole milliseconds, as the settings give durations.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 fn set_ms(field: &mut Duration, ms: Option<u64>) {

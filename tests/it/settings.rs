@@ -85,6 +85,24 @@ fn environment_variables_override_a_file() {
 }
 
 #[test]
+fn a_configs_settings_build_the_same_config() {
+    let set = NodeSettings::from_json(JSON).unwrap();
+    let effective = NodeSettings::of(&set.build().unwrap());
+    // Every key the JSON set reads back as set ...
+    assert_eq!(effective.clone().overridden_by(set.clone()), effective);
+    assert_eq!(effective.lease_ms, Some(1500));
+    assert_eq!(effective.tcp_spin_us, Some(50));
+    // ... the defaults are filled in ...
+    let d = NodeConfig::new(Role::Decode, "d0");
+    let default_ms = d.timeouts.bootstrap_timeout.as_millis() as u64;
+    assert_eq!(effective.bootstrap_timeout_ms, Some(default_ms));
+    assert_eq!(effective.side_channel_port, Some(d.side_channel_port));
+    // ... and they build the config again.
+    check_decode(&effective.build().unwrap());
+    assert_eq!(NodeSettings::of(&effective.build().unwrap()), effective);
+}
+
+#[test]
 fn both_roles_are_one_setting_under_kvferrys_and_vllms_names() {
     for name in ["both", "kv_both"] {
         let json = format!(r#"{{"role": "{name}", "engine_id": "e"}}"#);

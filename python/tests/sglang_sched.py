@@ -1,0 +1,484 @@
+"""A prefill and a decode scheduler of SGLang in one process, on the CPU,
+driven step by step through SGLang's own disaggregation code.
+
+Real SGLang: `ServerArgs` and one runtime context per role
+(`runtime_context.use_context`); torch.distributed on gloo with SGLang's
+group coordinators; `MHATokenToKVPool`, `ReqToTokenPool`,
+`DecodeReqToTokenPool`, `PagedTokenToKVPoolAllocator` and the tree cache of
+`kv_cache_builder.build_kv_cache` in host memory; `MetadataBuffers`;
+`PrefillBootstrapQueue`, `DecodePreallocQueue`, `DecodeTransferQueue`;
+`Req`, `ScheduleBatch.init_new` / `prepare_for_extend`; the scheduler mixin
+methods `process_batch_result_disagg_prefill` (which sends the KV),
+`process_disagg_prefill_inflight_queue` and `process_decode_queue`; the
+transfer backend chosen by SGLang's `get_kv_class` after SGLang's own
+`load_plugins()`, and the bootstrap service started by SGLang's
+`start_disagg_service()`.
+
+Stood in: the `Scheduler` object itself (only the attributes the queues and
+mixins read), the model forward (KV bytes written where SGLang allocated
+the batch's tokens; next token 1000 + i), the batch admission of
+`PrefillAdder` for whole prompts, record-only output streaming and
+metrics, and `Scheduler.abort_request`'s disaggregation branches
+(`abort_prefill`, `abort_decode`: the same calls on the same queues).
+
+The one CUDA-only call substituted: `cudaHostRegister` of the decode
+retraction backup's host pool (`CUDA_SUBSTITUTIONS`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+from engines import make_model
+
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+os.environ["KVFERRY_SGLANG"] = "1"
+os.environ["SGLANG_PLUGINS"] = "kvferry"
+
+import torch  # noqa: E402
+from sglang.srt import runtime_context as rc  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
+from sglang.srt.disaggregation.decode import (  # noqa: E402
+    DecodePreallocQueue,
+    DecodeReqToTokenPool,
+    DecodeTransferQueue,
+    SchedulerDisaggregationDecodeMixin,
+)
+from sglang.srt.disaggregation.prefill import (  # noqa: E402
+    PrefillBootstrapQueue,
+    SchedulerDisaggregationPrefillMixin,
+)
+from sglang.srt.disaggregation.utils import (  # noqa: E402
+    DisaggregationMode,
+    MetadataBuffers,
+    ReqToMetadataIdxAllocator,
+    TransferBackend,
+)
+from sglang.srt.distributed import parallel_state  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
+from sglang.srt.mem_cache import kv_cache_builder  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host import common as pool_host_common  # noqa: E402
+from sglang.srt.runtime_context import SpawnRanks  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+# SGLang's plugin loading, after the modules that bind `get_kv_class` by
+# name are imported, so its hook reaches them.
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()
+
+
+def _no_cuda_host_register(buffer, registration_granularity_bytes=None):
+    """Stands in for cudaHostRegister (no CUDA driver here)."""
+
+
+pool_host_common._cuda_host_register = _no_cuda_host_register
+CUDA_SUBSTITUTIONS = [
+    "sglang.srt.mem_cache.pool_host.common._cuda_host_register: cudaHostRegister of the "
+    "decode retraction backup's host pool (mem_cache/pool_host/common.py)"
+]
+
+#: The test model (a tiny random-weight Llama, made once), or the model
+#: `KVFERRY_SGLANG_MODEL` names.
+MODEL = os.environ.get("KVFERRY_SGLANG_MODEL") or make_model(
+    Path(__file__).resolve().parents[2] / "target" / "bench-model"
+)
+PAGE = 4
+POOL_TOKENS = 256
+DTYPE = torch.float16
+GROUPS = [
+    "world_group", "tp_group", "pp_group", "attn_tp_group", "attn_cp_group",
+    "moe_ep_group", "moe_dp_group", "moe_tp_group",
+]
+_world: dict = {}
+#: The groups the disaggregation queues use, each of one rank when the
+#: attention TP size is one.
+ONE_RANK_GROUPS = ("attn_tp_group", "attn_cp_group", "pp_group")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_groups(context) -> dict:
+    """SGLang's process groups of a world of one rank on gloo, made once
+    per process (SGLang keeps them in module globals) and stamped into
+    every context as `initialize_model_parallel` stamps them."""
+    if not _world:
+        with rc.use_context(context):
+            parallel_state.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            )
+            parallel_state.initialize_model_parallel()
+            _world.update({n: getattr(rc.get_parallel(), n) for n in GROUPS})
+    else:
+        with rc.use_context(context):
+            parallel = rc.get_parallel()
+            # A context of a wider TP (DP attention) keeps only the groups
+            # a world of one can stand for: those of size one in it.
+            fits = {n: g for n, g in _world.items() if n in ONE_RANK_GROUPS or parallel.tp_size == 1}
+            parallel.override_permanently(**fits)
+    return _world
+
+
+class Recorder:
+    """Output streaming and metrics: records what SGLang streams."""
+
+    def __init__(self):
+        self.streamed = []
+        self.enable_metrics = False
+        self.kv_transfer_latency_ms = None
+        self.kv_transfer_speed_gb_s = None
+
+    def stream_output(self, reqs, return_logprob=False, *a, **k):
+        self.streamed.extend(reqs)
+
+    def report_prefill_stats(self, **k):
+        pass
+
+
+class BatchResultsStandIn:
+    """The batch-result hooks the disaggregation paths call; with logprobs
+    off none of them touches KV."""
+
+    def snapshot_auxiliary_output_starts(self, batch, result):
+        return None
+
+    def move_logprobs_to_cpu(self, batch, logits_output):
+        pass
+
+    def consume_auxiliary_output(self, *a, **k):
+        pass
+
+    def _maybe_update_reasoning_tokens(self, req, token):
+        pass
+
+
+def build_pools(mode: str, model_config: ModelConfig):
+    """SGLang's own host-memory pools and tree cache for one role."""
+    hf = model_config.hf_config
+    pool = MHATokenToKVPool(
+        size=POOL_TOKENS, page_size=PAGE, dtype=DTYPE,
+        head_num=model_config.get_num_kv_heads(rc.get_parallel().attn_tp_size),
+        head_dim=hf.head_dim, layer_num=hf.num_hidden_layers, device="cpu",
+        enable_memory_saver=False, enable_alt_stream=False,
+    )
+    if mode == "decode":
+        req_pool = DecodeReqToTokenPool(
+            size=8, max_context_len=512, device="cpu", enable_memory_saver=False,
+            pre_alloc_size=8,
+        )
+    else:
+        req_pool = ReqToTokenPool(size=8, max_context_len=512, device="cpu",
+                                  enable_memory_saver=False)
+    allocator = PagedTokenToKVPoolAllocator(
+        size=POOL_TOKENS, page_size=PAGE, dtype=DTYPE, device="cpu", kvcache=pool,
+        need_sort=False,
+    )
+    runner = SimpleNamespace(
+        token_to_kv_pool=pool, model_config=model_config, kv_cache_dtype_str="auto",
+        effective_logical_max_total_num_tokens=POOL_TOKENS, mtp_draft_device_pools=(),
+        mtp_draft_mamba_pools=(), spec_algorithm=SpeculativeAlgorithm.NONE,
+        forward_stream=None, canary_manager=None,
+    )
+    worker = SimpleNamespace(
+        model_runner=runner, is_hybrid_swa=False,
+        get_memory_pool=lambda: (req_pool, allocator),
+        get_tokens_per_layer_info=lambda: (POOL_TOKENS, None),
+        hicache_layer_transfer_counter=None,
+    )
+    worker.register_hicache_layer_transfer_counter = (
+        lambda counter: setattr(worker, "hicache_layer_transfer_counter", counter)
+    )
+    built = kv_cache_builder.build_kv_cache(
+        server_args=rc.get_server_args(), model_config=model_config, tp_worker=worker,
+        page_size=PAGE, spec_algorithm=SpeculativeAlgorithm.NONE, enable_metrics=False,
+        enable_kv_cache_events=False, enable_hierarchical_cache=False,
+    )
+    return worker, built
+
+
+class SchedBase:
+    """The `Scheduler` attributes the queues and both mixins read
+    (`Scheduler.init_disaggregation` builds the queues from the same)."""
+
+    def __init__(self, mode, model_config, sa):
+        self.server_args = sa
+        self.model_config = model_config
+        self.disaggregation_mode = DisaggregationMode(mode)
+        self.transfer_backend = TransferBackend.MOONCAKE
+        self.tp_worker, built = build_pools(mode, model_config)
+        self.req_to_token_pool = built.req_to_token_pool
+        self.token_to_kv_pool_allocator = built.token_to_kv_pool_allocator
+        self.tree_cache = built.tree_cache
+        self.max_total_num_tokens = POOL_TOKENS
+        self.kv_shard_widening = 1
+        self.rust_server = None
+        self.scheduler_stage_metrics = None
+        self.output_streamer = Recorder()
+        self.metrics_reporter = Recorder()
+        self.metrics_collector = None
+        self.batch_result_processor = BatchResultsStandIn()
+        self.spec_algorithm = SpeculativeAlgorithm.NONE
+        self.enable_overlap = self.enable_staging = self.enable_hisparse = False
+        self.enable_decode_hicache = self.enable_lora = False
+        self.enable_priority_scheduling = False
+        self.random_seed = 0
+        self.waiting_queue = []
+        self.running_batch = ScheduleBatch(reqs=[])
+        self.last_batch = None
+        self.chunked_req = None
+        self.processed_tokens_counter = 0
+        parallel = rc.get_parallel()
+        self.tp_size = parallel.tp_size
+        self.attn_tp_cpu_group = parallel.attn_tp_group.cpu_group
+        self.attn_cp_cpu_group = parallel.attn_cp_group.cpu_group
+        self.pp_group = parallel.pp_group
+        self.kv_checksum_computer = None
+        self.pool = self.token_to_kv_pool_allocator.get_kvcache()
+        self.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(16)
+        self.disagg_metadata_buffers = MetadataBuffers(
+            16, hidden_size=16, hidden_states_dtype=torch.float32,
+            max_sampling_mask_tokens=sa.sampling_mask_max_tokens,
+        )
+
+    def maybe_send_health_check_signal(self):
+        pass
+
+    def _release_aborted_request(self, req):
+        # After release_kv_cache only the metadata slot is left, which the
+        # failure paths free themselves.
+        pass
+
+    def free(self) -> "tuple[int, int]":
+        """Free KV tokens and free metadata slots."""
+        return (self.token_to_kv_pool_allocator.available_size(),
+                self.req_to_metadata_buffer_idx_allocator.available_size())
+
+
+class PrefillSched(SchedBase, SchedulerDisaggregationPrefillMixin):
+    def __init__(self, model_config, sa):
+        super().__init__("prefill", model_config, sa)
+        self.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(
+            token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
+            req_to_metadata_buffer_idx_allocator=self.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=self.disagg_metadata_buffers, gpu_id=0,
+            bootstrap_port=sa.disaggregation_bootstrap_port,
+            max_total_num_tokens=POOL_TOKENS, scheduler=self,
+            scheduler_stage_metrics=None, transfer_backend=TransferBackend.MOONCAKE,
+        )
+        self.disagg_prefill_inflight_queue = []
+        self.disagg_prefill_pending_chunk_rids = set()
+
+    def forward(self, reqs, seed):
+        """SGLang's batch construction and allocation for whole prompts,
+        then a stand-in forward that writes seeded bytes into the KV of
+        every token SGLang allocated."""
+        for r in reqs:
+            r.init_next_round_input(self.tree_cache)
+            r.extend_end = len(r.full_untruncated_fill_ids)
+            r.lock = self.tree_cache.lock(r.last_node)
+        batch = ScheduleBatch.init_new(
+            reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator,
+            self.tree_cache, self.model_config, False, SpeculativeAlgorithm.NONE,
+        )
+        batch.prepare_for_extend()
+        loc = batch.out_cache_loc.to(torch.int64)
+        g = torch.Generator().manual_seed(seed)
+        for layer in range(self.pool.layer_num):
+            for buf in (self.pool.k_buffer[layer], self.pool.v_buffer[layer]):
+                buf[loc] = torch.randn(buf[loc].shape, generator=g).to(buf.dtype)
+        next_ids = torch.tensor([1000 + i for i in range(len(reqs))], dtype=torch.int64)
+        return batch, GenerationBatchResult(next_token_ids=next_ids)
+
+
+class DecodeSched(SchedBase, SchedulerDisaggregationDecodeMixin):
+    def __init__(self, model_config, sa):
+        super().__init__("decode", model_config, sa)
+        self.disagg_decode_prealloc_queue = None
+        self.disagg_decode_transfer_queue = DecodeTransferQueue(
+            req_to_metadata_buffer_idx_allocator=self.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=self.disagg_metadata_buffers, scheduler=self,
+            tree_cache=self.tree_cache,
+        )
+        self.disagg_decode_prealloc_queue = DecodePreallocQueue(
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            draft_token_to_kv_pool=None,
+            req_to_metadata_buffer_idx_allocator=self.req_to_metadata_buffer_idx_allocator,
+            metadata_buffers=self.disagg_metadata_buffers, scheduler=self,
+            transfer_queue=self.disagg_decode_transfer_queue, tree_cache=self.tree_cache,
+            gpu_id=0, bootstrap_port=sa.disaggregation_bootstrap_port,
+            max_total_num_tokens=POOL_TOKENS,
+            num_reserved_decode_tokens=rc.get_disagg().num_reserved_decode_tokens,
+            transfer_backend=TransferBackend.MOONCAKE,
+        )
+        self.decode_offload_manager = None
+
+
+def server_args(mode: str, port: int, **over) -> ServerArgs:
+    sa = ServerArgs(
+        model_path=MODEL, device="cpu", disaggregation_mode=mode,
+        disaggregation_transfer_backend="mooncake", host="127.0.0.1",
+        disaggregation_bootstrap_port=port, page_size=PAGE, max_running_requests=8,
+        dtype="float16", **over,
+    )
+    # The default reserve (512 tokens per request) admits nothing into a
+    # 256-token decode pool.
+    sa.num_reserved_decode_tokens = 16
+    return sa
+
+
+def req(rid, ids, room, port, mode, max_new_tokens=4) -> Req:
+    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    sp.normalize(None)
+    sp.verify(4096)
+    return Req(rid, "", array("q", ids), sp, bootstrap_host="127.0.0.1", bootstrap_port=port,
+               bootstrap_room=room, disagg_mode=mode, vocab_size=4096)
+
+
+class Pair:
+    """A prefill and a decode scheduler sharing one bootstrap service;
+    `step` runs one turn of each one's event loop."""
+
+    def __init__(self, parallel=None, decode=None, rank=(0, None)):
+        self.port = free_port()
+        ranks = SpawnRanks(world_rank=rank[0], dp_rank=rank[1], gpu_id=0)
+        self.P = rc.create_context(server_args("prefill", self.port, **(parallel or {})),
+                                   role="scheduler", ranks=ranks)
+        self.D = rc.create_context(
+            server_args("decode", self.port, **(parallel or {}), **(decode or {})),
+            role="scheduler", ranks=ranks)
+        process_groups(self.P)
+        process_groups(self.D)
+        with rc.use_context(self.P):
+            from sglang.srt.managers.disagg_service import start_disagg_service
+
+            self.bootstrap = start_disagg_service()
+            sa = rc.get_server_args()
+            self.ps = PrefillSched(ModelConfig.from_server_args(sa), sa)
+        with rc.use_context(self.D):
+            sa = rc.get_server_args()
+            self.ds = DecodeSched(ModelConfig.from_server_args(sa), sa)
+        self.hold_prefill = False
+        self.reqs: dict = {}
+        #: The prefill's KV bytes of each request, as its forward left them.
+        self.computed: dict = {}
+
+    def add(self, rid, ids, room, prefill=True, decode=True):
+        """A request as `Scheduler._add_request_to_queue` takes it, on
+        each side."""
+        if prefill:
+            with rc.use_context(self.P):
+                r = req(rid, ids, room, self.port, DisaggregationMode.PREFILL)
+                self.ps.disagg_prefill_bootstrap_queue.add(r, self.ps.model_config.num_key_value_heads)
+                self.reqs[("P", rid)] = r
+        if decode:
+            with rc.use_context(self.D):
+                r = req(rid, ids, room, self.port, DisaggregationMode.DECODE)
+                self.ds.disagg_decode_prealloc_queue.add(r)
+                self.reqs[("D", rid)] = r
+
+    def step(self, seed=0):
+        """One turn of `event_loop_normal_disagg_prefill` (its batch and
+        forward stood in) and of `event_loop_normal_disagg_decode`'s queue
+        part."""
+        with rc.use_context(self.P):
+            ps = self.ps
+            ps.waiting_queue.extend(ps.disagg_prefill_bootstrap_queue.pop_bootstrapped())
+            if ps.waiting_queue and not self.hold_prefill:
+                reqs, ps.waiting_queue = ps.waiting_queue, []
+                batch, result = ps.forward(reqs, seed)
+                for r in reqs:
+                    # Read before the send: a finished prefill frees its row.
+                    self.computed[r.rid] = self._kv(ps, r, len(r.origin_input_ids))
+                ps.process_batch_result_disagg_prefill(batch, result)
+            ps.process_disagg_prefill_inflight_queue()
+        with rc.use_context(self.D):
+            self.ds.process_decode_queue()
+
+    def run_until(self, done, within_s=20.0):
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            self.step()
+            if done():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def prefill_ended(self, rid) -> bool:
+        return any(r is self.reqs[("P", rid)] for r in self.ps.output_streamer.streamed)
+
+    def decode_transferred(self, rid) -> bool:
+        return any(r is self.reqs[("D", rid)] for r in self.ds.waiting_queue)
+
+    def decode_aborted(self, rid) -> bool:
+        return any(r is self.reqs[("D", rid)] for r in self.ds.output_streamer.streamed)
+
+    def abort_prefill(self, rid):
+        """`Scheduler.abort_request`'s prefill branch."""
+        with rc.use_context(self.P):
+            for r in self.ps.disagg_prefill_bootstrap_queue.queue:
+                if r.rid == rid:
+                    self.ps._release_aborted_request(r)
+                    r.disagg_kv_sender.abort()
+            for r in self.ps.disagg_prefill_inflight_queue:
+                if r.rid == rid:
+                    r.disagg_kv_sender.abort()
+
+    def abort_decode(self, rid):
+        """`Scheduler.abort_request`'s decode branch."""
+        with rc.use_context(self.D):
+            queues = (self.ds.disagg_decode_prealloc_queue.queue,
+                      self.ds.disagg_decode_transfer_queue.queue)
+            for queue in queues:
+                for d in queue:
+                    if d.req.rid == rid:
+                        d.kv_receiver.abort()
+
+    def kv(self, side, rid, n_tokens):
+        """The K and V bytes of a request's first `n_tokens` tokens, layer
+        by layer: the prefill's as computed, the decode's as they are."""
+        if side == "P":
+            return [t[:n_tokens] for t in self.computed[rid]]
+        return self._kv(self.ds, self.reqs[("D", rid)], n_tokens)
+
+    @staticmethod
+    def _kv(sched, r, n_tokens):
+        """Read through SGLang's request-to-token table."""
+        locs = sched.req_to_token_pool.req_to_token[r.kv.req_pool_idx, :n_tokens].to(torch.int64)
+        out = []
+        for layer in range(sched.pool.layer_num):
+            out.append(sched.pool.k_buffer[layer][locs].clone().view(torch.uint8))
+            out.append(sched.pool.v_buffer[layer][locs].clone().view(torch.uint8))
+        return out
+
+    def release_decode(self, rid):
+        """The decode request finished: its KV goes into decode's tree."""
+        with rc.use_context(self.D):
+            r = self.reqs[("D", rid)]
+            self.ds.waiting_queue.remove(r)
+            release_kv_cache(r, self.ds.tree_cache, checkpoint=True)
+
+    def managers(self):
+        return (self.ps.disagg_prefill_bootstrap_queue.kv_manager,
+                self.ds.disagg_decode_prealloc_queue.kv_manager)
+
+    def close(self):
+        for m in self.managers():
+            m.node.shutdown()
+        self.bootstrap.close()

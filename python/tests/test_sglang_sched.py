@@ -1,0 +1,186 @@
+"""kvferry as SGLang's transfer backend, under SGLang 0.5.23's own
+disaggregation queues and scheduler mixins (`sglang_sched.py` says what is
+SGLang and what is stood in). Every KV byte a decode request holds is
+compared with the prefill's, and the first token arrives through SGLang's
+metadata buffers. Runs in the SGLang environment (`scripts/sglang-env.sh`);
+skipped where SGLang is not installed with its dependencies."""
+
+import os
+
+import pytest
+
+pytest.importorskip("sglang.srt.runtime_context")
+
+# SGLang's own transfer timeouts, which the backend takes over: short, so
+# that a prefill that never answers ends its decode request within the test.
+os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = "3"
+os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = "3"
+
+import torch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT  # noqa: E402
+
+import kvferry.sglang  # noqa: E402
+import sglang_sched  # noqa: E402
+from sglang_sched import PAGE, Pair  # noqa: E402
+
+PROMPT = list(range(11, 21))  # 10 tokens: two whole pages and a partial one
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def check_moved(pair, rid, n_tokens, first_token):
+    src, dst = pair.kv("P", rid, n_tokens), pair.kv("D", rid, n_tokens)
+    for i, (a, b) in enumerate(zip(src, dst)):
+        assert torch.equal(a, b), f"{'KV'[i % 2]} of layer {i // 2} differs"
+    assert sum(t.numel() for t in src) > 0
+    assert list(pair.reqs[("D", rid)].output_ids[:1]) == [first_token]
+
+
+def test_sglangs_own_plugin_loading_makes_the_mooncake_backend_kvferrys(pair):
+    prefill, decode = pair.managers()
+    assert isinstance(prefill, kvferry.sglang.KvferryKVManager)
+    assert isinstance(decode, kvferry.sglang.KvferryKVManager)
+    assert type(pair.bootstrap) is kvferry.sglang.KvferryKVBootstrapServer
+    assert sglang_sched.CUDA_SUBSTITUTIONS, "the substituted CUDA calls are named"
+
+
+def test_a_request_moves_every_byte_through_sglangs_queues(pair):
+    free_p, free_d = pair.ps.free(), pair.ds.free()
+    pair.add("r1", PROMPT, room=101)
+    assert pair.run_until(lambda: pair.prefill_ended("r1") and pair.decode_transferred("r1"))
+    check_moved(pair, "r1", len(PROMPT), first_token=1000)
+    assert pair.ps.free()[1] == free_p[1], "prefill's metadata slot is back"
+    pair.release_decode("r1")
+    assert pair.ds.free()[1] == free_d[1], "decode's metadata slot is back"
+
+
+def test_several_requests_in_one_step(pair):
+    rooms = {f"m{i}": 200 + i for i in range(3)}
+    for i, (rid, room) in enumerate(rooms.items()):
+        pair.add(rid, [7 + i] * (5 + 4 * i), room=room)
+    assert pair.run_until(
+        lambda: all(pair.prefill_ended(r) and pair.decode_transferred(r) for r in rooms)
+    )
+    for i, rid in enumerate(rooms):
+        check_moved(pair, rid, 5 + 4 * i, first_token=1000 + i)
+        pair.release_decode(rid)
+
+
+def test_an_abort_on_prefill_before_its_kv_is_ready_ends_both_sides(pair):
+    free_d = pair.ds.free()
+    pair.add("pa", PROMPT, room=301)
+    pair.abort_prefill("pa")
+    assert pair.run_until(lambda: pair.prefill_ended("pa") and pair.decode_aborted("pa"))
+    for side in ("P", "D"):
+        assert isinstance(pair.reqs[(side, "pa")].finished_reason, FINISH_ABORT), side
+    assert pair.ds.free() == free_d, "decode freed its pages and metadata slot"
+
+
+def test_an_abort_on_decode_before_its_pages_are_allocated_ends_both_sides(pair):
+    free_p, free_d = pair.ps.free(), pair.ds.free()
+    pair.add("da", PROMPT, room=302)
+    pair.abort_decode("da")
+    assert pair.run_until(lambda: pair.decode_aborted("da"))
+    assert pair.ds.free() == free_d
+    # The prefill learns it at the latest when its bootstrap timeout ends.
+    assert pair.run_until(lambda: pair.prefill_ended("da"), within_s=10)
+    assert isinstance(pair.reqs[("P", "da")].finished_reason, FINISH_ABORT)
+    assert pair.ps.free()[1] == free_p[1]
+
+
+def test_an_abort_on_decode_while_the_prefill_computes_ends_both_sides(pair):
+    free_d = pair.ds.free()
+    pair.hold_prefill = True
+    try:
+        pair.add("dt", PROMPT, room=303)
+        assert pair.run_until(lambda: bool(pair.ds.disagg_decode_transfer_queue.queue))
+        pair.abort_decode("dt")
+    finally:
+        pair.hold_prefill = False
+    assert pair.run_until(lambda: pair.decode_aborted("dt") and pair.prefill_ended("dt"))
+    assert pair.ds.free() == free_d
+
+
+def test_a_prefill_that_never_answers_ends_the_request_at_sglangs_timeout(pair):
+    free_d = pair.ds.free()
+    pair.add("lost", PROMPT, room=304, prefill=False)
+    assert pair.run_until(lambda: pair.decode_aborted("lost"), within_s=15)
+    reason = pair.reqs[("D", "lost")].finished_reason
+    assert isinstance(reason, FINISH_ABORT)
+    assert pair.ds.free() == free_d
+
+
+def test_settings_come_from_sglang_then_kvferry_variables(pair):
+    prefill, decode = pair.managers()
+    s = prefill.node.settings
+    assert (s["role"], s["tp_size"], s["tp_rank"], s["dp_rank"], s["pp_size"]) == (
+        "prefill", 1, 0, 0, 1,
+    )
+    assert s["bootstrap"] == f"127.0.0.1:{pair.port}"
+    assert s["host"] == "127.0.0.1", "SGLANG_HOST_IP, as SGLang's own backends"
+    assert s["waiting_timeout_ms"] == 3000 and s["bootstrap_timeout_ms"] == 3000
+    assert decode.node.settings["role"] == "decode"
+
+
+def test_device_memory_is_refused_naming_the_transports_that_move_it():
+    args = type("ServerArgs", (), {"device": "cuda"})()
+    with pytest.raises(kvferry.MisuseError, match="mooncake"):
+        kvferry.sglang._refuse_device_memory(args, {"transport": "tcp"})
+    kvferry.sglang._refuse_device_memory(args, {"transport": "mooncake"})
+
+
+@pytest.fixture(scope="module")
+def radix_pair(pair):
+    p = Pair(decode={"disaggregation_decode_enable_radix_cache": True})
+    yield p
+    p.close()
+
+
+def test_a_decode_side_prefix_hit_takes_only_the_tail(radix_pair):
+    pair = radix_pair
+    sent = []
+    receiver = kvferry.sglang.KvferryKVReceiver
+    original = receiver.send_metadata
+
+    def spy(self, *a, **k):
+        sent.append(k.get("decode_prefix_len"))
+        return original(self, *a, **k)
+
+    receiver.send_metadata = spy
+    try:
+        pair.add("first", PROMPT, room=401)
+        assert pair.run_until(lambda: pair.decode_transferred("first"))
+        pair.release_decode("first")  # its pages go into decode's radix cache
+        longer = PROMPT[: 2 * PAGE] + list(range(50, 58))
+        pair.add("second", longer, room=402)
+        assert pair.run_until(lambda: pair.decode_transferred("second"))
+    finally:
+        receiver.send_metadata = original
+    assert sent[-1] == 2 * PAGE, f"decode reused two pages, not {sent[-1]} tokens"
+    check_moved(pair, "second", len(longer), first_token=1000)
+
+
+@pytest.fixture(scope="module")
+def dp_attention_pair(pair):
+    # Attention TP 1 within TP 2, DP 2 (DP attention), as world rank 1:
+    # this scheduler is DP rank 1 of both engines.
+    p = Pair(parallel={"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}, rank=(1, 1))
+    yield p
+    p.close()
+
+
+def test_dp_attention_pairs_by_attention_tp_and_dp_rank(dp_attention_pair):
+    pair = dp_attention_pair
+    for m in pair.managers():
+        s = m.node.settings
+        assert (s["tp_size"], s["tp_rank"], s["dp_rank"]) == (1, 0, 1), s
+    # Room 501 is odd: SGLang's decode sends it to prefill DP rank 1, the
+    # only one registered.
+    pair.add("dp", PROMPT, room=501)
+    assert pair.run_until(lambda: pair.prefill_ended("dp") and pair.decode_transferred("dp"))
+    check_moved(pair, "dp", len(PROMPT), first_token=1000)
