@@ -102,9 +102,6 @@ GROUPS = [
     "moe_ep_group", "moe_dp_group", "moe_tp_group",
 ]
 _world: dict = {}
-#: The groups the disaggregation queues use, each of one rank when the
-#: attention TP size is one.
-ONE_RANK_GROUPS = ("attn_tp_group", "attn_cp_group", "pp_group")
 
 
 def free_port() -> int:
@@ -113,25 +110,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_groups(context) -> dict:
-    """SGLang's process groups of a world of one rank on gloo, made once
-    per process (SGLang keeps them in module globals) and stamped into
-    every context as `initialize_model_parallel` stamps them."""
-    if not _world:
-        with rc.use_context(context):
+def process_groups(context, world=(1, 0, None)) -> dict:
+    """SGLang's process groups on gloo, made once per process (SGLang keeps
+    them in module globals; `world` is (size, rank, rendezvous port)) and
+    stamped into every further context as `initialize_model_parallel`
+    stamps them."""
+    size, rank, port = world
+    with rc.use_context(context):
+        if not _world:
             parallel_state.init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                world_size=size, rank=rank, local_rank=rank, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{port or free_port()}",
             )
             parallel_state.initialize_model_parallel()
             _world.update({n: getattr(rc.get_parallel(), n) for n in GROUPS})
-    else:
-        with rc.use_context(context):
-            parallel = rc.get_parallel()
-            # A context of a wider TP (DP attention) keeps only the groups
-            # a world of one can stand for: those of size one in it.
-            fits = {n: g for n, g in _world.items() if n in ONE_RANK_GROUPS or parallel.tp_size == 1}
-            parallel.override_permanently(**fits)
+        else:
+            rc.get_parallel().override_permanently(**_world)
     return _world
 
 
@@ -355,20 +349,25 @@ class Pair:
     """A prefill and a decode scheduler sharing one bootstrap service;
     `step` runs one turn of each one's event loop."""
 
-    def __init__(self, parallel=None, decode=None, rank=(0, None)):
-        self.port = free_port()
-        ranks = SpawnRanks(world_rank=rank[0], dp_rank=rank[1], gpu_id=0)
+    def __init__(self, parallel=None, decode=None, world=(1, 0, None), dp_rank=None,
+                 port=None):
+        """`world`: see `process_groups`; rank 0 of a wider world serves
+        the bootstrap service on `port`, the others register there."""
+        self.port = port or free_port()
+        ranks = SpawnRanks(world_rank=world[1], dp_rank=dp_rank, gpu_id=0)
         self.P = rc.create_context(server_args("prefill", self.port, **(parallel or {})),
                                    role="scheduler", ranks=ranks)
         self.D = rc.create_context(
             server_args("decode", self.port, **(parallel or {}), **(decode or {})),
             role="scheduler", ranks=ranks)
-        process_groups(self.P)
-        process_groups(self.D)
+        process_groups(self.P, world)
+        process_groups(self.D, world)
+        self.bootstrap = None
         with rc.use_context(self.P):
             from sglang.srt.managers.disagg_service import start_disagg_service
 
-            self.bootstrap = start_disagg_service()
+            if world[1] == 0:
+                self.bootstrap = start_disagg_service()
             sa = rc.get_server_args()
             self.ps = PrefillSched(ModelConfig.from_server_args(sa), sa)
         with rc.use_context(self.D):
@@ -481,4 +480,55 @@ class Pair:
     def close(self):
         for m in self.managers():
             m.node.shutdown()
-        self.bootstrap.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+
+
+def no_nccl_for_groups_of_two() -> None:
+    """The second CUDA-only substitution, for worlds of more than one rank:
+    SGLang's groups of two or more open NCCL and custom all-reduce
+    communicators; here they use gloo alone."""
+    make = parallel_state.init_model_parallel_group
+
+    def gloo_only(*a, **k):
+        k.update(use_pynccl=False, use_custom_allreduce=False)
+        return make(*a, **k)
+
+    parallel_state.init_model_parallel_group = gloo_only
+    CUDA_SUBSTITUTIONS.append(
+        "sglang.srt.distributed.parallel_state.init_model_parallel_group: NCCL and "
+        "custom all-reduce communicators off in worlds of two (gloo only)"
+    )
+
+
+def dp_attention_rank(rank: int, rendezvous: int, port: int) -> None:
+    """One world rank of a prefill and a decode engine with DP attention
+    (TP 2, DP 2, so attention TP 1): moves one request whose room SGLang's
+    decode sends to this DP rank, and exits 0 once every byte matched.
+    Run as `python sglang_sched.py dp RANK RENDEZVOUS_PORT BOOTSTRAP_PORT`,
+    both ranks at once."""
+    no_nccl_for_groups_of_two()
+    pair = Pair(parallel={"tp_size": 2, "dp_size": 2, "enable_dp_attention": True},
+                world=(2, rank, rendezvous), dp_rank=rank, port=port)
+    settings = [m.node.settings for m in pair.managers()]
+    for s in settings:
+        assert (s["tp_size"], s["tp_rank"], s["dp_rank"]) == (1, 0, rank), s
+    prompt = list(range(11 + rank, 21 + rank))
+    room = 500 + rank  # room % dp_size is this rank
+    pair.add("dp", prompt, room=room)
+    assert pair.run_until(lambda: pair.prefill_ended("dp") and pair.decode_transferred("dp"),
+                          within_s=30), f"rank {rank}: request {room} did not move"
+    src, dst = pair.kv("P", "dp", len(prompt)), pair.kv("D", "dp", len(prompt))
+    assert all(torch.equal(a, b) for a, b in zip(src, dst)), f"rank {rank}: bytes differ"
+    print(f"rank {rank}: {sum(t.numel() for t in src)} bytes moved", flush=True)
+    # Rank 0 serves the bootstrap service: it stays until rank 1 is done.
+    torch.distributed.barrier(group=_world["world_group"].cpu_group)
+    pair.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["dp"]:
+        dp_attention_rank(*(int(a) for a in sys.argv[2:5]))
+        os._exit(0)

@@ -6,6 +6,8 @@ metadata buffers. Runs in the SGLang environment (`scripts/sglang-env.sh`);
 skipped where SGLang is not installed with its dependencies."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -165,22 +167,25 @@ def test_a_decode_side_prefix_hit_takes_only_the_tail(radix_pair):
     check_moved(pair, "second", len(longer), first_token=1000)
 
 
-@pytest.fixture(scope="module")
-def dp_attention_pair(pair):
-    # Attention TP 1 within TP 2, DP 2 (DP attention), as world rank 1:
-    # this scheduler is DP rank 1 of both engines.
-    p = Pair(parallel={"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}, rank=(1, 1))
-    yield p
-    p.close()
-
-
-def test_dp_attention_pairs_by_attention_tp_and_dp_rank(dp_attention_pair):
-    pair = dp_attention_pair
-    for m in pair.managers():
-        s = m.node.settings
-        assert (s["tp_size"], s["tp_rank"], s["dp_rank"]) == (1, 0, 1), s
-    # Room 501 is odd: SGLang's decode sends it to prefill DP rank 1, the
-    # only one registered.
-    pair.add("dp", PROMPT, room=501)
-    assert pair.run_until(lambda: pair.prefill_ended("dp") and pair.decode_transferred("dp"))
-    check_moved(pair, "dp", len(PROMPT), first_token=1000)
+def test_dp_attention_pairs_by_attention_tp_and_dp_rank():
+    """Two processes, a world of two ranks on gloo: each is DP rank r of a
+    prefill and a decode engine with TP 2, DP 2 and DP attention
+    (attention TP 1), and moves a request SGLang's decode sends to prefill
+    DP rank r."""
+    rendezvous, port = sglang_sched.free_port(), sglang_sched.free_port()
+    script = sglang_sched.__file__
+    ranks = [
+        subprocess.Popen([sys.executable, script, "dp", str(r), str(rendezvous), str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]
+    outs = []
+    try:
+        for p in ranks:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in ranks:
+            p.kill()
+    for r, (p, out) in enumerate(zip(ranks, outs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-3000:]}"
+        assert f"rank {r}:" in out and "bytes moved" in out, out[-3000:]
