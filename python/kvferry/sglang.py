@@ -150,11 +150,18 @@ class KvferryKVBootstrapServer(BaseKVBootstrapServer):
 def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> dict:
     """The node settings SGLang decides for one rank: the attention-TP
     group is what pairs with the peer's (DP attention shrinks it below
-    ``tp_size``), the system DP rank owns a KV cache of its own, and the
-    PP stage is ``args.pp_rank``."""
+    ``tp_size``), and each system DP rank owns a KV cache of its own."""
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
+    if parallel.pp_size > 1:
+        # SGLang's PP ranks poll one consensus (`poll_pp_consensus` on PP
+        # rank 0, forwarded down the pipeline); a kvferry node knows its
+        # own stage only.
+        raise kvferry.MisuseError(
+            "kvferry's SGLang backend does not support pipeline parallelism "
+            f"(pp_size {parallel.pp_size}): SGLang's PP ranks poll one consensus of all stages"
+        )
     prefill = mode == DisaggregationMode.PREFILL
     settings = {
         "role": "prefill" if prefill else "decode",
@@ -162,8 +169,6 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
         "tp_size": int(parallel.attn_tp_size),
         "tp_rank": int(parallel.attn_tp_rank),
         "dp_rank": int(getattr(args, "system_dp_rank", 0) or 0),
-        "pp_size": int(parallel.pp_size),
-        "pp_rank": int(getattr(args, "pp_rank", 0) or 0),
     }
     if prefill:
         settings["bootstrap"] = f"{_reachable(server_args.host)}:{server_args.disaggregation_bootstrap_port}"
@@ -172,6 +177,11 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
             settings[key] = int(float(os.environ[var]) * 1000)
     if not os.environ.get(kvferry_var("host")):
         settings["host"] = advertised_host()
+        # A detected host does not widen where the node listens (as in the
+        # vLLM connector): another host's reachable address over a loopback
+        # listen refuses to start, naming `listen`.
+        if not os.environ.get(kvferry_var("listen")):
+            settings["listen"] = "127.0.0.1"
     return settings
 
 
@@ -237,7 +247,6 @@ class KvferryKVManager(BaseKVManager):
                 f"a KV page of {item} bytes does not split into {a.page_size} tokens "
                 f"of {heads} heads"
             )
-        regions, first_region = _layer_major(a, mla)
         pools = []
         if getattr(a, "aux_data_ptrs", None):
             pools.append(_pool("aux", a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens))
@@ -249,13 +258,14 @@ class KvferryKVManager(BaseKVManager):
         for ptrs, lens, items in states:
             pools.append(_pool("state", ptrs, lens, items))
         self.node.register_kv_caches(
-            regions=[(p, i, i) for p, i in regions],
+            # K of every layer, then V of every layer (MLA: one buffer per
+            # layer), then a draft model's: the same order on both sides.
+            regions=[(p, i, i) for p, i in zip(a.kv_data_ptrs, a.kv_item_lens)],
             num_blocks=num_blocks,
             layout="mla" if mla else (getattr(a, "kv_layout", None) or "nhd"),
             total_kv_heads=total_heads,
             block_tokens=a.page_size,
             head_bytes=item // (a.page_size * heads),
-            first_region=first_region,
             pools=pools,
         )
         return [k for k, _, _ in pools]
@@ -322,24 +332,6 @@ def _heads(a: KVArgs, server_args: Any, mla: bool) -> "tuple[int, int]":
 
     model = ModelConfig.from_server_args(server_args)
     return model.get_num_kv_heads(get_parallel().attn_tp_size), model.get_total_num_kv_heads()
-
-
-def _layer_major(a: KVArgs, mla: bool) -> "tuple[list[tuple[int, int]], int]":
-    """SGLang lists K of every layer, then V of every layer (MLA: one
-    buffer per layer), then any draft model's buffers. kvferry's regions
-    go layer by layer (K, V), so that a pipeline stage's layers are one
-    run of regions starting at ``first_region``."""
-    bufs = list(zip(a.kv_data_ptrs, a.kv_item_lens))
-    draft = int(getattr(a, "num_draft_entries", 0) or 0)
-    main, extra = (bufs[: len(bufs) - draft], bufs[len(bufs) - draft :]) if draft else (bufs, [])
-    start = int(getattr(a, "prefill_start_layer", 0) or 0)
-    if mla:
-        return main + extra, start
-    if len(main) % 2:
-        raise kvferry.MisuseError(f"{len(main)} KV buffers are not K and V of each layer")
-    layers = len(main) // 2
-    regions = [buf for layer in range(layers) for buf in (main[layer], main[layers + layer])]
-    return regions + extra, 2 * start
 
 
 def _refuse_device_memory(server_args: Any, settings: dict) -> None:

@@ -125,6 +125,7 @@ def test_settings_come_from_sglang_then_kvferry_variables(pair):
     )
     assert s["bootstrap"] == f"127.0.0.1:{pair.port}"
     assert s["host"] == "127.0.0.1", "SGLANG_HOST_IP, as SGLang's own backends"
+    assert s["listen"] == "127.0.0.1", "a detected host does not widen the listen"
     assert s["waiting_timeout_ms"] == 3000 and s["bootstrap_timeout_ms"] == 3000
     assert decode.node.settings["role"] == "decode"
 
@@ -189,3 +190,15 @@ def test_dp_attention_pairs_by_attention_tp_and_dp_rank():
     for r, (p, out) in enumerate(zip(ranks, outs)):
         assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-3000:]}"
         assert f"rank {r}:" in out and "bytes moved" in out, out[-3000:]
+
+
+def test_pipeline_parallelism_is_refused_with_the_reason():
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    sa = sglang_sched.server_args("prefill", sglang_sched.free_port(), pp_size=2)
+    context = rc.create_context(sa, role="scheduler", ranks=sglang_sched.SpawnRanks(
+        world_rank=0, dp_rank=None, gpu_id=0))
+    with rc.use_context(context), pytest.raises(kvferry.MisuseError, match="pipeline"):
+        kvferry.sglang.node_settings(KVArgs(), DisaggregationMode.PREFILL, sa)
