@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 venv=target/vllm-cpu-venv
-bash scripts/vllm-env.sh cpu "$venv"
+bash scripts/engine-env.sh cpu "$venv"
 [ -f target/wheels/kvferry-*.whl ] || bash scripts/build-wheel.sh
 "$venv/bin/pip" install --quiet --force-reinstall --no-deps target/wheels/kvferry-*.whl
 # The baseline: Mooncake's transfer engine (its CPU build) and what vLLM's

