@@ -191,6 +191,16 @@ def test_wait_releases_the_gil():
 
 
 def test_ctrl_c_interrupts_a_long_wait():
+    # Python raises KeyboardInterrupt only where SIGINT was not ignored when
+    # it started; a shell's background jobs start with it ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        wait_interrupted_by_sigint()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def wait_interrupted_by_sigint():
     with node("prefill", "p") as p, node("decode", "d") as d:
         p.register_kv_caches(kv(), **MODEL)
         d.register_kv_caches(kv(), **MODEL)
