@@ -879,24 +879,10 @@ where
         core,
         poster: EventPoster { tx: local_tx },
     });
-    let mut exec = Executor {
-        index,
-        shared: &shared,
-        driver: Driver::new(index, driver_config),
-        sink,
-        report: ExecutorReport {
-            executor: index,
-            ..ExecutorReport::default()
-        },
-        stage: Stage::Running,
-        max_inputs_per_turn,
-        mailbox_capacity,
-        yield_after_ends_below,
-        early: Early {
-            waiting: Vec::new(),
-            max: mailbox_capacity,
-        },
-    };
+    let mut exec = Executor::new(index, &shared, Driver::new(index, driver_config), sink);
+    exec.max_inputs_per_turn = max_inputs_per_turn;
+    exec.yield_after_ends_below = yield_after_ends_below;
+    exec.set_mailbox_capacity(mailbox_capacity);
     let _ = ready.send(index);
     drop(ready);
 
@@ -923,6 +909,38 @@ where
     exec.reject_queued(&commands);
     tracing::debug!(executor = index, report = ?exec.report, "executor stopped");
     exec.report
+}
+
+impl<'a, M: Machine, S> Executor<'a, M, S> {
+    /// A running executor with nothing driven yet and no limits; its loop
+    /// sets them from the executor's config.
+    fn new(index: usize, shared: &'a Shared<M>, driver: Driver<M>, sink: S) -> Self {
+        Executor {
+            index,
+            shared,
+            driver,
+            sink,
+            report: ExecutorReport {
+                executor: index,
+                ..ExecutorReport::default()
+            },
+            stage: Stage::Running,
+            max_inputs_per_turn: 0,
+            mailbox_capacity: 0,
+            yield_after_ends_below: 0,
+            early: Early {
+                waiting: Vec::new(),
+                max: 0,
+            },
+        }
+    }
+
+    /// The mailbox's capacity, which also bounds the events held for
+    /// machines not created yet.
+    fn set_mailbox_capacity(&mut self, capacity: usize) {
+        self.mailbox_capacity = capacity;
+        self.early.max = capacity;
+    }
 }
 
 impl<M: Machine, S: ActionSink<M>> Executor<'_, M, S> {
