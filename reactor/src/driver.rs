@@ -33,6 +33,14 @@ pub trait ActionSink<M: Machine> {
     fn on_phase(&mut self, transfer_id: TransferId, machine: &M, phase: Phase, now: Instant) {
         let _ = (transfer_id, machine, phase, now);
     }
+
+    /// An event for a transfer that has no machine here (it ended, or
+    /// never was here), which the executor drops after this call: a peer's
+    /// message in it may still deserve an answer, so that the peer does
+    /// not wait out its deadline. The default does nothing.
+    fn on_late_event(&mut self, transfer_id: TransferId, event: M::Event) {
+        let _ = (transfer_id, event);
+    }
 }
 
 /// Limits of one driver.

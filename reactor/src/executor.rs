@@ -660,6 +660,10 @@ impl<M: Machine, S: ActionSink<M>> ActionSink<M> for BoardSink<'_, S> {
         self.board.publish(transfer_id, phase);
         self.inner.on_phase(transfer_id, machine, phase, now);
     }
+
+    fn on_late_event(&mut self, transfer_id: TransferId, event: M::Event) {
+        self.inner.on_late_event(transfer_id, event);
+    }
 }
 
 /// Where an executor is in its life.
@@ -1066,6 +1070,13 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
             }
             return;
         }
+        if !self.driver.contains(transfer_id) {
+            // Its machine ended (an engine's abort can overtake a peer's
+            // message queued for it): the sink may still answer the peer.
+            self.stats.add_late_event();
+            self.sink.on_late_event(transfer_id, event);
+            return;
+        }
         match self.driver.handle_event(now, transfer_id, event, self.sink) {
             Ok(()) => {}
             Err(DriverError::Unknown(_)) => self.stats.add_late_event(),
@@ -1292,7 +1303,14 @@ mod tests {
         fn execute(&mut self, _: TransferId, seen: Vec<u32>) {
             let _ = self.0.send(seen);
         }
+
+        fn on_late_event(&mut self, _: TransferId, event: u32) {
+            let _ = self.0.send(vec![LATE, event]);
+        }
     }
+
+    /// What `Seen` reports before an event that came after its machine.
+    const LATE: u32 = u32::MAX;
 
     fn reactor() -> (Reactor<Recorder>, flume::Receiver<Vec<u32>>) {
         let (tx, rx) = flume::unbounded();
@@ -1363,6 +1381,32 @@ mod tests {
         let done = h.recv_finished(WAIT).expect("a completion");
         assert_eq!(done.transfer_id, live);
         assert_eq!(h.stats().late_events, 1);
+        reactor
+            .shutdown(ShutdownPolicy::Abort {
+                grace: Duration::ZERO,
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn an_event_queued_for_a_machine_that_ended_goes_to_the_sink() {
+        let (reactor, seen) = reactor();
+        let h = reactor.handle();
+        let id = TransferId(10);
+        h.create(0, id, recorder()).map_err(|r| r.error).unwrap();
+        h.send_event(id, 0).unwrap();
+        assert_eq!(
+            seen.recv_timeout(WAIT).unwrap(),
+            vec![0],
+            "the machine ended"
+        );
+        // Its completion is not collected, so the board still names it and
+        // this event is queued for a machine that is gone: as a peer's
+        // message overtaken by an engine's abort.
+        h.send_event(id, 42).unwrap();
+        assert_eq!(seen.recv_timeout(WAIT).unwrap(), vec![LATE, 42]);
+        assert_eq!(h.stats().late_events, 1);
+        assert_eq!(h.recv_finished(WAIT).expect("a completion").transfer_id, id);
         reactor
             .shutdown(ShutdownPolicy::Abort {
                 grace: Duration::ZERO,

@@ -136,11 +136,7 @@ fn vanishing_decode_rank(p: &Node, dkv: &SynthKv, tid: u64) {
 #[test]
 fn prefill_and_decode_serve_every_family_after_real_events() {
     let mut pc = NodeConfig::new(Role::Prefill, "p");
-    // Long enough that request 4's record, which decode's pull opened,
-    // outlives the look and the abort on loaded cores (at 300 ms it once
-    // expired first, and decode never heard of the abort); short enough
-    // for request 5's hold to expire within the test.
-    pc.timeouts = timeouts(Duration::from_secs(2));
+    pc.timeouts = timeouts(Duration::from_millis(300));
     pc.metrics_listen = Some("127.0.0.1:0".into());
     let pkv = SynthKv::new(MODEL, 1, 0, 2, 16);
     let p = Node::start(pc).unwrap();

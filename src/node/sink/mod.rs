@@ -899,4 +899,21 @@ impl ActionSink<Duplex> for Sink {
     fn on_phase(&mut self, tid: TransferId, machine: &Duplex, phase: Phase, now: Instant) {
         self.report(tid, machine.direction(), phase, now);
     }
+
+    /// A peer's message whose machine ended before it was handed over (an
+    /// engine's abort overtook decode's first `Pull`, say): the bridge
+    /// answers it as it answers any message for an ended transfer, so the
+    /// peer is told now rather than at its deadline.
+    fn on_late_event(&mut self, tid: TransferId, event: duplex::Event) {
+        let (duplex::Event::Send(send::Event::Msg { peer, msg })
+        | duplex::Event::Recv(recv::Event::Msg { peer, msg })) = event
+        else {
+            return;
+        };
+        self.shared.to_bridge(BridgeCmd::Inbound {
+            peer: peer.0,
+            tid,
+            msg,
+        });
+    }
 }
