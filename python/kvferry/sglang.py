@@ -121,6 +121,29 @@ def plugin() -> None:
     HookRegistry.register(
         "sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND
     )
+    HookRegistry.register(MOONCAKE_ENGINE, _no_engine_for_transfers, HookType.AROUND)
+
+
+#: SGLang builds one Mooncake TransferEngine per scheduler for its Mooncake
+#: users, the ``mooncake`` transfer backend among them.
+MOONCAKE_ENGINE = (
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+    "maybe_init_shared_mooncake_transfer_engine"
+)
+
+
+def _no_engine_for_transfers(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """Builds the shared Mooncake engine only for SGLang's other Mooncake
+    users (HiCache storage, elastic EP, encoder transfers): kvferry stands in
+    for the transfer backend, and without the ``mooncake`` package the
+    engine SGLang would build for it kills the scheduler at start."""
+    from sglang.srt.runtime_context import get_disagg
+
+    disagg = get_disagg()
+    if disagg.disaggregation_transfer_backend != "mooncake":
+        return original(*args, **kwargs)
+    with disagg.override(disaggregation_transfer_backend="kvferry"):
+        return original(*args, **kwargs)
 
 
 def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:

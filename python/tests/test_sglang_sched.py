@@ -51,6 +51,17 @@ def test_sglangs_own_plugin_loading_makes_the_mooncake_backend_kvferrys(pair):
     assert sglang_sched.CUDA_SUBSTITUTIONS, "the substituted CUDA calls are named"
 
 
+def test_sglangs_scheduler_start_builds_no_mooncake_engine_for_kvferry(pair):
+    # What SGLang's scheduler calls at start (distributed/bootstrap.py):
+    # without kvferry's hook it builds Mooncake's TransferEngine for the
+    # `mooncake` transfer backend, and without the mooncake package dies.
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.distributed import bootstrap
+
+    with rc.use_context(pair.P):
+        assert bootstrap.maybe_init_shared_mooncake_transfer_engine(gpu_id=0) is None
+
+
 def test_a_request_moves_every_byte_through_sglangs_queues(pair):
     free_p, free_d = pair.ps.free(), pair.ds.free()
     pair.add("r1", PROMPT, room=101)
