@@ -813,16 +813,16 @@ struct Executor<'a, M: Machine, S> {
     max_inputs_per_turn: usize,
     mailbox_capacity: usize,
     yield_after_ends_below: usize,
-    early: Early<M::Event>,
+    early: Early<Held<M::Event>>,
 }
 
-/// Events that came before their machine: a transfer is on the board from
-/// the moment its creation is accepted, before its `Create` is in the
-/// mailbox, so another thread that sees it there can queue an event ahead
-/// of the `Create`. Such an event waits here and is handed to the machine
-/// right after it is created, in the order the events came; one whose
-/// creation was taken back (the board no longer names it for this
-/// executor) is dropped as a late event. At most `max` wait.
+/// Events and aborts that came before their machine: a transfer is on the
+/// board from the moment its creation is accepted, before its `Create` is
+/// in the mailbox, so another thread that sees it there can queue an event
+/// or an abort ahead of the `Create`. Such an input waits here and is
+/// handed to the machine right after it is created, in the order the inputs
+/// came; one whose creation was taken back (the board no longer names it
+/// for this executor) is dropped as a late event. At most `max` wait.
 struct Early<E> {
     waiting: Vec<(TransferId, E)>,
     max: usize,
@@ -837,6 +837,12 @@ fn create_coming<M: Machine>(
     transfer_id: TransferId,
 ) -> bool {
     !driver.contains(transfer_id) && board.is_live_on(transfer_id, executor)
+}
+
+/// An input that came before its machine's `Create`.
+enum Held<E> {
+    Event(E),
+    Abort(AbortReason),
 }
 
 impl<E> Early<E> {
@@ -1055,7 +1061,7 @@ struct Turn<'a, 'b, M: Machine, S> {
     driver: &'a mut Driver<M>,
     sink: &'a mut BoardSink<'b, S>,
     board: &'a CompletionBoard,
-    early: &'a mut Early<M::Event>,
+    early: &'a mut Early<Held<M::Event>>,
     stats: &'a Stats,
     stage: Stage,
 }
@@ -1064,7 +1070,7 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
     fn handle_event(&mut self, now: Instant, transfer_id: TransferId, event: M::Event) {
         if create_coming(self.board, self.driver, self.index, transfer_id) {
             if self.early.waiting.len() < self.early.max {
-                self.early.waiting.push((transfer_id, event));
+                self.early.waiting.push((transfer_id, Held::Event(event)));
             } else {
                 self.stats.add_late_event();
             }
@@ -1099,8 +1105,11 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
                 Stage::Running => match self.driver.insert(now, transfer_id, machine, self.sink) {
                     Ok(()) => {
                         self.stats.add_created();
-                        for event in self.early.take(transfer_id) {
-                            self.handle_event(now, transfer_id, event);
+                        for held in self.early.take(transfer_id) {
+                            match held {
+                                Held::Event(event) => self.handle_event(now, transfer_id, event),
+                                Held::Abort(reason) => self.abort(now, transfer_id, reason),
+                            }
                         }
                     }
                     Err(error) => {
@@ -1117,13 +1126,18 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
                 transfer_id,
                 reason,
             } => {
-                if self
-                    .driver
-                    .abort(now, transfer_id, reason, self.sink)
-                    .is_err()
-                {
-                    self.stats.add_late_event();
+                // An engine that saw the transfer on the board (a peer's
+                // first message created it) may abort before its `Create`
+                // is handled: the abort waits for the machine like an event.
+                if create_coming(self.board, self.driver, self.index, transfer_id) {
+                    if self.early.waiting.len() < self.early.max {
+                        self.early.waiting.push((transfer_id, Held::Abort(reason)));
+                    } else {
+                        self.stats.add_late_event();
+                    }
+                    return;
                 }
+                self.abort(now, transfer_id, reason);
             }
             Command::Spawn(make) => {
                 glommio::spawn_local(make()).detach();
@@ -1200,6 +1214,16 @@ impl<M: Machine, S: ActionSink<M>> Turn<'_, '_, M, S> {
                     report.dropped += self.driver.drop_all();
                 }
             }
+        }
+    }
+
+    fn abort(&mut self, now: Instant, transfer_id: TransferId, reason: AbortReason) {
+        if self
+            .driver
+            .abort(now, transfer_id, reason, self.sink)
+            .is_err()
+        {
+            self.stats.add_late_event();
         }
     }
 
@@ -1281,7 +1305,10 @@ mod tests {
             Ok(())
         }
         fn handle_timeout(&mut self, _: Instant) {}
-        fn abort(&mut self, _: Instant, _: AbortReason) {}
+        fn abort(&mut self, _: Instant, _: AbortReason) {
+            self.seen.push(ABORTED);
+            self.done = true;
+        }
         fn poll_action(&mut self) -> Option<Vec<u32>> {
             (self.done && !self.seen.is_empty()).then(|| std::mem::take(&mut self.seen))
         }
@@ -1311,6 +1338,8 @@ mod tests {
 
     /// What `Seen` reports before an event that came after its machine.
     const LATE: u32 = u32::MAX;
+    /// What a `Recorder` saw when it was aborted.
+    const ABORTED: u32 = u32::MAX - 1;
 
     fn reactor() -> (Reactor<Recorder>, flume::Receiver<Vec<u32>>) {
         let (tx, rx) = flume::unbounded();
@@ -1407,6 +1436,31 @@ mod tests {
         assert_eq!(seen.recv_timeout(WAIT).unwrap(), vec![LATE, 42]);
         assert_eq!(h.stats().late_events, 1);
         assert_eq!(h.recv_finished(WAIT).expect("a completion").transfer_id, id);
+        reactor
+            .shutdown(ShutdownPolicy::Abort {
+                grace: Duration::ZERO,
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn an_abort_queued_before_its_create_aborts_the_machine() {
+        let (reactor, seen) = reactor();
+        let h = reactor.handle();
+        let id = TransferId(11);
+        // A peer's first message created the transfer on another thread:
+        // the engine sees it on the board and aborts before the `Create`
+        // reaches the mailbox.
+        h.shared.board.reserve(id, 0).unwrap();
+        h.abort(id, AbortReason::Engine).unwrap();
+        let create = Command::Create {
+            transfer_id: id,
+            machine: recorder(),
+        };
+        h.shared.post(0, create).unwrap();
+        assert_eq!(seen.recv_timeout(WAIT).unwrap(), vec![ABORTED]);
+        assert_eq!(h.recv_finished(WAIT).expect("a completion").transfer_id, id);
+        assert_eq!(h.stats().late_events, 0);
         reactor
             .shutdown(ShutdownPolicy::Abort {
                 grace: Duration::ZERO,
