@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from . import _native
 from ._native import (
@@ -88,6 +88,21 @@ def _pump_logs() -> None:
                 dropped - dropped_before,
             )
             dropped_before = dropped
+
+
+def _with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
+    """An engine adapter's advertised ``host`` when neither its settings nor
+    ``KVFERRY_HOST`` name one: what ``detect`` finds, as the engine's own
+    connectors find it. A detected host does not widen where the node
+    listens: ``listen`` stays on loopback unless configured (in the
+    settings or ``KVFERRY_LISTEN``), and a node that would advertise
+    another host's reachable address while listening on loopback refuses
+    to start, naming both."""
+    if "host" in settings or os.environ.get("KVFERRY_HOST"):
+        return
+    settings["host"] = detect()
+    if "listen" not in settings and not os.environ.get("KVFERRY_LISTEN"):
+        settings["listen"] = "127.0.0.1"
 
 
 def _ensure_log_pump() -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import json
+import logging
 import os
 import urllib.request
 from typing import Any, List, Optional
@@ -47,6 +48,8 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import kvferry
 from kvferry import Phase
+
+logger = logging.getLogger(__name__)
 
 #: The engine id every prefill engine's ranks register under at its own
 #: bootstrap service (SGLang runs one bootstrap service per prefill engine).
@@ -198,19 +201,8 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
     for var, key in SGLANG_TIMEOUTS.items():
         if os.environ.get(var):
             settings[key] = int(float(os.environ[var]) * 1000)
-    if not os.environ.get(kvferry_var("host")):
-        settings["host"] = advertised_host()
-        # A detected host does not widen where the node listens (as in the
-        # vLLM connector): another host's reachable address over a loopback
-        # listen refuses to start, naming `listen`.
-        if not os.environ.get(kvferry_var("listen")):
-            settings["listen"] = "127.0.0.1"
+    kvferry._with_detected_host(settings, advertised_host)
     return settings
-
-
-def kvferry_var(key: str) -> str:
-    """The environment variable of node setting ``key``."""
-    return "KVFERRY_" + key.upper()
 
 
 def advertised_host() -> str:
@@ -455,7 +447,9 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         try:
             self.handle.send([kv] + pools, is_last=last)
         except kvferry.Error as e:
-            self.failure = f"kvferry: {e}"
+            # Earlier chunks may still be moving: the transfer fails through
+            # its handle, which turns terminal once no peer touches its pages.
+            logger.warning("kvferry: transfer %s refused a chunk (%s); aborting it", self.room, e)
             self.abort()
 
     def poll(self) -> int:

@@ -366,17 +366,10 @@ def _settings(extra: dict) -> dict:
     return out
 
 
-def _host_settings(settings: dict) -> None:
-    """The advertised ``host``, when not configured, as vLLM's ``get_ip()``
-    finds it: ``VLLM_HOST_IP``, else the address of the outbound route.
-    A detected host does not widen where the node listens: ``listen``
-    stays on loopback unless configured, and a node that would advertise
-    another host's reachable address while listening on loopback refuses
-    to start, naming both."""
-    if "host" in settings:
-        return
-    settings["host"] = os.environ.get("VLLM_HOST_IP") or _outbound_ip()
-    settings.setdefault("listen", "127.0.0.1")
+def _vllm_host() -> str:
+    """The host as vLLM's ``get_ip()`` finds it: ``VLLM_HOST_IP``, else the
+    address of the outbound route."""
+    return os.environ.get("VLLM_HOST_IP") or _outbound_ip()
 
 
 def _outbound_ip() -> str:
@@ -600,7 +593,7 @@ class _WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.pp_size = pc.pipeline_parallel_size
         settings = {k: v for k, v in extra.items() if k not in _CONNECTOR_KEYS}
-        _host_settings(settings)
+        kvferry._with_detected_host(settings, _vllm_host)
         settings.setdefault("pp_size", self.pp_size)
         settings.setdefault("pp_rank", pp_rank)
         role = _NODE_ROLE[kt.kv_role]

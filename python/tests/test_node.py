@@ -136,6 +136,26 @@ def test_keywords_win_over_kvferry_variables_which_win_over_defaults(monkeypatch
         kvferry.Node(role="decode", engine_id="d")
 
 
+def test_a_detected_host_yields_to_settings_and_keeps_listening_on_loopback(monkeypatch):
+    detect = lambda: "10.1.2.3"  # noqa: E731
+    monkeypatch.delenv("KVFERRY_HOST", raising=False)
+    monkeypatch.delenv("KVFERRY_LISTEN", raising=False)
+    s = {}
+    kvferry._with_detected_host(s, detect)
+    assert s == {"host": "10.1.2.3", "listen": "127.0.0.1"}
+    s = {"host": "h"}
+    kvferry._with_detected_host(s, detect)
+    assert s == {"host": "h"}, "a configured host is not detected"
+    monkeypatch.setenv("KVFERRY_LISTEN", "0.0.0.0")
+    s = {}
+    kvferry._with_detected_host(s, detect)
+    assert s == {"host": "10.1.2.3"}, "KVFERRY_LISTEN, read by the node, wins"
+    monkeypatch.setenv("KVFERRY_HOST", "h2")
+    s = {}
+    kvferry._with_detected_host(s, detect)
+    assert s == {}, "KVFERRY_HOST, read by the node, wins"
+
+
 def test_bad_arguments_raise_and_never_crash():
     with node("prefill", "p") as p:
         with pytest.raises(kvferry.MisuseError, match="leas_ms"):
