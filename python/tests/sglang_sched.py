@@ -28,13 +28,12 @@ retraction backup's host pool (`CUDA_SUBSTITUTIONS`).
 from __future__ import annotations
 
 import os
-import socket
 import time
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
-from engines import make_model
+from engines import free_port, make_model
 
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 os.environ["KVFERRY_SGLANG"] = "1"
@@ -102,12 +101,6 @@ GROUPS = [
     "moe_ep_group", "moe_dp_group", "moe_tp_group",
 ]
 _world: dict = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_groups(context, world=(1, 0, None)) -> dict:

@@ -37,7 +37,6 @@ import re
 import resource
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,6 +49,8 @@ import pytest
 if os.environ.get("KVFERRY_SGLANG_SERVERS") != "1":
     pytest.skip("real SGLang servers: KVFERRY_SGLANG_SERVERS=1", allow_module_level=True)
 pytest.importorskip("sglang")
+
+from engines import free_port, make_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "sglang_cpu"
@@ -81,12 +82,6 @@ TIMES: dict = {}
 NO_CHECKSUM = os.environ.get("KVFERRY_E2E_NO_CHECKSUM", "") == "1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 120.0) -> "tuple[int, dict | str]":
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
@@ -107,13 +102,13 @@ def _limits() -> None:
 
 class Server:
     def __init__(self, name: str, logdir: Path, args: list, env: dict):
-        self.name, self.port, self.log = name, _free_port(), logdir / f"{name}.log"
+        self.name, self.port, self.log = name, free_port(), logdir / f"{name}.log"
         cmd = [
             "timeout", str(SERVER_LIFETIME_S), "nice", "-n", "10",
             PYTHON, "-m", "sglang.launch_server",
             "--model-path", str(MODEL), "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--nccl-port", str(_free_port()),
+            "--nccl-port", str(free_port()),
             "--tp", "1", "--dtype", "float32",
             "--max-total-tokens", "4096", "--max-running-requests", "4",
         ] + shlex.split(os.environ.get("KVFERRY_E2E_EXTRA_ARGS", "")) + args
@@ -178,13 +173,10 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     if not MODEL.exists():
-        sys.path.insert(0, str(REPO / "python" / "tests"))
-        from engines import make_model
-
         make_model(MODEL)
     logdir = Path(os.environ.get("KVFERRY_E2E_LOGDIR") or tmp_path_factory.mktemp("sglang_e2e"))
     logdir.mkdir(parents=True, exist_ok=True)
-    bootstrap_port = _free_port()
+    bootstrap_port = free_port()
     pd_env = dict(
         KVFERRY_SGLANG="1",
         SGLANG_PLUGINS="kvferry,kvferry_e2e",  # kvferry's, and the checksum stand-in
