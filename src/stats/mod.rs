@@ -199,7 +199,9 @@ fn scrape(counters: &Counters, encoder: &mut DescriptorEncoder) -> Result<(), st
     let s = counters.snapshot();
     let by_outcome = [
         ("ok", s.ok),
-        ("failed", s.failed - s.aborted),
+        // Each counter is read on its own: a scrape between an abort's two
+        // adds (`failed`, then `aborted`) may see it in `aborted` only.
+        ("failed", s.failed.saturating_sub(s.aborted)),
         ("aborted", s.aborted),
         ("expired", s.expired),
     ];
