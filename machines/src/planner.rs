@@ -290,7 +290,7 @@ pub enum PlanError {
     },
     /// The pair needs a rule kvferry does not implement: a state pool
     /// under different TP sizes (SGLang slices Mamba state by TP and
-    /// refuses SWA/DSA state), or a pool under pipeline parallelism. Never
+    /// refuses SWA/DSA state), or a state pool under pipeline parallelism. Never
     /// planned approximately: the pair moves nothing.
     #[error("pool {pool}: unsupported: {why}")]
     Unsupported {

@@ -180,21 +180,23 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    if parallel.pp_size > 1:
-        # SGLang's PP ranks poll one consensus (`poll_pp_consensus` on PP
-        # rank 0, forwarded down the pipeline); a kvferry node knows its
-        # own stage only.
-        raise kvferry.MisuseError(
-            "kvferry's SGLang backend does not support pipeline parallelism "
-            f"(pp_size {parallel.pp_size}): SGLang's PP ranks poll one consensus of all stages"
-        )
     prefill = mode == DisaggregationMode.PREFILL
+    if parallel.pp_size > 1 and not prefill:
+        # SGLang pairs a decode engine's stages with the prefill engine's
+        # stage for stage; kvferry pairs a decode engine without stages
+        # with every prefill stage (`docs/python.md`).
+        raise kvferry.MisuseError(
+            "kvferry's SGLang backend runs a decode engine without pipeline parallelism "
+            f"(pp_size {parallel.pp_size}); its prefill engine may have stages"
+        )
     settings = {
         "role": "prefill" if prefill else "decode",
         "engine_id": ENGINE_ID,
         "tp_size": int(parallel.attn_tp_size),
         "tp_rank": int(parallel.attn_tp_rank),
         "dp_rank": int(getattr(args, "system_dp_rank", 0) or 0),
+        "pp_size": int(parallel.pp_size),
+        "pp_rank": int(parallel.pp_rank),
     }
     if prefill:
         settings["bootstrap"] = f"{_reachable(server_args.host)}:{server_args.disaggregation_bootstrap_port}"
@@ -272,10 +274,10 @@ class KvferryKVManager(BaseKVManager):
         )
         for ptrs, lens, items in states:
             pools.append(_pool("state", ptrs, lens, items))
+        regions, first = _kv_regions(a, mla, int(self.node.settings["pp_size"]))
         self.node.register_kv_caches(
-            # K of every layer, then V of every layer (MLA: one buffer per
-            # layer), then a draft model's: the same order on both sides.
-            regions=[(p, i, i) for p, i in zip(a.kv_data_ptrs, a.kv_item_lens)],
+            regions=regions,
+            first_region=first,
             num_blocks=num_blocks,
             layout="mla" if mla else (getattr(a, "kv_layout", None) or "nhd"),
             total_kv_heads=total_heads,
@@ -331,6 +333,32 @@ class KvferryKVManager(BaseKVManager):
                 s = states.pop(0) if states else []
                 out.append([int(s)] if np.isscalar(s) else [int(x) for x in s])
         return out
+
+
+def _kv_regions(a: KVArgs, mla: bool, pp_size: int) -> "tuple[list, int]":
+    """This rank's KV regions in kvferry's model order, layer by layer (K
+    then V; MLA: one buffer per layer), and the index of its first one in
+    the model's. SGLang lists K of every layer, then V of every layer; a
+    pipeline stage lists its own layers only, from ``prefill_start_layer``,
+    which in layer order are one run of the model's regions."""
+    bufs = list(zip(a.kv_data_ptrs, a.kv_item_lens))
+    start = int(getattr(a, "prefill_start_layer", 0) or 0)
+    end = getattr(a, "prefill_end_layer", None)
+    per_layer = 1 if mla else 2
+    if pp_size > 1 and end is not None and len(bufs) != per_layer * (end - start):
+        raise kvferry.MisuseError(
+            f"pipeline stage {start}..{end} lists {len(bufs)} KV buffers, not its layers' "
+            "(a draft model's KV under pipeline parallelism is not supported)"
+        )
+    if mla:
+        return [(p, i, i) for p, i in bufs], start
+    if len(bufs) % 2:
+        raise kvferry.MisuseError(f"{len(bufs)} KV buffers are not a K and a V per layer")
+    half = len(bufs) // 2
+    # Without stages a draft model's K and V follow the main model's: the
+    # halves interleave the same way on both sides.
+    layered = [b for k, v in zip(bufs[:half], bufs[half:]) for b in (k, v)]
+    return [(p, i, i) for p, i in layered], 2 * start
 
 
 def _heads(a: KVArgs, server_args: Any, mla: bool) -> "tuple[int, int]":
@@ -456,6 +484,16 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         if self.failure is not None:
             return KVPoll.Failed
         return _POLL[self.own_phase()]
+
+    def poll_pp_consensus(self) -> int:
+        """What PP rank 0's bootstrap queue polls for every stage (SGLang's
+        Mooncake backend gathers each stage's state there). A kvferry
+        sender takes its KV before or after the decode's request reaches
+        it, and the decode asks every stage at once, so the other stages
+        need not be bootstrapped before this one's forward: the first
+        stage's state is the request's. The release after the transfer
+        goes through SGLang's own per-stage consensus of ``poll``."""
+        return self.poll()
 
     def get_transfer_metric(self) -> KVTransferMetric:
         return KVTransferMetric()

@@ -59,7 +59,9 @@ from sglang.srt.disaggregation.utils import (  # noqa: E402
     TransferBackend,
 )
 from sglang.srt.distributed import parallel_state  # noqa: E402
+from sglang.srt.distributed.utils import get_pp_indices  # noqa: E402
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.scheduler_pp_mixin import SchedulerPPMixin  # noqa: E402
 from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 from sglang.srt.mem_cache import kv_cache_builder  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
@@ -158,11 +160,14 @@ class BatchResultsStandIn:
 def build_pools(mode: str, model_config: ModelConfig):
     """SGLang's own host-memory pools and tree cache for one role."""
     hf = model_config.hf_config
+    parallel = rc.get_parallel()
+    # A pipeline stage holds its own layers, as SGLang's model runner splits them.
+    start, end = get_pp_indices(hf.num_hidden_layers, parallel.pp_rank, parallel.pp_size)
     pool = MHATokenToKVPool(
         size=POOL_TOKENS, page_size=PAGE, dtype=DTYPE,
-        head_num=model_config.get_num_kv_heads(rc.get_parallel().attn_tp_size),
-        head_dim=hf.head_dim, layer_num=hf.num_hidden_layers, device="cpu",
-        enable_memory_saver=False, enable_alt_stream=False,
+        head_num=model_config.get_num_kv_heads(parallel.attn_tp_size),
+        head_dim=hf.head_dim, layer_num=end - start, start_layer=start, end_layer=end,
+        device="cpu", enable_memory_saver=False, enable_alt_stream=False,
     )
     if mode == "decode":
         req_pool = DecodeReqToTokenPool(
@@ -257,9 +262,10 @@ class SchedBase:
                 self.req_to_metadata_buffer_idx_allocator.available_size())
 
 
-class PrefillSched(SchedBase, SchedulerDisaggregationPrefillMixin):
+class PrefillSched(SchedBase, SchedulerDisaggregationPrefillMixin, SchedulerPPMixin):
     def __init__(self, model_config, sa):
         super().__init__("prefill", model_config, sa)
+        self.world_group = rc.get_parallel().world_group
         self.disagg_prefill_bootstrap_queue = PrefillBootstrapQueue(
             token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
             req_to_metadata_buffer_idx_allocator=self.req_to_metadata_buffer_idx_allocator,
@@ -285,12 +291,19 @@ class PrefillSched(SchedBase, SchedulerDisaggregationPrefillMixin):
         )
         batch.prepare_for_extend()
         loc = batch.out_cache_loc.to(torch.int64)
-        g = torch.Generator().manual_seed(seed)
-        for layer in range(self.pool.layer_num):
-            for buf in (self.pool.k_buffer[layer], self.pool.v_buffer[layer]):
-                buf[loc] = torch.randn(buf[loc].shape, generator=g).to(buf.dtype)
+        for i in range(self.pool.layer_num):
+            k, v = self.pool.k_buffer[i], self.pool.v_buffer[i]
+            k[loc], v[loc] = layer_kv(seed, self.pool.start_layer + i, k[loc].shape)
         next_ids = torch.tensor([1000 + i for i in range(len(reqs))], dtype=torch.int64)
         return batch, GenerationBatchResult(next_token_ids=next_ids)
+
+
+def layer_kv(seed: int, layer: int, shape) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The stand-in forward's K and V of one model layer for a batch's
+    tokens: a function of the seed and the layer alone, so a process that
+    holds other layers (a decode fed by pipeline stages) can check them."""
+    g = torch.Generator().manual_seed(seed * 1000 + layer)
+    return tuple(torch.randn(shape, generator=g).to(DTYPE) for _ in range(2))
 
 
 class DecodeSched(SchedBase, SchedulerDisaggregationDecodeMixin):
@@ -343,29 +356,32 @@ class Pair:
     `step` runs one turn of each one's event loop."""
 
     def __init__(self, parallel=None, decode=None, world=(1, 0, None), dp_rank=None,
-                 port=None):
+                 port=None, sides="PD"):
         """`world`: see `process_groups`; rank 0 of a wider world serves
-        the bootstrap service on `port`, the others register there."""
+        the bootstrap service on `port`, the others register there.
+        `sides`: the engines this process runs ("P", "D" or both)."""
         self.port = port or free_port()
         ranks = SpawnRanks(world_rank=world[1], dp_rank=dp_rank, gpu_id=0)
-        self.P = rc.create_context(server_args("prefill", self.port, **(parallel or {})),
-                                   role="scheduler", ranks=ranks)
-        self.D = rc.create_context(
-            server_args("decode", self.port, **(parallel or {}), **(decode or {})),
-            role="scheduler", ranks=ranks)
-        process_groups(self.P, world)
-        process_groups(self.D, world)
-        self.bootstrap = None
-        with rc.use_context(self.P):
-            from sglang.srt.managers.disagg_service import start_disagg_service
+        self.P = self.D = self.ps = self.ds = self.bootstrap = None
+        if "P" in sides:
+            self.P = rc.create_context(server_args("prefill", self.port, **(parallel or {})),
+                                       role="scheduler", ranks=ranks)
+            process_groups(self.P, world)
+            with rc.use_context(self.P):
+                from sglang.srt.managers.disagg_service import start_disagg_service
 
-            if world[1] == 0:
-                self.bootstrap = start_disagg_service()
-            sa = rc.get_server_args()
-            self.ps = PrefillSched(ModelConfig.from_server_args(sa), sa)
-        with rc.use_context(self.D):
-            sa = rc.get_server_args()
-            self.ds = DecodeSched(ModelConfig.from_server_args(sa), sa)
+                if world[1] == 0:
+                    self.bootstrap = start_disagg_service()
+                sa = rc.get_server_args()
+                self.ps = PrefillSched(ModelConfig.from_server_args(sa), sa)
+        if "D" in sides:
+            self.D = rc.create_context(
+                server_args("decode", self.port, **(parallel or {}), **(decode or {})),
+                role="scheduler", ranks=ranks)
+            process_groups(self.D, world)
+            with rc.use_context(self.D):
+                sa = rc.get_server_args()
+                self.ds = DecodeSched(ModelConfig.from_server_args(sa), sa)
         self.hold_prefill = False
         self.reqs: dict = {}
         #: The prefill's KV bytes of each request, as its forward left them.
@@ -374,12 +390,12 @@ class Pair:
     def add(self, rid, ids, room, prefill=True, decode=True):
         """A request as `Scheduler._add_request_to_queue` takes it, on
         each side."""
-        if prefill:
+        if prefill and self.P is not None:
             with rc.use_context(self.P):
                 r = req(rid, ids, room, self.port, DisaggregationMode.PREFILL)
                 self.ps.disagg_prefill_bootstrap_queue.add(r, self.ps.model_config.num_key_value_heads)
                 self.reqs[("P", rid)] = r
-        if decode:
+        if decode and self.D is not None:
             with rc.use_context(self.D):
                 r = req(rid, ids, room, self.port, DisaggregationMode.DECODE)
                 self.ds.disagg_decode_prealloc_queue.add(r)
@@ -389,19 +405,37 @@ class Pair:
         """One turn of `event_loop_normal_disagg_prefill` (its batch and
         forward stood in) and of `event_loop_normal_disagg_decode`'s queue
         part."""
-        with rc.use_context(self.P):
-            ps = self.ps
-            ps.waiting_queue.extend(ps.disagg_prefill_bootstrap_queue.pop_bootstrapped())
-            if ps.waiting_queue and not self.hold_prefill:
-                reqs, ps.waiting_queue = ps.waiting_queue, []
-                batch, result = ps.forward(reqs, seed)
-                for r in reqs:
-                    # Read before the send: a finished prefill frees its row.
-                    self.computed[r.rid] = self._kv(ps, r, len(r.origin_input_ids))
-                ps.process_batch_result_disagg_prefill(batch, result)
+        if self.P is not None:
+            with rc.use_context(self.P):
+                self._prefill_step(seed)
+        if self.D is not None:
+            with rc.use_context(self.D):
+                self.ds.process_decode_queue()
+
+    def _prefill_step(self, seed):
+        ps = self.ps
+        # With stages, PP rank 0 polls every request's consensus
+        # (`poll_pp_consensus`) and the other stages receive its verdict.
+        ps.waiting_queue.extend(ps.disagg_prefill_bootstrap_queue.pop_bootstrapped())
+        if ps.waiting_queue and not self.hold_prefill:
+            reqs, ps.waiting_queue = ps.waiting_queue, []
+            batch, result = ps.forward(reqs, seed)
+            for r in reqs:
+                # Read before the send: a finished prefill frees its row.
+                self.computed[r.rid] = self._kv(ps, r, len(r.origin_input_ids))
+            ps.process_batch_result_disagg_prefill(batch, result)
+        if ps.pp_group.world_size == 1:
             ps.process_disagg_prefill_inflight_queue()
-        with rc.use_context(self.D):
-            self.ds.process_decode_queue()
+            return
+        # `event_loop_pp_disagg_prefill`'s release consensus, its microbatch
+        # ring stood in by one round per step: each stage intersects its
+        # finished requests with the previous stage's, and the last stage's
+        # list goes round to the first; every stage releases that list.
+        finished = ps._pp_pd_get_prefill_transferred_ids()
+        ps._pp_send_pyobj_to_next_stage(finished)
+        if ps.pp_group.is_first_rank:
+            finished = ps._pp_recv_pyobj_from_prev_stage()
+        ps.process_disagg_prefill_inflight_queue(finished)
 
     def run_until(self, done, within_s=20.0):
         deadline = time.monotonic() + within_s
@@ -467,8 +501,12 @@ class Pair:
             release_kv_cache(r, self.ds.tree_cache, checkpoint=True)
 
     def managers(self):
-        return (self.ps.disagg_prefill_bootstrap_queue.kv_manager,
-                self.ds.disagg_decode_prealloc_queue.kv_manager)
+        out = []
+        if self.ps is not None:
+            out.append(self.ps.disagg_prefill_bootstrap_queue.kv_manager)
+        if self.ds is not None:
+            out.append(self.ds.disagg_decode_prealloc_queue.kv_manager)
+        return tuple(out)
 
     def close(self):
         for m in self.managers():
@@ -519,9 +557,72 @@ def dp_attention_rank(rank: int, rendezvous: int, port: int) -> None:
     pair.close()
 
 
+PP_PROMPT = list(range(31, 45))
+PP_ROOM = 700
+PP_SEED = 7
+
+
+def pp_prefill_stage(rank: int, rendezvous: int, port: int) -> None:
+    """One stage of a prefill engine with two pipeline stages (a world of
+    two ranks; rank 0 serves the bootstrap service): prefills one request
+    and exits 0 once SGLang's release consensus ended it on both stages.
+    Run as `python sglang_sched.py pp-prefill RANK RENDEZVOUS_PORT BOOTSTRAP_PORT`."""
+    no_nccl_for_groups_of_two()
+    pair = Pair(parallel={"pp_size": 2}, world=(2, rank, rendezvous), port=port, sides="P")
+    (mgr,) = pair.managers()
+    assert (mgr.node.settings["pp_size"], mgr.node.settings["pp_rank"]) == (2, rank)
+    pair.add("pp", PP_PROMPT, room=PP_ROOM)
+    world = _world["world_group"].cpu_group
+    deadline = time.monotonic() + 30
+    while True:
+        pair.step(seed=PP_SEED)
+        # Both stages step in lockstep (their queues exchange verdicts):
+        # they stop together, when both are done or either ran out of time.
+        flags = torch.tensor([int(pair.prefill_ended("pp")), int(time.monotonic() > deadline)])
+        both = flags.clone()
+        torch.distributed.all_reduce(both, group=world)
+        if both[0] == 2 or both[1] > 0:
+            break
+        time.sleep(0.005)
+    assert both[0] == 2, f"stage {rank}: request {PP_ROOM} did not end on both stages"
+    print(f"stage {rank}: layers {pair.ps.pool.start_layer}..{pair.ps.pool.end_layer} sent", flush=True)
+    # Rank 0 serves the bootstrap service: it stays until rank 1 is done.
+    torch.distributed.barrier(group=world)
+    pair.close()
+
+
+def pp_decode(port: int) -> None:
+    """A decode engine without stages fed by both stages of the prefill
+    engine on `port`: exits 0 once every layer of the request matched
+    what the stand-in forward of its stage wrote. Run as
+    `python sglang_sched.py pp-decode BOOTSTRAP_PORT`."""
+    pair = Pair(port=port, sides="D")
+    pair.add("pp", PP_PROMPT, room=PP_ROOM)
+    assert pair.run_until(lambda: pair.decode_transferred("pp"), within_s=30), \
+        f"request {PP_ROOM} did not move"
+    n = len(PP_PROMPT)
+    got = pair.kv("D", "pp", n)
+    pool = pair.ds.pool
+    for layer in range(pool.layer_num):
+        k, v = layer_kv(PP_SEED, layer, pool.k_buffer[layer][:n].shape)
+        assert torch.equal(got[2 * layer], k.view(torch.uint8)), f"layer {layer}: K differs"
+        assert torch.equal(got[2 * layer + 1], v.view(torch.uint8)), f"layer {layer}: V differs"
+    # The first output token comes in the aux buffer, from the last stage.
+    first = list(pair.reqs[("D", "pp")].output_ids[:1])
+    assert first == [1000], f"first token {first}"
+    print(f"decode: {pool.layer_num} layers matched", flush=True)
+    pair.close()
+
+
 if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["dp"]:
         dp_attention_rank(*(int(a) for a in sys.argv[2:5]))
+        os._exit(0)
+    if sys.argv[1:2] == ["pp-prefill"]:
+        pp_prefill_stage(*(int(a) for a in sys.argv[2:5]))
+        os._exit(0)
+    if sys.argv[1:2] == ["pp-decode"]:
+        pp_decode(int(sys.argv[2]))
         os._exit(0)

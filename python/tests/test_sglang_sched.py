@@ -203,13 +203,38 @@ def test_dp_attention_pairs_by_attention_tp_and_dp_rank():
         assert f"rank {r}:" in out and "bytes moved" in out, out[-3000:]
 
 
-def test_pipeline_parallelism_is_refused_with_the_reason():
+def test_a_prefill_engine_with_two_stages_feeds_a_decode_engine_without():
+    """Three processes: the two pipeline stages of a prefill engine (a
+    world of two ranks on gloo, SGLang's PP bootstrap and release
+    consensus between them) and a decode engine without stages, which
+    takes each stage's layers and the aux from the last stage."""
+    rendezvous, port = sglang_sched.free_port(), sglang_sched.free_port()
+    script = sglang_sched.__file__
+    run = lambda *args: subprocess.Popen(  # noqa: E731
+        [sys.executable, script, *map(str, args)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [run("pp-prefill", r, rendezvous, port) for r in (0, 1)] + [run("pp-decode", port)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    names = ["prefill stage 0", "prefill stage 1", "decode"]
+    for name, p, out in zip(names, procs, outs):
+        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{out[-3000:]}"
+    assert "stage 0: layers 0..2 sent" in outs[0] and "stage 1: layers 2..4 sent" in outs[1]
+    assert "decode: 4 layers matched" in outs[2], outs[2][-3000:]
+
+
+def test_a_decode_engine_with_stages_is_refused_with_the_reason():
     from sglang.srt import runtime_context as rc
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    sa = sglang_sched.server_args("prefill", sglang_sched.free_port(), pp_size=2)
+    sa = sglang_sched.server_args("decode", sglang_sched.free_port(), pp_size=2)
     context = rc.create_context(sa, role="scheduler", ranks=sglang_sched.SpawnRanks(
         world_rank=0, dp_rank=None, gpu_id=0))
     with rc.use_context(context), pytest.raises(kvferry.MisuseError, match="pipeline"):
-        kvferry.sglang.node_settings(KVArgs(), DisaggregationMode.PREFILL, sa)
+        kvferry.sglang.node_settings(KVArgs(), DisaggregationMode.DECODE, sa)

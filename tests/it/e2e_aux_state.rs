@@ -256,14 +256,15 @@ fn state_between_tp_sizes_is_refused_pull() {
     state_between_tp_sizes_is_refused(Mode::Pull);
 }
 
-/// Pools under pipeline parallelism are refused when they are registered.
+/// State pools under pipeline parallelism are refused when they are
+/// registered (aux pools move from the last stage: `e2e_pp.rs`).
 #[test]
-fn pools_under_pipeline_parallelism_are_refused_at_registration() {
+fn state_pools_under_pipeline_parallelism_are_refused_at_registration() {
     let mut c = NodeConfig::new(Role::Prefill, "prefill");
     c.pp_size = 2;
     let node = kvferry::node::Node::start(c).unwrap();
     let kv =
-        SynthKv::new_stage(MODEL, 1, 0, LAYERS, BLOCKS, (2, 0)).with_pool(PoolKind::Aux, 4, &[8]);
+        SynthKv::new_stage(MODEL, 1, 0, LAYERS, BLOCKS, (2, 0)).with_pool(PoolKind::State, 4, &[8]);
     // SAFETY: `kv` outlives the node, which is shut down first.
     let refused = unsafe { node.register_kv_caches(kv.kv_layout()) };
     node.shutdown(Duration::from_millis(50));
@@ -276,4 +277,66 @@ fn pools_under_pipeline_parallelism_are_refused_at_registration() {
         ),
         "{refused:?}"
     );
+}
+
+/// A prefill engine of two pipeline stages feeds a decode engine without
+/// stages: each stage moves its layers and the last stage the aux items.
+/// Stage 0's aux holds another request's pattern, which must not land.
+fn aux_from_the_last_stage(mode: Mode) {
+    let stages: Vec<Rank> = (0..2)
+        .map(|s| {
+            let mut c = NodeConfig::new(Role::Prefill, "prefill");
+            c.mode = mode;
+            c.transport = TransportKind::Tcp;
+            c.timeouts = e2e_timeouts();
+            (c.pp_size, c.pp_rank) = (2, s);
+            let kv = SynthKv::new_stage(MODEL, 1, 0, LAYERS, BLOCKS, (2, s)).with_pool(
+                PoolKind::Aux,
+                16,
+                &[4, 61],
+            );
+            Rank::start(c, kv).expect("stage starts")
+        })
+        .collect();
+    let decode = start(Role::Decode, mode, (1, 0), false);
+    let target = PrefillTarget::Direct {
+        tp_size: 1,
+        pp_size: 2,
+        side_channels: stages.iter().map(|r| r.node.side_channel_addr()).collect(),
+    };
+    let tid = TransferId(300);
+    let (p, d) = request(3, false);
+    for (s, r) in stages.iter().enumerate() {
+        r.kv.fill(tid, &p.0[0], 0);
+        let aux_of = if s == 0 { TransferId(999) } else { tid };
+        r.kv.fill_pool(aux_of, 0, &p.0[1]);
+    }
+    decode.kv.clear(&d.0[0]);
+    decode.kv.clear_pool(0, &d.0[1]);
+    let rx = decode.node.receiver(tid, &target).unwrap();
+    rx.request(d.ids()).unwrap();
+    let tx: Vec<_> = stages.iter().map(|r| r.node.sender(tid).unwrap()).collect();
+    for tx in &tx {
+        tx.send(p.ids(), true).unwrap();
+    }
+    assert_eq!(rx.wait(WAIT), Phase::Success, "{tid} on decode");
+    assert_eq!(decode.kv.verify(tid, &d.0[0], 0), Ok(()), "KV of {tid}");
+    assert_eq!(
+        decode.kv.verify_pool(tid, 0, &d.0[1]),
+        Ok(()),
+        "aux of {tid}"
+    );
+    for tx in &tx {
+        assert_eq!(tx.wait(WAIT), Phase::Success, "{tid} on prefill");
+    }
+}
+
+#[test]
+fn aux_moves_from_the_last_pipeline_stage_push() {
+    aux_from_the_last_stage(Mode::Push);
+}
+
+#[test]
+fn aux_moves_from_the_last_pipeline_stage_pull() {
+    aux_from_the_last_stage(Mode::Pull);
 }

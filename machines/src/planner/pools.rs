@@ -93,7 +93,8 @@ fn check_apart_from_kv(layout: &RankLayout, spans: &[(u64, u64, usize)]) -> Resu
 
 /// Pairs the pools of two validated layouts for the pair's `share`:
 /// counts, kinds, buffers and item lengths must match; state pools need
-/// equal TP sizes and no pool may be used with pipeline parallelism.
+/// equal TP sizes and no pipeline parallelism; aux moves from one prefill
+/// stage.
 pub(super) fn pair(
     tp: &TpPair,
     prefill: &RankLayout,
@@ -110,20 +111,30 @@ pub(super) fn pair(
     if pp.is_empty() {
         return Ok(Vec::new());
     }
-    if prefill.stage.pp_size > 1 || decode.stage.pp_size > 1 {
+    let pipelined = prefill.stage.pp_size > 1 || decode.stage.pp_size > 1;
+    if let (true, Some(i)) = (pipelined, state_pool(pp)) {
         return Err(PlanError::Unsupported {
-            pool: 0,
-            why: "pools under pipeline parallelism",
+            pool: i,
+            why: "a state pool under pipeline parallelism (state is per layer, not split by stage)",
         });
     }
-    // Aux is the same on every TP rank: a decode rank takes it from its
-    // first prefill source alone.
+    // Aux is the same on every TP rank and every stage (SGLang hands each
+    // stage the batch's outputs): a decode rank takes it from its first
+    // prefill source, and from one stage, the last, which computed it.
+    // Equal pipelines pair stage to stage, so each decode stage takes its
+    // own stage's.
     let first_source = tp.sources_of(decode.tp_rank).next().map(|(r, _)| r);
+    let (ps, ds) = (prefill.stage, decode.stage);
+    let aux_stage = if ps.pp_size == ds.pp_size {
+        ps.pp_rank == ds.pp_rank
+    } else {
+        ps.pp_rank + 1 == ps.pp_size
+    };
     let mut maps = Vec::with_capacity(pp.len());
     for (i, (p, d)) in pp.iter().zip(dp).enumerate() {
         check_pool_pair(i, p, d)?;
         let moves = match p.kind {
-            PoolKind::Aux => share.is_some() && first_source == Some(prefill.tp_rank),
+            PoolKind::Aux => share.is_some() && first_source == Some(prefill.tp_rank) && aux_stage,
             PoolKind::State if prefill.tp_size != decode.tp_size => {
                 return Err(PlanError::Unsupported {
                     pool: i,
@@ -147,6 +158,11 @@ pub(super) fn pair(
         });
     }
     Ok(maps)
+}
+
+/// The first state pool of `pools`, if any.
+fn state_pool(pools: &[Pool]) -> Option<usize> {
+    pools.iter().position(|p| p.kind == PoolKind::State)
 }
 
 /// Pool `i` of prefill (`p`) and of decode (`d`) must agree on their kind,

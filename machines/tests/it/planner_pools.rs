@@ -199,18 +199,68 @@ fn state_between_different_tp_sizes_is_unsupported_for_every_layout_kind() {
     }
 }
 
+/// A rank of `regions` KV regions (one per layer here) from `first` on,
+/// as pipeline stage `pp_rank` of `pp_size`.
+fn staged(rank: RankLayout, regions: usize, pp_size: u32, pp_rank: u32, first: u32) -> RankLayout {
+    let one = rank.regions[0];
+    let regions = (0..regions as u64)
+        .map(|i| Region {
+            base: one.base + i * 0x1000,
+            ..one
+        })
+        .collect();
+    RankLayout {
+        regions,
+        stage: Stage {
+            pp_size,
+            pp_rank,
+            first_region: first,
+        },
+        ..rank
+    }
+}
+
 #[test]
-fn pools_under_pipeline_parallelism_are_unsupported() {
+fn aux_moves_from_the_last_prefill_stage_and_state_not_at_all_under_pipelines() {
     let m = model(LayoutKind::Hnd);
-    let aux = [(AUX, 4, &[(0x10_000u64, 24u64)][..])];
-    let mut p = rank(&m, 1, 0, 0x1000, &aux);
-    p.stage = Stage {
-        pp_size: 2,
-        pp_rank: 0,
-        first_region: 0,
+    let kv = kv_len(&m, 1);
+    let aux_p = [(AUX, 4, &[(0x10_000u64, 24u64)][..])];
+    let aux_d = [(AUX, 4, &[(0x90_000u64, 24u64)][..])];
+    // Decode holds both layers; prefill stage s holds layer s.
+    let dd = staged(rank(&m, 1, 0, 0x9000, &aux_d), 2, 1, 0, 0);
+    let stage = |s: u32| staged(rank(&m, 1, 0, 0x1000, &aux_p), 1, 2, s, s);
+    let lists = (&[vec![3], vec![1]], &[vec![5], vec![2]]);
+    let run = |p: &RankLayout, d: &RankLayout| {
+        plan(&m, p, d, lists.0, lists.1, &BatchLimits::default())
+            .unwrap()
+            .descriptors
     };
-    let dd = rank(&m, 1, 0, 0x9000, &aux);
-    let err = PairLayout::new(&m, &p, &dd).unwrap_err();
+    assert_eq!(
+        run(&stage(0), &dd),
+        vec![d(0x1000 + 3 * kv, 0x9000 + 5 * kv, kv)]
+    );
+    assert_eq!(
+        run(&stage(1), &dd),
+        vec![
+            d(0x1000 + 3 * kv, 0xa000 + 5 * kv, kv),
+            d(0x10_000 + 24, 0x90_000 + 2 * 24, 24),
+        ]
+    );
+    // Equal pipelines: each stage's own aux, and nothing across stages.
+    let d_stage = |s: u32| staged(rank(&m, 1, 0, 0x9000, &aux_d), 1, 2, s, s);
+    assert_eq!(
+        run(&stage(0), &d_stage(0)),
+        vec![
+            d(0x1000 + 3 * kv, 0x9000 + 5 * kv, kv),
+            d(0x10_000 + 24, 0x90_000 + 2 * 24, 24),
+        ]
+    );
+    assert_eq!(run(&stage(0), &d_stage(1)), vec![]);
+    // State is per layer and not split by stage: refused.
+    let state = [(STATE, 4, &[(0x20_000u64, 100u64)][..])];
+    let p = staged(rank(&m, 1, 0, 0x1000, &state), 1, 2, 1, 1);
+    let ds = staged(rank(&m, 1, 0, 0x9000, &state), 2, 1, 0, 0);
+    let err = PairLayout::new(&m, &p, &ds).unwrap_err();
     assert!(err.is_unsupported(), "{err}");
     // The same layout paired with itself (what registration checks).
     assert!(PairLayout::new(&m, &p, &p).unwrap_err().is_unsupported());
