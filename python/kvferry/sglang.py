@@ -181,14 +181,6 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
 
     parallel = get_parallel()
     prefill = mode == DisaggregationMode.PREFILL
-    if parallel.pp_size > 1 and not prefill:
-        # SGLang pairs a decode engine's stages with the prefill engine's
-        # stage for stage; kvferry pairs a decode engine without stages
-        # with every prefill stage (`docs/python.md`).
-        raise kvferry.MisuseError(
-            "kvferry's SGLang backend runs a decode engine without pipeline parallelism "
-            f"(pp_size {parallel.pp_size}); its prefill engine may have stages"
-        )
     settings = {
         "role": "prefill" if prefill else "decode",
         "engine_id": ENGINE_ID,
@@ -274,7 +266,7 @@ class KvferryKVManager(BaseKVManager):
         )
         for ptrs, lens, items in states:
             pools.append(_pool("state", ptrs, lens, items))
-        regions, first = _kv_regions(a, mla, int(self.node.settings["pp_size"]))
+        regions, first = _kv_regions(a, mla, int(self.node.settings["pp_size"]), self.server_args)
         self.node.register_kv_caches(
             regions=regions,
             first_region=first,
@@ -335,14 +327,18 @@ class KvferryKVManager(BaseKVManager):
         return out
 
 
-def _kv_regions(a: KVArgs, mla: bool, pp_size: int) -> "tuple[list, int]":
+def _kv_regions(a: KVArgs, mla: bool, pp_size: int, server_args: Any) -> "tuple[list, int]":
     """This rank's KV regions in kvferry's model order, layer by layer (K
     then V; MLA: one buffer per layer), and the index of its first one in
     the model's. SGLang lists K of every layer, then V of every layer; a
-    pipeline stage lists its own layers only, from ``prefill_start_layer``,
-    which in layer order are one run of the model's regions."""
+    pipeline stage lists its own layers only, from ``prefill_start_layer``
+    (a decode stage's is not in its KV args), which in layer order are one
+    run of the model's regions."""
     bufs = list(zip(a.kv_data_ptrs, a.kv_item_lens))
-    start = int(getattr(a, "prefill_start_layer", 0) or 0)
+    start = getattr(a, "prefill_start_layer", None)
+    if start is None and pp_size > 1:
+        start = _decode_start_layer(server_args, int(a.pp_rank), pp_size)
+    start = int(start or 0)
     end = getattr(a, "prefill_end_layer", None)
     per_layer = 1 if mla else 2
     if pp_size > 1 and end is not None and len(bufs) != per_layer * (end - start):
@@ -359,6 +355,20 @@ def _kv_regions(a: KVArgs, mla: bool, pp_size: int) -> "tuple[list, int]":
     # halves interleave the same way on both sides.
     layered = [b for k, v in zip(bufs[:half], bufs[half:]) for b in (k, v)]
     return [(p, i, i) for p, i in layered], 2 * start
+
+
+def _decode_start_layer(server_args: Any, pp_rank: int, pp_size: int) -> int:
+    """A decode stage's first layer among the peers' KV lists: SGLang's
+    split of the model's layers (``get_pp_indices``, what its model runner
+    builds the stage from), counted in full-attention layers for a hybrid
+    model, as the prefill's ``prefill_start_layer`` is."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    model = ModelConfig.from_server_args(server_args)
+    start, _ = get_pp_indices(model.num_hidden_layers, pp_rank, pp_size)
+    full = getattr(model.hf_text_config, "full_attention_layer_ids", None)
+    return start if full is None else sum(1 for layer in full if layer < start)
 
 
 def _heads(a: KVArgs, server_args: Any, mla: bool) -> "tuple[int, int]":
@@ -399,8 +409,21 @@ class _Transfer:
     #: Why this rank's transfer failed before or outside its handle.
     failure: Optional[str] = None
 
+    #: Whether SGLang aborted the request on this rank.
+    aborted = False
+
     def own_phase(self) -> Optional[Phase]:
-        return None if self.handle is None else self.handle.poll()
+        if self.handle is None:
+            return None
+        phase = self.handle.poll()
+        if phase == Phase.Success and self.aborted:
+            # The node applies an abort when it gets to it, and a transfer
+            # whose last byte landed first has succeeded there; SGLang's
+            # abort paths count on the request failing (its pages are free
+            # either way, the transfer being over).
+            self.failure = self.failure or "Aborted by AbortReq."
+            return Phase.Failed
+        return phase
 
     def failed_here(self) -> bool:
         return self.failure is not None or self.own_phase() in (Phase.Failed, Phase.Expired)
@@ -425,6 +448,7 @@ class _Transfer:
     started = True
 
     def abort(self) -> None:
+        self.aborted = True
         if self.handle is not None and self.started:
             try:
                 self.handle.abort()

@@ -306,9 +306,10 @@ def layer_kv(seed: int, layer: int, shape) -> "tuple[torch.Tensor, torch.Tensor]
     return tuple(torch.randn(shape, generator=g).to(DTYPE) for _ in range(2))
 
 
-class DecodeSched(SchedBase, SchedulerDisaggregationDecodeMixin):
+class DecodeSched(SchedBase, SchedulerDisaggregationDecodeMixin, SchedulerPPMixin):
     def __init__(self, model_config, sa):
         super().__init__("decode", model_config, sa)
+        self.world_group = rc.get_parallel().world_group
         self.disagg_decode_prealloc_queue = None
         self.disagg_decode_transfer_queue = DecodeTransferQueue(
             req_to_metadata_buffer_idx_allocator=self.req_to_metadata_buffer_idx_allocator,
@@ -410,7 +411,24 @@ class Pair:
                 self._prefill_step(seed)
         if self.D is not None:
             with rc.use_context(self.D):
-                self.ds.process_decode_queue()
+                self._decode_step()
+
+    def _decode_step(self):
+        ds = self.ds
+        if ds.pp_group.world_size == 1:
+            ds.process_decode_queue()
+            return
+        # `event_loop_pp_disagg_decode`'s consensus on preallocation and on
+        # release, its microbatch ring stood in by one round per step (as
+        # in `_prefill_step`).
+        rounds = ((ds._pp_pd_get_prealloc_ids, ds.process_prealloc_queue),
+                  (ds._pp_pd_get_decode_transferred_ids, ds.process_decode_transfer_queue))
+        for gather, process in rounds:
+            rids = gather()
+            ds._pp_send_pyobj_to_next_stage(rids)
+            if ds.pp_group.is_first_rank:
+                rids = ds._pp_recv_pyobj_from_prev_stage()
+            process(rids)
 
     def _prefill_step(self, seed):
         ps = self.ps
@@ -558,6 +576,10 @@ def dp_attention_rank(rank: int, rendezvous: int, port: int) -> None:
 
 
 PP_PROMPT = list(range(31, 45))
+#: How long a pipeline test's process waits for its request: a bound for a
+#: hang, not a timing (three processes import SGLang at once on two cores,
+#: and the decode may start its scheduler after the prefill's).
+PP_WITHIN_S = 90
 PP_ROOM = 700
 PP_SEED = 7
 
@@ -573,7 +595,7 @@ def pp_prefill_stage(rank: int, rendezvous: int, port: int) -> None:
     assert (mgr.node.settings["pp_size"], mgr.node.settings["pp_rank"]) == (2, rank)
     pair.add("pp", PP_PROMPT, room=PP_ROOM)
     world = _world["world_group"].cpu_group
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PP_WITHIN_S
     while True:
         pair.step(seed=PP_SEED)
         # Both stages step in lockstep (their queues exchange verdicts):
@@ -591,6 +613,40 @@ def pp_prefill_stage(rank: int, rendezvous: int, port: int) -> None:
     pair.close()
 
 
+def pp_stage_pair(rank: int, rendezvous: int, port: int) -> None:
+    """Stage `rank` of a prefill and of a decode engine with two pipeline
+    stages each (a world of two ranks; rank 0 serves the bootstrap
+    service): stage r feeds stage r; exits 0 once the request's layers of
+    this stage and its first token matched on decode.
+    Run as `python sglang_sched.py pp-pair RANK RENDEZVOUS_PORT BOOTSTRAP_PORT`."""
+    no_nccl_for_groups_of_two()
+    pair = Pair(parallel={"pp_size": 2}, world=(2, rank, rendezvous), port=port)
+    for m in pair.managers():
+        assert (m.node.settings["pp_size"], m.node.settings["pp_rank"]) == (2, rank)
+    pair.add("pp", PP_PROMPT, room=PP_ROOM)
+    world = _world["world_group"].cpu_group
+    deadline = time.monotonic() + PP_WITHIN_S
+    while True:
+        pair.step(seed=PP_SEED)
+        done = pair.prefill_ended("pp") and pair.decode_transferred("pp")
+        both = torch.tensor([int(done), int(time.monotonic() > deadline)])
+        torch.distributed.all_reduce(both, group=world)
+        if both[0] == 2 or both[1] > 0:
+            break
+        time.sleep(0.005)
+    assert both[0] == 2, f"stage {rank}: request {PP_ROOM} did not move on both stages"
+    n = len(PP_PROMPT)
+    src, dst = pair.kv("P", "pp", n), pair.kv("D", "pp", n)
+    assert len(src) == 4 and all(torch.equal(a, b) for a, b in zip(src, dst)), \
+        f"stage {rank}: bytes differ"
+    first = list(pair.reqs[("D", "pp")].output_ids[:1])
+    assert first == [1000], f"stage {rank}: first token {first}"
+    print(f"stage {rank}: layers {pair.ds.pool.start_layer}..{pair.ds.pool.end_layer} matched",
+          flush=True)
+    torch.distributed.barrier(group=world)
+    pair.close()
+
+
 def pp_decode(port: int) -> None:
     """A decode engine without stages fed by both stages of the prefill
     engine on `port`: exits 0 once every layer of the request matched
@@ -598,7 +654,7 @@ def pp_decode(port: int) -> None:
     `python sglang_sched.py pp-decode BOOTSTRAP_PORT`."""
     pair = Pair(port=port, sides="D")
     pair.add("pp", PP_PROMPT, room=PP_ROOM)
-    assert pair.run_until(lambda: pair.decode_transferred("pp"), within_s=30), \
+    assert pair.run_until(lambda: pair.decode_transferred("pp"), within_s=PP_WITHIN_S), \
         f"request {PP_ROOM} did not move"
     n = len(PP_PROMPT)
     got = pair.kv("D", "pp", n)
@@ -622,6 +678,9 @@ if __name__ == "__main__":
         os._exit(0)
     if sys.argv[1:2] == ["pp-prefill"]:
         pp_prefill_stage(*(int(a) for a in sys.argv[2:5]))
+        os._exit(0)
+    if sys.argv[1:2] == ["pp-pair"]:
+        pp_stage_pair(*(int(a) for a in sys.argv[2:5]))
         os._exit(0)
     if sys.argv[1:2] == ["pp-decode"]:
         pp_decode(int(sys.argv[2]))

@@ -8,6 +8,7 @@ skipped where SGLang is not installed with its dependencies."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -119,6 +120,27 @@ def test_an_abort_on_decode_while_the_prefill_computes_ends_both_sides(pair):
     assert pair.ds.free() == free_d
 
 
+def test_an_abort_on_decode_that_the_transfer_overtook_still_ends_the_request(pair):
+    """SGLang's abort branch for the transfer queue only aborts the
+    receiver and counts on the request failing; here the last byte lands
+    before the abort is made, as it may before the node applies one."""
+    pair.hold_prefill = True
+    try:
+        pair.add("late", PROMPT, room=306)
+        assert pair.run_until(lambda: bool(pair.ds.disagg_decode_transfer_queue.queue))
+    finally:
+        pair.hold_prefill = False
+    (d,) = [d for d in pair.ds.disagg_decode_transfer_queue.queue if d.req.rid == "late"]
+    receiver = d.kv_receiver
+    deadline = time.monotonic() + 10
+    while receiver.handle.poll() is not kvferry.Phase.Success and time.monotonic() < deadline:
+        with sglang_sched.rc.use_context(pair.P):
+            pair._prefill_step(0)
+    assert receiver.handle.poll() is kvferry.Phase.Success
+    pair.abort_decode("late")
+    assert pair.run_until(lambda: pair.decode_aborted("late") and pair.prefill_ended("late"))
+
+
 def test_a_prefill_that_never_answers_ends_the_request_at_sglangs_timeout(pair):
     free_d = pair.ds.free()
     pair.add("lost", PROMPT, room=304, prefill=False)
@@ -217,7 +239,7 @@ def test_a_prefill_engine_with_two_stages_feeds_a_decode_engine_without():
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
+            outs.append(p.communicate(timeout=180)[0])
     finally:
         for p in procs:
             p.kill()
@@ -228,13 +250,25 @@ def test_a_prefill_engine_with_two_stages_feeds_a_decode_engine_without():
     assert "decode: 4 layers matched" in outs[2], outs[2][-3000:]
 
 
-def test_a_decode_engine_with_stages_is_refused_with_the_reason():
-    from sglang.srt import runtime_context as rc
-    from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    sa = sglang_sched.server_args("decode", sglang_sched.free_port(), pp_size=2)
-    context = rc.create_context(sa, role="scheduler", ranks=sglang_sched.SpawnRanks(
-        world_rank=0, dp_rank=None, gpu_id=0))
-    with rc.use_context(context), pytest.raises(kvferry.MisuseError, match="pipeline"):
-        kvferry.sglang.node_settings(KVArgs(), DisaggregationMode.DECODE, sa)
+def test_prefill_and_decode_engines_with_two_stages_pair_stage_to_stage():
+    """Two processes, a world of two ranks on gloo: stage r of a prefill
+    and of a decode engine with two pipeline stages each, SGLang's PP
+    consensus on both sides; each decode stage takes its layers and the
+    first token from the prefill stage of its rank."""
+    rendezvous, port = sglang_sched.free_port(), sglang_sched.free_port()
+    script = sglang_sched.__file__
+    ranks = [
+        subprocess.Popen([sys.executable, script, "pp-pair", str(r), str(rendezvous), str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]
+    outs = []
+    try:
+        for p in ranks:
+            outs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in ranks:
+            p.kill()
+    for r, (p, out) in enumerate(zip(ranks, outs)):
+        assert p.returncode == 0, f"stage {r} exited {p.returncode}:\n{out[-3000:]}"
+    assert "stage 0: layers 0..2 matched" in outs[0] and "stage 1: layers 2..4 matched" in outs[1]
