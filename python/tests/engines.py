@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -692,3 +693,50 @@ def wait_port(port: int, within_s: float = 30.0) -> None:
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"nothing listens on {HOST}:{port} after {within_s} s")
+
+
+def kvferry_bin() -> str:
+    default = Path(__file__).resolve().parents[2] / "target" / "debug" / "kvferry"
+    path = os.environ.get("KVFERRY_BIN") or str(default)
+    if not Path(path).exists():
+        raise FileNotFoundError(f"the kvferry binary is not at {path} (cargo build, or set KVFERRY_BIN)")
+    return path
+
+
+class StoreServer:
+    """`kvferry store serve` on a port of its own, restartable on it."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+        self.metrics_port = free_port()
+        self.proc: "subprocess.Popen[bytes] | None" = None
+
+    def start(self) -> "StoreServer":
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [kvferry_bin(), "store", "serve", "--listen", f"{HOST}:{self.port}",
+                 "--capacity-bytes", str(512 << 20),
+                 "--metrics-listen", f"{HOST}:{self.metrics_port}"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        wait_port(self.port, 20.0)
+        wait_port(self.metrics_port, 20.0)
+        return self
+
+    def stored(self) -> int:
+        """Values the server committed since it started."""
+        with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(("kvferry_store_commits_total ", "kvferry_store_commits ")):
+                    return int(float(line.rsplit(" ", 1)[1]))
+        return 0
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"kvferry://{HOST}:{self.port}"

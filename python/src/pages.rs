@@ -1,0 +1,196 @@
+//! Pages of an engine's host KV pool in a store, for SGLang's HiCache
+//! ([`PageStore`], under `kvferry.sglang_hicache`): one store value per
+//! page, keyed by the engine's own page hashes, over any store URL.
+//!
+//! SGLang computes the keys and calls page batches from its prefetch and
+//! backup threads, so this sits below the vLLM-shaped `StoreConnector`:
+//! each call is synchronous, bounded by a deadline, and runs with the GIL
+//! released. A page's value is the page's bytes in every region, region by
+//! region; every page is checked against the registered pool
+//! ([`RegisteredMemory::scatter`]) before a byte moves.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvferry::machines::internal::store::ChunkKey;
+use kvferry::machines::{RankLayout, Region, Stage};
+use kvferry::reactor::lock;
+use kvferry::store::{
+    AnyStore, CallError, GetItem, PutItem, RegisteredMemory, Scatter, StoreBackend,
+};
+use kvferry::BlockId;
+use pyo3::prelude::*;
+
+use crate::{misuse, same_process, TimeoutError, TransportError};
+
+/// A store of pages (see the module docs).
+#[pyclass(module = "kvferry._native", frozen)]
+pub(crate) struct PageStore {
+    state: Mutex<State>,
+    timeout: Duration,
+    pid: u32,
+}
+
+struct State {
+    store: AnyStore,
+    /// The host pool, once registered.
+    memory: Option<RegisteredMemory>,
+}
+
+#[pymethods]
+impl PageStore {
+    /// Opens the store at `url` (`kvferry.STORE_URLS`); each call waits at
+    /// most `timeout_ms`.
+    #[new]
+    #[pyo3(signature = (url, timeout_ms=5000))]
+    fn new(py: Python<'_>, url: String, timeout_ms: u64) -> PyResult<PageStore> {
+        if timeout_ms == 0 {
+            return Err(misuse("timeout_ms must be positive"));
+        }
+        let store = py.detach(|| AnyStore::open(&url)).map_err(|e| {
+            if e.is_bad_url() {
+                misuse(format!("store {url:?}: {e}"))
+            } else {
+                TransportError::new_err(format!("store {url:?}: {e}"))
+            }
+        })?;
+        Ok(PageStore {
+            state: Mutex::new(State {
+                store,
+                memory: None,
+            }),
+            timeout: Duration::from_millis(timeout_ms),
+            pid: std::process::id(),
+        })
+    }
+
+    /// Registers the pool: `pages` pages in each region, given as (address
+    /// of page 0, bytes per page); a page's value is its bytes in every
+    /// region, in this order. Once, before any put or get.
+    fn register(&self, py: Python<'_>, regions: Vec<(u64, u64)>, pages: u64) -> PyResult<()> {
+        same_process(self.pid)?;
+        let layout = RankLayout {
+            tp_size: 1,
+            tp_rank: 0,
+            num_blocks: pages,
+            regions: (regions.iter())
+                .map(|&(base, len)| Region {
+                    base,
+                    block_len: len,
+                    kv_block_len: len,
+                })
+                .collect(),
+            stage: Stage::SINGLE,
+            pools: Vec::new(),
+        };
+        let memory = RegisteredMemory::new(layout).map_err(|e| misuse(format!("pool: {e}")))?;
+        let mut s = lock(&self.state);
+        if s.memory.is_some() {
+            return Err(misuse("the pool is registered already"));
+        }
+        let store = &mut s.store;
+        py.detach(|| store.register(memory.layout()))
+            .map_err(|e| call_error("register", e))?;
+        s.memory = Some(memory);
+        Ok(())
+    }
+
+    /// Per key, whether the store holds it: one round trip.
+    fn exists(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<bool>> {
+        same_process(self.pid)?;
+        let keys = chunk_keys(keys)?;
+        let deadline = Instant::now() + self.timeout;
+        let mut s = lock(&self.state);
+        let store = &mut s.store;
+        py.detach(|| store.exists(&keys, deadline))
+            .map_err(|e| call_error("exists", e))
+    }
+
+    /// Stores page `pages[i]` under `keys[i]`; per key, whether the store
+    /// holds it afterwards (stored now, or already).
+    fn put(&self, py: Python<'_>, keys: Vec<String>, pages: Vec<u64>) -> PyResult<Vec<bool>> {
+        same_process(self.pid)?;
+        let mut s = lock(&self.state);
+        let scatters = scatters(&s.memory, &pages, keys.len())?;
+        let items: Vec<PutItem> = (chunk_keys(keys)?.into_iter().zip(scatters))
+            .map(|(key, from)| PutItem { key, from })
+            .collect();
+        let deadline = Instant::now() + self.timeout;
+        let store = &mut s.store;
+        let answers = py
+            .detach(|| store.put(&items, deadline))
+            .map_err(|e| call_error("put", e))?;
+        Ok(answers.iter().map(Result::is_ok).collect())
+    }
+
+    /// Writes the value of `keys[i]` into page `pages[i]`; per key,
+    /// whether it did (a missing key, or a value of another size, writes
+    /// nothing).
+    fn get(&self, py: Python<'_>, keys: Vec<String>, pages: Vec<u64>) -> PyResult<Vec<bool>> {
+        same_process(self.pid)?;
+        let mut s = lock(&self.state);
+        let scatters = scatters(&s.memory, &pages, keys.len())?;
+        let items: Vec<GetItem> = (chunk_keys(keys)?.into_iter().zip(scatters))
+            .map(|(key, into)| GetItem { key, into })
+            .collect();
+        let deadline = Instant::now() + self.timeout;
+        let store = &mut s.store;
+        let answers = py
+            .detach(|| store.get(&items, deadline))
+            .map_err(|e| call_error("get", e))?;
+        Ok(answers.iter().map(Result::is_ok).collect())
+    }
+
+    /// Removes every key that starts with `prefix`; how many.
+    fn remove_prefix(&self, py: Python<'_>, prefix: String) -> PyResult<u64> {
+        same_process(self.pid)?;
+        let deadline = Instant::now() + self.timeout;
+        let mut s = lock(&self.state);
+        let store = &mut s.store;
+        py.detach(|| store.remove_prefix(&prefix, deadline))
+            .map_err(|e| call_error("remove_prefix", e))
+    }
+
+    /// The store's URL scheme name (`inproc`, `kvferry`, `redis`, ...).
+    #[getter]
+    fn backend(&self) -> &'static str {
+        lock(&self.state).store.name()
+    }
+}
+
+fn chunk_keys(keys: Vec<String>) -> PyResult<Vec<ChunkKey>> {
+    keys.into_iter()
+        .map(|k| ChunkKey::from_stored(k).map_err(|e| misuse(format!("key: {e}"))))
+        .collect()
+}
+
+/// Each page's scatter list, checked against the pool; as many pages as
+/// keys.
+fn scatters(
+    memory: &Option<RegisteredMemory>,
+    pages: &[u64],
+    keys: usize,
+) -> PyResult<Vec<Scatter>> {
+    let memory = memory
+        .as_ref()
+        .ok_or_else(|| misuse("register the pool before a put or get"))?;
+    if pages.len() != keys {
+        return Err(misuse(format!("{keys} keys for {} pages", pages.len())));
+    }
+    pages
+        .iter()
+        .map(|&p| {
+            let block = u32::try_from(p).map_err(|_| misuse(format!("page {p}")))?;
+            (memory.scatter(BlockId(block))).map_err(|e| misuse(format!("page {p}: {e}")))
+        })
+        .collect()
+}
+
+/// A call that got no answer: the store's fault, a typed error the Python
+/// side turns into misses.
+fn call_error(what: &str, e: CallError) -> PyErr {
+    match e {
+        CallError::Timeout => TimeoutError::new_err(format!("store {what}: {e}")),
+        _ => TransportError::new_err(format!("store {what}: {e}")),
+    }
+}

@@ -1,0 +1,173 @@
+"""SGLang 0.5.23's HiCache controller and host pool (CPU memory) over
+kvferry's HiCache storage backend, loaded as SGLang loads a ``dynamic``
+backend. One process per engine::
+
+    python sglang_hicache.py write URL LAYOUT     backs up a prompt's pages
+    python sglang_hicache.py read URL LAYOUT      prefetches them, every byte compared
+    python sglang_hicache.py read-killed URL LAYOUT PID
+                                                  prefetches with the store
+                                                  process PID killed between
+                                                  the hit query and the pages
+
+Each prints one line starting with ``ok`` and exits 0, or fails.
+
+What is stood in (SGLang's scheduler and tree cache, not its storage
+path): the device-to-host copy that fills the host pool (the writer sets
+its pages through the host pool's own ``set_from_flat_data_page``), and
+the tree cache's handling of a hit (``UnifiedRadixCache``: allocate host
+memory for the hit, hand the operation to ``prefetch_buffer``). Plus the
+CUDA-only substitutions of ``sglang_sched`` (pinned host memory).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from queue import Empty
+
+import torch
+
+import sglang_sched  # noqa: F401  (SGLang set up for CPU, CUDA-only calls substituted)
+from sglang_sched import MODEL, process_groups
+from sglang.srt import runtime_context as rc
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.runtime_context import SpawnRanks
+from sglang.srt.server_args import ServerArgs
+
+PAGE = 4
+PAGES = 6
+LAYERS, HEADS, HEAD_DIM = 4, 2, 16
+TOKENS = list(range(500, 500 + PAGE * PAGES))
+DEVICE_TOKENS = 128
+WAIT_S = 30
+
+
+def expected_page(i: int, like: torch.Tensor) -> torch.Tensor:
+    """The writer's flat page `i`: a function of `i` alone."""
+    g = torch.Generator().manual_seed(4242 + i)
+    return torch.randn(like.shape, generator=g).to(like.dtype)
+
+
+def scheduler_context():
+    """One scheduler rank's SGLang context, its process groups on gloo."""
+    sa = ServerArgs(model_path=MODEL, device="cpu", page_size=PAGE, dtype="float16",
+                    host="127.0.0.1")
+    context = rc.create_context(sa, role="scheduler",
+                                ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    process_groups(context)
+    return context
+
+
+def controller(url: str, layout: str) -> HiCacheController:
+    """A HiCache controller of one rank as the tree cache builds it, with
+    kvferry's backend through SGLang's `dynamic` storage factory."""
+    parallel = rc.get_parallel()
+    device = MHATokenToKVPool(
+        size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS,
+        head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+        enable_alt_stream=False, start_layer=0, end_layer=LAYERS,
+    )
+    allocator = PagedTokenToKVPoolAllocator(size=DEVICE_TOKENS, page_size=PAGE,
+                                            dtype=torch.float16, device="cpu",
+                                            kvcache=device, need_sort=False)
+    host = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout,
+        device_capacity_tokens=device.size, start_layer=device.start_layer,
+        end_layer=device.end_layer, write_back_staging=device.hicache_write_back_staging,
+    )
+    extra = {"backend_name": "kvferry", "module_path": "kvferry.sglang_hicache",
+             "class_name": "KvferryHiCacheStorage", "interface_v1": 1, "url": url,
+             "timeout_ms": 2000}
+    return HiCacheController(
+        allocator, host, PAGE, parallel.tp_group.cpu_group, threading.Event(),
+        attn_cp_group=parallel.attn_cp_group.cpu_group,
+        attn_tp_group=parallel.attn_tp_group.cpu_group,
+        pp_group=parallel.pp_group.cpu_group,
+        io_backend="direct", storage_backend="dynamic", model_name="kvferry-test",
+        storage_backend_extra_config=extra,
+    )
+
+
+def write(url: str, layout: str) -> None:
+    cc = controller(url, layout)
+    host = cc.mem_pool_host
+    indices = host.alloc(len(TOKENS))
+    for i in range(PAGES):
+        at = int(indices[i * PAGE])
+        host.set_from_flat_data_page(at, expected_page(i, host.get_data_page(at)))
+    hashes = get_storage_hash_str(TOKENS, None, page_size=PAGE)
+    cc.write_storage(indices, TOKENS, hash_value=hashes)
+    op = cc.ack_backup_queue.get(timeout=WAIT_S)
+    assert op.completed_tokens == len(TOKENS), f"{op.completed_tokens} tokens backed up"
+    assert cc.storage_backend.faults == {"exists": 0, "get": 0, "set": 0, "clear": 0}
+    stats = cc.storage_backend.get_stats()
+    assert sum(stats.backup_pgs) == PAGES, stats
+    print(f"ok: {PAGES} pages backed up", flush=True)
+
+
+def prefetch(url: str, layout: str, kill_pid: int = 0) -> None:
+    cc = controller(url, layout)
+    host = cc.mem_pool_host
+    op = cc.prefetch("r", TOKENS, None, None)
+    hit = cc.prefetch_hit_queue.get(timeout=WAIT_S)
+    assert hit is op
+    if kill_pid:
+        assert op.storage_hit_count == len(TOKENS), f"hit {op.storage_hit_count} before the kill"
+        os.kill(kill_pid, signal.SIGKILL)
+    # The tree cache's part: host memory for the hit, then the transfer.
+    op.host_indices = host.alloc(op.storage_hit_count)
+    op.hash_value = op.hash_value[: op.storage_hit_count // PAGE]
+    cc.prefetch_buffer.put(op)
+    done = wait_completed(cc, op)
+    if kill_pid:
+        assert done == 0, f"{done} tokens from a killed store"
+        faults = cc.storage_backend.faults
+        assert faults["get"] >= 1, faults
+        print(f"ok: the killed store answered misses ({faults})", flush=True)
+        return
+    assert done == len(TOKENS), f"{done} of {len(TOKENS)} tokens prefetched"
+    for i in range(PAGES):
+        at = int(op.host_indices[i * PAGE])
+        got = host.get_data_page(at)
+        assert torch.equal(got, expected_page(i, got)), f"page {i} differs"
+    print(f"ok: {PAGES} pages prefetched, every byte equal", flush=True)
+
+
+def wait_completed(cc: HiCacheController, op) -> int:
+    """Tokens the prefetch completed (its progress acks, rank-reduced), once
+    SGLang acknowledged the whole operation: `ack_prefetch_queue`, which
+    its scheduler drains."""
+    done = 0
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            ack = cc.ack_prefetch_queue.get(timeout=1)
+        except Empty:
+            continue
+        if ack.operation is not op:
+            continue
+        if ack.completed_tokens is not None:
+            done = max(done, ack.completed_tokens)
+        if ack.completed_req:
+            return done
+    raise AssertionError("the prefetch was never acknowledged")
+
+
+if __name__ == "__main__":
+    what, url, layout = sys.argv[1:4]
+    with rc.use_context(scheduler_context()):
+        if what == "write":
+            write(url, layout)
+        elif what == "read":
+            prefetch(url, layout)
+        elif what == "read-killed":
+            prefetch(url, layout, int(sys.argv[4]))
+    sys.stdout.flush()
+    os._exit(0)

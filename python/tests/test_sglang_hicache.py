@@ -1,0 +1,66 @@
+"""kvferry as SGLang's HiCache storage backend, under SGLang 0.5.23's own
+HiCache controller and host pool (CPU memory): one process backs a
+prompt's pages up to `kvferry store serve`, another prefetches them and
+compares every byte, and a third sees the server killed between its hit
+query and its pages. The processes are `sglang_hicache.py`, which names
+what it stands in."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import sglang_hicache  # noqa: E402
+from engines import StoreServer, free_port  # noqa: E402
+
+import kvferry  # noqa: E402
+
+
+def run(*args: object) -> str:
+    # SGLang builds its page-hash extension with the environment's ninja.
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
+    p = subprocess.run([sys.executable, sglang_hicache.__file__, *map(str, args)],
+                       capture_output=True, text=True, timeout=180, env=env)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{args[0]} exited {p.returncode}:\n{out[-4000:]}"
+    return p.stdout
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_pages_one_engine_backed_up_are_prefetched_by_another(tmp_path, layout):
+    server = StoreServer(free_port(), tmp_path / "store.log").start()
+    try:
+        assert "ok: 6 pages backed up" in run("write", server.url, layout)
+        assert "every byte equal" in run("read", server.url, layout)
+        assert server.stored() == 6
+    finally:
+        server.kill()
+
+
+def test_a_store_killed_mid_prefetch_is_a_miss_and_no_error(tmp_path):
+    server = StoreServer(free_port(), tmp_path / "store.log").start()
+    try:
+        run("write", server.url, "page_first")
+        out = run("read-killed", server.url, "page_first", server.proc.pid)
+        assert "the killed store answered misses" in out
+    finally:
+        server.kill()
+
+
+def test_the_backend_refuses_to_run_without_zero_copy_calls():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvferry.sglang_hicache import KvferryHiCacheStorage
+
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name="m", extra_config={"url": "inproc://refused"},
+    )
+    with pytest.raises(kvferry.MisuseError, match="interface_v1"):
+        KvferryHiCacheStorage(config)
