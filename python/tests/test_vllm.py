@@ -441,11 +441,12 @@ def request(rid, prompt_len, params, max_tokens):
 
 
 def run_until(engines, done, what, within_s=WITHIN_S):
-    """Steps the engines, as their busy loops do, until `done()`."""
+    """Steps the engines, as their busy loops do, until `done()`; `what`
+    (text, or a function giving it) says what did not happen."""
     deadline = time.monotonic() + within_s
     while not done():
         if time.monotonic() > deadline:
-            raise AssertionError(f"within {within_s} s: {what}")
+            raise AssertionError(f"within {within_s} s: {what() if callable(what) else what}")
         for e in engines:
             e.step()
 
@@ -979,7 +980,8 @@ def test_a_failed_load_ends_its_request_per_policy_and_spares_the_others(pd, how
         [e.p, e.d],
         lambda: {"d-ok", "d-lost"} <= e.d.finished.keys()
         and not {"p-ok", "p-lost"} & e.p.sched.requests.keys(),
-        "both requests finish and prefill frees every block",
+        lambda: "both requests finish and prefill frees every block (decode finished "
+        f"{sorted(e.d.finished)}, prefill holds {sorted(e.p.sched.requests)})",
     )
     assert e.d.failed_loads == {"d-lost"}
     assert {"d-ok", "d-lost"} <= e.d.loaded
