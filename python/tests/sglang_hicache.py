@@ -4,6 +4,7 @@ backend. One process per engine::
 
     python sglang_hicache.py write URL LAYOUT     backs up a prompt's pages
     python sglang_hicache.py read URL LAYOUT      prefetches them, every byte compared
+    python sglang_hicache.py clear URL LAYOUT     clears the store, then finds nothing
     python sglang_hicache.py read-killed URL LAYOUT PID
                                                   prefetches with the store
                                                   process PID killed between
@@ -140,6 +141,18 @@ def prefetch(url: str, layout: str, kill_pid: int = 0) -> None:
     print(f"ok: {PAGES} pages prefetched, every byte equal", flush=True)
 
 
+def clear(url: str, layout: str) -> None:
+    """What SGLang's `clear_storage_backend` does, then a prefetch's hit
+    query: nothing is left."""
+    cc = controller(url, layout)
+    cc.storage_backend.clear()
+    assert cc.storage_backend.faults["clear"] == 0, cc.storage_backend.faults
+    op = cc.prefetch("r", TOKENS, None, None)
+    hit = cc.prefetch_hit_queue.get(timeout=WAIT_S)
+    assert hit is op and op.storage_hit_count == 0, f"hit {op.storage_hit_count} after clear"
+    print("ok: nothing left after clear", flush=True)
+
+
 def wait_completed(cc: HiCacheController, op) -> int:
     """Tokens the prefetch completed (its progress acks, rank-reduced), once
     SGLang acknowledged the whole operation: `ack_prefetch_queue`, which
@@ -167,6 +180,8 @@ if __name__ == "__main__":
             write(url, layout)
         elif what == "read":
             prefetch(url, layout)
+        elif what == "clear":
+            clear(url, layout)
         elif what == "read-killed":
             prefetch(url, layout, int(sys.argv[4]))
     sys.stdout.flush()

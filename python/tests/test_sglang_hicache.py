@@ -1,8 +1,8 @@
 """kvferry as SGLang's HiCache storage backend, under SGLang 0.5.23's own
 HiCache controller and host pool (CPU memory): one process backs a
 prompt's pages up to `kvferry store serve`, another prefetches them and
-compares every byte, and a third sees the server killed between its hit
-query and its pages. The processes are `sglang_hicache.py`, which names
+compares every byte, a third clears the store and finds nothing, and
+another sees the server killed between its hit query and its pages. The processes are `sglang_hicache.py`, which names
 what it stands in."""
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ def run(*args: object) -> str:
 
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_pages_one_engine_backed_up_are_prefetched_by_another(tmp_path, layout):
+def test_pages_one_engine_backed_up_are_prefetched_by_another_until_cleared(tmp_path, layout):
     server = StoreServer(free_port(), tmp_path / "store.log").start()
     try:
         assert "ok: 6 pages backed up" in run("write", server.url, layout)
         assert "every byte equal" in run("read", server.url, layout)
         assert server.stored() == 6
+        assert "nothing left after clear" in run("clear", server.url, layout)
     finally:
         server.kill()
 
