@@ -47,13 +47,7 @@ impl PageStore {
         if timeout_ms == 0 {
             return Err(misuse("timeout_ms must be positive"));
         }
-        let store = py.detach(|| AnyStore::open(&url)).map_err(|e| {
-            if e.is_bad_url() {
-                misuse(format!("store {url:?}: {e}"))
-            } else {
-                TransportError::new_err(format!("store {url:?}: {e}"))
-            }
-        })?;
+        let store = crate::store::open_store(py, &url)?;
         Ok(PageStore {
             state: Mutex::new(State {
                 store,

@@ -670,14 +670,7 @@ impl StoreWorker {
     #[new]
     fn new(py: Python<'_>, settings: &str) -> PyResult<StoreWorker> {
         let s = StoreSettings::parse(settings)?;
-        let url = s.store.clone();
-        let store = py.detach(|| AnyStore::open(&url)).map_err(|e| {
-            if e.is_bad_url() {
-                misuse(format!("store {url:?}: {e}"))
-            } else {
-                TransportError::new_err(format!("store {url:?}: {e}"))
-            }
-        })?;
+        let store = open_store(py, &s.store)?;
         Ok(StoreWorker {
             state: Mutex::new(WorkerState {
                 settings: s,
@@ -928,4 +921,16 @@ impl StoreWorker {
         }
         Ok(d)
     }
+}
+
+/// The store at `url`, opened with the GIL released: a URL that is wrong
+/// is a misuse, a store that cannot be reached a transport error.
+pub(crate) fn open_store(py: Python<'_>, url: &str) -> PyResult<AnyStore> {
+    py.detach(|| AnyStore::open(url)).map_err(|e| {
+        if e.is_bad_url() {
+            misuse(format!("store {url:?}: {e}"))
+        } else {
+            TransportError::new_err(format!("store {url:?}: {e}"))
+        }
+    })
 }

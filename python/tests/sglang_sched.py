@@ -584,6 +584,21 @@ PP_ROOM = 700
 PP_SEED = 7
 
 
+def lockstep(pair: Pair, done) -> bool:
+    """`Pair.run_until` for the ranks of one world: every rank steps until
+    `done()` holds on all of them or one ran out of time. Their queues
+    exchange verdicts each step, so they stop together."""
+    world = _world["world_group"].cpu_group
+    deadline = time.monotonic() + PP_WITHIN_S
+    while True:
+        pair.step(seed=PP_SEED)
+        flags = torch.tensor([int(done()), int(time.monotonic() > deadline)])
+        torch.distributed.all_reduce(flags, group=world)
+        if flags[0] == world.size() or flags[1] > 0:
+            return bool(flags[0] == world.size())
+        time.sleep(0.005)
+
+
 def pp_prefill_stage(rank: int, rendezvous: int, port: int) -> None:
     """One stage of a prefill engine with two pipeline stages (a world of
     two ranks; rank 0 serves the bootstrap service): prefills one request
@@ -594,22 +609,11 @@ def pp_prefill_stage(rank: int, rendezvous: int, port: int) -> None:
     (mgr,) = pair.managers()
     assert (mgr.node.settings["pp_size"], mgr.node.settings["pp_rank"]) == (2, rank)
     pair.add("pp", PP_PROMPT, room=PP_ROOM)
-    world = _world["world_group"].cpu_group
-    deadline = time.monotonic() + PP_WITHIN_S
-    while True:
-        pair.step(seed=PP_SEED)
-        # Both stages step in lockstep (their queues exchange verdicts):
-        # they stop together, when both are done or either ran out of time.
-        flags = torch.tensor([int(pair.prefill_ended("pp")), int(time.monotonic() > deadline)])
-        both = flags.clone()
-        torch.distributed.all_reduce(both, group=world)
-        if both[0] == 2 or both[1] > 0:
-            break
-        time.sleep(0.005)
-    assert both[0] == 2, f"stage {rank}: request {PP_ROOM} did not end on both stages"
+    done = lockstep(pair, lambda: pair.prefill_ended("pp"))
+    assert done, f"stage {rank}: request {PP_ROOM} did not end on both stages"
     print(f"stage {rank}: layers {pair.ps.pool.start_layer}..{pair.ps.pool.end_layer} sent", flush=True)
     # Rank 0 serves the bootstrap service: it stays until rank 1 is done.
-    torch.distributed.barrier(group=world)
+    torch.distributed.barrier(group=_world["world_group"].cpu_group)
     pair.close()
 
 
@@ -624,17 +628,8 @@ def pp_stage_pair(rank: int, rendezvous: int, port: int) -> None:
     for m in pair.managers():
         assert (m.node.settings["pp_size"], m.node.settings["pp_rank"]) == (2, rank)
     pair.add("pp", PP_PROMPT, room=PP_ROOM)
-    world = _world["world_group"].cpu_group
-    deadline = time.monotonic() + PP_WITHIN_S
-    while True:
-        pair.step(seed=PP_SEED)
-        done = pair.prefill_ended("pp") and pair.decode_transferred("pp")
-        both = torch.tensor([int(done), int(time.monotonic() > deadline)])
-        torch.distributed.all_reduce(both, group=world)
-        if both[0] == 2 or both[1] > 0:
-            break
-        time.sleep(0.005)
-    assert both[0] == 2, f"stage {rank}: request {PP_ROOM} did not move on both stages"
+    done = lockstep(pair, lambda: pair.prefill_ended("pp") and pair.decode_transferred("pp"))
+    assert done, f"stage {rank}: request {PP_ROOM} did not move on both stages"
     n = len(PP_PROMPT)
     src, dst = pair.kv("P", "pp", n), pair.kv("D", "pp", n)
     assert len(src) == 4 and all(torch.equal(a, b) for a, b in zip(src, dst)), \
@@ -643,7 +638,7 @@ def pp_stage_pair(rank: int, rendezvous: int, port: int) -> None:
     assert first == [1000], f"stage {rank}: first token {first}"
     print(f"stage {rank}: layers {pair.ds.pool.start_layer}..{pair.ds.pool.end_layer} matched",
           flush=True)
-    torch.distributed.barrier(group=world)
+    torch.distributed.barrier(group=_world["world_group"].cpu_group)
     pair.close()
 
 

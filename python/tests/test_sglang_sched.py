@@ -201,27 +201,35 @@ def test_a_decode_side_prefix_hit_takes_only_the_tail(radix_pair):
     check_moved(pair, "second", len(longer), first_token=1000)
 
 
+def run_processes(runs: "dict[str, list]") -> "dict[str, str]":
+    """Runs `python sglang_sched.py ARGS...` once per named argument list,
+    all at once; each must exit 0. Their outputs by name."""
+    procs = {
+        name: subprocess.Popen([sys.executable, sglang_sched.__file__, *map(str, args)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, args in runs.items()
+    }
+    outs = {}
+    try:
+        for name, p in procs.items():
+            outs[name] = p.communicate(timeout=180)[0]
+    finally:
+        for p in procs.values():
+            p.kill()
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{outs[name][-3000:]}"
+    return outs
+
+
 def test_dp_attention_pairs_by_attention_tp_and_dp_rank():
     """Two processes, a world of two ranks on gloo: each is DP rank r of a
     prefill and a decode engine with TP 2, DP 2 and DP attention
     (attention TP 1), and moves a request SGLang's decode sends to prefill
     DP rank r."""
     rendezvous, port = sglang_sched.free_port(), sglang_sched.free_port()
-    script = sglang_sched.__file__
-    ranks = [
-        subprocess.Popen([sys.executable, script, "dp", str(r), str(rendezvous), str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    outs = []
-    try:
-        for p in ranks:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in ranks:
-            p.kill()
-    for r, (p, out) in enumerate(zip(ranks, outs)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{out[-3000:]}"
+    outs = run_processes({f"rank {r}": ["dp", r, rendezvous, port] for r in (0, 1)})
+    for r in (0, 1):
+        out = outs[f"rank {r}"]
         assert f"rank {r}:" in out and "bytes moved" in out, out[-3000:]
 
 
@@ -231,23 +239,11 @@ def test_a_prefill_engine_with_two_stages_feeds_a_decode_engine_without():
     consensus between them) and a decode engine without stages, which
     takes each stage's layers and the aux from the last stage."""
     rendezvous, port = sglang_sched.free_port(), sglang_sched.free_port()
-    script = sglang_sched.__file__
-    run = lambda *args: subprocess.Popen(  # noqa: E731
-        [sys.executable, script, *map(str, args)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs = [run("pp-prefill", r, rendezvous, port) for r in (0, 1)] + [run("pp-decode", port)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            p.kill()
-    names = ["prefill stage 0", "prefill stage 1", "decode"]
-    for name, p, out in zip(names, procs, outs):
-        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{out[-3000:]}"
-    assert "stage 0: layers 0..2 sent" in outs[0] and "stage 1: layers 2..4 sent" in outs[1]
-    assert "decode: 4 layers matched" in outs[2], outs[2][-3000:]
+    runs = {f"prefill stage {r}": ["pp-prefill", r, rendezvous, port] for r in (0, 1)}
+    outs = run_processes({**runs, "decode": ["pp-decode", port]})
+    assert "stage 0: layers 0..2 sent" in outs["prefill stage 0"]
+    assert "stage 1: layers 2..4 sent" in outs["prefill stage 1"]
+    assert "decode: 4 layers matched" in outs["decode"], outs["decode"][-3000:]
 
 
 def test_prefill_and_decode_engines_with_two_stages_pair_stage_to_stage():
@@ -256,19 +252,6 @@ def test_prefill_and_decode_engines_with_two_stages_pair_stage_to_stage():
     consensus on both sides; each decode stage takes its layers and the
     first token from the prefill stage of its rank."""
     rendezvous, port = sglang_sched.free_port(), sglang_sched.free_port()
-    script = sglang_sched.__file__
-    ranks = [
-        subprocess.Popen([sys.executable, script, "pp-pair", str(r), str(rendezvous), str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in (0, 1)
-    ]
-    outs = []
-    try:
-        for p in ranks:
-            outs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in ranks:
-            p.kill()
-    for r, (p, out) in enumerate(zip(ranks, outs)):
-        assert p.returncode == 0, f"stage {r} exited {p.returncode}:\n{out[-3000:]}"
-    assert "stage 0: layers 0..2 matched" in outs[0] and "stage 1: layers 2..4 matched" in outs[1]
+    outs = run_processes({f"stage {r}": ["pp-pair", r, rendezvous, port] for r in (0, 1)})
+    assert "stage 0: layers 0..2 matched" in outs["stage 0"]
+    assert "stage 1: layers 2..4 matched" in outs["stage 1"]
