@@ -3,6 +3,8 @@ kvferry's HiCache storage backend, loaded as SGLang loads a ``dynamic``
 backend. One process per engine::
 
     python sglang_hicache.py write URL LAYOUT     backs up a prompt's pages
+                                                  (LAYOUT: an MHA host pool's, or
+                                                  mla:LAYOUT for an MLA model's)
     python sglang_hicache.py read URL LAYOUT      prefetches them, every byte compared
     python sglang_hicache.py clear URL LAYOUT     clears the store, then finds nothing
     python sglang_hicache.py read-killed URL LAYOUT PID
@@ -36,8 +38,9 @@ from sglang_sched import MODEL, process_groups
 from sglang.srt import runtime_context as rc
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import SpawnRanks
 from sglang.srt.server_args import ServerArgs
@@ -45,6 +48,7 @@ from sglang.srt.server_args import ServerArgs
 PAGE = 4
 PAGES = 6
 LAYERS, HEADS, HEAD_DIM = 4, 2, 16
+MLA_RANK, MLA_ROPE = 16, 8
 TOKENS = list(range(500, 500 + PAGE * PAGES))
 DEVICE_TOKENS = 128
 WAIT_S = 30
@@ -66,23 +70,37 @@ def scheduler_context():
     return context
 
 
+def pools(layout: str):
+    """A device KV pool and its host pool as SGLang's tree cache pairs
+    them; `mla:LAYOUT` for an MLA model's."""
+    info = lambda d: d.get_device_pool_infos()[0].buffer_info  # noqa: E731
+    common = dict(start_layer=0, end_layer=LAYERS)
+    if layout.startswith("mla:"):
+        device = MLATokenToKVPool(DEVICE_TOKENS, PAGE, torch.float16, MLA_RANK, MLA_ROPE,
+                                  LAYERS, "cpu", False, **common)
+        host = MLATokenToKVPoolHost(info(device), 2, 0, PAGE, layout[4:],
+                                    device_capacity_tokens=device.size,
+                                    target_layer_num=LAYERS, **common)
+        return device, host
+    device = MHATokenToKVPool(
+        size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS,
+        head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
+        enable_alt_stream=False, **common,
+    )
+    host = MHATokenToKVPoolHost(info(device), 2, 0, PAGE, layout,
+                                device_capacity_tokens=device.size,
+                                write_back_staging=device.hicache_write_back_staging, **common)
+    return device, host
+
+
 def controller(url: str, layout: str) -> HiCacheController:
     """A HiCache controller of one rank as the tree cache builds it, with
     kvferry's backend through SGLang's `dynamic` storage factory."""
     parallel = rc.get_parallel()
-    device = MHATokenToKVPool(
-        size=DEVICE_TOKENS, page_size=PAGE, dtype=torch.float16, head_num=HEADS,
-        head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
-        enable_alt_stream=False, start_layer=0, end_layer=LAYERS,
-    )
+    device, host = pools(layout)
     allocator = PagedTokenToKVPoolAllocator(size=DEVICE_TOKENS, page_size=PAGE,
                                             dtype=torch.float16, device="cpu",
                                             kvcache=device, need_sort=False)
-    host = MHATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout,
-        device_capacity_tokens=device.size, start_layer=device.start_layer,
-        end_layer=device.end_layer, write_back_staging=device.hicache_write_back_staging,
-    )
     extra = {"backend_name": "kvferry", "module_path": "kvferry.sglang_hicache",
              "class_name": "KvferryHiCacheStorage", "interface_v1": 1, "url": url,
              "timeout_ms": 2000}

@@ -31,7 +31,7 @@ def run(*args: object) -> str:
     return p.stdout
 
 
-@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "mla:layer_first"])
 def test_pages_one_engine_backed_up_are_prefetched_by_another_until_cleared(tmp_path, layout):
     server = StoreServer(free_port(), tmp_path / "store.log").start()
     try:
