@@ -126,26 +126,14 @@ class KvferryHiCacheStorage(HiCacheStorage):
     def batch_get_v1(
         self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> List[bool]:
-        started = time.perf_counter()
-        try:
-            done = self.store.get(self._keys(keys), self._pages(host_indices, len(keys)))
-        except kvferry.Error as e:
-            return self._fault("get", e, [False] * len(keys))
-        self._record("prefetch", sum(done), started)
-        return done
+        return self._move(self.store.get, "get", "prefetch", keys, host_indices)
 
     def batch_set_v1(
         self, keys: List[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> List[bool]:
         if not self.writer:
             return [True] * len(keys)
-        started = time.perf_counter()
-        try:
-            done = self.store.put(self._keys(keys), self._pages(host_indices, len(keys)))
-        except kvferry.Error as e:
-            return self._fault("set", e, [False] * len(keys))
-        self._record("backup", sum(done), started)
-        return done
+        return self._move(self.store.put, "set", "backup", keys, host_indices)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -190,6 +178,17 @@ class KvferryHiCacheStorage(HiCacheStorage):
         page = self.mem_pool_host.page_size
         starts = host_indices.reshape(count, page)[:, 0]
         return [int(i) // page for i in starts.tolist()]
+
+    def _move(self, call: Any, fault: str, kind: str, keys: List[str], host_indices) -> List[bool]:
+        """Moves the pages of `host_indices` by `call` (the store's get or
+        put), counted under `kind` in the stats; a failed call is misses."""
+        started = time.perf_counter()
+        try:
+            done = call(self._keys(keys), self._pages(host_indices, len(keys)))
+        except kvferry.Error as e:
+            return self._fault(fault, e, [False] * len(keys))
+        self._record(kind, sum(done), started)
+        return done
 
     def _fault(self, call: str, error: Exception, answer: Any) -> Any:
         with self._lock:

@@ -103,36 +103,20 @@ impl PageStore {
     /// Stores page `pages[i]` under `keys[i]`; per key, whether the store
     /// holds it afterwards (stored now, or already).
     fn put(&self, py: Python<'_>, keys: Vec<String>, pages: Vec<u64>) -> PyResult<Vec<bool>> {
-        same_process(self.pid)?;
-        let mut s = lock(&self.state);
-        let scatters = scatters(&s.memory, &pages, keys.len())?;
-        let items: Vec<PutItem> = (chunk_keys(keys)?.into_iter().zip(scatters))
-            .map(|(key, from)| PutItem { key, from })
-            .collect();
-        let deadline = Instant::now() + self.timeout;
-        let store = &mut s.store;
-        let answers = py
-            .detach(|| store.put(&items, deadline))
-            .map_err(|e| call_error("put", e))?;
-        Ok(answers.iter().map(Result::is_ok).collect())
+        let item = |key, from| PutItem { key, from };
+        self.batch(py, "put", keys, &pages, item, |store, items, deadline| {
+            store.put(items, deadline).map(|a| a.iter().map(Result::is_ok).collect())
+        })
     }
 
     /// Writes the value of `keys[i]` into page `pages[i]`; per key,
     /// whether it did (a missing key, or a value of another size, writes
     /// nothing).
     fn get(&self, py: Python<'_>, keys: Vec<String>, pages: Vec<u64>) -> PyResult<Vec<bool>> {
-        same_process(self.pid)?;
-        let mut s = lock(&self.state);
-        let scatters = scatters(&s.memory, &pages, keys.len())?;
-        let items: Vec<GetItem> = (chunk_keys(keys)?.into_iter().zip(scatters))
-            .map(|(key, into)| GetItem { key, into })
-            .collect();
-        let deadline = Instant::now() + self.timeout;
-        let store = &mut s.store;
-        let answers = py
-            .detach(|| store.get(&items, deadline))
-            .map_err(|e| call_error("get", e))?;
-        Ok(answers.iter().map(Result::is_ok).collect())
+        let item = |key, into| GetItem { key, into };
+        self.batch(py, "get", keys, &pages, item, |store, items, deadline| {
+            store.get(items, deadline).map(|a| a.iter().map(Result::is_ok).collect())
+        })
     }
 
     /// Removes every key that starts with `prefix`; how many.
@@ -149,6 +133,32 @@ impl PageStore {
     #[getter]
     fn backend(&self) -> &'static str {
         lock(&self.state).store.name()
+    }
+}
+
+impl PageStore {
+    /// One put or get of pages: `keys[i]` with page `pages[i]`'s scatter
+    /// list as an `item`, handed to `call` with the GIL released; per key,
+    /// whether it moved.
+    fn batch<I: Sync>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        keys: Vec<String>,
+        pages: &[u64],
+        item: impl Fn(ChunkKey, Scatter) -> I,
+        call: impl FnOnce(&mut AnyStore, &[I], Instant) -> Result<Vec<bool>, CallError> + Send,
+    ) -> PyResult<Vec<bool>> {
+        same_process(self.pid)?;
+        let mut s = lock(&self.state);
+        let scatters = scatters(&s.memory, pages, keys.len())?;
+        let items: Vec<I> = (chunk_keys(keys)?.into_iter().zip(scatters))
+            .map(|(key, scatter)| item(key, scatter))
+            .collect();
+        let deadline = Instant::now() + self.timeout;
+        let store = &mut s.store;
+        py.detach(|| call(store, &items, deadline))
+            .map_err(|e| call_error(what, e))
     }
 }
 

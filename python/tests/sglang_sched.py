@@ -352,6 +352,18 @@ def req(rid, ids, room, port, mode, max_new_tokens=4) -> Req:
                bootstrap_room=room, disagg_mode=mode, vocab_size=4096)
 
 
+def pp_round(sched, gather, process) -> None:
+    """One consensus of SGLang's PP event loops, its microbatch ring stood
+    in by one round per step: each stage's `gather` intersects its own
+    requests with the previous stage's, the last stage's list goes round to
+    the first, and every stage `process`es that list."""
+    rids = gather()
+    sched._pp_send_pyobj_to_next_stage(rids)
+    if sched.pp_group.is_first_rank:
+        rids = sched._pp_recv_pyobj_from_prev_stage()
+    process(rids)
+
+
 class Pair:
     """A prefill and a decode scheduler sharing one bootstrap service;
     `step` runs one turn of each one's event loop."""
@@ -419,16 +431,9 @@ class Pair:
             ds.process_decode_queue()
             return
         # `event_loop_pp_disagg_decode`'s consensus on preallocation and on
-        # release, its microbatch ring stood in by one round per step (as
-        # in `_prefill_step`).
-        rounds = ((ds._pp_pd_get_prealloc_ids, ds.process_prealloc_queue),
-                  (ds._pp_pd_get_decode_transferred_ids, ds.process_decode_transfer_queue))
-        for gather, process in rounds:
-            rids = gather()
-            ds._pp_send_pyobj_to_next_stage(rids)
-            if ds.pp_group.is_first_rank:
-                rids = ds._pp_recv_pyobj_from_prev_stage()
-            process(rids)
+        # release.
+        pp_round(ds, ds._pp_pd_get_prealloc_ids, ds.process_prealloc_queue)
+        pp_round(ds, ds._pp_pd_get_decode_transferred_ids, ds.process_decode_transfer_queue)
 
     def _prefill_step(self, seed):
         ps = self.ps
@@ -445,15 +450,9 @@ class Pair:
         if ps.pp_group.world_size == 1:
             ps.process_disagg_prefill_inflight_queue()
             return
-        # `event_loop_pp_disagg_prefill`'s release consensus, its microbatch
-        # ring stood in by one round per step: each stage intersects its
-        # finished requests with the previous stage's, and the last stage's
-        # list goes round to the first; every stage releases that list.
-        finished = ps._pp_pd_get_prefill_transferred_ids()
-        ps._pp_send_pyobj_to_next_stage(finished)
-        if ps.pp_group.is_first_rank:
-            finished = ps._pp_recv_pyobj_from_prev_stage()
-        ps.process_disagg_prefill_inflight_queue(finished)
+        # `event_loop_pp_disagg_prefill`'s release consensus.
+        pp_round(ps, ps._pp_pd_get_prefill_transferred_ids,
+                 ps.process_disagg_prefill_inflight_queue)
 
     def run_until(self, done, within_s=20.0):
         deadline = time.monotonic() + within_s
