@@ -39,18 +39,22 @@ fn memory(tp: (u32, u32), state: bool) -> SynthKv {
         .with_pool(PoolKind::State, 32, &[64])
 }
 
-fn start(role: Role, mode: Mode, tp: (u32, u32), state: bool) -> Rank {
-    let mut c = NodeConfig::new(
-        role,
-        if role == Role::Prefill {
-            "prefill"
-        } else {
-            "decode"
-        },
-    );
+/// A node of `role` over tcp in `mode`, with the end-to-end timeouts.
+fn config(role: Role, mode: Mode) -> NodeConfig {
+    let name = if role == Role::Prefill {
+        "prefill"
+    } else {
+        "decode"
+    };
+    let mut c = NodeConfig::new(role, name);
     c.mode = mode;
     c.transport = TransportKind::Tcp;
     c.timeouts = e2e_timeouts();
+    c
+}
+
+fn start(role: Role, mode: Mode, tp: (u32, u32), state: bool) -> Rank {
+    let mut c = config(role, mode);
     (c.tp_size, c.tp_rank) = tp;
     Rank::start(c, memory(tp, state)).expect("rank starts")
 }
@@ -257,7 +261,8 @@ fn state_between_tp_sizes_is_refused_pull() {
 }
 
 /// State pools under pipeline parallelism are refused when they are
-/// registered (aux pools move from the last stage: `e2e_pp.rs`).
+/// registered (aux pools move from the last stage:
+/// `aux_moves_from_the_last_pipeline_stage_*`).
 #[test]
 fn state_pools_under_pipeline_parallelism_are_refused_at_registration() {
     let mut c = NodeConfig::new(Role::Prefill, "prefill");
@@ -285,10 +290,7 @@ fn state_pools_under_pipeline_parallelism_are_refused_at_registration() {
 fn aux_from_the_last_stage(mode: Mode) {
     let stages: Vec<Rank> = (0..2)
         .map(|s| {
-            let mut c = NodeConfig::new(Role::Prefill, "prefill");
-            c.mode = mode;
-            c.transport = TransportKind::Tcp;
-            c.timeouts = e2e_timeouts();
+            let mut c = config(Role::Prefill, mode);
             (c.pp_size, c.pp_rank) = (2, s);
             let kv = SynthKv::new_stage(MODEL, 1, 0, LAYERS, BLOCKS, (2, s)).with_pool(
                 PoolKind::Aux,
