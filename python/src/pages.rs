@@ -105,7 +105,9 @@ impl PageStore {
     fn put(&self, py: Python<'_>, keys: Vec<String>, pages: Vec<u64>) -> PyResult<Vec<bool>> {
         let item = |key, from| PutItem { key, from };
         self.batch(py, "put", keys, &pages, item, |store, items, deadline| {
-            store.put(items, deadline).map(|a| a.iter().map(Result::is_ok).collect())
+            store
+                .put(items, deadline)
+                .map(|a| a.iter().map(Result::is_ok).collect())
         })
     }
 
@@ -115,7 +117,9 @@ impl PageStore {
     fn get(&self, py: Python<'_>, keys: Vec<String>, pages: Vec<u64>) -> PyResult<Vec<bool>> {
         let item = |key, into| GetItem { key, into };
         self.batch(py, "get", keys, &pages, item, |store, items, deadline| {
-            store.get(items, deadline).map(|a| a.iter().map(Result::is_ok).collect())
+            store
+                .get(items, deadline)
+                .map(|a| a.iter().map(Result::is_ok).collect())
         })
     }
 
