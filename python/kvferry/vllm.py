@@ -642,6 +642,13 @@ class _WorkerSide:
         self.names.update(meta.names)
         self.failed.update(meta.failed)
         for t in meta.aborts:
+            # Only a load this worker started and has not reported: the id
+            # may meanwhile be held by another transfer on the node (the
+            # release-only load of an aborted request, when its retry's load
+            # under the same id was refused), which must run to its end or
+            # the prefill side holds its blocks until its claim times out.
+            if t not in self.names:
+                continue
             try:
                 self.node.abort(t)
             except kvferry.MisuseError:

@@ -933,6 +933,28 @@ def test_a_decode_request_allocated_without_external_tokens_is_not_reported_load
     assert "d-1" not in e.d.loaded and not e.d.failed_loads
 
 
+class AbortLog:
+    """Stands in front of a worker's node and records the transfers the
+    worker aborts."""
+
+    def __init__(self, node):
+        self.node = node
+        self.aborted = []
+
+    @classmethod
+    def install(cls, rank):
+        worker = rank.connector._worker
+        worker.node = log = cls(worker.node)
+        return log
+
+    def abort(self, transfer_id):
+        self.aborted.append(transfer_id)
+        return self.node.abort(transfer_id)
+
+    def __getattr__(self, name):
+        return getattr(self.node, name)
+
+
 def lose_a_load(e, prompt, how):
     """Adds decode request `d-lost`, whose load fails: `times-out` (no
     prefill engine runs at its bootstrap address), or `refused-at-start`
@@ -964,6 +986,7 @@ def test_a_failed_load_ends_its_request_per_policy_and_spares_the_others(pd, how
     # before it reaches prefill, which then holds its blocks for its whole
     # claim timeout (30 s, this test's bound).
     e = pd(kind=kind, policy=policy, d_extra=QUICK if how == "times-out" else None)
+    aborts = [AbortLog.install(r) for r in e.d.ranks]
     prompt = 40
     p_blocks = e.prefill("p-ok", prompt, "xfer-ok")
     lose_a_load(e, prompt, how)
@@ -984,6 +1007,10 @@ def test_a_failed_load_ends_its_request_per_policy_and_spares_the_others(pd, how
         f"{sorted(e.d.finished)}, prefill holds {sorted(e.p.sched.requests)})",
     )
     assert e.d.failed_loads == {"d-lost"}
+    # `d-lost`'s load had ended (or never started) when vLLM finished the
+    # request: the abort that finish queues must not reach the node, where
+    # under `refused-at-start` it would end the aborted request's release.
+    assert all(loads[-2] not in log.aborted for log in aborts)
     assert {"d-ok", "d-lost"} <= e.d.loaded
     assert e.d.finished["d-ok"] == FinishReason.LENGTH
     assert e.d.finished["d-lost"] == (
