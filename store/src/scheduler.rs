@@ -631,11 +631,16 @@ impl StoreScheduler {
     /// vLLM's `failed_recving`: the request's load failed and the engine
     /// computes it again from the start. Forgets it (the load ended, no
     /// notice), and its next lookup is a miss without asking the store, so
-    /// a load that failed is not tried again at once.
+    /// a load that failed is not tried again at once. A request without a
+    /// store load in flight is skipped: the failed load was another
+    /// source's (the prefill engine's, when one connector has both).
     pub fn load_failed(&mut self, request_id: &str) {
         let Ok(t) = self.get_mut(request_id) else {
             return;
         };
+        if t.load != Load::InFlight {
+            return;
+        }
         t.load = Load::Done;
         let id = TransferId::of_request_id(request_id);
         self.requests.remove(&id);
@@ -1008,6 +1013,17 @@ mod tests {
         assert_eq!(s.build_connector_meta(&[]).unwrap().loads.len(), 1);
         assert!(!s.request_finished("a", &blocks(0..4)).unwrap());
         assert!(s.build_connector_meta(&[]).unwrap().delayed_free.is_empty());
+    }
+
+    #[test]
+    fn another_sources_failed_load_leaves_the_request_tracked() {
+        let mut s = sched();
+        assert_eq!(matched(&mut s, "a", 64, 0, 0), (0, false));
+        s.update_state_after_alloc("a", &blocks(0..4), 0).unwrap();
+        s.build_connector_meta(&[]).unwrap();
+        s.load_failed("a");
+        assert!(s.is_tracked("a"));
+        assert_eq!(s.stats().loads_failed, 0);
     }
 
     #[test]
