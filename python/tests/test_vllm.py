@@ -465,12 +465,13 @@ class PD:
     """A prefill and a decode engine, both shut down at the end."""
 
     def __init__(self, model_dir, *, kind="full", p_tp=1, d_tp=1, layout="LBHNC",
-                 kernel_block_sizes=None, d_extra=None, policy="fail", hybrid_allocator=None,
-                 p_connector=None, d_connector=None):
+                 kernel_block_sizes=None, p_extra=None, d_extra=None, policy="fail",
+                 hybrid_allocator=None, p_connector=None, d_connector=None):
         self.bootstrap = f"127.0.0.1:{free_port()}"
         common = dict(layout=layout, hybrid_allocator=hybrid_allocator)
         self.p = Engine(
-            config(model_dir, "kv_producer", "p", {"bootstrap": self.bootstrap}, tp=p_tp,
+            config(model_dir, "kv_producer", "p", {"bootstrap": self.bootstrap, **(p_extra or {})},
+                   tp=p_tp,
                    connector=p_connector and p_connector(self.bootstrap), **common),
             kind,
             kernel_block_sizes,

@@ -13,7 +13,10 @@ Covered: a prefix saved by one engine and loaded byte-exact by another
 (whole blocks, the last token computed), a chunked prefill saving each
 block once, keys that follow the tokens and the model and nothing else, a
 store that is down (the request computes), and the connector's refusals
-(no store, a bad URL)."""
+(no store, a bad URL). With P/D in the same connector (`KvferryConnector`
+with `store`): a decode engine takes the stored blocks from the store and
+the rest from the prefill engine, and hears of the request once, when both
+parts ended, a failed part failing it."""
 
 import array
 import os
@@ -36,10 +39,12 @@ from engines import free_port  # noqa: E402
 from test_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
     BLOCK,
     LAYER_NAMES,
+    PD,
     TOKEN,
     WITHIN_S,
     Engine,
     config,
+    decode_params,
     model_dir,
     request,
     run_until,
@@ -385,3 +390,102 @@ def test_a_store_connector_without_a_store_is_refused_by_name(model_dir):
 def test_a_bad_store_url_is_refused_by_name(model_dir):
     with pytest.raises(kvferry.MisuseError, match="the stores are"):
         engine(model_dir, "x", "memcached://nowhere")
+
+
+# -- P/D and the store in one connector ------------------------------------
+
+#: A P/D prompt: 8 whole blocks and 4 tokens; the prefill engine first
+#: stores the first 6 blocks alone (a request without kv_transfer_params).
+PD_PROMPT = 8 * BLOCK + 4
+
+
+def pd_with_store(model_dir, store, **kw):
+    return PD(model_dir, p_extra={"store": store}, d_extra={"store": store}, **kw)
+
+
+def prefill_and_store(e, rid, prompt_len, tid):
+    """Prefills `rid` for P/D and waits until the prefill engine stored its
+    whole blocks (its send waits for the decode engine); its pages."""
+    saved = stats(e.p, "store_saved_keys")
+    blocks = e.prefill(rid, prompt_len, tid)[0]
+    run_until([e.p], lambda: stats(e.p, "store_saved_keys") - saved == 2, f"{rid}'s new blocks saved")
+    return [{layer: e.p.page(layer, b) for layer in LAYER_NAMES} for b in blocks]
+
+
+def test_pd_takes_stored_blocks_from_the_store_and_the_rest_from_the_prefill_engine(model_dir, store):
+    e = pd_with_store(model_dir, store)
+    try:
+        # The prefill engine's forward pass writes random bytes, so the
+        # blocks it stored alone differ from the same blocks of the P/D
+        # prompt, which it computes again: each decode block shows its source.
+        warm = save_on(e.p, "warm", 6 * BLOCK + 4)
+        sent = prefill_and_store(e, "p-1", PD_PROMPT, "xfer-1")
+        e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
+        run_until([e.p, e.d], lambda: "d-1" in e.d.loaded, "d-1 loaded")
+        got = e.d.blocks("d-1")
+        for layer in LAYER_NAMES:
+            for i in range(6):  # the store's, as the prefill engine stored them alone
+                assert torch.equal(e.d.page(layer, got[i]), warm[(layer, i)]), (layer, i)
+            for i in range(6, 9):  # blocks 6 and 7 stored with p-1, 8 sent by the prefill engine
+                assert torch.equal(e.d.page(layer, got[i]), sent[i][layer]), (layer, i)
+        assert "d-1" not in e.d.failed_loads
+        run_until([e.p, e.d], lambda: "p-1" not in e.p.sched.requests, "the prefill engine frees p-1")
+        assert stats(e.d, "store_loaded_keys") == 8
+        assert stats(e.d, "ok") == 1
+    finally:
+        e.close()
+
+
+def test_a_failed_store_part_fails_the_request_once_the_prefill_part_ended(model_dir, store):
+    """The decode engine's store half refuses to plan its part (a full
+    table) after the request was promised both: the request is reported
+    failed once, after the prefill engine's part ended, vLLM ends it
+    (`kv_load_failure_policy: fail`), and both engines free its blocks."""
+    e = pd_with_store(model_dir, store)
+    try:
+        save_on(e.p, "warm", 6 * BLOCK + 4)
+        prefill_and_store(e, "p-1", PD_PROMPT, "xfer-1")
+        side = e.d.sched.connector._sched.store
+        real = side._native
+
+        class Refusing:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def update_state_after_alloc(self, *args):
+                raise kvferry.BusyError("full")
+
+        side._native = Refusing()
+        # Each half's reports and the joined ones, in order.
+        log = []
+        worker = e.d.ranks[0].connector._worker
+
+        def spy(name, results):
+            def call():
+                out = results()
+                log.append((name, out))
+                return out
+            return call
+
+        worker.node.transfer_results = spy("node", worker.node.transfer_results)
+        worker.store.transfer_results = spy("store", worker.store.transfer_results)
+        worker.transfer_results = spy("joined", worker.transfer_results)
+        e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
+        run_until([e.p, e.d], lambda: "d-1" in e.d.finished and "p-1" not in e.p.sched.requests,
+                  "d-1 ends and the prefill engine frees p-1")
+        side._native = real
+
+        def when(name, part):
+            return [i for i, (n, out) in enumerate(log) if n == name and "d-1" in out[part]]
+
+        (store_failed,), (node_loaded,) = when("store", 2), when("node", 1)
+        assert when("joined", 1) == [], "reported loaded"
+        both = max(store_failed, node_loaded)
+        first_after = next(i for i, (n, _) in enumerate(log) if n == "joined" and i > both)
+        assert when("joined", 2) == [first_after], \
+            "not reported failed once, in the call that saw both parts end"
+        assert e.d.failed_loads == {"d-1"}
+        assert stats(e.d, "ok") == 1, "the prefill engine's part ran to its end"
+        run_until([e.d], lambda: "d-1" not in e.d.sched.requests, "the decode engine frees d-1")
+    finally:
+        e.close()
