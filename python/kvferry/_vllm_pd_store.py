@@ -87,7 +87,9 @@ class _SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         rid = request.request_id
-        hit = self._hit.pop(rid, 0) if num_external_tokens else 0
+        hit = self._hit.pop(rid, 0)
+        if not num_external_tokens:
+            hit = 0  # allocated without the external tokens: nothing loads
         self.store.update_state_after_alloc(request, blocks, hit)
         self.node.update_state_after_alloc(request, blocks, num_external_tokens - hit)
         if hit and num_external_tokens > hit:

@@ -12,7 +12,12 @@ backend. One process per engine::
                                                   process PID killed between
                                                   the hit query and the pages
 
-Each prints one line starting with ``ok`` and exits 0, or fails.
+Each prints one line starting with ``ok`` and exits 0, or fails. With
+``SGLANG_HICACHE_TP=RANK,PORT`` the process is TP rank RANK of two (a world
+of two on gloo, rendezvous at PORT; both ranks run the same command at
+once): each rank's pages are its own, an MLA model's the same on both, and
+an MHA pool's ``clear`` on rank 1 alone leaves rank 0's pages, which
+SGLang's minimum over ranks then does not use.
 
 What is stood in (SGLang's scheduler and tree cache, not its storage
 path): the device-to-host copy that fills the host pool (the writer sets
@@ -34,7 +39,7 @@ from queue import Empty
 import torch
 
 import sglang_sched  # noqa: F401  (SGLang set up for CPU, CUDA-only calls substituted)
-from sglang_sched import MODEL, process_groups
+from sglang_sched import MODEL, no_nccl_for_groups_of_two, process_groups
 from sglang.srt import runtime_context as rc
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -54,20 +59,34 @@ DEVICE_TOKENS = 128
 WAIT_S = 30
 
 
-def expected_page(i: int, like: torch.Tensor) -> torch.Tensor:
-    """The writer's flat page `i`: a function of `i` alone."""
-    g = torch.Generator().manual_seed(4242 + i)
+def expected_page(i: int, like: torch.Tensor, layout: str) -> torch.Tensor:
+    """The writer's flat page `i`: a function of `i` and the TP rank (of
+    `i` alone for an MLA model, whose pages every rank holds alike)."""
+    rank = 0 if layout.startswith("mla:") else rc.get_parallel().tp_rank
+    g = torch.Generator().manual_seed(4242 + i + 1000 * rank)
     return torch.randn(like.shape, generator=g).to(like.dtype)
 
 
 def scheduler_context():
-    """One scheduler rank's SGLang context, its process groups on gloo."""
+    """One scheduler rank's SGLang context, its process groups on gloo:
+    TP rank r of two with `SGLANG_HICACHE_TP=r,PORT`, else TP 1."""
+    tp = os.environ.get("SGLANG_HICACHE_TP")
+    rank, port = map(int, tp.split(",")) if tp else (0, 0)
     sa = ServerArgs(model_path=MODEL, device="cpu", page_size=PAGE, dtype="float16",
-                    host="127.0.0.1")
+                    host="127.0.0.1", tp_size=2 if tp else 1)
     context = rc.create_context(sa, role="scheduler",
-                                ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-    process_groups(context)
+                                ranks=SpawnRanks(world_rank=rank, dp_rank=None, gpu_id=0))
+    if tp:
+        no_nccl_for_groups_of_two()
+    process_groups(context, (2, rank, port) if tp else (1, 0, None))
     return context
+
+
+def barrier() -> None:
+    """Both TP ranks got here (nothing with one rank)."""
+    parallel = rc.get_parallel()
+    if parallel.tp_size > 1:
+        torch.distributed.barrier(group=parallel.tp_group.cpu_group)
 
 
 def pools(layout: str):
@@ -120,15 +139,20 @@ def write(url: str, layout: str) -> None:
     indices = host.alloc(len(TOKENS))
     for i in range(PAGES):
         at = int(indices[i * PAGE])
-        host.set_from_flat_data_page(at, expected_page(i, host.get_data_page(at)))
+        host.set_from_flat_data_page(at, expected_page(i, host.get_data_page(at), layout))
     hashes = get_storage_hash_str(TOKENS, None, page_size=PAGE)
     cc.write_storage(indices, TOKENS, hash_value=hashes)
     op = cc.ack_backup_queue.get(timeout=WAIT_S)
-    assert op.completed_tokens == len(TOKENS), f"{op.completed_tokens} tokens backed up"
     assert cc.storage_backend.faults == {"exists": 0, "get": 0, "set": 0, "clear": 0}
-    stats = cc.storage_backend.get_stats()
-    assert sum(stats.backup_pgs) == PAGES, stats
-    print(f"ok: {PAGES} pages backed up", flush=True)
+    # An MLA page is written once, by its writer rank (SGLang's `backup_skip`).
+    backed = sum(cc.storage_backend.get_stats().backup_pgs)
+    if cc.backup_skip:
+        assert backed == 0, f"{backed} pages backed up by a rank that does not write"
+    else:
+        assert op.completed_tokens == len(TOKENS), f"{op.completed_tokens} tokens backed up"
+        assert backed == PAGES, backed
+    barrier()  # the pages are stored before any rank reads
+    print(f"ok: {backed} pages backed up", flush=True)
 
 
 def prefetch(url: str, layout: str, kill_pid: int = 0) -> None:
@@ -155,16 +179,22 @@ def prefetch(url: str, layout: str, kill_pid: int = 0) -> None:
     for i in range(PAGES):
         at = int(op.host_indices[i * PAGE])
         got = host.get_data_page(at)
-        assert torch.equal(got, expected_page(i, got)), f"page {i} differs"
+        assert torch.equal(got, expected_page(i, got, layout)), f"page {i} differs"
     print(f"ok: {PAGES} pages prefetched, every byte equal", flush=True)
 
 
 def clear(url: str, layout: str) -> None:
-    """What SGLang's `clear_storage_backend` does, then a prefetch's hit
-    query: nothing is left."""
+    """What SGLang's `clear_storage_backend` does on each rank, then a
+    prefetch's hit query on every rank: nothing is used. With two ranks of
+    an MHA pool only rank 1 clears: rank 0's own pages stay, and SGLang's
+    minimum over the ranks' hits uses none of them. An MLA pool's pages,
+    shared, go with the clear of their writer (rank 0)."""
     cc = controller(url, layout)
-    cc.storage_backend.clear()
-    assert cc.storage_backend.faults["clear"] == 0, cc.storage_backend.faults
+    last = rc.get_parallel().tp_rank == cc.storage_config.tp_size - 1
+    if last or cc.storage_config.is_mla_model:
+        cc.storage_backend.clear()
+        assert cc.storage_backend.faults["clear"] == 0, cc.storage_backend.faults
+    barrier()
     op = cc.prefetch("r", TOKENS, None, None)
     hit = cc.prefetch_hit_queue.get(timeout=WAIT_S)
     assert hit is op and op.storage_hit_count == 0, f"hit {op.storage_hit_count} after clear"
