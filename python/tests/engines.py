@@ -578,6 +578,84 @@ def pd_completion(
     return out
 
 
+PREFILL_ID, DECODE_ID = "prefill-engine", "decode-engine"
+
+
+def kvferry_counter(port: int, name: str) -> float:
+    """The engine's `vllm:kvferry_<name>` counter, as its last output
+    shipped it (0 before its first report)."""
+    total = 0.0
+    for line in metrics(port).splitlines():
+        if line.startswith((f"vllm:kvferry_{name}_total{{", f"vllm:kvferry_{name}{{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Pair:
+    """A prefill and a decode engine with kvferry's P/D connector, started
+    together. `extra`: settings of both connectors besides their own (a
+    `store`); `max_tokens` of each P/D request."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_tokens: int,
+        p_args: "tuple[str, ...]" = (),
+        d_args: "tuple[str, ...]" = (),
+        p_cores: str = "0",
+        d_cores: str = "1",
+        policy: str = "fail",
+        extra: "Mapping[str, Any] | None" = None,
+    ) -> None:
+        self.max_tokens = max_tokens
+        self.bootstrap_port = free_port()
+        self.bootstrap = f"http://{HOST}:{self.bootstrap_port}"
+        p_extra = {**(extra or {}), "bootstrap": f"{HOST}:{self.bootstrap_port}"}
+        # A dead prefill engine is given up on within seconds, not minutes.
+        d_extra = {**(extra or {}), "resolve_timeout_ms": 4000, "bootstrap_timeout_ms": 4000}
+        self.prefill = Engine(
+            model,
+            cores=p_cores,
+            args=("--kv-transfer-config", kv_config("kv_producer", PREFILL_ID, p_extra), *p_args),
+        )
+        self.decode = Engine(
+            model,
+            cores=d_cores,
+            args=(
+                "--kv-transfer-config",
+                kv_config("kv_consumer", DECODE_ID, d_extra, kv_load_failure_policy=policy),
+                *d_args,
+            ),
+        )
+
+    def __enter__(self) -> "Pair":
+        self.prefill.start(wait=False)
+        self.decode.start(wait=False)
+        try:
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    def pd(self, ids: "list[int]", **kw: Any) -> "dict[str, Any]":
+        return pd_completion(
+            self.prefill.port, self.decode.port, ids, self.max_tokens, PREFILL_ID, self.bootstrap, **kw
+        )
+
+    def sources(self) -> "dict[str, float]":
+        return prompt_tokens_by_source(metrics(self.decode.port))
+
+    def kvferry(self, engine: Engine, name: str) -> float:
+        return kvferry_counter(engine.port, name)
+
+
 class Router:
     """A tiny OpenAI-style proxy on 127.0.0.1: POST /v1/completions goes
     through `pd_completion` (prompt as token ids). For clients that must

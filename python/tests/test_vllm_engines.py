@@ -28,19 +28,17 @@ import pytest
 
 from engines import (
     HOST,
+    PREFILL_ID,
     Engine,
     HttpError,
+    Pair,
     completion,
     completion_body,
     decode_params,
-    free_port,
-    kv_config,
     make_model,
     metrics,
     output_ids,
-    pd_completion,
     prefill_params,
-    prompt_tokens_by_source,
     random_prompt,
     skip_without_vllm_cpu,
     transfer_id,
@@ -58,8 +56,6 @@ LENGTHS = (16, 40, 100, 127, 128, 129, 200, 300, 450, 511, 700, 900, 1024, 1200,
 #: a P/D prompt shares its first HIT tokens (two whole blocks and a part).
 PREFIX, HIT = 600, 300
 BLOCK = 128
-
-PREFILL_ID, DECODE_ID = "prefill-engine", "decode-engine"
 
 
 def prompts() -> "dict[str, list[int]]":
@@ -96,72 +92,6 @@ def reference(model: str) -> "dict[str, list[int]]":
         return {k: output_ids(completion(e.port, ids, MAX_TOKENS)) for k, ids in PROMPTS.items()}
 
 
-class Pair:
-    """A prefill and a decode engine with kvferry, started together."""
-
-    def __init__(
-        self,
-        model: str,
-        *,
-        p_args: "tuple[str, ...]" = (),
-        d_args: "tuple[str, ...]" = (),
-        p_cores: str = "0",
-        d_cores: str = "1",
-        policy: str = "fail",
-    ) -> None:
-        self.bootstrap_port = free_port()
-        self.bootstrap = f"http://{HOST}:{self.bootstrap_port}"
-        p_extra = {"bootstrap": f"{HOST}:{self.bootstrap_port}"}
-        # A dead prefill engine is given up on within seconds, not minutes.
-        d_extra = {"resolve_timeout_ms": 4000, "bootstrap_timeout_ms": 4000}
-        self.prefill = Engine(
-            model,
-            cores=p_cores,
-            args=("--kv-transfer-config", kv_config("kv_producer", PREFILL_ID, p_extra), *p_args),
-        )
-        self.decode = Engine(
-            model,
-            cores=d_cores,
-            args=(
-                "--kv-transfer-config",
-                kv_config("kv_consumer", DECODE_ID, d_extra, kv_load_failure_policy=policy),
-                *d_args,
-            ),
-        )
-
-    def __enter__(self) -> "Pair":
-        self.prefill.start(wait=False)
-        self.decode.start(wait=False)
-        try:
-            self.prefill.wait_ready()
-            self.decode.wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.prefill.stop()
-        self.decode.stop()
-
-    def pd(self, ids: "list[int]", **kw: Any) -> "dict[str, Any]":
-        return pd_completion(
-            self.prefill.port, self.decode.port, ids, MAX_TOKENS, PREFILL_ID, self.bootstrap, **kw
-        )
-
-    def sources(self) -> "dict[str, float]":
-        return prompt_tokens_by_source(metrics(self.decode.port))
-
-    def kvferry(self, engine: Engine, name: str) -> float:
-        """The engine's `vllm:kvferry_<name>` counter (0 before its first
-        report)."""
-        total = 0.0
-        for line in metrics(engine.port).splitlines():
-            if line.startswith(f"vllm:kvferry_{name}_total{{") or line.startswith(f"vllm:kvferry_{name}{{"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-
 def delta(before: "dict[str, float]", after: "dict[str, float]") -> "dict[str, float]":
     keys = ("local_compute", "local_cache_hit", "external_kv_transfer")
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
@@ -194,7 +124,7 @@ def assert_moved(pair: Pair, key: str, out: "dict[str, Any]", reference: dict, b
 
 @pytest.fixture(scope="class")
 def pair(model: str) -> Any:
-    with Pair(model, p_args=("--max-num-batched-tokens", "512")) as p:
+    with Pair(model, max_tokens=MAX_TOKENS, p_args=("--max-num-batched-tokens", "512")) as p:
         yield p
 
 
@@ -339,7 +269,7 @@ def _waiting(engine: Engine) -> float:
 @pytest.fixture(scope="class")
 def uncached(model: str) -> Any:
     off = ("--no-enable-prefix-caching",)
-    with Pair(model, p_args=off, d_args=off, policy="recompute") as p:
+    with Pair(model, max_tokens=MAX_TOKENS, p_args=off, d_args=off, policy="recompute") as p:
         yield p
 
 
@@ -384,6 +314,7 @@ def test_heterogeneous_tp_moves_each_ranks_heads(model, p_tp, d_tp):
     off = ("--no-enable-prefix-caching",)
     with Pair(
         model,
+        max_tokens=MAX_TOKENS,
         p_args=(*off, "--tensor-parallel-size", str(p_tp)),
         d_args=(*off, "--tensor-parallel-size", str(d_tp)),
         # One core per rank: the TP 2 engine on cores 1 and 2.

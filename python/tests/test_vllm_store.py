@@ -272,6 +272,22 @@ def test_kv_events_name_each_stored_block_once_every_shard_stored_it(model_dir, 
         a.shutdown()
 
 
+def refuse_blocks(side):
+    """Makes a store connector's scheduler side refuse every request's
+    blocks (a full table) until the returned function is called."""
+    real = side._native
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def update_state_after_alloc(self, *args):
+            raise kvferry.BusyError("full")
+
+    side._native = Refusing()
+    return lambda: setattr(side, "_native", real)
+
+
 def test_a_load_the_scheduler_cannot_plan_fails_its_request_not_the_engine(model_dir, store):
     """B is promised A's prefix, then its scheduler side refuses the
     request's blocks (a full table): the request's wait for its load
@@ -281,20 +297,10 @@ def test_a_load_the_scheduler_cannot_plan_fails_its_request_not_the_engine(model
     b = engine(model_dir, "b", store)
     try:
         save_on(a, "r1", PROMPT)
-        side = b.sched.connector._sched
-        real = side._native
-
-        class Refusing:
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            def update_state_after_alloc(self, *args):
-                raise kvferry.BusyError("full")
-
-        side._native = Refusing()
+        restore = refuse_blocks(b.sched.connector._sched)
         b.sched.add_request(request("r2", PROMPT, None, 3))
         run_until([b], lambda: "r2" in b.failed_loads, "r2 reported as a failed load")
-        side._native = real
+        restore()
         run_until([b], lambda: "r2" in b.finished, "r2 recomputed and finished")
         assert stats(b, "store_fallbacks") == 1
     finally:
@@ -445,17 +451,7 @@ def test_a_failed_store_part_fails_the_request_once_the_prefill_part_ended(model
     try:
         save_on(e.p, "warm", 6 * BLOCK + 4)
         prefill_and_store(e, "p-1", PD_PROMPT, "xfer-1")
-        side = e.d.sched.connector._sched.store
-        real = side._native
-
-        class Refusing:
-            def __getattr__(self, name):
-                return getattr(real, name)
-
-            def update_state_after_alloc(self, *args):
-                raise kvferry.BusyError("full")
-
-        side._native = Refusing()
+        restore = refuse_blocks(e.d.sched.connector._sched.store)
         # Each half's reports and the joined ones, in order.
         log = []
         worker = e.d.ranks[0].connector._worker
@@ -473,7 +469,7 @@ def test_a_failed_store_part_fails_the_request_once_the_prefill_part_ended(model
         e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
         run_until([e.p, e.d], lambda: "d-1" in e.d.finished and "p-1" not in e.p.sched.requests,
                   "d-1 ends and the prefill engine frees p-1")
-        side._native = real
+        restore()
 
         def when(name, part):
             return [i for i, (n, out) in enumerate(log) if n == name and "d-1" in out[part]]

@@ -42,9 +42,10 @@ from engines import (
     HOST,
     Engine,
     StoreServer,
+    Pair,
     completion,
     free_port,
-    pd_completion,
+    kvferry_counter,
     kv_config,
     make_model,
     metrics,
@@ -101,16 +102,6 @@ def store_engine(model: str, engine_id: str, store: str, cores: str) -> Engine:
     cfg = kv_config("kv_both", engine_id, {"store": store, "lookup_timeout_ms": 500},
                     connector="KvferryStoreConnector", kv_load_failure_policy="recompute")
     return Engine(model, cores=cores, args=("--kv-transfer-config", cfg))
-
-
-def counter(port: int, name: str) -> float:
-    """The engine's `vllm:kvferry_<name>` counter, as its last output
-    shipped it."""
-    total = 0.0
-    for line in metrics(port).splitlines():
-        if line.startswith((f"vllm:kvferry_{name}_total{{", f"vllm:kvferry_{name}{{")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def eventually(what: str, check: Any, within_s: float = 60.0) -> Any:
@@ -188,12 +179,12 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
         server.kill()
         ref = {k: output_ids(completion(a.port, ids, MAX_TOKENS)) for k, ids in DOWN.items()}
         before = prompt_tokens_by_source(metrics(b.port))
-        failures = counter(b.port, "store_lookup_failures")
+        failures = kvferry_counter(b.port, "store_lookup_failures")
         for k, ids in DOWN.items():
             assert output_ids(completion(b.port, ids, MAX_TOKENS)) == ref[k]
         after = prompt_tokens_by_source(metrics(b.port))
         assert after.get("external_kv_transfer", 0.0) == before.get("external_kv_transfer", 0.0)
-        assert counter(b.port, "store_lookup_failures") - failures == len(DOWN)
+        assert kvferry_counter(b.port, "store_lookup_failures") - failures == len(DOWN)
         assert a.alive() and b.alive()
 
         # Back on the same port: saves and hits again.
@@ -258,48 +249,6 @@ def reference(model: str) -> "dict[str, list[int]]":
         return {k: output_ids(completion(e.port, ids, MAX_TOKENS)) for k, ids in PD_PROMPTS.items()}
 
 
-class StorePair:
-    """A prefill and a decode engine, both `KvferryConnector` with the
-    same store."""
-
-    PREFILL_ID = "prefill-engine"
-
-    def __init__(self, model: str, store: str) -> None:
-        port = free_port()
-        self.bootstrap = f"http://{HOST}:{port}"
-        common = {"store": store, "lookup_timeout_ms": 500}
-        p_extra = {**common, "bootstrap": f"{HOST}:{port}"}
-        d_extra = {**common, "resolve_timeout_ms": 4000, "bootstrap_timeout_ms": 4000}
-        self.prefill = Engine(model, cores="0", args=(
-            "--kv-transfer-config", kv_config("kv_producer", self.PREFILL_ID, p_extra)))
-        self.decode = Engine(model, cores="1", args=(
-            "--kv-transfer-config",
-            kv_config("kv_consumer", "decode-engine", d_extra, kv_load_failure_policy="recompute")))
-
-    def __enter__(self) -> "StorePair":
-        self.prefill.start(wait=False)
-        self.decode.start(wait=False)
-        try:
-            self.prefill.wait_ready()
-            self.decode.wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.prefill.stop()
-        self.decode.stop()
-
-    def pd(self, ids: "list[int]") -> "list[int]":
-        out = pd_completion(self.prefill.port, self.decode.port, ids, MAX_TOKENS,
-                            self.PREFILL_ID, self.bootstrap)
-        return output_ids(out)
-
-    def sources(self) -> "dict[str, float]":
-        return prompt_tokens_by_source(metrics(self.decode.port))
-
-
 def grew(before: "dict[str, float]", after: "dict[str, float]") -> "dict[str, float]":
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("local_compute", "external_kv_transfer")}
 
@@ -309,7 +258,8 @@ def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill
 ) -> None:
     server = StoreServer(free_port(), tmp_path / "store.log").start()
     try:
-        with StorePair(model, server.url) as pair:
+        extra = {"store": server.url, "lookup_timeout_ms": 500}
+        with Pair(model, max_tokens=MAX_TOKENS, policy="recompute", extra=extra) as pair:
             d = pair.decode
             # The prefill engine alone (no kv_transfer_params): the store alone.
             save_all(pair.prefill, server, {k: PD_PROMPTS[k] for k in ("warm", "warm_alone", "warm_mid")})
@@ -319,18 +269,18 @@ def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill
             # blocks are the shared five, or all seven whole blocks of the
             # prompt when the prefill engine's own save of it landed before
             # the decode engine asked.
-            before = (pair.sources(), counter(d.port, "store_loaded_keys"), counter(d.port, "ok"))
-            assert pair.pd(PD_PROMPTS["pd"]) == reference["pd"]
+            before = (pair.sources(), pair.kvferry(d, "store_loaded_keys"), pair.kvferry(d, "ok"))
+            assert output_ids(pair.pd(PD_PROMPTS["pd"])) == reference["pd"]
             assert grew(before[0], pair.sources()) == {
                 "local_compute": 0.0, "external_kv_transfer": float(len(PD_PROMPTS["pd"]))}
-            assert counter(d.port, "store_loaded_keys") - before[1] in (5, 7)
-            assert counter(d.port, "ok") - before[2] == 1
+            assert pair.kvferry(d, "store_loaded_keys") - before[1] in (5, 7)
+            assert pair.kvferry(d, "ok") - before[2] == 1
 
             # No kv_transfer_params on the decode engine: the store alone.
-            before = (pair.sources(), counter(d.port, "ok"))
+            before = (pair.sources(), pair.kvferry(d, "ok"))
             assert output_ids(completion(d.port, PD_PROMPTS["alone"], MAX_TOKENS)) == reference["alone"]
             assert grew(before[0], pair.sources())["external_kv_transfer"] == 3 * BLOCK
-            assert counter(d.port, "ok") == before[1]
+            assert pair.kvferry(d, "ok") == before[1]
 
             # The server dies once the first of several P/D requests with
             # stored prefixes is served, the others at any stage: each falls
@@ -339,16 +289,16 @@ def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill
                 running = {k: pool.submit(pair.pd, ids) for k, ids in MID.items()}
                 wait(running.values(), return_when=FIRST_COMPLETED)
                 server.kill()
-                outputs = {k: f.result() for k, f in running.items()}
+                outputs = {k: output_ids(f.result()) for k, f in running.items()}
             assert outputs == {k: reference[k] for k in MID}
 
             # With the store down, a miss, counted: the whole prompt moves
             # from the prefill engine.
-            before = (pair.sources(), counter(d.port, "store_lookup_failures"))
-            assert pair.pd(PD_PROMPTS["down"]) == reference["down"]
+            before = (pair.sources(), pair.kvferry(d, "store_lookup_failures"))
+            assert output_ids(pair.pd(PD_PROMPTS["down"])) == reference["down"]
             assert grew(before[0], pair.sources()) == {
                 "local_compute": 0.0, "external_kv_transfer": float(len(PD_PROMPTS["down"]))}
-            assert counter(d.port, "store_lookup_failures") - before[1] == 1
+            assert pair.kvferry(d, "store_lookup_failures") - before[1] == 1
             assert pair.prefill.alive() and d.alive()
     finally:
         server.kill()
