@@ -10,6 +10,11 @@ max_tokens 1, then the decode request, streamed). Measured: decode TTFT
 (decode request sent -> first token; the KV transfer is inside it),
 end-to-end latency (prefill request sent -> last token) and output tokens/s
 at concurrency 8. Every P/D output is checked against one engine's.
+
+With ``--store``, a third variant: kvferry's connector with a ``store``
+(``kvferry store serve``, a fresh server per round): the prefill engine
+saves each prompt as it sends it, and the decode engine loads what the
+store holds by the time it asks and the rest from the prefill engine.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from engines import (  # noqa: E402
     BASELINE_DIR,
     HOST,
     Engine,
+    StoreServer,
     completion,
     decode_params,
     free_port,
@@ -49,16 +55,18 @@ OUT_TOKENS = 32
 
 
 class Pair:
-    def __init__(self, model: str, connector: str) -> None:
+    def __init__(self, model: str, connector: str, store: str = "") -> None:
         self.connector = connector
         self.bootstrap_port = free_port()
         self.bootstrap = f"http://{HOST}:{self.bootstrap_port}"
         self.engine_id = f"{connector}-prefill"
         env: dict[str, str] = {}
         pythonpath: list[Any] = []
-        if connector == "kvferry":
-            p_cfg = kv_config("kv_producer", self.engine_id, {"bootstrap": f"{HOST}:{self.bootstrap_port}"})
-            d_cfg = kv_config("kv_consumer", f"{connector}-decode")
+        if connector.startswith("kvferry"):
+            extra = {"store": store} if store else {}
+            p_extra = {**extra, "bootstrap": f"{HOST}:{self.bootstrap_port}"}
+            p_cfg = kv_config("kv_producer", self.engine_id, p_extra)
+            d_cfg = kv_config("kv_consumer", f"{connector}-decode", extra)
         else:
             p_cfg = mooncake_config("kv_producer", self.engine_id)
             d_cfg = mooncake_config("kv_consumer", f"{connector}-decode")
@@ -97,7 +105,18 @@ def pct(values: "list[float]", p: float) -> float:
 
 
 def run_round(model: str, connector: str, prompts: "list[list[int]]", reference: dict, n: int) -> dict:
-    with Pair(model, connector) as pair:
+    if connector != "kvferry-store":
+        return measure(Pair(model, connector), prompts, reference, n)
+    server = StoreServer(free_port(), ROOT / "target" / "bench-vllm-pd-store.log").start()
+    try:
+        return measure(Pair(model, connector, server.url), prompts, reference, n)
+    finally:
+        server.kill()
+
+
+def measure(pair: Pair, prompts: "list[list[int]]", reference: dict, n: int) -> dict:
+    connector = pair.connector
+    with pair:
         first = pair.request(prompts[0])
         assert first["tokens"] == reference[0], f"{connector}: first P/D output differs"
         serial = []
@@ -141,16 +160,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=40, help="per concurrency level and round")
     ap.add_argument("--json", default=str(ROOT / "target" / "bench-vllm-pd.json"))
+    ap.add_argument("--store", action="store_true", help="also kvferry with a store")
     args = ap.parse_args()
     model = make_model(ROOT / "target" / "bench-model")
     rng = random.Random(7)
     prompts = [random_prompt(rng.randint(100, 1500), seed=100 + i) for i in range(2 * args.requests + 1)]
     with Engine(model, cores="0-1") as one:
         reference = {i: output_ids(completion(one.port, p, OUT_TOKENS)) for i, p in enumerate(prompts)}
-    results: dict[str, list] = {"kvferry": [], "mooncake": []}
+    variants = ["mooncake", "kvferry"] + (["kvferry-store"] if args.store else [])
+    results: dict[str, list] = {v: [] for v in variants}
     for r in range(args.rounds):
-        # Alternating, so drift on a shared machine hits both alike.
-        for connector in (("mooncake", "kvferry") if r % 2 == 0 else ("kvferry", "mooncake")):
+        # Rotating, so drift on a shared machine hits every variant alike.
+        for connector in variants[r % len(variants):] + variants[:r % len(variants)]:
             print(f"round {r + 1}/{args.rounds}: {connector}", flush=True)
             results[connector].append(run_round(model, connector, prompts, reference, args.requests))
     Path(args.json).write_text(json.dumps(results))
