@@ -73,7 +73,12 @@ class _SchedulerSide:
         self._joined_sends: "list[str]" = []
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        found = self.store.get_num_new_matched_tokens(request, num_computed_tokens)
+        # The prefill engine holds the whole prompt: a P/D request waits
+        # for the store's answer at most `pd_lookup_wait_ms`.
+        params = request.kv_transfer_params or {}
+        found = self.store.get_num_new_matched_tokens(
+            request, num_computed_tokens, other_source=bool(params.get("do_remote_prefill"))
+        )
         hit = found[0]
         if hit is None:
             return found  # the store's answer is out: vLLM asks again

@@ -68,7 +68,7 @@ _EVENT_COUNTS_MAX = 1 << 16
 
 #: ``kv_connector_extra_config`` keys of the store connector.
 _STORE_KEYS = {
-    "store", "model_name", "lookup_endpoint", "lookup_timeout_ms", "lookup_wait_ms",
+    "store", "model_name", "lookup_endpoint", "lookup_timeout_ms", "lookup_wait_ms", "pd_lookup_wait_ms",
     "op_bound_ms", "request_timeout_ms", "max_requests", "save", "load", "shutdown_drain_ms",
     "save_decode_cache", "tp_rank",
 }
@@ -308,6 +308,7 @@ class _SchedulerSide:
         self._transfer = list(kv_cache_config.transfer_group_ids)
         self._root = chain_root(settings["model_name"], self._block)
         self._wait_s = float(extra.get("lookup_wait_ms", 2)) / 1000.0
+        self._pd_wait_s = float(extra.get("pd_lookup_wait_ms", 20)) / 1000.0
         self._reset_s = float(extra.get("op_bound_ms", 10000)) / 1000.0
         #: Each waiting request's block hashes, until it is allocated.
         self._hashes: "dict[str, list[bytes]]" = {}
@@ -333,7 +334,10 @@ class _SchedulerSide:
             self._hashes[rid] = chain_hashes(self._root, tokens, self._block, extras)
         return self._hashes[rid]
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
+                                   other_source: bool = False):
+        """vLLM's hook. With `other_source` (another source holds the whole
+        prompt) a lookup out `pd_lookup_wait_ms` is a miss."""
         rid = request.request_id
         tokens = _prompt(request)
         if tokens is None:
@@ -342,7 +346,8 @@ class _SchedulerSide:
             hashes = self._block_hashes(request, tokens)
             lora = getattr(getattr(request, "lora_request", None), "lora_name", None)
             r = self._native.get_num_new_matched_tokens(
-                rid, len(tokens), [hashes] * self._groups, num_computed_tokens, lora, self._wait_s
+                rid, len(tokens), [hashes] * self._groups, num_computed_tokens, lora, self._wait_s,
+                self._pd_wait_s if other_source else None,
             )
         except (kvferry.Error, TypeError, ValueError) as e:
             self._fall_back(rid, e, "the store lookup")
@@ -531,3 +536,4 @@ class _WorkerSide:
     def shutdown(self) -> None:
         if not self.native.drain(self.drain_s):
             logger.warning("kvferry store: saves still running after %.1f s at shutdown", self.drain_s)
+        self.native.close_lookups()

@@ -152,7 +152,8 @@ type Answer = Result<LookupHit, String>;
 /// `max_requests` together.
 #[derive(Default)]
 struct Board {
-    posted: HashSet<String>,
+    /// Lookups out, and when each was posted.
+    posted: HashMap<String, Instant>,
     done: HashMap<String, Answer>,
     /// Lookups are skipped (a miss) until then: the last one found the
     /// store or the lookup server down.
@@ -160,6 +161,8 @@ struct Board {
     late: u64,
     skipped_down: u64,
     failed: u64,
+    /// Answers not awaited: another source held the whole prompt.
+    given_up: u64,
 }
 
 /// The lookup thread and its board.
@@ -195,7 +198,7 @@ impl Lookups {
                             board.down_until = Some(Instant::now() + backoff);
                         }
                     }
-                    if board.posted.remove(&rid) {
+                    if board.posted.remove(&rid).is_some() {
                         board.done.insert(rid, answer.map_err(|e| e.to_string()));
                     } else {
                         board.late += 1;
@@ -215,7 +218,7 @@ impl Lookups {
         if let Some(a) = board.done.remove(rid) {
             return Some(a);
         }
-        if !board.posted.contains(rid) {
+        if !board.posted.contains_key(rid) {
             if board.down_until.is_some_and(|t| Instant::now() < t) {
                 board.skipped_down += 1;
                 return Some(Err("the store was down a moment ago".into()));
@@ -225,7 +228,7 @@ impl Lookups {
             {
                 return Some(Err(format!("{} lookups out already", self.max)));
             }
-            board.posted.insert(rid.to_owned());
+            board.posted.insert(rid.to_owned(), Instant::now());
         }
         let deadline = Instant::now() + wait;
         loop {
@@ -250,13 +253,26 @@ impl Lookups {
         board.posted.remove(rid);
     }
 
-    fn stats(&self) -> [(&'static str, u64); 4] {
+    /// Gives up on `rid`'s lookup once it has been out `after`: forgets
+    /// it, counted (its answer, when it comes, is late). True if so.
+    fn give_up(&self, rid: &str, after: Duration) -> bool {
+        let mut board = lock(&self.board.0);
+        if board.posted.get(rid).is_none_or(|at| at.elapsed() < after) {
+            return false;
+        }
+        board.posted.remove(rid);
+        board.given_up += 1;
+        true
+    }
+
+    fn stats(&self) -> [(&'static str, u64); 5] {
         let board = lock(&self.board.0);
         [
             ("lookups_out", board.posted.len() as u64),
             ("lookups_late", board.late),
             ("lookups_skipped_down", board.skipped_down),
             ("lookup_errors", board.failed),
+            ("lookups_given_up", board.given_up),
         ]
     }
 }
@@ -306,8 +322,10 @@ impl StoreSched {
 
     /// vLLM's `get_num_new_matched_tokens`: `(tokens, load_async)`, or
     /// `None` while the store's answer is out (vLLM asks again next step).
-    /// Waits for the answer at most `wait_s`.
-    #[pyo3(signature = (request_id, prompt_len, block_hashes, num_computed_tokens, lora=None, wait_s=0.002))]
+    /// Waits for the answer at most `wait_s`. With `give_up_s` (another
+    /// source holds the whole prompt) a lookup out that long is a miss,
+    /// counted as `lookups_given_up`: the request waits no longer.
+    #[pyo3(signature = (request_id, prompt_len, block_hashes, num_computed_tokens, lora=None, wait_s=0.002, give_up_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn get_num_new_matched_tokens(
         &self,
@@ -318,7 +336,11 @@ impl StoreSched {
         num_computed_tokens: u32,
         lora: Option<String>,
         wait_s: f64,
+        give_up_s: Option<f64>,
     ) -> PyResult<Option<(u32, bool)>> {
+        let give_up = give_up_s
+            .map(|s| crate::seconds("give_up_s", s))
+            .transpose()?;
         let hashes = hashes(block_hashes)?;
         let req = StoreReq {
             request_id,
@@ -332,8 +354,15 @@ impl StoreSched {
             None => Err("no lookup".to_owned()),
             Some(q) => {
                 let wait = crate::seconds("wait_s", wait_s)?;
+                let groups = q.block_hashes.len();
                 match py.detach(|| self.lookups.answer(request_id, q, wait)) {
                     Some(a) => a,
+                    None if give_up.is_some_and(|g| self.lookups.give_up(request_id, g)) => {
+                        Ok(LookupHit {
+                            tokens: 0,
+                            load: vec![0..0; groups],
+                        })
+                    }
                     None => return Ok(None),
                 }
             }
@@ -891,6 +920,15 @@ impl StoreWorker {
             }
             py.detach(|| std::thread::sleep(Duration::from_millis(2)));
         }
+    }
+
+    /// Stops serving the scheduler's lookups (shutdown): the endpoint is
+    /// free at once for the engine that takes it next, and a server
+    /// dropped later cannot remove that one's socket.
+    fn close_lookups(&self, py: Python<'_>) -> PyResult<()> {
+        let server = self.state()?.server.take();
+        py.detach(move || drop(server));
+        Ok(())
     }
 
     /// Counters: the connector's and the lookup server's.

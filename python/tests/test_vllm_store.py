@@ -20,6 +20,7 @@ parts ended, a failed part failing it."""
 
 import array
 import os
+import signal
 import time
 import types
 import uuid
@@ -35,7 +36,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
-from engines import free_port  # noqa: E402
+from engines import StoreServer, free_port  # noqa: E402
 from test_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
     BLOCK,
     LAYER_NAMES,
@@ -406,7 +407,10 @@ PD_PROMPT = 8 * BLOCK + 4
 
 
 def pd_with_store(model_dir, store, **kw):
-    return PD(model_dir, p_extra={"store": store}, d_extra={"store": store}, **kw)
+    # The decode engine waits for every store answer (the default gives up
+    # after 20 ms and takes the whole prompt from the prefill engine).
+    d_extra = {"store": store, "pd_lookup_wait_ms": 10000}
+    return PD(model_dir, p_extra={"store": store}, d_extra=d_extra, **kw)
 
 
 def prefill_and_store(e, rid, prompt_len, tid):
@@ -484,4 +488,28 @@ def test_a_failed_store_part_fails_the_request_once_the_prefill_part_ended(model
         assert stats(e.d, "ok") == 1, "the prefill engine's part ran to its end"
         run_until([e.d], lambda: "d-1" not in e.d.sched.requests, "the decode engine frees d-1")
     finally:
+        e.close()
+
+
+def test_a_pd_request_does_not_wait_for_a_store_that_does_not_answer(model_dir, tmp_path):
+    """The store server is stopped (SIGSTOP) and lookups would wait a
+    minute for it: the decode engine's P/D request gives its lookup up
+    after `pd_lookup_wait_ms` (20 ms), and its whole prompt comes from the
+    prefill engine."""
+    server = StoreServer(free_port(), tmp_path / "store.log").start()
+    e = PD(model_dir, d_extra={"store": server.url, "lookup_timeout_ms": 60000})
+    try:
+        sent = e.prefill("p-1", PD_PROMPT, "xfer-1")[0]
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
+        run_until([e.p, e.d], lambda: "d-1" in e.d.loaded, "d-1 loaded")
+        assert "d-1" not in e.d.failed_loads
+        got = e.d.blocks("d-1")
+        for layer in LAYER_NAMES:
+            for i, b in enumerate(sent):
+                assert torch.equal(e.d.page(layer, got[i]), e.p.page(layer, b)), (layer, i)
+        assert stats(e.d, "store_lookups_given_up") == 1
+        assert stats(e.d, "ok") == 1
+    finally:
+        server.kill()
         e.close()

@@ -258,7 +258,9 @@ def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill
 ) -> None:
     server = StoreServer(free_port(), tmp_path / "store.log").start()
     try:
-        extra = {"store": server.url, "lookup_timeout_ms": 500}
+        # The decode engine waits for the store's answers (a loaded machine
+        # may take longer than the default 20 ms for P/D requests).
+        extra = {"store": server.url, "lookup_timeout_ms": 500, "pd_lookup_wait_ms": 500}
         with Pair(model, max_tokens=MAX_TOKENS, policy="recompute", extra=extra) as pair:
             d = pair.decode
             # The prefill engine alone (no kv_transfer_params): the store alone.
