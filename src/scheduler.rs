@@ -740,7 +740,12 @@ impl Scheduler {
             else {
                 return Err(invalid(req, "do_remote_decode without transfer_id"));
             };
-            if self.entries.contains_key(req.request_id) {
+            if let Some(e) = self.entries.get(req.request_id) {
+                // vLLM calls again, with no external tokens, once a load
+                // another connector ran for it (a store's prefix) ended.
+                if num_external_tokens == 0 && e.state == State::Prefilling {
+                    return Ok(());
+                }
                 return Err(SchedError::DuplicateRequest {
                     request_id: req.request_id.to_string(),
                 });

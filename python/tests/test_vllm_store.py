@@ -446,6 +446,31 @@ def test_pd_takes_stored_blocks_from_the_store_and_the_rest_from_the_prefill_eng
         e.close()
 
 
+def test_a_prefill_engine_loads_a_stored_prefix_and_sends_the_whole_prompt(model_dir, store):
+    """The prefill engine loads (`load`) the prefix it stored apart instead
+    of computing it, computes the rest, and sends the whole prompt: the
+    decode engine's first six blocks hold the stored bytes, the others the
+    bytes the prefill engine computed."""
+    e = PD(model_dir, p_extra={"store": store, "load": True}, d_extra={"store": store})
+    try:
+        warm = save_on(e.p, "warm", 6 * BLOCK + 4)
+        computed = stats(e.p, "store_loaded_keys")
+        blocks = e.prefill("p-1", PD_PROMPT, "xfer-1")[0]
+        assert stats(e.p, "store_loaded_keys") - computed == 6
+        sent = [{layer: e.p.page(layer, b) for layer in LAYER_NAMES} for b in blocks]
+        e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
+        run_until([e.p, e.d], lambda: "d-1" in e.d.loaded, "d-1 loaded")
+        assert "d-1" not in e.d.failed_loads
+        got = e.d.blocks("d-1")
+        for layer in LAYER_NAMES:
+            for i in range(9):
+                want = warm[(layer, i)] if i < 6 else sent[i][layer]
+                assert torch.equal(e.d.page(layer, got[i]), want), (layer, i)
+        run_until([e.p, e.d], lambda: "p-1" not in e.p.sched.requests, "the prefill engine frees p-1")
+    finally:
+        e.close()
+
+
 def test_a_failed_store_part_fails_the_request_once_the_prefill_part_ended(model_dir, store):
     """The decode engine's store half refuses to plan its part (a full
     table) after the request was promised both: the request is reported

@@ -728,8 +728,13 @@ fn prefill_misuse_is_refused() {
 
     s.update_state_after_alloc(&req("r", 8, 0, &blocks, &p), 0)
         .unwrap();
+    // vLLM allocates again, with no external tokens, once a load another
+    // connector ran for the request (a store's prefix) ended: a no-op.
+    s.update_state_after_alloc(&req("r", 8, 0, &blocks, &p), 0)
+        .unwrap();
+    assert_eq!(s.tracked_len(), 1);
     let e = s
-        .update_state_after_alloc(&req("r", 8, 0, &blocks, &p), 0)
+        .update_state_after_alloc(&req("r", 8, 0, &blocks, &p), 4)
         .unwrap_err();
     assert!(matches!(e, SchedError::DuplicateRequest { .. }), "{e}");
     let e = s
