@@ -581,6 +581,12 @@ def pd_completion(
 PREFILL_ID, DECODE_ID = "prefill-engine", "decode-engine"
 
 
+def sources_delta(before: "dict[str, float]", after: "dict[str, float]") -> "dict[str, float]":
+    """What `prompt_tokens_by_source` grew by, per source (0 when none)."""
+    keys = ("local_compute", "local_cache_hit", "external_kv_transfer")
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
+
+
 def kvferry_counter(port: int, name: str) -> float:
     """The engine's `vllm:kvferry_<name>` counter, as its last output
     shipped it (0 before its first report)."""

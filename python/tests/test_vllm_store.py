@@ -419,7 +419,7 @@ def prefill_and_store(e, rid, prompt_len, tid):
     saved = stats(e.p, "store_saved_keys")
     blocks = e.prefill(rid, prompt_len, tid)[0]
     run_until([e.p], lambda: stats(e.p, "store_saved_keys") - saved == 2, f"{rid}'s new blocks saved")
-    return [{layer: e.p.page(layer, b) for layer in LAYER_NAMES} for b in blocks]
+    return pages(e.p, rid, len(blocks))
 
 
 def test_pd_takes_stored_blocks_from_the_store_and_the_rest_from_the_prefill_engine(model_dir, store):
@@ -432,12 +432,13 @@ def test_pd_takes_stored_blocks_from_the_store_and_the_rest_from_the_prefill_eng
         sent = prefill_and_store(e, "p-1", PD_PROMPT, "xfer-1")
         e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
         run_until([e.p, e.d], lambda: "d-1" in e.d.loaded, "d-1 loaded")
-        got = e.d.blocks("d-1")
-        for layer in LAYER_NAMES:
-            for i in range(6):  # the store's, as the prefill engine stored them alone
-                assert torch.equal(e.d.page(layer, got[i]), warm[(layer, i)]), (layer, i)
-            for i in range(6, 9):  # blocks 6 and 7 stored with p-1, 8 sent by the prefill engine
-                assert torch.equal(e.d.page(layer, got[i]), sent[i][layer]), (layer, i)
+        # Blocks 0-5 the store's, as the prefill engine stored them alone;
+        # 6 and 7 stored with p-1, 8 sent by the prefill engine.
+        got = pages(e.d, "d-1", 9)
+        assert got.keys() == sent.keys()
+        for (layer, i), page in got.items():
+            want = warm[(layer, i)] if i < 6 else sent[(layer, i)]
+            assert torch.equal(page, want), (layer, i)
         assert "d-1" not in e.d.failed_loads
         run_until([e.p, e.d], lambda: "p-1" not in e.p.sched.requests, "the prefill engine frees p-1")
         assert stats(e.d, "store_loaded_keys") == 8
@@ -455,17 +456,17 @@ def test_a_prefill_engine_loads_a_stored_prefix_and_sends_the_whole_prompt(model
     try:
         warm = save_on(e.p, "warm", 6 * BLOCK + 4)
         computed = stats(e.p, "store_loaded_keys")
-        blocks = e.prefill("p-1", PD_PROMPT, "xfer-1")[0]
+        e.prefill("p-1", PD_PROMPT, "xfer-1")
         assert stats(e.p, "store_loaded_keys") - computed == 6
-        sent = [{layer: e.p.page(layer, b) for layer in LAYER_NAMES} for b in blocks]
+        sent = pages(e.p, "p-1", 9)
         e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
         run_until([e.p, e.d], lambda: "d-1" in e.d.loaded, "d-1 loaded")
         assert "d-1" not in e.d.failed_loads
-        got = e.d.blocks("d-1")
-        for layer in LAYER_NAMES:
-            for i in range(9):
-                want = warm[(layer, i)] if i < 6 else sent[i][layer]
-                assert torch.equal(e.d.page(layer, got[i]), want), (layer, i)
+        got = pages(e.d, "d-1", 9)
+        assert got.keys() == sent.keys()
+        for (layer, i), page in got.items():
+            want = warm[(layer, i)] if i < 6 else sent[(layer, i)]
+            assert torch.equal(page, want), (layer, i)
         run_until([e.p, e.d], lambda: "p-1" not in e.p.sched.requests, "the prefill engine frees p-1")
     finally:
         e.close()
@@ -524,15 +525,16 @@ def test_a_pd_request_does_not_wait_for_a_store_that_does_not_answer(model_dir, 
     server = StoreServer(free_port(), tmp_path / "store.log").start()
     e = PD(model_dir, d_extra={"store": server.url, "lookup_timeout_ms": 60000})
     try:
-        sent = e.prefill("p-1", PD_PROMPT, "xfer-1")[0]
+        e.prefill("p-1", PD_PROMPT, "xfer-1")
+        sent = pages(e.p, "p-1", 9)
         os.kill(server.proc.pid, signal.SIGSTOP)
         e.d.sched.add_request(request("d-1", PD_PROMPT, decode_params("xfer-1", e.bootstrap), 3))
         run_until([e.p, e.d], lambda: "d-1" in e.d.loaded, "d-1 loaded")
         assert "d-1" not in e.d.failed_loads
-        got = e.d.blocks("d-1")
-        for layer in LAYER_NAMES:
-            for i, b in enumerate(sent):
-                assert torch.equal(e.d.page(layer, got[i]), e.p.page(layer, b)), (layer, i)
+        got = pages(e.d, "d-1", 9)
+        assert got.keys() == sent.keys()
+        for key, page in got.items():
+            assert torch.equal(page, sent[key]), key
         assert stats(e.d, "store_lookups_given_up") == 1
         assert stats(e.d, "ok") == 1
     finally:

