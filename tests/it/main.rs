@@ -22,5 +22,6 @@ mod scheduler;
 mod settings;
 mod transport_local;
 mod transport_mooncake;
+mod transport_shm;
 mod transport_tcp;
 mod transport_tcp_spin;

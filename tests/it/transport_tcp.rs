@@ -16,7 +16,7 @@ use kvferry::transport::{
     Desc, EndpointAddr, MisuseError, Op, PeerError, PollPolicy, RangeFault, Session, Transport,
     TransportError,
 };
-use kvferry::transport::{TcpConfig, TcpSession, TcpTransport};
+use kvferry::transport::{ShmConfig, ShmMode, TcpConfig, TcpSession, TcpTransport};
 
 fn block_on<T>(f: impl Future<Output = T>) -> T {
     LocalExecutorBuilder::new(Placement::Unbound)
@@ -1425,6 +1425,11 @@ fn a_notification_does_not_wait_behind_a_batch_in_flight() {
             any_port(),
             TcpConfig {
                 streams: 1,
+                // The fake target below speaks no shm hello.
+                shm: ShmConfig {
+                    mode: ShmMode::Off,
+                    ..ShmConfig::default()
+                },
                 ..TcpConfig::default()
             },
         )

@@ -14,6 +14,9 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::shm::CtlOwner;
 
 /// What the fence counts opens of: a KV block (one id names that block in
 /// every KV region) or one item of a pool (aux or state buffers, indexed
@@ -39,19 +42,36 @@ impl From<u32> for FenceKey {
 
 /// What a fenced range of memory is made of.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Space {
+pub(crate) enum Space {
     Kv,
     Pool(u32),
+}
+
+impl Space {
+    /// Its index among a fence's spaces: KV blocks first, then each pool.
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Space::Kv => 0,
+            Space::Pool(p) => p as usize + 1,
+        }
+    }
+
+    pub(crate) fn from_index(i: u64) -> Option<Space> {
+        match i {
+            0 => Some(Space::Kv),
+            i => u32::try_from(i - 1).ok().map(Space::Pool),
+        }
+    }
 }
 
 /// One fenced region: `count` slots of `stride` bytes from `base`, each
 /// slot a KV block or a pool item.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FenceRegion {
-    base: u64,
-    stride: u64,
-    count: u64,
-    space: Space,
+pub(crate) struct FenceRegion {
+    pub(crate) base: u64,
+    pub(crate) stride: u64,
+    pub(crate) count: u64,
+    pub(crate) space: Space,
 }
 
 impl FenceRegion {
@@ -61,6 +81,30 @@ impl FenceRegion {
             Space::Pool(pool) => FenceKey::Item { pool, index: slot },
         }
     }
+}
+
+/// The fenced region `[addr, addr + len)` starts in among `regions`
+/// (sorted by base), and the first and last of its slots the range
+/// touches; `None` for bytes outside every fenced region. Both ends of a
+/// shared-memory copy map ranges to slots with this.
+pub(crate) fn slots_in(
+    regions: &[FenceRegion],
+    addr: u64,
+    len: u64,
+) -> Option<(FenceRegion, u64, u64)> {
+    if len == 0 {
+        return None;
+    }
+    let i = regions.partition_point(|r| r.base <= addr);
+    let r = i.checked_sub(1).map(|i| regions[i])?;
+    let span = r.stride.saturating_mul(r.count);
+    let off = addr - r.base;
+    if r.stride == 0 || off >= span {
+        return None;
+    }
+    let first = off / r.stride;
+    let last = (off.saturating_add(len - 1) / r.stride).min(r.count - 1);
+    Some((r, first, last))
 }
 
 /// The buffers of one pool as the fence sees them: `(base, item_len)`
@@ -89,6 +133,9 @@ pub struct BlockFence {
     counts: Vec<u64>,
     /// Bumped on every close, so a guard re-checks only after one.
     closes: Cell<u64>,
+    /// Shared copies of the open slots, one per endpoint whose peers copy
+    /// into this memory through shared mappings (`crate::shm`).
+    mirrors: RefCell<Vec<Arc<CtlOwner>>>,
 }
 
 impl BlockFence {
@@ -143,7 +190,27 @@ impl BlockFence {
             open: RefCell::new(HashMap::new()),
             counts,
             closes: Cell::new(0),
+            mirrors: RefCell::new(Vec::new()),
         }
+    }
+
+    /// The fenced regions and the slots of each space, for peers that map
+    /// ranges to slots themselves.
+    pub(crate) fn layout(&self) -> (Vec<FenceRegion>, Vec<u64>) {
+        (self.regions.clone(), self.counts.clone())
+    }
+
+    /// Mirrors the open slots into `ctl` from now on.
+    pub(crate) fn attach(&self, ctl: Arc<CtlOwner>) {
+        for &k in self.open.borrow().keys() {
+            ctl.set_open(k);
+        }
+        self.mirrors.borrow_mut().push(ctl);
+    }
+
+    /// Stops mirroring into `ctl`.
+    pub(crate) fn detach(&self, ctl: &Arc<CtlOwner>) {
+        self.mirrors.borrow_mut().retain(|m| !Arc::ptr_eq(m, ctl));
     }
 
     /// Slots of the space `key` names, 0 for a pool that does not exist.
@@ -167,24 +234,37 @@ impl BlockFence {
             let (count, slot) = self.count_of(k);
             if slot < count {
                 let n = open.entry(k).or_insert(0);
+                if *n == 0 {
+                    for m in self.mirrors.borrow().iter() {
+                        m.set_open(k);
+                    }
+                }
                 *n = n.saturating_add(1);
             }
         }
     }
 
-    /// Closes `keys` once each.
+    /// Closes `keys` once each. A slot that closes for good is closed to
+    /// peers' shared-memory copies too, and this returns only once the
+    /// copies that saw it open have ended.
     pub fn close<K: Into<FenceKey>>(&self, keys: impl IntoIterator<Item = K>) {
         let mut open = self.open.borrow_mut();
+        let mut shut = Vec::new();
         for k in keys {
             let k = k.into();
             if let Some(n) = open.get_mut(&k) {
                 *n -= 1;
                 if *n == 0 {
                     open.remove(&k);
+                    shut.push(k);
                 }
             }
         }
+        drop(open);
         self.closes.set(self.closes.get().wrapping_add(1));
+        for m in self.mirrors.borrow().iter() {
+            m.close(&shut);
+        }
     }
 
     /// How many closes happened so far.
@@ -196,19 +276,7 @@ impl BlockFence {
     /// last of its slots the range touches; `None` for bytes outside
     /// every fenced region.
     fn slots(&self, addr: u64, len: u64) -> Option<(FenceRegion, u64, u64)> {
-        if len == 0 {
-            return None;
-        }
-        let i = self.regions.partition_point(|r| r.base <= addr);
-        let r = i.checked_sub(1).map(|i| self.regions[i])?;
-        let span = r.stride.saturating_mul(r.count);
-        let off = addr - r.base;
-        if r.stride == 0 || off >= span {
-            return None;
-        }
-        let first = off / r.stride;
-        let last = (off.saturating_add(len - 1) / r.stride).min(r.count - 1);
-        Some((r, first, last))
+        slots_in(&self.regions, addr, len)
     }
 
     /// True if every KV block and pool item that `[addr, addr + len)`

@@ -38,6 +38,7 @@ mod local;
 mod mooncake;
 mod registry;
 mod resolve;
+mod shm;
 mod tcp;
 mod turns;
 mod wire;
@@ -54,6 +55,7 @@ pub use local::{LocalSession, LocalTransport};
 pub use mooncake::{Cadence, MooncakeConfig, MooncakeSession, MooncakeTransport};
 pub use registry::{Pins, RangeFault, RegionId, RegionInfo, Registry, DEFAULT_MAX_REGIONS};
 pub use resolve::{advertised, HostPort, ResolveError, Resolver};
+pub use shm::{SharedMem, ShmConfig, ShmMode, ShmRefusal, ShmStats, SHM_CHUNK_BYTES};
 pub use tcp::{NotifyHandler, TcpConfig, TcpSession, TcpThreadStats, TcpTransport};
 
 /// The wire format and the resolver's knobs, for the node, the CLI's
@@ -344,6 +346,9 @@ pub enum PeerError {
     /// The peer sent something that is not a valid response.
     #[error("protocol violation: {0}")]
     Protocol(String),
+    /// Shared memory was required and the peer cannot share it.
+    #[error("shared memory refused: {0}")]
+    ShmRefused(#[from] ShmRefusal),
 }
 
 /// One endpoint of a transport, living on one executor.

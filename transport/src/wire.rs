@@ -6,7 +6,7 @@
 //! ```text
 //! 0..4   magic "KVF1"         (the version is part of the magic)
 //! 4      opcode               WRITE=1, READ=2, REGIONS=3, NOTIFY=4,
-//!                             NOTIFY_AFTER_WRITE=5
+//!                             NOTIFY_AFTER_WRITE=5, SHM=6
 //! 5      status               0 in requests; 0 = ok or a reject code in responses
 //! 6..8   reserved, zero
 //! 8..12  count                descriptors (requests) or regions (REGIONS response)
@@ -35,6 +35,13 @@
 //! the batch landed (say, a transfer's closing `Status`) without a round
 //! trip through the initiator. It has its own opcode so that a target
 //! that does not know the condition refuses it instead of ignoring it.
+//!
+//! A SHM request (the shm hello) has no descriptors and carries the
+//! initiator's host identity (64 bytes: boot id, network namespace, user,
+//! pid); a target that shares memory with it answers with its own
+//! identity, a one-time token and the name of its abstract Unix socket
+//! (144 bytes, see `shm`), any other answers `Undeliverable`, and a target
+//! that predates it refuses the opcode.
 //!
 //! Responses come back in request order on each connection, so the
 //! initiator matches them without a lookup table; `req_id` is a cross-check.
@@ -65,6 +72,8 @@ pub const OP_REGIONS: u8 = 3;
 pub const OP_NOTIFY: u8 = 4;
 /// NOTIFY delivered only if the WRITEs right before it landed.
 pub const OP_NOTIFY_AFTER_WRITE: u8 = 5;
+/// The shm hello: host identities, then a Unix socket (see `crate::shm`).
+pub const OP_SHM: u8 = 6;
 /// Most bytes one NOTIFY may carry.
 pub const MAX_NOTIFY_BYTES: u64 = 256 << 10;
 

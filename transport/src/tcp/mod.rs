@@ -35,6 +35,7 @@ use slab::Slab;
 use super::fdio::IoFail;
 use super::fence::BlockFence;
 use super::registry::{self, Registry};
+use super::shm::{ShmConfig, ShmMode, ShmStats, ShmTarget};
 use super::wire::{self, Header, RejectReason};
 use super::{
     EndpointAddr, MisuseError, PeerError, PollPolicy, RegionId, RegionInfo, Transport,
@@ -70,6 +71,8 @@ pub struct TcpConfig {
     pub max_connections: usize,
     /// Most registered regions.
     pub max_regions: usize,
+    /// Shared memory with peers on this host.
+    pub shm: ShmConfig,
 }
 
 impl Default for TcpConfig {
@@ -85,6 +88,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(5),
             max_connections: 1024,
             max_regions: registry::DEFAULT_MAX_REGIONS,
+            shm: ShmConfig::default(),
         }
     }
 }
@@ -116,6 +120,9 @@ impl TcpConfig {
         }
         if self.max_regions as u64 > u64::from(wire::MAX_REGIONS) {
             return bad(format!("max_regions must be at most {}", wire::MAX_REGIONS));
+        }
+        if self.shm.lanes == 0 || self.shm.lanes > 4096 || self.shm.handshake_timeout.is_zero() {
+            return bad("shm lanes must be 1..=4096 and its timeout positive".into());
         }
         if self.max_batch_descs == 0 || self.max_connections == 0 || self.max_regions == 0 {
             return bad("limits must be positive".into());
@@ -183,6 +190,12 @@ impl TcpTransport {
         // SAFETY: `listener_fd` is a bound, listening socket we own; the
         // glommio listener takes ownership of it.
         let listener = unsafe { <TcpListener as std::os::fd::FromRawFd>::from_raw_fd(listener_fd) };
+        let shm = (config.shm.mode != ShmMode::Off)
+            .then(|| ShmTarget::start(&config.shm))
+            .and_then(|r| {
+                r.map_err(|e| tracing::warn!(error = %e, "shm: not available; tcp only"))
+                    .ok()
+            });
         let target = Rc::new(Target {
             registry: Registry::new(config.max_regions),
             fence: Rc::new(RefCell::new(None)),
@@ -190,6 +203,7 @@ impl TcpTransport {
             notify: RefCell::new(None),
             conns: RefCell::new(Slab::new()),
             shutting_down: Cell::new(false),
+            shm,
         });
         let acceptor = glommio::spawn_local(target::accept_loop(Rc::clone(&target), listener));
         Ok(TcpTransport {
@@ -209,7 +223,51 @@ impl TcpTransport {
     /// endpoint (the served connections and every session it opened or
     /// opens) touch KV blocks only while the fence has them open.
     pub fn set_fence(&self, fence: Option<Rc<BlockFence>>) {
-        *self.target.fence.borrow_mut() = fence;
+        let old = std::mem::replace(&mut *self.target.fence.borrow_mut(), fence.clone());
+        if let Some(shm) = &self.target.shm {
+            shm.set_fence(old.as_deref(), fence.as_deref());
+        }
+    }
+
+    /// Registers `len_bytes` at `addr` like [`Transport::register`], and
+    /// shares them with peers on this host: they are the bytes of `fd`
+    /// from `offset` (a sealed `memfd`, such as a [`crate::SharedMem`]),
+    /// which peers map and copy into or out of directly. Without shared
+    /// memory on this endpoint ([`ShmMode::Off`]) it is a plain
+    /// registration.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Transport::register`]; and `addr` must map `fd` at
+    /// `offset` shared (`MAP_SHARED`) for all `len_bytes`, so that what
+    /// peers write into the file is what this process reads there.
+    pub unsafe fn register_shared(
+        &self,
+        addr: *mut u8,
+        len_bytes: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+    ) -> Result<RegionId, TransportError> {
+        let id = self.target.registry.insert(addr as u64, len_bytes as u64)?;
+        if let Some(shm) = &self.target.shm {
+            let info = RegionInfo {
+                addr: addr as u64,
+                len_bytes: len_bytes as u64,
+            };
+            if let Err(refusal) = shm.add_region(id.0, info, fd, offset) {
+                let _ = self.target.registry.remove(id);
+                return Err(MisuseError::BadConfig(format!("shared region: {refusal}")).into());
+            }
+        }
+        Ok(id)
+    }
+
+    /// The counters of the shared-memory path (zero without it).
+    pub fn shm_stats(&self) -> ShmStats {
+        self.target
+            .shm
+            .as_ref()
+            .map_or_else(ShmStats::default, ShmTarget::stats)
     }
 
     /// Sets where NOTIFY frames from peers go (see [`TcpSession::notify`]).
@@ -291,6 +349,11 @@ impl Transport for TcpTransport {
     }
 
     fn unregister(&self, id: RegionId) -> Result<(), TransportError> {
+        // Peers stop copying into it first: its map retires, every copy in
+        // progress ends, then the region goes.
+        if let Some(shm) = &self.target.shm {
+            shm.remove_region(id.0);
+        }
         Ok(self.target.registry.remove(id)?)
     }
 

@@ -18,6 +18,7 @@ use super::{conv, notification_answer, protocol, FenceCell, TcpConfig, TcpTransp
 use crate::fdio::{self, iov, Conn};
 use crate::fence::{BlockFence, Guard};
 use crate::registry::{self, Registry};
+use crate::shm::{Answer, CopyFail, HostId, ShmLink, ShmMode, ShmRefusal, SHM_CHUNK_BYTES};
 use crate::turns::Turns;
 use crate::wire::{self, Header, RejectReason};
 use crate::{
@@ -46,6 +47,11 @@ struct SessionInner {
     remote_regions: RefCell<Vec<RegionInfo>>,
     next_req_id: Cell<u64>,
     closed: Cell<bool>,
+    /// The link through the peer's shared memory, when it shares.
+    shm: RefCell<Option<Rc<ShmLink>>>,
+    /// When the last shm hello went out (a batch the link does not cover
+    /// asks again at most once a second: the peer may share more now).
+    shm_hello_at: Cell<Option<Instant>>,
 }
 
 /// A session to one TCP peer. Cheap to clone; clones share the streams.
@@ -73,6 +79,8 @@ impl TcpTransport {
                 remote_regions: RefCell::new(Vec::new()),
                 next_req_id: Cell::new(1),
                 closed: Cell::new(false),
+                shm: RefCell::new(None),
+                shm_hello_at: Cell::new(None),
             }),
         };
         // Connect one stream now, so an unreachable peer fails here, and
@@ -80,6 +88,15 @@ impl TcpTransport {
         let mut slot = session.inner.slots[0].lock().await;
         session.inner.refresh_regions(&mut slot).await?;
         drop(slot);
+        match session.inner.config.shm.mode {
+            ShmMode::Off => {}
+            ShmMode::Auto => {
+                if let Err(e) = session.inner.connect_shm().await {
+                    tracing::debug!(peer = %peer, error = %e, "shm: not shared; tcp frames");
+                }
+            }
+            ShmMode::Require => session.inner.connect_shm().await?,
+        }
         Ok(session)
     }
 }
@@ -244,6 +261,182 @@ impl SessionInner {
         }
     }
 
+    /// Says the shm hello on the notification connection and, if the peer
+    /// shares, maps its memory (the handshake on a helper thread: it
+    /// blocks on a Unix socket).
+    async fn connect_shm(&self) -> Result<(), TransportError> {
+        self.shm_hello_at.set(Some(Instant::now()));
+        self.shm.borrow_mut().take();
+        let mut me = HostId::current().map_err(|e| TransportError::io("reading the host id", e))?;
+        if let Some(b) = self.config.shm.boot_id_override {
+            me.boot_id = b;
+        }
+        let answer = within(self.config.connect_timeout, self.shm_hello(&me)).await?;
+        let answer = answer.ok_or(PeerError::ShmRefused(ShmRefusal::NotOffered))?;
+        let (tx, rx) = futures::channel::oneshot::channel();
+        let timeout = self.config.shm.handshake_timeout;
+        std::thread::Builder::new()
+            .name("kvferry-shm-link".into())
+            .spawn(move || {
+                let _ = tx.send(ShmLink::establish(&answer, &me, timeout));
+            })
+            .map_err(|e| TransportError::io("starting the shm handshake", e))?;
+        let link = within(timeout * 2, async {
+            rx.await.map_err(|_| protocol("shm handshake thread ended"))
+        })
+        .await?
+        .map_err(PeerError::ShmRefused)?;
+        *self.shm.borrow_mut() = Some(Rc::new(link));
+        Ok(())
+    }
+
+    /// The hello itself: `None` when the peer shares nothing with us.
+    async fn shm_hello(&self, me: &HostId) -> Result<Option<Answer>, TransportError> {
+        let _turn = self.note_turn.acquire(1).await;
+        let mut guard = self.note_slot.lock().await;
+        self.ensure_conn(&mut guard).await?;
+        // Taken out so that a failure or cancellation drops (closes) it.
+        let Some(mut conn) = guard.take() else {
+            unreachable!("ensure_conn leaves a connection in the slot")
+        };
+        let req_id = self.take_req_ids(1);
+        let hello = me.encode();
+        let hb = Header {
+            opcode: wire::OP_SHM,
+            req_id,
+            payload_len: hello.len() as u64,
+            ..Header::default()
+        }
+        .encode();
+        let mut v = [
+            iov(hb.as_ptr() as u64, hb.len() as u64),
+            iov(hello.as_ptr() as u64, hello.len() as u64),
+        ];
+        fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
+            .await
+            .map_err(conv("sending a shm hello"))?;
+        let mut rb = [0u8; wire::HEADER_LEN];
+        let mut v = [iov(rb.as_mut_ptr() as u64, rb.len() as u64)];
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
+            .await
+            .map_err(conv("awaiting a shm answer"))?;
+        let h = Header::decode(&rb).map_err(|_| protocol("bad shm answer header"))?;
+        if h.opcode != wire::OP_SHM || h.req_id != req_id {
+            return Err(protocol("unexpected shm answer"));
+        }
+        if h.status != wire::STATUS_OK {
+            // An endpoint that predates the hello closes the connection.
+            if RejectReason::from_status(h.status).keeps_connection() {
+                *guard = Some(conn);
+            }
+            return Ok(None);
+        }
+        if h.payload_len > 1024 {
+            return Err(protocol("shm answer too long"));
+        }
+        let mut body = vec![0u8; h.payload_len as usize];
+        let mut v = [iov(body.as_mut_ptr() as u64, body.len() as u64)];
+        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
+            .await
+            .map_err(conv("reading a shm answer"))?;
+        *guard = Some(conn);
+        Answer::decode(&body)
+            .map(Some)
+            .ok_or_else(|| protocol("malformed shm answer"))
+    }
+
+    /// Moves the batch through the peer's shared memory when the link
+    /// covers it: `None` when tcp frames should move it instead.
+    async fn shm_transfer(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        deadline: Instant,
+    ) -> Option<Result<(), TransportError>> {
+        let require = self.config.shm.mode == ShmMode::Require;
+        let uncovered = || -> Option<Result<(), TransportError>> {
+            require.then(|| Err(PeerError::ShmRefused(ShmRefusal::NotOffered).into()))
+        };
+        // One new handshake per batch at most: a peer that keeps retiring
+        // its map sends the batch to tcp (or fails it, when required).
+        let mut may_ask = true;
+        loop {
+            let link = self.shm.borrow().clone();
+            let covered = link.as_ref().filter(|l| l.covers(descs));
+            let Some(link) = covered else {
+                // Ask again when the peer changed what it shares, or, with
+                // no link, at most once a second.
+                let ask = match &link {
+                    Some(l) => !l.current(),
+                    None => self
+                        .shm_hello_at
+                        .get()
+                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(1)),
+                };
+                if !(may_ask && ask) || self.connect_shm().await.is_err() {
+                    return uncovered();
+                }
+                may_ask = false;
+                continue;
+            };
+            match self
+                .copy_through(Rc::clone(link), op, descs, deadline)
+                .await
+            {
+                Ok(()) => return Some(Ok(())),
+                Err(CopyFail::Stale) if may_ask => {
+                    may_ask = false;
+                    if self.connect_shm().await.is_err() {
+                        return uncovered();
+                    }
+                }
+                Err(CopyFail::Stale) => return uncovered(),
+                Err(CopyFail::Uncovered) => return uncovered(),
+                Err(CopyFail::Fenced) => {
+                    let during = "copying through shared memory";
+                    return Some(Err(TransportError::Fenced { during }));
+                }
+                Err(CopyFail::Timeout) => {
+                    let bound = self.config.batch_timeout;
+                    let after_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+                    return Some(Err(TransportError::Timeout { after_ms }));
+                }
+            }
+        }
+    }
+
+    /// Copies `descs` chunk by chunk through `link`, each chunk under both
+    /// fences, yielding to the executor every 64 MiB.
+    async fn copy_through(
+        &self,
+        link: Rc<ShmLink>,
+        op: Op,
+        descs: &[Desc],
+        deadline: Instant,
+    ) -> Result<(), CopyFail> {
+        const YIELD_EVERY_BYTES: u64 = 64 << 20;
+        let fence = self.fence.borrow().clone();
+        let mut since_yield = 0u64;
+        for d in descs {
+            let mut off = 0;
+            while off < d.len_bytes {
+                let n = SHM_CHUNK_BYTES.min(d.len_bytes - off);
+                let (local, remote) = (d.local_addr + off, d.remote_addr + off);
+                link.copy_chunk(op == Op::Write, local, remote, n, fence.as_deref())?;
+                off += n;
+                since_yield += n;
+                if since_yield >= YIELD_EVERY_BYTES {
+                    since_yield = 0;
+                    if Instant::now() >= deadline {
+                        return Err(CopyFail::Timeout);
+                    }
+                    futures_lite::future::yield_now().await;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn check_remote(&self, descs: &[Desc]) -> Result<(), (usize, registry::RangeFault)> {
         registry::check_remote(
             &self.remote_regions.borrow(),
@@ -282,6 +475,17 @@ impl SessionInner {
             .local
             .pin(descs.iter().map(|d| (d.local_addr, d.len_bytes)))
             .map_err(|(index, fault)| MisuseError::LocalDescriptor { index, fault })?;
+        if self.config.shm.mode != ShmMode::Off {
+            let deadline = Instant::now() + bound;
+            // A batch through shared memory delivers no trailer: the
+            // caller sends it its own way.
+            let copied = within(bound, async {
+                Ok(self.shm_transfer(op, descs, deadline).await)
+            });
+            if let Some(done) = copied.await? {
+                return done.map(|()| false);
+            }
+        }
         let plan = plan(descs, &self.config);
         let body = self.run_plan(op, descs, &plan, trailer);
         within(bound, body).await
@@ -629,6 +833,7 @@ impl Session for TcpSession {
 
     async fn close(self) {
         self.inner.closed.set(true);
+        self.inner.shm.borrow_mut().take();
         for slot in &self.inner.slots {
             slot.lock().await.take();
         }
@@ -640,6 +845,11 @@ impl TcpSession {
     /// The peer's listening address.
     pub fn peer(&self) -> SocketAddr {
         self.inner.peer
+    }
+
+    /// Whether batches to this peer go through its shared memory now.
+    pub fn uses_shm(&self) -> bool {
+        self.inner.shm.borrow().is_some()
     }
 
     /// The peer's regions as last learned from it.

@@ -15,6 +15,7 @@ use super::{conv, protocol, FenceCell, NotifyHandler, TcpConfig};
 use crate::fdio::{self, iov, Conn, IoFail};
 use crate::fence::Guard;
 use crate::registry::{self, Registry};
+use crate::shm::{HostId, ShmTarget, HOST_ID_LEN};
 use crate::wire::{self, Header, RejectReason};
 use crate::{Op, PollPolicy, TransportError};
 
@@ -29,6 +30,8 @@ pub(super) struct Target {
     /// Sockets of the live connections, so shutdown can close them at once.
     pub(super) conns: RefCell<Slab<RawFd>>,
     pub(super) shutting_down: Cell<bool>,
+    /// Shared memory with peers on this host, unless off or unavailable.
+    pub(super) shm: Option<ShmTarget>,
 }
 
 pub(super) async fn accept_loop(target: Rc<Target>, listener: TcpListener) {
@@ -154,6 +157,7 @@ async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportE
                 served.serve_data(Op::Read, &h).await?;
             }
             wire::OP_REGIONS => served.serve_regions(&h).await?,
+            wire::OP_SHM => served.serve_shm(&h).await?,
             wire::OP_NOTIFY | wire::OP_NOTIFY_AFTER_WRITE => {
                 served.serve_notify(&h, run_before).await?
             }
@@ -263,6 +267,36 @@ impl<'a> Served<'a> {
         }
         self.answers.flush(self.conn).await?;
         send_regions(self.target, self.conn, h.req_id).await
+    }
+
+    /// Answers the shm hello: the target's identity, a token and its
+    /// socket when it shares memory with this peer, `Undeliverable` else.
+    async fn serve_shm(&mut self, h: &Header) -> Result<(), TransportError> {
+        if h.count != 0 || h.payload_len != HOST_ID_LEN as u64 {
+            let why = "SHM hello of a bad size";
+            return Err(self
+                .refuse(h.opcode, h.req_id, RejectReason::BadHeader, why)
+                .await);
+        }
+        self.scratch.resize(HOST_ID_LEN, 0);
+        self.inbuf
+            .read_exact(self.conn, &mut self.scratch, self.poll)
+            .await
+            .map_err(conv("reading a shm hello"))?;
+        let answer = HostId::decode(&self.scratch)
+            .and_then(|peer| self.target.shm.as_ref().and_then(|s| s.hello(&peer)));
+        let Some(answer) = answer else {
+            let refusal = reject(h.opcode, h.req_id, RejectReason::Undeliverable, 0);
+            self.answers.hold(refusal);
+            return Ok(());
+        };
+        self.answers.flush(self.conn).await?;
+        let mut body = accept(h, answer.len() as u64).encode().to_vec();
+        body.extend_from_slice(&answer);
+        let mut v = [iov(body.as_ptr() as u64, body.len() as u64)];
+        fdio::send_all(&mut self.conn.wr, self.conn.fd, &mut v, None)
+            .await
+            .map_err(conv("answering a shm hello"))
     }
 
     /// Reads a NOTIFY or NOTIFY_AFTER_WRITE (after `run_before` WRITEs that

@@ -1,0 +1,297 @@
+//! The target side of the shared-memory path: the shareable regions, the
+//! control file, and the Unix socket that hands them to peers.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvferry_reactor::lock;
+
+use super::ctl::{CtlOwner, DrainStats};
+use super::host::{HostId, HOST_ID_LEN};
+use super::link::{self, Offer, OfferRegion, TOKEN_LEN};
+use super::mem::PeerMap;
+use super::{ShmConfig, ShmRefusal, ShmStats};
+use crate::fence::{BlockFence, FenceRegion};
+use crate::RegionInfo;
+
+/// Bytes of the answer to a hello: the target's identity, a token and the
+/// socket's name.
+pub(crate) const ANSWER_LEN: usize = HOST_ID_LEN + TOKEN_LEN + NAME_LEN;
+const NAME_LEN: usize = 64;
+/// Tokens handed out and not used yet: the oldest goes first.
+const TOKENS_MAX: usize = 64;
+
+struct SharedRegion {
+    info: RegionInfo,
+    fd: OwnedFd,
+    offset: u64,
+}
+
+/// What the executor and the socket's thread share.
+struct Shared {
+    regions: BTreeMap<u64, SharedRegion>,
+    ctl: Arc<CtlOwner>,
+    fence: (Vec<FenceRegion>, Vec<u64>),
+    tokens: VecDeque<[u8; TOKEN_LEN]>,
+    links_served: u64,
+    refused: u64,
+    /// Drains of control files replaced since.
+    retired: DrainStats,
+}
+
+/// An endpoint's shared-memory target.
+pub(crate) struct ShmTarget {
+    config: ShmConfig,
+    host: HostId,
+    name: [u8; NAME_LEN],
+    shared: Arc<Mutex<Shared>>,
+    /// Closed on drop, which ends the socket's thread.
+    _stop: OwnedFd,
+}
+
+impl ShmTarget {
+    /// Binds the abstract Unix socket and starts its thread.
+    pub(crate) fn start(config: &ShmConfig) -> io::Result<ShmTarget> {
+        let mut host = HostId::current()?;
+        if let Some(b) = config.boot_id_override {
+            host.boot_id = b;
+        }
+        let ctl = CtlOwner::new(config.lanes, &[], config.drain_max)
+            .ok_or_else(|| io::Error::other("shm control file"))?;
+        let text = format!("kvferry-shm-{}-{:016x}", host.pid, link::random_u64());
+        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&text)?)?;
+        let mut name = [0u8; NAME_LEN];
+        name[..text.len()].copy_from_slice(text.as_bytes());
+        let shared = Arc::new(Mutex::new(Shared {
+            regions: BTreeMap::new(),
+            ctl: Arc::new(ctl),
+            fence: (Vec::new(), Vec::new()),
+            tokens: VecDeque::new(),
+            links_served: 0,
+            refused: 0,
+            retired: DrainStats::default(),
+        }));
+        let (stop_r, stop_w) = pipe()?;
+        let s = Arc::clone(&shared);
+        let timeout = config.handshake_timeout;
+        std::thread::Builder::new()
+            .name("kvferry-shm".into())
+            .spawn(move || serve(listener, stop_r, s, timeout))?;
+        Ok(ShmTarget {
+            config: config.clone(),
+            host,
+            name,
+            shared,
+            _stop: stop_w,
+        })
+    }
+
+    fn shared(&self) -> MutexGuard<'_, Shared> {
+        lock(&self.shared)
+    }
+
+    /// The answer to a peer's hello, with a fresh token; `None` when the
+    /// peer is elsewhere or there is nothing to share.
+    pub(crate) fn hello(&self, peer: &HostId) -> Option<[u8; ANSWER_LEN]> {
+        let mut sh = self.shared();
+        if !self.host.shares_with(peer) {
+            sh.refused += 1;
+            return None;
+        }
+        if sh.regions.is_empty() {
+            return None;
+        }
+        let token = link::random_token();
+        if sh.tokens.len() >= TOKENS_MAX {
+            sh.tokens.pop_front();
+        }
+        sh.tokens.push_back(token);
+        let mut a = [0u8; ANSWER_LEN];
+        a[..HOST_ID_LEN].copy_from_slice(&self.host.encode());
+        a[HOST_ID_LEN..HOST_ID_LEN + TOKEN_LEN].copy_from_slice(&token);
+        a[HOST_ID_LEN + TOKEN_LEN..].copy_from_slice(&self.name);
+        Some(a)
+    }
+
+    /// Shares region `id` (`info`, held by `fd` from `offset`) with peers
+    /// from now on; peers holding an older map re-handshake.
+    pub(crate) fn add_region(
+        &self,
+        id: u64,
+        info: RegionInfo,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+    ) -> Result<(), ShmRefusal> {
+        let fd = fd.try_clone_to_owned().map_err(ShmRefusal::io)?;
+        // The same checks a peer makes, so a bad file fails here.
+        drop(PeerMap::new(&fd, offset, info.len_bytes)?);
+        let ctl = {
+            let mut sh = self.shared();
+            sh.regions.insert(id, SharedRegion { info, fd, offset });
+            Arc::clone(&sh.ctl)
+        };
+        ctl.retire();
+        Ok(())
+    }
+
+    /// Stops sharing region `id`; returns once no peer copies into it.
+    pub(crate) fn remove_region(&self, id: u64) {
+        let ctl = {
+            let mut sh = self.shared();
+            sh.regions.remove(&id).map(|_| Arc::clone(&sh.ctl))
+        };
+        if let Some(ctl) = ctl {
+            ctl.retire();
+        }
+    }
+
+    /// Moves the shared fence from `old` to `new`: a new control file
+    /// mirrors `new`, then the old one is retired (every peer's copy
+    /// through it ended). Without a fence, shared memory is unfenced, as
+    /// over tcp. A fence too large to share leaves peers on tcp.
+    pub(crate) fn set_fence(&self, old: Option<&BlockFence>, new: Option<&BlockFence>) {
+        let layout = new.map(BlockFence::layout).unwrap_or_default();
+        let ctl = CtlOwner::new(self.config.lanes, &layout.1, self.config.drain_max);
+        let Some(ctl) = ctl.map(Arc::new) else {
+            tracing::warn!(
+                slots = layout.1.iter().sum::<u64>(),
+                "shm: the block fence is too large to share; peers use tcp"
+            );
+            self.shared().regions.clear();
+            self.retire_current(old);
+            return;
+        };
+        if let Some(f) = new {
+            f.attach(Arc::clone(&ctl));
+        }
+        let previous = {
+            let mut sh = self.shared();
+            sh.fence = layout;
+            std::mem::replace(&mut sh.ctl, ctl)
+        };
+        if let Some(f) = old {
+            f.detach(&previous);
+        }
+        previous.retire();
+        self.shared().retired.add(previous.stats());
+    }
+
+    fn retire_current(&self, old: Option<&BlockFence>) {
+        let ctl = Arc::clone(&self.shared().ctl);
+        if let Some(f) = old {
+            f.detach(&ctl);
+        }
+        ctl.retire();
+    }
+
+    pub(crate) fn stats(&self) -> ShmStats {
+        let sh = self.shared();
+        let mut d = sh.ctl.stats();
+        d.add(sh.retired);
+        ShmStats {
+            links_served: sh.links_served,
+            refused: sh.refused,
+            peers: sh.ctl.peers() as u64,
+            drain_waits: d.waited,
+            drain_peer_gone: d.peer_gone,
+            drain_overruns: d.overruns,
+        }
+    }
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both are new descriptors nobody else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Accepts peers one at a time until `stop`'s other end closes.
+fn serve(
+    listener: UnixListener,
+    stop: OwnedFd,
+    shared: Arc<Mutex<Shared>>,
+    timeout: std::time::Duration,
+) {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        if n < 0 || fds[1].revents != 0 {
+            return;
+        }
+        let Ok((conn, _)) = listener.accept() else {
+            continue;
+        };
+        let _ = conn.set_read_timeout(Some(timeout));
+        let _ = conn.set_write_timeout(Some(timeout));
+        match hand_over(&conn, &shared) {
+            Ok(()) => lock(&shared).links_served += 1,
+            Err(e) => {
+                lock(&shared).refused += 1;
+                tracing::warn!(error = %e, "shm: refused a peer");
+            }
+        }
+    }
+}
+
+/// Checks one peer and passes it the regions and the control file.
+fn hand_over(conn: &UnixStream, shared: &Mutex<Shared>) -> Result<(), ShmRefusal> {
+    let cred = link::peer_cred(conn)?;
+    // SAFETY: no preconditions.
+    if cred.uid != unsafe { libc::geteuid() } {
+        return Err(ShmRefusal::NotSameUser);
+    }
+    let mut token = [0u8; TOKEN_LEN];
+    io::Read::read_exact(&mut &*conn, &mut token).map_err(ShmRefusal::io)?;
+    let mut sh = lock(shared);
+    let Some(pos) = sh.tokens.iter().position(|t| *t == token) else {
+        return Err(ShmRefusal::Malformed("unknown token"));
+    };
+    sh.tokens.remove(pos);
+    let held = conn
+        .try_clone()
+        .map_err(ShmRefusal::io)
+        .map(OwnedFd::from)?;
+    let lane = sh.ctl.take_lane(held).ok_or(ShmRefusal::NoLane)?;
+    let offer = Offer {
+        generation: sh.ctl.generation(),
+        lane,
+        lanes: sh.ctl.lanes(),
+        counts: sh.fence.1.clone(),
+        fence: sh.fence.0.clone(),
+        regions: sh
+            .regions
+            .values()
+            .map(|r| OfferRegion {
+                info: r.info,
+                offset: r.offset,
+            })
+            .collect(),
+    };
+    let mut fds = vec![sh.ctl.mem().fd().as_raw_fd()];
+    fds.extend(sh.regions.values().map(|r| r.fd.as_raw_fd()));
+    // Sent under the lock: the files stay open until the kernel took them.
+    link::send_offer(conn, &offer, &fds)
+}
