@@ -119,5 +119,8 @@ if [ -f reactor/tests/loom.rs ]; then
   RUSTFLAGS="--cfg kvferry_loom" CARGO_TARGET_DIR=target/loom LOOM_MAX_PREEMPTIONS=2 \
     cargo test -p kvferry-reactor --release --test loom
 fi
+step "loom model of the shared-memory fence handshake"
+RUSTFLAGS="--cfg kvferry_loom_shm" CARGO_TARGET_DIR=target/loom-shm LOOM_MAX_PREEMPTIONS=3 \
+  cargo test -p kvferry-transport --release --test loom_shm
 
 finish

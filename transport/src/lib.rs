@@ -69,6 +69,10 @@ pub mod internal {
     pub mod registry {
         pub use crate::registry::*;
     }
+    /// The fence handshake of shared-memory copies (model-checked).
+    pub mod shm_protocol {
+        pub use crate::shm::protocol::*;
+    }
     /// The tcp transport's frames.
     pub mod wire {
         pub use crate::wire::*;

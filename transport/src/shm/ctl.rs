@@ -29,6 +29,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::mem::{PeerMap, SharedMem};
+use super::protocol::{self, Lane, Word};
 use super::ShmRefusal;
 use crate::fence::FenceKey;
 
@@ -69,6 +70,13 @@ impl Words {
 
     fn lane(&self, lane: usize, field: usize) -> &AtomicU64 {
         self.word(HEADER_WORDS + lane * LANE_WORDS + field)
+    }
+
+    fn lane_words(&self, lane: usize) -> Lane<'_, AtomicU64> {
+        Lane {
+            seq: self.lane(lane, 0),
+            range: [self.lane(lane, 1), self.lane(lane, 2), self.lane(lane, 3)],
+        }
     }
 
     fn bits_start(&self) -> usize {
@@ -207,7 +215,7 @@ impl CtlOwner {
     pub(crate) fn set_open(&self, key: FenceKey) {
         let (space, slot) = space_of(key);
         if let Some((w, bit)) = self.words.bit(space, slot) {
-            w.fetch_or(bit, SeqCst);
+            w.raise(bit);
         }
     }
 
@@ -217,7 +225,7 @@ impl CtlOwner {
         for &key in keys {
             let (space, slot) = space_of(key);
             if let Some((w, bit)) = self.words.bit(space, slot) {
-                w.fetch_and(!bit, SeqCst);
+                w.clear(bit);
             }
         }
         if !keys.is_empty() {
@@ -240,15 +248,10 @@ impl CtlOwner {
     /// Waits for every lane in a copy that `hits` (space, first, last).
     fn drain(&self, hits: impl Fn(u64, u64, u64) -> bool) {
         for lane in 0..self.words.lanes {
-            let seq = self.words.lane(lane, 0).load(SeqCst);
-            if seq % 2 == 0 {
-                continue;
-            }
-            let space = self.words.lane(lane, 1).load(SeqCst);
-            let first = self.words.lane(lane, 2).load(SeqCst);
-            let last = self.words.lane(lane, 3).load(SeqCst);
-            let still = self.words.lane(lane, 0).load(SeqCst) == seq;
-            if still && (space == NO_SPACE || hits(space, first, last)) {
+            let busy = protocol::busy(&self.words.lane_words(lane), |s, f, l| {
+                s == NO_SPACE || hits(s, f, l)
+            });
+            if let Some(seq) = busy {
                 self.wait_lane(lane, seq);
             }
         }
@@ -402,22 +405,24 @@ impl CtlView {
         copy: impl FnOnce(),
     ) -> Result<(), Stop> {
         let (space, first, last) = slots.map_or((NO_SPACE, 0, 0), |(s, f, l)| (s as u64, f, l));
-        let lane = |f| self.words.lane(self.lane, f);
-        lane(1).store(space, SeqCst);
-        lane(2).store(first, SeqCst);
-        lane(3).store(last, SeqCst);
-        let seq = lane(0).load(SeqCst) | 1;
-        lane(0).store(seq, SeqCst);
-        let verdict = if self.words.generation().load(SeqCst) != self.generation {
-            Err(Stop::Stale)
-        } else if slots.is_some_and(|(s, f, l)| !self.all_open(s, f, l)) {
-            Err(Stop::Fenced)
-        } else {
-            copy();
-            Ok(())
+        let lane = self.words.lane_words(self.lane);
+        let mut stop = None;
+        let allowed = || {
+            if self.words.generation().get() != self.generation {
+                stop = Some(Stop::Stale);
+            } else if slots.is_some_and(|(s, f, l)| !self.all_open(s, f, l)) {
+                stop = Some(Stop::Fenced);
+            }
+            stop.is_none()
         };
-        lane(0).store(seq + 1, SeqCst);
-        verdict
+        match protocol::enter(&lane, [space, first, last], allowed) {
+            Ok(seq) => {
+                copy();
+                protocol::leave(&lane, seq);
+                Ok(())
+            }
+            Err(_) => Err(stop.unwrap_or(Stop::Fenced)),
+        }
     }
 
     /// True while the owner has not retired this map.
@@ -431,5 +436,90 @@ impl CtlView {
                 .bit(space, slot)
                 .is_some_and(|(w, bit)| w.load(SeqCst) & bit != 0)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    /// An owner with 2 lanes over 4 KV blocks, and a view holding lane 0
+    /// whose socket's other end is returned.
+    fn pair(drain_max: Duration) -> (CtlOwner, CtlView, UnixStream) {
+        let owner = CtlOwner::new(2, &[4], drain_max).unwrap();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let lane = owner.take_lane(OwnedFd::from(theirs)).unwrap();
+        let fd = owner.mem().fd().try_clone_to_owned().unwrap();
+        let view = CtlView::new(&fd, 2, &[4], lane, owner.generation()).unwrap();
+        (owner, view, ours)
+    }
+
+    fn block(slot: u64) -> Option<(usize, u64, u64)> {
+        Some((0, slot, slot))
+    }
+
+    #[test]
+    fn a_copy_runs_only_while_its_blocks_are_open_and_the_map_current() {
+        let (owner, view, _peer) = pair(Duration::from_secs(5));
+        let mut ran = 0;
+        assert_eq!(view.guarded(block(1), || ran += 1), Err(Stop::Fenced));
+        owner.set_open(FenceKey::Block(1));
+        assert_eq!(view.guarded(block(1), || ran += 1), Ok(()));
+        assert_eq!(
+            view.guarded(Some((0, 1, 2)), || ran += 1),
+            Err(Stop::Fenced)
+        );
+        assert_eq!(view.guarded(None, || ran += 1), Ok(()), "unfenced bytes");
+        owner.close(&[FenceKey::Block(1)]);
+        assert_eq!(view.guarded(block(1), || ran += 1), Err(Stop::Fenced));
+        owner.set_open(FenceKey::Block(1));
+        owner.retire();
+        assert_eq!(view.guarded(block(1), || ran += 1), Err(Stop::Stale));
+        assert_eq!(ran, 2);
+        assert_eq!(owner.stats().waited, 0, "no copy was in progress");
+    }
+
+    #[test]
+    fn a_close_waits_for_a_copy_in_progress_on_its_block() {
+        // The close runs inside the copy (as a peer's close would run
+        // during it): it cannot return before the copy leaves, so it runs
+        // to its bound with the peer alive, and says so.
+        let bound = Duration::from_millis(30);
+        let (owner, view, _peer) = pair(bound);
+        owner.set_open(FenceKey::Block(2));
+        owner.set_open(FenceKey::Block(3));
+        let mut took = Duration::ZERO;
+        view.guarded(block(2), || {
+            let t = Instant::now();
+            owner.close(&[FenceKey::Block(3)]);
+            assert!(t.elapsed() < bound, "another block's close does not wait");
+            owner.close(&[FenceKey::Block(2)]);
+            took = t.elapsed();
+        })
+        .unwrap();
+        assert!(took >= bound, "the close waited for the copy ({took:?})");
+        let st = owner.stats();
+        assert_eq!((st.waited, st.overruns, st.peer_gone), (1, 1, 0));
+    }
+
+    #[test]
+    fn a_close_does_not_wait_for_a_peer_that_died_mid_copy() {
+        let (owner, view, peer) = pair(Duration::from_secs(30));
+        owner.set_open(FenceKey::Block(0));
+        view.guarded(block(0), || {
+            // The peer's socket closes, as when the kernel reaps it.
+            drop(peer);
+            let t = Instant::now();
+            owner.close(&[FenceKey::Block(0)]);
+            assert!(t.elapsed() < Duration::from_secs(5), "no wait for the dead");
+        })
+        .unwrap();
+        let st = owner.stats();
+        assert_eq!((st.waited, st.overruns, st.peer_gone), (1, 0, 1));
+        // Its lane is free again, and starts even.
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert_eq!(owner.peers(), 0);
+        assert!(owner.take_lane(OwnedFd::from(a)).is_some());
     }
 }

@@ -300,8 +300,8 @@ fn take_fds(msg: &libc::msghdr) -> Vec<OwnedFd> {
 /// A target's answer to the shm hello, decoded.
 pub(crate) struct Answer {
     pub(crate) host: HostId,
-    token: [u8; TOKEN_LEN],
-    name: String,
+    pub(crate) token: [u8; TOKEN_LEN],
+    pub(crate) name: String,
 }
 
 impl Answer {

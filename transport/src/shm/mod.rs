@@ -25,6 +25,7 @@ mod ctl;
 mod host;
 mod link;
 mod mem;
+pub(crate) mod protocol;
 mod target;
 
 use std::time::Duration;

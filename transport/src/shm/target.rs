@@ -247,7 +247,7 @@ fn serve(
         let _ = conn.set_read_timeout(Some(timeout));
         let _ = conn.set_write_timeout(Some(timeout));
         match hand_over(&conn, &shared) {
-            Ok(()) => lock(&shared).links_served += 1,
+            Ok(()) => {}
             Err(e) => {
                 lock(&shared).refused += 1;
                 tracing::warn!(error = %e, "shm: refused a peer");
@@ -292,6 +292,94 @@ fn hand_over(conn: &UnixStream, shared: &Mutex<Shared>) -> Result<(), ShmRefusal
     };
     let mut fds = vec![sh.ctl.mem().fd().as_raw_fd()];
     fds.extend(sh.regions.values().map(|r| r.fd.as_raw_fd()));
-    // Sent under the lock: the files stay open until the kernel took them.
-    link::send_offer(conn, &offer, &fds)
+    // Sent under the lock: the files stay open until the kernel took them,
+    // and the count is right by the time the peer can ask for it.
+    link::send_offer(conn, &offer, &fds)?;
+    sh.links_served += 1;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::mem::SharedMem;
+    use crate::shm::ShmLink;
+    use std::time::Duration;
+
+    /// A target sharing one region, and a fresh answer to our own hello.
+    fn target() -> (ShmTarget, SharedMem, link::Answer) {
+        let t = ShmTarget::start(&ShmConfig::default()).unwrap();
+        let mem = SharedMem::new("kvferry-test", 4096).unwrap();
+        let info = RegionInfo {
+            addr: mem.as_ptr() as u64,
+            len_bytes: 4096,
+        };
+        t.add_region(1, info, mem.fd(), 0).unwrap();
+        let me = HostId::current().unwrap();
+        let answer = link::Answer::decode(&t.hello(&me).unwrap()).unwrap();
+        (t, mem, answer)
+    }
+
+    #[test]
+    fn a_peer_of_another_user_is_refused_by_its_socket_credentials() {
+        // SAFETY: no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            panic!("this test switches a child to another user: run it as root");
+        }
+        let (t, _mem, answer) = target();
+        let name = answer.name.clone().into_bytes();
+        let token = answer.token;
+        // The child only makes system calls: safe after fork.
+        // SAFETY: see above; the child ends with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: plain system calls on local buffers.
+            unsafe {
+                if libc::setuid(65534) != 0 {
+                    libc::_exit(3);
+                }
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                let mut addr: libc::sockaddr_un = std::mem::zeroed();
+                addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+                for (i, &c) in name.iter().enumerate() {
+                    addr.sun_path[i + 1] = c as libc::c_char;
+                }
+                let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as u32;
+                if libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                    libc::_exit(4);
+                }
+                libc::write(fd, token.as_ptr().cast(), token.len());
+                let mut b = [0u8; 64];
+                // An offer would come back; a refusal closes the socket
+                // (with our token unread: a reset).
+                let n = libc::read(fd, b.as_mut_ptr().cast(), b.len());
+                libc::_exit(if n > 0 { 1 } else { 0 });
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status));
+        assert_eq!(libc::WEXITSTATUS(status), 0, "the other user got no offer");
+        let st = t.stats();
+        assert_eq!((st.refused, st.links_served), (1, 0));
+        // The same token, from this user: the control case gets the offer
+        // (the refusal did not use up the token).
+        let me = HostId::current().unwrap();
+        let link = ShmLink::establish(&answer, &me, Duration::from_secs(2)).unwrap();
+        drop(link);
+        assert_eq!(t.stats().links_served, 1);
+    }
+
+    #[test]
+    fn a_token_is_good_once() {
+        let (t, _mem, answer) = target();
+        let me = HostId::current().unwrap();
+        assert!(ShmLink::establish(&answer, &me, Duration::from_secs(2)).is_ok());
+        let again = ShmLink::establish(&answer, &me, Duration::from_secs(2));
+        assert!(again.is_err(), "a replayed token");
+        let st = t.stats();
+        assert_eq!((st.links_served, st.refused), (1, 1));
+    }
 }
