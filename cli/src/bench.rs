@@ -17,7 +17,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use kvferry::transport::LocalTransport;
 use kvferry::transport::{Cadence, MooncakeConfig, MooncakeTransport};
 use kvferry::transport::{Desc, EndpointAddr, Op, PollPolicy, Session, Transport};
-use kvferry::transport::{TcpConfig, TcpTransport};
+use kvferry::transport::{ShmMode, TcpConfig, TcpTransport};
 
 use crate::baseline::{self, BaselineArg, BaselineRun};
 use crate::cli::{usage_error, UsageError};
@@ -33,6 +33,9 @@ pub(crate) enum BenchCommand {
     Transport(TransportArgs),
     /// Store put and get throughput of fresh keys, every byte verified.
     Store(crate::store_bench::StoreBenchArgs),
+    /// The target process of `bench transport --transport shm`.
+    #[command(hide = true)]
+    TransportPeer(crate::bench_shm::PeerArgs),
 }
 
 /// The options of `kvferry bench transport`.
@@ -236,6 +239,8 @@ pub(crate) fn measure(p: &Params) -> Result<Measured, String> {
 
     let measured = match p.transport.as_str() {
         "tcp" => run_tcp(p, src_addr, dst_addr),
+        "shm" => crate::bench_shm::run(p, ShmMode::Require),
+        "auto" => crate::bench_shm::run(p, ShmMode::Auto),
         "mooncake" => run_mooncake(p, src_addr, dst_addr),
         _ => run_local(p, src_addr, dst_addr),
     };
@@ -299,7 +304,7 @@ fn params(a: &TransportArgs) -> Result<(Params, u64), UsageError> {
 }
 
 /// Bytes of each of the source and destination buffers.
-fn buffer_bytes(p: &Params) -> u64 {
+pub(crate) fn buffer_bytes(p: &Params) -> u64 {
     if p.reuse_block {
         p.block_bytes
     } else {
@@ -309,17 +314,22 @@ fn buffer_bytes(p: &Params) -> u64 {
 
 /// Source and destination of `total` bytes: the side `op` reads from
 /// holds a pattern, the other zeros.
-fn buffers(op: Op, total: u64) -> (Vec<u8>, Vec<u8>) {
+pub(crate) fn buffers(op: Op, total: u64) -> (Vec<u8>, Vec<u8>) {
     let mut src = vec![0u8; total as usize];
     let mut dst = vec![0u8; total as usize];
     let from = match op {
         Op::Write => &mut src,
         Op::Read => &mut dst,
     };
-    for (i, b) in from.iter_mut().enumerate() {
+    fill_pattern(from);
+    (src, dst)
+}
+
+/// The bytes the side a bench reads from holds.
+pub(crate) fn fill_pattern(bytes: &mut [u8]) {
+    for (i, b) in bytes.iter_mut().enumerate() {
         *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
     }
-    (src, dst)
 }
 
 /// The ping-pong baseline with the batch shape, time and pinning of `p`.
@@ -333,7 +343,7 @@ fn run_pingpong(p: &Params) -> std::io::Result<pingpong::PingPong> {
     pingpong::measure(shape, p.seconds, cores)
 }
 
-fn placement(pin: bool, core: usize) -> Placement {
+pub(crate) fn placement(pin: bool, core: usize) -> Placement {
     if pins(pin) {
         Placement::Fixed(core)
     } else {
@@ -348,7 +358,7 @@ pub(crate) fn pins(pin: bool) -> bool {
     pin && cores >= 2
 }
 
-fn descs(p: &Params, local: u64, remote: u64) -> Vec<Desc> {
+pub(crate) fn descs(p: &Params, local: u64, remote: u64) -> Vec<Desc> {
     // With `reuse_block` every descriptor names block 0.
     let blocks = if p.reuse_block { 1 } else { p.batch };
     (0..p.batch)
@@ -362,7 +372,11 @@ fn descs(p: &Params, local: u64, remote: u64) -> Vec<Desc> {
 }
 
 /// Submits batches back to back for the configured time.
-async fn drive(p: &Params, session: &impl Session, batch: &[Desc]) -> Result<Measured, String> {
+pub(crate) async fn drive(
+    p: &Params,
+    session: &impl Session,
+    batch: &[Desc],
+) -> Result<Measured, String> {
     // Warm up: connections, page faults, caches.
     let warm_until = Instant::now() + Duration::from_millis(200);
     while Instant::now() < warm_until {
@@ -561,7 +575,7 @@ fn verify_and_memcpy(p: &Params, mut m: Measured, src_addr: u64, dst_addr: u64) 
 }
 
 /// Single-thread memcpy of the same buffers, block by block, in GB/s.
-fn measure_memcpy(src: &[u8], dst: &mut [u8], block: usize, seconds: f64) -> f64 {
+pub(crate) fn measure_memcpy(src: &[u8], dst: &mut [u8], block: usize, seconds: f64) -> f64 {
     let start = Instant::now();
     let mut bytes = 0u64;
     let mut rounds = 0;

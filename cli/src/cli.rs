@@ -93,6 +93,7 @@ pub(crate) fn run(argv: impl IntoIterator<Item = OsString>) -> ExitCode {
         Command::Plan(a) => plan::main(&a),
         Command::Bench(bench::BenchCommand::Transport(a)) => bench::main(&a),
         Command::Bench(bench::BenchCommand::Store(a)) => store_bench::main(&a),
+        Command::Bench(bench::BenchCommand::TransportPeer(a)) => crate::bench_shm::peer_main(&a),
         Command::Bootstrap(a) => bootstrap::main(&a),
         Command::Demo(a) if a.soak.soak.is_some() => soak::main(&a),
         Command::Demo(a) => demo::main(&a),

@@ -40,8 +40,13 @@ pub enum ModeArg {
 /// Data plane (`--transport`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum TransportArg {
-    /// TCP streams, also between processes.
+    /// TCP streams, and shared memory with peers on this host that share
+    /// their KV memory.
+    Auto,
+    /// TCP streams only, also between processes.
     Tcp,
+    /// Shared memory only: peers on this host.
+    Shm,
     /// memcpy within one process.
     Local,
     /// Mooncake's Transfer Engine (`MOONCAKE_TE_LIB`), its protocol by
@@ -115,6 +120,8 @@ impl From<TransportArg> for TransportKind {
     fn from(v: TransportArg) -> TransportKind {
         match v {
             TransportArg::Tcp => TransportKind::Tcp,
+            TransportArg::Auto => TransportKind::Auto,
+            TransportArg::Shm => TransportKind::Shm,
             TransportArg::Local => TransportKind::Local,
             TransportArg::Mooncake => TransportKind::Mooncake,
         }
@@ -125,6 +132,8 @@ impl From<TransportKind> for TransportArg {
     fn from(v: TransportKind) -> TransportArg {
         match v {
             TransportKind::Tcp => TransportArg::Tcp,
+            TransportKind::Auto => TransportArg::Auto,
+            TransportKind::Shm => TransportArg::Shm,
             TransportKind::Local => TransportArg::Local,
             TransportKind::Mooncake => TransportArg::Mooncake,
         }
@@ -295,7 +304,7 @@ impl Default for DemoOptions {
             decode_tp: 1,
             layout: LayoutKind::Hnd,
             mode: Mode::Push,
-            transport: TransportKind::Tcp,
+            transport: TransportKind::Auto,
             mooncake_protocol: "tcp".into(),
             timeout_ms: 10_000,
             spin_us: 0,

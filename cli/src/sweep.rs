@@ -145,7 +145,7 @@ fn sweep_blocks(
             ..base.clone()
         };
         let mut memcpy = 0.0;
-        for transport in ["tcp", "local"] {
+        for transport in ["tcp", "shm", "local"] {
             let m = measure_verified(&Params {
                 transport: transport.into(),
                 ..p.clone()
@@ -166,7 +166,7 @@ fn sweep_blocks(
 
 /// Single-descriptor 4 KiB batches, every latency kept in `samples`.
 fn sweep_latency(base: &Params, rows: &mut Vec<Row>, samples: &mut String) -> Result<(), String> {
-    for transport in ["tcp", "local"] {
+    for transport in ["tcp", "shm", "local"] {
         let p = Params {
             transport: transport.into(),
             block_bytes: 4 << 10,

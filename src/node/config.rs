@@ -39,8 +39,15 @@ impl Role {
 pub enum TransportKind {
     /// Same process, memcpy.
     Local,
-    /// TCP sockets (glommio), works across processes and hosts.
+    /// TCP sockets (glommio) only, across processes and hosts.
     Tcp,
+    /// tcp, and shared memory with every peer on this host that shares the
+    /// memory a batch writes to or reads from (`kvferry_transport::shm`):
+    /// one copy instead of two through the kernel.
+    Auto,
+    /// Shared memory only: peers on this host whose KV memory is shared
+    /// (a sealed `memfd`); a peer that cannot share fails.
+    Shm,
     /// Mooncake's Transfer Engine (RDMA, NVLink, TCP), loaded at run time;
     /// set up by [`NodeConfig::mooncake`].
     Mooncake,
@@ -301,7 +308,7 @@ impl NodeConfig {
             pp_size: 1,
             pp_rank: 0,
             mode: Mode::Push,
-            transport: TransportKind::Tcp,
+            transport: TransportKind::Auto,
             host: "127.0.0.1".into(),
             listen: None,
             side_channel_port: 0,

@@ -136,6 +136,10 @@ pub enum ModeSetting {
 pub enum TransportSetting {
     /// [`TransportKind::Tcp`].
     Tcp,
+    /// [`TransportKind::Auto`].
+    Auto,
+    /// [`TransportKind::Shm`].
+    Shm,
     /// [`TransportKind::Local`].
     Local,
     /// [`TransportKind::Mooncake`].
@@ -303,6 +307,8 @@ impl NodeSettings {
             }),
             transport: Some(match c.transport {
                 TransportKind::Tcp => TransportSetting::Tcp,
+                TransportKind::Auto => TransportSetting::Auto,
+                TransportKind::Shm => TransportSetting::Shm,
                 TransportKind::Local => TransportSetting::Local,
                 TransportKind::Mooncake => TransportSetting::Mooncake,
             }),
@@ -367,6 +373,8 @@ impl NodeSettings {
         if let Some(t) = self.transport {
             c.transport = match t {
                 TransportSetting::Tcp => TransportKind::Tcp,
+                TransportSetting::Auto => TransportKind::Auto,
+                TransportSetting::Shm => TransportKind::Shm,
                 TransportSetting::Local => TransportKind::Local,
                 TransportSetting::Mooncake => TransportKind::Mooncake,
             };

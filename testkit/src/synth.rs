@@ -12,6 +12,7 @@
 //! For MLA the latent cache is the same on every rank and has no heads:
 //! `head` is 0 and `byte` runs over the latent of one token.
 
+use kvferry::transport::SharedMem;
 use kvferry_machines::internal::common::TransferId;
 use kvferry_machines::{LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout};
 
@@ -363,12 +364,13 @@ mod tests {
     }
 }
 
-/// A rank's synthetic KV cache: one heap buffer per region (layer × K/V,
-/// or layer for MLA), never moved or borrowed while the node may touch it.
+/// A rank's synthetic KV cache: one buffer per region (layer × K/V, or
+/// layer for MLA), never moved or borrowed while the node may touch it.
 pub struct SynthKv {
-    /// Buffers as raw allocations: peers write into them behind Rust's back,
-    /// so no `&mut` to them may exist while the node runs.
-    bufs: Vec<(*mut u8, usize)>,
+    /// Peers write into them behind Rust's back, so no `&mut` to them may
+    /// exist while the node runs. Shared memory (a sealed `memfd` each), as an engine that lets
+    /// peers on its host copy straight into its KV cache allocates it.
+    bufs: Vec<SharedMem>,
     layout: SynthLayout,
 }
 
@@ -430,10 +432,9 @@ impl SynthKv {
         let mut bufs = Vec::new();
         let mut regions = Vec::new();
         for _ in 0..regions_n {
-            let b: Box<[u8]> = vec![0u8; len.max(1)].into_boxed_slice();
-            let n = b.len();
-            let p = Box::into_raw(b) as *mut u8;
-            bufs.push((p, n));
+            let b = shared_zeroed(len.max(1));
+            let p = b.as_ptr();
+            bufs.push(b);
             regions.push(kvferry_machines::Region {
                 base: p as u64,
                 block_len: kv_block_len,
@@ -473,10 +474,9 @@ impl SynthKv {
     pub fn with_pool(mut self, kind: PoolKind, items: u64, item_lens: &[u64]) -> SynthKv {
         let mut regions = Vec::new();
         for &item_len in item_lens {
-            let b: Box<[u8]> = vec![0u8; (item_len * items).max(1) as usize].into_boxed_slice();
-            let n = b.len();
-            let p = Box::into_raw(b) as *mut u8;
-            self.bufs.push((p, n));
+            let b = shared_zeroed((item_len * items).max(1) as usize);
+            let p = b.as_ptr();
+            self.bufs.push(b);
             regions.push(PoolRegion {
                 base: p as u64,
                 item_len,
@@ -661,13 +661,10 @@ impl SynthKv {
     }
 }
 
-impl Drop for SynthKv {
-    fn drop(&mut self) {
-        for &(p, n) in &self.bufs {
-            // SAFETY: `p` came from `Box::into_raw` of a `[u8]` of length `n`.
-            unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n))) };
-        }
-    }
+/// `len` zeroed bytes of shared memory.
+fn shared_zeroed(len: usize) -> SharedMem {
+    SharedMem::new("kvferry-synth-kv", len)
+        .unwrap_or_else(|e| panic!("allocating {len} bytes of shared memory: {e}"))
 }
 
 /// What [`Cluster::start`] builds: P and D ranks of one model on one host.

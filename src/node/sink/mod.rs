@@ -33,6 +33,7 @@ use crate::transport::{
     TransportError,
 };
 use crate::transport::{BlockFence, FenceKey, FencePool};
+use crate::transport::{ShmConfig, ShmMode};
 use crate::transport::{TcpConfig, TcpTransport};
 use kvferry_machines::internal::wire::{self, Frame};
 
@@ -111,6 +112,7 @@ impl From<TransportError> for MoveError {
 fn tcp_transport(
     config: &super::NodeConfig,
     bind_ip: std::net::IpAddr,
+    shm: ShmMode,
 ) -> Result<AnyTransport, DataPlaneError> {
     let defaults = TcpConfig::default();
     let streams = match config.tcp_streams {
@@ -128,6 +130,10 @@ fn tcp_transport(
         inflight_max_bytes: defaults
             .inflight_max_bytes
             .max(streams as u64 * defaults.frame_max_bytes),
+        shm: ShmConfig {
+            mode: shm,
+            ..ShmConfig::default()
+        },
         ..defaults
     };
     // `Node::start` resolved the host: no lookup on the executor.
@@ -475,7 +481,9 @@ impl Sink {
     ) -> Self {
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
-            TransportKind::Tcp => tcp_transport(&shared.config, shared.bind_ip),
+            TransportKind::Tcp => tcp_transport(&shared.config, shared.bind_ip, ShmMode::Off),
+            TransportKind::Auto => tcp_transport(&shared.config, shared.bind_ip, ShmMode::Auto),
+            TransportKind::Shm => tcp_transport(&shared.config, shared.bind_ip, ShmMode::Require),
             TransportKind::Mooncake => mooncake_transport(&shared.config, shared.bind_ip),
         };
         let started: Live = Rc::new(RefCell::new(HashMap::new()));

@@ -3,9 +3,10 @@
 //! shareable regions and copies straight between them and its own memory,
 //! one `memcpy` per byte instead of two socket copies through the kernel.
 //!
-//! * **Shareable memory** is a sealed `memfd` ([`SharedMem`], or any fd
-//!   registered with [`crate::TcpTransport::register_shared`]): its size
-//!   is sealed, so a peer that mapped it never faults on a shrink. Only
+//! * **Shareable memory** is a sealed `memfd` mapped shared ([`SharedMem`],
+//!   or any such mapping whose file this process holds open: a plain
+//!   registration finds it in `/proc/self/maps`): its size is sealed, so a
+//!   peer that mapped it never faults on a shrink. Only
 //!   the *target's* memory needs to be shareable; the initiator copies
 //!   from or into any of its registered memory.
 //! * **The shm hello** (`OP_SHM` on a tcp connection) exchanges host
@@ -22,6 +23,7 @@
 //!   [`ShmMode::Require`] fails a session that cannot share.
 
 mod ctl;
+mod detect;
 mod host;
 mod link;
 mod mem;
@@ -31,6 +33,7 @@ mod target;
 use std::time::Duration;
 
 pub(crate) use ctl::CtlOwner;
+pub(crate) use detect::shared_backing;
 pub(crate) use host::{HostId, HOST_ID_LEN};
 pub(crate) use link::ShmLink;
 pub(crate) use link::{Answer, CopyFail};

@@ -24,7 +24,7 @@ mod target;
 
 use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
-use std::os::fd::{IntoRawFd, RawFd};
+use std::os::fd::{AsFd, IntoRawFd, RawFd};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -344,8 +344,26 @@ pub(super) fn notification_answer(
 impl Transport for TcpTransport {
     type Session = TcpSession;
 
+    /// Memory mapped shared from a sealed `memfd` this process holds open
+    /// is shared with peers on this host, as by
+    /// [`TcpTransport::register_shared`].
     unsafe fn register(&self, addr: *mut u8, len_bytes: usize) -> Result<RegionId, TransportError> {
-        Ok(self.target.registry.insert(addr as u64, len_bytes as u64)?)
+        let backing = self
+            .target
+            .shm
+            .as_ref()
+            .and_then(|_| crate::shm::shared_backing(addr as u64, len_bytes as u64));
+        let id = self.target.registry.insert(addr as u64, len_bytes as u64)?;
+        if let (Some(shm), Some((fd, offset))) = (&self.target.shm, backing) {
+            let info = RegionInfo {
+                addr: addr as u64,
+                len_bytes: len_bytes as u64,
+            };
+            if let Err(refusal) = shm.add_region(id.0, info, fd.as_fd(), offset) {
+                tracing::info!(%refusal, "shm: a memfd region stays unshared");
+            }
+        }
+        Ok(id)
     }
 
     fn unregister(&self, id: RegionId) -> Result<(), TransportError> {

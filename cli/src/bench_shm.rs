@@ -1,0 +1,227 @@
+//! `kvferry bench transport --transport shm|auto`: the initiator here, the
+//! target in a peer process of its own (`kvferry bench transport-peer`,
+//! hidden), so the bytes cross two address spaces as between two engines
+//! on one host.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use clap::Args;
+use glommio::LocalExecutorBuilder;
+use kvferry::transport::{
+    EndpointAddr, Op, Session, SharedMem, ShmConfig, ShmMode, TcpConfig, TcpTransport, Transport,
+};
+
+use crate::bench::{self, Measured, Params};
+
+/// The options of the hidden `kvferry bench transport-peer`.
+#[derive(Clone, Debug, Args)]
+pub(crate) struct PeerArgs {
+    /// Bytes of shared memory to serve.
+    #[arg(long)]
+    bytes: u64,
+    /// Fill them with the bench's pattern (a read bench) instead of zeros.
+    #[arg(long)]
+    pattern: bool,
+}
+
+/// The peer: serves `bytes` of shared memory, prints `ENDPOINT`, then
+/// answers each `digest` line on stdin with its memory's digest; ends at
+/// end of input.
+pub(crate) fn peer_main(a: &PeerArgs) -> std::process::ExitCode {
+    let run = move || -> Result<(), String> {
+        let mem = SharedMem::new("kvferry-bench", a.bytes as usize).map_err(|e| e.to_string())?;
+        if a.pattern {
+            // SAFETY: the fresh mapping, not registered yet.
+            let s = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr(), mem.len()) };
+            bench::fill_pattern(s);
+        }
+        let (mem_addr, mem_len) = (mem.as_ptr() as u64, mem.len());
+        LocalExecutorBuilder::default()
+            .name("bench-peer")
+            .spawn(move || async move {
+                let config = TcpConfig {
+                    shm: shm(ShmMode::Require),
+                    ..TcpConfig::default()
+                };
+                let t = TcpTransport::bind("127.0.0.1:0".parse().unwrap(), config)
+                    .map_err(|e| e.to_string())?;
+                // SAFETY: `mem` outlives the endpoint (this thread is
+                // joined before it drops); only peers touch it meanwhile.
+                unsafe { t.register(mem_addr as usize as *mut u8, mem_len) }
+                    .map_err(|e| e.to_string())?;
+                println!("{} {mem_addr}", t.endpoint_addr());
+                let lines = blocking_lines();
+                while let Ok(line) = lines.recv_async().await {
+                    if line.trim() == "digest" {
+                        // SAFETY: the initiator is idle while it asks.
+                        let s = unsafe {
+                            std::slice::from_raw_parts(mem_addr as usize as *const u8, mem_len)
+                        };
+                        println!("{}", digest(s));
+                    }
+                }
+                drop(t);
+                Ok::<(), String>(())
+            })
+            .map_err(|e| e.to_string())?
+            .join()
+            .map_err(|e| e.to_string())??;
+        drop(mem);
+        Ok(())
+    };
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvferry bench transport-peer: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Stdin's lines, read on a thread of their own.
+fn blocking_lines() -> flume::Receiver<String> {
+    let (tx, rx) = flume::bounded(1);
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// FNV-1a over the bytes: equal memory, equal digest.
+pub(crate) fn digest(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn shm(mode: ShmMode) -> ShmConfig {
+    ShmConfig {
+        mode,
+        ..ShmConfig::default()
+    }
+}
+
+/// The peer process, talked to through its stdin and stdout.
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn start(bytes: u64, pattern: bool) -> Result<(Peer, EndpointAddr, u64), String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["bench", "transport-peer", "--bytes", &bytes.to_string()]);
+        if pattern {
+            cmd.arg("--pattern");
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting the peer process: {e}"))?;
+        let stdin = child.stdin.take().ok_or("peer stdin")?;
+        let stdout = BufReader::new(child.stdout.take().ok_or("peer stdout")?);
+        let mut peer = Peer {
+            child,
+            stdin,
+            stdout,
+        };
+        let line = peer.line()?;
+        let mut it = line.split_whitespace();
+        let addr = it.next().and_then(|a| a.parse().ok());
+        let base = it.next().and_then(|b| b.parse().ok());
+        match (addr, base) {
+            (Some(addr), Some(base)) => Ok((peer, addr, base)),
+            _ => Err(format!("the peer said {line:?}")),
+        }
+    }
+
+    fn line(&mut self) -> Result<String, String> {
+        let mut line = String::new();
+        match self.stdout.read_line(&mut line) {
+            Ok(n) if n > 0 => Ok(line),
+            _ => Err("the peer process ended".into()),
+        }
+    }
+
+    fn digest(&mut self) -> Result<u64, String> {
+        writeln!(self.stdin, "digest").map_err(|e| e.to_string())?;
+        self.line()?.trim().parse().map_err(|_| "bad digest".into())
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One measurement: this process initiates batches into (or out of) the
+/// peer's shared memory through the shm path (`mode` Require) or whatever
+/// `auto` picks.
+pub(crate) fn run(p: &Params, mode: ShmMode) -> Result<Measured, String> {
+    let total = bench::buffer_bytes(p);
+    let (mut peer, addr, base) = Peer::start(total, p.op == Op::Read)?;
+    // The local side of the batches, as in the in-process benches: the
+    // source of writes, the destination of reads (zeros until then).
+    let mut src = vec![0u8; total as usize];
+    if p.op == Op::Write {
+        bench::fill_pattern(&mut src);
+    }
+    let local = src.as_mut_ptr() as u64;
+    let p2 = p.clone();
+    let m = LocalExecutorBuilder::new(bench::placement(p.pin, 0))
+        .name("bench-initiator")
+        .spawn(move || async move {
+            let config = TcpConfig {
+                poll: p2.poll,
+                streams: p2.streams,
+                shm: shm(mode),
+                ..TcpConfig::default()
+            };
+            let t = TcpTransport::bind("127.0.0.1:0".parse().unwrap(), config)
+                .map_err(|e| e.to_string())?;
+            // SAFETY: the buffer outlives this thread, which is joined
+            // before it is touched again.
+            unsafe { t.register(local as usize as *mut u8, total as usize) }
+                .map_err(|e| e.to_string())?;
+            let session = t.open(&addr).await.map_err(|e| e.to_string())?;
+            let through_shm = session.uses_shm();
+            let batch = bench::descs(&p2, local, base);
+            let m = bench::drive(&p2, &session, &batch).await;
+            session.close().await;
+            m.map(|m| (m, through_shm))
+        })
+        .map_err(|e| format!("starting the initiator executor: {e}"))?
+        .join()
+        .map_err(|e| format!("initiator executor: {e}"))??;
+    let (mut m, through_shm) = m;
+    if mode == ShmMode::Require && !through_shm {
+        return Err("the batches did not go through shared memory".into());
+    }
+    // Both ends hold the pattern now: the peer's memory after writes, ours
+    // after reads.
+    m.verified = match p.op {
+        Op::Write => peer.digest()? == digest(&src),
+        Op::Read => src == src_pattern(total),
+    };
+    // memcpy from the buffer that holds the data, into a fresh one.
+    let mut dst = src_pattern(total);
+    m.memcpy_gbps =
+        bench::measure_memcpy(&src, &mut dst, p.block_bytes as usize, p.seconds.min(1.0));
+    Ok(m)
+}
+
+fn src_pattern(total: u64) -> Vec<u8> {
+    let mut v = vec![0u8; total as usize];
+    bench::fill_pattern(&mut v);
+    v
+}
