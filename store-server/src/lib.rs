@@ -145,6 +145,8 @@ kvferry_metrics::counter_set! {
     connections: Gauge "kvferry_store_connections", "engine connections open";
     /// Batches whose bytes did not move (engine gone, fenced, timeout).
     transfer_failures: Counter "kvferry_store_transfer_failures", "batches whose bytes did not move";
+    /// Batches to engines on this host moved through their shared memory.
+    shm_batches: Counter "kvferry_store_shm_batches", "batches moved through an engine's shared memory";
 }
 
 impl ServerCounters {
@@ -652,6 +654,9 @@ impl Conn {
                 Op::Write => &server.counters.bytes_out,
             };
             ServerCounters::add(counter, total_bytes(&descs));
+            if session.uses_shm() && !descs.is_empty() {
+                ServerCounters::add(&server.counters.shm_batches, 1);
+            }
         }
         Answer::Keys(answers)
     }

@@ -10,7 +10,7 @@ use kvferry::machines::internal::common::{BlockId, Config, Mode, Msg};
 use kvferry::machines::internal::wire::{self, Frame};
 use kvferry::machines::{FailReason, Phase, TransferId};
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout};
-use kvferry::node::{Node, NodeConfig, PrefillTarget, Role};
+use kvferry::node::{Node, NodeConfig, PrefillTarget, Role, TransportKind};
 use kvferry_testkit::synth::SynthKv;
 
 const MODEL: ModelSpec = ModelSpec {
@@ -138,6 +138,9 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
     let mut pc = NodeConfig::new(Role::Prefill, "p");
     pc.timeouts = timeouts(Duration::from_millis(300));
     pc.metrics_listen = Some("127.0.0.1:0".into());
+    // Sockets: a status rides behind the writes only over tcp frames
+    // (`kvferry_statuses_behind_writes_total`).
+    pc.transport = TransportKind::Tcp;
     let pkv = SynthKv::new(MODEL, 1, 0, 2, 16);
     let p = Node::start(pc).unwrap();
     // SAFETY: `p` is shut down at the end, before `pkv` drops.
@@ -145,6 +148,7 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
     let mut dc = NodeConfig::new(Role::Decode, "d");
     dc.timeouts = timeouts(Duration::from_secs(5));
     dc.metrics_listen = Some("127.0.0.1:0".into());
+    dc.transport = TransportKind::Tcp;
     // The engine never collects: the third finished record is a limit hit.
     dc.max_finished_records = 2;
     let dkv = SynthKv::new(MODEL, 1, 0, 2, 16);

@@ -138,17 +138,17 @@ fn a_sweep_writes_every_transport_and_baseline_at_every_block_size() {
             .any(|r| r[0] == block && r[1] == batch && r[3] == transport)
     };
     for block in ["4096", "16384"] {
-        for transport in ["tcp", "local", "memcpy", "iperf3"] {
+        for transport in ["tcp", "shm", "local", "memcpy", "iperf3"] {
             assert!(has(block, "32", transport), "{block} {transport}: {table}");
         }
     }
     assert!(
-        has("4096", "1", "tcp") && has("4096", "1", "local"),
+        has("4096", "1", "tcp") && has("4096", "1", "shm") && has("4096", "1", "local"),
         "{table}"
     );
-    assert_eq!(rows.len(), 10, "{table}");
+    assert_eq!(rows.len(), 13, "{table}");
     for r in &rows {
-        let transport_row = r[3] == "tcp" || r[3] == "local";
+        let transport_row = ["tcp", "shm", "local"].contains(&r[3]);
         assert_eq!(!r[5].is_empty(), transport_row, "{r:?}");
     }
     let samples = std::fs::read_to_string(&samples).expect("the samples");
@@ -156,7 +156,7 @@ fn a_sweep_writes_every_transport_and_baseline_at_every_block_size() {
         samples.starts_with("transport,seq,latency_us\n"),
         "{samples}"
     );
-    for transport in ["tcp,", "local,"] {
+    for transport in ["tcp,", "shm,", "local,"] {
         assert!(
             samples.lines().any(|l| l.starts_with(transport)),
             "{transport}"

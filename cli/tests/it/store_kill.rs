@@ -17,6 +17,7 @@ use kvferry::store::{
     ConnectorConfig, ConnectorLimits, RemoteConfig, RemoteStore, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
 };
+use kvferry::transport::SharedMem;
 
 const BLOCK_TOKENS: u32 = 16;
 const HEADS: u32 = 8;
@@ -30,15 +31,53 @@ const SENTINEL: u8 = 0xEE;
 /// Bound on one store call, and so on how long a dead server is waited for.
 const OP_BOUND: Duration = Duration::from_secs(3);
 
+/// Engine memory: private, so the server moves bytes over tcp, or a
+/// sealed `memfd`, so the server (on this host) copies straight into it.
+enum Mem {
+    Private(Vec<u8>),
+    Shared(SharedMem),
+}
+
+impl std::ops::Deref for Mem {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Mem::Private(v) => v,
+            // SAFETY: the test reads and writes blocks only while no save
+            // or load holds them.
+            Mem::Shared(m) => unsafe { std::slice::from_raw_parts(m.as_ptr(), m.len()) },
+        }
+    }
+}
+
+impl std::ops::DerefMut for Mem {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Mem::Private(v) => v,
+            // SAFETY: as for `deref`.
+            Mem::Shared(m) => unsafe { std::slice::from_raw_parts_mut(m.as_ptr(), m.len()) },
+        }
+    }
+}
+
 struct Engine {
-    regions: Vec<Vec<u8>>,
+    regions: Vec<Mem>,
 }
 
 impl Engine {
-    fn new() -> Engine {
+    fn new(shared: bool) -> Engine {
         let len = (NUM_BLOCKS * KV_BLOCK) as usize;
+        let mem = || {
+            let mut m = if shared {
+                Mem::Shared(SharedMem::new("kill-engine", len).unwrap())
+            } else {
+                Mem::Private(vec![0; len])
+            };
+            m.fill(SENTINEL);
+            m
+        };
         Engine {
-            regions: (0..REGIONS).map(|_| vec![SENTINEL; len]).collect(),
+            regions: (0..REGIONS).map(|_| mem()).collect(),
         }
     }
 
@@ -183,8 +222,20 @@ fn drive(
 
 #[test]
 fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
+    killed_during_loads(false);
+}
+
+/// The server copies straight into the engine's shared memory and dies
+/// mid-copy: the engine's fence closes without waiting on it, and no
+/// block is half-written or wrong.
+#[test]
+fn a_server_killed_while_copying_into_shared_memory_ends_every_load() {
+    killed_during_loads(true);
+}
+
+fn killed_during_loads(shared: bool) {
     let mut server = StoreServe::start(256 << 20);
-    let mut engine = Engine::new();
+    let mut engine = Engine::new(shared);
     (0..NUM_BLOCKS as u32).for_each(|b| engine.fill(b));
     let mut c = connector(&server.url, &engine);
     for r in 0..REQUESTS {
@@ -194,6 +245,8 @@ fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
     let (saved, _) = c.get_finished();
     assert_eq!(saved.len(), REQUESTS as usize);
     assert_eq!(c.stats().saved_keys, NUM_BLOCKS);
+    let shm = server.metric("kvferry_store_shm_batches_total");
+    assert_eq!(shm > 0, shared, "{shm} batches through shared memory");
     for r in &mut engine.regions {
         r.fill(SENTINEL);
     }
@@ -236,11 +289,21 @@ fn a_server_killed_during_loads_ends_every_load_naming_the_blocks_it_missed() {
 
 #[test]
 fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
+    killed_during_saves(false);
+}
+
+/// As above, the server reading the engine's shared memory.
+#[test]
+fn a_server_killed_while_copying_out_of_shared_memory_ends_every_save() {
+    killed_during_saves(true);
+}
+
+fn killed_during_saves(shared: bool) {
     // Started again on the same port below.
     let port = kvferry_testkit::server_port();
     let mut server = StoreServe::start_on(&format!("127.0.0.1:{port}"), 256 << 20);
     let addr = server.addr().to_string();
-    let mut engine = Engine::new();
+    let mut engine = Engine::new(shared);
     (0..NUM_BLOCKS as u32).for_each(|b| engine.fill(b));
     let mut c = connector(&addr, &engine);
     for r in 0..REQUESTS {
@@ -259,7 +322,7 @@ fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
         "saves never write blocks"
     );
     // A new server on the same address: the same connector saves again.
-    let _again = StoreServe::start_on(&addr, 256 << 20);
+    let again = StoreServe::start_on(&addr, 256 << 20);
     let before = c.stats().saved_keys;
     for r in 0..REQUESTS {
         c.start_save(Instant::now(), save_meta(r, 1000)).unwrap();
@@ -269,6 +332,8 @@ fn a_server_killed_during_saves_ends_them_and_saves_resume_on_a_new_one() {
     assert_eq!(saved.len(), REQUESTS as usize);
     let stored = c.stats().saved_keys - before;
     assert_eq!(stored, NUM_BLOCKS, "the new server took every block");
+    let shm = again.metric("kvferry_store_shm_batches_total");
+    assert_eq!(shm > 0, shared, "{shm} batches through shared memory");
 }
 
 /// Requests of a demo run whose store is killed mid-run.
