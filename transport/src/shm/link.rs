@@ -126,7 +126,7 @@ impl Offer {
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()));
         let mut next = || words.next().ok_or(bad("short offer"));
         let len = next()?;
-        if b.len() % 8 != 0 || len != b.len() as u64 || next()? != OFFER_MAGIC {
+        if !b.len().is_multiple_of(8) || len != b.len() as u64 || next()? != OFFER_MAGIC {
             return Err(bad("offer header"));
         }
         let generation = next()?;

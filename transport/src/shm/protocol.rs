@@ -83,7 +83,7 @@ pub fn leave<W: Word>(lane: &Lane<'_, W>, seq: u64) {
 pub fn busy<W: Word>(lane: &Lane<'_, W>, hits: impl FnOnce(u64, u64, u64) -> bool) -> Option<u64> {
     W::fence();
     let seq = lane.seq.get();
-    if seq % 2 == 0 {
+    if seq.is_multiple_of(2) {
         return None;
     }
     let [s, f, l] = lane.range.map(Word::get);
