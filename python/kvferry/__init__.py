@@ -105,6 +105,34 @@ def _with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
         settings["listen"] = "127.0.0.1"
 
 
+def _share_buffers(buffers: "Iterable[tuple[int, int]]") -> "list[int]":
+    """Moves the whole pages of each host buffer ``(address, length)`` onto
+    a sealed ``memfd`` in place (``_native._share_pages``), so that a peer
+    on this host (the other engine, a ``kvferry store serve``) copies
+    straight into and out of it: the addresses and bytes stay as they are,
+    as does every view the engine made. For an engine's KV cache, which
+    the engine allocates itself, before its first step (nothing may touch
+    the buffers during the call). Returns the files' descriptors (keep them
+    open until the memory is registered); a buffer that cannot be shared
+    stays private and moves over tcp, logged."""
+    fds: "list[int]" = []
+    seen: "set[int]" = set()
+    for ptr, size in buffers:
+        if ptr in seen or size <= 0:
+            continue
+        seen.add(ptr)
+        try:
+            fd = _native._share_pages(ptr, size)
+        except MisuseError as e:
+            logging.getLogger("kvferry").warning(
+                "kvferry: a KV buffer stays private (%s); peers on this host use tcp", e
+            )
+            continue
+        if fd >= 0:
+            fds.append(fd)
+    return fds
+
+
 def _ensure_log_pump() -> None:
     """Starts the log thread of this process (again in a forked child)."""
     global _log_pump_pid, _log_pump

@@ -70,7 +70,7 @@ _EVENT_COUNTS_MAX = 1 << 16
 _STORE_KEYS = {
     "store", "model_name", "lookup_endpoint", "lookup_timeout_ms", "lookup_wait_ms", "pd_lookup_wait_ms",
     "op_bound_ms", "request_timeout_ms", "max_requests", "save", "load", "shutdown_drain_ms",
-    "save_decode_cache", "tp_rank",
+    "save_decode_cache", "tp_rank", "shared_memory",
 }
 #: Mooncake store connector keys an operator brings along: accepted, logged.
 _MOONCAKE_STORE_KEYS = {"load_async", "lookup_async", "enable_lookup", "lookup_rpc_port"}

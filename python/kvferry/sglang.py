@@ -240,12 +240,22 @@ class KvferryKVManager(BaseKVManager):
         #: SGLang's decode queue reads it (``try_ensure_parallel_info``).
         self.prefill_info_table: "dict[str, Any]" = {}
         self.node = kvferry.Node(**node_settings(args, disaggregation_mode, server_args))
+        files: "list[int]" = []
         try:
             _refuse_device_memory(server_args, self.node.settings)
+            if os.environ.get("KVFERRY_SHARED_MEMORY", "1").lower() not in ("0", "false", "no", "off"):
+                # SGLang allocated the pool (``MHATokenToKVPool``) before the
+                # manager exists: its pages move onto shared files in place.
+                files = kvferry._share_buffers(zip(args.kv_data_ptrs, args.kv_data_lens))
             self.pools = self._register(args, self.is_mla_backend)
         except BaseException:
             self.node.shutdown()
             raise
+        finally:
+            # Registration found the files by their descriptors; the
+            # mappings hold the memory from now on.
+            for fd in files:
+                os.close(fd)
 
     def _register(self, a: KVArgs, mla: bool) -> "list[str]":
         item = a.kv_item_lens[0]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import vllm
@@ -69,7 +69,7 @@ ANY_VERSION_ENV = "KVFERRY_VLLM_ANY_VERSION"
 
 #: Keys of ``kv_connector_extra_config`` the connector reads itself; every
 #: other key is a node setting.
-_CONNECTOR_KEYS = {"bootstrap", "tp_rank"}
+_CONNECTOR_KEYS = {"bootstrap", "tp_rank", "shared_memory"}
 
 #: MooncakeConnector keys an operator brings along that mean nothing to
 #: kvferry: accepted, logged once (``mooncake_protocol`` too, unless the
@@ -219,6 +219,7 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         self._kv_config = kv_cache_config
         self._sched = None
         self._worker = None
+        self._share_kv = _flag(extra.get("shared_memory", True))
         if role == KVConnectorRole.SCHEDULER:
             self._sched = sched_side(vllm_config, extra, kv_cache_config)
         else:
@@ -284,7 +285,14 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        files = share_kv_memory(kv_caches.values()) if self._share_kv else []
+        try:
+            self._worker.register_kv_caches(kv_caches)
+        finally:
+            # Registration found the files by their descriptors; the
+            # mappings hold the memory from now on.
+            for fd in files:
+                os.close(fd)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -373,6 +381,25 @@ class KvferryConnector(_KvferryConnectorBase):
         else:
             sides, extra = (_SchedulerSide, _WorkerSide), _settings(extra)
         super().__init__(vllm_config, role, kv_cache_config, *sides, extra)
+
+
+def _flag(value: Any) -> bool:
+    """A boolean setting given as a bool or as text."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
+
+
+def share_kv_memory(tensors: "Iterable[torch.Tensor]") -> "list[int]":
+    """Puts the host buffers behind vLLM's KV tensors on shared files in
+    place (``kvferry._share_buffers``), once per buffer. vLLM allocates the
+    KV cache with no say for a connector (``allocate_kv_cache``) and binds
+    views of it to the attention layers before ``register_kv_caches``
+    (``gpu_model_runner.initialize_kv_cache_tensors``), so the memory cannot
+    be swapped for other memory: its pages are moved under the same
+    addresses instead."""
+    storages = (t.untyped_storage() for t in tensors if t.device.type == "cpu")
+    return kvferry._share_buffers((s.data_ptr(), s.nbytes()) for s in storages)
 
 
 def _settings(extra: dict) -> dict:

@@ -607,6 +607,29 @@ impl BootstrapServer {
     }
 }
 
+/// Moves the whole pages of `[addr, addr + length)` onto a sealed `memfd`
+/// in place (`kvferry::transport::share_pages`) and returns its
+/// descriptor, which the caller owns, or -1 when the range holds no whole
+/// page. For an adapter that shares an engine's KV tensors with peers on
+/// its host: the caller promises the range is a live host buffer nobody
+/// touches during the call (the GIL is held throughout).
+#[pyfunction]
+fn _share_pages(addr: u64, length: u64) -> PyResult<i64> {
+    use std::os::fd::IntoRawFd;
+    let len = usize::try_from(length).map_err(|_| misuse("length out of range"))?;
+    // SAFETY: the caller's promise above; the adapters pass tensors they
+    // hold, before the engine runs a step.
+    let fd = unsafe { kvferry::transport::share_pages(addr as usize as *mut u8, len) }
+        .map_err(|e| misuse(format!("sharing KV memory: {e}")))?;
+    Ok(fd.map_or(-1, |fd| i64::from(fd.into_raw_fd())))
+}
+
+/// Bytes this process copied through peers' shared memory so far.
+#[pyfunction]
+fn _shm_copied_bytes() -> u64 {
+    kvferry::transport::shm_copied_bytes()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -632,6 +655,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "SETTING_KEYS",
         kvferry::node::setting_keys().collect::<Vec<_>>(),
     )?;
+    m.add_function(wrap_pyfunction!(_share_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(_shm_copied_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(logs::_next_logs, m)?)?;
     m.add_function(wrap_pyfunction!(logs::_wake_logs, m)?)?;
     logs::install();

@@ -568,11 +568,39 @@ def assert_prompt_moved(e, prompt):
     assert_rest_zero(e.d, "d-1")
 
 
+def memfd_backed(addr):
+    """Whether `addr` lies in a shared mapping of a memfd here."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return perms[3] == "s" and len(rest) >= 4 and rest[3].startswith("/memfd:")
+    return False
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
 def test_a_request_moves_in_every_dense_layout(pd, layout):
     e = pd(layout=layout)
     prompt = 40  # 3 blocks, the last one partial
+    before = kvferry._native._shm_copied_bytes()
     assert_prompt_moved(e, prompt)
+    # The engines' own KV buffers, allocated by vLLM, now live on shared
+    # files at the same addresses (the forward pass wrote through vLLM's
+    # views), and prefill copied straight into decode's.
+    t = e.d.ranks[0].tokens(LAYER_NAMES[0])
+    assert memfd_backed(t.data_ptr() + t.untyped_storage().nbytes() // 2)
+    assert kvferry._native._shm_copied_bytes() > before, "the bytes went through shared memory"
+
+
+def test_with_shared_memory_off_the_kv_stays_private_and_moves_over_tcp(pd):
+    off = {"shared_memory": "false"}
+    e = pd(p_extra=off, d_extra=off)
+    before = kvferry._native._shm_copied_bytes()
+    assert_prompt_moved(e, 40)
+    t = e.d.ranks[0].tokens(LAYER_NAMES[0])
+    assert not memfd_backed(t.data_ptr() + t.untyped_storage().nbytes() // 2)
+    assert kvferry._native._shm_copied_bytes() == before
 
 
 @pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])

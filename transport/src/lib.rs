@@ -55,7 +55,10 @@ pub use local::{LocalSession, LocalTransport};
 pub use mooncake::{Cadence, MooncakeConfig, MooncakeSession, MooncakeTransport};
 pub use registry::{Pins, RangeFault, RegionId, RegionInfo, Registry, DEFAULT_MAX_REGIONS};
 pub use resolve::{advertised, HostPort, ResolveError, Resolver};
-pub use shm::{SharedMem, ShmConfig, ShmMode, ShmRefusal, ShmStats, SHM_CHUNK_BYTES};
+pub use shm::{
+    share_pages, shm_copied_bytes, SharedMem, ShmConfig, ShmMode, ShmRefusal, ShmStats,
+    SHM_CHUNK_BYTES,
+};
 pub use tcp::{NotifyHandler, TcpConfig, TcpSession, TcpThreadStats, TcpTransport};
 
 /// The wire format and the resolver's knobs, for the node, the CLI's

@@ -40,40 +40,58 @@ fn parse(line: &str) -> Option<Mapping> {
     })
 }
 
-/// The file and offset behind `[addr, addr + len)` when one shared
-/// `memfd` mapping (or contiguous pieces of one, at matching offsets)
-/// covers it and this process holds the file open; a duplicate of that
-/// descriptor.
-pub(crate) fn shared_backing(addr: u64, len: u64) -> Option<(OwnedFd, u64)> {
-    let end = addr.checked_add(len)?;
-    let maps = std::fs::File::open("/proc/self/maps").ok()?;
-    let mut first: Option<Mapping> = None;
-    let mut covered = addr;
-    for line in BufReader::new(maps).lines() {
-        let m = parse(&line.ok()?)?;
-        if m.end <= covered {
+/// A piece of registered memory that is shared: `len` bytes at `addr`,
+/// the bytes of `fd` from `offset`.
+#[derive(Debug)]
+pub(crate) struct Piece {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) fd: OwnedFd,
+    pub(crate) offset: u64,
+}
+
+/// The pieces of `[addr, addr + len)` mapped shared from a `memfd` this
+/// process holds open: maximal runs of one file at consecutive offsets,
+/// clipped to the range (an engine's tensor whose page-aligned interior
+/// was put on a `memfd` by [`super::share_pages`] has one, its edges
+/// stay private).
+pub(crate) fn shared_pieces(addr: u64, len: u64) -> Vec<Piece> {
+    let Some(end) = addr.checked_add(len) else {
+        return Vec::new();
+    };
+    let Ok(maps) = std::fs::File::open("/proc/self/maps") else {
+        return Vec::new();
+    };
+    // Runs of (start, end, offset at start, dev, inode), clipped.
+    let mut runs: Vec<(u64, u64, u64, (u32, u32), u64)> = Vec::new();
+    for line in BufReader::new(maps).lines().map_while(Result::ok) {
+        let Some(m) = parse(&line) else { continue };
+        if m.end <= addr || !(m.shared && m.memfd) {
             continue;
         }
-        if m.start > covered {
-            return None;
-        }
-        let piece_ok = m.shared
-            && m.memfd
-            && first.as_ref().is_none_or(|f| {
-                (f.dev, f.inode) == (m.dev, m.inode) && m.offset == f.offset + (m.start - f.start)
-            });
-        if !piece_ok {
-            return None;
-        }
-        covered = m.end;
-        first.get_or_insert(m);
-        if covered >= end {
+        if m.start >= end {
             break;
         }
+        let (s, e) = (m.start.max(addr), m.end.min(end));
+        let off = m.offset + (s - m.start);
+        match runs.last_mut() {
+            Some(r) if r.1 == s && (r.3, r.4) == (m.dev, m.inode) && r.2 + (s - r.0) == off => {
+                r.1 = e
+            }
+            _ => runs.push((s, e, off, m.dev, m.inode)),
+        }
     }
-    let f = first.filter(|_| covered >= end)?;
-    let fd = open_fd(f.dev, f.inode)?;
-    Some((fd, f.offset + (addr - f.start)))
+    runs.into_iter()
+        .filter_map(|(s, e, offset, dev, inode)| {
+            let fd = open_fd(dev, inode)?;
+            Some(Piece {
+                addr: s,
+                len: e - s,
+                fd,
+                offset,
+            })
+        })
+        .collect()
 }
 
 /// A duplicate of an open descriptor of this process on file (dev, inode).
@@ -114,8 +132,15 @@ mod tests {
     fn a_shared_memfd_is_found_and_private_memory_is_not() {
         let mem = SharedMem::new("kvferry-detect", 3 * 4096).unwrap();
         let base = mem.as_ptr() as u64;
-        let (fd, off) = shared_backing(base + 4096, 8192).expect("found");
-        assert_eq!(off, 4096);
+        let pieces = shared_pieces(base + 4096, 8192);
+        assert_eq!(pieces.len(), 1);
+        let Piece {
+            fd,
+            offset,
+            addr,
+            len,
+        } = pieces.into_iter().next().unwrap();
+        assert_eq!((offset, addr, len), (4096, base + 4096, 8192));
         let mut a: libc::stat = unsafe { std::mem::zeroed() };
         let mut b: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fstat into local buffers.
@@ -124,9 +149,16 @@ mod tests {
             libc::fstat(mem.fd().as_raw_fd(), &mut b);
         }
         assert_eq!(a.st_ino, b.st_ino, "the same file");
-        assert!(shared_backing(base, 4 * 4096).is_none(), "past the mapping");
+        // Other tests' files may sit beside it: find ours, clipped to it.
+        let clipped = shared_pieces(base - 4096, 5 * 4096);
+        assert!(
+            clipped
+                .iter()
+                .any(|p| (p.addr, p.len, p.offset) == (base, 3 * 4096, 0)),
+            "clipped to the file: {clipped:?}"
+        );
         let private = vec![0u8; 1 << 20];
-        assert!(shared_backing(private.as_ptr() as u64, 4096).is_none());
+        assert!(shared_pieces(private.as_ptr() as u64, 4096).is_empty());
     }
 
     #[test]

@@ -475,6 +475,8 @@ impl ShmLink {
             .map_err(|s| match s {
                 Stop::Stale => CopyFail::Stale,
                 Stop::Fenced => CopyFail::Fenced,
-            })
+            })?;
+        super::count_copied(len);
+        Ok(())
     }
 }

@@ -180,3 +180,106 @@ impl Drop for PeerMap {
         unsafe { libc::munmap(self.base.cast(), self.map_len) };
     }
 }
+
+/// Moves the whole pages of `[addr, addr + len)` onto a new sealed
+/// `memfd`, in place: the same addresses keep the same bytes, now in a
+/// file peers on this host can map, so an engine's KV tensors (allocated
+/// by the engine, which gives a connector no say in how) become shareable
+/// without moving. The partial pages at the edges stay private. Returns
+/// the file, or `None` when the range holds no whole page; keep it open
+/// while the memory is registered (registration finds the file by its
+/// open descriptor), then close it: the mapping holds the memory.
+///
+/// # Safety
+///
+/// The range must be memory this process owns, mapped read-write, and
+/// nothing may read or write it during the call (its pages are copied,
+/// then replaced).
+pub unsafe fn share_pages(addr: *mut u8, len: usize) -> io::Result<Option<OwnedFd>> {
+    let page = page_size();
+    let (a, e) = (addr as u64, (addr as u64).saturating_add(len as u64));
+    let start = a.div_ceil(page).saturating_mul(page);
+    let end = e / page * page;
+    if end <= start {
+        return Ok(None);
+    }
+    let n = (end - start) as usize;
+    let staging = SharedMem::new("kvferry-kv", n)?;
+    // SAFETY: both ranges are `n` bytes: ours by the caller's promise, the
+    // fresh mapping by construction; they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(start as usize as *const u8, staging.as_ptr(), n) };
+    let fd = staging.fd.try_clone()?;
+    drop(staging);
+    // SAFETY: replaces exactly the whole pages of the caller's range, whose
+    // bytes the file now holds.
+    let p = unsafe {
+        libc::mmap(
+            start as usize as *mut libc::c_void,
+            n,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Some(fd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_move_onto_a_file_in_place_and_keep_their_bytes() {
+        let len = 5 * 4096 + 100;
+        // Its own mapping (not the heap's), unmapped at the end.
+        // SAFETY: a fresh anonymous mapping.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                6 * 4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        // SAFETY: inside the mapping, used only by this test.
+        let v = unsafe { std::slice::from_raw_parts_mut(base.cast::<u8>(), len) };
+        v.iter_mut()
+            .enumerate()
+            .for_each(|(i, b)| *b = (i * 7 % 251) as u8);
+        let before = v.to_vec();
+        // Unaligned on purpose: the edges stay private.
+        let addr = v.as_mut_ptr().wrapping_add(17);
+        // SAFETY: our mapping, untouched during the call.
+        let fd = unsafe { share_pages(addr, len - 17) }
+            .unwrap()
+            .expect("whole pages");
+        assert_eq!(*v, *before, "every byte kept");
+        v[len / 2] = 0xAB;
+        let pieces = super::super::shared_pieces(v.as_ptr() as u64, len as u64);
+        assert_eq!(pieces.len(), 1, "{pieces:?}");
+        let p = &pieces[0];
+        assert_eq!(
+            (p.addr, p.len),
+            (base as u64 + 4096, 4 * 4096),
+            "the whole pages"
+        );
+        // The file holds what the memory holds, both ways.
+        let map = PeerMap::new(&fd, p.offset, p.len).unwrap();
+        let at = (v.as_ptr() as u64 + (len / 2) as u64 - p.addr) as usize;
+        // SAFETY: inside the mapping.
+        assert_eq!(unsafe { *map.ptr().add(at) }, 0xAB);
+        // SAFETY: as above.
+        unsafe { *map.ptr().add(at) = 0xCD };
+        assert_eq!(v[len / 2], 0xCD);
+        drop(map);
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(base, 6 * 4096) };
+    }
+}

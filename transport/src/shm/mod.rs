@@ -33,10 +33,11 @@ mod target;
 use std::time::Duration;
 
 pub(crate) use ctl::CtlOwner;
-pub(crate) use detect::shared_backing;
+pub(crate) use detect::shared_pieces;
 pub(crate) use host::{HostId, HOST_ID_LEN};
 pub(crate) use link::ShmLink;
 pub(crate) use link::{Answer, CopyFail};
+pub use mem::share_pages;
 pub use mem::SharedMem;
 pub(crate) use target::ShmTarget;
 
@@ -88,6 +89,19 @@ impl Default for ShmConfig {
 
 /// Most bytes one guarded copy moves: a fence close waits at most for one.
 pub const SHM_CHUNK_BYTES: u64 = 1 << 20;
+
+static COPIED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes this process copied through peers' shared memory, by every
+/// endpoint together (a process-wide count: an engine process runs one
+/// node).
+pub fn shm_copied_bytes() -> u64 {
+    COPIED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+pub(crate) fn count_copied(bytes: u64) {
+    COPIED.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+}
 
 /// Counters of an endpoint's shared-memory path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -33,7 +33,9 @@ struct SharedRegion {
 
 /// What the executor and the socket's thread share.
 struct Shared {
-    regions: BTreeMap<u64, SharedRegion>,
+    /// By registration id and piece (a registration may hold several
+    /// shared pieces, or private edges around one).
+    regions: BTreeMap<(u64, u32), SharedRegion>,
     ctl: Arc<CtlOwner>,
     fence: (Vec<FenceRegion>, Vec<u64>),
     tokens: VecDeque<[u8; TOKEN_LEN]>,
@@ -117,11 +119,12 @@ impl ShmTarget {
         Some(a)
     }
 
-    /// Shares region `id` (`info`, held by `fd` from `offset`) with peers
-    /// from now on; peers holding an older map re-handshake.
+    /// Shares piece `piece` of registration `id` (`info`, held by `fd`
+    /// from `offset`) with peers from now on; peers holding an older map
+    /// re-handshake.
     pub(crate) fn add_region(
         &self,
-        id: u64,
+        (id, piece): (u64, u32),
         info: RegionInfo,
         fd: BorrowedFd<'_>,
         offset: u64,
@@ -131,18 +134,25 @@ impl ShmTarget {
         drop(PeerMap::new(&fd, offset, info.len_bytes)?);
         let ctl = {
             let mut sh = self.shared();
-            sh.regions.insert(id, SharedRegion { info, fd, offset });
+            if sh.regions.len() >= link::MAX_OFFER_REGIONS {
+                return Err(ShmRefusal::Malformed("too many regions to share"));
+            }
+            sh.regions
+                .insert((id, piece), SharedRegion { info, fd, offset });
             Arc::clone(&sh.ctl)
         };
         ctl.retire();
         Ok(())
     }
 
-    /// Stops sharing region `id`; returns once no peer copies into it.
+    /// Stops sharing registration `id`; returns once no peer copies into
+    /// it.
     pub(crate) fn remove_region(&self, id: u64) {
         let ctl = {
             let mut sh = self.shared();
-            sh.regions.remove(&id).map(|_| Arc::clone(&sh.ctl))
+            let before = sh.regions.len();
+            sh.regions.retain(|&(i, _), _| i != id);
+            (sh.regions.len() != before).then(|| Arc::clone(&sh.ctl))
         };
         if let Some(ctl) = ctl {
             ctl.retire();
@@ -314,7 +324,7 @@ mod tests {
             addr: mem.as_ptr() as u64,
             len_bytes: 4096,
         };
-        t.add_region(1, info, mem.fd(), 0).unwrap();
+        t.add_region((1, 0), info, mem.fd(), 0).unwrap();
         let me = HostId::current().unwrap();
         let answer = link::Answer::decode(&t.hello(&me).unwrap()).unwrap();
         (t, mem, answer)

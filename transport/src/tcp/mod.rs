@@ -254,7 +254,7 @@ impl TcpTransport {
                 addr: addr as u64,
                 len_bytes: len_bytes as u64,
             };
-            if let Err(refusal) = shm.add_region(id.0, info, fd, offset) {
+            if let Err(refusal) = shm.add_region((id.0, 0), info, fd, offset) {
                 let _ = self.target.registry.remove(id);
                 return Err(MisuseError::BadConfig(format!("shared region: {refusal}")).into());
             }
@@ -344,23 +344,26 @@ pub(super) fn notification_answer(
 impl Transport for TcpTransport {
     type Session = TcpSession;
 
-    /// Memory mapped shared from a sealed `memfd` this process holds open
-    /// is shared with peers on this host, as by
-    /// [`TcpTransport::register_shared`].
+    /// The parts of the range mapped shared from a sealed `memfd` this
+    /// process holds open are shared with peers on this host, as by
+    /// [`TcpTransport::register_shared`]; batches touching the rest move
+    /// over tcp.
     unsafe fn register(&self, addr: *mut u8, len_bytes: usize) -> Result<RegionId, TransportError> {
-        let backing = self
-            .target
-            .shm
-            .as_ref()
-            .and_then(|_| crate::shm::shared_backing(addr as u64, len_bytes as u64));
+        let pieces = match &self.target.shm {
+            Some(_) => crate::shm::shared_pieces(addr as u64, len_bytes as u64),
+            None => Vec::new(),
+        };
         let id = self.target.registry.insert(addr as u64, len_bytes as u64)?;
-        if let (Some(shm), Some((fd, offset))) = (&self.target.shm, backing) {
-            let info = RegionInfo {
-                addr: addr as u64,
-                len_bytes: len_bytes as u64,
-            };
-            if let Err(refusal) = shm.add_region(id.0, info, fd.as_fd(), offset) {
-                tracing::info!(%refusal, "shm: a memfd region stays unshared");
+        if let Some(shm) = &self.target.shm {
+            for (k, p) in pieces.iter().enumerate() {
+                let info = RegionInfo {
+                    addr: p.addr,
+                    len_bytes: p.len,
+                };
+                if let Err(refusal) = shm.add_region((id.0, k as u32), info, p.fd.as_fd(), p.offset)
+                {
+                    tracing::info!(%refusal, "shm: a memfd region stays unshared");
+                }
             }
         }
         Ok(id)
