@@ -36,6 +36,7 @@ from engines import (
     completion_body,
     decode_params,
     make_model,
+    kvferry_counter,
     metrics,
     output_ids,
     prefill_params,
@@ -130,6 +131,12 @@ class TestPrefixCaching:
             before = pair.sources()
             out = pair.pd(PROMPTS[f"len{n}"])
             assert_moved(pair, f"len{n}", out, reference, before)
+        # Two engines on one host: their KV (vLLM's own tensors, moved onto
+        # shared files in place) went straight from one to the other.
+        eventually(
+            "KV bytes copied through shared memory",
+            lambda: sum(kvferry_counter(e.port, "shm_bytes") for e in (pair.prefill, pair.decode)) > 0,
+        )
 
     def test_a_decode_side_prefix_hit_loads_the_rest(self, pair, reference):
         local = completion(pair.decode.port, PROMPTS["prefix"], MAX_TOKENS)

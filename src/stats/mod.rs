@@ -47,6 +47,10 @@ kvferry_metrics::counter_set! {
     dead_now: Gauge "kvferry_peers_dead", "Peers marked dead now.";
     /// Payload bytes this node moved (writes it posted or reads it made).
     bytes: Counter "kvferry_transfer_bytes", "Payload bytes moved by the data plane.";
+    /// Of `bytes`, those copied straight through a peer's shared memory
+    /// (a peer on this host, `TransportKind::Auto` or `Shm`).
+    shm_bytes: Counter "kvferry_transfer_shm_bytes",
+        "Payload bytes copied through a peer's shared memory.";
     /// Descriptors posted.
     descriptors: Counter "kvferry_transfer_descriptors", "Descriptors posted to the data plane.";
     /// Batches that failed in the transport.

@@ -626,10 +626,15 @@ impl Sink {
             // when the task first runs.
             deadline: Instant::now() + shared.config.timeouts.transfer_bound,
         };
+        let (sessions, to) = (mv.sessions.clone(), mv.endpoint);
         glommio::spawn_local(async move {
             let result = mv.run().await;
             if result.as_ref().is_err_and(MoveError::is_connection_loss) {
                 shared.to_bridge(BridgeCmd::PeerUnreachable { peer: peer.0 });
+            }
+            if result.is_ok() && uses_shm(&sessions, &to) {
+                let c = &shared.counters;
+                c.shm_bytes.fetch_add(bytes, Ordering::Relaxed);
             }
             let ok = count_move(&shared, &poster, tid, result, uncarried, bytes, count).await;
             let _ = poster.post(tid, done(ok)).await;

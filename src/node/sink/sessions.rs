@@ -28,6 +28,19 @@ pub(super) fn make_room(
     }
 }
 
+/// Whether the session to `endpoint` copies through the peer's shared
+/// memory now (a slot in use by a transfer counts as not).
+pub(super) fn uses_shm(sessions: &Sessions, endpoint: &EndpointAddr) -> bool {
+    let map = sessions.borrow();
+    let Some(slot) = map.get(endpoint) else {
+        return false;
+    };
+    let Some(guard) = slot.try_lock() else {
+        return false;
+    };
+    matches!(guard.as_deref(), Some(AnySession::Tcp(s)) if s.uses_shm())
+}
+
 /// Where a data-plane batch goes.
 pub(super) struct Route<'a> {
     pub(super) transport: &'a AnyTransport,
