@@ -809,9 +809,13 @@ class StoreServer:
 
     def stored(self) -> int:
         """Values the server committed since it started."""
+        return self.counter("commits")
+
+    def counter(self, name: str) -> int:
+        """The server's counter `kvferry_store_<name>_total` (0 before any)."""
         with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=5) as r:
             for line in r.read().decode().splitlines():
-                if line.startswith(("kvferry_store_commits_total ", "kvferry_store_commits ")):
+                if line.startswith((f"kvferry_store_{name}_total ", f"kvferry_store_{name} ")):
                     return int(float(line.rsplit(" ", 1)[1]))
         return 0
 

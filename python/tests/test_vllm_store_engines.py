@@ -173,6 +173,9 @@ def test_engines_share_prefixes_through_a_store_server_that_may_die(model: str, 
     try:
         expected = save_all(a, server, PROMPTS)
         assert_loaded(b, PROMPTS, expected)
+        # The server is on the engines' host: it copied straight into and
+        # out of their KV (vLLM's tensors, moved onto shared files in place).
+        assert server.counter("shm_batches") > 0, "no batch went through shared memory"
         assert_faster_than_recomputing(a, b, server)
 
         # The server dies: both engines compute, nothing fails, B counts
