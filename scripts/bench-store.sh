@@ -2,7 +2,8 @@
 # kvferry store serve against Mooncake Store on this machine, alternated in
 # one run: ROUNDS pairs, each a `kvferry bench store` run (1 MiB values in
 # batches of 32, fresh keys, every byte verified) against a server process
-# on 127.0.0.1, then ../shared/bench/mooncake_store_baseline.sh (the same
+# on 127.0.0.1 (the engine's memory shared with it: one copy through
+# shared memory), then ../shared/bench/mooncake_store_baseline.sh (the same
 # shape through Mooncake's own store, installed from PyPI). Prints each
 # pair and the medians' ratios. Long (a minute per pair): not part of the
 # test command; docs/performance.md records its output.
@@ -39,7 +40,8 @@ k = json.load(open(sys.argv[1])); m = open(sys.argv[2]).read()
 mp = float(re.search(r"put_GBps_1MiB=([\d.]+)", m).group(1))
 mg = float(re.search(r"get_GBps_1MiB=([\d.]+)", m).group(1))
 print(f"round {sys.argv[3]}: kvferry put {k['put_gbps']:.2f} get {k['get_gbps']:.2f} GB/s "
-      f"(verify errors {k['verify_errors']}, lookup {k['lookup_keys']} keys {k['lookup_ms_p50']:.2f} ms "
+      f"({k['put_ratio_to_memcpy']:.2f}x and {k['get_ratio_to_memcpy']:.2f}x memcpy {k['memcpy_gbps']:.2f}; "
+      f"verify errors {k['verify_errors']}, lookup {k['lookup_keys']} keys {k['lookup_ms_p50']:.2f} ms "
       f"in {k['lookup_round_trips']:g} round trip) | mooncake put {mp:.2f} get {mg:.2f} GB/s")
 PY
 done
@@ -51,6 +53,8 @@ m = [open(f"{w}/mc.{r}.txt").read() for r in range(1, n + 1)]
 g = lambda key: [float(re.search(key + r"=([\d.]+)", x).group(1)) for x in m]
 kp, kg = st.median(x["put_gbps"] for x in k), st.median(x["get_gbps"] for x in k)
 mp, mg = st.median(g("put_GBps_1MiB")), st.median(g("get_GBps_1MiB"))
+km = st.median(x["memcpy_gbps"] for x in k)
 print(f"medians: kvferry put {kp:.2f} get {kg:.2f} GB/s, mooncake put {mp:.2f} get {mg:.2f} GB/s; "
-      f"ratio put {kp / mp:.2f} get {kg / mg:.2f}")
+      f"ratio put {kp / mp:.2f} get {kg / mg:.2f}; memcpy {km:.2f} GB/s, "
+      f"kvferry put {kp / km:.2f}x get {kg / km:.2f}x memcpy")
 PY
