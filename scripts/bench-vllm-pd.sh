@@ -5,7 +5,7 @@
 # (scripts/bench_vllm_pd.py says what is measured). Prints a markdown table
 # and writes target/bench-vllm-pd.json.
 #
-#   bash scripts/bench-vllm-pd.sh [--rounds N] [--requests N] [--store]
+#   bash scripts/bench-vllm-pd.sh [--rounds N] [--requests N] [--store] [--tcp]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1

@@ -15,6 +15,9 @@ With ``--store``, a third variant: kvferry's connector with a ``store``
 (``kvferry store serve``, a fresh server per round): the prefill engine
 saves each prompt as it sends it, and the decode engine loads what the
 store holds by the time it asks and the rest from the prefill engine.
+With ``--tcp``, kvferry's connector with ``transport: tcp`` and
+``shared_memory: false``: sockets only, against the default that copies
+through the engines' shared KV on one host.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class Pair:
         pythonpath: list[Any] = []
         if connector.startswith("kvferry"):
             extra = {"store": store} if store else {}
+            if connector == "kvferry-tcp":
+                # Sockets only, the KV left private: what the default
+                # (shared memory between engines on one host) gains over.
+                extra = {"transport": "tcp", "shared_memory": False}
             p_extra = {**extra, "bootstrap": f"{HOST}:{self.bootstrap_port}"}
             p_cfg = kv_config("kv_producer", self.engine_id, p_extra)
             d_cfg = kv_config("kv_consumer", f"{connector}-decode", extra)
@@ -161,6 +168,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40, help="per concurrency level and round")
     ap.add_argument("--json", default=str(ROOT / "target" / "bench-vllm-pd.json"))
     ap.add_argument("--store", action="store_true", help="also kvferry with a store")
+    ap.add_argument("--tcp", action="store_true", help="also kvferry over tcp sockets only")
     args = ap.parse_args()
     model = make_model(ROOT / "target" / "bench-model")
     rng = random.Random(7)
@@ -168,6 +176,7 @@ def main() -> None:
     with Engine(model, cores="0-1") as one:
         reference = {i: output_ids(completion(one.port, p, OUT_TOKENS)) for i, p in enumerate(prompts)}
     variants = ["mooncake", "kvferry"] + (["kvferry-store"] if args.store else [])
+    variants += ["kvferry-tcp"] if args.tcp else []
     results: dict[str, list] = {v: [] for v in variants}
     for r in range(args.rounds):
         # Rotating, so drift on a shared machine hits every variant alike.
