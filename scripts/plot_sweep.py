@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 STYLE = {
     "tcp": dict(color="tab:blue", marker="o"),
+    "shm": dict(color="tab:purple", marker="D"),
     "local": dict(color="tab:green", marker="s"),
     "memcpy": dict(color="tab:gray", marker=".", linestyle=":"),
     "iperf3": dict(color="tab:red", marker="^", linestyle="--"),
@@ -56,7 +57,7 @@ def plot_throughput(csv_path, out):
     series = defaultdict(list)
     with open(csv_path) as f:
         for r in csv.DictReader(f):
-            if r["transport"] in ("tcp", "local") and r["batch"] == "1":
+            if r["transport"] in ("tcp", "shm", "local") and r["batch"] == "1":
                 continue  # the latency runs, plotted separately
             series[r["transport"]].append((int(r["block_bytes"]), float(r["gbps"]), int(r["batch"])))
     fig, ax = plt.subplots(figsize=(8, 5))
