@@ -65,9 +65,13 @@ def test_sglangs_scheduler_start_builds_no_mooncake_engine_for_kvferry(pair):
 
 def test_a_request_moves_every_byte_through_sglangs_queues(pair):
     free_p, free_d = pair.ps.free(), pair.ds.free()
+    copied = kvferry._native._shm_copied_bytes()
     pair.add("r1", PROMPT, room=101)
     assert pair.run_until(lambda: pair.prefill_ended("r1") and pair.decode_transferred("r1"))
     check_moved(pair, "r1", len(PROMPT), first_token=1000)
+    # SGLang's own KV pool, moved onto shared files in place at
+    # registration: the prefill side copied straight into decode's.
+    assert kvferry._native._shm_copied_bytes() > copied, "not through shared memory"
     assert pair.ps.free()[1] == free_p[1], "prefill's metadata slot is back"
     pair.release_decode("r1")
     assert pair.ds.free()[1] == free_d[1], "decode's metadata slot is back"

@@ -329,3 +329,87 @@ fn a_new_fence_or_region_retires_the_old_map_and_peers_map_again() {
         assert_eq!(target.shm_stats().links_served, 3);
     });
 }
+
+#[test]
+fn a_fence_too_large_to_share_leaves_the_peer_on_tcp() {
+    block_on(async {
+        let target = bind(config(ShmMode::Auto));
+        let there = shared(&target, 4096, 0);
+        // 2^40 blocks of 16 bytes: more slots than a control file holds.
+        let fence = Rc::new(BlockFence::new(&[(there.as_ptr() as u64, 16)], 1 << 40));
+        fence.open([0u32]);
+        target.set_fence(Some(Rc::clone(&fence)));
+        let initiator = bind(config(ShmMode::Auto));
+        let mut src = vec![4u8; 16];
+        private(&initiator, &mut src);
+        let session = open(&initiator, &target).await.unwrap();
+        assert!(!session.uses_shm());
+        let d = [Desc {
+            local_addr: src.as_ptr() as u64,
+            remote_addr: there.as_ptr() as u64,
+            len_bytes: 16,
+        }];
+        session.transfer(Op::Write, &d).await.unwrap();
+        assert!(
+            bytes(&there)[..16].iter().all(|&b| b == 4),
+            "moved over tcp"
+        );
+        let strict = bind(config(ShmMode::Require));
+        assert!(open(&strict, &target).await.is_err());
+    });
+}
+
+#[test]
+fn a_batch_splits_between_shared_pages_and_private_edges() {
+    block_on(async {
+        // An engine's buffer, allocated by the engine (here an anonymous
+        // mapping, unaligned inside it), its whole pages moved onto a file
+        // in place: the edges stay private.
+        let len = 6 * 4096;
+        // SAFETY: a fresh anonymous mapping, unmapped at the end.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(map, libc::MAP_FAILED);
+        let buf = (map as u64 + 100, len as u64 - 200);
+        // SAFETY: inside our mapping, untouched meanwhile.
+        let file = unsafe { kvferry::transport::share_pages(buf.0 as *mut u8, buf.1 as usize) };
+        let _file = file.unwrap().expect("whole pages inside");
+        let target = bind(config(ShmMode::Auto));
+        // SAFETY: the mapping outlives the endpoint.
+        unsafe { target.register(buf.0 as *mut u8, buf.1 as usize).unwrap() };
+        let initiator = bind(config(ShmMode::Auto));
+        let mut src: Vec<u8> = (0..buf.1).map(|i| (i % 253) as u8).collect();
+        private(&initiator, &mut src);
+        let session = open(&initiator, &target).await.unwrap();
+        assert!(session.uses_shm());
+        // The whole pages are the mapping's pages 1 to 4: from byte 3996
+        // of the buffer to byte 20 380; the bytes around them are private.
+        let cuts = [0u64, 3996, 10_000, 20_380, buf.1];
+        let descs: Vec<Desc> = cuts
+            .windows(2)
+            .map(|w| Desc {
+                local_addr: src.as_ptr() as u64 + w[0],
+                remote_addr: buf.0 + w[0],
+                len_bytes: w[1] - w[0],
+            })
+            .collect();
+        session.transfer(Op::Write, &descs).await.unwrap();
+        let copied = session.shm_copied_bytes();
+        assert_eq!(copied, 4 * 4096, "the whole pages through shared memory");
+        // SAFETY: no transfer runs now.
+        let there = unsafe { std::slice::from_raw_parts(buf.0 as *const u8, buf.1 as usize) };
+        assert!(there == &src[..], "every byte, edges over tcp");
+        session.close().await;
+        drop((target, initiator));
+        // SAFETY: the mapping made above, no longer used.
+        unsafe { libc::munmap(map, len) };
+    });
+}

@@ -62,8 +62,7 @@ pub(crate) fn shared_pieces(addr: u64, len: u64) -> Vec<Piece> {
     let Ok(maps) = std::fs::File::open("/proc/self/maps") else {
         return Vec::new();
     };
-    // Runs of (start, end, offset at start, dev, inode), clipped.
-    let mut runs: Vec<(u64, u64, u64, (u32, u32), u64)> = Vec::new();
+    let mut runs: Vec<Run> = Vec::new();
     for line in BufReader::new(maps).lines().map_while(Result::ok) {
         let Some(m) = parse(&line) else { continue };
         if m.end <= addr || !(m.shared && m.memfd) {
@@ -72,26 +71,44 @@ pub(crate) fn shared_pieces(addr: u64, len: u64) -> Vec<Piece> {
         if m.start >= end {
             break;
         }
-        let (s, e) = (m.start.max(addr), m.end.min(end));
-        let off = m.offset + (s - m.start);
+        let (start, stop) = (m.start.max(addr), m.end.min(end));
+        let offset = m.offset + (start - m.start);
+        let file = (m.dev, m.inode);
         match runs.last_mut() {
-            Some(r) if r.1 == s && (r.3, r.4) == (m.dev, m.inode) && r.2 + (s - r.0) == off => {
-                r.1 = e
+            Some(r)
+                if r.end == start && r.file == file && r.offset + (start - r.start) == offset =>
+            {
+                r.end = stop
             }
-            _ => runs.push((s, e, off, m.dev, m.inode)),
+            _ => runs.push(Run {
+                start,
+                end: stop,
+                offset,
+                file,
+            }),
         }
     }
     runs.into_iter()
-        .filter_map(|(s, e, offset, dev, inode)| {
-            let fd = open_fd(dev, inode)?;
+        .filter_map(|r| {
+            let fd = open_fd(r.file.0, r.file.1)?;
             Some(Piece {
-                addr: s,
-                len: e - s,
+                addr: r.start,
+                len: r.end - r.start,
                 fd,
-                offset,
+                offset: r.offset,
             })
         })
         .collect()
+}
+
+/// A run of one file at consecutive offsets, clipped to the range asked.
+struct Run {
+    start: u64,
+    end: u64,
+    /// The file's offset at `start`.
+    offset: u64,
+    /// Device and inode.
+    file: ((u32, u32), u64),
 }
 
 /// A duplicate of an open descriptor of this process on file (dev, inode).

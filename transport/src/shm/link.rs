@@ -440,11 +440,9 @@ impl ShmLink {
         self.ctl.current()
     }
 
-    /// True if every target range of `descs` is in the link's regions.
-    pub(crate) fn covers(&self, descs: &[crate::Desc]) -> bool {
-        descs
-            .iter()
-            .all(|d| self.translate(d.remote_addr, d.len_bytes).is_some())
+    /// True if the target range of `d` is in the link's regions.
+    pub(crate) fn covers(&self, d: &crate::Desc) -> bool {
+        self.translate(d.remote_addr, d.len_bytes).is_some()
     }
 
     /// Copies one chunk: `local` (this side, registered and checked by the

@@ -38,6 +38,9 @@ struct Shared {
     regions: BTreeMap<(u64, u32), SharedRegion>,
     ctl: Arc<CtlOwner>,
     fence: (Vec<FenceRegion>, Vec<u64>),
+    /// The fence is too large for a control file: nothing is shared
+    /// until a fence that fits is set.
+    unfit: bool,
     tokens: VecDeque<[u8; TOKEN_LEN]>,
     links_served: u64,
     refused: u64,
@@ -72,6 +75,7 @@ impl ShmTarget {
             regions: BTreeMap::new(),
             ctl: Arc::new(ctl),
             fence: (Vec::new(), Vec::new()),
+            unfit: false,
             tokens: VecDeque::new(),
             links_served: 0,
             refused: 0,
@@ -104,7 +108,7 @@ impl ShmTarget {
             sh.refused += 1;
             return None;
         }
-        if sh.regions.is_empty() {
+        if sh.regions.is_empty() || sh.unfit {
             return None;
         }
         let token = link::random_token();
@@ -136,6 +140,9 @@ impl ShmTarget {
             let mut sh = self.shared();
             if sh.regions.len() >= link::MAX_OFFER_REGIONS {
                 return Err(ShmRefusal::Malformed("too many regions to share"));
+            }
+            if sh.unfit {
+                return Err(ShmRefusal::Malformed("a block fence too large to share"));
             }
             sh.regions
                 .insert((id, piece), SharedRegion { info, fd, offset });
@@ -171,7 +178,11 @@ impl ShmTarget {
                 slots = layout.1.iter().sum::<u64>(),
                 "shm: the block fence is too large to share; peers use tcp"
             );
-            self.shared().regions.clear();
+            {
+                let mut sh = self.shared();
+                sh.regions.clear();
+                sh.unfit = true;
+            }
             self.retire_current(old);
             return;
         };
@@ -181,6 +192,7 @@ impl ShmTarget {
         let previous = {
             let mut sh = self.shared();
             sh.fence = layout;
+            sh.unfit = false;
             std::mem::replace(&mut sh.ctl, ctl)
         };
         if let Some(f) = old {

@@ -52,6 +52,8 @@ struct SessionInner {
     /// When the last shm hello went out (a batch the link does not cover
     /// asks again at most once a second: the peer may share more now).
     shm_hello_at: Cell<Option<Instant>>,
+    /// Bytes this session copied through the peer's shared memory.
+    shm_copied: Cell<u64>,
 }
 
 /// A session to one TCP peer. Cheap to clone; clones share the streams.
@@ -81,6 +83,7 @@ impl TcpTransport {
                 closed: Cell::new(false),
                 shm: RefCell::new(None),
                 shm_hello_at: Cell::new(None),
+                shm_copied: Cell::new(0),
             }),
         };
         // Connect one stream now, so an unreachable peer fails here, and
@@ -345,16 +348,20 @@ impl SessionInner {
             .ok_or_else(|| protocol("malformed shm answer"))
     }
 
-    /// Moves the batch through the peer's shared memory when the link
-    /// covers it: `None` when tcp frames should move it instead.
+    /// Moves the descriptors of the batch whose target memory the peer
+    /// shares through the link. `None`: no link, tcp moves everything;
+    /// `Some(Ok(rest))`: the indices of the descriptors left for tcp (the
+    /// target's private memory, such as the partial pages at the edges of
+    /// an engine's buffer shared in place). With [`ShmMode::Require`] a
+    /// batch that cannot go entirely through shared memory fails.
     async fn shm_transfer(
         &self,
         op: Op,
         descs: &[Desc],
         deadline: Instant,
-    ) -> Option<Result<(), TransportError>> {
+    ) -> Option<Result<Vec<usize>, TransportError>> {
         let require = self.config.shm.mode == ShmMode::Require;
-        let uncovered = || -> Option<Result<(), TransportError>> {
+        let refuse = || -> Option<Result<Vec<usize>, TransportError>> {
             require.then(|| Err(PeerError::ShmRefused(ShmRefusal::NotOffered).into()))
         };
         // One new handshake per batch at most: a peer that keeps retiring
@@ -362,36 +369,33 @@ impl SessionInner {
         let mut may_ask = true;
         loop {
             let link = self.shm.borrow().clone();
-            let covered = link.as_ref().filter(|l| l.covers(descs));
-            let Some(link) = covered else {
+            let Some(link) = link.filter(|l| l.current()) else {
                 // Ask again when the peer changed what it shares, or, with
                 // no link, at most once a second.
-                let ask = match &link {
-                    Some(l) => !l.current(),
-                    None => self
-                        .shm_hello_at
-                        .get()
-                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(1)),
-                };
+                let ask = self.shm.borrow().is_some()
+                    || (self.shm_hello_at.get())
+                        .is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
                 if !(may_ask && ask) || self.connect_shm().await.is_err() {
-                    return uncovered();
+                    return refuse();
                 }
                 may_ask = false;
                 continue;
             };
-            match self
-                .copy_through(Rc::clone(link), op, descs, deadline)
-                .await
-            {
-                Ok(()) => return Some(Ok(())),
+            let (here, rest): (Vec<usize>, Vec<usize>) =
+                (0..descs.len()).partition(|&i| link.covers(&descs[i]));
+            if here.is_empty() || (require && !rest.is_empty()) {
+                return refuse();
+            }
+            let covered: Vec<Desc> = here.iter().map(|&i| descs[i]).collect();
+            match self.copy_through(link, op, &covered, deadline).await {
+                Ok(()) => return Some(Ok(rest)),
                 Err(CopyFail::Stale) if may_ask => {
                     may_ask = false;
                     if self.connect_shm().await.is_err() {
-                        return uncovered();
+                        return refuse();
                     }
                 }
-                Err(CopyFail::Stale) => return uncovered(),
-                Err(CopyFail::Uncovered) => return uncovered(),
+                Err(CopyFail::Stale | CopyFail::Uncovered) => return refuse(),
                 Err(CopyFail::Fenced) => {
                     let during = "copying through shared memory";
                     return Some(Err(TransportError::Fenced { during }));
@@ -423,6 +427,7 @@ impl SessionInner {
                 let n = SHM_CHUNK_BYTES.min(d.len_bytes - off);
                 let (local, remote) = (d.local_addr + off, d.remote_addr + off);
                 link.copy_chunk(op == Op::Write, local, remote, n, fence.as_deref())?;
+                self.shm_copied.set(self.shm_copied.get() + n);
                 off += n;
                 since_yield += n;
                 if since_yield >= YIELD_EVERY_BYTES {
@@ -475,20 +480,32 @@ impl SessionInner {
             .local
             .pin(descs.iter().map(|d| (d.local_addr, d.len_bytes)))
             .map_err(|(index, fault)| MisuseError::LocalDescriptor { index, fault })?;
+        let deadline = Instant::now() + bound;
+        let mut rest = None;
         if self.config.shm.mode != ShmMode::Off {
-            let deadline = Instant::now() + bound;
-            // A batch through shared memory delivers no trailer: the
-            // caller sends it its own way.
             let copied = within(bound, async {
                 Ok(self.shm_transfer(op, descs, deadline).await)
             });
-            if let Some(done) = copied.await? {
-                return done.map(|()| false);
+            match copied.await? {
+                None => {}
+                Some(Err(e)) => return Err(e),
+                // A batch wholly through shared memory delivers no
+                // trailer: the caller sends it its own way.
+                Some(Ok(r)) if r.is_empty() => return Ok(false),
+                // The rest over tcp, its trailer behind its frames (the
+                // shared-memory part landed before they went out).
+                Some(Ok(r)) => rest = Some(r),
             }
         }
-        let plan = plan(descs, &self.config);
-        let body = self.run_plan(op, descs, &plan, trailer);
-        within(bound, body).await
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Some(rest) = rest else {
+            let plan = plan(descs, &self.config);
+            return within(left, self.run_plan(op, descs, &plan, trailer)).await;
+        };
+        let part: Vec<Desc> = rest.iter().map(|&i| descs[i]).collect();
+        let plan = plan(&part, &self.config);
+        let moved = within(left, self.run_plan(op, &part, &plan, trailer)).await;
+        moved.map_err(|e| blame_in(e, &rest))
     }
 
     async fn run_plan(
@@ -786,6 +803,27 @@ impl<'p> StreamRun<'p> {
     }
 }
 
+/// `e` with the descriptor it blames (an index into a part of the batch,
+/// `part[i]` its index in the whole batch) renumbered to the whole batch.
+fn blame_in(e: TransportError, part: &[usize]) -> TransportError {
+    let whole = |i: usize| part.get(i).copied().unwrap_or(i);
+    match e {
+        TransportError::Peer(PeerError::Rejected { reason, index }) => PeerError::Rejected {
+            reason,
+            index: whole(index),
+        }
+        .into(),
+        TransportError::Misuse(MisuseError::RemoteDescriptor { index, fault }) => {
+            MisuseError::RemoteDescriptor {
+                index: whole(index),
+                fault,
+            }
+            .into()
+        }
+        other => other,
+    }
+}
+
 /// The request id of a trailer: the one after the plan's frames.
 fn trailer_id(plan: &Plan<'_>, s: &Stream) -> u64 {
     s.base_req_id.wrapping_add(plan.frames.len() as u64)
@@ -850,6 +888,11 @@ impl TcpSession {
     /// Whether batches to this peer go through its shared memory now.
     pub fn uses_shm(&self) -> bool {
         self.inner.shm.borrow().is_some()
+    }
+
+    /// Bytes this session copied through the peer's shared memory.
+    pub fn shm_copied_bytes(&self) -> u64 {
+        self.inner.shm_copied.get()
     }
 
     /// The peer's regions as last learned from it.
