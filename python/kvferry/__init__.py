@@ -105,16 +105,26 @@ def _with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
         settings["listen"] = "127.0.0.1"
 
 
-def _share_buffers(buffers: "Iterable[tuple[int, int]]") -> "list[int]":
+#: The objects owning buffers shared in place, never released: a freed
+#: buffer's shared pages would go back to the allocator and hold other
+#: objects, and a ``fork`` would then share those with the child instead
+#: of copying them. KV caches live as long as their engine process anyway.
+_SHARED_OWNERS: "list[Any]" = []
+
+
+def _share_buffers(buffers: "Iterable[tuple[int, int]]", owners: "Iterable[Any]" = ()) -> "list[int]":
     """Moves the whole pages of each host buffer ``(address, length)`` onto
     a sealed ``memfd`` in place (``_native._share_pages``), so that a peer
     on this host (the other engine, a ``kvferry store serve``) copies
     straight into and out of it: the addresses and bytes stay as they are,
     as does every view the engine made. For an engine's KV cache, which
     the engine allocates itself, before its first step (nothing may touch
-    the buffers during the call). Returns the files' descriptors (keep them
-    open until the memory is registered); a buffer that cannot be shared
-    stays private and moves over tcp, logged."""
+    the buffers during the call). ``owners`` (the objects that own the
+    buffers) are kept alive for the life of the process: the buffers must
+    never be freed. Returns the files' descriptors (keep them open until
+    the memory is registered); a buffer that cannot be shared stays
+    private and moves over tcp, logged."""
+    _SHARED_OWNERS.extend(owners)
     fds: "list[int]" = []
     seen: "set[int]" = set()
     for ptr, size in buffers:

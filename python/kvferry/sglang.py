@@ -245,7 +245,8 @@ class KvferryKVManager(BaseKVManager):
             _refuse_device_memory(server_args, self.node.settings)
             if os.environ.get("KVFERRY_SHARED_MEMORY", "1").lower() not in ("0", "false", "no", "off"):
                 # SGLang allocated the pool (``MHATokenToKVPool``) before the
-                # manager exists: its pages move onto shared files in place.
+                # manager exists, for the life of the scheduler process: its
+                # pages move onto shared files in place.
                 files = kvferry._share_buffers(zip(args.kv_data_ptrs, args.kv_data_lens))
             self.pools = self._register(args, self.is_mla_backend)
         except BaseException:

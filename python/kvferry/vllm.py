@@ -397,9 +397,10 @@ def share_kv_memory(tensors: "Iterable[torch.Tensor]") -> "list[int]":
     views of it to the attention layers before ``register_kv_caches``
     (``gpu_model_runner.initialize_kv_cache_tensors``), so the memory cannot
     be swapped for other memory: its pages are moved under the same
-    addresses instead."""
-    storages = (t.untyped_storage() for t in tensors if t.device.type == "cpu")
-    return kvferry._share_buffers((s.data_ptr(), s.nbytes()) for s in storages)
+    addresses instead. The storages are kept for the life of the process
+    (``kvferry._SHARED_OWNERS``)."""
+    storages = [t.untyped_storage() for t in tensors if t.device.type == "cpu"]
+    return kvferry._share_buffers(((s.data_ptr(), s.nbytes()) for s in storages), owners=storages)
 
 
 def _settings(extra: dict) -> dict:

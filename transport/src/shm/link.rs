@@ -478,3 +478,81 @@ impl ShmLink {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn offer(regions: usize, fenced: usize) -> Offer {
+        Offer {
+            generation: 7,
+            lane: 3,
+            lanes: 64,
+            counts: vec![1024, 16],
+            fence: (0..fenced as u64)
+                .map(|i| FenceRegion {
+                    base: 0x1000 + i * 0x10_0000,
+                    stride: 4096,
+                    count: 16,
+                    space: if i % 2 == 0 {
+                        Space::Kv
+                    } else {
+                        Space::Pool(0)
+                    },
+                })
+                .collect(),
+            regions: (0..regions as u64)
+                .map(|i| OfferRegion {
+                    info: RegionInfo {
+                        addr: 0x7000_0000 + i * 0x100_0000,
+                        len_bytes: 0x8000,
+                    },
+                    offset: i * 4096,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_offer_round_trips_and_a_cut_or_bent_one_is_refused() {
+        let o = offer(3, 4);
+        let b = o.encode();
+        assert_eq!(Offer::decode(&b), Ok(o));
+        assert!(Offer::decode(&b[..b.len() - 8]).is_err(), "cut");
+        let mut bent = b.clone();
+        bent[8] ^= 1;
+        assert!(Offer::decode(&bent).is_err(), "magic");
+        let mut many = offer(0, 0);
+        many.counts = vec![1; super::super::ctl::MAX_SPACES + 1];
+        assert!(Offer::decode(&many.encode()).is_err(), "too many spaces");
+        let mut space = offer(0, 1);
+        space.fence[0].space = Space::Pool(5);
+        assert!(
+            Offer::decode(&space.encode()).is_err(),
+            "a pool the counts lack"
+        );
+    }
+
+    proptest! {
+        /// Whatever a peer sends, decoding returns, and what it accepts
+        /// holds only what the bounds allow.
+        #[test]
+        fn decoding_any_bytes_returns_within_bounds(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            if let Ok(o) = Offer::decode(&bytes) {
+                prop_assert!(o.regions.len() <= MAX_OFFER_REGIONS);
+                prop_assert!(o.fence.len() <= MAX_OFFER_FENCE);
+                prop_assert!(o.fence.iter().all(|r| r.space.index() < o.counts.len()));
+            }
+        }
+
+        /// Decoding a valid offer with one word changed never panics.
+        #[test]
+        fn a_valid_offer_with_a_word_changed_decodes_or_is_refused(at in 0usize..64, word in any::<u64>()) {
+            let mut b = offer(2, 2).encode();
+            let i = (at % (b.len() / 8)) * 8;
+            b[i..i + 8].copy_from_slice(&word.to_le_bytes());
+            let _ = Offer::decode(&b);
+        }
+    }
+}

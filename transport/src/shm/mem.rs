@@ -194,7 +194,10 @@ impl Drop for PeerMap {
 ///
 /// The range must be memory this process owns, mapped read-write, and
 /// nothing may read or write it during the call (its pages are copied,
-/// then replaced).
+/// then replaced). It must then stay allocated for the life of the
+/// process (or be unmapped whole): freed to an allocator, its pages, now a
+/// shared file's, would hold whatever the allocator puts there next, and a
+/// `fork` would share them with the child instead of copying them.
 pub unsafe fn share_pages(addr: *mut u8, len: usize) -> io::Result<Option<OwnedFd>> {
     let page = page_size();
     let (a, e) = (addr as u64, (addr as u64).saturating_add(len as u64));
