@@ -574,16 +574,21 @@ fn verify_and_memcpy(p: &Params, mut m: Measured, src_addr: u64, dst_addr: u64) 
     m
 }
 
-/// Single-thread memcpy of the same buffers, block by block, in GB/s.
+/// Single-thread memcpy of `src` into `dst`, block by block, in GB/s:
+/// `dst` is one `src`-sized window or several, filled in turn (a store's
+/// memory receives a batch where older values are not; one window over
+/// and over measures the cache where the batch fits it).
 pub(crate) fn measure_memcpy(src: &[u8], dst: &mut [u8], block: usize, seconds: f64) -> f64 {
+    let windows = (dst.len() / src.len().max(1)).max(1);
     let start = Instant::now();
     let mut bytes = 0u64;
     let mut rounds = 0;
-    while rounds < 3 || start.elapsed().as_secs_f64() < seconds {
-        for (s, d) in src.chunks(block).zip(dst.chunks_mut(block)) {
+    while rounds < 3 * windows || start.elapsed().as_secs_f64() < seconds {
+        let window = &mut dst[(rounds % windows) * src.len()..][..src.len()];
+        for (s, d) in src.chunks(block).zip(window.chunks_mut(block)) {
             d.copy_from_slice(s);
         }
-        std::hint::black_box(&mut *dst);
+        std::hint::black_box(&mut *window);
         bytes += src.len() as u64;
         rounds += 1;
     }

@@ -34,6 +34,13 @@ pub trait ActionSink<M: Machine> {
         let _ = (transfer_id, machine, phase, now);
     }
 
+    /// Called after a terminal phase, which `on_phase` saw first, became
+    /// visible to other threads (the executor's completion board): where
+    /// the sink wakes whoever waits for it. The default does nothing.
+    fn on_published(&mut self, transfer_id: TransferId, phase: Phase) {
+        let _ = (transfer_id, phase);
+    }
+
     /// An event for a transfer that has no machine here (it ended, or
     /// never was here), which the executor drops after this call: a peer's
     /// message in it may still deserve an answer, so that the peer does

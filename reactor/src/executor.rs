@@ -654,11 +654,23 @@ impl<M: Machine, S: ActionSink<M>> ActionSink<M> for BoardSink<'_, S> {
     }
 
     fn on_phase(&mut self, transfer_id: TransferId, machine: &M, phase: Phase, now: Instant) {
-        if phase.is_terminal() {
-            self.ended += 1;
+        if !phase.is_terminal() {
+            self.board.publish(transfer_id, phase);
+            self.inner.on_phase(transfer_id, machine, phase, now);
+            return;
         }
-        self.board.publish(transfer_id, phase);
+        // The sink first (it closes the request's blocks to every copy,
+        // shared-memory peers' included, and records the outcome), then
+        // the board: whoever sees the phase there may reuse the blocks at
+        // once and expects the outcome among the finished ones.
+        self.ended += 1;
         self.inner.on_phase(transfer_id, machine, phase, now);
+        self.board.publish(transfer_id, phase);
+        self.inner.on_published(transfer_id, phase);
+    }
+
+    fn on_published(&mut self, transfer_id: TransferId, phase: Phase) {
+        self.inner.on_published(transfer_id, phase);
     }
 
     fn on_late_event(&mut self, transfer_id: TransferId, event: M::Event) {

@@ -650,6 +650,11 @@ impl Shared {
             (Direction::Send, _) => {}
         }
         self.record(tid, direction, phase, written);
+    }
+
+    /// Wakes whoever waits for a terminal phase, once the phase of `tid`
+    /// shows on the completion board (after `on_terminal`).
+    pub(crate) fn on_published(&self, tid: TransferId, phase: Phase) {
         if let Some(sink) = &self.config.events {
             let _ = sink.tx.try_send(Event {
                 tag: sink.tag,

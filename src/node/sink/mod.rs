@@ -913,6 +913,10 @@ impl ActionSink<Duplex> for Sink {
         self.report(tid, machine.direction(), phase, now);
     }
 
+    fn on_published(&mut self, tid: TransferId, phase: Phase) {
+        self.shared.on_published(tid, phase);
+    }
+
     /// A peer's message whose machine ended before it was handed over (an
     /// engine's abort overtook decode's first `Pull`, say): the bridge
     /// answers it as it answers any message for an ended transfer, so the

@@ -196,12 +196,7 @@ pub(crate) fn send_offer(
         iov_base: bytes.as_ptr() as *mut _,
         iov_len: bytes.len(),
     };
-    // SAFETY: a zeroed msghdr is valid; every pointer below outlives the call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = cbuf.len() as _;
+    let msg = msghdr(&mut iov, &mut cbuf);
     // SAFETY: the control buffer has room for one header and the fds.
     unsafe {
         let c = libc::CMSG_FIRSTHDR(&msg);
@@ -221,6 +216,17 @@ pub(crate) fn send_offer(
         .map_err(ShmRefusal::io)
 }
 
+/// A message of one buffer and a control buffer; both must outlive its use.
+fn msghdr(iov: &mut libc::iovec, control: &mut [u8]) -> libc::msghdr {
+    // SAFETY: a zeroed msghdr is valid (no buffers).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = control.len() as _;
+    msg
+}
+
 fn cmsg_space(fds: usize) -> usize {
     // SAFETY: pure arithmetic.
     unsafe { libc::CMSG_SPACE((fds * std::mem::size_of::<RawFd>()) as u32) as usize }
@@ -234,12 +240,7 @@ fn recv_offer(conn: &UnixStream) -> Result<(Offer, Vec<OwnedFd>), ShmRefusal> {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
     };
-    // SAFETY: as in `send_offer`.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = cbuf.len() as _;
+    let mut msg = msghdr(&mut iov, &mut cbuf);
     // SAFETY: `msg` describes valid buffers.
     let n = unsafe { libc::recvmsg(conn.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
     if n <= 0 {
