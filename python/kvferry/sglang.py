@@ -243,7 +243,10 @@ class KvferryKVManager(BaseKVManager):
         files: "list[int]" = []
         try:
             _refuse_device_memory(server_args, self.node.settings)
-            if os.environ.get("KVFERRY_SHARED_MEMORY", "1").lower() not in ("0", "false", "no", "off"):
+            # Opt-in for SGLang: with it on, a test of a prefill engine with
+            # two pipeline stages feeding a decode engine timed out under
+            # load (the decode's request expired), cause not found yet.
+            if os.environ.get("KVFERRY_SHARED_MEMORY", "0").lower() not in ("0", "false", "no", "off"):
                 # SGLang allocated the pool (``MHATokenToKVPool``) before the
                 # manager exists, for the life of the scheduler process: its
                 # pages move onto shared files in place.

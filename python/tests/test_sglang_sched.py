@@ -31,7 +31,12 @@ PROMPT = list(range(11, 21))  # 10 tokens: two whole pages and a partial one
 
 @pytest.fixture(scope="module")
 def pair():
-    p = Pair()
+    # Shared memory is opt-in for SGLang: these engines share their KV pool.
+    os.environ["KVFERRY_SHARED_MEMORY"] = "1"
+    try:
+        p = Pair()
+    finally:
+        del os.environ["KVFERRY_SHARED_MEMORY"]
     yield p
     p.close()
 
