@@ -52,7 +52,7 @@ struct SessionInner {
     /// When the last shm hello went out (a batch the link does not cover
     /// asks again at most once a second: the peer may share more now).
     shm_hello_at: Cell<Option<Instant>>,
-    /// Bytes this session copied through the peer's shared memory.
+    /// Bytes copied through the peer's shared memory over this `TcpSession`.
     shm_copied: Cell<u64>,
 }
 
@@ -890,7 +890,7 @@ impl TcpSession {
         self.inner.shm.borrow().is_some()
     }
 
-    /// Bytes this session copied through the peer's shared memory.
+    /// Bytes copied through the peer's shared memory over this `TcpSession`.
     pub fn shm_copied_bytes(&self) -> u64 {
         self.inner.shm_copied.get()
     }
