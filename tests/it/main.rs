@@ -20,6 +20,7 @@ mod node_limits;
 mod probe_interval;
 mod scheduler;
 mod settings;
+mod transport_device;
 mod transport_local;
 mod transport_mooncake;
 mod transport_shm;

@@ -16,6 +16,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::device::CopyTracker;
 use crate::shm::CtlOwner;
 
 /// What the fence counts opens of: a KV block (one id names that block in
@@ -136,6 +137,9 @@ pub struct BlockFence {
     /// Shared copies of the open slots, one per endpoint whose peers copy
     /// into this memory through shared mappings (`crate::shm`).
     mirrors: RefCell<Vec<Arc<CtlOwner>>>,
+    /// The device copies of the endpoints staging this memory: a close
+    /// waits for those in flight on the slots it closes.
+    copies: RefCell<Vec<std::rc::Rc<CopyTracker>>>,
 }
 
 impl BlockFence {
@@ -191,6 +195,7 @@ impl BlockFence {
             counts,
             closes: Cell::new(0),
             mirrors: RefCell::new(Vec::new()),
+            copies: RefCell::new(Vec::new()),
         }
     }
 
@@ -206,6 +211,18 @@ impl BlockFence {
             ctl.set_open(k);
         }
         self.mirrors.borrow_mut().push(ctl);
+    }
+
+    /// Makes closes wait for `copies` in flight on the slots they close.
+    pub(crate) fn attach_copies(&self, copies: std::rc::Rc<CopyTracker>) {
+        self.copies.borrow_mut().push(copies);
+    }
+
+    /// Stops waiting for `copies`.
+    pub(crate) fn detach_copies(&self, copies: &std::rc::Rc<CopyTracker>) {
+        self.copies
+            .borrow_mut()
+            .retain(|c| !std::rc::Rc::ptr_eq(c, copies));
     }
 
     /// Stops mirroring into `ctl`.
@@ -246,7 +263,8 @@ impl BlockFence {
 
     /// Closes `keys` once each. A slot that closes for good is closed to
     /// peers' shared-memory copies too, and this returns only once the
-    /// copies that saw it open have ended.
+    /// copies that saw it open have ended, theirs and this endpoint's
+    /// device copies alike.
     pub fn close<K: Into<FenceKey>>(&self, keys: impl IntoIterator<Item = K>) {
         let mut open = self.open.borrow_mut();
         let mut shut = Vec::new();
@@ -264,6 +282,11 @@ impl BlockFence {
         self.closes.set(self.closes.get().wrapping_add(1));
         for m in self.mirrors.borrow().iter() {
             m.close(&shut);
+        }
+        if !shut.is_empty() {
+            for c in self.copies.borrow().iter() {
+                c.drain(|addr, len| self.keys_in(addr, len).iter().any(|k| shut.contains(k)));
+            }
         }
     }
 

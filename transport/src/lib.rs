@@ -32,6 +32,7 @@
 //! ```
 
 mod any;
+mod device;
 mod fdio;
 mod fence;
 mod local;
@@ -50,6 +51,12 @@ use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 pub use any::{AnySession, AnyTransport};
+#[cfg(feature = "cuda")]
+pub use device::CudaDevice;
+pub use device::{
+    open_cuda, CopyStream, Device, DeviceError, Dir, EngineEvent, HostDevice, Lease, Mark, Pinned,
+    PoolStats, StagingPool,
+};
 pub use fence::{BlockFence, FenceKey, FencePool};
 pub use local::{LocalSession, LocalTransport};
 pub use mooncake::{Cadence, MooncakeConfig, MooncakeSession, MooncakeTransport};
@@ -59,7 +66,9 @@ pub use shm::{
     share_pages, shm_copied_bytes, SharedMem, ShmConfig, ShmMode, ShmRefusal, ShmStats,
     SHM_CHUNK_BYTES,
 };
-pub use tcp::{NotifyHandler, TcpConfig, TcpSession, TcpThreadStats, TcpTransport};
+pub use tcp::{
+    NotifyHandler, StagingConfig, StagingStats, TcpConfig, TcpSession, TcpThreadStats, TcpTransport,
+};
 
 /// The wire format and the resolver's knobs, for the node, the CLI's
 /// benchmarks and the tests; not an embedder's API.
@@ -245,6 +254,15 @@ pub enum TransportError {
         #[source]
         source: mooncake_sys::Error,
     },
+    /// A device call failed (device memory staged or copied).
+    #[error("{during}: {source}")]
+    Device {
+        /// What the endpoint was doing.
+        during: &'static str,
+        /// The device's error.
+        #[source]
+        source: DeviceError,
+    },
     /// The batch did not complete within the configured bound.
     #[error("batch did not complete within {after_ms} ms")]
     Timeout {
@@ -254,6 +272,10 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    pub(crate) fn device(during: &'static str) -> impl Fn(DeviceError) -> TransportError {
+        move |source| TransportError::Device { during, source }
+    }
+
     pub(crate) fn io(during: &'static str, source: std::io::Error) -> Self {
         TransportError::Io { during, source }
     }

@@ -54,6 +54,8 @@ pub const DEFAULT_MAX_REGIONS: usize = 4096;
 struct Entry {
     len_bytes: u64,
     pins: u64,
+    /// Device memory: sockets never touch it, copy engines do.
+    device: bool,
 }
 
 #[derive(Debug)]
@@ -95,6 +97,20 @@ impl Registry {
     /// Adds a region. The caller's safety promise lives on
     /// [`super::Transport::register`]; this only records the range.
     pub fn insert(&self, addr: u64, len_bytes: u64) -> Result<RegionId, MisuseError> {
+        self.insert_kind(addr, len_bytes, false)
+    }
+
+    /// Adds a region of device memory (already checked with its driver).
+    pub fn insert_device(&self, addr: u64, len_bytes: u64) -> Result<RegionId, MisuseError> {
+        self.insert_kind(addr, len_bytes, true)
+    }
+
+    fn insert_kind(
+        &self,
+        addr: u64,
+        len_bytes: u64,
+        device: bool,
+    ) -> Result<RegionId, MisuseError> {
         let end = addr.checked_add(len_bytes);
         if len_bytes == 0 || end.is_none() {
             return Err(MisuseError::BadRegion { addr, len_bytes });
@@ -117,7 +133,14 @@ impl Registry {
         }
         let id = RegionId(inner.next_id);
         inner.next_id += 1;
-        inner.by_addr.insert(addr, Entry { len_bytes, pins: 0 });
+        inner.by_addr.insert(
+            addr,
+            Entry {
+                len_bytes,
+                pins: 0,
+                device,
+            },
+        );
         inner.by_id.insert(id.0, addr);
         Ok(id)
     }
@@ -167,16 +190,26 @@ impl Registry {
                 starts.push(start);
             }
         }
+        let mut device = false;
         for start in &starts {
             if let Some(e) = inner.by_addr.get_mut(start) {
                 e.pins += 1;
+                device |= e.device;
             }
         }
         drop(inner);
         Ok(Pins {
             registry: Arc::clone(self),
             starts,
+            device,
         })
+    }
+
+    /// Whether `addr` lies in a region of device memory.
+    pub fn is_device(&self, addr: u64) -> bool {
+        let inner = self.lock();
+        let found = find(&inner.by_addr, addr, 1, None).ok();
+        found.is_some_and(|start| inner.by_addr.get(&start).is_some_and(|e| e.device))
     }
 
     fn unpin(&self, starts: &[u64]) {
@@ -247,6 +280,15 @@ pub fn check_remote(
 pub struct Pins {
     registry: Arc<Registry>,
     starts: Vec<u64>,
+    device: bool,
+}
+
+impl Pins {
+    /// Whether any pinned range is device memory (then each range's kind
+    /// is asked with [`Registry::is_device`]; host batches never are).
+    pub fn touches_device(&self) -> bool {
+        self.device
+    }
 }
 
 impl Drop for Pins {

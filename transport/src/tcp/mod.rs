@@ -26,12 +26,14 @@ use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, IntoRawFd, RawFd};
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use glommio::net::TcpListener;
 use glommio::Task;
 use slab::Slab;
 
+use super::device::{CopyTracker, Device, EngineEvent, PoolStats, StagingPool};
 use super::fdio::IoFail;
 use super::fence::BlockFence;
 use super::registry::{self, Registry};
@@ -73,6 +75,52 @@ pub struct TcpConfig {
     pub max_regions: usize,
     /// Shared memory with peers on this host.
     pub shm: ShmConfig,
+    /// The device behind the regions registered with
+    /// [`TcpTransport::register_device`]; `None` for host memory only.
+    pub device: Option<Arc<dyn Device>>,
+    /// How device bytes pass through pinned host buffers on their way to
+    /// and from sockets.
+    pub staging: StagingConfig,
+}
+
+/// Counters of an endpoint's device staging
+/// ([`TcpTransport::staging_stats`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StagingStats {
+    /// The pinned buffer pool.
+    pub pool: PoolStats,
+    /// Device copies enqueued and not yet seen finished.
+    pub copies_in_flight: usize,
+    /// Fence closes that waited for a device copy on a block they closed.
+    pub drain_waits: u64,
+    /// Those that gave up waiting after `drain_max`.
+    pub drain_overruns: u64,
+}
+
+/// The staging of device bytes over sockets: a pipeline through a bounded
+/// pool of pinned host buffers, device-to-host copies overlapped with
+/// sends and host-to-device copies with receives.
+#[derive(Clone, Debug)]
+pub struct StagingConfig {
+    /// Pinned buffers per endpoint, allocated on first use: the bound on
+    /// staged bytes in flight (`buffers * buffer_bytes`, 64 MiB by
+    /// default). At least 2, so that a copy and a send overlap.
+    pub buffers: usize,
+    /// Bytes per buffer: the most one staged copy moves.
+    pub buffer_bytes: usize,
+    /// Longest a fence close, or a cancelled batch's staging buffer, waits
+    /// for a device copy in flight.
+    pub drain_max: Duration,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        StagingConfig {
+            buffers: 16,
+            buffer_bytes: 4 << 20,
+            drain_max: Duration::from_secs(1),
+        }
+    }
 }
 
 impl Default for TcpConfig {
@@ -89,6 +137,8 @@ impl Default for TcpConfig {
             max_connections: 1024,
             max_regions: registry::DEFAULT_MAX_REGIONS,
             shm: ShmConfig::default(),
+            device: None,
+            staging: StagingConfig::default(),
         }
     }
 }
@@ -124,6 +174,9 @@ impl TcpConfig {
         if self.shm.lanes == 0 || self.shm.lanes > 4096 || self.shm.handshake_timeout.is_zero() {
             return bad("shm lanes must be 1..=4096 and its timeout positive".into());
         }
+        if self.staging.buffers < 2 || self.staging.buffer_bytes < 4096 {
+            return bad("staging needs 2 or more buffers of 4096 bytes or more".into());
+        }
         if self.max_batch_descs == 0 || self.max_connections == 0 || self.max_regions == 0 {
             return bad("limits must be positive".into());
         }
@@ -144,6 +197,30 @@ pub(super) fn protocol(msg: impl Into<String>) -> TransportError {
 }
 
 pub(super) type FenceCell = Rc<RefCell<Option<Rc<BlockFence>>>>;
+
+/// An endpoint's device: its copy streams and its staging pool, shared by
+/// its served connections and its sessions.
+pub(super) struct DeviceSide {
+    pub(super) copies: Rc<CopyTracker>,
+    pub(super) pool: Rc<StagingPool>,
+}
+
+impl DeviceSide {
+    fn new(device: Arc<dyn Device>, staging: &StagingConfig) -> Result<Rc<Self>, TransportError> {
+        let during = "opening the device's copy streams";
+        let copies = CopyTracker::new(Arc::clone(&device), staging.drain_max)
+            .map_err(TransportError::device(during))?;
+        Ok(Rc::new(DeviceSide {
+            copies: Rc::new(copies),
+            pool: StagingPool::new(
+                device,
+                staging.buffers,
+                staging.buffer_bytes,
+                staging.drain_max,
+            ),
+        }))
+    }
+}
 
 /// Takes the bytes of a NOTIFY frame on the target's executor; returns
 /// whether it took them (a refusal tells the sender to use another path).
@@ -196,7 +273,12 @@ impl TcpTransport {
                 r.map_err(|e| tracing::warn!(error = %e, "shm: not available; tcp only"))
                     .ok()
             });
+        let device = match &config.device {
+            Some(d) => Some(DeviceSide::new(Arc::clone(d), &config.staging)?),
+            None => None,
+        };
         let target = Rc::new(Target {
+            device,
             registry: Registry::new(config.max_regions),
             fence: Rc::new(RefCell::new(None)),
             config,
@@ -226,6 +308,70 @@ impl TcpTransport {
         let old = std::mem::replace(&mut *self.target.fence.borrow_mut(), fence.clone());
         if let Some(shm) = &self.target.shm {
             shm.set_fence(old.as_deref(), fence.as_deref());
+        }
+        if let Some(dev) = &self.target.device {
+            if let Some(old) = &old {
+                old.detach_copies(&dev.copies);
+            }
+            if let Some(new) = &fence {
+                new.attach_copies(Rc::clone(&dev.copies));
+            }
+        }
+    }
+
+    /// Registers `len_bytes` of device memory at `addr`, on the device of
+    /// [`TcpConfig::device`]: the driver checks that the range lies in one
+    /// of its allocations, then local batches may use it and peers read
+    /// or write it, their bytes staged through pinned host buffers
+    /// ([`StagingConfig`]). The bounds checks and the block fence apply as
+    /// to host memory.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Transport::register`], for device memory: it must stay
+    /// allocated until the region is unregistered.
+    pub unsafe fn register_device(
+        &self,
+        addr: u64,
+        len_bytes: usize,
+    ) -> Result<RegionId, TransportError> {
+        let during = "registering device memory";
+        let Some(dev) = &self.target.device else {
+            let detail = "this endpoint has no device (TcpConfig::device)".to_string();
+            return Err(TransportError::device(during)(
+                super::DeviceError::NoDriver { detail },
+            ));
+        };
+        dev.copies
+            .device
+            .check_range(addr, len_bytes as u64)
+            .map_err(TransportError::device(during))?;
+        Ok(self.target.registry.insert_device(addr, len_bytes as u64)?)
+    }
+
+    /// Makes the device copies that read local blocks from now on wait
+    /// for `event`, recorded on the engine's stream when it handed them
+    /// over: a send never reads what the engine's kernels still write.
+    pub fn wait_engine(&self, event: &EngineEvent) -> Result<(), TransportError> {
+        let Some(dev) = &self.target.device else {
+            return Ok(());
+        };
+        dev.copies
+            .wait_engine(event)
+            .map_err(TransportError::device("waiting for the engine's stream"))
+    }
+
+    /// The counters of device staging (zero without a device).
+    pub fn staging_stats(&self) -> StagingStats {
+        let Some(d) = &self.target.device else {
+            return StagingStats::default();
+        };
+        let (drain_waits, drain_overruns) = d.copies.drain_counts();
+        StagingStats {
+            pool: d.pool.stats(),
+            copies_in_flight: d.copies.in_flight(),
+            drain_waits,
+            drain_overruns,
         }
     }
 

@@ -13,8 +13,10 @@ use futures::lock::{Mutex, MutexGuard};
 use glommio::net::TcpStream;
 use glommio::sync::Semaphore;
 
+mod staged;
+
 use super::plan::{plan, FrameSpec, Plan};
-use super::{conv, notification_answer, protocol, FenceCell, TcpConfig, TcpTransport};
+use super::{conv, notification_answer, protocol, DeviceSide, FenceCell, TcpConfig, TcpTransport};
 use crate::fdio::{self, iov, Conn};
 use crate::fence::{BlockFence, Guard};
 use crate::registry::{self, Registry};
@@ -54,6 +56,8 @@ struct SessionInner {
     shm_hello_at: Cell<Option<Instant>>,
     /// Bytes copied through the peer's shared memory over this `TcpSession`.
     shm_copied: Cell<u64>,
+    /// The endpoint's device, for batches whose local side is on it.
+    device: Option<Rc<DeviceSide>>,
 }
 
 /// A session to one TCP peer. Cheap to clone; clones share the streams.
@@ -84,6 +88,7 @@ impl TcpTransport {
                 shm: RefCell::new(None),
                 shm_hello_at: Cell::new(None),
                 shm_copied: Cell::new(0),
+                device: self.target.device.clone(),
             }),
         };
         // Connect one stream now, so an unreachable peer fails here, and
@@ -476,10 +481,25 @@ impl SessionInner {
             .into());
         }
         // Local side first: nothing is sent unless all of it is registered.
-        let _pins = self
+        let pins = self
             .local
             .pin(descs.iter().map(|d| (d.local_addr, d.len_bytes)))
             .map_err(|(index, fault)| MisuseError::LocalDescriptor { index, fault })?;
+        if pins.touches_device() {
+            return within(bound, self.transfer_mixed(op, descs, bound)).await;
+        }
+        self.transfer_host(op, descs, trailer, bound).await
+    }
+
+    /// Moves a batch whose local side is host memory: through the peer's
+    /// shared memory where it shares, over tcp frames for the rest.
+    async fn transfer_host(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        trailer: Option<&[u8]>,
+        bound: Duration,
+    ) -> Result<bool, TransportError> {
         let deadline = Instant::now() + bound;
         let mut rest = None;
         if self.config.shm.mode != ShmMode::Off {

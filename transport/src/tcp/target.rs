@@ -11,7 +11,8 @@ use glommio::net::{TcpListener, TcpStream};
 use slab::Slab;
 
 use super::inbuf::InBuf;
-use super::{conv, protocol, FenceCell, NotifyHandler, TcpConfig};
+use super::{conv, protocol, DeviceSide, FenceCell, NotifyHandler, TcpConfig};
+use crate::device::{Dir, Lease, Mark};
 use crate::fdio::{self, iov, Conn, IoFail};
 use crate::fence::Guard;
 use crate::registry::{self, Registry};
@@ -21,6 +22,8 @@ use crate::{Op, PollPolicy, TransportError};
 
 /// State shared by the acceptor and the connection tasks of one endpoint.
 pub(super) struct Target {
+    /// The device behind device regions, when configured.
+    pub(super) device: Option<Rc<super::DeviceSide>>,
     pub(super) registry: Arc<Registry>,
     /// The node's block fence, shared with the sessions this endpoint opens.
     pub(super) fence: FenceCell,
@@ -338,9 +341,11 @@ impl<'a> Served<'a> {
                 return Ok(false);
             }
         };
-        match op {
-            Op::Write => self.receive_payload(h).await?,
-            Op::Read => self.send_payload(h, total).await?,
+        match (op, self.target.device.clone()) {
+            (Op::Write, Some(dev)) if pins.touches_device() => self.receive_staged(h, &dev).await?,
+            (Op::Read, Some(dev)) if pins.touches_device() => self.send_staged(h, &dev).await?,
+            (Op::Write, _) => self.receive_payload(h).await?,
+            (Op::Read, _) => self.send_payload(h, total).await?,
         }
         drop(pins);
         Ok(op == Op::Write)
@@ -470,6 +475,208 @@ impl<'a> Served<'a> {
             .await
             .map_err(conv("sending a payload"))
     }
+
+    /// Receives a WRITE whose ranges include device memory: in windows of
+    /// at most two staging buffers, host ranges straight from the socket,
+    /// device ranges into the buffers and then onto the device, the next
+    /// window's bytes read while this one's copy runs. The frame is
+    /// acknowledged once every copy finished.
+    async fn receive_staged(&mut self, h: &Header, dev: &DeviceSide) -> Result<(), TransportError> {
+        let ranges = std::mem::take(&mut self.ranges);
+        let moved = self.receive_windows(h, dev, &ranges).await;
+        self.ranges = ranges;
+        moved?;
+        self.answers.hold(accept(h, 0));
+        Ok(())
+    }
+
+    /// Receives a frame's windows; returns once every copy ended.
+    async fn receive_windows(
+        &mut self,
+        h: &Header,
+        dev: &DeviceSide,
+        ranges: &[(u64, u64)],
+    ) -> Result<(), TransportError> {
+        let fence = self.target.fence.borrow().clone();
+        let guard = Guard::new(fence.as_deref());
+        let allowed = || guard.check(ranges.iter().copied());
+        let mut cursor = Cursor::default();
+        // The previous window, its copy onto the device running while this
+        // one's bytes come in.
+        let mut copying: Option<(Mark, Window)> = None;
+        debug_assert_eq!(h.payload_len, ranges.iter().map(|r| r.1).sum::<u64>());
+        while cursor.index < ranges.len() {
+            // Waiting for a buffer while holding some could deadlock with
+            // other connections doing the same: the previous window goes
+            // back first (its copy ends on its own).
+            if dev.pool.exhausted() {
+                if let Some(before) = copying.take() {
+                    wait_window(before).await?;
+                }
+            }
+            let mut w = self.window(dev, ranges, &mut cursor).await?;
+            if !allowed() {
+                return Err(conv("receiving a payload")(IoFail::Fenced));
+            }
+            // Buffered bytes beyond the window belong to later windows, or
+            // to the next frame.
+            self.inbuf.drain_into(&mut self.iovs, w.bytes);
+            let Conn { rd, fd, .. } = &mut *self.conn;
+            fdio::recv_exact(rd, *fd, &mut self.iovs, PollPolicy::Park, Some(&allowed))
+                .await
+                .map_err(conv("receiving a payload"))?;
+            if w.device.is_empty() {
+                continue;
+            }
+            if !allowed() {
+                return Err(conv("receiving a payload")(IoFail::Fenced));
+            }
+            let mark = self.copy_window(dev, Dir::ToDevice, &mut w)?;
+            if let Some(before) = copying.replace((mark, w)) {
+                wait_window(before).await?;
+            }
+        }
+        match copying {
+            Some(last) => wait_window(last).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Answers a READ whose ranges include device memory: each window's
+    /// device ranges copied into staging buffers, then sent with the host
+    /// ranges behind the answer header.
+    async fn send_staged(&mut self, h: &Header, dev: &DeviceSide) -> Result<(), TransportError> {
+        self.answers.flush(self.conn).await?;
+        let ranges = std::mem::take(&mut self.ranges);
+        let sent = self.send_windows(h, dev, &ranges).await;
+        self.ranges = ranges;
+        sent
+    }
+
+    async fn send_windows(
+        &mut self,
+        h: &Header,
+        dev: &DeviceSide,
+        ranges: &[(u64, u64)],
+    ) -> Result<(), TransportError> {
+        let total = ranges.iter().map(|r| r.1).sum();
+        let ob = accept(h, total).encode();
+        let fence = self.target.fence.borrow().clone();
+        let guard = Guard::new(fence.as_deref());
+        let mut cursor = Cursor::default();
+        let allowed = || guard.check(ranges.iter().copied());
+        let mut first = true;
+        while cursor.index < ranges.len() {
+            // Its leases are dropped after its bytes went out.
+            let mut w = self.window(dev, ranges, &mut cursor).await?;
+            if !w.device.is_empty() {
+                if !allowed() {
+                    return Err(conv("sending a payload")(IoFail::Fenced));
+                }
+                let during = "copying a staged payload";
+                let mark = self.copy_window(dev, Dir::ToHost, &mut w)?;
+                mark.wait().await.map_err(TransportError::device(during))?;
+            }
+            if std::mem::take(&mut first) {
+                self.iovs
+                    .insert(0, iov(ob.as_ptr() as u64, ob.len() as u64));
+            }
+            let Conn { wr, fd, .. } = &mut *self.conn;
+            fdio::send_all(wr, *fd, &mut self.iovs, Some(&allowed))
+                .await
+                .map_err(conv("sending a payload"))?;
+        }
+        Ok(())
+    }
+
+    /// The next window of a frame's ranges from `cursor`: `iovs` over its
+    /// bytes in payload order (host ranges themselves, device ranges in up
+    /// to two leased buffers) and the device copies it needs. It waits for
+    /// a buffer only while it holds none.
+    async fn window(
+        &mut self,
+        dev: &DeviceSide,
+        ranges: &[(u64, u64)],
+        cursor: &mut Cursor,
+    ) -> Result<Window, TransportError> {
+        self.iovs.clear();
+        let mut w = Window::default();
+        let registry = &self.target.registry;
+        while cursor.index < ranges.len() && w.leases.len() < 2 {
+            let (addr, len) = ranges[cursor.index];
+            if !registry.is_device(addr) {
+                self.iovs.push(iov(addr, len));
+                w.bytes += len;
+                cursor.index += 1;
+                continue;
+            }
+            // The first buffer may be waited for, holding none; a second
+            // only if one is free now.
+            let lease = match w.leases.is_empty() {
+                true => dev.pool.lease().await,
+                false => match dev.pool.try_lease() {
+                    Some(lease) => lease,
+                    None => break,
+                },
+            };
+            let lease = lease.map_err(TransportError::device("leasing a staging buffer"))?;
+            let cap = lease.len_bytes() as u64;
+            let mut used = 0;
+            while cursor.index < ranges.len() && used < cap {
+                let (addr, len) = ranges[cursor.index];
+                if !registry.is_device(addr) {
+                    break;
+                }
+                let take = (len - cursor.offset).min(cap - used);
+                let buf = lease.addr() + used;
+                self.iovs.push(iov(buf, take));
+                // (device address, buffer address, length)
+                w.device.push((addr + cursor.offset, buf, take));
+                used += take;
+                cursor.offset += take;
+                if cursor.offset == len {
+                    cursor.index += 1;
+                    cursor.offset = 0;
+                }
+            }
+            w.bytes += used;
+            w.leases.push(lease);
+        }
+        Ok(w)
+    }
+
+    /// Enqueues a window's device copies; its leases keep their buffers,
+    /// and pins keep the device ranges registered, until the copies end.
+    fn copy_window(
+        &self,
+        dev: &DeviceSide,
+        dir: Dir,
+        w: &mut Window,
+    ) -> Result<Mark, TransportError> {
+        let during = "copying a staged payload";
+        let copies: Vec<(u64, u64, u64)> = w
+            .device
+            .iter()
+            .map(|&(d, b, l)| match dir {
+                Dir::ToHost => (b, d, l),
+                Dir::ToDevice | Dir::DeviceToDevice => (d, b, l),
+            })
+            .collect();
+        let pins = self
+            .target
+            .registry
+            .pin(w.device.iter().map(|c| (c.0, c.2)))
+            .map_err(|_| protocol("a staged range left its region"))?;
+        // SAFETY: the buffers are leased and the device ranges pinned
+        // until the mark is done (`Lease::copying` holds both).
+        let mark =
+            unsafe { dev.copies.copy(dir, &copies) }.map_err(TransportError::device(during))?;
+        let mut keep: Option<Box<dyn std::any::Any>> = Some(Box::new(pins));
+        for lease in w.leases.iter_mut() {
+            lease.copying(mark.clone(), keep.take().unwrap_or_else(|| Box::new(())));
+        }
+        Ok(mark)
+    }
 }
 
 /// The answer that request `h` was served, with `payload_len` bytes behind.
@@ -500,4 +707,29 @@ async fn send_regions(target: &Target, conn: &mut Conn, req_id: u64) -> Result<(
     fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
         .await
         .map_err(conv("sending regions"))
+}
+
+/// Waits for a window's copy, then gives its buffers back.
+async fn wait_window((mark, w): (Mark, Window)) -> Result<(), TransportError> {
+    let waited = mark.wait().await;
+    drop(w);
+    waited.map_err(TransportError::device("copying a staged payload"))
+}
+
+/// Where the next window of a frame starts: a range, and the bytes of it
+/// already in earlier windows.
+#[derive(Default)]
+struct Cursor {
+    index: usize,
+    offset: u64,
+}
+
+/// One window of a staged frame.
+#[derive(Default)]
+struct Window {
+    /// Its payload bytes.
+    bytes: u64,
+    /// `(device address, buffer address, length)` of its device pieces.
+    device: Vec<(u64, u64, u64)>,
+    leases: Vec<Lease>,
 }
