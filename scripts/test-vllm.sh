@@ -25,7 +25,7 @@ for venv in "$vllm" "$cpu"; do
 done
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_node.py
-KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test -p kvferry-store --test it store_kv_events -- --ignored
+KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test -p kvferry-store --features kvferry-transport/cuda --test it store_kv_events -- --ignored
 # The engines' interpreter runs from an empty directory (engines.py), so
 # `kvferry` is the installed wheel, not python/kvferry.
 HF_HUB_OFFLINE=1 KVFERRY_REQUIRE_ENGINES=1 KVFERRY_VLLM_PYTHON="$PWD/$cpu/bin/python" \

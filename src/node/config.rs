@@ -191,6 +191,13 @@ pub struct NodeConfig {
     /// The Mooncake engine's settings, used with [`TransportKind::Mooncake`].
     /// Its `linger` must be shorter than `timeouts.transfer_bound`.
     pub mooncake: crate::transport::MooncakeConfig,
+    /// The device the KV cache lives on, when it is device memory
+    /// ([`crate::transport::open_cuda`] for `cuda:N`): each registered
+    /// range the device recognises is registered as device memory, and
+    /// moved by the transport's device path (tcp: staged through pinned
+    /// buffers; Mooncake: registered at the device's location). `None`:
+    /// host memory only.
+    pub device: Option<std::sync::Arc<dyn crate::transport::Device>>,
     /// Send the messages on a request's critical path (push: decode's
     /// `Pull` and lease ticket, prefill's `Status`; pull: decode's `Pull`
     /// and `Done`, prefill's `Ready`)
@@ -335,6 +342,7 @@ impl NodeConfig {
             max_data_sessions: 4096,
             tcp_poll: crate::transport::PollPolicy::Park,
             mooncake: crate::transport::MooncakeConfig::default(),
+            device: None,
             data_plane_messages: true,
             drop_control_ppm: 0,
             events: None,

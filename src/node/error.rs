@@ -195,6 +195,17 @@ pub enum DataPlaneError {
     /// A region is longer than this machine's address space.
     #[error("region longer than the address space")]
     RegionTooLong,
+    /// Device memory registered with a transport that cannot move it.
+    #[error(
+        "the KV cache is device memory ({device}), which the {transport} transport cannot move: \
+         use tcp, auto or mooncake"
+    )]
+    DeviceUnsupported {
+        /// The device.
+        device: String,
+        /// The configured transport.
+        transport: &'static str,
+    },
     /// The transport refused.
     #[error(transparent)]
     Transport(#[from] TransportError),

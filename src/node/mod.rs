@@ -449,6 +449,7 @@ impl Node {
                 .collect(),
             fenced: !(s.config.timeouts.unsafe_disable_fence
                 || s.config.timeouts.unsafe_ignore_in_flight),
+            device: s.config.device.clone(),
         };
         let (tx, rx) = flume::bounded(1);
         let node_id = s.node_id;

@@ -12,7 +12,9 @@
 //! For MLA the latent cache is the same on every rank and has no heads:
 //! `head` is 0 and `byte` runs over the latent of one token.
 
-use kvferry::transport::SharedMem;
+use std::sync::Arc;
+
+use kvferry::transport::{HostDevice, SharedMem};
 use kvferry_machines::internal::common::TransferId;
 use kvferry_machines::{LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout};
 
@@ -457,6 +459,21 @@ impl SynthKv {
         }
     }
 
+    /// The same cache in `device`'s memory (a stand-in device's, which
+    /// lives as long as the device): every region moves there, zeroed.
+    pub fn on_device(mut self, device: &kvferry::transport::HostDevice) -> SynthKv {
+        let len = (self.block_bytes_of_region() * self.layout.rank.num_blocks) as usize;
+        for r in &mut self.layout.rank.regions {
+            r.base = device.alloc(len.max(1));
+        }
+        self.bufs.clear();
+        self
+    }
+
+    fn block_bytes_of_region(&self) -> u64 {
+        self.layout.rank.regions.first().map_or(0, |r| r.block_len)
+    }
+
     /// The layout to register with the node.
     pub fn kv_layout(&self) -> kvferry::node::KvLayout {
         kvferry::node::KvLayout {
@@ -859,14 +876,25 @@ pub struct Cluster {
 impl Cluster {
     /// Starts and registers every rank.
     pub fn start(spec: &ClusterSpec) -> Result<Cluster, kvferry::node::NodeError> {
+        Self::start_on(spec, [None, None])
+    }
+
+    /// Like [`Cluster::start`], with the KV of prefill's ranks (`devices[0]`)
+    /// and of decode's (`devices[1]`) in a stand-in device's memory, the
+    /// nodes configured with that device.
+    pub fn start_on(
+        spec: &ClusterSpec,
+        devices: [Option<Arc<HostDevice>>; 2],
+    ) -> Result<Cluster, kvferry::node::NodeError> {
         use kvferry::node::PrefillTarget;
         let (dtx, drx) = flume::unbounded();
         let (ptx, prx) = flume::unbounded();
-        let (prefill, bootstrap_addr) = Self::start_prefill(spec, &ptx)?;
+        let [p_dev, d_dev] = devices;
+        let (prefill, bootstrap_addr) = Self::start_prefill(spec, &ptx, p_dev.as_ref())?;
         if let Some(addr) = &bootstrap_addr {
             Self::wait_for_prefill(spec, addr)?;
         }
-        let decode = Self::start_decode(spec, &dtx)?;
+        let decode = Self::start_decode(spec, &dtx, d_dev.as_ref())?;
         let target = match bootstrap_addr {
             Some(addr) => PrefillTarget::Bootstrap {
                 addr,
@@ -894,6 +922,7 @@ impl Cluster {
     fn start_prefill(
         spec: &ClusterSpec,
         events: &flume::Sender<kvferry::node::Event>,
+        device: Option<&Arc<HostDevice>>,
     ) -> Result<(Vec<Rank>, Option<String>), kvferry::node::NodeError> {
         use kvferry::node::Role;
         let mut prefill = Vec::new();
@@ -902,6 +931,7 @@ impl Cluster {
         for (s, r) in (0..pp).flat_map(|s| (0..tp).map(move |r| (s, r))) {
             let place = ((tp, r), (pp, s));
             let mut c = node_config(spec, Role::Prefill, "prefill", place, events);
+            c.device = device.map(|d| Arc::clone(d) as Arc<dyn kvferry::transport::Device>);
             let first = (s, r) == (0, 0);
             if let Some(b) = &spec.bootstrap {
                 if first {
@@ -916,6 +946,10 @@ impl Cluster {
             }
             let kv =
                 SynthKv::new_stage(spec.model, tp, r, spec.layers, spec.prefill_blocks, (pp, s));
+            let kv = match device {
+                Some(d) => kv.on_device(d),
+                None => kv,
+            };
             prefill.push(Rank::register(node, kv)?);
         }
         Ok((prefill, bootstrap_addr))
@@ -939,15 +973,21 @@ impl Cluster {
     fn start_decode(
         spec: &ClusterSpec,
         events: &flume::Sender<kvferry::node::Event>,
+        device: Option<&Arc<HostDevice>>,
     ) -> Result<Vec<Rank>, kvferry::node::NodeError> {
         use kvferry::node::Role;
         let mut decode = Vec::new();
         let (tp, pp) = (spec.decode_tp, spec.decode_pp.max(1));
         for (s, r) in (0..pp).flat_map(|s| (0..tp).map(move |r| (s, r))) {
-            let c = node_config(spec, Role::Decode, "decode", ((tp, r), (pp, s)), events);
+            let mut c = node_config(spec, Role::Decode, "decode", ((tp, r), (pp, s)), events);
+            c.device = device.map(|d| Arc::clone(d) as Arc<dyn kvferry::transport::Device>);
             let node = kvferry::node::Node::start(c)?;
             let kv =
                 SynthKv::new_stage(spec.model, tp, r, spec.layers, spec.decode_blocks, (pp, s));
+            let kv = match device {
+                Some(d) => kv.on_device(d),
+                None => kv,
+            };
             decode.push(Rank::register(node, kv)?);
         }
         Ok(decode)

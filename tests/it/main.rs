@@ -6,6 +6,7 @@ mod data_plane_messages;
 mod e2e_abort_mid;
 mod e2e_aux_state;
 mod e2e_both;
+mod e2e_device;
 mod e2e_faults;
 mod e2e_lossy;
 mod e2e_mooncake;

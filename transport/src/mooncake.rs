@@ -224,6 +224,23 @@ impl MooncakeTransport {
         &self,
         regions: &[(*mut u8, usize)],
     ) -> Result<Vec<RegionId>, TransportError> {
+        let loc = self.shared.cfg.location.clone();
+        // SAFETY: the caller's promise.
+        unsafe { self.register_batch_at(regions, &loc) }
+    }
+
+    /// Registers `regions` like [`MooncakeTransport::register_batch`], at
+    /// `location` (`cuda:0` for device memory: the engine moves it with
+    /// GPUDirect RDMA or NVLink where the hardware has them).
+    ///
+    /// # Safety
+    ///
+    /// As for [`Transport::register`], for memory at `location`.
+    pub unsafe fn register_batch_at(
+        &self,
+        regions: &[(*mut u8, usize)],
+        loc: &str,
+    ) -> Result<Vec<RegionId>, TransportError> {
         let mut ids = Vec::with_capacity(regions.len());
         for &(addr, len) in regions {
             match self.shared.registry.insert(addr as u64, len as u64) {
@@ -234,7 +251,6 @@ impl MooncakeTransport {
                 }
             }
         }
-        let loc = &self.shared.cfg.location;
         // SAFETY: the caller's promise, as for `register`.
         match unsafe { self.shared.engine.register_batch(regions, loc) } {
             Ok(r) => {

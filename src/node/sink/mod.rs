@@ -134,6 +134,7 @@ fn tcp_transport(
             mode: shm,
             ..ShmConfig::default()
         },
+        device: config.device.clone(),
         ..defaults
     };
     // `Node::start` resolved the host: no lookup on the executor.
@@ -284,6 +285,8 @@ pub(crate) struct KvMemory {
     /// False only when a self-test switched the machines' own protection
     /// off to show what it catches; the block fence would hide that.
     pub fenced: bool,
+    /// The device of [`super::NodeConfig::device`].
+    pub device: Option<Arc<dyn crate::transport::Device>>,
 }
 
 /// The memory a rank with `layout` registers with its endpoint (what
@@ -347,16 +350,49 @@ pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPl
         let len = usize::try_from(len).map_err(|_| DataPlaneError::RegionTooLong)?;
         all.push((base as usize as *mut u8, len));
     }
+    // With a device, the ranges it recognises are device memory, the rest
+    // (aux buffers an engine keeps on the host) host memory.
+    let on_device = |&(addr, len): &(*mut u8, usize)| {
+        kv.device
+            .as_ref()
+            .is_some_and(|d| d.check_range(addr as u64, len as u64).is_ok())
+    };
+    let (device, host): (Vec<_>, Vec<_>) = all.into_iter().partition(on_device);
+    if let (Some(d), false) = (&kv.device, device.is_empty()) {
+        let transport = match &*t {
+            AnyTransport::Local(_) => Some("local"),
+            _ => None,
+        };
+        if let Some(transport) = transport {
+            let device = d.name();
+            return Err(DataPlaneError::DeviceUnsupported { device, transport });
+        }
+    }
     // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
     // promised the memory stays valid and shareable with peers.
     unsafe {
         match &*t {
-            // One call for every region: Mooncake registers them in
+            // One call per kind of memory: Mooncake registers them in
             // parallel (`registerLocalMemoryBatch`), which matters when
             // RDMA pins and maps a large KV.
-            AnyTransport::Mooncake(mc) => drop(mc.register_batch(&all)?),
+            AnyTransport::Mooncake(mc) => {
+                if !host.is_empty() {
+                    drop(mc.register_batch(&host)?);
+                }
+                if let Some(d) = kv.device.as_ref().filter(|_| !device.is_empty()) {
+                    drop(mc.register_batch_at(&device, &d.name())?);
+                }
+            }
+            AnyTransport::Tcp(tcp) => {
+                for &(addr, len) in &host {
+                    tcp.register(addr, len)?;
+                }
+                for &(addr, len) in &device {
+                    tcp.register_device(addr as u64, len)?;
+                }
+            }
             _ => {
-                for &(addr, len) in &all {
+                for &(addr, len) in &host {
                     t.register(addr, len)?;
                 }
             }

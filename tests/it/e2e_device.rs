@@ -1,0 +1,116 @@
+//! End-to-end with the KV cache in device memory: prefill and decode nodes
+//! whose KV lives in a stand-in device's memory (`HostDevice`), so their
+//! tcp endpoints stage it through pinned buffers; every byte verified.
+//! The node finds which ranges are device memory by asking the device,
+//! as it asks the CUDA driver on a GPU.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvferry::machines::internal::common::Mode;
+use kvferry::machines::Phase;
+use kvferry::machines::{LayoutKind, ModelSpec};
+use kvferry::node::{DataPlaneError, NodeError, TransportKind};
+use kvferry::transport::HostDevice;
+use kvferry::TransferId;
+use kvferry_testkit::e2e_timeouts;
+use kvferry_testkit::synth::{Cluster, ClusterSpec};
+
+fn spec(tp: (u32, u32), mode: Mode, transport: TransportKind) -> ClusterSpec {
+    ClusterSpec {
+        mooncake: Default::default(),
+        model: ModelSpec {
+            layout: LayoutKind::Hnd,
+            total_kv_heads: 4,
+            block_tokens: 16,
+            head_bytes: 256,
+        },
+        layers: 2,
+        prefill_blocks: 64,
+        decode_blocks: 64,
+        prefill_tp: tp.0,
+        decode_tp: tp.1,
+        prefill_pp: 1,
+        decode_pp: 1,
+        mode,
+        transport,
+        timeouts: e2e_timeouts(),
+        bootstrap: None,
+        spin: None,
+        data_plane_messages: true,
+        drop_control_ppm: 0,
+    }
+}
+
+fn device() -> Arc<HostDevice> {
+    // Copies take time, as a device's do.
+    HostDevice::new(0, Duration::from_micros(200))
+}
+
+fn run(c: &Cluster, requests: u64) {
+    for t in 0..requests {
+        let tid = TransferId(500 + t);
+        let n = 1 + (t as u32 % 6);
+        let src: Vec<u32> = (0..n).map(|i| 3 * i + t as u32 % 3).collect();
+        let dst: Vec<u32> = (0..n).map(|i| 60 - 2 * i - t as u32 % 2).collect();
+        c.fill(tid, &src);
+        for r in &c.decode {
+            r.kv.clear(&dst);
+        }
+        c.start_request(tid, &src, &dst, 0).expect("request starts");
+        let phases = c.wait_decode(tid, Duration::from_secs(10));
+        assert!(
+            phases.iter().all(|p| *p == Phase::Success),
+            "{tid:?}: {phases:?}"
+        );
+        assert_eq!(c.verify(tid, &dst, 0), 0, "{tid:?}: bytes differ on decode");
+        let phases = c.wait_prefill(tid, Duration::from_secs(10));
+        assert!(
+            phases.iter().all(|p| *p == Phase::Success),
+            "{tid:?}: {phases:?}"
+        );
+    }
+}
+
+/// Runs `requests` with these devices under prefill and decode, then
+/// checks that each device's bytes went through its staging buffers.
+fn run_on(s: &ClusterSpec, devices: [Option<Arc<HostDevice>>; 2], requests: u64) {
+    let c = Cluster::start_on(s, devices.clone()).expect("cluster");
+    run(&c, requests);
+    for d in devices.iter().flatten() {
+        assert!(d.pinned_live() > 0, "no byte was staged");
+    }
+}
+
+#[test]
+fn push_from_host_kv_into_device_kv() {
+    let s = spec((1, 1), Mode::Push, TransportKind::Tcp);
+    run_on(&s, [None, Some(device())], 12);
+}
+
+#[test]
+fn pull_between_device_kv_caches_with_tp_2_to_1() {
+    let s = spec((2, 1), Mode::Pull, TransportKind::Auto);
+    run_on(&s, [Some(device()), Some(device())], 12);
+}
+
+#[test]
+fn push_between_device_kv_caches_tp_1_to_2() {
+    let s = spec((1, 2), Mode::Push, TransportKind::Tcp);
+    run_on(&s, [Some(device()), Some(device())], 12);
+}
+
+#[test]
+fn device_kv_with_the_local_transport_is_refused_clearly() {
+    let s = spec((1, 1), Mode::Push, TransportKind::Local);
+    let err = Cluster::start_on(&s, [None, Some(device())]).err();
+    assert!(
+        matches!(
+            err,
+            Some(NodeError::DataPlane(
+                DataPlaneError::DeviceUnsupported { .. }
+            ))
+        ),
+        "{err:?}"
+    );
+}
