@@ -241,13 +241,45 @@ class Receiver(_Handle):
         self._native.request(block_ids, prefix_blocks)
 
 
-def _tensor_region(t: Any) -> "tuple[int, int, int, Any]":
+def tensor_device(t: Any) -> str:
+    """A torch tensor's device as node settings name it: ``cpu`` or
+    ``cuda:N``; anything else (``meta``, another accelerator) as torch
+    names it."""
+    dev = getattr(t, "device", None)
+    kind = getattr(dev, "type", "cpu")
+    if kind == "cuda":
+        index = dev.index
+        if index is None:
+            import torch
+
+            index = torch.cuda.current_device()
+        return f"cuda:{index}"
+    return str(kind)
+
+
+def check_device(t: Any, node_device: str) -> None:
+    """Refuses a tensor in memory the node was not started for: device
+    memory is registered as such only with the node's ``device`` setting
+    naming that device, and moves only with transports that move it."""
+    have = tensor_device(t)
+    if have == node_device:
+        return
+    if have == "cpu" or have.startswith("cuda:"):
+        raise MisuseError(
+            f"a KV tensor is in {have} memory but the node runs with device={node_device!r}: "
+            f"start it with device={have!r} (the vLLM connectors and the SGLang backend "
+            "take it from the engine)"
+        )
+    raise MisuseError(f"{have} tensors cannot be registered: kvferry moves CPU and CUDA memory")
+
+
+def _tensor_region(t: Any, node_device: str = "cpu") -> "tuple[int, int, int, Any]":
     """``(address, nbytes, blocks, keepalive)`` of a tensor whose leading
-    dimension is the block: a CPU torch tensor, or any writable,
-    C-contiguous buffer (numpy arrays among them)."""
+    dimension is the block: a torch tensor on the host or on the node's
+    device, or any writable, C-contiguous buffer (numpy arrays among
+    them)."""
     if hasattr(t, "data_ptr") and hasattr(t, "element_size"):
-        if getattr(getattr(t, "device", None), "type", "cpu") != "cpu":
-            raise MisuseError(f"only CPU tensors can be registered, not {t.device}")
+        check_device(t, node_device)
         if not t.is_contiguous():
             raise MisuseError("a KV tensor must be contiguous")
         return t.data_ptr(), t.numel() * t.element_size(), int(t.shape[0]), t
@@ -381,6 +413,8 @@ class Node:
         config = {"role": role, "engine_id": engine_id}
         config.update({k: v for k, v in settings.items() if v is not None})
         self._native = _native.Node(json.dumps(config))
+        #: Where the KV cache lives: ``cpu`` or ``cuda:N`` (setting ``device``).
+        self.device: str = self.settings.get("device") or "cpu"
         #: Tensors registered, kept alive until the node stops.
         self._memory: list = []
         #: String request ids of transfers opened by one, by transfer id,
@@ -424,7 +458,7 @@ class Node:
         if tensors is not None:
             if num_blocks is not None:
                 raise MisuseError("num_blocks comes from the tensors' leading dimension")
-            regions, num_blocks, keep = self._regions_of(list(tensors))
+            regions, num_blocks, keep = self._regions_of(list(tensors), self.device)
         else:
             if num_blocks is None:
                 raise MisuseError("raw regions need num_blocks")
@@ -442,10 +476,10 @@ class Node:
         self._memory.extend(keep)
 
     @staticmethod
-    def _regions_of(tensors: list) -> "tuple[list, int, list]":
+    def _regions_of(tensors: list, device: str) -> "tuple[list, int, list]":
         if not tensors:
             raise MisuseError("no tensors to register")
-        found = [_tensor_region(t) for t in tensors]
+        found = [_tensor_region(t, device) for t in tensors]
         blocks = {b for _, _, b, _ in found}
         if len(blocks) != 1:
             raise MisuseError(f"every KV tensor needs as many blocks; got {sorted(blocks)}")
@@ -456,6 +490,21 @@ class Node:
                 raise MisuseError(f"{nbytes} bytes do not split into {b} blocks")
             regions.append((addr, nbytes // b, nbytes // b))
         return regions, num_blocks, [k for _, _, _, k in found]
+
+    def engine_handoff(self, stream: Optional[int] = None) -> None:
+        """Orders the node's device copies after the engine's kernels:
+        records an event on the engine's CUDA stream (``stream``, a
+        ``CUstream`` handle; by default torch's current stream) that every
+        later copy out of the KV cache waits for on the device. Call it
+        after the engine's step wrote blocks it is about to hand over. A
+        no-op for a node on the host."""
+        if self.device == "cpu":
+            return
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream().cuda_stream
+        self._native.engine_handoff(int(stream))
 
     # -- requests ------------------------------------------------------
 

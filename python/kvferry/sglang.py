@@ -192,6 +192,7 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
     }
     if prefill:
         settings["bootstrap"] = f"{_reachable(server_args.host)}:{server_args.disaggregation_bootstrap_port}"
+    settings["device"] = _engine_device(args, server_args)
     for var, key in SGLANG_TIMEOUTS.items():
         if os.environ.get(var):
             settings[key] = int(float(os.environ[var]) * 1000)
@@ -242,11 +243,11 @@ class KvferryKVManager(BaseKVManager):
         self.node = kvferry.Node(**node_settings(args, disaggregation_mode, server_args))
         files: "list[int]" = []
         try:
-            _refuse_device_memory(server_args, self.node.settings)
             # Opt-in for SGLang: with it on, a test of a prefill engine with
             # two pipeline stages feeding a decode engine timed out under
             # load (the decode's request expired), cause not found yet.
-            if os.environ.get("KVFERRY_SHARED_MEMORY", "0").lower() not in ("0", "false", "no", "off"):
+            shared = os.environ.get("KVFERRY_SHARED_MEMORY", "0").lower()
+            if self.node.device == "cpu" and shared not in ("0", "false", "no", "off"):
                 # SGLang allocated the pool (``MHATokenToKVPool``) before the
                 # manager exists, for the life of the scheduler process: its
                 # pages move onto shared files in place.
@@ -401,19 +402,20 @@ def _heads(a: KVArgs, server_args: Any, mla: bool) -> "tuple[int, int]":
     return model.get_num_kv_heads(get_parallel().attn_tp_size), model.get_total_num_kv_heads()
 
 
-def _refuse_device_memory(server_args: Any, settings: dict) -> None:
-    """SGLang hands device pointers unless it runs on the CPU; only the
-    Mooncake transport moves device memory."""
+def _engine_device(args: KVArgs, server_args: Any) -> str:
+    """Where SGLang keeps this rank's KV pool, as node settings name it:
+    ``cuda:<gpu_id>`` unless SGLang runs on the CPU. The node then
+    registers the pool as that device's memory (tcp stages it through
+    pinned host buffers; Mooncake registers it at that location; the
+    local transport refuses it)."""
     device = str(getattr(server_args, "device", None) or "cuda")
-    if device == "cpu" or settings.get("transport") == "mooncake":
-        return
-    raise kvferry.MisuseError(
-        f"SGLang runs on {device!r} and hands kvferry device memory, which the "
-        f"{settings.get('transport')!r} transport cannot move: kvferry's tcp and local "
-        "transports move host memory only. Use the mooncake transport "
-        "(KVFERRY_TRANSPORT=mooncake, KVFERRY_MOONCAKE_LOCATION=cuda:N), or run SGLang "
-        "with --device cpu."
-    )
+    if device == "cpu":
+        return "cpu"
+    if device != "cuda":
+        raise kvferry.MisuseError(
+            f"SGLang runs on {device!r}: kvferry moves CPU and CUDA memory only"
+        )
+    return f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}"
 
 
 class _Transfer:
@@ -501,9 +503,16 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         # The last chunk goes even without pages: it carries aux and state.
         return num_pages > 0 or last_chunk
 
-    def send(self, kv_indices: Any, state_indices: Optional[List] = None, num_kv_tokens=None):
+    def send(
+        self,
+        kv_indices: Any,
+        state_indices: Optional[List] = None,
+        num_kv_tokens=None,
+        indices_event: Any = None,
+    ):
         if self.handle is None:
             return
+        self._hand_off(indices_event)
         kv = [int(x) for x in kv_indices]
         self.sent += len(kv)
         last = self.total is None or self.sent >= self.total
@@ -517,6 +526,27 @@ class KvferryKVSender(_Transfer, BaseKVSender):
             # its handle, which turns terminal once no peer touches its pages.
             logger.warning("kvferry: transfer %s refused a chunk (%s); aborting it", self.room, e)
             self.abort()
+
+    def _hand_off(self, indices_event: Any) -> None:
+        """On a GPU, orders the node's copies out of the pool after the
+        kernels that wrote these pages. SGLang synchronizes the batch's
+        ``copy_done`` before it sends a finished request
+        (sglang/srt/disaggregation/prefill.py,
+        ``process_batch_result_disagg_prefill``), but sends a chunk early
+        with an event on its forward stream (``_early_send_wait_event``,
+        the overlap scheduler) or ``indices_event``: the current stream
+        waits for those on the device, then the node records its event
+        there."""
+        node = self.kv_mgr.node
+        if node.device == "cpu":
+            return
+        import torch
+
+        stream = torch.cuda.current_stream()
+        for ev in (getattr(self, "_early_send_wait_event", None), indices_event):
+            if ev is not None:
+                stream.wait_event(ev)
+        node.engine_handoff(stream.cuda_stream)
 
     def poll(self) -> int:
         if self.failure is not None:

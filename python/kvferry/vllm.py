@@ -657,6 +657,9 @@ class _WorkerSide:
         kvferry._with_detected_host(settings, _vllm_host)
         settings.setdefault("pp_size", self.pp_size)
         settings.setdefault("pp_rank", pp_rank)
+        # The KV cache lives on the worker's device; tcp stages it through
+        # pinned host buffers, Mooncake registers it at that location.
+        settings.setdefault("device", _engine_device(vllm_config))
         role = _NODE_ROLE[kt.kv_role]
         bootstrap = extra.get("bootstrap")
         if bootstrap and role != "decode":
@@ -685,7 +688,9 @@ class _WorkerSide:
         self.not_started = {"loads_not_started": 0, "sends_not_started": 0}
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
-        cache = register_plan(kv_caches, self.kv_cache_config, self.model, self.cache, self.pp_size)
+        cache = register_plan(
+            kv_caches, self.kv_cache_config, self.model, self.cache, self.pp_size, self.node.device
+        )
         self.ratio = cache.ratio
         self.node.register_kv_caches(
             regions=cache.regions,
@@ -700,7 +705,14 @@ class _WorkerSide:
         self.node._memory.extend(kv_caches.values())
 
     def wait_for_save(self, meta: Any) -> None:
-        pass  # prefill sends the finished blocks as its loads ask
+        # vLLM calls this right after it launched the step's forward
+        # (vllm/v1/worker/kv_connector_model_runner_mixin.py,
+        # `_get_kv_connector_output`; vllm/v1/worker/gpu/kv_connector.py,
+        # `post_forward`): on a GPU its kernels may still be writing the
+        # blocks this step finished. Device copies out of the KV cache wait
+        # for an event recorded here, on the device. Prefill sends the
+        # finished blocks as decode's loads ask.
+        self.node.engine_handoff()
 
     def handle_preemptions(self, meta: Any) -> None:
         pass  # a request waiting for a load or a send is never preempted
@@ -790,6 +802,7 @@ def register_plan(
     model_config: Any,
     cache_config: Any,
     pp_size: int = 1,
+    device: str = "cpu",
 ) -> KvCachePlan:
     """Reads the per-layer views vLLM hands ``register_kv_caches``
     (``[B, H, N, C]``: kernel blocks, KV heads, tokens, and a head's K and
@@ -797,7 +810,8 @@ def register_plan(
     each layer's KV-cache spec. A layer's page must be dense: heads then
     tokens (``LBHNC``, ``BLHNC``: node layout ``hnd``) or tokens then
     heads (``LBNHC``, ``BLNHC``: ``nhd``); MLA (one latent "head") is
-    ``mla``. Groups that overlay the same bytes register them once."""
+    ``mla``. Groups that overlay the same bytes register them once. Every
+    view must be in ``device``'s memory (``cpu`` or ``cuda:N``)."""
     if kv_cache_config is None:
         raise kvferry.MisuseError("registering the KV cache needs vLLM's kv_cache_config")
     layout_name = getattr(cache_config, "kv_cache_layout", None) or "?"
@@ -812,6 +826,7 @@ def register_plan(
         if name not in transfer:
             continue
         spec = _spec_of(kv_cache_config, name)
+        _check_device(name, t, device)
         page = _layer_page(name, t, spec, kv_cache_config.num_blocks, layout_name)
         if shape not in (None, page.shape):
             raise kvferry.MisuseError(
@@ -841,13 +856,29 @@ class _Page:
         self.shape = shape
 
 
+def _check_device(name: str, t: torch.Tensor, device: str) -> None:
+    have = kvferry.tensor_device(t)
+    if have == device:
+        return
+    if device == "cpu":
+        why = "this connector moves host memory only (the store connector keeps host blocks)"
+    else:
+        why = f"the node was started for {device}"
+    raise kvferry.MisuseError(f"layer {name}: its KV cache is in {have} memory; {why}")
+
+
+def _engine_device(vllm_config: Any) -> str:
+    """The worker's device as node settings name it: ``cuda:N`` for the
+    CUDA device this worker process runs on, else ``cpu``."""
+    kind = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    if kind != "cuda":
+        return "cpu"
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
+
+
 def _layer_page(name: str, t: torch.Tensor, spec: Any, num_blocks: int, layout_name: str) -> _Page:
-    if t.device.type != "cpu":
-        raise kvferry.MisuseError(
-            f"layer {name}: its KV cache is in {t.device} memory; kvferry's transports "
-            "(tcp, local, mooncake over tcp) move host memory only, so device memory "
-            "cannot be registered"
-        )
     if not isinstance(spec, AttentionSpec):
         raise kvferry.MisuseError(
             f"layer {name}: KV-cache spec {type(spec).__name__} is not attention KV; "

@@ -273,6 +273,13 @@ impl Node {
         serde_json::to_string(&self.settings).expect("settings serialize as JSON")
     }
 
+    /// Makes the node's device copies wait for what the engine's stream
+    /// `stream` (a `CUstream`) ran so far (`kvferry::Node::engine_handoff`).
+    fn engine_handoff(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
+        let node = self.live()?;
+        py.detach(|| node.engine_handoff(stream)).map_err(node_err)
+    }
+
     /// Registers raw regions `(base, block_len, kv_block_len)` of
     /// `num_blocks` blocks each. The caller keeps the memory alive until
     /// the node is shut down (the Python wrapper holds the tensors).

@@ -172,11 +172,25 @@ def test_settings_come_from_sglang_then_kvferry_variables(pair):
     assert decode.node.settings["role"] == "decode"
 
 
-def test_device_memory_is_refused_naming_the_transports_that_move_it():
-    args = type("ServerArgs", (), {"device": "cuda"})()
-    with pytest.raises(kvferry.MisuseError, match="mooncake"):
-        kvferry.sglang._refuse_device_memory(args, {"transport": "tcp"})
-    kvferry.sglang._refuse_device_memory(args, {"transport": "mooncake"})
+def test_the_node_runs_on_sglangs_device_and_fails_clearly_without_a_driver():
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    # SGLang's KVArgs, its gpu_id set as its decode and prefill queues do
+    # (`kv_args.gpu_id = get_device().gpu_id`); `--device` from ServerArgs.
+    args = KVArgs()
+    args.gpu_id = 3
+    assert kvferry.sglang._engine_device(args, SimpleNamespace(device="cuda")) == "cuda:3"
+    assert kvferry.sglang._engine_device(args, SimpleNamespace(device=None)) == "cuda:3"
+    assert kvferry.sglang._engine_device(args, SimpleNamespace(device="cpu")) == "cpu"
+    npu = SimpleNamespace(device="npu")
+    with pytest.raises(kvferry.MisuseError, match="CPU and CUDA"):
+        kvferry.sglang._engine_device(args, npu)
+    # This machine has no CUDA driver: a node for SGLang's GPU fails at
+    # start, naming the device, instead of handing device pointers to tcp.
+    with pytest.raises(kvferry.MisuseError, match="cuda:3"):
+        kvferry.Node(role="decode", engine_id="e", device="cuda:3")
 
 
 @pytest.fixture(scope="module")

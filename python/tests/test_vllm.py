@@ -611,6 +611,17 @@ def test_a_layout_without_dense_pages_is_refused_by_name(model_dir, layout):
         Engine(vc)
 
 
+def test_the_node_takes_the_engines_device_and_a_missing_driver_fails_it_clearly(model_dir):
+    # vLLM's CPU worker: the node runs on the host.
+    vc = config(model_dir, "kv_consumer", "d", {})
+    assert kvferry.vllm._engine_device(vc) == "cpu"
+    # Device memory asked for where there is no CUDA driver: the engine's
+    # connector fails at start, naming the device, and nothing is registered.
+    vc = config(model_dir, "kv_consumer", "d", {"device": "cuda:0"})
+    with pytest.raises(kvferry.MisuseError, match="cuda:0"):
+        Engine(vc)
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
 def test_kernel_blocks_half_the_block_size_move(pd, layout):
     # The attention backend splits each 16-token block into two kernel

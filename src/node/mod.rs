@@ -471,6 +471,38 @@ impl Node {
         Ok(())
     }
 
+    /// Orders this node's device copies after the engine's work: records
+    /// an event on the engine's stream `stream` (a `CUstream`; 0 for the
+    /// legacy default stream) and makes every device copy that reads local
+    /// blocks from now on wait for it, on the device. Call it before
+    /// handing over blocks the engine's kernels just wrote (the vLLM
+    /// connector does, for every step that finished requests). Returns
+    /// once the data plane holds the event; a no-op without a device.
+    pub fn engine_handoff(&self, stream: u64) -> Result<(), NodeError> {
+        let s = &self.inner.shared;
+        let Some(device) = &s.config.device else {
+            return Ok(());
+        };
+        let event = device.record_engine_event(stream).map_err(|source| {
+            DataPlaneError::Transport(crate::transport::TransportError::Device {
+                during: "recording an event on the engine's stream",
+                source,
+            })
+        })?;
+        let (tx, rx) = flume::bounded(1);
+        let node_id = s.node_id;
+        self.inner
+            .handle
+            .spawn_on(0, move || async move {
+                let _ = tx.send(sink::wait_engine(node_id, &event));
+            })
+            .map_err(NodeError::from)?;
+        kvferry_reactor::release_held();
+        rx.recv_timeout(Duration::from_secs(10))
+            .map_err(|_| NodeError::Timeout("engine hand-off"))??;
+        Ok(())
+    }
+
     /// Refuses a call of `direction` on a node whose role lacks it, or
     /// before `register_kv_caches`.
     fn require(&self, direction: Direction) -> Result<(), NodeError> {

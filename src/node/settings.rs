@@ -45,6 +45,10 @@ pub struct NodeSettings {
     pub mooncake_location: Option<String>,
     /// `MooncakeConfig::linger`.
     pub mooncake_linger_ms: Option<u64>,
+    /// [`NodeConfig::device`]: `"cuda:N"` for a KV cache on CUDA device
+    /// N (the driver is loaded when the config is built), `"cpu"` for host
+    /// memory (the default).
+    pub device: Option<String>,
     /// [`NodeConfig::host`].
     pub host: Option<String>,
     /// [`NodeConfig::listen`].
@@ -182,6 +186,12 @@ pub enum ConfigError {
     /// A key a config cannot be built without.
     #[error("setting {0} is required")]
     Missing(&'static str),
+    /// A `device` that is not `cpu` or `cuda:N`.
+    #[error("device {0:?}: expected \"cpu\" or \"cuda:N\"")]
+    BadDevice(String),
+    /// The device asked for cannot be opened here.
+    #[error(transparent)]
+    Device(#[from] crate::transport::DeviceError),
 }
 
 /// The prefix of the environment variables [`NodeSettings::from_env`]
@@ -275,6 +285,10 @@ impl NodeSettings {
         self.apply_placement(&mut c);
         self.apply_timeouts(&mut c);
         self.apply_bounds(&mut c);
+        c.device = match self.device.as_deref().map(parse_device).transpose()? {
+            Some(Some(ordinal)) => Some(crate::transport::open_cuda(ordinal)?),
+            Some(None) | None => None,
+        };
         Ok(c)
     }
 
@@ -315,6 +329,7 @@ impl NodeSettings {
             mooncake_protocol: Some(c.mooncake.protocol.clone()),
             mooncake_location: Some(c.mooncake.location.clone()),
             mooncake_linger_ms: Some(millis(c.mooncake.linger)),
+            device: Some(c.device.as_ref().map_or_else(|| "cpu".into(), |d| d.name())),
             host: Some(c.host.clone()),
             listen: c.listen.clone(),
             side_channel_port: Some(c.side_channel_port),
@@ -499,6 +514,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("mooncake_protocol", Kind::Text),
     ("mooncake_location", Kind::Text),
     ("mooncake_linger_ms", Kind::Number),
+    ("device", Kind::Text),
     ("host", Kind::Text),
     ("listen", Kind::Text),
     ("side_channel_port", Kind::Number),
@@ -529,6 +545,18 @@ const KEYS: &[(&str, Kind)] = &[
     ("tcp_spin_us", Kind::Number),
     ("data_plane_messages", Kind::Flag),
 ];
+
+/// `cpu` is `None`, `cuda:N` is `Some(N)`.
+fn parse_device(text: &str) -> Result<Option<u32>, ConfigError> {
+    let bad = || ConfigError::BadDevice(text.to_string());
+    match text.trim() {
+        "cpu" => Ok(None),
+        t => match t.strip_prefix("cuda:") {
+            Some(n) => n.parse().map(Some).map_err(|_| bad()),
+            None => Err(bad()),
+        },
+    }
+}
 
 fn key_kind(key: &str) -> Option<Kind> {
     KEYS.iter().find(|(k, _)| *k == key).map(|&(_, kind)| kind)

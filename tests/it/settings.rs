@@ -203,3 +203,20 @@ fn a_node_listens_on_the_configured_data_plane_port() {
     assert_eq!(node.endpoint(), format!("tcp://127.0.0.1:{port}"));
     node.shutdown(Duration::ZERO);
 }
+
+#[test]
+fn a_cuda_device_without_a_driver_fails_the_config_clearly() {
+    let with = |device: &str| {
+        let json = format!(r#"{{"role": "decode", "engine_id": "d", "device": "{device}"}}"#);
+        NodeSettings::from_json(&json).unwrap().build()
+    };
+    assert!(with("cpu").unwrap().device.is_none());
+    assert!(matches!(with("gpu0"), Err(ConfigError::BadDevice(_))));
+    assert!(matches!(with("cuda:x"), Err(ConfigError::BadDevice(_))));
+    if std::env::var_os("KVFERRY_GPU_TESTS").is_none() {
+        // No driver here: one error naming the device, at config time.
+        let err = with("cuda:0").expect_err("no CUDA driver on this machine");
+        assert!(matches!(err, ConfigError::Device(_)), "{err:?}");
+        assert!(err.to_string().contains("cuda:0"), "{err}");
+    }
+}

@@ -401,6 +401,21 @@ pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPl
     Ok(())
 }
 
+/// Makes the device copies of the node's endpoint wait for `event`; runs
+/// on the executor.
+pub(crate) fn wait_engine(
+    node_id: u64,
+    event: &crate::transport::EngineEvent,
+) -> Result<(), DataPlaneError> {
+    let t = TRANSPORTS
+        .with(|m| m.borrow().get(&node_id).cloned())
+        .ok_or(DataPlaneError::NoEndpoint)?;
+    if let AnyTransport::Tcp(tcp) = &*t {
+        tcp.wait_engine(event)?;
+    }
+    Ok(())
+}
+
 /// One chunk to move: P's blocks `src` to D's blocks `dst` of `peer`, in
 /// direction `op` as seen from this side.
 struct Job<'a> {

@@ -100,10 +100,7 @@ impl CudaDevice {
         })
     }
 
-    /// Records an event on the engine's stream `stream` (a `CUstream`, 0
-    /// for the legacy default stream): copies that wait for it read only
-    /// what the engine's kernels before it wrote.
-    pub fn record_on_engine_stream(&self, stream: u64) -> Result<EngineEvent, DeviceError> {
+    fn record_on_engine_stream(&self, stream: u64) -> Result<EngineEvent, DeviceError> {
         self.current()?;
         let mut ev = std::ptr::null_mut();
         let flags = sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
@@ -178,6 +175,10 @@ impl Device for CudaDevice {
                 unsafe { sys::cuMemFreeHost(p as *mut c_void) };
             }),
         })
+    }
+
+    fn record_engine_event(&self, stream: u64) -> Result<EngineEvent, DeviceError> {
+        self.record_on_engine_stream(stream)
     }
 
     fn copy_stream(&self) -> Result<Arc<dyn CopyStream>, DeviceError> {

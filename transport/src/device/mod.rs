@@ -96,6 +96,12 @@ pub trait Device: Send + Sync + fmt::Debug {
 
     /// A new stream of copies, run in order.
     fn copy_stream(&self) -> Result<Arc<dyn CopyStream>, DeviceError>;
+
+    /// Records an event on the engine's stream `stream` (a `CUstream`, 0
+    /// for the legacy default stream): copies that wait for it
+    /// ([`CopyStream::wait_engine`]) read only what the engine's work
+    /// before it wrote.
+    fn record_engine_event(&self, stream: u64) -> Result<EngineEvent, DeviceError>;
 }
 
 /// Copies run in the order they were enqueued, asynchronously.
@@ -133,6 +139,14 @@ pub struct EngineEvent {
 }
 
 impl EngineEvent {
+    /// An event that is already complete (no engine stream to wait for).
+    pub fn complete() -> EngineEvent {
+        EngineEvent {
+            raw: 0,
+            drop_fn: None,
+        }
+    }
+
     /// The driver's handle (a `CUevent`), 0 for none.
     pub fn raw(&self) -> u64 {
         self.raw
