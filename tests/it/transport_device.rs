@@ -342,3 +342,135 @@ fn cuda_without_a_driver_is_one_clear_error() {
         other => panic!("expected NoDriver, got {other:?}"),
     }
 }
+
+/// `config` with shared memory on: peers on this host open each other's
+/// device regions by IPC handle.
+fn config_ipc(device: Option<&Arc<HostDevice>>) -> TcpConfig {
+    TcpConfig {
+        shm: ShmConfig {
+            mode: ShmMode::Auto,
+            ..ShmConfig::default()
+        },
+        device: device.map(|d| Arc::clone(d) as Arc<dyn Device>),
+        staging: StagingConfig {
+            buffers: 4,
+            buffer_bytes: 64 << 10,
+            ..StagingConfig::default()
+        },
+        ..TcpConfig::default()
+    }
+}
+
+#[test]
+fn on_one_host_device_memory_moves_device_to_device_through_ipc() {
+    block_on(async {
+        let a_dev = HostDevice::new(0, Duration::from_micros(100));
+        let b_dev = HostDevice::new(1, Duration::from_micros(100));
+        let a = bind(config_ipc(Some(&a_dev)));
+        let b = bind(config_ipc(Some(&b_dev)));
+        let len = 3 << 20;
+        let src = device_region(&a, &a_dev, len, 21);
+        let back = device_region(&a, &a_dev, len, 0);
+        let dst = device_region(&b, &b_dev, len, 0);
+        let mut host: Vec<u8> = (0..4096).map(|i| (i % 253) as u8).collect();
+        // SAFETY: `host` outlives the endpoint.
+        unsafe { a.register(host.as_mut_ptr(), host.len()).unwrap() };
+        let session = a.open(&b.endpoint_addr()).await.unwrap();
+        assert!(session.uses_shm(), "the peer offers its device regions");
+        let descs = [
+            Desc {
+                local_addr: src,
+                remote_addr: dst,
+                len_bytes: (2 << 20) + 5,
+            },
+            Desc {
+                local_addr: src + (2 << 20) + 5,
+                remote_addr: dst + (2 << 20) + 5,
+                len_bytes: (1 << 20) - 5 - 4096,
+            },
+            // Host memory here into the peer's device memory.
+            Desc {
+                local_addr: host.as_ptr() as u64,
+                remote_addr: dst + len as u64 - 4096,
+                len_bytes: 4096,
+            },
+        ];
+        session.transfer(Op::Write, &descs).await.unwrap();
+        let (got, want) = (view(dst, len - 4096), view(src, len - 4096));
+        assert!(got == want, "device to device: bytes differ");
+        assert_eq!(view(dst + len as u64 - 4096, 4096), host);
+        let pull = [Desc {
+            local_addr: back,
+            remote_addr: dst,
+            len_bytes: len as u64,
+        }];
+        session.transfer(Op::Read, &pull).await.unwrap();
+        assert!(view(back, len) == view(dst, len), "read back: bytes differ");
+        // Every byte went through the opened allocation: none was staged.
+        assert_eq!(session.shm_copied_bytes(), 2 * len as u64);
+        assert_eq!(a.staging_stats().pool.allocated, 0);
+        assert_eq!(b.staging_stats().pool.allocated, 0);
+        drop(host);
+    });
+}
+
+#[test]
+fn a_device_copy_into_a_closed_block_of_the_peer_is_refused() {
+    block_on(async {
+        let a_dev = HostDevice::new(0, Duration::ZERO);
+        let b_dev = HostDevice::new(1, Duration::ZERO);
+        let a = bind(config_ipc(Some(&a_dev)));
+        let b = bind(config_ipc(Some(&b_dev)));
+        let block = 64 << 10;
+        let src = device_region(&a, &a_dev, block, 4);
+        let dst = device_region(&b, &b_dev, 2 * block, 0);
+        let fence = Rc::new(BlockFence::new(&[(dst, block as u64)], 2));
+        b.set_fence(Some(Rc::clone(&fence)));
+        let session = a.open(&b.endpoint_addr()).await.unwrap();
+        assert!(session.uses_shm());
+        let batch = [Desc {
+            local_addr: src,
+            remote_addr: dst + block as u64,
+            len_bytes: block as u64,
+        }];
+        // Block 1 is closed: nothing lands, neither through the opened
+        // allocation nor through tcp.
+        let refused = session.transfer(Op::Write, &batch).await;
+        assert!(
+            matches!(refused, Err(TransportError::Fenced { .. })),
+            "{refused:?}"
+        );
+        assert!(view(dst + block as u64, block).iter().all(|&x| x == 0));
+        fence.open([1u32]);
+        session.transfer(Op::Write, &batch).await.unwrap();
+        assert!(view(dst + block as u64, block) == view(src, block));
+        assert_eq!(session.shm_copied_bytes(), block as u64);
+    });
+}
+
+#[test]
+fn a_peer_without_a_device_moves_into_device_memory_staged_by_the_target() {
+    block_on(async {
+        let b_dev = HostDevice::new(1, Duration::ZERO);
+        let a = bind(config_ipc(None));
+        let b = bind(config_ipc(Some(&b_dev)));
+        let len = 1 << 20;
+        let mut src: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+        // SAFETY: `src` outlives the endpoint.
+        unsafe { a.register(src.as_mut_ptr(), len).unwrap() };
+        let dst = device_region(&b, &b_dev, len, 0);
+        let session = a.open(&b.endpoint_addr()).await.unwrap();
+        let batch = [Desc {
+            local_addr: src.as_ptr() as u64,
+            remote_addr: dst,
+            len_bytes: len as u64,
+        }];
+        session.transfer(Op::Write, &batch).await.unwrap();
+        assert_eq!(view(dst, len), src);
+        // No device here to open the peer's allocation with: tcp frames,
+        // staged onto the device by the target.
+        assert_eq!(session.shm_copied_bytes(), 0);
+        assert!(b.staging_stats().pool.allocated > 0);
+        drop(src);
+    });
+}

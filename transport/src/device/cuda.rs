@@ -10,7 +10,10 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::{CopyStream, Device, DeviceError, Dir, EngineEvent, Mark, MarkState, Pinned};
+use super::{
+    CopyStream, Device, DeviceError, Dir, EngineEvent, IpcExport, IpcOpened, Mark, MarkState,
+    Pinned, IPC_HANDLE_LEN,
+};
 
 /// One CUDA device, in its primary context.
 pub struct CudaDevice {
@@ -179,6 +182,59 @@ impl Device for CudaDevice {
 
     fn record_engine_event(&self, stream: u64) -> Result<EngineEvent, DeviceError> {
         self.record_on_engine_stream(stream)
+    }
+
+    fn export_ipc(&self, addr: u64, len_bytes: u64) -> Result<IpcExport, DeviceError> {
+        self.check_range(addr, len_bytes)?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: valid out-pointers; `addr` was checked above.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr)
+        })?;
+        // SAFETY: a zeroed handle is a valid out-value.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: `base` starts an allocation of this context. Memory from
+        // the VMM API (cuMemCreate) has no legacy IPC handle: the call
+        // fails and the region stays on the staged tcp path.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut h, base)
+        })?;
+        let mut handle = [0u8; IPC_HANDLE_LEN];
+        for (d, s) in handle.iter_mut().zip(h.reserved.iter()) {
+            *d = *s as u8;
+        }
+        Ok(IpcExport {
+            handle,
+            offset: addr - base,
+        })
+    }
+
+    fn open_ipc(&self, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcOpened, DeviceError> {
+        self.current()?;
+        // SAFETY: a zeroed handle is a valid value, filled below.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (d, s) in h.reserved.iter_mut().zip(handle.iter()) {
+            *d = *s as _;
+        }
+        let mut base = 0u64;
+        let flags = sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: valid out-pointer; the driver checks the handle.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut base, h, flags)
+        })?;
+        let ctx = self.ctx;
+        Ok(IpcOpened {
+            base,
+            close: Some(Box::new(move |base| {
+                // The whole `Ctx` (Send), not its raw pointer field.
+                let ctx: Ctx = ctx;
+                // SAFETY: opened above, in this context, closed once.
+                unsafe {
+                    sys::cuCtxSetCurrent(ctx.0);
+                    sys::cuIpcCloseMemHandle(base);
+                }
+            })),
+        })
     }
 
     fn copy_stream(&self) -> Result<Arc<dyn CopyStream>, DeviceError> {

@@ -7,7 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use super::{CopyStream, Device, DeviceError, Dir, EngineEvent, Mark, MarkState, Pinned};
+use super::{
+    CopyStream, Device, DeviceError, Dir, EngineEvent, IpcExport, IpcOpened, Mark, MarkState,
+    Pinned, IPC_HANDLE_LEN,
+};
 
 /// A stand-in device: "device memory" is host memory it allocated itself
 /// (so [`Device::check_range`] is exact, as the driver's is), and each
@@ -111,6 +114,43 @@ impl Device for HostDevice {
         // The stand-in's "engine" writes with plain stores, done before it
         // hands blocks over.
         Ok(EngineEvent::complete())
+    }
+
+    /// The stand-in's handle names its arena by address and this process:
+    /// it opens in this process only (tests run both ends in one), as a
+    /// CUDA handle opens only on its host.
+    fn export_ipc(&self, addr: u64, len_bytes: u64) -> Result<IpcExport, DeviceError> {
+        self.check_range(addr, len_bytes)?;
+        let arenas = kvferry_reactor::lock(&self.arenas);
+        let Some(&(base, _)) = arenas.iter().find(|&&(a, l)| addr >= a && addr < a + l) else {
+            unreachable!("check_range found the arena");
+        };
+        let mut handle = [0u8; IPC_HANDLE_LEN];
+        handle[..8].copy_from_slice(&base.to_le_bytes());
+        handle[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        handle[12..16].copy_from_slice(&self.ordinal.to_le_bytes());
+        Ok(IpcExport {
+            handle,
+            offset: addr - base,
+        })
+    }
+
+    fn open_ipc(&self, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcOpened, DeviceError> {
+        let word = |r: std::ops::Range<usize>| {
+            let mut b = [0u8; 8];
+            b[..r.len()].copy_from_slice(&handle[r]);
+            u64::from_le_bytes(b)
+        };
+        if word(8..12) != u64::from(std::process::id()) {
+            return Err(DeviceError::Driver {
+                call: "opening a stand-in IPC handle",
+                detail: "stand-in device memory is not shared between processes".into(),
+            });
+        }
+        Ok(IpcOpened {
+            base: word(0..8),
+            close: None,
+        })
     }
 
     fn copy_stream(&self) -> Result<Arc<dyn CopyStream>, DeviceError> {

@@ -102,6 +102,55 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// ([`CopyStream::wait_engine`]) read only what the engine's work
     /// before it wrote.
     fn record_engine_event(&self, stream: u64) -> Result<EngineEvent, DeviceError>;
+
+    /// A handle another process on this host opens to reach the
+    /// allocation holding `[addr, addr + len_bytes)` (CUDA:
+    /// `cuIpcGetMemHandle` of the allocation's base), and the range's
+    /// offset in it.
+    fn export_ipc(&self, addr: u64, len_bytes: u64) -> Result<IpcExport, DeviceError>;
+
+    /// Opens a peer's handle in this process: the allocation's base here,
+    /// mapped until the returned value is dropped.
+    fn open_ipc(&self, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcOpened, DeviceError>;
+}
+
+/// Bytes of an IPC handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// A device range as another process opens it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcExport {
+    /// The allocation's handle.
+    pub handle: [u8; IPC_HANDLE_LEN],
+    /// Where the range starts in the allocation.
+    pub offset: u64,
+}
+
+/// A peer's allocation opened here; closed on drop.
+pub struct IpcOpened {
+    base: u64,
+    close: Option<Box<dyn FnOnce(u64) + Send>>,
+}
+
+impl IpcOpened {
+    /// The allocation's first byte in this process.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+}
+
+impl fmt::Debug for IpcOpened {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IpcOpened({:#x})", self.base)
+    }
+}
+
+impl Drop for IpcOpened {
+    fn drop(&mut self) {
+        if let Some(close) = self.close.take() {
+            close(self.base);
+        }
+    }
 }
 
 /// Copies run in the order they were enqueued, asynchronously.
@@ -276,7 +325,7 @@ impl Mark {
         true
     }
 
-    fn result(&self) -> Result<(), DeviceError> {
+    pub(crate) fn result(&self) -> Result<(), DeviceError> {
         if self.state.failed.load(Ordering::Relaxed) {
             return Err(DeviceError::Driver {
                 call: "a copy on the stream",

@@ -256,10 +256,37 @@ impl CopyTracker {
         })
     }
 
-    /// Makes the device-to-host copies enqueued from now on wait for the
+    /// Makes the copies enqueued from now on (those that read the
+    /// engine's blocks: to the host and device to device) wait for the
     /// engine's `event`.
     pub(crate) fn wait_engine(&self, event: &EngineEvent) -> Result<(), DeviceError> {
-        self.to_host.wait_engine(event)
+        self.to_host.wait_engine(event)?;
+        self.to_device.wait_engine(event)
+    }
+
+    /// Copies `len` bytes now: enqueues the copy and waits for it on this
+    /// thread (at most `drain_max`). For copies whose end a peer's close
+    /// waits for through the shared fence's lane.
+    ///
+    /// # Safety
+    ///
+    /// As for [`CopyStream::enqueue`].
+    pub(crate) unsafe fn copy_now(
+        &self,
+        dir: Dir,
+        dst: u64,
+        src: u64,
+        len: u64,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's promise.
+        let mark = unsafe { self.copy(dir, &[(dst, src, len)])? };
+        if !mark.wait_blocking(self.drain_max) {
+            return Err(DeviceError::Driver {
+                call: "a device copy to a peer",
+                detail: format!("it did not end within {:?}", self.drain_max),
+            });
+        }
+        mark.result()
     }
 
     /// Enqueues the copies `(dst, src, len)` in direction `dir` and returns

@@ -12,6 +12,7 @@ use super::host::{HostId, HOST_ID_LEN};
 use super::mem::PeerMap;
 use super::target::ANSWER_LEN;
 use super::{ShmRefusal, SHM_CHUNK_BYTES};
+use crate::device::{CopyTracker, Device, Dir, IpcOpened, IPC_HANDLE_LEN};
 use crate::fence::{slots_in, BlockFence, FenceRegion, Space};
 use crate::RegionInfo;
 
@@ -87,6 +88,15 @@ pub(crate) struct OfferRegion {
     pub(crate) offset: u64,
 }
 
+/// One device region as an offer lists it: the range, its offset in its
+/// allocation, and the allocation's IPC handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct OfferDevice {
+    pub(crate) info: RegionInfo,
+    pub(crate) offset: u64,
+    pub(crate) handle: [u8; IPC_HANDLE_LEN],
+}
+
 /// What a target hands a peer: its map of shared memory and fence.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Offer {
@@ -96,12 +106,16 @@ pub(crate) struct Offer {
     pub(crate) counts: Vec<u64>,
     pub(crate) fence: Vec<FenceRegion>,
     pub(crate) regions: Vec<OfferRegion>,
+    /// Device regions (the GPU hello); an offer without the list (an
+    /// older target) has none.
+    pub(crate) devices: Vec<OfferDevice>,
 }
 
 impl Offer {
     /// Little-endian words: length, magic, generation, lane, lanes, the
     /// counts, the fenced regions (base, stride, count, space), the shared
-    /// regions (addr, len, offset).
+    /// regions (addr, len, offset), then the device regions (addr, len,
+    /// offset, the handle's 64 bytes as 8 words).
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut w = vec![0, OFFER_MAGIC, self.generation];
         w.extend([self.lane as u64, self.lanes as u64]);
@@ -114,6 +128,15 @@ impl Offer {
         w.push(self.regions.len() as u64);
         for r in &self.regions {
             w.extend([r.info.addr, r.info.len_bytes, r.offset]);
+        }
+        w.push(self.devices.len() as u64);
+        for d in &self.devices {
+            w.extend([d.info.addr, d.info.len_bytes, d.offset]);
+            w.extend(
+                d.handle
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())),
+            );
         }
         w[0] = (w.len() * 8) as u64;
         w.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -170,6 +193,23 @@ impl Offer {
                 offset,
             });
         }
+        let n = next().unwrap_or(0) as usize;
+        if n > MAX_OFFER_REGIONS {
+            return Err(bad("device regions"));
+        }
+        let mut devices = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (addr, len_bytes, offset) = (next()?, next()?, next()?);
+            let mut handle = [0u8; IPC_HANDLE_LEN];
+            for c in handle.chunks_exact_mut(8) {
+                c.copy_from_slice(&next()?.to_le_bytes());
+            }
+            devices.push(OfferDevice {
+                info: RegionInfo { addr, len_bytes },
+                offset,
+                handle,
+            });
+        }
         Ok(Offer {
             generation,
             lane,
@@ -177,6 +217,7 @@ impl Offer {
             counts,
             fence,
             regions,
+            devices,
         })
     }
 }
@@ -325,10 +366,20 @@ struct Mapped {
     map: PeerMap,
 }
 
-/// The initiator's link to one target: its regions mapped here, its
-/// control file, and the socket whose hang-up frees our lane there.
+/// A device region of the target, its allocation opened here.
+struct OpenedDevice {
+    info: RegionInfo,
+    /// Where `info.addr` is in this process.
+    here: u64,
+    _opened: IpcOpened,
+}
+
+/// The initiator's link to one target: its regions mapped here (shared
+/// host memory) or opened (device memory, by IPC handle), its control
+/// file, and the socket whose hang-up frees our lane there.
 pub(crate) struct ShmLink {
     regions: Vec<Mapped>,
+    devices: Vec<OpenedDevice>,
     ctl: CtlView,
     fence: Vec<FenceRegion>,
     _conn: UnixStream,
@@ -349,16 +400,20 @@ pub(crate) enum CopyFail {
     Fenced,
     /// The deadline passed between chunks.
     Timeout,
+    /// A device copy failed.
+    Device(crate::DeviceError),
 }
 
 impl ShmLink {
     /// Connects to the target that sent `answer` (it said hello as
     /// `expected_pid`) and maps what it offers. Blocking: run off the
     /// executors.
+    /// With `device`, the target's device regions are opened too.
     pub(crate) fn establish(
         answer: &Answer,
         me: &HostId,
         timeout: Duration,
+        device: Option<&dyn Device>,
     ) -> Result<ShmLink, ShmRefusal> {
         if !me.shares_with(&answer.host) {
             return Err(if me.uid != answer.host.uid {
@@ -382,10 +437,16 @@ impl ShmLink {
         }
         (&conn).write_all(&answer.token).map_err(ShmRefusal::io)?;
         let (offer, fds) = recv_offer(&conn)?;
-        ShmLink::map(offer, fds, conn)
+        let devices = open_devices(&offer.devices, device)?;
+        ShmLink::map(offer, fds, conn, devices)
     }
 
-    fn map(offer: Offer, fds: Vec<OwnedFd>, conn: UnixStream) -> Result<ShmLink, ShmRefusal> {
+    fn map(
+        offer: Offer,
+        fds: Vec<OwnedFd>,
+        conn: UnixStream,
+        devices: Vec<OpenedDevice>,
+    ) -> Result<ShmLink, ShmRefusal> {
         if fds.len() != offer.regions.len() + 1 {
             return Err(ShmRefusal::Malformed("file count"));
         }
@@ -419,6 +480,7 @@ impl ShmLink {
         }
         Ok(ShmLink {
             regions,
+            devices,
             ctl,
             fence: offer.fence,
             _conn: conn,
@@ -436,14 +498,84 @@ impl ShmLink {
         })
     }
 
+    /// Where `[addr, addr + len)` of the target's device memory is here.
+    fn translate_device(&self, addr: u64, len: u64) -> Option<u64> {
+        let end = addr.checked_add(len)?;
+        let i = self.devices.partition_point(|m| m.info.addr <= addr);
+        let m = &self.devices[i.checked_sub(1)?];
+        (len > 0 && end <= m.info.addr + m.info.len_bytes).then(|| m.here + (addr - m.info.addr))
+    }
+
     /// True while the target has not changed what it shares since.
     pub(crate) fn current(&self) -> bool {
         self.ctl.current()
     }
 
-    /// True if the target range of `d` is in the link's regions.
-    pub(crate) fn covers(&self, d: &crate::Desc) -> bool {
-        self.translate(d.remote_addr, d.len_bytes).is_some()
+    /// True if the link moves `d`: its target range in the target's shared
+    /// host memory and its local range host memory (a `memcpy`), or its
+    /// target range in the target's device memory opened here (a copy on
+    /// this endpoint's device).
+    pub(crate) fn covers(&self, d: &crate::Desc, local_device: bool) -> bool {
+        match self.translate_device(d.remote_addr, d.len_bytes) {
+            Some(_) => true,
+            None => !local_device && self.translate(d.remote_addr, d.len_bytes).is_some(),
+        }
+    }
+
+    /// Whether the target range `[remote, remote + len)` is device memory.
+    pub(crate) fn is_device(&self, remote: u64, len: u64) -> bool {
+        self.translate_device(remote, len).is_some()
+    }
+
+    /// Copies one piece between this side's `local` (device memory when
+    /// `local_device`) and the target's device memory at `remote`, on
+    /// `copies`' streams, under both fences: the lane stays published
+    /// until the copy ended, so a close there waits for it as for a
+    /// `memcpy`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn copy_device(
+        &self,
+        write: bool,
+        local: u64,
+        remote: u64,
+        len: u64,
+        local_device: bool,
+        fence: Option<&BlockFence>,
+        copies: &CopyTracker,
+    ) -> Result<(), CopyFail> {
+        let there = self
+            .translate_device(remote, len)
+            .ok_or(CopyFail::Uncovered)?;
+        if fence.is_some_and(|f| !f.allows(local, len)) {
+            return Err(CopyFail::Fenced);
+        }
+        let dir = match (write, local_device) {
+            (_, true) => Dir::DeviceToDevice,
+            (true, false) => Dir::ToDevice,
+            (false, false) => Dir::ToHost,
+        };
+        let (dst, src) = if write {
+            (there, local)
+        } else {
+            (local, there)
+        };
+        let slots = slots_in(&self.fence, remote, len).map(|(r, f, l)| (r.space.index(), f, l));
+        let mut copied = Ok(());
+        self.ctl
+            .guarded(slots, || {
+                // SAFETY: `local` lies in this endpoint's registered memory
+                // (pinned by the caller), `there` in an allocation opened
+                // from the target's handle; both fences allow them now and
+                // the lane holds the target's close off until the copy ends.
+                copied = unsafe { copies.copy_now(dir, dst, src, len) };
+            })
+            .map_err(|s| match s {
+                Stop::Stale => CopyFail::Stale,
+                Stop::Fenced => CopyFail::Fenced,
+            })?;
+        copied.map_err(CopyFail::Device)?;
+        super::count_copied(len);
+        Ok(())
     }
 
     /// Copies one chunk: `local` (this side, registered and checked by the
@@ -480,6 +612,40 @@ impl ShmLink {
     }
 }
 
+/// Opens the offered device regions with `device`; without one, or where a
+/// handle does not open (another host's, memory without a legacy IPC
+/// handle), none: those regions move over tcp, staged.
+fn open_devices(
+    offered: &[OfferDevice],
+    device: Option<&dyn Device>,
+) -> Result<Vec<OpenedDevice>, ShmRefusal> {
+    let Some(device) = device else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for d in offered {
+        match device.open_ipc(&d.handle) {
+            Ok(opened) => out.push(OpenedDevice {
+                info: d.info,
+                here: opened.base() + d.offset,
+                _opened: opened,
+            }),
+            Err(e) => tracing::debug!(error = %e, "shm: a device region did not open; tcp"),
+        }
+    }
+    out.sort_by_key(|m| m.info.addr);
+    let overlap = out.windows(2).any(|w| {
+        w[0].info
+            .addr
+            .checked_add(w[0].info.len_bytes)
+            .is_none_or(|end| end > w[1].info.addr)
+    });
+    if overlap {
+        return Err(ShmRefusal::Malformed("overlapping device regions"));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -510,6 +676,16 @@ mod tests {
                         len_bytes: 0x8000,
                     },
                     offset: i * 4096,
+                })
+                .collect(),
+            devices: (0..regions as u64)
+                .map(|i| OfferDevice {
+                    info: RegionInfo {
+                        addr: 0x9000_0000 + i * 0x100_0000,
+                        len_bytes: 0x4000,
+                    },
+                    offset: i * 512,
+                    handle: [i as u8 ^ 0x5a; IPC_HANDLE_LEN],
                 })
                 .collect(),
         }

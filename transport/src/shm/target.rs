@@ -12,7 +12,7 @@ use kvferry_reactor::lock;
 
 use super::ctl::{CtlOwner, DrainStats};
 use super::host::{HostId, HOST_ID_LEN};
-use super::link::{self, Offer, OfferRegion, TOKEN_LEN};
+use super::link::{self, Offer, OfferDevice, OfferRegion, TOKEN_LEN};
 use super::mem::PeerMap;
 use super::{ShmConfig, ShmRefusal, ShmStats};
 use crate::fence::{BlockFence, FenceRegion};
@@ -46,6 +46,8 @@ struct Shared {
     refused: u64,
     /// Drains of control files replaced since.
     retired: DrainStats,
+    /// Device regions peers open by IPC handle, by registration id.
+    devices: BTreeMap<u64, OfferDevice>,
 }
 
 /// An endpoint's shared-memory target.
@@ -80,6 +82,7 @@ impl ShmTarget {
             links_served: 0,
             refused: 0,
             retired: DrainStats::default(),
+            devices: BTreeMap::new(),
         }));
         let (stop_r, stop_w) = pipe()?;
         let s = Arc::clone(&shared);
@@ -108,7 +111,7 @@ impl ShmTarget {
             sh.refused += 1;
             return None;
         }
-        if sh.regions.is_empty() || sh.unfit {
+        if (sh.regions.is_empty() && sh.devices.is_empty()) || sh.unfit {
             return None;
         }
         let token = link::random_token();
@@ -152,14 +155,44 @@ impl ShmTarget {
         Ok(())
     }
 
+    /// Offers device region `info` of registration `id` to peers on this
+    /// host, who open `export` (its allocation's IPC handle) and copy into
+    /// or out of it under the same fence as shared host memory.
+    pub(crate) fn add_device_region(
+        &self,
+        id: u64,
+        info: RegionInfo,
+        export: crate::device::IpcExport,
+    ) -> Result<(), ShmRefusal> {
+        let ctl = {
+            let mut sh = self.shared();
+            if sh.devices.len() >= link::MAX_OFFER_REGIONS {
+                return Err(ShmRefusal::Malformed("too many device regions to share"));
+            }
+            if sh.unfit {
+                return Err(ShmRefusal::Malformed("a block fence too large to share"));
+            }
+            let region = OfferDevice {
+                info,
+                offset: export.offset,
+                handle: export.handle,
+            };
+            sh.devices.insert(id, region);
+            Arc::clone(&sh.ctl)
+        };
+        ctl.retire();
+        Ok(())
+    }
+
     /// Stops sharing registration `id`; returns once no peer copies into
     /// it.
     pub(crate) fn remove_region(&self, id: u64) {
         let ctl = {
             let mut sh = self.shared();
-            let before = sh.regions.len();
+            let before = sh.regions.len() + sh.devices.len();
             sh.regions.retain(|&(i, _), _| i != id);
-            (sh.regions.len() != before).then(|| Arc::clone(&sh.ctl))
+            sh.devices.remove(&id);
+            (sh.regions.len() + sh.devices.len() != before).then(|| Arc::clone(&sh.ctl))
         };
         if let Some(ctl) = ctl {
             ctl.retire();
@@ -181,6 +214,7 @@ impl ShmTarget {
             {
                 let mut sh = self.shared();
                 sh.regions.clear();
+                sh.devices.clear();
                 sh.unfit = true;
             }
             self.retire_current(old);
@@ -311,6 +345,7 @@ fn hand_over(conn: &UnixStream, shared: &Mutex<Shared>) -> Result<(), ShmRefusal
                 offset: r.offset,
             })
             .collect(),
+        devices: sh.devices.values().copied().collect(),
     };
     let mut fds = vec![sh.ctl.mem().fd().as_raw_fd()];
     fds.extend(sh.regions.values().map(|r| r.fd.as_raw_fd()));
@@ -389,7 +424,7 @@ mod tests {
         // The same token, from this user: the control case gets the offer
         // (the refusal did not use up the token).
         let me = HostId::current().unwrap();
-        let link = ShmLink::establish(&answer, &me, Duration::from_secs(2)).unwrap();
+        let link = ShmLink::establish(&answer, &me, Duration::from_secs(2), None).unwrap();
         drop(link);
         assert_eq!(t.stats().links_served, 1);
     }
@@ -398,8 +433,8 @@ mod tests {
     fn a_token_is_good_once() {
         let (t, _mem, answer) = target();
         let me = HostId::current().unwrap();
-        assert!(ShmLink::establish(&answer, &me, Duration::from_secs(2)).is_ok());
-        let again = ShmLink::establish(&answer, &me, Duration::from_secs(2));
+        assert!(ShmLink::establish(&answer, &me, Duration::from_secs(2), None).is_ok());
+        let again = ShmLink::establish(&answer, &me, Duration::from_secs(2), None);
         assert!(again.is_err(), "a replayed token");
         let st = t.stats();
         assert_eq!((st.links_served, st.refused), (1, 1));

@@ -342,11 +342,30 @@ impl TcpTransport {
                 super::DeviceError::NoDriver { detail },
             ));
         };
-        dev.copies
-            .device
+        let device = &dev.copies.device;
+        device
             .check_range(addr, len_bytes as u64)
             .map_err(TransportError::device(during))?;
-        Ok(self.target.registry.insert_device(addr, len_bytes as u64)?)
+        let id = self.target.registry.insert_device(addr, len_bytes as u64)?;
+        // Peers on this host open it by IPC handle and copy device to
+        // device; where it cannot be exported, they stage over tcp.
+        if let Some(shm) = &self.target.shm {
+            let info = RegionInfo {
+                addr,
+                len_bytes: len_bytes as u64,
+            };
+            let offered = device
+                .export_ipc(addr, len_bytes as u64)
+                .map_err(|e| e.to_string())
+                .and_then(|export| {
+                    shm.add_device_region(id.0, info, export)
+                        .map_err(|e| e.to_string())
+                });
+            if let Err(e) = offered {
+                tracing::debug!(error = %e, "device region not offered by IPC; peers stage it");
+            }
+        }
+        Ok(id)
     }
 
     /// Makes the device copies that read local blocks from now on wait

@@ -283,10 +283,12 @@ impl SessionInner {
         let answer = answer.ok_or(PeerError::ShmRefused(ShmRefusal::NotOffered))?;
         let (tx, rx) = futures::channel::oneshot::channel();
         let timeout = self.config.shm.handshake_timeout;
+        // With a device here, the peer's device regions are opened too.
+        let device = self.device.as_ref().map(|d| Arc::clone(&d.copies.device));
         std::thread::Builder::new()
             .name("kvferry-shm-link".into())
             .spawn(move || {
-                let _ = tx.send(ShmLink::establish(&answer, &me, timeout));
+                let _ = tx.send(ShmLink::establish(&answer, &me, timeout, device.as_deref()));
             })
             .map_err(|e| TransportError::io("starting the shm handshake", e))?;
         let link = within(timeout * 2, async {
@@ -359,11 +361,13 @@ impl SessionInner {
     /// target's private memory, such as the partial pages at the edges of
     /// an engine's buffer shared in place). With [`ShmMode::Require`] a
     /// batch that cannot go entirely through shared memory fails.
-    async fn shm_transfer(
+    /// `local_device`: the local side of every descriptor is device memory.
+    pub(super) async fn shm_transfer(
         &self,
         op: Op,
         descs: &[Desc],
         deadline: Instant,
+        local_device: bool,
     ) -> Option<Result<Vec<usize>, TransportError>> {
         let require = self.config.shm.mode == ShmMode::Require;
         let refuse = || -> Option<Result<Vec<usize>, TransportError>> {
@@ -387,12 +391,15 @@ impl SessionInner {
                 continue;
             };
             let (here, rest): (Vec<usize>, Vec<usize>) =
-                (0..descs.len()).partition(|&i| link.covers(&descs[i]));
+                (0..descs.len()).partition(|&i| link.covers(&descs[i], local_device));
             if here.is_empty() || (require && !rest.is_empty()) {
                 return refuse();
             }
             let covered: Vec<Desc> = here.iter().map(|&i| descs[i]).collect();
-            match self.copy_through(link, op, &covered, deadline).await {
+            match self
+                .copy_through(link, op, &covered, deadline, local_device)
+                .await
+            {
                 Ok(()) => return Some(Ok(rest)),
                 Err(CopyFail::Stale) if may_ask => {
                     may_ask = false;
@@ -405,6 +412,10 @@ impl SessionInner {
                     let during = "copying through shared memory";
                     return Some(Err(TransportError::Fenced { during }));
                 }
+                Err(CopyFail::Device(source)) => {
+                    let during = "copying into a peer's device memory";
+                    return Some(Err(TransportError::Device { during, source }));
+                }
                 Err(CopyFail::Timeout) => {
                     let bound = self.config.batch_timeout;
                     let after_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
@@ -415,23 +426,41 @@ impl SessionInner {
     }
 
     /// Copies `descs` chunk by chunk through `link`, each chunk under both
-    /// fences, yielding to the executor every 64 MiB.
+    /// fences, yielding to the executor every 64 MiB. A chunk into or out
+    /// of the peer's device memory is a copy on this endpoint's device, up
+    /// to [`DEVICE_CHUNK_BYTES`] at once.
     async fn copy_through(
         &self,
         link: Rc<ShmLink>,
         op: Op,
         descs: &[Desc],
         deadline: Instant,
+        local_device: bool,
     ) -> Result<(), CopyFail> {
         const YIELD_EVERY_BYTES: u64 = 64 << 20;
         let fence = self.fence.borrow().clone();
+        let copies = self.device.as_ref().map(|d| Rc::clone(&d.copies));
         let mut since_yield = 0u64;
         for d in descs {
+            let device = link.is_device(d.remote_addr, d.len_bytes);
+            let chunk = if device {
+                DEVICE_CHUNK_BYTES
+            } else {
+                SHM_CHUNK_BYTES
+            };
             let mut off = 0;
             while off < d.len_bytes {
-                let n = SHM_CHUNK_BYTES.min(d.len_bytes - off);
+                let n = chunk.min(d.len_bytes - off);
                 let (local, remote) = (d.local_addr + off, d.remote_addr + off);
-                link.copy_chunk(op == Op::Write, local, remote, n, fence.as_deref())?;
+                let write = op == Op::Write;
+                match (&copies, device) {
+                    (Some(c), true) => {
+                        let f = fence.as_deref();
+                        link.copy_device(write, local, remote, n, local_device, f, c)?;
+                    }
+                    (None, true) => return Err(CopyFail::Uncovered),
+                    (_, false) => link.copy_chunk(write, local, remote, n, fence.as_deref())?,
+                }
                 self.shm_copied.set(self.shm_copied.get() + n);
                 off += n;
                 since_yield += n;
@@ -504,7 +533,7 @@ impl SessionInner {
         let mut rest = None;
         if self.config.shm.mode != ShmMode::Off {
             let copied = within(bound, async {
-                Ok(self.shm_transfer(op, descs, deadline).await)
+                Ok(self.shm_transfer(op, descs, deadline, false).await)
             });
             match copied.await? {
                 None => {}
@@ -843,6 +872,11 @@ fn blame_in(e: TransportError, part: &[usize]) -> TransportError {
         other => other,
     }
 }
+
+/// Most bytes of one copy into or out of a peer's device memory: the copy
+/// runs while the fence's lane is published, and a peer's close waits
+/// for it.
+const DEVICE_CHUNK_BYTES: u64 = 64 << 20;
 
 /// The request id of a trailer: the one after the plan's frames.
 fn trailer_id(plan: &Plan<'_>, s: &Stream) -> u64 {

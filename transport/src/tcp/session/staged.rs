@@ -8,6 +8,7 @@ use futures::stream::{StreamExt, TryStreamExt};
 use super::{blame_in, SessionInner};
 use crate::device::Dir;
 use crate::fence::Guard;
+use crate::shm::ShmMode;
 use crate::tcp::plan::plan;
 use crate::{Desc, MisuseError, Op, TransportError};
 
@@ -43,12 +44,40 @@ impl SessionInner {
             moved.map_err(|e| blame_in(e, &host))
         };
         let dev_part = async {
-            self.staged(op, &dev_descs)
+            self.device_part(op, &dev_descs, bound)
                 .await
                 .map_err(|e| blame_in(e, &dev))
         };
         futures::future::try_join(host_part, dev_part).await?;
         Ok(false)
+    }
+
+    /// Moves descriptors whose local side is device memory: those into the
+    /// peer's device memory opened here (same host, IPC) as copies on this
+    /// endpoint's device, the rest staged.
+    async fn device_part(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        bound: std::time::Duration,
+    ) -> Result<(), TransportError> {
+        if descs.is_empty() {
+            return Ok(());
+        }
+        let deadline = std::time::Instant::now() + bound;
+        let rest = match self.config.shm.mode {
+            ShmMode::Off => None,
+            _ => self.shm_transfer(op, descs, deadline, true).await,
+        };
+        match rest {
+            None => self.staged(op, descs).await,
+            Some(Err(e)) => Err(e),
+            Some(Ok(rest)) if rest.is_empty() => Ok(()),
+            Some(Ok(rest)) => {
+                let part: Vec<Desc> = rest.iter().map(|&i| descs[i]).collect();
+                self.staged(op, &part).await.map_err(|e| blame_in(e, &rest))
+            }
+        }
     }
 
     /// Checks every remote range against the peer's regions, fetching them
