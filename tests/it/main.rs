@@ -22,6 +22,7 @@ mod probe_interval;
 mod scheduler;
 mod settings;
 mod transport_device;
+mod transport_gpu;
 mod transport_local;
 mod transport_mooncake;
 mod transport_shm;

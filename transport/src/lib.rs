@@ -54,8 +54,8 @@ pub use any::{AnySession, AnyTransport};
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
 pub use device::{
-    open_cuda, CopyStream, Device, DeviceError, Dir, EngineEvent, HostDevice, IpcExport, IpcOpened,
-    Lease, Mark, Pinned, PoolStats, StagingPool, IPC_HANDLE_LEN,
+    open_cuda, CopyStream, Device, DeviceAlloc, DeviceError, Dir, EngineEvent, HostDevice,
+    IpcExport, IpcOpened, Lease, Mark, Pinned, PoolStats, StagingPool, IPC_HANDLE_LEN,
 };
 pub use fence::{BlockFence, FenceKey, FencePool};
 pub use local::{LocalSession, LocalTransport};

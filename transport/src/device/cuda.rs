@@ -11,8 +11,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUresult};
 
 use super::{
-    CopyStream, Device, DeviceError, Dir, EngineEvent, IpcExport, IpcOpened, Mark, MarkState,
-    Pinned, IPC_HANDLE_LEN,
+    CopyStream, Device, DeviceAlloc, DeviceError, Dir, EngineEvent, IpcExport, IpcOpened, Mark,
+    MarkState, Pinned, IPC_HANDLE_LEN,
 };
 
 /// One CUDA device, in its primary context.
@@ -235,6 +235,58 @@ impl Device for CudaDevice {
                 }
             })),
         })
+    }
+
+    fn alloc_device(&self, len_bytes: usize) -> Result<DeviceAlloc, DeviceError> {
+        self.current()?;
+        let mut addr = 0u64;
+        // SAFETY: valid out-pointer; freed on drop, in this context.
+        unsafe {
+            check(
+                "cuMemAlloc",
+                sys::cuMemAlloc_v2(&mut addr, len_bytes.max(1)),
+            )?;
+            check("cuMemsetD8", sys::cuMemsetD8_v2(addr, 0, len_bytes))?;
+        }
+        let ctx = self.ctx;
+        Ok(DeviceAlloc {
+            addr,
+            len_bytes,
+            free: Some(Box::new(move |addr| {
+                let ctx: Ctx = ctx;
+                // SAFETY: allocated above in this context, freed once.
+                unsafe {
+                    sys::cuCtxSetCurrent(ctx.0);
+                    sys::cuMemFree_v2(addr);
+                }
+            })),
+        })
+    }
+
+    unsafe fn memcpy_sync(
+        &self,
+        dir: Dir,
+        dst: u64,
+        src: u64,
+        len_bytes: usize,
+    ) -> Result<(), DeviceError> {
+        self.current()?;
+        // SAFETY: the caller's promise.
+        unsafe {
+            match dir {
+                Dir::ToHost => check(
+                    "cuMemcpyDtoH",
+                    sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, len_bytes),
+                ),
+                Dir::ToDevice => check(
+                    "cuMemcpyHtoD",
+                    sys::cuMemcpyHtoD_v2(dst, src as *const c_void, len_bytes),
+                ),
+                Dir::DeviceToDevice => {
+                    check("cuMemcpyDtoD", sys::cuMemcpyDtoD_v2(dst, src, len_bytes))
+                }
+            }
+        }
     }
 
     fn copy_stream(&self) -> Result<Arc<dyn CopyStream>, DeviceError> {

@@ -8,8 +8,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use super::{
-    CopyStream, Device, DeviceError, Dir, EngineEvent, IpcExport, IpcOpened, Mark, MarkState,
-    Pinned, IPC_HANDLE_LEN,
+    CopyStream, Device, DeviceAlloc, DeviceError, Dir, EngineEvent, IpcExport, IpcOpened, Mark,
+    MarkState, Pinned, IPC_HANDLE_LEN,
 };
 
 /// A stand-in device: "device memory" is host memory it allocated itself
@@ -151,6 +151,27 @@ impl Device for HostDevice {
             base: word(0..8),
             close: None,
         })
+    }
+
+    /// Stand-in memory lives as long as the process ([`HostDevice::alloc`]).
+    fn alloc_device(&self, len_bytes: usize) -> Result<DeviceAlloc, DeviceError> {
+        Ok(DeviceAlloc {
+            addr: self.alloc(len_bytes),
+            len_bytes,
+            free: None,
+        })
+    }
+
+    unsafe fn memcpy_sync(
+        &self,
+        _dir: Dir,
+        dst: u64,
+        src: u64,
+        len_bytes: usize,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller's promise.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len_bytes) };
+        Ok(())
     }
 
     fn copy_stream(&self) -> Result<Arc<dyn CopyStream>, DeviceError> {

@@ -112,6 +112,58 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// Opens a peer's handle in this process: the allocation's base here,
     /// mapped until the returned value is dropped.
     fn open_ipc(&self, handle: &[u8; IPC_HANDLE_LEN]) -> Result<IpcOpened, DeviceError>;
+
+    /// Allocates `len_bytes` of device memory, zeroed, freed on drop (an
+    /// engine's KV cache in tests and benchmarks; engines allocate their own).
+    fn alloc_device(&self, len_bytes: usize) -> Result<DeviceAlloc, DeviceError>;
+
+    /// Copies `len_bytes` now, outside any stream, and returns once done
+    /// (`cudaMemcpy`): the baseline of the benchmarks, and how tests fill
+    /// and read device memory.
+    ///
+    /// # Safety
+    ///
+    /// Both ranges valid, `dst` written by nothing else meanwhile.
+    unsafe fn memcpy_sync(
+        &self,
+        dir: Dir,
+        dst: u64,
+        src: u64,
+        len_bytes: usize,
+    ) -> Result<(), DeviceError>;
+}
+
+/// Device memory from [`Device::alloc_device`], freed on drop.
+pub struct DeviceAlloc {
+    addr: u64,
+    len_bytes: usize,
+    free: Option<Box<dyn FnOnce(u64) + Send + Sync>>,
+}
+
+impl DeviceAlloc {
+    /// The first byte, in the device's address space.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Its length.
+    pub fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+}
+
+impl fmt::Debug for DeviceAlloc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceAlloc({:#x}+{})", self.addr, self.len_bytes)
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        if let Some(free) = self.free.take() {
+            free(self.addr);
+        }
+    }
 }
 
 /// Bytes of an IPC handle (`CUipcMemHandle`).
