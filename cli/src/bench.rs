@@ -36,6 +36,12 @@ pub(crate) enum BenchCommand {
     /// The target process of `bench transport --transport shm`.
     #[command(hide = true)]
     TransportPeer(crate::bench_shm::PeerArgs),
+    /// Device memory through kvferry (a copy stream, IPC to another
+    /// process, staged tcp) against cudaMemcpy and host tcp, verified.
+    Device(crate::bench_device::DeviceArgs),
+    /// The peer process of `bench device`.
+    #[command(hide = true)]
+    DevicePeer(crate::bench_device::PeerArgs),
 }
 
 /// The options of `kvferry bench transport`.

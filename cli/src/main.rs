@@ -4,6 +4,7 @@
 
 mod baseline;
 mod bench;
+mod bench_device;
 mod bench_shm;
 mod bootstrap;
 mod cli;

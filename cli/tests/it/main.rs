@@ -2,6 +2,7 @@
 //! binary of its own; one link instead of many).
 
 mod bench_baseline;
+mod bench_device;
 mod bootstrap_cli;
 mod cli_usage;
 mod e2e_cli;
