@@ -70,6 +70,9 @@ static struct engine engines[MAX_ENGINES];
 static int fault_kind, fault_count;
 static int64_t fault_arg;
 static int64_t n_alloc, n_free, n_submit_refused, n_task_refused, n_tasks;
+/* Registrations at a device location: any but "cpu:N" and "*" ("cuda:N";
+ * a test's stand-in device is "host:N"). */
+static int64_t n_device_regions;
 static int64_t never_generation;
 
 static int engine_index(transfer_engine_t e) { return (int)(intptr_t)e - 1; }
@@ -127,12 +130,13 @@ void destroyTransferEngine(transfer_engine_t e) {
 }
 
 int registerLocalMemory(transfer_engine_t e, void *addr, size_t len, const char *loc, int remote) {
-    (void)loc; (void)remote;
+    (void)remote;
     pthread_mutex_lock(&mu);
     struct engine *en = &engines[engine_index(e)];
     int rc = CODE_INVALID_ARGUMENT;
     if (en->nregions < MAX_REGIONS && len > 0) {
         en->regions[en->nregions++] = (struct region){(uint64_t)(uintptr_t)addr, len};
+        if (loc && strncmp(loc, "cpu", 3) != 0 && strcmp(loc, "*") != 0) n_device_regions++;
         rc = 0;
     }
     pthread_mutex_unlock(&mu);
@@ -323,11 +327,11 @@ void fake_te_fault(int kind, int count, int64_t arg) {
 }
 
 /* allocated, freed, submits refused for a bad range, tasks refused for a bad
- * remote range, tasks started */
-void fake_te_stats(int64_t out[5]) {
+ * remote range, tasks started, registrations at a device location */
+void fake_te_stats(int64_t out[6]) {
     pthread_mutex_lock(&mu);
     out[0] = n_alloc; out[1] = n_free; out[2] = n_submit_refused;
-    out[3] = n_task_refused; out[4] = n_tasks;
+    out[3] = n_task_refused; out[4] = n_tasks; out[5] = n_device_regions;
     pthread_mutex_unlock(&mu);
 }
 

@@ -60,6 +60,8 @@ pub struct Stats {
     pub tasks_refused: i64,
     /// Tasks started.
     pub tasks: i64,
+    /// Registrations at a device location (any but `cpu:N` and `*`).
+    pub device_regions: i64,
 }
 
 /// Compiles the fake transfer engine into `dir` (created if missing) and
@@ -153,8 +155,8 @@ impl Control {
 
     /// The counters now.
     pub fn stats(&self) -> Stats {
-        let mut v = [0i64; 5];
-        // SAFETY: the function writes five values.
+        let mut v = [0i64; 6];
+        // SAFETY: the function writes six values.
         unsafe { (self.stats)(v.as_mut_ptr()) };
         Stats {
             allocated: v[0],
@@ -162,6 +164,7 @@ impl Control {
             submits_refused: v[2],
             tasks_refused: v[3],
             tasks: v[4],
+            device_regions: v[5],
         }
     }
 

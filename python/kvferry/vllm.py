@@ -674,6 +674,9 @@ class _WorkerSide:
             dp_rank=pc.data_parallel_rank,
             **settings,
         )
+        #: Whether this rank sends KV (prefill, both): only then do its
+        #: copies read blocks the engine's kernels write.
+        self.sends = role != "decode"
         #: vLLM request id of each transfer started, until it is reported.
         self.names: "dict[int, str]" = {}
         #: Registered kernel blocks per scheduler block.
@@ -712,7 +715,8 @@ class _WorkerSide:
         # blocks this step finished. Device copies out of the KV cache wait
         # for an event recorded here, on the device. Prefill sends the
         # finished blocks as decode's loads ask.
-        self.node.engine_handoff()
+        if self.sends:
+            self.node.engine_handoff()
 
     def handle_preemptions(self, meta: Any) -> None:
         pass  # a request waiting for a load or a send is never preempted

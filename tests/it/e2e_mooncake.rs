@@ -138,6 +138,25 @@ fn moves_every_byte(mode: Mode, p_tp: u32, d_tp: u32) {
 }
 
 #[test]
+fn device_kv_is_registered_at_the_devices_location() {
+    // Decode's KV in a stand-in device's memory: the node registers it
+    // with the engine at the device's location (`host:0` here, `cuda:N`
+    // on a GPU), where the engine moves device memory itself.
+    let (f, _one) = fake();
+    let before = f.control.stats();
+    let dev = kvferry::transport::HostDevice::new(0, Duration::ZERO);
+    let c = Cluster::start_on(&spec(f, Mode::Push, 1, 1), [None, Some(dev)]).expect("cluster");
+    let phases = run(&c, 77);
+    assert!(phases.iter().all(|p| *p == Phase::Success), "{phases:?}");
+    assert_eq!(c.verify(TransferId(77), &DST, 0), 0, "bytes on decode");
+    drop(c);
+    let now = f.control.stats();
+    assert!(now.device_regions > before.device_regions, "{now:?}");
+    assert_balanced(&f.control, before, "device run");
+    assert_in_bounds(&f.control, before);
+}
+
+#[test]
 fn push_moves_every_byte() {
     moves_every_byte(Mode::Push, 1, 1);
 }

@@ -11,7 +11,11 @@ fn the_device_bench_verifies_every_measurement_against_the_stand_in() {
         .args(["--bytes", &(4u64 << 20).to_string(), "--rounds", "2"])
         .output()
         .expect("kvferry runs");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert_eq!(v["device"], "host:0");
     for m in ["copy", "ipc", "staged"] {

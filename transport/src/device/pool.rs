@@ -317,6 +317,11 @@ impl CopyTracker {
         while inflight.front().is_some_and(|(m, _)| m.is_done()) {
             inflight.pop_front();
         }
+        // The two streams finish out of order: a long copy at the front
+        // must not keep the finished ones behind it.
+        if inflight.len() >= 64 {
+            inflight.retain(|(m, _)| !m.is_done());
+        }
         inflight.push_back((mark.clone(), copies.iter().map(device_side).collect()));
         Ok(mark)
     }

@@ -506,6 +506,12 @@ impl ShmLink {
         (len > 0 && end <= m.info.addr + m.info.len_bytes).then(|| m.here + (addr - m.info.addr))
     }
 
+    /// True if the link reaches none of the target's memory (it offers
+    /// only device regions and this side has no device to open them).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.regions.is_empty() && self.devices.is_empty()
+    }
+
     /// True while the target has not changed what it shares since.
     pub(crate) fn current(&self) -> bool {
         self.ctl.current()

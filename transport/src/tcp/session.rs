@@ -296,6 +296,10 @@ impl SessionInner {
         })
         .await?
         .map_err(PeerError::ShmRefused)?;
+        if link.is_empty() {
+            // Dropped at once: its socket's hang-up frees our lane there.
+            return Err(PeerError::ShmRefused(ShmRefusal::NotOffered).into());
+        }
         *self.shm.borrow_mut() = Some(Rc::new(link));
         Ok(())
     }
