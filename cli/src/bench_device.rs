@@ -15,8 +15,7 @@
 //! plumbing (a stand-in's handles do not open in another process, so `ipc`
 //! goes staged), not a device's speed.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,7 +26,7 @@ use kvferry::transport::{
     ShmMode, TcpConfig, TcpTransport, Transport,
 };
 
-use crate::bench_shm::digest;
+use crate::bench_shm::{blocking_lines, digest, PeerProcess};
 
 /// The options of `kvferry bench device`.
 #[derive(Clone, Debug, Args)]
@@ -118,15 +117,8 @@ pub(crate) fn peer_main(a: &PeerArgs) -> ExitCode {
                         .map_err(|e| e.to_string())?;
                 }
                 println!("{} {d} {h}", t.endpoint_addr());
-                let (tx, rx) = flume::bounded::<String>(1);
-                std::thread::spawn(move || {
-                    for line in std::io::stdin().lock().lines().map_while(Result::ok) {
-                        if tx.send(line).is_err() {
-                            break;
-                        }
-                    }
-                });
-                while let Ok(line) = rx.recv_async().await {
+                let lines = blocking_lines();
+                while let Ok(line) = lines.recv_async().await {
                     let sum = match line.trim() {
                         "device" => device_digest(&dev2, d, len)?,
                         // SAFETY: read while the initiator waits.
@@ -152,10 +144,9 @@ pub(crate) fn peer_main(a: &PeerArgs) -> ExitCode {
     }
 }
 
+/// The peer of `bench device`: its endpoint and its memory's addresses.
 struct Peer {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    process: PeerProcess,
     addr: EndpointAddr,
     device: u64,
     host: u64,
@@ -163,21 +154,14 @@ struct Peer {
 
 impl Peer {
     fn start(a: &DeviceArgs, ipc: bool) -> Result<Peer, String> {
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(exe);
-        cmd.args(["bench", "device-peer", "--device", &a.device]);
-        cmd.args(["--bytes", &a.bytes.to_string()]);
+        let mut args: Vec<String> = ["bench", "device-peer", "--device"]
+            .map(String::from)
+            .into();
+        args.extend([a.device.clone(), "--bytes".into(), a.bytes.to_string()]);
         if ipc {
-            cmd.arg("--ipc");
+            args.push("--ipc".into());
         }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("starting the peer process: {e}"))?;
-        let stdin = child.stdin.take().ok_or("peer stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().ok_or("peer stdout")?);
-        let line = read_line(&mut stdout)?;
+        let (process, line) = PeerProcess::spawn(&args)?;
         let w: Vec<&str> = line.split_whitespace().collect();
         let parsed = (w.len() == 3)
             .then(|| Some((w[0].parse().ok()?, w[1].parse().ok()?, w[2].parse().ok()?)))
@@ -186,9 +170,7 @@ impl Peer {
             return Err(format!("the peer said {line:?}"));
         };
         Ok(Peer {
-            child,
-            stdin,
-            stdout,
+            process,
             addr,
             device,
             host,
@@ -196,26 +178,7 @@ impl Peer {
     }
 
     fn digest(&mut self, which: &str) -> Result<u64, String> {
-        writeln!(self.stdin, "{which}").map_err(|e| e.to_string())?;
-        read_line(&mut self.stdout)?
-            .trim()
-            .parse()
-            .map_err(|_| "bad digest".into())
-    }
-}
-
-fn read_line(r: &mut BufReader<ChildStdout>) -> Result<String, String> {
-    let mut line = String::new();
-    match r.read_line(&mut line) {
-        Ok(n) if n > 0 => Ok(line),
-        _ => Err("the peer process ended".into()),
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.ask(which)
     }
 }
 

@@ -80,7 +80,7 @@ pub(crate) fn peer_main(a: &PeerArgs) -> std::process::ExitCode {
 }
 
 /// Stdin's lines, read on a thread of their own.
-fn blocking_lines() -> flume::Receiver<String> {
+pub(crate) fn blocking_lines() -> flume::Receiver<String> {
     let (tx, rx) = flume::bounded(1);
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines().map_while(Result::ok) {
@@ -106,41 +106,33 @@ fn shm(mode: ShmMode) -> ShmConfig {
     }
 }
 
-/// The peer process, talked to through its stdin and stdout.
-struct Peer {
+/// A peer process of a bench (this binary, a hidden subcommand), talked
+/// to by lines on its stdin and stdout; killed on drop.
+pub(crate) struct PeerProcess {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
 }
 
-impl Peer {
-    fn start(bytes: u64, pattern: bool) -> Result<(Peer, EndpointAddr, u64), String> {
+impl PeerProcess {
+    /// Starts `kvferry ARGS` and returns it with the first line it prints.
+    pub(crate) fn spawn(args: &[String]) -> Result<(PeerProcess, String), String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut cmd = Command::new(exe);
-        cmd.args(["bench", "transport-peer", "--bytes", &bytes.to_string()]);
-        if pattern {
-            cmd.arg("--pattern");
-        }
-        let mut child = cmd
+        let mut child = Command::new(exe)
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|e| format!("starting the peer process: {e}"))?;
         let stdin = child.stdin.take().ok_or("peer stdin")?;
         let stdout = BufReader::new(child.stdout.take().ok_or("peer stdout")?);
-        let mut peer = Peer {
+        let mut peer = PeerProcess {
             child,
             stdin,
             stdout,
         };
-        let line = peer.line()?;
-        let mut it = line.split_whitespace();
-        let addr = it.next().and_then(|a| a.parse().ok());
-        let base = it.next().and_then(|b| b.parse().ok());
-        match (addr, base) {
-            (Some(addr), Some(base)) => Ok((peer, addr, base)),
-            _ => Err(format!("the peer said {line:?}")),
-        }
+        let first = peer.line()?;
+        Ok((peer, first))
     }
 
     fn line(&mut self) -> Result<String, String> {
@@ -151,16 +143,49 @@ impl Peer {
         }
     }
 
-    fn digest(&mut self) -> Result<u64, String> {
-        writeln!(self.stdin, "digest").map_err(|e| e.to_string())?;
-        self.line()?.trim().parse().map_err(|_| "bad digest".into())
+    /// Sends `question` and parses the line that answers it as a number.
+    pub(crate) fn ask(&mut self, question: &str) -> Result<u64, String> {
+        writeln!(self.stdin, "{question}").map_err(|e| e.to_string())?;
+        self.line()?
+            .trim()
+            .parse()
+            .map_err(|_| format!("a bad answer to {question:?}"))
     }
 }
 
-impl Drop for Peer {
+impl Drop for PeerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The peer of `bench transport`: its endpoint and its memory's address.
+struct Peer {
+    process: PeerProcess,
+}
+
+impl Peer {
+    fn start(bytes: u64, pattern: bool) -> Result<(Peer, EndpointAddr, u64), String> {
+        let mut args: Vec<String> = ["bench", "transport-peer", "--bytes"]
+            .map(String::from)
+            .into();
+        args.push(bytes.to_string());
+        if pattern {
+            args.push("--pattern".into());
+        }
+        let (process, line) = PeerProcess::spawn(&args)?;
+        let mut it = line.split_whitespace();
+        let addr = it.next().and_then(|a| a.parse().ok());
+        let base = it.next().and_then(|b| b.parse().ok());
+        match (addr, base) {
+            (Some(addr), Some(base)) => Ok((Peer { process }, addr, base)),
+            _ => Err(format!("the peer said {line:?}")),
+        }
+    }
+
+    fn digest(&mut self) -> Result<u64, String> {
+        self.process.ask("digest")
     }
 }
 

@@ -55,6 +55,24 @@ fn check(call: &'static str, r: CUresult) -> Result<(), DeviceError> {
     Err(DeviceError::Driver { call, detail })
 }
 
+/// What a drop calls, on any thread: `release(addr)` in context `ctx`,
+/// for an address allocated or opened there (freed or closed once).
+fn release_in(
+    ctx: Ctx,
+    release: unsafe fn(sys::CUdeviceptr) -> CUresult,
+) -> Box<dyn FnOnce(u64) + Send + Sync> {
+    Box::new(move |addr| {
+        // The whole `Ctx` (Send), not its raw pointer field.
+        let ctx: Ctx = ctx;
+        // SAFETY: `addr` came from `ctx` and is released once (the owner's
+        // drop); the driver is loaded (the owner exists).
+        unsafe {
+            sys::cuCtxSetCurrent(ctx.0);
+            release(addr);
+        }
+    })
+}
+
 impl CudaDevice {
     /// Loads the driver and retains device `ordinal`'s primary context.
     pub fn open(ordinal: u32) -> Result<CudaDevice, DeviceError> {
@@ -222,18 +240,9 @@ impl Device for CudaDevice {
         check("cuIpcOpenMemHandle", unsafe {
             sys::cuIpcOpenMemHandle_v2(&mut base, h, flags)
         })?;
-        let ctx = self.ctx;
         Ok(IpcOpened {
             base,
-            close: Some(Box::new(move |base| {
-                // The whole `Ctx` (Send), not its raw pointer field.
-                let ctx: Ctx = ctx;
-                // SAFETY: opened above, in this context, closed once.
-                unsafe {
-                    sys::cuCtxSetCurrent(ctx.0);
-                    sys::cuIpcCloseMemHandle(base);
-                }
-            })),
+            close: Some(release_in(self.ctx, sys::cuIpcCloseMemHandle)),
         })
     }
 
@@ -248,18 +257,10 @@ impl Device for CudaDevice {
             )?;
             check("cuMemsetD8", sys::cuMemsetD8_v2(addr, 0, len_bytes))?;
         }
-        let ctx = self.ctx;
         Ok(DeviceAlloc {
             addr,
             len_bytes,
-            free: Some(Box::new(move |addr| {
-                let ctx: Ctx = ctx;
-                // SAFETY: allocated above in this context, freed once.
-                unsafe {
-                    sys::cuCtxSetCurrent(ctx.0);
-                    sys::cuMemFree_v2(addr);
-                }
-            })),
+            free: Some(release_in(self.ctx, sys::cuMemFree_v2)),
         })
     }
 

@@ -181,7 +181,7 @@ pub struct IpcExport {
 /// A peer's allocation opened here; closed on drop.
 pub struct IpcOpened {
     base: u64,
-    close: Option<Box<dyn FnOnce(u64) + Send>>,
+    close: Option<Box<dyn FnOnce(u64) + Send + Sync>>,
 }
 
 impl IpcOpened {
