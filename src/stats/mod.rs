@@ -48,7 +48,8 @@ kvferry_metrics::counter_set! {
     /// Payload bytes this node moved (writes it posted or reads it made).
     bytes: Counter "kvferry_transfer_bytes", "Payload bytes moved by the data plane.";
     /// Of `bytes`, those copied straight through a peer's shared memory
-    /// (a peer on this host, `TransportKind::Auto` or `Shm`).
+    /// or its device memory opened by IPC handle (a peer on this host,
+    /// `TransportKind::Auto` or `Shm`).
     shm_bytes: Counter "kvferry_transfer_shm_bytes",
         "Payload bytes copied through a peer's shared memory.";
     /// Descriptors posted.

@@ -264,6 +264,7 @@ impl Device for CudaDevice {
         })
     }
 
+    /// On the legacy default stream, then synchronized: `cudaMemcpy`.
     unsafe fn memcpy_sync(
         &self,
         dir: Dir,
@@ -272,21 +273,11 @@ impl Device for CudaDevice {
         len_bytes: usize,
     ) -> Result<(), DeviceError> {
         self.current()?;
-        // SAFETY: the caller's promise.
+        let legacy = std::ptr::null_mut();
+        // SAFETY: the caller's promise; the copy ends before this returns.
         unsafe {
-            match dir {
-                Dir::ToHost => check(
-                    "cuMemcpyDtoH",
-                    sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, len_bytes),
-                ),
-                Dir::ToDevice => check(
-                    "cuMemcpyHtoD",
-                    sys::cuMemcpyHtoD_v2(dst, src as *const c_void, len_bytes),
-                ),
-                Dir::DeviceToDevice => {
-                    check("cuMemcpyDtoD", sys::cuMemcpyDtoD_v2(dst, src, len_bytes))
-                }
-            }
+            copy_async(dir, dst, src, len_bytes, legacy)?;
+            check("cuStreamSynchronize", sys::cuStreamSynchronize(legacy))
         }
     }
 
@@ -332,6 +323,37 @@ impl CudaStream {
     }
 }
 
+/// Enqueues one copy on `stream` (null: the legacy default stream).
+///
+/// # Safety
+///
+/// Both ranges valid until the copy ended; the context current.
+unsafe fn copy_async(
+    dir: Dir,
+    dst: u64,
+    src: u64,
+    len_bytes: usize,
+    stream: sys::CUstream,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller's promise.
+    unsafe {
+        match dir {
+            Dir::ToHost => check(
+                "cuMemcpyDtoHAsync",
+                sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len_bytes, stream),
+            ),
+            Dir::ToDevice => check(
+                "cuMemcpyHtoDAsync",
+                sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len_bytes, stream),
+            ),
+            Dir::DeviceToDevice => check(
+                "cuMemcpyDtoDAsync",
+                sys::cuMemcpyDtoDAsync_v2(dst, src, len_bytes, stream),
+            ),
+        }
+    }
+}
+
 /// Runs on a driver thread once the copies before it finished: no CUDA
 /// call is allowed here, only the mark's flag and waker.
 unsafe extern "C" fn mark_done(user: *mut c_void) {
@@ -349,24 +371,8 @@ impl CopyStream for CudaStream {
         len_bytes: usize,
     ) -> Result<(), DeviceError> {
         self.current()?;
-        let s = self.stream.0;
         // SAFETY: the caller keeps both ranges valid until a later mark.
-        unsafe {
-            match dir {
-                Dir::ToHost => check(
-                    "cuMemcpyDtoHAsync",
-                    sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, len_bytes, s),
-                ),
-                Dir::ToDevice => check(
-                    "cuMemcpyHtoDAsync",
-                    sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len_bytes, s),
-                ),
-                Dir::DeviceToDevice => check(
-                    "cuMemcpyDtoDAsync",
-                    sys::cuMemcpyDtoDAsync_v2(dst, src, len_bytes, s),
-                ),
-            }
-        }
+        unsafe { copy_async(dir, dst, src, len_bytes, self.stream.0) }
     }
 
     fn mark(&self) -> Result<Mark, DeviceError> {
