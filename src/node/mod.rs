@@ -451,19 +451,10 @@ impl Node {
                 || s.config.timeouts.unsafe_ignore_in_flight),
             device: s.config.device.clone(),
         };
-        let (tx, rx) = flume::bounded(1);
         let node_id = s.node_id;
-        self.inner
-            .handle
-            .spawn_on(0, move || async move {
-                let _ = tx.send(sink::register_regions(node_id, &kv));
-            })
-            .map_err(NodeError::from)?;
-        // Waits for the executor: inside a `Node::batch` the ring of the
-        // spawn just queued would otherwise wait for the batch's end.
-        kvferry_reactor::release_held();
-        rx.recv_timeout(Duration::from_secs(10))
-            .map_err(|_| NodeError::Timeout("memory registration"))??;
+        self.on_data_plane("memory registration", move || {
+            sink::register_regions(node_id, &kv)
+        })?;
         let _ = s.local.set(LocalKv {
             model: layout.model,
             layout: rank,
@@ -489,17 +480,31 @@ impl Node {
                 source,
             })
         })?;
-        let (tx, rx) = flume::bounded(1);
         let node_id = s.node_id;
+        self.on_data_plane("engine hand-off", move || {
+            sink::wait_engine(node_id, &event)
+        })
+    }
+
+    /// Runs `work` on the executor that owns the node's endpoint and
+    /// waits for it (at most 10 s, else `Timeout(what)`).
+    fn on_data_plane(
+        &self,
+        what: &'static str,
+        work: impl FnOnce() -> Result<(), DataPlaneError> + Send + 'static,
+    ) -> Result<(), NodeError> {
+        let (tx, rx) = flume::bounded(1);
         self.inner
             .handle
             .spawn_on(0, move || async move {
-                let _ = tx.send(sink::wait_engine(node_id, &event));
+                let _ = tx.send(work());
             })
             .map_err(NodeError::from)?;
+        // Waits for the executor: inside a `Node::batch` the ring of the
+        // spawn just queued would otherwise wait for the batch's end.
         kvferry_reactor::release_held();
         rx.recv_timeout(Duration::from_secs(10))
-            .map_err(|_| NodeError::Timeout("engine hand-off"))??;
+            .map_err(|_| NodeError::Timeout(what))??;
         Ok(())
     }
 

@@ -205,11 +205,16 @@ impl Registry {
         })
     }
 
-    /// Whether `addr` lies in a region of device memory.
-    pub fn is_device(&self, addr: u64) -> bool {
+    /// For each address, whether it lies in a region of device memory
+    /// (one lock for all of them).
+    pub fn device_flags(&self, addrs: impl Iterator<Item = u64>) -> Vec<bool> {
         let inner = self.lock();
-        let found = find(&inner.by_addr, addr, 1, None).ok();
-        found.is_some_and(|start| inner.by_addr.get(&start).is_some_and(|e| e.device))
+        addrs
+            .map(|addr| {
+                let found = find(&inner.by_addr, addr, 1, None).ok();
+                found.is_some_and(|start| inner.by_addr.get(&start).is_some_and(|e| e.device))
+            })
+            .collect()
     }
 
     fn unpin(&self, starts: &[u64]) {
@@ -285,7 +290,7 @@ pub struct Pins {
 
 impl Pins {
     /// Whether any pinned range is device memory (then each range's kind
-    /// is asked with [`Registry::is_device`]; host batches never are).
+    /// is asked with [`Registry::device_flags`]; host batches never are).
     pub fn touches_device(&self) -> bool {
         self.device
     }

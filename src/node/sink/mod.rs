@@ -358,15 +358,9 @@ pub(crate) fn register_regions(node_id: u64, kv: &KvMemory) -> Result<(), DataPl
             .is_some_and(|d| d.check_range(addr as u64, len as u64).is_ok())
     };
     let (device, host): (Vec<_>, Vec<_>) = all.into_iter().partition(on_device);
-    if let (Some(d), false) = (&kv.device, device.is_empty()) {
-        let transport = match &*t {
-            AnyTransport::Local(_) => Some("local"),
-            _ => None,
-        };
-        if let Some(transport) = transport {
-            let device = d.name();
-            return Err(DataPlaneError::DeviceUnsupported { device, transport });
-        }
+    if let (Some(d), false, AnyTransport::Local(_)) = (&kv.device, device.is_empty(), &*t) {
+        let (device, transport) = (d.name(), "local");
+        return Err(DataPlaneError::DeviceUnsupported { device, transport });
     }
     // SAFETY: forwarded from `Node::register_kv_caches`, whose caller
     // promised the memory stays valid and shareable with peers.

@@ -366,7 +366,7 @@ impl SessionInner {
     /// an engine's buffer shared in place). With [`ShmMode::Require`] a
     /// batch that cannot go entirely through shared memory fails.
     /// `local_device`: the local side of every descriptor is device memory.
-    pub(super) async fn shm_transfer(
+    async fn shm_transfer(
         &self,
         op: Op,
         descs: &[Desc],
@@ -524,6 +524,27 @@ impl SessionInner {
         self.transfer_host(op, descs, trailer, bound).await
     }
 
+    /// Moves what of `descs` the peer's shared memory (or its device memory
+    /// opened here) covers, within `bound`: `None` when that path is off
+    /// or unused (everything is left), else the indices left for the
+    /// other path. `local_device`: as for [`SessionInner::shm_transfer`].
+    async fn shm_first(
+        &self,
+        op: Op,
+        descs: &[Desc],
+        bound: Duration,
+        local_device: bool,
+    ) -> Result<Option<Vec<usize>>, TransportError> {
+        if self.config.shm.mode == ShmMode::Off {
+            return Ok(None);
+        }
+        let deadline = Instant::now() + bound;
+        let copied = within(bound, async {
+            Ok(self.shm_transfer(op, descs, deadline, local_device).await)
+        });
+        copied.await?.transpose()
+    }
+
     /// Moves a batch whose local side is host memory: through the peer's
     /// shared memory where it shares, over tcp frames for the rest.
     async fn transfer_host(
@@ -534,22 +555,14 @@ impl SessionInner {
         bound: Duration,
     ) -> Result<bool, TransportError> {
         let deadline = Instant::now() + bound;
-        let mut rest = None;
-        if self.config.shm.mode != ShmMode::Off {
-            let copied = within(bound, async {
-                Ok(self.shm_transfer(op, descs, deadline, false).await)
-            });
-            match copied.await? {
-                None => {}
-                Some(Err(e)) => return Err(e),
-                // A batch wholly through shared memory delivers no
-                // trailer: the caller sends it its own way.
-                Some(Ok(r)) if r.is_empty() => return Ok(false),
-                // The rest over tcp, its trailer behind its frames (the
-                // shared-memory part landed before they went out).
-                Some(Ok(r)) => rest = Some(r),
-            }
-        }
+        let rest = match self.shm_first(op, descs, bound, false).await? {
+            // A batch wholly through shared memory delivers no trailer:
+            // the caller sends it its own way.
+            Some(r) if r.is_empty() => return Ok(false),
+            // The rest over tcp, its trailer behind its frames (the
+            // shared-memory part landed before they went out).
+            rest => rest,
+        };
         let left = deadline.saturating_duration_since(Instant::now());
         let Some(rest) = rest else {
             let plan = plan(descs, &self.config);

@@ -500,7 +500,7 @@ impl<'a> Served<'a> {
         let fence = self.target.fence.borrow().clone();
         let guard = Guard::new(fence.as_deref());
         let allowed = || guard.check(ranges.iter().copied());
-        let mut cursor = Cursor::default();
+        let mut cursor = Cursor::new(&self.target.registry, ranges);
         // The previous window, its copy onto the device running while this
         // one's bytes come in.
         let mut copying: Option<(Mark, Window)> = None;
@@ -563,7 +563,7 @@ impl<'a> Served<'a> {
         let ob = accept(h, total).encode();
         let fence = self.target.fence.borrow().clone();
         let guard = Guard::new(fence.as_deref());
-        let mut cursor = Cursor::default();
+        let mut cursor = Cursor::new(&self.target.registry, ranges);
         let allowed = || guard.check(ranges.iter().copied());
         let mut first = true;
         while cursor.index < ranges.len() {
@@ -601,10 +601,9 @@ impl<'a> Served<'a> {
     ) -> Result<Window, TransportError> {
         self.iovs.clear();
         let mut w = Window::default();
-        let registry = &self.target.registry;
         while cursor.index < ranges.len() && w.leases.len() < 2 {
             let (addr, len) = ranges[cursor.index];
-            if !registry.is_device(addr) {
+            if !cursor.device[cursor.index] {
                 self.iovs.push(iov(addr, len));
                 w.bytes += len;
                 cursor.index += 1;
@@ -624,7 +623,7 @@ impl<'a> Served<'a> {
             let mut used = 0;
             while cursor.index < ranges.len() && used < cap {
                 let (addr, len) = ranges[cursor.index];
-                if !registry.is_device(addr) {
+                if !cursor.device[cursor.index] {
                     break;
                 }
                 let take = (len - cursor.offset).min(cap - used);
@@ -717,11 +716,22 @@ async fn wait_window((mark, w): (Mark, Window)) -> Result<(), TransportError> {
 }
 
 /// Where the next window of a frame starts: a range, and the bytes of it
-/// already in earlier windows.
-#[derive(Default)]
+/// already in earlier windows; and which of the frame's ranges are device
+/// memory.
 struct Cursor {
     index: usize,
     offset: u64,
+    device: Vec<bool>,
+}
+
+impl Cursor {
+    fn new(registry: &Registry, ranges: &[(u64, u64)]) -> Cursor {
+        Cursor {
+            index: 0,
+            offset: 0,
+            device: registry.device_flags(ranges.iter().map(|r| r.0)),
+        }
+    }
 }
 
 /// One window of a staged frame.

@@ -8,8 +8,8 @@ use futures::stream::{StreamExt, TryStreamExt};
 use super::{blame_in, SessionInner};
 use crate::device::Dir;
 use crate::fence::Guard;
-use crate::shm::ShmMode;
 use crate::tcp::plan::plan;
+use crate::tcp::DeviceSide;
 use crate::{Desc, MisuseError, Op, TransportError};
 
 /// One piece: `desc` (at most one staging buffer long) of batch index `index`.
@@ -29,8 +29,8 @@ impl SessionInner {
         descs: &[Desc],
         bound: std::time::Duration,
     ) -> Result<bool, TransportError> {
-        let (dev, host): (Vec<usize>, Vec<usize>) =
-            (0..descs.len()).partition(|&i| self.local.is_device(descs[i].local_addr));
+        let on_device = self.local.device_flags(descs.iter().map(|d| d.local_addr));
+        let (dev, host): (Vec<usize>, Vec<usize>) = (0..descs.len()).partition(|&i| on_device[i]);
         let host_descs: Vec<Desc> = host.iter().map(|&i| descs[i]).collect();
         let dev_descs: Vec<Desc> = dev.iter().map(|&i| descs[i]).collect();
         // The remote side of every descriptor is checked before any byte
@@ -64,16 +64,10 @@ impl SessionInner {
         if descs.is_empty() {
             return Ok(());
         }
-        let deadline = std::time::Instant::now() + bound;
-        let rest = match self.config.shm.mode {
-            ShmMode::Off => None,
-            _ => self.shm_transfer(op, descs, deadline, true).await,
-        };
-        match rest {
+        match self.shm_first(op, descs, bound, true).await? {
             None => self.staged(op, descs).await,
-            Some(Err(e)) => Err(e),
-            Some(Ok(rest)) if rest.is_empty() => Ok(()),
-            Some(Ok(rest)) => {
+            Some(rest) if rest.is_empty() => Ok(()),
+            Some(rest) => {
                 let part: Vec<Desc> = rest.iter().map(|&i| descs[i]).collect();
                 self.staged(op, &part).await.map_err(|e| blame_in(e, &rest))
             }
@@ -118,7 +112,7 @@ impl SessionInner {
         futures::stream::iter(pieces)
             .map(|p| async move {
                 let blame = [p.index];
-                self.stage_piece(op, p.desc)
+                self.stage_piece(dev, op, p.desc)
                     .await
                     .map_err(|e| blame_in(e, &blame))
             })
@@ -131,10 +125,7 @@ impl SessionInner {
     /// frames (a write); or the frames, then buffer to device (a read).
     /// The fence is asked right before the device copy is enqueued; a copy
     /// already enqueued is what a close waits for.
-    async fn stage_piece(&self, op: Op, d: Desc) -> Result<(), TransportError> {
-        let Some(dev) = &self.device else {
-            unreachable!("device regions are registered only on an endpoint with a device")
-        };
+    async fn stage_piece(&self, dev: &DeviceSide, op: Op, d: Desc) -> Result<(), TransportError> {
         let mut lease = dev
             .pool
             .lease()
