@@ -58,6 +58,7 @@ pub mod node;
 pub mod scheduler;
 pub mod stats;
 
+pub use kvferry_auth as auth;
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
 pub use kvferry_store as store;

@@ -53,6 +53,26 @@ pub fn encode_families(
     Ok(())
 }
 
+/// `kvferry_auth_rejected_total{surface}`: the refusals `rejects` counted,
+/// every surface listed (zeros included, so a dashboard sees the family
+/// before the first refusal).
+pub fn encode_auth_rejects(
+    encoder: &mut DescriptorEncoder,
+    rejects: &kvferry_auth::Rejects,
+) -> Result<(), fmt::Error> {
+    let mut family = encoder.encode_descriptor(
+        "kvferry_auth_rejected",
+        "Peers and requests refused for failing authentication, by surface.",
+        None,
+        prometheus_client::metrics::MetricType::Counter,
+    )?;
+    for (surface, n) in rejects.snapshot() {
+        let labels = [("surface", surface.label())];
+        ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
 /// What a scrape encodes.
 type Encode = dyn Fn(&mut DescriptorEncoder) -> Result<(), fmt::Error> + Send + Sync;
 

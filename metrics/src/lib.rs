@@ -11,6 +11,6 @@ mod families;
 pub mod http;
 mod latency;
 
-pub use families::{encode_families, render, Family, Kind};
+pub use families::{encode_auth_rejects, encode_families, render, Family, Kind};
 
 pub use latency::{Latency, LATENCY_BUCKETS_S};

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::{QueryResponse, RegisterRequest, RegisterResponse};
 use crate::resolve::{HostPort, ResolveError, Resolver};
+use kvferry_auth::ClusterKey;
 
 /// Largest response body the client reads (a registry of thousands of
 /// workers is well below it).
@@ -50,6 +51,15 @@ pub enum ClientError {
         #[source]
         source: std::io::Error,
     },
+    /// The service refused this client's credentials (HTTP 401): it holds
+    /// a cluster key this client does not sign with, or this client's
+    /// clock is off by more than the service's window. Not retried.
+    #[error(
+        "the bootstrap service refused this client's credentials (HTTP 401): both sides \
+         must hold the same cluster key ({}) and clocks within the service's window",
+        kvferry_auth::KEY_FILE_ENV
+    )]
+    Unauthorized,
     /// The service answered with an error status; `reason` is its message.
     #[error("bootstrap service refused the request: HTTP {status}: {reason}")]
     Rejected {
@@ -80,6 +90,7 @@ impl ClientError {
             ClientError::Resolve { source, .. } => source.is_retryable(),
             ClientError::Rejected { status, .. } => *status == 503,
             ClientError::BadAddress(_)
+            | ClientError::Unauthorized
             | ClientError::BadResponse(_)
             | ClientError::DeadlineExceeded { .. } => false,
         }
@@ -120,6 +131,8 @@ pub struct BootstrapClient {
     host: String,
     /// Connect, read and write timeout of each attempt.
     io_timeout: Duration,
+    /// Signs every request when set (see [`kvferry_auth::request`]).
+    key: Option<ClusterKey>,
 }
 
 impl BootstrapClient {
@@ -142,7 +155,15 @@ impl BootstrapClient {
             target,
             resolver: Resolver::default(),
             io_timeout: Duration::from_secs(5),
+            key: None,
         })
+    }
+
+    /// Signs every request with `key` (a service started with a key
+    /// refuses unsigned `/register` and `/query`).
+    pub fn with_key(mut self, key: Option<ClusterKey>) -> BootstrapClient {
+        self.key = key;
+        self
     }
 
     /// Changes the per-attempt connect/read/write timeout (default 5 s).
@@ -320,6 +341,12 @@ impl BootstrapClient {
             "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAccept: */*\r\n",
             self.host
         );
+        if let Some(key) = &self.key {
+            let now_ms = super::unix_ms();
+            let signed = kvferry_auth::request::sign(key, now_ms, method, path, body)
+                .map_err(|e| io(std::io::Error::other(e)))?;
+            head.push_str(&format!("{}: {signed}\r\n", kvferry_auth::request::HEADER));
+        }
         if method == "POST" || !body.is_empty() {
             head.push_str(&format!(
                 "Content-Type: application/json\r\nContent-Length: {}\r\n",
@@ -341,6 +368,9 @@ impl BootstrapClient {
 }
 
 fn rejected(status: u16, body: &[u8]) -> ClientError {
+    if status == 401 {
+        return ClientError::Unauthorized;
+    }
     // The server's errors are `{"error": reason}`; show the reason alone
     // when it is, the raw text otherwise.
     let text = String::from_utf8_lossy(body);

@@ -8,6 +8,12 @@
 //! * `GET /health` → `ok`
 //! * `GET /metrics` → the embedding node's metrics ([`MetricsSource`]), when it has one.
 //!
+//! With a cluster key ([`ServerAuth`]), `/register` and `/query` (and
+//! `/metrics` unless left open) must carry a signature
+//! ([`kvferry_auth::request`]); anything else gets 401 without a reason and
+//! counts in `kvferry_auth_rejected_total{surface="bootstrap"}`. `/health`
+//! stays open.
+//!
 //! The server ([`BootstrapServer`]) runs on plain threads over `tiny_http`;
 //! the client ([`BootstrapClient`]) is a few lines of HTTP/1.1 over
 //! `std::net::TcpStream`, so neither pulls in an async runtime.
@@ -22,7 +28,15 @@ use serde::{Deserialize, Serialize};
 pub use client::{BootstrapClient, ClientError, RetryPolicy};
 
 pub use kvferry_metrics::http::{MetricsSource, ServerError, METRICS_CONTENT_TYPE};
-pub use server::{BootstrapServer, ServerConfig};
+pub use server::{BootstrapServer, ServerAuth, ServerConfig};
+
+/// Milliseconds since the Unix epoch: the clock signed requests carry
+/// (hosts of one cluster keep theirs in step, as for any TLS deployment).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
 
 /// Default port of the bootstrap service (the one vLLM uses).
 pub const DEFAULT_PORT: u16 = 8998;

@@ -12,6 +12,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvferry_auth::request::Verifier;
+use kvferry_auth::{AuthError, ClusterKey, Rejects, Surface};
 
 use tiny_http::{Header, Method, Request, Response, StatusCode};
 
@@ -29,6 +33,40 @@ pub struct ServerConfig {
     /// Threads answering requests. Registration bursts are small (one
     /// request per rank), so two keep a slow client from blocking others.
     pub workers: usize,
+    /// Authenticate requests with a cluster key; `None`: anyone who
+    /// reaches the port is trusted (loopback only, by the node's rule).
+    pub auth: Option<ServerAuth>,
+    /// Where refused requests are counted (shared with the node that
+    /// embeds the service, so its `/metrics` shows them).
+    pub rejects: Arc<Rejects>,
+}
+
+/// How the service authenticates its requests.
+#[derive(Clone, Debug)]
+pub struct ServerAuth {
+    /// The cluster key.
+    pub key: ClusterKey,
+    /// Largest difference accepted between a request's time and the
+    /// service's clock.
+    pub window: Duration,
+    /// Most signatures remembered to refuse replays (each for `2 × window`
+    /// at most); past it signed requests get 503 until some expire.
+    pub replay_capacity: usize,
+    /// Serve `/metrics` to anyone (a Prometheus scraper without the key).
+    pub open_metrics: bool,
+}
+
+impl ServerAuth {
+    /// `key` with a 30 s window, 65 536 remembered signatures and open
+    /// `/metrics`.
+    pub fn new(key: ClusterKey) -> ServerAuth {
+        ServerAuth {
+            key,
+            window: Duration::from_secs(30),
+            replay_capacity: 65_536,
+            open_metrics: true,
+        }
+    }
 }
 
 impl Default for ServerConfig {
@@ -37,12 +75,15 @@ impl Default for ServerConfig {
             max_body_bytes: 64 * 1024,
             registry: RegistryLimits::default(),
             workers: 2,
+            auth: None,
+            rejects: Arc::default(),
         }
     }
 }
 
 struct Shared {
     registry: Mutex<Registry>,
+    verifier: Mutex<Verifier>,
     metrics: Option<MetricsSource>,
     config: ServerConfig,
 }
@@ -76,6 +117,13 @@ impl BootstrapServer {
         let stopping = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             registry: Mutex::new(Registry::new(config.registry)),
+            verifier: Mutex::new(Verifier::new(
+                config
+                    .auth
+                    .as_ref()
+                    .map_or(0, |a| a.window.as_millis() as u64),
+                config.auth.as_ref().map_or(0, |a| a.replay_capacity),
+            )),
             metrics,
             config: config.clone(),
         });
@@ -159,8 +207,15 @@ fn handle(mut request: Request, shared: &Shared) {
     let url = request.url().to_string();
     let (path, query) = url.split_once('?').unwrap_or((url.as_str(), ""));
     let method = request.method().clone();
+    let body = match read_body(&mut request, shared.config.max_body_bytes) {
+        Ok(body) => body,
+        Err(reply) => return respond(request, &method, path, reply),
+    };
+    if let Err(reply) = authenticate(&request, &url, &body, shared) {
+        return respond(request, &method, path, reply);
+    }
     let reply = match (&method, path) {
-        (Method::Post, "/register") => register(&mut request, shared),
+        (Method::Post, "/register") => register(&body, shared),
         (Method::Get, "/query") => query_route(query, shared),
         (Method::Get, "/health") => HttpReply::text(200, "ok\n".into()),
         (Method::Get, "/metrics") => match &shared.metrics {
@@ -176,6 +231,10 @@ fn handle(mut request: Request, shared: &Shared) {
         }
         _ => HttpReply::error(404, format!("no route {path}")),
     };
+    respond(request, &method, path, reply);
+}
+
+fn respond(request: Request, method: &Method, path: &str, reply: HttpReply) {
     if reply.status >= 400 {
         tracing::debug!(%method, path, status = reply.status, body = %reply.body, "bootstrap request refused");
     }
@@ -218,10 +277,13 @@ impl HttpReply {
     }
 }
 
-fn register(request: &mut Request, shared: &Shared) -> HttpReply {
-    let max = shared.config.max_body_bytes;
+/// Reads a request's body, at most `max` bytes (413 past it).
+fn read_body(request: &mut Request, max: usize) -> Result<Vec<u8>, HttpReply> {
     if request.body_length().is_some_and(|len| len > max) {
-        return HttpReply::error(413, format!("body larger than {max} bytes"));
+        return Err(HttpReply::error(
+            413,
+            format!("body larger than {max} bytes"),
+        ));
     }
     // The declared length may be absent (chunked) or a lie; read at most one
     // byte more than allowed to tell "too large" from "exactly the limit".
@@ -231,12 +293,58 @@ fn register(request: &mut Request, shared: &Shared) -> HttpReply {
         .take(max as u64 + 1)
         .read_to_end(&mut body)
     {
-        return HttpReply::error(400, format!("cannot read body: {err}"));
+        return Err(HttpReply::error(400, format!("cannot read body: {err}")));
     }
     if body.len() > max {
-        return HttpReply::error(413, format!("body larger than {max} bytes"));
+        return Err(HttpReply::error(
+            413,
+            format!("body larger than {max} bytes"),
+        ));
     }
-    let req: RegisterRequest = match serde_json::from_slice(&body) {
+    Ok(body)
+}
+
+/// Checks a request's signature where the service has a key and the
+/// route needs one: 401 without a reason otherwise (the reason goes to
+/// the debug log), counted.
+fn authenticate(
+    request: &Request,
+    url: &str,
+    body: &[u8],
+    shared: &Shared,
+) -> Result<(), HttpReply> {
+    let Some(auth) = &shared.config.auth else {
+        return Ok(());
+    };
+    let path = url.split_once('?').map_or(url, |(p, _)| p);
+    let open = path == "/health" || (path == "/metrics" && auth.open_metrics);
+    if open {
+        return Ok(());
+    }
+    let header = request
+        .headers()
+        .iter()
+        .find(|h| h.field.equiv(kvferry_auth::request::HEADER))
+        .map(|h| h.value.as_str());
+    let method = request.method().as_str();
+    let verdict =
+        lock(&shared.verifier).verify(&auth.key, super::unix_ms(), method, url, body, header);
+    verdict.map_err(|err| {
+        shared.config.rejects.count(Surface::Bootstrap);
+        let peer = request
+            .remote_addr()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        tracing::debug!(%err, %peer, %method, url, "bootstrap request not authenticated");
+        match err {
+            AuthError::Busy => HttpReply::error(503, "busy".into()),
+            _ => HttpReply::error(401, "unauthorized".into()),
+        }
+    })
+}
+
+fn register(body: &[u8], shared: &Shared) -> HttpReply {
+    let req: RegisterRequest = match serde_json::from_slice(body) {
         Ok(req) => req,
         Err(err) => return HttpReply::error(400, format!("malformed registration: {err}")),
     };
@@ -246,8 +354,21 @@ fn register(request: &mut Request, shared: &Shared) -> HttpReply {
     );
     let result = lock(&shared.registry).register(req);
     match result {
+        Ok(resp) if resp.replaced => {
+            // A live rank's address changed: a restarted rank, or (without
+            // a key) anyone who can reach the port. Worth a line either way.
+            let authenticated = shared.config.auth.is_some();
+            tracing::warn!(
+                authenticated,
+                "registration replaced the address of {summary}"
+            );
+            HttpReply::json(
+                200,
+                serde_json::to_string(&resp).expect("response serializes"),
+            )
+        }
         Ok(resp) => {
-            tracing::info!(replaced = resp.replaced, "registered {summary}");
+            tracing::info!("registered {summary}");
             HttpReply::json(
                 200,
                 serde_json::to_string(&resp).expect("response serializes"),

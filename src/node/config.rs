@@ -128,6 +128,18 @@ pub struct NodeConfig {
     /// (vLLM serves it from rank 0 on port 8998). It also serves this
     /// node's `/metrics`.
     pub serve_bootstrap: Option<String>,
+    /// The file holding the cluster key (its raw bytes, 32 or more;
+    /// `KVFERRY_CLUSTER_KEY_FILE` in the settings). With a key every
+    /// surface authenticates its peers (bootstrap requests, side channel,
+    /// data plane; docs/security.md); without one the node listens on
+    /// loopback only, unless `allow_unauthenticated_remote`.
+    pub cluster_key_file: Option<std::path::PathBuf>,
+    /// The previous cluster key's file, accepted beside the current one
+    /// during a rotation.
+    pub cluster_key_previous_file: Option<std::path::PathBuf>,
+    /// Listen beyond loopback without a cluster key: anyone who reaches
+    /// the node's ports is trusted (`--insecure`). Logged at start.
+    pub allow_unauthenticated_remote: bool,
     /// Serve this node's `/metrics` and `/health` on this address
     /// (`host:port`, port 0 picks a free one; see [`Node::metrics_addr`](super::Node::metrics_addr)).
     pub metrics_listen: Option<String>,
@@ -324,6 +336,9 @@ impl NodeConfig {
             bootstrap: None,
             serve_bootstrap: None,
             metrics_listen: None,
+            cluster_key_file: None,
+            cluster_key_previous_file: None,
+            allow_unauthenticated_remote: false,
             timeouts: Timeouts::default(),
             resolve_timeout: crate::resolve::DEFAULT_RESOLVE_TIMEOUT,
             probe_interval: None,

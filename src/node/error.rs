@@ -54,6 +54,9 @@ pub enum NodeError {
     /// A startup step did not finish in time.
     #[error("timed out: {0}")]
     Timeout(&'static str),
+    /// The cluster key's file could not be used.
+    #[error("{0}")]
+    Key(#[from] kvferry_auth::KeyError),
 }
 
 impl NodeError {
@@ -129,6 +132,20 @@ pub enum Misuse {
         host: String,
         /// The loopback address it would listen on.
         listen: std::net::IpAddr,
+    },
+    /// The node would listen beyond loopback without a cluster key:
+    /// anyone who reached its ports could register, talk to it and write
+    /// into its KV memory.
+    #[error(
+        "{what} would listen on {addr} without a cluster key: set \
+         `cluster_key_file` (KVFERRY_CLUSTER_KEY_FILE) on every node, or \
+         `allow_unauthenticated_remote` to trust anyone who reaches the port"
+    )]
+    UnauthenticatedRemote {
+        /// What would listen (`side channel and data plane`, `bootstrap service`).
+        what: &'static str,
+        /// Where.
+        addr: String,
     },
     /// `register_kv_caches` was called a second time.
     #[error("register_kv_caches called twice")]

@@ -244,10 +244,57 @@ fn bind_ip(config: &NodeConfig) -> Result<std::net::IpAddr, NodeError> {
     Ok(ip)
 }
 
+/// The cluster key `config` names, and the rule without one: listen on
+/// loopback only, unless `allow_unauthenticated_remote` (said once here).
+fn cluster_key(
+    config: &NodeConfig,
+    bind_ip: std::net::IpAddr,
+) -> Result<Option<kvferry_auth::ClusterKey>, NodeError> {
+    if let Some(path) = &config.cluster_key_file {
+        let previous = config.cluster_key_previous_file.as_deref();
+        let key = kvferry_auth::ClusterKey::load(path, previous)?;
+        tracing::info!(ids = ?key, "authenticating peers with the cluster key");
+        return Ok(Some(key));
+    }
+    let remote = [
+        ("side channel and data plane", Some(bind_ip.to_string())),
+        ("bootstrap service", config.serve_bootstrap.clone()),
+    ];
+    for (what, addr) in remote {
+        let Some(addr) = addr else { continue };
+        if is_loopback(config, &addr)? {
+            continue;
+        }
+        if !config.allow_unauthenticated_remote {
+            return Err(Misuse::UnauthenticatedRemote { what, addr }.into());
+        }
+        tracing::warn!(
+            what,
+            %addr,
+            "listening beyond loopback without a cluster key: anyone who reaches the port is trusted"
+        );
+    }
+    Ok(None)
+}
+
+/// Whether `addr` (an IP, `host`, or `host:port`) is a loopback address.
+fn is_loopback(config: &NodeConfig, addr: &str) -> Result<bool, NodeError> {
+    let host = match crate::resolve::HostPort::parse(addr) {
+        Ok(hp) => hp.host(),
+        Err(_) => addr.to_string(),
+    };
+    let ip = config
+        .resolver()
+        .resolve_host(&host)
+        .map_err(|source| NodeError::from(DataPlaneError::BadHost { host, source }))?;
+    Ok(ip.is_loopback())
+}
+
 /// The state the engine threads, the executor and the bridge share.
 fn new_shared(
     config: &NodeConfig,
     bind_ip: std::net::IpAddr,
+    key: Option<kvferry_auth::ClusterKey>,
     bridge_tx: flume::Sender<bridge::BridgeCmd>,
 ) -> Result<Arc<Shared>, NodeError> {
     let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
@@ -258,6 +305,7 @@ fn new_shared(
         node_id,
         config: config.clone(),
         bind_ip,
+        key,
         local: OnceLock::new(),
         endpoint: OnceLock::new(),
         peers: Mutex::new(Peers::default()),
@@ -312,13 +360,13 @@ fn start_servers(
 > {
     let counters = shared.counters.clone();
     let source: crate::bootstrap::MetricsSource = Arc::new(move || crate::stats::render(&counters));
-    let bootstrap_server = match (&config.role, &config.serve_bootstrap) {
-        (Role::Prefill | Role::Both, Some(addr)) => Some(registration::EmbeddedBootstrap::start(
-            addr,
-            source.clone(),
-        )?),
-        _ => None,
-    };
+    let bootstrap_server =
+        match (&config.role, &config.serve_bootstrap) {
+            (Role::Prefill | Role::Both, Some(addr)) => Some(
+                registration::EmbeddedBootstrap::start(addr, source.clone(), shared)?,
+            ),
+            _ => None,
+        };
     let metrics_server = match &config.metrics_listen {
         Some(addr) => Some(crate::stats::MetricsServer::start(addr, source)?),
         None => None,
@@ -333,8 +381,9 @@ impl Node {
     pub fn start(config: NodeConfig) -> Result<Node, NodeError> {
         check_config(&config)?;
         let bind_ip = bind_ip(&config)?;
+        let key = cluster_key(&config, bind_ip)?;
         let (bridge_tx, bridge_rx) = flume::bounded(config.bridge_queue_capacity);
-        let shared = new_shared(&config, bind_ip, bridge_tx)?;
+        let shared = new_shared(&config, bind_ip, key, bridge_tx)?;
         let (engine, handle) = start_engine(&shared, &config)?;
         let (bootstrap_server, metrics_server) = start_servers(&shared, &config)?;
         let (bridge, side_channel) =
@@ -352,7 +401,8 @@ impl Node {
         };
         if config.role.sends() {
             if let Some(addr) = node.bootstrap_addr() {
-                registration::register_in_background(addr, &config, node.side_channel_addr());
+                let key = node.inner.shared.key.clone();
+                registration::register_in_background(addr, &config, key, node.side_channel_addr());
             }
         }
         Ok(node)

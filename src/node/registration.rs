@@ -1,9 +1,12 @@
 //! A prefill node's part in the bootstrap service: serving it embedded,
 //! and registering the rank at it.
 
-use super::{NodeConfig, NodeError};
+use kvferry_auth::ClusterKey;
+
+use super::{NodeConfig, NodeError, Shared};
 use crate::bootstrap::{
-    BootstrapClient, BootstrapServer, MetricsSource, RegisterRequest, RetryPolicy, ServerConfig,
+    BootstrapClient, BootstrapServer, MetricsSource, RegisterRequest, RetryPolicy, ServerAuth,
+    ServerConfig,
 };
 
 /// The bootstrap service embedded in a prefill node.
@@ -12,11 +15,18 @@ pub(crate) struct EmbeddedBootstrap {
 }
 
 impl EmbeddedBootstrap {
+    /// Serves on `addr`, with the node's key and refusal counters.
     pub(crate) fn start(
         addr: &str,
         metrics: MetricsSource,
+        shared: &Shared,
     ) -> Result<EmbeddedBootstrap, NodeError> {
-        let server = BootstrapServer::start_with(addr, ServerConfig::default(), Some(metrics))?;
+        let config = ServerConfig {
+            auth: shared.key.clone().map(ServerAuth::new),
+            rejects: shared.counters.auth.clone(),
+            ..ServerConfig::default()
+        };
+        let server = BootstrapServer::start_with(addr, config, Some(metrics))?;
         Ok(EmbeddedBootstrap { server })
     }
 
@@ -34,7 +44,12 @@ impl EmbeddedBootstrap {
 /// Registers a prefill rank at the bootstrap service, retrying in the
 /// background while the service is not up yet (the rank serves requests
 /// meanwhile; decode finds it once the registration lands).
-pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_channel: String) {
+pub(crate) fn register_in_background(
+    addr: String,
+    config: &NodeConfig,
+    key: Option<ClusterKey>,
+    side_channel: String,
+) {
     let req = RegisterRequest {
         engine_id: config.engine_id.clone(),
         dp_rank: config.dp_rank,
@@ -45,7 +60,8 @@ pub(crate) fn register_in_background(addr: String, config: &NodeConfig, side_cha
     let resolver = config.resolver();
     let spawned = std::thread::Builder::new().name("kvferry-register".into()).spawn(move || {
         let result = BootstrapClient::new(&addr)
-            .and_then(|c| c.with_resolver(resolver).register(&req, RetryPolicy::default()));
+            .map(|c| c.with_resolver(resolver).with_key(key))
+            .and_then(|c| c.register(&req, RetryPolicy::default()));
         match result {
             Ok(_) => tracing::info!(%addr, tp_rank = req.tp_rank, "registered at the bootstrap service"),
             Err(e) => tracing::error!(%addr, %e, "registration at the bootstrap service failed"),

@@ -65,6 +65,12 @@ pub struct NodeSettings {
     pub serve_bootstrap: Option<String>,
     /// [`NodeConfig::metrics_listen`].
     pub metrics_listen: Option<String>,
+    /// [`NodeConfig::cluster_key_file`] (`KVFERRY_CLUSTER_KEY_FILE`).
+    pub cluster_key_file: Option<String>,
+    /// [`NodeConfig::cluster_key_previous_file`].
+    pub cluster_key_previous_file: Option<String>,
+    /// [`NodeConfig::allow_unauthenticated_remote`].
+    pub allow_unauthenticated_remote: Option<bool>,
     /// `Timeouts::bootstrap_timeout`.
     pub bootstrap_timeout_ms: Option<u64>,
     /// `Timeouts::waiting_timeout`.
@@ -338,6 +344,12 @@ impl NodeSettings {
             bootstrap: c.bootstrap.clone(),
             serve_bootstrap: c.serve_bootstrap.clone(),
             metrics_listen: c.metrics_listen.clone(),
+            cluster_key_file: c.cluster_key_file.as_ref().map(|p| p.display().to_string()),
+            cluster_key_previous_file: c
+                .cluster_key_previous_file
+                .as_ref()
+                .map(|p| p.display().to_string()),
+            allow_unauthenticated_remote: Some(c.allow_unauthenticated_remote),
             ..NodeSettings::default()
         }
     }
@@ -415,6 +427,16 @@ impl NodeSettings {
         if self.metrics_listen.is_some() {
             c.metrics_listen = self.metrics_listen.clone();
         }
+        if let Some(f) = &self.cluster_key_file {
+            c.cluster_key_file = Some(f.into());
+        }
+        if let Some(f) = &self.cluster_key_previous_file {
+            c.cluster_key_previous_file = Some(f.into());
+        }
+        set(
+            &mut c.allow_unauthenticated_remote,
+            self.allow_unauthenticated_remote,
+        );
     }
 
     fn apply_timeouts(&self, c: &mut NodeConfig) {
@@ -523,6 +545,9 @@ const KEYS: &[(&str, Kind)] = &[
     ("bootstrap", Kind::Text),
     ("serve_bootstrap", Kind::Text),
     ("metrics_listen", Kind::Text),
+    ("cluster_key_file", Kind::Text),
+    ("cluster_key_previous_file", Kind::Text),
+    ("allow_unauthenticated_remote", Kind::Flag),
     ("bootstrap_timeout_ms", Kind::Number),
     ("waiting_timeout_ms", Kind::Number),
     ("claim_timeout_ms", Kind::Number),

@@ -132,6 +132,9 @@ pub(crate) struct Shared {
     /// `config.host` resolved: what the side channel and the data plane
     /// bind (the host itself is what the node advertises).
     pub bind_ip: std::net::IpAddr,
+    /// The cluster key (`config.cluster_key_file`, loaded at start):
+    /// every surface authenticates its peers with it when set.
+    pub key: Option<kvferry_auth::ClusterKey>,
     pub local: OnceLock<LocalKv>,
     pub endpoint: OnceLock<String>,
     /// Peers by side-channel slot, and the slot of each data-plane

@@ -14,7 +14,7 @@ pub use kvferry_metrics::{Latency, LATENCY_BUCKETS_S};
 
 use kvferry_reactor::lock;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvferry_metrics::Family;
@@ -137,6 +137,9 @@ kvferry_metrics::counter_set! {
 pub(crate) struct Counters {
     set: CounterSet,
     latency: Mutex<Latency>,
+    /// Refusals of unauthenticated peers, shared with the embedded
+    /// bootstrap service.
+    pub(crate) auth: Arc<kvferry_auth::Rejects>,
 }
 
 /// Every counter of the set reads as a field of the node's counters.
@@ -217,6 +220,7 @@ fn scrape(counters: &Counters, encoder: &mut DescriptorEncoder) -> Result<(), st
         ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
     }
     kvferry_metrics::encode_families(encoder, &s.plain())?;
+    kvferry_metrics::encode_auth_rejects(encoder, &counters.auth)?;
     let latency = counters.latency();
     let buckets = latency.buckets();
     let bounds = LATENCY_BUCKETS_S.iter().copied().chain([f64::INFINITY]);

@@ -21,6 +21,7 @@ mod node_limits;
 mod probe_interval;
 mod scheduler;
 mod settings;
+mod transport_auth;
 mod transport_device;
 mod transport_gpu;
 mod transport_local;

@@ -33,6 +33,11 @@ pub(crate) struct Conn {
     pub rd: ReadHalf<TcpStream>,
     pub wr: WriteHalf<TcpStream>,
     pub fd: RawFd,
+    /// Seals the headers this side sends, once the connection is
+    /// authenticated (`tcp::auth`).
+    pub seal: Option<kvferry_auth::seal::Sealer>,
+    /// Opens the headers the peer sends, likewise.
+    pub open: Option<kvferry_auth::seal::Opener>,
 }
 
 impl Conn {
@@ -40,7 +45,13 @@ impl Conn {
         use std::os::fd::AsRawFd;
         let fd = stream.as_raw_fd();
         let (rd, wr) = stream.split();
-        Conn { rd, wr, fd }
+        Conn {
+            rd,
+            wr,
+            fd,
+            seal: None,
+            open: None,
+        }
     }
 
     /// True if the peer has closed (or reset) the connection, or sent bytes

@@ -378,6 +378,10 @@ pub enum PeerError {
     /// Shared memory was required and the peer cannot share it.
     #[error("shared memory refused: {0}")]
     ShmRefused(#[from] ShmRefusal),
+    /// The peer did not authenticate with the cluster key, or has none
+    /// while this endpoint has one.
+    #[error("peer not authenticated: {0}")]
+    Unauthenticated(&'static str),
 }
 
 /// One endpoint of a transport, living on one executor.

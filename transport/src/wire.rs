@@ -45,13 +45,36 @@
 //!
 //! Responses come back in request order on each connection, so the
 //! initiator matches them without a lookup table; `req_id` is a cross-check.
+//!
+//! # Authenticated connections
+//!
+//! An endpoint with a cluster key opens every connection with an AUTH
+//! exchange ([`kvferry_auth::handshake`]): the initiator's AUTH request
+//! (`detail` 0) carries the HELLO, the target's answer the CHALLENGE, and
+//! a second AUTH request (`detail` 1, not answered) the PROOF. From then
+//! on, both ways, every header is sealed: 48 bytes, the 32 above with the
+//! magic `KVF2`, then a 16-byte tag ([`kvferry_auth::seal`]) over those 32
+//! bytes, what the receiver reads before acting on the frame (a request's
+//! descriptor table, a NOTIFY's or a SHM hello's bytes, a REGIONS or SHM
+//! answer's body) and the frame's number on the connection. Payload bytes
+//! are covered through the sealed table: where they go and how many. A
+//! keyed target refuses any other first frame (`Unauthenticated`) and
+//! closes the connection; a target without a key refuses AUTH as an
+//! unknown opcode, and a keyed initiator then refuses the peer.
 
 use std::fmt;
 
+use kvferry_auth::seal::{Opener, Sealer};
+use kvferry_auth::AuthError;
+
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"KVF1";
+/// First four bytes of every frame of an authenticated connection.
+pub const MAGIC_SEALED: [u8; 4] = *b"KVF2";
 /// Size of the fixed header.
 pub const HEADER_LEN: usize = 32;
+/// Size of a sealed header: the fixed header and its tag.
+pub const SEALED_HEADER_LEN: usize = HEADER_LEN + kvferry_auth::seal::TAG_LEN;
 /// Size of one descriptor (or region) entry.
 pub const ENTRY_LEN: usize = 16;
 /// Most descriptors a target accepts in one frame.
@@ -74,6 +97,8 @@ pub const OP_NOTIFY: u8 = 4;
 pub const OP_NOTIFY_AFTER_WRITE: u8 = 5;
 /// The shm hello: host identities, then a Unix socket (see `crate::shm`).
 pub const OP_SHM: u8 = 6;
+/// The authentication handshake that opens a keyed connection.
+pub const OP_AUTH: u8 = 7;
 /// Most bytes one NOTIFY may carry.
 pub const MAX_NOTIFY_BYTES: u64 = 256 << 10;
 
@@ -100,6 +125,9 @@ pub enum RejectReason {
     /// The target has no notification handler, or it refused the bytes
     /// (the sender should use its other path).
     Undeliverable,
+    /// The peer did not authenticate (no handshake, a failed one, a
+    /// header whose tag does not verify); the connection closes.
+    Unauthenticated,
     /// A status byte this build does not know.
     Other(u8),
 }
@@ -116,6 +144,7 @@ impl RejectReason {
             RejectReason::TooLarge => 6,
             RejectReason::LengthMismatch => 7,
             RejectReason::Undeliverable => 8,
+            RejectReason::Unauthenticated => 9,
             RejectReason::Other(s) => s,
         }
     }
@@ -131,6 +160,7 @@ impl RejectReason {
             6 => RejectReason::TooLarge,
             7 => RejectReason::LengthMismatch,
             8 => RejectReason::Undeliverable,
+            9 => RejectReason::Unauthenticated,
             other => RejectReason::Other(other),
         }
     }
@@ -159,6 +189,7 @@ impl fmt::Display for RejectReason {
             RejectReason::TooLarge => f.write_str("frame too large"),
             RejectReason::LengthMismatch => f.write_str("descriptor lengths do not match payload"),
             RejectReason::Undeliverable => f.write_str("notification not deliverable"),
+            RejectReason::Unauthenticated => f.write_str("not authenticated"),
             RejectReason::Other(s) => write!(f, "unknown status {s}"),
         }
     }
@@ -195,9 +226,35 @@ impl Header {
         b
     }
 
+    /// Serialises the header of an authenticated connection: the fixed
+    /// header with the sealed magic, then its tag over those bytes and
+    /// `body` (see the module's documentation).
+    pub fn encode_sealed(&self, seal: &mut Sealer, body: &[u8]) -> [u8; SEALED_HEADER_LEN] {
+        let mut b = [0u8; SEALED_HEADER_LEN];
+        b[..HEADER_LEN].copy_from_slice(&self.encode());
+        b[0..4].copy_from_slice(&MAGIC_SEALED);
+        let tag = seal.seal(&[&b[..HEADER_LEN], body]);
+        b[HEADER_LEN..].copy_from_slice(&tag);
+        b
+    }
+
     /// Parses a header; fails on a bad magic or non-zero reserved bytes.
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, RejectReason> {
-        if b[0..4] != MAGIC || b[6] != 0 || b[7] != 0 {
+        Self::decode_with(b, MAGIC)
+    }
+
+    /// Parses the fixed part of a sealed header (its tag is checked by
+    /// [`open_sealed`] once the frame's body is read).
+    pub fn decode_sealed(b: &[u8]) -> Result<Header, RejectReason> {
+        let fixed: &[u8; HEADER_LEN] = b
+            .get(..HEADER_LEN)
+            .and_then(|f| f.try_into().ok())
+            .ok_or(RejectReason::BadHeader)?;
+        Self::decode_with(fixed, MAGIC_SEALED)
+    }
+
+    fn decode_with(b: &[u8; HEADER_LEN], magic: [u8; 4]) -> Result<Header, RejectReason> {
+        if b[0..4] != magic || b[6] != 0 || b[7] != 0 {
             return Err(RejectReason::BadHeader);
         }
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
@@ -215,6 +272,15 @@ impl Header {
             payload_len: u64_at(24),
         })
     }
+}
+
+/// Checks a sealed header `raw` (as read) and the frame's `body` against
+/// the connection's next tag.
+pub fn open_sealed(open: &mut Opener, raw: &[u8], body: &[u8]) -> Result<(), AuthError> {
+    if raw.len() != SEALED_HEADER_LEN {
+        return Err(AuthError::Malformed);
+    }
+    open.open(&[&raw[..HEADER_LEN], body], &raw[HEADER_LEN..])
 }
 
 /// Serialises one table entry.
@@ -254,7 +320,7 @@ mod tests {
         let mut b = h.encode();
         b[7] = 1;
         assert_eq!(Header::decode(&b), Err(RejectReason::BadHeader));
-        for s in 1..=9u8 {
+        for s in 1..=10u8 {
             assert_eq!(RejectReason::from_status(s).to_status(), s);
         }
     }

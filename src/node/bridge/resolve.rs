@@ -62,12 +62,20 @@ impl Bridge {
             (addr.clone(), engine_id.clone(), *dp_rank, target.clone());
         let target = target.clone();
         let resolver = self.resolver.clone();
+        let cluster_key = self.shared.key.clone();
         // HTTP would block the sockets; one short-lived thread per query,
         // and at most one query per target at a time.
         let spawned = std::thread::Builder::new()
             .name("kvferry-bootstrap-query".into())
             .spawn(move || {
-                let result = query_bootstrap(&addr, &engine_id, dp_rank, resolver);
+                let client = BootstrapClient::new(&addr).map(|c| {
+                    c.with_io_timeout(Duration::from_secs(2))
+                        .with_resolver(resolver)
+                        .with_key(cluster_key)
+                });
+                let result = client
+                    .map_err(LookupError::from)
+                    .and_then(|c| query_bootstrap(&c, &engine_id, dp_rank));
                 let _ = tx.send_timeout(
                     BridgeCmd::Directory {
                         target: key,
@@ -402,14 +410,10 @@ fn stages_read(stage: kvferry_machines::Stage, prefill_pp: u32) -> Option<std::o
 /// Asks the bootstrap service for the side channels of `engine_id`'s ranks
 /// at data-parallel rank `dp_rank`, every TP rank of every stage.
 pub(super) fn query_bootstrap(
-    addr: &str,
+    client: &BootstrapClient,
     engine_id: &str,
     dp_rank: u32,
-    resolver: crate::resolve::Resolver,
 ) -> Result<EngineRanks, LookupError> {
-    let client = BootstrapClient::new(addr)?
-        .with_io_timeout(Duration::from_secs(2))
-        .with_resolver(resolver);
     let found = client.query(Some(engine_id))?;
     let entry = found
         .get(&dp_rank)

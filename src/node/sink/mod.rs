@@ -109,11 +109,8 @@ impl From<TransportError> for MoveError {
 }
 
 /// The node's tcp data plane, bound to its host and data-plane port.
-fn tcp_transport(
-    config: &super::NodeConfig,
-    bind_ip: std::net::IpAddr,
-    shm: ShmMode,
-) -> Result<AnyTransport, DataPlaneError> {
+fn tcp_transport(shared: &Shared, shm: ShmMode) -> Result<AnyTransport, DataPlaneError> {
+    let (config, bind_ip) = (&shared.config, shared.bind_ip);
     let defaults = TcpConfig::default();
     let streams = match config.tcp_streams {
         0 => defaults.streams,
@@ -135,6 +132,8 @@ fn tcp_transport(
             ..ShmConfig::default()
         },
         device: config.device.clone(),
+        key: shared.key.clone(),
+        rejects: shared.counters.auth.clone(),
         ..defaults
     };
     // `Node::start` resolved the host: no lookup on the executor.
@@ -526,9 +525,9 @@ impl Sink {
     ) -> Self {
         let made = match shared.config.transport {
             TransportKind::Local => Ok(AnyTransport::Local(LocalTransport::default())),
-            TransportKind::Tcp => tcp_transport(&shared.config, shared.bind_ip, ShmMode::Off),
-            TransportKind::Auto => tcp_transport(&shared.config, shared.bind_ip, ShmMode::Auto),
-            TransportKind::Shm => tcp_transport(&shared.config, shared.bind_ip, ShmMode::Require),
+            TransportKind::Tcp => tcp_transport(&shared, ShmMode::Off),
+            TransportKind::Auto => tcp_transport(&shared, ShmMode::Auto),
+            TransportKind::Shm => tcp_transport(&shared, ShmMode::Require),
             TransportKind::Mooncake => mooncake_transport(&shared.config, shared.bind_ip),
         };
         let started: Live = Rc::new(RefCell::new(HashMap::new()));

@@ -17,6 +17,7 @@
 //! the initiator side (sessions, and the plan that cuts a batch into
 //! frames) in `session` and `plan`.
 
+mod auth;
 mod inbuf;
 mod plan;
 mod session;
@@ -38,7 +39,7 @@ use super::fdio::IoFail;
 use super::fence::BlockFence;
 use super::registry::{self, Registry};
 use super::shm::{ShmConfig, ShmMode, ShmStats, ShmTarget};
-use super::wire::{self, Header, RejectReason};
+use super::wire::{self, RejectReason};
 use super::{
     EndpointAddr, MisuseError, PeerError, PollPolicy, RegionId, RegionInfo, Transport,
     TransportError,
@@ -78,6 +79,12 @@ pub struct TcpConfig {
     /// The device behind the regions registered with
     /// [`TcpTransport::register_device`]; `None` for host memory only.
     pub device: Option<Arc<dyn Device>>,
+    /// The cluster key: with one, every connection, both ways, is
+    /// authenticated and its headers sealed (see [`wire`]'s
+    /// "Authenticated connections"); peers without it are refused.
+    pub key: Option<kvferry_auth::ClusterKey>,
+    /// Where refused peers are counted (`surface="data_plane"`).
+    pub rejects: Arc<kvferry_auth::Rejects>,
     /// How device bytes pass through pinned host buffers on their way to
     /// and from sockets.
     pub staging: StagingConfig,
@@ -138,6 +145,8 @@ impl Default for TcpConfig {
             max_regions: registry::DEFAULT_MAX_REGIONS,
             shm: ShmConfig::default(),
             device: None,
+            key: None,
+            rejects: Arc::default(),
             staging: StagingConfig::default(),
         }
     }
@@ -492,14 +501,20 @@ impl Drop for TcpTransport {
 }
 
 /// Checks the answer to notification `req_id` (a NOTIFY or a
-/// NOTIFY_AFTER_WRITE, `opcode`): `None` when the peer's handler took it,
-/// else why the peer refused it.
-pub(super) fn notification_answer(
-    answer: &[u8; wire::HEADER_LEN],
+/// NOTIFY_AFTER_WRITE, `opcode`), read as `raw` on a connection opened by
+/// `open`: `None` when the peer's handler took it, else why the peer
+/// refused it.
+fn notification_answer(
+    raw: &auth::Raw,
+    open: &mut Option<kvferry_auth::seal::Opener>,
     opcode: u8,
     req_id: u64,
 ) -> Result<Option<RejectReason>, TransportError> {
-    let h = Header::decode(answer).map_err(|_| protocol("bad notification answer header"))?;
+    let h = raw
+        .decode()
+        .map_err(|_| protocol("bad notification answer header"))?;
+    raw.check(open, &[])
+        .map_err(|_| protocol("a notification answer's tag does not verify"))?;
     if h.opcode != opcode || h.req_id != req_id || h.payload_len != 0 {
         return Err(protocol("unexpected notification answer"));
     }

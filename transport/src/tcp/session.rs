@@ -15,6 +15,9 @@ use glommio::sync::Semaphore;
 
 mod staged;
 
+use kvferry_auth::seal::{Opener, Sealer};
+
+use super::auth::{self, Head, Raw};
 use super::plan::{plan, FrameSpec, Plan};
 use super::{conv, notification_answer, protocol, DeviceSide, FenceCell, TcpConfig, TcpTransport};
 use crate::fdio::{self, iov, Conn};
@@ -122,7 +125,13 @@ impl SessionInner {
                 .await
                 .map_err(|e| TransportError::io("connect", e.into()))?;
             let _ = stream.set_nodelay(true);
-            *slot = Some(Conn::new(stream));
+            let mut conn = Conn::new(stream);
+            if let Some(key) = &self.config.key {
+                let exchange =
+                    auth::initiate(&mut conn, key, &self.config.rejects, self.config.poll);
+                within(timeout, exchange).await?;
+            }
+            *slot = Some(conn);
         }
         Ok(())
     }
@@ -141,21 +150,24 @@ impl SessionInner {
         };
         let req_id = self.take_req_ids(1);
         let poll = self.config.poll;
-        let mut hb = Header {
+        let ask = Header {
             opcode: wire::OP_REGIONS,
             req_id,
             ..Header::default()
-        }
-        .encode();
-        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64)];
+        };
+        let hb = Head::new(&mut conn.seal, &ask, &[]);
+        let mut v = [iov(hb.bytes().as_ptr() as u64, hb.bytes().len() as u64)];
         fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
             .await
             .map_err(conv("asking for regions"))?;
-        let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
-        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
-            .await
-            .map_err(conv("reading regions"))?;
-        let h = Header::decode(&hb).map_err(|_| protocol("bad REGIONS response header"))?;
+        let mut raw = Raw::for_conn(&conn.open);
+        recv_head(&mut conn, &mut raw, poll, "reading regions").await?;
+        let h = raw
+            .decode()
+            .map_err(|_| protocol("bad REGIONS response header"))?;
+        if h.status == RejectReason::Unauthenticated.to_status() {
+            return Err(PeerError::Unauthenticated("the peer requires the cluster key").into());
+        }
         if h.opcode != wire::OP_REGIONS || h.req_id != req_id || h.status != wire::STATUS_OK {
             return Err(protocol("unexpected REGIONS response"));
         }
@@ -169,6 +181,8 @@ impl SessionInner {
         fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
             .await
             .map_err(conv("reading regions"))?;
+        raw.check(&mut conn.open, &table)
+            .map_err(|_| protocol("a REGIONS answer's tag does not verify"))?;
         let mut regions: Vec<RegionInfo> = (0..h.count as usize)
             .map(|i| {
                 let (addr, len_bytes) = wire::decode_entry(&table, i);
@@ -246,20 +260,18 @@ impl SessionInner {
             payload_len: payload.len() as u64,
             ..Header::default()
         };
-        let hb = h.encode();
+        let hb = Head::new(&mut conn.seal, &h, payload);
         let mut v = [
-            iov(hb.as_ptr() as u64, hb.len() as u64),
+            iov(hb.bytes().as_ptr() as u64, hb.bytes().len() as u64),
             iov(payload.as_ptr() as u64, payload.len() as u64),
         ];
         fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
             .await
             .map_err(conv("sending a notification"))?;
-        let mut rb = [0u8; wire::HEADER_LEN];
-        let mut v = [iov(rb.as_mut_ptr() as u64, rb.len() as u64)];
-        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
-            .await
-            .map_err(conv("awaiting a notification answer"))?;
-        let refused = notification_answer(&rb, wire::OP_NOTIFY, req_id)?;
+        let mut raw = Raw::for_conn(&conn.open);
+        let during = "awaiting a notification answer";
+        recv_head(&mut conn, &mut raw, self.config.poll, during).await?;
+        let refused = notification_answer(&raw, &mut conn.open, wire::OP_NOTIFY, req_id)?;
         if refused.is_none_or(|r| r.keeps_connection()) {
             *guard = Some(conn);
         }
@@ -315,30 +327,37 @@ impl SessionInner {
         };
         let req_id = self.take_req_ids(1);
         let hello = me.encode();
-        let hb = Header {
+        let ask = Header {
             opcode: wire::OP_SHM,
             req_id,
             payload_len: hello.len() as u64,
             ..Header::default()
-        }
-        .encode();
+        };
+        let hb = Head::new(&mut conn.seal, &ask, &hello);
         let mut v = [
-            iov(hb.as_ptr() as u64, hb.len() as u64),
+            iov(hb.bytes().as_ptr() as u64, hb.bytes().len() as u64),
             iov(hello.as_ptr() as u64, hello.len() as u64),
         ];
         fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
             .await
             .map_err(conv("sending a shm hello"))?;
-        let mut rb = [0u8; wire::HEADER_LEN];
-        let mut v = [iov(rb.as_mut_ptr() as u64, rb.len() as u64)];
-        fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
-            .await
-            .map_err(conv("awaiting a shm answer"))?;
-        let h = Header::decode(&rb).map_err(|_| protocol("bad shm answer header"))?;
+        let mut raw = Raw::for_conn(&conn.open);
+        recv_head(
+            &mut conn,
+            &mut raw,
+            self.config.poll,
+            "awaiting a shm answer",
+        )
+        .await?;
+        let h = raw
+            .decode()
+            .map_err(|_| protocol("bad shm answer header"))?;
         if h.opcode != wire::OP_SHM || h.req_id != req_id {
             return Err(protocol("unexpected shm answer"));
         }
         if h.status != wire::STATUS_OK {
+            raw.check(&mut conn.open, &[])
+                .map_err(|_| protocol("a shm answer's tag does not verify"))?;
             // An endpoint that predates the hello closes the connection.
             if RejectReason::from_status(h.status).keeps_connection() {
                 *guard = Some(conn);
@@ -353,6 +372,8 @@ impl SessionInner {
         fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, self.config.poll, None)
             .await
             .map_err(conv("reading a shm answer"))?;
+        raw.check(&mut conn.open, &body)
+            .map_err(|_| protocol("a shm answer's tag does not verify"))?;
         *guard = Some(conn);
         Answer::decode(&body)
             .map(Some)
@@ -639,8 +660,11 @@ impl SessionInner {
         };
         let fence = self.fence.borrow().clone();
         let run = StreamRun::new(plan, stream, trailer, fence, self.config.poll, conn.fd);
-        let Conn { rd, wr, .. } = &mut conn;
-        let (_, delivered) = futures::future::try_join(run.send(wr), run.recv(rd)).await?;
+        let Conn {
+            rd, wr, seal, open, ..
+        } = &mut conn;
+        let sent = run.send(wr, seal);
+        let (_, delivered) = futures::future::try_join(sent, run.recv(rd, open)).await?;
         *slot = Some(conn);
         Ok(delivered)
     }
@@ -660,7 +684,7 @@ struct StreamRun<'p> {
     /// Set once every frame is out.
     all_sent: Cell<bool>,
     /// The trailer and its NOTIFY_AFTER_WRITE header.
-    trailer: Option<(&'p [u8], [u8; wire::HEADER_LEN])>,
+    trailer: Option<(&'p [u8], Header)>,
     /// Frames of the plan on this stream.
     frames_here: usize,
 }
@@ -689,7 +713,7 @@ impl<'p> StreamRun<'p> {
                 payload_len: t.len() as u64,
                 ..Header::default()
             };
-            (t, head.encode())
+            (t, head)
         });
         StreamRun {
             plan,
@@ -729,15 +753,21 @@ impl<'p> StreamRun<'p> {
     }
 
     /// The sending half: every frame, as credit allows.
-    async fn send(&self, wr: &mut WriteHalf<TcpStream>) -> Result<(), TransportError> {
+    async fn send(
+        &self,
+        wr: &mut WriteHalf<TcpStream>,
+        seal: &mut Option<Sealer>,
+    ) -> Result<(), TransportError> {
         let mut head: Vec<u8> = Vec::new();
+        let mut tail: Vec<u8> = Vec::new();
         let mut iovs: Vec<libc::iovec> = Vec::new();
         for (i, (n, f)) in self.frames().enumerate() {
             self.credit
                 .acquire(self.cost(f))
                 .await
                 .map_err(|_| protocol("credit semaphore closed"))?;
-            self.frame_iovs(n, f, i + 1 == self.frames_here, &mut head, &mut iovs);
+            let bufs = (&mut head, &mut tail, &mut iovs);
+            self.frame_iovs(n, f, i + 1 == self.frames_here, seal, bufs);
             let guard = Guard::new(self.fence.as_deref());
             let local = local_check(&guard, self.descs(f));
             let check: Option<&dyn Fn() -> bool> = match self.s.op {
@@ -760,8 +790,8 @@ impl<'p> StreamRun<'p> {
         n: usize,
         f: &FrameSpec,
         last: bool,
-        head: &mut Vec<u8>,
-        iovs: &mut Vec<libc::iovec>,
+        seal: &mut Option<Sealer>,
+        (head, tail, iovs): (&mut Vec<u8>, &mut Vec<u8>, &mut Vec<libc::iovec>),
     ) {
         let op = self.s.op;
         let h = Header {
@@ -774,28 +804,41 @@ impl<'p> StreamRun<'p> {
             },
             ..Header::default()
         };
+        // The table is laid out behind room for the header, which covers it.
+        let hl = match seal {
+            Some(_) => wire::SEALED_HEADER_LEN,
+            None => wire::HEADER_LEN,
+        };
         head.clear();
-        head.extend_from_slice(&h.encode());
+        head.resize(hl, 0);
         for d in self.descs(f) {
             wire::encode_entry(head, d.remote_addr, d.len_bytes);
         }
+        let sealed = Head::new(seal, &h, &head[hl..]);
+        head[..hl].copy_from_slice(sealed.bytes());
         iovs.clear();
         iovs.push(iov(head.as_ptr() as u64, head.len() as u64));
         if op == Op::Write {
             iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
         }
         if let (Some((t, th)), true) = (&self.trailer, last) {
-            iovs.push(iov(th.as_ptr() as u64, th.len() as u64));
+            tail.clear();
+            tail.extend_from_slice(Head::new(seal, th, t).bytes());
+            iovs.push(iov(tail.as_ptr() as u64, tail.len() as u64));
             iovs.push(iov(t.as_ptr() as u64, t.len() as u64));
         }
     }
 
     /// The receiving half: every frame's response (and a READ's payload),
     /// then the trailer's answer. `Ok(true)` when the peer took the trailer.
-    async fn recv(&self, rd: &mut ReadHalf<TcpStream>) -> Result<bool, TransportError> {
+    async fn recv(
+        &self,
+        rd: &mut ReadHalf<TcpStream>,
+        open: &mut Option<Opener>,
+    ) -> Result<bool, TransportError> {
         let mut iovs: Vec<libc::iovec> = Vec::new();
         for (n, f) in self.frames() {
-            self.await_response(rd, n, f).await?;
+            self.await_response(rd, open, n, f).await?;
             if self.s.op == Op::Read {
                 iovs.clear();
                 iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
@@ -810,12 +853,14 @@ impl<'p> StreamRun<'p> {
         if self.trailer.is_none() {
             return Ok(false);
         }
-        let mut hb = [0u8; wire::HEADER_LEN];
+        let mut raw = Raw::for_conn(open);
+        let hb = raw.buf();
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
         fdio::recv_exact(rd, self.fd, &mut v, self.poll, None)
             .await
             .map_err(conv("awaiting a notification answer"))?;
-        match notification_answer(&hb, wire::OP_NOTIFY_AFTER_WRITE, self.trailer_id())? {
+        let opcode = wire::OP_NOTIFY_AFTER_WRITE;
+        match notification_answer(&raw, open, opcode, self.trailer_id())? {
             None => Ok(true),
             // Every frame landed; the peer only did not take the trailer.
             Some(reason) if reason.keeps_connection() => Ok(false),
@@ -828,10 +873,12 @@ impl<'p> StreamRun<'p> {
     async fn await_response(
         &self,
         rd: &mut ReadHalf<TcpStream>,
+        open: &mut Option<Opener>,
         n: usize,
         f: &FrameSpec,
     ) -> Result<(), TransportError> {
-        let mut hb = [0u8; wire::HEADER_LEN];
+        let mut raw = Raw::for_conn(open);
+        let hb = raw.buf();
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
         // Spin for the response only once every frame is out: before that
         // the sender half waits on io_uring readiness, which a spinning
@@ -844,7 +891,9 @@ impl<'p> StreamRun<'p> {
         fdio::recv_exact(rd, self.fd, &mut v, wait, None)
             .await
             .map_err(conv("awaiting a response"))?;
-        let h = Header::decode(&hb).map_err(|_| protocol("bad response header"))?;
+        let h = raw.decode().map_err(|_| protocol("bad response header"))?;
+        raw.check(open, &[])
+            .map_err(|_| protocol("a response's tag does not verify"))?;
         if h.opcode != self.opcode || h.req_id != self.s.base_req_id.wrapping_add(n as u64) {
             return Err(protocol("response out of order"));
         }
@@ -867,6 +916,20 @@ impl<'p> StreamRun<'p> {
             _ => Ok(()),
         }
     }
+}
+
+/// Reads the next header on `conn` into `raw`.
+async fn recv_head(
+    conn: &mut Conn,
+    raw: &mut Raw,
+    poll: PollPolicy,
+    during: &'static str,
+) -> Result<(), TransportError> {
+    let hb = raw.buf();
+    let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
+    fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
+        .await
+        .map_err(conv(during))
 }
 
 /// `e` with the descriptor it blames (an index into a part of the batch,

@@ -10,6 +10,10 @@ use std::time::Duration;
 use glommio::net::{TcpListener, TcpStream};
 use slab::Slab;
 
+use kvferry_auth::seal::Sealer;
+use kvferry_auth::{ClusterKey, Surface};
+
+use super::auth::{self, Head, Raw};
 use super::inbuf::InBuf;
 use super::{conv, protocol, DeviceSide, FenceCell, NotifyHandler, TcpConfig};
 use crate::device::{Dir, Lease, Mark};
@@ -94,8 +98,10 @@ struct Answers {
 }
 
 impl Answers {
-    fn hold(&mut self, h: Header) {
-        self.bytes.extend_from_slice(&h.encode());
+    /// Holds `h`, sealed now: answers go out in the order they are held.
+    fn hold(&mut self, seal: &mut Option<Sealer>, h: Header) {
+        self.bytes
+            .extend_from_slice(Head::new(seal, &h, &[]).bytes());
     }
 
     fn is_empty(&self) -> bool {
@@ -103,7 +109,7 @@ impl Answers {
     }
 
     fn is_full(&self) -> bool {
-        self.bytes.len() >= MAX_HELD_ANSWERS * wire::HEADER_LEN
+        self.bytes.len() >= MAX_HELD_ANSWERS * wire::SEALED_HEADER_LEN
     }
 
     async fn flush(&mut self, conn: &mut Conn) -> Result<(), TransportError> {
@@ -121,7 +127,7 @@ impl Answers {
     /// Sends the held answers and then `h` (a refusal before the
     /// connection closes, so the peer learns why).
     async fn respond(&mut self, conn: &mut Conn, h: Header) -> Result<(), TransportError> {
-        self.hold(h);
+        self.hold(&mut conn.seal, h);
         self.flush(conn).await
     }
 }
@@ -142,6 +148,9 @@ fn reject(opcode: u8, req_id: u64, reason: RejectReason, detail: u32) -> Header 
 /// of registered memory is touched.
 async fn serve_frames(target: &Target, conn: &mut Conn) -> Result<(), TransportError> {
     let mut served = Served::new(target, conn);
+    if let Some(key) = &target.config.key {
+        served.authenticate(key).await?;
+    }
     // WRITE frames that landed in full right before the current frame.
     let mut landed_run: u32 = 0;
     loop {
@@ -187,6 +196,8 @@ struct Served<'a> {
     iovs: Vec<libc::iovec>,
     /// A notification's payload, or the bytes of a refused payload.
     scratch: Vec<u8>,
+    /// The current frame's header as read, until its tag is checked.
+    raw: Raw,
 }
 
 impl<'a> Served<'a> {
@@ -201,7 +212,37 @@ impl<'a> Served<'a> {
             ranges: Vec::new(),
             iovs: Vec::new(),
             scratch: Vec::new(),
+            raw: Raw::for_conn(&None),
         }
+    }
+
+    /// Runs the AUTH exchange that must open the connection, within
+    /// `connect_timeout`.
+    async fn authenticate(&mut self, key: &ClusterKey) -> Result<(), TransportError> {
+        let config = &self.target.config;
+        let exchange = auth::respond(self.conn, &mut self.inbuf, key, &config.rejects, self.poll);
+        match crate::within(config.connect_timeout, exchange).await {
+            Err(TransportError::Timeout { .. }) => {
+                config.rejects.count(Surface::DataPlane);
+                Err(protocol("a peer did not authenticate in time"))
+            }
+            other => other,
+        }
+    }
+
+    /// Checks the current frame's tag over its header and `body` before
+    /// the frame is acted on; a frame that fails closes the connection,
+    /// unanswered, and counts.
+    fn check(&mut self, body: Which) -> Result<(), TransportError> {
+        let body: &[u8] = match body {
+            Which::Nothing => &[],
+            Which::Table => &self.table,
+            Which::Scratch => &self.scratch,
+        };
+        self.raw.check(&mut self.conn.open, body).map_err(|_| {
+            self.target.config.rejects.count(Surface::DataPlane);
+            protocol("a frame's tag does not verify")
+        })
     }
 
     /// Sends the held answers and then a refusal of request `req_id`, so
@@ -224,11 +265,13 @@ impl<'a> Served<'a> {
     /// frames. The held answers go out first unless another request is
     /// already here (see [`Answers`]).
     async fn next_header(&mut self) -> Result<Option<Header>, TransportError> {
-        let mut hb = [0u8; wire::HEADER_LEN];
+        self.raw = Raw::for_conn(&self.conn.open);
+        let hb = self.raw.buf();
+        let hlen = hb.len();
         if self.answers.is_full() {
             self.answers.flush(self.conn).await?;
         }
-        if self.inbuf.len() < hb.len() && !self.answers.is_empty() {
+        if self.inbuf.len() < hlen && !self.answers.is_empty() {
             // Another request already here is read first; otherwise the
             // tasks the delivered requests woke run once, then the answers go.
             match self.inbuf.try_fill(self.conn.fd) {
@@ -238,9 +281,9 @@ impl<'a> Served<'a> {
                 Err(e) => return Err(conv("reading a header")(e)),
             }
         }
-        if self.inbuf.len() < hb.len() {
+        if self.inbuf.len() < hlen {
             self.answers.flush(self.conn).await?;
-            while self.inbuf.len() < hb.len() {
+            while self.inbuf.len() < hlen {
                 match self.inbuf.fill(self.conn, self.poll).await {
                     Ok(()) => {}
                     Err(IoFail::Closed) if self.inbuf.len() == 0 => return Ok(None),
@@ -248,15 +291,18 @@ impl<'a> Served<'a> {
                 }
             }
         }
-        self.inbuf.drain(&mut hb);
-        match Header::decode(&hb) {
+        self.inbuf.drain(self.raw.buf());
+        match self.raw.decode() {
             Ok(h) if h.status == wire::STATUS_OK => Ok(Some(h)),
             Ok(h) => {
                 let reason = RejectReason::BadHeader;
                 let why = "request with a status byte";
                 Err(self.refuse(h.opcode, h.req_id, reason, why).await)
             }
-            Err(reason) => Err(self.refuse(hb[4], 0, reason, "bad request header").await),
+            Err(reason) => {
+                let opcode = self.raw.buf()[4];
+                Err(self.refuse(opcode, 0, reason, "bad request header").await)
+            }
         }
     }
 
@@ -268,6 +314,7 @@ impl<'a> Served<'a> {
                 .refuse(h.opcode, h.req_id, RejectReason::BadHeader, why)
                 .await);
         }
+        self.check(Which::Nothing)?;
         self.answers.flush(self.conn).await?;
         send_regions(self.target, self.conn, h.req_id).await
     }
@@ -286,15 +333,21 @@ impl<'a> Served<'a> {
             .read_exact(self.conn, &mut self.scratch, self.poll)
             .await
             .map_err(conv("reading a shm hello"))?;
+        self.check(Which::Scratch)?;
         let answer = HostId::decode(&self.scratch)
             .and_then(|peer| self.target.shm.as_ref().and_then(|s| s.hello(&peer)));
         let Some(answer) = answer else {
             let refusal = reject(h.opcode, h.req_id, RejectReason::Undeliverable, 0);
-            self.answers.hold(refusal);
+            self.answers.hold(&mut self.conn.seal, refusal);
             return Ok(());
         };
         self.answers.flush(self.conn).await?;
-        let mut body = accept(h, answer.len() as u64).encode().to_vec();
+        let head = Head::new(
+            &mut self.conn.seal,
+            &accept(h, answer.len() as u64),
+            &answer,
+        );
+        let mut body = head.bytes().to_vec();
         body.extend_from_slice(&answer);
         let mut v = [iov(body.as_ptr() as u64, body.len() as u64)];
         fdio::send_all(&mut self.conn.wr, self.conn.fd, &mut v, None)
@@ -317,17 +370,19 @@ impl<'a> Served<'a> {
             .read_exact(self.conn, &mut self.scratch, self.poll)
             .await
             .map_err(conv("reading a notification"))?;
+        self.check(Which::Scratch)?;
         // A conditional notification says what its sender learns only from
         // the WRITEs before it: deliver it only if they all landed (a
         // fenced one closed the connection already).
         let deliverable = h.opcode == wire::OP_NOTIFY || (h.detail >= 1 && h.detail <= run_before);
         let handler = self.target.notify.borrow().clone();
         let taken = deliverable && handler.is_some_and(|f| f(&self.scratch));
-        self.answers.hold(if taken {
+        let answer = if taken {
             accept(h, 0)
         } else {
             reject(h.opcode, h.req_id, RejectReason::Undeliverable, 0)
-        });
+        };
+        self.answers.hold(&mut self.conn.seal, answer);
         Ok(())
     }
 
@@ -367,6 +422,7 @@ impl<'a> Served<'a> {
             .read_exact(self.conn, &mut self.table, self.poll)
             .await
             .map_err(conv("reading a descriptor table"))?;
+        self.check(Which::Table)?;
         self.ranges.clear();
         let mut total: u64 = 0;
         for i in 0..h.count as usize {
@@ -421,8 +477,8 @@ impl<'a> Served<'a> {
             registry::RangeFault::Overflow => RejectReason::Overflow,
             registry::RangeFault::OutOfRegion => RejectReason::OutOfRegion,
         };
-        self.answers
-            .hold(reject(h.opcode, h.req_id, reason, index as u32));
+        let refusal = reject(h.opcode, h.req_id, reason, index as u32);
+        self.answers.hold(&mut self.conn.seal, refusal);
         Ok(())
     }
 
@@ -453,7 +509,7 @@ impl<'a> Served<'a> {
         fdio::recv_exact(rd, *fd, &mut self.iovs, PollPolicy::Park, Some(&allowed))
             .await
             .map_err(conv("receiving a payload"))?;
-        self.answers.hold(accept(h, 0));
+        self.answers.hold(&mut self.conn.seal, accept(h, 0));
         Ok(())
     }
 
@@ -461,7 +517,8 @@ impl<'a> Served<'a> {
     /// one send, after the answers held before it.
     async fn send_payload(&mut self, h: &Header, total: u64) -> Result<(), TransportError> {
         self.answers.flush(self.conn).await?;
-        let ob = accept(h, total).encode();
+        let head = Head::new(&mut self.conn.seal, &accept(h, total), &[]);
+        let ob = head.bytes();
         self.iovs.clear();
         self.iovs.push(iov(ob.as_ptr() as u64, ob.len() as u64));
         self.iovs
@@ -486,7 +543,7 @@ impl<'a> Served<'a> {
         let moved = self.receive_windows(h, dev, &ranges).await;
         self.ranges = ranges;
         moved?;
-        self.answers.hold(accept(h, 0));
+        self.answers.hold(&mut self.conn.seal, accept(h, 0));
         Ok(())
     }
 
@@ -560,7 +617,8 @@ impl<'a> Served<'a> {
         ranges: &[(u64, u64)],
     ) -> Result<(), TransportError> {
         let total = ranges.iter().map(|r| r.1).sum();
-        let ob = accept(h, total).encode();
+        let head = Head::new(&mut self.conn.seal, &accept(h, total), &[]);
+        let ob = head.bytes();
         let fence = self.target.fence.borrow().clone();
         let guard = Guard::new(fence.as_deref());
         let mut cursor = Cursor::new(&self.target.registry, ranges);
@@ -697,15 +755,24 @@ async fn send_regions(target: &Target, conn: &mut Conn, req_id: u64) -> Result<(
         payload_len: (regions.len() * wire::ENTRY_LEN) as u64,
         ..Header::default()
     };
-    let mut body = Vec::with_capacity(wire::HEADER_LEN + regions.len() * wire::ENTRY_LEN);
-    body.extend_from_slice(&h.encode());
+    let mut table = Vec::with_capacity(regions.len() * wire::ENTRY_LEN);
     for r in &regions {
-        wire::encode_entry(&mut body, r.addr, r.len_bytes);
+        wire::encode_entry(&mut table, r.addr, r.len_bytes);
     }
+    let mut body = Head::new(&mut conn.seal, &h, &table).bytes().to_vec();
+    body.extend_from_slice(&table);
     let mut v = [iov(body.as_ptr() as u64, body.len() as u64)];
     fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
         .await
         .map_err(conv("sending regions"))
+}
+
+/// What a frame's tag covers besides its header.
+#[derive(Clone, Copy)]
+enum Which {
+    Nothing,
+    Table,
+    Scratch,
 }
 
 /// Waits for a window's copy, then gives its buffers back.
