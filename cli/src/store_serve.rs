@@ -36,6 +36,11 @@ pub(crate) struct ServeArgs {
     /// Pin the server's executor to this core.
     #[arg(long, value_name = "CORE")]
     core: Option<usize>,
+    /// Listen beyond loopback without a cluster key
+    /// (KVFERRY_CLUSTER_KEY_FILE): anyone who reaches the port may put,
+    /// get and remove values.
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Runs `kvferry store ...`.
@@ -55,11 +60,17 @@ fn serve(a: &ServeArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let key = match kvferry::auth::ClusterKey::from_env() {
+        Ok(k) => k,
+        Err(e) => return usage_error("kvferry store serve", &e.to_string()),
+    };
     let mut cfg = ServeConfig {
         listen: a.listen,
         capacity_bytes: a.capacity_bytes,
         metrics_listen: a.metrics_listen.clone(),
         core: a.core,
+        key,
+        allow_unauthenticated_remote: a.insecure,
         ..ServeConfig::default()
     };
     cfg.tcp.streams = a.streams;

@@ -875,6 +875,12 @@ impl Node {
         self.inner.shared.counters.latency()
     }
 
+    /// Peers and requests refused on `surface` for failing authentication
+    /// (`kvferry_auth_rejected_total`).
+    pub fn auth_rejected(&self, surface: kvferry_auth::Surface) -> u64 {
+        self.inner.shared.counters.auth.get(surface)
+    }
+
     /// Where `/metrics` and `/health` are served (`NodeConfig::metrics_listen`).
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
         let m = lock(&self.inner.metrics_server);

@@ -23,9 +23,10 @@ use futures_lite::AsyncWriteExt;
 use glommio::net::{TcpListener, TcpStream};
 use glommio::{LocalExecutorBuilder, Placement};
 
+use kvferry_auth::{ClusterKey, Rejects, Surface};
 use kvferry_metrics::http::MetricsServer;
 use kvferry_store::internal::proto::{
-    self, Answer, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX,
+    self, Answer, Channel, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX,
 };
 pub use kvferry_store::internal::space::{Space, SpaceStats, REMOVED_LOG_MAX};
 use kvferry_transport::internal::registry::check_remote;
@@ -55,6 +56,13 @@ pub struct ServeConfig {
     pub idle_max: Duration,
     /// The core the executor is pinned to, if any.
     pub core: Option<usize>,
+    /// The cluster key: with one, every control connection and every
+    /// data-plane connection is authenticated (docs/security.md); engines
+    /// without it are refused and counted.
+    pub key: Option<ClusterKey>,
+    /// Listen beyond loopback without a key (anyone who reaches the port
+    /// may put, get and remove values).
+    pub allow_unauthenticated_remote: bool,
 }
 
 impl Default for ServeConfig {
@@ -69,6 +77,8 @@ impl Default for ServeConfig {
             budget_max: Duration::from_secs(60),
             idle_max: Duration::from_secs(600),
             core: None,
+            key: None,
+            allow_unauthenticated_remote: false,
         }
     }
 }
@@ -168,16 +178,21 @@ impl ServerCounters {
     }
 }
 
-/// The OpenMetrics text of a server's stats.
-pub fn metrics_text(s: &ServerStats) -> String {
+/// The OpenMetrics text of a server's stats and refusals.
+pub fn metrics_text(s: &ServerStats, rejects: &Arc<Rejects>) -> String {
     let families = s.families();
-    kvferry_metrics::render(move |encoder| kvferry_metrics::encode_families(encoder, &families))
+    let rejects = Arc::clone(rejects);
+    kvferry_metrics::render(move |encoder| {
+        kvferry_metrics::encode_families(encoder, &families)?;
+        kvferry_metrics::encode_auth_rejects(encoder, &rejects)
+    })
 }
 
 /// A running store server; dropping it stops it.
 pub struct StoreServer {
     local_addr: SocketAddr,
     counters: Arc<ServerCounters>,
+    rejects: Arc<Rejects>,
     metrics: Option<MetricsServer>,
     stop: Option<flume::Sender<()>>,
     join: Option<glommio::ExecutorJoinHandle<()>>,
@@ -208,11 +223,12 @@ impl StoreServer {
         counters
             .capacity_bytes
             .store(cfg.capacity_bytes, Ordering::Relaxed);
+        let rejects = Arc::clone(&cfg.tcp.rejects);
         let metrics = match &cfg.metrics_listen {
             Some(addr) => {
-                let c = Arc::clone(&counters);
+                let (c, r) = (Arc::clone(&counters), Arc::clone(&rejects));
                 let source: kvferry_metrics::http::MetricsSource =
-                    Arc::new(move || metrics_text(&c.load()));
+                    Arc::new(move || metrics_text(&c.load(), &r));
                 let m = MetricsServer::start(addr, source)
                     .map_err(|e| ServeError::Metrics(e.to_string()))?;
                 Some(m)
@@ -245,6 +261,7 @@ impl StoreServer {
         Ok(StoreServer {
             local_addr,
             counters,
+            rejects,
             metrics,
             stop: Some(stop),
             join: Some(join),
@@ -264,6 +281,11 @@ impl StoreServer {
     /// The counters now.
     pub fn stats(&self) -> ServerStats {
         self.counters.load()
+    }
+
+    /// Engines and frames refused on `surface` for failing authentication.
+    pub fn auth_rejected(&self, surface: Surface) -> u64 {
+        self.rejects.get(surface)
     }
 
     /// Serves until the process ends.
@@ -296,6 +318,14 @@ fn validate(cfg: &ServeConfig) -> Result<(), ServeError> {
         || cfg.idle_max.is_zero()
     {
         return bad("max_connections, max_values, budget_max and idle_max must be positive");
+    }
+    if cfg.key.is_none() && !cfg.listen.ip().is_loopback() && !cfg.allow_unauthenticated_remote {
+        return Err(ServeError::Config(format!(
+            "listening on {} without a cluster key: set {} (or allow unauthenticated \
+             remote engines explicitly)",
+            cfg.listen,
+            kvferry_auth::KEY_FILE_ENV
+        )));
     }
     cfg.tcp
         .validate()
@@ -355,6 +385,10 @@ struct Server {
     budget_max: Duration,
     idle_max: Duration,
     max_connections: usize,
+    /// The cluster key control connections must prove.
+    key: Option<ClusterKey>,
+    /// Where refusals are counted (shared with the data plane).
+    rejects: Arc<Rejects>,
     /// The sockets of the connections served now.
     conns: RefCell<slab::Slab<std::os::fd::RawFd>>,
     /// Set once the server stops: a failed accept ends the loop.
@@ -365,7 +399,11 @@ impl Server {
     fn new(cfg: &ServeConfig, counters: Arc<ServerCounters>) -> Result<Server, ServeError> {
         let arena = Arena::new(cfg.capacity_bytes)?;
         let data_addr = SocketAddr::new(cfg.listen.ip(), 0);
-        let transport = TcpTransport::bind(data_addr, cfg.tcp.clone())?;
+        let tcp = TcpConfig {
+            key: cfg.key.clone(),
+            ..cfg.tcp.clone()
+        };
+        let transport = TcpTransport::bind(data_addr, tcp)?;
         // SAFETY: the arena outlives the transport (`Server`'s field order)
         // and only the transport touches it.
         unsafe { transport.register(arena.ptr, cfg.capacity_bytes as usize)? };
@@ -377,6 +415,8 @@ impl Server {
             budget_max: cfg.budget_max,
             idle_max: cfg.idle_max,
             max_connections: cfg.max_connections,
+            key: cfg.key.clone(),
+            rejects: Arc::clone(&cfg.tcp.rejects),
             conns: RefCell::new(slab::Slab::new()),
             stopping: std::cell::Cell::new(false),
         })
@@ -464,7 +504,34 @@ struct Conn {
 enum ReadEnd {
     Closed,
     Malformed(proto::ProtoError),
+    Unauthenticated,
 }
+
+/// The connection's framing: with a key, after the handshake that must
+/// open it (within the connect timeout); `None` when it failed (counted).
+async fn open_channel(server: &Server, stream: &mut TcpStream) -> Option<Channel> {
+    let Some(key) = &server.key else {
+        return Some(Channel::plain());
+    };
+    let handshake = async { Some(Channel::respond(stream, key).await) };
+    let timeout = async {
+        glommio::timer::Timer::new(HANDSHAKE_TIMEOUT).await;
+        None
+    };
+    match futures_lite::future::or(handshake, timeout).await {
+        Some(Ok(channel)) => Some(channel),
+        Some(Err(proto::ReadError::Closed)) => None,
+        _ => {
+            server.rejects.count(Surface::Store);
+            tracing::warn!("store server: an engine did not authenticate; connection closed");
+            None
+        }
+    }
+}
+
+/// Bound on a connection's handshake: a peer that connects and says
+/// nothing holds its slot no longer.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Conn {
     fn new(server: &Server, stream: &TcpStream) -> Conn {
@@ -477,6 +544,9 @@ impl Conn {
     }
 
     async fn serve(mut self, server: &Server, mut stream: TcpStream) {
+        let Some(mut channel) = open_channel(server, &mut stream).await else {
+            return;
+        };
         loop {
             // Idle past the bound: a crashed engine's half-open
             // connection gives its slot back; a live one reconnects.
@@ -484,18 +554,29 @@ impl Conn {
                 glommio::timer::Timer::new(server.idle_max).await;
                 Err(ReadEnd::Closed)
             };
-            let (id, req) = match futures_lite::future::or(read_request(&mut stream), idle).await {
+            let read = read_request(&mut channel, &mut stream);
+            let (id, req) = match futures_lite::future::or(read, idle).await {
                 Ok(r) => r,
                 Err(ReadEnd::Closed) => return,
+                Err(ReadEnd::Unauthenticated) => {
+                    server.rejects.count(Surface::Store);
+                    tracing::warn!(
+                        "store server: a frame's tag does not verify; connection closed"
+                    );
+                    return;
+                }
                 Err(ReadEnd::Malformed(e)) => {
                     tracing::warn!("store server: malformed request: {e}");
                     let refused = Answer::Refused(Refusal::Malformed);
-                    let _ = self.answer(server, &mut stream, 0, refused).await;
+                    let _ = self
+                        .answer(server, (&mut channel, &mut stream), 0, refused)
+                        .await;
                     return;
                 }
             };
             let answer = self.handle(server, req).await;
-            if self.answer(server, &mut stream, id, answer).await.is_err() {
+            let to = (&mut channel, &mut stream);
+            if self.answer(server, to, id, answer).await.is_err() {
                 return;
             }
         }
@@ -504,7 +585,7 @@ impl Conn {
     async fn answer(
         &mut self,
         server: &Server,
-        stream: &mut TcpStream,
+        (channel, stream): (&mut Channel, &mut TcpStream),
         id: u64,
         answer: Answer,
     ) -> std::io::Result<()> {
@@ -528,7 +609,8 @@ impl Conn {
             removed_lost,
             removed_next: next,
         };
-        let frame = proto::encode(id, &reply)
+        let frame = channel
+            .encode(id, &reply)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
         stream.write_all(&frame).await
     }
@@ -722,10 +804,14 @@ fn total_bytes(descs: &[Desc]) -> u64 {
 }
 
 /// The next request of a connection.
-async fn read_request(stream: &mut TcpStream) -> Result<(u64, Request), ReadEnd> {
-    match proto::read_body(stream).await {
+async fn read_request(
+    channel: &mut Channel,
+    stream: &mut TcpStream,
+) -> Result<(u64, Request), ReadEnd> {
+    match channel.read_body(stream).await {
         Ok(body) => proto::decode_request(&body).map_err(ReadEnd::Malformed),
         Err(proto::ReadError::Closed) => Err(ReadEnd::Closed),
         Err(proto::ReadError::Malformed(e)) => Err(ReadEnd::Malformed(e)),
+        Err(proto::ReadError::Unauthenticated) => Err(ReadEnd::Unauthenticated),
     }
 }

@@ -45,6 +45,9 @@ pub enum OpenError {
     /// Mooncake's client could not start.
     #[error(transparent)]
     Mooncake(MooncakeStoreError),
+    /// The cluster key's file (`KVFERRY_CLUSTER_KEY_FILE`) could not be used.
+    #[error(transparent)]
+    Key(#[from] kvferry_auth::KeyError),
 }
 
 impl OpenError {
@@ -100,7 +103,11 @@ impl AnyStore {
         } else if let Some(name) = url.strip_prefix("inproc://") {
             Backend::Inproc(named_inproc(name))
         } else if url.starts_with("kvferry://") {
-            let remote = RemoteStore::connect(RemoteConfig::from_url(url));
+            let mut cfg = RemoteConfig::from_url(url);
+            // The cluster key, as every kvferry process finds it: with one,
+            // the server must prove it and so must this engine.
+            cfg.tcp.key = kvferry_auth::ClusterKey::from_env()?;
+            let remote = RemoteStore::connect(cfg);
             Backend::Remote(remote.map_err(OpenError::Remote)?)
         } else if url.starts_with("redis://") {
             let cfg = RedisConfig::from_url(url).map_err(OpenError::RedisUrl)?;

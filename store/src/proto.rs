@@ -17,10 +17,20 @@
 //! | 8..12 | body length, little-endian, at most [`BODY_BYTES_MAX`] |
 //!
 //! An engine sends a [`Request`], the server answers each with one
-//! [`Reply`] carrying the request's id, in order. Both sides check every
+//! [`Reply`] carrying the request's id, in order.
+//!
+//! With a cluster key ([`Channel`]) a connection opens with the
+//! handshake of [`kvferry_auth::handshake`], each of its three messages
+//! behind the 4 bytes `KVFA`, and every frame after it, both ways, is
+//! followed by a 16-byte tag over the frame and its number on the
+//! connection. A keyed server closes a connection whose first bytes are
+//! anything else; a server without a key refuses `KVFA` as a bad magic. Both sides check every
 //! count against the bounds below while decoding ([`ProtoError`]), so a
 //! hostile peer can neither make the other allocate past them nor panic it.
 
+use kvferry_auth::handshake::{Initiator, Responder, CHALLENGE_LEN, HELLO_LEN, PROOF_LEN};
+use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
+use kvferry_auth::ClusterKey;
 use serde::{Deserialize, Serialize};
 
 use kvferry_machines::internal::wire::envelope::{decode_whole, encode_into, EnvelopeError};
@@ -354,6 +364,130 @@ pub enum ReadError {
     Closed,
     /// The header is not one of this protocol.
     Malformed(ProtoError),
+    /// A frame's tag did not verify, or the handshake failed.
+    Unauthenticated,
+}
+
+/// What opens each handshake message of an authenticated connection.
+pub const AUTH_MAGIC: [u8; 4] = *b"KVFA";
+
+/// What the handshake binds a store connection's keys to.
+const CONTEXT: &str = "kvferry store control";
+
+/// One control connection's framing: plain, or authenticated after a
+/// handshake (then every frame is sealed and checked, in order).
+#[derive(Default)]
+pub struct Channel {
+    seal: Option<Sealer>,
+    open: Option<Opener>,
+}
+
+impl Channel {
+    /// A channel without authentication.
+    pub fn plain() -> Channel {
+        Channel::default()
+    }
+
+    /// The engine's side of the handshake on a new connection.
+    pub async fn initiate<S>(stream: &mut S, key: &ClusterKey) -> Result<Channel, ReadError>
+    where
+        S: futures_lite::AsyncRead + futures_lite::AsyncWrite + Unpin,
+    {
+        use futures_lite::{AsyncReadExt, AsyncWriteExt};
+        let init = Initiator::new(key, CONTEXT).map_err(|_| ReadError::Closed)?;
+        let hello = [&AUTH_MAGIC[..], init.hello()].concat();
+        stream
+            .write_all(&hello)
+            .await
+            .map_err(|_| ReadError::Closed)?;
+        let mut challenge = [0u8; 4 + CHALLENGE_LEN];
+        (stream.read_exact(&mut challenge).await).map_err(|_| ReadError::Closed)?;
+        if challenge[..4] != AUTH_MAGIC {
+            return Err(ReadError::Unauthenticated);
+        }
+        let (proof, session) = init
+            .handle_challenge(&challenge[4..])
+            .map_err(|_| ReadError::Unauthenticated)?;
+        let proof = [&AUTH_MAGIC[..], &proof].concat();
+        stream
+            .write_all(&proof)
+            .await
+            .map_err(|_| ReadError::Closed)?;
+        Ok(Channel {
+            seal: Some(session.seal),
+            open: Some(session.open),
+        })
+    }
+
+    /// The server's side: the connection's first bytes must be the
+    /// handshake; anything else is [`ReadError::Unauthenticated`].
+    pub async fn respond<S>(stream: &mut S, key: &ClusterKey) -> Result<Channel, ReadError>
+    where
+        S: futures_lite::AsyncRead + futures_lite::AsyncWrite + Unpin,
+    {
+        use futures_lite::{AsyncReadExt, AsyncWriteExt};
+        let mut hello = [0u8; 4 + HELLO_LEN];
+        (stream.read_exact(&mut hello[..4]).await).map_err(|_| ReadError::Closed)?;
+        if hello[..4] != AUTH_MAGIC {
+            return Err(ReadError::Unauthenticated);
+        }
+        (stream.read_exact(&mut hello[4..]).await).map_err(|_| ReadError::Closed)?;
+        let resp =
+            Responder::new(key, CONTEXT, &hello[4..]).map_err(|_| ReadError::Unauthenticated)?;
+        let challenge = [&AUTH_MAGIC[..], resp.challenge()].concat();
+        stream
+            .write_all(&challenge)
+            .await
+            .map_err(|_| ReadError::Closed)?;
+        let mut proof = [0u8; 4 + PROOF_LEN];
+        (stream.read_exact(&mut proof).await).map_err(|_| ReadError::Closed)?;
+        if proof[..4] != AUTH_MAGIC {
+            return Err(ReadError::Unauthenticated);
+        }
+        let session = resp
+            .handle_proof(&proof[4..])
+            .map_err(|_| ReadError::Unauthenticated)?;
+        Ok(Channel {
+            seal: Some(session.seal),
+            open: Some(session.open),
+        })
+    }
+
+    /// Whether the connection is authenticated.
+    pub fn is_sealed(&self) -> bool {
+        self.seal.is_some()
+    }
+
+    /// A whole frame of `msg`, sealed when the channel is.
+    pub fn encode<T: Serialize>(&mut self, id: u64, msg: &T) -> Result<Vec<u8>, ProtoError> {
+        let mut frame = encode(id, msg)?;
+        if let Some(seal) = &mut self.seal {
+            let tag = seal.seal(&[&frame]);
+            frame.extend_from_slice(&tag);
+        }
+        Ok(frame)
+    }
+
+    /// The next frame's body, its tag checked when the channel is sealed.
+    pub async fn read_body<R: futures_lite::AsyncRead + Unpin>(
+        &mut self,
+        stream: &mut R,
+    ) -> Result<Vec<u8>, ReadError> {
+        use futures_lite::AsyncReadExt;
+        let mut frame = vec![0u8; HEADER_LEN];
+        (stream.read_exact(&mut frame).await).map_err(|_| ReadError::Closed)?;
+        let len = decode_header(&frame).map_err(ReadError::Malformed)?;
+        frame.resize(HEADER_LEN + len as usize, 0);
+        (stream.read_exact(&mut frame[HEADER_LEN..]).await).map_err(|_| ReadError::Closed)?;
+        if let Some(open) = &mut self.open {
+            let mut tag = [0u8; TAG_LEN];
+            (stream.read_exact(&mut tag).await).map_err(|_| ReadError::Closed)?;
+            open.open(&[&frame], &tag)
+                .map_err(|_| ReadError::Unauthenticated)?;
+        }
+        frame.drain(..HEADER_LEN);
+        Ok(frame)
+    }
 }
 
 /// The body of the next frame on `stream`: its header read and checked

@@ -40,7 +40,7 @@ use kvferry_machines::internal::store::ChunkKey;
 use kvferry_machines::RankLayout;
 
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
-use super::proto::{self, Answer, Item, KeyAnswer, Reply, Request, Span};
+use super::proto::{self, Answer, Channel, Item, KeyAnswer, Reply, Request, Span};
 use kvferry_transport::BlockFence;
 use kvferry_transport::{RegionId, Transport, TransportError};
 use kvferry_transport::{TcpConfig, TcpTransport};
@@ -435,7 +435,11 @@ struct Engine {
     regions: Vec<RegionId>,
     server: SocketAddr,
     connect_timeout: Duration,
-    control: Option<TcpStream>,
+    /// The cluster key the control connection proves (the endpoint's).
+    key: Option<kvferry_auth::ClusterKey>,
+    /// The control connection and its framing (authenticated when the
+    /// endpoint has a cluster key).
+    control: Option<(Channel, TcpStream)>,
     next_id: u64,
     round_trips: Arc<AtomicU64>,
     /// The server's log position after its last reply, for the next
@@ -450,12 +454,14 @@ impl Engine {
         connect_timeout: Duration,
         round_trips: Arc<AtomicU64>,
     ) -> Engine {
+        let key = transport.config().key.clone();
         Engine {
             transport,
             fence: None,
             regions: Vec::new(),
             server,
             connect_timeout,
+            key,
             control: None,
             next_id: 1,
             round_trips,
@@ -574,9 +580,9 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         self.round_trips.fetch_add(1, Ordering::Relaxed);
-        let stream = self.control.as_mut().ok_or(CallError::Transport)?;
-        send(stream, id, &request).await?;
-        let (got, reply) = receive(stream).await?;
+        let (channel, stream) = self.control.as_mut().ok_or(CallError::Transport)?;
+        send(channel, stream, id, &request).await?;
+        let (got, reply) = receive(channel, stream).await?;
         if got != id {
             return Err(CallError::Refused);
         }
@@ -584,11 +590,20 @@ impl Engine {
         Ok(reply)
     }
 
-    async fn hello(&mut self) -> Result<TcpStream, CallError> {
+    async fn hello(&mut self) -> Result<(Channel, TcpStream), CallError> {
         let mut stream = TcpStream::connect_timeout(self.server, self.connect_timeout)
             .await
             .map_err(|_| CallError::Transport)?;
         let _ = stream.set_nodelay(true);
+        let mut channel = match &self.key {
+            Some(key) => Channel::initiate(&mut stream, key).await.map_err(|e| {
+                if matches!(e, proto::ReadError::Unauthenticated) {
+                    tracing::error!("store: the server did not prove the cluster key");
+                }
+                CallError::Refused
+            })?,
+            None => Channel::plain(),
+        };
         let endpoint = self.transport.endpoint_addr().to_string();
         let id = self.next_id;
         self.next_id += 1;
@@ -597,32 +612,39 @@ impl Engine {
             endpoint,
             removed_from: self.removed_next,
         };
-        send(&mut stream, id, &hello).await?;
-        match receive(&mut stream).await? {
+        send(&mut channel, &mut stream, id, &hello).await?;
+        match receive(&mut channel, &mut stream).await? {
             (
                 got,
                 Reply {
                     answer: Answer::Hello { .. },
                     ..
                 },
-            ) if got == id => Ok(stream),
+            ) if got == id => Ok((channel, stream)),
             _ => Err(CallError::Refused),
         }
     }
 }
 
-async fn send(stream: &mut TcpStream, id: u64, request: &Request) -> Result<(), CallError> {
-    let frame = proto::encode(id, request).map_err(|_| CallError::Refused)?;
+async fn send(
+    channel: &mut Channel,
+    stream: &mut TcpStream,
+    id: u64,
+    request: &Request,
+) -> Result<(), CallError> {
+    let frame = channel
+        .encode(id, request)
+        .map_err(|_| CallError::Refused)?;
     stream
         .write_all(&frame)
         .await
         .map_err(|_| CallError::Transport)
 }
 
-async fn receive(stream: &mut TcpStream) -> Result<(u64, Reply), CallError> {
-    let body = proto::read_body(stream).await.map_err(|e| match e {
+async fn receive(channel: &mut Channel, stream: &mut TcpStream) -> Result<(u64, Reply), CallError> {
+    let body = channel.read_body(stream).await.map_err(|e| match e {
         proto::ReadError::Closed => CallError::Transport,
-        proto::ReadError::Malformed(_) => CallError::Refused,
+        proto::ReadError::Malformed(_) | proto::ReadError::Unauthenticated => CallError::Refused,
     })?;
     proto::decode_reply(&body).map_err(|_| CallError::Refused)
 }

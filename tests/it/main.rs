@@ -2,8 +2,10 @@
 //! binary of its own; one link instead of many).
 
 mod bootstrap;
+mod bootstrap_auth;
 mod data_plane_messages;
 mod e2e_abort_mid;
+mod e2e_auth;
 mod e2e_aux_state;
 mod e2e_both;
 mod e2e_device;

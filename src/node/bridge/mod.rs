@@ -252,6 +252,10 @@ enum Dir {
     Querying,
     Known(EngineRanks),
     Failed(Instant),
+    /// The service refused this node's credentials (HTTP 401): requests
+    /// for the target fail at once instead of waiting out their bootstrap
+    /// timeout; asked again a tick later (the key may have been fixed).
+    Refused(Instant),
 }
 
 /// The side channels of a prefill engine's ranks, as the bootstrap service
@@ -425,6 +429,14 @@ impl Bridge {
                 BridgeCmd::Directory { target, result } => {
                     let entry = match result {
                         Ok(ranks) => Dir::Known(ranks),
+                        Err(LookupError::Client(ClientError::Unauthorized)) => {
+                            tracing::error!(
+                                ?target,
+                                "the bootstrap service refused this node's cluster key; \
+                                 requests to this prefill engine fail"
+                            );
+                            Dir::Refused(Instant::now())
+                        }
                         Err(e) => {
                             tracing::warn!(?target, %e, "bootstrap query failed; retrying");
                             Dir::Failed(Instant::now())

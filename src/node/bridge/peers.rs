@@ -327,7 +327,7 @@ impl Bridge {
             // A replacement may register elsewhere: ask again next time.
             self.directory.retain(|_, d| match d {
                 Dir::Known(ranks) => !ranks.addrs.contains(&addr),
-                Dir::Querying | Dir::Failed(_) => true,
+                Dir::Querying | Dir::Failed(_) | Dir::Refused(_) => true,
             });
         }
     }

@@ -182,6 +182,15 @@ impl Bridge {
             PrefillTarget::Bootstrap { .. } => match self.directory.get(&p.target) {
                 Some(Dir::Known(ranks)) => ControlFlow::Continue(ranks.clone()),
                 Some(Dir::Querying) => ControlFlow::Break(false),
+                Some(Dir::Refused(at)) => {
+                    if at.elapsed() >= self.tick {
+                        let t = p.target.clone();
+                        self.start_query(&t);
+                        return ControlFlow::Break(false);
+                    }
+                    let _ = self.abort_engine(p.tid);
+                    ControlFlow::Break(true)
+                }
                 Some(Dir::Failed(at)) => {
                     if at.elapsed() >= self.tick {
                         let t = p.target.clone();

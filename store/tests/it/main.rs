@@ -3,6 +3,7 @@
 //! the connector's save and load runs, the scheduler side, KV events and
 //! seeded faults. One binary.
 
+mod store_auth;
 mod store_buffer;
 mod store_inproc;
 mod store_kv_events;

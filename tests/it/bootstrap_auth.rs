@@ -1,0 +1,195 @@
+//! The bootstrap service with a cluster key: only signed `/register` and
+//! `/query` requests are served; forged, tampered, replayed and stale ones
+//! get 401 and are counted, and nothing they carry reaches the registry.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kvferry::auth::{request, ClusterKey, Rejects, Surface};
+use kvferry::bootstrap::{
+    BootstrapClient, BootstrapServer, ClientError, RegisterRequest, RetryPolicy, ServerAuth,
+    ServerConfig,
+};
+
+fn key(byte: u8) -> ClusterKey {
+    ClusterKey::from_bytes(&[byte; 32], None).unwrap()
+}
+
+fn keyed_server(open_metrics: bool) -> (BootstrapServer, Arc<Rejects>) {
+    let rejects = Arc::new(Rejects::default());
+    let config = ServerConfig {
+        auth: Some(ServerAuth {
+            open_metrics,
+            ..ServerAuth::new(key(1))
+        }),
+        rejects: rejects.clone(),
+        ..ServerConfig::default()
+    };
+    let metrics: kvferry::bootstrap::MetricsSource = Arc::new(|| "# EOF\n".to_string());
+    let server = BootstrapServer::start_with("127.0.0.1:0", config, Some(metrics)).unwrap();
+    (server, rejects)
+}
+
+fn worker(addr: &str) -> RegisterRequest {
+    RegisterRequest {
+        engine_id: "prefill-a".into(),
+        dp_rank: 0,
+        tp_rank: 0,
+        pp_rank: 0,
+        addr: addr.into(),
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// Sends one raw HTTP request with `auth` as the signature header; the
+/// status code of the answer.
+fn raw(
+    server: &BootstrapServer,
+    method: &str,
+    target: &str,
+    body: &[u8],
+    auth: Option<&str>,
+) -> u16 {
+    let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
+    let mut head = format!(
+        "{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(a) = auth {
+        head.push_str(&format!("{}: {a}\r\n", request::HEADER));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status line")
+}
+
+#[test]
+fn only_signed_requests_reach_the_registry() {
+    let (server, rejects) = keyed_server(true);
+    let body = serde_json::to_vec(&worker("tcp://127.0.0.1:5000")).unwrap();
+    let signed = |k: &ClusterKey, t: u64, method: &str, target: &str, b: &[u8]| {
+        request::sign(k, t, method, target, b).unwrap()
+    };
+    let forged_body = serde_json::to_vec(&worker("tcp://10.6.6.6:5000")).unwrap();
+    let cases: Vec<(&str, &str, &str, Vec<u8>, Option<String>)> = vec![
+        ("unsigned", "POST", "/register", body.clone(), None),
+        (
+            "another key",
+            "POST",
+            "/register",
+            body.clone(),
+            Some(signed(&key(2), now_ms(), "POST", "/register", &body)),
+        ),
+        (
+            "a body changed after signing",
+            "POST",
+            "/register",
+            forged_body,
+            Some(signed(&key(1), now_ms(), "POST", "/register", &body)),
+        ),
+        (
+            "a stale timestamp",
+            "POST",
+            "/register",
+            body.clone(),
+            Some(signed(
+                &key(1),
+                now_ms() - 60_000,
+                "POST",
+                "/register",
+                &body,
+            )),
+        ),
+        (
+            "a signature of another route",
+            "GET",
+            "/query",
+            Vec::new(),
+            Some(signed(&key(1), now_ms(), "GET", "/query?engine_id=x", b"")),
+        ),
+        (
+            "garbage",
+            "GET",
+            "/query",
+            Vec::new(),
+            Some("v1 1 2 3".into()),
+        ),
+    ];
+    for (n, (name, method, target, body, auth)) in cases.into_iter().enumerate() {
+        let status = raw(&server, method, target, &body, auth.as_deref());
+        assert_eq!(status, 401, "{name}");
+        assert_eq!(
+            rejects.get(Surface::Bootstrap),
+            n as u64 + 1,
+            "{name}: counted"
+        );
+        assert_eq!(server.registered(), 0, "{name}: the registry changed");
+    }
+
+    // A signed registration lands once; the same bytes again are a replay.
+    let good = signed(&key(1), now_ms(), "POST", "/register", &body);
+    assert_eq!(raw(&server, "POST", "/register", &body, Some(&good)), 200);
+    assert_eq!(server.registered(), 1);
+    assert_eq!(raw(&server, "POST", "/register", &body, Some(&good)), 401);
+    assert_eq!(rejects.get(Surface::Bootstrap), 7, "the replay is counted");
+
+    // /health and (by default) /metrics stay open.
+    assert_eq!(raw(&server, "GET", "/health", b"", None), 200);
+    assert_eq!(raw(&server, "GET", "/metrics", b"", None), 200);
+    assert_eq!(rejects.get(Surface::Bootstrap), 7);
+}
+
+#[test]
+fn clients_sign_and_an_unkeyed_client_fails_at_once() {
+    let (server, rejects) = keyed_server(false);
+    let addr = server.local_addr().to_string();
+    let keyed = BootstrapClient::new(&addr).unwrap().with_key(Some(key(1)));
+    let policy = RetryPolicy {
+        deadline: Duration::from_secs(30),
+        ..RetryPolicy::default()
+    };
+    keyed
+        .register(&worker("tcp://127.0.0.1:5001"), policy)
+        .unwrap();
+    let found = keyed.query(Some("prefill-a")).unwrap();
+    assert_eq!(found[&0].addr(0, 0), Some("tcp://127.0.0.1:5001"));
+    keyed
+        .metrics_text()
+        .expect("a signed scrape of a closed /metrics");
+    assert_eq!(rejects.get(Surface::Bootstrap), 0);
+
+    // Without the key: refused, not retried for the 30 s deadline.
+    let plain = BootstrapClient::new(&addr).unwrap();
+    let started = std::time::Instant::now();
+    let e = plain
+        .register(&worker("tcp://10.6.6.6:5001"), policy)
+        .unwrap_err();
+    assert!(matches!(e, ClientError::Unauthorized), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5), "retried a 401");
+    assert!(matches!(plain.query(None), Err(ClientError::Unauthorized)));
+    assert!(matches!(
+        plain.metrics_text(),
+        Err(ClientError::Unauthorized)
+    ));
+    assert_eq!(rejects.get(Surface::Bootstrap), 3);
+    let found = keyed.query(Some("prefill-a")).unwrap();
+    assert_eq!(
+        found[&0].addr(0, 0),
+        Some("tcp://127.0.0.1:5001"),
+        "the forged address landed"
+    );
+}
