@@ -262,6 +262,29 @@ mod tests {
     }
 
     #[test]
+    fn numbered_frames_may_skip_but_never_go_back() {
+        let (mut i, mut t) = handshake(&key(1), &key(1)).unwrap();
+        let (n0, t0) = i.seal.seal_numbered(&[b"zero"]);
+        let (_, _lost) = i.seal.seal_numbered(&[b"one"]);
+        let (n2, t2) = i.seal.seal_numbered(&[b"two"]);
+        assert_eq!(t.open.open_numbered(n0, &[b"zero"], &t0), Ok(()));
+        assert_eq!(
+            t.open.open_numbered(n2, &[b"two"], &t2),
+            Ok(()),
+            "a lost frame is skipped"
+        );
+        assert_eq!(
+            t.open.open_numbered(n0, &[b"zero"], &t0),
+            Err(AuthError::Replayed)
+        );
+        assert_eq!(
+            t.open.open_numbered(n2 + 1, &[b"two"], &t2),
+            Err(AuthError::BadTag),
+            "a changed number"
+        );
+    }
+
+    #[test]
     fn wrong_key_fails_both_ways() {
         // A target with another key that claims the initiator's key id:
         // its proof does not verify.

@@ -34,6 +34,7 @@ use kvferry_machines::internal::wire::{self, Frame, Hello};
 use kvferry_machines::{DeathCause, Liveness};
 
 /// Most frames read from one socket before looking at the others.
+mod auth;
 mod names;
 mod peers;
 mod resolve;
@@ -168,6 +169,7 @@ impl BridgeThread {
             next_tick: now + tick,
             hb_seq: 0,
             monitors: 0,
+            router_gates: auth::RouterGates::default(),
             stop: false,
         };
         let join = std::thread::Builder::new()
@@ -229,6 +231,8 @@ struct Slot {
     /// side); cleared by its next hello.
     refused: Option<u16>,
     transfers: HashSet<TransferId>,
+    /// Authentication of the peer's frames (with a cluster key).
+    gate: auth::Gate,
 }
 
 impl Slot {
@@ -244,6 +248,7 @@ impl Slot {
             ready: false,
             refused: None,
             transfers: HashSet::new(),
+            gate: auth::Gate::Plain,
         }
     }
 }
@@ -294,6 +299,9 @@ struct Bridge {
     hb_seq: u64,
     /// Socket monitors made so far (names their inproc endpoints).
     monitors: u64,
+    /// Prefill: ROUTER identities part way through the side channel's
+    /// handshake, or authenticated without a slot yet.
+    router_gates: auth::RouterGates,
     stop: bool,
     /// Which peers are dead (see `kvferry_machines::Liveness`).
     liveness: Liveness,
@@ -463,13 +471,25 @@ impl Bridge {
     }
 
     fn send_bytes(&mut self, peer: u32, bytes: Vec<u8>) {
-        let Some(slot) = self.slots.get(peer as usize) else {
+        let Some(slot) = self.slots.get_mut(peer as usize) else {
             self.shared
                 .counters
                 .dropped_frames
                 .fetch_add(1, Ordering::Relaxed);
             return;
         };
+        let bytes = match slot.gate.outgoing(bytes) {
+            auth::Outgoing::Send(b) => b,
+            auth::Outgoing::Held => return,
+            auth::Outgoing::Dropped => {
+                self.shared
+                    .counters
+                    .dropped_frames
+                    .fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        };
+        let slot = &self.slots[peer as usize];
         let r = match &slot.route {
             Route::Identity(id) => match &self.router {
                 Some(router) => router
@@ -542,6 +562,21 @@ impl Bridge {
                 }
                 Source::Monitor(_) => return,
             };
+            if let Some((step, body)) = auth::handshake_message(&payload) {
+                match (source, peer) {
+                    (Source::Dealer(i), _) => self.dealer_handshake(i, step, body),
+                    (_, Err(identity)) => self.router_handshake(identity, step, body),
+                    (_, Ok(p)) => {
+                        if let Route::Identity(id) = &self.slots[p as usize].route {
+                            self.router_handshake(id.clone(), step, body);
+                        }
+                    }
+                }
+                continue;
+            }
+            let Some(payload) = self.unseal(&peer, payload) else {
+                continue;
+            };
             let frame = match wire::decode(&payload, &self.shared.config.frame_limits) {
                 Ok(f) => {
                     Counters::inc(&self.shared.counters.sidechannel_received);
@@ -578,6 +613,7 @@ impl Bridge {
                 .and_then(|f| f.get(..2))
                 .map(|b| u16::from_le_bytes([b[0], b[1]]));
             if event == Some(zmq::SocketEvent::DISCONNECTED as u16) {
+                self.rekey_dealer(i);
                 self.liveness.handle_dropped(i);
                 self.on_deaths();
             }
@@ -615,7 +651,10 @@ impl Bridge {
                     self.bad_frame("too many peers");
                     return;
                 };
-                let slot = Slot::new(Route::Identity(identity.clone()), None, String::new());
+                let mut slot = Slot::new(Route::Identity(identity.clone()), None, String::new());
+                if let Some(gate) = self.router_gates.take_session(&identity) {
+                    slot.gate = gate;
+                }
                 let id = self.install(at, slot);
                 self.by_identity.insert(identity, id);
                 id

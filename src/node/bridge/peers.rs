@@ -28,8 +28,23 @@ impl Bridge {
         }
     }
 
-    /// Sends to a ROUTER peer that has no slot (it never said hello).
-    pub(super) fn send_to_identity(&self, identity: &[u8], bytes: Vec<u8>) {
+    /// Sends to a ROUTER peer that has no slot (it never said hello):
+    /// with a key, sealed for its connection, or not at all when it has
+    /// not authenticated.
+    pub(super) fn send_to_identity(&mut self, identity: &[u8], bytes: Vec<u8>) {
+        let bytes = match self.router_gates.session(identity) {
+            _ if self.shared.key.is_none() => bytes,
+            Some(gate) => match gate.outgoing(bytes) {
+                auth::Outgoing::Send(b) => b,
+                auth::Outgoing::Held | auth::Outgoing::Dropped => return,
+            },
+            None => return,
+        };
+        self.send_raw_to_identity(identity, bytes);
+    }
+
+    /// Sends `bytes` as they are to ROUTER identity `identity`.
+    pub(super) fn send_raw_to_identity(&self, identity: &[u8], bytes: Vec<u8>) {
         let sent = self.router.as_ref().map(|router| {
             router
                 .send(identity, zmq::SNDMORE | zmq::DONTWAIT)
@@ -201,6 +216,8 @@ impl Bridge {
             Ok(()) => {
                 slot.connected = endpoint;
                 slot.unresolved = false;
+                // A new connection: a new handshake opens it.
+                self.rekey_dealer(i as u32);
             }
             Err(e) => {
                 tracing::warn!(addr = %slot.addr, %e, "cannot connect to prefill side channel");
