@@ -5,8 +5,12 @@
 
 use std::process::ExitCode;
 
+use std::sync::Arc;
+
 use clap::Args;
-use kvferry::bootstrap::{BootstrapServer, DEFAULT_PORT};
+use kvferry::auth::{ClusterKey, Rejects, KEY_FILE_ENV};
+use kvferry::bootstrap::{BootstrapServer, MetricsSource, ServerAuth, ServerConfig, DEFAULT_PORT};
+use kvferry::stats::MetricsServer;
 
 /// The options of `kvferry bootstrap`.
 #[derive(Clone, Debug, Args)]
@@ -15,11 +19,19 @@ pub(crate) struct BootstrapArgs {
     /// may be a name, bound at its address).
     #[arg(long, value_name = "ADDR", default_value_t = format!("127.0.0.1:{DEFAULT_PORT}"))]
     listen: String,
+    /// Also serve `/metrics` and `/health` here (the service serves them
+    /// on --listen too).
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<String>,
+    /// Listen beyond loopback without a cluster key
+    /// (KVFERRY_CLUSTER_KEY_FILE): anyone who reaches the port may
+    /// register ranks and redirect decode ranks.
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Entry point of `kvferry bootstrap`.
 pub(crate) fn main(a: &BootstrapArgs) -> ExitCode {
-    let listen = a.listen.as_str();
     // Block the signals before any thread exists so every thread inherits the
     // mask and only `sigwait` below ever sees them: no handler runs inside
     // arbitrary code, and no flag has to be polled.
@@ -30,18 +42,60 @@ pub(crate) fn main(a: &BootstrapArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let server = match BootstrapServer::start(listen) {
-        Ok(server) => server,
+    let (server, metrics) = match start(a) {
+        Ok(s) => s,
         Err(err) => {
             eprintln!("kvferry bootstrap: {err}");
             return ExitCode::FAILURE;
         }
     };
     println!("bootstrap service listening on {}", server.local_addr());
+    if let Some(m) = &metrics {
+        println!("metrics on http://{}/metrics", m.local_addr());
+    }
     let signal = signals.wait();
     eprintln!("kvferry bootstrap: signal {signal}, shutting down");
     server.shutdown();
     ExitCode::SUCCESS
+}
+
+/// The service (with the cluster key of `KVFERRY_CLUSTER_KEY_FILE`, or on
+/// loopback only without one unless `--insecure`) and its metrics endpoint.
+fn start(a: &BootstrapArgs) -> Result<(BootstrapServer, Option<MetricsServer>), String> {
+    let key = ClusterKey::from_env().map_err(|e| e.to_string())?;
+    let rejects = Arc::new(Rejects::default());
+    if key.is_none() && !a.insecure && !is_loopback(&a.listen)? {
+        return Err(format!(
+            "listening on {} without a cluster key: set {KEY_FILE_ENV}, or pass --insecure",
+            a.listen
+        ));
+    }
+    let r = Arc::clone(&rejects);
+    let source: MetricsSource = Arc::new(move || {
+        let r = Arc::clone(&r);
+        kvferry_metrics::render(move |e| kvferry_metrics::encode_auth_rejects(e, &r))
+    });
+    let config = ServerConfig {
+        auth: key.map(ServerAuth::new),
+        rejects,
+        ..ServerConfig::default()
+    };
+    let server = BootstrapServer::start_with(&a.listen, config, Some(source.clone()))
+        .map_err(|e| e.to_string())?;
+    let metrics = match &a.metrics_listen {
+        Some(addr) => Some(MetricsServer::start(addr, source).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    Ok((server, metrics))
+}
+
+/// Whether `HOST:PORT`'s host is a loopback address.
+fn is_loopback(listen: &str) -> Result<bool, String> {
+    let hp = kvferry::resolve::HostPort::parse(listen).map_err(|e| e.to_string())?;
+    let ip = kvferry::resolve::Resolver::default()
+        .resolve_host(&hp.host())
+        .map_err(|e| e.to_string())?;
+    Ok(ip.is_loopback())
 }
 
 /// SIGINT and SIGTERM, blocked in this thread (and so in every thread it

@@ -75,6 +75,17 @@ pub(crate) struct RankArgs {
     /// at its address, advertised as given) [default: the node's, 127.0.0.1].
     #[arg(long, value_name = "HOST")]
     pub host: Option<String>,
+    /// Where the side channel and the data plane listen (0.0.0.0: every
+    /// interface) [default: the host's address].
+    #[arg(long, value_name = "IP")]
+    pub listen: Option<String>,
+    /// Serve this rank's `/metrics` and `/health` here (HOST:PORT).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
+    /// Listen beyond loopback without a cluster key
+    /// (KVFERRY_CLUSTER_KEY_FILE): anyone who reaches the ports is trusted.
+    #[arg(long)]
+    pub insecure: bool,
 }
 
 impl RankArgs {
@@ -94,7 +105,10 @@ impl RankArgs {
         if let Some(h) = &self.host {
             c.host = h.clone();
         }
-        c
+        c.listen = self.listen.clone();
+        c.metrics_listen = self.metrics_listen.clone();
+        c.allow_unauthenticated_remote = self.insecure;
+        c.with_key_files_from_env()
     }
 }
 

@@ -156,6 +156,28 @@ def test_a_detected_host_yields_to_settings_and_keeps_listening_on_loopback(monk
     assert s == {}, "KVFERRY_HOST, read by the node, wins"
 
 
+def test_keyed_nodes_move_kv_and_an_unkeyed_node_listens_on_loopback_only(tmp_path, monkeypatch):
+    key = tmp_path / "cluster.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    with pytest.raises(kvferry.MisuseError, match="without a cluster key"):
+        kvferry.Node(role="decode", engine_id="d", listen="0.0.0.0")
+    # The key from the settings (vLLM's extra config) or the environment.
+    monkeypatch.setenv("KVFERRY_CLUSTER_KEY_FILE", str(key))
+    with node("prefill", "p", listen="0.0.0.0") as p, node(
+        "decode", "d", cluster_key_file=str(key), listen="0.0.0.0"
+    ) as d:
+        assert p.settings["cluster_key_file"] == str(key)
+        src, dst = kv(fill=True), kv()
+        p.register_kv_caches(src, **MODEL)
+        d.register_kv_caches(dst, **MODEL)
+        rx = d.receiver(7, side_channels=[p.side_channel_addr])
+        rx.request([3])
+        p.sender(7).send([1])
+        assert rx.wait(WAIT) is Phase.Success
+        assert all(np.array_equal(s[1], t[3]) for s, t in zip(src, dst))
+
+
 def test_bad_arguments_raise_and_never_crash():
     with node("prefill", "p") as p:
         with pytest.raises(kvferry.MisuseError, match="leas_ms"):

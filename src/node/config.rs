@@ -234,6 +234,22 @@ pub struct NodeConfig {
     pub events: Option<EventSink>,
 }
 
+impl NodeConfig {
+    /// This config with the cluster key's files named by
+    /// `KVFERRY_CLUSTER_KEY_FILE` and `KVFERRY_CLUSTER_KEY_PREVIOUS_FILE`,
+    /// when set (what every `kvferry` command does).
+    pub fn with_key_files_from_env(mut self) -> NodeConfig {
+        let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
+        if let Some(f) = var(kvferry_auth::KEY_FILE_ENV) {
+            self.cluster_key_file = Some(f.into());
+        }
+        if let Some(f) = var(kvferry_auth::PREVIOUS_KEY_FILE_ENV) {
+            self.cluster_key_previous_file = Some(f.into());
+        }
+        self
+    }
+}
+
 /// A channel a node sends its [`Event`]s to. Several nodes may share one
 /// channel (each with its own `tag`) without a forwarding thread, which
 /// would add a thread hand-off to every event. A full channel drops the

@@ -850,7 +850,8 @@ fn node_config(
     if let Some(spin) = spec.spin {
         c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
     }
-    c
+    // `kvferry demo` and the soak run keyed when the environment names a key.
+    c.with_key_files_from_env()
 }
 
 /// Request positions reserved per KV-cache group by

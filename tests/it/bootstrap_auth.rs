@@ -77,6 +77,9 @@ fn raw(
         .expect("a status line")
 }
 
+/// A hostile request: name, method, target, body and signature header.
+type Case<'a> = (&'a str, &'a str, &'a str, Vec<u8>, Option<String>);
+
 #[test]
 fn only_signed_requests_reach_the_registry() {
     let (server, rejects) = keyed_server(true);
@@ -85,7 +88,7 @@ fn only_signed_requests_reach_the_registry() {
         request::sign(k, t, method, target, b).unwrap()
     };
     let forged_body = serde_json::to_vec(&worker("tcp://10.6.6.6:5000")).unwrap();
-    let cases: Vec<(&str, &str, &str, Vec<u8>, Option<String>)> = vec![
+    let cases: Vec<Case> = vec![
         ("unsigned", "POST", "/register", body.clone(), None),
         (
             "another key",

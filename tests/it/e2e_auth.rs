@@ -171,6 +171,8 @@ fn without_a_key_a_node_listens_on_loopback_only() {
     std::fs::write(&short, [1u8; 16]).unwrap();
     let mut c = config(Role::Decode, "short", Some(short));
     c.listen = Some("127.0.0.1".into());
-    let e = Node::start(c).err().expect("a 16-byte key is refused");
+    let Err(e) = Node::start(c) else {
+        panic!("a 16-byte key is refused");
+    };
     assert!(e.to_string().contains("16 bytes"), "{e}");
 }

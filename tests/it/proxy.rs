@@ -7,6 +7,9 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+/// What each connection sent, by accept order.
+type Records = Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>>;
+
 /// An edit the proxy makes to the bytes one connection (by accept order)
 /// sends to the target.
 pub(crate) enum Edit {
@@ -25,7 +28,7 @@ pub(crate) enum Edit {
 pub(crate) struct Proxy {
     pub(crate) addr: SocketAddr,
     edits: Arc<Mutex<VecDeque<Edit>>>,
-    sent: Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>>,
+    sent: Records,
     /// Both ends of every connection carried, to cut them.
     open: Arc<Mutex<Vec<(std::net::TcpStream, std::net::TcpStream)>>>,
 }
@@ -35,7 +38,7 @@ impl Proxy {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let edits: Arc<Mutex<VecDeque<Edit>>> = Arc::default();
-        let sent: Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>> = Arc::default();
+        let sent: Records = Arc::default();
         let open: Arc<Mutex<Vec<(std::net::TcpStream, std::net::TcpStream)>>> = Arc::default();
         let (e, s, o) = (edits.clone(), sent.clone(), open.clone());
         // Threads end with their sockets; the acceptor with the process.

@@ -80,7 +80,7 @@ pub struct TcpConfig {
     /// [`TcpTransport::register_device`]; `None` for host memory only.
     pub device: Option<Arc<dyn Device>>,
     /// The cluster key: with one, every connection, both ways, is
-    /// authenticated and its headers sealed (see [`wire`]'s
+    /// authenticated and its headers sealed (see `wire.rs`'s
     /// "Authenticated connections"); peers without it are refused.
     pub key: Option<kvferry_auth::ClusterKey>,
     /// Where refused peers are counted (`surface="data_plane"`).
