@@ -22,6 +22,8 @@ import json
 import os
 import socket
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -120,12 +122,24 @@ def assert_moved(pair: Pair, key: str, out: "dict[str, Any]", reference: dict, b
 
 
 @pytest.fixture(scope="class")
-def pair(model: str) -> Any:
-    with Pair(model, max_tokens=MAX_TOKENS, p_args=("--max-num-batched-tokens", "512")) as p:
+def pair(model: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    # A cluster key (docs/security.md): the bootstrap service, side channel
+    # and data plane of these engines authenticate every peer.
+    key = tmp_path_factory.mktemp("key") / "cluster.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    extra = {"cluster_key_file": str(key)}
+    p_args = ("--max-num-batched-tokens", "512")
+    with Pair(model, max_tokens=MAX_TOKENS, p_args=p_args, extra=extra) as p:
         yield p
 
 
 class TestPrefixCaching:
+    def test_the_keyed_bootstrap_service_refuses_unsigned_queries(self, pair):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{pair.bootstrap}/query", timeout=5)
+        assert refused.value.code == 401
+
     def test_outputs_equal_one_engines_and_the_decode_engine_uses_the_moved_kv(self, pair, reference):
         for n in LENGTHS:
             before = pair.sources()
