@@ -334,7 +334,20 @@ fn main() {
     spec_seeds();
     store_proto_seeds();
     lookup_seeds();
+    auth_seeds();
     println!("seeds written under fuzz/seeds/");
+}
+
+#[path = "fuzz_targets/auth_oracle.rs"]
+mod auth_oracle;
+
+/// One genuine message of each kind the auth oracle checks.
+fn auth_seeds() {
+    reset("auth_messages");
+    for (name, bytes) in auth_oracle::genuine_messages() {
+        assert!(auth_oracle::check_auth(&bytes), "{name} is not accepted");
+        write("auth_messages", name, &bytes);
+    }
 }
 
 /// One frame of each request and answer kind of the store server.

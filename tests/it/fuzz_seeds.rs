@@ -16,6 +16,8 @@ mod tcp_header_oracle;
 #[path = "../../fuzz/fuzz_targets/plan_spec_oracle.rs"]
 mod plan_spec_oracle;
 
+#[path = "../../fuzz/fuzz_targets/auth_oracle.rs"]
+mod auth_oracle;
 #[path = "../../fuzz/fuzz_targets/lookup_msg_oracle.rs"]
 mod lookup_msg_oracle;
 #[path = "../../fuzz/fuzz_targets/store_proto_oracle.rs"]
@@ -67,6 +69,24 @@ fn tcp_header_seeds_decode() {
                 "{}",
                 path.display()
             );
+        }
+    }
+}
+
+#[test]
+fn auth_seeds_are_accepted_and_their_mutants_keep_the_properties() {
+    for (path, bytes) in seeds("auth_messages") {
+        assert!(
+            auth_oracle::check_auth(&bytes),
+            "{} refused",
+            path.display()
+        );
+        // Every one-byte mutant keeps the properties: what is accepted
+        // is genuine (a HELLO with another nonce is one).
+        for i in 1..bytes.len() {
+            let mut m = bytes.clone();
+            m[i] ^= 0x01;
+            auth_oracle::check_auth(&m);
         }
     }
 }
@@ -130,7 +150,10 @@ fn corpus_sample_keeps_the_properties() {
     if !corpus.exists() {
         return;
     }
-    let targets: [(&str, Check); 4] = [
+    let targets: [(&str, Check); 5] = [
+        ("auth_messages", |b| {
+            let _ = auth_oracle::check_auth(b);
+        }),
         ("store_proto_decode", |b| {
             let _ = store_proto_oracle::check_frame(b);
         }),
