@@ -960,7 +960,9 @@ impl Cluster {
     fn wait_for_prefill(spec: &ClusterSpec, addr: &str) -> Result<(), kvferry::node::NodeError> {
         // Registration runs in the background; decode asks only once
         // every prefill rank is listed, so no request waits for a retry.
-        let client = kvferry::bootstrap::BootstrapClient::new(addr)?;
+        // Keyed like the nodes (`node_config`).
+        let key = kvferry::auth::ClusterKey::from_env()?;
+        let client = kvferry::bootstrap::BootstrapClient::new(addr)?.with_key(key);
         let policy = kvferry::bootstrap::RetryPolicy {
             deadline: std::time::Duration::from_secs(10),
             ..kvferry::bootstrap::RetryPolicy::default()
