@@ -2,7 +2,8 @@
 # The cost of authentication (docs/security.md, docs/performance.md
 # "Authentication"): `kvferry demo` with and without a cluster key,
 # alternating run by run with one binary, in two shapes: the default demo,
-# and 256 small requests in flight over tcp. Prints each shape's median
+# 256 small requests in flight over tcp, and one small request at a time
+# over tcp (its p50 is the latency authentication adds to a request). Prints each shape's median
 # throughput and p50 latency per setting and their ratio.
 #
 #   bash scripts/bench-auth.sh [ROUNDS]    (default 7)
@@ -18,8 +19,10 @@ chmod 600 "$dir/key"
 default=(demo --json)
 small=(demo --json --transport tcp --concurrency 256 --requests 50000 --layers 1 --heads 1
   --head-bytes 64 --block-tokens 16 --blocks-per-request 1)
+one=(demo --json --transport tcp --concurrency 1 --requests 3000 --layers 1 --heads 1
+  --head-bytes 64 --block-tokens 16 --blocks-per-request 1)
 for r in $(seq "$rounds"); do
-  for shape in default small; do
+  for shape in default small one; do
     declare -n args="$shape"
     # Alternate which setting goes first, so drift favours neither.
     order=(off on)
@@ -37,7 +40,7 @@ python3 - "$dir" "$rounds" <<'PY'
 import json, statistics, sys
 d, rounds = sys.argv[1], int(sys.argv[2])
 print(f"{'shape':8} {'auth':4} {'req/s (median)':>15} {'p50 ms':>8} {'failed':>6}")
-for shape in ("default", "small"):
+for shape in ("default", "small", "one"):
     med = {}
     for auth in ("off", "on"):
         runs = [json.load(open(f"{d}/{shape}.{auth}.{r}.json")) for r in range(1, rounds + 1)]
