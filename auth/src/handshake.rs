@@ -81,9 +81,10 @@ impl Initiator {
     }
 
     /// Checks the target's CHALLENGE; returns the PROOF to send and the
-    /// connection's session.
+    /// connection's session. A CHALLENGE that fails leaves the handshake
+    /// as it was (a stale or forged one may come before the real one).
     pub fn handle_challenge(
-        self,
+        &self,
         challenge: &[u8],
     ) -> Result<([u8; PROOF_LEN], Session), AuthError> {
         if challenge.len() != CHALLENGE_LEN || challenge[0] != VERSION || challenge[1..8] != [0; 7]

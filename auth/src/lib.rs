@@ -14,7 +14,10 @@
 //! * [`request`]: one-shot HTTP requests (the bootstrap service): a tag over
 //!   method, target, body, a timestamp and a nonce, checked against a
 //!   clock-skew window and a bounded replay cache.
-//! * [`Rejects`]: what every surface counts when it refuses a peer.
+//! * [`limits`]: per-address budgets, so one address's flood cannot take
+//!   what the others need.
+//! * [`Rejects`]: what every surface counts when it refuses a peer or
+//!   limits one.
 //!
 //! The primitives are HMAC-SHA-256 (RustCrypto `hmac` + `sha2`), constant
 //! time comparisons (`subtle`, through `hmac`'s `verify`) and the OS's
@@ -29,6 +32,7 @@ mod mac;
 mod rejects;
 
 pub mod handshake;
+pub mod limits;
 pub mod request;
 pub mod seal;
 

@@ -48,10 +48,12 @@ impl Surface {
     }
 }
 
-/// Refusals per surface. Shared (`Arc`) by the servers of one process.
+/// Refusals and limited requests per surface. Shared (`Arc`) by the
+/// servers of one process.
 #[derive(Debug, Default)]
 pub struct Rejects {
     counts: [AtomicU64; 5],
+    limited: [AtomicU64; 5],
 }
 
 impl Rejects {
@@ -68,5 +70,16 @@ impl Rejects {
     /// `(surface, refusals)` for every surface.
     pub fn snapshot(&self) -> [(Surface, u64); 5] {
         Surface::ALL.map(|s| (s, self.get(s)))
+    }
+
+    /// Counts one request or connection turned away on `surface` for
+    /// exceeding its address's budget.
+    pub fn count_limited(&self, surface: Surface) {
+        self.limited[surface.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests or connections limited on `surface` so far.
+    pub fn limited(&self, surface: Surface) -> u64 {
+        self.limited[surface.index()].load(Ordering::Relaxed)
     }
 }

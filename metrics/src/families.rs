@@ -60,15 +60,27 @@ pub fn encode_auth_rejects(
     encoder: &mut DescriptorEncoder,
     rejects: &kvferry_auth::Rejects,
 ) -> Result<(), fmt::Error> {
+    {
+        let mut family = encoder.encode_descriptor(
+            "kvferry_auth_rejected",
+            "Peers and requests refused for failing authentication, by surface.",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (surface, n) in rejects.snapshot() {
+            let labels = [("surface", surface.label())];
+            ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+        }
+    }
     let mut family = encoder.encode_descriptor(
-        "kvferry_auth_rejected",
-        "Peers and requests refused for failing authentication, by surface.",
+        "kvferry_rate_limited",
+        "Requests and connections turned away for exceeding their address's budget, by surface.",
         None,
         prometheus_client::metrics::MetricType::Counter,
     )?;
-    for (surface, n) in rejects.snapshot() {
-        let labels = [("surface", surface.label())];
-        ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+    for s in kvferry_auth::Surface::ALL {
+        let labels = [("surface", s.label())];
+        ConstCounter::new(rejects.limited(s)).encode(family.encode_family(&labels)?)?;
     }
     Ok(())
 }

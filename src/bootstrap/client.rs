@@ -88,7 +88,7 @@ impl ClientError {
         match self {
             ClientError::Unreachable { .. } => true,
             ClientError::Resolve { source, .. } => source.is_retryable(),
-            ClientError::Rejected { status, .. } => *status == 503,
+            ClientError::Rejected { status, .. } => *status == 503 || *status == 429,
             ClientError::BadAddress(_)
             | ClientError::Unauthorized
             | ClientError::BadResponse(_)

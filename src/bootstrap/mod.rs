@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 pub use client::{BootstrapClient, ClientError, RetryPolicy};
 
 pub use kvferry_metrics::http::{MetricsSource, ServerError, METRICS_CONTENT_TYPE};
-pub use server::{BootstrapServer, ServerAuth, ServerConfig};
+pub use server::{BootstrapServer, ServerAuth, ServerConfig, ServerLimits};
 
 /// Milliseconds since the Unix epoch: the clock signed requests carry
 /// (hosts of one cluster keep theirs in step, as for any TLS deployment).

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use kvferry_auth::limits::{Budget, PeerBudget};
 use kvferry_auth::request::Verifier;
 use kvferry_auth::{AuthError, ClusterKey, Rejects, Surface};
 
@@ -39,6 +40,39 @@ pub struct ServerConfig {
     /// Where refused requests are counted (shared with the node that
     /// embeds the service, so its `/metrics` shows them).
     pub rejects: Arc<Rejects>,
+    /// Per-address budgets: of requests served, and (apart, so a flood
+    /// of bad requests from an address never locks out its good ones) of
+    /// refusals answered. Past either, a request gets 429, counted in
+    /// `kvferry_rate_limited_total{surface="bootstrap"}`.
+    pub limits: ServerLimits,
+}
+
+/// The bootstrap service's per-address budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Requests served per address (registrations, queries, scrapes).
+    pub requests: Budget,
+    /// Requests refused for failing authentication per address.
+    pub refusals: Budget,
+}
+
+impl Default for ServerLimits {
+    /// A rank registers once and a decode rank queries once per prefill
+    /// engine it meets: a thousand a second from one host is a runaway.
+    fn default() -> Self {
+        ServerLimits {
+            requests: Budget {
+                per_second: 1000,
+                burst: 10_000,
+                max_addrs: 4096,
+            },
+            refusals: Budget {
+                per_second: 10,
+                burst: 100,
+                max_addrs: 4096,
+            },
+        }
+    }
 }
 
 /// How the service authenticates its requests.
@@ -77,6 +111,7 @@ impl Default for ServerConfig {
             workers: 2,
             auth: None,
             rejects: Arc::default(),
+            limits: ServerLimits::default(),
         }
     }
 }
@@ -84,6 +119,10 @@ impl Default for ServerConfig {
 struct Shared {
     registry: Mutex<Registry>,
     verifier: Mutex<Verifier>,
+    /// `(requests, refusals)` budgets per address.
+    budgets: Mutex<(PeerBudget, PeerBudget)>,
+    /// The budgets' clock.
+    started: std::time::Instant,
     metrics: Option<MetricsSource>,
     config: ServerConfig,
 }
@@ -117,6 +156,11 @@ impl BootstrapServer {
         let stopping = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             registry: Mutex::new(Registry::new(config.registry)),
+            budgets: Mutex::new((
+                PeerBudget::new(config.limits.requests),
+                PeerBudget::new(config.limits.refusals),
+            )),
+            started: std::time::Instant::now(),
             verifier: Mutex::new(Verifier::new(
                 config
                     .auth
@@ -213,6 +257,14 @@ fn handle(mut request: Request, shared: &Shared) {
     };
     if let Err(reply) = authenticate(&request, &url, &body, shared) {
         return respond(request, &method, path, reply);
+    }
+    if !within_budget(&request, shared, |b| &mut b.0) {
+        return respond(
+            request,
+            &method,
+            path,
+            HttpReply::error(429, "too many requests".into()),
+        );
     }
     let reply = match (&method, path) {
         (Method::Post, "/register") => register(&body, shared),
@@ -330,6 +382,10 @@ fn authenticate(
     let verdict =
         lock(&shared.verifier).verify(&auth.key, super::unix_ms(), method, url, body, header);
     verdict.map_err(|err| {
+        if !within_budget(request, shared, |b| &mut b.1) {
+            // Past the address's refusals: turned away without a log line.
+            return HttpReply::error(429, "too many requests".into());
+        }
         shared.config.rejects.count(Surface::Bootstrap);
         let peer = request
             .remote_addr()
@@ -341,6 +397,24 @@ fn authenticate(
             _ => HttpReply::error(401, "unauthorized".into()),
         }
     })
+}
+
+/// Takes one unit of `request`'s address from the budget `which` picks;
+/// false (counted) when it is spent.
+fn within_budget(
+    request: &Request,
+    shared: &Shared,
+    which: impl FnOnce(&mut (PeerBudget, PeerBudget)) -> &mut PeerBudget,
+) -> bool {
+    let Some(ip) = request.remote_addr().map(|a| a.ip()) else {
+        return true;
+    };
+    let now_ms = shared.started.elapsed().as_millis() as u64;
+    let allowed = which(&mut lock(&shared.budgets)).allow(now_ms, ip);
+    if !allowed {
+        shared.config.rejects.count_limited(Surface::Bootstrap);
+    }
+    allowed
 }
 
 fn register(body: &[u8], shared: &Shared) -> HttpReply {

@@ -881,6 +881,12 @@ impl Node {
         self.inner.shared.counters.auth.get(surface)
     }
 
+    /// Requests and connections turned away on `surface` for exceeding
+    /// their address's budget (`kvferry_rate_limited_total`).
+    pub fn rate_limited(&self, surface: kvferry_auth::Surface) -> u64 {
+        self.inner.shared.counters.auth.limited(surface)
+    }
+
     /// Where `/metrics` and `/health` are served (`NodeConfig::metrics_listen`).
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
         let m = lock(&self.inner.metrics_server);

@@ -49,6 +49,10 @@ pub struct ServeConfig {
     pub max_values: usize,
     /// Most engine connections served at once; more are closed at once.
     pub max_connections: usize,
+    /// Most connections served at once from one address, so one host
+    /// cannot take every slot (counted in
+    /// `kvferry_rate_limited_total{surface="store"}` when it tries).
+    pub max_connections_per_addr: usize,
     /// The longest budget a request may ask for.
     pub budget_max: Duration,
     /// A connection with no request for this long is closed (its engine
@@ -74,6 +78,7 @@ impl Default for ServeConfig {
             tcp: kvferry_store::internal::proto::data_plane(),
             max_values: 1 << 22,
             max_connections: 256,
+            max_connections_per_addr: 64,
             budget_max: Duration::from_secs(60),
             idle_max: Duration::from_secs(600),
             core: None,
@@ -288,6 +293,12 @@ impl StoreServer {
         self.rejects.get(surface)
     }
 
+    /// Connections turned away on `surface` for exceeding their address's
+    /// share.
+    pub fn rate_limited(&self, surface: Surface) -> u64 {
+        self.rejects.limited(surface)
+    }
+
     /// Serves until the process ends.
     pub fn wait(mut self) {
         if let Some(j) = self.join.take() {
@@ -313,11 +324,12 @@ fn validate(cfg: &ServeConfig) -> Result<(), ServeError> {
         return bad("capacity_bytes must be positive and addressable");
     }
     if cfg.max_connections == 0
+        || cfg.max_connections_per_addr == 0
         || cfg.max_values == 0
         || cfg.budget_max.is_zero()
         || cfg.idle_max.is_zero()
     {
-        return bad("max_connections, max_values, budget_max and idle_max must be positive");
+        return bad("max_connections (also per address), max_values, budget_max and idle_max must be positive");
     }
     if cfg.key.is_none() && !cfg.listen.ip().is_loopback() && !cfg.allow_unauthenticated_remote {
         return Err(ServeError::Config(format!(
@@ -385,6 +397,10 @@ struct Server {
     budget_max: Duration,
     idle_max: Duration,
     max_connections: usize,
+    max_connections_per_addr: usize,
+    /// Connections open now per address (entries only while above 0:
+    /// at most `max_connections` of them).
+    per_addr: RefCell<std::collections::HashMap<std::net::IpAddr, usize>>,
     /// The cluster key control connections must prove.
     key: Option<ClusterKey>,
     /// Where refusals are counted (shared with the data plane).
@@ -415,11 +431,43 @@ impl Server {
             budget_max: cfg.budget_max,
             idle_max: cfg.idle_max,
             max_connections: cfg.max_connections,
+            max_connections_per_addr: cfg.max_connections_per_addr,
+            per_addr: RefCell::default(),
             key: cfg.key.clone(),
             rejects: Arc::clone(&cfg.tcp.rejects),
             conns: RefCell::new(slab::Slab::new()),
             stopping: std::cell::Cell::new(false),
         })
+    }
+
+    /// Counts a new connection against its address's share; `None`
+    /// (counted, the connection dropped) when the address holds its
+    /// share already.
+    fn admit(&self, stream: &TcpStream) -> Option<Option<std::net::IpAddr>> {
+        let Ok(ip) = stream.peer_addr().map(|a| a.ip()) else {
+            return Some(None);
+        };
+        let mut per_addr = self.per_addr.borrow_mut();
+        let n = per_addr.entry(ip).or_insert(0);
+        if *n >= self.max_connections_per_addr {
+            tracing::warn!(%ip, "store server: this address holds its share of connections; one more refused");
+            self.rejects.count_limited(Surface::Store);
+            return None;
+        }
+        *n += 1;
+        Some(Some(ip))
+    }
+
+    /// Gives a closed connection's share back to its address.
+    fn release(&self, addr: Option<std::net::IpAddr>) {
+        let Some(ip) = addr else { return };
+        let mut per_addr = self.per_addr.borrow_mut();
+        if let Some(n) = per_addr.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                per_addr.remove(&ip);
+            }
+        }
     }
 
     fn base(&self) -> u64 {
@@ -475,6 +523,9 @@ async fn accept_loop(server: Rc<Server>, listener: TcpListener) {
             tracing::warn!("store server: {open} connections open; one more refused");
             continue;
         }
+        let Some(addr) = server.admit(&stream) else {
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         ServerCounters::add(&server.counters.connections, 1);
         let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
@@ -483,6 +534,7 @@ async fn accept_loop(server: Rc<Server>, listener: TcpListener) {
         glommio::spawn_local(async move {
             Conn::new(&s, &stream).serve(&s, stream).await;
             s.conns.borrow_mut().remove(slot);
+            s.release(addr);
             s.counters.connections.fetch_sub(1, Ordering::Relaxed);
         })
         .detach();

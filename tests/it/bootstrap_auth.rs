@@ -6,10 +6,11 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use kvferry::auth::limits::Budget;
 use kvferry::auth::{request, ClusterKey, Rejects, Surface};
 use kvferry::bootstrap::{
     BootstrapClient, BootstrapServer, ClientError, RegisterRequest, RetryPolicy, ServerAuth,
-    ServerConfig,
+    ServerConfig, ServerLimits,
 };
 
 fn key(byte: u8) -> ClusterKey {
@@ -195,4 +196,46 @@ fn clients_sign_and_an_unkeyed_client_fails_at_once() {
         Some("tcp://127.0.0.1:5001"),
         "the forged address landed"
     );
+}
+
+#[test]
+fn a_flood_of_bad_requests_is_limited_apart_from_the_good_ones() {
+    let rejects = Arc::new(Rejects::default());
+    let budget = |burst| Budget {
+        per_second: 1,
+        burst,
+        max_addrs: 16,
+    };
+    let config = ServerConfig {
+        auth: Some(ServerAuth::new(key(1))),
+        rejects: rejects.clone(),
+        limits: ServerLimits {
+            requests: budget(5),
+            refusals: budget(3),
+        },
+        ..ServerConfig::default()
+    };
+    let server = BootstrapServer::start_with("127.0.0.1:0", config, None).unwrap();
+    let body = serde_json::to_vec(&worker("tcp://10.6.6.6:1")).unwrap();
+    let statuses: Vec<u16> = (0..10)
+        .map(|_| raw(&server, "POST", "/register", &body, None))
+        .collect();
+    assert_eq!(statuses, [401, 401, 401, 429, 429, 429, 429, 429, 429, 429]);
+    assert_eq!(rejects.get(Surface::Bootstrap), 3);
+    assert_eq!(rejects.limited(Surface::Bootstrap), 7);
+    // The same address's signed requests have their own budget.
+    let keyed = BootstrapClient::new(&server.local_addr().to_string())
+        .unwrap()
+        .with_key(Some(key(1)));
+    for _ in 0..5 {
+        keyed.query(None).expect("within the address's budget");
+    }
+    let e = keyed.query(None).unwrap_err();
+    assert!(
+        matches!(e, ClientError::Rejected { status: 429, .. }),
+        "{e}"
+    );
+    assert!(e.is_retryable());
+    assert_eq!(rejects.limited(Surface::Bootstrap), 8);
+    assert_eq!(server.registered(), 0);
 }

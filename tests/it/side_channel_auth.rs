@@ -102,6 +102,19 @@ fn strangers_frames_are_refused_and_counted() {
         .unwrap();
     until("a frame after a bad proof", || rejected(&prefill.node) == 5);
 
+    // A flood of HELLOs past the rank's budget (4096 at once) is dropped
+    // and counted; the handshakes it holds are bounded by max_peers. A
+    // decode rank whose HELLO was dropped says it again at its next probe.
+    for _ in 0..10_000 {
+        let i = Initiator::new(&ours, "kvferry side channel").unwrap();
+        dealer
+            .send([&b"KVFA\x01"[..], i.hello()].concat(), 0)
+            .unwrap();
+    }
+    until("the HELLOs past the budget", || {
+        prefill.node.rate_limited(Surface::SideChannel) >= 1
+    });
+
     // The prefill rank serves its cluster as before.
     let decode = rank(Role::Decode, "decode", key);
     let target = PrefillTarget::Direct {

@@ -22,6 +22,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use kvferry_auth::handshake::{Initiator, Responder};
+use kvferry_auth::limits::{Budget, PeerBudget};
 use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
 use kvferry_auth::{AuthError, ClusterKey, Surface};
 
@@ -44,6 +45,10 @@ pub(super) enum Gate {
     Waiting {
         init: Initiator,
         queue: VecDeque<Vec<u8>>,
+        /// When the HELLO went out: one unanswered for a probe period
+        /// (lost, or dropped by a prefill rank past its HELLO budget) is
+        /// said again.
+        since: std::time::Instant,
     },
     /// Authenticated: frames are sealed and opened.
     Sealed { seal: Sealer, open: Opener },
@@ -120,15 +125,47 @@ pub(super) fn handshake_message(payload: &[u8]) -> Option<(u8, &[u8])> {
 /// Prefill's ROUTER side: identities part way through a handshake, and
 /// authenticated identities that have no slot yet. Each table holds at
 /// most `max` entries, the oldest evicted first.
-#[derive(Default)]
 pub(super) struct RouterGates {
+    /// HELLOs answered, all peers together (ZeroMQ does not say who sent
+    /// a frame): past it a HELLO is dropped and counted as limited. The
+    /// handshakes of peers that proved the key are not touched.
+    hellos: PeerBudget,
+    started: std::time::Instant,
     responders: HashMap<Vec<u8>, Responder>,
     responder_order: VecDeque<Vec<u8>>,
     sessions: HashMap<Vec<u8>, Gate>,
     session_order: VecDeque<Vec<u8>>,
 }
 
+impl Default for RouterGates {
+    fn default() -> Self {
+        RouterGates {
+            hellos: PeerBudget::new(HELLO_BUDGET),
+            started: std::time::Instant::now(),
+            responders: HashMap::new(),
+            responder_order: VecDeque::new(),
+            sessions: HashMap::new(),
+            session_order: VecDeque::new(),
+        }
+    }
+}
+
+/// HELLOs a prefill rank answers: a connection of each decode rank of a
+/// large cluster reconnecting at once fits the burst.
+const HELLO_BUDGET: Budget = Budget {
+    per_second: 1000,
+    burst: 4096,
+    max_addrs: 1,
+};
+
 impl RouterGates {
+    /// Takes one HELLO from the budget; false when it is spent.
+    fn allow_hello(&mut self) -> bool {
+        let now_ms = self.started.elapsed().as_millis() as u64;
+        self.hellos
+            .allow(now_ms, std::net::Ipv4Addr::UNSPECIFIED.into())
+    }
+
     /// The authenticated gate of `identity`, taken to be kept in its new
     /// slot.
     pub(super) fn take_session(&mut self, identity: &[u8]) -> Option<Gate> {
@@ -180,6 +217,7 @@ impl Bridge {
                 Gate::Waiting {
                     init,
                     queue: VecDeque::new(),
+                    since: std::time::Instant::now(),
                 }
             }
             Err(_) => {
@@ -187,6 +225,7 @@ impl Bridge {
                 Gate::Waiting {
                     init: Initiator::with_nonce(key, CONTEXT, [0; 32]),
                     queue: VecDeque::new(),
+                    since: std::time::Instant::now(),
                 }
             }
         }
@@ -214,6 +253,18 @@ impl Bridge {
         slot.gate = gate;
     }
 
+    /// Decode, on a probe: says HELLO again on dealer `i` if its last one
+    /// went unanswered for `period`.
+    pub(super) fn rehello_if_unanswered(&mut self, i: u32, period: std::time::Duration) {
+        let stale = matches!(
+            self.slots.get(i as usize).map(|s| &s.gate),
+            Some(Gate::Waiting { since, .. }) if since.elapsed() >= period
+        );
+        if stale {
+            self.rekey_dealer(i);
+        }
+    }
+
     /// Decode: a handshake message on dealer `i`.
     pub(super) fn dealer_handshake(&mut self, i: u32, step: u8, body: &[u8]) {
         let Some(slot) = self.slots.get_mut(i as usize) else {
@@ -222,21 +273,25 @@ impl Bridge {
         if step != 2 || !matches!(slot.gate, Gate::Waiting { .. }) {
             return self.auth_reject("an unexpected handshake message from a prefill peer");
         }
-        let Gate::Waiting { init, queue } = std::mem::replace(&mut slot.gate, Gate::Plain) else {
+        let Gate::Waiting { init, .. } = &slot.gate else {
             unreachable!("matched above")
         };
         let (proof, session) = match init.handle_challenge(body) {
             Ok(r) => r,
             Err(e) => {
-                tracing::error!(peer = i, %e, "a prefill peer did not prove the cluster key");
-                self.rekey_dealer(i);
+                // A stale CHALLENGE (for a HELLO said again) fails too;
+                // the handshake waits on for the right one.
+                tracing::warn!(peer = i, %e, "a prefill peer's challenge does not verify");
                 return self.auth_reject("a prefill peer's challenge failed");
             }
+        };
+        let Gate::Waiting { queue, .. } = std::mem::replace(&mut slot.gate, Gate::sealed(session))
+        else {
+            unreachable!("matched above")
         };
         if let Route::Dealer(socket) = &slot.route {
             let _ = socket.send(message(3, &proof), zmq::DONTWAIT);
         }
-        slot.gate = Gate::sealed(session);
         for bytes in queue {
             self.send_bytes(i, bytes);
         }
@@ -249,6 +304,12 @@ impl Bridge {
         };
         let max = self.shared.config.max_peers;
         match step {
+            1 if !self.router_gates.allow_hello() => {
+                self.shared
+                    .counters
+                    .auth
+                    .count_limited(Surface::SideChannel);
+            }
             1 => match Responder::new(&key, CONTEXT, body) {
                 Ok(resp) => {
                     let challenge = message(2, resp.challenge());
@@ -370,6 +431,7 @@ mod tests {
         let mut gate = Gate::Waiting {
             init: Initiator::new(&key, CONTEXT).unwrap(),
             queue: VecDeque::new(),
+            since: std::time::Instant::now(),
         };
         for _ in 0..QUEUE_MAX {
             assert!(matches!(gate.outgoing(vec![1]), Outgoing::Held));

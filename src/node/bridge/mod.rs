@@ -927,6 +927,9 @@ impl Bridge {
                 if !(self.slots[i].ready && live) {
                     self.reresolve(i, probe);
                 }
+                if probe {
+                    self.rehello_if_unanswered(i as u32, self.probe.period);
+                }
                 // A dealer whose name was never resolved has nowhere to send.
                 let connected = !self.slots[i].connected.is_empty();
                 let frame = match (&hello, self.slots[i].ready && live) {

@@ -104,3 +104,33 @@ fn without_a_key_the_server_listens_on_loopback_only() {
     })
     .expect("keyed");
 }
+
+#[test]
+fn one_address_cannot_take_every_connection() {
+    let mut cfg = ServeConfig {
+        capacity_bytes: 1 << 20,
+        key: Some(key_of(1)),
+        max_connections_per_addr: 2,
+        ..ServeConfig::default()
+    };
+    cfg.tcp.rejects = Arc::new(Rejects::default());
+    let srv = StoreServer::start(cfg).unwrap();
+    // Two silent connections hold this address's share.
+    let held: Vec<_> = (0..2)
+        .map(|_| std::net::TcpStream::connect(srv.local_addr()).unwrap())
+        .collect();
+    let mut third = std::net::TcpStream::connect(srv.local_addr()).unwrap();
+    let mut rest = Vec::new();
+    let _ = third.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "the third connection is closed unanswered");
+    assert_eq!(srv.rate_limited(Surface::Store), 1);
+    // Once one closes, an engine holding the key is served.
+    drop(held);
+    let mut owner = engine(&srv, Some(key_of(1)));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // The server sees the closes when its tasks next run: retried within a bound.
+    while owner.exists(&[key("k")], far()).is_err() {
+        assert!(std::time::Instant::now() < deadline, "never served");
+    }
+    assert_eq!(owner.exists(&[key("k")], far()).unwrap(), [false]);
+}
