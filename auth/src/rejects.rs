@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// A place a node, a bootstrap service or a store server authenticates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Surface {
-    /// The bootstrap service's `/register`, `/query` (and `/metrics` when
-    /// it is authenticated).
+    /// The HTTP endpoints: the bootstrap service's `/register` and
+    /// `/query`, and `/metrics` where it is authenticated (a node's
+    /// `metrics_listen` too).
     Bootstrap,
     /// The ZeroMQ side channel.
     SideChannel,

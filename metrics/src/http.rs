@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use kvferry_auth::request::Verifier;
+
 /// Renders the metrics for `GET /metrics`.
 pub type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
 
@@ -45,6 +47,43 @@ pub enum ServerError {
     Spawn(#[from] std::io::Error),
 }
 
+/// What `GET /metrics` requires when it is authenticated: a request signed
+/// with the cluster key ([`kvferry_auth::request`]); `/health` stays open.
+/// A refusal (401) counts on `surface`.
+pub struct ScrapeAuth {
+    /// The cluster key.
+    pub key: kvferry_auth::ClusterKey,
+    /// Where refusals are counted.
+    pub rejects: Arc<kvferry_auth::Rejects>,
+    /// Which surface they count on.
+    pub surface: kvferry_auth::Surface,
+}
+
+impl ScrapeAuth {
+    /// Whether `request` is signed, checked at the wall clock.
+    fn allows(&self, request: &tiny_http::Request, verifier: &mut Verifier) -> bool {
+        let header = request
+            .headers()
+            .iter()
+            .find(|h| h.field.equiv(kvferry_auth::request::HEADER))
+            .map(|h| h.value.as_str());
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let ok = verifier
+            .verify(&self.key, now_ms, "GET", request.url(), b"", header)
+            .is_ok();
+        if !ok {
+            self.rejects.count(self.surface);
+        }
+        ok
+    }
+}
+
+/// Signatures a metrics endpoint remembers (a scrape every few seconds
+/// fits many times over in a 30 s window).
+const SCRAPES_REMEMBERED: usize = 4096;
+
 /// A running metrics endpoint; dropping it stops and joins its thread.
 pub struct MetricsServer {
     server: Arc<tiny_http::Server>,
@@ -56,13 +95,23 @@ pub struct MetricsServer {
 impl MetricsServer {
     /// Serves `source` on `addr` (port 0: any free port).
     pub fn start(addr: &str, source: MetricsSource) -> Result<MetricsServer, ServerError> {
+        Self::start_with(addr, source, None)
+    }
+
+    /// [`MetricsServer::start`], `/metrics` only to signed requests when
+    /// `auth` is set.
+    pub fn start_with(
+        addr: &str,
+        source: MetricsSource,
+        auth: Option<ScrapeAuth>,
+    ) -> Result<MetricsServer, ServerError> {
         let (server, local_addr) = bind(addr)?;
         let server = Arc::new(server);
         let stopping = Arc::new(AtomicBool::new(false));
         let (s, stop) = (server.clone(), stopping.clone());
         let thread = std::thread::Builder::new()
             .name("kvferry-metrics".into())
-            .spawn(move || serve(&s, &stop, &source))?;
+            .spawn(move || serve(&s, &stop, &source, auth.as_ref()))?;
         tracing::info!(addr = %local_addr, "metrics endpoint listening");
         Ok(MetricsServer {
             server,
@@ -88,13 +137,23 @@ impl Drop for MetricsServer {
     }
 }
 
-fn serve(server: &tiny_http::Server, stopping: &AtomicBool, source: &MetricsSource) {
+fn serve(
+    server: &tiny_http::Server,
+    stopping: &AtomicBool,
+    source: &MetricsSource,
+    auth: Option<&ScrapeAuth>,
+) {
+    let mut verifier = Verifier::new(30_000, SCRAPES_REMEMBERED);
     while !stopping.load(Ordering::SeqCst) {
         let Ok(request) = server.recv() else {
             // tiny_http reports `unblock` as an interrupted error.
             continue;
         };
+        let mut allowed = || auth.is_none_or(|a| a.allows(&request, &mut verifier));
         let (status, body, content_type) = match (request.method(), request.url()) {
+            (tiny_http::Method::Get, "/metrics") if !allowed() => {
+                (401, "unauthorized\n".to_string(), "text/plain")
+            }
             (tiny_http::Method::Get, "/metrics") => (200, source(), METRICS_CONTENT_TYPE),
             (tiny_http::Method::Get, "/health") => (200, "ok\n".to_string(), "text/plain"),
             _ => (404, "not found\n".to_string(), "text/plain"),

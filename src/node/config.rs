@@ -140,6 +140,10 @@ pub struct NodeConfig {
     /// Listen beyond loopback without a cluster key: anyone who reaches
     /// the node's ports is trusted (`--insecure`). Logged at start.
     pub allow_unauthenticated_remote: bool,
+    /// With a cluster key, serve `/metrics` (on `metrics_listen` and the
+    /// embedded bootstrap service) only to requests signed with it;
+    /// otherwise (the default) to anyone, as Prometheus scrapes.
+    pub authenticate_metrics: bool,
     /// Serve this node's `/metrics` and `/health` on this address
     /// (`host:port`, port 0 picks a free one; see [`Node::metrics_addr`](super::Node::metrics_addr)).
     pub metrics_listen: Option<String>,
@@ -355,6 +359,7 @@ impl NodeConfig {
             cluster_key_file: None,
             cluster_key_previous_file: None,
             allow_unauthenticated_remote: false,
+            authenticate_metrics: false,
             timeouts: Timeouts::default(),
             resolve_timeout: crate::resolve::DEFAULT_RESOLVE_TIMEOUT,
             probe_interval: None,

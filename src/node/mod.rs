@@ -254,6 +254,13 @@ fn cluster_key(
         let previous = config.cluster_key_previous_file.as_deref();
         let key = kvferry_auth::ClusterKey::load(path, previous)?;
         tracing::info!(ids = ?key, "authenticating peers with the cluster key");
+        if config.transport == TransportKind::Mooncake {
+            tracing::warn!(
+                "transport mooncake: Mooncake's engine does not authenticate each transfer; \
+                 the bootstrap service and the side channel are authenticated, its data plane \
+                 is not (docs/security.md)"
+            );
+        }
         return Ok(Some(key));
     }
     let remote = [
@@ -368,7 +375,15 @@ fn start_servers(
             _ => None,
         };
     let metrics_server = match &config.metrics_listen {
-        Some(addr) => Some(crate::stats::MetricsServer::start(addr, source)?),
+        Some(addr) => {
+            let auth = shared.key.clone().filter(|_| config.authenticate_metrics);
+            let auth = auth.map(|key| kvferry_metrics::http::ScrapeAuth {
+                key,
+                rejects: shared.counters.auth.clone(),
+                surface: kvferry_auth::Surface::Bootstrap,
+            });
+            Some(crate::stats::MetricsServer::start_with(addr, source, auth)?)
+        }
         None => None,
     };
     Ok((bootstrap_server, metrics_server))

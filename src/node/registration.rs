@@ -22,7 +22,10 @@ impl EmbeddedBootstrap {
         shared: &Shared,
     ) -> Result<EmbeddedBootstrap, NodeError> {
         let config = ServerConfig {
-            auth: shared.key.clone().map(ServerAuth::new),
+            auth: shared.key.clone().map(|key| ServerAuth {
+                open_metrics: !shared.config.authenticate_metrics,
+                ..ServerAuth::new(key)
+            }),
             rejects: shared.counters.auth.clone(),
             ..ServerConfig::default()
         };

@@ -71,6 +71,8 @@ pub struct NodeSettings {
     pub cluster_key_previous_file: Option<String>,
     /// [`NodeConfig::allow_unauthenticated_remote`].
     pub allow_unauthenticated_remote: Option<bool>,
+    /// [`NodeConfig::authenticate_metrics`].
+    pub authenticate_metrics: Option<bool>,
     /// `Timeouts::bootstrap_timeout`.
     pub bootstrap_timeout_ms: Option<u64>,
     /// `Timeouts::waiting_timeout`.
@@ -350,6 +352,7 @@ impl NodeSettings {
                 .as_ref()
                 .map(|p| p.display().to_string()),
             allow_unauthenticated_remote: Some(c.allow_unauthenticated_remote),
+            authenticate_metrics: Some(c.authenticate_metrics),
             ..NodeSettings::default()
         }
     }
@@ -437,6 +440,7 @@ impl NodeSettings {
             &mut c.allow_unauthenticated_remote,
             self.allow_unauthenticated_remote,
         );
+        set(&mut c.authenticate_metrics, self.authenticate_metrics);
     }
 
     fn apply_timeouts(&self, c: &mut NodeConfig) {
@@ -548,6 +552,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("cluster_key_file", Kind::Text),
     ("cluster_key_previous_file", Kind::Text),
     ("allow_unauthenticated_remote", Kind::Flag),
+    ("authenticate_metrics", Kind::Flag),
     ("bootstrap_timeout_ms", Kind::Number),
     ("waiting_timeout_ms", Kind::Number),
     ("claim_timeout_ms", Kind::Number),

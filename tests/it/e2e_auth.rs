@@ -176,3 +176,27 @@ fn without_a_key_a_node_listens_on_loopback_only() {
     };
     assert!(e.to_string().contains("16 bytes"), "{e}");
 }
+
+#[test]
+fn metrics_can_require_the_key() {
+    let key = key_file("metrics", 11);
+    let mut c = config(Role::Decode, "metrics", Some(key.clone()));
+    c.metrics_listen = Some("127.0.0.1:0".into());
+    c.authenticate_metrics = true;
+    let node = Node::start(c).unwrap();
+    let addr = node.metrics_addr().unwrap().to_string();
+    let plain = kvferry::bootstrap::BootstrapClient::new(&addr).unwrap();
+    let e = plain.metrics_text().unwrap_err();
+    assert!(
+        matches!(e, kvferry::bootstrap::ClientError::Unauthorized),
+        "{e}"
+    );
+    plain.health().expect("/health stays open");
+    let signed = plain.with_key(Some(kvferry::auth::ClusterKey::load(&key, None).unwrap()));
+    let text = signed.metrics_text().expect("a signed scrape");
+    assert!(
+        text.contains("kvferry_auth_rejected_total{surface=\"bootstrap\"} 1"),
+        "{text}"
+    );
+    node.shutdown(Duration::ZERO);
+}
