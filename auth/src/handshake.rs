@@ -286,6 +286,32 @@ mod tests {
     }
 
     #[test]
+    fn payload_tags_bind_the_bytes_to_their_frame() {
+        let (mut i, t) = handshake(&key(1), &key(1)).unwrap();
+        let f1 = i.seal.seal(&[b"header 1"]);
+        let f2 = i.seal.seal(&[b"header 2"]);
+        let pieces: [&[u8]; 2] = [b"kv bytes ", b"of two blocks"];
+        let tag = i.seal.payload_tag(&f1, pieces);
+        assert_eq!(t.open.check_payload(&f1, pieces, &tag), Ok(()));
+        assert_eq!(
+            t.open.check_payload(&f2, pieces, &tag),
+            Err(AuthError::BadTag),
+            "another frame"
+        );
+        let changed: [&[u8]; 2] = [b"kv bytes ", b"of two blockz"];
+        assert_eq!(
+            t.open.check_payload(&f1, changed, &tag),
+            Err(AuthError::BadTag)
+        );
+        let regrouped: [&[u8]; 2] = [b"kv bytes of", b" two blocks"];
+        assert_eq!(
+            t.open.check_payload(&f1, regrouped, &tag),
+            Ok(()),
+            "one stream"
+        );
+    }
+
+    #[test]
     fn wrong_key_fails_both_ways() {
         // A target with another key that claims the initiator's key id:
         // its proof does not verify.

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
-use kvferry::auth::{ClusterKey, Rejects, KEY_FILE_ENV};
+use kvferry::auth::{ClusterKey, Rejects};
 use kvferry::bootstrap::{BootstrapServer, MetricsSource, ServerAuth, ServerConfig, DEFAULT_PORT};
 use kvferry::stats::MetricsServer;
 
@@ -64,12 +64,6 @@ pub(crate) fn main(a: &BootstrapArgs) -> ExitCode {
 fn start(a: &BootstrapArgs) -> Result<(BootstrapServer, Option<MetricsServer>), String> {
     let key = ClusterKey::from_env().map_err(|e| e.to_string())?;
     let rejects = Arc::new(Rejects::default());
-    if key.is_none() && !a.insecure && !is_loopback(&a.listen)? {
-        return Err(format!(
-            "listening on {} without a cluster key: set {KEY_FILE_ENV}, or pass --insecure",
-            a.listen
-        ));
-    }
     let r = Arc::clone(&rejects);
     let source: MetricsSource = Arc::new(move || {
         let r = Arc::clone(&r);
@@ -77,6 +71,7 @@ fn start(a: &BootstrapArgs) -> Result<(BootstrapServer, Option<MetricsServer>), 
     });
     let config = ServerConfig {
         auth: key.map(ServerAuth::new),
+        allow_unauthenticated_remote: a.insecure,
         rejects,
         ..ServerConfig::default()
     };
@@ -87,15 +82,6 @@ fn start(a: &BootstrapArgs) -> Result<(BootstrapServer, Option<MetricsServer>), 
         None => None,
     };
     Ok((server, metrics))
-}
-
-/// Whether `HOST:PORT`'s host is a loopback address.
-fn is_loopback(listen: &str) -> Result<bool, String> {
-    let hp = kvferry::resolve::HostPort::parse(listen).map_err(|e| e.to_string())?;
-    let ip = kvferry::resolve::Resolver::default()
-        .resolve_host(&hp.host())
-        .map_err(|e| e.to_string())?;
-    Ok(ip.is_loopback())
 }
 
 /// SIGINT and SIGTERM, blocked in this thread (and so in every thread it

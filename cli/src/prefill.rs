@@ -108,7 +108,7 @@ impl RankArgs {
         c.listen = self.listen.clone();
         c.metrics_listen = self.metrics_listen.clone();
         c.allow_unauthenticated_remote = self.insecure;
-        c.with_key_files_from_env()
+        c.with_auth_from_env()
     }
 }
 

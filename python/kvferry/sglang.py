@@ -30,7 +30,6 @@ import inspect
 import json
 import logging
 import os
-import urllib.request
 from typing import Any, List, Optional
 
 import numpy as np
@@ -47,7 +46,7 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import kvferry
-from kvferry import Phase
+from kvferry import Phase, _native
 
 logger = logging.getLogger(__name__)
 
@@ -304,11 +303,11 @@ class KvferryKVManager(BaseKVManager):
         service (SGLang retries a False once a second, 15 times)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
-        url = f"http://{bootstrap_addr}/query?engine_id={ENGINE_ID}"
+        # Signed with the cluster key, when there is one (docs/security.md).
         try:
-            with urllib.request.urlopen(url, timeout=QUERY_TIMEOUT_S) as reply:
-                ranks = json.loads(reply.read())
-        except (OSError, ValueError):
+            ranks = json.loads(_native._query_bootstrap(bootstrap_addr, ENGINE_ID, QUERY_TIMEOUT_S))
+        except (kvferry.TransportError, kvferry.MisuseError, ValueError) as e:
+            logger.debug("bootstrap query at %s: %s", bootstrap_addr, e)
             return False
         if not ranks:
             return False

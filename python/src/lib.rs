@@ -588,12 +588,29 @@ struct BootstrapServer {
 
 #[pymethods]
 impl BootstrapServer {
-    /// Serves on `addr` (`host:port`; port 0 picks one).
+    /// Serves on `addr` (`host:port`; port 0 picks one), with the cluster
+    /// key of `KVFERRY_CLUSTER_KEY_FILE`; without one on loopback only,
+    /// unless `KVFERRY_ALLOW_UNAUTHENTICATED_REMOTE` says otherwise.
     #[new]
     fn new(py: Python<'_>, addr: &str) -> PyResult<BootstrapServer> {
+        let key = kvferry::auth::ClusterKey::from_env().map_err(|e| misuse(e.to_string()))?;
+        let allow = NodeSettings::from_env()
+            .map_err(|e| misuse(e.to_string()))?
+            .allow_unauthenticated_remote
+            .unwrap_or(false);
+        let config = kvferry::bootstrap::ServerConfig {
+            auth: key.map(kvferry::bootstrap::ServerAuth::new),
+            allow_unauthenticated_remote: allow,
+            ..Default::default()
+        };
         let server = py
-            .detach(|| kvferry::bootstrap::BootstrapServer::start(addr))
-            .map_err(|e| TransportError::new_err(e.to_string()))?;
+            .detach(|| kvferry::bootstrap::BootstrapServer::start_with(addr, config, None))
+            .map_err(|e| match e {
+                e @ kvferry::bootstrap::ServerError::UnauthenticatedRemote { .. } => {
+                    misuse(e.to_string())
+                }
+                e => TransportError::new_err(e.to_string()),
+            })?;
         let addr = server.local_addr().to_string();
         Ok(BootstrapServer {
             server: std::sync::Mutex::new(Some(server)),
@@ -631,6 +648,28 @@ fn _share_pages(addr: u64, length: u64) -> PyResult<i64> {
     Ok(fd.map_or(-1, |fd| i64::from(fd.into_raw_fd())))
 }
 
+/// The ranks of `engine_id` at the bootstrap service `addr`, as the JSON
+/// of `GET /query` (one attempt, bounded by `timeout_s`), the request
+/// signed with the cluster key of `KVFERRY_CLUSTER_KEY_FILE` when set.
+#[pyfunction]
+fn _query_bootstrap(
+    py: Python<'_>,
+    addr: &str,
+    engine_id: &str,
+    timeout_s: f64,
+) -> PyResult<String> {
+    let timeout = seconds("timeout_s", timeout_s)?;
+    let key = kvferry::auth::ClusterKey::from_env().map_err(|e| misuse(e.to_string()))?;
+    let client = kvferry::bootstrap::BootstrapClient::new(addr)
+        .map_err(|e| misuse(e.to_string()))?
+        .with_io_timeout(timeout)
+        .with_key(key);
+    let ranks = py
+        .detach(|| client.query(Some(engine_id)))
+        .map_err(|e| TransportError::new_err(e.to_string()))?;
+    Ok(serde_json::to_string(&ranks).expect("ranks serialize"))
+}
+
 /// Bytes this process copied through peers' shared memory so far.
 #[pyfunction]
 fn _shm_copied_bytes() -> u64 {
@@ -664,6 +703,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(_share_pages, m)?)?;
     m.add_function(wrap_pyfunction!(_shm_copied_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(_query_bootstrap, m)?)?;
     m.add_function(wrap_pyfunction!(logs::_next_logs, m)?)?;
     m.add_function(wrap_pyfunction!(logs::_wake_logs, m)?)?;
     logs::install();

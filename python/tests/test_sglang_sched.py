@@ -30,7 +30,14 @@ PROMPT = list(range(11, 21))  # 10 tokens: two whole pages and a partial one
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(tmp_path_factory):
+    # These engines hold a cluster key (docs/security.md): SGLang's decode
+    # queries the bootstrap service signed, and every kvferry surface
+    # between them authenticates. The variable stays set while they run.
+    key = tmp_path_factory.mktemp("key") / "cluster.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    os.environ["KVFERRY_CLUSTER_KEY_FILE"] = str(key)
     # Shared memory is opt-in for SGLang: these engines share their KV pool.
     os.environ["KVFERRY_SHARED_MEMORY"] = "1"
     try:
@@ -39,6 +46,7 @@ def pair():
         del os.environ["KVFERRY_SHARED_MEMORY"]
     yield p
     p.close()
+    del os.environ["KVFERRY_CLUSTER_KEY_FILE"]
 
 
 def check_moved(pair, rid, n_tokens, first_token):
@@ -55,6 +63,16 @@ def test_sglangs_own_plugin_loading_makes_the_mooncake_backend_kvferrys(pair):
     assert isinstance(decode, kvferry.sglang.KvferryKVManager)
     assert type(pair.bootstrap) is kvferry.sglang.KvferryKVBootstrapServer
     assert sglang_sched.CUDA_SUBSTITUTIONS, "the substituted CUDA calls are named"
+
+
+def test_the_keyed_bootstrap_service_refuses_an_unsigned_query(pair):
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{pair.bootstrap.server.addr}/query?engine_id=sglang"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=5)
+    assert refused.value.code == 401
 
 
 def test_sglangs_scheduler_start_builds_no_mooncake_engine_for_kvferry(pair):

@@ -35,8 +35,12 @@ pub struct ServerConfig {
     /// request per rank), so two keep a slow client from blocking others.
     pub workers: usize,
     /// Authenticate requests with a cluster key; `None`: anyone who
-    /// reaches the port is trusted (loopback only, by the node's rule).
+    /// reaches the port is trusted, so the service listens on loopback
+    /// only unless `allow_unauthenticated_remote`.
     pub auth: Option<ServerAuth>,
+    /// Listen beyond loopback without a key (anyone who reaches the port
+    /// may register ranks and redirect decode ranks).
+    pub allow_unauthenticated_remote: bool,
     /// Where refused requests are counted (shared with the node that
     /// embeds the service, so its `/metrics` shows them).
     pub rejects: Arc<Rejects>,
@@ -110,6 +114,7 @@ impl Default for ServerConfig {
             registry: RegistryLimits::default(),
             workers: 2,
             auth: None,
+            allow_unauthenticated_remote: false,
             rejects: Arc::default(),
             limits: ServerLimits::default(),
         }
@@ -152,6 +157,13 @@ impl BootstrapServer {
         metrics: Option<MetricsSource>,
     ) -> Result<BootstrapServer, ServerError> {
         let (server, local_addr) = bind(addr)?;
+        let remote = !local_addr.ip().is_loopback();
+        if remote && config.auth.is_none() {
+            if !config.allow_unauthenticated_remote {
+                return Err(ServerError::UnauthenticatedRemote { addr: local_addr });
+            }
+            tracing::warn!(addr = %local_addr, "bootstrap service beyond loopback without a cluster key: anyone who reaches it is trusted");
+        }
         let server = Arc::new(server);
         let stopping = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {

@@ -144,6 +144,11 @@ pub struct NodeConfig {
     /// embedded bootstrap service) only to requests signed with it;
     /// otherwise (the default) to anyone, as Prometheus scrapes.
     pub authenticate_metrics: bool,
+    /// With a cluster key, tag every tcp data frame's payload too
+    /// (`TcpConfig::payload_mac`): bytes changed in flight fail their
+    /// request instead of landing unnoticed. Off by default (its cost:
+    /// docs/performance.md, "Authentication").
+    pub payload_mac: bool,
     /// Serve this node's `/metrics` and `/health` on this address
     /// (`host:port`, port 0 picks a free one; see [`Node::metrics_addr`](super::Node::metrics_addr)).
     pub metrics_listen: Option<String>,
@@ -240,15 +245,19 @@ pub struct NodeConfig {
 
 impl NodeConfig {
     /// This config with the cluster key's files named by
-    /// `KVFERRY_CLUSTER_KEY_FILE` and `KVFERRY_CLUSTER_KEY_PREVIOUS_FILE`,
-    /// when set (what every `kvferry` command does).
-    pub fn with_key_files_from_env(mut self) -> NodeConfig {
+    /// `KVFERRY_CLUSTER_KEY_FILE` and `KVFERRY_CLUSTER_KEY_PREVIOUS_FILE`
+    /// and with `payload_mac` from `KVFERRY_PAYLOAD_MAC` (`1` or `true`),
+    /// when set: what every `kvferry` command does.
+    pub fn with_auth_from_env(mut self) -> NodeConfig {
         let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
         if let Some(f) = var(kvferry_auth::KEY_FILE_ENV) {
             self.cluster_key_file = Some(f.into());
         }
         if let Some(f) = var(kvferry_auth::PREVIOUS_KEY_FILE_ENV) {
             self.cluster_key_previous_file = Some(f.into());
+        }
+        if let Some(v) = var("KVFERRY_PAYLOAD_MAC") {
+            self.payload_mac = v == "1" || v == "true";
         }
         self
     }
@@ -360,6 +369,7 @@ impl NodeConfig {
             cluster_key_previous_file: None,
             allow_unauthenticated_remote: false,
             authenticate_metrics: false,
+            payload_mac: false,
             timeouts: Timeouts::default(),
             resolve_timeout: crate::resolve::DEFAULT_RESOLVE_TIMEOUT,
             probe_interval: None,

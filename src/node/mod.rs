@@ -263,15 +263,9 @@ fn cluster_key(
         }
         return Ok(Some(key));
     }
-    let remote = [
-        ("side channel and data plane", Some(bind_ip.to_string())),
-        ("bootstrap service", config.serve_bootstrap.clone()),
-    ];
-    for (what, addr) in remote {
-        let Some(addr) = addr else { continue };
-        if is_loopback(config, &addr)? {
-            continue;
-        }
+    // The embedded bootstrap service keeps the same rule itself.
+    if !bind_ip.is_loopback() {
+        let (what, addr) = ("side channel and data plane", bind_ip.to_string());
         if !config.allow_unauthenticated_remote {
             return Err(Misuse::UnauthenticatedRemote { what, addr }.into());
         }
@@ -282,19 +276,6 @@ fn cluster_key(
         );
     }
     Ok(None)
-}
-
-/// Whether `addr` (an IP, `host`, or `host:port`) is a loopback address.
-fn is_loopback(config: &NodeConfig, addr: &str) -> Result<bool, NodeError> {
-    let host = match crate::resolve::HostPort::parse(addr) {
-        Ok(hp) => hp.host(),
-        Err(_) => addr.to_string(),
-    };
-    let ip = config
-        .resolver()
-        .resolve_host(&host)
-        .map_err(|source| NodeError::from(DataPlaneError::BadHost { host, source }))?;
-    Ok(ip.is_loopback())
 }
 
 /// The state the engine threads, the executor and the bridge share.

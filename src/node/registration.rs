@@ -26,6 +26,7 @@ impl EmbeddedBootstrap {
                 open_metrics: !shared.config.authenticate_metrics,
                 ..ServerAuth::new(key)
             }),
+            allow_unauthenticated_remote: shared.config.allow_unauthenticated_remote,
             rejects: shared.counters.auth.clone(),
             ..ServerConfig::default()
         };

@@ -73,6 +73,8 @@ pub struct NodeSettings {
     pub allow_unauthenticated_remote: Option<bool>,
     /// [`NodeConfig::authenticate_metrics`].
     pub authenticate_metrics: Option<bool>,
+    /// [`NodeConfig::payload_mac`].
+    pub payload_mac: Option<bool>,
     /// `Timeouts::bootstrap_timeout`.
     pub bootstrap_timeout_ms: Option<u64>,
     /// `Timeouts::waiting_timeout`.
@@ -353,6 +355,7 @@ impl NodeSettings {
                 .map(|p| p.display().to_string()),
             allow_unauthenticated_remote: Some(c.allow_unauthenticated_remote),
             authenticate_metrics: Some(c.authenticate_metrics),
+            payload_mac: Some(c.payload_mac),
             ..NodeSettings::default()
         }
     }
@@ -441,6 +444,7 @@ impl NodeSettings {
             self.allow_unauthenticated_remote,
         );
         set(&mut c.authenticate_metrics, self.authenticate_metrics);
+        set(&mut c.payload_mac, self.payload_mac);
     }
 
     fn apply_timeouts(&self, c: &mut NodeConfig) {
@@ -553,6 +557,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("cluster_key_previous_file", Kind::Text),
     ("allow_unauthenticated_remote", Kind::Flag),
     ("authenticate_metrics", Kind::Flag),
+    ("payload_mac", Kind::Flag),
     ("bootstrap_timeout_ms", Kind::Number),
     ("waiting_timeout_ms", Kind::Number),
     ("claim_timeout_ms", Kind::Number),

@@ -851,7 +851,7 @@ fn node_config(
         c.reactor.poll_policy = kvferry::reactor::PollPolicy::Spin { spin };
     }
     // `kvferry demo` and the soak run keyed when the environment names a key.
-    c.with_key_files_from_env()
+    c.with_auth_from_env()
 }
 
 /// Request positions reserved per KV-cache group by

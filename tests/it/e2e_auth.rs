@@ -139,6 +139,7 @@ fn kv_moves_only_between_ranks_holding_the_key() {
 fn without_a_key_a_node_listens_on_loopback_only() {
     let refused = |c: NodeConfig| match Node::start(c) {
         Err(NodeError::Misuse(Misuse::UnauthenticatedRemote { .. })) => true,
+        Err(NodeError::Http(kvferry::bootstrap::ServerError::UnauthenticatedRemote { .. })) => true,
         Err(e) => panic!("another error: {e}"),
         Ok(_) => false,
     };

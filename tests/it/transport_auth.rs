@@ -377,3 +377,57 @@ fn tampered_replayed_and_transplanted_frames_are_refused() {
         );
     });
 }
+
+#[test]
+fn payload_tags_catch_bytes_changed_in_flight() {
+    block_on(async {
+        for payload_mac in [false, true] {
+            let (tr, ir) = (Arc::new(Rejects::default()), Arc::new(Rejects::default()));
+            let target = bind(Some(key(1)), &tr);
+            let kv = Kv::new(&target);
+            let proxy = Proxy::start(target.local_addr());
+            let initiator = TcpTransport::bind(
+                "127.0.0.1:0".parse().unwrap(),
+                TcpConfig {
+                    payload_mac,
+                    ..config(Some(key(1)), &ir)
+                },
+            )
+            .unwrap();
+            let src = Src::new(&initiator, &[0x5A, 0x6B, 0x00]);
+            let s = initiator
+                .open(&EndpointAddr::Tcp(proxy.addr))
+                .await
+                .unwrap();
+            // One byte inside the first WRITE's payload, on the wire.
+            let payload = HANDSHAKE + REGIONS + wire::SEALED_HEADER_LEN + wire::ENTRY_LEN;
+            proxy.edit(Edit::Flip {
+                conn: 0,
+                at: payload + 100,
+            });
+            let r = s.transfer(Op::Write, &[src.write_of(0x5A, &kv)]).await;
+            if payload_mac {
+                r.expect_err("a payload changed in flight fails its frame");
+                assert_eq!(tr.get(Surface::DataPlane), 1, "counted");
+            } else {
+                // Without payload tags the header's tag covers where the
+                // bytes go and how many, not the bytes.
+                r.expect("lands");
+                assert!(!kv.holds(0x5A) && tr.get(Surface::DataPlane) == 0);
+            }
+            // Tagged both ways: a clean WRITE lands and a READ brings the
+            // window back byte for byte.
+            s.transfer(Op::Write, &[src.write_of(0x6B, &kv)])
+                .await
+                .unwrap();
+            assert!(kv.holds(0x6B));
+            let back = src.write_of(0x00, &kv);
+            s.transfer(Op::Read, &[back]).await.unwrap();
+            let b = &src.bufs[2];
+            assert!(
+                b.iter().all(|&x| x == 0x6B),
+                "payload_mac {payload_mac}: READ back"
+            );
+        }
+    });
+}

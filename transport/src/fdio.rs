@@ -38,6 +38,9 @@ pub(crate) struct Conn {
     pub seal: Option<kvferry_auth::seal::Sealer>,
     /// Opens the headers the peer sends, likewise.
     pub open: Option<kvferry_auth::seal::Opener>,
+    /// Payloads carry a tag too (`TcpConfig::payload_mac`, agreed in the
+    /// handshake).
+    pub payload_mac: bool,
 }
 
 impl Conn {
@@ -51,6 +54,7 @@ impl Conn {
             fd,
             seal: None,
             open: None,
+            payload_mac: false,
         }
     }
 

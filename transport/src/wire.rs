@@ -57,10 +57,14 @@
 //! bytes, what the receiver reads before acting on the frame (a request's
 //! descriptor table, a NOTIFY's or a SHM hello's bytes, a REGIONS or SHM
 //! answer's body) and the frame's number on the connection. Payload bytes
-//! are covered through the sealed table: where they go and how many. A
-//! keyed target refuses any other first frame (`Unauthenticated`) and
-//! closes the connection; a target without a key refuses AUTH as an
-//! unknown opcode, and a keyed initiator then refuses the peer.
+//! are covered through the sealed table: where they go and how many, and,
+//! when payload tags were agreed (`count` 1 in the initiator's first AUTH
+//! request or in the target's answer: on when either side asks), by a
+//! 16-byte tag after each WRITE payload and READ answer payload, over the
+//! bytes and the frame's own tag. A keyed target refuses any other first
+//! frame (`Unauthenticated`) and closes the connection; a target without
+//! a key refuses AUTH as an unknown opcode, and a keyed initiator then
+//! refuses the peer.
 
 use std::fmt;
 

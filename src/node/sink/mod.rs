@@ -134,6 +134,7 @@ fn tcp_transport(shared: &Shared, shm: ShmMode) -> Result<AnyTransport, DataPlan
         device: config.device.clone(),
         key: shared.key.clone(),
         rejects: shared.counters.auth.clone(),
+        payload_mac: config.payload_mac,
         ..defaults
     };
     // `Node::start` resolved the host: no lookup on the executor.

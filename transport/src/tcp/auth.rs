@@ -6,8 +6,8 @@
 //! a connection slot no longer than that.
 
 use kvferry_auth::handshake::{Initiator, Responder, CHALLENGE_LEN, HELLO_LEN, PROOF_LEN};
-use kvferry_auth::seal::{Opener, Sealer};
-use kvferry_auth::{AuthError, ClusterKey, Rejects, Surface};
+use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
+use kvferry_auth::{AuthError, ClusterKey, Surface};
 
 use super::inbuf::InBuf;
 use super::protocol;
@@ -45,6 +45,44 @@ impl Head {
     pub(super) fn bytes(&self) -> &[u8] {
         &self.bytes[..self.len]
     }
+
+    /// The header's tag (empty when not sealed).
+    pub(super) fn tag(&self) -> &[u8] {
+        &self.bytes[wire::HEADER_LEN.min(self.len)..self.len]
+    }
+}
+
+/// The tag of a payload in registered memory `ranges`, made by `seal`
+/// for the frame whose own tag is `frame_tag`.
+pub(super) fn payload_tag(
+    seal: &Option<Sealer>,
+    frame_tag: &[u8],
+    ranges: impl Iterator<Item = (u64, u64)>,
+) -> [u8; TAG_LEN] {
+    let Some(seal) = seal else {
+        return [0; TAG_LEN];
+    };
+    // SAFETY: every range is registered memory the caller holds pinned
+    // (or its own staging buffer) for the frame's send or receive.
+    let pieces =
+        ranges.map(|(a, l)| unsafe { std::slice::from_raw_parts(a as *const u8, l as usize) });
+    seal.payload_tag(frame_tag, pieces)
+}
+
+/// Checks the tag of a payload that landed in `ranges` ([`payload_tag`]).
+pub(super) fn check_payload(
+    open: &Option<Opener>,
+    frame_tag: &[u8],
+    ranges: impl Iterator<Item = (u64, u64)>,
+    tag: &[u8],
+) -> Result<(), AuthError> {
+    let Some(open) = open else {
+        return Err(AuthError::Missing);
+    };
+    // SAFETY: as in `payload_tag`: pinned registered memory, just written.
+    let pieces =
+        ranges.map(|(a, l)| unsafe { std::slice::from_raw_parts(a as *const u8, l as usize) });
+    open.check_payload(frame_tag, pieces, tag)
 }
 
 /// A header as read from a connection, kept until its frame's body is
@@ -70,6 +108,11 @@ impl Raw {
 
     pub(super) fn buf(&mut self) -> &mut [u8] {
         &mut self.bytes[..self.len]
+    }
+
+    /// The header's tag (empty when not sealed).
+    pub(super) fn tag(&self) -> &[u8] {
+        &self.bytes[wire::HEADER_LEN.min(self.len)..self.len]
     }
 
     /// The header's fields (its tag unchecked yet).
@@ -98,15 +141,19 @@ impl Raw {
 pub(super) async fn initiate(
     conn: &mut Conn,
     key: &ClusterKey,
-    rejects: &Rejects,
-    poll: PollPolicy,
+    config: &super::TcpConfig,
 ) -> Result<(), TransportError> {
+    let (rejects, poll) = (&config.rejects, config.poll);
     let refused = |why: &'static str| {
         rejects.count(Surface::DataPlane);
         TransportError::from(PeerError::Unauthenticated(why))
     };
     let init = Initiator::new(key, CONTEXT).map_err(|_| protocol("no randomness for a nonce"))?;
-    let h = auth_header(0, HELLO_LEN);
+    // `count` 1: this side asks for payload tags.
+    let h = Header {
+        count: u32::from(config.payload_mac),
+        ..auth_header(0, HELLO_LEN)
+    };
     send(conn, &h, init.hello()).await?;
     let mut ab = [0u8; wire::HEADER_LEN];
     let mut v = [iov(ab.as_mut_ptr() as u64, ab.len() as u64)];
@@ -119,7 +166,7 @@ pub(super) async fn initiate(
             "the peer does not authenticate (it has no cluster key)",
         ));
     }
-    if a.payload_len != CHALLENGE_LEN as u64 {
+    if a.payload_len != CHALLENGE_LEN as u64 || a.count > 1 {
         return Err(protocol("AUTH answer of a bad size"));
     }
     let mut challenge = [0u8; CHALLENGE_LEN];
@@ -133,6 +180,7 @@ pub(super) async fn initiate(
     send(conn, &auth_header(1, PROOF_LEN), &proof).await?;
     conn.seal = Some(session.seal);
     conn.open = Some(session.open);
+    conn.payload_mac = a.count == 1;
     Ok(())
 }
 
@@ -142,9 +190,10 @@ pub(super) async fn respond(
     conn: &mut Conn,
     inbuf: &mut InBuf,
     key: &ClusterKey,
-    rejects: &Rejects,
+    config: &super::TcpConfig,
     poll: PollPolicy,
 ) -> Result<(), TransportError> {
+    let rejects = &config.rejects;
     let refuse = |why: &'static str| {
         rejects.count(Surface::DataPlane);
         protocol(why)
@@ -167,8 +216,11 @@ pub(super) async fn respond(
             return Err(refuse("a peer holds none of the cluster keys"));
         }
     };
+    // Payload tags when either side asks for them.
+    let payload_mac = h.count == 1 || config.payload_mac;
     let answer = Header {
         opcode: wire::OP_AUTH,
+        count: u32::from(payload_mac),
         payload_len: CHALLENGE_LEN as u64,
         ..Header::default()
     };
@@ -182,6 +234,7 @@ pub(super) async fn respond(
         .map_err(|_| refuse("a peer's proof of the cluster key failed"))?;
     conn.seal = Some(session.seal);
     conn.open = Some(session.open);
+    conn.payload_mac = payload_mac;
     Ok(())
 }
 
@@ -205,7 +258,7 @@ async fn read_auth(
     };
     let fits = h.opcode == wire::OP_AUTH
         && h.status == wire::STATUS_OK
-        && h.count == 0
+        && h.count <= u32::from(step == 0)
         && h.detail == step
         && h.payload_len == body.len() as u64;
     if !fits {

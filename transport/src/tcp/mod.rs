@@ -85,6 +85,14 @@ pub struct TcpConfig {
     pub key: Option<kvferry_auth::ClusterKey>,
     /// Where refused peers are counted (`surface="data_plane"`).
     pub rejects: Arc<kvferry_auth::Rejects>,
+    /// With a key, also tag every data frame's payload (its bulk bytes,
+    /// which a header's tag covers only through where they go and how
+    /// many), so bytes changed in flight are detected: the frame fails and
+    /// the connection closes (the bytes landed; the request fails). On for
+    /// a connection when either side asks. Off by default: each byte is
+    /// read once more on both sides (docs/performance.md,
+    /// "Authentication"). Not with device memory at the target.
+    pub payload_mac: bool,
     /// How device bytes pass through pinned host buffers on their way to
     /// and from sockets.
     pub staging: StagingConfig,
@@ -147,6 +155,7 @@ impl Default for TcpConfig {
             device: None,
             key: None,
             rejects: Arc::default(),
+            payload_mac: false,
             staging: StagingConfig::default(),
         }
     }

@@ -15,7 +15,7 @@ use glommio::sync::Semaphore;
 
 mod staged;
 
-use kvferry_auth::seal::{Opener, Sealer};
+use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
 
 use super::auth::{self, Head, Raw};
 use super::plan::{plan, FrameSpec, Plan};
@@ -127,8 +127,7 @@ impl SessionInner {
             let _ = stream.set_nodelay(true);
             let mut conn = Conn::new(stream);
             if let Some(key) = &self.config.key {
-                let exchange =
-                    auth::initiate(&mut conn, key, &self.config.rejects, self.config.poll);
+                let exchange = auth::initiate(&mut conn, key, &self.config);
                 within(timeout, exchange).await?;
             }
             *slot = Some(conn);
@@ -661,10 +660,16 @@ impl SessionInner {
         let fence = self.fence.borrow().clone();
         let run = StreamRun::new(plan, stream, trailer, fence, self.config.poll, conn.fd);
         let Conn {
-            rd, wr, seal, open, ..
+            rd,
+            wr,
+            seal,
+            open,
+            payload_mac,
+            ..
         } = &mut conn;
-        let sent = run.send(wr, seal);
-        let (_, delivered) = futures::future::try_join(sent, run.recv(rd, open)).await?;
+        let sent = run.send(wr, seal, *payload_mac);
+        let received = run.recv(rd, open, *payload_mac);
+        let (_, delivered) = futures::future::try_join(sent, received).await?;
         *slot = Some(conn);
         Ok(delivered)
     }
@@ -757,9 +762,12 @@ impl<'p> StreamRun<'p> {
         &self,
         wr: &mut WriteHalf<TcpStream>,
         seal: &mut Option<Sealer>,
+        payload_mac: bool,
     ) -> Result<(), TransportError> {
         let mut head: Vec<u8> = Vec::new();
         let mut tail: Vec<u8> = Vec::new();
+        // A WRITE's payload tag, when payloads are tagged.
+        let mut ptag: Option<[u8; TAG_LEN]> = None;
         let mut iovs: Vec<libc::iovec> = Vec::new();
         for (i, (n, f)) in self.frames().enumerate() {
             self.credit
@@ -767,7 +775,8 @@ impl<'p> StreamRun<'p> {
                 .await
                 .map_err(|_| protocol("credit semaphore closed"))?;
             let bufs = (&mut head, &mut tail, &mut iovs);
-            self.frame_iovs(n, f, i + 1 == self.frames_here, seal, bufs);
+            let tagged = payload_mac.then_some(&mut ptag);
+            self.frame_iovs(n, f, i + 1 == self.frames_here, seal, tagged, bufs);
             let guard = Guard::new(self.fence.as_deref());
             let local = local_check(&guard, self.descs(f));
             let check: Option<&dyn Fn() -> bool> = match self.s.op {
@@ -791,6 +800,7 @@ impl<'p> StreamRun<'p> {
         f: &FrameSpec,
         last: bool,
         seal: &mut Option<Sealer>,
+        ptag: Option<&mut Option<[u8; TAG_LEN]>>,
         (head, tail, iovs): (&mut Vec<u8>, &mut Vec<u8>, &mut Vec<libc::iovec>),
     ) {
         let op = self.s.op;
@@ -820,6 +830,11 @@ impl<'p> StreamRun<'p> {
         iovs.push(iov(head.as_ptr() as u64, head.len() as u64));
         if op == Op::Write {
             iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
+            if let Some(ptag) = ptag {
+                let local = self.descs(f).iter().map(|d| (d.local_addr, d.len_bytes));
+                let tag = ptag.insert(auth::payload_tag(seal, &head[hl - TAG_LEN..hl], local));
+                iovs.push(iov(tag.as_ptr() as u64, tag.len() as u64));
+            }
         }
         if let (Some((t, th)), true) = (&self.trailer, last) {
             tail.clear();
@@ -835,10 +850,11 @@ impl<'p> StreamRun<'p> {
         &self,
         rd: &mut ReadHalf<TcpStream>,
         open: &mut Option<Opener>,
+        payload_mac: bool,
     ) -> Result<bool, TransportError> {
         let mut iovs: Vec<libc::iovec> = Vec::new();
         for (n, f) in self.frames() {
-            self.await_response(rd, open, n, f).await?;
+            let frame_tag = self.await_response(rd, open, n, f).await?;
             if self.s.op == Op::Read {
                 iovs.clear();
                 iovs.extend(self.descs(f).iter().map(|d| iov(d.local_addr, d.len_bytes)));
@@ -847,6 +863,9 @@ impl<'p> StreamRun<'p> {
                 fdio::recv_exact(rd, self.fd, &mut iovs, PollPolicy::Park, Some(&local))
                     .await
                     .map_err(conv("receiving a payload"))?;
+                if payload_mac {
+                    self.check_payload(rd, open, &frame_tag, f).await?;
+                }
             }
             self.credit.signal(self.cost(f));
         }
@@ -868,15 +887,34 @@ impl<'p> StreamRun<'p> {
         }
     }
 
+    /// Reads the tag after a READ's payload and checks it over the bytes
+    /// that landed in local memory.
+    async fn check_payload(
+        &self,
+        rd: &mut ReadHalf<TcpStream>,
+        open: &Option<Opener>,
+        frame_tag: &[u8; TAG_LEN],
+        f: &FrameSpec,
+    ) -> Result<(), TransportError> {
+        let mut tag = [0u8; TAG_LEN];
+        let mut v = [iov(tag.as_mut_ptr() as u64, tag.len() as u64)];
+        fdio::recv_exact(rd, self.fd, &mut v, PollPolicy::Park, None)
+            .await
+            .map_err(conv("reading a payload's tag"))?;
+        let local = self.descs(f).iter().map(|d| (d.local_addr, d.len_bytes));
+        auth::check_payload(open, frame_tag, local, &tag)
+            .map_err(|_| protocol("a READ payload's tag does not verify"))
+    }
+
     /// Reads and checks the response to frame `n` (`f`), up to a READ's
-    /// payload.
+    /// payload; returns the response's tag (zeros when not sealed).
     async fn await_response(
         &self,
         rd: &mut ReadHalf<TcpStream>,
         open: &mut Option<Opener>,
         n: usize,
         f: &FrameSpec,
-    ) -> Result<(), TransportError> {
+    ) -> Result<[u8; TAG_LEN], TransportError> {
         let mut raw = Raw::for_conn(open);
         let hb = raw.buf();
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
@@ -913,7 +951,7 @@ impl<'p> StreamRun<'p> {
             Op::Read if h.payload_len != f.bytes => {
                 Err(protocol("READ response of the wrong length"))
             }
-            _ => Ok(()),
+            _ => Ok(raw.tag().try_into().unwrap_or([0; TAG_LEN])),
         }
     }
 }

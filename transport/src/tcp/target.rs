@@ -10,7 +10,7 @@ use std::time::Duration;
 use glommio::net::{TcpListener, TcpStream};
 use slab::Slab;
 
-use kvferry_auth::seal::Sealer;
+use kvferry_auth::seal::{Sealer, TAG_LEN};
 use kvferry_auth::{ClusterKey, Surface};
 
 use super::auth::{self, Head, Raw};
@@ -220,7 +220,7 @@ impl<'a> Served<'a> {
     /// `connect_timeout`.
     async fn authenticate(&mut self, key: &ClusterKey) -> Result<(), TransportError> {
         let config = &self.target.config;
-        let exchange = auth::respond(self.conn, &mut self.inbuf, key, &config.rejects, self.poll);
+        let exchange = auth::respond(self.conn, &mut self.inbuf, key, config, self.poll);
         match crate::within(config.connect_timeout, exchange).await {
             Err(TransportError::Timeout { .. }) => {
                 config.rejects.count(Surface::DataPlane);
@@ -396,6 +396,13 @@ impl<'a> Served<'a> {
                 return Ok(false);
             }
         };
+        if self.conn.payload_mac && pins.touches_device() {
+            drop(pins);
+            let why = "payload tags over device memory are not supported";
+            return Err(self
+                .refuse(h.opcode, h.req_id, RejectReason::BadHeader, why)
+                .await);
+        }
         match (op, self.target.device.clone()) {
             (Op::Write, Some(dev)) if pins.touches_device() => self.receive_staged(h, &dev).await?,
             (Op::Read, Some(dev)) if pins.touches_device() => self.send_staged(h, &dev).await?,
@@ -459,18 +466,15 @@ impl<'a> Served<'a> {
         fault: registry::RangeFault,
     ) -> Result<(), TransportError> {
         if op == Op::Write {
+            // A payload's tag follows it where payloads are tagged.
+            let tag = if self.conn.payload_mac { TAG_LEN } else { 0 };
+            let skip = h.payload_len + tag as u64;
             self.scratch.resize(64 << 10, 0);
-            let buffered = self.inbuf.skip(h.payload_len);
+            let buffered = self.inbuf.skip(skip);
             let Conn { rd, fd, .. } = &mut *self.conn;
-            fdio::discard(
-                rd,
-                *fd,
-                h.payload_len - buffered,
-                &mut self.scratch,
-                self.poll,
-            )
-            .await
-            .map_err(conv("discarding a rejected payload"))?;
+            fdio::discard(rd, *fd, skip - buffered, &mut self.scratch, self.poll)
+                .await
+                .map_err(conv("discarding a rejected payload"))?;
         }
         let reason = match fault {
             registry::RangeFault::Empty => RejectReason::EmptyDescriptor,
@@ -509,8 +513,27 @@ impl<'a> Served<'a> {
         fdio::recv_exact(rd, *fd, &mut self.iovs, PollPolicy::Park, Some(&allowed))
             .await
             .map_err(conv("receiving a payload"))?;
+        if self.conn.payload_mac {
+            self.check_payload().await?;
+        }
         self.answers.hold(&mut self.conn.seal, accept(h, 0));
         Ok(())
+    }
+
+    /// Reads the tag after a WRITE's payload and checks it over the bytes
+    /// that landed: a mismatch (bytes changed in flight) fails the frame
+    /// unanswered, closing the connection, so the peer's batch fails.
+    async fn check_payload(&mut self) -> Result<(), TransportError> {
+        let mut tag = [0u8; TAG_LEN];
+        self.inbuf
+            .read_exact(self.conn, &mut tag, self.poll)
+            .await
+            .map_err(conv("reading a payload's tag"))?;
+        let ranges = self.ranges.iter().copied();
+        auth::check_payload(&self.conn.open, self.raw.tag(), ranges, &tag).map_err(|_| {
+            self.target.config.rejects.count(Surface::DataPlane);
+            protocol("a payload's tag does not verify")
+        })
     }
 
     /// Answers a READ with its header and the frame's (pinned) ranges in
@@ -523,6 +546,12 @@ impl<'a> Served<'a> {
         self.iovs.push(iov(ob.as_ptr() as u64, ob.len() as u64));
         self.iovs
             .extend(self.ranges.iter().map(|&(a, l)| iov(a, l)));
+        let ranges = self.ranges.iter().copied();
+        let tag =
+            (self.conn.payload_mac).then(|| auth::payload_tag(&self.conn.seal, head.tag(), ranges));
+        if let Some(t) = &tag {
+            self.iovs.push(iov(t.as_ptr() as u64, t.len() as u64));
+        }
         let fence = self.target.fence.borrow().clone();
         let guard = Guard::new(fence.as_deref());
         let ranges = &self.ranges;
