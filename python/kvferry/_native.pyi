@@ -23,6 +23,7 @@ __all__ = [
     "SETTING_KEYS",
     "STORE_URLS",
     "_next_logs",
+    "_query_bootstrap",
     "_share_pages",
     "_shm_copied_bytes",
     "_wake_logs",
