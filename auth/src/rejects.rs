@@ -68,11 +68,6 @@ impl Rejects {
         self.counts[surface.index()].load(Ordering::Relaxed)
     }
 
-    /// `(surface, refusals)` for every surface.
-    pub fn snapshot(&self) -> [(Surface, u64); 5] {
-        Surface::ALL.map(|s| (s, self.get(s)))
-    }
-
     /// Counts one request or connection turned away on `surface` for
     /// exceeding its address's budget.
     pub fn count_limited(&self, surface: Surface) {

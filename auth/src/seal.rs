@@ -31,28 +31,19 @@ impl Sealer {
     /// The tag of the next frame, made of `parts` (its header, its table:
     /// whatever the receiver reads before acting on the frame).
     pub fn seal(&mut self, parts: &[&[u8]]) -> [u8; TAG_LEN] {
-        let t = frame_mac(&self.key, self.seq, parts)
-            .finalize()
-            .into_bytes();
-        self.seq += 1;
-        let mut tag = [0u8; TAG_LEN];
-        tag.copy_from_slice(&t[..TAG_LEN]);
-        tag
+        self.seal_numbered(parts).1
     }
-}
 
-impl Sealer {
     /// The number and tag of the next frame, for a channel that may lose
     /// frames (a ZeroMQ socket past its high-water mark): the number
     /// travels with the frame, and [`Opener::open_numbered`] takes any
     /// number above the last it accepted.
     pub fn seal_numbered(&mut self, parts: &[&[u8]]) -> (u64, [u8; TAG_LEN]) {
         let seq = self.seq;
-        (seq, self.seal(parts))
+        self.seq += 1;
+        (seq, truncated(frame_mac(&self.key, seq, parts)))
     }
-}
 
-impl Sealer {
     /// The tag of a frame's payload (optional on a connection: its bulk
     /// bytes, which the frame's own tag covers only through their length):
     /// over the frame's tag, which ties it to that frame, and the payload's
@@ -62,12 +53,7 @@ impl Sealer {
         frame_tag: &[u8],
         pieces: impl IntoIterator<Item = &'a [u8]>,
     ) -> [u8; TAG_LEN] {
-        let t = payload_mac(&self.key, frame_tag, pieces)
-            .finalize()
-            .into_bytes();
-        let mut tag = [0u8; TAG_LEN];
-        tag.copy_from_slice(&t[..TAG_LEN]);
-        tag
+        truncated(payload_mac(&self.key, frame_tag, pieces))
     }
 }
 
@@ -86,16 +72,9 @@ impl Opener {
     /// Checks the next frame's `tag` over `parts`; the frame number
     /// advances only when it verifies.
     pub fn open(&mut self, parts: &[&[u8]], tag: &[u8]) -> Result<(), AuthError> {
-        let m = frame_mac(&self.key, self.seq, parts);
-        if tag.len() != TAG_LEN || m.verify_truncated_left(tag).is_err() {
-            return Err(AuthError::BadTag);
-        }
-        self.seq += 1;
-        Ok(())
+        self.open_numbered(self.seq, parts, tag)
     }
-}
 
-impl Opener {
     /// Checks frame number `seq`'s `tag` over `parts`: the number must be
     /// above every number accepted before (gaps are lost frames; a number
     /// seen before is a replay).
@@ -108,16 +87,11 @@ impl Opener {
         if seq < self.seq {
             return Err(AuthError::Replayed);
         }
-        let m = frame_mac(&self.key, seq, parts);
-        if tag.len() != TAG_LEN || m.verify_truncated_left(tag).is_err() {
-            return Err(AuthError::BadTag);
-        }
+        check(frame_mac(&self.key, seq, parts), tag)?;
         self.seq = seq + 1;
         Ok(())
     }
-}
 
-impl Opener {
     /// Checks a payload's `tag` ([`Sealer::payload_tag`]).
     pub fn check_payload<'a>(
         &self,
@@ -125,12 +99,23 @@ impl Opener {
         pieces: impl IntoIterator<Item = &'a [u8]>,
         tag: &[u8],
     ) -> Result<(), AuthError> {
-        let m = payload_mac(&self.key, frame_tag, pieces);
-        if tag.len() != TAG_LEN || m.verify_truncated_left(tag).is_err() {
-            return Err(AuthError::BadTag);
-        }
-        Ok(())
+        check(payload_mac(&self.key, frame_tag, pieces), tag)
     }
+}
+
+/// A finished MAC, truncated to a tag.
+fn truncated(m: HmacSha256) -> [u8; TAG_LEN] {
+    let mut tag = [0u8; TAG_LEN];
+    tag.copy_from_slice(&m.finalize().into_bytes()[..TAG_LEN]);
+    tag
+}
+
+/// Whether `tag` is the tag of MAC `m`, compared in constant time.
+fn check(m: HmacSha256, tag: &[u8]) -> Result<(), AuthError> {
+    if tag.len() != TAG_LEN || m.verify_truncated_left(tag).is_err() {
+        return Err(AuthError::BadTag);
+    }
+    Ok(())
 }
 
 fn payload_mac<'a>(

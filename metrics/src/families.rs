@@ -53,34 +53,40 @@ pub fn encode_families(
     Ok(())
 }
 
-/// `kvferry_auth_rejected_total{surface}`: the refusals `rejects` counted,
-/// every surface listed (zeros included, so a dashboard sees the family
-/// before the first refusal).
+/// `kvferry_auth_rejected_total{surface}` and
+/// `kvferry_rate_limited_total{surface}`: the refusals and the limited
+/// requests `rejects` counted, every surface listed (zeros included, so a
+/// dashboard sees the families before the first one).
 pub fn encode_auth_rejects(
     encoder: &mut DescriptorEncoder,
     rejects: &kvferry_auth::Rejects,
 ) -> Result<(), fmt::Error> {
-    {
-        let mut family = encoder.encode_descriptor(
+    use kvferry_auth::{Rejects, Surface};
+    /// A family's name, help and count per surface.
+    type AuthFamily = (&'static str, &'static str, fn(&Rejects, Surface) -> u64);
+    let families: [AuthFamily; 2] = [
+        (
             "kvferry_auth_rejected",
             "Peers and requests refused for failing authentication, by surface.",
+            Rejects::get,
+        ),
+        (
+            "kvferry_rate_limited",
+            "Requests and connections turned away for exceeding their address's budget, by surface.",
+            Rejects::limited,
+        ),
+    ];
+    for (name, help, count) in families {
+        let mut family = encoder.encode_descriptor(
+            name,
+            help,
             None,
             prometheus_client::metrics::MetricType::Counter,
         )?;
-        for (surface, n) in rejects.snapshot() {
+        for surface in Surface::ALL {
             let labels = [("surface", surface.label())];
-            ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+            ConstCounter::new(count(rejects, surface)).encode(family.encode_family(&labels)?)?;
         }
-    }
-    let mut family = encoder.encode_descriptor(
-        "kvferry_rate_limited",
-        "Requests and connections turned away for exceeding their address's budget, by surface.",
-        None,
-        prometheus_client::metrics::MetricType::Counter,
-    )?;
-    for s in kvferry_auth::Surface::ALL {
-        let labels = [("surface", s.label())];
-        ConstCounter::new(rejects.limited(s)).encode(family.encode_family(&labels)?)?;
     }
     Ok(())
 }

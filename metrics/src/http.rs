@@ -69,24 +69,40 @@ pub struct ScrapeAuth {
 }
 
 impl ScrapeAuth {
-    /// Whether `request` is signed, checked at the wall clock.
+    /// Whether `request` is signed; a refusal is counted.
     fn allows(&self, request: &tiny_http::Request, verifier: &mut Verifier) -> bool {
-        let header = request
-            .headers()
-            .iter()
-            .find(|h| h.field.equiv(kvferry_auth::request::HEADER))
-            .map(|h| h.value.as_str());
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        let ok = verifier
-            .verify(&self.key, now_ms, "GET", request.url(), b"", header)
-            .is_ok();
+        let ok = verify_signed(verifier, &self.key, request, b"").is_ok();
         if !ok {
             self.rejects.count(self.surface);
         }
         ok
     }
+}
+
+/// Milliseconds since the Unix epoch: the clock signed requests carry
+/// (hosts of one cluster keep theirs in step, as for any TLS deployment).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Checks the signature of `request` (whose body is `body`) against
+/// `key` at the wall clock ([`kvferry_auth::request`]): what every
+/// authenticated HTTP endpoint of kvferry asks of a request.
+pub fn verify_signed(
+    verifier: &mut Verifier,
+    key: &kvferry_auth::ClusterKey,
+    request: &tiny_http::Request,
+    body: &[u8],
+) -> Result<(), kvferry_auth::AuthError> {
+    let header = request
+        .headers()
+        .iter()
+        .find(|h| h.field.equiv(kvferry_auth::request::HEADER))
+        .map(|h| h.value.as_str());
+    let method = request.method().as_str();
+    verifier.verify(key, unix_ms(), method, request.url(), body, header)
 }
 
 /// Signatures a metrics endpoint remembers (a scrape every few seconds

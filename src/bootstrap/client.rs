@@ -342,7 +342,7 @@ impl BootstrapClient {
             self.host
         );
         if let Some(key) = &self.key {
-            let now_ms = super::unix_ms();
+            let now_ms = kvferry_metrics::http::unix_ms();
             let signed = kvferry_auth::request::sign(key, now_ms, method, path, body)
                 .map_err(|e| io(std::io::Error::other(e)))?;
             head.push_str(&format!("{}: {signed}\r\n", kvferry_auth::request::HEADER));

@@ -30,14 +30,6 @@ pub use client::{BootstrapClient, ClientError, RetryPolicy};
 pub use kvferry_metrics::http::{MetricsSource, ServerError, METRICS_CONTENT_TYPE};
 pub use server::{BootstrapServer, ServerAuth, ServerConfig, ServerLimits};
 
-/// Milliseconds since the Unix epoch: the clock signed requests carry
-/// (hosts of one cluster keep theirs in step, as for any TLS deployment).
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 /// Default port of the bootstrap service (the one vLLM uses).
 pub const DEFAULT_PORT: u16 = 8998;
 

@@ -20,7 +20,7 @@ use kvferry_auth::{AuthError, ClusterKey, Rejects, Surface};
 
 use tiny_http::{Header, Method, Request, Response, StatusCode};
 
-use kvferry_metrics::http::{bind, ServerError};
+use kvferry_metrics::http::{bind, verify_signed, ServerError};
 
 use super::{MetricsSource, RegisterError, RegisterRequest, Registry, RegistryLimits};
 
@@ -385,14 +385,7 @@ fn authenticate(
     if open {
         return Ok(());
     }
-    let header = request
-        .headers()
-        .iter()
-        .find(|h| h.field.equiv(kvferry_auth::request::HEADER))
-        .map(|h| h.value.as_str());
-    let method = request.method().as_str();
-    let verdict =
-        lock(&shared.verifier).verify(&auth.key, super::unix_ms(), method, url, body, header);
+    let verdict = verify_signed(&mut lock(&shared.verifier), &auth.key, request, body);
     verdict.map_err(|err| {
         if !within_budget(request, shared, |b| &mut b.1) {
             // Past the address's refusals: turned away without a log line.
@@ -403,6 +396,7 @@ fn authenticate(
             .remote_addr()
             .map(ToString::to_string)
             .unwrap_or_default();
+        let method = request.method();
         tracing::debug!(%err, %peer, %method, url, "bootstrap request not authenticated");
         match err {
             AuthError::Busy => HttpReply::error(503, "busy".into()),

@@ -401,10 +401,6 @@ struct Server {
     /// Connections open now per address (entries only while above 0:
     /// at most `max_connections` of them).
     per_addr: RefCell<std::collections::HashMap<std::net::IpAddr, usize>>,
-    /// The cluster key control connections must prove.
-    key: Option<ClusterKey>,
-    /// Where refusals are counted (shared with the data plane).
-    rejects: Arc<Rejects>,
     /// The sockets of the connections served now.
     conns: RefCell<slab::Slab<std::os::fd::RawFd>>,
     /// Set once the server stops: a failed accept ends the loop.
@@ -433,8 +429,6 @@ impl Server {
             max_connections: cfg.max_connections,
             max_connections_per_addr: cfg.max_connections_per_addr,
             per_addr: RefCell::default(),
-            key: cfg.key.clone(),
-            rejects: Arc::clone(&cfg.tcp.rejects),
             conns: RefCell::new(slab::Slab::new()),
             stopping: std::cell::Cell::new(false),
         })
@@ -451,7 +445,7 @@ impl Server {
         let n = per_addr.entry(ip).or_insert(0);
         if *n >= self.max_connections_per_addr {
             tracing::warn!(%ip, "store server: this address holds its share of connections; one more refused");
-            self.rejects.count_limited(Surface::Store);
+            self.rejects().count_limited(Surface::Store);
             return None;
         }
         *n += 1;
@@ -468,6 +462,18 @@ impl Server {
                 per_addr.remove(&ip);
             }
         }
+    }
+
+    /// The cluster key control connections must prove: the data plane's,
+    /// one key for both.
+    fn key(&self) -> Option<&ClusterKey> {
+        self.transport.config().key.as_ref()
+    }
+
+    /// Where refusals are counted: the data plane's counters, shared with
+    /// the metrics endpoint.
+    fn rejects(&self) -> &Rejects {
+        &self.transport.config().rejects
     }
 
     fn base(&self) -> u64 {
@@ -562,7 +568,7 @@ enum ReadEnd {
 /// The connection's framing: with a key, after the handshake that must
 /// open it (within the connect timeout); `None` when it failed (counted).
 async fn open_channel(server: &Server, stream: &mut TcpStream) -> Option<Channel> {
-    let Some(key) = &server.key else {
+    let Some(key) = server.key() else {
         return Some(Channel::plain());
     };
     let handshake = async { Some(Channel::respond(stream, key).await) };
@@ -574,7 +580,7 @@ async fn open_channel(server: &Server, stream: &mut TcpStream) -> Option<Channel
         Some(Ok(channel)) => Some(channel),
         Some(Err(proto::ReadError::Closed)) => None,
         _ => {
-            server.rejects.count(Surface::Store);
+            server.rejects().count(Surface::Store);
             tracing::warn!("store server: an engine did not authenticate; connection closed");
             None
         }
@@ -611,7 +617,7 @@ impl Conn {
                 Ok(r) => r,
                 Err(ReadEnd::Closed) => return,
                 Err(ReadEnd::Unauthenticated) => {
-                    server.rejects.count(Surface::Store);
+                    server.rejects().count(Surface::Store);
                     tracing::warn!(
                         "store server: a frame's tag does not verify; connection closed"
                     );

@@ -435,8 +435,6 @@ struct Engine {
     regions: Vec<RegionId>,
     server: SocketAddr,
     connect_timeout: Duration,
-    /// The cluster key the control connection proves (the endpoint's).
-    key: Option<kvferry_auth::ClusterKey>,
     /// The control connection and its framing (authenticated when the
     /// endpoint has a cluster key).
     control: Option<(Channel, TcpStream)>,
@@ -454,14 +452,12 @@ impl Engine {
         connect_timeout: Duration,
         round_trips: Arc<AtomicU64>,
     ) -> Engine {
-        let key = transport.config().key.clone();
         Engine {
             transport,
             fence: None,
             regions: Vec::new(),
             server,
             connect_timeout,
-            key,
             control: None,
             next_id: 1,
             round_trips,
@@ -595,7 +591,8 @@ impl Engine {
             .await
             .map_err(|_| CallError::Transport)?;
         let _ = stream.set_nodelay(true);
-        let mut channel = match &self.key {
+        // The control connection proves the endpoint's key.
+        let mut channel = match &self.transport.config().key {
             Some(key) => Channel::initiate(&mut stream, key).await.map_err(|e| {
                 if matches!(e, proto::ReadError::Unauthenticated) {
                     tracing::error!("store: the server did not prove the cluster key");

@@ -14,7 +14,7 @@ use kvferry::TransferId;
 use kvferry_testkit::e2e_timeouts;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
-const MODEL: ModelSpec = ModelSpec {
+pub(crate) const MODEL: ModelSpec = ModelSpec {
     layout: LayoutKind::Hnd,
     total_kv_heads: 2,
     block_tokens: 4,
@@ -22,7 +22,7 @@ const MODEL: ModelSpec = ModelSpec {
 };
 
 /// A key file of `byte`s, readable by its owner only.
-fn key_file(name: &str, byte: u8) -> PathBuf {
+pub(crate) fn key_file(name: &str, byte: u8) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let dir = std::env::temp_dir().join(format!("kvferry-e2e-auth-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -8,28 +8,14 @@ use std::time::{Duration, Instant};
 
 use kvferry::auth::{handshake::Initiator, ClusterKey, Surface};
 use kvferry::machines::internal::common::Mode;
-use kvferry::machines::{LayoutKind, ModelSpec, Phase};
+use kvferry::machines::Phase;
 use kvferry::node::{Node, NodeConfig, PrefillTarget, Role, TransportKind};
 use kvferry::TransferId;
 use kvferry_testkit::e2e_timeouts;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
+use crate::e2e_auth::{key_file, MODEL};
 use crate::proxy::Proxy;
-
-const MODEL: ModelSpec = ModelSpec {
-    layout: LayoutKind::Hnd,
-    total_kv_heads: 2,
-    block_tokens: 4,
-    head_bytes: 64,
-};
-
-fn key_file(byte: u8) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvferry-side-auth-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("key-{byte}"));
-    std::fs::write(&path, [byte; 32]).unwrap();
-    path
-}
 
 fn rank(role: Role, name: &str, key: PathBuf) -> Rank {
     let mut c = NodeConfig::new(role, name);
@@ -58,7 +44,7 @@ fn rejected(n: &Node) -> u64 {
 
 #[test]
 fn strangers_frames_are_refused_and_counted() {
-    let key = key_file(3);
+    let key = key_file("side-3", 3);
     let prefill = rank(Role::Prefill, "prefill", key.clone());
     let addr = prefill.node.side_channel_addr();
     let ctx = zmq::Context::new();
@@ -129,7 +115,7 @@ fn strangers_frames_are_refused_and_counted() {
 
 #[test]
 fn a_reconnected_side_channel_is_authenticated_anew() {
-    let key = key_file(5);
+    let key = key_file("side-5", 5);
     let prefill = rank(Role::Prefill, "prefill", key.clone());
     let side = prefill.node.side_channel_addr();
     let upstream = side.trim_start_matches("tcp://").parse().unwrap();

@@ -19,7 +19,9 @@ use crate::{PeerError, PollPolicy, TransportError};
 /// connection, not a store's or a side channel's.
 const CONTEXT: &str = "kvferry tcp data plane";
 
-/// A header as it goes on a connection: sealed when it is authenticated.
+/// A header as it goes on a connection, either way: sealed when the
+/// connection is authenticated. One read is kept until its frame's body
+/// is read and the tag checked.
 pub(super) struct Head {
     bytes: [u8; wire::SEALED_HEADER_LEN],
     len: usize,
@@ -50,57 +52,15 @@ impl Head {
     pub(super) fn tag(&self) -> &[u8] {
         &self.bytes[wire::HEADER_LEN.min(self.len)..self.len]
     }
-}
 
-/// The tag of a payload in registered memory `ranges`, made by `seal`
-/// for the frame whose own tag is `frame_tag`.
-pub(super) fn payload_tag(
-    seal: &Option<Sealer>,
-    frame_tag: &[u8],
-    ranges: impl Iterator<Item = (u64, u64)>,
-) -> [u8; TAG_LEN] {
-    let Some(seal) = seal else {
-        return [0; TAG_LEN];
-    };
-    // SAFETY: every range is registered memory the caller holds pinned
-    // (or its own staging buffer) for the frame's send or receive.
-    let pieces =
-        ranges.map(|(a, l)| unsafe { std::slice::from_raw_parts(a as *const u8, l as usize) });
-    seal.payload_tag(frame_tag, pieces)
-}
-
-/// Checks the tag of a payload that landed in `ranges` ([`payload_tag`]).
-pub(super) fn check_payload(
-    open: &Option<Opener>,
-    frame_tag: &[u8],
-    ranges: impl Iterator<Item = (u64, u64)>,
-    tag: &[u8],
-) -> Result<(), AuthError> {
-    let Some(open) = open else {
-        return Err(AuthError::Missing);
-    };
-    // SAFETY: as in `payload_tag`: pinned registered memory, just written.
-    let pieces =
-        ranges.map(|(a, l)| unsafe { std::slice::from_raw_parts(a as *const u8, l as usize) });
-    open.check_payload(frame_tag, pieces, tag)
-}
-
-/// A header as read from a connection, kept until its frame's body is
-/// read and the tag checked.
-pub(super) struct Raw {
-    bytes: [u8; wire::SEALED_HEADER_LEN],
-    len: usize,
-}
-
-impl Raw {
     /// An empty buffer for the next header on a connection opened by
     /// `open` (sealed or not).
-    pub(super) fn for_conn(open: &Option<Opener>) -> Raw {
+    pub(super) fn empty(open: &Option<Opener>) -> Head {
         let len = match open {
             Some(_) => wire::SEALED_HEADER_LEN,
             None => wire::HEADER_LEN,
         };
-        Raw {
+        Head {
             bytes: [0; wire::SEALED_HEADER_LEN],
             len,
         }
@@ -108,11 +68,6 @@ impl Raw {
 
     pub(super) fn buf(&mut self) -> &mut [u8] {
         &mut self.bytes[..self.len]
-    }
-
-    /// The header's tag (empty when not sealed).
-    pub(super) fn tag(&self) -> &[u8] {
-        &self.bytes[wire::HEADER_LEN.min(self.len)..self.len]
     }
 
     /// The header's fields (its tag unchecked yet).
@@ -130,10 +85,44 @@ impl Raw {
     /// connection that is not authenticated).
     pub(super) fn check(&self, open: &mut Option<Opener>, body: &[u8]) -> Result<(), AuthError> {
         match open {
-            Some(o) => wire::open_sealed(o, &self.bytes[..self.len], body),
+            Some(o) => wire::open_sealed(o, self.bytes(), body),
             None => Ok(()),
         }
     }
+}
+
+/// The tag of a payload in registered memory `ranges`, made by `seal`
+/// for the frame whose own tag is `frame_tag`.
+pub(super) fn payload_tag(
+    seal: &Option<Sealer>,
+    frame_tag: &[u8],
+    ranges: impl Iterator<Item = (u64, u64)>,
+) -> [u8; TAG_LEN] {
+    let Some(seal) = seal else {
+        return [0; TAG_LEN];
+    };
+    seal.payload_tag(frame_tag, memory(ranges))
+}
+
+/// The bytes of `ranges`.
+fn memory<'a>(ranges: impl Iterator<Item = (u64, u64)>) -> impl Iterator<Item = &'a [u8]> {
+    // SAFETY: every range is registered memory the caller holds pinned (or
+    // its own staging buffer) for the frame's send or receive, which no
+    // one writes while the tag is made or checked.
+    ranges.map(|(a, l)| unsafe { std::slice::from_raw_parts(a as *const u8, l as usize) })
+}
+
+/// Checks the tag of a payload that landed in `ranges` ([`payload_tag`]).
+pub(super) fn check_payload(
+    open: &Option<Opener>,
+    frame_tag: &[u8],
+    ranges: impl Iterator<Item = (u64, u64)>,
+    tag: &[u8],
+) -> Result<(), AuthError> {
+    let Some(open) = open else {
+        return Err(AuthError::Missing);
+    };
+    open.check_payload(frame_tag, memory(ranges), tag)
 }
 
 /// The initiator's side of the handshake on a new connection; on success

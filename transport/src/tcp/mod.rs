@@ -514,7 +514,7 @@ impl Drop for TcpTransport {
 /// `open`: `None` when the peer's handler took it, else why the peer
 /// refused it.
 fn notification_answer(
-    raw: &auth::Raw,
+    raw: &auth::Head,
     open: &mut Option<kvferry_auth::seal::Opener>,
     opcode: u8,
     req_id: u64,

@@ -17,7 +17,7 @@ mod staged;
 
 use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
 
-use super::auth::{self, Head, Raw};
+use super::auth::{self, Head};
 use super::plan::{plan, FrameSpec, Plan};
 use super::{conv, notification_answer, protocol, DeviceSide, FenceCell, TcpConfig, TcpTransport};
 use crate::fdio::{self, iov, Conn};
@@ -159,7 +159,7 @@ impl SessionInner {
         fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
             .await
             .map_err(conv("asking for regions"))?;
-        let mut raw = Raw::for_conn(&conn.open);
+        let mut raw = Head::empty(&conn.open);
         recv_head(&mut conn, &mut raw, poll, "reading regions").await?;
         let h = raw
             .decode()
@@ -267,7 +267,7 @@ impl SessionInner {
         fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
             .await
             .map_err(conv("sending a notification"))?;
-        let mut raw = Raw::for_conn(&conn.open);
+        let mut raw = Head::empty(&conn.open);
         let during = "awaiting a notification answer";
         recv_head(&mut conn, &mut raw, self.config.poll, during).await?;
         let refused = notification_answer(&raw, &mut conn.open, wire::OP_NOTIFY, req_id)?;
@@ -340,7 +340,7 @@ impl SessionInner {
         fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
             .await
             .map_err(conv("sending a shm hello"))?;
-        let mut raw = Raw::for_conn(&conn.open);
+        let mut raw = Head::empty(&conn.open);
         recv_head(
             &mut conn,
             &mut raw,
@@ -872,7 +872,7 @@ impl<'p> StreamRun<'p> {
         if self.trailer.is_none() {
             return Ok(false);
         }
-        let mut raw = Raw::for_conn(open);
+        let mut raw = Head::empty(open);
         let hb = raw.buf();
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
         fdio::recv_exact(rd, self.fd, &mut v, self.poll, None)
@@ -915,7 +915,7 @@ impl<'p> StreamRun<'p> {
         n: usize,
         f: &FrameSpec,
     ) -> Result<[u8; TAG_LEN], TransportError> {
-        let mut raw = Raw::for_conn(open);
+        let mut raw = Head::empty(open);
         let hb = raw.buf();
         let mut v = [iov(hb.as_mut_ptr() as u64, hb.len() as u64)];
         // Spin for the response only once every frame is out: before that
@@ -959,7 +959,7 @@ impl<'p> StreamRun<'p> {
 /// Reads the next header on `conn` into `raw`.
 async fn recv_head(
     conn: &mut Conn,
-    raw: &mut Raw,
+    raw: &mut Head,
     poll: PollPolicy,
     during: &'static str,
 ) -> Result<(), TransportError> {

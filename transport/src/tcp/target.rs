@@ -13,7 +13,7 @@ use slab::Slab;
 use kvferry_auth::seal::{Sealer, TAG_LEN};
 use kvferry_auth::{ClusterKey, Surface};
 
-use super::auth::{self, Head, Raw};
+use super::auth::{self, Head};
 use super::inbuf::InBuf;
 use super::{conv, protocol, DeviceSide, FenceCell, NotifyHandler, TcpConfig};
 use crate::device::{Dir, Lease, Mark};
@@ -197,7 +197,7 @@ struct Served<'a> {
     /// A notification's payload, or the bytes of a refused payload.
     scratch: Vec<u8>,
     /// The current frame's header as read, until its tag is checked.
-    raw: Raw,
+    raw: Head,
 }
 
 impl<'a> Served<'a> {
@@ -212,7 +212,7 @@ impl<'a> Served<'a> {
             ranges: Vec::new(),
             iovs: Vec::new(),
             scratch: Vec::new(),
-            raw: Raw::for_conn(&None),
+            raw: Head::empty(&None),
         }
     }
 
@@ -265,7 +265,7 @@ impl<'a> Served<'a> {
     /// frames. The held answers go out first unless another request is
     /// already here (see [`Answers`]).
     async fn next_header(&mut self) -> Result<Option<Header>, TransportError> {
-        self.raw = Raw::for_conn(&self.conn.open);
+        self.raw = Head::empty(&self.conn.open);
         let hb = self.raw.buf();
         let hlen = hb.len();
         if self.answers.is_full() {
