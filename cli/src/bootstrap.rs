@@ -23,9 +23,9 @@ pub(crate) struct BootstrapArgs {
     /// on --listen too).
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
-    /// Listen beyond loopback without a cluster key
-    /// (KVFERRY_CLUSTER_KEY_FILE): anyone who reaches the port may
-    /// register ranks and redirect decode ranks.
+    /// Without a cluster key (KVFERRY_CLUSTER_KEY_FILE), serve callers on
+    /// other hosts too (otherwise they get 403): anyone who reaches the
+    /// port may register ranks and redirect decode ranks.
     #[arg(long)]
     insecure: bool,
 }
@@ -59,8 +59,9 @@ pub(crate) fn main(a: &BootstrapArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// The service (with the cluster key of `KVFERRY_CLUSTER_KEY_FILE`, or on
-/// loopback only without one unless `--insecure`) and its metrics endpoint.
+/// The service (with the cluster key of `KVFERRY_CLUSTER_KEY_FILE`, or
+/// serving this host's callers only without one unless `--insecure`) and
+/// its metrics endpoint.
 fn start(a: &BootstrapArgs) -> Result<(BootstrapServer, Option<MetricsServer>), String> {
     let key = ClusterKey::from_env().map_err(|e| e.to_string())?;
     let rejects = Arc::new(Rejects::default());

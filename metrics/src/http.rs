@@ -45,15 +45,6 @@ pub enum ServerError {
     /// The OS refused to start a thread.
     #[error("cannot spawn server thread: {0}")]
     Spawn(#[from] std::io::Error),
-    /// A server that authenticates nobody would listen beyond loopback.
-    #[error(
-        "{addr} is not a loopback address and this server has no cluster key: set \
-         KVFERRY_CLUSTER_KEY_FILE, or allow unauthenticated remote peers explicitly"
-    )]
-    UnauthenticatedRemote {
-        /// Where it would listen.
-        addr: SocketAddr,
-    },
 }
 
 /// What `GET /metrics` requires when it is authenticated: a request signed

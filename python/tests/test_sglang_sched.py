@@ -65,14 +65,20 @@ def test_sglangs_own_plugin_loading_makes_the_mooncake_backend_kvferrys(pair):
     assert sglang_sched.CUDA_SUBSTITUTIONS, "the substituted CUDA calls are named"
 
 
-def test_the_keyed_bootstrap_service_refuses_an_unsigned_query(pair):
+def test_the_keyed_bootstrap_service_refuses_an_unsigned_registration(pair):
+    import json
     import urllib.error
     import urllib.request
 
-    url = f"http://{pair.bootstrap.server.addr}/query?engine_id=sglang"
+    base = f"http://{pair.bootstrap.server.addr}"
+    body = {"engine_id": "sglang", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://10.6.6.6:1"}
+    forged = urllib.request.Request(f"{base}/register", data=json.dumps(body).encode(), method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(url, timeout=5)
+        urllib.request.urlopen(forged, timeout=5)
     assert refused.value.code == 401
+    # Reads are open (routers ask unsigned); the forged address is not there.
+    with urllib.request.urlopen(f"{base}/query?engine_id=sglang", timeout=5) as r:
+        assert "10.6.6.6" not in r.read().decode()
 
 
 def test_sglangs_scheduler_start_builds_no_mooncake_engine_for_kvferry(pair):

@@ -95,6 +95,15 @@ impl ClientError {
             | ClientError::DeadlineExceeded { .. } => false,
         }
     }
+    /// True when the service turned this client away for who it is (a
+    /// key it does not hold, 401; another host without a key, 403):
+    /// asking again gets the same answer until an operator acts.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            ClientError::Unauthorized | ClientError::Rejected { status: 403, .. }
+        )
+    }
 }
 
 /// How `register` retries while the service is not up yet.

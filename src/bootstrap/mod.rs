@@ -28,7 +28,9 @@ use serde::{Deserialize, Serialize};
 pub use client::{BootstrapClient, ClientError, RetryPolicy};
 
 pub use kvferry_metrics::http::{MetricsSource, ServerError, METRICS_CONTENT_TYPE};
-pub use server::{BootstrapServer, ServerAuth, ServerConfig, ServerLimits};
+pub use server::{
+    BootstrapServer, ExpectedRanks, ServerAuth, ServerConfig, ServerLimits, LOCAL_ONLY,
+};
 
 /// Default port of the bootstrap service (the one vLLM uses).
 pub const DEFAULT_PORT: u16 = 8998;
@@ -253,6 +255,24 @@ impl Registry {
             .filter(|(_, e)| engine_id.is_none_or(|id| e.engine_id == id))
             .map(|(dp, e)| (*dp, e.clone()))
             .collect()
+    }
+
+    /// What the registry still lacks of `expect` (which dp ranks, how many
+    /// workers), or `None` once every expected rank has registered.
+    pub fn missing(&self, expect: ExpectedRanks) -> Option<String> {
+        let complete = |dp: u32| {
+            self.engines.get(&dp).map_or(0, |e| {
+                e.worker_addr.values().map(BTreeMap::len).sum::<usize>()
+            }) >= expect.workers
+        };
+        let waiting: Vec<u32> = (0..expect.dp_size).filter(|&dp| !complete(dp)).collect();
+        if waiting.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "waiting for ranks: dp ranks {waiting:?} have fewer than {} of their workers registered",
+            expect.workers
+        ))
     }
 
     /// Workers registered.

@@ -34,13 +34,19 @@ pub struct ServerConfig {
     /// Threads answering requests. Registration bursts are small (one
     /// request per rank), so two keep a slow client from blocking others.
     pub workers: usize,
-    /// Authenticate requests with a cluster key; `None`: anyone who
-    /// reaches the port is trusted, so the service listens on loopback
-    /// only unless `allow_unauthenticated_remote`.
+    /// Authenticate requests with a cluster key; `None`: whoever reaches
+    /// the port is trusted, so a service listening beyond loopback serves
+    /// callers on its own host only, unless `allow_unauthenticated_remote`.
     pub auth: Option<ServerAuth>,
-    /// Listen beyond loopback without a key (anyone who reaches the port
-    /// may register ranks and redirect decode ranks).
+    /// Without a key, serve callers on other hosts too (anyone who
+    /// reaches the port may register ranks and redirect decode ranks).
     pub allow_unauthenticated_remote: bool,
+    /// The ranks of the engine this service is embedded in: until each
+    /// has registered, `/query` for every engine answers 503 (a router
+    /// retries; one that kept an early, partial answer would keep it for
+    /// good). `/query?engine_id=` answers with what is registered, as
+    /// always. `None`: answer with whatever is registered.
+    pub expect: Option<ExpectedRanks>,
     /// Where refused requests are counted (shared with the node that
     /// embeds the service, so its `/metrics` shows them).
     pub rejects: Arc<Rejects>,
@@ -92,17 +98,32 @@ pub struct ServerAuth {
     pub replay_capacity: usize,
     /// Serve `/metrics` to anyone (a Prometheus scraper without the key).
     pub open_metrics: bool,
+    /// Serve `GET /query` to anyone: routers (vllm-router) ask it unsigned
+    /// for engine ids. It names engine ids and side-channel addresses,
+    /// which are of no use without the key (docs/security.md).
+    pub open_query: bool,
+}
+
+/// The ranks an engine's bootstrap service waits for before `/query`
+/// answers: `dp_size` data-parallel ranks of `workers` (TP × PP) each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpectedRanks {
+    /// Data-parallel ranks.
+    pub dp_size: u32,
+    /// Workers (TP ranks × PP stages) of each.
+    pub workers: usize,
 }
 
 impl ServerAuth {
-    /// `key` with a 30 s window, 65 536 remembered signatures and open
-    /// `/metrics`.
+    /// `key` with a 30 s window, 65 536 remembered signatures, and open
+    /// `/metrics` and `/query`.
     pub fn new(key: ClusterKey) -> ServerAuth {
         ServerAuth {
             key,
             window: Duration::from_secs(30),
             replay_capacity: 65_536,
             open_metrics: true,
+            open_query: true,
         }
     }
 }
@@ -115,6 +136,7 @@ impl Default for ServerConfig {
             workers: 2,
             auth: None,
             allow_unauthenticated_remote: false,
+            expect: None,
             rejects: Arc::default(),
             limits: ServerLimits::default(),
         }
@@ -130,7 +152,14 @@ struct Shared {
     started: std::time::Instant,
     metrics: Option<MetricsSource>,
     config: ServerConfig,
+    /// No key, listening beyond loopback, and not told to trust anyone:
+    /// callers from other hosts are turned away ([`LOCAL_ONLY`]).
+    local_only: bool,
 }
+
+/// What a caller from another host hears from a service without a key
+/// (and what the service logs): the two ways to let it in.
+pub const LOCAL_ONLY: &str = "this bootstrap service has no cluster key and serves its own host      only: set the same cluster key (cluster_key_file, KVFERRY_CLUSTER_KEY_FILE) on every node,      or allow_unauthenticated_remote to trust anyone who reaches it";
 
 /// A running bootstrap service. Dropping it shuts it down (and joins its
 /// threads) like [`BootstrapServer::shutdown`].
@@ -157,11 +186,11 @@ impl BootstrapServer {
         metrics: Option<MetricsSource>,
     ) -> Result<BootstrapServer, ServerError> {
         let (server, local_addr) = bind(addr)?;
-        let remote = !local_addr.ip().is_loopback();
-        if remote && config.auth.is_none() {
-            if !config.allow_unauthenticated_remote {
-                return Err(ServerError::UnauthenticatedRemote { addr: local_addr });
-            }
+        let remote = !local_addr.ip().is_loopback() && config.auth.is_none();
+        let local_only = remote && !config.allow_unauthenticated_remote;
+        if local_only {
+            tracing::info!(addr = %local_addr, "bootstrap service without a cluster key: callers on other hosts are refused");
+        } else if remote {
             tracing::warn!(addr = %local_addr, "bootstrap service beyond loopback without a cluster key: anyone who reaches it is trusted");
         }
         let server = Arc::new(server);
@@ -182,6 +211,7 @@ impl BootstrapServer {
             )),
             metrics,
             config: config.clone(),
+            local_only,
         });
         let mut this = BootstrapServer {
             server,
@@ -267,6 +297,9 @@ fn handle(mut request: Request, shared: &Shared) {
         Ok(body) => body,
         Err(reply) => return respond(request, &method, path, reply),
     };
+    if let Err(reply) = admit(&request, shared) {
+        return respond(request, &method, path, reply);
+    }
     if let Err(reply) = authenticate(&request, &url, &body, shared) {
         return respond(request, &method, path, reply);
     }
@@ -381,7 +414,9 @@ fn authenticate(
         return Ok(());
     };
     let path = url.split_once('?').map_or(url, |(p, _)| p);
-    let open = path == "/health" || (path == "/metrics" && auth.open_metrics);
+    let open = path == "/health"
+        || (path == "/metrics" && auth.open_metrics)
+        || (path == "/query" && request.method() == &Method::Get && auth.open_query);
     if open {
         return Ok(());
     }
@@ -403,6 +438,24 @@ fn authenticate(
             _ => HttpReply::error(401, "unauthorized".into()),
         }
     })
+}
+
+/// Turns away a caller from another host when the service is local-only:
+/// 403 with [`LOCAL_ONLY`], logged as an error on this side too (within
+/// the address's refusal budget), counted.
+fn admit(request: &Request, shared: &Shared) -> Result<(), HttpReply> {
+    let Some(peer) = request.remote_addr().copied() else {
+        return Ok(());
+    };
+    if !shared.local_only || kvferry_transport::is_own_address(peer.ip()) {
+        return Ok(());
+    }
+    if !within_budget(request, shared, |b| &mut b.1) {
+        return Err(HttpReply::error(429, "too many requests".into()));
+    }
+    shared.config.rejects.count(Surface::Bootstrap);
+    tracing::error!(%peer, url = request.url(), "refused a caller on another host: {LOCAL_ONLY}");
+    Err(HttpReply::error(403, LOCAL_ONLY.into()))
 }
 
 /// Takes one unit of `request`'s address from the budget `which` picks;
@@ -478,7 +531,14 @@ fn query_route(query: &str, shared: &Shared) -> HttpReply {
             _ => return HttpReply::error(400, format!("unknown query parameter {pair:?}")),
         }
     }
-    let result = lock(&shared.registry).query(engine_id.as_deref());
+    let registry = lock(&shared.registry);
+    // A router asks for every engine once and keeps the answer; a decode
+    // rank asks for one engine and waits for its ranks itself.
+    let expect = shared.config.expect.filter(|_| engine_id.is_none());
+    if let Some(missing) = expect.and_then(|e| registry.missing(e)) {
+        return HttpReply::error(503, missing);
+    }
+    let result = registry.query(engine_id.as_deref());
     HttpReply::json(
         200,
         serde_json::to_string(&result).expect("registry serializes"),

@@ -88,6 +88,10 @@ pub struct NodeConfig {
     pub engine_id: String,
     /// Data-parallel rank of the engine.
     pub dp_rank: u32,
+    /// Data-parallel ranks of the deployment: a bootstrap service this
+    /// node serves answers `/query` once that many ranks have registered
+    /// (each with `tp_size × pp_size` workers).
+    pub dp_size: u32,
     /// Tensor-parallel size of the engine.
     pub tp_size: u32,
     /// This node's TP rank.
@@ -353,6 +357,7 @@ impl NodeConfig {
             dp_rank: 0,
             tp_size: 1,
             tp_rank: 0,
+            dp_size: 1,
             pp_size: 1,
             pp_rank: 0,
             mode: Mode::Push,

@@ -5,8 +5,8 @@ use kvferry_auth::ClusterKey;
 
 use super::{NodeConfig, NodeError, Shared};
 use crate::bootstrap::{
-    BootstrapClient, BootstrapServer, MetricsSource, RegisterRequest, RetryPolicy, ServerAuth,
-    ServerConfig,
+    BootstrapClient, BootstrapServer, ExpectedRanks, MetricsSource, RegisterRequest, RetryPolicy,
+    ServerAuth, ServerConfig,
 };
 
 /// The bootstrap service embedded in a prefill node.
@@ -15,7 +15,8 @@ pub(crate) struct EmbeddedBootstrap {
 }
 
 impl EmbeddedBootstrap {
-    /// Serves on `addr`, with the node's key and refusal counters.
+    /// Serves on `addr`, with the node's key and refusal counters,
+    /// answering `/query` once the engine's ranks have registered.
     pub(crate) fn start(
         addr: &str,
         metrics: MetricsSource,
@@ -27,6 +28,10 @@ impl EmbeddedBootstrap {
                 ..ServerAuth::new(key)
             }),
             allow_unauthenticated_remote: shared.config.allow_unauthenticated_remote,
+            expect: Some(ExpectedRanks {
+                dp_size: shared.config.dp_size.max(1),
+                workers: (shared.config.tp_size.max(1) * shared.config.pp_size.max(1)) as usize,
+            }),
             rejects: shared.counters.auth.clone(),
             ..ServerConfig::default()
         };

@@ -26,6 +26,8 @@ pub struct NodeSettings {
     pub engine_id: Option<String>,
     /// [`NodeConfig::dp_rank`].
     pub dp_rank: Option<u32>,
+    /// [`NodeConfig::dp_size`].
+    pub dp_size: Option<u32>,
     /// [`NodeConfig::tp_size`].
     pub tp_size: Option<u32>,
     /// [`NodeConfig::tp_rank`].
@@ -321,6 +323,7 @@ impl NodeSettings {
             }),
             engine_id: Some(c.engine_id.clone()),
             dp_rank: Some(c.dp_rank),
+            dp_size: Some(c.dp_size),
             tp_size: Some(c.tp_size),
             tp_rank: Some(c.tp_rank),
             pp_size: Some(c.pp_size),
@@ -393,6 +396,7 @@ impl NodeSettings {
 
     fn apply_placement(&self, c: &mut NodeConfig) {
         set(&mut c.dp_rank, self.dp_rank);
+        set(&mut c.dp_size, self.dp_size);
         set(&mut c.tp_size, self.tp_size);
         set(&mut c.tp_rank, self.tp_rank);
         set(&mut c.pp_size, self.pp_size);
@@ -535,6 +539,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("role", Kind::Text),
     ("engine_id", Kind::Text),
     ("dp_rank", Kind::Number),
+    ("dp_size", Kind::Number),
     ("tp_size", Kind::Number),
     ("tp_rank", Kind::Number),
     ("pp_size", Kind::Number),

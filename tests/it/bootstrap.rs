@@ -4,8 +4,8 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use kvferry::bootstrap::{
-    BootstrapClient, BootstrapServer, ClientError, RegisterRequest, RegistryLimits, RetryPolicy,
-    ServerConfig,
+    BootstrapClient, BootstrapServer, ClientError, ExpectedRanks, RegisterRequest, RegistryLimits,
+    RetryPolicy, ServerConfig,
 };
 
 fn start() -> (BootstrapServer, BootstrapClient) {
@@ -245,6 +245,47 @@ fn body_size_and_registry_size_are_bounded() {
         other => panic!("expected the deadline to pass, got {other:?}"),
     }
     assert_eq!(server.registered(), 2);
+}
+
+#[test]
+fn an_engines_service_answers_query_once_all_its_ranks_registered() {
+    // Two dp ranks of TP 2 × PP 1: a router that kept an answer listing
+    // fewer would route to ranks nobody can reach.
+    let config = ServerConfig {
+        expect: Some(ExpectedRanks {
+            dp_size: 2,
+            workers: 2,
+        }),
+        ..ServerConfig::default()
+    };
+    let server = BootstrapServer::start_with("127.0.0.1:0", config, None).expect("server");
+    let client = BootstrapClient::new(&server.local_addr().to_string()).expect("client");
+    let ranks = [(0, 0), (1, 0), (0, 1), (1, 1)];
+    for (i, (dp, tp)) in ranks.into_iter().enumerate() {
+        match client.query(None) {
+            Err(ClientError::Rejected {
+                status: 503,
+                reason,
+            }) => {
+                assert!(reason.contains("waiting for ranks"), "{reason}");
+            }
+            other => panic!("{i} of 4 ranks registered: {other:?}"),
+        }
+        // One engine's ranks, as a decode rank asks: what is there.
+        let some = client.query(Some("p_dp0")).expect("a filtered query");
+        assert_eq!(some.len(), usize::from(i > 0));
+        let id = format!("p_dp{dp}");
+        client
+            .register(&worker(&id, dp, tp, 0, &format!("tcp://h:{i}")), quick())
+            .expect("register");
+    }
+    let all = client.query(None).expect("every rank registered");
+    assert_eq!(all.len(), 2);
+    assert!(all.values().all(|e| e.tp_size() == 2));
+    assert_eq!(
+        client.query(Some("p_dp1")).expect("one engine")[&1].addr(1, 0),
+        Some("tcp://h:3")
+    );
 }
 
 #[test]

@@ -1,6 +1,8 @@
-//! The bootstrap service with a cluster key: only signed `/register` and
-//! `/query` requests are served; forged, tampered, replayed and stale ones
-//! get 401 and are counted, and nothing they carry reaches the registry.
+//! The bootstrap service with a cluster key: only signed `/register`
+//! requests are served (and signed `/query` ones, when it is closed);
+//! forged, tampered, replayed and stale ones get 401 and are counted, and
+//! nothing they carry reaches the registry. `GET /query` is open by
+//! default, for routers that ask it unsigned.
 
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -17,11 +19,12 @@ fn key(byte: u8) -> ClusterKey {
     ClusterKey::from_bytes(&[byte; 32], None).unwrap()
 }
 
-fn keyed_server(open_metrics: bool) -> (BootstrapServer, Arc<Rejects>) {
+fn keyed_server(open_metrics: bool, open_query: bool) -> (BootstrapServer, Arc<Rejects>) {
     let rejects = Arc::new(Rejects::default());
     let config = ServerConfig {
         auth: Some(ServerAuth {
             open_metrics,
+            open_query,
             ..ServerAuth::new(key(1))
         }),
         rejects: rejects.clone(),
@@ -83,7 +86,7 @@ type Case<'a> = (&'a str, &'a str, &'a str, Vec<u8>, Option<String>);
 
 #[test]
 fn only_signed_requests_reach_the_registry() {
-    let (server, rejects) = keyed_server(true);
+    let (server, rejects) = keyed_server(true, false);
     let body = serde_json::to_vec(&worker("tcp://127.0.0.1:5000")).unwrap();
     let signed = |k: &ClusterKey, t: u64, method: &str, target: &str, b: &[u8]| {
         request::sign(k, t, method, target, b).unwrap()
@@ -159,7 +162,7 @@ fn only_signed_requests_reach_the_registry() {
 
 #[test]
 fn clients_sign_and_an_unkeyed_client_fails_at_once() {
-    let (server, rejects) = keyed_server(false);
+    let (server, rejects) = keyed_server(false, true);
     let addr = server.local_addr().to_string();
     let keyed = BootstrapClient::new(&addr).unwrap().with_key(Some(key(1)));
     let policy = RetryPolicy {
@@ -184,18 +187,30 @@ fn clients_sign_and_an_unkeyed_client_fails_at_once() {
         .unwrap_err();
     assert!(matches!(e, ClientError::Unauthorized), "{e}");
     assert!(started.elapsed() < Duration::from_secs(5), "retried a 401");
-    assert!(matches!(plain.query(None), Err(ClientError::Unauthorized)));
     assert!(matches!(
         plain.metrics_text(),
         Err(ClientError::Unauthorized)
     ));
-    assert_eq!(rejects.get(Surface::Bootstrap), 3);
-    let found = keyed.query(Some("prefill-a")).unwrap();
+    assert_eq!(rejects.get(Surface::Bootstrap), 2);
+    // `GET /query` is open: what a router without the key reads.
+    let found = plain.query(None).expect("an open /query");
     assert_eq!(
         found[&0].addr(0, 0),
         Some("tcp://127.0.0.1:5001"),
         "the forged address landed"
     );
+}
+
+#[test]
+fn an_open_query_serves_unsigned_reads_and_nothing_else() {
+    let (server, rejects) = keyed_server(true, true);
+    let body = serde_json::to_vec(&worker("tcp://10.6.6.6:5000")).unwrap();
+    assert_eq!(raw(&server, "POST", "/register", &body, None), 401);
+    assert_eq!(raw(&server, "POST", "/query", &body, None), 401);
+    assert_eq!(raw(&server, "GET", "/query", b"", None), 200);
+    assert_eq!(raw(&server, "GET", "/query?engine_id=x", b"", None), 200);
+    assert_eq!(rejects.get(Surface::Bootstrap), 2);
+    assert_eq!(server.registered(), 0);
 }
 
 #[test]

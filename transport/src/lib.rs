@@ -61,7 +61,7 @@ pub use fence::{BlockFence, FenceKey, FencePool};
 pub use local::{LocalSession, LocalTransport};
 pub use mooncake::{Cadence, MooncakeConfig, MooncakeSession, MooncakeTransport};
 pub use registry::{Pins, RangeFault, RegionId, RegionInfo, Registry, DEFAULT_MAX_REGIONS};
-pub use resolve::{advertised, HostPort, ResolveError, Resolver};
+pub use resolve::{advertised, is_own_address, HostPort, ResolveError, Resolver};
 pub use shm::{
     share_pages, shm_copied_bytes, SharedMem, ShmConfig, ShmMode, ShmRefusal, ShmStats,
     SHM_CHUNK_BYTES,

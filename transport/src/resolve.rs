@@ -546,9 +546,68 @@ pub fn advertised(configured_host: &str, bound: &str) -> String {
     }
 }
 
+/// Whether `ip` is an address of this host: loopback, or assigned to one
+/// of its interfaces (`getifaddrs`). A server without a cluster key serves
+/// callers that pass this and turns the rest away: a connection from this
+/// host to one of its own addresses comes from that address (or loopback).
+/// False when the interfaces cannot be listed.
+pub fn is_own_address(ip: std::net::IpAddr) -> bool {
+    ip.is_loopback() || own_addresses().contains(&ip)
+}
+
+/// The addresses assigned to this host's interfaces.
+fn own_addresses() -> Vec<std::net::IpAddr> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: `getifaddrs` fills `head` with a list it allocated, which is
+    // read below and freed once by `freeifaddrs`.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list `getifaddrs` returned, not yet
+        // freed; `ifa_addr` is null or points at a sockaddr of its family.
+        unsafe {
+            let addr = (*cur).ifa_addr;
+            if !addr.is_null() {
+                match i32::from((*addr).sa_family) {
+                    libc::AF_INET => {
+                        let a = &*(addr as *const libc::sockaddr_in);
+                        out.push(std::net::Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)).into());
+                    }
+                    libc::AF_INET6 => {
+                        let a = &*(addr as *const libc::sockaddr_in6);
+                        out.push(std::net::Ipv6Addr::from(a.sin6_addr.s6_addr).into());
+                    }
+                    _ => {}
+                }
+            }
+            cur = (*cur).ifa_next;
+        }
+    }
+    // SAFETY: `head` came from `getifaddrs` and is freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_addresses_are_loopback_and_the_interfaces_but_no_other() {
+        assert!(is_own_address("127.0.0.1".parse().unwrap()));
+        assert!(is_own_address("::1".parse().unwrap()));
+        // The address the outbound route leaves from is this host's, when
+        // there is such a route; a documentation address never is.
+        let udp = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        if udp.connect("192.0.2.1:9").is_ok() {
+            assert!(is_own_address(udp.local_addr().unwrap().ip()));
+        }
+        assert!(!is_own_address("192.0.2.1".parse().unwrap()));
+        assert!(!is_own_address("2001:db8::1".parse().unwrap()));
+    }
 
     #[test]
     fn malformed_addresses_are_typed_errors() {

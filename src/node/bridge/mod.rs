@@ -437,11 +437,12 @@ impl Bridge {
                 BridgeCmd::Directory { target, result } => {
                     let entry = match result {
                         Ok(ranks) => Dir::Known(ranks),
-                        Err(LookupError::Client(ClientError::Unauthorized)) => {
+                        Err(LookupError::Client(e)) if e.is_refusal() => {
                             tracing::error!(
                                 ?target,
-                                "the bootstrap service refused this node's cluster key; \
-                                 requests to this prefill engine fail"
+                                %e,
+                                "the bootstrap service refused this node; requests to this \
+                                 prefill engine fail"
                             );
                             Dir::Refused(Instant::now())
                         }
