@@ -13,7 +13,8 @@
 #    (python/tests/test_vllm_store_engines.py), and a prefill and a decode
 #    engine on two hosts (network namespaces: scripts/hosts.sh, tested by
 #    python/tests/test_hosts.py) in zero config behind the stock
-#    vllm-router (python/tests/test_vllm_cluster.py). The hosts need root;
+#    vllm-router and smg, timed against vLLM's MooncakeConnector, with
+#    links cut (python/tests/test_vllm_cluster.py). The hosts need root;
 #    KVFERRY_SKIP_HOSTS=1 skips them where namespaces cannot be made.
 # Both environments come from scripts/engine-env.sh (reused when present).
 set -euo pipefail
@@ -27,8 +28,11 @@ bash scripts/engine-env.sh cpu "$cpu"
 for venv in "$vllm" "$cpu"; do
   "$venv/bin/pip" install --quiet --force-reinstall --no-deps "$wheel"
 done
-# The router operators run in front of vLLM's P/D engines.
-"$cpu/bin/pip" install --quiet vllm-router==0.1.17
+# The routers operators run in front of vLLM's P/D engines, and vLLM's own
+# MooncakeConnector (the baseline the cluster test times kvferry against):
+# Mooncake's transfer engine links libibverbs.
+"$cpu/bin/pip" install --quiet vllm-router==0.1.17 smg==1.13.0 mooncake-transfer-engine-non-cuda msgpack
+ldconfig -p | grep -q libibverbs.so.1 || (apt-get update -qq && apt-get install -y -qq libibverbs1)
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_node.py
 KVFERRY_VLLM_VENV="$(cd "$vllm" && pwd)" cargo test -p kvferry-store --features kvferry-transport/cuda --test it store_kv_events -- --ignored

@@ -464,7 +464,8 @@ def completion_body(prompt_token_ids: Sequence[int], max_tokens: int,
                     kv_transfer_params: Mapping[str, Any] | None = None,
                     **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "prompt": list(prompt_token_ids),
+        # Token ids, or text (`str`) for routers that take no ids.
+        "prompt": prompt_token_ids if isinstance(prompt_token_ids, str) else list(prompt_token_ids),
         "max_tokens": max_tokens,
         "temperature": 0,
         # Fixed-length outputs: a random model may emit EOS at any point.

