@@ -6,7 +6,10 @@
 # pools (python/tests/test_sglang_sched.py); and kvferry's HiCache storage
 # backend under SGLang's HiCache controller and host pool, around
 # `kvferry store serve` (python/tests/test_sglang_hicache.py; the debug
-# build's binary, or KVFERRY_BIN). The environment comes from
+# build's binary, or KVFERRY_BIN); and real SGLang servers on the CPU, a
+# prefill and a decode on two hosts (network namespaces, root) behind the
+# stock sglang-router and smg (python/tests/test_sglang_cluster.py; KVFERRY_SKIP_HOSTS=1
+# skips it where namespaces cannot be made). The environment comes from
 # `scripts/engine-env.sh sglang` (reused when present); the test model is made once
 # in target/bench-model (python/tests/engines.py).
 set -euo pipefail
@@ -16,8 +19,10 @@ export PIP_NO_CACHE_DIR=1
 venv=target/sglang-venv
 bash scripts/engine-env.sh sglang "$venv"
 "$venv/bin/pip" install --quiet --force-reinstall --no-deps target/wheels/kvferry-*.whl
+# The routers operators run in front of SGLang's P/D servers.
+"$venv/bin/pip" install --quiet sglang-router==0.3.2 smg==1.13.0
 # From an empty directory, so `kvferry` is the installed wheel.
 tests="$PWD/python/tests"
 export KVFERRY_BIN="${KVFERRY_BIN:-$PWD/target/debug/kvferry}"
 (cd "$(mktemp -d)" && "$OLDPWD/$venv/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-  --durations=3 "$tests/test_sglang_sched.py" "$tests/test_sglang_hicache.py")
+  --durations=3 "$tests/test_sglang_sched.py" "$tests/test_sglang_hicache.py" "$tests/test_sglang_cluster.py")

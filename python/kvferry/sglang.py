@@ -239,6 +239,9 @@ class KvferryKVManager(BaseKVManager):
         #: Decode: the prefill engines' topology by bootstrap address, as
         #: SGLang's decode queue reads it (``try_ensure_parallel_info``).
         self.prefill_info_table: "dict[str, Any]" = {}
+        #: Decode: bootstrap services that refused this engine, logged once
+        #: each (bounded: past it, refusals go unlogged).
+        self._refused_by: "set[str]" = set()
         self.node = kvferry.Node(**node_settings(args, disaggregation_mode, server_args))
         files: "list[int]" = []
         try:
@@ -306,6 +309,14 @@ class KvferryKVManager(BaseKVManager):
         # Signed with the cluster key, when there is one (docs/security.md).
         try:
             ranks = json.loads(_native._query_bootstrap(bootstrap_addr, ENGINE_ID, QUERY_TIMEOUT_S))
+        except kvferry.PeerError as e:
+            # Refused for who this host is: SGLang asks again each second,
+            # and the answer stays the same; said once per service.
+            if bootstrap_addr not in self._refused_by and len(self._refused_by) < 1024:
+                self._refused_by.add(bootstrap_addr)
+                logger.error("kvferry: the prefill's bootstrap service at %s refused this engine: %s",
+                             bootstrap_addr, e)
+            return False
         except (kvferry.TransportError, kvferry.MisuseError, ValueError) as e:
             logger.debug("bootstrap query at %s: %s", bootstrap_addr, e)
             return False

@@ -645,7 +645,8 @@ fn _share_pages(addr: u64, length: u64) -> PyResult<i64> {
 
 /// The ranks of `engine_id` at the bootstrap service `addr`, as the JSON
 /// of `GET /query` (one attempt, bounded by `timeout_s`), the request
-/// signed with the cluster key of `KVFERRY_CLUSTER_KEY_FILE` when set.
+/// signed with the cluster key of `KVFERRY_CLUSTER_KEY_FILE` when set;
+/// `PeerError` when the service refuses this host (401, 403).
 #[pyfunction]
 fn _query_bootstrap(
     py: Python<'_>,
@@ -659,9 +660,14 @@ fn _query_bootstrap(
         .map_err(|e| misuse(e.to_string()))?
         .with_io_timeout(timeout)
         .with_key(key);
+    // Turned away for who this host is (no shared key; another host
+    // without one): the peer's doing, and the same until an operator acts.
     let ranks = py
         .detach(|| client.query(Some(engine_id)))
-        .map_err(|e| TransportError::new_err(e.to_string()))?;
+        .map_err(|e| match e.is_refusal() {
+            true => PeerError::new_err(e.to_string()),
+            false => TransportError::new_err(e.to_string()),
+        })?;
     Ok(serde_json::to_string(&ranks).expect("ranks serialize"))
 }
 
