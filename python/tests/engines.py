@@ -618,9 +618,36 @@ def kvferry_counter(port: int, name: str) -> float:
     return total
 
 
-class Pair:
-    """A prefill and a decode engine with kvferry's P/D connector, started
-    together. `extra`: settings of both connectors besides their own (a
+class EnginePair:
+    """A prefill and a decode engine, started together (both stopped if
+    either fails to start) and stopped together."""
+
+    prefill: Engine
+    decode: Engine
+
+    def __enter__(self) -> "EnginePair":
+        self.prefill.start(wait=False)
+        self.decode.start(wait=False)
+        try:
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    def sources(self) -> "dict[str, float]":
+        """The decode engine's prompt tokens by source, so far."""
+        return prompt_tokens_by_source(metrics(self.decode.addr))
+
+
+class Pair(EnginePair):
+    """A prefill and a decode engine with kvferry's P/D connector on this
+    host. `extra`: settings of both connectors besides their own (a
     `store`); `max_tokens` of each P/D request."""
 
     def __init__(
@@ -656,28 +683,10 @@ class Pair:
             ),
         )
 
-    def __enter__(self) -> "Pair":
-        self.prefill.start(wait=False)
-        self.decode.start(wait=False)
-        try:
-            self.prefill.wait_ready()
-            self.decode.wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.prefill.stop()
-        self.decode.stop()
-
     def pd(self, ids: "list[int]", **kw: Any) -> "dict[str, Any]":
         return pd_completion(
             self.prefill.port, self.decode.port, ids, self.max_tokens, PREFILL_ID, self.bootstrap, **kw
         )
-
-    def sources(self) -> "dict[str, float]":
-        return prompt_tokens_by_source(metrics(self.decode.port))
 
     def kvferry(self, engine: Engine, name: str) -> float:
         return kvferry_counter(engine.port, name)

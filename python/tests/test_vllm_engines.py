@@ -128,17 +128,24 @@ def pair(model: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     key = tmp_path_factory.mktemp("key") / "cluster.key"
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
-    extra = {"cluster_key_file": str(key)}
+    # Keyed, on one host: sharing the KV pages is asked for.
+    extra = {"cluster_key_file": str(key), "shared_memory": True}
     p_args = ("--max-num-batched-tokens", "512")
     with Pair(model, max_tokens=MAX_TOKENS, p_args=p_args, extra=extra) as p:
         yield p
 
 
 class TestPrefixCaching:
-    def test_the_keyed_bootstrap_service_refuses_unsigned_queries(self, pair):
+    def test_the_keyed_bootstrap_service_refuses_unsigned_registrations(self, pair):
+        body = {"engine_id": PREFILL_ID, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://10.6.6.6:1"}
+        forged = urllib.request.Request(f"{pair.bootstrap}/register", data=json.dumps(body).encode(),
+                                        method="POST", headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(f"{pair.bootstrap}/query", timeout=5)
+            urllib.request.urlopen(forged, timeout=5)
         assert refused.value.code == 401
+        # Reads are open (routers ask unsigned); the forged address is not there.
+        with urllib.request.urlopen(f"{pair.bootstrap}/query", timeout=5) as r:
+            assert "10.6.6.6" not in r.read().decode()
 
     def test_outputs_equal_one_engines_and_the_decode_engine_uses_the_moved_kv(self, pair, reference):
         for n in LENGTHS:

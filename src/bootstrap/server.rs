@@ -159,7 +159,9 @@ struct Shared {
 
 /// What a caller from another host hears from a service without a key
 /// (and what the service logs): the two ways to let it in.
-pub const LOCAL_ONLY: &str = "this bootstrap service has no cluster key and serves its own host      only: set the same cluster key (cluster_key_file, KVFERRY_CLUSTER_KEY_FILE) on every node,      or allow_unauthenticated_remote to trust anyone who reaches it";
+pub const LOCAL_ONLY: &str = "this bootstrap service has no cluster key and serves its own host \
+     only: set the same cluster key (cluster_key_file, KVFERRY_CLUSTER_KEY_FILE) on every node, \
+     or allow_unauthenticated_remote to trust anyone who reaches it";
 
 /// A running bootstrap service. Dropping it shuts it down (and joins its
 /// threads) like [`BootstrapServer::shutdown`].

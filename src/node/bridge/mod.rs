@@ -257,8 +257,9 @@ enum Dir {
     Querying,
     Known(EngineRanks),
     Failed(Instant),
-    /// The service refused this node's credentials (HTTP 401): requests
-    /// for the target fail at once instead of waiting out their bootstrap
+    /// The service refused this node (HTTP 401: another key or none;
+    /// 403: no key there, and this node on another host): requests for
+    /// the target fail at once instead of waiting out their bootstrap
     /// timeout; asked again a tick later (the key may have been fixed).
     Refused(Instant),
 }
