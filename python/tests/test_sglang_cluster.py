@@ -175,7 +175,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator["dict[str, Pro
                 "--worker-startup-check-interval", "1",
             ], {}, logdir, SMG_PORT)
             started.append(smg)
-            router.wait("/health", 120)
+            # Ready: serving, with a healthy prefill and decode worker.
+            router.wait("/readiness", 120)
             smg.wait("/readiness", 120)
             yield {s.name: s for s in started}
         finally:

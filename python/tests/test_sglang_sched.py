@@ -191,7 +191,7 @@ def test_settings_come_from_sglang_then_kvferry_variables(pair):
     )
     assert s["bootstrap"] == f"127.0.0.1:{pair.port}"
     assert s["host"] == "127.0.0.1", "SGLANG_HOST_IP, as SGLang's own backends"
-    assert s["listen"] == "127.0.0.1", "a detected host does not widen the listen"
+    assert s["listen"] is None, "with the cluster key it listens where it advertises"
     assert s["waiting_timeout_ms"] == 3000 and s["bootstrap_timeout_ms"] == 3000
     assert decode.node.settings["role"] == "decode"
 
