@@ -155,7 +155,22 @@ class Cluster(EnginePair):
         self.bootstrap = f"http://{hosts.addr('p')}:{bootstrap_port}"
 
 
-class VllmRouter:
+class RouterProcess:
+    """A router's process (`proc`), ended with the `with` block."""
+
+    proc: "subprocess.Popen[bytes] | None" = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class VllmRouter(RouterProcess):
     """The stock vllm-router on host `r`, in front of the cluster."""
 
     def __init__(self, cluster: Cluster, log: Path, port: int = ROUTER_PORT):
@@ -169,7 +184,6 @@ class VllmRouter:
             # Its own Prometheus exporter (default 29000): two routers here.
             "--prometheus-host", h.addr("r"), "--prometheus-port", str(port + 20000),
         ]
-        self.proc: "subprocess.Popen[bytes] | None" = None
 
     def __enter__(self) -> "VllmRouter":
         with open(self.log, "ab") as out:
@@ -191,17 +205,8 @@ class VllmRouter:
                 time.sleep(0.5)
         raise AssertionError(f"vllm-router not serving in {within_s} s:\n{self.log.read_text()[-4000:]}")
 
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
-
-class Smg:
+class Smg(RouterProcess):
     """smg (1.13) on host `r` in front of the cluster's vLLM engines, as its
     docs have it: PD mode, each engine registered over smg's API with
     MooncakeConnector's parameters (smg reads no `/query`: the prefill's
@@ -225,7 +230,6 @@ class Smg:
             "--prometheus-host", h.addr("r"), "--prometheus-port", str(port + 20000),
             "--worker-startup-check-interval", "1",
         ]
-        self.proc: "subprocess.Popen[bytes] | None" = None
 
     def _call(self, method: str, path: str, body: Any = None) -> "tuple[int, str]":
         data = None if body is None else json.dumps(body).encode()
@@ -259,9 +263,6 @@ class Smg:
             assert status in (200, 201, 202), answer
         self._until("ready", lambda: self._call("GET", "/readiness")[0] == 200)
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        VllmRouter.__exit__(self, *exc)  # type: ignore[arg-type]
 
 
 def prompts() -> "dict[int, list[int]]":
