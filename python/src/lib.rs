@@ -662,12 +662,13 @@ fn _query_bootstrap(
         .with_key(key);
     // Turned away for who this host is (no shared key; another host
     // without one): the peer's doing, and the same until an operator acts.
-    let ranks = py
-        .detach(|| client.query(Some(engine_id)))
-        .map_err(|e| match e.is_refusal() {
-            true => PeerError::new_err(e.to_string()),
-            false => TransportError::new_err(e.to_string()),
-        })?;
+    let ranks = py.detach(|| client.query(Some(engine_id))).map_err(|e| {
+        if e.is_refusal() {
+            PeerError::new_err(e.to_string())
+        } else {
+            TransportError::new_err(e.to_string())
+        }
+    })?;
     Ok(serde_json::to_string(&ranks).expect("ranks serialize"))
 }
 

@@ -156,9 +156,32 @@ class Cluster(EnginePair):
 
 
 class RouterProcess:
-    """A router's process (`proc`), ended with the `with` block."""
+    """A router's process: `cmd` started on its host (`start`), its output
+    in `log`, ended with the `with` block."""
 
+    name: str
+    cmd: "list[str]"
+    log: Path
     proc: "subprocess.Popen[bytes] | None" = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def until(self, what: str, ok: Any, within_s: float = 120.0) -> None:
+        """Polls `ok()` until true (connection errors count as false);
+        fails at once if the router exits, and past `within_s`."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-4000:]
+            try:
+                if ok():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"{self.name}: not {what} in {within_s} s:\n{self.log.read_text()[-4000:]}")
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -173,6 +196,8 @@ class RouterProcess:
 class VllmRouter(RouterProcess):
     """The stock vllm-router on host `r`, in front of the cluster."""
 
+    name = "vllm-router"
+
     def __init__(self, cluster: Cluster, log: Path, port: int = ROUTER_PORT):
         h = cluster.hosts
         self.addr = (h.addr("r"), port)
@@ -186,24 +211,18 @@ class VllmRouter(RouterProcess):
         ]
 
     def __enter__(self) -> "VllmRouter":
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        self.wait_ready(120.0)
+        self.start()
+        # Serving once a completion goes through: the router answers once
+        # it has asked the prefill's bootstrap service for its engine id.
+        self.until("serving", self._completes)
         return self
 
-    def wait_ready(self, within_s: float) -> None:
-        """Until a completion goes through (the router answers once it has
-        asked the prefill's bootstrap service for its engine id)."""
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-4000:]
-            try:
-                completion(self.addr, random_prompt(8, seed=1), 1, timeout=30)
-                return
-            except (OSError, HttpError):
-                time.sleep(0.5)
-        raise AssertionError(f"vllm-router not serving in {within_s} s:\n{self.log.read_text()[-4000:]}")
+    def _completes(self) -> bool:
+        try:
+            completion(self.addr, random_prompt(8, seed=1), 1, timeout=30)
+            return True
+        except HttpError:
+            return False
 
 
 class Smg(RouterProcess):
@@ -211,6 +230,8 @@ class Smg(RouterProcess):
     docs have it: PD mode, each engine registered over smg's API with
     MooncakeConnector's parameters (smg reads no `/query`: the prefill's
     engine id is registered, so the prefill engine names its own)."""
+
+    name = "smg"
 
     def __init__(self, cluster: Cluster, log: Path, engine_id: str, port: int = ROUTER_PORT + 2):
         h = cluster.hosts
@@ -241,27 +262,13 @@ class Smg(RouterProcess):
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode(errors="replace")
 
-    def _until(self, what: str, ok: Any, within_s: float = 120.0) -> None:
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-4000:]
-            try:
-                if ok():
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"smg: not {what} in {within_s} s:\n{self.log.read_text()[-4000:]}")
-
     def __enter__(self) -> "Smg":
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        self._until("serving", lambda: self._call("GET", "/health")[0] == 200)
+        self.start()
+        self.until("serving", lambda: self._call("GET", "/health")[0] == 200)
         for w in self.workers:
             status, answer = self._call("POST", "/workers", w)
             assert status in (200, 201, 202), answer
-        self._until("ready", lambda: self._call("GET", "/readiness")[0] == 200)
+        self.until("ready", lambda: self._call("GET", "/readiness")[0] == 200)
         return self
 
 
