@@ -107,6 +107,26 @@ def _with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
         settings["host"] = "127.0.0.1"
 
 
+#: Settings that name a port a rank listens on: given for an engine, each
+#: is a base, and a rank listens at the base plus its index on its host.
+RANK_PORTS = ("side_channel_port", "data_plane_port")
+
+
+def _with_rank_ports(settings: dict, index: int) -> None:
+    """A set ``side_channel_port`` / ``data_plane_port`` (setting or
+    ``KVFERRY_<KEY>``) is a base port shared by every rank of the engines
+    on a host; the rank at ``index`` among them listens at ``base + index``
+    (docs/config.md gives each adapter's index), as the Mooncake
+    connectors offset theirs. 0 stays 0: a free port."""
+    for key in RANK_PORTS:
+        base = settings.get(key) or os.environ.get(f"KVFERRY_{key.upper()}")
+        if base and int(base):
+            port = int(base) + index
+            if port > 65535:
+                raise MisuseError(f"{key} {base} + rank index {index} is past 65535")
+            settings[key] = port
+
+
 def _serves_other_hosts(settings: dict) -> bool:
     """Whether a node with these settings (and ``KVFERRY_*`` variables)
     may serve peers on other hosts: it holds a cluster key, or is told to

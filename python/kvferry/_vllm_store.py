@@ -52,6 +52,7 @@ import kvferry
 from kvferry import _native
 from kvferry.vllm import (
     KvferryStats,
+    _dp_layout,
     _KvferryConnectorBase,
     _windows,
     register_plan,
@@ -173,7 +174,7 @@ def _settings(vllm_config: Any, extra: dict, kv_cache_config: Any) -> dict:
     ]
     dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     engine = re.sub(r"[^A-Za-z0-9_.-]", "_", str(kt.engine_id))[:40]
-    dp = vllm_config.parallel_config.data_parallel_rank
+    dp = _dp_layout(vllm_config.parallel_config)[0]
     endpoint = f"ipc://{tempfile.gettempdir()}/kvferry-lookup-{engine}-dp{dp}"
     s = {
         "store": str(extra["store"]),

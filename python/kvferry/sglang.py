@@ -179,6 +179,14 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
+    cp = int(getattr(parallel, "attn_cp_size", 1) or 1)
+    if cp > 1:
+        # KV striped by token over ranks: kvferry's plans (heads by TP
+        # rank, layers by stage) do not describe it.
+        raise kvferry.MisuseError(
+            f"kvferry does not move KV striped by context parallelism (--attn-cp-size {cp}): "
+            "run the engine with --attn-cp-size 1, or with another transfer backend"
+        )
     prefill = mode == DisaggregationMode.PREFILL
     settings = {
         "role": "prefill" if prefill else "decode",
@@ -189,8 +197,13 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
         "pp_size": int(parallel.pp_size),
         "pp_rank": int(parallel.pp_rank),
     }
+    # SGLang's ranks on a host: its TP × PP ranks (attention DP within TP)
+    # and the system DP ranks of a `--dp` launch, each a scheduler.
+    pp = int(parallel.pp_size)
+    index = (settings["dp_rank"] * pp + int(parallel.pp_rank)) * int(parallel.tp_size) + int(parallel.tp_rank)
+    kvferry._with_rank_ports(settings, index)
     if prefill:
-        settings["bootstrap"] = f"{_reachable(server_args.host)}:{server_args.disaggregation_bootstrap_port}"
+        settings["bootstrap"] = f"{_bootstrap_host(server_args)}:{server_args.disaggregation_bootstrap_port}"
     settings["device"] = _engine_device(args, server_args)
     for var, key in SGLANG_TIMEOUTS.items():
         if os.environ.get(var):
@@ -206,6 +219,18 @@ def advertised_host() -> str:
     from sglang.srt.utils.network import get_local_ip_auto
 
     return get_local_ip_auto("127.0.0.1")
+
+
+def _bootstrap_host(server_args: Any) -> str:
+    """Where a prefill rank finds its engine's bootstrap service, as
+    SGLang's own backends find it: on the node of ``--dist-init-addr``
+    (rank 0's, which serves it) when one is given, since ranks on other
+    nodes cannot reach it at their own ``--host``; else at ``--host``."""
+    dist = getattr(server_args, "dist_init_addr", None)
+    if dist:
+        host = str(dist).rsplit(":", 1)[0] if not str(dist).startswith("[") else str(dist)[1:].split("]")[0]
+        return f"[{host}]" if ":" in host else host
+    return _reachable(server_args.host)
 
 
 def _reachable(host: str) -> str:
@@ -469,13 +494,9 @@ class _Transfer:
             reason = "Failed due to an unknown reason from another rank"
         raise KVTransferError(self.room, reason, is_from_another_rank=not here)
 
-    #: Whether the node knows the transfer (a receiver's only once it
-    #: asked for the KV).
-    started = True
-
     def abort(self) -> None:
         self.aborted = True
-        if self.handle is not None and self.started:
+        if self.handle is not None:
             try:
                 self.handle.abort()
                 return
@@ -587,9 +608,6 @@ class KvferryKVReceiver(_Transfer, BaseKVReceiver):
     ):
         self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
         self.room = int(bootstrap_room or 0)
-        # Aborted before it asked, the prefill side is not told: its
-        # sender ends at its bootstrap timeout, as with nothing asked.
-        self.started = False
 
     def init(self, prefill_dp_rank: int):
         if self.failure is not None:
@@ -623,7 +641,7 @@ class KvferryKVReceiver(_Transfer, BaseKVReceiver):
         destination: KVTransferDestination = KVTransferDestination.DEVICE,
         **_: Any,
     ):
-        if self.handle is None or self.failure is not None:
+        if self.handle is None or self.failure is not None or self.aborted:
             return
         page = int(self.kv_mgr.kv_args.page_size)
         prefix = int(decode_prefix_len or 0)
@@ -636,7 +654,6 @@ class KvferryKVReceiver(_Transfer, BaseKVReceiver):
         # of its pages and kvferry skips those.
         try:
             self.handle.request(lists, prefix_blocks=[prefix // page] + [0] * len(self.kv_mgr.pools))
-            self.started = True
         except kvferry.Error as e:
             self.failure = f"kvferry: {e}"
             self.abort()

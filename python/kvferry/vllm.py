@@ -110,6 +110,20 @@ except ImportError:  # pragma: no cover - probed in _check_version
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
 
+def _refuse_context_parallel(pc: Any) -> None:
+    """Context parallelism stripes a request's KV over ranks by token,
+    which kvferry's transfer plans (heads by TP rank, layers by stage) do
+    not describe: refused at start, never moved wrong."""
+    for field, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
+                        ("prefill_context_parallel_size", "--prefill-context-parallel-size")):
+        size = int(getattr(pc, field, 1) or 1)
+        if size > 1:
+            raise kvferry.MisuseError(
+                f"kvferry does not move KV striped by context parallelism ({flag} {size}): "
+                f"run the engine with {flag} 1, or with another connector"
+            )
+
+
 def _release(version: str) -> "tuple[int, int] | None":
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else None
@@ -223,6 +237,7 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
                  sched_side: Any, worker_side: Any, extra: dict):
         _check_version()
+        _refuse_context_parallel(vllm_config.parallel_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._kv_config = kv_cache_config
         self._sched = None
@@ -438,8 +453,9 @@ def _settings(extra: dict) -> dict:
 def _bootstrap(vllm_config: Any, extra: dict) -> str:
     """``host:port`` of the prefill engine's bootstrap service: the
     ``bootstrap`` setting (or ``bootstrap_server_address``), else where
-    vLLM's MooncakeConnector has it: the model-parallel master's address
-    for an engine across nodes, else the data-parallel master's (this
+    vLLM's MooncakeConnector has it: this host's in hybrid or external
+    load balancing, the model-parallel master's address for an engine
+    across nodes, else the data-parallel master's (this
     host's, as ``get_ip()`` finds it, when that is loopback: the address
     is handed to decode engines) at ``VLLM_MOONCAKE_BOOTSTRAP_PORT``
     (8998)."""
@@ -447,7 +463,9 @@ def _bootstrap(vllm_config: Any, extra: dict) -> str:
         if extra.get(key):
             return re.sub(r"^https?://", "", str(extra[key])).rstrip("/")
     pc = vllm_config.parallel_config
-    if getattr(pc, "nnodes_within_dp", 1) > 1:
+    if getattr(pc, "local_engines_only", False):
+        host = ""  # each node serves its own engines
+    elif getattr(pc, "nnodes_within_dp", 1) > 1:
         host = pc.master_addr
     else:
         host = getattr(pc, "data_parallel_master_ip", "") or ""
@@ -455,6 +473,30 @@ def _bootstrap(vllm_config: Any, extra: dict) -> str:
         host = _vllm_host()
     port = int(os.environ.get(BOOTSTRAP_PORT_ENV) or 8998)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _dp_layout(pc: Any) -> "tuple[int, int]":
+    """This engine's data-parallel rank as its bootstrap service knows it,
+    and how many ranks that service expects, as vLLM's MooncakeConnector
+    counts them. ``data_parallel_index``, not ``data_parallel_rank``:
+    vLLM resets the latter to 0 in every engine of a dense model. In
+    hybrid or external load balancing (``local_engines_only``) each node
+    serves its own engines, numbered from 0 on that node."""
+    if getattr(pc, "local_engines_only", False):
+        return int(pc.data_parallel_rank_local or 0), int(pc.data_parallel_size_local or 1)
+    index = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
+    return int(index or 0), int(pc.data_parallel_size or 1)
+
+
+def _rank_index(pc: Any, tp_rank: int, pp_rank: int) -> int:
+    """A worker's index among the ranks of the engines on its host (each
+    engine's ``tp × pp`` ranks, its local data-parallel rank's engines
+    before it): what a base port is offset by."""
+    local = pc.data_parallel_rank_local
+    if local is None:
+        local = _dp_layout(pc)[0]
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    return (int(local) * pp + pp_rank) * tp + tp_rank
 
 
 def _serve_bootstrap_at(extra: dict, bootstrap: str) -> "str | None":
@@ -535,7 +577,7 @@ class _SchedulerSide:
             kt.engine_id,
             _bootstrap(vllm_config, extra) if kt.kv_role != "kv_consumer" else "",
             block_size,
-            dp_rank=vllm_config.parallel_config.data_parallel_rank,
+            dp_rank=_dp_layout(vllm_config.parallel_config)[0],
             window_tokens=_windows(kv_cache_config, block_size),
         )
         self._groups = kv_cache_config
@@ -705,23 +747,25 @@ class _WorkerSide:
         kvferry._with_detected_host(settings, _vllm_host)
         settings.setdefault("pp_size", self.pp_size)
         settings.setdefault("pp_rank", pp_rank)
+        kvferry._with_rank_ports(settings, _rank_index(pc, tp_rank, pp_rank))
         # The KV cache lives on the worker's device; tcp stages it through
         # pinned host buffers, Mooncake registers it at that location.
         settings.setdefault("device", _engine_device(vllm_config))
         role = _NODE_ROLE[kt.kv_role]
+        dp_rank, dp_size = _dp_layout(pc)
         if role != "decode":
             bootstrap = _bootstrap(vllm_config, extra)
             settings["bootstrap"] = bootstrap
-            settings.setdefault("dp_size", pc.data_parallel_size)
+            settings.setdefault("dp_size", dp_size)
             serve = _serve_bootstrap_at(extra, bootstrap)
-            if serve and tp_rank == 0 and pc.data_parallel_rank == 0 and pp_rank == 0:
+            if serve and tp_rank == 0 and dp_rank == 0 and pp_rank == 0:
                 settings["serve_bootstrap"] = serve
         self.node = kvferry.Node(
             role=role,
             engine_id=kt.engine_id,
             tp_size=tp_size,
             tp_rank=tp_rank,
-            dp_rank=pc.data_parallel_rank,
+            dp_rank=dp_rank,
             **settings,
         )
         #: Whether this rank sends KV (prefill, both): only then do its

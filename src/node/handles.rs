@@ -130,9 +130,14 @@ impl Receiver {
         self.node.phase(self.tid).unwrap_or(Phase::Bootstrapping)
     }
 
-    /// Aborts the transfer.
+    /// Aborts the transfer. Before [`Receiver::request`] the prefill
+    /// ranks are told all the same, so they release the KV they hold for
+    /// it at once rather than at their bootstrap timeout.
     pub fn abort(&self) -> Result<(), NodeError> {
-        self.node.abort(self.tid)
+        match self.node.phase(self.tid) {
+            None => self.node.abort_unrequested(self),
+            Some(_) => self.node.abort(self.tid),
+        }
     }
 
     /// Waits (bounded) for a terminal phase.

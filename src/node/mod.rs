@@ -737,8 +737,31 @@ impl Node {
         dst_blocks: BlockLists,
         prefix_blocks: Vec<u32>,
     ) -> Result<(), NodeError> {
-        self.require(Direction::Recv)?;
+        self.open_recv(tid, dst_blocks, prefix_blocks)?;
         let h = &self.inner.handle;
+        let s = &self.inner.shared;
+        // Prefill ranks this node talks to already: no trip through the
+        // bridge (about two thread hand-offs off every request).
+        if let Some(resolved) = s.cached_route(tid, target) {
+            return match h.send_event(tid, duplex::Event::Recv(resolved)) {
+                Ok(()) => Ok(()),
+                Err(r) => {
+                    let _ = h.abort(tid, AbortReason::Engine);
+                    Err(NodeError::from(r.error))
+                }
+            };
+        }
+        self.resolve_in_bridge(tid, target)
+    }
+
+    /// Creates the receive machine of `tid`, in `Bootstrapping`.
+    fn open_recv(
+        &self,
+        tid: TransferId,
+        dst_blocks: BlockLists,
+        prefix_blocks: Vec<u32>,
+    ) -> Result<(), NodeError> {
+        self.require(Direction::Recv)?;
         let s = &self.inner.shared;
         let m = RecvMachine::new(
             Instant::now(),
@@ -753,34 +776,40 @@ impl Node {
         // from a decode peer never finds it unmarked (`Role::Both`).
         let was_receiving = s.is_receiving(tid);
         s.set_receiving(tid, true);
-        if let Err(r) = h.create(0, tid, Duplex::Recv(m)) {
+        if let Err(r) = self.inner.handle.create(0, tid, Duplex::Recv(m)) {
             // Refused: the mark stays only for the receive that had it.
             if !was_receiving {
                 s.set_receiving(tid, false);
             }
             return Err(NodeError::from(r.error));
         }
-        // Prefill ranks this node talks to already: no trip through the
-        // bridge (about two thread hand-offs off every request).
-        if let Some(resolved) = s.cached_route(tid, target) {
-            return match h.send_event(tid, duplex::Event::Recv(resolved)) {
-                Ok(()) => Ok(()),
-                Err(r) => {
-                    let _ = h.abort(tid, AbortReason::Engine);
-                    Err(NodeError::from(r.error))
-                }
-            };
-        }
-        if !s.to_bridge(BridgeCmd::Resolve {
+        Ok(())
+    }
+
+    /// Has the bridge find the prefill ranks of `tid`'s machine.
+    fn resolve_in_bridge(&self, tid: TransferId, target: &PrefillTarget) -> Result<(), NodeError> {
+        if !self.inner.shared.to_bridge(BridgeCmd::Resolve {
             tid,
             target: target.clone(),
         }) {
             // Without resolution the machine would wait out its bootstrap
             // timeout; fail it now instead.
-            let _ = h.abort(tid, AbortReason::Engine);
+            let _ = self.inner.handle.abort(tid, AbortReason::Engine);
             return Err(NodeError::Busy(SubmitError::MailboxFull { executor: 0 }));
         }
         Ok(())
+    }
+
+    /// Aborts a receive that never asked for its KV: the prefill ranks
+    /// hold the KV for it until told, so it is opened with no destination
+    /// blocks (nothing can land), aborted, and the bridge finds the ranks
+    /// and tells them (`abort_unpulled`), bounded by the bootstrap timeout.
+    fn abort_unrequested(&self, rx: &Receiver) -> Result<(), NodeError> {
+        Node::batch(|| {
+            self.open_recv(rx.tid, Vec::new(), Vec::new())?;
+            self.abort(rx.tid)?;
+            self.resolve_in_bridge(rx.tid, &rx.target)
+        })
     }
 
     fn send_chunk(

@@ -5,6 +5,7 @@ mod bootstrap;
 mod bootstrap_auth;
 mod data_plane_messages;
 mod e2e_abort_mid;
+mod e2e_abort_unrequested;
 mod e2e_auth;
 mod e2e_aux_state;
 mod e2e_both;

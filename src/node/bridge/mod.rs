@@ -28,7 +28,7 @@ use super::sink::inbound;
 use super::{
     Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Shared,
 };
-use crate::bootstrap::{BootstrapClient, ClientError};
+use crate::bootstrap::{BootstrapClient, ClientError, EngineEntry, QueryResponse};
 use crate::transport::EndpointAddr;
 use kvferry_machines::internal::wire::{self, Frame, Hello};
 use kvferry_machines::{DeathCause, Liveness};

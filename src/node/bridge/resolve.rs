@@ -424,9 +424,7 @@ pub(super) fn query_bootstrap(
     dp_rank: u32,
 ) -> Result<EngineRanks, LookupError> {
     let found = client.query(Some(engine_id))?;
-    let entry = found
-        .get(&dp_rank)
-        .ok_or(LookupError::NotRegistered(dp_rank))?;
+    let entry = engine_at(&found, dp_rank).ok_or(LookupError::NotRegistered(dp_rank))?;
     let (tp, pp) = (entry.tp_size() as u32, entry.pp_size() as u32);
     let mut addrs = Vec::with_capacity((tp * pp) as usize);
     for stage in 0..pp {
@@ -436,6 +434,20 @@ pub(super) fn query_bootstrap(
         }
     }
     Ok(EngineRanks { tp, pp, addrs })
+}
+
+/// The entry of an engine's ranks at `dp_rank`, or its only entry: vLLM
+/// gives each data-parallel engine an engine id of its own
+/// (`<id>_dp<rank>`), and routers that name that id send no rank (or 0),
+/// so the id alone finds it, as vLLM's MooncakeConnector finds it. An
+/// engine id registered at several ranks (one id for all of an engine's
+/// ranks) needs the rank.
+fn engine_at(found: &QueryResponse, dp_rank: u32) -> Option<&EngineEntry> {
+    match found.get(&dp_rank) {
+        Some(entry) => Some(entry),
+        None if found.len() == 1 => found.values().next(),
+        None => None,
+    }
 }
 
 /// Why the bootstrap service did not name a prefill engine's ranks; the
@@ -456,4 +468,31 @@ pub(crate) enum LookupError {
         /// Its pipeline stage.
         stage: u32,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(id: &str) -> EngineEntry {
+        EngineEntry {
+            engine_id: id.into(),
+            worker_addr: [(0, [(0, format!("tcp://{id}"))].into())].into(),
+        }
+    }
+
+    #[test]
+    fn an_engine_id_alone_finds_its_only_dp_rank() {
+        let found: QueryResponse = [(1, entry("p_dp1"))].into();
+        assert_eq!(engine_at(&found, 0).unwrap().engine_id, "p_dp1");
+        assert_eq!(engine_at(&found, 1).unwrap().engine_id, "p_dp1");
+    }
+
+    #[test]
+    fn an_engine_id_at_several_dp_ranks_needs_the_rank() {
+        let found: QueryResponse = [(0, entry("p")), (1, entry("p"))].into();
+        assert_eq!(engine_at(&found, 1), Some(&found[&1]));
+        assert_eq!(engine_at(&found, 2), None);
+        assert_eq!(engine_at(&QueryResponse::new(), 0), None);
+    }
 }
