@@ -440,12 +440,13 @@ def _host_port(addr: Address) -> tuple[str, int]:
 
 
 def _request(port: Address, method: str, path: str, body: Any = None,
-             timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
+             timeout: float = REQUEST_TIMEOUT_S,
+             headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection(*_host_port(port), timeout=timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, path, body=data, headers=headers)
+        sent = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers={**sent, **(headers or {})})
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -453,8 +454,9 @@ def _request(port: Address, method: str, path: str, body: Any = None,
 
 
 def post_json(port: Address, path: str, body: Mapping[str, Any],
-              timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-    status, raw = _request(port, "POST", path, dict(body), timeout)
+              timeout: float = REQUEST_TIMEOUT_S,
+              headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    status, raw = _request(port, "POST", path, dict(body), timeout, headers)
     if status != 200:
         raise HttpError(status, raw.decode(errors="replace"))
     return json.loads(raw)
@@ -481,10 +483,11 @@ def completion_body(prompt_token_ids: Sequence[int], max_tokens: int,
 
 def completion(port: Address, prompt_token_ids: Sequence[int], max_tokens: int,
                kv_transfer_params: Mapping[str, Any] | None = None,
-               timeout: float = REQUEST_TIMEOUT_S, **extra: Any) -> dict[str, Any]:
+               timeout: float = REQUEST_TIMEOUT_S, headers: Mapping[str, str] | None = None,
+               **extra: Any) -> dict[str, Any]:
     """POST /v1/completions, greedy; raises HttpError on a non-200 answer."""
     body = completion_body(prompt_token_ids, max_tokens, kv_transfer_params, **extra)
-    return post_json(port, "/v1/completions", body, timeout)
+    return post_json(port, "/v1/completions", body, timeout, headers)
 
 
 def output_ids(response: Mapping[str, Any]) -> list[int]:

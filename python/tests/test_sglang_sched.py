@@ -140,6 +140,32 @@ def test_an_abort_on_decode_before_its_pages_are_allocated_ends_both_sides(pair)
     assert pair.ps.free()[1] == free_p[1]
 
 
+def test_an_abort_on_decode_between_init_and_its_metadata_ends_the_prefill_at_once(pair, monkeypatch):
+    """The receiver knows the prefill engine (`init`) but has not named
+    its pages (`send_metadata` held back, as while decode memory is
+    short): an abort then still reaches the prefill, which ends the
+    request and frees what it holds within a second, not at its bootstrap
+    timeout (3 s here, 300 s by default)."""
+    held = []
+    monkeypatch.setattr(kvferry.sglang.KvferryKVReceiver, "send_metadata",
+                        lambda self, *a, **k: held.append(self.room))
+    free_p = pair.ps.free()
+    pair.add("win", PROMPT, room=307)
+
+    def in_window():
+        queue = pair.ds.disagg_decode_transfer_queue.queue
+        return 307 in held and any(d.req.rid == "win" and d.kv_receiver.handle for d in queue)
+    assert pair.run_until(in_window, within_s=1.0)
+    assert not pair.prefill_ended("win")
+    pair.abort_decode("win")
+    aborted = time.monotonic()
+    assert pair.run_until(lambda: pair.prefill_ended("win"), within_s=1.0), "the prefill still holds it"
+    assert time.monotonic() - aborted < 1.0
+    assert isinstance(pair.reqs[("P", "win")].finished_reason, FINISH_ABORT)
+    assert pair.run_until(lambda: pair.decode_aborted("win"))
+    assert pair.ps.free() == free_p
+
+
 def test_an_abort_on_decode_while_the_prefill_computes_ends_both_sides(pair):
     free_d = pair.ds.free()
     pair.hold_prefill = True
@@ -194,6 +220,37 @@ def test_settings_come_from_sglang_then_kvferry_variables(pair):
     assert s["listen"] is None, "with the cluster key it listens where it advertises"
     assert s["waiting_timeout_ms"] == 3000 and s["bootstrap_timeout_ms"] == 3000
     assert decode.node.settings["role"] == "decode"
+
+
+def test_prefill_ranks_across_nodes_register_at_the_dist_init_addr_host():
+    # SGLang's own backends: with --dist-init-addr the bootstrap service is
+    # on that node (rank 0's); a rank on another node cannot reach it at
+    # its own --host (0.0.0.0 there means its own loopback).
+    from types import SimpleNamespace
+
+    at = kvferry.sglang._bootstrap_host
+    assert at(SimpleNamespace(dist_init_addr="10.1.2.3:5000", host="0.0.0.0")) == "10.1.2.3"
+    assert at(SimpleNamespace(dist_init_addr="[fd00::7]:5000", host="::")) == "[fd00::7]"
+    assert at(SimpleNamespace(dist_init_addr="node0.cluster:5000", host="0.0.0.0")) == "node0.cluster"
+    assert at(SimpleNamespace(dist_init_addr=None, host="0.0.0.0")) == "127.0.0.1"
+    assert at(SimpleNamespace(dist_init_addr=None, host="10.1.2.4")) == "10.1.2.4"
+
+
+def test_attention_context_parallelism_is_refused_by_name(pair, monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context as rc
+
+    prefill, _ = pair.managers()
+    with rc.use_context(pair.P):
+        seen = rc.get_parallel()
+        # This rank's parallel layout with its attention split in two by
+        # context parallelism (`--attn-cp-size 2`).
+        layout = SimpleNamespace(**{n: getattr(seen, n) for n in (
+            "attn_tp_size", "attn_tp_rank", "pp_size", "pp_rank", "tp_size", "tp_rank")}, attn_cp_size=2)
+        monkeypatch.setattr(rc, "get_parallel", lambda: layout)
+        with pytest.raises(kvferry.MisuseError, match="--attn-cp-size 2"):
+            kvferry.sglang.node_settings(prefill.kv_args, prefill.disaggregation_mode, prefill.server_args)
 
 
 def test_the_node_runs_on_sglangs_device_and_fails_clearly_without_a_driver():

@@ -699,6 +699,43 @@ def test_heterogeneous_tp_moves_each_heads_bytes(pd, p_tp, d_tp, layout):
     assert sum(r.get("bytes", 0) for r in rebuilt) > 0
 
 
+def test_base_ports_offset_by_rank_let_every_tp_rank_bind_and_move(pd):
+    # One side-channel and one data-plane port for the engine, as an
+    # operator opening a firewall sets them: each rank listens at the base
+    # plus its index, and the request moves through both.
+    side, data = free_port(), free_port()
+    e = pd(p_tp=2, p_extra={"side_channel_port": side, "data_plane_port": data, "shared_memory": "false"})
+    nodes = [r.connector._worker.node for r in e.p.ranks]
+    assert [n.settings["side_channel_port"] for n in nodes] == [side, side + 1]
+    assert [n.settings["data_plane_port"] for n in nodes] == [data, data + 1]
+    assert_prompt_moved(e, 40)
+
+
+def test_the_dp_rank_is_vllms_dp_index_not_its_reset_rank():
+    # vLLM resets `data_parallel_rank` to 0 in every engine of a dense
+    # model; `data_parallel_index` keeps the engine's place. With hybrid or
+    # external load balancing each node numbers its own engines.
+    pc = ParallelConfig(data_parallel_size=2)
+    pc.data_parallel_index, pc.data_parallel_rank = 1, 0
+    assert kv_vllm._dp_layout(pc) == (1, 2)
+    pc.data_parallel_external_lb = True
+    pc.data_parallel_rank_local, pc.data_parallel_size_local = 0, 1
+    assert kv_vllm._dp_layout(pc) == (0, 1)
+    pc.data_parallel_rank_local, pc.tensor_parallel_size = 1, 2
+    assert kv_vllm._rank_index(pc, tp_rank=1, pp_rank=0) == 3
+
+
+@pytest.mark.parametrize("field, flag", [
+    ("decode_context_parallel_size", "--decode-context-parallel-size"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+])
+def test_context_parallelism_is_refused_at_start_by_name(model_dir, field, flag):
+    vc = config(model_dir, "kv_producer", "p", {})
+    setattr(vc.parallel_config, field, 2)
+    with pytest.raises(kvferry.MisuseError, match=flag):
+        KVConnectorFactory.create_connector(vc, KVConnectorRole.SCHEDULER, None)
+
+
 # -- metadata ---------------------------------------------------------------
 
 

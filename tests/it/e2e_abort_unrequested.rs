@@ -54,9 +54,23 @@ fn ids(blocks: &[u32]) -> Vec<Vec<BlockId>> {
     vec![blocks.iter().map(|&b| BlockId(b)).collect()]
 }
 
-fn run(spec: &ClusterSpec) {
+/// Moves `tid` between the ranks and checks every byte.
+fn moves(c: &Cluster, tid: TransferId, (src, dst): (&[u32], &[u32])) {
+    c.fill(tid, src);
+    c.start_request(tid, src, dst, 0).unwrap();
+    let phases = c.wait_decode(tid, Duration::from_secs(10));
+    assert!(phases.iter().all(|p| *p == Phase::Success), "{phases:?}");
+    assert_eq!(c.verify(tid, dst, 0), 0);
+}
+
+/// `warm`: a request moved first, so the decode ranks know the prefill
+/// ranks' route, and the bridge finds them before the abort lands.
+fn run(spec: &ClusterSpec, warm: bool) {
     let c = Cluster::start(spec).expect("cluster starts");
     let (src, dst) = ([1, 2, 3], [20, 21, 22]);
+    if warm {
+        moves(&c, TransferId(6), (&src, &dst));
+    }
     let tid = TransferId(7);
     c.fill(tid, &src);
     for r in &c.decode {
@@ -87,20 +101,22 @@ fn run(spec: &ClusterSpec) {
         .all(|p| p.is_terminal() && *p != Phase::Success));
     assert!(c.decode.iter().all(|r| r.untouched(&dst)), "bytes landed");
     // The ranks go on: the next request moves every byte.
-    let next = TransferId(8);
-    c.fill(next, &src);
-    c.start_request(next, &src, &dst, 0).unwrap();
-    let phases = c.wait_decode(next, Duration::from_secs(10));
-    assert!(phases.iter().all(|p| *p == Phase::Success), "{phases:?}");
-    assert_eq!(c.verify(next, &dst, 0), 0);
+    moves(&c, TransferId(8), (&src, &dst));
 }
 
 #[test]
 fn push_prefill_releases_a_request_aborted_before_decode_asked() {
-    run(&spec(Mode::Push, 1));
+    run(&spec(Mode::Push, 1), false);
 }
 
 #[test]
 fn pull_prefill_ranks_release_a_request_aborted_before_decode_asked() {
-    run(&spec(Mode::Pull, 2));
+    run(&spec(Mode::Pull, 2), false);
+}
+
+#[test]
+fn a_known_route_still_tells_the_prefill_ranks_of_an_early_abort() {
+    for mode in [Mode::Push, Mode::Pull] {
+        run(&spec(mode, 2), true);
+    }
 }

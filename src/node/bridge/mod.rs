@@ -67,10 +67,14 @@ pub(crate) enum BridgeCmd {
         tid: TransferId,
         msg: Msg,
     },
-    /// Find and contact the prefill ranks of a new decode request.
+    /// Find and contact the prefill ranks of a new decode request;
+    /// `aborted`: the engine aborted it before it asked for the KV, so the
+    /// ranks are only told (the machine's abort may not have landed yet
+    /// when the bridge finds them).
     Resolve {
         tid: TransferId,
         target: PrefillTarget,
+        aborted: bool,
     },
     /// A data-plane connection to the peer failed (refused, reset): mark
     /// it dead now, so new requests to it fail fast until it answers a
@@ -282,6 +286,8 @@ struct Pending {
     /// Past it, a request that ended before its `Pull` left stops trying
     /// to tell its prefill ranks (they have expired by then anyway).
     give_up: Instant,
+    /// Aborted before it asked for the KV (`Receiver::abort`).
+    aborted: bool,
 }
 
 struct Bridge {
@@ -424,12 +430,17 @@ impl Bridge {
                     self.send_bytes(peer, bytes);
                 }
                 BridgeCmd::Inbound { peer, tid, msg } => self.on_transfer_msg(peer, tid, msg),
-                BridgeCmd::Resolve { tid, target } => {
+                BridgeCmd::Resolve {
+                    tid,
+                    target,
+                    aborted,
+                } => {
                     let give_up = Instant::now() + self.shared.config.timeouts.bootstrap_timeout;
                     let p = Pending {
                         tid,
                         target,
                         give_up,
+                        aborted,
                     };
                     if !self.try_resolve(&p) {
                         self.pending.push(p);

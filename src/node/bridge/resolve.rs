@@ -99,10 +99,11 @@ impl Bridge {
         // A request that ended (aborted, expired) before its `Pull` left
         // still has prefill ranks waiting for it: resolve them anyway, and
         // tell them (bounded by `give_up`).
-        let ended = self
-            .handle
-            .poll(p.tid)
-            .is_none_or(|phase| phase.is_terminal());
+        let ended = p.aborted
+            || self
+                .handle
+                .poll(p.tid)
+                .is_none_or(|phase| phase.is_terminal());
         if ended && Instant::now() >= p.give_up {
             return true;
         }
