@@ -107,6 +107,22 @@ def _with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
         settings["host"] = "127.0.0.1"
 
 
+def _with_engine_knobs(settings: dict, knobs: "dict[str, tuple[str, float]]") -> None:
+    """The engine's own variables an operator already sets (``knobs``:
+    variable → (setting, factor to the setting's unit)), each applied
+    unless the setting is given or its ``KVFERRY_<KEY>`` variable is set:
+    kvferry's names win. A value that is not a number is logged and
+    ignored (a typo must not take the engine down)."""
+    for var, (key, factor) in knobs.items():
+        raw = os.environ.get(var)
+        if not raw or key in settings or os.environ.get(f"KVFERRY_{key.upper()}"):
+            continue
+        try:
+            settings[key] = int(float(raw) * factor)
+        except ValueError:
+            logging.getLogger("kvferry").warning("kvferry: %s=%r is not a number; ignored", var, raw)
+
+
 #: Settings that name a port a rank listens on: given for an engine, each
 #: is a base, and a rank listens at the base plus its index on its host.
 RANK_PORTS = ("side_channel_port", "data_plane_port")

@@ -59,11 +59,15 @@ ENGINE_ID = "sglang"
 #: looks for.
 SGLANG_SERIES = "0.5."
 
-#: SGLang's own timeouts of a transfer, in seconds, and the node settings
-#: they become.
-SGLANG_TIMEOUTS = {
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "bootstrap_timeout_ms",
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "waiting_timeout_ms",
+#: SGLang's own variables for a transfer's timeouts and liveness (seconds,
+#: or a count), the node settings they become and the factor to their
+#: unit; ``KVFERRY_<KEY>`` wins over each (docs/config.md).
+SGLANG_KNOBS = {
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": ("bootstrap_timeout_ms", 1000),
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": ("waiting_timeout_ms", 1000),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": ("heartbeat_interval_ms", 1000),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": ("heartbeat_misses", 1),
+    "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S": ("probe_interval_ms", 1000),
 }
 
 #: How long ``try_ensure_parallel_info`` waits for the bootstrap service
@@ -205,9 +209,7 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
     if prefill:
         settings["bootstrap"] = f"{_bootstrap_host(server_args)}:{server_args.disaggregation_bootstrap_port}"
     settings["device"] = _engine_device(args, server_args)
-    for var, key in SGLANG_TIMEOUTS.items():
-        if os.environ.get(var):
-            settings[key] = int(float(os.environ[var]) * 1000)
+    kvferry._with_engine_knobs(settings, SGLANG_KNOBS)
     kvferry._with_detected_host(settings, advertised_host)
     return settings
 

@@ -84,6 +84,12 @@ _MOONCAKE_ONLY_KEYS = {"num_workers"}
 #: ``VLLM_MOONCAKE_BOOTSTRAP_PORT``), the port routers are told.
 BOOTSTRAP_PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
 
+#: vLLM's MooncakeConnector variables the connector honours, the node
+#: settings they become and the factor to their unit; ``KVFERRY_<KEY>``
+#: wins over each (docs/config.md). The abort timeout is how long a
+#: prefill holds the KV of a request no decode asked for.
+VLLM_KNOBS = {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": ("bootstrap_timeout_ms", 1000)}
+
 _STATUS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length_capped",
     RequestStatus.FINISHED_STOPPED: "stopped",
@@ -596,6 +602,25 @@ class _SchedulerSide:
         #: Requests served locally instead of transferring, since the last
         #: stats report.
         self.fallbacks = 0
+        #: Whether vLLM-Ascend's proxy params were said to be unused.
+        self._warned_ascend = False
+
+    def _ascend_params(self, request: Any) -> None:
+        """vLLM-Ascend's proxy names the prefill's side channel
+        (``remote_host``, ``remote_port``); kvferry finds the prefill's
+        ranks through its bootstrap service instead. Computed locally,
+        said once per engine."""
+        if not self._warned_ascend:
+            self._warned_ascend = True
+            logger.warning(
+                "kvferry: kv_transfer_params carry vLLM-Ascend's remote_host/remote_port, which "
+                "kvferry does not use: send remote_bootstrap_addr (the prefill's bootstrap "
+                "service, host:%s) and remote_engine_id, as vllm-router --kv-connector mooncake "
+                "does; such requests are computed locally (said once)",
+                os.environ.get(BOOTSTRAP_PORT_ENV) or 8998,
+            )
+        self._local.add(request.request_id)
+        self.fallbacks += 1
 
     def _fall_back(self, request: Any, err: Exception, what: str) -> None:
         logger.warning(
@@ -611,6 +636,9 @@ class _SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         params = request.kv_transfer_params
         if not params or request.request_id in self._local:
+            return 0, False
+        if params.get("do_remote_prefill") and "remote_host" in params and "remote_bootstrap_addr" not in params:
+            self._ascend_params(request)
             return 0, False
         try:
             found = self._sched.get_num_new_matched_tokens(
@@ -748,6 +776,7 @@ class _WorkerSide:
         settings.setdefault("pp_size", self.pp_size)
         settings.setdefault("pp_rank", pp_rank)
         kvferry._with_rank_ports(settings, _rank_index(pc, tp_rank, pp_rank))
+        kvferry._with_engine_knobs(settings, VLLM_KNOBS)
         # The KV cache lives on the worker's device; tcp stages it through
         # pinned host buffers, Mooncake registers it at that location.
         settings.setdefault("device", _engine_device(vllm_config))

@@ -18,6 +18,12 @@ pytest.importorskip("sglang.srt.runtime_context")
 # that a prefill that never answers ends its decode request within the test.
 os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = "3"
 os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = "3"
+# SGLang's liveness knobs, which it takes over too; where kvferry's own
+# variable is set as well, kvferry's wins.
+os.environ["SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"] = "1.5"
+os.environ["SGLANG_FAILED_SESSION_PROBE_INTERVAL_S"] = "0.25"
+os.environ["SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"] = "5"
+os.environ["KVFERRY_HEARTBEAT_MISSES"] = "3"
 
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_ABORT  # noqa: E402
@@ -219,6 +225,8 @@ def test_settings_come_from_sglang_then_kvferry_variables(pair):
     assert s["host"] == "127.0.0.1", "SGLANG_HOST_IP, as SGLang's own backends"
     assert s["listen"] is None, "with the cluster key it listens where it advertises"
     assert s["waiting_timeout_ms"] == 3000 and s["bootstrap_timeout_ms"] == 3000
+    assert (s["heartbeat_interval_ms"], s["probe_interval_ms"]) == (1500, 250)
+    assert s["heartbeat_misses"] == 3, "KVFERRY_HEARTBEAT_MISSES wins over SGLang's variable"
     assert decode.node.settings["role"] == "decode"
 
 

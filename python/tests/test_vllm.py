@@ -711,6 +711,15 @@ def test_base_ports_offset_by_rank_let_every_tp_rank_bind_and_move(pd):
     assert_prompt_moved(e, 40)
 
 
+def test_mooncakes_abort_timeout_sets_how_long_a_prefill_holds_unasked_kv(pd, monkeypatch):
+    monkeypatch.setenv("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "7")
+    e = pd()
+    assert e.p.ranks[0].connector._worker.node.settings["bootstrap_timeout_ms"] == 7000
+    monkeypatch.setenv("KVFERRY_BOOTSTRAP_TIMEOUT_MS", "9000")
+    e = pd()
+    assert e.p.ranks[0].connector._worker.node.settings["bootstrap_timeout_ms"] == 9000, "kvferry's name wins"
+
+
 def test_the_dp_rank_is_vllms_dp_index_not_its_reset_rank():
     # vLLM resets `data_parallel_rank` to 0 in every engine of a dense
     # model; `data_parallel_index` keeps the engine's place. With hybrid or
@@ -939,6 +948,23 @@ def test_bad_kv_transfer_params_are_computed_locally(model_dir, params):
         )
         assert d.finished["d-bad"] == FinishReason.LENGTH
         assert sum(s.get("local_fallbacks", 0) for s in d.stats) == 1
+    finally:
+        d.shutdown()
+
+
+def test_vllm_ascends_proxy_params_are_computed_locally_and_said_once(model_dir, caplog):
+    ascend = {"do_remote_prefill": True, "transfer_id": "t-a", "remote_engine_id": "p",
+              "remote_host": "10.0.0.1", "remote_port": 30000, "remote_block_ids": [0, 1]}
+    d = Engine(config(model_dir, "kv_consumer", "d", {}))
+    try:
+        for rid in ("a-1", "a-2"):
+            d.sched.add_request(request(rid, 40, {**ascend, "transfer_id": rid}, 2))
+        with caplog.at_level("WARNING", logger="kvferry.vllm"):
+            run_until([d], lambda: {"a-1", "a-2"} <= d.finished.keys(), "both finish")
+        assert d.finished["a-1"] == d.finished["a-2"] == FinishReason.LENGTH
+        assert sum(s.get("local_fallbacks", 0) for s in d.stats) == 2
+        said = [r for r in caplog.records if "remote_bootstrap_addr" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
     finally:
         d.shutdown()
 
