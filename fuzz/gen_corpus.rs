@@ -284,10 +284,10 @@ fn spec_seeds() {
     }
 }
 
-/// Store lookup requests and replies (`kvferry::store::internal::lookup::wire`).
+/// Store lookup requests and replies (`kvferry_store::internal::lookup::wire`).
 fn lookup_seeds() {
-    use kvferry::store::internal::lookup::wire::{encode_query, encode_reply, ServerFault};
-    use kvferry::store::LookupQuery;
+    use kvferry_store::internal::lookup::wire::{encode_query, encode_reply, ServerFault};
+    use kvferry_store::LookupQuery;
     use kvferry_machines::internal::store::lookup::LookupHit;
     use kvferry_machines::internal::store::BlockHash;
 
@@ -352,7 +352,7 @@ fn auth_seeds() {
 
 /// One frame of each request and answer kind of the store server.
 fn store_proto_seeds() {
-    use kvferry::store::internal::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, Span};
+    use kvferry_store::internal::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, Span};
     reset("store_proto_decode");
     let item = |key: &str| Item {
         key: key.into(),

@@ -10,8 +10,9 @@
 //! * `kvferry-transport` ([`transport`]): the data plane (tcp, in-process,
 //!   Mooncake), registered regions, the block fence, name resolution;
 //! * `kvferry-metrics`: the latency histogram and the `/metrics` endpoint;
-//! * `kvferry-store` ([`store`]): store offload, its connector, scheduler
-//!   side, lookup server, KV events and backends;
+//! * `kvferry-store`: store offload, its connector, scheduler side, lookup
+//!   server, KV events and backends (beside this crate: a P/D embedder
+//!   does not build it);
 //! * `kvferry-store-server`: `kvferry store serve`;
 //! * this crate: the control plane and the public API, re-exported here:
 //!   a [`Node`] per rank with its per-request [`Sender`]/[`Receiver`]
@@ -61,7 +62,6 @@ pub mod stats;
 pub use kvferry_auth as auth;
 pub use kvferry_machines as machines;
 pub use kvferry_reactor as reactor;
-pub use kvferry_store as store;
 pub use kvferry_transport as transport;
 pub use kvferry_transport::internal::resolve;
 

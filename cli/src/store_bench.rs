@@ -11,7 +11,7 @@ use clap::Args;
 use kvferry::machines::internal::store::lookup::Lookup;
 use kvferry::machines::internal::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};
+use kvferry_store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};
 use kvferry::transport::SharedMem;
 
 use crate::cli::usage_error;

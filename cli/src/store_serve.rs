@@ -1,5 +1,5 @@
 //! `kvferry store serve`: the RAM store engines share over `kvferry://`
-//! (`kvferry::store::server`), until SIGTERM or SIGINT.
+//! (`kvferry_store::server`), until SIGTERM or SIGINT.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -31,7 +31,7 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics_listen: Option<String>,
     /// TCP streams per engine for the data plane (1..=64).
-    #[arg(long, value_name = "N", default_value_t = kvferry::store::internal::proto::STORE_STREAMS)]
+    #[arg(long, value_name = "N", default_value_t = kvferry_store::internal::proto::STORE_STREAMS)]
     streams: usize,
     /// Pin the server's executor to this core.
     #[arg(long, value_name = "CORE")]

@@ -1,4 +1,4 @@
-//! The store lookup server's messages (`kvferry::store::internal::lookup::wire`)
+//! The store lookup server's messages (`kvferry_store::internal::lookup::wire`)
 //! on arbitrary bytes: the request and the reply decoder, with the
 //! properties of `lookup_msg_oracle::check_lookup_msg`.
 

@@ -2,7 +2,7 @@
 //! shared with the test that replays its seeds and corpus
 //! (`tests/it/fuzz_seeds.rs`). Every property failure panics.
 
-use kvferry::store::internal::lookup::wire::{
+use kvferry_store::internal::lookup::wire::{
     decode_query, decode_reply, encode_query, encode_reply, LookupWireError, LOOKUP_HASHES_MAX,
     LOOKUP_MESSAGE_MAX_BYTES,
 };

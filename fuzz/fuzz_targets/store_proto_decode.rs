@@ -1,4 +1,4 @@
-//! The store server's control frames (`kvferry::store::internal::proto`) on
+//! The store server's control frames (`kvferry_store::internal::proto`) on
 //! arbitrary bytes, with the properties of `store_proto_oracle::check_frame`.
 
 #![no_main]

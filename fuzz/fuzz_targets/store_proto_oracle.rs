@@ -1,10 +1,10 @@
 //! The properties of the store server's control protocol
-//! (`kvferry::store::internal::proto`) on arbitrary bytes, shared by the fuzz target
+//! (`kvferry_store::internal::proto`) on arbitrary bytes, shared by the fuzz target
 //! and the seed replay in `tests/it/fuzz_seeds.rs`: a frame is a header and
 //! a body; whatever decodes (as a request or as a reply) re-encodes to a
 //! frame that decodes to the same message, and nothing panics.
 
-use kvferry::store::internal::proto::{self, Reply, Request};
+use kvferry_store::internal::proto::{self, Reply, Request};
 
 /// What a frame decoded to.
 #[derive(Debug)]

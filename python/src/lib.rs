@@ -690,7 +690,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::StoreSched>()?;
     m.add_class::<store::StoreWorker>()?;
     m.add_class::<pages::PageStore>()?;
-    m.add("STORE_URLS", kvferry::store::STORE_URLS)?;
+    m.add("STORE_URLS", kvferry_store::STORE_URLS)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("MisuseError", py.get_type::<MisuseError>())?;
     m.add("PeerError", py.get_type::<PeerError>())?;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use kvferry::machines::internal::store::ChunkKey;
 use kvferry::machines::{RankLayout, Region, Stage};
 use kvferry::reactor::lock;
-use kvferry::store::{
+use kvferry_store::{
     AnyStore, CallError, GetItem, PutItem, RegisteredMemory, Scatter, StoreBackend,
 };
 use kvferry::BlockId;

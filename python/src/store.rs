@@ -24,11 +24,11 @@ use kvferry::machines::internal::store::lookup::LookupHit;
 use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::machines::{RankLayout, Stage};
 use kvferry::reactor::lock;
-use kvferry::store::internal::lookup::{
+use kvferry_store::internal::lookup::{
     LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup,
 };
-use kvferry::store::internal::scheduler::{Scheduled, StoreReq, StoreSchedError};
-use kvferry::store::{
+use kvferry_store::internal::scheduler::{Scheduled, StoreReq, StoreSchedError};
+use kvferry_store::{
     AnyStore, ConnectorConfig, ConnectorLimits, StoreBackend, StoreConnector, StoreMeta,
     StoreSaveMeta, StoreScheduler, StoreSchedulerConfig,
 };

@@ -27,7 +27,7 @@ use kvferry::machines::internal::store::{
     BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig,
 };
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::store::{
+use kvferry_store::{
     ConnectorConfig, ConnectorError, ConnectorLimits, StoreBackend, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
 };
@@ -611,7 +611,7 @@ fn gbps(bytes: u64, time: Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvferry::store::internal::inproc::{InprocConfig, InprocStore};
+    use kvferry_store::internal::inproc::{InprocConfig, InprocStore};
 
     #[test]
     fn the_demo_verifies_every_byte_it_loads() {

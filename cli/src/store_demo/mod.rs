@@ -6,7 +6,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use kvferry::store::{AnyStore, ConnectorError, StoreBackend};
+use kvferry_store::{AnyStore, ConnectorError, StoreBackend};
 
 mod engine;
 

@@ -13,7 +13,7 @@ use kvferry::machines::internal::common::{BlockId, TransferId};
 use kvferry::machines::internal::store::events::Medium;
 use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry::store::{
+use kvferry_store::{
     ConnectorConfig, ConnectorLimits, RemoteConfig, RemoteStore, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
 };
