@@ -1024,7 +1024,7 @@ impl Scheduler {
             target: PrefillTarget::Bootstrap {
                 addr: addr.clone(),
                 engine_id: engine_id.clone(),
-                dp_rank: params.remote_dp_rank.unwrap_or(0),
+                dp_rank: params.remote_dp_rank,
             },
             prompt_blocks,
             prefix_blocks,

@@ -31,9 +31,10 @@ pub(crate) struct DecodeArgs {
     /// The prefill engine to pull from.
     #[arg(long, value_name = "ID", default_value = "prefill")]
     prefill_engine_id: String,
-    /// The prefill engine's data-parallel rank.
-    #[arg(long, value_name = "R", default_value_t = 0)]
-    prefill_dp_rank: u32,
+    /// The prefill engine's data-parallel rank [default: its one rank,
+    /// whichever it is].
+    #[arg(long, value_name = "R")]
+    prefill_dp_rank: Option<u32>,
     /// Requests to run, then exit.
     #[arg(long, value_name = "K", default_value_t = 0)]
     requests: u64,

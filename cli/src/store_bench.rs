@@ -11,8 +11,8 @@ use clap::Args;
 use kvferry::machines::internal::store::lookup::Lookup;
 use kvferry::machines::internal::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
-use kvferry_store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};
 use kvferry::transport::SharedMem;
+use kvferry_store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};
 
 use crate::cli::usage_error;
 

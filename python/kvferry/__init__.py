@@ -576,13 +576,14 @@ class Node:
         *,
         prefill_engine_id: Optional[str] = None,
         bootstrap: Optional[str] = None,
-        prefill_dp_rank: int = 0,
+        prefill_dp_rank: Optional[int] = None,
         side_channels: Optional[Sequence[str]] = None,
         prefill_tp_size: int = 1,
         prefill_pp_size: int = 1,
     ) -> Receiver:
         """The decode side of ``transfer_id``, from the prefill engine
-        ``prefill_engine_id`` (at data-parallel rank ``prefill_dp_rank``)
+        ``prefill_engine_id`` (at data-parallel rank ``prefill_dp_rank``;
+        ``None``: the engine's one rank, whichever it is)
         as the bootstrap service ``bootstrap`` lists it (default: this
         node's), or from the ranks at ``side_channels`` (stage by stage,
         ``prefill_tp_size`` per stage)."""

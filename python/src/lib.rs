@@ -334,14 +334,14 @@ impl Node {
     /// The handle of a receive (decode) from the prefill engine named by
     /// `prefill_engine_id` at the bootstrap service `bootstrap`, or by the
     /// side channels of its ranks.
-    #[pyo3(signature = (transfer_id, prefill_engine_id=None, bootstrap=None, prefill_dp_rank=0, side_channels=None, prefill_tp_size=1, prefill_pp_size=1))]
+    #[pyo3(signature = (transfer_id, prefill_engine_id=None, bootstrap=None, prefill_dp_rank=None, side_channels=None, prefill_tp_size=1, prefill_pp_size=1))]
     #[allow(clippy::too_many_arguments)]
     fn receiver(
         &self,
         transfer_id: &Bound<'_, PyAny>,
         prefill_engine_id: Option<String>,
         bootstrap: Option<String>,
-        prefill_dp_rank: u32,
+        prefill_dp_rank: Option<u32>,
         side_channels: Option<Vec<String>>,
         prefill_tp_size: u32,
         prefill_pp_size: u32,

@@ -260,7 +260,7 @@ mod tests {
 
     fn target() -> impl Strategy<Value = PrefillTarget> {
         prop_oneof![
-            ("[a-z0-9.:]{0,30}", "[ -~]{0,20}", any::<u32>()).prop_map(
+            ("[a-z0-9.:]{0,30}", "[ -~]{0,20}", any::<Option<u32>>()).prop_map(
                 |(addr, engine_id, dp_rank)| PrefillTarget::Bootstrap {
                     addr,
                     engine_id,

@@ -57,15 +57,17 @@ pub enum TransportKind {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum PrefillTarget {
     /// Ask a bootstrap service for the ranks of engine `engine_id` at data
-    /// parallel rank `dp_rank` (vLLM: `remote_engine_id` and the prefill
-    /// engine's DP rank; 0 without data parallelism).
+    /// parallel rank `dp_rank` (vLLM: `remote_engine_id` and
+    /// `remote_dp_rank`).
     Bootstrap {
         /// `host:port` of the bootstrap service.
         addr: String,
         /// The prefill engine.
         engine_id: String,
-        /// Its data-parallel rank, as it registered.
-        dp_rank: u32,
+        /// Its data-parallel rank, as it registered; `None`: the engine's
+        /// one rank, whichever it is (vLLM names each DP engine apart,
+        /// `<id>_dp<k>`, and routers send that id without a rank).
+        dp_rank: Option<u32>,
     },
     /// The side-channel addresses of every prefill rank.
     Direct {

@@ -900,7 +900,7 @@ impl Cluster {
             Some(addr) => PrefillTarget::Bootstrap {
                 addr,
                 engine_id: "prefill".into(),
-                dp_rank: 0,
+                dp_rank: Some(0),
             },
             None => PrefillTarget::Direct {
                 tp_size: spec.prefill_tp,

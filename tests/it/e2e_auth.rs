@@ -78,7 +78,7 @@ fn kv_moves_only_between_ranks_holding_the_key() {
     let target = PrefillTarget::Bootstrap {
         addr: addr.clone(),
         engine_id: "prefill".into(),
-        dp_rank: 0,
+        dp_rank: Some(0),
     };
     let client = kvferry::bootstrap::BootstrapClient::new(&addr)
         .unwrap()

@@ -43,7 +43,7 @@ fn transfer(p: &Rank, d: &Rank, addr: &str, dp_rank: u32, tid: TransferId) -> Ph
     let target = PrefillTarget::Bootstrap {
         addr: addr.to_string(),
         engine_id: "p".into(),
-        dp_rank,
+        dp_rank: Some(dp_rank),
     };
     p.send_one(d, &target, tid, (&src, &dst), Duration::from_secs(10))
 }
@@ -158,7 +158,7 @@ fn an_abort_before_the_pull_left_reaches_prefill() {
     let target = PrefillTarget::Bootstrap {
         addr: addr.clone(),
         engine_id: "p".into(),
-        dp_rank: 0,
+        dp_rank: Some(0),
     };
     let tid = TransferId(21);
     let rx = d.node.receiver(tid, &target).unwrap();

@@ -98,7 +98,7 @@ fn a_decode_node_reaches_a_prefill_node_by_host_name() {
     let by_service = PrefillTarget::Bootstrap {
         addr: bootstrap.clone(),
         engine_id: "p".into(),
-        dp_rank: 0,
+        dp_rank: Some(0),
     };
     assert_eq!(transfer(&p, &d, &by_service, TransferId(1)), Phase::Success);
     let direct = PrefillTarget::Direct {
@@ -110,7 +110,7 @@ fn a_decode_node_reaches_a_prefill_node_by_host_name() {
     let registered_p2 = PrefillTarget::Bootstrap {
         addr: format!("http://{bootstrap}/"),
         engine_id: "p2".into(),
-        dp_rank: 1,
+        dp_rank: Some(1),
     };
     assert_eq!(
         transfer(&p2, &d, &registered_p2, TransferId(3)),

@@ -144,12 +144,12 @@ fn bootstrap_target_limit_fails_a_request_at_once() {
     let first = PrefillTarget::Bootstrap {
         addr: hang.local_addr().unwrap().to_string(),
         engine_id: "p1".into(),
-        dp_rank: 0,
+        dp_rank: Some(0),
     };
     let second = PrefillTarget::Bootstrap {
         addr: hang.local_addr().unwrap().to_string(),
         engine_id: "p2".into(),
-        dp_rank: 0,
+        dp_rank: Some(0),
     };
     d.receiver(TransferId(1), &first)
         .unwrap()

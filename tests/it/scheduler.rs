@@ -67,11 +67,13 @@ fn req<'a>(
     }
 }
 
+/// Where the decode side finds the prefill engine of `params()`, which
+/// name no DP rank (as vllm-router's do): the engine's one rank.
 fn target() -> PrefillTarget {
     PrefillTarget::Bootstrap {
         addr: ADDR.into(),
         engine_id: "p".into(),
-        dp_rank: 0,
+        dp_rank: None,
     }
 }
 
@@ -586,7 +588,7 @@ fn the_prefill_dp_rank_travels_to_the_decode_load() {
     let want = PrefillTarget::Bootstrap {
         addr: ADDR.into(),
         engine_id: "p".into(),
-        dp_rank: 3,
+        dp_rank: Some(3),
     };
     assert_eq!(load.prefill, want);
 }

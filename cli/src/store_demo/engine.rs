@@ -27,11 +27,11 @@ use kvferry::machines::internal::store::{
     BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig,
 };
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry::Latency;
 use kvferry_store::{
     ConnectorConfig, ConnectorError, ConnectorLimits, StoreBackend, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
 };
-use kvferry::Latency;
 
 use crate::demo::ms;
 

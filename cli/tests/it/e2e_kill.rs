@@ -97,7 +97,7 @@ fn prefill_killed_mid_transfer_every_request_ends_and_decode_recovers() {
     let target = PrefillTarget::Bootstrap {
         addr: addr.clone(),
         engine_id: "prefill".into(),
-        dp_rank: 0,
+        dp_rank: Some(0),
     };
     let start = |tid: u64| {
         let blocks: Vec<u32> = vec![(tid % 16) as u32 * 4, (tid % 16) as u32 * 4 + 1];
@@ -262,7 +262,7 @@ fn prefill_back_on_the_same_address_clears_the_dead_mark() {
     let target = PrefillTarget::Bootstrap {
         addr: addr.clone(),
         engine_id: "prefill".into(),
-        dp_rank: 0,
+        dp_rank: Some(0),
     };
     let run = |tid: u64| {
         let blocks = [tid as u32 % 32];
@@ -408,7 +408,7 @@ fn prefill_killed_fails_requests_at_once_by_connection_drop_not_silence() {
         let target = PrefillTarget::Bootstrap {
             addr: addr.clone(),
             engine_id: "prefill".into(),
-            dp_rank: 0,
+            dp_rank: Some(0),
         };
         let live: Vec<_> = (1..5u64)
             .map(|tid| {

@@ -13,11 +13,11 @@ use kvferry::machines::internal::common::{BlockId, TransferId};
 use kvferry::machines::internal::store::events::Medium;
 use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry::transport::SharedMem;
 use kvferry_store::{
     ConnectorConfig, ConnectorLimits, RemoteConfig, RemoteStore, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
 };
-use kvferry::transport::SharedMem;
 
 const BLOCK_TOKENS: u32 = 16;
 const HEADS: u32 = 8;

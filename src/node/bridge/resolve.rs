@@ -418,11 +418,12 @@ fn stages_read(stage: kvferry_machines::Stage, prefill_pp: u32) -> Option<std::o
 }
 
 /// Asks the bootstrap service for the side channels of `engine_id`'s ranks
-/// at data-parallel rank `dp_rank`, every TP rank of every stage.
+/// at data-parallel rank `dp_rank` (`None`: its one rank), every TP rank
+/// of every stage.
 pub(super) fn query_bootstrap(
     client: &BootstrapClient,
     engine_id: &str,
-    dp_rank: u32,
+    dp_rank: Option<u32>,
 ) -> Result<EngineRanks, LookupError> {
     let found = client.query(Some(engine_id))?;
     let entry = engine_at(&found, dp_rank).ok_or(LookupError::NotRegistered(dp_rank))?;
@@ -437,15 +438,14 @@ pub(super) fn query_bootstrap(
     Ok(EngineRanks { tp, pp, addrs })
 }
 
-/// The entry of an engine's ranks at `dp_rank`, or its only entry: vLLM
-/// gives each data-parallel engine an engine id of its own
-/// (`<id>_dp<rank>`), and routers that name that id send no rank (or 0),
-/// so the id alone finds it, as vLLM's MooncakeConnector finds it. An
-/// engine id registered at several ranks (one id for all of an engine's
-/// ranks) needs the rank.
-fn engine_at(found: &QueryResponse, dp_rank: u32) -> Option<&EngineEntry> {
-    match found.get(&dp_rank) {
-        Some(entry) => Some(entry),
+/// The entry of an engine's ranks at `dp_rank`, or with no rank given its
+/// one entry: vLLM gives each data-parallel engine an engine id of its own
+/// (`<id>_dp<rank>`), and routers that name that id send no rank, so the
+/// id alone finds it, as vLLM's MooncakeConnector finds it. A rank given
+/// is the rank asked for, never another.
+fn engine_at(found: &QueryResponse, dp_rank: Option<u32>) -> Option<&EngineEntry> {
+    match dp_rank {
+        Some(rank) => found.get(&rank),
         None if found.len() == 1 => found.values().next(),
         None => None,
     }
@@ -458,9 +458,10 @@ pub(crate) enum LookupError {
     /// The service could not be asked.
     #[error(transparent)]
     Client(#[from] ClientError),
-    /// The engine has no ranks registered at this data-parallel rank.
-    #[error("engine is not registered at dp rank {0}")]
-    NotRegistered(u32),
+    /// The engine has no ranks registered at this data-parallel rank
+    /// (`None`: at one rank only).
+    #[error("engine is not registered at dp rank {0:?}")]
+    NotRegistered(Option<u32>),
     /// A rank of the engine has not registered yet.
     #[error("tp rank {rank} of stage {stage} not registered yet")]
     RankMissing {
@@ -485,15 +486,21 @@ mod tests {
     #[test]
     fn an_engine_id_alone_finds_its_only_dp_rank() {
         let found: QueryResponse = [(1, entry("p_dp1"))].into();
-        assert_eq!(engine_at(&found, 0).unwrap().engine_id, "p_dp1");
-        assert_eq!(engine_at(&found, 1).unwrap().engine_id, "p_dp1");
+        assert_eq!(engine_at(&found, None).unwrap().engine_id, "p_dp1");
+        assert_eq!(engine_at(&found, Some(1)).unwrap().engine_id, "p_dp1");
+        assert_eq!(
+            engine_at(&found, Some(0)),
+            None,
+            "a rank given is that rank"
+        );
     }
 
     #[test]
     fn an_engine_id_at_several_dp_ranks_needs_the_rank() {
         let found: QueryResponse = [(0, entry("p")), (1, entry("p"))].into();
-        assert_eq!(engine_at(&found, 1), Some(&found[&1]));
-        assert_eq!(engine_at(&found, 2), None);
-        assert_eq!(engine_at(&QueryResponse::new(), 0), None);
+        assert_eq!(engine_at(&found, Some(1)), Some(&found[&1]));
+        assert_eq!(engine_at(&found, None), None);
+        assert_eq!(engine_at(&found, Some(2)), None);
+        assert_eq!(engine_at(&QueryResponse::new(), None), None);
     }
 }
