@@ -582,14 +582,16 @@ def test_a_permanent_cut_ends_a_request_by_its_deadline(hosts: Hosts, model: str
         pd_completion(cluster.prefill.addr, cluster.decode.addr, warm, MAX_TOKENS, engine_id,
                       cluster.bootstrap)
         ids, tid = random_prompt(500, seed=8001), transfer_id()
-        completion(cluster.prefill.addr, ids, 1, prefill_params(tid))
+        # The decode leg carries what the prefill leg returned, as the warm
+        # request's did: the same prefill target, whose ranks it knows.
+        returned = completion(cluster.prefill.addr, ids, 1, prefill_params(tid)).get("kv_transfer_params")
         hosts.cut("p")
         try:
             t0 = time.monotonic()
             with pytest.raises(HttpError):
                 # `fail`: the load that cannot come fails the request.
                 completion(cluster.decode.addr, ids, MAX_TOKENS,
-                           decode_params(tid, engine_id, cluster.bootstrap), timeout=120)
+                           decode_params(tid, engine_id, cluster.bootstrap, returned), timeout=120)
             waited = time.monotonic() - t0
         finally:
             hosts.heal("p")
