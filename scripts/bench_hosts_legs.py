@@ -64,6 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1100)
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--deployments", default="kvferry,kvferry-shm,mooncake",
+                    help="comma-separated, run in this order")
     args = ap.parse_args()
     require_hosts()
     work = Path(tempfile.mkdtemp(prefix="bench-hosts-"))
@@ -74,7 +76,7 @@ def main() -> None:
     with Hosts(["p", "d", "r"]) as hosts:
         hosts.rate("p", cluster.LINK)
         hosts.rate("d", cluster.LINK)
-        for name in ("kvferry", "kvferry-shm", "mooncake"):
+        for name in args.deployments.split(","):
             print(json.dumps(measure(hosts, model, str(key), name, args.tokens, args.rounds)), flush=True)
 
 
