@@ -5,10 +5,8 @@
 
 use kvferry::transport::internal::wire as tw;
 use kvferry_machines::internal::common::{BlockId, Mode, Msg, TransferId};
-use kvferry_machines::{
-    LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region,
-};
 use kvferry_machines::internal::wire::{self, Frame, Hello, Limits, Refuse, RefuseReason, VERSION};
+use kvferry_machines::{LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region};
 use std::fs;
 use std::path::Path;
 
@@ -286,10 +284,10 @@ fn spec_seeds() {
 
 /// Store lookup requests and replies (`kvferry_store::internal::lookup::wire`).
 fn lookup_seeds() {
-    use kvferry_store::internal::lookup::wire::{encode_query, encode_reply, ServerFault};
-    use kvferry_store::LookupQuery;
     use kvferry_machines::internal::store::lookup::LookupHit;
     use kvferry_machines::internal::store::BlockHash;
+    use kvferry_store::internal::lookup::wire::{encode_query, encode_reply, ServerFault};
+    use kvferry_store::LookupQuery;
 
     let target = "lookup_msg_decode";
     reset(target);
@@ -352,7 +350,9 @@ fn auth_seeds() {
 
 /// One frame of each request and answer kind of the store server.
 fn store_proto_seeds() {
-    use kvferry_store::internal::proto::{self, Answer, Item, KeyAnswer, Refusal, Reply, Request, Span};
+    use kvferry_store::internal::proto::{
+        self, Answer, Item, KeyAnswer, Refusal, Reply, Request, Span,
+    };
     reset("store_proto_decode");
     let item = |key: &str| Item {
         key: key.into(),

@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use kvferry::machines::internal::store::ChunkKey;
 use kvferry::machines::{RankLayout, Region, Stage};
 use kvferry::reactor::lock;
+use kvferry::BlockId;
 use kvferry_store::{
     AnyStore, CallError, GetItem, PutItem, RegisteredMemory, Scatter, StoreBackend,
 };
-use kvferry::BlockId;
 use pyo3::prelude::*;
 
 use crate::{misuse, same_process, TimeoutError, TransportError};

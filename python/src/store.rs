@@ -24,6 +24,7 @@ use kvferry::machines::internal::store::lookup::LookupHit;
 use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::machines::{RankLayout, Stage};
 use kvferry::reactor::lock;
+use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};
 use kvferry_store::internal::lookup::{
     LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup,
 };
@@ -32,7 +33,6 @@ use kvferry_store::{
     AnyStore, ConnectorConfig, ConnectorLimits, StoreBackend, StoreConnector, StoreMeta,
     StoreSaveMeta, StoreScheduler, StoreSchedulerConfig,
 };
-use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use serde::Deserialize;
