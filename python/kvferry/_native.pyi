@@ -66,7 +66,7 @@ class Node:
         transfer_id: Union[int, str],
         prefill_engine_id: Optional[str] = None,
         bootstrap: Optional[str] = None,
-        prefill_dp_rank: int = 0,
+        prefill_dp_rank: Optional[int] = None,
         side_channels: Optional[Sequence[str]] = None,
         prefill_tp_size: int = 1,
         prefill_pp_size: int = 1,
