@@ -35,6 +35,8 @@ from types import SimpleNamespace
 
 from engines import free_port, make_model
 
+# One host unless told otherwise; an empty value (the multi-host tests)
+# lets SGLang find the host's address itself.
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 os.environ["KVFERRY_SGLANG"] = "1"
 os.environ["SGLANG_PLUGINS"] = "kvferry"
@@ -105,17 +107,17 @@ GROUPS = [
 _world: dict = {}
 
 
-def process_groups(context, world=(1, 0, None)) -> dict:
+def process_groups(context, world=(1, 0, None), host="127.0.0.1") -> dict:
     """SGLang's process groups on gloo, made once per process (SGLang keeps
-    them in module globals; `world` is (size, rank, rendezvous port)) and
-    stamped into every further context as `initialize_model_parallel`
-    stamps them."""
+    them in module globals; `world` is (size, rank, rendezvous port), the
+    rendezvous on `host`) and stamped into every further context as
+    `initialize_model_parallel` stamps them."""
     size, rank, port = world
     with rc.use_context(context):
         if not _world:
             parallel_state.init_distributed_environment(
                 world_size=size, rank=rank, local_rank=rank, backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{port or free_port()}",
+                distributed_init_method=f"tcp://{host}:{port or free_port()}",
             )
             parallel_state.initialize_model_parallel()
             _world.update({n: getattr(rc.get_parallel(), n) for n in GROUPS})
@@ -332,23 +334,23 @@ class DecodeSched(SchedBase, SchedulerDisaggregationDecodeMixin, SchedulerPPMixi
 
 
 def server_args(mode: str, port: int, **over) -> ServerArgs:
-    sa = ServerArgs(
-        model_path=MODEL, device="cpu", disaggregation_mode=mode,
-        disaggregation_transfer_backend="mooncake", host="127.0.0.1",
-        disaggregation_bootstrap_port=port, page_size=PAGE, max_running_requests=8,
-        dtype="float16", **over,
-    )
+    sa = ServerArgs(**{
+        "model_path": MODEL, "device": "cpu", "disaggregation_mode": mode,
+        "disaggregation_transfer_backend": "mooncake", "host": "127.0.0.1",
+        "disaggregation_bootstrap_port": port, "page_size": PAGE, "max_running_requests": 8,
+        "dtype": "float16", **over,
+    })
     # The default reserve (512 tokens per request) admits nothing into a
     # 256-token decode pool.
     sa.num_reserved_decode_tokens = 16
     return sa
 
 
-def req(rid, ids, room, port, mode, max_new_tokens=4) -> Req:
+def req(rid, ids, room, port, mode, max_new_tokens=4, bootstrap_host="127.0.0.1") -> Req:
     sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     sp.normalize(None)
     sp.verify(4096)
-    return Req(rid, "", array("q", ids), sp, bootstrap_host="127.0.0.1", bootstrap_port=port,
+    return Req(rid, "", array("q", ids), sp, bootstrap_host=bootstrap_host, bootstrap_port=port,
                bootstrap_room=room, disagg_mode=mode, vocab_size=4096)
 
 
@@ -369,17 +371,19 @@ class Pair:
     `step` runs one turn of each one's event loop."""
 
     def __init__(self, parallel=None, decode=None, world=(1, 0, None), dp_rank=None,
-                 port=None, sides="PD"):
+                 port=None, sides="PD", rendezvous_host="127.0.0.1", bootstrap_host="127.0.0.1"):
         """`world`: see `process_groups`; rank 0 of a wider world serves
         the bootstrap service on `port`, the others register there.
-        `sides`: the engines this process runs ("P", "D" or both)."""
+        `sides`: the engines this process runs ("P", "D" or both);
+        `bootstrap_host`: where requests say the prefill's service is."""
         self.port = port or free_port()
+        self.bootstrap_host = bootstrap_host
         ranks = SpawnRanks(world_rank=world[1], dp_rank=dp_rank, gpu_id=0)
         self.P = self.D = self.ps = self.ds = self.bootstrap = None
         if "P" in sides:
             self.P = rc.create_context(server_args("prefill", self.port, **(parallel or {})),
                                        role="scheduler", ranks=ranks)
-            process_groups(self.P, world)
+            process_groups(self.P, world, rendezvous_host)
             with rc.use_context(self.P):
                 from sglang.srt.managers.disagg_service import start_disagg_service
 
@@ -405,12 +409,14 @@ class Pair:
         each side."""
         if prefill and self.P is not None:
             with rc.use_context(self.P):
-                r = req(rid, ids, room, self.port, DisaggregationMode.PREFILL)
+                r = req(rid, ids, room, self.port, DisaggregationMode.PREFILL,
+                        bootstrap_host=self.bootstrap_host)
                 self.ps.disagg_prefill_bootstrap_queue.add(r, self.ps.model_config.num_key_value_heads)
                 self.reqs[("P", rid)] = r
         if decode and self.D is not None:
             with rc.use_context(self.D):
-                r = req(rid, ids, room, self.port, DisaggregationMode.DECODE)
+                r = req(rid, ids, room, self.port, DisaggregationMode.DECODE,
+                        bootstrap_host=self.bootstrap_host)
                 self.ds.disagg_decode_prealloc_queue.add(r)
                 self.reqs[("D", rid)] = r
 
@@ -616,6 +622,27 @@ def pp_prefill_stage(rank: int, rendezvous: int, port: int) -> None:
     pair.close()
 
 
+def node_prefill_stage(rank: int, node0: str, rendezvous: int, port: int) -> None:
+    """Stage `rank` of a prefill engine whose two pipeline stages run on
+    two nodes, as an operator launches SGLang across nodes: every rank
+    listens on every interface (`--host 0.0.0.0`) and `--dist-init-addr`
+    names node 0, which serves the bootstrap service. Exits 0 once the
+    request ended on both stages. Run as `python sglang_sched.py
+    node-prefill RANK NODE0_ADDRESS RENDEZVOUS_PORT BOOTSTRAP_PORT`."""
+    no_nccl_for_groups_of_two()
+    across = {"pp_size": 2, "host": "0.0.0.0", "dist_init_addr": f"{node0}:{rendezvous}"}
+    pair = Pair(parallel=across, world=(2, rank, rendezvous), port=port, sides="P",
+                rendezvous_host=node0, bootstrap_host=node0)
+    (mgr,) = pair.managers()
+    assert mgr.node.settings["bootstrap"] == f"{node0}:{port}", mgr.node.settings["bootstrap"]
+    pair.add("pp", PP_PROMPT, room=PP_ROOM)
+    done = lockstep(pair, lambda: pair.prefill_ended("pp"))
+    assert done, f"node {rank}: request {PP_ROOM} did not end on both stages"
+    print(f"node {rank}: layers {pair.ps.pool.start_layer}..{pair.ps.pool.end_layer} sent", flush=True)
+    torch.distributed.barrier(group=_world["world_group"].cpu_group)
+    pair.close()
+
+
 def pp_stage_pair(rank: int, rendezvous: int, port: int) -> None:
     """Stage `rank` of a prefill and of a decode engine with two pipeline
     stages each (a world of two ranks; rank 0 serves the bootstrap
@@ -641,12 +668,12 @@ def pp_stage_pair(rank: int, rendezvous: int, port: int) -> None:
     pair.close()
 
 
-def pp_decode(port: int) -> None:
+def pp_decode(port: int, host: str = "127.0.0.1") -> None:
     """A decode engine without stages fed by both stages of the prefill
-    engine on `port`: exits 0 once every layer of the request matched
-    what the stand-in forward of its stage wrote. Run as
-    `python sglang_sched.py pp-decode BOOTSTRAP_PORT`."""
-    pair = Pair(port=port, sides="D")
+    engine whose bootstrap service is `host`:`port`: exits 0 once every
+    layer of the request matched what the stand-in forward of its stage
+    wrote. Run as `python sglang_sched.py pp-decode BOOTSTRAP_PORT [HOST]`."""
+    pair = Pair(port=port, sides="D", bootstrap_host=host)
     pair.add("pp", PP_PROMPT, room=PP_ROOM)
     assert pair.run_until(lambda: pair.decode_transferred("pp"), within_s=PP_WITHIN_S), \
         f"request {PP_ROOM} did not move"
@@ -677,5 +704,8 @@ if __name__ == "__main__":
         pp_stage_pair(*(int(a) for a in sys.argv[2:5]))
         os._exit(0)
     if sys.argv[1:2] == ["pp-decode"]:
-        pp_decode(int(sys.argv[2]))
+        pp_decode(int(sys.argv[2]), *sys.argv[3:4])
+        os._exit(0)
+    if sys.argv[1:2] == ["node-prefill"]:
+        node_prefill_stage(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         os._exit(0)

@@ -313,12 +313,17 @@ def test_a_decode_side_prefix_hit_takes_only_the_tail(radix_pair):
     check_moved(pair, "second", len(longer), first_token=1000)
 
 
-def run_processes(runs: "dict[str, list]") -> "dict[str, str]":
+def run_processes(runs: "dict[str, list]", prefixes: "dict[str, list] | None" = None,
+                  env: "dict[str, str] | None" = None) -> "dict[str, str]":
     """Runs `python sglang_sched.py ARGS...` once per named argument list,
-    all at once; each must exit 0. Their outputs by name."""
+    all at once (behind `prefixes[name]`, such as another host's
+    `ip netns exec`, with `env` added); each must exit 0. Their outputs by
+    name."""
     procs = {
-        name: subprocess.Popen([sys.executable, sglang_sched.__file__, *map(str, args)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        name: subprocess.Popen([*(prefixes or {}).get(name, []), sys.executable, sglang_sched.__file__,
+                                *map(str, args)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
         for name, args in runs.items()
     }
     outs = {}
@@ -355,6 +360,36 @@ def test_a_prefill_engine_with_two_stages_feeds_a_decode_engine_without():
     outs = run_processes({**runs, "decode": ["pp-decode", port]})
     assert "stage 0: layers 0..2 sent" in outs["prefill stage 0"]
     assert "stage 1: layers 2..4 sent" in outs["prefill stage 1"]
+    assert "decode: 4 layers matched" in outs["decode"], outs["decode"][-3000:]
+
+
+def test_a_prefill_engine_across_two_nodes_feeds_a_decode_engine_on_a_third(tmp_path):
+    """Three hosts (network namespaces, a cluster key): the two pipeline
+    stages of a prefill engine on nodes `p` and `q`, launched as SGLang
+    launches across nodes (`--host 0.0.0.0`, `--dist-init-addr` on `p`),
+    and a decode engine on `d`. Node `q`'s ranks register at the bootstrap
+    service on `p`, where the decode finds them, and every layer moves."""
+    from hosts import Hosts, require_hosts
+
+    require_hosts()
+    key = tmp_path / "cluster.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    rendezvous, port = sglang_sched.free_port(), sglang_sched.free_port()
+    with Hosts(["p", "q", "d"]) as h:
+        node0 = h.addr("p")
+        runs = {f"node {r}": ["node-prefill", r, node0, rendezvous, port] for r in (0, 1)}
+        runs["decode"] = ["pp-decode", port, node0]
+        # The network namespace alone: `ip netns exec` also remounts /sys,
+        # where SGLang sizes its host memory from the cgroup.
+        on = {n: ["nsenter", f"--net=/var/run/netns/{h.netns(n)}"] for n in ("p", "q", "d")}
+        prefixes = {"node 0": on["p"], "node 1": on["q"], "decode": on["d"]}
+        # gloo finds each rank's address on the interface named here; each
+        # node's address is found as SGLang finds it (no SGLANG_HOST_IP).
+        env = {"KVFERRY_CLUSTER_KEY_FILE": str(key), "GLOO_SOCKET_IFNAME": "eth0", "SGLANG_HOST_IP": ""}
+        outs = run_processes(runs, prefixes, env)
+    assert "node 0: layers 0..2 sent" in outs["node 0"]
+    assert "node 1: layers 2..4 sent" in outs["node 1"]
     assert "decode: 4 layers matched" in outs["decode"], outs["decode"][-3000:]
 
 
