@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 use kvferry::node::{NodeSettings, PrefillTarget};
 use kvferry::{BlockId, BlockLists, LayoutKind, ModelSpec, NodeError, Phase, Region, TransferId};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTypeError};
+use pyo3::exceptions::{PyException, PyTimeoutError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyInt, PyString, PyType};
 
 mod logs;
 mod pages;
@@ -39,7 +40,32 @@ create_exception!(
     Error,
     "The data plane, the side channel or the bootstrap service failed."
 );
-create_exception!(_native, TimeoutError, Error, "A bounded wait ran out.");
+/// `kvferry.TimeoutError`: a kvferry [`Error`] and the builtin
+/// `TimeoutError` both, so `except TimeoutError` catches a kvferry wait
+/// that ran out as it catches any other. Made at import (`create_exception!`
+/// takes one base).
+static TIMEOUT_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn timeout_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
+    TIMEOUT_ERROR.get_or_try_init(py, || {
+        let bases = (py.get_type::<Error>(), py.get_type::<PyTimeoutError>());
+        let attrs = PyDict::new(py);
+        attrs.set_item("__module__", "kvferry._native")?;
+        attrs.set_item("__doc__", "A bounded wait ran out.")?;
+        let made = py
+            .get_type::<PyType>()
+            .call1(("TimeoutError", bases, attrs))?;
+        Ok(made.cast_into::<PyType>()?.unbind())
+    })
+}
+
+/// A `kvferry.TimeoutError` saying `text`.
+fn timeout_err(text: String) -> PyErr {
+    Python::attach(|py| match timeout_type(py) {
+        Ok(ty) => PyErr::from_type(ty.bind(py).clone(), text),
+        Err(e) => e,
+    })
+}
 create_exception!(
     _native,
     ParamsError,
@@ -66,7 +92,7 @@ fn node_err(e: NodeError) -> PyErr {
         NodeError::Misuse(_) => MisuseError::new_err(text),
         NodeError::IdCollision(_) => PeerError::new_err(text),
         NodeError::Busy(_) => BusyError::new_err(text),
-        NodeError::Timeout(_) => TimeoutError::new_err(text),
+        NodeError::Timeout(_) => timeout_err(text),
         NodeError::DataPlane(_)
         | NodeError::SideChannel { .. }
         | NodeError::Http(_)
@@ -695,7 +721,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MisuseError", py.get_type::<MisuseError>())?;
     m.add("PeerError", py.get_type::<PeerError>())?;
     m.add("TransportError", py.get_type::<TransportError>())?;
-    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("TimeoutError", timeout_type(py)?.bind(py))?;
     m.add("BusyError", py.get_type::<BusyError>())?;
     m.add("ParamsError", py.get_type::<ParamsError>())?;
     m.add("REQUEST_ID_MAX_BYTES", kvferry::REQUEST_ID_MAX_BYTES)?;

@@ -21,7 +21,7 @@ use kvferry_store::{
 };
 use pyo3::prelude::*;
 
-use crate::{misuse, same_process, TimeoutError, TransportError};
+use crate::{misuse, same_process, timeout_err, TransportError};
 
 /// A store of pages (see the module docs).
 #[pyclass(module = "kvferry._native", frozen)]
@@ -198,7 +198,7 @@ fn scatters(
 /// side turns into misses.
 fn call_error(what: &str, e: CallError) -> PyErr {
     match e {
-        CallError::Timeout => TimeoutError::new_err(format!("store {what}: {e}")),
+        CallError::Timeout => timeout_err(format!("store {what}: {e}")),
         _ => TransportError::new_err(format!("store {what}: {e}")),
     }
 }

@@ -220,6 +220,13 @@ def test_bad_arguments_raise_and_never_crash():
         assert isinstance(kvferry.MisuseError("x"), kvferry.Error)
 
 
+def test_a_kvferry_timeout_is_the_builtin_timeout_error_too():
+    # `except TimeoutError` around an engine's waits catches kvferry's.
+    assert issubclass(kvferry.TimeoutError, TimeoutError)
+    assert issubclass(kvferry.TimeoutError, kvferry.Error)
+    assert kvferry.TimeoutError is kvferry._native.TimeoutError
+
+
 def test_wait_releases_the_gil():
     with node("prefill", "p") as p, node("decode", "d") as d:
         p.register_kv_caches(kv(), **MODEL)
