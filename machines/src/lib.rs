@@ -19,6 +19,7 @@
 //! The driver that runs this loop for thousands of requests lives in the
 //! `kvferry-reactor` crate.
 
+mod backoff;
 mod common;
 mod duplex;
 mod layout;
@@ -30,6 +31,7 @@ mod send;
 mod store;
 mod wire;
 
+pub use backoff::{Backoff, BackoffState};
 pub use common::{
     check_request_id, AbortReason, BlockId, BlockLists, FailReason, InputError, Mode, PeerId,
     Phase, RequestIdError, TransferId, REQUEST_ID_MAX_BYTES,

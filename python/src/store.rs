@@ -22,7 +22,7 @@ use kvferry::machines::internal::store::events::{KvEvent, Medium};
 use kvferry::machines::internal::store::key::model_key_prefix;
 use kvferry::machines::internal::store::lookup::LookupHit;
 use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry::machines::{RankLayout, Stage};
+use kvferry::machines::{Backoff, RankLayout, Stage};
 use kvferry::reactor::lock;
 use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};
 use kvferry_store::internal::lookup::{
@@ -173,12 +173,7 @@ struct Lookups {
 }
 
 impl Lookups {
-    fn start(
-        endpoint: &str,
-        timeout: Duration,
-        backoff: Duration,
-        max: usize,
-    ) -> PyResult<Lookups> {
+    fn start(endpoint: &str, timeout: Duration, down: Backoff, max: usize) -> PyResult<Lookups> {
         let mut client =
             LookupClient::connect(endpoint, timeout).map_err(|e| misuse(e.to_string()))?;
         let (tx, rx) = flume::bounded::<(String, LookupQuery)>(max);
@@ -187,15 +182,21 @@ impl Lookups {
         std::thread::Builder::new()
             .name("kvferry-store-lookups".into())
             .spawn(move || {
+                // How long lookups are skipped after one found the store down.
+                let mut down_for = down.start();
                 // Ends when the scheduler's half is dropped (the sender).
                 for (rid, q) in rx.iter() {
                     let answer = client.lookup(&q);
                     let (m, cv) = &*b;
                     let mut board = lock(m);
-                    if let Err(e) = &answer {
-                        board.failed += 1;
-                        if matches!(e, LookupFailure::Timeout(_) | LookupFailure::Transport(_)) {
-                            board.down_until = Some(Instant::now() + backoff);
+                    match &answer {
+                        Ok(_) => down_for.reset(),
+                        Err(e) => {
+                            board.failed += 1;
+                            if matches!(e, LookupFailure::Timeout(_) | LookupFailure::Transport(_))
+                            {
+                                board.down_until = Some(Instant::now() + down_for.next_delay());
+                            }
                         }
                     }
                     if board.posted.remove(&rid).is_some() {
@@ -307,7 +308,11 @@ impl StoreSched {
         let lookups = Lookups::start(
             &s.lookup_endpoint,
             Duration::from_millis(s.lookup_timeout_ms),
-            Duration::from_millis(s.down_backoff_ms),
+            // A fixed pause (a back-off of factor 1), not a growing one:
+            // while the store counts as down every lookup is a miss, so a
+            // pause that grew would leave a store that came back unused for
+            // longer. `down_backoff_ms` is that one pause.
+            Backoff::fixed(Duration::from_millis(s.down_backoff_ms)),
             s.max_requests,
         )?;
         let model_prefix = model_key_prefix(&s.model_name).map_err(|e| misuse(e.to_string()))?;

@@ -8,11 +8,13 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use super::{QueryResponse, RegisterRequest, RegisterResponse};
 use crate::resolve::{HostPort, ResolveError, Resolver};
 use kvferry_auth::ClusterKey;
+use kvferry_machines::Backoff;
 
 /// Largest response body the client reads (a registry of thousands of
 /// workers is well below it).
@@ -130,6 +132,61 @@ impl Default for RetryPolicy {
     }
 }
 
+impl RetryPolicy {
+    /// The pauses between attempts: `initial_backoff` doubling up to
+    /// `max_backoff`.
+    pub fn backoff(&self) -> Backoff {
+        Backoff::doubling(self.initial_backoff, self.max_backoff)
+    }
+
+    /// Calls `attempt` until it ends the call (`Break`) or `deadline` has
+    /// passed since the first attempt, pausing as [`RetryPolicy::backoff`]
+    /// says between attempts and never past the deadline. `Continue`
+    /// carries why the attempt did not end the call: the error names the
+    /// last one when time runs out.
+    fn retry<T>(
+        &self,
+        mut attempt: impl FnMut() -> ControlFlow<Result<T, ClientError>, String>,
+    ) -> Result<T, ClientError> {
+        let start = Instant::now();
+        // A deadline too far for the clock to hold is no deadline.
+        let deadline = start.checked_add(self.deadline);
+        let mut pauses = self.backoff().start();
+        loop {
+            let last = match attempt() {
+                ControlFlow::Break(done) => return done,
+                ControlFlow::Continue(last) => last,
+            };
+            let now = Instant::now();
+            let pause = match deadline {
+                Some(deadline) => pauses.next_before(now, deadline),
+                None => Some(pauses.next_delay()),
+            };
+            let Some(pause) = pause else {
+                return Err(ClientError::DeadlineExceeded {
+                    waited_ms: now.duration_since(start).as_millis() as u64,
+                    last,
+                });
+            };
+            tracing::debug!(%last, ?pause, "bootstrap service not ready, retrying");
+            // Sleeping is the retry pause itself, not a stand-in for
+            // synchronisation: there is nothing to wait on until the
+            // service starts listening or the ranks register.
+            std::thread::sleep(pause);
+        }
+    }
+}
+
+/// What a failed attempt means to [`RetryPolicy::retry`]: try again after
+/// a retryable error, give up at once after any other.
+fn again_if_retryable<T>(err: ClientError) -> ControlFlow<Result<T, ClientError>, String> {
+    if err.is_retryable() {
+        ControlFlow::Continue(err.to_string())
+    } else {
+        ControlFlow::Break(Err(err))
+    }
+}
+
 /// Talks to one bootstrap service.
 #[derive(Clone, Debug)]
 pub struct BootstrapClient {
@@ -214,34 +271,14 @@ impl BootstrapClient {
         policy: RetryPolicy,
     ) -> Result<RegisterResponse, ClientError> {
         let body = serde_json::to_vec(req).expect("registration serializes");
-        let start = Instant::now();
-        let mut backoff = policy.initial_backoff;
-        loop {
-            let err = match self.request("POST", "/register", Some(&body)) {
-                Ok((200, body)) => {
-                    return serde_json::from_slice(&body)
-                        .map_err(|e| ClientError::BadResponse(format!("register: {e}")));
-                }
-                Ok((status, body)) => rejected(status, &body),
-                Err(err) => err,
-            };
-            if !err.is_retryable() {
-                return Err(err);
-            }
-            let waited = start.elapsed();
-            if waited >= policy.deadline {
-                return Err(ClientError::DeadlineExceeded {
-                    waited_ms: waited.as_millis() as u64,
-                    last: err.to_string(),
-                });
-            }
-            tracing::debug!(%err, ?backoff, "bootstrap service not ready, retrying");
-            // Sleeping is the retry pause itself, not a stand-in for
-            // synchronisation: there is nothing to wait on until the
-            // service starts listening.
-            std::thread::sleep(backoff.min(policy.deadline - waited));
-            backoff = (backoff * 2).min(policy.max_backoff);
-        }
+        policy.retry(|| match self.request("POST", "/register", Some(&body)) {
+            Ok((200, body)) => ControlFlow::Break(
+                serde_json::from_slice(&body)
+                    .map_err(|e| ClientError::BadResponse(format!("register: {e}"))),
+            ),
+            Ok((status, body)) => again_if_retryable(rejected(status, &body)),
+            Err(err) => again_if_retryable(err),
+        })
     }
 
     /// All registered engines, or only `engine_id`'s dp ranks. One attempt.
@@ -280,35 +317,20 @@ impl BootstrapClient {
         pp_size: usize,
         policy: RetryPolicy,
     ) -> Result<QueryResponse, ClientError> {
-        let start = Instant::now();
-        let mut backoff = policy.initial_backoff;
         let complete = |e: &super::EngineEntry| {
             e.tp_size() >= tp_size && (pp_size <= 1 || e.pp_size() >= pp_size)
         };
-        loop {
-            let last = match self.query(Some(engine_id)) {
-                Ok(found) if !found.is_empty() && found.values().all(complete) => {
-                    return Ok(found);
-                }
-                Ok(found) => format!(
-                    "engine {engine_id:?} has {} of {tp_size} tp ranks and {} of {pp_size} stages registered",
-                    found.values().map(|e| e.tp_size()).min().unwrap_or(0),
-                    found.values().map(|e| e.pp_size()).min().unwrap_or(0)
-                ),
-                Err(err) if err.is_retryable() => err.to_string(),
-                Err(err) => return Err(err),
-            };
-            let waited = start.elapsed();
-            if waited >= policy.deadline {
-                return Err(ClientError::DeadlineExceeded {
-                    waited_ms: waited.as_millis() as u64,
-                    last,
-                });
+        policy.retry(|| match self.query(Some(engine_id)) {
+            Ok(found) if !found.is_empty() && found.values().all(complete) => {
+                ControlFlow::Break(Ok(found))
             }
-            // A retry pause, as in `register`.
-            std::thread::sleep(backoff.min(policy.deadline - waited));
-            backoff = (backoff * 2).min(policy.max_backoff);
-        }
+            Ok(found) => ControlFlow::Continue(format!(
+                "engine {engine_id:?} has {} of {tp_size} tp ranks and {} of {pp_size} stages registered",
+                found.values().map(|e| e.tp_size()).min().unwrap_or(0),
+                found.values().map(|e| e.pp_size()).min().unwrap_or(0)
+            )),
+            Err(err) => again_if_retryable(err),
+        })
     }
 
     /// `Ok(())` when `GET /health` answers 200. One attempt.

@@ -39,6 +39,7 @@ use std::rc::Rc;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use kvferry_machines::Backoff;
 use mooncake_sys::ffi::{TransferRequest, OPCODE_READ, OPCODE_WRITE};
 use mooncake_sys::{Batch, Engine, EngineConfig, Registration, Segment, TaskState, TeLib};
 
@@ -57,8 +58,8 @@ pub enum Cadence {
     /// Sleep this long between polls.
     Timer(Duration),
     /// Sleep `first` after the first poll, twice as long after each next
-    /// one, at most `max`: a small batch is seen done within tens of
-    /// microseconds, a large one costs a poll per `max`.
+    /// one, at most `max` ([`Backoff::doubling`]): a small batch is seen
+    /// done within tens of microseconds, a large one costs a poll per `max`.
     Backoff {
         /// The first pause.
         first: Duration,
@@ -73,10 +74,7 @@ impl Cadence {
         match self {
             Cadence::Yield => None,
             Cadence::Timer(t) => Some(t),
-            Cadence::Backoff { first, max } => {
-                let doubled = first.saturating_mul(1u32 << polls.min(16));
-                Some(doubled.min(max))
-            }
+            Cadence::Backoff { first, max } => Some(Backoff::doubling(first, max).delay(polls)),
         }
     }
 }

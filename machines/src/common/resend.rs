@@ -10,9 +10,10 @@
 //! progress from it starts the whole schedule again. The deadlines of the
 //! request bound everything: resending never extends them.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::{after, Config};
+use crate::Backoff;
 
 /// The resend schedule towards one peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +44,7 @@ impl Resend {
         *self = Resend::idle();
         if cfg.max_resends > 0 {
             self.running = true;
-            self.due = Some(after(now, cfg.resend_after));
+            self.due = Some(after(now, schedule(cfg).delay(0)));
         }
     }
 
@@ -52,7 +53,7 @@ impl Resend {
     pub(crate) fn heard(&mut self, now: Instant, cfg: &Config) {
         self.silent = 0;
         if self.running && self.due.is_none() {
-            self.due = Some(after(now, backoff(self.step, cfg)));
+            self.due = Some(after(now, schedule(cfg).delay(self.step)));
         }
     }
 
@@ -72,22 +73,27 @@ impl Resend {
         }
         self.step = self.step.saturating_add(1);
         self.silent += 1;
-        self.due = (self.silent < cfg.max_resends).then(|| after(now, backoff(self.step, cfg)));
+        self.due =
+            (self.silent < cfg.max_resends).then(|| after(now, schedule(cfg).delay(self.step)));
         true
     }
 }
 
-/// The wait before resend number `step + 1`: `resend_after · 2^step`,
-/// capped at the heartbeat interval (and never below `resend_after`).
-fn backoff(step: u32, cfg: &Config) -> Duration {
-    let cap = cfg.heartbeat_interval.max(cfg.resend_after);
-    cfg.resend_after
-        .checked_mul(1u32 << step.min(20))
-        .map_or(cap, |d| d.min(cap))
+/// The waits between resends (see the module docs): `resend_after`,
+/// doubling, capped at the heartbeat interval. The cap is never below
+/// `resend_after`, so a heartbeat interval shorter than it does not make
+/// the first resend come sooner than configured.
+fn schedule(cfg: &Config) -> Backoff {
+    Backoff::doubling(
+        cfg.resend_after,
+        cfg.heartbeat_interval.max(cfg.resend_after),
+    )
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn cfg() -> Config {
