@@ -75,6 +75,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 import kvferry  # noqa: E402
 import kvferry.vllm as kv_vllm  # noqa: E402
+import kvferry.vllm._base as kv_base  # noqa: E402
 from kvferry.vllm import KvferryConnector, KvferryMetadata  # noqa: E402
 
 try:  # vLLM 0.34: the engine core plans the KV cache in kv_cache_planning.
@@ -614,7 +615,7 @@ def test_a_layout_without_dense_pages_is_refused_by_name(model_dir, layout):
 def test_the_node_takes_the_engines_device_and_a_missing_driver_fails_it_clearly(model_dir):
     # vLLM's CPU worker: the node runs on the host.
     vc = config(model_dir, "kv_consumer", "d", {})
-    assert kvferry.vllm._engine_device(vc) == "cpu"
+    assert kvferry.vllm._base._engine_device(vc) == "cpu"
     # Device memory asked for where there is no CUDA driver: the engine's
     # connector fails at start, naming the device, and nothing is registered.
     vc = config(model_dir, "kv_consumer", "d", {"device": "cuda:0"})
@@ -728,15 +729,15 @@ def test_the_dp_rank_is_vllms_dp_index_not_its_reset_rank():
     pc.data_parallel_index = 1
     pc.reconfigure_for_independent_dp_rank()  # what a dense model's engine gets
     assert (pc.data_parallel_rank, pc.data_parallel_size) == (0, 1)
-    assert kv_vllm._dp_layout(pc) == (1, 2)
+    assert kv_base._dp_layout(pc) == (1, 2)
     moe = ParallelConfig(data_parallel_size=2)
     moe.data_parallel_index = moe.data_parallel_rank = 1  # what a MoE model's engine gets
-    assert kv_vllm._dp_layout(moe) == (1, 2)
+    assert kv_base._dp_layout(moe) == (1, 2)
     pc.data_parallel_external_lb = True
     pc.data_parallel_rank_local, pc.data_parallel_size_local = 0, 1
-    assert kv_vllm._dp_layout(pc) == (0, 1)
+    assert kv_base._dp_layout(pc) == (0, 1)
     pc.data_parallel_rank_local, pc.tensor_parallel_size = 1, 2
-    assert kv_vllm._rank_index(pc, tp_rank=1, pp_rank=0) == 3
+    assert kv_base._rank_index(pc, tp_rank=1, pp_rank=0) == 3
 
 
 @pytest.mark.parametrize("field, flag", [

@@ -52,7 +52,7 @@ from test_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
 )
 
 import kvferry  # noqa: E402
-from kvferry._vllm_store import chain_hashes, chain_root  # noqa: E402
+from kvferry.vllm._store import chain_hashes, chain_root  # noqa: E402
 
 #: 6 whole blocks and 4 tokens: the store can hold 6 blocks (B computes
 #: at least the last token itself).

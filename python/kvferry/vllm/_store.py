@@ -50,7 +50,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 import kvferry
 from kvferry import _native
-from kvferry.vllm import (
+from kvferry.vllm._base import (
     KvferryStats,
     _dp_layout,
     _KvferryConnectorBase,

@@ -14,7 +14,7 @@ request), hence one connector with both halves inside::
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"store": "kvferry://10.0.0.5:7600"}}'
 
-The store's settings (``kvferry._vllm_store``) and the node's
+The store's settings (``kvferry.vllm._store``) and the node's
 (``docs/config.md``) share ``kv_connector_extra_config``; ``kv_role``
 gives both their part (a producer saves and sends, a consumer loads).
 
@@ -32,9 +32,9 @@ from typing import Any, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvferry import _vllm_store as store
-from kvferry import vllm as p2p
-from kvferry.vllm import KvferryStats
+import kvferry.vllm._p2p as p2p
+import kvferry.vllm._store as store
+from kvferry.vllm._base import KvferryStats
 
 
 def _split(extra: dict) -> "tuple[dict, dict]":
