@@ -20,7 +20,7 @@ pub enum NodeError {
     Misuse(#[from] Misuse),
     /// The request id's transfer id is held by another request id on this
     /// node (their hashes are equal): this request cannot be opened here.
-    #[error("{0}")]
+    #[error(transparent)]
     IdCollision(#[from] IdCollision),
     /// Back-pressure: the node holds its maximum of requests or its queues
     /// are full; retry after collecting finished requests.
@@ -55,7 +55,7 @@ pub enum NodeError {
     #[error("timed out: {0}")]
     Timeout(&'static str),
     /// The cluster key's file could not be used.
-    #[error("{0}")]
+    #[error(transparent)]
     Key(#[from] kvferry_auth::KeyError),
 }
 
@@ -168,14 +168,14 @@ pub enum Misuse {
     #[error("request refused: {0}")]
     Request(#[source] InputError),
     /// The executor refused the command (unknown or duplicate transfer).
-    #[error("{0}")]
-    Submit(#[source] SubmitError),
+    #[error(transparent)]
+    Submit(SubmitError),
     /// The transfer already ended in this phase.
     #[error("the transfer already ended: {0:?}")]
     Ended(Phase),
     /// The string is not a request id (empty or too long).
-    #[error("{0}")]
-    RequestId(#[source] RequestIdError),
+    #[error(transparent)]
+    RequestId(RequestIdError),
 }
 
 /// Two different request ids with one transfer id
@@ -254,5 +254,26 @@ impl PeerUnfit {
     /// `FailReason::Unsupported` on both sides.
     pub fn is_unsupported(&self) -> bool {
         matches!(self, PeerUnfit::Layout(e) if e.is_unsupported())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    /// A chain of causes names each cause once: a variant that shows its
+    /// cause's text is that cause (`transparent`), not its parent.
+    #[test]
+    fn a_wrapped_error_is_not_its_own_cause() {
+        let collision = IdCollision {
+            transfer_id: TransferId(7),
+            request_id: "a".into(),
+            held: "b".into(),
+        };
+        let e = NodeError::from(collision.clone());
+        assert_eq!(e.to_string(), collision.to_string());
+        assert!(e.source().is_none(), "{:?}", e.source());
     }
 }
