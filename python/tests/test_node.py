@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvferry
+import kvferry._adapters as adapters
 from kvferry import Phase
 
 HEADS, TOKENS, HEAD_BYTES, LAYERS, BLOCKS = 4, 4, 32, 2, 16
@@ -142,28 +143,28 @@ def test_a_detected_host_is_advertised_with_a_key_and_loopback_without(monkeypat
                 "KVFERRY_ALLOW_UNAUTHENTICATED_REMOTE"):
         monkeypatch.delenv(var, raising=False)
     s = {}
-    kvferry._with_detected_host(s, detect)
+    adapters.with_detected_host(s, detect)
     assert s == {"host": "127.0.0.1"}, "no key: this host only"
     s = {"cluster_key_file": "k"}
-    kvferry._with_detected_host(s, detect)
+    adapters.with_detected_host(s, detect)
     assert s == {"cluster_key_file": "k", "host": "10.1.2.3"}, "a key in the settings"
     s = {"allow_unauthenticated_remote": True}
-    kvferry._with_detected_host(s, detect)
+    adapters.with_detected_host(s, detect)
     assert s["host"] == "10.1.2.3", "trusting anyone, said explicitly"
     monkeypatch.setenv("KVFERRY_ALLOW_UNAUTHENTICATED_REMOTE", "0")
     s = {}
-    kvferry._with_detected_host(s, detect)
+    adapters.with_detected_host(s, detect)
     assert s == {"host": "127.0.0.1"}, "a flag that is off"
     monkeypatch.setenv("KVFERRY_CLUSTER_KEY_FILE", str(tmp_path / "k"))
     s = {}
-    kvferry._with_detected_host(s, detect)
+    adapters.with_detected_host(s, detect)
     assert s == {"host": "10.1.2.3"}, "a key in the environment"
     s = {"host": "h"}
-    kvferry._with_detected_host(s, detect)
+    adapters.with_detected_host(s, detect)
     assert s == {"host": "h"}, "a configured host is not detected"
     monkeypatch.setenv("KVFERRY_HOST", "h2")
     s = {}
-    kvferry._with_detected_host(s, detect)
+    adapters.with_detected_host(s, detect)
     assert s == {}, "KVFERRY_HOST, read by the node, wins"
 
 

@@ -20,7 +20,7 @@ data-parallel master's address (this host's when that is loopback).
 bootstrap``), which every rank registers at and none serves. With a
 cluster key the node advertises what vLLM's ``get_ip()`` finds and
 listens there; without one it serves its own host only
-(``kvferry._with_detected_host``).
+(``kvferry._adapters.with_detected_host``).
 Requests carry the ``kv_transfer_params`` a MooncakeConnector deployment's
 router sends (``do_remote_decode`` on prefill; ``do_remote_prefill``,
 ``transfer_id``, ``remote_engine_id``, ``remote_bootstrap_addr`` on

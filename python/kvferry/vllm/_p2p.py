@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 import kvferry
+import kvferry._adapters as adapters
 from kvferry.vllm._base import (
     KvferryStats,
     _dp_layout,
@@ -352,11 +353,11 @@ class _WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.pp_size = pc.pipeline_parallel_size
         settings = {k: v for k, v in extra.items() if k not in _CONNECTOR_KEYS}
-        kvferry._with_detected_host(settings, _vllm_host)
+        adapters.with_detected_host(settings, _vllm_host)
         settings.setdefault("pp_size", self.pp_size)
         settings.setdefault("pp_rank", pp_rank)
-        kvferry._with_rank_ports(settings, _rank_index(pc, tp_rank, pp_rank))
-        kvferry._with_engine_knobs(settings, VLLM_KNOBS)
+        adapters.with_rank_ports(settings, _rank_index(pc, tp_rank, pp_rank))
+        adapters.with_engine_knobs(settings, VLLM_KNOBS)
         # The KV cache lives on the worker's device; tcp stages it through
         # pinned host buffers, Mooncake registers it at that location.
         settings.setdefault("device", _engine_device(vllm_config))

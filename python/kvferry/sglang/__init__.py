@@ -47,6 +47,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 
 import kvferry
 from kvferry import Phase, _native
+import kvferry._adapters as adapters
 
 logger = logging.getLogger(__name__)
 
@@ -205,12 +206,12 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
     # and the system DP ranks of a `--dp` launch, each a scheduler.
     pp = int(parallel.pp_size)
     index = (settings["dp_rank"] * pp + int(parallel.pp_rank)) * int(parallel.tp_size) + int(parallel.tp_rank)
-    kvferry._with_rank_ports(settings, index)
+    adapters.with_rank_ports(settings, index)
     if prefill:
         settings["bootstrap"] = f"{_bootstrap_host(server_args)}:{server_args.disaggregation_bootstrap_port}"
     settings["device"] = _engine_device(args, server_args)
-    kvferry._with_engine_knobs(settings, SGLANG_KNOBS)
-    kvferry._with_detected_host(settings, advertised_host)
+    adapters.with_engine_knobs(settings, SGLANG_KNOBS)
+    adapters.with_detected_host(settings, advertised_host)
     return settings
 
 
@@ -280,7 +281,7 @@ class KvferryKVManager(BaseKVManager):
                 # SGLang allocated the pool (``MHATokenToKVPool``) before the
                 # manager exists, for the life of the scheduler process: its
                 # pages move onto shared files in place.
-                files = kvferry._share_buffers(zip(args.kv_data_ptrs, args.kv_data_lens))
+                files = adapters.share_buffers(zip(args.kv_data_ptrs, args.kv_data_lens))
             self.pools = self._register(args, self.is_mla_backend)
         except BaseException:
             self.node.shutdown()
