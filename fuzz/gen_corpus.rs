@@ -333,7 +333,17 @@ fn main() {
     store_proto_seeds();
     lookup_seeds();
     auth_seeds();
+    shm_hello_seeds();
     println!("seeds written under fuzz/seeds/");
+}
+
+/// An answer and offers with and without regions, from the shm hello's
+/// own encoders.
+fn shm_hello_seeds() {
+    reset("shm_hello_decode");
+    for (name, bytes) in kvferry::transport::internal::shm_hello::seeds() {
+        write("shm_hello_decode", name, &bytes);
+    }
 }
 
 #[path = "fuzz_targets/auth_oracle.rs"]

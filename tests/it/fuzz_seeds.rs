@@ -1,6 +1,7 @@
 //! Replays the inputs of the fuzz targets over the node's own decoders
 //! through the same properties the fuzzer checks (`fuzz/fuzz_targets/
-//! {tcp_header,plan_spec,store_proto,lookup_msg}_oracle.rs`), so the
+//! {tcp_header,plan_spec,store_proto,lookup_msg}_oracle.rs`, and the shm
+//! hello's checks beside its decoders), so the
 //! ordinary test command exercises them: every committed seed under
 //! `fuzz/seeds/` must decode (a header, a store frame or a lookup message)
 //! or plan (a spec), and a sample of a local `fuzz/corpus/` (ignored by
@@ -9,6 +10,8 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
+
+use kvferry::transport::internal::shm_hello;
 
 #[path = "../../fuzz/fuzz_targets/tcp_header_oracle.rs"]
 mod tcp_header_oracle;
@@ -117,6 +120,17 @@ fn store_proto_seeds_decode() {
 }
 
 #[test]
+fn shm_hello_seeds_decode() {
+    for (path, bytes) in seeds("shm_hello_decode") {
+        assert!(
+            shm_hello::check_offer(&bytes) || shm_hello::check_answer(&bytes),
+            "{} does not decode",
+            path.display()
+        );
+    }
+}
+
+#[test]
 fn lookup_msg_seeds_decode() {
     use lookup_msg_oracle::Decoded;
     for (path, bytes) in seeds("lookup_msg_decode") {
@@ -150,7 +164,7 @@ fn corpus_sample_keeps_the_properties() {
     if !corpus.exists() {
         return;
     }
-    let targets: [(&str, Check); 5] = [
+    let targets: [(&str, Check); 6] = [
         ("auth_messages", |b| {
             let _ = auth_oracle::check_auth(b);
         }),
@@ -165,6 +179,10 @@ fn corpus_sample_keeps_the_properties() {
         }),
         ("lookup_msg_decode", |b| {
             let _ = lookup_msg_oracle::check_lookup_msg(b);
+        }),
+        ("shm_hello_decode", |b| {
+            let _ = shm_hello::check_offer(b);
+            let _ = shm_hello::check_answer(b);
         }),
     ];
     for (target, check) in targets {

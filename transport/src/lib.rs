@@ -81,6 +81,11 @@ pub mod internal {
     pub mod registry {
         pub use crate::registry::*;
     }
+    /// The shared-memory hello's decoders with the properties the fuzz
+    /// target checks, and seeds for it.
+    pub mod shm_hello {
+        pub use crate::shm::hello::{check_answer, check_offer, seeds};
+    }
     /// The fence handshake of shared-memory copies (model-checked).
     pub mod shm_protocol {
         pub use crate::shm::protocol::*;

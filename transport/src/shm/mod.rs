@@ -15,7 +15,8 @@
 //!   Over that socket the target checks the caller's kernel credentials
 //!   (`SO_PEERCRED`: same user) and the token, the initiator checks the
 //!   target's (the pid of the hello), and the target passes its region
-//!   files and its control file with `SCM_RIGHTS`.
+//!   files and its control file with `SCM_RIGHTS` (the messages:
+//!   `hello.rs`).
 //! * **The fence** reaches the peer through the control file
 //!   (`ctl`): no copy into or out of a block after its request ended.
 //! * **Selection**: [`ShmMode::Auto`] uses the link for every batch whose
@@ -24,6 +25,7 @@
 
 mod ctl;
 mod detect;
+pub(crate) mod hello;
 mod host;
 mod link;
 mod mem;
@@ -34,9 +36,9 @@ use std::time::Duration;
 
 pub(crate) use ctl::CtlOwner;
 pub(crate) use detect::shared_pieces;
+pub(crate) use hello::Answer;
 pub(crate) use host::{HostId, HOST_ID_LEN};
-pub(crate) use link::ShmLink;
-pub(crate) use link::{Answer, CopyFail};
+pub(crate) use link::{CopyFail, ShmLink};
 pub use mem::share_pages;
 pub use mem::SharedMem;
 pub(crate) use target::ShmTarget;
@@ -159,6 +161,10 @@ pub enum ShmRefusal {
     /// The handshake failed at the OS level.
     #[error("shm handshake: {0}")]
     Io(String),
+    /// The operating system gave no randomness for a token or a socket
+    /// name: the hello fails rather than hand out a guessable one.
+    #[error("no randomness from the operating system for the shm hello")]
+    NoRandomness,
 }
 
 impl ShmRefusal {

@@ -11,17 +11,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kvferry_reactor::lock;
 
 use super::ctl::{CtlOwner, DrainStats};
-use super::host::{HostId, HOST_ID_LEN};
-use super::link::{self, Offer, OfferDevice, OfferRegion, TOKEN_LEN};
+use super::hello::{self, Answer, Offer, OfferDevice, OfferRegion, ANSWER_LEN, TOKEN_LEN};
+use super::host::HostId;
 use super::mem::PeerMap;
 use super::{ShmConfig, ShmRefusal, ShmStats};
 use crate::fence::{BlockFence, FenceRegion};
 use crate::RegionInfo;
 
-/// Bytes of the answer to a hello: the target's identity, a token and the
-/// socket's name.
-pub(crate) const ANSWER_LEN: usize = HOST_ID_LEN + TOKEN_LEN + NAME_LEN;
-const NAME_LEN: usize = 64;
 /// Tokens handed out and not used yet: the oldest goes first.
 const TOKENS_MAX: usize = 64;
 
@@ -54,7 +50,8 @@ struct Shared {
 pub(crate) struct ShmTarget {
     config: ShmConfig,
     host: HostId,
-    name: [u8; NAME_LEN],
+    /// The abstract Unix socket's name, as answers carry it.
+    name: String,
     shared: Arc<Mutex<Shared>>,
     /// Closed on drop, which ends the socket's thread.
     _stop: OwnedFd,
@@ -69,10 +66,10 @@ impl ShmTarget {
         }
         let ctl = CtlOwner::new(config.lanes, &[], config.drain_max)
             .ok_or_else(|| io::Error::other("shm control file"))?;
-        let text = format!("kvferry-shm-{}-{:016x}", host.pid, link::random_u64());
-        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&text)?)?;
-        let mut name = [0u8; NAME_LEN];
-        name[..text.len()].copy_from_slice(text.as_bytes());
+        // Without randomness there is no target: `TcpTransport::bind` logs
+        // the error and serves tcp only.
+        let name = hello::socket_name(host.pid).map_err(io::Error::other)?;
+        let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name)?)?;
         let shared = Arc::new(Mutex::new(Shared {
             regions: BTreeMap::new(),
             ctl: Arc::new(ctl),
@@ -114,16 +111,28 @@ impl ShmTarget {
         if (sh.regions.is_empty() && sh.devices.is_empty()) || sh.unfit {
             return None;
         }
-        let token = link::random_token();
+        // `None` answers the peer `Undeliverable`, which it takes as "shares
+        // nothing" (`ShmRefusal::NotOffered`): it moves everything over tcp.
+        let (token, bytes) = self
+            .answer()
+            .map_err(|e| tracing::warn!(error = %e, "shm: no answer to a hello; the peer uses tcp"))
+            .ok()?;
         if sh.tokens.len() >= TOKENS_MAX {
             sh.tokens.pop_front();
         }
         sh.tokens.push_back(token);
-        let mut a = [0u8; ANSWER_LEN];
-        a[..HOST_ID_LEN].copy_from_slice(&self.host.encode());
-        a[HOST_ID_LEN..HOST_ID_LEN + TOKEN_LEN].copy_from_slice(&token);
-        a[HOST_ID_LEN + TOKEN_LEN..].copy_from_slice(&self.name);
-        Some(a)
+        Some(bytes)
+    }
+
+    /// A fresh token and the answer that hands it out.
+    fn answer(&self) -> Result<([u8; TOKEN_LEN], [u8; ANSWER_LEN]), ShmRefusal> {
+        let token = hello::fresh_token()?;
+        let answer = Answer {
+            host: self.host,
+            token,
+            name: self.name.clone(),
+        };
+        Ok((token, answer.encode()?))
     }
 
     /// Shares piece `piece` of registration `id` (`info`, held by `fd`
@@ -141,7 +150,7 @@ impl ShmTarget {
         drop(PeerMap::new(&fd, offset, info.len_bytes)?);
         let ctl = {
             let mut sh = self.shared();
-            if sh.regions.len() >= link::MAX_OFFER_REGIONS {
+            if sh.regions.len() >= hello::MAX_OFFER_REGIONS {
                 return Err(ShmRefusal::Malformed("too many regions to share"));
             }
             if sh.unfit {
@@ -166,7 +175,7 @@ impl ShmTarget {
     ) -> Result<(), ShmRefusal> {
         let ctl = {
             let mut sh = self.shared();
-            if sh.devices.len() >= link::MAX_OFFER_REGIONS {
+            if sh.devices.len() >= hello::MAX_OFFER_REGIONS {
                 return Err(ShmRefusal::Malformed("too many device regions to share"));
             }
             if sh.unfit {
@@ -314,7 +323,7 @@ fn serve(
 
 /// Checks one peer and passes it the regions and the control file.
 fn hand_over(conn: &UnixStream, shared: &Mutex<Shared>) -> Result<(), ShmRefusal> {
-    let cred = link::peer_cred(conn)?;
+    let cred = hello::peer_cred(conn)?;
     // SAFETY: no preconditions.
     if cred.uid != unsafe { libc::geteuid() } {
         return Err(ShmRefusal::NotSameUser);
@@ -351,7 +360,7 @@ fn hand_over(conn: &UnixStream, shared: &Mutex<Shared>) -> Result<(), ShmRefusal
     fds.extend(sh.regions.values().map(|r| r.fd.as_raw_fd()));
     // Sent under the lock: the files stay open until the kernel took them,
     // and the count is right by the time the peer can ask for it.
-    link::send_offer(conn, &offer, &fds)?;
+    hello::send_offer(conn, &offer, &fds)?;
     sh.links_served += 1;
     Ok(())
 }
@@ -364,7 +373,7 @@ mod tests {
     use std::time::Duration;
 
     /// A target sharing one region, and a fresh answer to our own hello.
-    fn target() -> (ShmTarget, SharedMem, link::Answer) {
+    fn target() -> (ShmTarget, SharedMem, Answer) {
         let t = ShmTarget::start(&ShmConfig::default()).unwrap();
         let mem = SharedMem::new("kvferry-test", 4096).unwrap();
         let info = RegionInfo {
@@ -373,7 +382,7 @@ mod tests {
         };
         t.add_region((1, 0), info, mem.fd(), 0).unwrap();
         let me = HostId::current().unwrap();
-        let answer = link::Answer::decode(&t.hello(&me).unwrap()).unwrap();
+        let answer = Answer::decode(&t.hello(&me).unwrap()).unwrap();
         (t, mem, answer)
     }
 

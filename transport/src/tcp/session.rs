@@ -376,7 +376,7 @@ impl SessionInner {
         *guard = Some(conn);
         Answer::decode(&body)
             .map(Some)
-            .ok_or_else(|| protocol("malformed shm answer"))
+            .map_err(|_| protocol("malformed shm answer"))
     }
 
     /// Moves the descriptors of the batch whose target memory the peer
