@@ -1,18 +1,15 @@
 //! The HTTP side of metrics: `GET /metrics` and `GET /health` on an address
 //! of their own ([`MetricsServer`], for a node's `metrics_listen` and the
-//! store server's `--metrics-listen`), and the listening socket every HTTP
-//! server of kvferry binds ([`bind`], the bootstrap service's too).
-//!
-//! `tiny_http` was chosen because it is small, maintained, synchronous and
-//! has no Tokio in its tree: a scrape now and then needs a plain thread,
-//! not a second async runtime next to glommio.
+//! store server's `--metrics-listen`), on kvferry's one HTTP server
+//! ([`kvferry_http`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use kvferry_auth::request::Verifier;
+use kvferry_http::{Access, Config, Gate, Method, Refusal, Reply, Request, Routes, Server};
+
+pub use kvferry_http::{unix_ms, ServerError};
 
 /// Renders the metrics for `GET /metrics`.
 pub type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
@@ -20,32 +17,6 @@ pub type MetricsSource = Arc<dyn Fn() -> String + Send + Sync>;
 /// The content type of `/metrics` (OpenMetrics text, which Prometheus
 /// scrapes).
 pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
-/// Why the server could not start.
-#[non_exhaustive]
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    /// The listen address does not parse or resolve.
-    #[error("bad listen address {addr:?}: {source}")]
-    BadAddress {
-        /// The address asked for.
-        addr: String,
-        /// Why.
-        #[source]
-        source: kvferry_transport::internal::resolve::ResolveError,
-    },
-    /// Binding the listening socket failed (port in use, permissions...).
-    #[error("cannot listen on {addr}: {reason}")]
-    Bind {
-        /// The address asked for.
-        addr: String,
-        /// Why it failed.
-        reason: String,
-    },
-    /// The OS refused to start a thread.
-    #[error("cannot spawn server thread: {0}")]
-    Spawn(#[from] std::io::Error),
-}
 
 /// What `GET /metrics` requires when it is authenticated: a request signed
 /// with the cluster key ([`kvferry_auth::request`]); `/health` stays open.
@@ -59,53 +30,51 @@ pub struct ScrapeAuth {
     pub surface: kvferry_auth::Surface,
 }
 
-impl ScrapeAuth {
-    /// Whether `request` is signed; a refusal is counted.
-    fn allows(&self, request: &tiny_http::Request, verifier: &mut Verifier) -> bool {
-        let ok = verify_signed(verifier, &self.key, request, b"").is_ok();
-        if !ok {
-            self.rejects.count(self.surface);
-        }
-        ok
-    }
-}
-
-/// Milliseconds since the Unix epoch: the clock signed requests carry
-/// (hosts of one cluster keep theirs in step, as for any TLS deployment).
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-/// Checks the signature of `request` (whose body is `body`) against
-/// `key` at the wall clock ([`kvferry_auth::request`]): what every
-/// authenticated HTTP endpoint of kvferry asks of a request.
-pub fn verify_signed(
-    verifier: &mut Verifier,
-    key: &kvferry_auth::ClusterKey,
-    request: &tiny_http::Request,
-    body: &[u8],
-) -> Result<(), kvferry_auth::AuthError> {
-    let header = request
-        .headers()
-        .iter()
-        .find(|h| h.field.equiv(kvferry_auth::request::HEADER))
-        .map(|h| h.value.as_str());
-    let method = request.method().as_str();
-    verifier.verify(key, unix_ms(), method, request.url(), body, header)
-}
-
 /// Signatures a metrics endpoint remembers (a scrape every few seconds
 /// fits many times over in a 30 s window).
 const SCRAPES_REMEMBERED: usize = 4096;
 
+/// A scrape carries no body; a client that sends one anyway gets this much
+/// slack before 413.
+const MAX_BODY_BYTES: usize = 4096;
+
+/// Checks the signature of scrapes of an authenticated `/metrics`.
+struct ScrapeGate {
+    auth: ScrapeAuth,
+    verifier: Mutex<Verifier>,
+}
+
+impl Gate for ScrapeGate {
+    fn check(&self, request: &Request<'_>, access: Access) -> Result<(), Reply> {
+        if access == Access::Open {
+            return Ok(());
+        }
+        // A panic elsewhere never leaves the verifier half updated.
+        let mut verifier = self.verifier.lock().unwrap_or_else(PoisonError::into_inner);
+        let verdict = kvferry_http::verify_signed(&mut verifier, &self.auth.key, request);
+        verdict.map_err(|_| {
+            self.auth.rejects.count(self.auth.surface);
+            text(401, "unauthorized\n")
+        })
+    }
+}
+
+fn text(status: u16, body: &str) -> Reply {
+    Reply::new(status, "text/plain", body.to_string())
+}
+
+/// Refusals in plain text, as the routes answer; an unknown path keeps its
+/// short answer.
+fn refusal(refusal: &Refusal) -> Reply {
+    match refusal {
+        Refusal::NotFound { .. } => text(refusal.status(), "not found\n"),
+        other => text(other.status(), &format!("{other}\n")),
+    }
+}
+
 /// A running metrics endpoint; dropping it stops and joins its thread.
 pub struct MetricsServer {
-    server: Arc<tiny_http::Server>,
-    local_addr: SocketAddr,
-    stopping: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    server: Server,
 }
 
 impl MetricsServer {
@@ -121,88 +90,105 @@ impl MetricsServer {
         source: MetricsSource,
         auth: Option<ScrapeAuth>,
     ) -> Result<MetricsServer, ServerError> {
-        let (server, local_addr) = bind(addr)?;
-        let server = Arc::new(server);
-        let stopping = Arc::new(AtomicBool::new(false));
-        let (s, stop) = (server.clone(), stopping.clone());
-        let thread = std::thread::Builder::new()
-            .name("kvferry-metrics".into())
-            .spawn(move || serve(&s, &stop, &source, auth.as_ref()))?;
-        tracing::info!(addr = %local_addr, "metrics endpoint listening");
-        Ok(MetricsServer {
-            server,
-            local_addr,
-            stopping,
-            thread: Some(thread),
-        })
+        let config = Config {
+            max_body_bytes: MAX_BODY_BYTES,
+            refusal,
+            ..Config::new("kvferry-metrics")
+        };
+        let server = Server::start(addr, config, routes(source, auth))?;
+        tracing::info!(addr = %server.local_addr(), "metrics endpoint listening");
+        Ok(MetricsServer { server })
     }
 
     /// The address it listens on (the real port when started with port 0).
     pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+        self.server.local_addr()
     }
 }
 
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        self.server.unblock();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+/// `GET /metrics` (signed with `auth`) and `GET /health` (open).
+fn routes(source: MetricsSource, auth: Option<ScrapeAuth>) -> Routes {
+    let scrape = match auth {
+        Some(_) => Access::Signed,
+        None => Access::Open,
+    };
+    let routes = Routes::new()
+        .route(Method::Get, "/metrics", scrape, move |_| {
+            Reply::new(200, METRICS_CONTENT_TYPE, source())
+        })
+        .route(Method::Get, "/health", Access::Open, |_| text(200, "ok\n"));
+    match auth {
+        Some(auth) => routes.gate(Arc::new(ScrapeGate {
+            auth,
+            verifier: Mutex::new(Verifier::new(30_000, SCRAPES_REMEMBERED)),
+        })),
+        None => routes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+
+    use kvferry_auth::{request, ClusterKey, Rejects, Surface};
+
+    use super::*;
+
+    /// The whole answer to one request, head and body.
+    fn send(server: &MetricsServer, method: &str, target: &str, auth: Option<&str>) -> String {
+        let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
+        let mut head = format!("{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+        if let Some(a) = auth {
+            head.push_str(&format!("{}: {a}\r\n", request::HEADER));
         }
+        s.write_all(format!("{head}\r\n").as_bytes()).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
     }
-}
 
-fn serve(
-    server: &tiny_http::Server,
-    stopping: &AtomicBool,
-    source: &MetricsSource,
-    auth: Option<&ScrapeAuth>,
-) {
-    let mut verifier = Verifier::new(30_000, SCRAPES_REMEMBERED);
-    while !stopping.load(Ordering::SeqCst) {
-        let Ok(request) = server.recv() else {
-            // tiny_http reports `unblock` as an interrupted error.
-            continue;
-        };
-        let mut allowed = || auth.is_none_or(|a| a.allows(&request, &mut verifier));
-        let (status, body, content_type) = match (request.method(), request.url()) {
-            (tiny_http::Method::Get, "/metrics") if !allowed() => {
-                (401, "unauthorized\n".to_string(), "text/plain")
-            }
-            (tiny_http::Method::Get, "/metrics") => (200, source(), METRICS_CONTENT_TYPE),
-            (tiny_http::Method::Get, "/health") => (200, "ok\n".to_string(), "text/plain"),
-            _ => (404, "not found\n".to_string(), "text/plain"),
-        };
-        let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes())
-            .expect("static header");
-        let response = tiny_http::Response::from_string(body)
-            .with_status_code(status)
-            .with_header(header);
-        if let Err(e) = request.respond(response) {
-            tracing::debug!(%e, "metrics response not sent");
-        }
+    fn source() -> MetricsSource {
+        Arc::new(|| "# EOF\n".to_string())
     }
-}
 
-/// Binds an HTTP server to `addr` (port 0: any free port); returns it and
-/// the address it got.
-pub fn bind(addr: &str) -> Result<(tiny_http::Server, SocketAddr), ServerError> {
-    // The caller's thread waits (bounded) for a name: a node binds its
-    // servers in `Node::start`, the CLI before it serves.
-    let resolved = kvferry_transport::internal::resolve::Resolver::default()
-        .resolve_str(addr)
-        .map_err(|source| ServerError::BadAddress {
-            addr: addr.to_string(),
-            source,
-        })?;
-    let server = tiny_http::Server::http(resolved).map_err(|e| ServerError::Bind {
-        addr: addr.to_string(),
-        reason: e.to_string(),
-    })?;
-    let local_addr = server
-        .server_addr()
-        .to_ip()
-        .expect("a server bound to an IP address reports an IP address");
-    Ok((server, local_addr))
+    #[test]
+    fn metrics_health_and_the_rest() {
+        let server = MetricsServer::start("127.0.0.1:0", source()).unwrap();
+        let scrape = send(&server, "GET", "/metrics", None);
+        assert!(scrape.starts_with("HTTP/1.1 200"), "{scrape}");
+        assert!(scrape.contains(METRICS_CONTENT_TYPE), "{scrape}");
+        assert!(scrape.ends_with("\r\n\r\n# EOF\n"), "{scrape}");
+        let health = send(&server, "GET", "/health", None);
+        assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+        assert!(health.ends_with("\r\n\r\nok\n"), "{health}");
+        let missing = send(&server, "GET", "/nope", None);
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        assert!(missing.ends_with("\r\n\r\nnot found\n"), "{missing}");
+        // A known path asked with another method: 405 naming the one it takes.
+        let wrong = send(&server, "POST", "/metrics", None);
+        assert!(wrong.starts_with("HTTP/1.1 405"), "{wrong}");
+        assert!(wrong.contains("\r\nAllow: GET\r\n"), "{wrong}");
+    }
+
+    #[test]
+    fn an_authenticated_scrape_is_signed_and_health_stays_open() {
+        let key = ClusterKey::from_bytes(&[7; 32], None).unwrap();
+        let rejects = Arc::new(Rejects::default());
+        let auth = ScrapeAuth {
+            key: key.clone(),
+            rejects: rejects.clone(),
+            surface: Surface::Bootstrap,
+        };
+        let server = MetricsServer::start_with("127.0.0.1:0", source(), Some(auth)).unwrap();
+        let refused = send(&server, "GET", "/metrics", None);
+        assert!(refused.starts_with("HTTP/1.1 401"), "{refused}");
+        assert!(refused.ends_with("\r\n\r\nunauthorized\n"), "{refused}");
+        assert_eq!(rejects.get(Surface::Bootstrap), 1);
+        let signature = request::sign(&key, unix_ms(), "GET", "/metrics", b"").unwrap();
+        let signed = send(&server, "GET", "/metrics", Some(&signature));
+        assert!(signed.starts_with("HTTP/1.1 200"), "{signed}");
+        assert!(send(&server, "GET", "/health", None).starts_with("HTTP/1.1 200"));
+        assert!(send(&server, "GET", "/nope", None).starts_with("HTTP/1.1 404"));
+        assert_eq!(rejects.get(Surface::Bootstrap), 1);
+    }
 }

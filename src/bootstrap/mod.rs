@@ -10,13 +10,16 @@
 //!
 //! With a cluster key ([`ServerAuth`]), `/register` and `/query` (and
 //! `/metrics` unless left open) must carry a signature
-//! ([`kvferry_auth::request`]); anything else gets 401 without a reason and
-//! counts in `kvferry_auth_rejected_total{surface="bootstrap"}`. `/health`
-//! stays open.
+//! ([`kvferry_auth::request`]), and so must a request for any other path
+//! or method (signed, it hears 404, or 405 naming the methods the path
+//! takes); anything else gets 401 without a reason and counts in
+//! `kvferry_auth_rejected_total{surface="bootstrap"}`. `GET /health` stays
+//! open.
 //!
-//! The server ([`BootstrapServer`]) runs on plain threads over `tiny_http`;
-//! the client ([`BootstrapClient`]) is a few lines of HTTP/1.1 over
-//! `std::net::TcpStream`, so neither pulls in an async runtime.
+//! The server ([`BootstrapServer`]) runs on plain threads of kvferry's one
+//! HTTP server (`kvferry-http`); the client ([`BootstrapClient`]) is a few
+//! lines of HTTP/1.1 over `std::net::TcpStream`, so neither pulls in an
+//! async runtime.
 
 mod client;
 mod server;

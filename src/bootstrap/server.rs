@@ -1,26 +1,22 @@
-//! The embeddable HTTP server of the bootstrap service.
-//!
-//! `tiny_http` was chosen because it is small, maintained, synchronous and
-//! has no Tokio in its tree: the service answers a handful of requests per
-//! rank at startup plus an occasional scrape, so a couple of plain threads
-//! are all it needs, and it must not bring a second async runtime next to
-//! glommio.
+//! The embeddable HTTP server of the bootstrap service, on kvferry's one
+//! HTTP server ([`kvferry_http`]): the service answers a handful of
+//! requests per rank at startup plus an occasional scrape, so a couple of
+//! plain threads are all it needs.
 
 use kvferry_reactor::lock;
-use std::io::Read;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvferry_auth::limits::{Budget, PeerBudget};
 use kvferry_auth::request::Verifier;
 use kvferry_auth::{AuthError, ClusterKey, Rejects, Surface};
 
-use tiny_http::{Header, Method, Request, Response, StatusCode};
+use kvferry_http::{
+    verify_signed, Access, Config, Gate, Listener, Method, Refusal, Reply, Request, Routes, Server,
+};
 
-use kvferry_metrics::http::{bind, verify_signed, ServerError};
+use kvferry_metrics::http::ServerError;
 
 use super::{MetricsSource, RegisterError, RegisterRequest, Registry, RegistryLimits};
 
@@ -166,10 +162,7 @@ pub const LOCAL_ONLY: &str = "this bootstrap service has no cluster key and serv
 /// A running bootstrap service. Dropping it shuts it down (and joins its
 /// threads) like [`BootstrapServer::shutdown`].
 pub struct BootstrapServer {
-    server: Arc<tiny_http::Server>,
-    local_addr: SocketAddr,
-    stopping: Arc<AtomicBool>,
-    threads: Vec<JoinHandle<()>>,
+    server: Server,
     shared: Arc<Shared>,
 }
 
@@ -187,7 +180,10 @@ impl BootstrapServer {
         config: ServerConfig,
         metrics: Option<MetricsSource>,
     ) -> Result<BootstrapServer, ServerError> {
-        let (server, local_addr) = bind(addr)?;
+        // Bound first: whether callers on other hosts are served depends on
+        // the address it got.
+        let listener = Listener::bind(addr)?;
+        let local_addr = listener.local_addr();
         let remote = !local_addr.ip().is_loopback() && config.auth.is_none();
         let local_only = remote && !config.allow_unauthenticated_remote;
         if local_only {
@@ -195,8 +191,12 @@ impl BootstrapServer {
         } else if remote {
             tracing::warn!(addr = %local_addr, "bootstrap service beyond loopback without a cluster key: anyone who reaches it is trusted");
         }
-        let server = Arc::new(server);
-        let stopping = Arc::new(AtomicBool::new(false));
+        let http = Config {
+            workers: config.workers,
+            max_body_bytes: config.max_body_bytes,
+            refusal,
+            ..Config::new("kvferry-bootstrap")
+        };
         let shared = Arc::new(Shared {
             registry: Mutex::new(Registry::new(config.registry)),
             budgets: Mutex::new((
@@ -212,35 +212,18 @@ impl BootstrapServer {
                 config.auth.as_ref().map_or(0, |a| a.replay_capacity),
             )),
             metrics,
-            config: config.clone(),
+            config,
             local_only,
         });
-        let mut this = BootstrapServer {
-            server,
-            local_addr,
-            stopping,
-            threads: Vec::new(),
-            shared,
-        };
-        for i in 0..config.workers.max(1) {
-            let server = Arc::clone(&this.server);
-            let stopping = Arc::clone(&this.stopping);
-            let shared = Arc::clone(&this.shared);
-            // On a spawn failure `this` is dropped, which stops and joins the
-            // threads already started.
-            let handle = std::thread::Builder::new()
-                .name(format!("kvferry-bootstrap-{i}"))
-                .spawn(move || serve(&server, &stopping, &shared))?;
-            this.threads.push(handle);
-        }
+        let server = listener.serve(http, routes(&shared))?;
         tracing::info!(addr = %local_addr, "bootstrap service listening");
-        Ok(this)
+        Ok(BootstrapServer { server, shared })
     }
 
     /// The address the service listens on (the real port when started with
     /// port 0).
     pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+        self.server.local_addr()
     }
 
     /// Workers registered so far.
@@ -251,193 +234,104 @@ impl BootstrapServer {
     /// Stops accepting requests and joins the worker threads. Requests being
     /// answered are finished first.
     pub fn shutdown(mut self) {
-        self.stop();
-    }
-
-    fn stop(&mut self) {
-        self.stopping.store(true, Ordering::SeqCst);
-        // `unblock` wakes one blocked `recv` per call; every worker either
-        // sees the flag before blocking or consumes one of these.
-        for _ in 0..self.threads.len() {
-            self.server.unblock();
-        }
-        for handle in self.threads.drain(..) {
-            if handle.join().is_err() {
-                tracing::error!("a bootstrap server thread panicked");
-            }
-        }
+        self.server.stop();
     }
 }
 
-impl Drop for BootstrapServer {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-fn serve(server: &tiny_http::Server, stopping: &AtomicBool, shared: &Shared) {
-    while !stopping.load(Ordering::SeqCst) {
-        let request = match server.recv() {
-            Ok(request) => request,
-            Err(err) => {
-                // tiny_http reports `unblock` as an interrupted error.
-                if !stopping.load(Ordering::SeqCst) {
-                    tracing::warn!(%err, "bootstrap server: accept failed");
-                }
-                continue;
-            }
-        };
-        handle(request, shared);
-    }
-}
-
-fn handle(mut request: Request, shared: &Shared) {
-    let url = request.url().to_string();
-    let (path, query) = url.split_once('?').unwrap_or((url.as_str(), ""));
-    let method = request.method().clone();
-    let body = match read_body(&mut request, shared.config.max_body_bytes) {
-        Ok(body) => body,
-        Err(reply) => return respond(request, &method, path, reply),
+/// The service's routes. With a key each is signed unless left open, and
+/// so is every request no route takes: an unsigned caller hears 401 from
+/// anything but the open routes, never a 404 or 405.
+fn routes(shared: &Arc<Shared>) -> Routes {
+    let access = |open: fn(&ServerAuth) -> bool| match &shared.config.auth {
+        Some(auth) if !open(auth) => Access::Signed,
+        _ => Access::Open,
     };
-    if let Err(reply) = admit(&request, shared) {
-        return respond(request, &method, path, reply);
-    }
-    if let Err(reply) = authenticate(&request, &url, &body, shared) {
-        return respond(request, &method, path, reply);
-    }
-    if !within_budget(&request, shared, |b| &mut b.0) {
-        return respond(
-            request,
-            &method,
-            path,
-            HttpReply::error(429, "too many requests".into()),
-        );
-    }
-    let reply = match (&method, path) {
-        (Method::Post, "/register") => register(&body, shared),
-        (Method::Get, "/query") => query_route(query, shared),
-        (Method::Get, "/health") => HttpReply::text(200, "ok\n".into()),
-        (Method::Get, "/metrics") => match &shared.metrics {
-            Some(source) => HttpReply {
-                status: 200,
-                content_type: super::METRICS_CONTENT_TYPE,
-                body: source(),
-            },
-            None => HttpReply::error(404, "this service has no metrics".into()),
-        },
-        (_, "/register" | "/query" | "/health" | "/metrics") => {
-            HttpReply::error(405, format!("method {method} not allowed on {path}"))
+    let (r, q, m) = (shared.clone(), shared.clone(), shared.clone());
+    Routes::new()
+        .route(Method::Post, "/register", access(|_| false), move |req| {
+            register(req.body(), &r)
+        })
+        .route(
+            Method::Get,
+            "/query",
+            access(|a| a.open_query),
+            move |req| query_route(req.query(), &q),
+        )
+        .route(Method::Get, "/health", Access::Open, |_| {
+            text(200, "ok\n".into())
+        })
+        .route(
+            Method::Get,
+            "/metrics",
+            access(|a| a.open_metrics),
+            move |_| metrics(&m),
+        )
+        .unmatched(access(|_| false))
+        .gate(shared.clone())
+}
+
+impl Gate for Shared {
+    /// Callers on other hosts turned away when the service is local-only,
+    /// then the signature where the route wants one, then the address's
+    /// budget of requests (after the signature, so unsigned requests spend
+    /// the refusals' budget, never the good ones').
+    fn check(&self, request: &Request<'_>, access: Access) -> Result<(), Reply> {
+        admit(request, self)?;
+        // Routes are signed only when the service has a key.
+        if let (Access::Signed, Some(auth)) = (access, &self.config.auth) {
+            authenticate(request, auth, self)?;
         }
-        _ => HttpReply::error(404, format!("no route {path}")),
-    };
-    respond(request, &method, path, reply);
-}
-
-fn respond(request: Request, method: &Method, path: &str, reply: HttpReply) {
-    if reply.status >= 400 {
-        tracing::debug!(%method, path, status = reply.status, body = %reply.body, "bootstrap request refused");
-    }
-    let header = Header::from_bytes(&b"Content-Type"[..], reply.content_type.as_bytes())
-        .expect("static header is valid");
-    let response = Response::from_string(reply.body)
-        .with_status_code(StatusCode(reply.status))
-        .with_header(header);
-    if let Err(err) = request.respond(response) {
-        tracing::debug!(%err, "bootstrap server: client went away before the response");
-    }
-}
-
-struct HttpReply {
-    status: u16,
-    content_type: &'static str,
-    body: String,
-}
-
-impl HttpReply {
-    fn text(status: u16, body: String) -> HttpReply {
-        HttpReply {
-            status,
-            content_type: "text/plain; charset=utf-8",
-            body,
+        if !within_budget(request, self, |b| &mut b.0) {
+            return Err(error(429, "too many requests".into()));
         }
-    }
-
-    fn json(status: u16, body: String) -> HttpReply {
-        HttpReply {
-            status,
-            content_type: "application/json",
-            body,
-        }
-    }
-
-    /// Errors are JSON too (`{"error": reason}`) so scripts can parse them.
-    fn error(status: u16, reason: String) -> HttpReply {
-        HttpReply::json(status, serde_json::json!({ "error": reason }).to_string())
+        Ok(())
     }
 }
 
-/// Reads a request's body, at most `max` bytes (413 past it).
-fn read_body(request: &mut Request, max: usize) -> Result<Vec<u8>, HttpReply> {
-    if request.body_length().is_some_and(|len| len > max) {
-        return Err(HttpReply::error(
-            413,
-            format!("body larger than {max} bytes"),
-        ));
+fn metrics(shared: &Shared) -> Reply {
+    match &shared.metrics {
+        Some(source) => Reply::new(200, super::METRICS_CONTENT_TYPE, source()),
+        None => error(404, "this service has no metrics".into()),
     }
-    // The declared length may be absent (chunked) or a lie; read at most one
-    // byte more than allowed to tell "too large" from "exactly the limit".
-    let mut body = Vec::with_capacity(request.body_length().unwrap_or(0).min(max));
-    if let Err(err) = request
-        .as_reader()
-        .take(max as u64 + 1)
-        .read_to_end(&mut body)
-    {
-        return Err(HttpReply::error(400, format!("cannot read body: {err}")));
-    }
-    if body.len() > max {
-        return Err(HttpReply::error(
-            413,
-            format!("body larger than {max} bytes"),
-        ));
-    }
-    Ok(body)
 }
 
-/// Checks a request's signature where the service has a key and the
-/// route needs one: 401 without a reason otherwise (the reason goes to
-/// the debug log), counted.
-fn authenticate(
-    request: &Request,
-    url: &str,
-    body: &[u8],
-    shared: &Shared,
-) -> Result<(), HttpReply> {
-    let Some(auth) = &shared.config.auth else {
-        return Ok(());
-    };
-    let path = url.split_once('?').map_or(url, |(p, _)| p);
-    let open = path == "/health"
-        || (path == "/metrics" && auth.open_metrics)
-        || (path == "/query" && request.method() == &Method::Get && auth.open_query);
-    if open {
-        return Ok(());
-    }
-    let verdict = verify_signed(&mut lock(&shared.verifier), &auth.key, request, body);
+fn text(status: u16, body: String) -> Reply {
+    Reply::new(status, "text/plain; charset=utf-8", body)
+}
+
+fn json(status: u16, body: String) -> Reply {
+    Reply::new(status, "application/json", body)
+}
+
+/// Errors are JSON too (`{"error": reason}`) so scripts can parse them.
+fn error(status: u16, reason: String) -> Reply {
+    json(status, serde_json::json!({ "error": reason }).to_string())
+}
+
+/// What the server answers itself (404, 405, 413...), as every error.
+fn refusal(refusal: &Refusal) -> Reply {
+    error(refusal.status(), refusal.to_string())
+}
+
+/// Checks the signature of a request whose route wants one: 401 without
+/// a reason otherwise (the reason goes to the debug log), counted.
+fn authenticate(request: &Request<'_>, auth: &ServerAuth, shared: &Shared) -> Result<(), Reply> {
+    let verdict = verify_signed(&mut lock(&shared.verifier), &auth.key, request);
     verdict.map_err(|err| {
         if !within_budget(request, shared, |b| &mut b.1) {
             // Past the address's refusals: turned away without a log line.
-            return HttpReply::error(429, "too many requests".into());
+            return error(429, "too many requests".into());
         }
         shared.config.rejects.count(Surface::Bootstrap);
         let peer = request
             .remote_addr()
-            .map(ToString::to_string)
+            .map(|a| a.to_string())
             .unwrap_or_default();
-        let method = request.method();
-        tracing::debug!(%err, %peer, %method, url, "bootstrap request not authenticated");
+        let (method, url) = (request.method(), request.url());
+        tracing::debug!(%err, %peer, method, url, "bootstrap request not authenticated");
         match err {
-            AuthError::Busy => HttpReply::error(503, "busy".into()),
-            _ => HttpReply::error(401, "unauthorized".into()),
+            AuthError::Busy => error(503, "busy".into()),
+            _ => error(401, "unauthorized".into()),
         }
     })
 }
@@ -445,25 +339,25 @@ fn authenticate(
 /// Turns away a caller from another host when the service is local-only:
 /// 403 with [`LOCAL_ONLY`], logged as an error on this side too (within
 /// the address's refusal budget), counted.
-fn admit(request: &Request, shared: &Shared) -> Result<(), HttpReply> {
-    let Some(peer) = request.remote_addr().copied() else {
+fn admit(request: &Request<'_>, shared: &Shared) -> Result<(), Reply> {
+    let Some(peer) = request.remote_addr() else {
         return Ok(());
     };
     if !shared.local_only || kvferry_transport::is_own_address(peer.ip()) {
         return Ok(());
     }
     if !within_budget(request, shared, |b| &mut b.1) {
-        return Err(HttpReply::error(429, "too many requests".into()));
+        return Err(error(429, "too many requests".into()));
     }
     shared.config.rejects.count(Surface::Bootstrap);
     tracing::error!(%peer, url = request.url(), "refused a caller on another host: {LOCAL_ONLY}");
-    Err(HttpReply::error(403, LOCAL_ONLY.into()))
+    Err(error(403, LOCAL_ONLY.into()))
 }
 
 /// Takes one unit of `request`'s address from the budget `which` picks;
 /// false (counted) when it is spent.
 fn within_budget(
-    request: &Request,
+    request: &Request<'_>,
     shared: &Shared,
     which: impl FnOnce(&mut (PeerBudget, PeerBudget)) -> &mut PeerBudget,
 ) -> bool {
@@ -478,10 +372,10 @@ fn within_budget(
     allowed
 }
 
-fn register(body: &[u8], shared: &Shared) -> HttpReply {
+fn register(body: &[u8], shared: &Shared) -> Reply {
     let req: RegisterRequest = match serde_json::from_slice(body) {
         Ok(req) => req,
-        Err(err) => return HttpReply::error(400, format!("malformed registration: {err}")),
+        Err(err) => return error(400, format!("malformed registration: {err}")),
     };
     let summary = format!(
         "engine {} dp {} tp {} pp {} at {}",
@@ -497,14 +391,14 @@ fn register(body: &[u8], shared: &Shared) -> HttpReply {
                 authenticated,
                 "registration replaced the address of {summary}"
             );
-            HttpReply::json(
+            json(
                 200,
                 serde_json::to_string(&resp).expect("response serializes"),
             )
         }
         Ok(resp) => {
             tracing::info!("registered {summary}");
-            HttpReply::json(
+            json(
                 200,
                 serde_json::to_string(&resp).expect("response serializes"),
             )
@@ -515,22 +409,20 @@ fn register(body: &[u8], shared: &Shared) -> HttpReply {
                 RegisterError::EngineMismatch { .. } => 409,
                 RegisterError::Full { .. } => 503,
             };
-            HttpReply::error(status, err.to_string())
+            error(status, err.to_string())
         }
     }
 }
 
-fn query_route(query: &str, shared: &Shared) -> HttpReply {
+fn query_route(query: &str, shared: &Shared) -> Reply {
     let mut engine_id = None;
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         match pair.split_once('=') {
             Some(("engine_id", value)) => match percent_decode(value) {
                 Some(v) => engine_id = Some(v),
-                None => {
-                    return HttpReply::error(400, "engine_id is not valid percent-encoding".into())
-                }
+                None => return error(400, "engine_id is not valid percent-encoding".into()),
             },
-            _ => return HttpReply::error(400, format!("unknown query parameter {pair:?}")),
+            _ => return error(400, format!("unknown query parameter {pair:?}")),
         }
     }
     let registry = lock(&shared.registry);
@@ -538,10 +430,10 @@ fn query_route(query: &str, shared: &Shared) -> HttpReply {
     // rank asks for one engine and waits for its ranks itself.
     let expect = shared.config.expect.filter(|_| engine_id.is_none());
     if let Some(missing) = expect.and_then(|e| registry.missing(e)) {
-        return HttpReply::error(503, missing);
+        return error(503, missing);
     }
     let result = registry.query(engine_id.as_deref());
-    HttpReply::json(
+    json(
         200,
         serde_json::to_string(&result).expect("registry serializes"),
     )

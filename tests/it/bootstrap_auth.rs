@@ -61,6 +61,22 @@ fn raw(
     body: &[u8],
     auth: Option<&str>,
 ) -> u16 {
+    let answer = raw_answer(server, method, target, body, auth);
+    answer
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("a status line")
+}
+
+/// [`raw`]'s whole answer, head and body.
+fn raw_answer(
+    server: &BootstrapServer,
+    method: &str,
+    target: &str,
+    body: &[u8],
+    auth: Option<&str>,
+) -> String {
     let mut s = std::net::TcpStream::connect(server.local_addr()).unwrap();
     let mut head = format!(
         "{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
@@ -75,10 +91,6 @@ fn raw(
     let mut answer = String::new();
     s.read_to_string(&mut answer).unwrap();
     answer
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("a status line")
 }
 
 /// A hostile request: name, method, target, body and signature header.
@@ -211,6 +223,45 @@ fn an_open_query_serves_unsigned_reads_and_nothing_else() {
     assert_eq!(raw(&server, "GET", "/query?engine_id=x", b"", None), 200);
     assert_eq!(rejects.get(Surface::Bootstrap), 2);
     assert_eq!(server.registered(), 0);
+}
+
+#[test]
+fn unsigned_callers_hear_401_off_the_open_routes_signed_ones_404_and_405() {
+    let (server, rejects) = keyed_server(true, true);
+    let sign =
+        |method: &str, target: &str| request::sign(&key(1), now_ms(), method, target, b"").unwrap();
+    // Unsigned: an unknown path, or an open path with another method,
+    // tells nothing of the routes.
+    assert_eq!(raw(&server, "GET", "/nope", b"", None), 401);
+    assert_eq!(raw(&server, "POST", "/health", b"", None), 401);
+    assert_eq!(raw(&server, "POST", "/metrics", b"", None), 401);
+    assert_eq!(rejects.get(Surface::Bootstrap), 3);
+    // Signed: the one rule, 404 for an unknown path and 405 naming the
+    // methods a known one takes, errors in JSON as every error.
+    let missing = raw_answer(&server, "GET", "/nope", b"", Some(&sign("GET", "/nope")));
+    assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    assert!(
+        missing.ends_with(r#"{"error":"no route /nope"}"#),
+        "{missing}"
+    );
+    let wrong = raw_answer(
+        &server,
+        "POST",
+        "/health",
+        b"",
+        Some(&sign("POST", "/health")),
+    );
+    assert!(wrong.starts_with("HTTP/1.1 405"), "{wrong}");
+    assert!(wrong.contains("\r\nAllow: GET\r\n"), "{wrong}");
+    assert!(wrong.contains("application/json"), "{wrong}");
+    assert_eq!(rejects.get(Surface::Bootstrap), 3);
+
+    // Without a key, the same 404 and 405.
+    let open = BootstrapServer::start("127.0.0.1:0").unwrap();
+    let wrong = raw_answer(&open, "GET", "/register", b"", None);
+    assert!(wrong.starts_with("HTTP/1.1 405"), "{wrong}");
+    assert!(wrong.contains("\r\nAllow: POST\r\n"), "{wrong}");
+    assert!(raw_answer(&open, "GET", "/nope", b"", None).starts_with("HTTP/1.1 404"));
 }
 
 #[test]
