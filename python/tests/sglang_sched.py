@@ -613,10 +613,17 @@ def pp_prefill_stage(rank: int, rendezvous: int, port: int) -> None:
     pair = Pair(parallel={"pp_size": 2}, world=(2, rank, rendezvous), port=port, sides="P")
     (mgr,) = pair.managers()
     assert (mgr.node.settings["pp_size"], mgr.node.settings["pp_rank"]) == (2, rank)
+    prefill_one_request(pair, f"stage {rank}")
+
+
+def prefill_one_request(pair: "Pair", who: str) -> None:
+    """Prefills one request on this stage of a two-stage prefill engine,
+    prints `who` and the layers it sent once SGLang's release consensus
+    ended the request on both stages, and closes the stage."""
     pair.add("pp", PP_PROMPT, room=PP_ROOM)
     done = lockstep(pair, lambda: pair.prefill_ended("pp"))
-    assert done, f"stage {rank}: request {PP_ROOM} did not end on both stages"
-    print(f"stage {rank}: layers {pair.ps.pool.start_layer}..{pair.ps.pool.end_layer} sent", flush=True)
+    assert done, f"{who}: request {PP_ROOM} did not end on both stages"
+    print(f"{who}: layers {pair.ps.pool.start_layer}..{pair.ps.pool.end_layer} sent", flush=True)
     # Rank 0 serves the bootstrap service: it stays until rank 1 is done.
     torch.distributed.barrier(group=_world["world_group"].cpu_group)
     pair.close()
@@ -635,12 +642,7 @@ def node_prefill_stage(rank: int, node0: str, rendezvous: int, port: int) -> Non
                 rendezvous_host=node0, bootstrap_host=node0)
     (mgr,) = pair.managers()
     assert mgr.node.settings["bootstrap"] == f"{node0}:{port}", mgr.node.settings["bootstrap"]
-    pair.add("pp", PP_PROMPT, room=PP_ROOM)
-    done = lockstep(pair, lambda: pair.prefill_ended("pp"))
-    assert done, f"node {rank}: request {PP_ROOM} did not end on both stages"
-    print(f"node {rank}: layers {pair.ps.pool.start_layer}..{pair.ps.pool.end_layer} sent", flush=True)
-    torch.distributed.barrier(group=_world["world_group"].cpu_group)
-    pair.close()
+    prefill_one_request(pair, f"node {rank}")
 
 
 def pp_stage_pair(rank: int, rendezvous: int, port: int) -> None:

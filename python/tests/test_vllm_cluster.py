@@ -392,6 +392,32 @@ def requests_by_engine(engine: Engine) -> "dict[str, float]":
     return out
 
 
+def registered_ranks(hosts: Hosts, bootstrap: str) -> "dict[str, Any]":
+    """The prefill engine's DP ranks as its bootstrap service lists them to
+    an unsigned reader on the router's host (vllm-router's `/query`): one
+    entry per rank, rank k's engine id `<id>_dp<k>`."""
+    status, text = unsigned(hosts, "r", "GET", f"{bootstrap}/query")
+    assert status == 200, (status, text)
+    ranks = json.loads(text)
+    assert sorted(ranks) == [str(k) for k in range(DP)], ranks
+    ids = [ranks[str(k)]["engine_id"] for k in range(DP)]
+    assert [i.rsplit("_dp", 1)[-1] for i in ids] == [str(k) for k in range(DP)], ids
+    return ranks
+
+
+def assert_every_rank_serves(cluster: Cluster, router: VllmRouter, before: "dict[str, float]", seed: int) -> None:
+    """Short prompts through the router (at most 20) until every DP rank of
+    the prefill engine finished a request since `before`; all must have."""
+    def used() -> "set[str]":
+        return {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
+
+    for k in range(20):
+        if len(used()) == DP:
+            break
+        completion(router.addr, random_prompt(40, seed=seed + k), MAX_TOKENS)
+    assert len(used()) == DP, (before, requests_by_engine(cluster.prefill))
+
+
 def test_a_data_parallel_prefill_serves_every_rank_behind_vllm_router(
         hosts: Hosts, model: str, key_file: str, tmp_path: Path) -> None:
     """One `vllm serve --data-parallel-size 2` prefill of a dense model:
@@ -406,12 +432,8 @@ def test_a_data_parallel_prefill_serves_every_rank_behind_vllm_router(
     # MooncakeConnector as with kvferry's (the two busy loops on one core).
     with Cluster(hosts, model, env, prefill_args=("--data-parallel-size", str(DP)),
                  prefill_cores="0|0") as cluster:
-        status, text = unsigned(hosts, "r", "GET", f"{cluster.bootstrap}/query")
-        assert status == 200, (status, text)
-        ranks = json.loads(text)
-        assert sorted(ranks) == [str(k) for k in range(DP)], ranks
+        ranks = registered_ranks(hosts, cluster.bootstrap)
         ids = [ranks[str(k)]["engine_id"] for k in range(DP)]
-        assert [i.rsplit("_dp", 1)[-1] for i in ids] == [str(k) for k in range(DP)], ids
         # Rank 1's KV, asked for by its engine id alone, as vllm-router asks.
         prompt, tid = random_prompt(300, seed=4711), transfer_id()
         completion(cluster.prefill.addr, prompt, 1, prefill_params(tid), headers={"X-data-parallel-rank": "1"})
@@ -422,14 +444,7 @@ def test_a_data_parallel_prefill_serves_every_rank_behind_vllm_router(
         before = requests_by_engine(cluster.prefill)
         with VllmRouter(cluster, tmp_path / "router.log") as router:
             through_router(cluster, router)
-            # Until the router's choice has used both ranks (bounded).
-            for seed in range(20):
-                used = {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
-                if len(used) == DP:
-                    break
-                completion(router.addr, random_prompt(40, seed=4800 + seed), MAX_TOKENS)
-        used = {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
-        assert len(used) == DP, (before, requests_by_engine(cluster.prefill))
+            assert_every_rank_serves(cluster, router, before, seed=4800)
 
 
 def test_a_moe_data_parallel_prefill_registers_every_rank_at_one_service(
@@ -446,12 +461,7 @@ def test_a_moe_data_parallel_prefill_registers_every_rank_at_one_service(
     env = {"KVFERRY_CLUSTER_KEY_FILE": key_file, "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(BOOTSTRAP_PORT)}
     with Engine(model, cores="0|0", port=ENGINE_PORT, prefix=hosts.prefix("p"), host=hosts.addr("p"), env=env,
                 args=("--kv-transfer-config", zero_config("kv_producer"), "--data-parallel-size", str(DP))):
-        status, text = unsigned(hosts, "r", "GET", f"http://{hosts.addr('p')}:{BOOTSTRAP_PORT}/query")
-    assert status == 200, (status, text)
-    ranks = json.loads(text)
-    assert sorted(ranks) == [str(k) for k in range(DP)], ranks
-    ids = [ranks[str(k)]["engine_id"] for k in range(DP)]
-    assert [i.rsplit("_dp", 1)[-1] for i in ids] == [str(k) for k in range(DP)], ids
+        ranks = registered_ranks(hosts, f"http://{hosts.addr('p')}:{BOOTSTRAP_PORT}")
     workers = [ranks[str(k)]["worker_addr"]["0"]["0"] for k in range(DP)]
     assert len(set(workers)) == DP and all(f"//{hosts.addr('p')}:" in w for w in workers), workers
 
@@ -485,23 +495,13 @@ def test_data_parallel_ranks_on_two_hosts_register_at_the_dp_master(model: str, 
         headless.start(wait=False)
         try:
             with Cluster(hosts, model, env, prefill_args=dp) as cluster:
-                status, text = unsigned(hosts, "r", "GET", f"{cluster.bootstrap}/query")
-                assert status == 200, (status, text)
-                ranks = json.loads(text)
-                assert sorted(ranks) == [str(k) for k in range(DP)], ranks
+                ranks = registered_ranks(hosts, cluster.bootstrap)
                 where = {k: ranks[str(k)]["worker_addr"]["0"]["0"] for k in range(DP)}
                 assert f"//{hosts.addr('q')}:" in where[1], where
                 before = requests_by_engine(cluster.prefill)
                 with VllmRouter(cluster, tmp_path / "router.log") as router:
                     through_router(cluster, router)
-                    for seed in range(20):
-                        used = {e for e, n in requests_by_engine(cluster.prefill).items()
-                                if n > before.get(e, 0.0)}
-                        if len(used) == DP:
-                            break
-                        completion(router.addr, random_prompt(40, seed=4900 + seed), MAX_TOKENS)
-                used = {e for e, n in requests_by_engine(cluster.prefill).items() if n > before.get(e, 0.0)}
-                assert len(used) == DP, (before, requests_by_engine(cluster.prefill))
+                    assert_every_rank_serves(cluster, router, before, seed=4900)
         finally:
             headless.stop()
 

@@ -56,7 +56,6 @@ _STATUS = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
-
 _NODE_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
