@@ -20,7 +20,7 @@ venv=target/sglang-venv
 bash scripts/engine-env.sh sglang "$venv"
 "$venv/bin/pip" install --quiet --force-reinstall --no-deps target/wheels/kvferry-*.whl
 # The routers operators run in front of SGLang's P/D servers.
-"$venv/bin/pip" install --quiet sglang-router==0.3.2 smg==1.13.0
+"$venv/bin/pip" install --quiet --constraint scripts/engine-locks/sglang.txt sglang-router==0.3.2 smg==1.13.0
 # From an empty directory, so `kvferry` is the installed wheel.
 tests="$PWD/python/tests"
 export KVFERRY_BIN="${KVFERRY_BIN:-$PWD/target/debug/kvferry}"

@@ -31,7 +31,8 @@ done
 # The routers operators run in front of vLLM's P/D engines, and vLLM's own
 # MooncakeConnector (the baseline the cluster test times kvferry against):
 # Mooncake's transfer engine links libibverbs.
-"$cpu/bin/pip" install --quiet vllm-router==0.1.17 smg==1.13.0 mooncake-transfer-engine-non-cuda msgpack
+"$cpu/bin/pip" install --quiet --constraint scripts/engine-locks/cpu.txt \
+  vllm-router==0.1.17 smg==1.13.0 mooncake-transfer-engine-non-cuda msgpack
 ldconfig -p | grep -q libibverbs.so.1 || (apt-get update -qq && apt-get install -y -qq libibverbs1)
 VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 "$vllm/bin/python" -m pytest -q \
   python/tests/test_vllm.py python/tests/test_vllm_store.py python/tests/test_node.py

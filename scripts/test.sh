@@ -25,6 +25,7 @@ step() {
 }
 # The disk is shared with other work: each step's end says what is left.
 free_disk() { df -h --output=avail . | tail -n 1 | tr -d ' '; }
+printf 'disk at the start: %s free\n' "$(free_disk)"
 finish() { printf '<== %s: %d s\n\n==> all steps passed in %d s\n' "$current" $((SECONDS - last)) $((SECONDS - started)); }
 
 step "format"
