@@ -112,6 +112,24 @@ def test_a_request_moves_every_byte_through_sglangs_queues(pair):
     assert pair.ds.free()[1] == free_d[1], "decode's metadata slot is back"
 
 
+def test_sglangs_transfer_metrics_report_each_requests_bytes_and_time(pair):
+    """What SGLang's prefill scheduler turns into `kv_transfer_latency_ms`
+    and `kv_transfer_speed_gb_s`: the pages' KV and the aux slot moved,
+    timed from the first chunk to Success."""
+    reporter = pair.ps.metrics_reporter
+    reporter.kv_transfer_latency_ms = None
+    pair.add("t1", PROMPT, room=111)
+    assert pair.run_until(lambda: pair.prefill_ended("t1") and pair.decode_transferred("t1"))
+    token_bytes = sum(t.numel() for t in pair.kv("P", "t1", len(PROMPT))) // len(PROMPT)
+    pages = -(-len(PROMPT) // PAGE)
+    prefill, _ = pair.managers()
+    moved = pages * PAGE * token_bytes + sum(prefill.kv_args.aux_item_lens)
+    assert pair.reqs[("P", "t1")].time_stats.transfer_total_mb * 2**20 == pytest.approx(moved)
+    assert reporter.kv_transfer_latency_ms is not None and reporter.kv_transfer_latency_ms > 0
+    assert reporter.kv_transfer_speed_gb_s > 0
+    pair.release_decode("t1")
+
+
 def test_several_requests_in_one_step(pair):
     rooms = {f"m{i}": 200 + i for i in range(3)}
     for i, (rid, room) in enumerate(rooms.items()):

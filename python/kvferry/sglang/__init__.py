@@ -30,6 +30,7 @@ import inspect
 import json
 import logging
 import os
+import time
 from typing import Any, List, Optional
 
 import numpy as np
@@ -322,6 +323,8 @@ class KvferryKVManager(BaseKVManager):
             head_bytes=item // (a.page_size * heads),
             pools=pools,
         )
+        #: Bytes of one slot of each pool, in the pools' order.
+        self.slot_bytes = [sum(n for _, n in buffers) for _, _, buffers in pools]
         return [k for k, _, _ in pools]
 
     def register_to_bootstrap(self) -> None:
@@ -365,6 +368,14 @@ class KvferryKVManager(BaseKVManager):
             follow_bootstrap_room=True,
         )
         return True
+
+    def bytes_of(self, kv: "list[int]", pools: list) -> int:
+        """Bytes one chunk's pages and slots hold on this rank: every
+        layer's KV of each page, and each aux or state slot's items."""
+        total = len(kv) * sum(self.kv_args.kv_item_lens)
+        for slot, slots in zip(self.slot_bytes, pools):
+            total += len(slots) * slot
+        return total
 
     def pool_lists(self, aux_index: Optional[int], state_indices: Optional[List]) -> list:
         """The index lists of this rank's pools for one request: the aux
@@ -528,6 +539,11 @@ class KvferryKVSender(_Transfer, BaseKVSender):
     ):
         self.kv_mgr, self.room = mgr, int(bootstrap_room)
         self.total, self.sent, self.aux_index = None, 0, None
+        #: What SGLang's prefill scheduler reports once the request is
+        #: done (``kv_transfer_latency_ms``, ``kv_transfer_speed_gb_s``):
+        #: this rank's bytes, and the time from its first chunk to Success.
+        self.metric = KVTransferMetric(transfer_total_bytes=0)
+        self._first_chunk_at: Optional[float] = None
         self._start(lambda: mgr.node.sender(self.room))
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
@@ -553,8 +569,11 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         pools = self.kv_mgr.pool_lists(self.aux_index, state_indices) if last else [
             [] for _ in self.kv_mgr.pools
         ]
+        if self._first_chunk_at is None:
+            self._first_chunk_at = time.perf_counter()
         try:
             self.handle.send([kv] + pools, is_last=last)
+            self.metric.transfer_total_bytes += self.kv_mgr.bytes_of(kv, pools)
         except kvferry.Error as e:
             # Earlier chunks may still be moving: the transfer fails through
             # its handle, which turns terminal once no peer touches its pages.
@@ -585,7 +604,10 @@ class KvferryKVSender(_Transfer, BaseKVSender):
     def poll(self) -> int:
         if self.failure is not None:
             return KVPoll.Failed
-        return _POLL[self.own_phase()]
+        phase = self.own_phase()
+        if phase == Phase.Success and self.metric.transfer_latency_s is None and self._first_chunk_at:
+            self.metric.transfer_latency_s = time.perf_counter() - self._first_chunk_at
+        return _POLL[phase]
 
     def poll_pp_consensus(self) -> int:
         """What PP rank 0's bootstrap queue polls for every stage (SGLang's
@@ -598,7 +620,7 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         return self.poll()
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        return KVTransferMetric()
+        return self.metric
 
 
 class KvferryKVReceiver(_Transfer, BaseKVReceiver):
