@@ -698,67 +698,89 @@ impl Scheduler {
             return Ok(());
         };
         if params.do_remote_prefill {
-            if self.entries.contains_key(req.request_id) {
-                if num_external_tokens == 0 {
-                    return Ok(());
-                }
-                return Err(SchedError::DuplicateRequest {
-                    request_id: req.request_id.to_string(),
-                });
-            }
-            let plan = self.decode_plan(req, params)?;
-            let promised = req
-                .prompt_len_tokens
-                .saturating_sub(req.computed_len_tokens);
-            if num_external_tokens != 0 && num_external_tokens != promised {
-                return Err(SchedError::TokenCountMismatch {
-                    request_id: req.request_id.to_string(),
-                    promised,
-                    allocated: num_external_tokens,
-                });
-            }
-            self.check_new(req.request_id, plan.transfer_id)?;
-            if num_external_tokens == 0 {
-                // Nothing to load (the engine holds or recomputes the
-                // prompt), but the prefill side still holds the KV for us.
-                self.insert(req.request_id, plan.transfer_id, State::Loaded);
-                self.pending
-                    .push_back(Pending::Release(self.release_load(&plan)));
-                return Ok(());
-            }
-            let transfer_id = plan.transfer_id;
-            let load = self.load_of(req, plan)?;
-            self.insert(req.request_id, transfer_id, State::LoadQueued);
-            self.pending.push_back(Pending::Load {
-                request_id: req.request_id.to_string(),
-                load,
-            });
-            Ok(())
+            self.record_load(req, params, num_external_tokens)
         } else if params.do_remote_decode {
-            self.require_role(req.request_id, true)?;
-            let Some(transfer_id) = params.transfer_id.as_ref().map(TransferRef::transfer_id)
-            else {
-                return Err(invalid(req, "do_remote_decode without transfer_id"));
-            };
-            if let Some(e) = self.entries.get(req.request_id) {
-                // vLLM calls again, with no external tokens, once a load
-                // another connector ran for it (a store's prefix) ended.
-                if num_external_tokens == 0 && e.state == State::Prefilling {
-                    return Ok(());
-                }
-                return Err(SchedError::DuplicateRequest {
-                    request_id: req.request_id.to_string(),
-                });
-            }
-            self.check_new(req.request_id, transfer_id)?;
-            // Only the state: the node pairs a decode rank's early request
-            // with the send that `request_finished` queues, whichever comes
-            // first, so the worker needs nothing yet.
-            self.insert(req.request_id, transfer_id, State::Prefilling);
-            Ok(())
+            self.track_prefill(req, params, num_external_tokens)
         } else {
             Ok(())
         }
+    }
+
+    /// Decode, after allocation: queues the load of the
+    /// `num_external_tokens` promised, or a release-only load when there
+    /// are none.
+    fn record_load(
+        &mut self,
+        req: &SchedRequest<'_>,
+        params: &KvTransferParams,
+        num_external_tokens: u64,
+    ) -> Result<(), SchedError> {
+        if self.entries.contains_key(req.request_id) {
+            if num_external_tokens == 0 {
+                return Ok(());
+            }
+            return Err(SchedError::DuplicateRequest {
+                request_id: req.request_id.to_string(),
+            });
+        }
+        let plan = self.decode_plan(req, params)?;
+        let promised = req
+            .prompt_len_tokens
+            .saturating_sub(req.computed_len_tokens);
+        if num_external_tokens != 0 && num_external_tokens != promised {
+            return Err(SchedError::TokenCountMismatch {
+                request_id: req.request_id.to_string(),
+                promised,
+                allocated: num_external_tokens,
+            });
+        }
+        self.check_new(req.request_id, plan.transfer_id)?;
+        if num_external_tokens == 0 {
+            // Nothing to load (the engine holds or recomputes the
+            // prompt), but the prefill side still holds the KV for us.
+            self.insert(req.request_id, plan.transfer_id, State::Loaded);
+            self.pending
+                .push_back(Pending::Release(self.release_load(&plan)));
+            return Ok(());
+        }
+        let transfer_id = plan.transfer_id;
+        let load = self.load_of(req, plan)?;
+        self.insert(req.request_id, transfer_id, State::LoadQueued);
+        self.pending.push_back(Pending::Load {
+            request_id: req.request_id.to_string(),
+            load,
+        });
+        Ok(())
+    }
+
+    /// Prefill, after allocation: starts tracking the request under its
+    /// transfer id.
+    fn track_prefill(
+        &mut self,
+        req: &SchedRequest<'_>,
+        params: &KvTransferParams,
+        num_external_tokens: u64,
+    ) -> Result<(), SchedError> {
+        self.require_role(req.request_id, true)?;
+        let Some(transfer_id) = params.transfer_id.as_ref().map(TransferRef::transfer_id) else {
+            return Err(invalid(req, "do_remote_decode without transfer_id"));
+        };
+        if let Some(e) = self.entries.get(req.request_id) {
+            // vLLM calls again, with no external tokens, once a load
+            // another connector ran for it (a store's prefix) ended.
+            if num_external_tokens == 0 && e.state == State::Prefilling {
+                return Ok(());
+            }
+            return Err(SchedError::DuplicateRequest {
+                request_id: req.request_id.to_string(),
+            });
+        }
+        self.check_new(req.request_id, transfer_id)?;
+        // Only the state: the node pairs a decode rank's early request
+        // with the send that `request_finished` queues, whichever comes
+        // first, so the worker needs nothing yet.
+        self.insert(req.request_id, transfer_id, State::Prefilling);
+        Ok(())
     }
 
     /// Decides what happens to the blocks of a request that ended. Requests

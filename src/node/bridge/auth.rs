@@ -26,7 +26,7 @@ use kvferry_auth::limits::{Budget, PeerBudget};
 use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
 use kvferry_auth::{AuthError, ClusterKey, Surface};
 
-use super::{Bridge, Route};
+use super::{Bridge, Route, Sender};
 
 /// What opens every handshake message.
 const PREFIX: [u8; 4] = *b"KVFA";
@@ -357,11 +357,7 @@ impl Bridge {
 
     /// The machine bytes of a frame from `peer` (a slot, or an identity
     /// without one), or `None` when it does not verify (counted).
-    pub(super) fn unseal(
-        &mut self,
-        peer: &Result<u32, Vec<u8>>,
-        payload: Vec<u8>,
-    ) -> Option<Vec<u8>> {
+    pub(super) fn unseal(&mut self, peer: &Sender, payload: Vec<u8>) -> Option<Vec<u8>> {
         if self.key().is_none() {
             return Some(payload);
         }

@@ -357,6 +357,10 @@ enum Source {
     Monitor(u32),
 }
 
+/// Who sent a frame: the peer's slot, or the identity of a ROUTER peer
+/// that has none yet.
+type Sender = Result<u32, Vec<u8>>;
+
 impl Bridge {
     fn run(mut self) {
         while !self.stop {
@@ -534,77 +538,104 @@ impl Bridge {
             return;
         }
         for _ in 0..READ_BUDGET {
-            let parts = match source {
-                Source::Router => match &self.router {
-                    Some(r) => r.recv_multipart(zmq::DONTWAIT),
-                    None => return,
-                },
-                Source::Dealer(i) => match self.slots.get(i as usize).map(|s| &s.route) {
-                    Some(Route::Dealer(d)) => d.recv_multipart(zmq::DONTWAIT),
-                    _ => return,
-                },
-                Source::Monitor(_) => return,
+            let Some(parts) = self.receive(source) else {
+                return;
             };
-            let mut parts = match parts {
-                Ok(p) => p,
-                Err(zmq::Error::EAGAIN) => return,
-                Err(e) => {
-                    tracing::warn!(%e, "zmq receive failed");
-                    return;
-                }
-            };
-            let (peer, payload) = match source {
-                Source::Router => {
-                    if parts.len() != 2 {
-                        self.bad_frame("wrong number of parts");
-                        continue;
-                    }
-                    let payload = parts.pop().unwrap_or_default();
-                    let identity = parts.pop().unwrap_or_default();
-                    (
-                        self.by_identity.get(&identity).copied().ok_or(identity),
-                        payload,
-                    )
-                }
-                Source::Dealer(i) => {
-                    if parts.len() != 1 {
-                        self.bad_frame("wrong number of parts");
-                        continue;
-                    }
-                    (Ok(i), parts.pop().unwrap_or_default())
-                }
-                Source::Monitor(_) => return,
-            };
-            if let Some((step, body)) = auth::handshake_message(&payload) {
-                match (source, peer) {
-                    (Source::Dealer(i), _) => self.dealer_handshake(i, step, body),
-                    (_, Err(identity)) => self.router_handshake(identity, step, body),
-                    (_, Ok(p)) => {
-                        if let Route::Identity(id) = &self.slots[p as usize].route {
-                            self.router_handshake(id.clone(), step, body);
-                        }
-                    }
-                }
-                continue;
+            self.on_message(source, parts);
+        }
+    }
+
+    /// The next message waiting on `source`; `None` when there is none
+    /// (or no socket, or it failed).
+    fn receive(&self, source: Source) -> Option<Vec<Vec<u8>>> {
+        let parts = match source {
+            Source::Router => match &self.router {
+                Some(r) => r.recv_multipart(zmq::DONTWAIT),
+                None => return None,
+            },
+            Source::Dealer(i) => match self.slots.get(i as usize).map(|s| &s.route) {
+                Some(Route::Dealer(d)) => d.recv_multipart(zmq::DONTWAIT),
+                _ => return None,
+            },
+            Source::Monitor(_) => return None,
+        };
+        match parts {
+            Ok(p) => Some(p),
+            Err(zmq::Error::EAGAIN) => None,
+            Err(e) => {
+                tracing::warn!(%e, "zmq receive failed");
+                None
             }
-            let Some(payload) = self.unseal(&peer, payload) else {
-                continue;
-            };
-            let frame = match wire::decode(&payload, &self.shared.config.frame_limits) {
-                Ok(f) => {
-                    Counters::inc(&self.shared.counters.sidechannel_received);
-                    f
+        }
+    }
+
+    /// Handles one message read from `source`: a handshake step, or a
+    /// sealed frame for `handle_frame`.
+    fn on_message(&mut self, source: Source, parts: Vec<Vec<u8>>) {
+        let Some((peer, payload)) = self.sender_and_payload(source, parts) else {
+            return;
+        };
+        if let Some((step, body)) = auth::handshake_message(&payload) {
+            match (source, peer) {
+                (Source::Dealer(i), _) => self.dealer_handshake(i, step, body),
+                (_, Err(identity)) => self.router_handshake(identity, step, body),
+                (_, Ok(p)) => {
+                    if let Route::Identity(id) = &self.slots[p as usize].route {
+                        self.router_handshake(id.clone(), step, body);
+                    }
                 }
-                Err(wire::WireError::UnsupportedVersion { theirs, .. }) => {
-                    self.refuse(peer, theirs);
-                    continue;
+            }
+            return;
+        }
+        let Some(payload) = self.unseal(&peer, payload) else {
+            return;
+        };
+        let frame = match wire::decode(&payload, &self.shared.config.frame_limits) {
+            Ok(f) => {
+                Counters::inc(&self.shared.counters.sidechannel_received);
+                f
+            }
+            Err(wire::WireError::UnsupportedVersion { theirs, .. }) => {
+                self.refuse(peer, theirs);
+                return;
+            }
+            Err(e) => {
+                self.bad_frame(&e.to_string());
+                return;
+            }
+        };
+        self.handle_frame(peer, frame);
+    }
+
+    /// Who sent `parts` (the slot, or the unknown ROUTER identity) and
+    /// what it says; `None`, counted as a bad frame, when the parts are
+    /// not those of `source`'s socket.
+    fn sender_and_payload(
+        &self,
+        source: Source,
+        mut parts: Vec<Vec<u8>>,
+    ) -> Option<(Sender, Vec<u8>)> {
+        match source {
+            Source::Router => {
+                if parts.len() != 2 {
+                    self.bad_frame("wrong number of parts");
+                    return None;
                 }
-                Err(e) => {
-                    self.bad_frame(&e.to_string());
-                    continue;
+                let payload = parts.pop().unwrap_or_default();
+                let identity = parts.pop().unwrap_or_default();
+                Some((
+                    self.by_identity.get(&identity).copied().ok_or(identity),
+                    payload,
+                ))
+            }
+            Source::Dealer(i) => {
+                if parts.len() != 1 {
+                    self.bad_frame("wrong number of parts");
+                    return None;
                 }
-            };
-            self.handle_frame(peer, frame);
+                Some((Ok(i), parts.pop().unwrap_or_default()))
+            }
+            Source::Monitor(_) => None,
         }
     }
 
@@ -642,7 +673,7 @@ impl Bridge {
     }
 
     /// `peer` is the slot, or the unknown ROUTER identity.
-    fn handle_frame(&mut self, peer: Result<u32, Vec<u8>>, frame: Frame) {
+    fn handle_frame(&mut self, peer: Sender, frame: Frame) {
         let now = Instant::now();
         if let Frame::Refuse(refuse) = frame {
             self.on_refused(peer.ok(), refuse);

@@ -8,7 +8,7 @@ impl Bridge {
     /// Answers a frame of another protocol version with the frozen
     /// `Refuse`, which the peer reads whatever version it speaks, so both
     /// sides report the mismatch. No slot is created for such a peer.
-    pub(super) fn refuse(&mut self, peer: Result<u32, Vec<u8>>, theirs: u16) {
+    pub(super) fn refuse(&mut self, peer: Sender, theirs: u16) {
         tracing::warn!(
             theirs,
             ours = wire::VERSION,

@@ -26,46 +26,70 @@ impl Bridge {
         else {
             return true;
         };
-        if !self.directory.contains_key(target)
-            && self.directory.len() >= self.shared.config.max_bootstrap_targets
-        {
-            // Full: forget a cached answer (it is only a cache) rather than
-            // refuse; a target being queried stays.
-            let idle = self
-                .directory
-                .iter()
-                .find(|(_, d)| !matches!(d, Dir::Querying))
-                .map(|(k, _)| k.clone());
-            match idle {
-                Some(k) => {
-                    self.directory.remove(&k);
-                    self.routes_changed(None);
-                }
-                None => {
-                    tracing::warn!(
-                        ?target,
-                        limit = self.shared.config.max_bootstrap_targets,
-                        "bootstrap target not queried: max_bootstrap_targets reached"
-                    );
-                    self.shared
-                        .counters
-                        .limit_hits
-                        .fetch_add(1, Ordering::Relaxed);
-                    return false;
-                }
-            }
+        if !self.room_for_query(target) {
+            return false;
         }
         self.directory.insert(target.clone(), Dir::Querying);
+        let spawned = self.spawn_query(target.clone(), addr.clone(), engine_id.clone(), *dp_rank);
+        if spawned.is_err() {
+            self.directory
+                .insert(target.clone(), Dir::Failed(Instant::now()));
+        }
+        true
+    }
+
+    /// Whether the directory has room for `target`. When it is full, a
+    /// cached answer is forgotten (it is only a cache) rather than
+    /// `target` refused; a target being queried stays, so false when
+    /// every one is.
+    fn room_for_query(&mut self, target: &PrefillTarget) -> bool {
+        if self.directory.contains_key(target)
+            || self.directory.len() < self.shared.config.max_bootstrap_targets
+        {
+            return true;
+        }
+        let idle = self
+            .directory
+            .iter()
+            .find(|(_, d)| !matches!(d, Dir::Querying))
+            .map(|(k, _)| k.clone());
+        match idle {
+            Some(k) => {
+                self.directory.remove(&k);
+                self.routes_changed(None);
+                true
+            }
+            None => {
+                tracing::warn!(
+                    ?target,
+                    limit = self.shared.config.max_bootstrap_targets,
+                    "bootstrap target not queried: max_bootstrap_targets reached"
+                );
+                self.shared
+                    .counters
+                    .limit_hits
+                    .fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Asks the bootstrap service at `addr` for the ranks of `engine_id`
+    /// at `dp_rank`; the answer comes back as `BridgeCmd::Directory` for
+    /// `key`. HTTP would block the sockets: one short-lived thread per
+    /// query, and at most one query per target at a time.
+    fn spawn_query(
+        &self,
+        key: PrefillTarget,
+        addr: String,
+        engine_id: String,
+        dp_rank: Option<u32>,
+    ) -> std::io::Result<JoinHandle<()>> {
         let tx = self.shared.bridge_tx.clone();
         let waker = self.shared.waker.clone();
-        let (addr, engine_id, dp_rank, key) =
-            (addr.clone(), engine_id.clone(), *dp_rank, target.clone());
-        let target = target.clone();
         let resolver = self.resolver.clone();
         let cluster_key = self.shared.key.clone();
-        // HTTP would block the sockets; one short-lived thread per query,
-        // and at most one query per target at a time.
-        let spawned = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("kvferry-bootstrap-query".into())
             .spawn(move || {
                 let client = BootstrapClient::new(&addr).map(|c| {
@@ -84,11 +108,7 @@ impl Bridge {
                     Duration::from_secs(5),
                 );
                 waker.wake();
-            });
-        if spawned.is_err() {
-            self.directory.insert(target, Dir::Failed(Instant::now()));
-        }
-        true
+            })
     }
 
     /// Tries to hand the P ranks to the machine of `p`; false: wait.

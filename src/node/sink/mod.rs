@@ -621,13 +621,7 @@ impl Sink {
         uncarried: Option<duplex::Event>,
     ) {
         let Job { peer, src, dst, op } = job;
-        let status_after = uncarried.is_some();
-        let Planned {
-            transport,
-            endpoint,
-            descs,
-            batches,
-        } = match self.admit(tid, peer, src, dst, op) {
+        let planned = match self.admit(tid, peer, src, dst, op) {
             Ok(p) => p,
             Err(NotStarted::Unplanned) => {
                 self.post_later(tid, vec![plan_failed, done(false)]);
@@ -638,39 +632,12 @@ impl Sink {
                 return;
             }
         };
-        let bytes: u64 = descs.iter().map(|d| d.len_bytes).sum();
-        let count = descs.len() as u64;
+        let bytes: u64 = planned.descs.iter().map(|d| d.len_bytes).sum();
+        let count = planned.descs.len() as u64;
         let poster = self.poster.clone();
         let shared = self.shared.clone();
-        let mut note = self.status_note(tid, &endpoint, status_after);
-        // Fault injection: the `Status` rides nowhere, and the machine,
-        // told it was carried, does not send it either: it is lost.
-        let lost = note.is_some() && self.shared.drops_control();
-        if lost {
-            note = None;
-            let c = &shared.counters;
-            c.dropped_trailer.fetch_add(1, Ordering::Relaxed);
-        }
-        let uncarried = uncarried.filter(|_| !lost);
-        let coalesce = transport.coalesce_small_batches()
-            && batches.len() == 1
-            && descs.len() <= COALESCE_MAX_DESCS
-            && bytes <= COALESCE_MAX_BYTES;
-        let mv = Move {
-            transport,
-            sessions: self.msgr.sessions.clone(),
-            lanes: self.lanes.clone(),
-            msgr: self.msgr.clone(),
-            endpoint,
-            op,
-            descs,
-            batches,
-            note,
-            coalesce,
-            // Counted from now, when the machine's op was posted, not from
-            // when the task first runs.
-            deadline: Instant::now() + shared.config.timeouts.transfer_bound,
-        };
+        let (note, uncarried) = self.status_rider(tid, &planned.endpoint, uncarried);
+        let mv = self.move_of(planned, op, note, bytes);
         let (sessions, to) = (mv.sessions.clone(), mv.endpoint);
         glommio::spawn_local(async move {
             let result = mv.run().await;
@@ -685,6 +652,55 @@ impl Sink {
             let _ = poster.post(tid, done(ok)).await;
         })
         .detach();
+    }
+
+    /// The `Status` frame to ride the write of `tid` when one is to
+    /// (`uncarried` is set; see `status_note`), and `uncarried` for the
+    /// move to post if the bytes land without it.
+    fn status_rider(
+        &self,
+        tid: TransferId,
+        endpoint: &EndpointAddr,
+        uncarried: Option<duplex::Event>,
+    ) -> (Option<Vec<u8>>, Option<duplex::Event>) {
+        let note = self.status_note(tid, endpoint, uncarried.is_some());
+        // Fault injection: the `Status` rides nowhere, and the machine,
+        // told it was carried, does not send it either: it is lost.
+        if note.is_some() && self.shared.drops_control() {
+            let c = &self.shared.counters;
+            c.dropped_trailer.fetch_add(1, Ordering::Relaxed);
+            return (None, None);
+        }
+        (note, uncarried)
+    }
+
+    /// The `Move` of `planned` (`bytes` in all), `note` riding its write;
+    /// its deadline counts from now, when the machine's op was posted,
+    /// not from when its task first runs.
+    fn move_of(&self, planned: Planned, op: Op, note: Option<Vec<u8>>, bytes: u64) -> Move {
+        let Planned {
+            transport,
+            endpoint,
+            descs,
+            batches,
+        } = planned;
+        let coalesce = transport.coalesce_small_batches()
+            && batches.len() == 1
+            && descs.len() <= COALESCE_MAX_DESCS
+            && bytes <= COALESCE_MAX_BYTES;
+        Move {
+            transport,
+            sessions: self.msgr.sessions.clone(),
+            lanes: self.lanes.clone(),
+            msgr: self.msgr.clone(),
+            endpoint,
+            op,
+            descs,
+            batches,
+            note,
+            coalesce,
+            deadline: Instant::now() + self.shared.config.timeouts.transfer_bound,
+        }
     }
 
     /// The closing `Status` of `tid` as the frame to ride its write, when

@@ -204,56 +204,9 @@ impl Offer {
             return Err(bad("spaces"));
         }
         let counts = (0..n).map(|_| next()).collect::<Result<Vec<_>, _>>()?;
-        let n = next()? as usize;
-        if n > MAX_OFFER_FENCE {
-            return Err(bad("fenced regions"));
-        }
-        let mut fence = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (base, stride, count) = (next()?, next()?, next()?);
-            let space = Space::from_index(next()?).ok_or(bad("space"))?;
-            if space.index() >= counts.len() || stride == 0 || count == 0 {
-                return Err(bad("fenced region"));
-            }
-            fence.push(FenceRegion {
-                base,
-                stride,
-                count,
-                space,
-            });
-        }
-        if fence.windows(2).any(|w| w[0].base > w[1].base) {
-            return Err(bad("fenced regions out of order"));
-        }
-        let n = next()? as usize;
-        if n > MAX_OFFER_REGIONS {
-            return Err(bad("regions"));
-        }
-        let mut regions = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (addr, len_bytes, offset) = (next()?, next()?, next()?);
-            regions.push(OfferRegion {
-                info: RegionInfo { addr, len_bytes },
-                offset,
-            });
-        }
-        let n = next().unwrap_or(0) as usize;
-        if n > MAX_OFFER_REGIONS {
-            return Err(bad("device regions"));
-        }
-        let mut devices = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (addr, len_bytes, offset) = (next()?, next()?, next()?);
-            let mut handle = [0u8; IPC_HANDLE_LEN];
-            for c in handle.chunks_exact_mut(8) {
-                c.copy_from_slice(&next()?.to_le_bytes());
-            }
-            devices.push(OfferDevice {
-                info: RegionInfo { addr, len_bytes },
-                offset,
-                handle,
-            });
-        }
+        let fence = decode_fence(&mut next, counts.len())?;
+        let regions = decode_regions(&mut next)?;
+        let devices = decode_devices(&mut next)?;
         Ok(Offer {
             generation,
             lane,
@@ -264,6 +217,81 @@ impl Offer {
             devices,
         })
     }
+}
+
+/// The fenced regions of an offer, from its count on: each names one of
+/// the `spaces` counted, and they come in order of base.
+fn decode_fence(
+    next: &mut impl FnMut() -> Result<u64, ShmRefusal>,
+    spaces: usize,
+) -> Result<Vec<FenceRegion>, ShmRefusal> {
+    let bad = ShmRefusal::Malformed;
+    let n = next()? as usize;
+    if n > MAX_OFFER_FENCE {
+        return Err(bad("fenced regions"));
+    }
+    let mut fence = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (base, stride, count) = (next()?, next()?, next()?);
+        let space = Space::from_index(next()?).ok_or(bad("space"))?;
+        if space.index() >= spaces || stride == 0 || count == 0 {
+            return Err(bad("fenced region"));
+        }
+        fence.push(FenceRegion {
+            base,
+            stride,
+            count,
+            space,
+        });
+    }
+    if fence.windows(2).any(|w| w[0].base > w[1].base) {
+        return Err(bad("fenced regions out of order"));
+    }
+    Ok(fence)
+}
+
+/// The shared regions of an offer, from their count on.
+fn decode_regions(
+    next: &mut impl FnMut() -> Result<u64, ShmRefusal>,
+) -> Result<Vec<OfferRegion>, ShmRefusal> {
+    let n = next()? as usize;
+    if n > MAX_OFFER_REGIONS {
+        return Err(ShmRefusal::Malformed("regions"));
+    }
+    let mut regions = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (addr, len_bytes, offset) = (next()?, next()?, next()?);
+        regions.push(OfferRegion {
+            info: RegionInfo { addr, len_bytes },
+            offset,
+        });
+    }
+    Ok(regions)
+}
+
+/// The device regions of an offer, from their count on; an offer that
+/// ends before the count (an older target's) has none.
+fn decode_devices(
+    next: &mut impl FnMut() -> Result<u64, ShmRefusal>,
+) -> Result<Vec<OfferDevice>, ShmRefusal> {
+    let n = next().unwrap_or(0) as usize;
+    if n > MAX_OFFER_REGIONS {
+        return Err(ShmRefusal::Malformed("device regions"));
+    }
+    let mut devices = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (addr, len_bytes, offset) = (next()?, next()?, next()?);
+        let mut handle = [0u8; IPC_HANDLE_LEN];
+        for c in handle.chunks_exact_mut(8) {
+            c.copy_from_slice(&next()?.to_le_bytes());
+        }
+        devices.push(OfferDevice {
+            info: RegionInfo { addr, len_bytes },
+            offset,
+            handle,
+        });
+    }
+    Ok(devices)
 }
 
 /// Sends `offer` with `fds` (the control file, then one per region).
