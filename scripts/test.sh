@@ -31,6 +31,10 @@ finish() { printf '<== %s: %d s\n\n==> all steps passed in %d s\n' "$current" $(
 step "format"
 cargo fmt --all --check
 
+step "no library function over 70 lines"
+# A function should read at once; a longer one splits into named helpers.
+python3 scripts/fn_lengths.py
+
 # The `cuda` feature (device memory through the driver, loaded at run
 # time) is on for clippy, the docs and the tests: it builds without a CUDA
 # toolkit, and the tests run where there is no driver. The build without it
