@@ -192,7 +192,7 @@ def tensor_device(t: Any) -> str:
     """A torch tensor's device as node settings name it: ``cpu`` or
     ``cuda:N``; anything else (``meta``, another accelerator) as torch
     names it."""
-    dev = getattr(t, "device", None)
+    dev: Any = getattr(t, "device", None)
     kind = getattr(dev, "type", "cpu")
     if kind == "cuda":
         index = dev.index
@@ -243,7 +243,8 @@ def _tensor_region(t: Any, node_device: str = "cpu") -> "tuple[int, int, int, An
     # Holding the ctypes view keeps the buffer exported (and alive) for as
     # long as the node may touch it.
     anchor = (ctypes.c_char * view.nbytes).from_buffer(view)
-    return ctypes.addressof(anchor), view.nbytes, int(view.shape[0]), (t, view, anchor)
+    # A view's len is its leading dimension.
+    return ctypes.addressof(anchor), view.nbytes, len(view), (t, view, anchor)
 
 
 class Scheduler:
@@ -275,11 +276,15 @@ class Scheduler:
         )
 
     @staticmethod
-    def _json(params: Optional[dict]) -> Optional[str]:
+    def _json(params: "Optional[dict[str, Any]]") -> Optional[str]:
         return None if params is None else json.dumps(params)
 
     def get_num_new_matched_tokens(
-        self, request_id: str, prompt_len: int, computed_len: int, params: Optional[dict]
+        self,
+        request_id: str,
+        prompt_len: int,
+        computed_len: int,
+        params: "Optional[dict[str, Any]]",
     ) -> "tuple[int, bool]":
         """``(tokens the remote prefill provides, loaded asynchronously)``."""
         return self._native.get_num_new_matched_tokens(
@@ -292,7 +297,7 @@ class Scheduler:
         prompt_len: int,
         computed_len: int,
         block_ids: BlockIds,
-        params: Optional[dict],
+        params: "Optional[dict[str, Any]]",
         num_external_tokens: int,
     ) -> None:
         """Records what the request's blocks (per group, token order) need."""
@@ -306,9 +311,9 @@ class Scheduler:
         prompt_len: int,
         computed_len: int,
         block_ids: BlockIds,
-        params: Optional[dict],
+        params: "Optional[dict[str, Any]]",
         status: str,
-    ) -> "tuple[bool, Optional[dict]]":
+    ) -> "tuple[bool, Optional[dict[str, Any]]]":
         """``(keep the blocks until reported finished, params for the
         decode engine)``; ``status`` is ``"length_capped"``, ``"stopped"``,
         ``"aborted"``, ``"ignored"`` or ``"error"``."""
@@ -363,7 +368,7 @@ class Node:
         #: Where the KV cache lives: ``cpu`` or ``cuda:N`` (setting ``device``).
         self.device: str = self.settings.get("device") or "cpu"
         #: Tensors registered, kept alive until the node stops.
-        self._memory: list = []
+        self._memory: "list[Any]" = []
         #: String request ids of transfers opened by one, by transfer id,
         #: until ``get_finished`` reports them.
         self._names: "dict[int, str]" = {}
@@ -372,7 +377,8 @@ class Node:
     def settings(self) -> "dict[str, Any]":
         """Every setting this node runs with: the keywords given, then
         ``KVFERRY_*`` variables, then defaults (``docs/config.md``)."""
-        return json.loads(self._native.settings())
+        settings: "dict[str, Any]" = json.loads(self._native.settings())
+        return settings
 
     # -- memory --------------------------------------------------------
 
@@ -400,30 +406,34 @@ class Node:
         ``kind`` ``"aux"`` (copied whole to every decode rank) or
         ``"state"`` (rank to rank, equal TP only). A request's block lists
         then end with one index list per pool, in this order."""
-        if (tensors is None) == (regions is None):
-            raise MisuseError("give exactly one of tensors and regions")
-        if tensors is not None:
+        if tensors is not None and regions is None:
             if num_blocks is not None:
                 raise MisuseError("num_blocks comes from the tensors' leading dimension")
             regions, num_blocks, keep = self._regions_of(list(tensors), self.device)
-        else:
+        elif regions is not None and tensors is None:
             if num_blocks is None:
                 raise MisuseError("raw regions need num_blocks")
             keep = []
+        else:
+            raise MisuseError("give exactly one of tensors and regions")
         self._native.register_regions(
-            [tuple(int(x) for x in r) for r in regions],
+            [(int(base), int(block), int(kv_block)) for base, block, kv_block in regions],
             int(num_blocks),
             layout,
             int(total_kv_heads),
             int(block_tokens),
             int(head_bytes),
             int(first_region),
-            None if pools is None else [(k, int(n), [tuple(r) for r in rs]) for k, n, rs in pools],
+            None
+            if pools is None
+            else [(k, int(n), [(base, size) for base, size in rs]) for k, n, rs in pools],
         )
         self._memory.extend(keep)
 
     @staticmethod
-    def _regions_of(tensors: list, device: str) -> "tuple[list, int, list]":
+    def _regions_of(
+        tensors: "list[Any]", device: str
+    ) -> "tuple[list[tuple[int, int, int]], int, list[Any]]":
         if not tensors:
             raise MisuseError("no tensors to register")
         found = [_tensor_region(t, device) for t in tensors]
@@ -517,12 +527,15 @@ class Node:
         """Aborts the transfer ``transfer_id`` (a number), either direction."""
         self._native.abort(transfer_id)
 
-    def get_finished(self) -> "tuple[set, set]":
+    def get_finished(self) -> "tuple[set[TransferRef], set[TransferRef]]":
         """vLLM-style: the transfers that ended since the last call, as
         ``(finished sending, finished receiving)``, by the ids they were
         opened with."""
         sent, received = self._native.get_finished()
-        name = lambda t: self._names.pop(t, t)  # noqa: E731
+
+        def name(t: int) -> TransferRef:
+            return self._names.pop(t, t)
+
         return {name(t) for t in sent}, {name(t) for t in received}
 
     def get_finished_loads(self) -> "tuple[list[int], list[int], list[int]]":

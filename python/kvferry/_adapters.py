@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from kvferry import _native
 from kvferry._native import MisuseError
 
 
-def with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
+def with_detected_host(settings: "dict[str, Any]", detect: Callable[[], str]) -> None:
     """An engine adapter's advertised ``host`` when neither its settings nor
     ``KVFERRY_HOST`` name one. A node that may serve other hosts (a
     cluster key, or ``allow_unauthenticated_remote``) advertises what
@@ -31,7 +31,7 @@ def with_detected_host(settings: dict, detect: Callable[[], str]) -> None:
         settings["host"] = "127.0.0.1"
 
 
-def with_engine_knobs(settings: dict, knobs: "dict[str, tuple[str, float]]") -> None:
+def with_engine_knobs(settings: "dict[str, Any]", knobs: "Mapping[str, tuple[str, float]]") -> None:
     """The engine's own variables an operator already sets (``knobs``:
     variable → (setting, factor to the setting's unit)), each applied
     unless the setting is given or its ``KVFERRY_<KEY>`` variable is set:
@@ -52,7 +52,7 @@ def with_engine_knobs(settings: dict, knobs: "dict[str, tuple[str, float]]") -> 
 RANK_PORTS = ("side_channel_port", "data_plane_port")
 
 
-def with_rank_ports(settings: dict, index: int) -> None:
+def with_rank_ports(settings: "dict[str, Any]", index: int) -> None:
     """A set ``side_channel_port`` / ``data_plane_port`` (setting or
     ``KVFERRY_<KEY>``) is a base port shared by every rank of the engines
     on a host; the rank at ``index`` among them listens at ``base + index``
@@ -67,7 +67,7 @@ def with_rank_ports(settings: dict, index: int) -> None:
             settings[key] = port
 
 
-def serves_other_hosts(settings: dict) -> bool:
+def serves_other_hosts(settings: "dict[str, Any]") -> bool:
     """Whether a node with these settings (and ``KVFERRY_*`` variables)
     may serve peers on other hosts: it holds a cluster key, or is told to
     trust anyone."""

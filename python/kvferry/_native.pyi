@@ -44,6 +44,12 @@ class ParamsError(Error): ...
 
 _PhasePair = tuple[str, Optional[str]]
 _BlockIds = Union[Sequence[int], Sequence[Sequence[int]]]
+#: A KV event of a store worker: kind ("stored", "removed", "cleared"),
+#: KV-cache group, block hashes, parent hash, block tokens, token ids,
+#: LoRA name, medium.
+_EventRecord = tuple[
+    str, int | None, list[bytes], bytes | None, int, list[int], str | None, str
+]
 
 @final
 class Node:
@@ -230,16 +236,7 @@ class StoreWorker:
     def start_loads(self, meta: bytes) -> None: ...
     def start_saves(self, meta: bytes) -> None: ...
     def transfer_results(self) -> tuple[list[str], list[str], list[str]]: ...
-    def take_events(
-        self,
-    ) -> tuple[
-        list[
-            tuple[
-                str, int | None, list[bytes], bytes | None, int, list[int], str | None, str
-            ]
-        ],
-        int,
-    ]: ...
+    def take_events(self) -> tuple[list[_EventRecord], int]: ...
     def drain(self, timeout_s: float) -> bool: ...
     def close_lookups(self) -> None: ...
     def stats(self) -> dict[str, int]: ...

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, List, Optional
+from typing import Any, Callable, List, NoReturn, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import (
@@ -178,7 +178,7 @@ class KvferryKVBootstrapServer(BaseKVBootstrapServer):
         self.server.stop()
 
 
-def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> dict:
+def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> "dict[str, Any]":
     """The node settings SGLang decides for one rank: the attention-TP
     group is what pairs with the peer's (DP attention shrinks it below
     ``tp_size``), and each system DP rank owns a KV cache of its own."""
@@ -194,7 +194,7 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> d
             "run the engine with --attn-cp-size 1, or with another transfer backend"
         )
     prefill = mode == DisaggregationMode.PREFILL
-    settings = {
+    settings: "dict[str, Any]" = {
         "role": "prefill" if prefill else "decode",
         "engine_id": ENGINE_ID,
         "tp_size": int(parallel.attn_tp_size),
@@ -242,7 +242,9 @@ def _reachable(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
-def _pool(kind: str, ptrs: List[int], lens: List[int], item_lens: List[int]):
+def _pool(
+    kind: str, ptrs: List[int], lens: List[int], item_lens: List[int]
+) -> "tuple[str, int, list[tuple[int, int]]]":
     items = {n // i for n, i in zip(lens, item_lens) if i}
     if len(items) != 1:
         raise kvferry.MisuseError(f"the {kind} buffers of one pool need as many items each")
@@ -369,7 +371,7 @@ class KvferryKVManager(BaseKVManager):
         )
         return True
 
-    def bytes_of(self, kv: "list[int]", pools: list) -> int:
+    def bytes_of(self, kv: "list[int]", pools: "list[list[int]]") -> int:
         """Bytes one chunk's pages and slots hold on this rank: every
         layer's KV of each page, and each aux or state slot's items."""
         total = len(kv) * sum(self.kv_args.kv_item_lens)
@@ -377,21 +379,28 @@ class KvferryKVManager(BaseKVManager):
             total += len(slots) * slot
         return total
 
-    def pool_lists(self, aux_index: Optional[int], state_indices: Optional[List]) -> list:
+    def pool_lists(
+        self, aux_index: Optional[int], state_indices: Optional[List[Any]]
+    ) -> "list[list[int]]":
         """The index lists of this rank's pools for one request: the aux
         index, then each state type's indices."""
         states = list(state_indices or [])
-        out = []
+        out: "list[list[int]]" = []
         for kind in self.pools:
             if kind == "aux":
                 out.append([] if aux_index is None else [int(aux_index)])
             else:
                 s = states.pop(0) if states else []
-                out.append([int(s)] if np.isscalar(s) else [int(x) for x in s])
+                # numpy's isscalar guard admits complex too; SGLang's are integers.
+                out.append(
+                    [int(s)] if np.isscalar(s) else [int(x) for x in s]  # type: ignore[arg-type]
+                )
         return out
 
 
-def _kv_regions(a: KVArgs, mla: bool, pp_size: int, server_args: Any) -> "tuple[list, int]":
+def _kv_regions(
+    a: KVArgs, mla: bool, pp_size: int, server_args: Any
+) -> "tuple[list[tuple[int, int, int]], int]":
     """This rank's KV regions in kvferry's model order, layer by layer (K
     then V; MLA: one buffer per layer), and the index of its first one in
     the model's. SGLang lists K of every layer, then V of every layer; a
@@ -470,7 +479,9 @@ def _engine_device(args: KVArgs, server_args: Any) -> str:
 class _Transfer:
     """What a sender and a receiver share: poll, failure, abort."""
 
-    handle: Any = None
+    handle: Optional[kvferry._Handle] = None
+    #: The request's transfer id (SGLang's ``bootstrap_room``).
+    room: int
     #: Why this rank's transfer failed before or outside its handle.
     failure: Optional[str] = None
 
@@ -493,7 +504,7 @@ class _Transfer:
     def failed_here(self) -> bool:
         return self.failure is not None or self.own_phase() in (Phase.Failed, Phase.Expired)
 
-    def failure_exception(self):
+    def failure_exception(self) -> NoReturn:
         """Raises SGLang's ``KVTransferError``; a rank that did not fail
         itself (SGLang polls the minimum over its ranks) says so, and
         SGLang logs it at debug level."""
@@ -502,7 +513,7 @@ class _Transfer:
         here = self.failed_here()
         if self.failure is not None:
             reason = self.failure
-        elif here:
+        elif here and self.handle is not None:  # its handle failed
             reason = f"kvferry: {self.handle.failure or 'Expired'}"
         else:
             reason = "Failed due to an unknown reason from another rank"
@@ -519,7 +530,7 @@ class _Transfer:
         if self.failure is None:
             self.failure = "Aborted by AbortReq."
 
-    def _start(self, make: Any) -> None:
+    def _start(self, make: "Callable[[], kvferry._Handle]") -> None:
         try:
             self.handle = make()
         except kvferry.Error as e:
@@ -529,6 +540,11 @@ class _Transfer:
 class KvferryKVSender(_Transfer, BaseKVSender):
     """The prefill side of one request: ``Bootstrapping`` until the decode
     rank's request arrives, ``WaitingForInput`` until the last chunk."""
+
+    handle: Optional[kvferry.Sender]
+    #: Pages the request sends in all (``init``), and its aux index.
+    total: Optional[int]
+    aux_index: Optional[int]
 
     def __init__(
         self,
@@ -546,7 +562,7 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         self._first_chunk_at: Optional[float] = None
         self._start(lambda: mgr.node.sender(self.room))
 
-    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.total, self.aux_index = int(num_kv_indices), aux_index
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
@@ -556,10 +572,10 @@ class KvferryKVSender(_Transfer, BaseKVSender):
     def send(
         self,
         kv_indices: Any,
-        state_indices: Optional[List] = None,
-        num_kv_tokens=None,
+        state_indices: Optional[List[Any]] = None,
+        num_kv_tokens: Optional[int] = None,
         indices_event: Any = None,
-    ):
+    ) -> None:
         if self.handle is None:
             return
         self._hand_off(indices_event)
@@ -605,6 +621,8 @@ class KvferryKVSender(_Transfer, BaseKVSender):
         if self.failure is not None:
             return KVPoll.Failed
         phase = self.own_phase()
+        if phase is None:
+            return KVPoll.Failed  # no handle: its start failed, which set `failure`
         if phase == Phase.Success and self.metric.transfer_latency_s is None and self._first_chunk_at:
             self.metric.transfer_latency_s = time.perf_counter() - self._first_chunk_at
         return _POLL[phase]
@@ -628,13 +646,15 @@ class KvferryKVReceiver(_Transfer, BaseKVReceiver):
     resolved the prefill DP rank (``init``), then ``WaitingForInput`` while
     kvferry finds the prefill ranks and until the KV moves."""
 
+    handle: Optional[kvferry.Receiver]
+
     def __init__(
         self, mgr: KvferryKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None
     ):
         self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
         self.room = int(bootstrap_room or 0)
 
-    def init(self, prefill_dp_rank: int):
+    def init(self, prefill_dp_rank: int) -> None:
         if self.failure is not None:
             return
         self._start(
@@ -661,11 +681,11 @@ class KvferryKVReceiver(_Transfer, BaseKVReceiver):
         self,
         kv_indices: Any,
         aux_index: Optional[int] = None,
-        state_indices: Optional[List] = None,
+        state_indices: Optional[List[Any]] = None,
         decode_prefix_len: Optional[int] = None,
         destination: KVTransferDestination = KVTransferDestination.DEVICE,
         **_: Any,
-    ):
+    ) -> None:
         if self.handle is None or self.failure is not None or self.aborted:
             return
         page = int(self.kv_mgr.kv_args.page_size)

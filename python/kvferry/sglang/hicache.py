@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, List
+from typing import Any, Callable, List, NoReturn
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -85,13 +85,14 @@ class KvferryHiCacheStorage(HiCacheStorage):
         #: MLA pages are the same on every TP rank: rank 0 writes them.
         self.writer = not storage_config.is_mla_model or storage_config.tp_rank == 0
         self.store = _native.PageStore(str(extra["url"]), int(extra.get("timeout_ms", TIMEOUT_MS)))
-        self.mem_pool_host = None
+        #: SGLang's host KV pool (``register_mem_pool_host``).
+        self.mem_pool_host: Any = None
         #: Calls the store did not answer, by call: each answered misses.
         self.faults = {"exists": 0, "get": 0, "set": 0, "clear": 0}
         self._metrics = StorageMetrics()
         self._lock = threading.Lock()
 
-    def register_mem_pool_host(self, mem_pool_host) -> None:
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Registers the pool's buffers, as SGLang's own page pointers
         (``get_page_buffer_meta``) lay them out: each buffer a run of
         equally long pages."""
@@ -138,16 +139,22 @@ class KvferryHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def get(self, key, target_location=None, target_sizes=None):
+    def get(self, key: Any, target_location: Any = None, target_sizes: Any = None) -> NoReturn:
         raise kvferry.MisuseError(_V1_ONLY)
 
-    def batch_get(self, keys, target_locations=None, target_sizes=None):
+    def batch_get(
+        self, keys: Any, target_locations: Any = None, target_sizes: Any = None
+    ) -> NoReturn:
         raise kvferry.MisuseError(_V1_ONLY)
 
-    def set(self, key, value=None, target_location=None, target_sizes=None):
+    def set(
+        self, key: Any, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> NoReturn:
         raise kvferry.MisuseError(_V1_ONLY)
 
-    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+    def batch_set(
+        self, keys: Any, values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> NoReturn:
         raise kvferry.MisuseError(_V1_ONLY)
 
     def clear(self) -> None:
@@ -179,7 +186,14 @@ class KvferryHiCacheStorage(HiCacheStorage):
         starts = host_indices.reshape(count, page)[:, 0]
         return [int(i) // page for i in starts.tolist()]
 
-    def _move(self, call: Any, fault: str, kind: str, keys: List[str], host_indices) -> List[bool]:
+    def _move(
+        self,
+        call: "Callable[[list[str], list[int]], list[bool]]",
+        fault: str,
+        kind: str,
+        keys: List[str],
+        host_indices: torch.Tensor,
+    ) -> List[bool]:
         """Moves the pages of `host_indices` by `call` (the store's get or
         put), counted under `kind` in the stats; a failed call is misses."""
         started = time.perf_counter()

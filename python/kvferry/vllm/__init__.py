@@ -34,10 +34,9 @@ load, which vLLM's ``kv_load_failure_policy`` handles).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 import kvferry.vllm._pd_store as _pd_store
 from kvferry.vllm._base import (
@@ -46,12 +45,16 @@ from kvferry.vllm._base import (
     KvCachePlan,
     KvferryPromMetrics,
     KvferryStats,
+    Side,
     _KvferryConnectorBase,
     register_plan,
     share_kv_memory,
 )
 from kvferry.vllm._p2p import KvferryMetadata, _SchedulerSide, _settings, _WorkerSide
 from kvferry.vllm._store import KvferryStoreConnector, KvferryStoreMetadata
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 __all__ = [
     "ANY_VERSION_ENV",
@@ -93,11 +96,13 @@ class KvferryConnector(_KvferryConnectorBase):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        sched: Side
+        worker: Side
         if extra.get("store"):
-            sides = (_pd_store._SchedulerSide, _pd_store._WorkerSide)
+            sched, worker = _pd_store._SchedulerSide, _pd_store._WorkerSide
         else:
-            sides, extra = (_SchedulerSide, _WorkerSide), _settings(extra)
-        super().__init__(vllm_config, role, kv_cache_config, *sides, extra)
+            sched, worker, extra = _SchedulerSide, _WorkerSide, _settings(extra)
+        super().__init__(vllm_config, role, kv_cache_config, sched, worker, extra)
 
 
 try:

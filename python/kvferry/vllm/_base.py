@@ -9,9 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
-import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,6 +33,9 @@ from vllm.v1.kv_cache_interface import (
 import kvferry
 import kvferry._adapters as adapters
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger("kvferry.vllm")
 
 #: The vLLM releases (major, minor) this connector is tested on.
@@ -49,7 +51,7 @@ try:  # vLLM 0.32+: failed loads per request.
         KVConnectorTransferResults,
     )
 except ImportError:  # pragma: no cover - probed in _check_version
-    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+    KVConnectorTransferResults = None
 
 
 def _refuse_context_parallel(pc: Any) -> None:
@@ -102,7 +104,7 @@ class KvferryStats(KVConnectorStats):
     and the scheduler's count of requests computed locally instead."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: "dict[str, int | float]" = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KvferryStats":
         for k, v in other.data.items():
@@ -149,6 +151,11 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
                 metric.inc(value)
 
 
+#: A role's side as a connector builds it: ``(vllm_config, extra,
+#: kv_cache_config)`` to the scheduler or worker side.
+Side = Callable[[Any, "dict[str, Any]", Any], Any]
+
+
 class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
     """What kvferry's vLLM connectors share: a scheduler side (`_sched`) or
     a worker side (`_worker`) per role, the hooks that only hand over to
@@ -158,7 +165,7 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
     _worker: Any
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any,
-                 sched_side: Any, worker_side: Any, extra: dict):
+                 sched_side: Side, worker_side: Side, extra: "dict[str, Any]") -> None:
         _check_version()
         _refuse_context_parallel(vllm_config.parallel_config)
         super().__init__(vllm_config, role, kv_cache_config)
@@ -195,19 +202,25 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side --------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> "tuple[Optional[int], bool]":
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._sched is not None
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def request_finished(self, request: Any, block_ids: "list[int]"):
+    def request_finished(
+        self, request: Any, block_ids: "list[int]"
+    ) -> "tuple[bool, Optional[dict[str, Any]]]":
         assert self._sched is not None
         return self._sched.request_finished(request, [block_ids])
 
-    def request_finished_all_groups(self, request: Any, block_ids: "tuple[list[int], ...]"):
+    def request_finished_all_groups(
+        self, request: Any, block_ids: "tuple[list[int], ...]"
+    ) -> "tuple[bool, Optional[dict[str, Any]]]":
         assert self._sched is not None
         return self._sched.request_finished(request, [list(g) for g in block_ids])
 
@@ -270,11 +283,15 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         # The KV of a request lands whole, between steps (async loads).
         pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any):
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         # Nothing moves per layer: whole blocks move once a step wrote them.
         pass
 
-    def get_finished(self, finished_req_ids: "set[str]"):
+    def get_finished(
+        self, finished_req_ids: "set[str]"
+    ) -> "tuple[Optional[set[str]], Optional[set[str]]]":
         results = self.get_transfer_results(finished_req_ids)
         return (results.finished_sending or None), (results.finished_recving or None)
 
@@ -298,7 +315,7 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         return self._sched.stats()
 
     @classmethod
-    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> KVConnectorStats:
+    def build_kv_connector_stats(cls, data: "Optional[dict[str, Any]]" = None) -> KVConnectorStats:
         return KvferryStats(data=dict(data or {}))
 
     @classmethod
@@ -438,7 +455,7 @@ def register_plan(
         for name in kv_cache_config.kv_cache_groups[gid].layer_names
     }
     plan, seen, layers = KvCachePlan(), set(), []
-    shape: "tuple | None" = None
+    shape: "tuple[str, int, int, int, int] | None" = None
     for name, t in kv_caches.items():
         if name not in transfer:
             continue
@@ -466,7 +483,7 @@ def register_plan(
 
 
 class _Page:
-    def __init__(self, region: "tuple[int, int, int]", shape: tuple):
+    def __init__(self, region: "tuple[int, int, int]", shape: "tuple[str, int, int, int, int]"):
         self.region = region
         #: (node layout, kernel blocks, tokens per kernel block, bytes per
         #: head and token, kernel blocks per scheduler block)

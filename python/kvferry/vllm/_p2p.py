@@ -8,9 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
@@ -26,6 +25,9 @@ from kvferry.vllm._base import (
     _windows,
     register_plan,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("kvferry.vllm")
 
@@ -78,7 +80,7 @@ class KvferryMetadata(KVConnectorMetadata):
         self.failed = failed
 
 
-def _settings(extra: dict) -> dict:
+def _settings(extra: "dict[str, Any]") -> "dict[str, Any]":
     """``kv_connector_extra_config`` as node settings: MooncakeConnector
     keys that mean nothing to kvferry dropped, unknown keys warned about
     and dropped (a typo must not take the engine down)."""
@@ -96,7 +98,7 @@ def _settings(extra: dict) -> dict:
     return out
 
 
-def _bootstrap(vllm_config: Any, extra: dict) -> str:
+def _bootstrap(vllm_config: Any, extra: "dict[str, Any]") -> str:
     """``host:port`` of the prefill engine's bootstrap service: the
     ``bootstrap`` setting (or ``bootstrap_server_address``), else where
     vLLM's MooncakeConnector has it: this host's in hybrid or external
@@ -121,7 +123,7 @@ def _bootstrap(vllm_config: Any, extra: dict) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _serve_bootstrap_at(extra: dict, bootstrap: str) -> "str | None":
+def _serve_bootstrap_at(extra: "dict[str, Any]", bootstrap: str) -> "str | None":
     """Where the serving rank listens: the address a ``bootstrap`` setting
     names; nowhere with ``bootstrap_server_address`` (a service run
     apart); else every interface at its port, as vLLM's MooncakeConnector
@@ -155,7 +157,7 @@ def _outbound_ip() -> str:
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+    def __init__(self, vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any):
         kt = vllm_config.kv_transfer_config
         block_size = vllm_config.cache_config.block_size
         self._sched = kvferry.Scheduler(
@@ -213,7 +215,9 @@ class _SchedulerSide:
         self._local.add(request.request_id)
         self.fallbacks += 1
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> "tuple[int, bool]":
         params = request.kv_transfer_params
         if not params or request.request_id in self._local:
             return 0, False
@@ -230,7 +234,7 @@ class _SchedulerSide:
         self._computed[request.request_id] = num_computed_tokens
         return found
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or request.request_id in self._local:
             return
@@ -275,12 +279,14 @@ class _SchedulerSide:
                 names[t] = rid
         self._unreported.clear()
         aborts = []
-        while (t := self._sched.poll_abort()) is not None:
-            aborts.append(t)
+        while (abort := self._sched.poll_abort()) is not None:
+            aborts.append(abort)
         failed, self._failed = self._failed, []
         return KvferryMetadata(meta, names, aborts, failed)
 
-    def request_finished(self, request: Any, block_ids: "list[list[int]]"):
+    def request_finished(
+        self, request: Any, block_ids: "list[list[int]]"
+    ) -> "tuple[bool, Optional[dict[str, Any]]]":
         self._computed.pop(request.request_id, None)
         params = request.kv_transfer_params
         if request.request_id in self._local:
@@ -335,7 +341,7 @@ class _SchedulerSide:
 
 
 class _WorkerSide:
-    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+    def __init__(self, vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any):
         from vllm.distributed import parallel_state as ps
 
         kt = vllm_config.kv_transfer_config

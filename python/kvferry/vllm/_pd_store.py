@@ -37,7 +37,7 @@ import kvferry.vllm._store as store
 from kvferry.vllm._base import KvferryStats
 
 
-def _split(extra: dict) -> "tuple[dict, dict]":
+def _split(extra: "dict[str, Any]") -> "tuple[dict[str, Any], dict[str, Any]]":
     """``kv_connector_extra_config`` as the node's and the store's settings."""
     mine = store._STORE_KEYS | store._MOONCAKE_STORE_KEYS
     node = {k: v for k, v in extra.items() if k not in mine or k in p2p._CONNECTOR_KEYS}
@@ -62,7 +62,7 @@ class KvferryPdStoreMetadata(KVConnectorMetadata):
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+    def __init__(self, vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any):
         node, stored = _split(extra)
         self.node = p2p._SchedulerSide(vllm_config, node, kv_cache_config)
         self.store = store._SchedulerSide(vllm_config, stored, kv_cache_config)
@@ -72,7 +72,9 @@ class _SchedulerSide:
         self._joined_loads: "list[str]" = []
         self._joined_sends: "list[str]" = []
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> "tuple[Optional[int], bool]":
         # The prefill engine holds the whole prompt: a P/D request waits
         # for the store's answer at most `pd_lookup_wait_ms`.
         params = request.kv_transfer_params or {}
@@ -90,7 +92,7 @@ class _SchedulerSide:
             return hit + rest, True
         return found
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         hit = self._hit.pop(rid, 0)
         if not num_external_tokens:
@@ -109,7 +111,9 @@ class _SchedulerSide:
             *joined,
         )
 
-    def request_finished(self, request: Any, block_ids: "list[list[int]]"):
+    def request_finished(
+        self, request: Any, block_ids: "list[list[int]]"
+    ) -> "tuple[bool, Optional[dict[str, Any]]]":
         self._hit.pop(request.request_id, None)
         sending, params = self.node.request_finished(request, block_ids)
         saving, _ = self.store.request_finished(request, block_ids)
@@ -147,7 +151,8 @@ class _Join:
     def ended(self, parts: "list[tuple[str, bool]]") -> "tuple[set[str], set[str]]":
         """The requests whose every part ended among ``parts`` (request id,
         succeeded), as (succeeded, failed)."""
-        ok, failed = set(), set()
+        ok: "set[str]" = set()
+        failed: "set[str]" = set()
         for rid, good in parts:
             if rid in self.waiting:
                 first = self.waiting.pop(rid)
@@ -160,7 +165,7 @@ class _Join:
 
 
 class _WorkerSide:
-    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+    def __init__(self, vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any):
         node, stored = _split(extra)
         self.node = p2p._WorkerSide(vllm_config, node, kv_cache_config)
         self.store = store._WorkerSide(vllm_config, stored, kv_cache_config)

@@ -33,19 +33,15 @@ import re
 import struct
 import sys
 import tempfile
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import torch
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVConnectorKVEvents,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 import kvferry
@@ -57,6 +53,12 @@ from kvferry.vllm._base import (
     _windows,
     register_plan,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvferry._native import _EventRecord
 
 logger = logging.getLogger("kvferry.vllm")
 
@@ -155,7 +157,7 @@ def _prompt(request: Any) -> "Sequence[int] | None":
     return None if tokens is None else tokens
 
 
-def _settings(vllm_config: Any, extra: dict, kv_cache_config: Any) -> dict:
+def _settings(vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any) -> "dict[str, Any]":
     """The native halves' settings (the same on the scheduler and every
     worker of an engine)."""
     for key in extra:
@@ -208,12 +210,12 @@ class KvferryStoreKVEvents(KVConnectorKVEvents):
     records), concatenated by vLLM's output aggregator; the scheduler side
     counts them across shards (:class:`_EventQuorum`)."""
 
-    def __init__(self, records: "list[tuple]", shards: int, workers: int = 1):
+    def __init__(self, records: "list[_EventRecord]", shards: int, workers: int = 1):
         self.records = list(records)
         self.shards = shards
         self.workers = workers
 
-    def add_events(self, events: "list[Any]") -> None:
+    def add_events(self, events: "list[_EventRecord]") -> None:
         self.records.extend(events)
 
     def aggregate(self) -> "KvferryStoreKVEvents":
@@ -222,7 +224,7 @@ class KvferryStoreKVEvents(KVConnectorKVEvents):
     def increment_workers(self, count: int = 1) -> None:
         self.workers += count
 
-    def get_all_events(self) -> "list[Any]":
+    def get_all_events(self) -> "list[_EventRecord]":
         return list(self.records)
 
     def get_number_of_workers(self) -> int:
@@ -239,7 +241,7 @@ class _EventQuorum:
     (:func:`chain_hashes`), the same on every engine."""
 
     def __init__(self) -> None:
-        self.counts: "dict[tuple[int, bytes], int]" = {}
+        self.counts: "dict[tuple[Optional[int], bytes], int]" = {}
         self.ready: "list[Any]" = []
         self.dropped = 0
 
@@ -267,7 +269,7 @@ class _EventQuorum:
             elif kind == "cleared":
                 self.ready.append(AllBlocksCleared())
 
-    def _count(self, key: "tuple[int, bytes]", shards: int) -> bool:
+    def _count(self, key: "tuple[Optional[int], bytes]", shards: int) -> bool:
         n = self.counts.pop(key, 0) + 1
         if n >= shards:
             return True
@@ -301,7 +303,7 @@ class KvferryStoreConnector(_KvferryConnectorBase):
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+    def __init__(self, vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any):
         settings = _settings(vllm_config, extra, kv_cache_config)
         self._native = _native.StoreSched(json.dumps(settings))
         self._block = vllm_config.cache_config.block_size
@@ -336,7 +338,7 @@ class _SchedulerSide:
         return self._hashes[rid]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
-                                   other_source: bool = False):
+                                   other_source: bool = False) -> "tuple[Optional[int], bool]":
         """vLLM's hook. With `other_source` (another source holds the whole
         prompt) a lookup out `pd_lookup_wait_ms` is a miss."""
         rid = request.request_id
@@ -357,7 +359,7 @@ class _SchedulerSide:
             return None, False
         return r
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         hashes = self._hashes.pop(rid, None)
         if self._save_decode and hashes is not None:
@@ -375,9 +377,10 @@ class _SchedulerSide:
     def _grow(self, rid: str) -> None:
         """With decode saves: the request's chain over every token it holds
         now, handed to the scheduler when a block filled."""
-        request, hashes = self._growing.get(rid, (None, None))
-        if request is None:
+        growing = self._growing.get(rid)
+        if growing is None:
             return
+        request, hashes = growing
         tokens = request.all_token_ids
         if len(tokens) // self._block <= len(hashes):
             return
@@ -391,7 +394,7 @@ class _SchedulerSide:
             self._fall_back(rid, e, "extending its hashes")
 
     def build_connector_meta(self, so: Any) -> KvferryStoreMetadata:
-        none = [[] for _ in self._transfer]
+        none: "list[list[int]]" = [[] for _ in self._transfer]
         if self._save_decode:
             for rid in so.num_scheduled_tokens:
                 self._grow(rid)
@@ -425,7 +428,7 @@ class _SchedulerSide:
         self.events.ready.append(AllBlocksCleared())
         return True
 
-    def request_finished(self, request: Any, block_ids: "list[list[int]]"):
+    def request_finished(self, request: Any, block_ids: "list[list[int]]") -> "tuple[bool, None]":
         rid = request.request_id
         self._hashes.pop(rid, None)
         self._growing.pop(rid, None)
@@ -455,7 +458,7 @@ class _SchedulerSide:
 
 
 class _WorkerSide:
-    def __init__(self, vllm_config: Any, extra: dict, kv_cache_config: Any):
+    def __init__(self, vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any):
         from vllm.distributed import parallel_state as ps
 
         pc = vllm_config.parallel_config
