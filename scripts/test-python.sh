@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Python package's checks (scripts/test.sh runs this): builds and
 # installs python/ into a fresh virtual environment with pip, as a user
-# would (the wheel scripts/build-wheel.sh made), and runs its pytest suite
-# and the stub check there.
+# would (the wheel scripts/build-wheel.sh made), and runs its pytest suite,
+# the stub check and the type check there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,3 +22,7 @@ python3 -m venv "$venv"
 # and not the sources under python/.
 "$venv/bin/python" -m pytest -q python/tests
 "$venv/bin/python" -m mypy.stubtest kvferry._native
+# The package's modules against one another and the stub stubtest just
+# held to the module. The engines are not installed here: their modules
+# are Any (python/pyproject.toml, [tool.mypy]).
+"$venv/bin/python" -m mypy --config-file python/pyproject.toml --cache-dir target/mypy-cache python/kvferry
