@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Authentication of everything a kvferry node serves: one cluster secret,
 //! and what each surface builds from it.
 //!

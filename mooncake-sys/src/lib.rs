@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Mooncake's Transfer Engine (`transfer_engine_c.h`) and Store
 //! (`store_c.h`) C APIs, loaded at run time, and a safe wrapper.
 //!

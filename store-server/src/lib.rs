@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! `kvferry store serve`: a RAM store several engines share (docs/design.md
 //! §13, "The store server").
 //!

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Store offload, the IO half (docs/design.md, "Store"): the
 //! [`StoreBackend`] trait, the in-process store, and the vLLM-shaped
 //! [`StoreConnector`] that drives the pure save and load machines of

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! Data plane: moves bytes between registered memory regions of two endpoints.
 //!
 //! A [`Transport`] is one endpoint, owned by one glommio executor (thread per
