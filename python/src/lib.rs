@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! `kvferry._native`: the node, its handles and its errors for Python.
 //!
 //! The Python package (`kvferry/__init__.py`) wraps these classes: it turns
@@ -535,21 +536,34 @@ impl Sender {
         self.tx.send(blocks, is_last).map_err(node_err)
     }
 
+    /// The current phase as `(name, failure)`, without waiting: `name` is
+    /// a `kvferry.Phase` name, `failure` why the transfer failed when
+    /// `name` is `"Failed"`, else `None`. Terminal once the source blocks
+    /// may be reused.
     fn poll(&self) -> PyResult<(&'static str, Option<String>)> {
         same_process(self.pid)?;
         Ok(phase_pair(self.tx.poll()))
     }
 
+    /// Waits up to `timeout_s` seconds for a terminal phase and returns
+    /// `(name, failure)` as `poll` does, terminal or not. Releases the GIL
+    /// and checks for signals between slices of at most 50 ms; a
+    /// `timeout_s` below 0 or over a year is a `MisuseError`.
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(&'static str, Option<String>)> {
         same_process(self.pid)?;
         wait_phase(py, timeout_s, |d| self.tx.wait(d))
     }
 
+    /// Aborts the transfer; its phase turns terminal once no peer can read
+    /// the source blocks any more. A transfer the node no longer knows is
+    /// a `MisuseError`.
     fn abort(&self) -> PyResult<()> {
         same_process(self.pid)?;
         self.tx.abort().map_err(node_err)
     }
 
+    /// The transfer's number: the one it was opened with, or the one the
+    /// node derived from its string request id (`Node.transfer_id_of`).
     #[getter]
     fn transfer_id(&self) -> u64 {
         self.tx.transfer_id().0
@@ -583,21 +597,34 @@ impl Receiver {
         r.map_err(node_err)
     }
 
+    /// The current phase as `(name, failure)`, without waiting: `name` is
+    /// a `kvferry.Phase` name (`"Bootstrapping"` before `request`),
+    /// `failure` why the transfer failed when `name` is `"Failed"`, else
+    /// `None`. Terminal once the destination blocks are the engine's again.
     fn poll(&self) -> PyResult<(&'static str, Option<String>)> {
         same_process(self.pid)?;
         Ok(phase_pair(self.rx.poll()))
     }
 
+    /// Waits up to `timeout_s` seconds for a terminal phase and returns
+    /// `(name, failure)` as `poll` does, terminal or not. Releases the GIL
+    /// and checks for signals between slices of at most 50 ms; a
+    /// `timeout_s` below 0 or over a year is a `MisuseError`.
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<(&'static str, Option<String>)> {
         same_process(self.pid)?;
         wait_phase(py, timeout_s, |d| self.rx.wait(d))
     }
 
+    /// Aborts the transfer. Before `request` the prefill ranks are told
+    /// all the same, so they release the KV they hold for it at once
+    /// rather than at their bootstrap timeout.
     fn abort(&self) -> PyResult<()> {
         same_process(self.pid)?;
         self.rx.abort().map_err(node_err)
     }
 
+    /// The transfer's number: the one it was opened with, or the one the
+    /// node derived from its string request id (`Node.transfer_id_of`).
     #[getter]
     fn transfer_id(&self) -> u64 {
         self.rx.transfer_id().0
@@ -704,6 +731,9 @@ fn _shm_copied_bytes() -> u64 {
     kvferry::transport::shm_copied_bytes()
 }
 
+/// The native half of kvferry (PyO3): the node and its handles, the
+/// schedulers, the store connector's halves, the page store and the
+/// errors. Use the wrappers in `kvferry`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();

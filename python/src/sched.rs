@@ -70,6 +70,7 @@ impl LoadMeta {
         (loads, sends)
     }
 
+    /// How many transfers it names: its loads plus its sends.
     fn __len__(&self) -> usize {
         self.meta.loads.len() + self.meta.sends.len()
     }
@@ -133,6 +134,15 @@ impl Scheduler {
 
 #[pymethods]
 impl Scheduler {
+    /// The scheduler half of one engine. `kv_role`: `"kv_producer"` (or
+    /// `"prefill"`), `"kv_consumer"` (`"decode"`) or `"kv_both"`
+    /// (`"both"`). `engine_id`, `bootstrap_addr` and `dp_rank`: this
+    /// engine as prefill hands it to decode. `block_size`: tokens per KV
+    /// block, the same on both engines. `window_tokens`: per KV-cache
+    /// group, its sliding window in tokens (0: full attention); its length
+    /// is the number of groups (one when not given). `max_tracked_requests`:
+    /// most requests tracked at once (65536 when not given). A bad role or
+    /// a zero size is a `MisuseError`.
     #[new]
     #[pyo3(signature = (kv_role, engine_id, bootstrap_addr, block_size, dp_rank=0, window_tokens=None, max_tracked_requests=None))]
     fn new(
@@ -256,12 +266,16 @@ impl Scheduler {
         self.lock().poll_abort().map(|t| t.0)
     }
 
+    /// The request id tracked under `transfer_id`, or `None` when no
+    /// tracked request has it.
     fn request_id_of(&self, transfer_id: u64) -> Option<String> {
         self.lock()
             .request_id_of(TransferId(transfer_id))
             .map(str::to_owned)
     }
 
+    /// The transfer id of the tracked request `request_id`, or `None` when
+    /// it is not tracked.
     fn transfer_id_of(&self, request_id: &str) -> Option<u64> {
         self.lock().transfer_id_of(request_id).map(|t| t.0)
     }

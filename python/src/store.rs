@@ -296,6 +296,12 @@ pub(crate) struct StoreSched {
 
 #[pymethods]
 impl StoreSched {
+    /// The scheduler half from the settings both halves share, as JSON
+    /// (from `kvferry.vllm`: the store's URL, rank 0's lookup endpoint,
+    /// the KV-cache groups, what to load and save, the bounds), with a
+    /// client of the lookup endpoint. Settings that do not parse, or an
+    /// endpoint other than `ipc://PATH` or `tcp://127.0.0.1:PORT`, are a
+    /// `MisuseError`.
     #[new]
     fn new(settings: &str) -> PyResult<StoreSched> {
         let s = StoreSettings::parse(settings)?;
