@@ -12,6 +12,8 @@ use kvferry::auth::{ClusterKey, Rejects};
 use kvferry::bootstrap::{BootstrapServer, MetricsSource, ServerAuth, ServerConfig, DEFAULT_PORT};
 use kvferry::stats::MetricsServer;
 
+use crate::signals::ShutdownSignals;
+
 /// The options of `kvferry bootstrap`.
 #[derive(Clone, Debug, Args)]
 pub(crate) struct BootstrapArgs {
@@ -83,43 +85,4 @@ fn start(a: &BootstrapArgs) -> Result<(BootstrapServer, Option<MetricsServer>), 
         None => None,
     };
     Ok((server, metrics))
-}
-
-/// SIGINT and SIGTERM, blocked in this thread (and so in every thread it
-/// spawns afterwards), to be received synchronously with `sigwait`.
-pub(crate) struct ShutdownSignals {
-    set: libc::sigset_t,
-}
-
-impl ShutdownSignals {
-    pub(crate) fn block() -> std::io::Result<ShutdownSignals> {
-        // SAFETY: sigset_t is plain data that sigemptyset initialises; the
-        // calls only read and write the set we own and this thread's mask.
-        unsafe {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGINT);
-            libc::sigaddset(&mut set, libc::SIGTERM);
-            let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-            if rc != 0 {
-                return Err(std::io::Error::from_raw_os_error(rc));
-            }
-            Ok(ShutdownSignals { set })
-        }
-    }
-
-    /// Blocks until SIGINT or SIGTERM arrives; returns its number.
-    pub(crate) fn wait(&self) -> i32 {
-        loop {
-            let mut sig: libc::c_int = 0;
-            // SAFETY: `self.set` was initialised in `block`; `sig` is a valid
-            // out-pointer.
-            let rc = unsafe { libc::sigwait(&self.set, &mut sig) };
-            if rc == 0 {
-                return sig;
-            }
-            // sigwait only fails with EINVAL for a bad set, which ours is
-            // not; retry rather than exit without a signal.
-        }
-    }
 }

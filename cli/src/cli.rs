@@ -6,10 +6,10 @@ use std::ffi::OsString;
 use std::process::ExitCode;
 
 use clap::error::ErrorKind;
-use clap::{Args, CommandFactory, Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
-use crate::shape::ShapeArgs;
-use crate::{bench, bootstrap, decode, demo, plan, prefill, soak, store_bench, store_serve};
+use crate::usage::usage_error;
+use crate::{bench, bootstrap, decode, demo, plan, prefill, soak, store_serve};
 
 /// kvferry: move KV caches from prefill to decode engines.
 #[derive(Debug, Parser)]
@@ -33,7 +33,7 @@ enum Command {
     /// P and D nodes in one process, verified synthetic KV; with --soak,
     /// thousands of requests in flight with random aborts and an RSS check.
     #[command(after_help = soak::defaults_help(), allow_negative_numbers = true)]
-    Demo(DemoArgs),
+    Demo(demo::DemoArgs),
     /// One prefill rank serving synthetic KV until SIGTERM.
     #[command(allow_negative_numbers = true)]
     Prefill(prefill::PrefillArgs),
@@ -45,43 +45,6 @@ enum Command {
     Store(store_serve::StoreCommand),
 }
 
-/// `kvferry demo` and `kvferry demo --soak`: one request shape, the options
-/// of either run.
-#[derive(Debug, Args)]
-pub(crate) struct DemoArgs {
-    #[command(flatten)]
-    pub shape: ShapeArgs,
-    #[command(flatten)]
-    pub demo: demo::DemoOnlyArgs,
-    #[command(flatten)]
-    pub soak: soak::SoakArgs,
-    /// Print one JSON object.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// A usage error found after parsing (a value out of range given the
-/// others), printed as one line before exiting with status 2.
-#[derive(Debug)]
-pub(crate) struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-/// Prints `reason` as exactly one line after `command` and returns the
-/// usage-error status.
-pub(crate) fn usage_error(command: &str, reason: &str) -> ExitCode {
-    let line: String = reason
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    eprintln!("{command}: {line}");
-    ExitCode::from(2)
-}
-
 /// Parses `argv` (with the program name first) and runs the command.
 pub(crate) fn run(argv: impl IntoIterator<Item = OsString>) -> ExitCode {
     let argv: Vec<OsString> = argv.into_iter().collect();
@@ -91,13 +54,8 @@ pub(crate) fn run(argv: impl IntoIterator<Item = OsString>) -> ExitCode {
     };
     match cli.command {
         Command::Plan(a) => plan::main(&a),
-        Command::Bench(bench::BenchCommand::Transport(a)) => bench::main(&a),
-        Command::Bench(bench::BenchCommand::Store(a)) => store_bench::main(&a),
-        Command::Bench(bench::BenchCommand::TransportPeer(a)) => crate::bench_shm::peer_main(&a),
-        Command::Bench(bench::BenchCommand::Device(a)) => crate::bench_device::main(&a),
-        Command::Bench(bench::BenchCommand::DevicePeer(a)) => crate::bench_device::peer_main(&a),
+        Command::Bench(c) => bench::main(&c),
         Command::Bootstrap(a) => bootstrap::main(&a),
-        Command::Demo(a) if a.soak.soak.is_some() => soak::main(&a),
         Command::Demo(a) => demo::main(&a),
         Command::Prefill(a) => prefill::main(&a),
         Command::Decode(a) => decode::main(&a),

@@ -17,8 +17,8 @@ use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::SynthKv;
 
 use crate::demo::{print_report, DemoReport};
-use crate::prefill::{install_signal_handlers, stop_requested, RankArgs};
-use crate::shape::{slot_blocks, DemoOptions, ModelArgs};
+use crate::shape::{slot_blocks, DemoOptions, ModelArgs, RankArgs};
+use crate::signals::{stop_on_signal, stop_requested};
 
 /// The options of `kvferry decode`.
 #[derive(Clone, Debug, Args)]
@@ -84,7 +84,7 @@ fn run(a: &DecodeArgs) -> Result<DemoReport, String> {
         slots * u64::from(b) * u64::from(a.groups),
         (c.pp_size, c.pp_rank),
     );
-    install_signal_handlers();
+    stop_on_signal().map_err(|e| format!("cannot block signals: {e}"))?;
     let node = Node::start(c).map_err(|e| e.to_string())?;
     // SAFETY: `kv` outlives the node (shut down below before `kv` drops).
     unsafe { node.register_kv_caches(kv.kv_layout()) }.map_err(|e| e.to_string())?;

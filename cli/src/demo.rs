@@ -13,8 +13,24 @@ use kvferry::machines::internal::planner::sliding_window_blocks;
 use kvferry::machines::{Phase, TransferId};
 use kvferry_testkit::synth::Cluster;
 
-use crate::cli::DemoArgs;
-use crate::shape::{cluster_spec, slot_blocks, with_default, DemoOptions};
+use crate::figures::{bar, ms};
+use crate::shape::{cluster_spec, slot_blocks, with_default, DemoOptions, ShapeArgs};
+use crate::soak::{self, SoakArgs};
+
+/// `kvferry demo` and `kvferry demo --soak`: one request shape, the options
+/// of either run.
+#[derive(Debug, Args)]
+pub(crate) struct DemoArgs {
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    #[command(flatten)]
+    pub demo: DemoOnlyArgs,
+    #[command(flatten)]
+    pub soak: SoakArgs,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// The options of `kvferry demo` that the soak does not take.
 #[derive(Clone, Debug, Args)]
@@ -235,11 +251,6 @@ pub(crate) fn zmq_baseline(n: usize, two_contexts: bool) -> Result<(f64, f64), S
     }
     let _ = echo.join();
     Ok((ms(rtt.quantile(0.5)), ms(rtt.quantile(0.99))))
-}
-
-/// Milliseconds, as the reports print them.
-pub(crate) fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 /// Runs the demo. `progress` draws a progress bar on stderr.
@@ -497,19 +508,12 @@ impl Demo<'_> {
     }
 }
 
-/// A 40-character progress bar, `[####    ]`, `done` of `of` filled.
-pub(crate) fn bar(done: u64, of: u64) -> String {
-    const WIDTH: u64 = 40;
-    let filled = (done.min(of) * WIDTH / of.max(1)) as usize;
-    format!(
-        "[{}{}]",
-        "#".repeat(filled),
-        " ".repeat(WIDTH as usize - filled)
-    )
-}
-
-/// `kvferry demo`.
+/// `kvferry demo`, `kvferry demo --soak` ([`soak`]) and `kvferry demo
+/// --store` ([`crate::store_demo`]).
 pub(crate) fn main(a: &DemoArgs) -> ExitCode {
+    if a.soak.soak.is_some() {
+        return soak::main(&a.shape, &a.soak, a.json);
+    }
     if let Some(store) = &a.demo.store {
         return crate::store_demo::main(store, a.demo.requests, a.shape.concurrency(), a.json);
     }

@@ -2,23 +2,20 @@
 
 #![warn(missing_docs)]
 
-mod baseline;
 mod bench;
-mod bench_device;
-mod bench_shm;
 mod bootstrap;
 mod cli;
 mod decode;
 mod demo;
-mod pingpong;
+mod figures;
 mod plan;
 mod prefill;
 mod shape;
+mod signals;
 mod soak;
-mod store_bench;
 mod store_demo;
 mod store_serve;
-mod sweep;
+mod usage;
 
 use std::process::ExitCode;
 

@@ -10,17 +10,16 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use kvferry::machines::internal::common::BlockId;
-use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, Role};
+use kvferry::node::{Event, EventKind, EventSink, Node, Role};
 use kvferry::TransferId;
-use kvferry_testkit::demo_timeouts;
 use kvferry_testkit::synth::SynthKv;
 
-use crate::shape::{DemoOptions, ModelArgs};
+use crate::shape::{DemoOptions, ModelArgs, RankArgs};
+use crate::signals::{stop_on_signal, stop_requested};
 
 /// The options of `kvferry prefill`.
 #[derive(Clone, Debug, Args)]
@@ -45,92 +44,6 @@ pub(crate) struct PrefillArgs {
     side_channel_port: u16,
     #[command(flatten)]
     model: ModelArgs,
-}
-
-/// Where a rank finds the bootstrap service and which TP rank it is: the
-/// options `prefill` and `decode` share.
-#[derive(Clone, Debug, Args)]
-pub(crate) struct RankArgs {
-    /// Address of the bootstrap service (HOST:PORT; the host may be a
-    /// name, looked up again at every attempt).
-    #[arg(long, value_name = "ADDR")]
-    pub bootstrap: String,
-    /// TP size of this engine.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub tp_size: u32,
-    /// This rank's index in its TP group.
-    #[arg(long, value_name = "R", default_value_t = 0)]
-    pub tp_rank: u32,
-    /// This engine's data-parallel rank (what it registers under).
-    #[arg(long, value_name = "R", default_value_t = 0)]
-    pub dp_rank: u32,
-    /// Pipeline-parallel size of this engine: each stage holds its share
-    /// of the layers (prefill with stages feeds decode with none or as many).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub pp_size: u32,
-    /// This rank's pipeline stage.
-    #[arg(long, value_name = "R", default_value_t = 0)]
-    pub pp_rank: u32,
-    /// Host other ranks reach this one at, an IP address or a name (bound
-    /// at its address, advertised as given) [default: the node's, 127.0.0.1].
-    #[arg(long, value_name = "HOST")]
-    pub host: Option<String>,
-    /// Where the side channel and the data plane listen (0.0.0.0: every
-    /// interface) [default: the host's address].
-    #[arg(long, value_name = "IP")]
-    pub listen: Option<String>,
-    /// Serve this rank's `/metrics` and `/health` here (HOST:PORT).
-    #[arg(long, value_name = "ADDR")]
-    pub metrics_listen: Option<String>,
-    /// Listen beyond loopback without a cluster key
-    /// (KVFERRY_CLUSTER_KEY_FILE): anyone who reaches the ports is trusted.
-    #[arg(long)]
-    pub insecure: bool,
-}
-
-impl RankArgs {
-    /// A node config of `role` for this rank, with the model options' mode,
-    /// transport and deadlines.
-    pub(crate) fn node_config(&self, role: Role, engine_id: String, o: &DemoOptions) -> NodeConfig {
-        let mut c = NodeConfig::new(role, engine_id);
-        c.tp_size = self.tp_size;
-        c.tp_rank = self.tp_rank;
-        c.dp_rank = self.dp_rank;
-        c.pp_size = self.pp_size;
-        c.pp_rank = self.pp_rank;
-        c.mode = o.mode;
-        c.transport = o.transport;
-        c.mooncake = o.mooncake();
-        c.timeouts = demo_timeouts(o.timeout_ms);
-        if let Some(h) = &self.host {
-            c.host = h.clone();
-        }
-        c.listen = self.listen.clone();
-        c.metrics_listen = self.metrics_listen.clone();
-        c.allow_unauthenticated_remote = self.insecure;
-        c.with_auth_from_env()
-    }
-}
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    // Only an atomic store: async-signal-safe.
-    STOP.store(true, Ordering::SeqCst);
-}
-
-/// Makes SIGTERM and SIGINT set [`STOP`]-style flags instead of killing us.
-pub(crate) fn install_signal_handlers() {
-    let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only performs an atomic store.
-    unsafe {
-        libc::signal(libc::SIGTERM, handler);
-        libc::signal(libc::SIGINT, handler);
-    }
-}
-
-pub(crate) fn stop_requested() -> bool {
-    STOP.load(Ordering::SeqCst)
 }
 
 fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
@@ -158,7 +71,7 @@ fn run(a: &PrefillArgs) -> Result<ExitCode, String> {
         u64::from(num_blocks),
         stage,
     );
-    install_signal_handlers();
+    stop_on_signal().map_err(|e| format!("cannot block signals: {e}"))?;
     let node = Node::start(c).map_err(|e| e.to_string())?;
     // SAFETY: `kv` outlives the node: the node is shut down below, before
     // `kv` goes out of scope.

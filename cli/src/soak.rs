@@ -32,8 +32,8 @@ use kvferry::node::{NodeStats, Receiver, Sender};
 use kvferry::TransferId;
 use kvferry_testkit::synth::Cluster;
 
-use crate::cli::{usage_error, DemoArgs, UsageError};
-use crate::shape::{cluster_spec, DemoOptions};
+use crate::shape::{cluster_spec, DemoOptions, ShapeArgs};
+use crate::usage::{usage_error, UsageError};
 
 /// The options of `kvferry demo --soak` that the demo does not take.
 #[derive(Clone, Debug, Args)]
@@ -1282,11 +1282,10 @@ pub(crate) fn run_soak(o: &SoakOptions, progress: bool) -> Result<SoakReport, St
 }
 
 /// The soak's settings from the command line.
-fn options(a: &DemoArgs) -> Result<SoakOptions, UsageError> {
+fn options(shape: &ShapeArgs, s: &SoakArgs) -> Result<SoakOptions, UsageError> {
     let d = SoakOptions::default();
-    let s = &a.soak;
     let seconds = s.soak.unwrap_or(d.duration.as_secs_f64());
-    let demo = a.shape.apply(soak_shape());
+    let demo = shape.apply(soak_shape());
     if demo.concurrency > 1_000_000 {
         return Err(UsageError("--concurrency: at most 1000000".into()));
     }
@@ -1312,13 +1311,13 @@ fn options(a: &DemoArgs) -> Result<SoakOptions, UsageError> {
     })
 }
 
-/// `kvferry demo --soak SECONDS ...`.
-pub(crate) fn main(a: &DemoArgs) -> ExitCode {
-    let o = match options(a) {
+/// `kvferry demo --soak SECONDS ...`: the demo's `shape`, the soak's
+/// options `s`, one JSON object with `json`.
+pub(crate) fn main(shape: &ShapeArgs, s: &SoakArgs, json: bool) -> ExitCode {
+    let o = match options(shape, s) {
         Ok(o) => o,
         Err(e) => return usage_error("kvferry demo --soak", &e.0),
     };
-    let json = a.json;
     let progress = !json && std::io::stderr().is_terminal();
     let report = match run_soak(&o, progress) {
         Ok(r) => r,

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use kvferry_store_server::{ServeConfig, StoreServer};
 
-use crate::bootstrap::ShutdownSignals;
-use crate::cli::usage_error;
+use crate::signals::ShutdownSignals;
+use crate::usage::usage_error;
 
 /// `kvferry store ...`.
 #[derive(Clone, Debug, Subcommand)]

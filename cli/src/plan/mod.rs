@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use self::spec::{plan_from_json, write_plan_json, SpecError};
 use clap::Args;
 
-use crate::cli::usage_error;
+use crate::usage::usage_error;
 
 pub(crate) mod spec;
 

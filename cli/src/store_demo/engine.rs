@@ -33,7 +33,7 @@ use kvferry_store::{
     StoreRequest, StoreSaveMeta,
 };
 
-use crate::demo::ms;
+use crate::figures::ms;
 
 /// The synthetic workload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -127,7 +127,7 @@ fn run<B: StoreBackend>(
             return;
         }
         last_draw = Some(Instant::now());
-        let bar = crate::demo::bar(p.loaded.into(), p.of.into());
+        let bar = crate::figures::bar(p.loaded.into(), p.of.into());
         eprint!("\rloaded {bar} {}/{} (saved {})", p.loaded, p.of, p.saved);
         if p.loaded == p.of {
             eprintln!();

@@ -10,9 +10,10 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-use crate::baseline::{Baseline, IPERF3_MAX_LEN};
-use crate::bench::{measure, Measured, Params};
-use crate::cli::UsageError;
+use super::baseline::{Baseline, IPERF3_MAX_LEN};
+use super::loopback::measure;
+use super::measure::{Measured, Params};
+use crate::usage::UsageError;
 
 /// Block sizes a sweep measures.
 const BLOCKS: [u64; 8] = [

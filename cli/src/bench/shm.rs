@@ -12,7 +12,7 @@ use kvferry::transport::{
     EndpointAddr, Op, Session, SharedMem, ShmConfig, ShmMode, TcpConfig, TcpTransport, Transport,
 };
 
-use crate::bench::{self, Measured, Params};
+use super::measure::{self, Measured, Params};
 
 /// The options of the hidden `kvferry bench transport-peer`.
 #[derive(Clone, Debug, Args)]
@@ -34,7 +34,7 @@ pub(crate) fn peer_main(a: &PeerArgs) -> std::process::ExitCode {
         if a.pattern {
             // SAFETY: the fresh mapping, not registered yet.
             let s = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr(), mem.len()) };
-            bench::fill_pattern(s);
+            measure::fill_pattern(s);
         }
         let (mem_addr, mem_len) = (mem.as_ptr() as u64, mem.len());
         LocalExecutorBuilder::default()
@@ -193,17 +193,17 @@ impl Peer {
 /// peer's shared memory through the shm path (`mode` Require) or whatever
 /// `auto` picks.
 pub(crate) fn run(p: &Params, mode: ShmMode) -> Result<Measured, String> {
-    let total = bench::buffer_bytes(p);
+    let total = measure::buffer_bytes(p);
     let (mut peer, addr, base) = Peer::start(total, p.op == Op::Read)?;
     // The local side of the batches, as in the in-process benches: the
     // source of writes, the destination of reads (zeros until then).
     let mut src = vec![0u8; total as usize];
     if p.op == Op::Write {
-        bench::fill_pattern(&mut src);
+        measure::fill_pattern(&mut src);
     }
     let local = src.as_mut_ptr() as u64;
     let p2 = p.clone();
-    let m = LocalExecutorBuilder::new(bench::placement(p.pin, 0))
+    let m = LocalExecutorBuilder::new(measure::placement(p.pin, 0))
         .name("bench-initiator")
         .spawn(move || async move {
             let config = TcpConfig {
@@ -220,8 +220,8 @@ pub(crate) fn run(p: &Params, mode: ShmMode) -> Result<Measured, String> {
                 .map_err(|e| e.to_string())?;
             let session = t.open(&addr).await.map_err(|e| e.to_string())?;
             let through_shm = session.uses_shm();
-            let batch = bench::descs(&p2, local, base);
-            let m = bench::drive(&p2, &session, &batch).await;
+            let batch = measure::descs(&p2, local, base);
+            let m = measure::drive(&p2, &session, &batch).await;
             session.close().await;
             m.map(|m| (m, through_shm))
         })
@@ -241,12 +241,12 @@ pub(crate) fn run(p: &Params, mode: ShmMode) -> Result<Measured, String> {
     // memcpy from the buffer that holds the data, into a fresh one.
     let mut dst = src_pattern(total);
     m.memcpy_gbps =
-        bench::measure_memcpy(&src, &mut dst, p.block_bytes as usize, p.seconds.min(1.0));
+        measure::measure_memcpy(&src, &mut dst, p.block_bytes as usize, p.seconds.min(1.0));
     Ok(m)
 }
 
 fn src_pattern(total: u64) -> Vec<u8> {
     let mut v = vec![0u8; total as usize];
-    bench::fill_pattern(&mut v);
+    measure::fill_pattern(&mut v);
     v
 }

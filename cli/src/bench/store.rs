@@ -14,7 +14,8 @@ use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::transport::SharedMem;
 use kvferry_store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};
 
-use crate::cli::usage_error;
+use super::measure::measure_memcpy;
+use crate::usage::usage_error;
 
 /// The options of `kvferry bench store`.
 #[derive(Clone, Debug, Args)]
@@ -298,8 +299,7 @@ fn run<B: StoreBackend>(
     r.get_ms_p50 = median_ms(&get_t);
     // Eight batch-sized windows, as the field's doc says.
     let mut windows = vec![1u8; bufs.src.len() * 8];
-    r.memcpy_gbps =
-        crate::bench::measure_memcpy(&bufs.src, &mut windows, a.value_bytes as usize, 1.0);
+    r.memcpy_gbps = measure_memcpy(&bufs.src, &mut windows, a.value_bytes as usize, 1.0);
     r.put_ratio_to_memcpy = r.put_gbps / r.memcpy_gbps.max(1e-9);
     r.get_ratio_to_memcpy = r.get_gbps / r.memcpy_gbps.max(1e-9);
     Ok(r)

@@ -15,8 +15,8 @@ use std::process::{Child, Command, Stdio};
 
 use clap::ValueEnum;
 
-use crate::bench::{pins, Params};
-use crate::cli::UsageError;
+use super::measure::{pins, Params};
+use crate::usage::UsageError;
 
 /// `--baseline`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

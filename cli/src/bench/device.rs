@@ -26,7 +26,8 @@ use kvferry::transport::{
     ShmMode, TcpConfig, TcpTransport, Transport,
 };
 
-use crate::bench_shm::{blocking_lines, digest, PeerProcess};
+use super::measure::fill_pattern;
+use super::shm::{blocking_lines, digest, PeerProcess};
 
 /// The options of `kvferry bench device`.
 #[derive(Clone, Debug, Args)]
@@ -206,7 +207,7 @@ fn gbps(bytes: u64, d: Duration) -> f64 {
 fn patterned(dev: &Arc<dyn Device>, len: usize) -> Result<DeviceAlloc, String> {
     let mem = dev.alloc_device(len).map_err(|e| e.to_string())?;
     let mut host = vec![0u8; len];
-    crate::bench::fill_pattern(&mut host);
+    fill_pattern(&mut host);
     // SAFETY: a fresh allocation of `len` bytes.
     unsafe { dev.memcpy_sync(Dir::ToDevice, mem.addr(), host.as_ptr() as u64, len) }
         .map_err(|e| e.to_string())?;
@@ -343,7 +344,7 @@ fn cross_process(dev: &Arc<dyn Device>, a: &DeviceArgs, ipc: bool) -> Result<Row
     } else {
         // Host memory over tcp between the same two processes.
         let mut host = vec![0u8; len];
-        crate::bench::fill_pattern(&mut host);
+        fill_pattern(&mut host);
         let (gb, _) = batches(
             dev,
             false,
