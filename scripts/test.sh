@@ -35,6 +35,12 @@ step "no library function over 70 lines"
 # A function should read at once; a longer one splits into named helpers.
 python3 scripts/fn_lengths.py
 
+step "the kvferry command's modules import one another without a circle"
+# Its leaves (usage, signals, figures, bench/measure) depend on nothing else
+# of the crate and no command imports the dispatcher: a circle would tie
+# every module to every other again, which the compiler allows.
+python3 scripts/module_cycles.py cli/src
+
 # The `cuda` feature (device memory through the driver, loaded at run
 # time) is on for clippy, the docs and the tests: it builds without a CUDA
 # toolkit, and the tests run where there is no driver. The build without it
