@@ -8,9 +8,12 @@ A -> B when A names something of B through `crate::`, `super::` or (in a
 parent) a child module's name, in `use` lines and in paths. A parent and its
 children count as siblings: declaring `mod child;` is no edge, using it is.
 Prints the strongly connected components of more than one module and exits 1
-if there is one; `-v` prints every module's edges first. Approximate: a
-name re-exported by a parent counts as the parent's, and a path is read
-from the text (comments and strings left out), not from the compiler.
+if there is one; `-v` prints every module's edges first. A name a module
+brings in with `use` (a re-export, or a private import its children reach
+through `super::`) counts as the module it comes from, so a parent that
+only re-exports its children is no edge back. Approximate: a path is read
+from the text (comments and strings left out), not from the compiler, and
+a glob import is followed only when a module has just one.
 """
 import os
 import re
@@ -56,19 +59,27 @@ def split_top(text):
     return parts + [cur]
 
 
-def use_paths(tree, prefix=()):
-    """Every path a use tree such as `a::{b, c::{d, e as f}}` names."""
+def use_items(tree, prefix=()):
+    """Every path a use tree such as `a::{b, c::{d, e as f}}` names, with
+    the name it binds (`*` for a glob)."""
     out = []
     for part in (p.strip() for p in split_top(tree)):
         group = re.match(r"^((?:\w+\s*::\s*)*)\{(.*)\}$", part, re.S)
         if group:
             segs = tuple(s for s in re.split(r"\s*::\s*", group.group(1)) if s)
-            out += use_paths(group.group(2), prefix + segs)
+            out += use_items(group.group(2), prefix + segs)
         elif part:
+            alias = re.search(r"\s+as\s+(\w+)$", part)
             part = re.sub(r"\s+as\s+\w+$", "", part)
-            segs = tuple(s for s in re.split(r"\s*::\s*", part) if s and s != "self")
-            out.append(prefix + segs)
+            segs = prefix + tuple(s for s in re.split(r"\s*::\s*", part) if s and s != "self")
+            if segs:
+                out.append((segs, alias.group(1) if alias else segs[-1]))
     return out
+
+
+def use_paths(tree):
+    """Every path a use tree names."""
+    return [path for path, _ in use_items(tree)]
 
 
 def inline_mods(src):
@@ -95,14 +106,59 @@ def absolute(path, me, inline, children):
     return None
 
 
+def children_of(mods, me):
+    return {k[-1] for k in mods if len(k) == len(me) + 1 and k[: len(me)] == me}
+
+
+def aliases(mods, sources):
+    """Module -> {name it binds with `use` (outside inline modules): the
+    absolute path it stands for}."""
+    out = {}
+    for me, src in sources.items():
+        spans, bound = inline_mods(src), {}
+        for m in re.finditer(r"\buse\s+([^;]+);", src):
+            if any(a <= m.start() < b for a, b in spans):
+                continue
+            for path, name in use_items(m.group(1)):
+                full = absolute(path, me, False, children_of(mods, me))
+                if full is not None:
+                    bound.setdefault(name, []).append(tuple(full[:-1]) if name == "*" else tuple(full))
+        out[me] = bound
+    return out
+
+
+def resolve(full, mods, names):
+    """`full` with each name a module re-exports replaced by its source."""
+    full = tuple(full)
+    for _ in range(16):
+        n = next(n for n in range(len(full), -1, -1) if full[:n] in mods)
+        if n == len(full):
+            return full
+        bound = names[full[:n]]
+        globs = bound.get("*", [])
+        if full[n] in bound:
+            full = bound[full[n]][0] + full[n + 1:]
+        elif len(globs) == 1 and globs[0] != full[:n]:
+            full = globs[0] + full[n:]
+        else:
+            return full
+    return full
+
+
 def edges(root):
     mods = modules(root)
     graph = {m: set() for m in mods}
-    for me, f in mods.items():
-        src = strip(open(f, encoding="utf-8").read())
+    sources = {me: strip(open(f, encoding="utf-8").read()) for me, f in mods.items()}
+    names = aliases(mods, sources)
+    for me in mods:
+        src = sources[me]
         spans = inline_mods(src)
-        children = {k[-1] for k in mods if len(k) == len(me) + 1 and k[: len(me)] == me}
-        paths = [(m.start(), p) for m in re.finditer(r"\buse\s+([^;]+);", src) for p in use_paths(m.group(1))]
+        children = children_of(mods, me)
+        # A re-export (`pub use`) declares the module's surface; only what
+        # a module brings in for its own code is an edge.
+        uses = [m for m in re.finditer(r"(\bpub(?:\([\w\s:]+\))?\s+)?\buse\s+([^;]+);", src)]
+        paths = [(m.start(), p) for m in uses if not m.group(1) for p in use_paths(m.group(2))]
+        src = "".join(ch if not any(a <= i < b for m in uses for a, b in [m.span()]) else " " for i, ch in enumerate(src))
         paths += [
             (m.start(), tuple(re.split(r"\s*::\s*", m.group(1))))
             for m in re.finditer(r"(?<![\w:])(\w+(?:\s*::\s*\w+)+)", src)
@@ -112,6 +168,7 @@ def edges(root):
             full = absolute(path, me, inline, children) if path else None
             if full is None:
                 continue
+            full = resolve(full, mods, names)
             target = next(tuple(full[:n]) for n in range(len(full), -1, -1) if tuple(full[:n]) in mods)
             if target != me:
                 graph[me].add(target)
