@@ -698,6 +698,9 @@ def test_heterogeneous_tp_moves_each_heads_bytes(pd, p_tp, d_tp, layout):
     rebuilt = [KvferryConnector.build_kv_connector_stats(s).reduce() for s in e.p.stats]
     assert sum(r.get("ok", 0) for r in rebuilt) == p_tp
     assert sum(r.get("bytes", 0) for r in rebuilt) > 0
+    # Each decode worker timed its load.
+    loads = [KvferryConnector.build_kv_connector_stats(s).reduce().get("loads", 0) for s in e.d.stats]
+    assert sum(loads) == d_tp
 
 
 def test_base_ports_offset_by_rank_let_every_tp_rank_bind_and_move(pd):
@@ -912,6 +915,23 @@ def test_kvferry_moves_a_request_as_a_multiconnector_child(pd, tmp_path):
     ok = registry.get_sample_value("vllm:kvferry_ok_total", {"model_name": "tiny", "engine": "0"})
     assert ok == 1
     assert logging_.transfer_stats_accumulator.reduce()["KvferryConnector"]["ok"] == 1
+    # The decode worker timed its one load: a histogram sample in
+    # Prometheus, a count and percentiles in vLLM's log line.
+    registry = CollectorRegistry()
+    types = {
+        cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)
+    }
+    prom = MultiConnector.build_prom_metrics(
+        e.d.config, types, ["model_name", "engine"], {1: ["tiny", "1"]}
+    )
+    logging_ = KVConnectorLogging(e.d.config.kv_transfer_config)
+    for stats in e.d.stats:
+        prom.observe(stats, 1)
+        logging_.observe(stats)
+    labels = {"model_name": "tiny", "engine": "1"}
+    assert registry.get_sample_value("vllm:kvferry_load_seconds_count", labels) == 1
+    assert 0 < registry.get_sample_value("vllm:kvferry_load_seconds_sum", labels) < 30
+    assert logging_.transfer_stats_accumulator.reduce()["KvferryConnector"]["loads"] == 1
 
 
 # -- a request fails, never the engine -------------------------------------

@@ -150,10 +150,16 @@ class TestPrefixCaching:
             assert "10.6.6.6" not in r.read().decode()
 
     def test_outputs_equal_one_engines_and_the_decode_engine_uses_the_moved_kv(self, pair, reference):
+        timed = kvferry_counter(pair.decode.port, "load_seconds_count")
         for n in LENGTHS:
             before = pair.sources()
             out = pair.pd(PROMPTS[f"len{n}"])
             assert_moved(pair, f"len{n}", out, reference, before)
+        # Each load's time is a sample of the decode engine's own histogram.
+        eventually(
+            "every load timed in vllm:kvferry_load_seconds",
+            lambda: kvferry_counter(pair.decode.port, "load_seconds_count") - timed == len(LENGTHS),
+        )
         # Two engines on one host: their KV (vLLM's own tensors, moved onto
         # shared files in place) went straight from one to the other.
         eventually(

@@ -98,21 +98,40 @@ def _check_version() -> None:
         )
 
 
+#: Stats whose values are samples (a list each), exported as histograms;
+#: every other value is a count, or `dead_now`, a gauge.
+SAMPLES = {"load_seconds": "Seconds from a load's start on a decode worker to its end."}
+#: The histograms' buckets, seconds: a same-host copy to a slow link.
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
 class KvferryStats(KVConnectorStats):
     """The node's counters (`Node.stats()`: requests ok, failed, bytes,
     resends, ...) added up since the last report, summed across workers,
-    and the scheduler's count of requests computed locally instead."""
+    the scheduler's count of requests computed locally instead, and the
+    samples of :data:`SAMPLES` (each load's seconds), joined."""
 
     def reset(self) -> None:
-        self.data: "dict[str, int | float]" = {}
+        self.data: "dict[str, Any]" = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KvferryStats":
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if k in SAMPLES:
+                self.data[k] = [*self.data.get(k, ()), *v]
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> "dict[str, int | float]":
-        return dict(self.data)
+        out = {k: v for k, v in self.data.items() if k not in SAMPLES}
+        for k in SAMPLES:
+            samples = sorted(self.data.get(k, ()))
+            if samples:
+                name = k.removesuffix("_seconds")
+                out[f"{name}s"] = len(samples)
+                out[f"{name}_ms_p50"] = round(samples[len(samples) // 2] * 1000, 3)
+                out[f"{name}_ms_max"] = round(samples[-1] * 1000, 3)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -120,8 +139,9 @@ class KvferryStats(KVConnectorStats):
 
 class KvferryPromMetrics(KVConnectorPromMetrics):
     """Every counter of :class:`KvferryStats` as ``vllm:kvferry_<name>``
-    (``dead_now`` a gauge), per engine. vLLM's ``MultiConnector`` requires
-    Prometheus metrics of a child that reports stats."""
+    (``dead_now`` a gauge, :data:`SAMPLES` histograms), per engine. vLLM's
+    ``MultiConnector`` requires Prometheus metrics of a child that reports
+    stats."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -129,23 +149,30 @@ class KvferryPromMetrics(KVConnectorPromMetrics):
         self._families: "dict[str, Any]" = {}
         self._children: "dict[tuple[str, int], Any]" = {}
 
+    def _family(self, name: str) -> Any:
+        common = {"name": f"vllm:kvferry_{name}", "labelnames": self._labelnames}
+        if name in SAMPLES:
+            return self._histogram_cls(documentation=SAMPLES[name], buckets=SECONDS_BUCKETS, **common)
+        cls = self._gauge_cls if name == "dead_now" else self._counter_cls
+        return cls(documentation=f"kvferry counter {name} (docs/design.md, Stats and metrics)", **common)
+
     def _metric(self, name: str, engine_idx: int) -> Any:
         key = (name, engine_idx)
         if key not in self._children:
             if name not in self._families:
-                cls = self._gauge_cls if name == "dead_now" else self._counter_cls
-                self._families[name] = cls(
-                    name=f"vllm:kvferry_{name}",
-                    documentation=f"kvferry counter {name} (docs/design.md, Stats and metrics)",
-                    labelnames=self._labelnames,
-                )
+                self._families[name] = self._family(name)
             self._children[key] = self._families[name].labels(*self.per_engine_labelvalues[engine_idx])
         return self._children[key]
 
     def observe(self, transfer_stats_data: "dict[str, Any]", engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
+            if name in SAMPLES and not value:
+                continue
             metric = self._metric(name, engine_idx)
-            if name == "dead_now":
+            if name in SAMPLES:
+                for sample in value:
+                    metric.observe(sample)
+            elif name == "dead_now":
                 metric.set(value)
             elif value > 0:
                 metric.inc(value)

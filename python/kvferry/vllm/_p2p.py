@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any, Optional
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -340,6 +341,38 @@ class _SchedulerSide:
             self._sched.handle_finished(sent, received)
 
 
+class _LoadTimes:
+    """Seconds from each load's start on this worker to its report, for
+    vLLM's ``vllm:kvferry_load_seconds`` histogram (what MooncakeConnector
+    records as ``transfer_duration``). Bounded by the loads in flight and
+    by `MAX_REPORTED` samples between two stats reports; past that, the
+    samples of the interval are dropped."""
+
+    MAX_REPORTED = 4096
+
+    def __init__(self) -> None:
+        self.started: "dict[int, float]" = {}
+        self.done: "list[float]" = []
+
+    def start(self, ids: Iterable[int]) -> None:
+        now = time.perf_counter()
+        for t in ids:
+            self.started.setdefault(t, now)
+
+    def end(self, loaded: Iterable[int], failed: Iterable[int]) -> None:
+        now = time.perf_counter()
+        for t in loaded:
+            began = self.started.pop(t, None)
+            if began is not None and len(self.done) < self.MAX_REPORTED:
+                self.done.append(now - began)
+        for t in failed:
+            self.started.pop(t, None)
+
+    def take(self) -> "list[float]":
+        out, self.done = self.done, []
+        return out
+
+
 class _WorkerSide:
     def __init__(self, vllm_config: Any, extra: "dict[str, Any]", kv_cache_config: Any):
         from vllm.distributed import parallel_state as ps
@@ -398,6 +431,7 @@ class _WorkerSide:
         self.reported: "dict[str, int]" = {}
         #: Loads and sends that could not start, since the last report.
         self.not_started = {"loads_not_started": 0, "sends_not_started": 0}
+        self.load_times = _LoadTimes()
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
         cache = register_plan(
@@ -455,6 +489,8 @@ class _WorkerSide:
         if not len(meta.meta):
             return
         loads, sends = self.node.start_load_kv_each(meta.meta, self.ratio)
+        refused = {t for t, _ in loads}
+        self.load_times.start(t for t in meta.meta.transfer_ids()[0] if t not in refused)
         self.not_started["loads_not_started"] += len(loads)
         self.not_started["sends_not_started"] += len(sends)
         for ids, into, what in ((loads, self.failed, "load"), (sends, self.unsent, "send")):
@@ -471,6 +507,7 @@ class _WorkerSide:
         # The node also lists the failed loads' blocks; vLLM hears of them
         # per request.
         self.node.block_ids_with_load_errors()
+        self.load_times.end(received, failed)
 
         def names(ids: "list[int]") -> "set[str]":
             return {r for t in ids if (r := self.names.pop(t, None)) is not None}
@@ -489,5 +526,5 @@ class _WorkerSide:
         delta.update(self.not_started)
         self.not_started = dict.fromkeys(self.not_started, 0)
         self.reported = now
-        stats = KvferryStats(data=delta)
+        stats = KvferryStats(data={**delta, "load_seconds": self.load_times.take()})
         return None if stats.is_empty() else stats
