@@ -444,3 +444,18 @@ pub(crate) fn slot_blocks(per_group: u32, groups: usize, slot: u64) -> Vec<Vec<u
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tests that run CLI ranks beside their own nodes (`e2e_kill`) give
+    /// those nodes the test kit's medium model: it must stay the default.
+    #[test]
+    fn the_default_model_is_the_test_kits_medium_one() {
+        assert_eq!(
+            DemoOptions::default().model(),
+            kvferry_testkit::model::medium()
+        );
+    }
+}

@@ -1,11 +1,13 @@
 //! What the `kvferry` CLI and the end-to-end tests share and the library
 //! does not offer: a synthetic KV cache whose every byte is known
 //! ([`synth::SynthKv`]), an in-process cluster of prefill and decode ranks
-//! ([`synth::Cluster`]), the timeouts of demo-style runs and log set-up.
+//! ([`synth::Cluster`]), the model shapes the tests share ([`model`]), the
+//! timeouts of demo-style runs and log set-up.
 
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod model;
 pub mod synth;
 
 use std::time::Duration;

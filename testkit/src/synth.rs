@@ -279,15 +279,11 @@ pub unsafe fn clear_blocks(layout: &SynthLayout, blocks: &[u32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ModelSpecExt;
     use kvferry_machines::Region;
 
     fn layout(kind: LayoutKind, tp: u32, rank: u32, buf: &mut [u8], blocks: u64) -> SynthLayout {
-        let model = ModelSpec {
-            layout: kind,
-            total_kv_heads: 4,
-            block_tokens: 4,
-            head_bytes: 12,
-        };
+        let model = crate::model::small().with_layout(kind).with_head_bytes(12);
         let kv = match kind {
             LayoutKind::Mla => 4 * 12,
             LayoutKind::Hnd | LayoutKind::Nhd => u64::from(model.heads_per_rank(tp)) * 4 * 12,
@@ -723,6 +719,34 @@ pub struct ClusterSpec {
     pub data_plane_messages: bool,
     /// [`kvferry::node::NodeConfig::drop_control_ppm`] of every node.
     pub drop_control_ppm: u32,
+}
+
+impl ClusterSpec {
+    /// One prefill and one decode rank of `model` in `mode` over TCP: two
+    /// layers of 64 blocks on each side, the end-to-end tests' timeouts
+    /// ([`crate::e2e_timeouts`]), data-plane messages on, no bootstrap
+    /// service, spinning or dropped messages. Tests name what they change
+    /// with struct update syntax (`ClusterSpec { prefill_tp: 2, ..ClusterSpec::new(m, mode) }`).
+    pub fn new(model: ModelSpec, mode: kvferry_machines::internal::common::Mode) -> ClusterSpec {
+        ClusterSpec {
+            model,
+            layers: 2,
+            prefill_blocks: 64,
+            decode_blocks: 64,
+            prefill_tp: 1,
+            decode_tp: 1,
+            prefill_pp: 1,
+            decode_pp: 1,
+            mode,
+            transport: kvferry::node::TransportKind::Tcp,
+            mooncake: kvferry::transport::MooncakeConfig::default(),
+            timeouts: crate::e2e_timeouts(),
+            bootstrap: None,
+            spin: None,
+            data_plane_messages: true,
+            drop_control_ppm: 0,
+        }
+    }
 }
 
 /// One rank: its node and its synthetic KV memory. The node is shut down
