@@ -18,6 +18,7 @@ use std::hint::black_box;
 use kvferry::machines::internal::planner::{plan, PairLayout, Plan};
 use kvferry::machines::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region};
 use kvferry_testkit::bench;
+use kvferry_testkit::model::ModelSpecExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -34,12 +35,11 @@ const SEED_P: u64 = 0x9E37_79B9_7F4A_7C15;
 const SEED_D: u64 = 0xD1B5_4A32_D192_ED03;
 
 fn model(layout: LayoutKind) -> ModelSpec {
-    ModelSpec {
-        layout,
-        total_kv_heads: HEADS,
-        block_tokens: TOKENS,
-        head_bytes: HEAD_BYTES,
-    }
+    kvferry_testkit::model::small()
+        .with_layout(layout)
+        .with_heads(HEADS)
+        .with_block_tokens(TOKENS)
+        .with_head_bytes(HEAD_BYTES)
 }
 
 fn rank(tp_size: u32, tp_rank: u32, base: u64) -> RankLayout {

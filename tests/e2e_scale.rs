@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use kvferry::machines::internal::common::{BlockId, Config, Mode};
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::node::{LoadMeta, LoadRequest, SendRequest, TransportKind};
+use kvferry::node::{LoadMeta, LoadRequest, SendRequest};
 use kvferry::TransferId;
+use kvferry_testkit::model::{self, ModelSpecExt};
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 const IN_FLIGHT: u32 = 2000;
@@ -114,32 +114,17 @@ fn round(c: &Cluster, base: u64) {
 
 #[test]
 fn two_thousand_requests_in_flight_complete_with_bounded_memory() {
+    let model = model::small().with_heads(2).with_head_bytes(16);
     let spec = ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 2,
-            block_tokens: 4,
-            head_bytes: 16,
-        },
         layers: 1,
         prefill_blocks: u64::from(IN_FLIGHT),
         decode_blocks: u64::from(IN_FLIGHT),
-        prefill_tp: 1,
-        decode_tp: 1,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode: Mode::Push,
-        transport: TransportKind::Tcp,
         timeouts: Config {
             heartbeat_interval: Duration::from_millis(200),
             lease: Duration::from_secs(2),
             ..Config::default()
         },
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model, Mode::Push)
     };
     kvferry_testkit::init_tracing();
     let c = Cluster::start(&spec).unwrap();

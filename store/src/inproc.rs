@@ -380,22 +380,7 @@ mod tests {
 
     fn key(i: u64) -> ChunkKey {
         // Any keyspace will do: the store treats keys as opaque.
-        let spec = kvferry_machines::internal::store::KeyspaceSpec {
-            model_name: "m".into(),
-            model: kvferry_machines::ModelSpec {
-                layout: kvferry_machines::LayoutKind::Hnd,
-                total_kv_heads: 1,
-                block_tokens: 1,
-                head_bytes: 1,
-            },
-            dtype: "bf16".into(),
-            tp_size: 1,
-            pp_size: 1,
-            groups: vec![kvferry_machines::internal::store::GroupSpec {
-                block_tokens: 1,
-                window_tokens: None,
-            }],
-        };
+        let spec = kvferry_testkit::model::keyspace("m", kvferry_testkit::model::flat(1));
         let ks = kvferry_machines::internal::store::Keyspace::new(&spec).unwrap();
         let scope = ks.scope(None, &[]).unwrap();
         ks.key(&ks.shards()[0], &scope, 0, &BlockHash::from_u64(i))

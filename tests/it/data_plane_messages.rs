@@ -6,16 +6,12 @@ use std::time::Duration;
 
 use kvferry::machines::internal::common::{BlockId, Config};
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec, Region};
+use kvferry::machines::{ModelSpec, Region};
 use kvferry::node::{KvLayout, Node, NodeConfig, NodeStats, PrefillTarget, Role};
 use kvferry::TransferId;
+use kvferry_testkit::model;
 
-const MODEL: ModelSpec = ModelSpec {
-    layout: LayoutKind::Hnd,
-    total_kv_heads: 1,
-    block_tokens: 1,
-    head_bytes: 64,
-};
+const MODEL: ModelSpec = model::flat(64);
 const BLOCKS: u64 = 16;
 const BLOCK_LEN: usize = 64;
 

@@ -40,9 +40,8 @@ use std::time::{Duration, Instant};
 
 use kvferry::machines::internal::common::{BlockId, Config, Mode};
 use kvferry::machines::{AbortReason, FailReason, Phase};
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::node::TransportKind;
 use kvferry::TransferId;
+use kvferry_testkit::model::{self, ModelSpecExt};
 use kvferry_testkit::synth::{Cluster, ClusterSpec, SynthKv};
 
 /// Layers of the model (regions are layers × K/V).
@@ -90,27 +89,11 @@ fn timeouts() -> Config {
 
 fn spec(mode: Mode, timeouts: Config) -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 2,
-            block_tokens: 16,
-            head_bytes: 128,
-        },
         layers: LAYERS,
         prefill_blocks: BLOCKS,
         decode_blocks: BLOCKS,
-        prefill_tp: 1,
-        decode_tp: 1,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
-        transport: TransportKind::Tcp,
         timeouts,
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::medium().with_heads(2), mode)
     }
 }
 

@@ -8,9 +8,9 @@
 use std::time::{Duration, Instant};
 
 use kvferry::machines::internal::common::{BlockId, Config, Mode};
-use kvferry::machines::{FailReason, LayoutKind, ModelSpec, Phase};
-use kvferry::node::TransportKind;
+use kvferry::machines::{FailReason, Phase};
 use kvferry::TransferId;
+use kvferry_testkit::model::{self, ModelSpecExt};
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 /// What a prefill rank would wait for an unclaimed request: far past the
@@ -21,22 +21,9 @@ const RELEASED_WITHIN: Duration = Duration::from_secs(1);
 
 fn spec(mode: Mode, prefill_tp: u32) -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 2,
-            block_tokens: 4,
-            head_bytes: 32,
-        },
-        layers: 2,
         prefill_blocks: 32,
         decode_blocks: 32,
         prefill_tp,
-        decode_tp: 1,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
-        transport: TransportKind::Tcp,
         timeouts: Config {
             bootstrap_timeout: BOOTSTRAP_TIMEOUT,
             waiting_timeout: BOOTSTRAP_TIMEOUT,
@@ -44,9 +31,8 @@ fn spec(mode: Mode, prefill_tp: u32) -> ClusterSpec {
             ..Config::default()
         },
         bootstrap: Some("127.0.0.1:0".into()),
-        spin: None,
         data_plane_messages: false,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::small().with_heads(2), mode)
     }
 }
 

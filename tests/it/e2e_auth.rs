@@ -8,18 +8,19 @@ use std::time::Duration;
 
 use kvferry::auth::Surface;
 use kvferry::machines::internal::common::Mode;
-use kvferry::machines::{LayoutKind, ModelSpec, Phase};
+use kvferry::machines::{ModelSpec, Phase};
 use kvferry::node::{Misuse, Node, NodeConfig, NodeError, PrefillTarget, Role, TransportKind};
 use kvferry::TransferId;
 use kvferry_testkit::e2e_timeouts;
+use kvferry_testkit::model::ModelSpecExt;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
-pub(crate) const MODEL: ModelSpec = ModelSpec {
-    layout: LayoutKind::Hnd,
-    total_kv_heads: 2,
-    block_tokens: 4,
-    head_bytes: 64,
-};
+/// Two 64-byte heads in 4-token blocks.
+pub(crate) fn model() -> ModelSpec {
+    kvferry_testkit::model::small()
+        .with_heads(2)
+        .with_head_bytes(64)
+}
 
 /// A key file of `byte`s, readable by its owner only.
 pub(crate) fn key_file(name: &str, byte: u8) -> PathBuf {
@@ -43,7 +44,7 @@ fn config(role: Role, name: &str, key: Option<PathBuf>) -> NodeConfig {
 }
 
 fn rank(c: NodeConfig) -> Rank {
-    Rank::start(c, SynthKv::new(MODEL, 1, 0, 2, 16)).expect("node starts")
+    Rank::start(c, SynthKv::new(model(), 1, 0, 2, 16)).expect("node starts")
 }
 
 /// Opens `tid` on both sides as `send_one` does and returns both phases,

@@ -11,21 +11,17 @@ use std::time::Duration;
 use kvferry::machines::internal::common::Mode;
 use kvferry::machines::internal::planner::PlanError;
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec, PoolKind};
+use kvferry::machines::{ModelSpec, PoolKind};
 use kvferry::node::{NodeConfig, PrefillTarget, Role, TransportKind};
 use kvferry::{BlockId, FailReason, Misuse, NodeError, TransferId};
 use kvferry_testkit::e2e_timeouts;
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
 const WAIT: Duration = Duration::from_secs(10);
 const LAYERS: u32 = 2;
 const BLOCKS: u64 = 64;
-const MODEL: ModelSpec = ModelSpec {
-    layout: LayoutKind::Hnd,
-    total_kv_heads: 4,
-    block_tokens: 4,
-    head_bytes: 32,
-};
+const MODEL: ModelSpec = model::small();
 
 /// A rank's KV and pools: an aux pool of two buffers (4 and 61 bytes per
 /// item); with `state`, then a Mamba-like state pool (one index per

@@ -7,23 +7,14 @@ use std::time::Duration;
 
 use kvferry::machines::internal::common::{Config, Mode};
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{Misuse, NodeConfig, PrefillTarget, Receiver, Role, Sender, TransportKind};
 use kvferry::reactor::SubmitError;
 use kvferry::{BlockId, FailReason, NodeError, TransferId};
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
 const WAIT: Duration = Duration::from_secs(10);
 const BLOCKS: u64 = 64;
-
-fn model() -> ModelSpec {
-    ModelSpec {
-        layout: LayoutKind::Hnd,
-        total_kv_heads: 4,
-        block_tokens: 4,
-        head_bytes: 32,
-    }
-}
 
 fn rank(role: Role, name: &str, mode: Mode) -> Rank {
     let mut c = NodeConfig::new(role, name);
@@ -34,7 +25,7 @@ fn rank(role: Role, name: &str, mode: Mode) -> Rank {
         heartbeat_interval: Duration::from_millis(100),
         ..Config::default()
     };
-    Rank::start(c, SynthKv::new(model(), 1, 0, 2, BLOCKS)).expect("node starts")
+    Rank::start(c, SynthKv::new(model::small(), 1, 0, 2, BLOCKS)).expect("node starts")
 }
 
 fn target(p: &Rank) -> PrefillTarget {

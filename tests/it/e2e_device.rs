@@ -11,36 +11,18 @@ use std::time::Duration;
 
 use kvferry::machines::internal::common::Mode;
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{DataPlaneError, NodeError, TransportKind};
 use kvferry::transport::HostDevice;
 use kvferry::TransferId;
-use kvferry_testkit::e2e_timeouts;
+use kvferry_testkit::model::{self, ModelSpecExt};
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn spec(tp: (u32, u32), mode: Mode, transport: TransportKind) -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 4,
-            block_tokens: 16,
-            head_bytes: 256,
-        },
-        layers: 2,
-        prefill_blocks: 64,
-        decode_blocks: 64,
         prefill_tp: tp.0,
         decode_tp: tp.1,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
         transport,
-        timeouts: e2e_timeouts(),
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::large().with_heads(4), mode)
     }
 }
 

@@ -5,9 +5,8 @@ use std::time::{Duration, Instant};
 
 use kvferry::machines::internal::common::{BlockId, Config, Mode};
 use kvferry::machines::{FailReason, Phase};
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::node::TransportKind;
 use kvferry::TransferId;
+use kvferry_testkit::model::{self, ModelSpecExt};
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn timeouts() -> Config {
@@ -27,27 +26,10 @@ fn timeouts() -> Config {
 
 fn spec(mode: Mode) -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 2,
-            block_tokens: 4,
-            head_bytes: 64,
-        },
-        layers: 2,
         prefill_blocks: 32,
         decode_blocks: 32,
-        prefill_tp: 1,
-        decode_tp: 1,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
-        transport: TransportKind::Tcp,
         timeouts: timeouts(),
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::small().with_heads(2).with_head_bytes(64), mode)
     }
 }
 

@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use kvferry::machines::internal::common::{Config, Mode};
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::node::TransportKind;
 use kvferry::{NodeStats, TransferId};
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Cluster, ClusterSpec, Rank};
 
 /// 2 % of the control messages, as in the simulator's goodput profile.
@@ -21,22 +20,10 @@ const WAVES: u32 = 20;
 
 fn spec(mode: Mode, p_tp: u32, d_tp: u32) -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 4,
-            block_tokens: 4,
-            head_bytes: 32,
-        },
-        layers: 2,
         prefill_blocks: u64::from(4 * WAVE),
         decode_blocks: u64::from(4 * WAVE),
         prefill_tp: p_tp,
         decode_tp: d_tp,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
-        transport: TransportKind::Tcp,
         timeouts: Config {
             bootstrap_timeout: Duration::from_secs(20),
             waiting_timeout: Duration::from_secs(10),
@@ -50,10 +37,8 @@ fn spec(mode: Mode, p_tp: u32, d_tp: u32) -> ClusterSpec {
             resend_after: Duration::from_millis(50),
             ..Config::default()
         },
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
         drop_control_ppm: LOSS_PPM,
+        ..ClusterSpec::new(model::small(), mode)
     }
 }
 

@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 
 use kvferry::machines::internal::common::{Config, FailReason, Mode};
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
 use kvferry::transport::{Cadence, MooncakeConfig};
 use kvferry::TransferId;
 use kvferry_testkit::e2e_timeouts;
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 use mooncake_sys::fake::{self, Control, Fault, Stats};
 
@@ -47,26 +47,11 @@ fn spec(f: &Fake, mode: Mode, p_tp: u32, d_tp: u32) -> ClusterSpec {
             cadence: Cadence::Timer(Duration::from_micros(200)),
             ..MooncakeConfig::default()
         },
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 4,
-            block_tokens: 4,
-            head_bytes: 32,
-        },
-        layers: 2,
-        prefill_blocks: 64,
-        decode_blocks: 64,
         prefill_tp: p_tp,
         decode_tp: d_tp,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
         transport: TransportKind::Mooncake,
         timeouts: timeouts(),
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::small(), mode)
     }
 }
 

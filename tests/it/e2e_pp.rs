@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use kvferry::machines::internal::common::{Config, Mode};
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::node::TransportKind;
 use kvferry::TransferId;
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 /// Four layers: two per stage with two stages.
@@ -17,22 +16,11 @@ const LAYERS: u32 = 4;
 
 fn spec(mode: Mode, (p_tp, p_pp): (u32, u32), (d_tp, d_pp): (u32, u32)) -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 4,
-            block_tokens: 4,
-            head_bytes: 32,
-        },
         layers: LAYERS,
-        prefill_blocks: 64,
-        decode_blocks: 64,
         prefill_tp: p_tp,
         decode_tp: d_tp,
         prefill_pp: p_pp,
         decode_pp: d_pp,
-        mode,
-        transport: TransportKind::Tcp,
         timeouts: Config {
             bootstrap_timeout: Duration::from_secs(20),
             waiting_timeout: Duration::from_secs(5),
@@ -46,9 +34,7 @@ fn spec(mode: Mode, (p_tp, p_pp): (u32, u32), (d_tp, d_pp): (u32, u32)) -> Clust
             ..Config::default()
         },
         bootstrap: Some("127.0.0.1:0".into()),
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::small(), mode)
     }
 }
 

@@ -4,11 +4,11 @@
 use std::time::{Duration, Instant};
 
 use kvferry::machines::internal::common::Mode;
+use kvferry::machines::LayoutKind;
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::TransportKind;
 use kvferry::TransferId;
-use kvferry_testkit::e2e_timeouts;
+use kvferry_testkit::model::{self, ModelSpecExt};
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 
 fn spec(
@@ -19,27 +19,10 @@ fn spec(
     transport: TransportKind,
 ) -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: kind,
-            total_kv_heads: 4,
-            block_tokens: 4,
-            head_bytes: 32,
-        },
-        layers: 2,
-        prefill_blocks: 64,
-        decode_blocks: 64,
         prefill_tp: p_tp,
         decode_tp: d_tp,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
         transport,
-        timeouts: e2e_timeouts(),
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::small().with_layout(kind), mode)
     }
 }
 

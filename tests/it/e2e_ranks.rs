@@ -5,24 +5,15 @@
 use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
-use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{BlockId, NodeConfig, Phase, PrefillTarget, Role, TransferId};
 use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Rank, SynthKv};
-
-fn model() -> ModelSpec {
-    ModelSpec {
-        layout: LayoutKind::Hnd,
-        total_kv_heads: 8,
-        block_tokens: 16,
-        head_bytes: 128,
-    }
-}
 
 /// A node of `c` with synthetic KV registered (the testkit's `Rank`: shut
 /// down before its KV drops).
 fn engine(c: NodeConfig) -> Rank {
-    Rank::start(c, SynthKv::new(model(), 1, 0, 2, 32)).unwrap()
+    Rank::start(c, SynthKv::new(model::medium(), 1, 0, 2, 32)).unwrap()
 }
 
 fn config(role: Role, engine_id: &str, dp_rank: u32, bootstrap: &str) -> NodeConfig {
@@ -78,21 +69,12 @@ fn each_data_parallel_rank_of_a_prefill_engine_is_reached_by_its_rank() {
     assert_eq!(p1.node.phase(TransferId(2)), None);
 }
 
-fn mla() -> ModelSpec {
-    ModelSpec {
-        layout: LayoutKind::Mla,
-        total_kv_heads: 1,
-        block_tokens: 16,
-        head_bytes: 64,
-    }
-}
-
 /// An MLA rank `tp_rank` of `tp_size` that serves its own side channel.
 fn mla_rank(role: Role, engine_id: &str, tp_size: u32, tp_rank: u32) -> Rank {
     let mut c = NodeConfig::new(role, engine_id);
     (c.tp_size, c.tp_rank) = (tp_size, tp_rank);
     c.timeouts = demo_timeouts(2000);
-    Rank::start(c, SynthKv::new(mla(), tp_size, tp_rank, 2, 32)).unwrap()
+    Rank::start(c, SynthKv::new(model::mla(), tp_size, tp_rank, 2, 32)).unwrap()
 }
 
 /// A decode rank that sends its `Pull` to a prefill rank it is not paired

@@ -7,39 +7,11 @@ use std::time::Duration;
 
 use kvferry::machines::internal::common::Mode;
 use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::node::TransportKind;
 use kvferry::{AbortReason, BlockId, FailReason, IdCollision, NodeError, TransferId};
-use kvferry_testkit::e2e_timeouts;
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Cluster, ClusterSpec, Rank};
 
 const WAIT: Duration = Duration::from_secs(10);
-
-fn spec(mode: Mode) -> ClusterSpec {
-    ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 4,
-            block_tokens: 4,
-            head_bytes: 32,
-        },
-        layers: 2,
-        prefill_blocks: 64,
-        decode_blocks: 64,
-        prefill_tp: 1,
-        decode_tp: 1,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode,
-        transport: TransportKind::Tcp,
-        timeouts: e2e_timeouts(),
-        bootstrap: None,
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
-    }
-}
 
 /// Every `cmpl-` id has transfer id 77; others hash as usual.
 fn colliding(id: &str) -> TransferId {
@@ -55,7 +27,7 @@ fn blocks(ids: &[u32]) -> Vec<Vec<BlockId>> {
 }
 
 fn run_named(mode: Mode) {
-    let spec = spec(mode);
+    let spec = ClusterSpec::new(model::small(), mode);
     let c = Cluster::start(&spec).expect("cluster starts");
     let (p, d) = (&c.prefill[0].node, &c.decode[0].node);
     let ids = [
@@ -110,7 +82,7 @@ fn collision(c: &IdCollision, request_id: &str, held: &str) -> bool {
 /// engine as if nothing happened, and neither node opens the other string.
 #[test]
 fn a_pull_naming_another_request_id_fails_only_that_request() {
-    let spec = spec(Mode::Push);
+    let spec = ClusterSpec::new(model::small(), Mode::Push);
     let c = Cluster::start(&spec).expect("cluster starts");
     let d2 = Rank::lone_decode(&spec, "decode-2");
     let (p, d1) = (&c.prefill[0].node, &c.decode[0].node);
@@ -167,7 +139,7 @@ fn a_pull_naming_another_request_id_fails_only_that_request() {
 /// transfer id is refused.
 #[test]
 fn a_string_first_named_by_a_pull_holds_its_transfer_id() {
-    let spec = spec(Mode::Push);
+    let spec = ClusterSpec::new(model::small(), Mode::Push);
     let c = Cluster::start(&spec).expect("cluster starts");
     let (p, d) = (&c.prefill[0].node, &c.decode[0].node);
     for n in [p, d] {

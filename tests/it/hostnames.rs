@@ -12,32 +12,23 @@ use std::time::Duration;
 use kvferry::bootstrap::{
     BootstrapClient, BootstrapServer, ClientError, RegisterRequest, RetryPolicy,
 };
-use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{
     AbortReason, BlockId, DataPlaneError, FailReason, Node, NodeConfig, NodeError, Phase,
     PrefillTarget, Role, TransferId,
 };
 use kvferry::resolve::{HostLookup, ResolveError, Resolver};
 use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::model;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
 /// A name under the reserved `.invalid` top-level domain (RFC 2606):
 /// it never resolves.
 const NOWHERE: &str = "kvferry-nowhere.invalid";
 
-fn model() -> ModelSpec {
-    ModelSpec {
-        layout: LayoutKind::Hnd,
-        total_kv_heads: 8,
-        block_tokens: 16,
-        head_bytes: 128,
-    }
-}
-
 /// A node of `c` with synthetic KV registered (the testkit's `Rank`: shut
 /// down before its KV drops).
 fn engine(c: NodeConfig) -> Rank {
-    Rank::start(c, SynthKv::new(model(), 1, 0, 2, 32)).unwrap()
+    Rank::start(c, SynthKv::new(model::medium(), 1, 0, 2, 32)).unwrap()
 }
 
 fn config(role: Role, engine_id: &str) -> NodeConfig {

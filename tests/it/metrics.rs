@@ -9,16 +9,17 @@ use kvferry::bootstrap::BootstrapClient;
 use kvferry::machines::internal::common::{BlockId, Config, Mode, Msg};
 use kvferry::machines::internal::wire::{self, Frame};
 use kvferry::machines::{FailReason, Phase, TransferId};
-use kvferry::machines::{LayoutKind, ModelSpec, RankLayout};
+use kvferry::machines::{ModelSpec, RankLayout};
 use kvferry::node::{Node, NodeConfig, PrefillTarget, Role, TransportKind};
+use kvferry_testkit::model::ModelSpecExt;
 use kvferry_testkit::synth::SynthKv;
 
-const MODEL: ModelSpec = ModelSpec {
-    layout: LayoutKind::Hnd,
-    total_kv_heads: 2,
-    block_tokens: 4,
-    head_bytes: 64,
-};
+/// Two 64-byte heads in 4-token blocks.
+fn model() -> ModelSpec {
+    kvferry_testkit::model::small()
+        .with_heads(2)
+        .with_head_bytes(64)
+}
 
 fn timeouts(bootstrap: Duration) -> Config {
     Config {
@@ -82,7 +83,7 @@ fn hello(kv: &SynthKv) -> Frame {
     Frame::Hello(wire::Hello {
         engine_id: "raw".into(),
         mode: Mode::Push,
-        model: MODEL,
+        model: model(),
         layout: RankLayout {
             tp_size: 1,
             tp_rank: 0,
@@ -143,7 +144,7 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
     // Sockets: a status rides behind the writes only over tcp frames
     // (`kvferry_statuses_behind_writes_total`).
     pc.transport = TransportKind::Tcp;
-    let pkv = SynthKv::new(MODEL, 1, 0, 2, 16);
+    let pkv = SynthKv::new(model(), 1, 0, 2, 16);
     let p = Node::start(pc).unwrap();
     // SAFETY: `p` is shut down at the end, before `pkv` drops.
     unsafe { p.register_kv_caches(pkv.kv_layout()).unwrap() };
@@ -153,7 +154,7 @@ fn prefill_and_decode_serve_every_family_after_real_events() {
     dc.transport = TransportKind::Tcp;
     // The engine never collects: the third finished record is a limit hit.
     dc.max_finished_records = 2;
-    let dkv = SynthKv::new(MODEL, 1, 0, 2, 16);
+    let dkv = SynthKv::new(model(), 1, 0, 2, 16);
     let d = Node::start(dc).unwrap();
     // SAFETY: `d` is shut down at the end, before `dkv` drops.
     unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };

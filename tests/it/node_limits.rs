@@ -7,16 +7,12 @@ use std::time::{Duration, Instant};
 
 use kvferry::machines::internal::common::{AbortReason, BlockId, Config};
 use kvferry::machines::{FailReason, Phase};
-use kvferry::machines::{LayoutKind, ModelSpec, Region};
+use kvferry::machines::{ModelSpec, Region};
 use kvferry::node::{KvLayout, Misuse, Node, NodeConfig, NodeError, PrefillTarget, Role};
 use kvferry::TransferId;
+use kvferry_testkit::model;
 
-const MODEL: ModelSpec = ModelSpec {
-    layout: LayoutKind::Hnd,
-    total_kv_heads: 1,
-    block_tokens: 1,
-    head_bytes: 16,
-};
+const MODEL: ModelSpec = model::flat(16);
 const BLOCKS: u64 = 8;
 
 fn timeouts() -> Config {

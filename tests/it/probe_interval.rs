@@ -4,21 +4,12 @@
 
 use std::time::{Duration, Instant};
 
-use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{
     BlockId, Misuse, Node, NodeConfig, NodeError, NodeSettings, Phase, PrefillTarget, Role,
     TransferId,
 };
+use kvferry_testkit::model;
 use kvferry_testkit::synth::SynthKv;
-
-fn model() -> ModelSpec {
-    ModelSpec {
-        layout: LayoutKind::Hnd,
-        total_kv_heads: 8,
-        block_tokens: 16,
-        head_bytes: 128,
-    }
-}
 
 /// Heartbeats (and so, by default, probes) ten minutes apart: only the
 /// probe interval can bring an unanswered peer back within the test.
@@ -45,8 +36,8 @@ fn decode_probes_an_unanswered_peer_at_the_probe_interval() {
     dc.probe_interval = Some(Duration::from_millis(20));
     let d = Node::start(dc).unwrap();
     let (pkv, dkv) = (
-        SynthKv::new(model(), 1, 0, 2, 32),
-        SynthKv::new(model(), 1, 0, 2, 32),
+        SynthKv::new(model::medium(), 1, 0, 2, 32),
+        SynthKv::new(model::medium(), 1, 0, 2, 32),
     );
     // SAFETY: both KVs outlive their nodes (shut down at the end).
     unsafe { d.register_kv_caches(dkv.kv_layout()).unwrap() };

@@ -7,13 +7,13 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use kvferry::machines::internal::common::{BlockId, Config, Mode};
-use kvferry::machines::{LayoutKind, ModelSpec};
-use kvferry::node::{LoadMeta, PrefillTarget, TransportKind};
+use kvferry::node::{LoadMeta, PrefillTarget};
 use kvferry::scheduler::{
     Blame, FinishDecision, FinishStatus, KvRole, KvTransferParams, SchedError, SchedRequest,
     Scheduler, SchedulerConfig, TransferRef,
 };
 use kvferry::TransferId;
+use kvferry_testkit::model::{self, ModelSpecExt};
 use kvferry_testkit::synth::{Cluster, ClusterSpec};
 use proptest::prelude::*;
 
@@ -940,22 +940,8 @@ proptest! {
 
 fn e2e_spec() -> ClusterSpec {
     ClusterSpec {
-        mooncake: Default::default(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 4,
-            block_tokens: BS,
-            head_bytes: 32,
-        },
-        layers: 2,
         prefill_blocks: 128,
         decode_blocks: 128,
-        prefill_tp: 1,
-        decode_tp: 1,
-        prefill_pp: 1,
-        decode_pp: 1,
-        mode: Mode::Push,
-        transport: TransportKind::Tcp,
         timeouts: Config {
             bootstrap_timeout: Duration::from_secs(5),
             waiting_timeout: Duration::from_secs(5),
@@ -969,9 +955,7 @@ fn e2e_spec() -> ClusterSpec {
             ..Config::default()
         },
         bootstrap: Some("127.0.0.1:0".into()),
-        spin: None,
-        data_plane_messages: true,
-        drop_control_ppm: 0,
+        ..ClusterSpec::new(model::small().with_block_tokens(BS), Mode::Push)
     }
 }
 

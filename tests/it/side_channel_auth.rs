@@ -14,7 +14,7 @@ use kvferry::TransferId;
 use kvferry_testkit::e2e_timeouts;
 use kvferry_testkit::synth::{Rank, SynthKv};
 
-use crate::e2e_auth::{key_file, MODEL};
+use crate::e2e_auth::{key_file, model};
 use crate::proxy::Proxy;
 
 fn rank(role: Role, name: &str, key: PathBuf) -> Rank {
@@ -25,7 +25,7 @@ fn rank(role: Role, name: &str, key: PathBuf) -> Rank {
     c.cluster_key_file = Some(key);
     // Every message over the side channel, none over the data plane.
     c.data_plane_messages = false;
-    Rank::start(c, SynthKv::new(MODEL, 1, 0, 2, 16)).expect("node starts")
+    Rank::start(c, SynthKv::new(model(), 1, 0, 2, 16)).expect("node starts")
 }
 
 /// Waits (bounded) until `done` holds: an observable state the node's

@@ -8,24 +8,17 @@ use std::time::{Duration, Instant};
 
 use kvferry::bootstrap::{BootstrapClient, BootstrapServer, RetryPolicy};
 use kvferry::machines::internal::common::BlockId;
-use kvferry::machines::Phase;
-use kvferry::machines::{LayoutKind, ModelSpec};
+use kvferry::machines::{ModelSpec, Phase};
 use kvferry::node::{Event, EventKind, EventSink, Node, NodeConfig, PrefillTarget, Role};
 use kvferry::TransferId;
 use kvferry_testkit::demo_timeouts;
+use kvferry_testkit::model;
 use kvferry_testkit::synth::SynthKv;
 
 const TIMEOUT_MS: u64 = 1000;
 
 /// The model the CLI commands use by default.
-fn model() -> ModelSpec {
-    ModelSpec {
-        layout: LayoutKind::Hnd,
-        total_kv_heads: 8,
-        block_tokens: 16,
-        head_bytes: 128,
-    }
-}
+const MODEL: ModelSpec = model::medium();
 
 struct Proc(Child);
 
@@ -72,7 +65,7 @@ fn decode_node() -> (Node, SynthKv, flume::Receiver<Event>) {
     let mut c = NodeConfig::new(Role::Decode, "decode");
     c.timeouts = demo_timeouts(TIMEOUT_MS);
     c.events = Some(EventSink { tag: 0, tx });
-    let kv = SynthKv::new(model(), 1, 0, 4, 64);
+    let kv = SynthKv::new(MODEL, 1, 0, 4, 64);
     let node = Node::start(c).unwrap();
     // SAFETY: the test shuts the node down before `kv` drops (see the end of each test).
     unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
@@ -169,7 +162,7 @@ fn decode_killed_prefill_releases_when_the_lease_runs_out() {
         tag: 0,
         tx: events_tx,
     });
-    let kv = SynthKv::new(model(), 1, 0, 4, 64);
+    let kv = SynthKv::new(MODEL, 1, 0, 4, 64);
     let node = Node::start(c).unwrap();
     // SAFETY: shut down before `kv` drops, below.
     unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };
@@ -401,7 +394,7 @@ fn prefill_killed_fails_requests_at_once_by_connection_drop_not_silence() {
             ..demo_timeouts(TIMEOUT_MS)
         };
         let fence = c.timeouts.lease + c.timeouts.fence();
-        let kv = SynthKv::new(model(), 1, 0, 4, 64);
+        let kv = SynthKv::new(MODEL, 1, 0, 4, 64);
         let node = Node::start(c).unwrap();
         // SAFETY: the node is shut down before `kv` drops (end of the loop).
         unsafe { node.register_kv_caches(kv.kv_layout()).unwrap() };

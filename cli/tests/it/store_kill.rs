@@ -11,13 +11,14 @@ use std::time::{Duration, Instant};
 use crate::stores::{self, Redis, StoreServe};
 use kvferry::machines::internal::common::{BlockId, TransferId};
 use kvferry::machines::internal::store::events::Medium;
-use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry::machines::internal::store::{BlockHash, StoreConfig};
+use kvferry::machines::{RankLayout, Region, Stage};
 use kvferry::transport::SharedMem;
 use kvferry_store::{
     ConnectorConfig, ConnectorLimits, RemoteConfig, RemoteStore, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
 };
+use kvferry_testkit::model::{self, ModelSpecExt};
 
 const BLOCK_TOKENS: u32 = 16;
 const HEADS: u32 = 8;
@@ -139,22 +140,13 @@ fn connector(server: &str, engine: &Engine) -> StoreConnector {
             request_timeout: Duration::from_secs(20),
             ..StoreConfig::default()
         },
-        keyspace: KeyspaceSpec {
-            model_name: "kill/model".into(),
-            model: ModelSpec {
-                layout: LayoutKind::Hnd,
-                total_kv_heads: HEADS,
-                block_tokens: BLOCK_TOKENS,
-                head_bytes: HEAD_BYTES,
-            },
-            dtype: "bf16".into(),
-            tp_size: 1,
-            pp_size: 1,
-            groups: vec![GroupSpec {
-                block_tokens: BLOCK_TOKENS,
-                window_tokens: None,
-            }],
-        },
+        keyspace: model::keyspace(
+            "kill/model",
+            model::small()
+                .with_heads(HEADS)
+                .with_block_tokens(BLOCK_TOKENS)
+                .with_head_bytes(HEAD_BYTES),
+        ),
         medium: Medium::Cpu,
         limits: ConnectorLimits::default(),
     };

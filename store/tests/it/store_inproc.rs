@@ -9,14 +9,13 @@ use kvferry_machines::internal::common::{AbortReason, BlockId, TransferId};
 use kvferry_machines::internal::store::events::{KvEvent, Medium};
 use kvferry_machines::internal::store::load::{LoadEnd, LoadKeyResult};
 use kvferry_machines::internal::store::save::{SaveEnd, SaveKeyResult};
-use kvferry_machines::internal::store::{
-    BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, StoreConfig,
-};
-use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry_machines::internal::store::{BlockHash, ChunkKey, KeyspaceSpec, StoreConfig};
+use kvferry_machines::{RankLayout, Region, Stage};
 use kvferry_store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
     PutItem, PutOutcome, StoreBackend, StoreConnector, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };
+use kvferry_testkit::model::{self, ModelSpecExt};
 
 const BLOCK_TOKENS: u32 = 16;
 const HEADS: u32 = 2;
@@ -118,22 +117,11 @@ fn pattern(hash: u64, region: usize, i: usize) -> u8 {
 }
 
 fn keyspace() -> KeyspaceSpec {
-    KeyspaceSpec {
-        model_name: "test/model".into(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: HEADS,
-            block_tokens: BLOCK_TOKENS,
-            head_bytes: HEAD_BYTES,
-        },
-        dtype: "bf16".into(),
-        tp_size: 1,
-        pp_size: 1,
-        groups: vec![GroupSpec {
-            block_tokens: BLOCK_TOKENS,
-            window_tokens: None,
-        }],
-    }
+    let m = model::small()
+        .with_heads(HEADS)
+        .with_block_tokens(BLOCK_TOKENS)
+        .with_head_bytes(HEAD_BYTES);
+    model::keyspace("test/model", m)
 }
 
 fn config(store: StoreConfig) -> ConnectorConfig {

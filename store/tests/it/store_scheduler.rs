@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 
 use kvferry_machines::internal::common::BlockId;
 use kvferry_machines::internal::store::events::Medium;
-use kvferry_machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry_machines::internal::store::{BlockHash, GroupSpec, StoreConfig};
+use kvferry_machines::{RankLayout, Region, Stage};
 use kvferry_store::internal::scheduler::{Scheduled, StoreReq};
 use kvferry_store::{
     ConnectorConfig, ConnectorLimits, InprocConfig, InprocStore, LookupClient, LookupServer,
     StoreConnector, StoreMeta, StoreScheduler, StoreSchedulerConfig,
 };
+use kvferry_testkit::model::{self, ModelSpecExt};
 
 const BT: u32 = 16;
 const HEADS: u32 = 2;
@@ -85,19 +86,13 @@ fn pattern(h: u64, i: usize) -> u8 {
 fn config() -> ConnectorConfig {
     ConnectorConfig {
         store: StoreConfig::default(),
-        keyspace: KeyspaceSpec {
-            model_name: "test/model".into(),
-            model: ModelSpec {
-                layout: LayoutKind::Hnd,
-                total_kv_heads: HEADS,
-                block_tokens: BT,
-                head_bytes: HEAD_BYTES,
-            },
-            dtype: "bf16".into(),
-            tp_size: 1,
-            pp_size: 1,
-            groups: vec![group()],
-        },
+        keyspace: model::keyspace(
+            "test/model",
+            model::small()
+                .with_heads(HEADS)
+                .with_block_tokens(BT)
+                .with_head_bytes(HEAD_BYTES),
+        ),
         medium: Medium::Cpu,
         limits: ConnectorLimits::default(),
     }

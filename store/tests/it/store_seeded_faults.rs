@@ -37,12 +37,13 @@ use kvferry_machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport
 use kvferry_machines::internal::store::{
     BlockHash, ChunkKey, GroupSpec, KeyspaceSpec, PressureStats, StoreConfig,
 };
-use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
+use kvferry_machines::{RankLayout, Region, Stage};
 use kvferry_store::{
     Answers, CallError, ConnectorConfig, ConnectorLimits, GetItem, InprocConfig, InprocStore,
     ItemError, PutItem, PutOutcome, Scatter, StoreBackend, StoreConnector, StoreLoadMeta,
     StoreRequest, StoreSaveMeta,
 };
+use kvferry_testkit::model::{self, ModelSpecExt};
 
 /// Seeds of a full run.
 const SEEDS: u64 = 200;
@@ -807,18 +808,13 @@ struct World {
 }
 
 fn keyspace() -> KeyspaceSpec {
+    let m = model::small()
+        .with_heads(HEADS)
+        .with_block_tokens(BLOCK_TOKENS)
+        .with_head_bytes(HEAD_BYTES);
     KeyspaceSpec {
-        model_name: "test/model".into(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: HEADS,
-            block_tokens: BLOCK_TOKENS,
-            head_bytes: HEAD_BYTES,
-        },
-        dtype: "bf16".into(),
-        tp_size: 1,
-        pp_size: 1,
         groups: groups(),
+        ..model::keyspace("test/model", m)
     }
 }
 

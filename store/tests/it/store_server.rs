@@ -225,11 +225,11 @@ mod through_the_connector {
     use super::*;
     use kvferry_machines::internal::common::{BlockId, TransferId};
     use kvferry_machines::internal::store::events::Medium;
-    use kvferry_machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-    use kvferry_machines::{LayoutKind, ModelSpec};
+    use kvferry_machines::internal::store::{BlockHash, KeyspaceSpec, StoreConfig};
     use kvferry_store::{
         ConnectorConfig, ConnectorLimits, StoreConnector, StoreRequest, StoreSaveMeta,
     };
+    use kvferry_testkit::model::{self, ModelSpecExt};
 
     const BLOCK_TOKENS: u32 = 16;
 
@@ -240,20 +240,13 @@ mod through_the_connector {
                 ..StoreConfig::default()
             },
             keyspace: KeyspaceSpec {
-                model_name: "server/model".into(),
-                model: ModelSpec {
-                    layout: LayoutKind::Hnd,
-                    total_kv_heads: 8,
-                    block_tokens: BLOCK_TOKENS,
-                    head_bytes: 16,
-                },
-                dtype: "bf16".into(),
                 tp_size,
-                pp_size: 1,
-                groups: vec![GroupSpec {
-                    block_tokens: BLOCK_TOKENS,
-                    window_tokens: None,
-                }],
+                ..model::keyspace(
+                    "server/model",
+                    model::medium()
+                        .with_block_tokens(BLOCK_TOKENS)
+                        .with_head_bytes(16),
+                )
             },
             medium: Medium::Cpu,
             limits: ConnectorLimits::default(),

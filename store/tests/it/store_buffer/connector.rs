@@ -5,11 +5,11 @@ use std::time::Instant;
 
 use kvferry_machines::internal::common::{BlockId, TransferId};
 use kvferry_machines::internal::store::events::Medium;
-use kvferry_machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry_machines::{LayoutKind, ModelSpec};
+use kvferry_machines::internal::store::{BlockHash, StoreConfig};
 use kvferry_store::{
     ConnectorConfig, ConnectorLimits, StoreConnector, StoreLoadMeta, StoreRequest, StoreSaveMeta,
 };
+use kvferry_testkit::model::{self, ModelSpecExt};
 
 pub(crate) const BLOCK_TOKENS: u32 = 16;
 /// 8 heads x 16 tokens x 2 KiB: 256 KiB blocks.
@@ -23,22 +23,12 @@ pub(crate) fn config() -> ConnectorConfig {
             max_keys_per_batch: 32,
             ..StoreConfig::default()
         },
-        keyspace: KeyspaceSpec {
-            model_name: "redis/model".into(),
-            model: ModelSpec {
-                layout: LayoutKind::Hnd,
-                total_kv_heads: 8,
-                block_tokens: BLOCK_TOKENS,
-                head_bytes: HEAD_BYTES,
-            },
-            dtype: "bf16".into(),
-            tp_size: 1,
-            pp_size: 1,
-            groups: vec![GroupSpec {
-                block_tokens: BLOCK_TOKENS,
-                window_tokens: None,
-            }],
-        },
+        keyspace: model::keyspace(
+            "redis/model",
+            model::medium()
+                .with_block_tokens(BLOCK_TOKENS)
+                .with_head_bytes(HEAD_BYTES),
+        ),
         medium: Medium::Cpu,
         limits: ConnectorLimits::default(),
     }
