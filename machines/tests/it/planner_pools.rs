@@ -7,18 +7,19 @@ use kvferry_machines::{
 };
 use proptest::prelude::*;
 
+use crate::model::ModelSpecExt;
+
 const T: u32 = 4;
 const B: u64 = 8;
 const HEADS: u32 = 4;
 const BLOCKS: u64 = 16;
 
 fn model(layout: LayoutKind) -> ModelSpec {
-    ModelSpec {
-        layout,
-        total_kv_heads: HEADS,
-        block_tokens: T,
-        head_bytes: B,
-    }
+    crate::model::small()
+        .with_layout(layout)
+        .with_heads(HEADS)
+        .with_block_tokens(T)
+        .with_head_bytes(B)
 }
 
 fn kv_len(m: &ModelSpec, tp: u32) -> u64 {

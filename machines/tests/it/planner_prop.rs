@@ -10,6 +10,8 @@ use kvferry_machines::internal::planner::{
 use kvferry_machines::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
 use proptest::prelude::*;
 
+use crate::model::ModelSpecExt;
+
 /// Deterministic xorshift so block lists derive from one proptest value.
 struct Rng(u64);
 
@@ -456,7 +458,7 @@ proptest! {
     fn contiguous_whole_blocks_coalesce_to_one_copy_per_region(
         regions in 1usize..8, n in 1u64..64, p0 in 0u64..64, d0 in 0u64..64, kv in 1u64..4096,
     ) {
-        let model = ModelSpec { layout: LayoutKind::Mla, total_kv_heads: 1, block_tokens: 1, head_bytes: 1 };
+        let model = crate::model::flat(1).with_layout(LayoutKind::Mla);
         let side = |base: u64, nb: u64| RankLayout {
             tp_size: 1, tp_rank: 0, num_blocks: nb,
             regions: (0..regions as u64)
@@ -486,7 +488,7 @@ proptest! {
         ),
         num_blocks in prop_oneof![Just(40u64), Just(1u64 << 40)],
     ) {
-        let model = ModelSpec { layout: LayoutKind::Mla, total_kv_heads: 1, block_tokens: 1, head_bytes: 1 };
+        let model = crate::model::flat(1).with_layout(LayoutKind::Mla);
         let side = |base: u64| RankLayout {
             tp_size: 1, tp_rank: 0, num_blocks,
             regions: vec![Region { base, block_len: 8, kv_block_len: 8 }],

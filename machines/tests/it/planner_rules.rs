@@ -7,16 +7,17 @@ use kvferry_machines::internal::planner::{
 };
 use kvferry_machines::{BatchLimits, LayoutKind, ModelSpec, RankLayout, Region, Side};
 
+use crate::model::ModelSpecExt;
+
 const T: u32 = 4;
 const B: u64 = 8;
 
 fn model(layout: LayoutKind, heads: u32) -> ModelSpec {
-    ModelSpec {
-        layout,
-        total_kv_heads: heads,
-        block_tokens: T,
-        head_bytes: B,
-    }
+    crate::model::small()
+        .with_layout(layout)
+        .with_heads(heads)
+        .with_block_tokens(T)
+        .with_head_bytes(B)
 }
 
 /// One separate tensor per region: block_len == kv_block_len.

@@ -10,7 +10,8 @@ use kvferry_machines::internal::store::events::{
 };
 use kvferry_machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport};
 use kvferry_machines::internal::store::{BlockHash, GroupSpec, Keyspace, KeyspaceSpec, StoreItem};
-use kvferry_machines::{LayoutKind, ModelSpec};
+
+use crate::model::{self, ModelSpecExt};
 
 fn groups() -> Vec<GroupSpec> {
     vec![
@@ -37,18 +38,10 @@ fn hashes() -> Vec<Vec<BlockHash>> {
 
 /// A report of the blocks `(group, index, result)`.
 fn report(blocks: &[(u32, u32, SaveKeyResult)]) -> SaveReport {
+    let m = model::mla().with_block_tokens(2);
     let ks = Keyspace::new(&KeyspaceSpec {
-        model_name: "m".into(),
-        model: ModelSpec {
-            layout: LayoutKind::Mla,
-            total_kv_heads: 1,
-            block_tokens: 2,
-            head_bytes: 64,
-        },
-        dtype: "bf16".into(),
-        tp_size: 1,
-        pp_size: 1,
         groups: groups(),
+        ..model::keyspace("m", m)
     })
     .unwrap();
     let scope = ks.scope(None, &[]).unwrap();

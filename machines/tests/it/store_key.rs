@@ -12,19 +12,12 @@ use kvferry_machines::internal::store::{
 };
 use kvferry_machines::{LayoutKind, ModelSpec};
 
-fn model(layout: LayoutKind, heads: u32) -> ModelSpec {
-    ModelSpec {
-        layout,
-        total_kv_heads: heads,
-        block_tokens: 16,
-        head_bytes: 256,
-    }
-}
+use crate::model::{self, ModelSpecExt};
 
 fn spec(name: &str, layout: LayoutKind, heads: u32, tp: u32, pp: u32) -> KeyspaceSpec {
     KeyspaceSpec {
         model_name: name.into(),
-        model: model(layout, heads),
+        model: model::large().with_layout(layout).with_heads(heads),
         dtype: "bf16".into(),
         tp_size: tp,
         pp_size: pp,

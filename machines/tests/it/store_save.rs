@@ -13,11 +13,12 @@ use kvferry_machines::internal::store::save::{
     Action, Event, PutResult, SaveEnd, SaveKeyResult, SaveMachine, SaveReport,
 };
 use kvferry_machines::internal::store::{
-    BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec, Pressure, StoreConfig, StoreFault,
-    StoreItem,
+    BlockHash, ChunkKey, GroupSpec, Pressure, StoreConfig, StoreFault, StoreItem,
 };
+use kvferry_machines::LayoutKind;
 use kvferry_machines::{AbortReason, FailReason, InputError, Machine, Phase, TransferId};
-use kvferry_machines::{LayoutKind, ModelSpec};
+
+use crate::store_common::keyspace;
 
 const REQ: TransferId = TransferId(7);
 
@@ -38,23 +39,11 @@ fn secs(s: u64) -> Duration {
 /// `n` items of one group, block `i` at position `i`, keys from hashes
 /// `first..first + n` (so two requests can share a prefix).
 fn items(first: u64, n: u32) -> Vec<StoreItem> {
-    let ks = Keyspace::new(&KeyspaceSpec {
-        model_name: "m".into(),
-        model: ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 8,
-            block_tokens: 16,
-            head_bytes: 128,
-        },
-        dtype: "bf16".into(),
-        tp_size: 1,
-        pp_size: 1,
-        groups: vec![GroupSpec {
-            block_tokens: 16,
-            window_tokens: None,
-        }],
-    })
-    .unwrap();
+    let group = GroupSpec {
+        block_tokens: 16,
+        window_tokens: None,
+    };
+    let ks = keyspace(LayoutKind::Hnd, 8, 1, 1, vec![group]);
     let scope = ks.scope(None, &[]).unwrap();
     let (shard, _) = ks.shard_of(0, 0).unwrap();
     (0..n)

@@ -18,6 +18,8 @@ use kvferry_machines::{LayoutKind, ModelSpec, RankLayout, Region};
 use proptest::collection::vec;
 use proptest::prelude::*;
 
+use crate::model::{self, ModelSpecExt};
+
 // ---------------------------------------------------------------------------
 // Allocation accounting. The claim under test is that a frame cannot make
 // `decode` allocate far beyond its own size, so the test binary counts the
@@ -1092,12 +1094,7 @@ fn hello_with(engine_id: String, endpoint: String, regions: usize) -> Frame {
     Frame::Hello(Hello {
         engine_id,
         mode: Mode::Push,
-        model: ModelSpec {
-            layout: LayoutKind::Nhd,
-            total_kv_heads: 8,
-            block_tokens: 16,
-            head_bytes: 256,
-        },
+        model: model::large().with_layout(LayoutKind::Nhd),
         layout: RankLayout {
             tp_size: 2,
             tp_rank: 1,
@@ -1399,12 +1396,7 @@ fn huge_claims() -> Vec<(&'static str, Vec<u8>)> {
         let Frame::Hello(mut h) = hello_with(engine_id.into(), String::new(), regions) else {
             unreachable!()
         };
-        h.model = ModelSpec {
-            layout: LayoutKind::Hnd,
-            total_kv_heads: 1,
-            block_tokens: 1,
-            head_bytes: 1,
-        };
+        h.model = model::flat(1);
         h.layout = RankLayout {
             tp_size: 1,
             tp_rank: 0,
