@@ -65,11 +65,10 @@ pub use kvferry_reactor as reactor;
 pub use kvferry_transport as transport;
 pub use kvferry_transport::internal::resolve;
 
-pub use kvferry_machines::internal::common::{
-    AbortReason, BlockId, BlockLists, FailReason, Mode, TransferId, REQUEST_ID_MAX_BYTES,
+pub use kvferry_machines::{
+    AbortReason, BlockId, BlockLists, FailReason, LayoutKind, Mode, ModelSpec, Phase, Region,
+    TransferId, REQUEST_ID_MAX_BYTES,
 };
-pub use kvferry_machines::Phase;
-pub use kvferry_machines::{LayoutKind, ModelSpec, Region};
 pub use node::{
     DataPlaneError, Event, EventKind, EventSink, IdCollision, KvLayout, LoadMeta, Misuse, Node,
     NodeConfig, NodeError, NodeStats, PrefillTarget, Receiver, Role, Sender, TransportKind,

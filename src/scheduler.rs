@@ -128,8 +128,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::node::{BlockId, BlockLists, LoadMeta, LoadRequest, PrefillTarget, SendRequest};
-use kvferry_machines::internal::common::{check_request_id, TransferId, REQUEST_ID_MAX_BYTES};
-use kvferry_machines::internal::planner::sliding_window_blocks;
+use kvferry_machines::{check_request_id, sliding_window_blocks, TransferId, REQUEST_ID_MAX_BYTES};
 
 /// Which side(s) of disaggregated serving this engine plays (vLLM's
 /// `kv_role`).

@@ -1,5 +1,5 @@
 //! Types shared by the send and receive machines, one module per concept,
-//! all re-exported here: `kvferry_machines::internal::common::X` names every one.
+//! all re-exported here and at the crate root.
 
 mod config;
 mod deadline;

@@ -18,23 +18,30 @@
 //!
 //! The driver that runs this loop for thousands of requests lives in the
 //! `kvferry-reactor` crate.
+//!
+//! The root exports the machines, the types they share, the layouts and
+//! the planner. [`send`], [`recv`] and [`duplex`] hold each machine's
+//! events and actions, [`wire`] the control frames and their codec, and
+//! [`store`] the store's keys, lookup, save and load machines and KV
+//! events.
 
 mod backoff;
 mod common;
-mod duplex;
+pub mod duplex;
 mod layout;
 mod liveness;
 mod machine;
 mod planner;
-mod recv;
-mod send;
-mod store;
-mod wire;
+pub mod recv;
+pub mod send;
+pub mod store;
+pub mod wire;
 
 pub use backoff::{Backoff, BackoffState};
 pub use common::{
-    check_request_id, AbortReason, BlockId, BlockLists, FailReason, InputError, Mode, PeerId,
-    Phase, RequestIdError, TransferId, REQUEST_ID_MAX_BYTES,
+    blocks_fingerprint, check_request_id, late_answer, AbortReason, BlockId, BlockLists, Config,
+    FailReason, InputError, Mode, Msg, PeerId, Phase, RequestIdError, TransferId,
+    REQUEST_ID_MAX_BYTES, TICKET_BIT,
 };
 pub use duplex::Duplex;
 pub use layout::{
@@ -43,13 +50,18 @@ pub use layout::{
 };
 pub use liveness::{DeathCause, Liveness};
 pub use machine::Machine;
-pub use planner::{plan, PairLayout, Plan, PlanError};
+pub use planner::{
+    plan, sliding_window_blocks, Batch, Descriptor, PairLayout, Peers, Plan, PlanError, Share,
+    TpPair, REGIONS_MAX,
+};
 pub use recv::RecvMachine;
 pub use send::SendMachine;
 
-/// Each machine's events and actions, the wire codec, the planner's parts
-/// and the store's keys and machines, by module: for the crates built on
-/// this one, the CLI, the tests and fuzzing.
+/// Every module whole, public items and test-only ones alike: for this
+/// crate's tests, the fuzz targets, the benches and `kvferry-testkit` only.
+/// Production code uses the crate root and the public modules; nothing
+/// here is a stable API.
+#[doc(hidden)]
 pub mod internal {
     /// Request ids, leases, messages and the machines' shared config.
     pub mod common {
@@ -75,8 +87,20 @@ pub mod internal {
     pub mod store {
         pub use crate::store::*;
     }
-    /// The control frames and the bounded envelope.
+    /// The control frames and the bounded envelope, and the encoders only
+    /// tests use.
     pub mod wire {
         pub use crate::wire::*;
+
+        /// Appends the encoding of `frame` to `out`, reusing its allocation.
+        pub fn encode_into(frame: &Frame, out: &mut Vec<u8>) {
+            crate::wire::encode_into(frame, out);
+        }
+
+        /// The header with `version`, then the body: a peer of another
+        /// build, for the tests of version refusal.
+        pub fn encode_versioned(frame: &Frame, version: u16, out: &mut Vec<u8>) {
+            crate::wire::encode_versioned(frame, version, out);
+        }
     }
 }

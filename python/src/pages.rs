@@ -12,7 +12,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::internal::store::ChunkKey;
+use kvferry::machines::store::ChunkKey;
 use kvferry::machines::{RankLayout, Region, Stage};
 use kvferry::reactor::lock;
 use kvferry::BlockId;

@@ -18,10 +18,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kvferry::machines::internal::store::events::{KvEvent, Medium};
-use kvferry::machines::internal::store::key::model_key_prefix;
-use kvferry::machines::internal::store::lookup::LookupHit;
-use kvferry::machines::internal::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::store::events::{KvEvent, Medium};
+use kvferry::machines::store::key::model_key_prefix;
+use kvferry::machines::store::lookup::LookupHit;
+use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
 use kvferry::machines::{Backoff, RankLayout, Stage};
 use kvferry::reactor::lock;
 use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};

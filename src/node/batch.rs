@@ -1,10 +1,9 @@
 //! The vLLM-style batch API: the scheduler hands the worker a
 //! [`LoadMeta`] each step, the worker starts it and collects what finished.
 
-use kvferry_machines::internal::common::{BlockId, BlockLists, TransferId};
+use kvferry_machines::duplex::Direction;
+use kvferry_machines::{BlockId, BlockLists, TransferId};
 use kvferry_reactor::lock;
-
-use kvferry_machines::internal::duplex::Direction;
 use serde::{Deserialize, Serialize};
 
 use super::{Node, NodeError, PrefillTarget};

@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
-use kvferry_machines::internal::common::{Config as Timeouts, Mode, Phase, TransferId};
-use kvferry_machines::internal::wire;
-use kvferry_machines::{BatchLimits, ModelSpec, Pool, Region};
+use kvferry_machines::wire;
+use kvferry_machines::{
+    BatchLimits, Config as Timeouts, Mode, ModelSpec, Phase, Pool, Region, TransferId,
+};
 use kvferry_reactor::ReactorConfig;
 
 /// Which side of disaggregated serving this node is.

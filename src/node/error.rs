@@ -2,9 +2,7 @@
 //! ([`Misuse`]), back-pressure, the data plane, the side channel, the
 //! bootstrap service, time. Failures of a request are phases, not errors.
 
-use kvferry_machines::internal::common::{InputError, RequestIdError, TransferId};
-use kvferry_machines::internal::planner::PlanError;
-use kvferry_machines::Phase;
+use kvferry_machines::{InputError, Phase, PlanError, RequestIdError, TransferId};
 use kvferry_reactor::{ReactorError, SubmitError};
 
 use super::Role;
@@ -236,9 +234,9 @@ pub enum PeerUnfit {
     #[error("peer runs {theirs:?} mode, we run {ours:?}")]
     Mode {
         /// The peer's mode.
-        theirs: kvferry_machines::internal::common::Mode,
+        theirs: kvferry_machines::Mode,
         /// Ours.
-        ours: kvferry_machines::internal::common::Mode,
+        ours: kvferry_machines::Mode,
     },
     /// The peer's model facts differ from ours.
     #[error("peer's model spec differs from ours")]

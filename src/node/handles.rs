@@ -5,7 +5,7 @@ use kvferry_reactor::lock;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::internal::common::{AbortReason, BlockLists, FailReason, Phase, TransferId};
+use kvferry_machines::{AbortReason, BlockLists, FailReason, Phase, TransferId};
 
 use super::{Node, NodeError, PrefillTarget};
 

@@ -57,14 +57,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::internal::common::check_request_id;
-pub use kvferry_machines::internal::common::{
+use kvferry_machines::duplex::{self, Direction, Duplex};
+use kvferry_machines::send;
+use kvferry_machines::{check_request_id, PairLayout, RecvMachine};
+pub use kvferry_machines::{
     AbortReason, BlockId, BlockLists, Config as Timeouts, FailReason, Mode, Phase, TransferId,
 };
-use kvferry_machines::internal::duplex::{self, Direction, Duplex};
-use kvferry_machines::internal::planner::PairLayout;
-use kvferry_machines::internal::recv::RecvMachine;
-use kvferry_machines::internal::send;
 pub use kvferry_machines::{
     BatchLimits, LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region, Stage,
 };
@@ -614,7 +612,7 @@ impl Node {
     }
 
     /// The transfer id of string request id `request_id` (1 to
-    /// [`REQUEST_ID_MAX_BYTES`](kvferry_machines::internal::common::REQUEST_ID_MAX_BYTES)
+    /// [`REQUEST_ID_MAX_BYTES`](kvferry_machines::REQUEST_ID_MAX_BYTES)
     /// bytes): [`TransferId::of_request_id`], which every node computes alike.
     pub fn transfer_id_of(&self, request_id: &str) -> Result<TransferId, NodeError> {
         check_request_id(request_id).map_err(Misuse::RequestId)?;

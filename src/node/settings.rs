@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{NodeConfig, Role, TransportKind};
 use crate::transport::PollPolicy;
-use kvferry_machines::internal::common::Mode;
+use kvferry_machines::Mode;
 
 /// Every knob of a [`NodeConfig`] that is plain data, each optional: what
 /// is absent keeps [`NodeConfig::new`]'s default. Durations are in

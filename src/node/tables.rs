@@ -33,15 +33,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::internal::common::{
-    blocks_fingerprint, BlockId, BlockLists, FailReason, Mode, Msg, PeerId, Phase, TransferId,
+use kvferry_machines::duplex::{Direction, Duplex};
+use kvferry_machines::recv::{self, ResolvedPeer};
+use kvferry_machines::send::{self, SendMachine};
+use kvferry_machines::wire;
+use kvferry_machines::{
+    blocks_fingerprint, BlockId, BlockLists, FailReason, Mode, ModelSpec, Msg, PairLayout, PeerId,
+    Phase, RankLayout, TransferId,
 };
-use kvferry_machines::internal::duplex::{Direction, Duplex};
-use kvferry_machines::internal::planner::PairLayout;
-use kvferry_machines::internal::recv::{self, ResolvedPeer};
-use kvferry_machines::internal::send::{self, SendMachine};
-use kvferry_machines::internal::wire;
-use kvferry_machines::{ModelSpec, RankLayout};
 use kvferry_reactor::{ReactorHandle, SubmitError};
 
 use super::bridge::BridgeCmd;
@@ -446,7 +445,7 @@ impl Shared {
     /// (the oldest, if sent twice), or, for an unknown or forgotten one,
     /// that P must ask for a lease at once.
     pub(crate) fn ticket_event(&self, peer: u32, ticket: u64, duration_ms: u64) -> send::Event {
-        let peer = kvferry_machines::internal::common::PeerId(peer);
+        let peer = kvferry_machines::PeerId(peer);
         match self.ticket_sent_at(peer.0, ticket) {
             Some(sent_at) => send::Event::TicketGrant {
                 peer,
@@ -505,7 +504,7 @@ impl Shared {
         let mut unneeded = Vec::new();
         // A slot with no receivers is an unpaired P rank this rank tells.
         for &(slot, receivers_expected) in route {
-            let peer = kvferry_machines::internal::common::PeerId(slot);
+            let peer = kvferry_machines::PeerId(slot);
             if receivers_expected == 0 {
                 unneeded.push(peer);
                 continue;

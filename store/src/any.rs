@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 use kvferry_machines::RankLayout;
 use kvferry_reactor::lock;
 

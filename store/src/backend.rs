@@ -35,9 +35,9 @@
 
 use std::time::Instant;
 
-use kvferry_machines::internal::store::load::GetResult;
-use kvferry_machines::internal::store::save::PutResult;
-use kvferry_machines::internal::store::{ChunkKey, StoreFault};
+use kvferry_machines::store::load::GetResult;
+use kvferry_machines::store::save::PutResult;
+use kvferry_machines::store::{ChunkKey, StoreFault};
 use kvferry_machines::RankLayout;
 
 /// One contiguous piece of engine memory.

@@ -1,12 +1,12 @@
 //! What a [`super::StoreConnector`] is given and what it answers: its
 //! configuration and bounds, the requests, its errors and its stats.
 
-use kvferry_machines::internal::common::{BlockLists, InputError, TransferId};
-use kvferry_machines::internal::store::events::Medium;
-use kvferry_machines::internal::store::lookup::LookupHit;
-use kvferry_machines::internal::store::{
+use kvferry_machines::store::events::Medium;
+use kvferry_machines::store::lookup::LookupHit;
+use kvferry_machines::store::{
     BlockHash, KeyError, KeyspaceSpec, PressureStats, StoreConfig, StoreFault, StorePlanError,
 };
+use kvferry_machines::{BlockLists, InputError, TransferId};
 
 use super::memory::MemoryError;
 use super::worker::PostError;

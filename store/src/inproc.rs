@@ -29,7 +29,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 use kvferry_reactor::lock;
 
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
@@ -375,13 +375,13 @@ impl StoreBackend for InprocStore {
 mod tests {
     use super::*;
     use crate::backend::{Scatter, Segment};
-    use kvferry_machines::internal::store::BlockHash;
+    use kvferry_machines::store::BlockHash;
     use std::time::Duration;
 
     fn key(i: u64) -> ChunkKey {
         // Any keyspace will do: the store treats keys as opaque.
         let spec = kvferry_testkit::model::keyspace("m", kvferry_testkit::model::flat(1));
-        let ks = kvferry_machines::internal::store::Keyspace::new(&spec).unwrap();
+        let ks = kvferry_machines::store::Keyspace::new(&spec).unwrap();
         let scope = ks.scope(None, &[]).unwrap();
         ks.key(&ks.shards()[0], &scope, 0, &BlockHash::from_u64(i))
             .unwrap()

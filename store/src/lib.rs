@@ -2,7 +2,7 @@
 //! Store offload, the IO half (docs/design.md, "Store"): the
 //! [`StoreBackend`] trait, the in-process store, and the vLLM-shaped
 //! [`StoreConnector`] that drives the pure save and load machines of
-//! [`kvferry_machines::internal::store`] against a backend.
+//! [`kvferry_machines::store`] against a backend.
 //!
 //! * [`StoreBackend`]: the trait every store implements, scatter lists and
 //!   typed per-key and per-call errors.

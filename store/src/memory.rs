@@ -2,8 +2,7 @@
 //! [`Scatter`]: every segment checked against the registered regions
 //! before any backend reads or writes it.
 
-use kvferry_machines::internal::common::BlockId;
-use kvferry_machines::RankLayout;
+use kvferry_machines::{BlockId, RankLayout};
 
 use super::backend::{Scatter, Segment};
 
@@ -100,7 +99,7 @@ impl RegisteredMemory {
 
     /// Bytes of one block's value: its KV bytes in every region.
     pub fn value_bytes(&self) -> u64 {
-        kvferry_machines::internal::store::value_bytes(&self.layout)
+        kvferry_machines::store::value_bytes(&self.layout)
     }
 
     /// Checks that `block` is a registered block.

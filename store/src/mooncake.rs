@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 use mooncake_sys::ffi::{store_code, ReplicateConfig};
 use mooncake_sys::store::{Store, StoreConfig};
 use mooncake_sys::StoreLib;

@@ -33,7 +33,7 @@ use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
 use kvferry_auth::ClusterKey;
 use serde::{Deserialize, Serialize};
 
-use kvferry_machines::internal::wire::envelope::{decode_whole, encode_into, EnvelopeError};
+use kvferry_machines::wire::envelope::{decode_whole, encode_into, EnvelopeError};
 use kvferry_transport::TcpConfig;
 
 /// The data plane's settings for a store: parked waits, since a store
@@ -83,7 +83,7 @@ pub struct Span {
 /// One key of a put or get, and where its value is in the engine.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Item {
-    /// The key ([`kvferry_machines::internal::store::ChunkKey`]'s text).
+    /// The key ([`kvferry_machines::store::ChunkKey`]'s text).
     pub key: String,
     /// The value's pieces, in value order.
     #[serde(deserialize_with = "bounded::segments")]
@@ -538,7 +538,7 @@ fn bound(what: &'static str, got: usize, max: usize) -> Result<(), ProtoError> {
 
 fn check_keys(keys: &[String]) -> Result<(), ProtoError> {
     bound("keys", keys.len(), KEYS_PER_CALL_MAX)?;
-    let max = kvferry_machines::internal::store::key::KEY_BYTES_MAX;
+    let max = kvferry_machines::store::key::KEY_BYTES_MAX;
     let longest = keys.iter().map(String::len).max().unwrap_or(0);
     bound("key bytes", longest, max)
 }
@@ -549,7 +549,7 @@ fn check_items(items: &[Item]) -> Result<(), ProtoError> {
         bound(
             "key bytes",
             it.key.len(),
-            kvferry_machines::internal::store::key::KEY_BYTES_MAX,
+            kvferry_machines::store::key::KEY_BYTES_MAX,
         )?;
         bound("segments", it.segments.len(), SEGMENTS_PER_VALUE_MAX)?;
         for s in &it.segments {
@@ -570,7 +570,7 @@ fn check_request(req: &Request) -> Result<(), ProtoError> {
         Request::RemovePrefix { prefix } => bound(
             "prefix bytes",
             prefix.len(),
-            kvferry_machines::internal::store::key::KEY_BYTES_MAX,
+            kvferry_machines::store::key::KEY_BYTES_MAX,
         ),
         Request::Put { items, .. } | Request::Get { items, .. } => check_items(items),
     }
@@ -653,7 +653,7 @@ mod tests {
         let f = encode(1, &empty_seg).unwrap();
         assert_eq!(decode_request(body(&f)), Err(ProtoError::BadSegment));
         let long_key = Request::Exists {
-            keys: vec!["k".repeat(kvferry_machines::internal::store::key::KEY_BYTES_MAX + 1)],
+            keys: vec!["k".repeat(kvferry_machines::store::key::KEY_BYTES_MAX + 1)],
         };
         let f = encode(1, &long_key).unwrap();
         assert!(matches!(

@@ -57,8 +57,8 @@ use std::convert::Infallible;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvferry_machines::internal::store::events::{BlockStored, KvEvent, Medium};
-use kvferry_machines::internal::store::key::BlockHash;
+use kvferry_machines::store::events::{BlockStored, KvEvent, Medium};
+use kvferry_machines::store::key::BlockHash;
 use rmp::encode::{self as enc, ByteBuf, RmpWrite, ValueWriteError};
 
 /// Batches kept for replay by default (vLLM's `buffer_steps`).

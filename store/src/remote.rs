@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use futures_lite::AsyncWriteExt;
 use glommio::net::TcpStream;
 use glommio::{LocalExecutorBuilder, Placement};
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 use kvferry_machines::RankLayout;
 
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};

@@ -47,9 +47,9 @@ use std::collections::{HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use kvferry_machines::internal::common::{BlockId, BlockLists, TransferId};
-use kvferry_machines::internal::store::lookup::{lcm_block_tokens, LookupHit};
-use kvferry_machines::internal::store::{BlockHash, GroupSpec};
+use kvferry_machines::store::lookup::{lcm_block_tokens, LookupHit};
+use kvferry_machines::store::{BlockHash, GroupSpec};
+use kvferry_machines::{BlockId, BlockLists, TransferId};
 
 use super::config::{StoreLoadMeta, StoreRequest, StoreSaveMeta};
 use super::lookup::wire::{wire_hashes, wire_hit};

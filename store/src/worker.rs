@@ -7,7 +7,7 @@ use std::cell::Cell;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 use kvferry_machines::RankLayout;
 
 use super::backend::{Answers, CallError, GetItem, PutItem, PutOutcome, StoreBackend};

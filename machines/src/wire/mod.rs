@@ -38,9 +38,8 @@
 //!   versions explicitly (decode per version); nothing is inferred.
 //!
 //! ```
-//! use kvferry_machines::internal::common::Msg;
-//! use kvferry_machines::internal::wire::{self, Frame, Limits};
-//! use kvferry_machines::TransferId;
+//! use kvferry_machines::wire::{self, Frame, Limits};
+//! use kvferry_machines::{Msg, TransferId};
 //! let frame = Frame::Transfer { transfer_id: TransferId(7), msg: Msg::Done { ok: true } };
 //! let bytes = wire::encode(&frame);
 //! assert_eq!(wire::decode(&bytes, &Limits::default()), Ok(frame));
@@ -390,14 +389,13 @@ pub fn encode(frame: &Frame) -> Vec<u8> {
 }
 
 /// Appends the encoding of `frame` to `out`, reusing its allocation.
-pub fn encode_into(frame: &Frame, out: &mut Vec<u8>) {
+pub(crate) fn encode_into(frame: &Frame, out: &mut Vec<u8>) {
     encode_versioned(frame, VERSION, out);
 }
 
 /// The header with `version`, then the body. Tests use other versions to
 /// play a peer of another build.
-#[doc(hidden)]
-pub fn encode_versioned(frame: &Frame, version: u16, out: &mut Vec<u8>) {
+pub(crate) fn encode_versioned(frame: &Frame, version: u16, out: &mut Vec<u8>) {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&version.to_le_bytes());
     // postcard only fails for unknown-length sequences, `collect_str` and

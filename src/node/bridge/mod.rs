@@ -16,12 +16,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::internal::common::{late_answer, Mode, Msg, PeerId, Phase};
-use kvferry_machines::internal::duplex::{self, Direction};
-use kvferry_machines::internal::planner::{PairLayout, TpPair};
-use kvferry_machines::internal::recv::ResolvedPeer;
-use kvferry_machines::internal::{recv, send};
-use kvferry_machines::{AbortReason, TransferId};
+use kvferry_machines::duplex::{self, Direction};
+use kvferry_machines::recv::{self, ResolvedPeer};
+use kvferry_machines::send;
+use kvferry_machines::{
+    late_answer, AbortReason, Mode, Msg, PairLayout, PeerId, Phase, TpPair, TransferId,
+};
 use kvferry_reactor::SubmitError;
 
 use super::sink::inbound;
@@ -30,7 +30,7 @@ use super::{
 };
 use crate::bootstrap::{BootstrapClient, ClientError, EngineEntry, QueryResponse};
 use crate::transport::EndpointAddr;
-use kvferry_machines::internal::wire::{self, Frame, Hello};
+use kvferry_machines::wire::{self, Frame, Hello};
 use kvferry_machines::{DeathCause, Liveness};
 
 /// Most frames read from one socket before looking at the others.

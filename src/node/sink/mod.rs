@@ -13,13 +13,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvferry_machines::internal::common::{
-    blocks_fingerprint, BlockLists, Mode, Msg, PeerId, TICKET_BIT,
+use kvferry_machines::duplex::{self, Direction, Duplex};
+use kvferry_machines::{
+    blocks_fingerprint, BlockLists, Mode, Msg, PeerId, Phase, Plan, PlanError, TransferId,
+    TICKET_BIT,
 };
-use kvferry_machines::internal::duplex::{self, Direction, Duplex};
-use kvferry_machines::internal::planner::{Plan, PlanError};
-use kvferry_machines::internal::{recv, send};
-use kvferry_machines::{Phase, TransferId};
+use kvferry_machines::{recv, send};
 use kvferry_reactor::{ActionSink, EventPoster};
 
 use super::bridge::BridgeCmd;
@@ -35,7 +34,7 @@ use crate::transport::{
 use crate::transport::{BlockFence, FenceKey, FencePool};
 use crate::transport::{ShmConfig, ShmMode};
 use crate::transport::{TcpConfig, TcpTransport};
-use kvferry_machines::internal::wire::{self, Frame};
+use kvferry_machines::wire::{self, Frame};
 
 mod coalesce;
 mod inbound;

@@ -7,15 +7,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use kvferry_machines::internal::common::{BlockId, TransferId};
-use kvferry_machines::internal::store::events::{stored_events, EventLog, EventSource, KvEvent};
-use kvferry_machines::internal::store::key::Replica;
-use kvferry_machines::internal::store::load::{self, LoadReport};
-use kvferry_machines::internal::store::save::{self, SaveReport};
-use kvferry_machines::internal::store::{
+use kvferry_machines::store::events::{stored_events, EventLog, EventSource, KvEvent};
+use kvferry_machines::store::key::Replica;
+use kvferry_machines::store::load::{self, LoadReport};
+use kvferry_machines::store::save::{self, SaveReport};
+use kvferry_machines::store::{
     BlockHash, ChunkKey, GroupBlocks, Keyspace, Pressure, RequestScope, Shard, StoreFault,
     StoreItem,
 };
+use kvferry_machines::{BlockId, TransferId};
 use kvferry_reactor::ActionSink;
 
 use super::runs::{CallFor, LoadRun, LoadStep, Run, SaveOrigin, SaveRun, SaveStep};
@@ -293,7 +293,7 @@ impl Effects {
 }
 
 /// The first five fields of this keyspace's keys, from a key of it (the
-/// format is documented in `kvferry_machines::internal::store::key`).
+/// format is documented in `kvferry_machines::store::key`).
 pub(super) fn key_prefix(keyspace: &Keyspace) -> Result<String, ConnectorError> {
     let shard = keyspace.shards()[0];
     let key = keyspace.key(

@@ -2,7 +2,7 @@
 //! the scheduler side's lookup.
 //!
 //! The connector lives on the engine's thread and drives the save and
-//! load machines of `kvferry_machines::internal::store` with two
+//! load machines of `kvferry_machines::store` with two
 //! [`kvferry_reactor::Driver`]s, the node's own (one deadline heap, one
 //! index, late answers of an ended run dropped); the backend runs on its
 //! own thread ([`super::worker`]). Nothing here blocks except the calls
@@ -21,13 +21,12 @@ mod runs;
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
-use kvferry_machines::internal::common::{AbortReason, BlockId, TransferId};
-use kvferry_machines::internal::store::events::{EventLog, KvEvent};
-use kvferry_machines::internal::store::load::{self, plan_load, LoadMachine, LoadReport};
-use kvferry_machines::internal::store::lookup::{Lookup, LookupHit};
-use kvferry_machines::internal::store::save::{self, plan_save, SaveMachine, SaveReport};
-use kvferry_machines::internal::store::{BlockHash, Keyspace, Pressure, RequestScope, StoreFault};
-use kvferry_machines::RankLayout;
+use kvferry_machines::store::events::{EventLog, KvEvent};
+use kvferry_machines::store::load::{self, plan_load, LoadMachine, LoadReport};
+use kvferry_machines::store::lookup::{Lookup, LookupHit};
+use kvferry_machines::store::save::{self, plan_save, SaveMachine, SaveReport};
+use kvferry_machines::store::{BlockHash, Keyspace, Pressure, RequestScope, StoreFault};
+use kvferry_machines::{AbortReason, BlockId, RankLayout, TransferId};
 use kvferry_reactor::{Driver, DriverConfig, DriverError};
 
 use self::effects::{key_prefix, Calls, Effects};

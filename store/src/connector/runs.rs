@@ -8,11 +8,10 @@
 
 use std::time::Instant;
 
-use kvferry_machines::internal::common::{AbortReason, InputError, Phase};
-use kvferry_machines::internal::store::load::{self, LoadMachine, LoadReport};
-use kvferry_machines::internal::store::save::{self, SaveMachine, SaveReport};
-use kvferry_machines::internal::store::{BlockHash, ChunkKey, StoreItem};
-use kvferry_machines::{Machine, TransferId};
+use kvferry_machines::store::load::{self, LoadMachine, LoadReport};
+use kvferry_machines::store::save::{self, SaveMachine, SaveReport};
+use kvferry_machines::store::{BlockHash, ChunkKey, StoreItem};
+use kvferry_machines::{AbortReason, InputError, Machine, Phase, TransferId};
 
 /// Which save or load of a request a call belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use kvferry_machines::internal::store::lookup::LookupHit;
+use kvferry_machines::store::lookup::LookupHit;
 
 use super::server::{check_endpoint, LookupServerError};
 use super::wire::{decode_reply, encode_query, LookupWireError, LOOKUP_MESSAGE_MAX_BYTES};

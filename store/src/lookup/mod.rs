@@ -28,8 +28,8 @@ pub use client::{LookupClient, LookupClientStats};
 pub use server::{ExistsOnly, LookupServer, LookupServerError, LookupServerStats};
 pub use wire::{LookupWireError, ServerFault};
 
-use kvferry_machines::internal::store::lookup::LookupHit;
-use kvferry_machines::internal::store::BlockHash;
+use kvferry_machines::store::lookup::LookupHit;
+use kvferry_machines::store::BlockHash;
 
 use crate::config::ConnectorError;
 use crate::connector::StoreConnector;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 
 use super::wire::{
     decode_query, encode_reply, LookupWireError, ServerFault, LOOKUP_MESSAGE_MAX_BYTES,

@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use super::wire::*;
 use super::*;
-use kvferry_machines::internal::store::BlockHash;
+use kvferry_machines::store::BlockHash;
 use proptest::prelude::*;
 
 fn query(groups: usize, per_group: u32) -> LookupQuery {

@@ -22,10 +22,10 @@ use std::ops::Range;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use kvferry_machines::internal::store::key::GROUPS_MAX;
-use kvferry_machines::internal::store::lookup::LookupHit;
-use kvferry_machines::internal::store::{BlockHash, StoreFault};
-use kvferry_machines::internal::wire::envelope::{decode_whole, encode_into, EnvelopeError};
+use kvferry_machines::store::key::GROUPS_MAX;
+use kvferry_machines::store::lookup::LookupHit;
+use kvferry_machines::store::{BlockHash, StoreFault};
+use kvferry_machines::wire::envelope::{decode_whole, encode_into, EnvelopeError};
 
 use super::{LookupFailure, LookupQuery};
 use crate::config::ConnectorError;

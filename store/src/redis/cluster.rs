@@ -26,7 +26,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 
 use super::conn::{error_code, item_error, Conn, RespValue, Tree};
 use super::{

@@ -41,7 +41,7 @@ mod conn;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use kvferry_machines::internal::store::ChunkKey;
+use kvferry_machines::store::ChunkKey;
 
 use super::backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, StoreBackend,
