@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::internal::common::BlockId;
+use kvferry::machines::BlockId;
 use kvferry::machines::{Phase, TransferId};
 use kvferry::node::{Event, EventSink, Node, PrefillTarget, Role};
 use kvferry_testkit::demo_timeouts;

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::internal::planner::sliding_window_blocks;
+use kvferry::machines::sliding_window_blocks;
 use kvferry::machines::{Phase, TransferId};
 use kvferry_testkit::synth::Cluster;
 

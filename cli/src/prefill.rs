@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::internal::common::BlockId;
+use kvferry::machines::BlockId;
 use kvferry::node::{Event, EventKind, EventSink, Node, Role};
 use kvferry::TransferId;
 use kvferry_testkit::synth::SynthKv;

@@ -11,7 +11,7 @@ use std::fmt::Display;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use kvferry::machines::internal::common::Mode;
+use kvferry::machines::Mode;
 use kvferry::machines::{LayoutKind, ModelSpec};
 use kvferry::node::{NodeConfig, Role, TransportKind};
 use kvferry::transport::MooncakeConfig;

@@ -26,7 +26,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::internal::common::BlockId;
+use kvferry::machines::BlockId;
 use kvferry::machines::Phase;
 use kvferry::node::{NodeStats, Receiver, Sender};
 use kvferry::TransferId;

@@ -8,8 +8,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use kvferry::machines::internal::store::lookup::Lookup;
-use kvferry::machines::internal::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
+use kvferry::machines::store::lookup::Lookup;
+use kvferry::machines::store::{BlockHash, ChunkKey, GroupSpec, Keyspace, KeyspaceSpec};
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::transport::SharedMem;
 use kvferry_store::{AnyStore, GetItem, InprocConfig, PutItem, Scatter, Segment, StoreBackend};

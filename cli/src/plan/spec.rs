@@ -8,8 +8,8 @@
 //! malformed or inconsistent spec is a [`SpecError`] with a one-line
 //! message, never a panic.
 
-use kvferry_machines::internal::planner::{PairLayout, Plan, PlanError};
 use kvferry_machines::{BatchLimits, ModelSpec, RankLayout};
+use kvferry_machines::{PairLayout, Plan, PlanError};
 use serde::Deserialize;
 use std::io::{self, Write};
 

@@ -19,13 +19,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::internal::common::{BlockId, TransferId};
-use kvferry::machines::internal::store::events::Medium;
-use kvferry::machines::internal::store::load::{LoadEnd, LoadKeyResult, LoadReport};
-use kvferry::machines::internal::store::save::{SaveEnd, SaveKeyResult, SaveReport};
-use kvferry::machines::internal::store::{
-    BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig,
-};
+use kvferry::machines::store::events::Medium;
+use kvferry::machines::store::load::{LoadEnd, LoadKeyResult, LoadReport};
+use kvferry::machines::store::save::{SaveEnd, SaveKeyResult, SaveReport};
+use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, RequestScope, StoreConfig};
+use kvferry::machines::{BlockId, TransferId};
 use kvferry::machines::{LayoutKind, ModelSpec, RankLayout, Region, Stage};
 use kvferry::Latency;
 use kvferry_store::{
@@ -312,7 +310,7 @@ impl StoreDemo {
 /// A shape whose pool cannot be addressed, or whose blocks are not whole
 /// words.
 fn too_large() -> ConnectorError {
-    ConnectorError::Config(kvferry::machines::internal::common::InputError::Misuse(
+    ConnectorError::Config(kvferry::machines::InputError::Misuse(
         "the demo's blocks must be whole 8-byte words and its pool addressable",
     ))
 }
