@@ -12,7 +12,6 @@
 //! endpoint against its registered regions and its fence. A put is
 //! committed (visible) only once the whole batch landed.
 
-use std::alloc::Layout;
 use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -26,6 +25,7 @@ use glommio::{LocalExecutorBuilder, Placement};
 
 use kvferry_auth::{ClusterKey, Rejects, Surface};
 use kvferry_metrics::http::MetricsServer;
+use kvferry_store::internal::arena::Arena;
 use kvferry_store::internal::proto::{
     self, Answer, Channel, Item, KeyAnswer, Refusal, Reply, Request, REMOVED_PER_REPLY_MAX,
 };
@@ -345,53 +345,12 @@ fn validate(cfg: &ServeConfig) -> Result<(), ServeError> {
         .map_err(|e| ServeError::Config(e.to_string()))
 }
 
-/// The arena's alignment, and the stride its pages are faulted in at.
-const PAGE_BYTES: usize = 4096;
-
-/// The arena: zeroed pages from the allocator, touched only by the
-/// transport (registered with it) while the server lives.
-struct Arena {
-    ptr: *mut u8,
-    layout: Layout,
-}
-
-impl Arena {
-    fn new(bytes: u64) -> Result<Arena, ServeError> {
-        let alloc = || ServeError::Alloc { bytes };
-        let size = usize::try_from(bytes).map_err(|_| alloc())?;
-        let layout = Layout::from_size_align(size, PAGE_BYTES).map_err(|_| alloc())?;
-        // SAFETY: a layout of non-zero size (validated).
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(alloc());
-        }
-        prefault(ptr, size);
-        Ok(Arena { ptr, layout })
-    }
-}
-
-/// Touches every page of the arena once, so a store holds its capacity
-/// from the start and its first puts do not stall on page faults.
-fn prefault(ptr: *mut u8, size: usize) {
-    for off in (0..size).step_by(PAGE_BYTES) {
-        // SAFETY: inside the allocation of `size` bytes; a volatile write
-        // of the zero already there, so the page is really mapped.
-        unsafe { ptr.add(off).write_volatile(0) };
-    }
-}
-
-impl Drop for Arena {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout; the transport that
-        // used it is dropped first (field order of `Server`).
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
-    }
-}
-
 /// Everything the executor's tasks share.
 struct Server {
     /// Dropped before `arena`: it may touch the arena until then.
     transport: TcpTransport,
+    /// Zeroed, prefaulted pages, touched only by the transport (registered
+    /// with it) while the server lives.
     arena: Arena,
     space: RefCell<Space>,
     counters: Arc<ServerCounters>,
@@ -410,7 +369,9 @@ struct Server {
 
 impl Server {
     fn new(cfg: &ServeConfig, counters: Arc<ServerCounters>) -> Result<Server, ServeError> {
-        let arena = Arena::new(cfg.capacity_bytes)?;
+        let mut arena =
+            Arena::new(cfg.capacity_bytes).map_err(|e| ServeError::Alloc { bytes: e.bytes })?;
+        arena.prefault();
         let data_addr = SocketAddr::new(cfg.listen.ip(), 0);
         let tcp = TcpConfig {
             key: cfg.key.clone(),
@@ -419,7 +380,7 @@ impl Server {
         let transport = TcpTransport::bind(data_addr, tcp)?;
         // SAFETY: the arena outlives the transport (`Server`'s field order)
         // and only the transport touches it.
-        unsafe { transport.register(arena.ptr, cfg.capacity_bytes as usize)? };
+        unsafe { transport.register(arena.as_ptr(), cfg.capacity_bytes as usize)? };
         Ok(Server {
             transport,
             arena,
@@ -478,7 +439,7 @@ impl Server {
     }
 
     fn base(&self) -> u64 {
-        self.arena.ptr as u64
+        self.arena.base()
     }
 
     /// Shuts every engine connection down (the tasks holding the sockets

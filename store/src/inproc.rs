@@ -24,14 +24,13 @@
 //! Handles are cheap clones sharing one store, so several connectors (the
 //! ranks of one process) share it, each on its own backend thread.
 
-use std::alloc::Layout;
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use kvferry_machines::store::ChunkKey;
 use kvferry_reactor::lock;
 
+use super::arena::Arena;
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
 use super::proto::KeyAnswer;
 use super::space::Space;
@@ -93,75 +92,6 @@ pub struct InprocStats {
     pub entries: u64,
 }
 
-/// The values' bytes. The [`Space`] hands each extent to one put (while
-/// reserved) or to readers (while pinned), never both, so the copies run
-/// without the lock.
-struct Arena {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the arena is plain bytes; who may touch which extent is decided
-// under the store's lock (see `Arena`).
-unsafe impl Send for Arena {}
-// SAFETY: as above.
-unsafe impl Sync for Arena {}
-
-impl Arena {
-    fn new(len: u64) -> Arena {
-        let len = usize::try_from(len).unwrap_or(isize::MAX as usize);
-        let layout = Layout::array::<u8>(len).unwrap_or(Layout::new::<u8>());
-        if layout.size() == 0 {
-            return Arena {
-                ptr: NonNull::dangling(),
-                len: 0,
-            };
-        }
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Arena {
-            ptr,
-            len: layout.size(),
-        }
-    }
-
-    /// The extent `[off, off + len)`.
-    ///
-    /// # Safety
-    ///
-    /// The space gave the extent to the caller alone (a reservation it
-    /// holds), inside the arena.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn extent_mut(&self, off: u64, len: u64) -> &mut [u8] {
-        debug_assert!(off + len <= self.len as u64);
-        // SAFETY: in bounds and unshared, by the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(off as usize), len as usize) }
-    }
-
-    /// The extent `[off, off + len)`.
-    ///
-    /// # Safety
-    ///
-    /// The space keeps the extent from writers while the slice lives (a
-    /// pin the caller holds, or its lock), inside the arena.
-    unsafe fn extent(&self, off: u64, len: u64) -> &[u8] {
-        debug_assert!(off + len <= self.len as u64);
-        // SAFETY: in bounds and not written, by the caller's contract.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(off as usize), len as usize) }
-    }
-}
-
-impl Drop for Arena {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            let layout = Layout::array::<u8>(self.len).expect("made from this layout");
-            // SAFETY: allocated in `new` with this layout.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
-        }
-    }
-}
-
 /// The index and the call counters, under one lock.
 struct Inner {
     space: Space,
@@ -170,6 +100,9 @@ struct Inner {
 
 struct Shared {
     inner: Mutex<Inner>,
+    /// The values' bytes: the space hands each extent to one put (while
+    /// reserved) or to readers (while pinned), never both, so the copies
+    /// run without the lock.
     arena: Arena,
 }
 
@@ -191,6 +124,12 @@ impl std::fmt::Debug for InprocStore {
 
 impl InprocStore {
     /// An empty store.
+    ///
+    /// # Panics
+    ///
+    /// When its arena of `capacity_bytes` cannot be had (not addressable,
+    /// or refused by the allocator): a store never holds less room than
+    /// its configuration says.
     pub fn new(cfg: InprocConfig) -> InprocStore {
         let mut space = Space::new(cfg.capacity_bytes, cfg.max_entries);
         space = space.with_removed_log(cfg.max_removed);
@@ -204,7 +143,8 @@ impl InprocStore {
         InprocStore {
             shared: Arc::new(Shared {
                 inner: Mutex::new(inner),
-                arena: Arena::new(cfg.capacity_bytes),
+                arena: Arena::new(cfg.capacity_bytes)
+                    .unwrap_or_else(|e| panic!("in-process store: {e}")),
             }),
             removed_at: 0,
         }

@@ -13,6 +13,9 @@
 //! * [`internal::space`]: the RAM of a store, IO-free: extents of one
 //!   arena, LRU eviction, the removed log; the store server's and the
 //!   in-process store's.
+//! * [`internal::arena`]: the bytes a space indexes, one allocation of
+//!   the store's capacity, or a typed error; the store server's and the
+//!   in-process store's.
 //! * [`InprocStore`]: a bounded RAM store in the engine's process, a
 //!   `Space` over an arena of its own.
 //! * [`StoreConnector`]: `register_kv_caches`, `lookup`, `start_save`,
@@ -20,6 +23,7 @@
 //!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
 
 mod any;
+mod arena;
 mod backend;
 mod config;
 mod connector;
@@ -61,6 +65,10 @@ pub use scheduler::{StoreMeta, StoreScheduler, StoreSchedulerConfig};
 /// lookup wire, backend threads and limits, for `kvferry-store-server`,
 /// the CLI and the tests.
 pub mod internal {
+    /// The bytes of a RAM store: one allocation its space hands out.
+    pub mod arena {
+        pub use crate::arena::*;
+    }
     /// The in-process store's named registry and stats.
     pub mod inproc {
         pub use crate::inproc::*;

@@ -2,8 +2,11 @@
 //! extents, the index of keys, least-recently-used eviction and the log of
 //! removed keys. One type serves both RAM stores: the store server's
 //! arena (`kvferry store serve`) and the in-process store
-//! ([`crate::inproc`]); each owns the arena's bytes and asks the space
-//! where a value lives.
+//! ([`crate::inproc`]); each owns the arena's bytes (an
+//! [`Arena`](crate::arena::Arena)) and asks the space where a value lives.
+//! What a full arena does is the space's rule: evict the least recently
+//! used values nobody reads or writes, or, [`Space::without_eviction`],
+//! refuse the put ([`KeyAnswer::Full`]).
 //!
 //! A value lives in one contiguous extent of the arena (the server's data
 //! plane moves it with one descriptor per engine segment). A put first
