@@ -13,13 +13,15 @@
 
 #![warn(missing_docs)]
 
+mod method;
 mod request;
 mod routes;
 mod server;
 mod signed;
 
+pub use method::Method;
 pub use request::{Refusal, Reply, Request};
-pub use routes::{Access, Gate, Method, Routes};
+pub use routes::{Access, Gate, Routes};
 pub use server::{Config, Listener, Server, ServerError};
 pub use signed::{unix_ms, verify_signed};
 

@@ -3,32 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::{Refusal, Reply, Request};
-
-/// The methods routes are declared with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Method {
-    /// `GET`.
-    Get,
-    /// `POST`.
-    Post,
-    /// `PUT`.
-    Put,
-    /// `DELETE`.
-    Delete,
-}
-
-impl Method {
-    /// The method as HTTP spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Method::Get => "GET",
-            Method::Post => "POST",
-            Method::Put => "PUT",
-            Method::Delete => "DELETE",
-        }
-    }
-}
+use crate::{Method, Refusal, Reply, Request};
 
 /// Who may reach a route.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
