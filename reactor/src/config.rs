@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::error::ReactorError;
+
 /// One executor: one device's thread.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExecutorConfig {
@@ -215,8 +217,8 @@ impl ReactorConfig {
     }
 
     /// Checks the limits; every one must be positive.
-    pub fn validate(&self) -> Result<(), crate::ReactorError> {
-        let bad = |what: &'static str| Err(crate::ReactorError::Config(what));
+    pub fn validate(&self) -> Result<(), ReactorError> {
+        let bad = |what: &'static str| Err(ReactorError::Config(what));
         if self.executors.is_empty() {
             return bad("at least one executor is required");
         }

@@ -86,6 +86,7 @@ mod board;
 mod config;
 mod doorbell;
 mod driver;
+mod error;
 mod executor;
 mod latch;
 mod mailbox;
@@ -99,9 +100,8 @@ pub use driver::{
     round_up_to_tick, ActionSink, Completion, Driver, DriverConfig, DriverError, Outcome,
     RejectReason,
 };
-pub use executor::{
-    ExecutorReport, Reactor, ReactorError, ReactorHandle, ShutdownReport, MIN_MEMLOCK_BYTES,
-};
+pub use error::ReactorError;
+pub use executor::{ExecutorReport, Reactor, ReactorHandle, ShutdownReport, MIN_MEMLOCK_BYTES};
 pub use latch::{LatchGuard, ShutdownLatch};
 pub use mailbox::{
     Command, EventPoster, ExecutorContext, PostError, Refused, SpawnFn, SubmitError,
