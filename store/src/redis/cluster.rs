@@ -28,10 +28,10 @@ use std::time::Instant;
 
 use kvferry_machines::store::ChunkKey;
 
+use super::config::{parse_url, url_error, RedisConfig, RedisError};
 use super::conn::{error_code, item_error, Conn, RespValue, Tree};
 use super::{
-    corrupt_count, del_batch, exists_batch, parse_url, server_error, url_error, Batch, GetBatch,
-    Packed, PutBatch, RedisConfig, RedisError,
+    corrupt_count, del_batch, exists_batch, server_error, Batch, GetBatch, Packed, PutBatch,
 };
 use crate::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
 
@@ -43,8 +43,6 @@ pub const REDIRECTS_MAX: u32 = 5;
 /// Connections kept open at most, one per node; also the most masters a
 /// slot map may name.
 pub const CONNS_MAX: usize = 64;
-/// `HOST:PORT` seeds a URL may name at most.
-pub const SEEDS_MAX: usize = 64;
 
 /// The hash slot of `key`: CRC16 (XMODEM) of the key, or of the text
 /// between its first `{` and the next `}` when that is not empty.

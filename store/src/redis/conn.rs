@@ -6,7 +6,7 @@ use std::io::{self, BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use super::RedisConfig;
+use super::config::RedisConfig;
 use crate::backend::{CallError, ItemError};
 
 /// Bytes of the connection's read buffer: what one system call reads at

@@ -2,8 +2,9 @@
 //! the `redis+cluster://[user:password@]HOST:PORT[,HOST:PORT...]` one, a
 //! Redis Cluster ([`RedisClusterStore`], in `cluster.rs`); docs/design.md,
 //! "Backends", "Redis". Both share the value format, the commands
-//! (`Batch`: how a key's command is packed and its reply read) and the
-//! connection (`conn.rs`).
+//! (`Batch`: how a key's command is packed and its reply read), the
+//! connection (`conn.rs`) and its settings (`config.rs`: the URLs, the
+//! password file).
 //!
 //! * Keys are the store connector's [`ChunkKey`] text, as they are.
 //! * A value is a [`HEADER_BYTES`]-byte header (magic `KVFR`, version,
@@ -36,10 +37,11 @@
 //! block: one copy on the way in.
 
 mod cluster;
+mod config;
 mod conn;
 
 use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvferry_machines::store::ChunkKey;
 
@@ -49,9 +51,9 @@ use super::backend::{
 use conn::{error_code, Conn, RespValue, Tree};
 
 pub use cluster::{
-    hash_slot, ClusterConfig, ClusterStats, RedisClusterStore, CONNS_MAX, REDIRECTS_MAX, SEEDS_MAX,
-    SLOTS,
+    hash_slot, ClusterConfig, ClusterStats, RedisClusterStore, CONNS_MAX, REDIRECTS_MAX, SLOTS,
 };
+pub use config::{RedisConfig, RedisError, PASSWORD_FILE_ENV, SEEDS_MAX};
 pub use conn::{
     ARRAY_DEPTH_MAX, ARRAY_LEN_MAX, BULK_BYTES_MAX, LINE_BYTES_MAX, READ_BUFFER_BYTES,
     TREE_REPLIES_MAX,
@@ -64,142 +66,10 @@ pub const VERSION: u32 = 1;
 /// Bytes of the header: magic, version (u32 LE), payload length (u64 LE),
 /// CRC-32 of the payload (u32 LE).
 pub const HEADER_BYTES: usize = 20;
-/// Environment variable naming a file whose first line is the password
-/// (so it never has to be on a command line).
-pub const PASSWORD_FILE_ENV: &str = "KVFERRY_REDIS_PASSWORD_FILE";
 /// Capacity of the pipeline buffer a backend keeps between calls, at most:
 /// a buffer allocated afresh for each batch of 32 MiB of puts costs a page
 /// fault per page on every call; a larger one is let go after its call.
 pub const PACKED_KEEP_BYTES: usize = 64 << 20;
-
-/// How a [`RedisStore`] reaches its server.
-#[derive(Clone)]
-pub struct RedisConfig {
-    /// `HOST:PORT`.
-    pub server: String,
-    /// ACL user for `AUTH` (with `password`).
-    pub user: Option<String>,
-    /// Password for `AUTH`.
-    pub password: Option<String>,
-    /// Most time a connect waits (also bounded by the call's deadline).
-    pub connect_timeout: Duration,
-}
-
-impl std::fmt::Debug for RedisConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The password stays out of logs.
-        f.debug_struct("RedisConfig")
-            .field("server", &self.server)
-            .field("user", &self.user)
-            .field("password", &self.password.as_ref().map(|_| "***"))
-            .finish()
-    }
-}
-
-/// Why a `redis://` URL or its password file is not usable.
-#[non_exhaustive]
-#[derive(Debug, thiserror::Error)]
-pub enum RedisError {
-    /// Not `redis://[user:password@]HOST:PORT`.
-    #[error("{url:?}: {reason}")]
-    Url {
-        /// The URL, its password hidden.
-        url: String,
-        /// Why.
-        reason: &'static str,
-    },
-    /// The password file could not be read.
-    #[error("{PASSWORD_FILE_ENV} {path:?}: {reason}")]
-    PasswordFile {
-        /// The file.
-        path: String,
-        /// Why.
-        reason: String,
-    },
-}
-
-impl RedisConfig {
-    /// The settings for `redis://[user:password@]HOST:PORT`; a password
-    /// in [`PASSWORD_FILE_ENV`] wins over one in the URL.
-    pub fn from_url(url: &str) -> Result<RedisConfig, RedisError> {
-        let (mut cfg, servers) = parse_url(url, "redis://")?;
-        match <[String; 1]>::try_from(servers) {
-            Ok([server]) => {
-                cfg.server = server;
-                Ok(cfg)
-            }
-            Err(_) => Err(url_error(
-                url,
-                "one HOST:PORT (redis+cluster:// takes several)",
-            )),
-        }
-    }
-
-    /// The same credentials and timeout for another server.
-    pub(crate) fn for_server(&self, server: &str) -> RedisConfig {
-        RedisConfig {
-            server: server.to_string(),
-            ..self.clone()
-        }
-    }
-}
-
-fn url_error(url: &str, reason: &'static str) -> RedisError {
-    RedisError::Url {
-        url: url.split('@').next_back().unwrap_or("").to_string(),
-        reason,
-    }
-}
-
-/// `SCHEME[user:password@]HOST:PORT[,HOST:PORT...]`: the credentials (a
-/// server left empty) and the servers, at most [`SEEDS_MAX`].
-fn parse_url(url: &str, scheme: &str) -> Result<(RedisConfig, Vec<String>), RedisError> {
-    let bad = |reason| url_error(url, reason);
-    let rest = url
-        .strip_prefix(scheme)
-        .ok_or_else(|| bad("not the URL's scheme"))?;
-    let rest = rest.strip_suffix('/').unwrap_or(rest);
-    let (auth, list) = match rest.rsplit_once('@') {
-        Some((a, s)) => (Some(a), s),
-        None => (None, rest),
-    };
-    let servers: Vec<String> = list.split(',').map(str::to_string).collect();
-    if servers.len() > SEEDS_MAX {
-        return Err(bad("too many HOST:PORT"));
-    }
-    for server in &servers {
-        let (host, port) = server.rsplit_once(':').ok_or_else(|| bad("no :PORT"))?;
-        if host.is_empty() || port.parse::<u16>().is_err() || server.contains('/') {
-            return Err(bad("not HOST:PORT"));
-        }
-    }
-    let (user, password) = match auth {
-        None => (None, None),
-        Some(a) => match a.split_once(':') {
-            Some((u, p)) => ((!u.is_empty()).then(|| u.to_string()), Some(p.to_string())),
-            None => return Err(bad("credentials are user:password@")),
-        },
-    };
-    let password = match std::env::var_os(PASSWORD_FILE_ENV) {
-        Some(path) => Some(read_password(&path.to_string_lossy())?),
-        None => password,
-    };
-    let cfg = RedisConfig {
-        server: String::new(),
-        user,
-        password,
-        connect_timeout: Duration::from_secs(2),
-    };
-    Ok((cfg, servers))
-}
-
-fn read_password(path: &str) -> Result<String, RedisError> {
-    let text = std::fs::read_to_string(path).map_err(|e| RedisError::PasswordFile {
-        path: path.to_string(),
-        reason: e.to_string(),
-    })?;
-    Ok(text.lines().next().unwrap_or("").to_string())
-}
 
 /// Counters of a [`RedisStore`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -683,22 +553,5 @@ mod tests {
         pack_key_command(&mut buf, "EXISTS", "a:key/1").unwrap();
         let want = redis::cmd("EXISTS").arg("a:key/1").get_packed_command();
         assert_eq!(buf, want);
-    }
-
-    #[test]
-    fn urls_parse_with_and_without_credentials() {
-        let c = RedisConfig::from_url("redis://127.0.0.1:6379").unwrap();
-        assert_eq!(
-            (c.server.as_str(), c.user, c.password),
-            ("127.0.0.1:6379", None, None)
-        );
-        let c = RedisConfig::from_url("redis://u:p@h:1/").unwrap();
-        assert_eq!(
-            (c.server.as_str(), c.user.as_deref(), c.password.as_deref()),
-            ("h:1", Some("u"), Some("p"))
-        );
-        assert!(RedisConfig::from_url("redis://h").is_err());
-        assert!(RedisConfig::from_url("kvferry://h:1").is_err());
-        assert!(RedisConfig::from_url("redis://h:99999").is_err());
     }
 }
