@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use super::mem::{PeerMap, SharedMem};
 use super::protocol::{self, Lane, Word};
 use super::ShmRefusal;
-use crate::fence::FenceKey;
+use crate::fence::slots::FenceKey;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"KVFSHM01");
 /// Words before the lanes: magic, generation, lanes, spaces, and up to

@@ -24,7 +24,7 @@ use super::ctl::MAX_SPACES;
 use super::host::{HostId, HOST_ID_LEN};
 use super::ShmRefusal;
 use crate::device::IPC_HANDLE_LEN;
-use crate::fence::{FenceRegion, Space};
+use crate::fence::slots::{FenceRegion, Space};
 use crate::RegionInfo;
 
 /// Bytes of the one-time token an answer hands out.

@@ -13,7 +13,8 @@ use super::host::HostId;
 use super::mem::PeerMap;
 use super::{ShmRefusal, SHM_CHUNK_BYTES};
 use crate::device::{CopyTracker, Device, Dir, IpcOpened};
-use crate::fence::{slots_in, BlockFence, FenceRegion};
+use crate::fence::slots::{slots_in, FenceRegion};
+use crate::fence::BlockFence;
 use crate::RegionInfo;
 
 /// A mapped region of the target.

@@ -15,7 +15,8 @@ use super::hello::{self, Answer, Offer, OfferDevice, OfferRegion, ANSWER_LEN, TO
 use super::host::HostId;
 use super::mem::PeerMap;
 use super::{ShmConfig, ShmRefusal, ShmStats};
-use crate::fence::{BlockFence, FenceRegion};
+use crate::fence::slots::FenceRegion;
+use crate::fence::BlockFence;
 use crate::RegionInfo;
 
 /// Tokens handed out and not used yet: the oldest goes first.
