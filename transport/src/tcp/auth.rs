@@ -9,8 +9,9 @@ use kvferry_auth::handshake::{Initiator, Responder, CHALLENGE_LEN, HELLO_LEN, PR
 use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
 use kvferry_auth::{AuthError, ClusterKey, Surface};
 
+use super::config::TcpConfig;
+use super::fail::{conv, protocol};
 use super::inbuf::InBuf;
-use super::protocol;
 use crate::fdio::{self, iov, Conn};
 use crate::wire::{self, Header, RejectReason};
 use crate::{PeerError, PollPolicy, TransportError};
@@ -130,7 +131,7 @@ pub(super) fn check_payload(
 pub(super) async fn initiate(
     conn: &mut Conn,
     key: &ClusterKey,
-    config: &super::TcpConfig,
+    config: &TcpConfig,
 ) -> Result<(), TransportError> {
     let (rejects, poll) = (&config.rejects, config.poll);
     let refused = |why: &'static str| {
@@ -148,7 +149,7 @@ pub(super) async fn initiate(
     let mut v = [iov(ab.as_mut_ptr() as u64, ab.len() as u64)];
     fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
         .await
-        .map_err(super::conv("awaiting an AUTH answer"))?;
+        .map_err(conv("awaiting an AUTH answer"))?;
     let a = Header::decode(&ab).map_err(|_| protocol("bad AUTH answer header"))?;
     if a.opcode != wire::OP_AUTH || a.status != wire::STATUS_OK {
         return Err(refused(
@@ -162,7 +163,7 @@ pub(super) async fn initiate(
     let mut v = [iov(challenge.as_mut_ptr() as u64, challenge.len() as u64)];
     fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
         .await
-        .map_err(super::conv("reading a challenge"))?;
+        .map_err(conv("reading a challenge"))?;
     let (proof, session) = init
         .handle_challenge(&challenge)
         .map_err(|_| refused("the peer did not prove the cluster key"))?;
@@ -179,7 +180,7 @@ pub(super) async fn respond(
     conn: &mut Conn,
     inbuf: &mut InBuf,
     key: &ClusterKey,
-    config: &super::TcpConfig,
+    config: &TcpConfig,
     poll: PollPolicy,
 ) -> Result<(), TransportError> {
     let rejects = &config.rejects;
@@ -241,7 +242,7 @@ async fn read_auth(
     inbuf
         .read_exact(conn, &mut hb, poll)
         .await
-        .map_err(super::conv("reading an AUTH request"))?;
+        .map_err(conv("reading an AUTH request"))?;
     let Ok(h) = Header::decode(&hb) else {
         return Ok(Err(hb[4]));
     };
@@ -256,7 +257,7 @@ async fn read_auth(
     inbuf
         .read_exact(conn, body, poll)
         .await
-        .map_err(super::conv("reading an AUTH request"))?;
+        .map_err(conv("reading an AUTH request"))?;
     Ok(Ok(h))
 }
 
@@ -286,5 +287,5 @@ async fn send(conn: &mut Conn, h: &Header, body: &[u8]) -> Result<(), TransportE
     ];
     fdio::send_all(&mut conn.wr, conn.fd, &mut v, None)
         .await
-        .map_err(super::conv("sending an AUTH frame"))
+        .map_err(conv("sending an AUTH frame"))
 }

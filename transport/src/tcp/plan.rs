@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 
-use super::TcpConfig;
+use super::config::TcpConfig;
 use crate::Desc;
 
 /// One frame of a batch: descriptors `start..end` of the (split) batch.

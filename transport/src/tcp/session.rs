@@ -18,8 +18,11 @@ mod staged;
 use kvferry_auth::seal::{Opener, Sealer, TAG_LEN};
 
 use super::auth::{self, Head};
+use super::config::TcpConfig;
+use super::fail::{conv, protocol};
 use super::plan::{plan, FrameSpec, Plan};
-use super::{conv, notification_answer, protocol, DeviceSide, FenceCell, TcpConfig, TcpTransport};
+use super::shared::{DeviceSide, FenceCell};
+use super::TcpTransport;
 use crate::fdio::{self, iov, Conn};
 use crate::fence::{BlockFence, Guard};
 use crate::registry::{self, Registry};
@@ -968,6 +971,27 @@ async fn recv_head(
     fdio::recv_exact(&mut conn.rd, conn.fd, &mut v, poll, None)
         .await
         .map_err(conv(during))
+}
+
+/// Checks the answer to notification `req_id` (a NOTIFY or a
+/// NOTIFY_AFTER_WRITE, `opcode`), read as `raw` on a connection opened by
+/// `open`: `None` when the peer's handler took it, else why the peer
+/// refused it.
+fn notification_answer(
+    raw: &auth::Head,
+    open: &mut Option<kvferry_auth::seal::Opener>,
+    opcode: u8,
+    req_id: u64,
+) -> Result<Option<RejectReason>, TransportError> {
+    let h = raw
+        .decode()
+        .map_err(|_| protocol("bad notification answer header"))?;
+    raw.check(open, &[])
+        .map_err(|_| protocol("a notification answer's tag does not verify"))?;
+    if h.opcode != opcode || h.req_id != req_id || h.payload_len != 0 {
+        return Err(protocol("unexpected notification answer"));
+    }
+    Ok((h.status != wire::STATUS_OK).then(|| RejectReason::from_status(h.status)))
 }
 
 /// `e` with the descriptor it blames (an index into a part of the batch,

@@ -14,8 +14,10 @@ use kvferry_auth::seal::{Sealer, TAG_LEN};
 use kvferry_auth::{ClusterKey, Surface};
 
 use super::auth::{self, Head};
+use super::config::TcpConfig;
+use super::fail::{conv, protocol};
 use super::inbuf::InBuf;
-use super::{conv, protocol, DeviceSide, FenceCell, NotifyHandler, TcpConfig};
+use super::shared::{DeviceSide, FenceCell};
 use crate::device::{Dir, Lease, Mark};
 use crate::fdio::{self, iov, Conn, IoFail};
 use crate::fence::Guard;
@@ -24,10 +26,14 @@ use crate::shm::{HostId, ShmTarget, HOST_ID_LEN};
 use crate::wire::{self, Header, RejectReason};
 use crate::{Op, PollPolicy, TransportError};
 
+/// Takes the bytes of a NOTIFY frame on the target's executor; returns
+/// whether it took them (a refusal tells the sender to use another path).
+pub type NotifyHandler = Rc<dyn Fn(&[u8]) -> bool>;
+
 /// State shared by the acceptor and the connection tasks of one endpoint.
 pub(super) struct Target {
     /// The device behind device regions, when configured.
-    pub(super) device: Option<Rc<super::DeviceSide>>,
+    pub(super) device: Option<Rc<DeviceSide>>,
     pub(super) registry: Arc<Registry>,
     /// The node's block fence, shared with the sessions this endpoint opens.
     pub(super) fence: FenceCell,

@@ -9,7 +9,7 @@ use super::{blame_in, SessionInner};
 use crate::device::Dir;
 use crate::fence::Guard;
 use crate::tcp::plan::plan;
-use crate::tcp::DeviceSide;
+use crate::tcp::shared::DeviceSide;
 use crate::{Desc, MisuseError, Op, TransportError};
 
 /// One piece: `desc` (at most one staging buffer long) of batch index `index`.
