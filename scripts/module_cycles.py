@@ -24,7 +24,7 @@ def strip(src):
     """`src` without comments, strings and char literals."""
     src = re.sub(r"//[^\n]*", "", src)
     src = re.sub(r"/\*.*?\*/", "", src, flags=re.S)
-    src = re.sub(r'r(#*)".*?"\1', '""', src, flags=re.S)
+    src = re.sub(r'\bb?r(#*)".*?"\1', '""', src, flags=re.S)
     src = re.sub(r'"(\\.|[^"\\])*"', '""', src, flags=re.S)
     return re.sub(r"'(\\.|[^'\\])'", "' '", src)
 
