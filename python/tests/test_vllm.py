@@ -880,8 +880,6 @@ def multi_connector(kv_role, kvferry_extra, storage):
 
 
 def test_kvferry_moves_a_request_as_a_multiconnector_child(pd, tmp_path):
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
     e = pd(
@@ -900,38 +898,40 @@ def test_kvferry_moves_a_request_as_a_multiconnector_child(pd, tmp_path):
     # The stats vLLM's scheduler reported, as its stat loggers take them:
     # MultiConnector's per-child dicts, rebuilt and exported to Prometheus.
     assert e.p.stats, "the prefill workers reported no kvferry counters"
-    registry = CollectorRegistry()
-    types = {
-        cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)
-    }
-    prom = MultiConnector.build_prom_metrics(
-        e.p.config, types, ["model_name", "engine"], {0: ["tiny", "0"]}
-    )
-    logging_ = KVConnectorLogging(e.p.config.kv_transfer_config)
-    for stats in e.p.stats:
-        assert set(stats) == {"KvferryConnector"}
-        prom.observe(stats, 0)
-        logging_.observe(stats)
-    ok = registry.get_sample_value("vllm:kvferry_ok_total", {"model_name": "tiny", "engine": "0"})
-    assert ok == 1
-    assert logging_.transfer_stats_accumulator.reduce()["KvferryConnector"]["ok"] == 1
+    sample, logged = exported(e.p, "0")
+    assert sample("vllm:kvferry_ok_total") == 1
+    assert logged["ok"] == 1
     # The decode worker timed its one load: a histogram sample in
     # Prometheus, a count and percentiles in vLLM's log line.
+    sample, logged = exported(e.d, "1")
+    assert sample("vllm:kvferry_load_seconds_count") == 1
+    assert 0 < sample("vllm:kvferry_load_seconds_sum") < 30
+    assert logged["loads"] == 1
+
+
+def exported(engine, engine_idx):
+    """`engine`'s reported stats through MultiConnector's Prometheus
+    metrics and vLLM's stats logging: a reader of one sample by name (the
+    engine's labels), and what the log line shows of kvferry."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
     registry = CollectorRegistry()
     types = {
         cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)
     }
+    labels = {"model_name": "tiny", "engine": engine_idx}
     prom = MultiConnector.build_prom_metrics(
-        e.d.config, types, ["model_name", "engine"], {1: ["tiny", "1"]}
+        engine.config, types, list(labels), {int(engine_idx): list(labels.values())}
     )
-    logging_ = KVConnectorLogging(e.d.config.kv_transfer_config)
-    for stats in e.d.stats:
-        prom.observe(stats, 1)
+    logging_ = KVConnectorLogging(engine.config.kv_transfer_config)
+    for stats in engine.stats:
+        assert set(stats) == {"KvferryConnector"}
+        prom.observe(stats, int(engine_idx))
         logging_.observe(stats)
-    labels = {"model_name": "tiny", "engine": "1"}
-    assert registry.get_sample_value("vllm:kvferry_load_seconds_count", labels) == 1
-    assert 0 < registry.get_sample_value("vllm:kvferry_load_seconds_sum", labels) < 30
-    assert logging_.transfer_stats_accumulator.reduce()["KvferryConnector"]["loads"] == 1
+    logged = logging_.transfer_stats_accumulator.reduce()["KvferryConnector"]
+    return (lambda name: registry.get_sample_value(name, labels)), logged
 
 
 # -- a request fails, never the engine -------------------------------------

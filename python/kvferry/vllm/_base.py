@@ -456,6 +456,19 @@ class KvCachePlan:
         self.head_bytes = 0
         self.first_region = 0
 
+    def registration(self) -> "dict[str, Any]":
+        """The keyword arguments of a registration, the node's and the
+        store worker's alike (``ratio`` is the adapter's to apply)."""
+        return {
+            "regions": self.regions,
+            "num_blocks": self.num_blocks,
+            "layout": self.layout,
+            "total_kv_heads": self.total_kv_heads,
+            "block_tokens": self.block_tokens,
+            "head_bytes": self.head_bytes,
+            "first_region": self.first_region,
+        }
+
 
 def register_plan(
     kv_caches: "dict[str, torch.Tensor]",

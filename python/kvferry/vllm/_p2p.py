@@ -438,15 +438,7 @@ class _WorkerSide:
             kv_caches, self.kv_cache_config, self.model, self.cache, self.pp_size, self.node.device
         )
         self.ratio = cache.ratio
-        self.node.register_kv_caches(
-            regions=cache.regions,
-            num_blocks=cache.num_blocks,
-            layout=cache.layout,
-            total_kv_heads=cache.total_kv_heads,
-            block_tokens=cache.block_tokens,
-            head_bytes=cache.head_bytes,
-            first_region=cache.first_region,
-        )
+        self.node.register_kv_caches(**cache.registration())
         # The views keep vLLM's buffer alive as long as the node.
         self.node._memory.extend(kv_caches.values())
 

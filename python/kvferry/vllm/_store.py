@@ -490,15 +490,7 @@ class _WorkerSide:
                 f"the attention backend splits each block into {plan.ratio} kernel blocks; "
                 "kvferry's store keeps whole blocks"
             )
-        self.native.register(
-            regions=plan.regions,
-            num_blocks=plan.num_blocks,
-            layout=plan.layout,
-            total_kv_heads=plan.total_kv_heads,
-            block_tokens=plan.block_tokens,
-            head_bytes=plan.head_bytes,
-            first_region=plan.first_region,
-        )
+        self.native.register(**plan.registration())
         self.memory.extend(kv_caches.values())
 
     def start_load_kv(self, meta: KvferryStoreMetadata) -> None:
