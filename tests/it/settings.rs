@@ -179,9 +179,10 @@ fn node_config_fields() -> Vec<String> {
 fn docs_config_has_a_row_for_every_field_and_key() {
     let doc = include_str!("../../docs/config.md");
     let rows: Vec<&str> = doc.lines().filter(|l| l.starts_with('|')).collect();
+    // A field is named whole or by a path into it (`timeouts.lease`).
     let has_row = |name: &str| {
-        let cell = format!("`{name}`");
-        rows.iter().any(|r| r.contains(&cell))
+        let (cell, path) = (format!("`{name}`"), format!("`{name}."));
+        rows.iter().any(|r| r.contains(&cell) || r.contains(&path))
     };
     let fields = node_config_fields();
     assert!(fields.len() > 20, "{fields:?}");
@@ -218,5 +219,34 @@ fn a_cuda_device_without_a_driver_fails_the_config_clearly() {
         let err = with("cuda:0").expect_err("no CUDA driver on this machine");
         assert!(matches!(err, ConfigError::Device(_)), "{err:?}");
         assert!(err.to_string().contains("cuda:0"), "{err}");
+    }
+}
+
+/// Where docs/config.md's generated table of keys starts and ends.
+const TABLE_BEGIN: &str = "<!-- keys: made from src/node/settings/mod.rs; KVFERRY_BLESS=1 cargo test --test it docs_config rewrites it -->\n";
+const TABLE_END: &str = "<!-- end of keys -->";
+
+#[test]
+fn docs_config_lists_every_key_as_declared() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/config.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let (head, rest) = doc
+        .split_once(TABLE_BEGIN)
+        .expect("docs/config.md: table start");
+    let (_, tail) = rest
+        .split_once(TABLE_END)
+        .expect("docs/config.md: table end");
+    let want = format!(
+        "{head}{TABLE_BEGIN}{}{TABLE_END}{tail}",
+        NodeSettings::markdown_table()
+    );
+    if std::env::var_os("KVFERRY_BLESS").is_some() {
+        std::fs::write(path, want).unwrap();
+    } else {
+        assert!(
+            doc == want,
+            "docs/config.md's table of keys is not the declarations' \
+             (KVFERRY_BLESS=1 cargo test --test it docs_config rewrites it)"
+        );
     }
 }
