@@ -15,6 +15,7 @@ use kvferry_machines::store::ChunkKey;
 use kvferry_machines::RankLayout;
 use kvferry_reactor::lock;
 
+use crate::arena::AllocError;
 use crate::backend::{Answers, CallError, GetItem, PutItem, PutOutcome, StoreBackend};
 use crate::inproc::{InprocConfig, InprocStore};
 use crate::mooncake::{MooncakeStore, MooncakeStoreConfig, MooncakeStoreError};
@@ -48,6 +49,9 @@ pub enum OpenError {
     /// The cluster key's file (`KVFERRY_CLUSTER_KEY_FILE`) could not be used.
     #[error(transparent)]
     Key(#[from] kvferry_auth::KeyError),
+    /// The in-process store's room cannot be had.
+    #[error("in-process store: {0}")]
+    Inproc(#[from] AllocError),
 }
 
 impl OpenError {
@@ -81,12 +85,15 @@ impl std::fmt::Debug for AnyStore {
 }
 
 /// The named in-process stores of this process.
-fn named_inproc(name: &str) -> InprocStore {
+fn named_inproc(name: &str) -> Result<InprocStore, AllocError> {
     static NAMED: OnceLock<Mutex<HashMap<String, InprocStore>>> = OnceLock::new();
     let mut named = lock(NAMED.get_or_init(Mutex::default));
-    (named.entry(name.to_owned()))
-        .or_insert_with(|| InprocStore::new(InprocConfig::default()))
-        .clone()
+    if let Some(store) = named.get(name) {
+        return Ok(store.clone());
+    }
+    let store = InprocStore::new(InprocConfig::default())?;
+    named.insert(name.to_owned(), store.clone());
+    Ok(store)
 }
 
 impl AnyStore {
@@ -99,9 +106,9 @@ impl AnyStore {
     /// [`AnyStore::open`], a plain `inproc` store made with `inproc`.
     pub fn open_with(url: &str, inproc: InprocConfig) -> Result<AnyStore, OpenError> {
         let backend = if url == "inproc" {
-            Backend::Inproc(InprocStore::new(inproc))
+            Backend::Inproc(InprocStore::new(inproc)?)
         } else if let Some(name) = url.strip_prefix("inproc://") {
-            Backend::Inproc(named_inproc(name))
+            Backend::Inproc(named_inproc(name)?)
         } else if url.starts_with("kvferry://") {
             let mut cfg = RemoteConfig::from_url(url);
             // The cluster key, as every kvferry process finds it: with one,

@@ -30,7 +30,7 @@ use std::time::Instant;
 use kvferry_machines::store::ChunkKey;
 use kvferry_reactor::lock;
 
-use super::arena::Arena;
+use super::arena::{AllocError, Arena};
 use super::backend::{Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, StoreBackend};
 use super::proto::KeyAnswer;
 use super::space::Space;
@@ -123,14 +123,10 @@ impl std::fmt::Debug for InprocStore {
 }
 
 impl InprocStore {
-    /// An empty store.
-    ///
-    /// # Panics
-    ///
-    /// When its arena of `capacity_bytes` cannot be had (not addressable,
-    /// or refused by the allocator): a store never holds less room than
-    /// its configuration says.
-    pub fn new(cfg: InprocConfig) -> InprocStore {
+    /// An empty store, or why its arena of `capacity_bytes` cannot be had
+    /// (not addressable, or refused by the allocator): a store never holds
+    /// less room than its configuration says.
+    pub fn new(cfg: InprocConfig) -> Result<InprocStore, AllocError> {
         let mut space = Space::new(cfg.capacity_bytes, cfg.max_entries);
         space = space.with_removed_log(cfg.max_removed);
         if !cfg.evict {
@@ -140,14 +136,13 @@ impl InprocStore {
             space,
             calls: InprocStats::default(),
         };
-        InprocStore {
+        Ok(InprocStore {
             shared: Arc::new(Shared {
                 inner: Mutex::new(inner),
-                arena: Arena::new(cfg.capacity_bytes)
-                    .unwrap_or_else(|e| panic!("in-process store: {e}")),
+                arena: Arena::new(cfg.capacity_bytes)?,
             }),
             removed_at: 0,
-        }
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -337,6 +332,7 @@ mod tests {
             evict,
             ..InprocConfig::default()
         })
+        .unwrap()
     }
 
     #[test]
@@ -402,8 +398,24 @@ mod tests {
             max_entries: 1,
             evict: false,
             ..InprocConfig::default()
-        });
+        })
+        .unwrap();
         small.insert(key(1), &[0; 1]).unwrap();
         assert_eq!(small.insert(key(2), &[0; 1]), Err(ItemError::Full));
+    }
+
+    #[test]
+    fn a_store_whose_room_cannot_be_had_is_an_error_not_a_smaller_store() {
+        let too_big = InprocConfig {
+            capacity_bytes: u64::MAX,
+            ..InprocConfig::default()
+        };
+        let e = InprocStore::new(too_big).err();
+        assert_eq!(e, Some(AllocError { bytes: u64::MAX }));
+        let opened = crate::AnyStore::open_with("inproc", too_big);
+        assert!(
+            matches!(opened, Err(crate::OpenError::Inproc(_))),
+            "{opened:?}"
+        );
     }
 }

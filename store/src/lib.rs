@@ -43,6 +43,7 @@ pub use self::redis::{
     ClusterConfig, ClusterStats, RedisClusterStore, RedisConfig, RedisError, RedisStats, RedisStore,
 };
 pub use any::{AnyStore, OpenError, STORE_URLS};
+pub use arena::AllocError;
 pub use backend::{
     Answers, CallError, GetItem, ItemError, PutItem, PutOutcome, Scatter, Segment, StoreBackend,
 };

@@ -259,7 +259,7 @@ mod tests {
 
     #[test]
     fn a_glommio_task_collects_answers_without_blocking_its_executor() {
-        let store = InprocStore::new(InprocConfig::default());
+        let store = InprocStore::new(InprocConfig::default()).unwrap();
         let worker = BackendWorker::spawn(store.clone(), 4).unwrap();
         let answer = glommio::LocalExecutorBuilder::new(glommio::Placement::Unbound)
             .make()

@@ -624,7 +624,7 @@ mod tests {
             head_bytes: 16,
             store: StoreConfig::default(),
         };
-        let store = InprocStore::new(InprocConfig::default());
+        let store = InprocStore::new(InprocConfig::default()).unwrap();
         let report = demo.run_observed(store, &mut |_| {}).unwrap();
         assert_eq!(report.requests, 4);
         assert_eq!(report.saved_blocks, 3 + 4 * 2);

@@ -189,7 +189,7 @@ fn workload() -> Vec<Vec<u64>> {
 #[test]
 fn prefixes_saved_with_dedup_load_back_byte_for_byte() {
     let mut engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let mut c = connector(StoreConfig::default(), store.clone(), &engine);
     for (r, hashes) in workload().iter().enumerate() {
         let blocks: Vec<u32> = (0..hashes.len() as u32).map(|i| r as u32 * 8 + i).collect();
@@ -262,7 +262,8 @@ fn a_store_smaller_than_the_workload_takes_pressure_until_a_save_succeeds() {
         capacity_bytes: 5 * VALUE,
         evict: false,
         ..InprocConfig::default()
-    });
+    })
+    .unwrap();
     let cfg = StoreConfig {
         max_keys_per_batch: 2,
         max_batches_in_flight: 1,
@@ -316,7 +317,7 @@ fn a_store_smaller_than_the_workload_takes_pressure_until_a_save_succeeds() {
 #[test]
 fn a_value_of_the_wrong_length_is_a_load_error_for_its_block_only() {
     let mut engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let mut c = connector(StoreConfig::default(), store.clone(), &engine);
     let hashes: Vec<u64> = (1..=4).collect();
     let blocks: Vec<u32> = (0..4).collect();
@@ -375,7 +376,7 @@ fn a_value_of_the_wrong_length_is_a_load_error_for_its_block_only() {
 #[test]
 fn a_staging_budget_below_one_value_fails_the_load_with_its_blocks() {
     let mut engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let cfg = StoreConfig {
         staging_budget_bytes: Some(VALUE - 1),
         ..StoreConfig::default()
@@ -417,7 +418,8 @@ fn lru_evictions_become_block_removed_events() {
     let store = InprocStore::new(InprocConfig {
         capacity_bytes: 3 * VALUE,
         ..InprocConfig::default()
-    });
+    })
+    .unwrap();
     let mut c = connector(StoreConfig::default(), store.clone(), &engine);
     let hashes: Vec<u64> = (1..=5).collect();
     for (b, h) in (0..5).zip(&hashes) {
@@ -468,7 +470,7 @@ impl StoreBackend for GatedStore {
 #[test]
 fn an_abort_mid_save_releases_once_after_the_put_in_flight_lands() {
     let mut engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let (entered_tx, entered) = flume::unbounded();
     let (go, go_rx) = flume::unbounded();
     let gated = GatedStore {
@@ -514,7 +516,7 @@ fn an_abort_mid_save_releases_once_after_the_put_in_flight_lands() {
 #[test]
 fn calls_past_their_deadline_touch_no_memory_and_fail_their_requests() {
     let mut engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let cfg = StoreConfig {
         op_bound: Duration::from_secs(1),
         ..StoreConfig::default()
@@ -571,5 +573,5 @@ fn calls_past_their_deadline_touch_no_memory_and_fail_their_requests() {
 #[test]
 fn a_prefix_removes_its_keys_and_no_others() {
     let kv = crate::store_buffer::Buffer::new(4, 64, 0);
-    check_remove_prefix(&mut InprocStore::new(InprocConfig::default()), &kv);
+    check_remove_prefix(&mut InprocStore::new(InprocConfig::default()).unwrap(), &kv);
 }

@@ -141,7 +141,7 @@ fn ids(b: std::ops::Range<u32>) -> Vec<Vec<BlockId>> {
 
 #[test]
 fn a_chunked_prefill_saved_by_one_engine_is_looked_up_over_zmq_and_loaded_by_another() {
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let server =
         LookupServer::spawn_for_store("tcp://127.0.0.1:0", config(), store.clone()).unwrap();
     let mut client = LookupClient::connect(server.endpoint(), Duration::from_secs(30)).unwrap();
@@ -253,7 +253,7 @@ fn a_chunked_prefill_saved_by_one_engine_is_looked_up_over_zmq_and_loaded_by_ano
 
 #[test]
 fn a_lookup_served_over_ipc_matches_the_direct_lookup() {
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let mut e = Engine::new();
     let mut c = StoreConnector::new(config(), store.clone()).unwrap();
     // SAFETY: `e` outlives `c`; the save is waited for.

@@ -836,7 +836,7 @@ fn connector_config(request_timeout: Duration) -> ConnectorConfig {
 impl World {
     fn new(seed: u64) -> World {
         let engine = Engine::new();
-        let store = InprocStore::new(InprocConfig::default());
+        let store = InprocStore::new(InprocConfig::default()).unwrap();
         let log: Shared = Arc::default();
         lock(&log).faults = true;
         let backend = FaultyBackend {
@@ -1446,7 +1446,7 @@ impl StoreBackend for HeldExists {
 #[test]
 fn keys_removed_before_a_late_lookup_still_become_block_removed_events() {
     let mut engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let hold = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (go, go_rx) = flume::unbounded();
     let backend = HeldExists {
@@ -1607,7 +1607,7 @@ fn load_errors_of(c: &mut StoreConnector, id: TransferId) -> Vec<BlockId> {
 #[test]
 fn a_late_answer_to_an_earlier_load_of_a_request_is_not_taken_for_a_later_one() {
     let engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let (mut c, answer_tx, work_tx) = scripted(&engine, &store, false);
     let req = Req {
         id: 7,
@@ -1675,7 +1675,7 @@ fn save_report_of(c: &mut StoreConnector, id: TransferId) -> SaveReport {
 #[test]
 fn a_late_answer_to_an_earlier_save_of_a_request_is_not_taken_for_a_later_one() {
     let mut engine = Engine::new();
-    let store = InprocStore::new(InprocConfig::default());
+    let store = InprocStore::new(InprocConfig::default()).unwrap();
     let (mut c, answer_tx, work_tx) = scripted(&engine, &store, true);
     // Four 16-token blocks in group 0, two 32-token blocks in group 1.
     let req = Req {
