@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use super::BlockLists;
 #[cfg(doc)]
-use super::{PeerId, TransferId, TICKET_BIT};
+use super::{PeerId, TransferId};
 
 /// Per-transfer control messages between the machines of P and D.
 ///
@@ -35,7 +35,7 @@ pub enum Msg {
         prefix_blocks: Vec<u32>,
         /// Pull mode: the first lease request rides on the `Pull`. Push
         /// mode: `Some(ticket)` announces a grant on lease ticket `ticket`
-        /// sent right behind this `Pull` (see [`TICKET_BIT`]), so P need not
+        /// sent right behind this `Pull` (see [`TICKET_BIT`](crate::TICKET_BIT)), so P need not
         /// ask for a lease.
         lease_seq: Option<u64>,
     },

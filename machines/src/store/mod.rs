@@ -32,6 +32,7 @@ pub mod key;
 pub mod load;
 pub mod lookup;
 mod pressure;
+mod report;
 pub mod save;
 
 mod batch;

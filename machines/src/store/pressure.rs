@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 
 use crate::common::TransferId;
 
-use super::save::{SaveEnd, SaveReport};
+use super::report::{SaveEnd, SaveReport};
 
 /// Counters of the pressure path, for the connector's stats.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -28,12 +28,13 @@
 use std::collections::{HashSet, VecDeque};
 use std::time::Instant;
 
-use crate::common::{after, earliest, AbortReason, FailReason, InputError, Phase, TransferId};
+use crate::common::{after, earliest, AbortReason, InputError, Phase, TransferId};
 use crate::machine::Machine;
 
 use super::batch::{Answer, Batches};
 use super::key::{ChunkKey, Keyspace, Replica, RequestScope, Shard};
 use super::lookup::{lcm_block_tokens, store_mask};
+pub use super::report::{SaveEnd, SaveKeyResult, SaveReport};
 use super::{GroupBlocks, Pressure, StoreConfig, StoreFault, StoreItem, StorePlanError};
 
 /// What the store answered for one key of a put.
@@ -90,84 +91,6 @@ pub enum Action {
         /// What became of each key.
         report: SaveReport,
     },
-}
-
-/// What became of one key of a save.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SaveKeyResult {
-    /// This save stored it.
-    Stored,
-    /// It was stored already (existence check, or a racing writer).
-    Deduped,
-    /// The store was full.
-    Full,
-    /// The store refused a value this large.
-    TooLarge,
-    /// The put failed or was not answered within its bound.
-    Failed,
-    /// Never put: the save stopped first.
-    NotAttempted,
-}
-
-/// How a save ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SaveEnd {
-    /// Every key was attempted.
-    Done,
-    /// Not attempted at all: the request met a full store before.
-    Skipped,
-    /// A put was answered "full"; the rest was not attempted.
-    StoreFull,
-    /// A whole call failed.
-    Fault(StoreFault),
-    /// The request timed out.
-    Expired,
-    /// The request was aborted.
-    Aborted(AbortReason),
-}
-
-/// The outcome of a save, key by key.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SaveReport {
-    /// How it ended.
-    pub end: SaveEnd,
-    /// The items, as planned.
-    pub items: Vec<StoreItem>,
-    /// `results[i]` for `items[i]`.
-    pub results: Vec<SaveKeyResult>,
-}
-
-impl SaveReport {
-    fn count(&self, r: SaveKeyResult) -> usize {
-        self.results.iter().filter(|&&x| x == r).count()
-    }
-
-    /// Keys this save stored.
-    pub fn stored(&self) -> usize {
-        self.count(SaveKeyResult::Stored)
-    }
-
-    /// Keys found stored already.
-    pub fn deduped(&self) -> usize {
-        self.count(SaveKeyResult::Deduped)
-    }
-
-    /// True when every key is in the store now.
-    pub fn is_complete(&self) -> bool {
-        (self.results.iter()).all(|r| matches!(r, SaveKeyResult::Stored | SaveKeyResult::Deduped))
-    }
-
-    /// The phase a save with this report ends in.
-    fn phase(&self) -> Phase {
-        match self.end {
-            SaveEnd::Done if self.is_complete() => Phase::Success,
-            SaveEnd::Expired => Phase::Expired,
-            SaveEnd::Aborted(r) => Phase::Failed(FailReason::Aborted(r)),
-            SaveEnd::Done | SaveEnd::Skipped | SaveEnd::StoreFull | SaveEnd::Fault(_) => {
-                Phase::Failed(FailReason::Transport)
-            }
-        }
-    }
 }
 
 /// The blocks of the first `token_len` tokens this rank stores: per group,

@@ -15,7 +15,7 @@ use serde::de::{self, DeserializeSeed, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 
 use super::envelope::{decode_whole, EnvelopeError};
-use super::{Frame, Limits, WireError};
+use super::limits::{Limits, WireError};
 use crate::common::{BlockId, REQUEST_ID_MAX_BYTES};
 use crate::layout::{Pool, PoolRegion, Region, POOLS_MAX};
 
@@ -45,11 +45,14 @@ impl Drop for LimitScope {
     }
 }
 
-/// Decodes a body of the current version under `limits`.
-pub(super) fn decode_body(body: &[u8], limits: &Limits) -> Result<Frame, WireError> {
+/// Decodes a body of the current version (a frame) under `limits`.
+pub(super) fn decode_body<T: de::DeserializeOwned>(
+    body: &[u8],
+    limits: &Limits,
+) -> Result<T, WireError> {
     let _scope = LimitScope::enter(*limits);
     // The frame's length was bounded with its header (`max_frame_bytes`).
-    decode_whole::<Frame>(body, usize::MAX).map_err(|e| {
+    decode_whole::<T>(body, usize::MAX).map_err(|e| {
         if let Some(violation) = VIOLATION.with(Cell::take) {
             return violation;
         }
