@@ -7,7 +7,12 @@
 //! buffer of the pool, as SGLang copies `item_len` bytes at
 //! `ptr + item_len·index` per aux or state buffer.
 
-use super::{PlanError, Run, Scratch, Share, Sink, TpPair};
+use super::batch::Sink;
+use super::error::PlanError;
+use super::maps::Run;
+use super::regions::{region_last_byte, REGIONS_MAX};
+use super::runs::Scratch;
+use super::tp::{Share, TpPair};
 use crate::layout::{BatchLimits, Pool, PoolKind, RankLayout, Side, POOLS_MAX};
 
 /// How one pool of prefill maps onto the same pool of decode for one pair.
@@ -41,7 +46,7 @@ pub(super) fn validate(layout: &RankLayout, side: Side) -> Result<(), PlanError>
         if pool.items == 0 {
             return Err(bad(p, "no items"));
         }
-        if pool.regions.is_empty() || pool.regions.len() > super::REGIONS_MAX {
+        if pool.regions.is_empty() || pool.regions.len() > REGIONS_MAX {
             return Err(bad(p, "no buffer, or more than REGIONS_MAX"));
         }
         for r in &pool.regions {
@@ -72,7 +77,7 @@ fn check_apart_from_kv(layout: &RankLayout, spans: &[(u64, u64, usize)]) -> Resu
     let mut kv: Vec<(u64, u64)> = layout
         .regions
         .iter()
-        .filter_map(|r| Some((r.base, super::region_last_byte(r, layout.num_blocks)?)))
+        .filter_map(|r| Some((r.base, region_last_byte(r, layout.num_blocks)?)))
         .collect();
     kv.sort_unstable();
     // KV regions may interleave, so the furthest end so far decides.
