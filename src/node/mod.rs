@@ -42,6 +42,7 @@
 
 mod batch;
 mod bridge;
+mod command;
 mod config;
 mod error;
 mod handles;
@@ -66,7 +67,7 @@ pub use kvferry_machines::{
 pub use kvferry_machines::{
     BatchLimits, LayoutKind, ModelSpec, Pool, PoolKind, PoolRegion, RankLayout, Region, Stage,
 };
-use kvferry_reactor::{Outcome, Reactor, ReactorHandle, ShutdownPolicy, SubmitError};
+use kvferry_reactor::{Outcome, Reactor, ShutdownPolicy, SubmitError};
 
 use crate::stats::Counters;
 pub use crate::stats::NodeStats;
@@ -74,7 +75,7 @@ use crate::transport::FencePool;
 pub use batch::{
     FinishedLoads, LoadMeta, LoadRequest, MetaDecodeError, SendRequest, StartFailures,
 };
-use bridge::BridgeCmd;
+use command::BridgeCmd;
 pub use config::{
     Event, EventKind, EventSink, KvLayout, NodeConfig, PrefillTarget, Role, TransportKind,
     DECODE_YIELD_BELOW,
@@ -84,15 +85,12 @@ pub use handles::{Receiver, Sender};
 pub use settings::{
     setting_keys, ConfigError, ModeSetting, NodeSettings, RoleSetting, TransportSetting, ENV_PREFIX,
 };
-pub(crate) use tables::{LocalKv, PeerData, Routes, Shared};
+pub(crate) use tables::{EngineHandle, LocalKv, PeerData, Routes, Shared};
 use tables::{Peers, Records, TerminalSeq};
 
 /// The node's reactor: one executor whose machines go either way (a
 /// node of [`Role::Both`] holds both kinds at once).
 type Engine = Reactor<Duplex>;
-
-/// What the engine threads and the bridge reach the executor through.
-pub(crate) type EngineHandle = ReactorHandle<Duplex>;
 
 struct Inner {
     shared: Arc<Shared>,
@@ -127,9 +125,6 @@ impl Inner {
 }
 
 static NEXT_NODE_ID: AtomicU64 = AtomicU64::new(1);
-
-/// See [`Shared::track`].
-const TRACK_WAKE_EVERY: usize = 1024;
 
 /// One prefill or decode rank. Cheap to clone; every clone is the same node.
 /// The node stops when the last clone (and handle) is dropped, or at
@@ -281,7 +276,7 @@ fn new_shared(
     config: &NodeConfig,
     bind_ip: std::net::IpAddr,
     key: Option<kvferry_auth::ClusterKey>,
-    bridge_tx: flume::Sender<bridge::BridgeCmd>,
+    bridge_tx: flume::Sender<BridgeCmd>,
 ) -> Result<Arc<Shared>, NodeError> {
     let waker = Arc::new(waker::Waker::new().map_err(|e| NodeError::side_channel("waker", e))?);
     let node_id = NEXT_NODE_ID.fetch_add(1, Ordering::Relaxed);

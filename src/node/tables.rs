@@ -43,13 +43,17 @@ use kvferry_machines::{
 };
 use kvferry_reactor::{ReactorHandle, SubmitError};
 
-use super::bridge::BridgeCmd;
+use super::command::BridgeCmd;
 use super::error::IdCollision;
-use super::{
-    waker, Event, EventKind, NodeConfig, PeerUnfit, PrefillTarget, Role, TRACK_WAKE_EVERY,
-};
+use super::{waker, Event, EventKind, NodeConfig, PeerUnfit, PrefillTarget, Role};
 use crate::stats::Counters;
 use crate::transport::EndpointAddr;
+
+/// See [`Shared::track`].
+const TRACK_WAKE_EVERY: usize = 1024;
+
+/// What the engine threads and the bridge reach the executor through.
+pub(crate) type EngineHandle = ReactorHandle<kvferry_machines::duplex::Duplex>;
 
 /// A remote rank as the node knows it after its hello.
 #[derive(Debug)]

@@ -28,7 +28,7 @@ use super::sink::inbound;
 use super::{
     Counters, EngineHandle, NodeConfig, NodeError, PeerData, PeerUnfit, PrefillTarget, Shared,
 };
-use crate::bootstrap::{BootstrapClient, ClientError, EngineEntry, QueryResponse};
+use crate::bootstrap::{BootstrapClient, EngineEntry, QueryResponse};
 use crate::transport::EndpointAddr;
 use kvferry_machines::wire::{self, Frame, Hello};
 use kvferry_machines::{DeathCause, Liveness};
@@ -39,7 +39,7 @@ mod names;
 mod peers;
 mod resolve;
 
-pub(crate) use resolve::LookupError;
+pub(crate) use super::command::{BridgeCmd, EngineRanks, LookupError};
 
 const READ_BUDGET: usize = 512;
 /// Heartbeat acks remembered per decode peer as lease tickets.
@@ -48,46 +48,6 @@ const TICKETS_KEPT: usize = 8;
 const COMMAND_BUDGET: usize = 4096;
 /// ZeroMQ high-water marks (messages per peer).
 const HWM: i32 = 200_000;
-
-/// What executors and engine threads ask of the bridge.
-pub(crate) enum BridgeCmd {
-    /// Send an encoded frame to a peer; `tid` ties the peer to a transfer
-    /// for peer-death notification.
-    Send {
-        peer: u32,
-        tid: Option<TransferId>,
-        bytes: Vec<u8>,
-    },
-    /// A machine message that came over the data plane (see the sink's
-    /// notification handler) and needs the bridge's handling: one for a
-    /// transfer the executor does not hold live, or of a kind only the
-    /// bridge routes.
-    Inbound {
-        peer: u32,
-        tid: TransferId,
-        msg: Msg,
-    },
-    /// Find and contact the prefill ranks of a new decode request;
-    /// `aborted`: the engine aborted it before it asked for the KV, so the
-    /// ranks are only told (the machine's abort may not have landed yet
-    /// when the bridge finds them).
-    Resolve {
-        tid: TransferId,
-        target: PrefillTarget,
-        aborted: bool,
-    },
-    /// A data-plane connection to the peer failed (refused, reset): mark
-    /// it dead now, so new requests to it fail fast until it answers a
-    /// probe, instead of each waiting for its own timeout.
-    PeerUnreachable { peer: u32 },
-    /// Result of a bootstrap query started by the bridge.
-    Directory {
-        target: PrefillTarget,
-        result: Result<EngineRanks, LookupError>,
-    },
-    /// Stop the thread.
-    Stop,
-}
 
 pub(crate) struct BridgeThread {
     join: JoinHandle<()>,
@@ -266,18 +226,6 @@ enum Dir {
     /// the target fail at once instead of waiting out their bootstrap
     /// timeout; asked again a tick later (the key may have been fixed).
     Refused(Instant),
-}
-
-/// The side channels of a prefill engine's ranks, as the bootstrap service
-/// or a direct target names them.
-#[derive(Clone, Debug)]
-pub(crate) struct EngineRanks {
-    /// TP size.
-    tp: u32,
-    /// PP size.
-    pp: u32,
-    /// By rank: stage `s`, TP rank `t` at `s · tp + t`.
-    addrs: Vec<String>,
 }
 
 struct Pending {

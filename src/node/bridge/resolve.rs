@@ -471,27 +471,6 @@ fn engine_at(found: &QueryResponse, dp_rank: Option<u32>) -> Option<&EngineEntry
     }
 }
 
-/// Why the bootstrap service did not name a prefill engine's ranks; the
-/// bridge retries after a tick.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum LookupError {
-    /// The service could not be asked.
-    #[error(transparent)]
-    Client(#[from] ClientError),
-    /// The engine has no ranks registered at this data-parallel rank
-    /// (`None`: at one rank only).
-    #[error("engine is not registered at dp rank {0:?}")]
-    NotRegistered(Option<u32>),
-    /// A rank of the engine has not registered yet.
-    #[error("tp rank {rank} of stage {stage} not registered yet")]
-    RankMissing {
-        /// Its TP rank.
-        rank: u32,
-        /// Its pipeline stage.
-        stage: u32,
-    },
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

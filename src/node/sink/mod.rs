@@ -21,7 +21,7 @@ use kvferry_machines::{
 use kvferry_machines::{recv, send};
 use kvferry_reactor::{ActionSink, EventPoster};
 
-use super::bridge::BridgeCmd;
+use super::command::BridgeCmd;
 use super::tables::Written;
 use super::{DataPlaneError, PeerUnfit, Shared, TransportKind};
 use crate::transport::internal::wire::RejectReason;
