@@ -575,3 +575,16 @@ fn a_prefix_removes_its_keys_and_no_others() {
     let kv = crate::store_buffer::Buffer::new(4, 64, 0);
     check_remove_prefix(&mut InprocStore::new(InprocConfig::default()).unwrap(), &kv);
 }
+
+#[test]
+fn opening_an_inproc_store_whose_room_cannot_be_had_is_an_open_error() {
+    let too_big = InprocConfig {
+        capacity_bytes: u64::MAX,
+        ..InprocConfig::default()
+    };
+    let opened = kvferry_store::AnyStore::open_with("inproc", too_big);
+    assert!(
+        matches!(opened, Err(kvferry_store::OpenError::Inproc(_))),
+        "{opened:?}"
+    );
+}
