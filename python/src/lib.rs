@@ -10,112 +10,26 @@
 use std::time::{Duration, Instant};
 
 use kvferry::node::{NodeSettings, PrefillTarget};
-use kvferry::{BlockId, BlockLists, LayoutKind, ModelSpec, NodeError, Phase, Region, TransferId};
-use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTimeoutError, PyTypeError};
+use kvferry::{ModelSpec, NodeError, Phase, TransferId};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyInt, PyString, PyType};
+use pyo3::types::{PyDict, PyInt, PyString};
 
+mod args;
+mod errors;
 mod logs;
 mod pages;
 mod sched;
 mod store;
 
-create_exception!(_native, Error, PyException, "Base of every kvferry error.");
-create_exception!(
-    _native,
-    MisuseError,
-    Error,
-    "The caller used kvferry wrongly: a bad argument, configuration or call order."
-);
-create_exception!(
-    _native,
-    PeerError,
-    Error,
-    "A peer misbehaved or refused (another protocol version, a colliding request id)."
-);
-create_exception!(
-    _native,
+use args::{block_lists, layout_kind, regions_of, same_process, seconds};
+use errors::{
+    misuse, node_err, timeout_type, BusyError, Error, MisuseError, ParamsError, PeerError,
     TransportError,
-    Error,
-    "The data plane, the side channel or the bootstrap service failed."
-);
-/// `kvferry.TimeoutError`: a kvferry [`Error`] and the builtin
-/// `TimeoutError` both, so `except TimeoutError` catches a kvferry wait
-/// that ran out as it catches any other. Made at import (`create_exception!`
-/// takes one base).
-static TIMEOUT_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-
-fn timeout_type(py: Python<'_>) -> PyResult<&Py<PyType>> {
-    TIMEOUT_ERROR.get_or_try_init(py, || {
-        let bases = (py.get_type::<Error>(), py.get_type::<PyTimeoutError>());
-        let attrs = PyDict::new(py);
-        attrs.set_item("__module__", "kvferry._native")?;
-        attrs.set_item("__doc__", "A bounded wait ran out.")?;
-        let made = py
-            .get_type::<PyType>()
-            .call1(("TimeoutError", bases, attrs))?;
-        Ok(made.cast_into::<PyType>()?.unbind())
-    })
-}
-
-/// A `kvferry.TimeoutError` saying `text`.
-fn timeout_err(text: String) -> PyErr {
-    Python::attach(|py| match timeout_type(py) {
-        Ok(ty) => PyErr::from_type(ty.bind(py).clone(), text),
-        Err(e) => e,
-    })
-}
-create_exception!(
-    _native,
-    ParamsError,
-    Error,
-    "A request's kv_transfer_params (from the router) are malformed."
-);
-create_exception!(
-    _native,
-    BusyError,
-    Error,
-    "Back-pressure: the node holds its maximum of requests; collect finished ones and retry."
-);
+};
 
 /// Longest stretch `wait` holds without checking for signals.
 const WAIT_SLICE: Duration = Duration::from_millis(50);
-/// Longest wait or grace accepted, in seconds (a year: "forever", but a
-/// `Duration` that cannot overflow an `Instant`).
-const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
-
-/// The exception of a node error, with the blame kept apart.
-fn node_err(e: NodeError) -> PyErr {
-    let text = e.to_string();
-    match e {
-        NodeError::Misuse(_) => MisuseError::new_err(text),
-        NodeError::IdCollision(_) => PeerError::new_err(text),
-        NodeError::Busy(_) => BusyError::new_err(text),
-        NodeError::Timeout(_) => timeout_err(text),
-        NodeError::DataPlane(_)
-        | NodeError::SideChannel { .. }
-        | NodeError::Http(_)
-        | NodeError::Bootstrap(_) => TransportError::new_err(text),
-        _ => Error::new_err(text),
-    }
-}
-
-fn misuse(text: impl Into<String>) -> PyErr {
-    MisuseError::new_err(text.into())
-}
-
-/// A non-negative, finite number of seconds.
-fn seconds(what: &str, s: f64) -> PyResult<Duration> {
-    if !(0.0..=MAX_SECONDS).contains(&s) {
-        return Err(misuse(format!(
-            "{what} must be between 0 and {MAX_SECONDS} seconds, not {s}"
-        )));
-    }
-    Ok(Duration::from_secs_f64(s))
-}
-
 /// A transfer as Python names it: a number it owns, or a string request id.
 enum TransferRef {
     Number(TransferId),
@@ -138,28 +52,6 @@ impl TransferRef {
             id.get_type().name()?
         )))
     }
-}
-
-/// Block ids per KV-cache group: a list of ints (one group) or a list of
-/// lists of ints.
-fn block_lists(blocks: &Bound<'_, PyAny>) -> PyResult<BlockLists> {
-    let groups: Vec<Bound<'_, PyAny>> = blocks.extract()?;
-    let one_group = groups.first().is_none_or(|g| g.is_instance_of::<PyInt>());
-    if one_group {
-        return Ok(vec![block_ids(blocks)?]);
-    }
-    groups.iter().map(block_ids).collect()
-}
-
-fn block_ids(list: &Bound<'_, PyAny>) -> PyResult<Vec<BlockId>> {
-    let ids: Vec<i64> = list.extract()?;
-    ids.into_iter()
-        .map(|b| {
-            u32::try_from(b)
-                .map(BlockId)
-                .map_err(|_| misuse(format!("block id {b} is not in 0..2**32")))
-        })
-        .collect()
 }
 
 /// `(phase name, failure reason)`, the names of the Rust phases.
@@ -190,28 +82,6 @@ fn wait_phase(
         }
         py.check_signals()?;
     }
-}
-
-fn layout_kind(name: &str) -> PyResult<LayoutKind> {
-    match name.to_ascii_lowercase().as_str() {
-        "hnd" => Ok(LayoutKind::Hnd),
-        "nhd" => Ok(LayoutKind::Nhd),
-        "mla" => Ok(LayoutKind::Mla),
-        _ => Err(misuse(format!(
-            "layout is \"hnd\", \"nhd\" or \"mla\", not {name:?}"
-        ))),
-    }
-}
-
-/// Regions `(base, block_len, kv_block_len)` as Python hands them.
-fn regions_of(regions: Vec<(u64, u64, u64)>) -> Vec<Region> {
-    (regions.into_iter())
-        .map(|(base, block_len, kv_block_len)| Region {
-            base,
-            block_len,
-            kv_block_len,
-        })
-        .collect()
 }
 
 /// `(kind, items, [(base, item_len)])`: a pool of per-request items beside
@@ -247,20 +117,6 @@ struct Node {
     pid: u32,
     /// Every setting it was started with (see [`Node::settings`]).
     settings: NodeSettings,
-}
-
-/// A node's executors and bridge are threads of the process that started
-/// it; after `fork()` the child has none of them (vLLM forks its workers:
-/// nodes start in the workers). A call from the child is refused.
-fn same_process(pid: u32) -> PyResult<()> {
-    let here = std::process::id();
-    if here == pid {
-        return Ok(());
-    }
-    Err(misuse(format!(
-        "this kvferry node was started in process {pid} and is used in process {here} \
-         after fork(): its threads do not exist here; start nodes in the process that uses them"
-    )))
 }
 
 impl Node {

@@ -107,7 +107,7 @@ pub(crate) fn _wake_logs() {
 /// first (GIL released), and how many were dropped so far.
 #[pyfunction]
 pub(crate) fn _next_logs(py: Python<'_>, timeout_s: f64) -> PyResult<(Vec<Record>, u64)> {
-    let wait = crate::seconds("timeout_s", timeout_s)?;
+    let wait = crate::args::seconds("timeout_s", timeout_s)?;
     let q = queue();
     let first = py.detach(|| q.rx.recv_timeout(wait.min(Duration::from_secs(1))));
     let mut out: Vec<Record> = first.into_iter().collect();

@@ -21,7 +21,8 @@ use kvferry_store::{
 };
 use pyo3::prelude::*;
 
-use crate::{misuse, same_process, timeout_err, TransportError};
+use crate::args::same_process;
+use crate::errors::{misuse, timeout_err, TransportError};
 
 /// A store of pages (see the module docs).
 #[pyclass(module = "kvferry._native", frozen)]

@@ -10,7 +10,8 @@ use kvferry::TransferId;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::{block_lists, misuse, BusyError, ParamsError};
+use crate::args::block_lists;
+use crate::errors::{misuse, BusyError, ParamsError};
 
 fn sched_err(e: SchedError) -> PyErr {
     let text = e.to_string();

@@ -37,7 +37,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use serde::Deserialize;
 
-use crate::{layout_kind, misuse, regions_of, same_process, BusyError, Error, TransportError};
+use crate::args::{layout_kind, regions_of, same_process};
+use crate::errors::{misuse, BusyError, Error, TransportError};
 
 /// A group as the settings name it.
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -350,7 +351,7 @@ impl StoreSched {
         give_up_s: Option<f64>,
     ) -> PyResult<Option<(u32, bool)>> {
         let give_up = give_up_s
-            .map(|s| crate::seconds("give_up_s", s))
+            .map(|s| crate::args::seconds("give_up_s", s))
             .transpose()?;
         let hashes = hashes(block_hashes)?;
         let req = StoreReq {
@@ -364,7 +365,7 @@ impl StoreSched {
         let answer = match query {
             None => Err("no lookup".to_owned()),
             Some(q) => {
-                let wait = crate::seconds("wait_s", wait_s)?;
+                let wait = crate::args::seconds("wait_s", wait_s)?;
                 let groups = q.block_hashes.len();
                 match py.detach(|| self.lookups.answer(request_id, q, wait)) {
                     Some(a) => a,
@@ -472,7 +473,7 @@ impl StoreSched {
                 "an unnamed inproc store is not shared: nothing to reset",
             ));
         }
-        let deadline = Instant::now() + crate::seconds("timeout_s", timeout_s)?;
+        let deadline = Instant::now() + crate::args::seconds("timeout_s", timeout_s)?;
         let (cell, url, prefix) = (&self.store, &self.store_url, &self.model_prefix);
         py.detach(|| {
             let mut store = lock(cell);
@@ -917,7 +918,7 @@ impl StoreWorker {
 
     /// Waits until no save or load runs, at most `timeout_s` (shutdown).
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
-        let until = Instant::now() + crate::seconds("timeout_s", timeout_s)?;
+        let until = Instant::now() + crate::args::seconds("timeout_s", timeout_s)?;
         loop {
             {
                 let mut st = self.state()?;
