@@ -15,107 +15,36 @@
 //! scheduler's postcard bytes.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvferry::machines::store::events::{KvEvent, Medium};
+use kvferry::machines::store::events::KvEvent;
 use kvferry::machines::store::key::model_key_prefix;
 use kvferry::machines::store::lookup::LookupHit;
-use kvferry::machines::store::{BlockHash, GroupSpec, KeyspaceSpec, StoreConfig};
+use kvferry::machines::store::BlockHash;
 use kvferry::machines::{Backoff, RankLayout, Stage};
 use kvferry::reactor::lock;
 use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};
-use kvferry_store::internal::lookup::{
-    LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup,
-};
+use kvferry_store::internal::lookup::{LookupFailure, LookupQuery, LookupServer};
 use kvferry_store::internal::scheduler::{Scheduled, StoreReq, StoreSchedError};
 use kvferry_store::{
-    AnyStore, ConnectorConfig, ConnectorLimits, StoreBackend, StoreConnector, StoreMeta,
-    StoreSaveMeta, StoreScheduler, StoreSchedulerConfig,
+    AnyStore, BoardError, LookupBoard, StoreBackend, StoreConnector, StoreMeta, StoreSaveMeta,
+    StoreScheduler, StoreSchedulerConfig, StoreSettings,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use serde::Deserialize;
 
 use crate::args::{layout_kind, regions_of, same_process};
 use crate::errors::{misuse, BusyError, Error, TransportError};
 
-/// A group as the settings name it.
-#[derive(Clone, Copy, Debug, Deserialize)]
-struct GroupSetting {
-    block_tokens: u32,
-    #[serde(default)]
-    window_tokens: Option<u32>,
+fn settings_err(e: serde_json::Error) -> PyErr {
+    misuse(format!("store settings: {e}"))
 }
 
-/// What both halves are configured with (JSON from `kvferry.vllm`).
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StoreSettings {
-    /// The store's URL (`kvferry.store` URLs).
-    store: String,
-    /// Where rank 0 answers lookups (`ipc://…` or `tcp://127.0.0.1:…`).
-    lookup_endpoint: String,
-    groups: Vec<GroupSetting>,
-    #[serde(default = "yes")]
-    load: bool,
-    #[serde(default = "yes")]
-    save: bool,
-    #[serde(default)]
-    save_decode: bool,
-    #[serde(default = "default_lookup_timeout_ms")]
-    lookup_timeout_ms: u64,
-    #[serde(default = "default_down_backoff_ms")]
-    down_backoff_ms: u64,
-    #[serde(default = "default_max_requests")]
-    max_requests: usize,
-    // The worker's own: the keyspace and the rank.
-    #[serde(default)]
-    model_name: String,
-    #[serde(default)]
-    dtype: String,
-    #[serde(default = "one")]
-    tp_size: u32,
-    #[serde(default)]
-    tp_rank: u32,
-    #[serde(default = "one")]
-    pp_size: u32,
-    #[serde(default)]
-    pp_rank: u32,
-    #[serde(default)]
-    op_bound_ms: Option<u64>,
-    #[serde(default)]
-    request_timeout_ms: Option<u64>,
-}
-
-fn yes() -> bool {
-    true
-}
-fn one() -> u32 {
-    1
-}
-fn default_lookup_timeout_ms() -> u64 {
-    1000
-}
-fn default_down_backoff_ms() -> u64 {
-    2000
-}
-fn default_max_requests() -> usize {
-    4096
-}
-
-impl StoreSettings {
-    fn parse(json: &str) -> PyResult<StoreSettings> {
-        serde_json::from_str(json).map_err(|e| misuse(format!("store settings: {e}")))
-    }
-
-    fn groups(&self) -> Vec<GroupSpec> {
-        (self.groups.iter())
-            .map(|g| GroupSpec {
-                block_tokens: g.block_tokens,
-                window_tokens: g.window_tokens,
-            })
-            .collect()
+fn board_err(e: BoardError) -> PyErr {
+    match e {
+        BoardError::Connect(_) => misuse(e.to_string()),
+        BoardError::Thread(_) => Error::new_err(e.to_string()),
     }
 }
 
@@ -144,142 +73,6 @@ fn block_lists(groups: Vec<Vec<u32>>) -> Vec<Vec<BlockId>> {
 }
 
 // ---------------------------------------------------------------------------
-// Lookups off the scheduler's thread.
-
-/// One answer, as the scheduler takes it.
-type Answer = Result<LookupHit, String>;
-
-/// The lookups out and the answers not yet taken, bounded by
-/// `max_requests` together.
-#[derive(Default)]
-struct Board {
-    /// Lookups out, and when each was posted.
-    posted: HashMap<String, Instant>,
-    done: HashMap<String, Answer>,
-    /// Lookups are skipped (a miss) until then: the last one found the
-    /// store or the lookup server down.
-    down_until: Option<Instant>,
-    late: u64,
-    skipped_down: u64,
-    failed: u64,
-    /// Answers not awaited: another source held the whole prompt.
-    given_up: u64,
-}
-
-/// The lookup thread and its board.
-struct Lookups {
-    tx: flume::Sender<(String, LookupQuery)>,
-    board: Arc<(Mutex<Board>, Condvar)>,
-    max: usize,
-}
-
-impl Lookups {
-    fn start(endpoint: &str, timeout: Duration, down: Backoff, max: usize) -> PyResult<Lookups> {
-        let mut client =
-            LookupClient::connect(endpoint, timeout).map_err(|e| misuse(e.to_string()))?;
-        let (tx, rx) = flume::bounded::<(String, LookupQuery)>(max);
-        let board: Arc<(Mutex<Board>, Condvar)> = Arc::default();
-        let b = Arc::clone(&board);
-        std::thread::Builder::new()
-            .name("kvferry-store-lookups".into())
-            .spawn(move || {
-                // How long lookups are skipped after one found the store down.
-                let mut down_for = down.start();
-                // Ends when the scheduler's half is dropped (the sender).
-                for (rid, q) in rx.iter() {
-                    let answer = client.lookup(&q);
-                    let (m, cv) = &*b;
-                    let mut board = lock(m);
-                    match &answer {
-                        Ok(_) => down_for.reset(),
-                        Err(e) => {
-                            board.failed += 1;
-                            if matches!(e, LookupFailure::Timeout(_) | LookupFailure::Transport(_))
-                            {
-                                board.down_until = Some(Instant::now() + down_for.next_delay());
-                            }
-                        }
-                    }
-                    if board.posted.remove(&rid).is_some() {
-                        board.done.insert(rid, answer.map_err(|e| e.to_string()));
-                    } else {
-                        board.late += 1;
-                    }
-                    cv.notify_all();
-                }
-            })
-            .map_err(|e| Error::new_err(format!("the lookup thread could not start: {e}")))?;
-        Ok(Lookups { tx, board, max })
-    }
-
-    /// The answer for `rid`, posting `query` if it was never asked and
-    /// waiting for it at most `wait`; `None` while it is out.
-    fn answer(&self, rid: &str, query: LookupQuery, wait: Duration) -> Option<Answer> {
-        let (m, cv) = &*self.board;
-        let mut board = lock(m);
-        if let Some(a) = board.done.remove(rid) {
-            return Some(a);
-        }
-        if !board.posted.contains_key(rid) {
-            if board.down_until.is_some_and(|t| Instant::now() < t) {
-                board.skipped_down += 1;
-                return Some(Err("the store was down a moment ago".into()));
-            }
-            if board.posted.len() + board.done.len() >= self.max
-                || self.tx.try_send((rid.to_owned(), query)).is_err()
-            {
-                return Some(Err(format!("{} lookups out already", self.max)));
-            }
-            board.posted.insert(rid.to_owned(), Instant::now());
-        }
-        let deadline = Instant::now() + wait;
-        loop {
-            if let Some(a) = board.done.remove(rid) {
-                return Some(a);
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return None;
-            }
-            board = cv
-                .wait_timeout(board, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
-        }
-    }
-
-    /// Forgets `rid`'s answer or lookup (the request ended).
-    fn forget(&self, rid: &str) {
-        let mut board = lock(&self.board.0);
-        board.done.remove(rid);
-        board.posted.remove(rid);
-    }
-
-    /// Gives up on `rid`'s lookup once it has been out `after`: forgets
-    /// it, counted (its answer, when it comes, is late). True if so.
-    fn give_up(&self, rid: &str, after: Duration) -> bool {
-        let mut board = lock(&self.board.0);
-        if board.posted.get(rid).is_none_or(|at| at.elapsed() < after) {
-            return false;
-        }
-        board.posted.remove(rid);
-        board.given_up += 1;
-        true
-    }
-
-    fn stats(&self) -> [(&'static str, u64); 5] {
-        let board = lock(&self.board.0);
-        [
-            ("lookups_out", board.posted.len() as u64),
-            ("lookups_late", board.late),
-            ("lookups_skipped_down", board.skipped_down),
-            ("lookup_errors", board.failed),
-            ("lookups_given_up", board.given_up),
-        ]
-    }
-}
-
-// ---------------------------------------------------------------------------
 // The scheduler half.
 
 /// The scheduler half of the store connector (`kvferry.vllm`'s
@@ -287,7 +80,7 @@ impl Lookups {
 #[pyclass(module = "kvferry._native", frozen)]
 pub(crate) struct StoreSched {
     sched: Mutex<StoreScheduler>,
-    lookups: Lookups,
+    lookups: LookupBoard,
     /// The store's URL and this model's key prefix, for `reset`.
     store_url: String,
     model_prefix: String,
@@ -305,14 +98,14 @@ impl StoreSched {
     /// `MisuseError`.
     #[new]
     fn new(settings: &str) -> PyResult<StoreSched> {
-        let s = StoreSettings::parse(settings)?;
+        let s = StoreSettings::parse(settings).map_err(settings_err)?;
         let mut cfg = StoreSchedulerConfig::new(s.groups());
         cfg.load = s.load;
         cfg.save = s.save;
         cfg.save_decode = s.save_decode;
         cfg.max_requests = s.max_requests;
         let sched = StoreScheduler::new(cfg).map_err(sched_err)?;
-        let lookups = Lookups::start(
+        let lookups = LookupBoard::start(
             &s.lookup_endpoint,
             Duration::from_millis(s.lookup_timeout_ms),
             // A fixed pause (a back-off of factor 1), not a growing one:
@@ -321,7 +114,8 @@ impl StoreSched {
             // longer. `down_backoff_ms` is that one pause.
             Backoff::fixed(Duration::from_millis(s.down_backoff_ms)),
             s.max_requests,
-        )?;
+        )
+        .map_err(board_err)?;
         let model_prefix = model_key_prefix(&s.model_name).map_err(|e| misuse(e.to_string()))?;
         Ok(StoreSched {
             sched: Mutex::new(sched),
@@ -592,34 +386,6 @@ fn event_tuple(e: KvEvent) -> EventTuple {
     }
 }
 
-fn connector_config(s: &StoreSettings, model: ModelSpec) -> ConnectorConfig {
-    let mut store = StoreConfig::default();
-    if let Some(ms) = s.op_bound_ms {
-        store.op_bound = Duration::from_millis(ms);
-    }
-    if let Some(ms) = s.request_timeout_ms {
-        store.request_timeout = Duration::from_millis(ms);
-    }
-    let limits = ConnectorLimits {
-        max_saves: s.max_requests,
-        max_loads: s.max_requests,
-        ..ConnectorLimits::default()
-    };
-    ConnectorConfig {
-        store,
-        keyspace: KeyspaceSpec {
-            model_name: s.model_name.clone(),
-            model,
-            dtype: s.dtype.clone(),
-            tp_size: s.tp_size,
-            pp_size: s.pp_size,
-            groups: s.groups(),
-        },
-        medium: Medium::Cpu,
-        limits,
-    }
-}
-
 impl StoreWorker {
     fn state(&self) -> PyResult<std::sync::MutexGuard<'_, WorkerState>> {
         same_process(self.pid)?;
@@ -628,14 +394,6 @@ impl StoreWorker {
 }
 
 impl WorkerState {
-    /// One store call's bound, slack included.
-    fn op_bound(&self) -> Duration {
-        let bound = (self.settings.op_bound_ms).map_or(StoreConfig::default().op_bound, |ms| {
-            Duration::from_millis(ms)
-        });
-        bound + Duration::from_millis(100)
-    }
-
     fn connector(&mut self) -> PyResult<&mut StoreConnector> {
         (self.connector.as_mut()).ok_or_else(|| misuse("register the KV cache first"))
     }
@@ -710,7 +468,7 @@ impl StoreWorker {
     /// Opens the store; the connector starts at `register`.
     #[new]
     fn new(py: Python<'_>, settings: &str) -> PyResult<StoreWorker> {
-        let s = StoreSettings::parse(settings)?;
+        let s = StoreSettings::parse(settings).map_err(settings_err)?;
         let store = open_store(py, &s.store)?;
         Ok(StoreWorker {
             state: Mutex::new(WorkerState {
@@ -759,7 +517,7 @@ impl StoreWorker {
             head_bytes,
         };
         let s = st.settings.clone();
-        let cfg = connector_config(&s, model);
+        let cfg = s.connector_config(model);
         let store = st.store.take().ok_or_else(|| misuse("registered twice"))?;
         let second = (s.tp_rank == 0 && s.pp_rank == 0)
             .then(|| store.second_handle())
@@ -856,7 +614,7 @@ impl StoreWorker {
                     c.abort(now, *id, AbortReason::Engine);
                 }
             }
-            now + st.op_bound()
+            now + st.settings.op_bound()
         };
         loop {
             {

@@ -36,6 +36,7 @@ mod publish;
 mod redis;
 mod remote;
 mod scheduler;
+mod settings;
 mod space;
 mod worker;
 
@@ -53,7 +54,9 @@ pub use config::{
 };
 pub use connector::StoreConnector;
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
-pub use lookup::{LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup};
+pub use lookup::{
+    BoardError, LookupBoard, LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup,
+};
 pub use memory::{MemoryError, RegisteredMemory};
 pub use mooncake::{MooncakeStore, MooncakeStoreConfig, MooncakeStoreError};
 pub use publish::{
@@ -61,6 +64,7 @@ pub use publish::{
 };
 pub use remote::{RemoteConfig, RemoteError, RemoteStore};
 pub use scheduler::{StoreMeta, StoreScheduler, StoreSchedulerConfig};
+pub use settings::{GroupSetting, StoreSettings};
 
 /// The parts below the API: the store server's protocol and RAM, the
 /// lookup wire, backend threads and limits, for `kvferry-store-server`,

@@ -20,10 +20,12 @@
 //! socket: a lookup's failure carries the socket's error as an
 //! [`std::io::Error`].
 
+mod board;
 mod client;
 mod server;
 pub mod wire;
 
+pub use board::{Answer as BoardAnswer, BoardError, LookupBoard};
 pub use client::{LookupClient, LookupClientStats};
 pub use server::{ExistsOnly, LookupServer, LookupServerError, LookupServerStats};
 pub use wire::{LookupWireError, ServerFault};

@@ -189,3 +189,86 @@ fn only_local_endpoints_are_served() {
     let e = LookupServer::spawn("tcp://0.0.0.0:0", fixed(0));
     assert!(matches!(e, Err(LookupServerError::Endpoint(_))));
 }
+
+/// A server whose every lookup waits for a word on `go` first.
+fn held(
+    go: flume::Receiver<()>,
+) -> impl FnMut(&LookupQuery) -> Result<LookupHit, LookupFailure> + Send {
+    move |q: &LookupQuery| {
+        let _ = go.recv();
+        Ok(hit(q.token_len / 16 * 16))
+    }
+}
+
+fn board(endpoint: &str, timeout: Duration, max: usize) -> LookupBoard {
+    let down = kvferry_machines::Backoff::fixed(Duration::from_secs(60));
+    LookupBoard::start(endpoint, timeout, down, max).unwrap()
+}
+
+fn stat(board: &LookupBoard, name: &str) -> u64 {
+    board.stats().iter().find(|(n, _)| *n == name).unwrap().1
+}
+
+#[test]
+fn the_board_posts_once_answers_once_and_bounds_what_is_out() {
+    let (go, wait) = flume::unbounded();
+    let server = LookupServer::spawn("tcp://127.0.0.1:0", held(wait)).unwrap();
+    let b = board(server.endpoint(), Duration::from_secs(30), 1);
+    // Out, not answered: the scheduler is not kept waiting.
+    assert_eq!(b.answer("a", query(1, 2), Duration::ZERO), None);
+    assert_eq!(stat(&b, "lookups_out"), 1);
+    // The bound: a second request goes without.
+    let refused = b.answer("b", query(1, 2), Duration::ZERO);
+    assert!(
+        matches!(&refused, Some(Err(e)) if e.contains("lookups out")),
+        "{refused:?}"
+    );
+    // Asked again, it is not posted again: one answer comes, once.
+    go.send(()).unwrap();
+    assert_eq!(
+        b.answer("a", query(1, 2), Duration::from_secs(30)),
+        Some(Ok(hit(32)))
+    );
+    assert_eq!(stat(&b, "lookups_out"), 0);
+    assert_eq!(server.stats().answered, 1);
+}
+
+#[test]
+fn an_answer_given_up_on_comes_late_and_is_counted() {
+    let (go, wait) = flume::unbounded();
+    let server = LookupServer::spawn("tcp://127.0.0.1:0", held(wait)).unwrap();
+    let b = board(server.endpoint(), Duration::from_secs(30), 4);
+    assert_eq!(b.answer("a", query(1, 1), Duration::ZERO), None);
+    assert!(b.give_up("a", Duration::ZERO));
+    assert!(!b.give_up("a", Duration::ZERO), "given up once");
+    go.send(()).unwrap();
+    go.send(()).unwrap();
+    // The thread answers in order: once "b" is answered, "a" came back.
+    assert_eq!(
+        b.answer("b", query(1, 1), Duration::from_secs(30)),
+        Some(Ok(hit(16)))
+    );
+    assert_eq!(
+        (stat(&b, "lookups_given_up"), stat(&b, "lookups_late")),
+        (1, 1)
+    );
+}
+
+#[test]
+fn after_a_lookup_finds_the_server_down_lookups_are_misses_for_a_while() {
+    let path = std::env::temp_dir().join(format!("kvferry-board-{}.sock", std::process::id()));
+    let endpoint = format!("ipc://{}", path.display());
+    let _ = std::fs::remove_file(&path);
+    let b = board(&endpoint, Duration::from_millis(50), 4);
+    let first = b.answer("a", query(1, 1), Duration::from_secs(30));
+    assert!(matches!(first, Some(Err(_))), "{first:?}");
+    let next = b.answer("b", query(1, 1), Duration::from_secs(30));
+    assert!(
+        matches!(&next, Some(Err(e)) if e.contains("down")),
+        "{next:?}"
+    );
+    assert_eq!(
+        (stat(&b, "lookup_errors"), stat(&b, "lookups_skipped_down")),
+        (1, 1)
+    );
+}
