@@ -1,6 +1,6 @@
 #![warn(missing_docs)]
-//! `kvferry store serve`: a RAM store several engines share (docs/design.md
-//! §13, "The store server").
+//! `kvferry store serve`: a RAM store several engines share
+//! (store/DESIGN.md, "The store server").
 //!
 //! One glommio executor serves everything: the control connections
 //! ([`kvferry_store::internal::proto`], the protocol client and server share), and a tcp data-plane endpoint through which the

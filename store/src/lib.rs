@@ -1,5 +1,5 @@
 #![warn(missing_docs)]
-//! Store offload, the IO half (docs/design.md, "Store"): the
+//! Store offload, the IO half (its design below, from `DESIGN.md`): the
 //! [`StoreBackend`] trait, the in-process store, and the vLLM-shaped
 //! [`StoreConnector`] that drives the pure save and load machines of
 //! [`kvferry_machines::store`] against a backend.
@@ -21,6 +21,8 @@
 //! * [`StoreConnector`]: `register_kv_caches`, `lookup`, `start_save`,
 //!   `start_load_kv`, `wait_for_save`, `get_finished`,
 //!   `block_ids_with_load_errors`, `get_kv_events`, `stats`.
+#![doc = ""]
+#![doc = include_str!("../DESIGN.md")]
 
 mod any;
 mod arena;

@@ -1,5 +1,5 @@
 //! The control protocol between an engine and `kvferry store serve`
-//! (docs/design.md §13, "The store server"): existence checks, puts, gets and
+//! (store/DESIGN.md, "The store server"): existence checks, puts, gets and
 //! removes of keys. Only control rides it; a value's bytes move over the
 //! tcp data plane, driven by the server (it reads the engine's blocks for
 //! a put and writes them for a get), so neither side copies a value

@@ -1,5 +1,5 @@
 //! The `kvferry://HOST:PORT` backend: an engine's side of `kvferry store
-//! serve` (docs/design.md §13, "The store server").
+//! serve` (store/DESIGN.md, "The store server").
 //!
 //! The engine copies no value: it registers its KV memory with a tcp
 //! data-plane endpoint of its own, tells the server where that endpoint
