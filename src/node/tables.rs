@@ -231,6 +231,20 @@ pub(crate) struct Peers {
 }
 
 impl Shared {
+    /// A configured limit refused or dropped something: counted in
+    /// `limit_hits` and logged with the limit's name and value.
+    pub(crate) fn limit_reached(
+        &self,
+        limit: &'static str,
+        value: usize,
+        what: std::fmt::Arguments<'_>,
+    ) {
+        self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(limit, value, "{what}: {limit} reached");
+    }
+}
+
+impl Shared {
     pub(crate) fn peer(&self, id: u32) -> Option<Arc<PeerData>> {
         lock(&self.peers).by_slot.get(&id).cloned()
     }
@@ -575,12 +589,9 @@ impl Shared {
             .max_load_error_blocks
             .saturating_sub(r.load_errors.len());
         if blocks.len() > room {
-            tracing::warn!(
-                dropped = blocks.len() - room,
-                limit = self.config.max_load_error_blocks,
-                "load-error block ids dropped: max_load_error_blocks reached"
-            );
-            self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
+            let what = format_args!("{} load-error block ids dropped", blocks.len() - room);
+            let limit = self.config.max_load_error_blocks;
+            self.limit_reached("max_load_error_blocks", limit, what);
         }
         r.load_errors.extend(blocks.iter().take(room));
     }
@@ -619,12 +630,9 @@ impl Shared {
             // uncollected notification goes. Its phase stays queryable
             // until it ages out of `done` too.
             if let Some(lost) = r.finished.pop_front() {
-                self.counters.limit_hits.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    ?lost,
-                    limit = max,
-                    "finished notification dropped uncollected: max_finished_records reached"
-                );
+                let what =
+                    format_args!("the finished notification of {lost:?} dropped uncollected");
+                self.limit_reached("max_finished_records", max, what);
             }
         }
         if r.done.insert(tid, phase).is_none() {

@@ -144,15 +144,9 @@ impl Bridge {
         // table is full, reuse the slot of a dead one that no transfer
         // refers to any more.
         let Some(at) = self.room_for(true) else {
-            tracing::warn!(
-                addr,
-                limit = self.shared.config.max_peers,
-                "cannot connect to prefill side channel: max_peers reached"
-            );
-            self.shared
-                .counters
-                .limit_hits
-                .fetch_add(1, Ordering::Relaxed);
+            let limit = self.shared.config.max_peers;
+            let what = format_args!("cannot connect to prefill side channel {addr}");
+            self.shared.limit_reached("max_peers", limit, what);
             return None;
         };
         let (s, monitor) = self.new_dealer(addr)?;

@@ -60,15 +60,10 @@ impl Bridge {
                 true
             }
             None => {
-                tracing::warn!(
-                    ?target,
-                    limit = self.shared.config.max_bootstrap_targets,
-                    "bootstrap target not queried: max_bootstrap_targets reached"
-                );
+                let limit = self.shared.config.max_bootstrap_targets;
+                let what = format_args!("bootstrap target {target:?} not queried");
                 self.shared
-                    .counters
-                    .limit_hits
-                    .fetch_add(1, Ordering::Relaxed);
+                    .limit_reached("max_bootstrap_targets", limit, what);
                 false
             }
         }
