@@ -44,7 +44,8 @@ def pair(tmp_path_factory):
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
     os.environ["KVFERRY_CLUSTER_KEY_FILE"] = str(key)
-    # Shared memory is opt-in for SGLang: these engines share their KV pool.
+    # A node with a key keeps its KV private by default: these engines,
+    # on one host, share their KV pool as told.
     os.environ["KVFERRY_SHARED_MEMORY"] = "1"
     try:
         p = Pair()
@@ -96,6 +97,24 @@ def test_sglangs_scheduler_start_builds_no_mooncake_engine_for_kvferry(pair):
 
     with rc.use_context(pair.P):
         assert bootstrap.maybe_init_shared_mooncake_transfer_engine(gpu_id=0) is None
+
+
+def test_the_kv_pool_is_shared_by_the_vllm_connectors_rule(monkeypatch):
+    """On a node that serves its own host only (no key), off where peers
+    are on other hosts; ``KVFERRY_SHARED_MEMORY`` decides when set."""
+    from kvferry.sglang import _shares_kv
+
+    for var in ("KVFERRY_SHARED_MEMORY", "KVFERRY_CLUSTER_KEY_FILE", "KVFERRY_ALLOW_UNAUTHENTICATED_REMOTE"):
+        monkeypatch.delenv(var, raising=False)
+    assert _shares_kv({})
+    assert not _shares_kv({"cluster_key_file": "/etc/kvferry/cluster.key"})
+    assert not _shares_kv({"allow_unauthenticated_remote": True})
+    monkeypatch.setenv("KVFERRY_ALLOW_UNAUTHENTICATED_REMOTE", "1")
+    assert not _shares_kv({})
+    monkeypatch.setenv("KVFERRY_SHARED_MEMORY", "1")
+    assert _shares_kv({"cluster_key_file": "/etc/kvferry/cluster.key"})
+    monkeypatch.setenv("KVFERRY_SHARED_MEMORY", "0")
+    assert not _shares_kv({})
 
 
 def test_a_request_moves_every_byte_through_sglangs_queues(pair):

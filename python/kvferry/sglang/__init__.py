@@ -216,6 +216,17 @@ def node_settings(args: KVArgs, mode: DisaggregationMode, server_args: Any) -> "
     return settings
 
 
+def _shares_kv(settings: "dict[str, Any]") -> bool:
+    """Whether this rank's host KV pages move onto shared files, so peers
+    on this host copy straight into them: ``KVFERRY_SHARED_MEMORY`` when
+    set, else as for vLLM, unless the node serves other hosts (a cluster
+    key, or ``allow_unauthenticated_remote``), where no peer can use them."""
+    given = os.environ.get("KVFERRY_SHARED_MEMORY")
+    if given is None or not given.strip():
+        return not adapters.serves_other_hosts(settings)
+    return given.strip().lower() not in ("0", "false", "no", "off")
+
+
 def advertised_host() -> str:
     """The address SGLang's own transfer backends advertise for this
     machine (``SGLANG_HOST_IP``, a named interface, else the source
@@ -273,14 +284,11 @@ class KvferryKVManager(BaseKVManager):
         #: Decode: bootstrap services that refused this engine, logged once
         #: each (bounded: past it, refusals go unlogged).
         self._refused_by: "set[str]" = set()
-        self.node = kvferry.Node(**node_settings(args, disaggregation_mode, server_args))
+        settings = node_settings(args, disaggregation_mode, server_args)
+        self.node = kvferry.Node(**settings)
         files: "list[int]" = []
         try:
-            # Opt-in for SGLang: with it on, a test of a prefill engine with
-            # two pipeline stages feeding a decode engine timed out under
-            # load (the decode's request expired), cause not found yet.
-            shared = os.environ.get("KVFERRY_SHARED_MEMORY", "0").lower()
-            if self.node.device == "cpu" and shared not in ("0", "false", "no", "off"):
+            if self.node.device == "cpu" and _shares_kv(settings):
                 # SGLang allocated the pool (``MHATokenToKVPool``) before the
                 # manager exists, for the life of the scheduler process: its
                 # pages move onto shared files in place.
