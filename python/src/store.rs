@@ -14,7 +14,6 @@
 //! Nothing of Rust crosses a pickle: the step's metadata is the
 //! scheduler's postcard bytes.
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -24,12 +23,12 @@ use kvferry::machines::store::lookup::LookupHit;
 use kvferry::machines::store::BlockHash;
 use kvferry::machines::{Backoff, RankLayout, Stage};
 use kvferry::reactor::lock;
-use kvferry::{AbortReason, BlockId, ModelSpec, TransferId};
-use kvferry_store::internal::lookup::{LookupFailure, LookupQuery, LookupServer};
+use kvferry::{BlockId, ModelSpec};
+use kvferry_store::internal::lookup::{LookupFailure, LookupQuery};
 use kvferry_store::internal::scheduler::{Scheduled, StoreReq, StoreSchedError};
 use kvferry_store::{
-    AnyStore, BoardError, LookupBoard, StoreBackend, StoreConnector, StoreMeta, StoreSaveMeta,
-    StoreScheduler, StoreSchedulerConfig, StoreSettings,
+    AnyStore, BoardError, EngineWorker, LookupBoard, StoreBackend, StoreScheduler,
+    StoreSchedulerConfig, StoreSettings, WorkerError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -308,38 +307,11 @@ impl StoreSched {
 // ---------------------------------------------------------------------------
 // The worker half.
 
-/// A worker's saves and loads, by request, and what it reports.
-struct WorkerState {
-    settings: StoreSettings,
-    /// The store until `register` hands it to the connector.
-    store: Option<AnyStore>,
-    connector: Option<StoreConnector>,
-    /// Rank 0's lookup server.
-    server: Option<LookupServer>,
-    names: HashMap<TransferId, String>,
-    saving: HashSet<TransferId>,
-    /// A save that waits for the request's running one (a chunk of a
-    /// chunked prefill): the newer covers the older.
-    pending: HashMap<TransferId, StoreSaveMeta>,
-    loading: HashSet<TransferId>,
-    /// Finished on the scheduler's side, blocks held for its saves.
-    delayed: VecDeque<TransferId>,
-    sent: Vec<String>,
-    received: Vec<String>,
-    failed: Vec<String>,
-    not_started: u64,
-    /// KV events not yet taken, at most [`EVENTS_MAX`].
-    events: VecDeque<KvEvent>,
-    events_dropped: u64,
-}
-
-/// KV events a worker holds for the scheduler: a few steps' worth.
-const EVENTS_MAX: usize = 1 << 16;
-
-/// The worker half of the store connector, one per TP and PP rank.
+/// The worker half of the store connector, one per TP and PP rank: a
+/// [`EngineWorker`] for Python.
 #[pyclass(module = "kvferry._native", frozen)]
 pub(crate) struct StoreWorker {
-    state: Mutex<WorkerState>,
+    state: Mutex<EngineWorker>,
     pid: u32,
 }
 
@@ -386,79 +358,40 @@ fn event_tuple(e: KvEvent) -> EventTuple {
     }
 }
 
-impl StoreWorker {
-    fn state(&self) -> PyResult<std::sync::MutexGuard<'_, WorkerState>> {
-        same_process(self.pid)?;
-        Ok(lock(&self.state))
+fn worker_err(e: WorkerError) -> PyErr {
+    match e {
+        WorkerError::Store(_) | WorkerError::Lookups(_) => TransportError::new_err(e.to_string()),
+        e => misuse(e.to_string()),
     }
 }
 
-impl WorkerState {
-    fn connector(&mut self) -> PyResult<&mut StoreConnector> {
-        (self.connector.as_mut()).ok_or_else(|| misuse("register the KV cache first"))
+impl StoreWorker {
+    fn state(&self) -> PyResult<std::sync::MutexGuard<'_, EngineWorker>> {
+        same_process(self.pid)?;
+        Ok(lock(&self.state))
     }
 
-    fn start_save(&mut self, meta: StoreSaveMeta) {
-        let id = meta.request.id;
-        if self.saving.contains(&id) {
-            self.pending.insert(id, meta);
-            return;
-        }
-        let Some(c) = self.connector.as_mut() else {
-            return;
-        };
-        match c.start_save(Instant::now(), meta) {
-            Ok(()) => {
-                self.saving.insert(id);
+    /// Collects until `done` holds of the worker or `until` passes, the
+    /// GIL released between tries. Whether `done` held.
+    fn wait_until(
+        &self,
+        py: Python<'_>,
+        until: Instant,
+        pause: Duration,
+        done: impl Fn(&EngineWorker) -> bool,
+    ) -> PyResult<bool> {
+        loop {
+            {
+                let mut st = self.state()?;
+                st.collect();
+                if done(&st) {
+                    return Ok(true);
+                }
             }
-            Err(e) => {
-                self.not_started += 1;
-                tracing::warn!("store save of {:?} not started: {e}", self.names.get(&id));
+            if Instant::now() >= until {
+                return Ok(false);
             }
-        }
-    }
-
-    /// Collects what ended, starts the saves that waited, and reports the
-    /// delayed requests none of whose saves is left.
-    fn collect(&mut self) {
-        let Some(c) = self.connector.as_mut() else {
-            return;
-        };
-        c.poll(Instant::now());
-        let (saved, loaded) = c.get_finished_reports();
-        let _ = c.block_ids_with_load_errors();
-        for e in c.get_kv_events() {
-            if self.events.len() >= EVENTS_MAX {
-                self.events_dropped += 1;
-            } else {
-                self.events.push_back(e);
-            }
-        }
-        for (id, report) in loaded {
-            self.loading.remove(&id);
-            let Some(rid) = self.names.remove(&id) else {
-                continue;
-            };
-            if report.error_blocks().is_empty() {
-                self.received.push(rid);
-            } else {
-                self.failed.push(rid);
-            }
-        }
-        for (id, _) in saved {
-            self.saving.remove(&id);
-            if let Some(next) = self.pending.remove(&id) {
-                self.start_save(next);
-            }
-        }
-        let (saving, pending) = (&self.saving, &self.pending);
-        let (done, wait): (Vec<TransferId>, Vec<TransferId>) = (self.delayed.drain(..))
-            .partition(|id| !saving.contains(id) && !pending.contains_key(id));
-        self.delayed = wait.into();
-        for id in done {
-            if let Some(rid) = self.names.remove(&id) {
-                self.sent.push(rid);
-            }
+            py.detach(|| std::thread::sleep(pause));
         }
     }
 }
@@ -471,23 +404,7 @@ impl StoreWorker {
         let s = StoreSettings::parse(settings).map_err(settings_err)?;
         let store = open_store(py, &s.store)?;
         Ok(StoreWorker {
-            state: Mutex::new(WorkerState {
-                settings: s,
-                store: Some(store),
-                connector: None,
-                server: None,
-                names: HashMap::new(),
-                saving: HashSet::new(),
-                pending: HashMap::new(),
-                loading: HashSet::new(),
-                delayed: VecDeque::new(),
-                sent: Vec::new(),
-                received: Vec::new(),
-                failed: Vec::new(),
-                not_started: 0,
-                events: VecDeque::new(),
-                events_dropped: 0,
-            }),
+            state: Mutex::new(EngineWorker::new(s, store)),
             pid: std::process::id(),
         })
     }
@@ -516,13 +433,7 @@ impl StoreWorker {
             block_tokens,
             head_bytes,
         };
-        let s = st.settings.clone();
-        let cfg = s.connector_config(model);
-        let store = st.store.take().ok_or_else(|| misuse("registered twice"))?;
-        let second = (s.tp_rank == 0 && s.pp_rank == 0)
-            .then(|| store.second_handle())
-            .transpose()
-            .map_err(|e| TransportError::new_err(e.to_string()))?;
+        let s = st.settings();
         let rank = RankLayout {
             tp_size: s.tp_size,
             tp_rank: s.tp_rank,
@@ -535,22 +446,12 @@ impl StoreWorker {
             },
             pools: Vec::new(),
         };
-        let c = py.detach(|| -> Result<StoreConnector, String> {
-            let mut c = StoreConnector::new(cfg.clone(), store).map_err(|e| e.to_string())?;
-            // SAFETY: the Python wrapper keeps vLLM's KV tensors alive as
-            // long as this worker, and vLLM does not touch a block while a
-            // save or load holds it (the scheduler's delayed frees).
-            unsafe { c.register_kv_caches(rank) }.map_err(|e| e.to_string())?;
-            Ok(c)
-        });
-        st.connector = Some(c.map_err(misuse)?);
-        if let Some(second) = second {
-            let endpoint = s.lookup_endpoint.clone();
-            let server = py
-                .detach(|| LookupServer::spawn_for_store(&endpoint, cfg, second))
-                .map_err(|e| TransportError::new_err(e.to_string()))?;
-            st.server = Some(server);
-        }
+        let registration = st.registration(model, rank).map_err(worker_err)?;
+        // SAFETY: the Python wrapper keeps vLLM's KV tensors alive as long
+        // as this worker, and vLLM does not touch a block while a save or
+        // load holds it (the scheduler's delayed frees).
+        let started = py.detach(|| unsafe { registration.start() });
+        st.install(started.map_err(worker_err)?);
         Ok(())
     }
 
@@ -558,39 +459,7 @@ impl StoreWorker {
     /// scheduler's metadata bytes; the loads that could not start are
     /// reported failed.
     fn start_loads(&self, meta: &[u8]) -> PyResult<()> {
-        let meta = StoreMeta::decode(meta).map_err(|e| misuse(format!("store metadata: {e}")))?;
-        let mut st = self.state()?;
-        st.connector()?;
-        let now = Instant::now();
-        for p in meta.preempted {
-            st.pending.remove(&p.id);
-            st.names.remove(&p.id);
-            if let Some(c) = st.connector.as_mut() {
-                c.abort(now, p.id, AbortReason::Engine);
-            }
-        }
-        for d in meta.delayed_free {
-            st.names.insert(d.id, d.request_id);
-            if !st.delayed.contains(&d.id) {
-                st.delayed.push_back(d.id);
-            }
-        }
-        for load in meta.loads {
-            let (id, rid) = (load.request.id, load.request.request_id.clone());
-            st.names.insert(id, rid.clone());
-            let started = st.connector()?.start_load_kv(now, load.load_meta());
-            match started {
-                Ok(()) => {
-                    st.loading.insert(id);
-                }
-                Err(e) => {
-                    tracing::warn!("store load of {rid} not started: {e}");
-                    st.not_started += 1;
-                    st.failed.push(rid);
-                }
-            }
-        }
-        Ok(())
+        self.state()?.start_loads(meta).map_err(worker_err)
     }
 
     /// vLLM's `handle_preemptions`, before the step's forward pass reuses
@@ -599,66 +468,23 @@ impl StoreWorker {
     /// call's bound (no call touches memory past its deadline). False when
     /// some still ran then.
     fn preempt(&self, py: Python<'_>, meta: &[u8]) -> PyResult<bool> {
-        let meta = StoreMeta::decode(meta).map_err(|e| misuse(format!("store metadata: {e}")))?;
-        if meta.preempted.is_empty() {
+        let (ids, until) = self.state()?.preempt(meta).map_err(worker_err)?;
+        if ids.is_empty() {
             return Ok(true);
         }
-        let ids: Vec<TransferId> = meta.preempted.iter().map(|p| p.id).collect();
-        let until = {
-            let mut st = self.state()?;
-            let now = Instant::now();
-            for id in &ids {
-                st.pending.remove(id);
-                st.names.remove(id);
-                if let Some(c) = st.connector.as_mut() {
-                    c.abort(now, *id, AbortReason::Engine);
-                }
-            }
-            now + st.settings.op_bound()
-        };
-        loop {
-            {
-                let mut st = self.state()?;
-                st.collect();
-                if !ids
-                    .iter()
-                    .any(|id| st.saving.contains(id) || st.loading.contains(id))
-                {
-                    return Ok(true);
-                }
-            }
-            if Instant::now() >= until {
-                return Ok(false);
-            }
-            py.detach(|| std::thread::sleep(Duration::from_millis(1)));
-        }
+        self.wait_until(py, until, Duration::from_millis(1), |w| !w.touches(&ids))
     }
 
     /// The step's saves, from the same metadata: started now, after the
     /// forward pass wrote their blocks.
     fn start_saves(&self, meta: &[u8]) -> PyResult<()> {
-        let meta = StoreMeta::decode(meta).map_err(|e| misuse(format!("store metadata: {e}")))?;
-        let mut st = self.state()?;
-        st.connector()?;
-        for save in meta.saves {
-            st.names
-                .insert(save.request.id, save.request.request_id.clone());
-            let m = save.save_meta();
-            st.start_save(m);
-        }
-        Ok(())
+        self.state()?.start_saves(meta).map_err(worker_err)
     }
 
     /// `(finished sending, loaded, failed loads)` request ids since the
     /// last call.
     fn transfer_results(&self) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
-        let mut st = self.state()?;
-        st.collect();
-        Ok((
-            std::mem::take(&mut st.sent),
-            std::mem::take(&mut st.received),
-            std::mem::take(&mut st.failed),
-        ))
+        Ok(self.state()?.take_results())
     }
 
     /// The KV events since the last call, one tuple each: `(kind, group,
@@ -667,65 +493,30 @@ impl StoreWorker {
     /// block (a block is stored once every shard reported it).
     #[allow(clippy::type_complexity)]
     fn take_events(&self) -> PyResult<(Vec<EventTuple>, usize)> {
-        let mut st = self.state()?;
-        st.collect();
-        let shards = (st.connector.as_ref()).map_or(1, |c| c.keyspace().shards().len());
-        let events = st.events.drain(..).map(event_tuple).collect();
-        Ok((events, shards))
+        let (events, shards) = self.state()?.take_events();
+        Ok((events.into_iter().map(event_tuple).collect(), shards))
     }
 
     /// Waits until no save or load runs, at most `timeout_s` (shutdown).
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         let until = Instant::now() + crate::args::seconds("timeout_s", timeout_s)?;
-        loop {
-            {
-                let mut st = self.state()?;
-                st.collect();
-                if st.saving.is_empty() && st.loading.is_empty() && st.pending.is_empty() {
-                    return Ok(true);
-                }
-            }
-            if Instant::now() >= until {
-                return Ok(false);
-            }
-            py.detach(|| std::thread::sleep(Duration::from_millis(2)));
-        }
+        self.wait_until(py, until, Duration::from_millis(2), EngineWorker::is_idle)
     }
 
     /// Stops serving the scheduler's lookups (shutdown): the endpoint is
     /// free at once for the engine that takes it next, and a server
     /// dropped later cannot remove that one's socket.
     fn close_lookups(&self, py: Python<'_>) -> PyResult<()> {
-        let server = self.state()?.server.take();
+        let server = self.state()?.close_lookups();
         py.detach(move || drop(server));
         Ok(())
     }
 
-    /// Counters: the connector's and the lookup server's.
+    /// Counters: the worker's, the connector's and the lookup server's.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let st = self.state()?;
         let d = PyDict::new(py);
-        d.set_item("saves_not_started", st.not_started)?;
-        d.set_item("events_dropped", st.events_dropped)?;
-        if let Some(c) = &st.connector {
-            let s = c.stats();
-            for (k, v) in [
-                ("saves_finished", s.saves_finished),
-                ("saved_keys", s.saved_keys),
-                ("dedup_skipped", s.dedup_skipped),
-                ("save_failed_keys", s.save_failed_keys),
-                ("loads_finished", s.loads_finished),
-                ("loaded_keys", s.loaded_keys),
-                ("load_error_blocks", s.load_error_blocks),
-                ("post_failures", s.post_failures),
-            ] {
-                d.set_item(k, v)?;
-            }
-        }
-        if let Some(server) = &st.server {
-            let s = server.stats();
-            d.set_item("lookups_answered", s.answered)?;
-            d.set_item("lookups_failed", s.failed)?;
+        for (k, v) in self.state()?.stats() {
+            d.set_item(k, v)?;
         }
         Ok(d)
     }

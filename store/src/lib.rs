@@ -29,6 +29,7 @@ mod arena;
 mod backend;
 mod config;
 mod connector;
+mod engine_worker;
 mod inproc;
 mod lookup;
 mod memory;
@@ -55,6 +56,7 @@ pub use config::{
     StoreSaveMeta,
 };
 pub use connector::StoreConnector;
+pub use engine_worker::{EngineWorker, Registration, Started, WorkerError};
 pub use inproc::{InprocConfig, InprocStats, InprocStore};
 pub use lookup::{
     BoardError, LookupBoard, LookupClient, LookupFailure, LookupQuery, LookupServer, PrefixLookup,

@@ -308,3 +308,100 @@ fn a_lookup_served_over_ipc_matches_the_direct_lookup() {
     // The server's connector takes no removed keys and stores nothing.
     assert_eq!(store.stats().put_keys, 5);
 }
+
+/// An engine worker's settings: the named in-process store `store`, its
+/// lookups at `endpoint`.
+fn worker_settings(store: &str, endpoint: &str) -> kvferry_store::StoreSettings {
+    let json = format!(
+        r#"{{"store": "{store}", "lookup_endpoint": "{endpoint}", "model_name": "test/model",
+            "dtype": "bf16", "groups": [{{"block_tokens": {BT}}}]}}"#
+    );
+    kvferry_store::StoreSettings::parse(&json).unwrap()
+}
+
+#[test]
+fn an_engine_worker_saves_the_scheduled_blocks_and_serves_their_lookup() {
+    use kvferry_store::{AnyStore, EngineWorker, WorkerError};
+    let path = std::env::temp_dir().join(format!("kvferry-worker-{}.sock", std::process::id()));
+    let endpoint = format!("ipc://{}", path.display());
+    let settings = worker_settings("inproc://engine-worker", &endpoint);
+    let store = AnyStore::open(&settings.store).unwrap();
+    let mut w = EngineWorker::new(settings, store);
+    let model = config().keyspace.model;
+    let mut e = Engine::new();
+    let mut s = StoreScheduler::new(StoreSchedulerConfig::new(vec![group()])).unwrap();
+    let empty = s.build_connector_meta(&[]).unwrap().encode();
+    assert!(matches!(
+        w.start_saves(&empty),
+        Err(WorkerError::NotRegistered)
+    ));
+    // SAFETY: `e` outlives `w`; every save is waited for below.
+    unsafe { w.register(model, e.layout()).unwrap() };
+    assert!(matches!(
+        unsafe { w.register(model, e.layout()) },
+        Err(WorkerError::RegisteredTwice)
+    ));
+    assert!(matches!(
+        w.start_loads(&[0xFF; 3]),
+        Err(WorkerError::Meta(_))
+    ));
+
+    // The scheduler asks rank 0's lookup server, as `StoreSched` does.
+    let mut lookups = LookupClient::connect(&endpoint, Duration::from_secs(30)).unwrap();
+    let hs: Vec<u64> = (1..=5).collect();
+    let h = hashes(&hs);
+    let req = StoreReq {
+        request_id: "r",
+        prompt_len_tokens: 80,
+        block_hashes: &h,
+        lora: None,
+        extra_keys: &[],
+    };
+    assert_eq!(
+        s.get_num_new_matched_tokens(&req, 0, &mut lookups)
+            .unwrap()
+            .0,
+        0
+    );
+    s.update_state_after_alloc("r", &ids(0..5), 0).unwrap();
+    let none = ids(0..0);
+    let step = [Scheduled {
+        request_id: "r",
+        num_scheduled_tokens: 80,
+        new_block_ids: &none,
+    }];
+    let meta = s.build_connector_meta(&step).unwrap().encode();
+    w.start_loads(&meta).unwrap();
+    for (blk, h) in hs.iter().enumerate() {
+        e.compute(blk as u32, *h);
+    }
+    w.start_saves(&meta).unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while !w.is_idle() {
+        assert!(
+            Instant::now() < until,
+            "saves still running: {:?}",
+            w.stats()
+        );
+        w.collect();
+        std::thread::yield_now();
+    }
+    let stat = |w: &EngineWorker, name| w.stats().into_iter().find(|(n, _)| *n == name).unwrap().1;
+    assert_eq!(stat(&w, "saved_keys"), 5);
+    assert_eq!(w.take_results(), (vec![], vec![], vec![]));
+    // A second engine's scheduler now finds the prefix there.
+    let mut other = StoreScheduler::new(StoreSchedulerConfig::new(vec![group()])).unwrap();
+    let again = StoreReq {
+        request_id: "r2",
+        ..req
+    };
+    assert_eq!(
+        other
+            .get_num_new_matched_tokens(&again, 0, &mut lookups)
+            .unwrap()
+            .0,
+        64
+    );
+    drop(w.close_lookups());
+    assert!(!path.exists(), "the lookup socket stays behind");
+}
