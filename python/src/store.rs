@@ -24,11 +24,10 @@ use kvferry::machines::store::BlockHash;
 use kvferry::machines::{Backoff, RankLayout, Stage};
 use kvferry::reactor::lock;
 use kvferry::{BlockId, ModelSpec};
-use kvferry_store::internal::lookup::{LookupFailure, LookupQuery};
-use kvferry_store::internal::scheduler::{Scheduled, StoreReq, StoreSchedError};
 use kvferry_store::{
-    AnyStore, BoardError, EngineWorker, LookupBoard, StoreBackend, StoreScheduler,
-    StoreSchedulerConfig, StoreSettings, WorkerError,
+    AnyStore, BoardError, EngineWorker, LookupBoard, LookupFailure, LookupQuery, Scheduled,
+    StoreBackend, StoreReq, StoreSchedError, StoreScheduler, StoreSchedulerConfig, StoreSettings,
+    WorkerError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};

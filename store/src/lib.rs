@@ -67,7 +67,9 @@ pub use publish::{
     EncodeError, HashEncoding, KvEventBatch, KvEventPublisher, PublishError, PublisherConfig,
 };
 pub use remote::{RemoteConfig, RemoteError, RemoteStore};
-pub use scheduler::{StoreMeta, StoreScheduler, StoreSchedulerConfig};
+pub use scheduler::{
+    Scheduled, StoreMeta, StoreReq, StoreSchedError, StoreScheduler, StoreSchedulerConfig,
+};
 pub use settings::{GroupSetting, StoreSettings};
 
 /// The parts below the API: the store server's protocol and RAM, the
