@@ -11,9 +11,15 @@
 //! [`AllocError`]; never a smaller one, and never an abort of the process
 //! (what a failed allocation does in the standard library). The caller
 //! says what a failure means: the store server does not start, and the
-//! in-process store, whose constructor cannot fail, panics with it.
+//! in-process store's constructor returns it.
+//!
+//! The bytes are a private anonymous mapping, not the allocator's: an
+//! over-aligned zeroed allocation is zeroed by writing every page, which
+//! would make a store hold its whole capacity from its start (1 GiB for an
+//! in-process store's default) however little it stores. Mapped, a page
+//! is the kernel's shared zero page until written; the store server
+//! touches them all at start on purpose ([`Arena::prefault`]).
 
-use std::alloc::Layout;
 use std::ptr::NonNull;
 
 /// The arena's alignment, and the stride its pages are faulted in at.
@@ -61,10 +67,23 @@ impl Arena {
                 len: 0,
             });
         }
-        let layout = Layout::from_size_align(len, PAGE_BYTES).map_err(|_| alloc())?;
-        // SAFETY: a layout of non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or_else(alloc)?;
+        isize::try_from(len).map_err(|_| alloc())?;
+        // SAFETY: a new private anonymous mapping, placed by the kernel;
+        // nothing else refers to it.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(alloc());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(alloc)?;
         Ok(Arena { ptr, len })
     }
 
@@ -128,11 +147,9 @@ impl Arena {
 impl Drop for Arena {
     fn drop(&mut self) {
         if self.len > 0 {
-            let layout =
-                Layout::from_size_align(self.len, PAGE_BYTES).expect("made from this layout");
-            // SAFETY: allocated in `new` with this layout; whoever may
-            // still touch it (the server's transport) is dropped first.
-            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+            // SAFETY: mapped in `new` with this length; whoever may still
+            // touch it (the server's transport) is dropped first.
+            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         }
     }
 }
@@ -201,5 +218,29 @@ mod tests {
         assert_eq!(refusing.stats().full, 1);
         assert_eq!(value(&refusing, "a"), Some(vec![9; 8]));
         assert_eq!(refusing.reserve("e", 25), Err(KeyAnswer::TooLarge));
+    }
+
+    /// Pages of `a` in memory now.
+    fn resident_pages(a: &Arena) -> usize {
+        let mut pages = vec![0u8; a.len().div_ceil(PAGE_BYTES)];
+        // SAFETY: the arena's own mapping, one status byte per page.
+        let r = unsafe { libc::mincore(a.as_ptr().cast(), a.len(), pages.as_mut_ptr()) };
+        assert_eq!(r, 0, "mincore");
+        pages.iter().filter(|p| **p & 1 == 1).count()
+    }
+
+    #[test]
+    fn an_arena_holds_no_memory_until_its_pages_are_written() {
+        let mut a = Arena::new(64 << 20).unwrap();
+        assert_eq!(resident_pages(&a), 0);
+        // SAFETY: no one else touches this arena.
+        let first = unsafe { a.extent_mut(0, 1) };
+        first[0] = 7;
+        assert!(
+            resident_pages(&a) * PAGE_BYTES <= 2 << 20,
+            "one page (or huge page) written"
+        );
+        a.prefault();
+        assert_eq!(resident_pages(&a), (64 << 20) / PAGE_BYTES);
     }
 }
