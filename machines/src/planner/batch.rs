@@ -150,17 +150,9 @@ impl Batcher {
             return;
         };
         for d in new {
-            if self.count > 0
-                && (self.count == count_max
-                    || limits.batch_bytes_max.saturating_sub(self.bytes) < d.len)
+            if self.count == count_max || limits.batch_bytes_max.saturating_sub(self.bytes) < d.len
             {
-                batches.push(Batch {
-                    first: self.first,
-                    count: self.count,
-                });
-                self.first += self.count;
-                self.count = 0;
-                self.bytes = 0;
+                self.finish(batches);
             }
             self.count += 1;
             self.bytes = self.bytes.saturating_add(d.len);
@@ -221,6 +213,7 @@ impl Batcher {
     }
 
     /// Closes the open batch, if any.
+    #[inline]
     pub(super) fn finish(&mut self, batches: &mut Vec<Batch>) {
         if self.count > 0 {
             batches.push(Batch {
