@@ -21,13 +21,12 @@ use kvferry::machines::store::events::KvEvent;
 use kvferry::machines::store::key::model_key_prefix;
 use kvferry::machines::store::lookup::LookupHit;
 use kvferry::machines::store::BlockHash;
-use kvferry::machines::{Backoff, RankLayout, Stage};
+use kvferry::machines::{RankLayout, Stage};
 use kvferry::reactor::lock;
 use kvferry::{BlockId, ModelSpec};
 use kvferry_store::{
     AnyStore, BoardError, EngineWorker, LookupBoard, LookupFailure, LookupQuery, Scheduled,
-    StoreBackend, StoreReq, StoreSchedError, StoreScheduler, StoreSchedulerConfig, StoreSettings,
-    WorkerError,
+    StoreBackend, StoreReq, StoreSchedError, StoreScheduler, StoreSettings, WorkerError,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -97,23 +96,8 @@ impl StoreSched {
     #[new]
     fn new(settings: &str) -> PyResult<StoreSched> {
         let s = StoreSettings::parse(settings).map_err(settings_err)?;
-        let mut cfg = StoreSchedulerConfig::new(s.groups());
-        cfg.load = s.load;
-        cfg.save = s.save;
-        cfg.save_decode = s.save_decode;
-        cfg.max_requests = s.max_requests;
-        let sched = StoreScheduler::new(cfg).map_err(sched_err)?;
-        let lookups = LookupBoard::start(
-            &s.lookup_endpoint,
-            Duration::from_millis(s.lookup_timeout_ms),
-            // A fixed pause (a back-off of factor 1), not a growing one:
-            // while the store counts as down every lookup is a miss, so a
-            // pause that grew would leave a store that came back unused for
-            // longer. `down_backoff_ms` is that one pause.
-            Backoff::fixed(Duration::from_millis(s.down_backoff_ms)),
-            s.max_requests,
-        )
-        .map_err(board_err)?;
+        let sched = StoreScheduler::new(s.scheduler_config()).map_err(sched_err)?;
+        let lookups = s.start_lookups().map_err(board_err)?;
         let model_prefix = model_key_prefix(&s.model_name).map_err(|e| misuse(e.to_string()))?;
         Ok(StoreSched {
             sched: Mutex::new(sched),

@@ -6,10 +6,12 @@ use std::time::Duration;
 
 use kvferry_machines::store::events::Medium;
 use kvferry_machines::store::{GroupSpec, KeyspaceSpec, StoreConfig};
-use kvferry_machines::ModelSpec;
+use kvferry_machines::{Backoff, ModelSpec};
 use serde::Deserialize;
 
 use crate::config::{ConnectorConfig, ConnectorLimits};
+use crate::lookup::{BoardError, LookupBoard};
+use crate::scheduler::StoreSchedulerConfig;
 
 /// A group as the settings name it.
 #[derive(Clone, Copy, Debug, Deserialize)]
@@ -138,6 +140,31 @@ impl StoreSettings {
         }
     }
 
+    /// The scheduler half's configuration.
+    pub fn scheduler_config(&self) -> StoreSchedulerConfig {
+        let mut cfg = StoreSchedulerConfig::new(self.groups());
+        cfg.load = self.load;
+        cfg.save = self.save;
+        cfg.save_decode = self.save_decode;
+        cfg.max_requests = self.max_requests;
+        cfg
+    }
+
+    /// Starts the scheduler half's lookups off its thread, against rank
+    /// 0's lookup server.
+    pub fn start_lookups(&self) -> Result<LookupBoard, BoardError> {
+        LookupBoard::start(
+            &self.lookup_endpoint,
+            Duration::from_millis(self.lookup_timeout_ms),
+            // A fixed pause (a back-off of factor 1), not a growing one:
+            // while the store counts as down every lookup is a miss, so a
+            // pause that grew would leave a store that came back unused for
+            // longer. `down_backoff_ms` is that one pause.
+            Backoff::fixed(Duration::from_millis(self.down_backoff_ms)),
+            self.max_requests,
+        )
+    }
+
     /// One store call's bound, slack included: how long a drain waits for
     /// a call it cannot cut short.
     pub fn op_bound(&self) -> Duration {
@@ -157,6 +184,8 @@ mod tests {
     fn unset_keys_take_their_defaults() {
         let s = StoreSettings::parse(MINIMAL).unwrap();
         assert!(s.load && s.save && !s.save_decode);
+        let sched = s.scheduler_config();
+        assert!(sched.load && sched.save && !sched.save_decode);
         assert_eq!(
             (s.lookup_timeout_ms, s.down_backoff_ms, s.max_requests),
             (1000, 2000, 4096)
@@ -193,6 +222,7 @@ mod tests {
         };
         let c = s.connector_config(model);
         assert_eq!((c.limits.max_saves, c.limits.max_loads), (7, 7));
+        assert_eq!(s.scheduler_config().max_requests, 7);
         assert_eq!(c.store.op_bound, Duration::from_millis(300));
         assert_eq!(c.store.request_timeout, Duration::from_millis(900));
         assert_eq!(c.keyspace.groups, s.groups());
